@@ -1,0 +1,93 @@
+"""Frozen configuration dataclasses shared across kvjax.
+
+Shape vocabulary used throughout the code base (declared once, here):
+
+    B  batch (sequences)          T  query tokens in a step     S  kv tokens
+    N  query heads                K  kv heads                   G  N // K (group size)
+    D  head dim                   P  page size                  L  layers
+    H  hidden size                F  MLP hidden size            V  vocabulary
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax.numpy as jnp
+
+
+class KVLayout(enum.Enum):
+    """How KV storage is organised on the device."""
+
+    CONTIGUOUS = "contiguous"  # [L, max_seqs, max_len, K, D]: the naive preallocating baseline.
+    PAGED = "paged"  # [L, num_pages, P, K, D] plus block tables.
+
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(name: str | jnp.dtype) -> jnp.dtype:
+    """Maps 'float32' / 'bfloat16' / 'float16' (or a dtype) to a jnp dtype."""
+    if not isinstance(name, str):
+        return jnp.dtype(name)
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return jnp.dtype(_DTYPES[name])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2).
+
+    Attributes:
+        vocab_size: V.
+        hidden_size: H.
+        intermediate_size: F, the SwiGLU hidden size.
+        num_layers: L.
+        num_heads: N, query heads.
+        num_kv_heads: K, key/value heads (GQA when K < N, MQA when K == 1).
+        head_dim: D.
+        rope_theta: RoPE base frequency.
+        rms_norm_eps: epsilon of RMSNorm.
+        max_position_embeddings: the context length the model was trained for.
+        tie_word_embeddings: the output projection reuses the token embedding.
+        qkv_bias: Q, K and V projections carry a bias (Qwen2).
+        bos_token_id / eos_token_ids: special tokens (eos may be several ids).
+        name: a human-readable name, part of the KV provenance fingerprint.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    name: str = "llama"
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                    f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def group_size(self) -> int:
+        """G = N // K, query heads per kv head."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, dtype) -> int:
+        """Bytes one token's K and V take over all layers at `dtype`."""
+        itemsize = jnp.dtype(dtype).itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize

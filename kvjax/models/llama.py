@@ -1,0 +1,205 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) as pure functions over a params pytree.
+
+Params pytree (weights in `x @ W` orientation; per-layer tensors stacked on a leading L axis so
+the layer loop is one `lax.scan`):
+
+  embed:        [V, H]
+  final_norm:   [H]
+  lm_head:      [H, V]           only when the embedding is not tied
+  layers:
+    attn_norm:  [L, H]
+    wq:         [L, H, N*D]      Q/K use the rotate-half RoPE convention (Hugging Face's)
+    wk, wv:     [L, H, K*D]
+    bq:         [L, N*D]         only with qkv_bias (Qwen2)
+    bk, bv:     [L, K*D]         only with qkv_bias
+    wo:         [L, N*D, H]
+    mlp_norm:   [L, H]
+    w_gate:     [L, H, F]
+    w_up:       [L, H, F]
+    w_down:     [L, F, H]
+
+The decoder takes an `attend` callback per layer, so the same model body serves every KV layout
+(contiguous, paged, quantized, sparse): the callback writes the new K/V into the cache and returns
+the attention output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+
+Params = dict[str, Any]
+
+# attend(layer_index, q [T, N, D], k [T, K, D], v [T, K, D], cache) -> (out [T, N, D], cache)
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, cast back to x's dtype. x: [..., H]."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, rotate-half convention. x: [T, heads, D]; positions: [T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
+    sin = jnp.sin(angles)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [T, heads, D]
+    return out.astype(x.dtype)
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02
+                ) -> Params:
+    """Random params (normal * scale, norms at 1) for tests and synthetic benchmarks."""
+    c = config
+    nd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {
+        "wq": (c.num_layers, c.hidden_size, nd),
+        "wk": (c.num_layers, c.hidden_size, kd),
+        "wv": (c.num_layers, c.hidden_size, kd),
+        "wo": (c.num_layers, nd, c.hidden_size),
+        "w_gate": (c.num_layers, c.hidden_size, c.intermediate_size),
+        "w_up": (c.num_layers, c.hidden_size, c.intermediate_size),
+        "w_down": (c.num_layers, c.intermediate_size, c.hidden_size),
+    }
+    if c.qkv_bias:
+        shapes.update(bq=(c.num_layers, nd), bk=(c.num_layers, kd), bv=(c.num_layers, kd))
+    keys = jax.random.split(key, len(shapes) + 2)
+    layers = {
+        name: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+        for k, (name, shape) in zip(keys[2:], sorted(shapes.items()), strict=True)
+    }
+    layers["attn_norm"] = jnp.ones((c.num_layers, c.hidden_size), dtype)
+    layers["mlp_norm"] = jnp.ones((c.num_layers, c.hidden_size), dtype)
+    params = {
+        "embed": (scale * jax.random.normal(keys[0], (c.vocab_size, c.hidden_size))).astype(dtype),
+        "final_norm": jnp.ones((c.hidden_size,), dtype),
+        "layers": layers,
+    }
+    if not c.tie_word_embeddings:
+        params["lm_head"] = (
+            scale * jax.random.normal(keys[1], (c.hidden_size, c.vocab_size))).astype(dtype)
+    return params
+
+
+def check_params(params: Params, config: ModelConfig) -> None:
+    """Raises ValueError naming the first tensor whose presence or shape does not fit `config`."""
+    c = config
+    nd, kd, L = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_layers
+    expected = {
+        ("embed",): (c.vocab_size, c.hidden_size),
+        ("final_norm",): (c.hidden_size,),
+        ("layers", "attn_norm"): (L, c.hidden_size),
+        ("layers", "wq"): (L, c.hidden_size, nd),
+        ("layers", "wk"): (L, c.hidden_size, kd),
+        ("layers", "wv"): (L, c.hidden_size, kd),
+        ("layers", "wo"): (L, nd, c.hidden_size),
+        ("layers", "mlp_norm"): (L, c.hidden_size),
+        ("layers", "w_gate"): (L, c.hidden_size, c.intermediate_size),
+        ("layers", "w_up"): (L, c.hidden_size, c.intermediate_size),
+        ("layers", "w_down"): (L, c.intermediate_size, c.hidden_size),
+    }
+    if not c.tie_word_embeddings:
+        expected[("lm_head",)] = (c.hidden_size, c.vocab_size)
+    if c.qkv_bias:
+        expected.update({("layers", "bq"): (L, nd), ("layers", "bk"): (L, kd),
+                         ("layers", "bv"): (L, kd)})
+    for path, shape in expected.items():
+        node: Any = params
+        for part in path:
+            if not isinstance(node, dict) or part not in node:
+                raise ValueError(f"params are missing {'/'.join(path)} (expected shape {shape})")
+            node = node[part]
+        if tuple(node.shape) != shape:
+            raise ValueError(
+                f"params {'/'.join(path)} has shape {tuple(node.shape)}, expected {shape}")
+
+
+def _layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
+           layer_params: Params, layer_index: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    """One decoder block. h: [T, H]."""
+    c = config
+    p = layer_params
+    t = h.shape[0]
+    x = rms_norm(h, p["attn_norm"], c.rms_norm_eps)
+    q = x @ p["wq"]  # [T, N*D]
+    k = x @ p["wk"]  # [T, K*D]
+    v = x @ p["wv"]
+    if c.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q = rope(q.reshape(t, c.num_heads, c.head_dim), positions, c.rope_theta)  # [T, N, D]
+    k = rope(k.reshape(t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)  # [T, K, D]
+    v = v.reshape(t, c.num_kv_heads, c.head_dim)
+    attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
+    h = h + attn.reshape(t, -1).astype(h.dtype) @ p["wo"]
+    x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps)
+    gate = jax.nn.silu((x @ p["w_gate"]).astype(jnp.float32)).astype(x.dtype)  # [T, F]
+    h = h + (gate * (x @ p["w_up"])) @ p["w_down"]  # [T, H]
+    return h, cache
+
+
+def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                attend: AttendFn, cache: Any) -> tuple[jax.Array, Any]:
+    """Runs the decoder over packed tokens and returns final hidden states [T, H] and the cache.
+
+    Args:
+      tokens: [T] int32 token ids (sequences packed along one axis).
+      positions: [T] int32 position of each token in its own sequence.
+      attend: the KV-layout specific attention (see module docstring).
+      cache: whatever `attend` threads through the layers (donated KV buffers).
+    """
+    h = params["embed"][tokens]  # [T, H]
+
+    def body(carry, xs):
+        h, cache = carry
+        layer_params, layer_index = xs
+        h, cache = _layer(config, attend, h, positions, layer_params, layer_index, cache)
+        return (h, cache), None
+
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (h, cache), _ = jax.lax.scan(body, (h, cache), (params["layers"], layer_ids))
+    return rms_norm(h, params["final_norm"], config.rms_norm_eps), cache
+
+
+def lm_head(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
+    """Logits in float32. h: [..., H] -> [..., V]."""
+    w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
+    return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+
+
+def forward_dense(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Full-sequence causal forward pass without a KV cache: the model-level oracle.
+
+    Args:
+      tokens: [T] int32 ids of one sequence.
+    Returns:
+      [T, V] float32 logits.
+    """
+    t = tokens.shape[0]
+    positions = jnp.arange(t, dtype=jnp.int32)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S=T]
+
+    def attend(_, q, k, v, cache):
+        g = config.group_size
+        qg = q.reshape(t, config.num_kv_heads, g, config.head_dim).astype(jnp.float32)
+        scores = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32))
+        scores = scores / np.sqrt(config.head_dim)
+        scores = jnp.where(causal[None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)  # [K, G, T, S]
+        out = jnp.einsum("kgts,skd->tkgd", probs, v.astype(jnp.float32))  # [T, K, G, D]
+        return out.reshape(t, config.num_heads, config.head_dim).astype(q.dtype), cache
+
+    h, _ = decode_body(params, config, tokens, positions, attend, None)
+    return lm_head(params, config, h)
