@@ -1,0 +1,74 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvjax.config import KVLayout
+from kvjax.engine.step import AttentionImpl
+
+
+class PreemptionMode(enum.Enum):
+    """What happens to a running sequence's KV when pages run out."""
+
+    RECOMPUTE = "recompute"  # drop its pages; re-prefill prompt + generated tokens later.
+    SWAP = "swap"  # copy its pages to host memory; copy them back later.
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How an `Engine` lays out and schedules KV.
+
+    Attributes:
+      kv_layout: PAGED (on-demand pages) or CONTIGUOUS (max_model_len reserved per sequence).
+      page_size: P, tokens per page (also the attention granularity of the contiguous layout).
+      kv_budget_bytes: device bytes for KV (all layers, K and V); sizes the page pool. None:
+        enough for max_num_seqs full-length sequences.
+      num_pages: explicit pool size; overrides kv_budget_bytes.
+      kv_dtype: storage dtype of K/V ('float32', 'bfloat16'); None: the model's dtype.
+      max_num_seqs: most sequences running at once (decode rows per step).
+      max_num_batched_tokens: per-step token budget (decode tokens + prefill chunk tokens).
+      max_prefill_chunk: longest prefill chunk of one sequence in one step.
+      max_prefill_seqs: most sequences prefilling in one step.
+      max_model_len: context length limit (prompt + generated); None: the model's.
+      enable_prefix_cache: share full prompt pages across requests (paged layout only).
+      scheduler_policy: a name registered in kvjax.scheduler.policies.
+      preemption_mode: RECOMPUTE or SWAP.
+      watermark: fraction of pages kept free when admitting new requests.
+      scrub_freed_pages: zero pages when they return to the free list.
+      attention_impl: AUTO, REFERENCE or PALLAS.
+      min_chunk_bucket: the smallest padded prefill chunk (shape bucketing).
+    """
+
+    kv_layout: KVLayout = KVLayout.PAGED
+    page_size: int = 16
+    kv_budget_bytes: int | None = None
+    num_pages: int | None = None
+    kv_dtype: str | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_prefill_chunk: int = 256
+    max_prefill_seqs: int = 4
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    scheduler_policy: str = "fcfs"
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    watermark: float = 0.01
+    scrub_freed_pages: bool = False
+    attention_impl: AttentionImpl = AttentionImpl.AUTO
+    min_chunk_bucket: int = 16
+
+    def __post_init__(self):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
+                     "max_prefill_seqs", "min_chunk_bucket"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
+        for name, enum_type in (("kv_layout", KVLayout), ("preemption_mode", PreemptionMode),
+                                ("attention_impl", AttentionImpl)):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, enum_type(value))

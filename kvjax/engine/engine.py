@@ -1,0 +1,588 @@
+"""The serving engine: the one host-side owner of KV state and of every mutation of it.
+
+Each `step()` is one scheduling iteration: decode rows for the running sequences first, then
+prefill chunks of partially computed, swapped-out and waiting sequences under a per-step token
+budget; then a single jitted call of the model over all of them. When pages run out the
+lowest-ranked running sequence is preempted (recomputed later, or swapped to host memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import KVLayout, resolve_dtype
+from kvjax.engine.config import EngineConfig, PreemptionMode
+from kvjax.engine.request import (CompletionOutput, FinishReason, RequestOutput, Sequence,
+                                  SeqStatus)
+from kvjax.engine.step import LogitsMode, ModelRunner, StepShape, empty_step_input
+from kvjax.engine.swap import HostSwapSpace
+from kvjax.kv.state import (init_contiguous_kv, init_paged_kv, num_pages_for_budget, pages_for)
+from kvjax.memory.block_manager import AllocStatus, BlockManager
+from kvjax.memory.slots import SlotAllocator
+from kvjax.models.model import Model
+from kvjax.sampling import SamplingParams
+from kvjax.scheduler.policies import LongestPrefixMatch, make_policy
+
+
+def _bucket(n: int, minimum: int, maximum: int) -> int:
+    """The smallest power of two >= n, clipped to [minimum, maximum]."""
+    return int(min(max(1 << max(n - 1, 0).bit_length(), minimum), maximum))
+
+
+class Engine:
+    """Continuous-batching engine over one model.
+
+    Attributes:
+      model: the `Model` (config, params, tokenizer, weights_version).
+      config: the `EngineConfig`.
+      kv: the current KV state pytree (donated to each step).
+      stats: counters (steps, preemptions, swaps, prefix cache, timing).
+    """
+
+    def __init__(self, model: Model, config: EngineConfig | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.model = model
+        self.config = config = config or EngineConfig()
+        self.clock = clock
+        mc = model.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.max_model_len = pages_for(self.max_model_len, config.page_size) * config.page_size
+        self.kv_dtype = resolve_dtype(config.kv_dtype) if config.kv_dtype else model.dtype
+        self.runner = ModelRunner(mc, attention_impl=config.attention_impl)
+        self.max_pages_per_seq = self.max_model_len // config.page_size
+        if config.kv_layout is KVLayout.CONTIGUOUS:
+            max_seqs = self._contiguous_slots()
+            self.kv = init_contiguous_kv(mc, max_seqs, self.max_model_len, config.page_size,
+                                         self.kv_dtype)
+            self.allocator = SlotAllocator(max_seqs, self.max_model_len, config.page_size)
+        else:
+            num_pages = config.num_pages or num_pages_for_budget(
+                mc, self._budget_bytes(), config.page_size, self.kv_dtype)
+            self.kv = init_paged_kv(mc, num_pages, config.page_size, self.kv_dtype)
+            self.allocator = BlockManager(num_pages, config.page_size,
+                                          enable_prefix_cache=config.enable_prefix_cache)
+        self.num_pages = self.allocator.num_pages
+        self.policy = make_policy(config.scheduler_policy)
+        if isinstance(self.policy, LongestPrefixMatch):
+            self.policy.cached_tokens = self._peek_cached_tokens
+        self.swap_space = HostSwapSpace()
+        self._seqs: dict[str, Sequence] = {}
+        self._requests: dict[str, list[str]] = {}  # request id -> its sequence ids
+        self._request_meta: dict[str, dict] = {}
+        self._waiting: list[Sequence] = []
+        self._running: list[Sequence] = []
+        self._swapped: list[Sequence] = []
+        self._finished_outputs: list[RequestOutput] = []
+        self._order = itertools.count()
+        self.stats = dict(steps=0, preemptions=0, swaps_out=0, swaps_in=0, swap_bytes=0,
+                          prefill_tokens=0, decode_tokens=0, host_time_s=0.0, step_time_s=0.0,
+                          scrubbed_pages=0)
+        self.kv_samples: list[tuple[float, int, int]] = []
+
+    # ----------------------------------------------------------------------------- sizing
+
+    def _budget_bytes(self) -> int:
+        if self.config.kv_budget_bytes is not None:
+            return self.config.kv_budget_bytes
+        per_token = self.model.config.kv_bytes_per_token(self.kv_dtype)
+        return per_token * self.max_model_len * self.config.max_num_seqs
+
+    def _contiguous_slots(self) -> int:
+        per_seq = self.model.config.kv_bytes_per_token(self.kv_dtype) * self.max_model_len
+        slots = min(self._budget_bytes() // per_seq, self.config.max_num_seqs)
+        if slots < 1:
+            raise ValueError(f"a KV budget of {self._budget_bytes()} bytes holds no sequence of "
+                             f"max_model_len={self.max_model_len} tokens")
+        return int(slots)
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        return self.model.config.kv_bytes_per_token(self.kv_dtype) * self.config.page_size
+
+    @property
+    def num_compiles(self) -> int:
+        """Programs compiled so far; flat once every step shape has been seen."""
+        return self.runner.num_compiles + self.swap_space.num_compiles
+
+    # ----------------------------------------------------------------------------- provenance
+
+    def provenance(self, tenant: str | None = None) -> bytes:
+        """The KV provenance fingerprint: what produced a page, and who may read it."""
+        tokenizer = self.model.tokenizer
+        parts = [
+            f"model={self.model.config.name}",
+            f"weights={self.model.weights_version}",
+            f"tokenizer={getattr(tokenizer, 'fingerprint', type(tokenizer).__name__)}",
+            "adapter=none",
+            f"rope=theta{self.model.config.rope_theta}:absolute",
+            f"codec=none:{jnp.dtype(self.kv_dtype).name}",
+            f"layout={self.config.kv_layout.value}:P{self.config.page_size}",
+            f"tenant={tenant or ''}",
+        ]
+        return hashlib.blake2b("|".join(parts).encode(), digest_size=16).digest()
+
+    # ----------------------------------------------------------------------------- requests
+
+    def validate_request(self, request_id: str, prompt_ids: Seq[int],
+                         sampling: SamplingParams) -> list[int]:
+        """Checks a request; raises ValueError naming the problem."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the "
+                             f"vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens does not "
+                             f"fit the context length {self.max_model_len} (at least one token "
+                             f"must be generated)")
+        need = pages_for(min(len(prompt) + sampling.max_new_tokens, self.max_model_len),
+                         self.config.page_size)
+        if self.config.kv_layout is KVLayout.PAGED and need * sampling.n > self.num_pages:
+            raise ValueError(f"request {request_id!r} needs {need * sampling.n} KV pages but "
+                             f"the pool has {self.num_pages}")
+        return prompt
+
+    def add_request(self, request_id: str, prompt_ids: Seq[int],
+                    sampling: SamplingParams | None = None, *, tenant: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Queues a request. Invalid requests raise ValueError and change nothing."""
+        sampling = sampling or SamplingParams()
+        prompt = self.validate_request(request_id, prompt_ids, sampling)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(
+            hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little")
+        order = next(self._order)
+        common = dict(request_id=request_id, num_prompt_tokens=len(prompt), sampling=sampling,
+                      arrival_time=arrival, order=order, tenant=tenant, priority=priority)
+        if sampling.n > 1 and len(prompt) > 1:
+            # The samples share the prompt: prefill all but its last token once, then fork.
+            seqs = [Sequence(seq_id=f"{request_id}#prompt", tokens=prompt[:-1], seed=seed,
+                             is_group_prefill=True, **common)]
+        else:
+            seqs = [Sequence(seq_id=f"{request_id}#{i}", tokens=list(prompt), seed=seed + i,
+                             sample_index=i, **common) for i in range(sampling.n)]
+        self._requests[request_id] = []
+        self._request_meta[request_id] = dict(prompt=prompt, arrival=arrival, tenant=tenant,
+                                              n=sampling.n, samples={})
+        for seq in seqs:
+            self._register(seq)
+
+    def _register(self, seq: Sequence) -> None:
+        self._seqs[seq.seq_id] = seq
+        self._requests[seq.request_id].append(seq.seq_id)
+        self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request; its pages are freed and it finishes with reason ABORT."""
+        if request_id not in self._requests:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        for seq_id in list(self._requests[request_id]):
+            seq = self._seqs[seq_id]
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq, FinishReason.ABORT)
+        self._maybe_emit(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._swapped)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ----------------------------------------------------------------------------- scheduling
+
+    def _peek_cached_tokens(self, seq: Sequence) -> int:
+        peek = getattr(self.allocator, "peek_cached_tokens", None)
+        if peek is None or seq.status is not SeqStatus.WAITING:
+            return 0
+        return peek(seq.tokens, cache_key=self.provenance(seq.tenant))
+
+    def _ranked(self, seqs: list[Sequence]) -> list[Sequence]:
+        return sorted(seqs, key=self.policy.priority_key)
+
+    def _free_pages_of(self, seq: Sequence) -> None:
+        freed = self.allocator.free(seq.seq_id)
+        if freed and self.config.scrub_freed_pages:
+            self.kv = self.swap_space.scrub(self.kv, freed)
+            self.stats["scrubbed_pages"] += len(freed)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._running.remove(seq)
+        seq.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        if (self.config.preemption_mode is PreemptionMode.SWAP and seq.num_computed > 0
+                and self.config.kv_layout is KVLayout.PAGED):
+            pages = self.allocator.block_table(seq.seq_id)[:pages_for(seq.num_computed,
+                                                                      self.config.page_size)]
+            nbytes = self.swap_space.swap_out(self.kv, seq.seq_id, pages)
+            self.stats["swaps_out"] += 1
+            self.stats["swap_bytes"] += nbytes
+            self._free_pages_of(seq)
+            seq.status = SeqStatus.SWAPPED
+            self._swapped.append(seq)
+            return
+        self._free_pages_of(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self._waiting.append(seq)
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Registers a waiting sequence with the allocator (prefix-cache lookup)."""
+        cached = self.allocator.add_sequence(seq.seq_id, seq.tokens,
+                                             cache_key=self.provenance(seq.tenant))
+        seq.num_computed = cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
+        return True
+
+    def _swap_in(self, seq: Sequence) -> bool:
+        cached = self.allocator.add_sequence(seq.seq_id, seq.tokens[:seq.num_computed + 1],
+                                             cache_key=self.provenance(seq.tenant))
+        status, copies = self.allocator.ensure_writable(seq.seq_id, cached, seq.num_computed)
+        if status is not AllocStatus.OK:
+            self.allocator.free(seq.seq_id)
+            return False
+        self._apply_copies(copies)
+        pages = self.allocator.block_table(seq.seq_id)
+        first = cached // self.config.page_size
+        self.kv, nbytes = self.swap_space.swap_in(self.kv, seq.seq_id, pages, first)
+        self.stats["swaps_in"] += 1
+        self.stats["swap_bytes"] += nbytes
+        seq.status = SeqStatus.RUNNING
+        return True
+
+    def _apply_copies(self, copies) -> None:
+        if copies:
+            src = np.array([c.src for c in copies], np.int32)
+            dst = np.array([c.dst for c in copies], np.int32)
+            n = _bucket(len(copies), 1, 1 << 30)
+            # Pad by repeating the last copy: idempotent, and keeps shapes bucketed.
+            src = np.concatenate([src, np.full(n - len(src), src[-1], np.int32)])
+            dst = np.concatenate([dst, np.full(n - len(dst), dst[-1], np.int32)])
+            self.kv = self.runner.copy_pages(self.kv, src, dst)
+
+    def _can_admit(self, num_new_pages: int) -> bool:
+        reserve = int(self.config.watermark * self.num_pages)
+        return self.allocator.num_free_pages() - num_new_pages >= reserve
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """Picks this step's rows: (sequence, number of its pending tokens to compute)."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        decode: list[tuple[Sequence, int]] = []
+        prefill: list[tuple[Sequence, int]] = []
+        copies = []
+        scheduled: set[str] = set()
+        # 1. Decode rows for running sequences, highest ranked first; preempt from the bottom.
+        for seq in self._ranked(self._running):
+            if seq.status is not SeqStatus.RUNNING or seq.num_pending != 1:
+                continue
+            if len(decode) >= cfg.max_num_seqs or budget < 1:
+                break
+            while True:
+                status, ops = self.allocator.ensure_writable(seq.seq_id, seq.num_computed,
+                                                             seq.num_computed + 1)
+                if status is AllocStatus.OK:
+                    copies += ops
+                    decode.append((seq, 1))
+                    scheduled.add(seq.seq_id)
+                    budget -= 1
+                    break
+                victims = [s for s in self._ranked(self._running) if s.seq_id not in scheduled]
+                victim = victims[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+        # 2. Prefill chunks: running partial prefills, then swapped, then waiting sequences.
+        partial = [s for s in self._ranked(self._running)
+                   if s.num_pending > 1 and s.seq_id not in scheduled]
+        candidates = partial + self._ranked(self._swapped) + self._ranked(self._waiting)
+        for seq in candidates:
+            if budget <= 0 or len(prefill) >= cfg.max_prefill_seqs:
+                break
+            if seq.status is SeqStatus.SWAPPED:
+                need = pages_for(seq.num_computed, cfg.page_size)
+                if len(self._running) >= cfg.max_num_seqs or not self._can_admit(need):
+                    break
+                if not self._swap_in(seq):
+                    break
+                self._swapped.remove(seq)
+                self._running.append(seq)
+                if seq.num_pending == 1 and len(decode) < cfg.max_num_seqs:
+                    status, ops = self.allocator.ensure_writable(
+                        seq.seq_id, seq.num_computed, seq.num_computed + 1)
+                    if status is AllocStatus.OK:
+                        copies += ops
+                        decode.append((seq, 1))
+                        scheduled.add(seq.seq_id)
+                        budget -= 1
+                continue
+            is_new = seq.status is SeqStatus.WAITING
+            if is_new:
+                if len(self._running) >= cfg.max_num_seqs:
+                    break
+                self._admit(seq)
+            chunk = min(seq.num_pending, budget, cfg.max_prefill_chunk)
+            need = self.allocator.pages_needed(seq.seq_id, seq.num_computed + chunk)
+            ok = not is_new or self._can_admit(need)
+            if ok:
+                status, ops = self.allocator.ensure_writable(seq.seq_id, seq.num_computed,
+                                                             seq.num_computed + chunk)
+                ok = status is AllocStatus.OK
+            if not ok:
+                if is_new:
+                    self.allocator.free(seq.seq_id)
+                    seq.num_computed = 0
+                break
+            copies += ops
+            if is_new:
+                self._waiting.remove(seq)
+                seq.status = SeqStatus.RUNNING
+                self._running.append(seq)
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = self.clock()
+            prefill.append((seq, chunk))
+            scheduled.add(seq.seq_id)
+            budget -= chunk
+        if not decode and not prefill and self._running:
+            # Nothing fits: free the lowest-ranked running sequence so the rest can progress.
+            self._preempt(self._ranked(self._running)[-1])
+        self._apply_copies(copies)
+        return decode + prefill, len(decode)
+
+    # ----------------------------------------------------------------------------- the step
+
+    def _build_input(self, rows, num_decode: int, logits_mode: LogitsMode):
+        cfg = self.config
+        prefill_rows = rows[num_decode:]
+        bd = _bucket(num_decode, 1, _bucket(cfg.max_num_seqs, 1, 1 << 30)) if num_decode else 0
+        bp = _bucket(len(prefill_rows), 1, _bucket(cfg.max_prefill_seqs, 1, 1 << 30)) \
+            if prefill_rows else 0
+        chunk = _bucket(max((n for _, n in prefill_rows), default=1), cfg.min_chunk_bucket,
+                        _bucket(cfg.max_prefill_chunk, 1, 1 << 30)) if prefill_rows else 1
+        max_pages = max(pages_for(s.num_computed + n, cfg.page_size) for s, n in rows)
+        max_pages = _bucket(max_pages, 1, self.max_pages_per_seq)
+        sampling = [s.sampling for s, _ in rows]
+        shape = StepShape(
+            num_decode=bd, num_prefill=bp, chunk=chunk, max_pages=max_pages,
+            all_greedy=all(p.is_greedy for p in sampling),
+            needs_filter=any(p.needs_filter for p in sampling), logits_mode=logits_mode)
+        buf = empty_step_input(shape)
+        page_size = cfg.page_size
+        for i, (seq, n) in enumerate(rows):
+            r = i if i < num_decode else bd + (i - num_decode)
+            t0 = r if i < num_decode else bd + (i - num_decode) * chunk
+            table = np.asarray(self.allocator.block_table(seq.seq_id), np.int32)
+            pos = np.arange(seq.num_computed, seq.num_computed + n, dtype=np.int32)
+            buf["tokens"][t0:t0 + n] = seq.tokens[seq.num_computed:seq.num_computed + n]
+            buf["positions"][t0:t0 + n] = pos
+            buf["slot_mapping"][t0:t0 + n] = table[pos // page_size] * page_size + pos % page_size
+            width = min(len(table), max_pages)
+            buf["block_tables"][r, :width] = table[:width]
+            buf["kv_lens"][r] = seq.num_computed + n
+            buf["q_lens"][r] = n
+            p = seq.sampling
+            buf["temperature"][r] = p.temperature
+            buf["top_k"][r] = p.top_k
+            buf["top_p"][r] = p.top_p
+            buf["seeds"][r] = seq.seed
+            buf["counters"][r] = len(seq.tokens) - seq.num_prompt_tokens
+        row_index = [i if i < num_decode else bd + (i - num_decode) for i in range(len(rows))]
+        return shape, buf, row_index
+
+    def step(self, *, logits_mode: LogitsMode = LogitsMode.NONE) -> list[RequestOutput]:
+        """One scheduling iteration. Returns the outputs of requests that finished during it."""
+        t_start = time.perf_counter()
+        rows, num_decode = self._schedule()
+        if rows:
+            shape, buf, row_index = self._build_input(rows, num_decode, logits_mode)
+            t_dispatch = time.perf_counter()
+            out, self.kv = self.runner.step(self.model.params, self.kv, buf, shape)
+            tokens = np.asarray(out.tokens)  # The one host sync per step.
+            logprobs = np.asarray(out.logprobs)
+            t_done = time.perf_counter()
+            self.last_logits = out.logits
+            self._commit(rows, row_index, tokens, logprobs)
+            self.stats["steps"] += 1
+            self.stats["step_time_s"] += t_done - t_dispatch
+            self.stats["host_time_s"] += (t_dispatch - t_start) + (time.perf_counter() - t_done)
+            self._sample_kv()
+        finished, self._finished_outputs = self._finished_outputs, []
+        return finished
+
+    def _commit(self, rows, row_index, tokens, logprobs) -> None:
+        now = self.clock()
+        for (seq, n), r in zip(rows, row_index, strict=True):
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed += n
+            self.allocator.commit(seq.seq_id, seq.tokens[:seq.num_computed])
+            self.policy.on_tokens(seq, n)
+            self.stats["decode_tokens" if n == 1 and seq.num_pending == 0 and
+                       len(seq.tokens) > seq.num_prompt_tokens else "prefill_tokens"] += n
+            if seq.num_pending:
+                continue
+            if seq.is_group_prefill:
+                self._fork_group(seq)
+                continue
+            seq.tokens.append(int(tokens[r]))
+            seq.logprobs.append(float(logprobs[r]))
+            seq.token_times.append(now)
+            self._check_stop(seq)
+        for request_id in {seq.request_id for seq, _ in rows}:
+            self._maybe_emit(request_id)
+
+    def _fork_group(self, parent: Sequence) -> None:
+        meta = self._request_meta[parent.request_id]
+        prompt = meta["prompt"]
+        self._running.remove(parent)
+        parent.status = SeqStatus.FINISHED
+        self._requests[parent.request_id].remove(parent.seq_id)
+        for i in range(meta["n"]):
+            child = Sequence(
+                seq_id=f"{parent.request_id}#{i}", request_id=parent.request_id,
+                tokens=list(prompt), num_prompt_tokens=len(prompt), sampling=parent.sampling,
+                seed=parent.seed + i, arrival_time=parent.arrival_time, order=parent.order,
+                tenant=parent.tenant, priority=parent.priority, sample_index=i,
+                num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
+                first_scheduled_time=parent.first_scheduled_time)
+            try:
+                copies = self.allocator.fork(parent.seq_id, child.seq_id) or []
+            except ValueError:  # No room to share (contiguous slots): prefill it afresh.
+                self._register(child)
+                continue
+            self._apply_copies(copies)
+            child.num_computed = parent.num_computed
+            child.status = SeqStatus.RUNNING
+            self._seqs[child.seq_id] = child
+            self._requests[child.request_id].append(child.seq_id)
+            self._running.append(child)
+        self._free_pages_of(parent)
+        del self._seqs[parent.seq_id]
+
+    def _check_stop(self, seq: Sequence) -> None:
+        p = seq.sampling
+        token = seq.tokens[-1]
+        eos = () if p.ignore_eos else self.model.config.eos_token_ids
+        if token in eos or token in p.stop_token_ids:
+            self._finish(seq, FinishReason.STOP)
+        elif len(seq.output_ids) >= p.max_new_tokens or len(seq.tokens) >= self.max_model_len:
+            self._finish(seq, FinishReason.LENGTH)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        for queue in (self._running, self._waiting, self._swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if self.allocator.has_sequence(seq.seq_id):
+            self._free_pages_of(seq)
+        self.swap_space.drop(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self._request_meta[seq.request_id]["finish_time"] = self.clock()
+
+    def _maybe_emit(self, request_id: str) -> None:
+        seq_ids = self._requests.get(request_id, [])
+        seqs = [self._seqs[s] for s in seq_ids]
+        meta = self._request_meta[request_id]
+        if len(seqs) < meta["n"] or any(s.status is not SeqStatus.FINISHED for s in seqs):
+            return
+        self._finished_outputs.append(self._output(request_id, finished=True))
+        for s in seq_ids:
+            del self._seqs[s]
+        del self._requests[request_id]
+        del self._request_meta[request_id]
+
+    def _output(self, request_id: str, *, finished: bool) -> RequestOutput:
+        meta = self._request_meta[request_id]
+        seqs = sorted((self._seqs[s] for s in self._requests[request_id]),
+                      key=lambda s: s.sample_index)
+        tokenizer = self.model.tokenizer
+        outputs = [CompletionOutput(
+            index=s.sample_index, token_ids=list(s.output_ids), logprobs=list(s.logprobs),
+            finish_reason=s.finish_reason,
+            text=tokenizer.decode(s.output_ids) if tokenizer is not None else None)
+            for s in seqs if not s.is_group_prefill]
+        first = seqs[0]
+        times = first.token_times if not first.is_group_prefill else []
+        return RequestOutput(
+            request_id=request_id, prompt_ids=list(meta["prompt"]), outputs=outputs,
+            finished=finished, arrival_time=meta["arrival"],
+            first_token_time=times[0] if times else None,
+            finish_time=meta.get("finish_time") if finished else None, token_times=list(times),
+            num_cached_prompt_tokens=first.num_cached_prompt_tokens,
+            num_preemptions=sum(s.num_preemptions for s in seqs), tenant=meta["tenant"])
+
+    def snapshot_outputs(self) -> list[RequestOutput]:
+        """Current (streaming) outputs of every unfinished request."""
+        return [self._output(r, finished=False) for r in self._requests]
+
+    # ----------------------------------------------------------------------------- metrics
+
+    def _sample_kv(self) -> None:
+        """Records (time, bytes holding live tokens, bytes reserved by running sequences)."""
+        live = sum(s.num_computed for s in self._running)
+        if isinstance(self.allocator, SlotAllocator):
+            reserved_tokens = len(self._running) * self.max_model_len
+        else:
+            reserved_tokens = self.allocator.num_used_pages() * self.config.page_size
+            live = min(live, reserved_tokens)
+        per_token = self.model.config.kv_bytes_per_token(self.kv_dtype)
+        self.kv_samples.append((self.clock(), live * per_token, reserved_tokens * per_token))
+
+    def prefix_cache_stats(self) -> dict:
+        stats = getattr(self.allocator, "stats", None)
+        if stats is None:
+            return dict(prefix_queries=0, prefix_query_tokens=0, prefix_hit_tokens=0)
+        return dict(prefix_queries=stats.prefix_queries,
+                    prefix_query_tokens=stats.prefix_query_tokens,
+                    prefix_hit_tokens=stats.prefix_hit_tokens)
+
+    # ----------------------------------------------------------------------------- blocking API
+
+    def generate(self, prompts: Seq[Seq[int]], sampling: SamplingParams | Seq[SamplingParams]
+                 | None = None) -> list[RequestOutput]:
+        """Runs prompts to completion; invalid ones come back with `error` set, alone."""
+        return list(self.stream(prompts, sampling, final_only=True))
+
+    def stream(self, prompts: Seq[Seq[int]], sampling=None, *, final_only: bool = False
+               ) -> Iterator[RequestOutput]:
+        """Yields outputs as tokens arrive (every request each step), finals marked `finished`."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        ids, results = [], {}
+        base = next(self._order)
+        for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
+            request_id = f"gen-{base}-{i}"
+            ids.append(request_id)
+            try:
+                self.add_request(request_id, prompt, params)
+            except ValueError as e:
+                results[request_id] = RequestOutput(
+                    request_id=request_id, prompt_ids=list(prompt), outputs=[], finished=True,
+                    arrival_time=self.clock(), error=str(e))
+        pending = {r for r in ids if r not in results}
+        while pending:
+            for out in self.step():
+                if out.request_id in pending:
+                    results[out.request_id] = out
+                    pending.discard(out.request_id)
+            if not final_only:
+                yield from (o for o in self.snapshot_outputs() if o.request_id in pending)
+        yield from (results[r] for r in ids)

@@ -1,0 +1,199 @@
+"""The jitted model step: one call per engine iteration, mixing decode tokens and prefill chunks.
+
+Token layout of a step (all sizes static, padded to buckets):
+
+  rows 0 .. Bd-1        decode rows, one token each           tokens[0 : Bd]
+  rows Bd .. Bd+Bp-1    prefill rows, a chunk of C tokens     tokens[Bd + b*C : Bd + (b+1)*C]
+
+so T = Bd + Bp * C. Every row r has a block table, a kv length (tokens in the cache after this
+step) and a query length (1 for decode, <= C for prefill; 0 marks a padded row). The step writes
+the new K/V into the cache, attends, and samples one token per row from the logits of the row's
+last query token. The KV state is donated, so XLA updates the pages in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.config import ModelConfig
+from kvjax.kv import attention as attention_ref
+from kvjax.kv.state import KVState
+from kvjax.models import llama
+from kvjax.sampling import sample_tokens
+
+
+class AttentionImpl(enum.Enum):
+    """Which attention implementation the step uses."""
+
+    AUTO = "auto"  # Pallas kernels on GPU/TPU, the jnp reference on CPU.
+    REFERENCE = "reference"
+    PALLAS = "pallas"
+
+
+class LogitsMode(enum.Enum):
+    """Which logits a step returns besides the sampled tokens."""
+
+    NONE = "none"
+    LAST = "last"  # [R, V]: the logits each row sampled from.
+    ALL = "all"  # [T, V]: every token's logits (teacher-forced scoring).
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The static shape of a step: one compiled program per distinct value."""
+
+    num_decode: int  # Bd
+    num_prefill: int  # Bp
+    chunk: int  # C
+    max_pages: int  # Pmax, block table width
+    all_greedy: bool = True
+    needs_filter: bool = False
+    logits_mode: LogitsMode = LogitsMode.NONE
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_decode + self.num_prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode + self.num_prefill * self.chunk
+
+
+@struct.dataclass
+class StepInput:
+    """Per-step device inputs (small integer and float arrays built on the host).
+
+    Attributes:
+      tokens, positions, slot_mapping: [T] int32 (slot -1: a padded token writes nothing).
+      block_tables: [R, Pmax] int32.
+      kv_lens, q_lens: [R] int32.
+      temperature, top_p: [R] float32; top_k: [R] int32.
+      seeds: [R] uint32; counters: [R] int32, the index of the token each row generates.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    q_lens: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seeds: jax.Array
+    counters: jax.Array
+
+
+@struct.dataclass
+class StepOutput:
+    """tokens, logprobs: [R]; logits: [R, V], [T, V] or None per LogitsMode."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    logits: jax.Array | None = None
+
+
+def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
+    """Host buffers for one step, filled with padding values."""
+    r, t = shape.num_rows, shape.num_tokens
+    return dict(
+        tokens=np.zeros(t, np.int32),
+        positions=np.zeros(t, np.int32),
+        slot_mapping=np.full(t, -1, np.int32),
+        block_tables=np.zeros((r, shape.max_pages), np.int32),
+        kv_lens=np.zeros(r, np.int32),
+        q_lens=np.zeros(r, np.int32),
+        temperature=np.zeros(r, np.float32),
+        top_k=np.zeros(r, np.int32),
+        top_p=np.ones(r, np.float32),
+        seeds=np.zeros(r, np.uint32),
+        counters=np.zeros(r, np.int32),
+    )
+
+
+def _attention_fns(impl: AttentionImpl):
+    """(decode, prefill) attention functions with the reference signatures."""
+    if impl is AttentionImpl.AUTO:
+        impl = (AttentionImpl.REFERENCE if jax.default_backend() == "cpu"
+                else AttentionImpl.PALLAS)
+    if impl is AttentionImpl.REFERENCE:
+        return (attention_ref.paged_decode_attention_reference,
+                attention_ref.paged_prefill_attention_reference)
+    from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
+
+    return dispatch.attention_fns()
+
+
+def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shape: StepShape,
+               attention_impl: AttentionImpl = AttentionImpl.REFERENCE
+               ) -> tuple[StepOutput, KVState]:
+    """Runs the model over one step's tokens, writing their K/V and sampling one token per row."""
+    bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
+    n, d = config.num_heads, config.head_dim
+    decode_attn, prefill_attn = _attention_fns(attention_impl)
+    bt, kv_lens, q_lens = inp.block_tables, inp.kv_lens, inp.q_lens
+
+    def attend(layer, q, k, v, kv):
+        kv = kv.write(layer, inp.slot_mapping, k, v)
+        k_pages, v_pages = kv.layer_pages(layer)  # [num_pages, P, K, D]
+        outs = []
+        if bd:
+            outs.append(decode_attn(q[:bd], k_pages, v_pages, bt[:bd], kv_lens[:bd]))  # [Bd, N, D]
+        if bp:
+            qp = q[bd:].reshape(bp, c, n, d)
+            out = prefill_attn(qp, k_pages, v_pages, bt[bd:], kv_lens[bd:], q_lens[bd:])
+            outs.append(out.reshape(bp * c, n, d))  # [Bp*C, N, D]
+        return jnp.concatenate(outs, axis=0), kv
+
+    h, kv = llama.decode_body(params, config, inp.tokens, inp.positions, attend, kv)  # [T, H]
+    last = jnp.concatenate([
+        jnp.arange(bd, dtype=jnp.int32),
+        bd + jnp.arange(bp, dtype=jnp.int32) * c + jnp.maximum(q_lens[bd:] - 1, 0),
+    ])  # [R]
+    logits = llama.lm_head(params, config, h[last])  # [R, V]
+    tokens, logprobs = sample_tokens(
+        logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters,
+        all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
+    out_logits = None
+    if shape.logits_mode is LogitsMode.LAST:
+        out_logits = logits
+    elif shape.logits_mode is LogitsMode.ALL:
+        out_logits = llama.lm_head(params, config, h)  # [T, V]
+    return StepOutput(tokens=tokens, logprobs=logprobs, logits=out_logits), kv
+
+
+class ModelRunner:
+    """Holds the jitted step for one model and counts its compilations.
+
+    Only static configuration lives here; the engine owns and threads the KV state.
+    """
+
+    def __init__(self, config: ModelConfig, *,
+                 attention_impl: AttentionImpl = AttentionImpl.REFERENCE):
+        self.config = config
+        self.attention_impl = attention_impl
+        self._step = jax.jit(
+            functools.partial(model_step, config=config, attention_impl=attention_impl),
+            static_argnames=("shape",), donate_argnames=("kv",))
+        self._copy = jax.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
+
+    @property
+    def num_compiles(self) -> int:
+        """Programs compiled so far (one per distinct step shape and KV layout)."""
+        return self._step._cache_size() + self._copy._cache_size()
+
+    def step(self, params, kv: KVState, host_input: dict[str, np.ndarray], shape: StepShape
+             ) -> tuple[StepOutput, KVState]:
+        """Dispatches one step asynchronously; returns device arrays."""
+        return self._step(params, kv, StepInput(**host_input), shape=shape)
+
+    def copy_pages(self, kv: KVState, src: np.ndarray, dst: np.ndarray) -> KVState:
+        """Applies copy-on-write page copies (src[i] -> dst[i])."""
+        return self._copy(kv, src, dst)

@@ -1,0 +1,108 @@
+"""Swapping a preempted sequence's KV pages to host memory and back, through jax memory kinds.
+
+Pages travel page-first: a sequence's pages are gathered into one contiguous buffer
+`[L, n, P, K, D]` on the device, then moved in a single transfer to `pinned_host` memory
+(`unpinned_host` where the backend lacks it). Page counts are padded to powers of two so the
+gather and scatter programs compile once per bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.kv.state import PagedKV
+
+log = logging.getLogger(__name__)
+
+
+def _host_memory_kind(device) -> str | None:
+    kinds = {m.kind for m in device.addressable_memories()}
+    for kind in ("pinned_host", "unpinned_host"):
+        if kind in kinds:
+            return kind
+    return None
+
+
+def _padded(pages: list[int]) -> np.ndarray:
+    n = 1 << max(len(pages) - 1, 0).bit_length()
+    return np.asarray(pages + [pages[-1]] * (n - len(pages)), np.int32)
+
+
+@jax.jit
+def _gather(kv: PagedKV, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return kv.k_pages[:, pages], kv.v_pages[:, pages]  # [L, n, P, K, D] each
+
+
+def _scatter(kv: PagedKV, pages: jax.Array, k: jax.Array, v: jax.Array) -> PagedKV:
+    return kv.replace(k_pages=kv.k_pages.at[:, pages].set(k.astype(kv.k_pages.dtype)),
+                      v_pages=kv.v_pages.at[:, pages].set(v.astype(kv.v_pages.dtype)))
+
+
+def _zero(kv, pages: jax.Array):
+    if isinstance(kv, PagedKV):
+        return kv.replace(k_pages=kv.k_pages.at[:, pages].set(0),
+                          v_pages=kv.v_pages.at[:, pages].set(0))
+    k = kv._as_pages(kv.k).at[:, pages].set(0).reshape(kv.k.shape)
+    v = kv._as_pages(kv.v).at[:, pages].set(0).reshape(kv.v.shape)
+    return kv.replace(k=k, v=v)
+
+
+class HostSwapSpace:
+    """Host-memory copies of swapped-out sequences' pages, keyed by sequence id."""
+
+    def __init__(self):
+        self._stored: dict[str, tuple[jax.Array, jax.Array, int]] = {}
+        self._scatter = jax.jit(_scatter, donate_argnums=0)
+        self._zero = jax.jit(_zero, donate_argnums=0)
+        device = jax.devices()[0]
+        self.memory_kind = _host_memory_kind(device)
+        if self.memory_kind is None:
+            log.warning("backend %s has no host memory kind; swapping to numpy", device.platform)
+        elif self.memory_kind != "pinned_host":
+            log.warning("backend %s lacks pinned_host; swapping to %s", device.platform,
+                        self.memory_kind)
+        self._device = device
+
+    @property
+    def num_compiles(self) -> int:
+        return _gather._cache_size() + self._scatter._cache_size() + self._zero._cache_size()
+
+    def _to_host(self, x: jax.Array):
+        if self.memory_kind is None:
+            return np.asarray(x)
+        sharding = jax.sharding.SingleDeviceSharding(self._device, memory_kind=self.memory_kind)
+        return jax.device_put(x, sharding)
+
+    def _to_device(self, x) -> jax.Array:
+        return jax.device_put(x, jax.sharding.SingleDeviceSharding(self._device,
+                                                                   memory_kind="device"))
+
+    def swap_out(self, kv: PagedKV, seq_id: str, pages: list[int]) -> int:
+        """Copies `pages` (in block-table order) to host memory; returns bytes moved."""
+        k, v = _gather(kv, _padded(pages))
+        self._stored[seq_id] = (self._to_host(k), self._to_host(v), len(pages))
+        return 2 * k.nbytes * len(pages) // k.shape[1]
+
+    def swap_in(self, kv: PagedKV, seq_id: str, pages: list[int], first: int
+                ) -> tuple[PagedKV, int]:
+        """Writes stored pages [first:] into the sequence's new `pages[first:]`; frees the copy."""
+        k, v, n = self._stored.pop(seq_id)
+        targets = pages[first:n]
+        if not targets:
+            return kv, 0
+        idx = _padded(list(range(first, n)))
+        k_dev = self._to_device(k)[:, idx]
+        v_dev = self._to_device(v)[:, idx]
+        kv = self._scatter(kv, _padded(targets), k_dev, v_dev)
+        return kv, 2 * k.nbytes * len(targets) // k.shape[1]
+
+    def drop(self, seq_id: str) -> None:
+        self._stored.pop(seq_id, None)
+
+    def scrub(self, kv, pages: list[int]):
+        """Zeroes freed pages so no later reader could ever see their old content."""
+        return self._zero(kv, _padded(sorted(pages)))

@@ -1,0 +1,200 @@
+"""Reference attention over KV pages in pure jnp with float32 math: the oracle for every kernel.
+
+All functions take one layer's pages, `k_pages` / `v_pages`: [num_pages, P, K, D], and a block
+table per sequence, `block_tables`: [B, Pmax] int32 (entry j is the page holding tokens
+[j*P, (j+1)*P) of the sequence). `kv_lens`: [B] int32, tokens of each sequence in the cache
+(including the ones written by the current step). Entries of `block_tables` past a sequence's
+length may hold any valid page index: they are masked by length, never read into the result.
+
+Three entry points, all with the same meaning:
+  * `paged_decode_attention_reference`: one query per sequence (decode).
+  * `paged_prefill_attention_reference`: a padded chunk of C queries per sequence.
+  * `ragged_paged_attention_reference`: queries of several sequences packed on one token axis,
+    delimited by `cu_q_lens`; causal within each sequence. The general oracle.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _scale(head_dim: int, sm_scale: float | None) -> float:
+    return 1.0 / np.sqrt(head_dim) if sm_scale is None else sm_scale
+
+
+def _gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """pages [num_pages, P, K, D], block_tables [B, Pmax] -> [B, Pmax*P, K, D]."""
+    b, pmax = block_tables.shape
+    _, p, k, d = pages.shape
+    return pages[block_tables].reshape(b, pmax * p, k, d)
+
+
+def _softmax_attend(scores: jax.Array, mask: jax.Array, v: jax.Array, soft_cap: float | None,
+                    out_spec: str) -> jax.Array:
+    """Masked float32 softmax over the last axis of `scores`, then the weighted sum of `v`."""
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(mask, scores, -jnp.inf)
+    # A row with no visible key (a padded query) gets zeros, not NaN.
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom > 0, denom, 1.0)
+    return jnp.einsum(out_spec, probs, v)
+
+
+def _visible(kv_pos: jax.Array, q_pos: jax.Array, kv_len: jax.Array,
+             sliding_window: int | None) -> jax.Array:
+    """Which kv positions a query at q_pos sees (broadcasting)."""
+    mask = (kv_pos <= q_pos) & (kv_pos < kv_len)
+    if sliding_window is not None:
+        mask &= kv_pos > q_pos - sliding_window
+    return mask
+
+
+def paged_decode_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Decode attention: query b sits at position kv_lens[b] - 1 of its sequence.
+
+    Args:
+      q: [B, N, D].
+      k_pages, v_pages: [num_pages, P, K, D].
+      block_tables: [B, Pmax] int32.
+      kv_lens: [B] int32; 0 marks a padded row (its output is zeros).
+    Returns:
+      [B, N, D] in q's dtype.
+    """
+    b, n, d = q.shape
+    k_heads = k_pages.shape[2]
+    k = _gather_pages(k_pages, block_tables).astype(jnp.float32)  # [B, S, K, D]
+    v = _gather_pages(v_pages, block_tables).astype(jnp.float32)
+    s = k.shape[1]
+    qg = q.astype(jnp.float32).reshape(b, k_heads, n // k_heads, d)  # [B, K, G, D]
+    scores = jnp.einsum("bkgd,bskd->bkgs", qg, k) * _scale(d, sm_scale)  # [B, K, G, S]
+    kv_pos = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, S]
+    mask = _visible(kv_pos, kv_lens[:, None] - 1, kv_lens[:, None], sliding_window)  # [B, S]
+    # Stale or NaN-filled slots beyond the length must not leak through 0 * NaN.
+    v = jnp.where(mask[:, :, None, None], v, 0.0)
+    out = _softmax_attend(scores, mask[:, None, None, :], v, soft_cap, "bkgs,bskd->bkgd")
+    return out.reshape(b, n, d).astype(q.dtype)
+
+
+def paged_prefill_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    q_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Chunked-prefill attention: row b holds the last q_lens[b] tokens of its sequence.
+
+    Query c of row b sits at position kv_lens[b] - q_lens[b] + c and attends causally to every
+    earlier token of its sequence (earlier pages and earlier queries of the same chunk).
+
+    Args:
+      q: [B, C, N, D]; queries c >= q_lens[b] are padding (their output is zeros).
+      k_pages, v_pages: [num_pages, P, K, D].
+      block_tables: [B, Pmax] int32.
+      kv_lens: [B] int32, tokens in the cache including this chunk.
+      q_lens: [B] int32, 0 <= q_lens <= min(C, kv_lens).
+    Returns:
+      [B, C, N, D] in q's dtype.
+    """
+    b, c, n, d = q.shape
+    k_heads = k_pages.shape[2]
+    k = _gather_pages(k_pages, block_tables).astype(jnp.float32)  # [B, S, K, D]
+    v = _gather_pages(v_pages, block_tables).astype(jnp.float32)
+    s = k.shape[1]
+    qg = q.astype(jnp.float32).reshape(b, c, k_heads, n // k_heads, d)  # [B, C, K, G, D]
+    scores = jnp.einsum("bckgd,bskd->bkgcs", qg, k) * _scale(d, sm_scale)  # [B, K, G, C, S]
+    q_idx = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
+    q_pos = (kv_lens - q_lens)[:, None] + q_idx  # [B, C]
+    kv_pos = jnp.arange(s, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    mask = _visible(kv_pos, q_pos[:, :, None], kv_lens[:, None, None], sliding_window)
+    mask &= (q_idx < q_lens[:, None])[:, :, None]  # [B, C, S]
+    v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, 0.0)
+    out = _softmax_attend(scores, mask[:, None, None], v, soft_cap, "bkgcs,bskd->bckgd")
+    return out.reshape(b, c, n, d).astype(q.dtype)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Ragged attention: the queries of B sequences packed along one token axis.
+
+    Tokens cu_q_lens[b] .. cu_q_lens[b+1]-1 are the last (cu_q_lens[b+1] - cu_q_lens[b]) tokens
+    of sequence b; tokens at or past cu_q_lens[B] are padding (zeros out). Decode is the case of
+    one token per sequence. Memory is O(T * S): this is the oracle, not the fast path.
+
+    Args:
+      q: [T, N, D].
+      k_pages, v_pages: [num_pages, P, K, D].
+      block_tables: [B, Pmax] int32.
+      kv_lens: [B] int32.
+      cu_q_lens: [B + 1] int32, nondecreasing, cu_q_lens[0] == 0.
+    Returns:
+      [T, N, D] in q's dtype.
+    """
+    t, n, d = q.shape
+    b = block_tables.shape[0]
+    k_heads = k_pages.shape[2]
+    tok = jnp.arange(t, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, b - 1)  # [T]
+    is_valid = tok < cu_q_lens[b]
+    q_pos = kv_lens[seq] - (cu_q_lens[seq + 1] - tok)  # [T]
+    k = _gather_pages(k_pages, block_tables[seq]).astype(jnp.float32)  # [T, S, K, D]
+    v = _gather_pages(v_pages, block_tables[seq]).astype(jnp.float32)
+    s = k.shape[1]
+    qg = q.astype(jnp.float32).reshape(t, k_heads, n // k_heads, d)  # [T, K, G, D]
+    scores = jnp.einsum("tkgd,tskd->tkgs", qg, k) * _scale(d, sm_scale)  # [T, K, G, S]
+    kv_pos = jnp.arange(s, dtype=jnp.int32)[None, :]
+    mask = _visible(kv_pos, q_pos[:, None], kv_lens[seq][:, None], sliding_window)
+    mask &= is_valid[:, None]  # [T, S]
+    v = jnp.where(mask[:, :, None, None], v, 0.0)
+    out = _softmax_attend(scores, mask[:, None, None, :], v, soft_cap, "tkgs,tskd->tkgd")
+    return out.reshape(t, n, d).astype(q.dtype)
+
+
+def dense_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array
+                              ) -> jax.Array:
+    """Plain causal softmax attention of one sequence, for tests: the naive oracle.
+
+    Args:
+      q: [T, N, D]; k, v: [S, K, D]; q_positions: [T] (query t sees keys 0..q_positions[t]).
+    Returns:
+      [T, N, D] float32.
+    """
+    t, n, d = q.shape
+    k_heads = k.shape[1]
+    kk = jnp.repeat(k.astype(jnp.float32), n // k_heads, axis=1)  # [S, N, D]
+    vv = jnp.repeat(v.astype(jnp.float32), n // k_heads, axis=1)
+    scores = jnp.einsum("tnd,snd->nts", q.astype(jnp.float32), kk) / np.sqrt(d)  # [N, T, S]
+    mask = jnp.arange(k.shape[0])[None, :] <= q_positions[:, None]  # [T, S]
+    probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("nts,snd->tnd", probs, vv)  # [T, N, D]

@@ -1,0 +1,168 @@
+"""KV state pytrees: the paged pool and the contiguous baseline.
+
+Both store one layer's keys as pages `[num_pages, P, K, D]`, so the same attention reads both:
+
+  * `PagedKV`: a pool of pages shared by all sequences; block tables (host metadata, shipped
+    per step) say which pages hold a sequence's tokens. Pages are allocated on demand.
+  * `ContiguousKV`: the naive baseline. Every sequence slot owns `max_len` tokens up front,
+    stored contiguously `[L, max_seqs, max_len, K, D]`; viewed as pages, slot b owns pages
+    b*pages_per_seq .. (b+1)*pages_per_seq - 1 and its block table is that fixed range.
+
+A token's flat slot index is `page * P + offset`; writes to slot -1 (or any slot past the
+pool) are dropped, which is how padded tokens of a bucketed step write nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.config import ModelConfig
+
+
+def _write_slots(pages: jax.Array, layer: jax.Array, slots: jax.Array, x: jax.Array
+                 ) -> jax.Array:
+    """Scatters x [T, K, D] into pages [L, num_pages, P, K, D] at flat slots [T] of `layer`."""
+    num_layers, num_pages, page_size, k, d = pages.shape
+    flat = pages.reshape(num_layers, num_pages * page_size, k, d)
+    slots = jnp.where(slots < 0, num_pages * page_size, slots)  # out of range -> dropped
+    flat = flat.at[layer, slots].set(x.astype(pages.dtype), mode="drop")
+    return flat.reshape(pages.shape)
+
+
+@struct.dataclass
+class PagedKV:
+    """A pool of KV pages shared by all sequences.
+
+    Attributes:
+      k_pages: [L, num_pages, P, K, D] keys (RoPE already applied).
+      v_pages: [L, num_pages, P, K, D] values.
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def layer_pages(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """This layer's pages, each [num_pages, P, K, D]."""
+        return self.k_pages[layer], self.v_pages[layer]
+
+    def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array) -> PagedKV:
+        """Writes k, v [T, K, D] of `layer` into flat slots [T] (-1: dropped)."""
+        return self.replace(k_pages=_write_slots(self.k_pages, layer, slots, k),
+                            v_pages=_write_slots(self.v_pages, layer, slots, v))
+
+    def copy_pages(self, src: jax.Array, dst: jax.Array) -> PagedKV:
+        """Copy-on-write: page dst[i] becomes a copy of page src[i] in every layer. src, dst: [C]."""
+        return self.replace(k_pages=self.k_pages.at[:, dst].set(self.k_pages[:, src]),
+                            v_pages=self.v_pages.at[:, dst].set(self.v_pages[:, src]))
+
+    def nbytes(self) -> int:
+        return self.k_pages.nbytes + self.v_pages.nbytes
+
+
+@struct.dataclass
+class ContiguousKV:
+    """Per-sequence preallocated KV, the baseline paged memory is measured against.
+
+    Attributes:
+      k: [L, max_seqs, max_len, K, D] keys.
+      v: [L, max_seqs, max_len, K, D] values.
+      page_size: the granularity at which attention views a slot's storage (static).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    page_size: int = struct.field(pytree_node=False, default=16)
+
+    @property
+    def max_seqs(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.max_len // self.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_seqs * self.pages_per_seq
+
+    @property
+    def num_slots(self) -> int:
+        return self.max_seqs * self.max_len
+
+    def _as_pages(self, x: jax.Array) -> jax.Array:
+        num_layers, _, _, k, d = x.shape
+        return x.reshape(num_layers, self.num_pages, self.page_size, k, d)
+
+    def layer_pages(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self._as_pages(self.k)[layer], self._as_pages(self.v)[layer]
+
+    def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array
+              ) -> ContiguousKV:
+        return self.replace(k=_write_slots(self._as_pages(self.k), layer, slots, k).reshape(
+                                self.k.shape),
+                            v=_write_slots(self._as_pages(self.v), layer, slots, v).reshape(
+                                self.v.shape))
+
+    def block_table(self, seq_slot: int, num_pages: int) -> np.ndarray:
+        """The fixed block table of sequence slot `seq_slot`, truncated to num_pages entries."""
+        return seq_slot * self.pages_per_seq + np.arange(num_pages, dtype=np.int32)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+KVState = PagedKV | ContiguousKV
+
+
+def init_paged_kv(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32
+                  ) -> PagedKV:
+    """A zeroed pool of `num_pages` pages of `page_size` tokens."""
+    if num_pages <= 0 or page_size <= 0:
+        raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be positive")
+    shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+    return PagedKV(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
+
+
+def init_contiguous_kv(config: ModelConfig, max_seqs: int, max_len: int, page_size: int = 16,
+                       dtype=jnp.float32) -> ContiguousKV:
+    """Zeroed storage of `max_len` tokens for each of `max_seqs` sequence slots."""
+    if max_seqs <= 0 or max_len <= 0:
+        raise ValueError(f"max_seqs={max_seqs} and max_len={max_len} must be positive")
+    if max_len % page_size:
+        raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
+    shape = (config.num_layers, max_seqs, max_len, config.num_kv_heads, config.head_dim)
+    return ContiguousKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                        page_size=page_size)
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold num_tokens tokens."""
+    return -(-num_tokens // page_size)
+
+
+def num_pages_for_budget(config: ModelConfig, budget_bytes: int, page_size: int, dtype) -> int:
+    """How many pages of `dtype` KV fit in `budget_bytes` (all layers, K and V)."""
+    per_page = config.kv_bytes_per_token(dtype) * page_size
+    num_pages = budget_bytes // per_page
+    if num_pages < 1:
+        raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of {per_page} bytes")
+    return int(num_pages)

@@ -1,0 +1,77 @@
+"""The contiguous baseline's allocator: one fixed slot of max_len tokens per sequence.
+
+It speaks the block manager's interface so the engine drives both layouts the same way; its
+block tables are the fixed page ranges of a slot (see `kvjax.kv.state.ContiguousKV`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from kvjax.memory.block_manager import AllocStatus, CopyOp
+
+
+class SlotAllocator:
+    """Hands out whole sequence slots; a sequence can never outgrow its slot's max_len."""
+
+    def __init__(self, max_seqs: int, max_len: int, page_size: int):
+        self.num_slots = max_seqs
+        self.max_len = max_len
+        self.page_size = page_size
+        self.pages_per_seq = max_len // page_size
+        self.num_pages = max_seqs * self.pages_per_seq
+        self._free = list(range(max_seqs - 1, -1, -1))
+        self._slot_of: dict[Hashable, int] = {}
+
+    def num_free_pages(self) -> int:
+        return len(self._free) * self.pages_per_seq
+
+    def num_used_pages(self) -> int:
+        return len(self._slot_of) * self.pages_per_seq
+
+    def has_sequence(self, seq_id: Hashable) -> bool:
+        return seq_id in self._slot_of
+
+    def pages_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        return 0 if seq_id in self._slot_of else self.pages_per_seq
+
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
+                     cache_key: bytes = b"") -> int:
+        if seq_id in self._slot_of:
+            raise ValueError(f"sequence {seq_id!r} is already registered")
+        self._slot_of[seq_id] = -1  # A slot is taken on the first write.
+        return 0
+
+    def ensure_writable(self, seq_id: Hashable, start: int, end: int
+                        ) -> tuple[AllocStatus, list[CopyOp]]:
+        if end > self.max_len:
+            raise ValueError(f"position {end} is past the slot length {self.max_len}")
+        if self._slot_of[seq_id] < 0:
+            if not self._free:
+                return AllocStatus.NO_PAGES, []
+            self._slot_of[seq_id] = self._free.pop()
+        return AllocStatus.OK, []
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[CopyOp]:
+        """Gives the child its own slot holding a copy of the parent's pages."""
+        if not self._free:
+            raise ValueError("no free slot to fork into")
+        child = self._free.pop()
+        self._slot_of[child_id] = child
+        parent = self._slot_of[parent_id]
+        return [CopyOp(src=parent * self.pages_per_seq + j, dst=child * self.pages_per_seq + j)
+                for j in range(self.pages_per_seq)]
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        pass
+
+    def free(self, seq_id: Hashable) -> list[int]:
+        slot = self._slot_of.pop(seq_id)
+        if slot < 0:
+            return []
+        self._free.append(slot)
+        return list(range(slot * self.pages_per_seq, (slot + 1) * self.pages_per_seq))
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        slot = self._slot_of[seq_id]
+        return list(range(slot * self.pages_per_seq, (slot + 1) * self.pages_per_seq))

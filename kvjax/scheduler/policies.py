@@ -1,0 +1,103 @@
+"""Scheduling policies: the order in which waiting requests are admitted and running ones preempted.
+
+A policy is a small class behind the `SchedulingPolicy` protocol, registered by name so a config
+or flag picks it. The scheduler admits waiting requests in ascending `priority_key` order and,
+when pages run out, preempts the running request with the largest key first.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Protocol
+
+from kvjax.engine.request import Sequence
+
+
+class SchedulingPolicy(Protocol):
+    """Orders requests. Smaller keys are served first and preempted last."""
+
+    name: str
+
+    def priority_key(self, seq: Sequence) -> tuple:
+        """The sort key of a waiting or running sequence."""
+
+    def on_tokens(self, seq: Sequence, num_tokens: int) -> None:
+        """Called after a step computed num_tokens tokens for seq (prefill or decode)."""
+
+
+class FCFS:
+    """First come, first served by arrival time."""
+
+    name = "fcfs"
+
+    def priority_key(self, seq: Sequence) -> tuple:
+        return (seq.arrival_time, seq.order)
+
+    def on_tokens(self, seq: Sequence, num_tokens: int) -> None:
+        pass
+
+
+class Priority:
+    """Higher `priority` first, then arrival."""
+
+    name = "priority"
+
+    def priority_key(self, seq: Sequence) -> tuple:
+        return (-seq.priority, seq.arrival_time, seq.order)
+
+    def on_tokens(self, seq: Sequence, num_tokens: int) -> None:
+        pass
+
+
+class LongestPrefixMatch:
+    """Cache-aware: requests with more prompt tokens already in the prefix cache go first."""
+
+    name = "lpm"
+
+    def __init__(self, cached_tokens: Callable[[Sequence], int] | None = None):
+        self.cached_tokens = cached_tokens
+
+    def priority_key(self, seq: Sequence) -> tuple:
+        hit = self.cached_tokens(seq) if self.cached_tokens else 0
+        return (-hit, seq.arrival_time, seq.order)
+
+    def on_tokens(self, seq: Sequence, num_tokens: int) -> None:
+        pass
+
+
+class FairShare:
+    """Per-tenant fair share: the tenant with the fewest tokens served so far goes first.
+
+    A virtual token counter per tenant grows with every token computed for it; a tenant that
+    arrives late starts at the current minimum, so it cannot claim credit for idle time.
+    """
+
+    name = "fair"
+
+    def __init__(self):
+        self.served: dict[str | None, float] = collections.defaultdict(float)
+
+    def priority_key(self, seq: Sequence) -> tuple:
+        if seq.tenant not in self.served:
+            self.served[seq.tenant] = min(self.served.values(), default=0.0)
+        return (self.served[seq.tenant], seq.arrival_time, seq.order)
+
+    def on_tokens(self, seq: Sequence, num_tokens: int) -> None:
+        self.served[seq.tenant] += num_tokens
+
+
+POLICIES: dict[str, type] = {p.name: p for p in (FCFS, Priority, LongestPrefixMatch, FairShare)}
+
+
+def register_policy(cls: type) -> type:
+    """Class decorator that makes a policy selectable by its `name`."""
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    """Instantiates a registered policy by name."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduler policy {name!r}; known: {sorted(POLICIES)}")
+    return POLICIES[name]()
