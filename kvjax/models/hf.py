@@ -1,0 +1,308 @@
+"""Loads Hugging Face checkpoints (config.json + *.safetensors) of Llama, Mistral and Qwen2.
+
+Hugging Face stores linear weights as [out, in]; kvjax computes `x @ W`, so every matrix is
+transposed to [in, out], and per-layer tensors are stacked on a leading L axis (see
+`kvjax.models.llama`). Both use the rotate-half RoPE convention, so Q and K need no permutation.
+
+What is rejected rather than silently computed wrong: RoPE scaling (`rope_type` other than
+'default'), partial rotary embeddings, activations other than SiLU, biases beyond Qwen2's Q/K/V
+biases, and Qwen2's sliding-window layers. Mistral's `sliding_window` is honoured by capping
+`max_position_embeddings` at the window: within the window, sliding-window attention equals full
+causal attention, which is what kvjax computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig, resolve_dtype
+from kvjax.models import llama
+from kvjax.models.model import Model
+from kvjax.models.tokenizer import Tokenizer
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+}
+
+# kvjax layer param -> Hugging Face name inside `model.layers.N.`.
+_LAYER_WEIGHTS = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+_LAYER_BIASES = {
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+}
+
+
+def _rope_theta(hf_config: dict[str, Any]) -> float:
+    """RoPE base from `rope_parameters` (transformers >= 5) or `rope_theta` / `rope_scaling`."""
+    theta = hf_config.get("rope_theta", 10000.0)
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = hf_config.get(key) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"unsupported {key} rope_type {rope_type!r}; "
+                             "only 'default' RoPE is supported")
+        theta = rope.get("rope_theta", theta)
+    rope_parameters = hf_config.get("rope_parameters") or {}
+    partial = hf_config.get("partial_rotary_factor",
+                            rope_parameters.get("partial_rotary_factor", 1))
+    if partial != 1:
+        raise ValueError(f"unsupported partial_rotary_factor {partial!r}")
+    return float(theta)
+
+
+def _required(hf_config: dict[str, Any], key: str) -> Any:
+    if key not in hf_config:
+        raise ValueError(f"config.json is missing {key!r}")
+    return hf_config[key]
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] | None = None,
+                   name: str = "hf") -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face `config.json` (already parsed).
+
+    Args:
+      hf_config: the parsed config.json.
+      eos_token_ids: overrides config.json's `eos_token_id` (generation_config.json's list).
+      name: the model name recorded in the config.
+    """
+    model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; "
+                         f"supported: {list(SUPPORTED_MODEL_TYPES)}")
+    act = hf_config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf_config.get(flag):
+            raise ValueError(f"unsupported {flag}=true for model_type {model_type!r}")
+    max_positions = hf_config.get("max_position_embeddings", 2048)
+    if model_type == "qwen2":
+        layer_types = hf_config.get("layer_types") or ()
+        if hf_config.get("use_sliding_window") or "sliding_attention" in layer_types:
+            raise ValueError("unsupported Qwen2 sliding-window attention (use_sliding_window)")
+    elif model_type == "mistral" and hf_config.get("sliding_window"):
+        max_positions = min(max_positions, hf_config["sliding_window"])
+    hidden = _required(hf_config, "hidden_size")
+    num_heads = _required(hf_config, "num_attention_heads")
+    return ModelConfig(
+        vocab_size=_required(hf_config, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_required(hf_config, "intermediate_size"),
+        num_layers=_required(hf_config, "num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+        head_dim=hf_config.get("head_dim") or hidden // num_heads,
+        rope_theta=_rope_theta(hf_config),
+        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        bos_token_id=hf_config.get("bos_token_id"),
+        eos_token_ids=(eos_token_ids if eos_token_ids is not None
+                       else _token_ids(hf_config.get("eos_token_id"))),
+        name=name,
+    )
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Tensors of one .safetensors file as read-only numpy arrays mapped from disk (no copy).
+
+    BF16 tensors come back as `jnp.bfloat16` (ml_dtypes) arrays, which plain numpy cannot name.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than its header)")
+        header_len = struct.unpack("<Q", prefix)[0]
+        if header_len > size - 8:
+            raise ValueError(f"{path} is not a safetensors file (header length {header_len})")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} has a malformed safetensors header: {e}") from e
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} in {path} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        if end > data.size or end - start != dtype.itemsize * int(np.prod(info["shape"])):
+            raise ValueError(f"tensor {name} in {path} has inconsistent data offsets")
+        tensors[name] = data[start:end].view(dtype).reshape(info["shape"])
+    return tensors
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [directory / n for n in names]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"shards named in {index} are missing: {absent}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in directory.glob("*.bin"))
+        hint = f" (found {others}: only safetensors are supported)" if others else ""
+        raise FileNotFoundError(f"no *.safetensors weights in {directory}{hint}")
+    return files
+
+
+def _read_checkpoint(files: list[Path]) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        shard = read_safetensors(file)
+        repeated = sorted(shard.keys() & tensors.keys())
+        if repeated:
+            raise ValueError(f"tensor(s) {repeated[:8]} appear in more than one shard")
+        tensors.update(shard)
+    return tensors
+
+
+def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face per-layer tensor shapes ([out, in] for matrices)."""
+    c = config
+    nd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {
+        "attn_norm": (c.hidden_size,),
+        "wq": (nd, c.hidden_size),
+        "wk": (kd, c.hidden_size),
+        "wv": (kd, c.hidden_size),
+        "wo": (c.hidden_size, nd),
+        "mlp_norm": (c.hidden_size,),
+        "w_gate": (c.intermediate_size, c.hidden_size),
+        "w_up": (c.intermediate_size, c.hidden_size),
+        "w_down": (c.hidden_size, c.intermediate_size),
+    }
+    if c.qkv_bias:
+        shapes.update(bq=(nd,), bk=(kd,), bv=(kd,))
+    return shapes
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
+                   dtype: str = "float32") -> llama.Params:
+    """Maps Hugging Face tensor names to the kvjax params pytree (transposed, stacked, cast).
+
+    Raises:
+      ValueError: a tensor is missing, has the wrong shape, or is not part of the architecture.
+    """
+    target = resolve_dtype(dtype)
+    used: set[str] = set()
+
+    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"checkpoint is missing tensor {name} (expected shape {shape})")
+        w = tensors[name]
+        if tuple(w.shape) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(w.shape)}, expected {shape}")
+        used.add(name)
+        return w.T  # [in, out]: kvjax computes x @ W (a no-op on vectors)
+
+    def stacked(suffix: str, shape: tuple[int, ...]) -> jnp.ndarray:
+        per_layer = [take(f"model.layers.{i}.{suffix}", shape) for i in range(config.num_layers)]
+        return jnp.asarray(np.stack(per_layer).astype(target))  # [L, ...]
+
+    names = {**_LAYER_WEIGHTS, **(_LAYER_BIASES if config.qkv_bias else {})}
+    layers = {key: stacked(names[key], shape)
+              for key, shape in _expected_hf_shapes(config).items()}
+    v, h = config.vocab_size, config.hidden_size
+    params: dict[str, Any] = {
+        "embed": jnp.asarray(take("model.embed_tokens.weight", (v, h)).T.astype(target)),
+        "final_norm": jnp.asarray(take("model.norm.weight", (h,)).astype(target)),
+        "layers": layers,
+    }
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints still carry a copy
+    else:
+        params["lm_head"] = jnp.asarray(take("lm_head.weight", (v, h)).astype(target))
+    unexpected = sorted(n for n in tensors.keys() - used if not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"checkpoint has tensor(s) kvjax does not support: {unexpected[:8]}")
+    llama.check_params(params, config)
+    return params
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def load_hf(directory: str | os.PathLike, dtype: str = "float32") -> Model:
+    """Loads a Hugging Face Llama / Mistral / Qwen2 checkpoint directory.
+
+    Reads config.json, generation_config.json (its `eos_token_id` list, when present), the
+    safetensors weights (one file, or shards through model.safetensors.index.json or a glob) and
+    tokenizer.json with tokenizer_config.json when present.
+
+    Args:
+      directory: the checkpoint directory (as written by `save_pretrained`).
+      dtype: 'float32', 'bfloat16' or 'float16' for every param.
+
+    Returns:
+      A `Model` with `weights_version` 'sha256:<digest of the weight files>' and the tokenizer
+      (None when the directory has no tokenizer.json).
+
+    Raises:
+      FileNotFoundError: no directory, config.json or weights.
+      ValueError: unsupported model_type or feature, or missing / misshapen / unknown tensors.
+    """
+    resolve_dtype(dtype)
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory at {directory}")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {directory}")
+    generation_path = directory / "generation_config.json"
+    eos = None
+    if generation_path.is_file():
+        eos = _token_ids(_read_json(generation_path).get("eos_token_id")) or None
+    config = config_from_hf(_read_json(config_path), eos_token_ids=eos, name=directory.name)
+    files = _checkpoint_files(directory)
+    params = params_from_hf(_read_checkpoint(files), config, dtype)
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    tokenizer = None
+    if (directory / "tokenizer.json").is_file():
+        tokenizer_config = directory / "tokenizer_config.json"
+        tokenizer = Tokenizer.from_file(
+            directory / "tokenizer.json", tokenizer_config if tokenizer_config.is_file() else None)
+    return Model(config=config, params=params, tokenizer=tokenizer,
+                 weights_version=f"sha256:{digest.hexdigest()}", source=str(directory))

@@ -1,0 +1,141 @@
+"""Hugging Face oracles for tests: tiny random checkpoints on disk, HF logits and greedy decoding.
+
+transformers and torch are imported inside the functions so that test modules which only collect
+do not pay for them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TINY_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+def import_torch():
+    """torch, limited to one intra-op thread.
+
+    torch's worker threads spin while they wait; on a small machine shared with other processes
+    two threads run a forward pass about ten times slower than one.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    return torch
+
+
+def _config_class(model_type: str):
+    import transformers
+
+    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config}
+    if model_type not in classes:
+        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {sorted(classes)}")
+    return classes[model_type]
+
+
+def make_tiny_hf_checkpoint(tmp_path: str | os.PathLike, model_type: str, *, seed: int = 0,
+                            torch_dtype: str = "float32", max_shard_size: str | None = None,
+                            **overrides: Any) -> Path:
+    """Writes a small random `model_type` checkpoint with `save_pretrained` (safetensors).
+
+    Every parameter is random, including RMSNorm weights and Qwen2's Q/K/V biases (which Hugging
+    Face initializes to constants), so a mix-up of any two tensors changes the logits.
+
+    Args:
+      tmp_path: the parent directory; the checkpoint goes into `<tmp_path>/<model_type>-<seed>`.
+      model_type: 'llama', 'mistral' or 'qwen2'.
+      seed: torch seed of the random weights.
+      torch_dtype: dtype the weights are stored in ('float32' or 'bfloat16').
+      max_shard_size: e.g. '100KB' to write a sharded checkpoint with an index json.
+      **overrides: config fields replacing `TINY_DEFAULTS` (e.g. num_key_value_heads=1).
+
+    Returns:
+      The checkpoint directory.
+    """
+    import transformers
+
+    torch = import_torch()
+    config = _config_class(model_type)(**{**TINY_DEFAULTS, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+            elif "embed_tokens" in name:
+                param.copy_(torch.randn_like(param))
+            else:
+                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+    model = model.to(getattr(torch, torch_dtype))
+    directory = Path(tmp_path) / f"{model_type}-{seed}"
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return directory
+
+
+def load_hf_model(model_dir: str | os.PathLike):
+    """A transformers causal LM from `model_dir`, in float32 and eval mode."""
+    import transformers
+
+    torch = import_torch()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32).eval()
+
+
+def _as_model(model_dir_or_model):
+    if isinstance(model_dir_or_model, (str, os.PathLike)):
+        return load_hf_model(model_dir_or_model)
+    return model_dir_or_model
+
+
+def hf_logits(model_dir_or_model, token_ids: list[int]) -> np.ndarray:
+    """[T, V] float32 logits of Hugging Face's forward pass over one sequence."""
+    torch = import_torch()
+    model = _as_model(model_dir_or_model)
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids], dtype=torch.long)).logits[0]
+    return out.float().numpy()
+
+
+def hf_greedy(model_dir_or_model, prompt_ids: list[int], max_new_tokens: int, *,
+              stop_at_eos: bool = False) -> list[int]:
+    """Greedy continuation of `prompt_ids` by Hugging Face `generate` (new tokens only).
+
+    Args:
+      model_dir_or_model: a checkpoint directory or an already loaded transformers model.
+      prompt_ids: the prompt's token ids.
+      max_new_tokens: how many tokens to generate.
+      stop_at_eos: stop at the model's EOS ids (then fewer tokens may come back); by default
+        exactly `max_new_tokens` tokens are generated, EOS or not.
+    """
+    import transformers
+
+    torch = import_torch()
+    model = _as_model(model_dir_or_model)
+    eos = model.generation_config.eos_token_id if stop_at_eos else None
+    generation = transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+        pad_token_id=model.generation_config.pad_token_id or 0)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids], dtype=torch.long),
+                             attention_mask=torch.ones((1, len(prompt_ids)), dtype=torch.long),
+                             generation_config=generation)
+    return out[0, len(prompt_ids):].tolist()

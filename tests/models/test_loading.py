@@ -1,0 +1,287 @@
+"""Model loading: the embedded model, GGUF and HF checkpoints, dispatch, and bad inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_utils import hf_logits, make_tiny_hf_checkpoint
+from safetensors.numpy import load_file, save_file
+
+from kvjax.models import llama
+from kvjax.models.gguf import load_gguf
+from kvjax.models.hf import load_hf
+from kvjax.models.loading import EMBEDDED_MODEL, embedded_model_path, load_model
+
+TINY_LOGITS_RTOL = 1e-5
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to HF q/k rows: [heads, 2, D/2] -> [heads, D/2, 2]."""
+    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, w.shape[1])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _tiny_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
+    """Byte-level tokens: the 256 byte letters, the special tokens, then merged letter pairs."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    letters = list(bytes_to_unicode().values())
+    pairs = [(a, b) for a in "etaoinsr" for b in "hnrstlde"]
+    merges = [f"{a} {b}" for a, b in pairs[: vocab_size - len(letters) - len(SPECIAL_TOKENS)]]
+    return letters + SPECIAL_TOKENS + [m.replace(" ", "") for m in merges], merges
+
+
+def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", drop: str | None = None,
+                    replace: dict[str, np.ndarray] | None = None) -> Path:
+    """Converts a tiny HF llama checkpoint to GGUF the way llama.cpp lays it out (F32 tensors)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    hf = load_file(hf_dir / "model.safetensors")
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    tensors = {"token_embd.weight": hf["model.embed_tokens.weight"],
+               "output_norm.weight": hf["model.norm.weight"],
+               "output.weight": hf["lm_head.weight"]}
+    for i in range(config["num_hidden_layers"]):
+        for hf_name, gguf_name in names.items():
+            w = hf[f"model.layers.{i}.{hf_name}.weight"]
+            if gguf_name == "attn_q":
+                w = _llama_cpp_permute(w, heads)
+            elif gguf_name == "attn_k":
+                w = _llama_cpp_permute(w, kv_heads)
+            tensors[f"blk.{i}.{gguf_name}.weight"] = w
+    tensors.update(replace or {})
+    tensors.pop(drop, None)
+    tokens, merges = _tiny_vocab(config["vocab_size"])
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    for name, w in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def tiny_llama(tmp_path) -> Path:
+    return make_tiny_hf_checkpoint(tmp_path, "llama", seed=11, rope_theta=1000.0)
+
+
+def _logits(model, tokens: list[int]) -> np.ndarray:
+    return np.asarray(llama.forward_dense(model.params, model.config, jnp.asarray(tokens)))
+
+
+def _rel_max_diff(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+# --- the embedded model --------------------------------------------------------------------
+
+def test_embedded_model_path_is_the_packaged_gguf():
+    path = embedded_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+
+
+def test_embedded_config_is_smollm2_135m(embedded_model):
+    # The published config.json of HuggingFaceTB/SmolLM2-135M-Instruct.
+    c = embedded_model.config
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == (
+        49152, 576, 1536, 30)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (9, 3, 64)
+    assert c.rope_theta == 100000.0
+    assert c.rms_norm_eps == pytest.approx(1e-5)
+    assert c.max_position_embeddings == 8192
+    assert c.tie_word_embeddings and "lm_head" not in embedded_model.params
+    assert (c.bos_token_id, c.eos_token_ids) == (1, (2,))
+    assert embedded_model.tokenizer.token_to_id("<|im_end|>") == 2
+    assert embedded_model.dtype == jnp.float32
+    assert embedded_model.weights_version.startswith("sha256:")
+
+
+# --- GGUF ------------------------------------------------------------------------------------
+
+def test_tiny_gguf_logits_match_hf_source_checkpoint(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama)
+    model = load_model(path)
+    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, 20).tolist()
+    assert _rel_max_diff(_logits(model, tokens), hf_logits(tiny_llama, tokens)) <= TINY_LOGITS_RTOL
+    assert model.config.num_kv_heads == 2 and not model.config.tie_word_embeddings
+    assert model.source == str(path)
+    tokenizer = model.tokenizer
+    assert tokenizer.encode("<|im_start|>the", add_bos=True) == [
+        tokenizer.bos_token_id, tokenizer.bos_token_id, tokenizer.token_to_id("th"),
+        tokenizer.token_to_id("e")]
+
+
+def test_gguf_bfloat16_params_are_the_rounded_float32_params(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama)
+    full, half = load_gguf(path), load_gguf(path, dtype="bfloat16")
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(half.params["layers"]["wq"]),
+                                  np.asarray(full.params["layers"]["wq"].astype(jnp.bfloat16)))
+
+
+def test_gguf_unsupported_architecture(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, arch="gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2'"):
+        load_gguf(path)
+
+
+def test_gguf_missing_tensor(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, drop="blk.1.ffn_up.weight")
+    with pytest.raises(ValueError, match=r"missing tensor.*blk\.1\.ffn_up\.weight"):
+        load_gguf(path)
+
+
+def test_gguf_wrong_shape(tmp_path, tiny_llama):
+    bad = {"blk.0.attn_k.weight": np.zeros((16, 64), np.float32)}
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, replace=bad)
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_k\.weight has shape \(16, 64\)"):
+        load_gguf(path)
+
+
+def test_gguf_unknown_tensor(tmp_path, tiny_llama):
+    extra = {"blk.0.attn_output.bias": np.zeros((64,), np.float32)}
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, replace=extra)
+    with pytest.raises(ValueError, match=r"does not support.*blk\.0\.attn_output\.bias"):
+        load_gguf(path)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_text("definitely not a GGUF file, just some text long enough to parse")
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        load_model(path)
+
+
+# --- HF checkpoints ------------------------------------------------------------------------
+
+def _edit_config(directory: Path, **changes) -> None:
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(changes)
+    config_path.write_text(json.dumps(config))
+
+
+def _edit_tensors(directory: Path, *, drop: str | None = None,
+                  replace: dict[str, np.ndarray] | None = None) -> None:
+    tensors = load_file(directory / "model.safetensors")
+    tensors.pop(drop, None)
+    tensors.update(replace or {})
+    save_file(tensors, directory / "model.safetensors")
+
+
+def test_hf_unsupported_model_type(tiny_llama):
+    _edit_config(tiny_llama, model_type="gpt2")
+    with pytest.raises(ValueError, match=r"model_type 'gpt2'.*'llama', 'mistral', 'qwen2'"):
+        load_hf(tiny_llama)
+
+
+def test_hf_missing_tensor(tiny_llama):
+    _edit_tensors(tiny_llama, drop="model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.mlp\.down_proj"):
+        load_model(tiny_llama)
+
+
+def test_hf_wrong_shape(tiny_llama):
+    _edit_tensors(tiny_llama, replace={"model.layers.0.self_attn.v_proj.weight": np.zeros((8, 64))})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.v_proj\.weight has shape"):
+        load_hf(tiny_llama)
+
+
+def test_hf_unknown_tensor(tiny_llama):
+    _edit_tensors(tiny_llama, replace={"model.layers.0.self_attn.o_proj.bias": np.zeros((64,))})
+    with pytest.raises(ValueError, match=r"does not support.*o_proj\.bias"):
+        load_hf(tiny_llama)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
+     "rope_type 'llama3'"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_type 'linear'"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(model_type="qwen2", use_sliding_window=True), "sliding-window"),
+])
+def test_hf_unsupported_features(tiny_llama, changes, message):
+    _edit_config(tiny_llama, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_hf(tiny_llama)
+
+
+def test_mistral_sliding_window_caps_context(tmp_path):
+    directory = make_tiny_hf_checkpoint(tmp_path, "mistral", sliding_window=64)
+    assert load_hf(directory).config.max_position_embeddings == 64
+
+
+def test_hf_without_weights(tiny_llama):
+    (tiny_llama / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_hf(tiny_llama)
+
+
+def test_weights_version_follows_the_weights(tmp_path):
+    first = make_tiny_hf_checkpoint(tmp_path / "a", "llama", seed=0)
+    same = make_tiny_hf_checkpoint(tmp_path / "b", "llama", seed=0)
+    other = make_tiny_hf_checkpoint(tmp_path / "c", "llama", seed=1)
+    versions = [load_hf(d).weights_version for d in (first, same, other)]
+    assert versions[0] == versions[1] != versions[2]
+
+
+def test_load_model_reads_from_disk_every_time(tmp_path):
+    directory = make_tiny_hf_checkpoint(tmp_path, "llama", seed=0)
+    before = load_model(directory)
+    _edit_tensors(directory, replace={"model.norm.weight": np.full((64,), 3.0, np.float32)})
+    after = load_model(directory)
+    np.testing.assert_array_equal(np.asarray(after.params["final_norm"]), 3.0)
+    assert not np.array_equal(np.asarray(before.params["final_norm"]), 3.0)
+    assert before.weights_version != after.weights_version
+
+
+# --- load_model dispatch -------------------------------------------------------------------
+
+def test_load_model_unknown_name():
+    with pytest.raises(ValueError, match=f"unknown model 'gpt-5'.*{EMBEDDED_MODEL}"):
+        load_model("gpt-5")
+
+
+@pytest.mark.parametrize("name", ["missing.gguf", "no/such/dir"])
+def test_load_model_missing_path(tmp_path, name):
+    with pytest.raises(FileNotFoundError, match="no model file or directory"):
+        load_model(tmp_path / name)
+
+
+def test_load_model_directory_without_config(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_load_model_unknown_dtype(tiny_llama):
+    with pytest.raises(ValueError, match="'int8'"):
+        load_model(tiny_llama, dtype="int8")
