@@ -1,0 +1,325 @@
+"""Host-side allocator of KV pages: block tables, reference counts, copy-on-write, prefix sharing.
+
+Every page is in exactly one of three states:
+
+- free: on the free list, content meaningless;
+- in use: referenced by the block table of at least one sequence (refcount > 0);
+- cached: indexed by the prefix cache and referenced by nobody, so evictable (LRU).
+
+An indexed page may also be in use; it is then shared through the cache and never evicted. A
+page that is indexed or referenced by several sequences is read-only: a write into it first
+copies it into a private page (copy-on-write), and the engine performs the returned `CopyOp`s on
+the device before it writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from kvjax.memory.prefix_cache import PrefixCache, hash_page, hash_root
+
+
+class AllocStatus(enum.Enum):
+    """Outcome of an allocation; on NO_PAGES nothing changed and the scheduler preempts."""
+
+    OK = "ok"
+    NO_PAGES = "no_pages"
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyOp:
+    """Copy-on-write: the device copies page `src` into page `dst` before writing into `dst`."""
+
+    src: int
+    dst: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockManagerStats:
+    """Counters since construction.
+
+    Attributes:
+        prefix_queries: prompts looked up in the prefix cache.
+        prefix_query_tokens: tokens of those prompts.
+        prefix_hits: pages attached from the prefix cache.
+        prefix_hit_tokens: tokens covered by those pages (prefix_hits * P).
+        evictions: cached pages evicted to satisfy an allocation.
+    """
+
+    prefix_queries: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    evictions: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens served from the cache (0 before any lookup)."""
+        if self.prefix_query_tokens == 0:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_query_tokens
+
+
+@dataclasses.dataclass
+class _Sequence:
+    block_table: list[int]  # [pages_per_seq] page ids, position p lives in block_table[p // P]
+    cache_key: bytes
+    page_hashes: list[bytes]  # hash chain of the leading full pages whose content is known
+    num_tokens: int  # current length: the cached prefix, then the `end` of the last write
+    num_cached_tokens: int  # prompt tokens attached from the prefix cache
+
+
+class BlockManager:
+    """Allocates pages of P tokens to sequences and shares full pages through a prefix cache.
+
+    Attributes:
+        num_pages: pages in the device KV pool.
+        page_size: P, tokens per page.
+        prefix_cache: the index of full pages, or None when prefix caching is disabled.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_cache: bool = True):
+        if not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.prefix_cache = PrefixCache(page_size) if enable_prefix_cache else None
+        self._free_pages = collections.deque(range(num_pages))
+        self._ref_counts = np.zeros([num_pages], np.int32)  # [num_pages]
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._stats = BlockManagerStats()
+
+    @property
+    def stats(self) -> BlockManagerStats:
+        return self._stats
+
+    def num_free_pages(self) -> int:
+        """Pages allocatable now: the free list plus unreferenced (evictable) cached pages."""
+        num_evictable = 0 if self.prefix_cache is None else self.prefix_cache.num_evictable()
+        return len(self._free_pages) + num_evictable
+
+    def num_used_pages(self) -> int:
+        """Pages referenced by at least one sequence."""
+        return int(np.count_nonzero(self._ref_counts))
+
+    def ref_count(self, page: int) -> int:
+        """Number of block tables holding `page`."""
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} is outside [0, {self.num_pages})")
+        return int(self._ref_counts[page])
+
+    def has_sequence(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The page ids of `seq_id`, [pages_per_seq]; position p lives in page p // P."""
+        return list(self._get(seq_id).block_table)
+
+    def num_tokens_cached(self, seq_id: Hashable) -> int:
+        """Prompt tokens of `seq_id` attached from the prefix cache by add_sequence."""
+        return self._get(seq_id).num_cached_tokens
+
+    def peek_cached_tokens(self, token_ids: Sequence[int], *, cache_key: bytes = b"") -> int:
+        """What add_sequence would return now, without attaching pages or counting a query."""
+        if self.prefix_cache is None or len(token_ids) == 0:
+            return 0
+        pages = self.prefix_cache.lookup(token_ids[: len(token_ids) - 1], cache_key)
+        return len(pages) * self.page_size
+
+    def add_sequence(
+        self, seq_id: Hashable, token_ids: Sequence[int], *, cache_key: bytes = b""
+    ) -> int:
+        """Registers a sequence and attaches the cached pages of its prompt's longest prefix.
+
+        Only full pages are shared, and the prompt's last token is always left to recompute so
+        the model produces logits for it. Pages are shared only between equal `cache_key`s
+        (tenant salt + KV provenance fingerprint). Allocates nothing else.
+
+        Args:
+            seq_id: a new sequence id (ValueError if already registered).
+            token_ids: the prompt, [S] with S >= 1.
+            cache_key: seeds the hash chain.
+
+        Returns:
+            The number of cached tokens: a multiple of P, and < len(token_ids).
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already registered")
+        if len(token_ids) == 0:
+            raise ValueError(f"sequence {seq_id!r} has an empty prompt")
+        if not isinstance(cache_key, bytes):
+            raise ValueError(f"cache_key must be bytes, got {type(cache_key).__name__}")
+        pages, hashes = [], []
+        if self.prefix_cache is not None:
+            pages = self.prefix_cache.lookup(token_ids[: len(token_ids) - 1], cache_key)
+            hashes = [self.prefix_cache.hash_of(page) for page in pages]
+            for page in pages:
+                self._acquire(page)
+            self._stats = dataclasses.replace(
+                self._stats,
+                prefix_queries=self._stats.prefix_queries + 1,
+                prefix_query_tokens=self._stats.prefix_query_tokens + len(token_ids),
+                prefix_hits=self._stats.prefix_hits + len(pages),
+                prefix_hit_tokens=self._stats.prefix_hit_tokens + len(pages) * self.page_size,
+            )
+        num_cached = len(pages) * self.page_size
+        self._seqs[seq_id] = _Sequence(
+            block_table=pages,
+            cache_key=cache_key,
+            page_hashes=hashes,
+            num_tokens=num_cached,
+            num_cached_tokens=num_cached,
+        )
+        return num_cached
+
+    def pages_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Pages (new ones plus copies) for `seq_id` to cover `num_tokens` tokens in all.
+
+        Exactly what `ensure_writable(seq_id, start, num_tokens)` takes, with `start` the
+        sequence's current length: the cached prefix after add_sequence, then the `end` of the
+        last successful ensure_writable (a rewrite from an earlier position, such as a rejected
+        speculative draft, shortens it).
+        """
+        seq = self._get(seq_id)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        cow_indices, num_new = self._plan(seq, min(seq.num_tokens, num_tokens), num_tokens)
+        return len(cow_indices) + num_new
+
+    def ensure_writable(
+        self, seq_id: Hashable, start: int, end: int
+    ) -> tuple[AllocStatus, list[CopyOp]]:
+        """Makes positions [start, end) of `seq_id` writable before the device writes their KV.
+
+        Appends pages until the sequence covers `end` tokens, and replaces every touched page
+        that is shared (held by another sequence or indexed by the prefix cache) with a private
+        copy. All-or-nothing: on NO_PAGES nothing changed. Evicts unreferenced cached pages, least
+        recently released first, when the free list runs out.
+
+        Returns:
+            (status, copies): the device must perform `copies` before writing.
+        """
+        seq = self._get(seq_id)
+        if not 0 <= start <= end:
+            raise ValueError(f"need 0 <= start <= end, got start={start}, end={end}")
+        cow_indices, num_new = self._plan(seq, start, end)
+        if len(cow_indices) + num_new > self.num_free_pages():
+            return AllocStatus.NO_PAGES, []
+        copies = []
+        for index in cow_indices:
+            copies.append(CopyOp(src=seq.block_table[index], dst=self._allocate()))
+            seq.block_table[index] = copies[-1].dst
+        seq.block_table.extend(self._allocate() for _ in range(num_new))
+        # Sources are released only now, so none is reallocated as a destination of this call.
+        for copy in copies:
+            self._release(copy.src)
+        if end > start:
+            # Positions from `start` on get new content: hashes of the pages they touch are stale.
+            del seq.page_hashes[start // self.page_size :]
+        seq.num_tokens = end
+        return AllocStatus.OK, copies
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Registers `child_id` sharing every page of `parent_id` (e.g. n > 1 samples)."""
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} is already registered")
+        for page in parent.block_table:
+            self._ref_counts[page] += 1
+        self._seqs[child_id] = dataclasses.replace(
+            parent, block_table=list(parent.block_table), page_hashes=list(parent.page_hashes)
+        )
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Records that the device wrote the KV of `token_ids`, the sequence's tokens so far.
+
+        Every page that became full is indexed in the prefix cache under the sequence's hash
+        chain; when another page already holds the same chain, that one stays indexed.
+        """
+        seq = self._get(seq_id)
+        capacity = len(seq.block_table) * self.page_size
+        if len(token_ids) > capacity:
+            raise ValueError(
+                f"commit of {len(token_ids)} tokens, but sequence {seq_id!r} has pages for "
+                f"{capacity}"
+            )
+        if self.prefix_cache is None:
+            return
+        parent = seq.page_hashes[-1] if seq.page_hashes else hash_root(seq.cache_key)
+        for index in range(len(seq.page_hashes), len(token_ids) // self.page_size):
+            start = index * self.page_size
+            parent = hash_page(parent, token_ids[start : start + self.page_size])
+            seq.page_hashes.append(parent)
+            self.prefix_cache.insert(parent, seq.block_table[index])
+
+    def free(self, seq_id: Hashable) -> list[int]:
+        """Drops `seq_id` and releases its pages.
+
+        Pages still referenced elsewhere stay; indexed pages become evictable, tail pages ahead of
+        the prefix in the LRU order (evicting a prefix page would strand the pages after it).
+
+        Returns:
+            The pages that went to the free list (the engine may scrub them).
+        """
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        return [page for page in reversed(seq.block_table) if self._release(page)]
+
+    def reset_prefix_cache(self) -> None:
+        """Empties the prefix cache; its unreferenced pages return to the free list."""
+        if self.prefix_cache is not None:
+            self._free_pages.extend(self.prefix_cache.reset())
+
+    def _get(self, seq_id: Hashable) -> _Sequence:
+        if seq_id not in self._seqs:
+            raise ValueError(f"unknown sequence {seq_id!r}")
+        return self._seqs[seq_id]
+
+    def _is_shared(self, page: int) -> bool:
+        if self._ref_counts[page] > 1:
+            return True
+        return self.prefix_cache is not None and self.prefix_cache.is_indexed(page)
+
+    def _plan(self, seq: _Sequence, start: int, end: int) -> tuple[list[int], int]:
+        """(indices in the block table to copy on write, number of pages to append)."""
+        num_pages_after = -(-end // self.page_size)
+        num_new = max(0, num_pages_after - len(seq.block_table))
+        if end == start:
+            return [], num_new
+        touched = range(start // self.page_size, min(num_pages_after, len(seq.block_table)))
+        return [i for i in touched if self._is_shared(seq.block_table[i])], num_new
+
+    def _acquire(self, page: int) -> None:
+        if self._ref_counts[page] == 0:
+            self.prefix_cache.mark_in_use(page)
+        self._ref_counts[page] += 1
+
+    def _release(self, page: int) -> bool:
+        """Drops one reference; True when the page went to the free list."""
+        self._ref_counts[page] -= 1
+        if self._ref_counts[page] > 0:
+            return False
+        if self.prefix_cache is not None and self.prefix_cache.is_indexed(page):
+            self.prefix_cache.mark_evictable(page)
+            return False
+        self._free_pages.append(page)
+        return True
+
+    def _allocate(self) -> int:
+        """Takes a free page, else evicts the least recently released cached page."""
+        if self._free_pages:
+            page = self._free_pages.popleft()
+        else:
+            page = None if self.prefix_cache is None else self.prefix_cache.evict_one()
+            if page is None:
+                raise RuntimeError("no page left; callers check num_free_pages first")
+            self._stats = dataclasses.replace(self._stats, evictions=self._stats.evictions + 1)
+        self._ref_counts[page] = 1
+        return page
