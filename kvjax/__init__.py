@@ -1,0 +1,26 @@
+"""kvjax: the KV cache of LLM serving as explicit, hackable state in JAX."""
+
+from kvjax.config import KVLayout, ModelConfig
+from kvjax.engine.config import EngineConfig, PreemptionMode
+from kvjax.engine.engine import Engine
+from kvjax.engine.request import FinishReason, RequestOutput
+from kvjax.engine.step import AttentionImpl
+from kvjax.generation import generate
+from kvjax.models.loading import load_model
+from kvjax.models.model import Model
+from kvjax.sampling import SamplingParams
+
+__all__ = [
+    "AttentionImpl",
+    "Engine",
+    "EngineConfig",
+    "FinishReason",
+    "KVLayout",
+    "Model",
+    "ModelConfig",
+    "PreemptionMode",
+    "RequestOutput",
+    "SamplingParams",
+    "generate",
+    "load_model",
+]

@@ -79,8 +79,8 @@ class ModelConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                    f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
 
     @property
     def group_size(self) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence as Seq
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +20,10 @@ import numpy as np
 
 from kvjax.config import KVLayout, resolve_dtype
 from kvjax.engine.config import EngineConfig, PreemptionMode
-from kvjax.engine.request import (CompletionOutput, FinishReason, RequestOutput, Sequence,
-                                  SeqStatus)
-from kvjax.engine.step import LogitsMode, ModelRunner, StepShape, empty_step_input
+from kvjax.engine.request import CompletionOutput, FinishReason, RequestOutput, SeqStatus, Sequence
+from kvjax.engine.step import PAGES_PER_BLOCK, LogitsMode, ModelRunner, StepShape, empty_step_input
 from kvjax.engine.swap import HostSwapSpace
-from kvjax.kv.state import (init_contiguous_kv, init_paged_kv, num_pages_for_budget, pages_for)
+from kvjax.kv.state import init_contiguous_kv, init_paged_kv, num_pages_for_budget, pages_for
 from kvjax.memory.block_manager import AllocStatus, BlockManager
 from kvjax.memory.slots import SlotAllocator
 from kvjax.models.model import Model
@@ -58,6 +58,9 @@ class Engine:
         self.kv_dtype = resolve_dtype(config.kv_dtype) if config.kv_dtype else model.dtype
         self.runner = ModelRunner(mc, attention_impl=config.attention_impl)
         self.max_pages_per_seq = self.max_model_len // config.page_size
+        # Block tables keep one width, so context growth never changes a step's shape.
+        self.block_table_width = pages_for(self.max_pages_per_seq, PAGES_PER_BLOCK) * \
+            PAGES_PER_BLOCK
         if config.kv_layout is KVLayout.CONTIGUOUS:
             max_seqs = self._contiguous_slots()
             self.kv = init_contiguous_kv(mc, max_seqs, self.max_model_len, config.page_size,
@@ -369,16 +372,58 @@ class Engine:
 
     # ----------------------------------------------------------------------------- the step
 
+    def _decode_buckets(self, *, mixed: bool) -> list[int]:
+        """Padded decode-row counts: powers of two alone, powers of four beside a prefill."""
+        cap = _bucket(self.config.max_num_seqs, 1, 1 << 30)
+        base = 4 if mixed else 2
+        sizes, n = [], 1
+        while n < cap:
+            sizes.append(n)
+            n *= base
+        return ([0] if mixed else []) + sizes + [cap]
+
+    def _chunk_buckets(self) -> list[int]:
+        """Padded prefill chunk lengths: powers of four from min_chunk_bucket, and the maximum."""
+        cap = _bucket(self.config.max_prefill_chunk, 1, 1 << 30)
+        sizes, n = [], min(self.config.min_chunk_bucket, cap)
+        while n < cap:
+            sizes.append(n)
+            n *= 4
+        return sizes + [cap]
+
+    def step_shapes(self, logits_mode: LogitsMode = LogitsMode.NONE) -> list[StepShape]:
+        """Every greedy step shape this engine can produce: what `warmup` compiles."""
+        width = self.block_table_width
+        shapes = [StepShape(bd, 0, 1, width, logits_mode=logits_mode)
+                  for bd in self._decode_buckets(mixed=False)]
+        prefill_rows = sorted({1, self.config.max_prefill_seqs})
+        shapes += [StepShape(bd, bp, c, width, logits_mode=logits_mode)
+                   for bd in self._decode_buckets(mixed=True) for bp in prefill_rows
+                   for c in self._chunk_buckets()]
+        return shapes
+
+    def warmup(self) -> int:
+        """Compiles every greedy step shape on padding inputs; returns the compile count.
+
+        Padded tokens write nothing and padded rows read nothing, so the KV state is unchanged.
+        """
+        for shape in self.step_shapes():
+            _, self.kv = self.runner.step(self.model.params, self.kv, empty_step_input(shape),
+                                          shape)
+        jax.block_until_ready(self.kv)
+        return self.num_compiles
+
     def _build_input(self, rows, num_decode: int, logits_mode: LogitsMode):
         cfg = self.config
         prefill_rows = rows[num_decode:]
-        bd = _bucket(num_decode, 1, _bucket(cfg.max_num_seqs, 1, 1 << 30)) if num_decode else 0
-        bp = _bucket(len(prefill_rows), 1, _bucket(cfg.max_prefill_seqs, 1, 1 << 30)) \
-            if prefill_rows else 0
-        chunk = _bucket(max((n for _, n in prefill_rows), default=1), cfg.min_chunk_bucket,
-                        _bucket(cfg.max_prefill_chunk, 1, 1 << 30)) if prefill_rows else 1
-        max_pages = max(pages_for(s.num_computed + n, cfg.page_size) for s, n in rows)
-        max_pages = _bucket(max_pages, 1, self.max_pages_per_seq)
+        mixed = bool(prefill_rows)
+        bd = min(b for b in self._decode_buckets(mixed=mixed) if b >= num_decode)
+        # Prefill rows come in two sizes only (one sequence, or the most allowed), which keeps
+        # the number of step shapes small enough to compile them all during warm-up.
+        bp = (1 if len(prefill_rows) == 1 else cfg.max_prefill_seqs) if prefill_rows else 0
+        longest = max((n for _, n in prefill_rows), default=1)
+        chunk = min(c for c in self._chunk_buckets() if c >= longest) if mixed else 1
+        max_pages = self.block_table_width
         sampling = [s.sampling for s, _ in rows]
         shape = StepShape(
             num_decode=bd, num_prefill=bp, chunk=chunk, max_pages=max_pages,

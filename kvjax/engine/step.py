@@ -52,7 +52,7 @@ class StepShape:
     num_decode: int  # Bd
     num_prefill: int  # Bp
     chunk: int  # C
-    max_pages: int  # Pmax, block table width
+    max_pages: int  # W, block table width (fixed per engine)
     all_greedy: bool = True
     needs_filter: bool = False
     logits_mode: LogitsMode = LogitsMode.NONE
@@ -118,14 +118,24 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
     )
 
 
+PAGES_PER_BLOCK = 8  # Block tables are padded to a multiple of this.
+
+
+def _decode_blockwise(q, k_pages, v_pages, block_tables, kv_lens):
+    """Decode through the blockwise jnp path: one query per row. q: [B, N, D]."""
+    q_lens = (kv_lens > 0).astype(jnp.int32)
+    out = attention_ref.paged_attention_blockwise(q[:, None], k_pages, v_pages, block_tables,
+                                                  kv_lens, q_lens)
+    return out[:, 0]  # [B, N, D]
+
+
 def _attention_fns(impl: AttentionImpl):
     """(decode, prefill) attention functions with the reference signatures."""
     if impl is AttentionImpl.AUTO:
         impl = (AttentionImpl.REFERENCE if jax.default_backend() == "cpu"
                 else AttentionImpl.PALLAS)
     if impl is AttentionImpl.REFERENCE:
-        return (attention_ref.paged_decode_attention_reference,
-                attention_ref.paged_prefill_attention_reference)
+        return _decode_blockwise, attention_ref.paged_attention_blockwise
     from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
 
     return dispatch.attention_fns()

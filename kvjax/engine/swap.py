@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.kv.state import PagedKV

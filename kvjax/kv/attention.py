@@ -198,3 +198,67 @@ def dense_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_positi
     mask = jnp.arange(k.shape[0])[None, :] <= q_positions[:, None]  # [T, S]
     probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
     return jnp.einsum("nts,snd->tnd", probs, vv)  # [T, N, D]
+
+
+def paged_attention_blockwise(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    q_lens: jax.Array,
+    *,
+    pages_per_block: int = 8,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """The engine's jnp fast path: `paged_prefill_attention_reference` computed block by block.
+
+    Walks the block tables `pages_per_block` pages at a time with an online softmax, for only as
+    many blocks as the longest sequence needs (a dynamic trip count), so the block table can
+    keep its full width and the step compiles once whatever the context lengths. Decode is the
+    case C == 1, q_lens == 1.
+
+    Args:
+      q: [B, C, N, D].
+      k_pages, v_pages: [num_pages, P, K, D].
+      block_tables: [B, W] int32, W a multiple of pages_per_block.
+      kv_lens, q_lens: [B] int32.
+    Returns:
+      [B, C, N, D] in q's dtype.
+    """
+    b, c, n, d = q.shape
+    _, p, k_heads, _ = k_pages.shape
+    g = n // k_heads
+    block = pages_per_block * p
+    qg = q.astype(jnp.float32).reshape(b, c, k_heads, g, d) * _scale(d, sm_scale)
+    q_idx = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
+    q_pos = (kv_lens - q_lens)[:, None] + q_idx  # [B, C]
+    q_valid = q_idx < q_lens[:, None]  # [B, C]
+    num_blocks = (jnp.max(kv_lens) + block - 1) // block
+
+    def body(i, carry):
+        m, denom, acc = carry  # [B, K, G, C], [B, K, G, C], [B, K, G, C, D]
+        pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
+                                             pages_per_block, axis=1)  # [B, ppb]
+        k = k_pages[pages].reshape(b, block, k_heads, d).astype(jnp.float32)  # [B, S', K, D]
+        v = v_pages[pages].reshape(b, block, k_heads, d).astype(jnp.float32)
+        kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [S']
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
+            kv_pos[None, None, :] < kv_lens[:, None, None]) & q_valid[:, :, None]  # [B, C, S']
+        v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, 0.0)
+        s = jnp.einsum("bckgd,bskd->bkgcs", qg, k)  # [B, K, G, C, S']
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        w = jnp.where(mask[:, None, None], jnp.exp(s - m_safe[..., None]), 0.0)
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+        denom = alpha * denom + jnp.sum(w, axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("bkgcs,bskd->bkgcd", w, v)
+        return m_new, denom, acc
+
+    init = (jnp.full((b, k_heads, g, c), -jnp.inf, jnp.float32),
+            jnp.zeros((b, k_heads, g, c), jnp.float32),
+            jnp.zeros((b, k_heads, g, c, d), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [B, K, G, C, D]
+    return jnp.einsum("bkgcd->bckgd", out).reshape(b, c, n, d).astype(q.dtype)

@@ -66,7 +66,7 @@ class PagedKV:
                             v_pages=_write_slots(self.v_pages, layer, slots, v))
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> PagedKV:
-        """Copy-on-write: page dst[i] becomes a copy of page src[i] in every layer. src, dst: [C]."""
+        """Copy-on-write: page dst[i] becomes a copy of page src[i] in all layers. src, dst: [C]."""
         return self.replace(k_pages=self.k_pages.at[:, dst].set(self.k_pages[:, src]),
                             v_pages=self.v_pages.at[:, dst].set(self.v_pages[:, src]))
 

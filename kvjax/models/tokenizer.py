@@ -8,6 +8,8 @@ request carries are exactly the ids its prompt spells.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -80,6 +82,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of the vocabulary, merges and special tokens: part of the KV provenance."""
+        digest = hashlib.blake2b(self._backend.to_str().encode(), digest_size=8)
+        digest.update(repr((self.bos_token_id, self.eos_token_ids)).encode())
+        return digest.hexdigest()
 
     @property
     def backend(self) -> tokenizers.Tokenizer:

@@ -1,0 +1,180 @@
+"""Engine invariants: greedy tokens never depend on memory pressure, caching, batching or order.
+
+The oracle is `greedy_reference`: full recomputation with the cache-free dense forward pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny_models import greedy_reference, tiny_model
+
+from kvjax import EngineConfig, KVLayout, PreemptionMode, SamplingParams
+from kvjax.engine.engine import Engine
+from kvjax.engine.request import FinishReason
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    rng = np.random.default_rng(0)
+    shared = list(rng.integers(0, 120, size=24))
+    prompts = []
+    for i in range(10):
+        own = list(rng.integers(0, 120, size=int(rng.integers(1, 30))))
+        prompts.append([int(t) for t in (shared + own if i % 2 else own)])
+    refs = [greedy_reference(model, p, MAX_NEW) for p in prompts]
+    return prompts, refs
+
+
+def run(model, prompts, config, **sampling):
+    engine = Engine(model, config)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, **sampling))
+    return engine, [o.outputs[0].token_ids for o in outs]
+
+
+BASE = dict(page_size=4, max_num_batched_tokens=32, max_prefill_chunk=16, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("plenty", dict(num_pages=256)),
+    ("tiny-recompute", dict(num_pages=22)),
+    ("tiny-swap", dict(num_pages=22, preemption_mode=PreemptionMode.SWAP)),
+    ("no-prefix-cache", dict(num_pages=256, enable_prefix_cache=False)),
+    ("small-chunks", dict(num_pages=256, max_prefill_chunk=3, max_num_batched_tokens=9)),
+    ("page-16", dict(num_pages=64, page_size=16)),
+    ("contiguous", dict(kv_layout=KVLayout.CONTIGUOUS, max_num_seqs=4)),
+    ("scrub", dict(num_pages=22, scrub_freed_pages=True)),
+])
+def test_greedy_tokens_match_solo_reference(model, workload, name, overrides):
+    prompts, refs = workload
+    engine, got = run(model, prompts, EngineConfig(**{**BASE, **overrides}))
+    assert got == refs
+    if name.startswith("tiny"):
+        assert engine.stats["preemptions"] > 0, "the budget was meant to force preemption"
+    if name == "tiny-swap":
+        assert engine.stats["swaps_in"] > 0
+    if name == "plenty":
+        assert engine.prefix_cache_stats()["prefix_hit_tokens"] > 0
+    assert engine.allocator.num_used_pages() == 0  # every page returned
+
+
+def test_random_arrival_order_and_interleaving(model, workload):
+    prompts, refs = workload
+    rng = np.random.default_rng(1)
+    engine = Engine(model, EngineConfig(**BASE, num_pages=40))
+    order = rng.permutation(len(prompts))
+    results = {}
+    for i, idx in enumerate(order):
+        engine.add_request(f"r{idx}", prompts[idx], SamplingParams(max_new_tokens=MAX_NEW))
+        for _ in range(int(rng.integers(0, 3)) if i < len(order) - 1 else 0):
+            for out in engine.step():
+                results[out.request_id] = out.outputs[0].token_ids
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id] = out.outputs[0].token_ids
+    assert [results[f"r{i}"] for i in range(len(prompts))] == refs
+
+
+def test_parallel_samples_share_prompt_pages(model, workload):
+    prompts, refs = workload
+    engine = Engine(model, EngineConfig(**BASE, num_pages=256))
+    (out,) = engine.generate([prompts[1]], SamplingParams(max_new_tokens=MAX_NEW, n=3))
+    assert [o.token_ids for o in out.outputs] == [refs[1]] * 3
+    (sampled,) = engine.generate([prompts[1]], SamplingParams(
+        max_new_tokens=MAX_NEW, n=3, temperature=1.0, seed=5))
+    tokens = [o.token_ids for o in sampled.outputs]
+    assert len({tuple(t) for t in tokens}) > 1, "samples with different seeds should differ"
+    assert engine.allocator.num_used_pages() == 0
+
+
+def test_seeded_sampling_is_batch_invariant(model, workload):
+    prompts, _ = workload
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, top_k=20, top_p=0.9,
+                            seed=11)
+    engine = Engine(model, EngineConfig(**BASE, num_pages=256))
+    (alone,) = engine.generate([prompts[3]], params)
+    batch = engine.generate(prompts[:6], params)
+    assert batch[3].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert all(np.isfinite(batch[3].outputs[0].logprobs))
+
+
+def test_abort_mid_flight_leaves_others_exact(model, workload):
+    prompts, refs = workload
+    engine = Engine(model, EngineConfig(**BASE, num_pages=64))
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=MAX_NEW))
+    engine.step()
+    engine.step()
+    engine.abort("r1")
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out
+    aborted = [o for o in engine._finished_outputs] + [done.pop("r1", None)]
+    assert done["r0"].outputs[0].token_ids == refs[0]
+    assert done["r2"].outputs[0].token_ids == refs[2]
+    assert done["r3"].outputs[0].token_ids == refs[3]
+    assert any(o is not None and o.outputs[0].finish_reason is FinishReason.ABORT
+               for o in aborted)
+    assert engine.allocator.num_used_pages() == 0
+
+
+def test_bad_requests_fail_alone(model, workload):
+    prompts, refs = workload
+    engine = Engine(model, EngineConfig(**BASE, num_pages=64))
+    bad = [[], [5, 500], list(range(100)) * 3, prompts[0]]
+    bad_params = [SamplingParams(max_new_tokens=MAX_NEW)] * 4
+    good = SamplingParams(max_new_tokens=MAX_NEW)
+    outs = engine.generate(bad + [prompts[2]], bad_params + [good])
+    assert "empty" in outs[0].error
+    assert "500" in outs[1].error and "vocabulary" in outs[1].error
+    assert "context length" in outs[2].error
+    assert outs[3].error is None and outs[3].outputs[0].token_ids == refs[0]
+    assert outs[4].outputs[0].token_ids == refs[2]
+    engine.add_request("dup", prompts[0], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.add_request("dup", prompts[0], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="unknown request_id"):
+        engine.abort("nope")
+    with pytest.raises(ValueError, match="pool has"):
+        Engine(model, EngineConfig(**BASE, num_pages=4)).add_request(
+            "big", prompts[0], SamplingParams(max_new_tokens=200))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"), (dict(n=0), "n must"),
+    (dict(seed=-1), "seed"),
+])
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_compile_count_flat_after_warmup(model):
+    rng = np.random.default_rng(2)
+    engine = Engine(model, EngineConfig(**BASE, num_pages=64))
+
+    def serve(num):
+        for i in range(num):
+            prompt = [int(t) for t in rng.integers(0, 120, size=int(rng.integers(1, 40)))]
+            engine.add_request(f"q{serve.count}-{i}", prompt,
+                               SamplingParams(max_new_tokens=int(rng.integers(1, 12))))
+            if rng.random() < 0.5:
+                engine.step()
+        while engine.has_unfinished():
+            engine.step()
+        serve.count += 1
+    serve.count = 0
+    warm = engine.warmup()
+    assert warm <= len(engine.step_shapes()) + 1
+    serve(150)
+    serve(150)
+    assert engine.num_compiles == warm, f"recompiled after warm-up: {warm} -> {engine.num_compiles}"
