@@ -121,24 +121,41 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
 PAGES_PER_BLOCK = 8  # Block tables are padded to a multiple of this.
 
 
-def _decode_blockwise(q, k_pages, v_pages, block_tables, kv_lens):
-    """Decode through the blockwise jnp path: one query per row. q: [B, N, D]."""
-    q_lens = (kv_lens > 0).astype(jnp.int32)
-    out = attention_ref.paged_attention_blockwise(q[:, None], k_pages, v_pages, block_tables,
-                                                  kv_lens, q_lens)
-    return out[:, 0]  # [B, N, D]
-
-
-def _attention_fns(impl: AttentionImpl):
-    """(decode, prefill) attention functions with the reference signatures."""
+def _resolve(impl: AttentionImpl) -> AttentionImpl:
     if impl is AttentionImpl.AUTO:
-        impl = (AttentionImpl.REFERENCE if jax.default_backend() == "cpu"
-                else AttentionImpl.PALLAS)
-    if impl is AttentionImpl.REFERENCE:
-        return _decode_blockwise, attention_ref.paged_attention_blockwise
-    from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
+        return AttentionImpl.REFERENCE if jax.default_backend() == "cpu" else AttentionImpl.PALLAS
+    return impl
 
-    return dispatch.attention_fns()
+
+def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, shape: StepShape,
+                 impl: AttentionImpl) -> jax.Array:
+    """Attention of a step's decode rows and prefill rows. q: [T, N, D] -> [T, N, D]."""
+    bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
+    _, n, d = q.shape
+    bt, kv_lens, q_lens = inp.block_tables, inp.kv_lens, inp.q_lens
+    outs = []
+    if impl is AttentionImpl.PALLAS:
+        from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
+
+        decode_attn, prefill_attn = dispatch.attention_fns()
+        k_pages, v_pages = kv.layer_pages(layer)  # [num_pages, P, K, D]
+        if bd:
+            outs.append(decode_attn(q[:bd], k_pages, v_pages, bt[:bd], kv_lens[:bd]))
+        if bp:
+            out = prefill_attn(q[bd:].reshape(bp, c, n, d), k_pages, v_pages, bt[bd:],
+                               kv_lens[bd:], q_lens[bd:])
+            outs.append(out.reshape(bp * c, n, d))
+        return jnp.concatenate(outs, axis=0)
+    load = functools.partial(kv.load_pages, layer)
+    blockwise = functools.partial(attention_ref.paged_attention_blockwise,
+                                  pages_per_block=PAGES_PER_BLOCK)
+    if bd:
+        out = blockwise(q[:bd, None], load, bt[:bd], kv_lens[:bd], q_lens[:bd])  # [Bd, 1, N, D]
+        outs.append(out[:, 0])
+    if bp:
+        out = blockwise(q[bd:].reshape(bp, c, n, d), load, bt[bd:], kv_lens[bd:], q_lens[bd:])
+        outs.append(out.reshape(bp * c, n, d))  # [Bp*C, N, D]
+    return jnp.concatenate(outs, axis=0)
 
 
 def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shape: StepShape,
@@ -146,21 +163,12 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                ) -> tuple[StepOutput, KVState]:
     """Runs the model over one step's tokens, writing their K/V and sampling one token per row."""
     bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
-    n, d = config.num_heads, config.head_dim
-    decode_attn, prefill_attn = _attention_fns(attention_impl)
-    bt, kv_lens, q_lens = inp.block_tables, inp.kv_lens, inp.q_lens
+    q_lens = inp.q_lens
+    impl = _resolve(attention_impl)
 
     def attend(layer, q, k, v, kv):
         kv = kv.write(layer, inp.slot_mapping, k, v)
-        k_pages, v_pages = kv.layer_pages(layer)  # [num_pages, P, K, D]
-        outs = []
-        if bd:
-            outs.append(decode_attn(q[:bd], k_pages, v_pages, bt[:bd], kv_lens[:bd]))  # [Bd, N, D]
-        if bp:
-            qp = q[bd:].reshape(bp, c, n, d)
-            out = prefill_attn(qp, k_pages, v_pages, bt[bd:], kv_lens[bd:], q_lens[bd:])
-            outs.append(out.reshape(bp * c, n, d))  # [Bp*C, N, D]
-        return jnp.concatenate(outs, axis=0), kv
+        return _attend_rows(kv, layer, q, inp, shape, impl), kv
 
     h, kv = llama.decode_body(params, config, inp.tokens, inp.positions, attend, kv)  # [T, H]
     last = jnp.concatenate([

@@ -15,9 +15,14 @@ Three entry points, all with the same meaning:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# load_pages(page_ids [B, n]) -> (k, v), each [B, n, P, K, D].
+PageLoader = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 
 
 def _scale(head_dim: int, sm_scale: float | None) -> float:
@@ -200,10 +205,15 @@ def dense_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_positi
     return jnp.einsum("nts,snd->tnd", probs, vv)  # [T, N, D]
 
 
+def pages_loader(k_pages: jax.Array, v_pages: jax.Array) -> PageLoader:
+    """A PageLoader over plain page arrays [num_pages, P, K, D]."""
+    k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
+    return lambda pages: (k_pages[pages], v_pages[pages])
+
+
 def paged_attention_blockwise(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    load_pages: PageLoader,
     block_tables: jax.Array,
     kv_lens: jax.Array,
     q_lens: jax.Array,
@@ -220,14 +230,16 @@ def paged_attention_blockwise(
 
     Args:
       q: [B, C, N, D].
-      k_pages, v_pages: [num_pages, P, K, D].
+      load_pages: maps page ids [B, n] to float K and V [B, n, P, K, D]; this is where a KV
+        layout (or a quantized codec) plugs in, reading only the pages it is asked for.
       block_tables: [B, W] int32, W a multiple of pages_per_block.
       kv_lens, q_lens: [B] int32.
     Returns:
       [B, C, N, D] in q's dtype.
     """
     b, c, n, d = q.shape
-    _, p, k_heads, _ = k_pages.shape
+    probe_k, _ = jax.eval_shape(load_pages, block_tables[:, :pages_per_block])
+    _, _, p, k_heads, _ = probe_k.shape
     g = n // k_heads
     block = pages_per_block * p
     qg = q.astype(jnp.float32).reshape(b, c, k_heads, g, d) * _scale(d, sm_scale)
@@ -240,8 +252,9 @@ def paged_attention_blockwise(
         m, denom, acc = carry  # [B, K, G, C], [B, K, G, C], [B, K, G, C, D]
         pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
                                              pages_per_block, axis=1)  # [B, ppb]
-        k = k_pages[pages].reshape(b, block, k_heads, d).astype(jnp.float32)  # [B, S', K, D]
-        v = v_pages[pages].reshape(b, block, k_heads, d).astype(jnp.float32)
+        k, v = load_pages(pages)  # [B, ppb, P, K, D] each
+        k = k.reshape(b, block, k_heads, d).astype(jnp.float32)  # [B, S', K, D]
+        v = v.reshape(b, block, k_heads, d).astype(jnp.float32)
         kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [S']
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
             kv_pos[None, None, :] < kv_lens[:, None, None]) & q_valid[:, :, None]  # [B, C, S']

@@ -60,6 +60,10 @@ class PagedKV:
         """This layer's pages, each [num_pages, P, K, D]."""
         return self.k_pages[layer], self.v_pages[layer]
 
+    def load_pages(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K and V of `pages` [B, n] of `layer`, each [B, n, P, K, D]; reads only those pages."""
+        return self.k_pages[layer, pages], self.v_pages[layer, pages]
+
     def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array) -> PagedKV:
         """Writes k, v [T, K, D] of `layer` into flat slots [T] (-1: dropped)."""
         return self.replace(k_pages=_write_slots(self.k_pages, layer, slots, k),
@@ -114,6 +118,9 @@ class ContiguousKV:
 
     def layer_pages(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self._as_pages(self.k)[layer], self._as_pages(self.v)[layer]
+
+    def load_pages(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self._as_pages(self.k)[layer, pages], self._as_pages(self.v)[layer, pages]
 
     def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array
               ) -> ContiguousKV:
