@@ -1,0 +1,425 @@
+"""Paged decode attention as a Pallas kernel: one query token per sequence against its KV pages.
+
+Same leading arguments as `reference.paged_decode_attention_reference`: q [B, N, D], k_pages /
+v_pages [num_pages, P, K, D], block_tables [B, Pmax] int32, kv_lens [B] int32.
+
+The work is cut into compute blocks of `pages_per_compute_block` pages. Each sequence's live
+blocks (those holding tokens inside the sliding window, up to kv_len) are split evenly into
+`num_splits` contiguous ranges (split-K); each split runs an online softmax over its blocks for
+the G query heads of one kv head at once (GQA: a [G, D] x [D, S_blk] matmul per block) and
+writes an unnormalised partial output with its running max and sum. A small jnp step combines
+the splits. A split with an empty range (short sequence, padded row) reads no page.
+
+Two schedules express the same computation (see pallas_kernels/README.md):
+
+  * `Schedule.PIPELINED` (TPU, Mosaic): `PrefetchScalarGridSpec` puts the block tables and
+    lengths in SMEM; grid (B, splits, blocks per split), the last axis sequential with the
+    softmax state in VMEM scratch; the index maps turn (row, split, step) into page numbers so
+    the pipeline DMAs exactly the pages of the block and repeats the last one past the end
+    (a repeated block index is not re-fetched).
+  * `Schedule.LOOPED` (GPU, Triton): grid (B, K, splits), every program a fori_loop over its
+    blocks that gathers the block's pages through the block table (`k_ref[page_ids]`).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+# Finite stand-in for -inf: masked scores never produce inf - inf = NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+# Key/value tokens per compute block when pages_per_compute_block is not given.
+_DEFAULT_BLOCK_TOKENS = 128
+# Triton's dots want every side (rows, head dim, block tokens) to be at least 16.
+MIN_TRITON_ROWS = 16
+
+
+class Schedule(enum.Enum):
+    """How a kernel walks the KV pages: the per-backend variant of one computation."""
+
+    PIPELINED = "pipelined"  # TPU Mosaic: scalar prefetch, sequential grid axis, VMEM scratch.
+    LOOPED = "looped"  # GPU Triton: parallel grid, in-kernel loop gathering pages.
+
+
+def default_schedule(backend: str | None = None) -> Schedule:
+    """PIPELINED on TPU; LOOPED on GPU and on CPU, where it compiles and interprets faster."""
+    backend = jax.default_backend() if backend is None else backend
+    return Schedule.PIPELINED if backend == "tpu" else Schedule.LOOPED
+
+
+def next_power_of_2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
+    return 1 << max(x - 1, 0).bit_length()
+
+
+def default_pages_per_compute_block(page_size: int, max_pages: int) -> int:
+    """About 128 tokens per block (a power of two of pages), no more pages than a row holds."""
+    return max(1, min(_DEFAULT_BLOCK_TOKENS // page_size, next_power_of_2(max_pages)))
+
+
+def padded_group(group: int, interpret: bool) -> int:
+    """Query heads per kv head as the LOOPED kernel sees them: Triton's tl.dot wants a power of
+    two of at least 16 rows; interpret mode pads to the power of two only."""
+    rows = next_power_of_2(group)
+    return rows if interpret else max(rows, MIN_TRITON_ROWS)
+
+
+def check_paged_args(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                     block_tables: jax.Array, kv_lens: jax.Array, *, soft_cap: float | None,
+                     sliding_window: int | None, pages_per_compute_block: int | None) -> None:
+    """Validates the shapes and knobs shared by the decode and prefill kernels."""
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be "
+                         "[num_pages, P, K, D]")
+    n, d = q.shape[-2:]
+    k_heads, kd = k_pages.shape[2:]
+    if d != kd:
+        raise ValueError(f"q head dim {d} != page head dim {kd}")
+    if n % k_heads:
+        raise ValueError(f"q heads {n} are not a multiple of kv heads {k_heads}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"block_tables {block_tables.shape} must be [B={q.shape[0]}, Pmax]")
+    if kv_lens.shape != (q.shape[0],):
+        raise ValueError(f"kv_lens {kv_lens.shape} must be [B={q.shape[0]}]")
+    if not (jnp.issubdtype(block_tables.dtype, jnp.integer)
+            and jnp.issubdtype(kv_lens.dtype, jnp.integer)):
+        raise ValueError(f"block_tables ({block_tables.dtype}) and kv_lens ({kv_lens.dtype}) "
+                         "must be integer")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if pages_per_compute_block is not None and pages_per_compute_block <= 0:
+        raise ValueError(f"pages_per_compute_block must be positive, got {pages_per_compute_block}")
+
+
+def check_triton_block(*, rows: int, head_dim: int, pages_per_block: int, page_size: int
+                       ) -> None:
+    """Triton (the GPU path) loads power-of-2 sized tensors and its dots want every side >= 16."""
+    sizes = dict(rows=rows, head_dim=head_dim, pages_per_compute_block=pages_per_block,
+                 page_size=page_size)
+    for name, size in sizes.items():
+        if size & (size - 1):
+            raise ValueError(f"the GPU (Triton) kernel needs a power-of-2 {name}, got {size}")
+    for name, size in (("rows", rows), ("head_dim", head_dim),
+                       ("pages_per_compute_block * page_size", pages_per_block * page_size)):
+        if size < MIN_TRITON_ROWS:
+            raise ValueError(f"the GPU (Triton) kernel needs {name} >= {MIN_TRITON_ROWS}, "
+                             f"got {size}")
+
+
+def pad_block_tables(block_tables: jax.Array, pages_per_block: int) -> jax.Array:
+    """[B, Pmax] -> [B, ceil(Pmax / pages_per_block) * pages_per_block] int32, padded with 0.
+
+    Padding entries sit past every sequence's length, so they are masked like any stale entry.
+    """
+    pmax = block_tables.shape[1]
+    pad = -pmax % pages_per_block
+    return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))
+
+
+def online_softmax_step(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
+                        carry: tuple[jax.Array, jax.Array, jax.Array], *, sm_scale: float,
+                        soft_cap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Folds one block of keys into the running softmax of R query rows (float32 state).
+
+    Args:
+      q: [R, D]; k, v: [S_blk, D] (v zeroed where its slot holds no token: 0 * NaN is NaN).
+      visible: [R, S_blk] or [1, S_blk] bool, which keys each row attends to.
+      carry: (running max [R, 1], running sum [R, 1], unnormalised output [R, D]).
+    """
+    m_prev, l_prev, acc_prev = carry
+    # Float32 pages get float32 matmuls (Triton's default would be TF32), matching the oracle.
+    precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else lax.Precision.DEFAULT
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * sm_scale  # [R, S_blk]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [R, 1]
+    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)  # [R, S_blk]
+    alpha = jnp.exp(m_prev - m_new)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)  # [R, D]
+    return m_new, l_new, alpha * acc_prev + pv
+
+
+def _split_block_range(kv_len: jax.Array, split: jax.Array, *, block_tokens: int,
+                       num_splits: int, sliding_window: int | None
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Compute blocks [lo, hi) that `split` covers for a decode query at kv_len - 1."""
+    first_token = 0 if sliding_window is None else jnp.maximum(kv_len - sliding_window, 0)
+    first = first_token // block_tokens
+    end = (kv_len + block_tokens - 1) // block_tokens
+    per_split = (end - first + num_splits - 1) // num_splits
+    lo = first + split * per_split
+    return lo, jnp.minimum(lo + per_split, end)
+
+
+def _decode_visible(pos: jax.Array, kv_len: jax.Array, sliding_window: int | None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """(key slot holds a token, key visible to the query at kv_len - 1) for positions `pos`."""
+    in_seq = pos < kv_len
+    visible = in_seq if sliding_window is None else in_seq & (pos >= kv_len - sliding_window)
+    return in_seq, visible
+
+
+def _pipelined_decode_kernel(bt_ref, lens_ref, q_ref, *refs, pages_per_block: int,
+                             page_size: int, num_splits: int, sm_scale: float,
+                             soft_cap: float | None, sliding_window: int | None):
+    """One (row, split, step) grid point: fold a block of pages for all K kv heads."""
+    k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block:2 * pages_per_block]
+    o_ref, m_ref, l_ref, m_sc, l_sc, acc_sc = refs[2 * pages_per_block:]
+    b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_tokens = pages_per_block * page_size
+    kv_len = lens_ref[b]
+    lo, hi = _split_block_range(kv_len, split, block_tokens=block_tokens,
+                                num_splits=num_splits, sliding_window=sliding_window)
+    block = lo + step
+    num_kv_heads = m_sc.shape[0]
+    group = m_sc.shape[1]
+
+    @pl.when(step == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    @pl.when(block < hi)
+    def _fold():
+        k = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [S_blk, K, D]
+        v = jnp.concatenate([r[...] for r in v_refs], axis=0)
+        pos = block * block_tokens + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+        in_seq, visible = _decode_visible(pos, kv_len, sliding_window)  # [1, S_blk]
+        v = jnp.where(in_seq.reshape(block_tokens, 1, 1), v, jnp.zeros_like(v))
+        q = q_ref[...]  # [N, D]
+        for h in range(num_kv_heads):
+            carry = (m_sc[h], l_sc[h], acc_sc[h])
+            row_max, row_sum, acc = online_softmax_step(
+                q[h * group:(h + 1) * group], k[:, h], v[:, h], visible, carry,
+                sm_scale=sm_scale, soft_cap=soft_cap)
+            m_sc[h], l_sc[h], acc_sc[h] = row_max, row_sum, acc
+
+    @pl.when(step == pl.num_programs(2) - 1)
+    def _emit():
+        o_ref[...] = acc_sc[...]
+        m_ref[...] = m_sc[...]
+        l_ref[...] = l_sc[...]
+
+
+def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_block: int,
+                      num_splits: int, sm_scale: float, soft_cap: float | None,
+                      sliding_window: int | None, interpret: bool):
+    """Partials [B, splits, K, G, D] (and max, sum [B, splits, K, G, 1]) on the TPU schedule."""
+    b, n, d = q.shape
+    _, p, k_heads, _ = k_pages.shape
+    g = n // k_heads
+    pmax = block_tables.shape[1]
+    block_tokens = pages_per_block * p
+    steps = pl.cdiv(pl.cdiv(pmax, pages_per_block), num_splits)
+    # SMEM pads 2D arrays to (8, 128) words per row group; a flat table packs densely.
+    bt_flat = block_tables.reshape(-1)
+
+    def page_map(i):
+        def index_map(row, split, step, bt_ref, lens_ref):
+            kv_len = lens_ref[row]
+            lo, hi = _split_block_range(kv_len, split, block_tokens=block_tokens,
+                                        num_splits=num_splits, sliding_window=sliding_window)
+            block = jnp.minimum(lo + step, jnp.maximum(hi - 1, 0))
+            slot = jnp.minimum(block * pages_per_block + i, jnp.maximum((kv_len - 1) // p, 0))
+            return bt_ref[row * pmax + slot], 0, 0, 0
+        return index_map
+
+    page_specs = [pl.BlockSpec((pl.squeezed, p, k_heads, d), page_map(i))
+                  for i in range(pages_per_block)]
+    part_map = lambda row, split, step, bt_ref, lens_ref: (row, split, 0, 0, 0)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, num_splits, steps),
+        in_specs=[pl.BlockSpec((pl.squeezed, n, d), lambda row, *_: (row, 0, 0)),
+                  *page_specs, *page_specs],
+        out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, k_heads, g, d), part_map),
+                   pl.BlockSpec((pl.squeezed, pl.squeezed, k_heads, g, 1), part_map),
+                   pl.BlockSpec((pl.squeezed, pl.squeezed, k_heads, g, 1), part_map)],
+        scratch_shapes=[pltpu.VMEM((k_heads, g, 1), jnp.float32),
+                        pltpu.VMEM((k_heads, g, 1), jnp.float32),
+                        pltpu.VMEM((k_heads, g, d), jnp.float32)],
+    )
+    kernel = functools.partial(
+        _pipelined_decode_kernel, pages_per_block=pages_per_block, page_size=p,
+        num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap,
+        sliding_window=sliding_window)
+    stat_shape = jax.ShapeDtypeStruct((b, num_splits, k_heads, g, 1), jnp.float32)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((b, num_splits, k_heads, g, d), jnp.float32),
+                   stat_shape, stat_shape],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="paged_decode_pipelined",
+    )(bt_flat, kv_lens.astype(jnp.int32), q,
+      *([k_pages] * pages_per_block), *([v_pages] * pages_per_block))
+
+
+def _looped_decode_kernel(bt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                          pages_per_block: int, page_size: int, num_splits: int,
+                          sm_scale: float, soft_cap: float | None, sliding_window: int | None):
+    """One (row, kv head, split) program: loop over the split's blocks of pages."""
+    block_tokens = pages_per_block * page_size
+    kv_len = len_ref[0]
+    lo, hi = _split_block_range(kv_len, pl.program_id(2), block_tokens=block_tokens,
+                                num_splits=num_splits, sliding_window=sliding_window)
+    q = q_ref[...]  # [G, D]
+    rows, d = q.shape
+
+    def fold(block, carry):
+        page_ids = bt_ref[pl.ds(block * pages_per_block, pages_per_block)]  # [pages]
+        k = k_ref[page_ids].reshape(block_tokens, d)  # [S_blk, D]
+        v = v_ref[page_ids].reshape(block_tokens, d)
+        pos = block * block_tokens + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+        in_seq, visible = _decode_visible(pos, kv_len, sliding_window)  # [1, S_blk]
+        v = jnp.where(in_seq.reshape(block_tokens, 1), v, jnp.zeros_like(v))
+        return online_softmax_step(q, k, v, visible, carry, sm_scale=sm_scale,
+                                   soft_cap=soft_cap)
+
+    init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, d), jnp.float32))
+    row_max, row_sum, acc = lax.fori_loop(lo, hi, fold, init)
+    o_ref[...] = acc
+    m_ref[...] = row_max
+    l_ref[...] = row_sum
+
+
+def _looped_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_block: int,
+                   num_splits: int, sm_scale: float, soft_cap: float | None,
+                   sliding_window: int | None, interpret: bool):
+    """Partials [B, splits, K, Gp, D] (and max, sum [B, splits, K, Gp, 1]) on the GPU schedule."""
+    b, n, d = q.shape
+    num_pages, p, k_heads, _ = k_pages.shape
+    g = n // k_heads
+    gp = padded_group(g, interpret)
+    if not interpret:
+        check_triton_block(rows=gp, head_dim=d, pages_per_block=pages_per_block, page_size=p)
+    qg = q.reshape(b, k_heads, g, d)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, K, Gp, D]
+    pmax = block_tables.shape[1]
+    page_spec = pl.BlockSpec((num_pages, p, pl.squeezed, d), lambda row, h, split: (0, 0, h, 0))
+    part_map = lambda row, h, split: (row, split, h, 0, 0)
+    kernel = functools.partial(
+        _looped_decode_kernel, pages_per_block=pages_per_block, page_size=p,
+        num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap,
+        sliding_window=sliding_window)
+    stat_shape = jax.ShapeDtypeStruct((b, num_splits, k_heads, gp, 1), jnp.float32)
+    stat_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, gp, 1), part_map)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, k_heads, num_splits),
+        in_specs=[pl.BlockSpec((pl.squeezed, pmax), lambda row, h, split: (row, 0)),
+                  pl.BlockSpec((1,), lambda row, h, split: (row,)),
+                  pl.BlockSpec((pl.squeezed, pl.squeezed, gp, d),
+                               lambda row, h, split: (row, h, 0, 0)),
+                  page_spec, page_spec],
+        out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, gp, d), part_map),
+                   stat_spec, stat_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, num_splits, k_heads, gp, d), jnp.float32),
+                   stat_shape, stat_shape],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="paged_decode_looped",
+    )(block_tables, kv_lens.astype(jnp.int32), qg, k_pages, v_pages)
+
+
+def combine_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.Array:
+    """Merges split-K partials into [B, K, G, D].
+
+    Args:
+      acc: [B, splits, K, G, D] unnormalised outputs.
+      row_max, row_sum: [B, splits, K, G, 1] running softmax max and sum of each split.
+    Rows whose every split saw no visible key (sum 0) come out as zeros.
+    """
+    m_max = jnp.max(row_max, axis=1, keepdims=True)  # [B, 1, K, G, 1]
+    w = jnp.exp(row_max - m_max)  # [B, splits, K, G, 1]
+    l_sum = jnp.sum(w * row_sum, axis=1)  # [B, K, G, 1]
+    out = jnp.sum(w * acc, axis=1)  # [B, K, G, D]
+    return jnp.where(l_sum > 0, out / jnp.where(l_sum > 0, l_sum, 1.0), 0.0)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int, backend: str) -> int:
+    """Enough (row, kv head, split) programs to fill a GPU; 1 elsewhere.
+
+    On TPU the pipelined grid already overlaps DMA with compute on one core, and interpret mode
+    gains nothing from more grid steps.
+    """
+    if backend != "gpu":
+        return 1
+    target_programs = 2 * getattr(jax.devices()[0], "core_count", 128)  # 2 per SM.
+    return int(max(1, min(num_blocks, pl.cdiv(target_programs, batch * num_kv_heads))))
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    pages_per_compute_block: int | None = None,
+    num_splits: int | None = None,
+    schedule: Schedule | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention over paged KV: query b sits at position kv_lens[b] - 1 of its sequence.
+
+    Args:
+      q: [B, N, D].
+      k_pages, v_pages: [num_pages, P, K, D].
+      block_tables: [B, Pmax] int32; entries past a sequence's length may hold any valid page.
+      kv_lens: [B] int32; 0 marks a padded row (its output is zeros).
+      sm_scale: logit scale, 1 / sqrt(D) by default.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
+      sliding_window: if set, the query sees only its last `sliding_window` tokens.
+      pages_per_compute_block: pages folded per online-softmax step (about 128 tokens default).
+      num_splits: split-K partitions of each sequence's live blocks (default per backend).
+      schedule: PIPELINED (TPU) or LOOPED (GPU); default per backend.
+      interpret: run through the Pallas interpreter (any backend, CPU included).
+    Returns:
+      [B, N, D] in q's dtype.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, N, D], got shape {q.shape}")
+    check_paged_args(q, k_pages, v_pages, block_tables, kv_lens, soft_cap=soft_cap,
+                     sliding_window=sliding_window,
+                     pages_per_compute_block=pages_per_compute_block)
+    if num_splits is not None and num_splits <= 0:
+        raise ValueError(f"num_splits must be positive, got {num_splits}")
+    b, n, d = q.shape
+    p, k_heads = k_pages.shape[1:3]
+    schedule = default_schedule() if schedule is None else schedule
+    pages_per_block = (default_pages_per_compute_block(p, block_tables.shape[1])
+                       if pages_per_compute_block is None else pages_per_compute_block)
+    block_tables = pad_block_tables(block_tables, pages_per_block)
+    num_blocks = block_tables.shape[1] // pages_per_block
+    if num_splits is None:
+        num_splits = default_num_splits(b, k_heads, num_blocks, jax.default_backend())
+    num_splits = min(num_splits, num_blocks)
+    impl = _pipelined_decode if schedule is Schedule.PIPELINED else _looped_decode
+    acc, row_max, row_sum = impl(q, k_pages, v_pages, block_tables, kv_lens,
+                     pages_per_block=pages_per_block, num_splits=num_splits,
+                     sm_scale=1.0 / np.sqrt(d) if sm_scale is None else sm_scale,
+                     soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
+    out = combine_splits(acc, row_max, row_sum)  # [B, K, Gp, D]
+    return out[:, :, :n // k_heads].reshape(b, n, d).astype(q.dtype)
