@@ -27,6 +27,9 @@ class EngineConfig:
         enough for max_num_seqs full-length sequences.
       num_pages: explicit pool size; overrides kv_budget_bytes.
       kv_dtype: storage dtype of K/V ('float32', 'bfloat16'); None: the model's dtype.
+      kv_codec: a quantized KV codec name from kvjax.kv.codecs ('none', 'int8', 'int4', ...);
+        the pool holds codes and scales, so a smaller codec yields more pages per byte budget.
+      kv_codec_options: keyword options of the codec (e.g. {'group': 32}).
       max_num_seqs: most sequences running at once (decode rows per step).
       max_num_batched_tokens: per-step token budget (decode tokens + prefill chunk tokens).
       max_prefill_chunk: longest prefill chunk of one sequence in one step.
@@ -46,6 +49,8 @@ class EngineConfig:
     kv_budget_bytes: int | None = None
     num_pages: int | None = None
     kv_dtype: str | None = None
+    kv_codec: str = "none"
+    kv_codec_options: dict = dataclasses.field(default_factory=dict)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int = 256

@@ -61,7 +61,21 @@ class Engine:
         # Block tables keep one width, so context growth never changes a step's shape.
         self.block_table_width = pages_for(self.max_pages_per_seq, PAGES_PER_BLOCK) * \
             PAGES_PER_BLOCK
-        if config.kv_layout is KVLayout.CONTIGUOUS:
+        self.kv_bytes_per_token = mc.kv_bytes_per_token(self.kv_dtype)
+        if config.kv_codec != "none":
+            if config.kv_layout is not KVLayout.PAGED:
+                raise ValueError(f"kv_codec={config.kv_codec!r} needs the paged layout")
+            from kvjax.kv import quantized  # Imported lazily: only quantized engines need it.
+
+            self.kv_bytes_per_token = quantized.kv_bytes_per_token(
+                mc, config.kv_codec, **config.kv_codec_options)
+            num_pages = config.num_pages or max(
+                int(self._budget_bytes() // (self.kv_bytes_per_token * config.page_size)), 1)
+            self.kv = quantized.init_quantized_kv(mc, num_pages, config.page_size,
+                                                  config.kv_codec, **config.kv_codec_options)
+            self.allocator = BlockManager(num_pages, config.page_size,
+                                          enable_prefix_cache=config.enable_prefix_cache)
+        elif config.kv_layout is KVLayout.CONTIGUOUS:
             max_seqs = self._contiguous_slots()
             self.kv = init_contiguous_kv(mc, max_seqs, self.max_model_len, config.page_size,
                                          self.kv_dtype)
@@ -95,11 +109,10 @@ class Engine:
     def _budget_bytes(self) -> int:
         if self.config.kv_budget_bytes is not None:
             return self.config.kv_budget_bytes
-        per_token = self.model.config.kv_bytes_per_token(self.kv_dtype)
-        return per_token * self.max_model_len * self.config.max_num_seqs
+        return int(self.kv_bytes_per_token * self.max_model_len * self.config.max_num_seqs)
 
     def _contiguous_slots(self) -> int:
-        per_seq = self.model.config.kv_bytes_per_token(self.kv_dtype) * self.max_model_len
+        per_seq = self.kv_bytes_per_token * self.max_model_len
         slots = min(self._budget_bytes() // per_seq, self.config.max_num_seqs)
         if slots < 1:
             raise ValueError(f"a KV budget of {self._budget_bytes()} bytes holds no sequence of "
@@ -108,7 +121,7 @@ class Engine:
 
     @property
     def kv_bytes_per_page(self) -> int:
-        return self.model.config.kv_bytes_per_token(self.kv_dtype) * self.config.page_size
+        return int(self.kv_bytes_per_token * self.config.page_size)
 
     @property
     def num_compiles(self) -> int:
@@ -126,7 +139,7 @@ class Engine:
             f"tokenizer={getattr(tokenizer, 'fingerprint', type(tokenizer).__name__)}",
             "adapter=none",
             f"rope=theta{self.model.config.rope_theta}:absolute",
-            f"codec=none:{jnp.dtype(self.kv_dtype).name}",
+            f"codec={getattr(self.kv, 'codec_name', 'none')}:{jnp.dtype(self.kv_dtype).name}",
             f"layout={self.config.kv_layout.value}:P{self.config.page_size}",
             f"tenant={tenant or ''}",
         ]
@@ -588,8 +601,9 @@ class Engine:
         else:
             reserved_tokens = self.allocator.num_used_pages() * self.config.page_size
             live = min(live, reserved_tokens)
-        per_token = self.model.config.kv_bytes_per_token(self.kv_dtype)
-        self.kv_samples.append((self.clock(), live * per_token, reserved_tokens * per_token))
+        per_token = self.kv_bytes_per_token
+        self.kv_samples.append((self.clock(), int(live * per_token),
+                                int(reserved_tokens * per_token)))
 
     def prefix_cache_stats(self) -> dict:
         stats = getattr(self.allocator, "stats", None)

@@ -13,7 +13,7 @@ import logging
 import jax
 import numpy as np
 
-from kvjax.kv.state import PagedKV
+from kvjax.kv.state import ContiguousKV
 
 log = logging.getLogger(__name__)
 
@@ -31,30 +31,36 @@ def _padded(pages: list[int]) -> np.ndarray:
     return np.asarray(pages + [pages[-1]] * (n - len(pages)), np.int32)
 
 
+# Paged states (exact or quantized) keep every array leaf page-major: [L, num_pages, ...].
+
+
 @jax.jit
-def _gather(kv: PagedKV, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return kv.k_pages[:, pages], kv.v_pages[:, pages]  # [L, n, P, K, D] each
+def _gather(kv, pages: jax.Array):
+    return jax.tree.map(lambda x: x[:, pages], kv)  # leaves [L, n, ...]
 
 
-def _scatter(kv: PagedKV, pages: jax.Array, k: jax.Array, v: jax.Array) -> PagedKV:
-    return kv.replace(k_pages=kv.k_pages.at[:, pages].set(k.astype(kv.k_pages.dtype)),
-                      v_pages=kv.v_pages.at[:, pages].set(v.astype(kv.v_pages.dtype)))
+def _scatter(kv, pages: jax.Array, stored):
+    return jax.tree.map(lambda x, s: x.at[:, pages].set(s.astype(x.dtype)), kv, stored)
 
 
 def _zero(kv, pages: jax.Array):
-    if isinstance(kv, PagedKV):
-        return kv.replace(k_pages=kv.k_pages.at[:, pages].set(0),
-                          v_pages=kv.v_pages.at[:, pages].set(0))
-    k = kv._as_pages(kv.k).at[:, pages].set(0).reshape(kv.k.shape)
-    v = kv._as_pages(kv.v).at[:, pages].set(0).reshape(kv.v.shape)
-    return kv.replace(k=k, v=v)
+    if isinstance(kv, ContiguousKV):
+        k = kv._as_pages(kv.k).at[:, pages].set(0).reshape(kv.k.shape)
+        v = kv._as_pages(kv.v).at[:, pages].set(0).reshape(kv.v.shape)
+        return kv.replace(k=k, v=v)
+    return jax.tree.map(lambda x: x.at[:, pages].set(0), kv)
+
+
+def _page_bytes(stored, num_pages: int) -> int:
+    """Bytes one page takes across all leaves of a gathered [L, n, ...] pytree."""
+    return sum(x.nbytes for x in jax.tree.leaves(stored)) // num_pages
 
 
 class HostSwapSpace:
     """Host-memory copies of swapped-out sequences' pages, keyed by sequence id."""
 
     def __init__(self):
-        self._stored: dict[str, tuple[jax.Array, jax.Array, int]] = {}
+        self._stored: dict[str, tuple[object, int]] = {}
         self._scatter = jax.jit(_scatter, donate_argnums=0)
         self._zero = jax.jit(_zero, donate_argnums=0)
         device = jax.devices()[0]
@@ -80,24 +86,23 @@ class HostSwapSpace:
         return jax.device_put(x, jax.sharding.SingleDeviceSharding(self._device,
                                                                    memory_kind="device"))
 
-    def swap_out(self, kv: PagedKV, seq_id: str, pages: list[int]) -> int:
+    def swap_out(self, kv, seq_id: str, pages: list[int]) -> int:
         """Copies `pages` (in block-table order) to host memory; returns bytes moved."""
-        k, v = _gather(kv, _padded(pages))
-        self._stored[seq_id] = (self._to_host(k), self._to_host(v), len(pages))
-        return 2 * k.nbytes * len(pages) // k.shape[1]
+        padded = _padded(pages)
+        stored = _gather(kv, padded)
+        self._stored[seq_id] = (jax.tree.map(self._to_host, stored), len(pages))
+        return _page_bytes(stored, len(padded)) * len(pages)
 
-    def swap_in(self, kv: PagedKV, seq_id: str, pages: list[int], first: int
-                ) -> tuple[PagedKV, int]:
+    def swap_in(self, kv, seq_id: str, pages: list[int], first: int) -> tuple[object, int]:
         """Writes stored pages [first:] into the sequence's new `pages[first:]`; frees the copy."""
-        k, v, n = self._stored.pop(seq_id)
+        stored, n = self._stored.pop(seq_id)
         targets = pages[first:n]
         if not targets:
             return kv, 0
         idx = _padded(list(range(first, n)))
-        k_dev = self._to_device(k)[:, idx]
-        v_dev = self._to_device(v)[:, idx]
-        kv = self._scatter(kv, _padded(targets), k_dev, v_dev)
-        return kv, 2 * k.nbytes * len(targets) // k.shape[1]
+        on_device = jax.tree.map(lambda x: self._to_device(x)[:, idx], stored)
+        kv = self._scatter(kv, _padded(targets), on_device)
+        return kv, _page_bytes(on_device, len(idx)) * len(targets)
 
     def drop(self, seq_id: str) -> None:
         self._stored.pop(seq_id, None)
