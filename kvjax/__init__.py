@@ -5,6 +5,7 @@ from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, RequestOutput
 from kvjax.engine.step import AttentionImpl
+from kvjax import generation
 from kvjax.generation import generate
 from kvjax.models.loading import load_model
 from kvjax.models.model import Model

@@ -130,9 +130,21 @@ def hf_greedy(model_dir_or_model, prompt_ids: list[int], max_new_tokens: int, *,
 
     torch = import_torch()
     model = _as_model(model_dir_or_model)
-    eos = model.generation_config.eos_token_id if stop_at_eos else None
+    if not stop_at_eos:
+        # A plain argmax loop over HF's own KV cache: `generate` would stop at EOS, and its
+        # min_new_tokens would change the distribution by masking EOS out.
+        out, ids, past = [], torch.tensor([prompt_ids], dtype=torch.long), None
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                result = model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = result.past_key_values
+                token = int(result.logits[0, -1].argmax())
+                out.append(token)
+                ids = torch.tensor([[token]], dtype=torch.long)
+        return out
     generation = transformers.GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+        do_sample=False, max_new_tokens=max_new_tokens,
+        eos_token_id=model.generation_config.eos_token_id,
         pad_token_id=model.generation_config.pad_token_id or 0)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids], dtype=torch.long),
