@@ -5,8 +5,7 @@ from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, RequestOutput
 from kvjax.engine.step import AttentionImpl
-from kvjax import generation
-from kvjax.generation import generate
+from kvjax.generation import encode_prompt, generate
 from kvjax.models.loading import load_model
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
@@ -22,6 +21,7 @@ __all__ = [
     "PreemptionMode",
     "RequestOutput",
     "SamplingParams",
+    "encode_prompt",
     "generate",
     "load_model",
 ]

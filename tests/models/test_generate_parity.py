@@ -29,7 +29,7 @@ def test_tiny_checkpoint_generate_matches_hf(tmp_path, model_type, layout):
 def test_embedded_model_generate_matches_hf(embedded_model, hf_embedded):
     questions = ["What is the capital of France?", "Name three primary colors.",
                  "Write one sentence about the ocean."]
-    prompts = [kvjax.generation.encode_prompt(embedded_model, q, chat=True) for q in questions]
+    prompts = [kvjax.encode_prompt(embedded_model, q, chat=True) for q in questions]
     expected = [hf_greedy(hf_embedded, p, NEW_TOKENS) for p in prompts]
     outs = kvjax.generate(embedded_model, prompts,
                           kvjax.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
