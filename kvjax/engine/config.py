@@ -7,6 +7,7 @@ import enum
 
 from kvjax.config import KVLayout
 from kvjax.engine.step import AttentionImpl
+from kvjax.memory.tiers import TierConfig
 
 
 class PreemptionMode(enum.Enum):
@@ -14,6 +15,7 @@ class PreemptionMode(enum.Enum):
 
     RECOMPUTE = "recompute"  # drop its pages; re-prefill prompt + generated tokens later.
     SWAP = "swap"  # copy its pages to host memory; copy them back later.
+    AUTO = "auto"  # per sequence, whichever a cost model estimates cheaper (kvjax.memory.tiers).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +39,19 @@ class EngineConfig:
       max_model_len: context length limit (prompt + generated); None: the model's.
       enable_prefix_cache: share full prompt pages across requests (paged layout only).
       scheduler_policy: a name registered in kvjax.scheduler.policies.
-      preemption_mode: RECOMPUTE or SWAP.
+      preemption_mode: RECOMPUTE, SWAP or AUTO (swap when moving the sequence's KV out and back
+        is estimated cheaper than recomputing it; each decision lands in
+        stats['preemption_decisions']).
+      tiers: host and disk tiers below the device pool (kvjax.memory.tiers.TierConfig: budgets,
+        disk directory, transfer layout, fault injection); off by default. With tiers on,
+        evicted prefix-cache pages spill to host (then disk) and are loaded back on a later hit,
+        and swaps go through the tiers' checked transfers.
       watermark: fraction of pages kept free when admitting new requests.
       scrub_freed_pages: zero pages when they return to the free list.
       attention_impl: AUTO, REFERENCE or PALLAS.
       min_chunk_bucket: the smallest padded prefill chunk (shape bucketing).
+      debug_provenance: before every step, check that each page a row reads was written under
+        the row's weights version; a mismatch raises (the stale-KV detector).
     """
 
     kv_layout: KVLayout = KVLayout.PAGED
@@ -59,10 +69,12 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     scheduler_policy: str = "fcfs"
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    tiers: TierConfig = TierConfig()
     watermark: float = 0.01
     scrub_freed_pages: bool = False
     attention_impl: AttentionImpl = AttentionImpl.AUTO
     min_chunk_bucket: int = 16
+    debug_provenance: bool = False
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",

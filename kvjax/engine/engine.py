@@ -8,6 +8,7 @@ lowest-ranked running sequence is preempted (recomputed later, or swapped to hos
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import time
@@ -20,12 +21,20 @@ import numpy as np
 
 from kvjax.config import KVLayout, resolve_dtype
 from kvjax.engine.config import EngineConfig, PreemptionMode
-from kvjax.engine.request import CompletionOutput, FinishReason, RequestOutput, SeqStatus, Sequence
+from kvjax.engine.request import (
+    CompletionOutput,
+    FinishReason,
+    RequestOutput,
+    SeqStatus,
+    Sequence,
+    WeightUpdatePolicy,
+)
 from kvjax.engine.step import PAGES_PER_BLOCK, LogitsMode, ModelRunner, StepShape, empty_step_input
 from kvjax.engine.swap import HostSwapSpace
 from kvjax.kv.state import init_contiguous_kv, init_paged_kv, num_pages_for_budget, pages_for
 from kvjax.memory.block_manager import AllocStatus, BlockManager
 from kvjax.memory.slots import SlotAllocator
+from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.policies import LongestPrefixMatch, make_policy
@@ -44,13 +53,21 @@ class Engine:
       config: the `EngineConfig`.
       kv: the current KV state pytree (donated to each step).
       stats: counters (steps, preemptions, swaps, prefix cache, timing).
+      mesh: the tensor-parallel mesh params and KV are laid out on (kvjax.parallel.sharding),
+        or None for one device.
     """
 
     def __init__(self, model: Model, config: EngineConfig | None = None, *,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 mesh: jax.sharding.Mesh | None = None):
         self.model = model
         self.config = config = config or EngineConfig()
         self.clock = clock
+        self.mesh = mesh
+        if mesh is not None:
+            from kvjax.parallel import sharding  # Imported lazily: only sharded engines need it.
+
+            self.model = model = sharding.shard_model(model, config, mesh)
         mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -87,6 +104,8 @@ class Engine:
             self.allocator = BlockManager(num_pages, config.page_size,
                                           enable_prefix_cache=config.enable_prefix_cache)
         self.num_pages = self.allocator.num_pages
+        if mesh is not None:
+            self.kv, self.runner = sharding.shard_kv_and_runner(self.kv, self.runner, model, mesh)
         self.policy = make_policy(config.scheduler_policy)
         if isinstance(self.policy, LongestPrefixMatch):
             self.policy.cached_tokens = self._peek_cached_tokens
@@ -103,6 +122,10 @@ class Engine:
                           prefill_tokens=0, decode_tokens=0, host_time_s=0.0, step_time_s=0.0,
                           scrubbed_pages=0)
         self.kv_samples: list[tuple[float, int, int]] = []
+        # Params of every weights version some sequence still runs under (finish_old drains).
+        self._params = {model.weights_version: model.params}
+        self._page_version: dict[int, str] = {}  # host record of which weights wrote a page
+        self.stats.update(weight_updates=0, stale_kv_reads=0)
 
     # ----------------------------------------------------------------------------- sizing
 
@@ -130,12 +153,13 @@ class Engine:
 
     # ----------------------------------------------------------------------------- provenance
 
-    def provenance(self, tenant: str | None = None) -> bytes:
+    def provenance(self, tenant: str | None = None, weights_version: str | None = None) -> bytes:
         """The KV provenance fingerprint: what produced a page, and who may read it."""
         tokenizer = self.model.tokenizer
+        version = self.model.weights_version if weights_version is None else weights_version
         parts = [
             f"model={self.model.config.name}",
-            f"weights={self.model.weights_version}",
+            f"weights={version}",
             f"tokenizer={getattr(tokenizer, 'fingerprint', type(tokenizer).__name__)}",
             "adapter=none",
             f"rope=theta{self.model.config.rope_theta}:absolute",
@@ -201,6 +225,7 @@ class Engine:
             self._register(seq)
 
     def _register(self, seq: Sequence) -> None:
+        seq.weights_version = seq.weights_version or self.model.weights_version
         self._seqs[seq.seq_id] = seq
         self._requests[seq.request_id].append(seq.seq_id)
         self._waiting.append(seq)
@@ -228,7 +253,10 @@ class Engine:
         peek = getattr(self.allocator, "peek_cached_tokens", None)
         if peek is None or seq.status is not SeqStatus.WAITING:
             return 0
-        return peek(seq.tokens, cache_key=self.provenance(seq.tenant))
+        return peek(seq.tokens, cache_key=self._cache_key(seq))
+
+    def _cache_key(self, seq: Sequence) -> bytes:
+        return self.provenance(seq.tenant, seq.weights_version)
 
     def _ranked(self, seqs: list[Sequence]) -> list[Sequence]:
         return sorted(seqs, key=self.policy.priority_key)
@@ -262,7 +290,7 @@ class Engine:
     def _admit(self, seq: Sequence) -> bool:
         """Registers a waiting sequence with the allocator (prefix-cache lookup)."""
         cached = self.allocator.add_sequence(seq.seq_id, seq.tokens,
-                                             cache_key=self.provenance(seq.tenant))
+                                             cache_key=self._cache_key(seq))
         seq.num_computed = cached
         if seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
@@ -270,7 +298,7 @@ class Engine:
 
     def _swap_in(self, seq: Sequence) -> bool:
         cached = self.allocator.add_sequence(seq.seq_id, seq.tokens[:seq.num_computed + 1],
-                                             cache_key=self.provenance(seq.tenant))
+                                             cache_key=self._cache_key(seq))
         status, copies = self.allocator.ensure_writable(seq.seq_id, cached, seq.num_computed)
         if status is not AllocStatus.OK:
             self.allocator.free(seq.seq_id)
@@ -279,6 +307,8 @@ class Engine:
         pages = self.allocator.block_table(seq.seq_id)
         first = cached // self.config.page_size
         self.kv, nbytes = self.swap_space.swap_in(self.kv, seq.seq_id, pages, first)
+        for page in pages[first:]:
+            self._page_version[page] = seq.weights_version
         self.stats["swaps_in"] += 1
         self.stats["swap_bytes"] += nbytes
         seq.status = SeqStatus.RUNNING
@@ -288,6 +318,8 @@ class Engine:
         if copies:
             src = np.array([c.src for c in copies], np.int32)
             dst = np.array([c.dst for c in copies], np.int32)
+            for c in copies:
+                self._page_version[c.dst] = self._page_version.get(c.src, "")
             n = _bucket(len(copies), 1, 1 << 30)
             # Pad by repeating the last copy: idempotent, and keeps shapes bucketed.
             src = np.concatenate([src, np.full(n - len(src), src[-1], np.int32)])
@@ -306,9 +338,11 @@ class Engine:
         prefill: list[tuple[Sequence, int]] = []
         copies = []
         scheduled: set[str] = set()
+        active = self._active_version()
         # 1. Decode rows for running sequences, highest ranked first; preempt from the bottom.
         for seq in self._ranked(self._running):
-            if seq.status is not SeqStatus.RUNNING or seq.num_pending != 1:
+            if (seq.status is not SeqStatus.RUNNING or seq.num_pending != 1
+                    or seq.weights_version != active):
                 continue
             if len(decode) >= cfg.max_num_seqs or budget < 1:
                 break
@@ -331,6 +365,8 @@ class Engine:
                    if s.num_pending > 1 and s.seq_id not in scheduled]
         candidates = partial + self._ranked(self._swapped) + self._ranked(self._waiting)
         for seq in candidates:
+            if seq.weights_version != active:
+                continue
             if budget <= 0 or len(prefill) >= cfg.max_prefill_seqs:
                 break
             if seq.status is SeqStatus.SWAPPED:
@@ -381,7 +417,75 @@ class Engine:
             # Nothing fits: free the lowest-ranked running sequence so the rest can progress.
             self._preempt(self._ranked(self._running)[-1])
         self._apply_copies(copies)
+        self._active = active
         return decode + prefill, len(decode)
+
+    def _active_version(self) -> str:
+        """The weights version this step serves: versions in flight take turns step by step."""
+        live = {s.weights_version for s in self._running + self._swapped + self._waiting}
+        versions = [v for v in self._params if v in live] or [self.model.weights_version]
+        return versions[self.stats["steps"] % len(versions)]
+
+    # ----------------------------------------------------------------------------- weights
+
+    def update_weights(self, params, version: str, *,
+                       in_flight: WeightUpdatePolicy = WeightUpdatePolicy.RECOMPUTE) -> None:
+        """Swaps in new weights between steps; no page computed by other weights is read again.
+
+        The version enters the KV provenance fingerprint, so prefix-cache entries of earlier
+        versions never hit. Sequences already in flight follow `in_flight`.
+        """
+        llama.check_params(params, self.model.config)
+        version = str(version)
+        if version in self._params or version == self.model.weights_version:
+            raise ValueError(f"weights version {version!r} is already in use; versions must be new")
+        in_flight = WeightUpdatePolicy(in_flight)
+        self.model = dataclasses.replace(self.model, params=params, weights_version=version)
+        self._params[version] = params
+        self.stats["weight_updates"] += 1
+        for seq in list(self._running + self._swapped + self._waiting):
+            started = seq.num_computed > 0 or seq.status is not SeqStatus.WAITING or \
+                len(seq.tokens) > seq.num_prompt_tokens
+            if not started or in_flight is WeightUpdatePolicy.RECOMPUTE:
+                self._restart(seq)
+                seq.weights_version = version
+            elif in_flight is WeightUpdatePolicy.ABORT:
+                self._finish(seq, FinishReason.ABORT)
+                self._maybe_emit(seq.request_id)
+        self._drop_unused_params()
+
+    def _restart(self, seq: Sequence) -> None:
+        """Drops a sequence's KV (device pages or host copy); it re-prefills its tokens later."""
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq in self._swapped:
+            self._swapped.remove(seq)
+        if self.allocator.has_sequence(seq.seq_id):
+            self._free_pages_of(seq)
+        self.swap_space.drop(seq.seq_id)
+        seq.num_computed = 0
+        if seq.status is not SeqStatus.WAITING:
+            seq.status = SeqStatus.WAITING
+            self._waiting.append(seq)
+
+    def _drop_unused_params(self) -> None:
+        live = {s.weights_version for s in self._running + self._swapped + self._waiting}
+        live.add(self.model.weights_version)
+        for version in [v for v in self._params if v not in live]:
+            del self._params[version]
+
+    def _check_provenance(self, rows, kv_lens) -> None:
+        """Raises if a row would read a page written under other weights (and counts them)."""
+        page_size = self.config.page_size
+        for (seq, _), kv_len in zip(rows, kv_lens, strict=True):
+            table = self.allocator.block_table(seq.seq_id)[:pages_for(kv_len, page_size)]
+            stale = [p for p in table if self._page_version.get(p) != seq.weights_version]
+            if stale:
+                self.stats["stale_kv_reads"] += len(stale)
+                raise RuntimeError(
+                    f"stale KV: sequence {seq.seq_id!r} (weights {seq.weights_version!r}) would "
+                    f"read pages {stale[:4]} written under "
+                    f"{[self._page_version.get(p) for p in stale[:4]]}")
 
     # ----------------------------------------------------------------------------- the step
 
@@ -452,6 +556,8 @@ class Engine:
             buf["tokens"][t0:t0 + n] = seq.tokens[seq.num_computed:seq.num_computed + n]
             buf["positions"][t0:t0 + n] = pos
             buf["slot_mapping"][t0:t0 + n] = table[pos // page_size] * page_size + pos % page_size
+            for page in set(table[pos // page_size].tolist()):
+                self._page_version[page] = seq.weights_version
             width = min(len(table), max_pages)
             buf["block_tables"][r, :width] = table[:width]
             buf["kv_lens"][r] = seq.num_computed + n
@@ -471,13 +577,17 @@ class Engine:
         rows, num_decode = self._schedule()
         if rows:
             shape, buf, row_index = self._build_input(rows, num_decode, logits_mode)
+            if self.config.debug_provenance:
+                self._check_provenance(rows, [buf["kv_lens"][r] for r in row_index])
             t_dispatch = time.perf_counter()
-            out, self.kv = self.runner.step(self.model.params, self.kv, buf, shape)
+            out, self.kv = self.runner.step(self._params[self._active], self.kv, buf, shape)
             tokens = np.asarray(out.tokens)  # The one host sync per step.
             logprobs = np.asarray(out.logprobs)
             t_done = time.perf_counter()
             self.last_logits = out.logits
             self._commit(rows, row_index, tokens, logprobs)
+            if len(self._params) > 1:
+                self._drop_unused_params()
             self.stats["steps"] += 1
             self.stats["step_time_s"] += t_done - t_dispatch
             self.stats["host_time_s"] += (t_dispatch - t_start) + (time.perf_counter() - t_done)
@@ -520,7 +630,8 @@ class Engine:
                 seed=parent.seed + i, arrival_time=parent.arrival_time, order=parent.order,
                 tenant=parent.tenant, priority=parent.priority, sample_index=i,
                 num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
-                first_scheduled_time=parent.first_scheduled_time)
+                first_scheduled_time=parent.first_scheduled_time,
+                weights_version=parent.weights_version)
             try:
                 copies = self.allocator.fork(parent.seq_id, child.seq_id) or []
             except ValueError:  # No room to share (contiguous slots): prefill it afresh.

@@ -15,6 +15,14 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # the request was invalid; `error` says why.
 
 
+class WeightUpdatePolicy(enum.Enum):
+    """What `Engine.update_weights` does with sequences already in flight."""
+
+    RECOMPUTE = "recompute"  # drop their KV; re-prefill their tokens under the new weights.
+    FINISH_OLD = "finish_old"  # complete them under the old weights, kept until they drain.
+    ABORT = "abort"  # finish them now with reason ABORT.
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # holds no KV; (re)starts with a prefill.
     RUNNING = "running"  # holds KV pages on the device.
@@ -51,6 +59,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    weights_version: str = ""  # the weights its KV is (to be) computed with
 
     @property
     def output_ids(self) -> list[int]:
