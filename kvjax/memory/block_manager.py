@@ -95,6 +95,10 @@ class BlockManager:
         self._ref_counts = np.zeros([num_pages], np.int32)  # [num_pages]
         self._seqs: dict[Hashable, _Sequence] = {}
         self._stats = BlockManagerStats()
+        # Tier hook: hashes of evictable pages, and (hash, page) of pages evicted since the last
+        # drain; None while nobody records evictions.
+        self._evictable_hashes: dict[int, bytes] | None = None
+        self._evicted: list[tuple[bytes, int]] = []
 
     @property
     def stats(self) -> BlockManagerStats:
@@ -276,6 +280,34 @@ class BlockManager:
         """Empties the prefix cache; its unreferenced pages return to the free list."""
         if self.prefix_cache is not None:
             self._free_pages.extend(self.prefix_cache.reset())
+        if self._evictable_hashes is not None:
+            self._evictable_hashes.clear()
+
+    def record_evictions(self) -> None:
+        """Starts recording the cached pages that allocations evict (see drain_evictions).
+
+        Lower tiers use it to copy a page's content out before its new owner overwrites it.
+        Call it before any page is cached.
+        """
+        if self.prefix_cache is None:
+            raise ValueError("recording evictions needs the prefix cache (enable_prefix_cache)")
+        if self.prefix_cache.num_indexed():
+            raise ValueError(f"record_evictions must precede caching; "
+                             f"{self.prefix_cache.num_indexed()} pages are already cached")
+        self._evictable_hashes = {}
+
+    def drain_evictions(self) -> list[tuple[bytes, int]]:
+        """(page hash, page) of every cached page evicted since the last drain, in order.
+
+        The pages already belong to new owners; their old content stays on the device until the
+        caller lets anything write to them, so it must copy them out before that.
+        """
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def cache_key_of(self, seq_id: Hashable) -> bytes:
+        """The cache key `seq_id` was registered with (the seed of its hash chain)."""
+        return self._get(seq_id).cache_key
 
     def _get(self, seq_id: Hashable) -> _Sequence:
         if seq_id not in self._seqs:
@@ -299,6 +331,8 @@ class BlockManager:
     def _acquire(self, page: int) -> None:
         if self._ref_counts[page] == 0:
             self.prefix_cache.mark_in_use(page)
+            if self._evictable_hashes is not None:
+                del self._evictable_hashes[page]
         self._ref_counts[page] += 1
 
     def _release(self, page: int) -> bool:
@@ -308,6 +342,8 @@ class BlockManager:
             return False
         if self.prefix_cache is not None and self.prefix_cache.is_indexed(page):
             self.prefix_cache.mark_evictable(page)
+            if self._evictable_hashes is not None:
+                self._evictable_hashes[page] = self.prefix_cache.hash_of(page)
             return False
         self._free_pages.append(page)
         return True
@@ -320,6 +356,8 @@ class BlockManager:
             page = None if self.prefix_cache is None else self.prefix_cache.evict_one()
             if page is None:
                 raise RuntimeError("no page left; callers check num_free_pages first")
+            if self._evictable_hashes is not None:
+                self._evicted.append((self._evictable_hashes.pop(page), page))
             self._stats = dataclasses.replace(self._stats, evictions=self._stats.evictions + 1)
         self._ref_counts[page] = 1
         return page

@@ -1,0 +1,931 @@
+"""Tiered KV: device pages, a host tier (jax memory kinds) and a disk tier, with checked transfers.
+
+The device tier is the engine's page pool. Below it:
+
+  * `HostTier`: pages in host memory, as jax arrays of memory kind `pinned_host`
+    (`unpinned_host` where the backend lacks it, numpy where it has neither; logged). Pages
+    arrive in chunks of one transfer; a chunk's bytes count against the budget until its last
+    page leaves.
+  * `DiskTier`: one file per page under a private directory: a magic tag, a BLAKE2b digest of
+    the payload, the payload. Files are written to a temporary name, read back and checked, then
+    renamed, so a half-written or corrupted file is never read as valid; every read checks the
+    digest again.
+
+Both keep pages in LRU order under a byte budget: the host spills its least recently used pages
+to disk, the disk drops its least recently used files. Pages are keyed by prefix-cache hash
+(hash chains start from the tenant salt and KV provenance, so the tiers inherit isolation) or,
+for a swapped-out sequence, by (`"swap"`, sequence id, generation, index).
+
+`TierManager` moves pages: device -> host when the block manager evicts a cached page or the
+engine swaps a sequence out, host -> device when a later request continues a hash chain past the
+device's prefix hit or a swapped sequence comes back, host <-> disk as budgets demand. Pages travel
+in the transfer layout, not the compute layout: n pages are gathered on the device into one
+contiguous page-first buffer `[L, n, ...]` (per leaf) and moved in a single transfer
+(`TransferLayout.PAGE_FIRST`, in power-of-two chunks), or one page per transfer
+(`TransferLayout.PER_PAGE`). Device transfers are issued asynchronously (`jax.device_put` returns
+at once) and advanced by `poll`; each is a `kvjax.memory.transfer.Transfer` whose data is read
+only once COMMITTED. A load is scattered into the KV pool only after its checksum verifies.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import hashlib
+import itertools
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+
+import jax
+import numpy as np
+
+from kvjax.memory.prefix_cache import hash_page, hash_root
+from kvjax.memory.transfer import (
+    Fault,
+    FaultConfig,
+    FaultInjector,
+    Transfer,
+    TransferKind,
+    TransferState,
+    page_checksums,
+    page_checksums_np,
+)
+
+log = logging.getLogger(__name__)
+
+
+class TransferLayout(enum.Enum):
+    """How pages travel between tiers."""
+
+    PAGE_FIRST = "page_first"  # n pages gathered into one [L, n, ...] buffer: one transfer.
+    PER_PAGE = "per_page"  # one [L, 1, ...] transfer per page.
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    """Host and disk tiers below the device page pool (host_bytes=0: off, the default).
+
+    Attributes:
+        host_bytes: host-tier budget in bytes; 0 turns tiers off (swaps then use the engine's
+            plain host swap space).
+        disk_bytes: disk-tier budget in bytes; 0: pages leaving the host tier are dropped.
+        disk_dir: where the disk tier makes its private directory; None: the system temp dir.
+        transfer_layout: PAGE_FIRST (chunks of pages per transfer) or PER_PAGE.
+        max_chunk_pages: most pages in one page-first transfer (rounded down to a power of 2).
+        timeout_polls: polls (engine steps) a device transfer may stay in flight before it
+            fails as timed out.
+        max_inflight_loads: most sequences with tier loads in flight (prefetch depth).
+        swap_bandwidth_bytes_per_s: host link bandwidth for the swap-vs-recompute cost model;
+            None: measured once by a calibration transfer.
+        recompute_tokens_per_s: prefill rate for the cost model; None: measured from the
+            engine's step times (tokens computed per second of step time).
+        faults: fault injection into every tier transfer (off by default).
+    """
+
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    disk_dir: str | None = None
+    transfer_layout: TransferLayout = TransferLayout.PAGE_FIRST
+    max_chunk_pages: int = 64
+    timeout_polls: int = 16
+    max_inflight_loads: int = 4
+    swap_bandwidth_bytes_per_s: float | None = None
+    recompute_tokens_per_s: float | None = None
+    faults: FaultConfig = FaultConfig()
+
+    def __post_init__(self):
+        for name in ("host_bytes", "disk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"TierConfig.{name} must be an int >= 0, got {value!r}")
+        for name in ("max_chunk_pages", "timeout_polls", "max_inflight_loads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TierConfig.{name} must be a positive int, got {value!r}")
+        for name in ("swap_bandwidth_bytes_per_s", "recompute_tokens_per_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"TierConfig.{name} must be > 0 or None, got {value!r}")
+        if self.disk_bytes and not self.host_bytes:
+            raise ValueError(f"TierConfig.disk_bytes={self.disk_bytes} needs a host tier "
+                             f"(host_bytes > 0): pages reach the disk through the host")
+        if not isinstance(self.faults, FaultConfig):
+            raise ValueError(f"TierConfig.faults must be a FaultConfig, got {self.faults!r}")
+        object.__setattr__(self, "transfer_layout", TransferLayout(self.transfer_layout))
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0
+
+
+def host_memory_kind(device) -> str | None:
+    """`pinned_host`, else `unpinned_host`, else None (numpy), logging any fallback."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    for kind in ("pinned_host", "unpinned_host"):
+        if kind in kinds:
+            if kind != "pinned_host":
+                log.warning("backend %s lacks pinned_host; the host tier uses %s",
+                            device.platform, kind)
+            return kind
+    log.warning("backend %s has no host memory kind; the host tier uses numpy", device.platform)
+    return None
+
+
+def _leaves_ready(leaves) -> bool:
+    return all(not isinstance(x, jax.Array) or x.is_ready() for x in leaves)
+
+
+# Device programs over page-major leaves [L, num_pages, ...]; one compile per chunk size.
+
+
+@jax.jit
+def _gather(leaves, pages: jax.Array):
+    out = [x[:, pages] for x in leaves]  # each [L, n, ...]
+    return out, page_checksums(out)  # [n] uint32
+
+
+def _scatter(leaves, pages: jax.Array, staged):
+    return [x.at[:, pages].set(s.astype(x.dtype)) for x, s in zip(leaves, staged, strict=True)]
+
+
+_scatter_donated = jax.jit(_scatter, donate_argnums=0)
+_checksums = jax.jit(page_checksums)
+
+
+# ----------------------------------------------------------------------------- host tier
+
+
+@dataclasses.dataclass(eq=False)
+class _HostChunk:
+    leaves: list  # host arrays, each [L, n, ...]
+    nbytes: int
+    num_live: int
+
+
+class HostTier:
+    """Pages in host memory under a byte budget, least recently used first out.
+
+    Attributes:
+        budget_bytes: the most bytes its live chunks may hold.
+        used_bytes: bytes held by chunks with at least one live page.
+    """
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self._entries: collections.OrderedDict[Hashable, tuple[_HostChunk, int, int]] = \
+            collections.OrderedDict()
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[Hashable]:
+        """Keys from least to most recently used."""
+        return list(self._entries)
+
+    def put(self, keys: Sequence[Hashable], leaves: list, checksums: np.ndarray, nbytes: int
+            ) -> list[tuple[Hashable, list[np.ndarray], int]]:
+        """Stores a landed chunk of len(keys) pages; returns the pages evicted to make room.
+
+        Evicted pages come back as (key, per-page numpy leaves [L, ...], checksum).
+        """
+        if nbytes > self.budget_bytes:
+            raise ValueError(f"a chunk of {nbytes} bytes exceeds the host budget "
+                             f"{self.budget_bytes}")
+        for key in keys:
+            if key in self._entries:
+                self.remove(key)
+        evicted = []
+        while self.used_bytes + nbytes > self.budget_bytes:
+            evicted.append(self._evict_lru())
+        chunk = _HostChunk(leaves=leaves, nbytes=nbytes, num_live=len(keys))
+        self.used_bytes += nbytes
+        for slot, key in enumerate(keys):
+            self._entries[key] = (chunk, slot, int(checksums[slot]))
+        return evicted
+
+    def _evict_lru(self) -> tuple[Hashable, list[np.ndarray], int]:
+        key, (chunk, slot, checksum) = next(iter(self._entries.items()))
+        page = [np.array(np.asarray(x)[:, slot]) for x in chunk.leaves]  # each [L, ...]
+        self.remove(key)
+        return key, page, checksum
+
+    def remove(self, key: Hashable) -> None:
+        chunk, _, _ = self._entries.pop(key)
+        chunk.num_live -= 1
+        if chunk.num_live == 0:
+            self.used_bytes -= chunk.nbytes
+            chunk.leaves = []
+
+    def checksum(self, key: Hashable) -> int:
+        return self._entries[key][2]
+
+    def gather(self, keys: Sequence[Hashable], out: list[np.ndarray], offset: int) -> None:
+        """Copies pages `keys` into out[:, offset + i] (page-first numpy leaves); touches LRU."""
+        views: dict[int, list[np.ndarray]] = {}
+        for i, key in enumerate(keys):
+            chunk, slot, _ = self._entries[key]
+            self._entries.move_to_end(key)
+            view = views.setdefault(id(chunk), [np.asarray(x) for x in chunk.leaves])
+            for dst, src in zip(out, view, strict=True):
+                dst[:, offset + i] = src[:, slot]
+
+
+# ----------------------------------------------------------------------------- disk tier
+
+_MAGIC = b"KVJXPG01"
+_DIGEST = 32
+
+
+class DiskTier:
+    """One checksummed file per page in a private directory, under a byte budget (LRU).
+
+    Attributes:
+        directory: the private directory (removed when the tier is garbage collected).
+        budget_bytes: the most bytes its files may take.
+        used_bytes: bytes its indexed files take.
+    """
+
+    def __init__(self, budget_bytes: int, parent_dir: str | None,
+                 page_shapes: Sequence[tuple[int, ...]], page_dtypes: Sequence[np.dtype]):
+        if parent_dir is not None:
+            os.makedirs(parent_dir, exist_ok=True)
+        self.directory = tempfile.mkdtemp(prefix="kvjax-tier-", dir=parent_dir)
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self._shapes = list(page_shapes)
+        self._dtypes = list(page_dtypes)
+        self._payload_bytes = sum(math.prod(s) * d.itemsize
+                                  for s, d in zip(self._shapes, self._dtypes, strict=True))
+        self._entries: collections.OrderedDict[Hashable, tuple[str, int, int]] = \
+            collections.OrderedDict()
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of one page file (header + payload)."""
+        return len(_MAGIC) + _DIGEST + self._payload_bytes
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[Hashable]:
+        return list(self._entries)
+
+    def path_of(self, key: Hashable) -> str:
+        name = hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+        return os.path.join(self.directory, name + ".kvpage")
+
+    def close(self) -> None:
+        """Deletes every file and the directory."""
+        self._entries.clear()
+        self.used_bytes = 0
+        self._cleanup()
+
+    def remove(self, key: Hashable) -> None:
+        path, nbytes, _ = self._entries.pop(key)
+        self.used_bytes -= nbytes
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+    def _decode(self, data: bytes) -> list[np.ndarray] | None:
+        """The page leaves of a file's bytes, or None when its header or digest is wrong."""
+        header = len(_MAGIC) + _DIGEST
+        if len(data) != header + self._payload_bytes or not data.startswith(_MAGIC):
+            return None
+        payload = data[header:]
+        if hashlib.blake2b(payload, digest_size=_DIGEST).digest() != data[len(_MAGIC):header]:
+            return None
+        leaves, offset = [], 0
+        for shape, dtype in zip(self._shapes, self._dtypes, strict=True):
+            size = math.prod(shape) * dtype.itemsize
+            leaves.append(np.frombuffer(payload, dtype, math.prod(shape), offset).reshape(shape))
+            offset += size
+        return leaves
+
+    def write(self, t: Transfer, key: Hashable, page: Sequence[np.ndarray], checksum: int,
+              faults: FaultInjector) -> None:
+        """Writes one page through states QUEUED .. COMMITTED (or FAILED); `t` carries it."""
+        if t.fault is Fault.FAIL:
+            t.fail("injected failure")
+            return
+        size = self.file_bytes
+        if size > self.budget_bytes:
+            t.fail(f"a page file of {size} bytes exceeds the disk budget {self.budget_bytes}")
+            return
+        path = self.path_of(key)
+        tmp = f"{path}.tmp"
+        t.advance(TransferState.IN_FLIGHT)
+        payload = b"".join(np.ascontiguousarray(x).tobytes() for x in page)
+        data = _MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload
+        if t.fault is Fault.CORRUPT:
+            data = faults.corrupt_bytes(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
+        t.advance(TransferState.LANDED)
+        with open(tmp, "rb") as f:
+            landed = self._decode(f.read())
+        if landed is None or int(page_checksums_np([x[:, None] for x in landed])[0]) != checksum:
+            os.remove(tmp)
+            t.fail("checksum mismatch after write")
+            return
+        t.advance(TransferState.VERIFIED)
+        if key in self._entries:
+            self.remove(key)
+        while self.used_bytes + size > self.budget_bytes:
+            self.remove(next(iter(self._entries)))
+        os.replace(tmp, path)
+        self._entries[key] = (path, size, checksum)
+        self.used_bytes += size
+        t.advance(TransferState.COMMITTED)
+
+    def read(self, t: Transfer, key: Hashable, faults: FaultInjector) -> list[np.ndarray] | None:
+        """Reads one page (its leaves [L, ...]) through a transfer; a bad file is deleted."""
+        if t.fault is Fault.FAIL:
+            t.fail("injected failure")
+            return None
+        path, _, checksum = self._entries[key]
+        t.advance(TransferState.IN_FLIGHT)
+        with open(path, "rb") as f:
+            data = f.read()
+        if t.fault is Fault.CORRUPT:
+            data = faults.corrupt_bytes(data)
+        t.advance(TransferState.LANDED)
+        page = self._decode(data)
+        if page is None or int(page_checksums_np([x[:, None] for x in page])[0]) != checksum:
+            self.remove(key)
+            t.fail("checksum mismatch on read")
+            return None
+        t.advance(TransferState.VERIFIED)
+        self._entries.move_to_end(key)
+        t.payload = page
+        t.advance(TransferState.COMMITTED)
+        return t.result()
+
+
+# ----------------------------------------------------------------------------- manager
+
+
+@dataclasses.dataclass
+class _Load:
+    transfers: list[Transfer]
+    num_pages: list[int]  # pages of each transfer, in order
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    """A finished load: `num_loaded` leading pages of `num_issued` are committed in the pool."""
+
+    owner: Hashable
+    num_issued: int
+    num_loaded: int
+
+
+class TierManager:
+    """Moves pages of a page-major KV pool between the device, host and disk tiers.
+
+    Attributes:
+        config: the TierConfig.
+        page_bytes: bytes of one page over all leaves of the pool.
+        memory_kind: the jax memory kind of the host tier (None: numpy).
+        host: the HostTier.
+        disk: the DiskTier, or None.
+        faults: the FaultInjector.
+        stats: bytes moved per direction, transfers committed/failed/timed out, pages dropped.
+        recent_transfers: the last 4096 transfers, for inspection.
+    """
+
+    def __init__(self, config: TierConfig, kv, *, clock: Callable[[], float] = time.perf_counter):
+        if not config.enabled:
+            raise ValueError(f"TierManager needs host_bytes > 0, got {config.host_bytes}")
+        leaves = jax.tree.leaves(kv)
+        self.config = config
+        self.clock = clock
+        self._page_shapes = [(x.shape[0], *x.shape[2:]) for x in leaves]
+        self._page_dtypes = [np.dtype(x.dtype) for x in leaves]
+        self._shardings = [x.sharding for x in leaves]
+        self.page_bytes = sum(math.prod(s) * d.itemsize
+                              for s, d in zip(self._page_shapes, self._page_dtypes, strict=True))
+        if config.host_bytes < self.page_bytes:
+            raise ValueError(f"TierConfig.host_bytes={config.host_bytes} holds no page of "
+                             f"{self.page_bytes} bytes")
+        self.memory_kind = host_memory_kind(next(iter(leaves[0].devices())))
+        self.host = HostTier(config.host_bytes)
+        self.disk = (DiskTier(config.disk_bytes, config.disk_dir, self._page_shapes,
+                              self._page_dtypes) if config.disk_bytes else None)
+        self.faults = FaultInjector(config.faults)
+        self._inflight: list[Transfer] = []
+        self._pending_keys: set[Hashable] = set()
+        self._discard: set[Hashable] = set()
+        self._loads: dict[Hashable, _Load] = {}
+        self._swaps: dict[Hashable, tuple[list[Hashable], bytes]] = {}
+        self._swap_generation = itertools.count()
+        self.recent_transfers: collections.deque[Transfer] = collections.deque(maxlen=4096)
+        self.stats = dict(bytes_device_to_host=0, bytes_host_to_device=0, bytes_host_to_disk=0,
+                          bytes_disk_to_host=0, transfers_committed=0, transfers_failed=0,
+                          transfers_timed_out=0, pages_dropped=0, pages_loaded=0,
+                          device_transfer_s=0.0, device_transfer_bytes=0)
+
+    # --------------------------------------------------------------------------- bookkeeping
+
+    @property
+    def num_compiles(self) -> int:
+        return (_gather._cache_size() + _scatter_donated._cache_size()
+                + _checksums._cache_size())
+
+    @property
+    def num_inflight(self) -> int:
+        """Device transfers issued and not yet committed or failed."""
+        return len(self._inflight)
+
+    def is_loading(self, owner: Hashable) -> bool:
+        return owner in self._loads
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def contains(self, key: Hashable) -> bool:
+        """Whether `key` is committed in the host or disk tier."""
+        return key in self.host or (self.disk is not None and key in self.disk)
+
+    def lookup(self, keys: Sequence[Hashable]) -> int:
+        """How many leading `keys` are committed in the host or disk tier."""
+        count = 0
+        for key in keys:
+            if not self.contains(key):
+                break
+            count += 1
+        return count
+
+    def _track(self, t: Transfer) -> Transfer:
+        t.fault = self.faults.draw(t.kind)
+        self.recent_transfers.append(t)
+        return t
+
+    def _finished(self, t: Transfer) -> None:
+        self.stats["transfers_committed" if t.state is TransferState.COMMITTED
+                   else "transfers_failed"] += 1
+        if t.kind in (TransferKind.DEVICE_TO_HOST, TransferKind.HOST_TO_DEVICE) and t.land_time:
+            self.stats["device_transfer_s"] += t.land_time - t.issue_time
+            self.stats["device_transfer_bytes"] += t.nbytes
+
+    def _chunk_sizes(self, n: int) -> list[int]:
+        """Power-of-two chunk sizes summing to n (one compile per size, no padding moved)."""
+        if self.config.transfer_layout is TransferLayout.PER_PAGE:
+            return [1] * n
+        cap = min(self.config.max_chunk_pages, self.config.host_bytes // self.page_bytes)
+        cap = 1 << (cap.bit_length() - 1)
+        sizes = []
+        while n:
+            sizes.append(min(cap, 1 << (n.bit_length() - 1)))
+            n -= sizes[-1]
+        return sizes
+
+    def _to_host(self, x: jax.Array):
+        if self.memory_kind is None:
+            return np.asarray(x)
+        return jax.device_put(x, x.sharding.with_memory_kind(self.memory_kind))
+
+    def _host_from_numpy(self, x: np.ndarray, sharding):
+        if self.memory_kind is None:
+            return x
+        return jax.device_put(x, sharding.with_memory_kind(self.memory_kind))
+
+    # --------------------------------------------------------------------------- device -> host
+
+    def spill(self, kv, entries: Sequence[tuple[Hashable, int]]) -> int:
+        """Copies device pages out to the host tier before they are overwritten.
+
+        Gathers the pages now (so later writes to them cannot leak in) and issues the
+        transfers; they become readable when `poll` commits them. Keys already stored or in
+        flight are skipped.
+
+        Args:
+            kv: the KV pool (page-major leaves [L, num_pages, ...]).
+            entries: (key, device page) pairs.
+
+        Returns:
+            Bytes issued.
+        """
+        seen: set[Hashable] = set()
+        todo = []
+        for key, page in entries:
+            if key in seen or key in self._pending_keys or self.contains(key):
+                continue
+            seen.add(key)
+            todo.append((key, page))
+        return self._issue_device_to_host(kv, todo)
+
+    def swap_out(self, kv, seq_id: Hashable, pages: Sequence[int], *, cache_key: bytes = b""
+                 ) -> int:
+        """Copies a preempted sequence's pages (block-table order) out; returns bytes issued.
+
+        `cache_key` (the sequence's prefix-cache key) is kept for when it comes back.
+        """
+        self.drop(seq_id)
+        generation = next(self._swap_generation)
+        keys = [("swap", seq_id, generation, i) for i in range(len(pages))]
+        self._swaps[seq_id] = (keys, cache_key)
+        return self._issue_device_to_host(kv, list(zip(keys, pages, strict=True)))
+
+    def swap_keys(self, seq_id: Hashable) -> list[Hashable]:
+        """The keys of a swapped-out sequence's pages, in block-table order."""
+        return list(self._swaps[seq_id][0]) if seq_id in self._swaps else []
+
+    def swap_cache_key(self, seq_id: Hashable) -> bytes:
+        """The prefix-cache key a swapped-out sequence was registered with."""
+        if seq_id not in self._swaps:
+            raise ValueError(f"sequence {seq_id!r} has no swapped-out pages")
+        return self._swaps[seq_id][1]
+
+    def swap_pending(self, seq_id: Hashable) -> bool:
+        """Whether some of the sequence's swap-out transfers are still in flight."""
+        return any(key in self._pending_keys for key in self.swap_keys(seq_id))
+
+    def _issue_device_to_host(self, kv, todo: list[tuple[Hashable, int]]) -> int:
+        leaves = jax.tree.leaves(kv)
+        issued, start = 0, 0
+        for size in self._chunk_sizes(len(todo)):
+            part = todo[start:start + size]
+            start += size
+            keys = tuple(k for k, _ in part)
+            t = self._track(Transfer(TransferKind.DEVICE_TO_HOST, keys, size * self.page_bytes))
+            if t.fault is Fault.FAIL:
+                t.fail("injected failure")
+                self._finished(t)
+                continue
+            gathered, sums = _gather(leaves, np.asarray([p for _, p in part], np.int32))
+            t.payload = ([self._to_host(x) for x in gathered], sums)
+            t.issue_time = self.clock()
+            t.advance(TransferState.IN_FLIGHT)
+            self._inflight.append(t)
+            self._pending_keys.update(keys)
+            self.stats["bytes_device_to_host"] += t.nbytes
+            issued += t.nbytes
+        return issued
+
+    def _land_device_to_host(self, t: Transfer) -> None:
+        host_leaves, sums = t.payload
+        t.land_time = self.clock()
+        t.advance(TransferState.LANDED)
+        landed = [np.asarray(x) for x in host_leaves]
+        if t.fault is Fault.CORRUPT:
+            landed = self.faults.corrupt(landed)
+            host_leaves = [self._host_from_numpy(x, s)
+                           for x, s in zip(landed, self._shardings, strict=True)]
+        checksums = page_checksums_np(landed)
+        self._pending_keys.difference_update(t.keys)
+        if not np.array_equal(checksums, np.asarray(sums)):
+            self._discard.difference_update(t.keys)
+            t.fail("checksum mismatch after device -> host")
+            return
+        t.advance(TransferState.VERIFIED)
+        evicted = self.host.put(t.keys, host_leaves, checksums, t.nbytes)
+        for key in t.keys:
+            if key in self._discard:
+                self._discard.discard(key)
+                self.host.remove(key)
+        t.payload = None
+        t.advance(TransferState.COMMITTED)
+        self._spill_to_disk(evicted)
+
+    # --------------------------------------------------------------------------- host <-> disk
+
+    def _spill_to_disk(self, evicted: list[tuple[Hashable, list[np.ndarray], int]]) -> None:
+        for key, page, checksum in evicted:
+            if self.disk is None:
+                self.stats["pages_dropped"] += 1
+                continue
+            t = self._track(Transfer(TransferKind.HOST_TO_DISK, (key,), self.page_bytes))
+            if t.fault is not Fault.FAIL:
+                self.stats["bytes_host_to_disk"] += t.nbytes
+            self.disk.write(t, key, page, checksum, self.faults)
+            self._finished(t)
+            if t.state is TransferState.FAILED:
+                self.stats["pages_dropped"] += 1
+
+    def _read_from_disk(self, key: Hashable) -> list[np.ndarray] | None:
+        t = self._track(Transfer(TransferKind.DISK_TO_HOST, (key,), self.page_bytes))
+        if t.fault is not Fault.FAIL:
+            self.stats["bytes_disk_to_host"] += t.nbytes
+        page = self.disk.read(t, key, self.faults)
+        self._finished(t)
+        return page
+
+    # --------------------------------------------------------------------------- host -> device
+
+    def load(self, owner: Hashable, keys: Sequence[Hashable], pages: Sequence[int]) -> int:
+        """Issues loads of `keys` into the device `pages` (same order) for `owner`.
+
+        Disk pages are read (and checked) now; then the pages travel to the device
+        asynchronously and `poll` scatters each verified chunk into the pool. Stops at the
+        first key that is missing or whose disk file fails its check.
+
+        Returns:
+            The number of leading keys issued (0: nothing to wait for).
+        """
+        if owner in self._loads:
+            raise ValueError(f"owner {owner!r} already has a load in flight")
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        available: list[tuple[Hashable, list[np.ndarray] | None]] = []
+        for key in keys:
+            if key in self.host:
+                available.append((key, None))
+            elif self.disk is not None and key in self.disk:
+                page = self._read_from_disk(key)
+                if page is None:
+                    break
+                available.append((key, page))
+            else:
+                break
+        if not available:
+            return 0
+        load = _Load(transfers=[], num_pages=[])
+        start = 0
+        for size in self._chunk_sizes(len(available)):
+            part = available[start:start + size]
+            load.transfers.append(self._issue_host_to_device(
+                owner, part, np.asarray(pages[start:start + size], np.int32)))
+            load.num_pages.append(size)
+            start += size
+        self._loads[owner] = load
+        return len(available)
+
+    def _issue_host_to_device(self, owner: Hashable, part, pages: np.ndarray) -> Transfer:
+        keys = tuple(k for k, _ in part)
+        t = self._track(Transfer(TransferKind.HOST_TO_DEVICE, keys, len(keys) * self.page_bytes,
+                                 owner=owner))
+        if t.fault is Fault.FAIL:
+            t.fail("injected failure")
+            self._finished(t)
+            return t
+        staged = [np.empty((s[0], len(keys), *s[1:]), d)
+                  for s, d in zip(self._page_shapes, self._page_dtypes, strict=True)]
+        expected = np.empty([len(keys)], np.uint32)
+        host_run: list[Hashable] = []
+        for i, (key, page) in enumerate(part):
+            if page is None:
+                host_run.append(key)
+                expected[i] = self.host.checksum(key)
+                continue
+            self.host.gather(host_run, staged, i - len(host_run))
+            host_run = []
+            for dst, src in zip(staged, page, strict=True):
+                dst[:, i] = src
+            expected[i] = page_checksums_np([x[:, None] for x in page])[0]
+        self.host.gather(host_run, staged, len(part) - len(host_run))
+        if t.fault is Fault.CORRUPT:
+            staged = self.faults.corrupt(staged)
+        on_device = [jax.device_put(x, s.with_memory_kind("device"))
+                     for x, s in zip(staged, self._shardings, strict=True)]
+        t.payload = (on_device, _checksums(on_device), expected, pages)
+        t.issue_time = self.clock()
+        t.advance(TransferState.IN_FLIGHT)
+        self._inflight.append(t)
+        self.stats["bytes_host_to_device"] += t.nbytes
+        return t
+
+    def _land_host_to_device(self, t: Transfer, leaves: list) -> list:
+        on_device, sums, expected, pages = t.payload
+        t.land_time = self.clock()
+        t.advance(TransferState.LANDED)
+        if not np.array_equal(np.asarray(sums), expected):
+            t.fail("checksum mismatch after host -> device")
+            return leaves
+        t.advance(TransferState.VERIFIED)
+        leaves = _scatter_donated(leaves, pages, on_device)
+        t.payload = None
+        t.advance(TransferState.COMMITTED)
+        self.stats["pages_loaded"] += len(pages)
+        return leaves
+
+    # --------------------------------------------------------------------------- progress
+
+    def _has_landed(self, t: Transfer) -> bool:
+        if t.fault is Fault.DELAY and t.polls <= self.faults.config.delay_polls:
+            return False
+        if t.kind is TransferKind.DEVICE_TO_HOST:
+            return _leaves_ready(t.payload[0])
+        return _leaves_ready([t.payload[1]])
+
+    def poll(self, kv) -> tuple[object, list[LoadResult]]:
+        """Advances every device transfer in flight; returns the new KV pool and finished loads.
+
+        A transfer that has landed is verified and committed (host pages become readable, loaded
+        pages are scattered into the pool) or fails; one in flight for more than
+        `timeout_polls` polls fails as timed out.
+        """
+        leaves, treedef = jax.tree.flatten(kv)
+        for t in list(self._inflight):
+            t.polls += 1
+            if not self._has_landed(t):
+                if t.polls > self.config.timeout_polls:
+                    self._inflight.remove(t)
+                    self._pending_keys.difference_update(t.keys)
+                    self._discard.difference_update(t.keys)
+                    t.fail(f"timed out after {t.polls - 1} polls")
+                    self.stats["transfers_timed_out"] += 1
+                    self._finished(t)
+                continue
+            self._inflight.remove(t)
+            if t.kind is TransferKind.DEVICE_TO_HOST:
+                self._land_device_to_host(t)
+            else:
+                leaves = self._land_host_to_device(t, leaves)
+            self._finished(t)
+        return jax.tree.unflatten(treedef, leaves), self._finished_loads()
+
+    def _finished_loads(self) -> list[LoadResult]:
+        results = []
+        for owner, load in list(self._loads.items()):
+            if not all(t.is_done for t in load.transfers):
+                continue
+            loaded = 0
+            for t, n in zip(load.transfers, load.num_pages, strict=True):
+                if t.state is not TransferState.COMMITTED:
+                    break
+                loaded += n
+            results.append(LoadResult(owner, sum(load.num_pages), loaded))
+            del self._loads[owner]
+        return results
+
+    def cancel(self, owner: Hashable) -> None:
+        """Fails `owner`'s loads still in flight: nothing more is scattered for it."""
+        load = self._loads.pop(owner, None)
+        if load is None:
+            return
+        for t in load.transfers:
+            if not t.is_done:
+                self._inflight.remove(t)
+                t.fail("cancelled")
+                self._finished(t)
+
+    def drop(self, seq_id: Hashable) -> None:
+        """Cancels `seq_id`'s loads and forgets its swapped-out pages in every tier."""
+        self.cancel(seq_id)
+        keys, _ = self._swaps.pop(seq_id, ([], b""))
+        for key in keys:
+            if key in self._pending_keys:
+                self._discard.add(key)
+            elif key in self.host:
+                self.host.remove(key)
+            elif self.disk is not None and key in self.disk:
+                self.disk.remove(key)
+
+    def close(self) -> None:
+        """Cancels every transfer and deletes the disk tier's files."""
+        for owner in list(self._loads):
+            self.cancel(owner)
+        for t in self._inflight:
+            t.fail("closed")
+        self._inflight.clear()
+        if self.disk is not None:
+            self.disk.close()
+
+    def measured_bandwidth(self) -> float | None:
+        """Bytes per second of device transfers so far (issue to landing), or None."""
+        if self.stats["device_transfer_s"] <= 0:
+            return None
+        return self.stats["device_transfer_bytes"] / self.stats["device_transfer_s"]
+
+
+def page_hash_chain(token_ids: Sequence[int], cache_key: bytes, page_size: int) -> list[bytes]:
+    """Prefix-cache hashes of every full page of `token_ids` (the block manager's chain)."""
+    parent, hashes = hash_root(cache_key), []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = hash_page(parent, token_ids[start:start + page_size])
+        hashes.append(parent)
+    return hashes
+
+
+class TieredSwapSpace:
+    """The engine's swap space with tiers on: swapped pages go through checked tier transfers.
+
+    It keeps the interface of kvjax.engine.swap.HostSwapSpace that the engine calls on
+    preemption and on finishing (`swap_out`, `drop`, `scrub`, `num_compiles`); swapping back in
+    is asynchronous, through `TierManager.load`.
+
+    Attributes:
+        tiers: the TierManager.
+    """
+
+    def __init__(self, tiers: TierManager, plain, allocator):
+        self.tiers = tiers
+        self._plain = plain
+        self._allocator = allocator
+
+    @property
+    def memory_kind(self) -> str | None:
+        return self.tiers.memory_kind
+
+    @property
+    def num_compiles(self) -> int:
+        return self._plain.num_compiles + self.tiers.num_compiles
+
+    def swap_out(self, kv, seq_id: Hashable, pages: list[int]) -> int:
+        """Issues the copy of a registered sequence's `pages` to the tiers; returns bytes."""
+        return self.tiers.swap_out(kv, seq_id, pages,
+                                   cache_key=self._allocator.cache_key_of(seq_id))
+
+    def drop(self, seq_id: Hashable) -> None:
+        self.tiers.drop(seq_id)
+        self._plain.drop(seq_id)
+
+    def scrub(self, kv, pages: list[int]):
+        return self._plain.scrub(kv, pages)
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionDecision:
+    """Why a preempted sequence was swapped or recomputed.
+
+    Attributes:
+        seq_id: the preempted sequence.
+        num_tokens: tokens whose KV it held (prompt + generated so far).
+        swap_cost_s: estimated seconds to move its KV out and back.
+        recompute_cost_s: estimated seconds to prefill those tokens again.
+        choice: 'swap' or 'recompute' (the values of kvjax.PreemptionMode).
+    """
+
+    seq_id: str
+    num_tokens: int
+    swap_cost_s: float
+    recompute_cost_s: float
+    choice: str
+
+
+def decide_preemption(seq_id: str, num_tokens: int, *, bytes_per_token: float,
+                      bandwidth_bytes_per_s: float, recompute_tokens_per_s: float
+                      ) -> PreemptionDecision:
+    """Swap when moving the KV out and back is estimated cheaper than prefilling it again."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if not bandwidth_bytes_per_s > 0 or not recompute_tokens_per_s > 0:
+        raise ValueError(f"rates must be > 0, got bandwidth={bandwidth_bytes_per_s!r}, "
+                         f"recompute={recompute_tokens_per_s!r}")
+    swap = 2 * num_tokens * bytes_per_token / bandwidth_bytes_per_s
+    recompute = num_tokens / recompute_tokens_per_s
+    return PreemptionDecision(seq_id=seq_id, num_tokens=num_tokens, swap_cost_s=swap,
+                              recompute_cost_s=recompute,
+                              choice="swap" if swap < recompute else "recompute")
+
+
+def measure_transfer_bandwidth(kv, num_pages: int, layout: TransferLayout, *,
+                               repeats: int = 3) -> dict[str, float]:
+    """Device <-> host bandwidth (bytes/s) for `num_pages` pages of `kv` moved in `layout`.
+
+    Page-first: one gather into [L, n, ...] and one transfer per direction. Per page: n
+    gathers and n transfers. Each direction is timed to completion, best of `repeats`.
+    """
+    leaves = jax.tree.leaves(kv)
+    kind = host_memory_kind(next(iter(leaves[0].devices())))
+    pages = np.arange(min(num_pages, leaves[0].shape[1]), dtype=np.int32)
+    groups = [pages] if layout is TransferLayout.PAGE_FIRST else [pages[i:i + 1] for i in pages]
+
+    def to_host(x):
+        return np.asarray(x) if kind is None else jax.device_put(
+            x, x.sharding.with_memory_kind(kind))
+
+    def down():
+        out = [[to_host(x) for x in _gather(leaves, g)[0]] for g in groups]
+        jax.block_until_ready(out)
+        return out
+
+    def up(host):
+        out = [[jax.device_put(x, s.sharding.with_memory_kind("device"))
+                for x, s in zip(h, leaves, strict=True)] for h in host]
+        jax.block_until_ready(out)
+
+    host = down()  # warm-up: compiles the gathers
+    up(host)
+    d2h, h2d = math.inf, math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        host = down()
+        t1 = time.perf_counter()
+        up(host)
+        t2 = time.perf_counter()
+        d2h, h2d = min(d2h, t1 - t0), min(h2d, t2 - t1)
+    nbytes = sum(x.nbytes for h in host for x in jax.tree.leaves(h))
+    return dict(bytes=nbytes, device_to_host_bytes_per_s=nbytes / d2h,
+                host_to_device_bytes_per_s=nbytes / h2d)
