@@ -34,7 +34,6 @@ def _padded(pages: list[int]) -> np.ndarray:
 # Paged states (exact or quantized) keep every array leaf page-major: [L, num_pages, ...].
 
 
-@jax.jit
 def _gather(kv, pages: jax.Array):
     return jax.tree.map(lambda x: x[:, pages], kv)  # leaves [L, n, ...]
 
@@ -61,6 +60,8 @@ class HostSwapSpace:
 
     def __init__(self):
         self._stored: dict[str, tuple[object, int]] = {}
+        # Per-instance programs, so each engine counts its own compilations.
+        self._gather = jax.jit(_gather)
         self._scatter = jax.jit(_scatter, donate_argnums=0)
         self._zero = jax.jit(_zero, donate_argnums=0)
         device = jax.devices()[0]
@@ -74,7 +75,7 @@ class HostSwapSpace:
 
     @property
     def num_compiles(self) -> int:
-        return _gather._cache_size() + self._scatter._cache_size() + self._zero._cache_size()
+        return sum(f._cache_size() for f in (self._gather, self._scatter, self._zero))
 
     def _to_host(self, x: jax.Array):
         if self.memory_kind is None:
@@ -89,7 +90,7 @@ class HostSwapSpace:
     def swap_out(self, kv, seq_id: str, pages: list[int]) -> int:
         """Copies `pages` (in block-table order) to host memory; returns bytes moved."""
         padded = _padded(pages)
-        stored = _gather(kv, padded)
+        stored = self._gather(kv, padded)
         self._stored[seq_id] = (jax.tree.map(self._to_host, stored), len(pages))
         return _page_bytes(stored, len(padded)) * len(pages)
 
