@@ -1,0 +1,92 @@
+"""The joint serving benchmark's full config: every field, its default and its meaning.
+
+Other configs start from this one (`load_config` of this file) and change a few fields.
+Any field can be overridden on the command line, e.g. `--config.engine.page_size=32`.
+A chat-like Poisson workload on the embedded SmolLM2-135M; sized for an accelerator, so on a
+CPU prefer configs/serve_demo.py.
+"""
+
+from ml_collections import ConfigDict, config_dict
+
+
+def get_config() -> ConfigDict:
+    config = ConfigDict()
+    config.name = "default"  # the run's label in tables, file names and plots
+
+    config.model = ConfigDict()
+    config.model.name = "smollm2-135m"  # the embedded model, a .gguf file or an HF directory
+    config.model.dtype = "float32"  # weights and compute dtype: float32, bfloat16, float16
+
+    config.engine = ConfigDict()
+    config.engine.kv_layout = "paged"  # paged (on-demand pages) or contiguous (max_len per seq)
+    config.engine.page_size = 16  # P, tokens per KV page
+    # KV pool size in MiB; None: room for max_num_seqs sequences of max_model_len tokens.
+    config.engine.kv_budget_mb = config_dict.placeholder(float)
+    config.engine.num_pages = config_dict.placeholder(int)  # page count; overrides kv_budget_mb
+    config.engine.kv_dtype = config_dict.placeholder(str)  # K/V storage dtype; None: the model's
+    config.engine.max_num_seqs = 16  # most sequences running at once (decode rows per step)
+    config.engine.max_num_batched_tokens = 512  # per-step token budget (decode + prefill)
+    config.engine.max_prefill_chunk = 256  # longest prefill chunk of one sequence per step
+    config.engine.max_prefill_seqs = 4  # most sequences prefilling in one step
+    config.engine.min_chunk_bucket = 16  # smallest padded prefill chunk (fewer: fewer shapes)
+    config.engine.max_model_len = 2048  # context limit (prompt + output); None: the model's
+    config.engine.scheduler_policy = "fcfs"  # fcfs, priority, lpm (prefix-aware), fair (tenants)
+    config.engine.enable_prefix_cache = True  # share full prompt pages across requests
+    config.engine.preemption_mode = "recompute"  # recompute or swap (to host memory)
+    config.engine.watermark = 0.01  # fraction of pages kept free when admitting
+    config.engine.scrub_freed_pages = False  # zero pages when they are freed
+    config.engine.attention_impl = "auto"  # auto (Pallas on GPU/TPU), reference or pallas
+
+    config.kv = ConfigDict()
+    config.kv.codec = "none"  # KV codec: none, int8, int4, int2, fp8_e4m3, fp8_e5m2, kivi4, kivi2
+    config.kv.codec_options = ConfigDict()  # codec keyword options, e.g. group, residual
+    config.kv.retention = "none"  # token retention policy (sparse KV); only none exists yet
+    config.kv.budget = config_dict.placeholder(int)  # tokens retention keeps per sequence
+
+    config.tiers = ConfigDict()
+    config.tiers.host_budget_mb = config_dict.placeholder(float)  # host swap MiB; None: unbounded
+    config.tiers.disk_budget_mb = 0.0  # disk tier MiB; 0: no disk tier
+    config.tiers.transfer_layout = "page_first"  # layout of pages in flight between tiers
+    config.tiers.fault_injection = ConfigDict()
+    config.tiers.fault_injection.transfer_failure_rate = 0.0  # fraction of transfers that fail
+    config.tiers.fault_injection.corruption_rate = 0.0  # fraction of transfers corrupted
+
+    config.workload = ConfigDict()
+    config.workload.name = "poisson"  # a generator in kvjax.bench.workloads.WORKLOADS
+    config.workload.seed = 0  # makes prompts, lengths and arrivals reproducible
+    config.workload.num_requests = 64  # requests in the run
+    config.workload.params = ConfigDict()  # the generator's keyword parameters
+    config.workload.params.rate = 4.0  # arrivals per second (inf: all at t=0)
+    config.workload.params.prompt_len = 256  # median prompt tokens (log-normal)
+    config.workload.params.prompt_max = 1024  # longest prompt
+    config.workload.params.output_len = 128  # median output tokens (log-normal)
+    config.workload.params.output_max = 512  # longest output
+    config.workload.tenant_weights = ()  # per-tenant traffic shares; (): one tenant, as generated
+    config.workload.tenant_priorities = ()  # per-tenant priority (larger first); (): all 0
+
+    config.sampling = ConfigDict()
+    config.sampling.temperature = 0.0  # 0: greedy (warm-up compiles greedy shapes only)
+
+    config.slo = ConfigDict()
+    config.slo.ttft_s = 2.0  # a request meets the SLO with TTFT at most this ...
+    config.slo.tpot_s = 0.1  # ... and time per output token at most this
+
+    config.clock = "real"  # real (wall clock) or simulated (the cost model below)
+    # Simulated step seconds = overhead + per_token * T + per_context_token * S (+ swaps), T
+    # the step's padded tokens, S the KV tokens its rows read. The defaults are a rounded
+    # fit_step_cost fit of a real-clock serve_demo run (SmolLM2-135M, float32) on a 2-core
+    # x86 CPU shared with other jobs.
+    config.sim = ConfigDict()
+    config.sim.step_overhead_s = 0.1  # fixed cost of a step
+    config.sim.per_token_s = 0.006  # per padded token in the step (T)
+    config.sim.per_context_token_s = 2e-5  # per KV token the step's rows attend to (S)
+    config.sim.host_bytes_per_s = 10e9  # swap bandwidth between device and host memory
+
+    config.quality = ConfigDict()
+    config.quality.enabled = True  # score non-exact KV variants against exact KV
+    config.quality.num_prompts = 4  # workload prompts scored
+    config.quality.num_tokens = 32  # greedy tokens generated and scored per prompt
+
+    config.energy_profile = "cpu"  # kvjax.bench.energy profile: cpu, h100, h200, tpu_v5e
+    config.sweep = []  # override sets, one run each: [{"engine.page_size": 32}, ...]
+    return config

@@ -1,0 +1,788 @@
+"""The joint serving benchmark driver: a config in, one metrics dict per run out.
+
+A run builds the workload (`kvjax.bench.workloads`), an `Engine` from the config's engine
+section, compiles every step shape (`Engine.warmup`), then replays the requests on a clock
+and turns what came back into `compute_metrics`'s dict (keys `METRIC_KEYS`).
+
+Clocks (`config.clock`):
+    real: the engine's clock is `time.perf_counter()` minus the run's start. A request is
+        submitted once the wall clock passes its arrival time (its TTFT counts from that
+        arrival time, so a late submission shows up as latency); the loop steps while
+        anything is pending and sleeps when the engine is idle.
+    simulated: a virtual clock that only the cost model advances, so a run replays the same
+        way on any host. Each step's dispatch advances it by
+
+            overhead_s + per_token_s * T + per_context_token_s * S + host_bytes / host_bytes_per_s
+
+        with T the step's padded token count (what static-shape hardware computes), S the
+        sum of its rows' KV lengths (the context attention reads) and host_bytes the bytes
+        swapped since the previous step. When the engine is idle the clock jumps to the next
+        arrival. Tokens are stamped with the clock after their step's cost is added.
+
+Counters (estimates from the model config and each step's token layout, not measurements):
+    flops: 2 * (matmul parameters per layer stack) * T + 2 * H * V per sampled row
+        + 4 * L * N * D * (query, key) pairs attended (causal within a prefill chunk).
+    bytes_moved.device: every weight read once per step, plus KV written for the step's real
+        tokens and KV read for its rows' contexts (at the engine's bytes per token, codec
+        included), plus both sides of copy-on-write page copies.
+    bytes_moved.host: the engine's swap traffic (`stats['swap_bytes']`).
+    bytes_moved.disk: 0 (no disk tier exists).
+
+Quality (only for a non-exact variant: a quantized codec, or a KV dtype other than the
+model's): for the first `quality.num_prompts` prompts an exact engine generates
+`quality.num_tokens` greedy tokens; the exact and the variant engine then score prompt +
+continuation teacher-forced (`score_tokens`), and `quality_stats` compares the rows that
+predict the continuation.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import copy
+import dataclasses
+import importlib.util
+import itertools
+import json
+import math
+import os
+import platform
+import re
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from ml_collections import ConfigDict
+from tqdm import tqdm
+
+from kvjax.bench.energy import get_profile
+from kvjax.bench.metrics import (
+    DEFAULT_TABLE_COLUMNS,
+    Clock,
+    RequestRecord,
+    compute_metrics,
+    format_table,
+    quality_stats,
+)
+from kvjax.bench.workloads import BenchRequest, Tokenizer, make_workload
+from kvjax.config import resolve_dtype
+from kvjax.engine.config import EngineConfig
+from kvjax.engine.engine import Engine
+from kvjax.engine.request import RequestOutput
+from kvjax.engine.step import LogitsMode, StepShape
+from kvjax.models.loading import load_model
+from kvjax.models.model import Model
+from kvjax.sampling import SamplingParams
+
+# Columns of results.md: the design's joint metrics plus what makes a row interpretable.
+TABLE_COLUMNS: tuple[str, ...] = (
+    "num_requests", "duration_s", *DEFAULT_TABLE_COLUMNS, "compiles_after_warmup")
+
+# Config fields nothing implements yet, with the values that mean "feature off".
+_INACTIVE_VALUES: dict[str, tuple[Any, ...]] = {
+    "kv.retention": ("none",),
+    "kv.budget": (None,),
+    "tiers.host_budget_mb": (None,),
+    "tiers.disk_budget_mb": (None, 0, 0.0),
+    "tiers.transfer_layout": ("page_first",),
+    "tiers.fault_injection.transfer_failure_rate": (0, 0.0),
+    "tiers.fault_injection.corruption_rate": (0, 0.0),
+}
+
+# Sections whose keys are free-form keyword arguments, so an override may add a key.
+_OPEN_SECTIONS = ("workload.params", "kv.codec_options")
+
+# A stuck engine (work queued, nothing schedulable) would otherwise spin forever.
+_MAX_IDLE_STEPS = 1000
+
+# One ModelRunner per distinct static configuration for the whole process: its jitted step
+# holds one program per step shape, so the runs of a sweep (and the scoring engines) compile
+# each shape once. A runner holds only static configuration (its public attributes, the key
+# here); the engine owns the KV state and passes the params to every call.
+_SHARED_RUNNERS: dict[tuple[Any, ...], Any] = {}
+
+
+def _new_engine(model: Model, engine_config: EngineConfig, **kwargs: Any) -> Engine:
+    engine = Engine(model, engine_config, **kwargs)
+    runner = engine.runner
+    key = (type(runner), *sorted((k, repr(v)) for k, v in vars(runner).items()
+                                 if not k.startswith("_")))
+    engine.runner = _SHARED_RUNNERS.setdefault(key, runner)
+    return engine
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def load_config(path: str | os.PathLike) -> ConfigDict:
+    """Calls `get_config()` of the config file at `path` (what --config=path does)."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"_kvjax_config_{path.stem}", path)
+    if spec is None or not path.is_file():
+        raise ValueError(f"no config file at {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def _parent_and_leaf(config: ConfigDict, field: str) -> tuple[ConfigDict, str]:
+    *parents, leaf = field.split(".")
+    node = config
+    for i, part in enumerate(parents):
+        if not isinstance(node, ConfigDict) or part not in node:
+            raise ValueError(f"unknown config field {'.'.join(parents[:i + 1])!r} "
+                             f"(in override {field!r})")
+        node = node[part]
+    if not isinstance(node, ConfigDict):
+        raise ValueError(f"config field {'.'.join(parents)!r} is not a section "
+                         f"(in override {field!r})")
+    if leaf not in node and ".".join(parents) not in _OPEN_SECTIONS:
+        raise ValueError(f"unknown config field {field!r}")
+    return node, leaf
+
+
+def _parse_value(text: str, kind: type | None) -> Any:
+    """A command-line value as the type of the field it overrides."""
+    text = text.strip()
+    try:
+        if kind is bool:
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError
+            return lowered in ("true", "1")
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is str:
+            return text
+        if text.lower() in ("none", "null"):
+            return None
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if kind is None:
+            return text
+        raise ValueError(f"cannot read {text!r} as {kind.__name__}") from None
+
+
+def parse_sweep(text: str, config: ConfigDict) -> list[dict[str, Any]]:
+    """Parses --sweep: `field=v1,v2;field2=w1,w2` is the product of the axes, in order.
+
+    Values take the type of the field they override (e.g. `engine.page_size=16,32` gives
+    ints). Returns one {field: value} dict per variant.
+    """
+    axes = []
+    for part in (p for p in text.split(";") if p.strip()):
+        if "=" not in part:
+            raise ValueError(f"sweep axis {part.strip()!r} needs the form field=v1,v2,...")
+        field, values = (s.strip() for s in part.split("=", 1))
+        parent, leaf = _parent_and_leaf(config, field)
+        kind = parent.get_ref(leaf).get_type() if leaf in parent else None
+        parsed = [_parse_value(v, kind) for v in values.split(",") if v.strip()]
+        if not parsed:
+            raise ValueError(f"sweep axis {field!r} has no values")
+        axes.append([(field, v) for v in parsed])
+    if not axes:
+        raise ValueError(f"empty sweep {text!r}")
+    return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def _variant_name(overrides: Mapping[str, Any]) -> str:
+    return ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in overrides.items() if k != "name")
+
+
+def apply_overrides(config: ConfigDict, overrides: Mapping[str, Any]) -> ConfigDict:
+    """A copy of `config` with dotted-path `overrides` set (key "name" names the variant).
+
+    Raises:
+        ValueError: for an unknown field or a value of the wrong type.
+    """
+    config = copy.deepcopy(config)
+    for field, value in overrides.items():
+        parent, leaf = _parent_and_leaf(config, field)
+        try:
+            with parent.unlocked():
+                parent[leaf] = value
+        except TypeError as e:
+            raise ValueError(f"override {field}={value!r}: {e}") from None
+    if "name" not in overrides:
+        config.name = _variant_name(overrides) or config.name
+    return config
+
+
+def _lookup(config: ConfigDict, field: str) -> Any:
+    node = config
+    for part in field.split("."):
+        node = node[part]
+    return node
+
+
+def check_supported(config: ConfigDict) -> None:
+    """Raises ValueError "not yet supported: <field>" for a feature nothing implements."""
+    for field, inactive in _INACTIVE_VALUES.items():
+        value = _lookup(config, field)
+        if value not in inactive:
+            raise ValueError(f"not yet supported: {field}={value!r} (leave it at "
+                             f"{inactive[0]!r}; no kvjax component implements it yet)")
+    if config.kv.codec != "none" and importlib.util.find_spec("kvjax.kv.quantized") is None:
+        raise ValueError(f"not yet supported: kv.codec={config.kv.codec!r} (the engine's "
+                         f"quantized KV state, kvjax.kv.quantized, is not installed)")
+    if Clock(config.clock) is Clock.SIMULATED:
+        for name, value in config.sim.items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"sim.{name} must be finite and >= 0, got {value!r}")
+
+
+def engine_config_from(config: ConfigDict) -> EngineConfig:
+    """The `EngineConfig` of a benchmark config's `engine` and `kv` sections."""
+    e = config.engine
+    budget = None if e.kv_budget_mb is None else int(e.kv_budget_mb * 2**20)
+    return EngineConfig(
+        kv_layout=e.kv_layout, page_size=e.page_size, kv_budget_bytes=budget,
+        num_pages=e.num_pages, kv_dtype=e.kv_dtype, kv_codec=config.kv.codec,
+        kv_codec_options=config.kv.codec_options.to_dict(), max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens, max_prefill_chunk=e.max_prefill_chunk,
+        max_prefill_seqs=e.max_prefill_seqs, max_model_len=e.max_model_len,
+        enable_prefix_cache=e.enable_prefix_cache, scheduler_policy=e.scheduler_policy,
+        preemption_mode=e.preemption_mode, watermark=e.watermark,
+        scrub_freed_pages=e.scrub_freed_pages, attention_impl=e.attention_impl,
+        min_chunk_bucket=e.min_chunk_bucket)
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def _split(total: int, weights: Sequence[float]) -> list[int]:
+    """`total` split in proportion to `weights`, by largest remainder."""
+    shares = np.asarray(weights, np.float64) / np.sum(weights) * total  # [num_tenants]
+    counts = np.floor(shares).astype(int)
+    for i in np.argsort(counts - shares)[:total - counts.sum()]:
+        counts[i] += 1
+    return counts.tolist()
+
+
+def build_workload(config: ConfigDict, tokenizer: Tokenizer) -> list[BenchRequest]:
+    """The config's workload, sorted by arrival.
+
+    With `workload.tenant_weights` (w_0, ..), tenant t ("tenant-t") gets its own copy of the
+    generator with num_requests and any `rate` scaled by w_t / sum(w) and its own seed; the
+    copies are merged (superposed Poisson processes stay Poisson). `tenant_priorities` gives
+    each tenant's requests a priority.
+    """
+    w = config.workload
+    params = w.params.to_dict()
+    weights, priorities = tuple(w.tenant_weights), tuple(w.tenant_priorities)
+    if not weights:
+        if priorities:
+            raise ValueError("workload.tenant_priorities needs workload.tenant_weights")
+        return make_workload(w.name, tokenizer, seed=w.seed, num_requests=w.num_requests,
+                             **params)
+    if any(not x > 0 for x in weights):
+        raise ValueError(f"workload.tenant_weights must be > 0, got {weights}")
+    if priorities and len(priorities) != len(weights):
+        raise ValueError(f"workload.tenant_priorities {priorities} needs one entry per tenant "
+                         f"({len(weights)})")
+    requests = []
+    for t, count in enumerate(_split(w.num_requests, weights)):
+        if count == 0:
+            continue
+        mine = dict(params)
+        if "rate" in mine:
+            mine["rate"] = mine["rate"] * weights[t] / sum(weights)
+        seed = int(np.random.SeedSequence([w.seed, t]).generate_state(1)[0])
+        for r in make_workload(w.name, tokenizer, seed=seed, num_requests=count, **mine):
+            requests.append(dataclasses.replace(
+                r, request_id=f"tenant-{t}/{r.request_id}", tenant=f"tenant-{t}",
+                priority=priorities[t] if priorities else r.priority))
+    return sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+
+
+# ----------------------------------------------------------------------------- clocks
+
+
+class _WallClock:
+    """Seconds since `reset()` on time.perf_counter."""
+
+    def __init__(self):
+        self.origin = time.perf_counter()
+
+    def reset(self) -> None:
+        self.origin = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self()))
+
+
+class _VirtualClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def reset(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wait_until(self, t: float) -> None:
+        self.now = max(self.now, t)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCostModel:
+    """Seconds one step takes on the simulated clock (see the module docstring)."""
+
+    step_overhead_s: float
+    per_token_s: float
+    per_context_token_s: float
+    host_bytes_per_s: float
+
+    def step_seconds(self, num_padded_tokens: int, num_context_tokens: int,
+                     host_bytes: int) -> float:
+        host = host_bytes / self.host_bytes_per_s if host_bytes else 0.0
+        return (self.step_overhead_s + self.per_token_s * num_padded_tokens
+                + self.per_context_token_s * num_context_tokens + host)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One engine step: when it ended, its token layout and how long it took (seconds)."""
+
+    time_s: float
+    num_tokens: int
+    num_padded_tokens: int
+    num_context_tokens: int
+    duration_s: float
+
+
+def fit_step_cost(steps: Sequence[StepRecord]) -> dict[str, float] | None:
+    """Non-negative least-squares fit of duration = overhead + per_token * T + per_context * S.
+
+    Feed it a real-clock run's steps to calibrate the simulated clock. Every subset of the
+    three terms is fitted and the best fit with no negative coefficient wins (a negative cost
+    would let the simulated clock run backwards). None with fewer than three steps.
+    """
+    if len(steps) < 3:
+        return None
+    a = np.array([[1.0, s.num_padded_tokens, s.num_context_tokens] for s in steps])  # [n, 3]
+    b = np.array([s.duration_s for s in steps])  # [n]
+    best, best_error = np.zeros(3), float(np.sum(b * b))
+    for size in (1, 2, 3):
+        for columns in itertools.combinations(range(3), size):
+            coef = np.linalg.lstsq(a[:, columns], b, rcond=None)[0]
+            error = float(np.sum((a[:, columns] @ coef - b) ** 2))
+            if np.all(coef >= 0) and error < best_error:
+                best, best_error = np.zeros(3), error
+                best[list(columns)] = coef
+    return dict(step_overhead_s=float(best[0]), per_token_s=float(best[1]),
+                per_context_token_s=float(best[2]))
+
+
+# ----------------------------------------------------------------------------- step meter
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelCosts:
+    """Per-token and per-step costs of one model under one engine."""
+
+    matmul_params: int  # parameters of the layer stack's matmuls
+    head_params: int  # H * V, the output projection
+    weight_bytes: int  # bytes of weights every step reads
+    attention_flops_per_pair: int  # 4 * L * N * D
+    kv_bytes_per_token: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> _ModelCosts:
+        c, params = engine.model.config, engine.model.params
+        layers = jax.tree.leaves(params["layers"])
+        head = params.get("lm_head", params["embed"])
+        return cls(
+            matmul_params=sum(x.size for x in layers if x.ndim == 3),
+            head_params=c.hidden_size * c.vocab_size,
+            weight_bytes=sum(x.nbytes for x in layers) + params["final_norm"].nbytes
+            + head.nbytes,
+            attention_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim,
+            kv_bytes_per_token=int(engine.kv_bytes_per_token))
+
+
+class _StepMeter:
+    """Stands in for the engine's ModelRunner: tallies each step, advances a virtual clock.
+
+    Everything the engine asks of the runner is forwarded; `step` first reads the step's
+    token layout (query and KV lengths per row) from its host inputs.
+    """
+
+    def __init__(self, engine: Engine, cost_model: StepCostModel | None,
+                 clock: _VirtualClock | None):
+        self._runner = engine.runner
+        self._engine = engine
+        self._costs = _ModelCosts.of(engine)
+        self._cost_model = cost_model
+        self._clock = clock
+        self._swap_bytes_seen = engine.stats["swap_bytes"]
+        self.flops = 0
+        self.device_bytes = 0
+        self.last_layout: tuple[int, int, int] | None = None  # (tokens, padded, context)
+        self.last_cost_s = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def step(self, params, kv, host_input: dict[str, np.ndarray], shape: StepShape):
+        q_lens = host_input["q_lens"].astype(np.int64)  # [R]
+        kv_lens = host_input["kv_lens"].astype(np.int64)  # [R]
+        num_tokens, context = int(q_lens.sum()), int(kv_lens.sum())
+        pairs = int(np.sum(q_lens * kv_lens - q_lens * (q_lens - 1) // 2))
+        c = self._costs
+        self.flops += (2 * c.matmul_params * shape.num_tokens + 2 * c.head_params * shape.num_rows
+                       + c.attention_flops_per_pair * pairs)
+        self.device_bytes += c.weight_bytes + c.kv_bytes_per_token * (num_tokens + context)
+        self.last_layout = (num_tokens, shape.num_tokens, context)
+        if self._clock is not None:
+            swapped = self._engine.stats["swap_bytes"] - self._swap_bytes_seen
+            self._swap_bytes_seen = self._engine.stats["swap_bytes"]
+            self.last_cost_s = self._cost_model.step_seconds(shape.num_tokens, context, swapped)
+            self._clock.now += self.last_cost_s
+        return self._runner.step(params, kv, host_input, shape)
+
+    def copy_pages(self, kv, src: np.ndarray, dst: np.ndarray):
+        self.device_bytes += 2 * len(np.unique(dst)) * self._engine.kv_bytes_per_page
+        return self._runner.copy_pages(kv, src, dst)
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+class _Scorer:
+    """An engine that runs a whole sequence as one prefill chunk, for teacher forcing."""
+
+    def __init__(self, engine_config: EngineConfig, model: Model, max_len: int):
+        bucket = 1 << max(max_len - 1, engine_config.page_size - 1, 1).bit_length()
+        config = dataclasses.replace(
+            engine_config, max_num_seqs=1, max_prefill_seqs=1, max_prefill_chunk=bucket,
+            min_chunk_bucket=bucket, max_num_batched_tokens=bucket, max_model_len=2 * bucket,
+            enable_prefix_cache=False, kv_budget_bytes=None, num_pages=None,
+            scheduler_policy="fcfs")
+        self.engine = _new_engine(model, config)
+        self._ids = itertools.count()
+
+    def generate(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
+        """Greedy continuation of `num_tokens` tokens (EOS ignored)."""
+        (out,) = self.engine.generate(
+            [list(prompt)], SamplingParams(max_new_tokens=num_tokens, ignore_eos=True))
+        if out.error:
+            raise ValueError(f"cannot score this prompt: {out.error}")
+        return out.outputs[0].token_ids
+
+    def score(self, token_ids: Sequence[int]) -> np.ndarray:
+        """[len - 1, V] float64 log-probabilities; row i predicts token i + 1."""
+        if len(token_ids) < 2:
+            raise ValueError(f"scoring needs at least 2 tokens, got {len(token_ids)}")
+        engine = self.engine
+        engine.add_request(f"score-{next(self._ids)}", list(token_ids),
+                           SamplingParams(max_new_tokens=1, ignore_eos=True))
+        engine.step(logits_mode=LogitsMode.ALL)
+        if engine.has_unfinished():
+            raise RuntimeError("the scoring prefill did not fit one step")
+        # One prefill row and no decode rows: its tokens are rows 0 .. len-1 of [T, V].
+        logits = np.asarray(engine.last_logits[:len(token_ids) - 1], np.float64)  # [len-1, V]
+        shifted = logits - logits.max(axis=-1, keepdims=True)  # [len-1, V]
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # [len-1, V]
+
+
+def score_tokens(engine_config: EngineConfig, model: Model, token_ids: Sequence[int]
+                 ) -> np.ndarray:
+    """Teacher-forced next-token log-probabilities of `token_ids` under an engine config.
+
+    The whole sequence runs as one prefill (K/V written through the config's KV layout and
+    codec, then read back by attention), so quantized or lower-precision KV shows in the
+    result. Returns [len - 1, V] float64; row i is the distribution of token i + 1.
+    """
+    return _Scorer(engine_config, model, len(token_ids)).score(token_ids)
+
+
+def _is_exact(engine_config: EngineConfig, model: Model) -> bool:
+    return engine_config.kv_codec == "none" and (
+        engine_config.kv_dtype is None or resolve_dtype(engine_config.kv_dtype) == model.dtype)
+
+
+def _quality(config: ConfigDict, engine_config: EngineConfig, model: Model,
+             requests: Sequence[BenchRequest]) -> dict[str, float] | None:
+    q = config.quality
+    if not q.enabled or _is_exact(engine_config, model):
+        return None
+    prompts = [r.prompt_ids for r in requests[:q.num_prompts]]
+    if not prompts:
+        return None
+    max_len = max(len(p) for p in prompts) + q.num_tokens
+    exact_config = dataclasses.replace(engine_config, kv_codec="none", kv_codec_options={},
+                                       kv_dtype=None)
+    exact = _Scorer(exact_config, model, max_len)
+    variant = _Scorer(engine_config, model, max_len)
+    refs, tests = [], []
+    for prompt in prompts:
+        sequence = list(prompt) + exact.generate(prompt, q.num_tokens)
+        rows = slice(len(prompt) - 1, None)  # the rows that predict the continuation
+        refs.append(exact.score(sequence)[rows])
+        tests.append(variant.score(sequence)[rows])
+    return quality_stats(np.concatenate(refs), np.concatenate(tests))
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    """One run: the metrics dict and the timelines behind it (for plots and re-analysis).
+
+    Attributes:
+        metrics: `compute_metrics`'s dict (keys `METRIC_KEYS`).
+        records: one per request sample (a request with n samples gives n records).
+        kv_samples: (time, live KV bytes, reserved KV bytes) after each step.
+        steps: one `StepRecord` per engine step that ran the model.
+    """
+
+    metrics: dict[str, Any]
+    records: list[RequestRecord]
+    kv_samples: list[tuple[float, int, int]]
+    steps: list[StepRecord]
+
+
+def environment() -> dict[str, Any]:
+    """Software and hardware the run used."""
+    device = jax.devices()[0]
+    return dict(jax=jax.__version__, backend=jax.default_backend(),
+                device_kind=device.device_kind, num_devices=jax.device_count(),
+                cpu_count=os.cpu_count(), python=platform.python_version(),
+                platform=platform.platform())
+
+
+def _records(out: RequestOutput, request: BenchRequest) -> list[RequestRecord]:
+    """Sample 0 carries the engine's per-token times; other samples share its first token
+    time (they are forked together) and are judged from their finish time."""
+    return [RequestRecord(
+        request_id=out.request_id if len(out.outputs) == 1 else f"{out.request_id}#{c.index}",
+        tenant=request.tenant, arrival_time=out.arrival_time,
+        first_token_time=out.first_token_time if c.token_ids else None,
+        token_times=list(out.token_times) if c.index == 0 else [],
+        finish_time=out.finish_time, num_prompt_tokens=len(out.prompt_ids),
+        num_output_tokens=len(c.token_ids), error=None,
+        num_cached_prompt_tokens=out.num_cached_prompt_tokens) for c in out.outputs]
+
+
+def _failed_record(request: BenchRequest, error: str) -> RequestRecord:
+    return RequestRecord(
+        request_id=request.request_id, tenant=request.tenant,
+        arrival_time=request.arrival_time, first_token_time=None, token_times=[],
+        finish_time=request.arrival_time, num_prompt_tokens=len(request.prompt_ids),
+        num_output_tokens=0, error=error)
+
+
+def _echo(config: ConfigDict) -> dict[str, Any]:
+    echoed = config.to_dict()
+    echoed.pop("sweep", None)
+    return echoed
+
+
+def _serve(engine: Engine, meter: _StepMeter, clock: _WallClock | _VirtualClock,
+           requests: Sequence[BenchRequest], sampling: dict[str, Any], *, name: str,
+           progress: bool) -> tuple[list[RequestRecord], list[StepRecord]]:
+    """Replays `requests` on `clock` until every one has finished or failed."""
+    by_id = {r.request_id: r for r in requests}
+    records: list[RequestRecord] = []
+    steps: list[StepRecord] = []
+    pending = collections.deque(requests)
+    bar = tqdm(total=len(requests), desc=name, unit="req", disable=not progress)
+    idle_steps = 0
+    clock.reset()
+    while pending or engine.has_unfinished():
+        while pending and pending[0].arrival_time <= clock():
+            r = pending.popleft()
+            try:
+                engine.add_request(r.request_id, r.prompt_ids, SamplingParams(
+                    max_new_tokens=r.max_new_tokens, n=r.n, **sampling), tenant=r.tenant,
+                    priority=r.priority, arrival_time=r.arrival_time)
+            except ValueError as e:
+                records.append(_failed_record(r, str(e)))
+                bar.update()
+        if not engine.has_unfinished():
+            if pending:
+                clock.wait_until(pending[0].arrival_time)
+            continue
+        steps_before, step_time_before = engine.stats["steps"], engine.stats["step_time_s"]
+        finished = engine.step()
+        if engine.stats["steps"] == steps_before:  # only scheduling (e.g. a preemption)
+            idle_steps += 1
+            if idle_steps > _MAX_IDLE_STEPS:
+                raise RuntimeError(f"the engine made no progress in {_MAX_IDLE_STEPS} steps")
+        else:
+            idle_steps = 0
+            tokens, padded, context = meter.last_layout
+            duration = (meter.last_cost_s if isinstance(clock, _VirtualClock)
+                        else engine.stats["step_time_s"] - step_time_before)
+            steps.append(StepRecord(clock(), tokens, padded, context, duration))
+        for out in finished:
+            records.extend(_records(out, by_id[out.request_id]))
+            bar.update()
+    bar.close()
+    return records, steps
+
+
+def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
+                           tokenizer: Tokenizer | None = None,
+                           requests: Sequence[BenchRequest] | None = None,
+                           progress: bool = False) -> BenchResult:
+    """Runs one benchmark config; see the module docstring.
+
+    Args:
+        config: a benchmark config (schema: configs/serve_default.py).
+        model: a loaded model; None loads `config.model`.
+        tokenizer: builds the workload's prompts; None uses the model's.
+        requests: the workload to replay; None builds `config.workload`.
+        progress: show a tqdm bar of requests done.
+    """
+    check_supported(config)
+    clock_mode = Clock(config.clock)
+    engine_config = engine_config_from(config)
+    profile = get_profile(config.energy_profile)
+    if model is None:
+        model = load_model(config.model.name, dtype=config.model.dtype)
+    if requests is None:
+        tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"model {model.config.name!r} has no tokenizer; pass tokenizer=")
+        requests = build_workload(config, tokenizer)
+    requests = sorted(requests, key=lambda r: r.arrival_time)
+
+    if clock_mode is Clock.SIMULATED:
+        clock, cost_model = _VirtualClock(), StepCostModel(**config.sim.to_dict())
+    else:
+        clock, cost_model = _WallClock(), None
+    engine = _new_engine(model, engine_config, clock=clock)
+    compiles = engine.warmup()
+    meter = _StepMeter(engine, cost_model, clock if cost_model is not None else None)
+    engine.runner = meter
+    sampling = dict(temperature=float(config.sampling.temperature), ignore_eos=True)
+    records, steps = _serve(engine, meter, clock, requests, sampling, name=config.name,
+                            progress=progress)
+    # Every request failing at t=0 on the virtual clock leaves no time to divide by.
+    duration_s = max(clock(), math.ulp(1.0))
+
+    prefix = engine.prefix_cache_stats()
+    counters = dict(
+        prefix_hit_tokens=prefix["prefix_hit_tokens"],
+        prefix_query_tokens=prefix["prefix_query_tokens"],
+        preemptions=engine.stats["preemptions"], bytes_moved_device=meter.device_bytes,
+        bytes_moved_host=engine.stats["swap_bytes"], bytes_moved_disk=0,
+        compiles_after_warmup=engine.num_compiles - compiles, flops=meter.flops)
+    metrics = compute_metrics(
+        records, slo_ttft_s=float(config.slo.ttft_s), slo_tpot_s=float(config.slo.tpot_s),
+        duration_s=duration_s, kv_samples=engine.kv_samples, counters=counters,
+        quality=_quality(config, engine_config, model, requests), energy=profile,
+        config=_echo(config), env=environment(), clock=clock_mode)
+    return BenchResult(metrics=metrics, records=records, kv_samples=list(engine.kv_samples),
+                       steps=steps)
+
+
+def run_benchmark(config: ConfigDict, **kwargs: Any) -> dict[str, Any]:
+    """`run_benchmark_detailed(config, **kwargs).metrics`: all `METRIC_KEYS`."""
+    return run_benchmark_detailed(config, **kwargs).metrics
+
+
+def run_sweep_detailed(config: ConfigDict, overrides_list: Sequence[Mapping[str, Any]], *,
+                       model: Model | None = None, **kwargs: Any) -> list[BenchResult]:
+    """Runs `config` once per override set (see `apply_overrides`), in order.
+
+    Variants that share `model.name` and `model.dtype` share one loaded model. Other
+    keyword arguments go to `run_benchmark_detailed`.
+    """
+    variants = [apply_overrides(config, o) for o in overrides_list]
+    names = [v.name for v in variants]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"sweep variants need distinct names, got {duplicates} twice")
+    models: dict[tuple[str, str], Model] = {}
+    results = []
+    for variant in variants:
+        key = (variant.model.name, variant.model.dtype)
+        if model is None and key not in models:
+            models[key] = load_model(variant.model.name, dtype=variant.model.dtype)
+        results.append(run_benchmark_detailed(
+            variant, model=model if model is not None else models[key], **kwargs))
+    return results
+
+
+def run_sweep(config: ConfigDict, overrides_list: Sequence[Mapping[str, Any]],
+              **kwargs: Any) -> list[dict[str, Any]]:
+    """One metrics dict per override set; see `run_sweep_detailed`."""
+    return [r.metrics for r in run_sweep_detailed(config, overrides_list, **kwargs)]
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _strict_json(value: Any) -> Any:
+    """`value` with non-finite floats as the strings "inf", "-inf", "nan" (strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(v) for v in value]
+    return value
+
+
+def _dump(value: Any, **kwargs: Any) -> str:
+    return json.dumps(_strict_json(value), allow_nan=False, **kwargs) + "\n"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name).strip("_") or "run"
+
+
+def write_results(results: Sequence[BenchResult], workdir: str | os.PathLike, *,
+                  command: str | None = None, plots: bool = True) -> list[Path]:
+    """Writes <run>.json (metrics), <run>.details.json, results.md and PNG plots.
+
+    JSON is strict: non-finite numbers are written as the strings "inf", "-inf" or "nan".
+
+    Returns the paths written, results.md first.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    paths = [workdir / "results.md"]
+    for result in results:
+        slug = _slug(result.metrics["config"]["name"])
+        metrics_path, details_path = workdir / f"{slug}.json", workdir / f"{slug}.details.json"
+        metrics_path.write_text(_dump(result.metrics, indent=2))
+        details = dict(
+            records=[dataclasses.asdict(r) for r in result.records],
+            kv_samples=result.kv_samples, steps=[dataclasses.asdict(s) for s in result.steps],
+            step_cost_fit=fit_step_cost(result.steps))
+        details_path.write_text(_dump(details))
+        paths += [metrics_path, details_path]
+    runs = [r.metrics for r in results]
+    lines = ["# serve_bench results", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += [format_table(runs, TABLE_COLUMNS), ""]
+    tenants = sorted({t for run in runs if run["fairness"] for t in run["fairness"]["per_tenant"]})
+    if tenants:
+        lines += ["Per-tenant TTFT p99 (s):", "", format_table(
+            runs, [f"fairness.per_tenant.{t}.ttft_p99_s" for t in tenants]), ""]
+    lines += [f"Clock: {runs[0]['clock']}. Energy is an estimate from FLOPs and bytes moved "
+              f"(profile {runs[0]['config']['energy_profile']!r}); bytes are in bytes, times "
+              f"in seconds.", ""]
+    paths[0].write_text("\n".join(lines))
+    if plots:
+        from kvjax.bench import plots as plots_lib  # matplotlib loads only when plotting.
+
+        paths += plots_lib.write_plots(results, workdir)
+    return paths

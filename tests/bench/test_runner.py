@@ -1,0 +1,287 @@
+"""Tests of the joint benchmark driver on a tiny random model with a byte-level tokenizer.
+
+Oracles: the workload's own request list (token counts), the cost model evaluated by hand
+on a one-request timeline, the cache-free dense forward pass (teacher-forced scores), and
+parameter sizes read from the params pytree (bytes and FLOPs).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+from tiny_models import tiny_model
+
+from kvjax.bench import runner
+from kvjax.bench.energy import estimate_energy_j, get_profile
+from kvjax.bench.metrics import METRIC_KEYS, quality_stats
+from kvjax.bench.workloads import BenchRequest
+from kvjax.engine.config import EngineConfig
+from kvjax.models import llama
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+LATENCY_KEYS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tok_s",
+                "goodput_req_s", "duration_s", "kv_utilization_mean", "kv_utilization_peak")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes mapped into the tiny model's vocabulary (ids 3..122), BOS = 1."""
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return ([1] if add_bos else []) + [3 + b % 120 for b in text.encode("utf-8")]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def tiny_config(**fields) -> ConfigDict:
+    """serve_default.py shrunk to the tiny model: 5 step shapes, 128-token contexts."""
+    config = runner.load_config(CONFIGS / "serve_default.py")
+    config.name = "tiny"
+    config.engine.page_size = 8
+    config.engine.max_num_seqs = 2
+    config.engine.max_num_batched_tokens = 64
+    config.engine.max_prefill_chunk = 32
+    config.engine.min_chunk_bucket = 32
+    config.engine.max_prefill_seqs = 1
+    config.engine.max_model_len = 128
+    config.workload.num_requests = 6
+    config.workload.params = ConfigDict(dict(
+        rate=40.0, prompt_dist="uniform", prompt_min=8, prompt_max=40, output_dist="uniform",
+        output_min=3, output_max=8))
+    config.quality.num_prompts = 2
+    config.quality.num_tokens = 6
+    return runner.apply_overrides(config, fields | {"name": fields.get("name", "tiny")})
+
+
+def test_real_clock_run_reports_every_metric_and_counts_a_bad_request(model):
+    config = tiny_config()
+    requests = runner.build_workload(config, ByteTokenizer())
+    too_long = BenchRequest("too-long", 0.01, tuple([5] * 200), 4)  # > max_model_len 128
+    result = runner.run_benchmark_detailed(config, model=model, requests=requests + [too_long])
+    m = result.metrics
+
+    assert tuple(m) == METRIC_KEYS
+    json.dumps(m)
+    assert m["clock"] == "real" and m["num_requests"] == 7 and m["failed_requests"] == 1
+    assert m["compiles_after_warmup"] == 0
+    served = {r.request_id: r for r in result.records if r.error is None}
+    assert {r.request_id: r.max_new_tokens for r in requests} == {
+        i: r.num_output_tokens for i, r in served.items()}  # EOS is ignored
+    total = sum(r.max_new_tokens for r in requests)
+    assert m["throughput_tok_s"] == pytest.approx(total / m["duration_s"])
+    assert 0 < m["ttft_p50_s"] <= m["ttft_p99_s"] <= m["duration_s"]
+    assert 0 < m["tpot_p50_s"] <= m["tpot_p99_s"]
+    assert 0 < m["kv_utilization_mean"] <= m["kv_utilization_peak"] <= 1
+    assert m["bytes_moved"]["device"] > 0 and m["bytes_moved"]["host"] == 0
+    assert m["bytes_moved"]["disk"] == 0 and m["energy_j_est"] > 0
+    assert m["quality"] is None  # exact KV
+    assert m["config"]["engine"]["page_size"] == 8
+    assert m["env"]["backend"] == jax.default_backend()
+    assert "not fit the context length" in next(r.error for r in result.records if r.error)
+
+
+def _weight_bytes_per_step(model) -> int:
+    """Every parameter but the embedding table (gathered, not read) is read once per step."""
+    leaves = jax.tree.leaves(model.params)
+    return sum(x.nbytes for x in leaves) - model.params["embed"].nbytes
+
+
+def test_simulated_clock_follows_the_cost_model(model):
+    a, b, c = 0.01, 0.001, 0.0001
+    config = tiny_config(**{"clock": "simulated", "sim.step_overhead_s": a,
+                            "sim.per_token_s": b, "sim.per_context_token_s": c})
+    request = BenchRequest("only", 0.5, tuple(range(3, 23)), 4)  # 20 prompt tokens
+    m = runner.run_benchmark(config, model=model, requests=[request])
+
+    prefill = a + b * 32 + c * 20  # the 20-token chunk is padded to the 32 bucket
+    decodes = [a + b * 1 + c * kv_len for kv_len in (21, 22, 23)]
+    assert m["ttft_p50_s"] == pytest.approx(prefill, rel=1e-12)
+    assert m["tpot_p50_s"] == pytest.approx(sum(decodes) / 3, rel=1e-12)
+    assert m["duration_s"] == pytest.approx(0.5 + prefill + sum(decodes), rel=1e-12)
+
+    cfg = model.config
+    matmul = sum(x.size for x in jax.tree.leaves(model.params["layers"]) if x.ndim == 3)
+    pairs = (20 * 20 - 20 * 19 // 2) + 21 + 22 + 23
+    flops = (2 * matmul * (32 + 3) + 2 * cfg.hidden_size * cfg.vocab_size * 4
+             + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs)
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    device = 4 * _weight_bytes_per_step(model) + kv_per_token * ((20 + 3) + (20 + 21 + 22 + 23))
+    assert m["bytes_moved"] == {"device": device, "host": 0, "disk": 0}
+    assert m["energy_j_est"] == pytest.approx(estimate_energy_j(
+        get_profile("cpu"), flops, m["bytes_moved"], m["duration_s"]), rel=1e-12)
+
+
+def test_simulated_clock_replays_identically(model):
+    config = tiny_config(clock="simulated", **{"workload.params.rate": 200.0})
+    first = runner.run_benchmark(config, model=model, tokenizer=ByteTokenizer())
+    second = runner.run_benchmark(config, model=model, tokenizer=ByteTokenizer())
+    assert first["ttft_p99_s"] > first["ttft_p50_s"] > 0  # requests queued behind each other
+    assert {k: first[k] for k in LATENCY_KEYS} == {k: second[k] for k in LATENCY_KEYS}
+
+
+def test_samples_of_a_request_each_get_a_record(model):
+    config = tiny_config(clock="simulated")
+    requests = [BenchRequest("group", 0.0, tuple(range(3, 15)), 5, n=3)]
+    result = runner.run_benchmark_detailed(config, model=model, requests=requests)
+    assert sorted(r.request_id for r in result.records) == ["group#0", "group#1", "group#2"]
+    assert all(r.num_output_tokens == 5 for r in result.records)
+    assert result.metrics["throughput_tok_s"] == pytest.approx(15 / result.metrics["duration_s"])
+
+
+def test_sweep_gives_one_row_per_variant(model, tmp_path):
+    config = tiny_config(clock="simulated", **{"workload.tenant_weights": (1, 1)})
+    overrides = runner.parse_sweep("engine.scheduler_policy=fcfs,lpm", config)
+    results = runner.run_sweep_detailed(config, overrides, model=model,
+                                        tokenizer=ByteTokenizer())
+    names = ["scheduler_policy=fcfs", "scheduler_policy=lpm"]
+    assert [r.metrics["config"]["name"] for r in results] == names
+    assert [r.metrics["config"]["engine"]["scheduler_policy"] for r in results] == ["fcfs",
+                                                                                  "lpm"]
+    paths = runner.write_results(results, tmp_path, command="serve_bench --sweep=...")
+    table = [line for line in paths[0].read_text().splitlines() if line.startswith("| ")]
+    # The joint table, then the per-tenant TTFT table: one row per variant in each.
+    assert [line.split("|")[1].strip() for line in table] == (["run"] + names) * 2
+    assert "fairness.per_tenant.tenant-1.ttft_p99_s" in table[3]
+    for name in (f"{names[0]}.json", f"{names[1]}.json", "ttft_cdf.png", "kv_memory.png"):
+        assert (tmp_path / name).is_file()
+    assert (tmp_path / "ttft_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((tmp_path / f"{names[1]}.json").read_text())
+    assert saved["num_requests"] == results[1].metrics["num_requests"]
+
+
+def test_sweep_and_overrides_parse_to_typed_values():
+    config = tiny_config()
+    variants = runner.parse_sweep(
+        "engine.scheduler_policy=fcfs,lpm; engine.kv_budget_mb=1.5,2", config)
+    assert variants == [
+        {"engine.scheduler_policy": "fcfs", "engine.kv_budget_mb": 1.5},
+        {"engine.scheduler_policy": "fcfs", "engine.kv_budget_mb": 2.0},
+        {"engine.scheduler_policy": "lpm", "engine.kv_budget_mb": 1.5},
+        {"engine.scheduler_policy": "lpm", "engine.kv_budget_mb": 2.0},
+    ]
+    variant = runner.apply_overrides(config, variants[3] | {"workload.params.prompt_min": 9})
+    assert variant.name == "scheduler_policy=lpm,kv_budget_mb=2.0,prompt_min=9"
+    assert runner.engine_config_from(variant) == EngineConfig(
+        page_size=8, kv_budget_bytes=2 * 2**20, max_num_seqs=2, max_num_batched_tokens=64,
+        max_prefill_chunk=32, min_chunk_bucket=32, max_prefill_seqs=1, max_model_len=128,
+        scheduler_policy="lpm")
+    assert config.engine.scheduler_policy == "fcfs"  # the base config is untouched
+    with pytest.raises(ValueError, match="unknown config field 'engine.page_sise'"):
+        runner.parse_sweep("engine.page_sise=8", config)
+    with pytest.raises(ValueError, match="cannot read 'big' as int"):
+        runner.parse_sweep("engine.page_size=big", config)
+    with pytest.raises(ValueError, match="engine.page_size=.*cannot be casted"):
+        runner.apply_overrides(config, {"engine.page_size": "big"})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tiers.disk_budget_mb", 1024.0),
+    ("tiers.host_budget_mb", 64.0),
+    ("tiers.transfer_layout", "layer_first"),
+    ("tiers.fault_injection.transfer_failure_rate", 0.1),
+    ("kv.retention", "h2o"),
+])
+def test_unimplemented_options_raise_a_clear_error(field, value):
+    config = tiny_config(**{field: value})
+    with pytest.raises(ValueError, match=f"not yet supported: {field}="):
+        runner.run_benchmark(config, requests=[])  # fails before loading any model
+
+
+def test_tenant_weights_split_requests_rates_and_priorities():
+    config = tiny_config(**{"workload.num_requests": 9, "workload.tenant_weights": (2, 1),
+                            "workload.tenant_priorities": (0, 5)})
+    requests = runner.build_workload(config, ByteTokenizer())
+    by_tenant = {t: [r for r in requests if r.tenant == t] for t in ("tenant-0", "tenant-1")}
+    assert [len(v) for v in by_tenant.values()] == [6, 3]
+    assert {r.priority for r in by_tenant["tenant-1"]} == {5}
+    assert [r.arrival_time for r in requests] == sorted(r.arrival_time for r in requests)
+    assert len({r.request_id for r in requests}) == 9
+
+
+@functools.cache
+def _dense_fn(config):
+    return jax.jit(lambda params, tokens: jax.nn.log_softmax(
+        llama.forward_dense(params, config, tokens), axis=-1))  # [T, V]
+
+
+def _dense_logprobs(model, tokens, padded_len=64) -> np.ndarray:
+    """[len(tokens), V] by the cache-free forward pass; the causal mask makes the padding
+    after the sequence irrelevant, and one padded length compiles once."""
+    padded = np.zeros(padded_len, np.int32)
+    padded[:len(tokens)] = tokens
+    return np.asarray(_dense_fn(model.config)(model.params, padded))[:len(tokens)]
+
+
+def _dense_greedy(model, prompt, num_tokens) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        tokens.append(int(np.argmax(_dense_logprobs(model, tokens)[-1])))
+    return tokens[len(prompt):]
+
+
+def test_score_tokens_matches_the_dense_forward_pass(model):
+    tokens = [int(t) for t in np.random.default_rng(0).integers(3, 120, size=37)]
+    scores = runner.score_tokens(EngineConfig(page_size=8), model, tokens)
+    assert scores.shape == (36, model.config.vocab_size)
+    np.testing.assert_allclose(scores, _dense_logprobs(model, tokens)[:-1], atol=1e-4)
+
+
+def test_quality_of_bfloat16_kv_against_exact_kv(model):
+    config = tiny_config(clock="simulated", **{"engine.kv_dtype": "bfloat16",
+                                               "engine.max_num_seqs": 1})
+    requests = runner.build_workload(config, ByteTokenizer())
+    quality = runner.run_benchmark(config, model=model, requests=requests)["quality"]
+
+    refs, tests = [], []
+    for r in requests[:2]:
+        prompt = list(r.prompt_ids)
+        sequence = prompt + _dense_greedy(model, prompt, 6)
+        refs.append(_dense_logprobs(model, sequence)[len(prompt) - 1:-1])
+        test = runner.score_tokens(EngineConfig(page_size=8, kv_dtype="bfloat16"), model,
+                                   sequence)
+        tests.append(test[len(prompt) - 1:])
+    expected = quality_stats(np.concatenate(refs), np.concatenate(tests))
+    assert 0 < quality["kl_mean"] <= quality["kl_max"]
+    for key in ("kl_mean", "kl_p99", "kl_max"):
+        assert quality[key] == pytest.approx(expected[key], rel=0.05)
+    assert quality["top1_agreement"] == expected["top1_agreement"]
+    assert runner.run_benchmark(tiny_config(clock="simulated"), model=model,
+                                requests=requests)["quality"] is None
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("serve_*.py")), ids=lambda p: p.name)
+def test_shipped_configs_build_engines_and_workloads(path):
+    config = runner.load_config(path)
+    for overrides in [{}] + list(config.sweep):
+        variant = runner.apply_overrides(config, overrides) if overrides else config
+        runner.check_supported(variant)
+        runner.engine_config_from(variant)
+        small = runner.apply_overrides(variant, {"workload.num_requests": 2})
+        assert len(runner.build_workload(small, ByteTokenizer())) == 2
+
+
+def test_step_cost_fit_recovers_the_cost_model_and_never_goes_negative():
+    rng = np.random.default_rng(0)
+    layouts = [(int(t), int(s)) for t, s in zip(rng.integers(1, 256, 40),
+                                                 rng.integers(0, 2000, 40), strict=True)]
+    model = runner.StepCostModel(0.02, 0.003, 1e-5, 1e9)
+    steps = [runner.StepRecord(0.0, t, t, s, model.step_seconds(t, s, 0)) for t, s in layouts]
+    assert runner.fit_step_cost(steps) == pytest.approx(
+        dict(step_overhead_s=0.02, per_token_s=0.003, per_context_token_s=1e-5), rel=1e-6)
+
+    # Durations that fall with context: the best non-negative fit drops the context term.
+    falling = [runner.StepRecord(0.0, t, t, s, 0.05 + 0.002 * t - 1e-5 * s) for t, s in layouts]
+    fit = runner.fit_step_cost(falling)
+    assert fit["per_context_token_s"] == 0.0 and min(fit.values()) >= 0
+    a = np.array([[1.0, t] for t, _ in layouts])
+    b = np.array([r.duration_s for r in falling])
+    expected = np.linalg.lstsq(a, b, rcond=None)[0]
+    assert [fit["step_overhead_s"], fit["per_token_s"]] == pytest.approx(expected.tolist())
