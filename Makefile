@@ -17,6 +17,7 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) scripts/generate.py --prompt "What is the capital of France?" --max_new_tokens 32
+	$(PY) scripts/serve_bench.py --config=configs/serve_demo.py --workdir=runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" --durations=15

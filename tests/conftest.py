@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import tempfile
+
+import jax
 import pytest
 from hf_utils import import_torch
+
+# Many tests build engines with identical step programs; a session-wide compilation cache turns
+# every repeat compile into a lookup. (Compile counts are unaffected: they count programs each
+# engine holds, not backend compilations.)
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="kvjax-xla-cache-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="session")
