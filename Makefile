@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint bench clean
+.PHONY: setup demo test test-slow test-notebooks lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+test-notebooks: $(STAMP)
+	$(PY) -m pytest -q -m slow tests/test_notebooks.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvjax pallas_kernels scripts tests configs
