@@ -411,9 +411,133 @@ as `kvjax.scheduler.policies.FairShare` does."""),
 ]
 
 
+QUANTIZATION = [
+    ("md", """\
+# Quantized KV: bytes saved vs quality lost
+
+A KV codec stores each token's keys and values in fewer bits (int8, fp8, int4, int2 with
+per-group scales), so the same device bytes hold more tokens, and so more sequences. The
+price is error in attention. This notebook measures both sides for the codecs in
+`kvjax.kv.codecs`: bytes per token, the reconstruction error on real keys and values taken
+from the engine's page pool, and how long greedy decoding with quantized KV agrees with
+exact KV."""),
+    ("code", SETUP),
+    ("code", INSTALL),
+    ("code", """\
+import matplotlib.pyplot as plt
+import numpy as np
+
+import kvjax
+from kvjax import EngineConfig, SamplingParams
+from kvjax.kv import quantized
+
+%matplotlib inline"""),
+    ("code", TINY_MODEL),
+    ("code", """\
+if FAST:
+    model = tiny_random_model()
+    prompt = np.random.default_rng(0).integers(2, 120, size=40).tolist()
+else:
+    model = kvjax.load_model()
+    prompt = kvjax.encode_prompt(
+        model, "Write a short story about a lighthouse keeper who finds a message in a "
+               "bottle, in five sentences.", chat=True)
+group = min(32, model.config.head_dim)  # int4/int2 scale groups along the head dim
+CODECS = {"none": {}, "int8": {}, "fp8_e4m3": {}, "int4": {"group": group},
+          "int2": {"group": group}}
+ENGINE = dict(page_size=16, num_pages=64, max_num_seqs=1, max_model_len=256,
+              max_num_batched_tokens=128, max_prefill_chunk=128, min_chunk_bucket=128,
+              max_prefill_seqs=1)"""),
+    ("md", """\
+## Bytes per token
+
+`quantized.kv_bytes_per_token` counts codes and metadata (scales, zeros) over all layers, K
+and V. A byte budget divided by it is how many tokens the pool holds."""),
+    ("code", """\
+bytes_per_token = {name: quantized.kv_bytes_per_token(model.config, name, **options)
+                   for name, options in CODECS.items()}
+budget = 64 * 2**20  # 64 MiB of KV
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+axes[0].bar(list(bytes_per_token), list(bytes_per_token.values()), color="C0")
+axes[0].set(ylabel="bytes per token", title="KV bytes per token (all layers, K and V)")
+axes[1].bar(list(bytes_per_token), [budget / b / 1e3 for b in bytes_per_token.values()],
+            color="C1")
+axes[1].set(ylabel="thousand tokens", title="Tokens that fit in 64 MiB")
+fig.tight_layout()"""),
+    ("md", """\
+## Reconstruction error on real keys and values
+
+Prefill the prompt with exact KV, read its pages out of the pool (`engine.kv.k_pages`:
+`[L, num_pages, P, K, D]`), then encode and decode them with each codec."""),
+    ("code", """\
+engine = kvjax.Engine(model, EngineConfig(**ENGINE))
+engine.add_request("probe", prompt, SamplingParams(max_new_tokens=8))
+engine.step()  # prefill: the prompt's KV is now in the pool
+pages = engine.allocator.block_table("probe#0")
+num_tokens = len(prompt)
+
+
+def tokens_of(pool: jax.Array) -> jax.Array:
+    \"\"\"The probe's tokens out of a page pool: [L, pages, P, K, D] -> [L, S, K, D].\"\"\"
+    x = pool[:, np.asarray(pages)]  # [L, pages, P, K, D]
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :num_tokens]  # [L, S, K, D]
+
+
+exact = {"keys": tokens_of(engine.kv.k_pages), "values": tokens_of(engine.kv.v_pages)}
+errors = {}
+for name, options in CODECS.items():
+    codec = quantized.make_codec(name, **options)
+    errors[name] = {
+        kind: float(np.linalg.norm(codec.decode(codec.encode(x)) - x) / np.linalg.norm(x))
+        for kind, x in exact.items()}
+
+fig, ax = plt.subplots(figsize=(6, 3.8))
+for kind, marker in (("keys", "o"), ("values", "s")):
+    ax.scatter([bytes_per_token[n] for n in CODECS], [errors[n][kind] + 1e-8 for n in CODECS],
+               marker=marker, label=kind)
+for name in CODECS:
+    ax.annotate(name, (bytes_per_token[name], errors[name]["keys"] + 1e-8), fontsize=8,
+                xytext=(4, 4), textcoords="offset points")
+ax.set(xlabel="bytes per token", ylabel="relative error (+1e-8)", yscale="log",
+       title="KV reconstruction error vs size")
+ax.legend()
+fig.tight_layout()"""),
+    ("md", """\
+## Greedy decoding with quantized KV
+
+The same prompt, greedy, once per codec: how many generated tokens match exact KV before
+the first divergence."""),
+    ("code", """\
+sampling = SamplingParams(max_new_tokens=32, ignore_eos=True)
+generated = {
+    name: kvjax.generate(model, [prompt], sampling, engine_config=EngineConfig(
+        kv_codec=name, kv_codec_options=options, **ENGINE))[0].outputs[0].token_ids
+    for name, options in CODECS.items()}
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    \"\"\"Tokens before the first position where a and b differ.\"\"\"
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+agree = {name: agreeing_prefix(ids, generated["none"]) for name, ids in generated.items()}
+fig, ax = plt.subplots(figsize=(6, 3.2))
+ax.bar(list(agree), list(agree.values()), color="C2")
+ax.axhline(sampling.max_new_tokens, color="gray", lw=0.8)
+ax.set(ylabel="tokens", title="Greedy tokens equal to exact KV before the first divergence")
+fig.tight_layout()"""),
+    ("md", """\
+int8 and fp8 halve (or quarter, from float32) the bytes at a small error; int4 and int2 go
+further, and their error shows up as earlier divergence. For a benchmark of codecs under a
+serving workload, with per-token KL and top-1 agreement, set `kv.codec` in a serve_bench
+config (`docs/serve_bench.md`)."""),
+]
+
+
 NOTEBOOKS = {
     "01_quickstart.ipynb": QUICKSTART,
     "02_paged_vs_contiguous.ipynb": PAGED_VS_CONTIGUOUS,
+    "03_quantization_tradeoffs.ipynb": QUANTIZATION,
     "04_write_your_own_policy.ipynb": WRITE_YOUR_OWN_POLICY,
 }
 
