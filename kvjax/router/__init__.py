@@ -1,0 +1,25 @@
+"""Routing requests over engine instances, and prefill/decode disaggregation."""
+
+from kvjax.router.disagg import DisaggregatedEngine, replay_disaggregated
+from kvjax.router.policies import (
+    POLICIES,
+    InstanceState,
+    RouteRequest,
+    RoutingPolicy,
+    make_policy,
+)
+from kvjax.router.router import Arrival, Router, SimClock, replay
+
+__all__ = [
+    "POLICIES",
+    "Arrival",
+    "DisaggregatedEngine",
+    "InstanceState",
+    "RouteRequest",
+    "Router",
+    "RoutingPolicy",
+    "SimClock",
+    "make_policy",
+    "replay",
+    "replay_disaggregated",
+]

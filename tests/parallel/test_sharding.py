@@ -1,0 +1,215 @@
+"""Tensor-parallel engines on 8 fake CPU devices give the single-device engine's greedy tokens.
+
+The sharded runs need XLA_FLAGS set before jax is imported, and the test session has imported
+jax already, so they run in a child process: this file run as a script (`python
+test_sharding.py <case>`) prints one JSON object of results that the tests below check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+MAX_NEW = 8
+
+
+
+
+def _gqa3_config():
+    """The embedded model's head counts (9 query heads, 3 kv heads) at test size."""
+    from kvjax.config import ModelConfig
+
+    return ModelConfig(vocab_size=128, hidden_size=36, intermediate_size=48, num_layers=2,
+                       num_heads=9, num_kv_heads=3, head_dim=8, max_position_embeddings=256,
+                       eos_token_ids=(127,), name="tiny-gqa3")
+
+
+def _prompts(seed: int = 0, count: int = 6) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    shared = [int(t) for t in rng.integers(0, 120, size=9)]
+    return [(shared if i % 2 else []) + [int(t) for t in rng.integers(0, 120, size=int(
+        rng.integers(2, 14)))] for i in range(count)]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _run_fast_cases() -> dict:
+    import jax
+    from tiny_models import tiny_model
+
+    from kvjax import EngineConfig, SamplingParams
+    from kvjax.engine.engine import Engine
+    from kvjax.parallel import sharding
+    from kvjax.router import DisaggregatedEngine, Router
+
+    # Every prompt prefills in the first step: two step shapes per engine keep compiles few.
+    config = EngineConfig(page_size=4, num_pages=96, max_num_batched_tokens=256,
+                          max_prefill_chunk=32, min_chunk_bucket=32, max_num_seqs=8,
+                          max_prefill_seqs=8)
+    sampling = SamplingParams(max_new_tokens=MAX_NEW)
+    prompts = _prompts()
+    results = {}
+    for name, model, tp in (("gqa3", tiny_model(_gqa3_config()), 3), ("tiny", tiny_model(), 2)):
+        single = Engine(model, config)
+        results[f"{name}_single"] = _tokens(single.generate(prompts, sampling))
+        for size in sorted({1 if name == "gqa3" else tp, tp}):
+            mesh = sharding.replica_meshes(sharding.make_mesh(size))[0]
+            engine = Engine(model, config, mesh=mesh)
+            results[f"{name}_tp{size}"] = _tokens(engine.generate(prompts, sampling))
+            shard = engine.kv.k_pages.addressable_shards[0].data
+            results[f"{name}_tp{size}_kv"] = dict(
+                spec=list(engine.kv.k_pages.sharding.spec), shard_shape=list(shard.shape),
+                wq_shard=list(engine.model.params["layers"]["wq"].addressable_shards[0]
+                              .data.shape),
+                compiles=engine.num_compiles, single_compiles=single.num_compiles,
+                used_pages=engine.allocator.num_used_pages())
+    # dp=2 x tp=2: two engine replicas on disjoint device pairs behind a router.
+    model = tiny_model()
+    meshes = sharding.replica_meshes(sharding.make_mesh(2, dp=2))
+    router = Router([Engine(model, config, mesh=m) for m in meshes], "least_loaded")
+    results["dp2tp2"] = _tokens(router.generate(prompts, sampling))
+    results["dp2tp2_devices"] = [sorted(d.id for d in e.kv.k_pages.sharding.device_set)
+                                 for e in router.engines]
+    results["dp2tp2_routed"] = sorted(set(router.routed_to.values()))
+    # Disaggregation between meshes: prefill tp=2 on devices 4-5, decode on device 6 alone.
+    devices = jax.devices()
+    prefill_mesh = sharding.replica_meshes(sharding.make_mesh(2, devices=devices[4:6]))[0]
+    decode_mesh = sharding.replica_meshes(sharding.make_mesh(1, devices=devices[6:7]))[0]
+    disagg = DisaggregatedEngine(Engine(model, config, mesh=prefill_mesh),
+                                 Engine(model, config, mesh=decode_mesh))
+    results["disagg_cross_mesh"] = _tokens(disagg.generate(prompts, sampling))
+    results["disagg_bytes"] = disagg.stats["transfer_bytes"]
+    return results
+
+
+def _run_embedded_case() -> dict:
+    from kvjax import EngineConfig, SamplingParams
+    from kvjax.engine.engine import Engine
+    from kvjax.models.loading import load_model
+    from kvjax.parallel import sharding
+
+    model = load_model(None, "float32")
+    prompt = model.tokenizer.encode("The capital of France is")
+    config = EngineConfig(page_size=16, num_pages=8, max_num_seqs=1)
+    sampling = SamplingParams(max_new_tokens=6)
+    single = _tokens(Engine(model, config).generate([prompt], sampling))
+    mesh = sharding.replica_meshes(sharding.make_mesh(3))[0]
+    return dict(single=single, tp3=_tokens(Engine(model, config, mesh=mesh).generate(
+        [prompt], sampling)))
+
+
+def _child(case: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__, case], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    return _child("fast")
+
+
+@pytest.mark.parametrize("name,tp", [("gqa3", 1), ("gqa3", 3), ("tiny", 2)])
+def test_tensor_parallel_greedy_tokens_match_single_device(sharded, name, tp):
+    assert sharded[f"{name}_tp{tp}"] == sharded[f"{name}_single"]
+    assert sharded[f"{name}_tp{tp}_kv"]["used_pages"] == 0
+
+
+@pytest.mark.parametrize("name,tp,kv_heads,q_cols", [("gqa3", 3, 1, 3 * 8), ("tiny", 2, 1, 2 * 8)])
+def test_kv_pages_and_heads_stay_split_across_steps(sharded, name, tp, kv_heads, q_cols):
+    info = sharded[f"{name}_tp{tp}_kv"]
+    assert info["spec"] == [None, None, None, "tp"]
+    assert info["shard_shape"][3] == kv_heads  # K / tp whole kv heads per device
+    assert info["wq_shard"][2] == q_cols  # N / tp whole query heads (x D columns) per device
+    # The donated KV keeps its layout, so steps never recompile beyond the single-device count.
+    assert info["compiles"] == info["single_compiles"]
+
+
+def test_data_parallel_replicas_of_tensor_parallel_engines(sharded):
+    assert sharded["dp2tp2"] == sharded["tiny_single"]
+    assert sharded["dp2tp2_devices"] == [[0, 1], [2, 3]]
+    assert sharded["dp2tp2_routed"] == [0, 1]
+
+
+def test_disaggregation_between_meshes_moves_kv_and_keeps_tokens(sharded):
+    assert sharded["disagg_cross_mesh"] == sharded["tiny_single"]
+    assert sharded["disagg_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_embedded_model_tp3_matches_single_device():
+    result = _child("embedded")
+    assert result["tp3"] == result["single"]
+
+
+def test_indivisible_heads_raise_value_error():
+    from tiny_models import TINY
+
+    from kvjax.parallel.sharding import check_tensor_parallel
+
+    with pytest.raises(ValueError, match="num_heads=9"):
+        check_tensor_parallel(_gqa3_config(), 2)
+    with pytest.raises(ValueError, match="num_kv_heads=2"):
+        check_tensor_parallel(TINY, 4)  # 4 query heads divide, 2 kv heads do not
+    check_tensor_parallel(_gqa3_config(), 3)
+
+
+def test_indivisible_mlp_width_raises_value_error():
+    import dataclasses
+
+    from kvjax.parallel.sharding import check_tensor_parallel
+
+    config = dataclasses.replace(_gqa3_config(), intermediate_size=50)
+    with pytest.raises(ValueError, match="intermediate_size=50"):
+        check_tensor_parallel(config, 3)
+
+
+def test_param_specs_split_heads_and_mlp_and_replicate_the_rest():
+    from tiny_models import tiny_model
+
+    from kvjax.parallel.sharding import param_specs
+
+    specs = param_specs(tiny_model().params)
+    layers = specs["layers"]
+    assert layers["wq"] == layers["wk"] == layers["wv"] == P(None, None, "tp")
+    assert layers["wo"] == layers["w_down"] == P(None, "tp", None)
+    assert layers["w_gate"] == layers["w_up"] == P(None, None, "tp")
+    assert specs["embed"] == specs["final_norm"] == layers["attn_norm"] == P()
+
+
+def test_engine_mesh_validation():
+    import jax
+    from jax.sharding import Mesh
+    from tiny_models import tiny_model
+
+    from kvjax import EngineConfig, PreemptionMode
+    from kvjax.engine.engine import Engine
+    from kvjax.parallel.sharding import make_mesh
+
+    with pytest.raises(ValueError, match="needs 1024 devices"):
+        make_mesh(tp=1024)
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("x",))
+    with pytest.raises(ValueError, match="'tp' axis"):
+        Engine(tiny_model(), EngineConfig(num_pages=8), mesh=mesh)
+    with pytest.raises(ValueError, match="preemption_mode='swap'"):
+        Engine(tiny_model(), EngineConfig(num_pages=8, preemption_mode=PreemptionMode.SWAP),
+               mesh=make_mesh(tp=1))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(ROOT, "tests"))  # XLA_FLAGS came with the environment.
+    case = sys.argv[1]
+    print(json.dumps(_run_fast_cases() if case == "fast" else _run_embedded_case()))
