@@ -1,0 +1,288 @@
+"""Engine snapshots: save in-flight requests with their KV, restore them into another engine.
+
+`save_snapshot(engine, directory)` writes, between steps, for the chosen unfinished requests
+(all by default), with orbax:
+
+  * kv: the KV pages their running sequences have computed, gathered from the pool, one array
+    per leaf of the KV pytree viewed page-major, `[L, num_saved_pages, ...]` (for the exact
+    pool `[L, num_saved_pages, P, K, D]` keys and values; codes and scales for a quantized
+    pool). A page shared by several sequences (the prompt of an n > 1 group) is saved once.
+  * meta (JSON): every sequence record (tokens, num_computed, sampling params, seed, status,
+    timings, weights version, ...), each sequence's saved page indices, the request records
+    (prompt, n, arrival, tenant), and the provenance: readable parts and each sequence's
+    fingerprint.
+
+`restore_snapshot(engine, directory)` checks the provenance against the target engine (same
+model, weights version, tokenizer, codec, KV dtype, layout and page size, else a ValueError
+naming the mismatch), then allocates pages, scatters the saved KV into them and queues the
+sequences as they were: running ones continue decoding where they stopped, and greedy or
+seeded sampling continues with the same tokens.
+
+What is not carried over: the prefix cache's index of pages no saved sequence holds (the
+target's own index is kept, and restored full pages are indexed as they are committed), KV
+of swapped-out sequences and of sequences loading from tiers (restored as waiting, so their
+tokens are recomputed), scheduler policy counters and engine stats. Clock readings (arrival,
+token times) are rebased onto the target engine's clock, keeping their age at the save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import os
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from kvjax.engine.engine import Engine
+from kvjax.engine.request import FinishReason, SeqStatus, Sequence
+from kvjax.kv.state import ContiguousKV, pages_for
+from kvjax.memory.block_manager import AllocStatus
+from kvjax.sampling import SamplingParams
+
+SNAPSHOT_FORMAT = 1
+
+
+# ----------------------------------------------------------------------------- KV pages
+
+
+def _page_leaves(kv) -> list[jax.Array]:
+    """The KV pytree's leaves viewed page-major, each [L, num_pages, ...]."""
+    if isinstance(kv, ContiguousKV):
+        return [kv._as_pages(kv.k), kv._as_pages(kv.v)]
+    return jax.tree.leaves(kv)
+
+
+def _scatter_pages(kv, pages: np.ndarray, stored: list[jax.Array]):
+    """Writes stored[i] [L, n, ...] into pages [n] of leaf i; returns the new KV pytree."""
+    written = [leaf.at[:, pages].set(jnp.asarray(s, leaf.dtype))
+               for leaf, s in zip(_page_leaves(kv), stored, strict=True)]
+    if isinstance(kv, ContiguousKV):
+        return kv.replace(k=written[0].reshape(kv.k.shape), v=written[1].reshape(kv.v.shape))
+    return jax.tree.unflatten(jax.tree.structure(kv), written)
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+def provenance_parts(engine: Engine) -> dict[str, str | int]:
+    """The readable parts of the engine's KV provenance (see `Engine.provenance`)."""
+    tokenizer = engine.model.tokenizer
+    return dict(
+        model=engine.model.config.name,
+        weights_version=engine.model.weights_version,
+        tokenizer=str(getattr(tokenizer, "fingerprint", type(tokenizer).__name__)),
+        codec=str(getattr(engine.kv, "codec_name", "none")),
+        kv_dtype=jnp.dtype(engine.kv_dtype).name,
+        layout=engine.config.kv_layout.value,
+        page_size=engine.config.page_size,
+    )
+
+
+def _page_shapes(engine: Engine) -> list[list]:
+    """Per KV leaf: [L, dims of one page...] and its dtype, which saved pages must match."""
+    return [[int(x.shape[0]), *map(int, x.shape[2:]), jnp.dtype(x.dtype).name]
+            for x in _page_leaves(engine.kv)]
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def _seq_record(seq: Sequence) -> dict:
+    record = {}
+    for field in dataclasses.fields(Sequence):
+        value = getattr(seq, field.name)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, SamplingParams):
+            value = dataclasses.asdict(value)
+        record[field.name] = value
+    return record
+
+
+def _seq_from_record(record: dict, offset: float) -> Sequence:
+    seq = Sequence(**{k: v for k, v in record.items()
+                      if k not in ("sampling", "status", "finish_reason")},
+                   sampling=SamplingParams(**record["sampling"]))
+    if record["finish_reason"] is not None:
+        seq.finish_reason = FinishReason(record["finish_reason"])
+    seq.status = SeqStatus(record["status"])
+    seq.arrival_time += offset
+    seq.token_times = [t + offset for t in seq.token_times]
+    if seq.first_scheduled_time is not None:
+        seq.first_scheduled_time += offset
+    return seq
+
+
+def _has_device_kv(engine: Engine, seq: Sequence) -> bool:
+    loading = engine.tiers is not None and engine.tiers.is_loading(seq.seq_id)
+    return (seq.status is SeqStatus.RUNNING and seq.num_computed > 0 and not loading
+            and engine.allocator.has_sequence(seq.seq_id))
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
+                  request_ids: Seq[str] | None = None) -> Path:
+    """Saves unfinished requests (all, or `request_ids`) and their KV pages; call between steps.
+
+    The engine is not changed: to migrate requests, save them, then `engine.abort` them here
+    and `restore_snapshot` them into the other engine.
+
+    Returns:
+      The snapshot directory (absolute).
+    Raises:
+      ValueError: an unknown (or already finished) request id, `directory` already exists, or
+        a retention policy drops KV tokens.
+    """
+    path = Path(directory).expanduser().resolve()
+    if path.exists():
+        raise ValueError(f"snapshot directory {path} already exists")
+    retention = getattr(engine, "retention", None)
+    if retention is not None and not retention.is_exact:
+        # Such sequences hold fewer pages than tokens, plus policy state a snapshot lacks.
+        raise ValueError(f"snapshots need exact KV; the engine runs retention="
+                         f"{engine.config.retention!r}")
+    chosen = list(engine._requests) if request_ids is None else list(request_ids)
+    for request_id in chosen:
+        if request_id not in engine._requests:
+            raise ValueError(f"request {request_id!r} is not an unfinished request of the engine")
+    page_size = engine.config.page_size
+    saved_pages: dict[int, int] = {}  # pool page -> index in the saved arrays
+    sequences, requests = [], {}
+    for request_id in chosen:
+        meta = engine._request_meta[request_id]
+        requests[request_id] = dict(
+            prompt=list(meta["prompt"]), arrival=meta["arrival"], tenant=meta["tenant"],
+            n=meta["n"], finish_time=meta.get("finish_time"),
+            seq_ids=list(engine._requests[request_id]))
+        for seq_id in engine._requests[request_id]:
+            seq = engine._seqs[seq_id]
+            pages = []
+            if _has_device_kv(engine, seq):
+                table = engine.allocator.block_table(seq_id)[:pages_for(seq.num_computed,
+                                                                        page_size)]
+                pages = [saved_pages.setdefault(p, len(saved_pages)) for p in table]
+            sequences.append(dict(record=_seq_record(seq), pages=pages,
+                                  fingerprint=engine.provenance(seq.tenant,
+                                                                seq.weights_version).hex()))
+    meta = dict(format=SNAPSHOT_FORMAT, provenance=provenance_parts(engine),
+                page_shapes=_page_shapes(engine), clock=engine.clock(),
+                num_saved_pages=len(saved_pages), requests=requests, sequences=sequences)
+    items = dict(meta=ocp.args.JsonSave(meta))
+    if saved_pages:
+        pool_pages = np.fromiter(saved_pages, np.int32, len(saved_pages))
+        leaves = [leaf[:, pool_pages] for leaf in _page_leaves(engine.kv)]  # [L, n, ...] each
+        items["kv"] = ocp.args.StandardSave({f"leaf_{i}": x for i, x in enumerate(leaves)})
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(path, args=ocp.args.Composite(**items))
+    return path
+
+
+# ----------------------------------------------------------------------------- restore
+
+
+def _check_compatible(engine: Engine, meta: dict) -> None:
+    """Raises ValueError naming the first provenance part that differs from the engine's."""
+    if meta.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"snapshot format {meta.get('format')!r} is not {SNAPSHOT_FORMAT}")
+    saved, here = meta["provenance"], provenance_parts(engine)
+    live_versions = set(engine._params) | {engine.model.weights_version}
+    for seq in meta["sequences"]:
+        version = seq["record"]["weights_version"]
+        if version not in live_versions:
+            raise ValueError(f"snapshot weights version {version!r} (sequence "
+                             f"{seq['record']['seq_id']!r}) does not match the engine's weights "
+                             f"version {engine.model.weights_version!r}")
+    for key, value in saved.items():
+        if key != "weights_version" and here[key] != value:
+            raise ValueError(f"snapshot {key} {value!r} does not match the engine's {key} "
+                             f"{here[key]!r}")
+    if meta["page_shapes"] != _page_shapes(engine):
+        raise ValueError(f"snapshot KV page shapes {meta['page_shapes']} do not match the "
+                         f"engine's {_page_shapes(engine)}")
+    for seq in meta["sequences"]:
+        record = seq["record"]
+        if engine.provenance(record["tenant"], record["weights_version"]).hex() != \
+                seq["fingerprint"]:
+            raise ValueError(f"sequence {record['seq_id']!r}: the snapshot's KV provenance "
+                             "fingerprint does not match the engine's")
+    for request_id in meta["requests"]:
+        if request_id in engine._requests:
+            raise ValueError(f"request {request_id!r} already exists in the engine")
+
+
+def _place(engine: Engine, seq: Sequence, pages: list[int], stored: list[jax.Array] | None
+           ) -> None:
+    """Gives a restored sequence its KV (pages from the prefix cache or saved), else waits it."""
+    if pages and seq.status is SeqStatus.RUNNING:
+        allocator = engine.allocator
+        cached = allocator.add_sequence(seq.seq_id, seq.tokens[:seq.num_computed + 1],
+                                        cache_key=engine._cache_key(seq))
+        status, copies = allocator.ensure_writable(seq.seq_id, cached, seq.num_computed)
+        if status is AllocStatus.OK:
+            engine._apply_copies(copies)
+            first = cached // engine.config.page_size
+            table = allocator.block_table(seq.seq_id)[first:len(pages)]
+            src = np.asarray(pages[first:], np.int32)
+            engine.kv = _scatter_pages(engine.kv, np.asarray(table, np.int32),
+                                       [x[:, src] for x in stored])
+            for page in table:
+                engine._page_version[page] = seq.weights_version
+            allocator.commit(seq.seq_id, seq.tokens[:seq.num_computed])
+            engine._running.append(seq)
+            return
+        allocator.free(seq.seq_id)
+    if seq.status is not SeqStatus.FINISHED:
+        seq.status = SeqStatus.WAITING
+        seq.num_computed = 0
+        engine._waiting.append(seq)
+
+
+def restore_snapshot(engine: Engine, directory: str | os.PathLike) -> list[str]:
+    """Restores a snapshot's requests into `engine` (of the same model and KV configuration).
+
+    Running sequences get pages (restored from the snapshot, or shared through the engine's
+    prefix cache) and continue where they stopped; when the pool has no room for one, it is
+    queued as waiting and recomputed. Nothing changes when validation fails.
+
+    Returns:
+      The restored request ids.
+    Raises:
+      ValueError: the snapshot's provenance (weights version, model, tokenizer, codec, KV dtype,
+        layout, page size, page shapes) differs from the engine's, or a request id exists.
+    """
+    path = Path(directory).expanduser().resolve()
+    if not path.is_dir():
+        raise ValueError(f"no snapshot directory at {path}")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        meta = checkpointer.restore(path, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+        _check_compatible(engine, meta)
+        stored = None
+        if meta["num_saved_pages"]:
+            kv = checkpointer.restore(path, args=ocp.args.Composite(
+                kv=ocp.args.StandardRestore()))["kv"]
+            stored = [kv[f"leaf_{i}"] for i in range(len(kv))]
+    offset = engine.clock() - meta["clock"]
+    for request_id, request in meta["requests"].items():
+        engine._requests[request_id] = list(request["seq_ids"])
+        engine._request_meta[request_id] = dict(
+            prompt=request["prompt"], arrival=request["arrival"] + offset,
+            tenant=request["tenant"], n=request["n"], samples={})
+        if request["finish_time"] is not None:
+            engine._request_meta[request_id]["finish_time"] = request["finish_time"] + offset
+    orders = []
+    for saved in meta["sequences"]:
+        seq = _seq_from_record(saved["record"], offset)
+        engine._seqs[seq.seq_id] = seq
+        orders.append(seq.order)
+        _place(engine, seq, saved["pages"], stored)
+    engine._order = itertools.count(max([next(engine._order), *(o + 1 for o in orders)]))
+    return list(meta["requests"])
