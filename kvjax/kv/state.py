@@ -129,6 +129,12 @@ class ContiguousKV:
                             v=_write_slots(self._as_pages(self.v), layer, slots, v).reshape(
                                 self.v.shape))
 
+    def copy_pages(self, src: jax.Array, dst: jax.Array) -> ContiguousKV:
+        """Page dst[i] becomes a copy of page src[i] in all layers (forking a slot)."""
+        k, v = self._as_pages(self.k), self._as_pages(self.v)
+        return self.replace(k=k.at[:, dst].set(k[:, src]).reshape(self.k.shape),
+                            v=v.at[:, dst].set(v[:, src]).reshape(self.v.shape))
+
     def block_table(self, seq_slot: int, num_pages: int) -> np.ndarray:
         """The fixed block table of sequence slot `seq_slot`, truncated to num_pages entries."""
         return seq_slot * self.pages_per_seq + np.arange(num_pages, dtype=np.int32)

@@ -65,3 +65,18 @@ def test_paged_and_contiguous_logits_identical():
                                     jnp.asarray(list(prompt) + [next_tokens[b]]))
         np.testing.assert_allclose(paged_prefill[b], np.asarray(dense[:-1]), atol=1e-4)
         np.testing.assert_allclose(paged_decode[b], np.asarray(dense[-1]), atol=1e-4)
+
+
+def test_contiguous_layout_serves_parallel_samples():
+    """n > 1 on the contiguous baseline forks a slot by copying its pages."""
+    from tiny_models import greedy_reference
+
+    from kvjax import EngineConfig, KVLayout, SamplingParams
+    from kvjax.engine.engine import Engine
+
+    model = tiny_model()
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32]
+    engine = Engine(model, EngineConfig(kv_layout=KVLayout.CONTIGUOUS, page_size=4,
+                                        max_num_seqs=4, max_prefill_chunk=16))
+    (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=8, n=3))
+    assert [o.token_ids for o in out.outputs] == [greedy_reference(model, prompt, 8)] * 3
