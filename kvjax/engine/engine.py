@@ -34,6 +34,14 @@ from kvjax.engine.swap import HostSwapSpace
 from kvjax.kv.state import init_contiguous_kv, init_paged_kv, num_pages_for_budget, pages_for
 from kvjax.memory.block_manager import AllocStatus, BlockManager
 from kvjax.memory.slots import SlotAllocator
+from kvjax.memory.tiers import (
+    TieredSwapSpace,
+    TierManager,
+    TransferLayout,
+    decide_preemption,
+    measure_transfer_bandwidth,
+    page_hash_chain,
+)
 from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
@@ -122,6 +130,7 @@ class Engine:
                           prefill_tokens=0, decode_tokens=0, host_time_s=0.0, step_time_s=0.0,
                           scrubbed_pages=0)
         self.kv_samples: list[tuple[float, int, int]] = []
+        self._init_tiers()
         # Params of every weights version some sequence still runs under (finish_old drains).
         self._params = {model.weights_version: model.params}
         self._page_version: dict[int, str] = {}  # host record of which weights wrote a page
@@ -264,6 +273,7 @@ class Engine:
     def _free_pages_of(self, seq: Sequence) -> None:
         freed = self.allocator.free(seq.seq_id)
         if freed and self.config.scrub_freed_pages:
+            self._spill_evictions()
             self.kv = self.swap_space.scrub(self.kv, freed)
             self.stats["scrubbed_pages"] += len(freed)
 
@@ -271,8 +281,8 @@ class Engine:
         self._running.remove(seq)
         seq.num_preemptions += 1
         self.stats["preemptions"] += 1
-        if (self.config.preemption_mode is PreemptionMode.SWAP and seq.num_computed > 0
-                and self.config.kv_layout is KVLayout.PAGED):
+        if (seq.num_computed > 0 and self.config.kv_layout is KVLayout.PAGED
+                and self._swap_on_preempt(seq)):
             pages = self.allocator.block_table(seq.seq_id)[:pages_for(seq.num_computed,
                                                                       self.config.page_size)]
             nbytes = self.swap_space.swap_out(self.kv, seq.seq_id, pages)
@@ -288,15 +298,23 @@ class Engine:
         self._waiting.append(seq)
 
     def _admit(self, seq: Sequence) -> bool:
-        """Registers a waiting sequence with the allocator (prefix-cache lookup)."""
+        """Registers a waiting sequence with the allocator (prefix-cache lookup).
+
+        With tiers on, the hash chain continues in the host and disk tiers; False while pages
+        found there are loading (the sequence is scheduled only once they are committed).
+        """
+        if self.tiers is not None and self.allocator.has_sequence(seq.seq_id):
+            return not self.tiers.is_loading(seq.seq_id)
         cached = self.allocator.add_sequence(seq.seq_id, seq.tokens,
                                              cache_key=self._cache_key(seq))
         seq.num_computed = cached
         if seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
-        return True
+        return self._load_from_tiers(seq)
 
     def _swap_in(self, seq: Sequence) -> bool:
+        if self.tiers is not None:
+            return self._swap_in_from_tiers(seq)
         cached = self.allocator.add_sequence(seq.seq_id, seq.tokens[:seq.num_computed + 1],
                                              cache_key=self._cache_key(seq))
         status, copies = self.allocator.ensure_writable(seq.seq_id, cached, seq.num_computed)
@@ -315,6 +333,7 @@ class Engine:
         return True
 
     def _apply_copies(self, copies) -> None:
+        self._spill_evictions()
         if copies:
             src = np.array([c.src for c in copies], np.int32)
             dst = np.array([c.dst for c in copies], np.int32)
@@ -334,6 +353,7 @@ class Engine:
         """Picks this step's rows: (sequence, number of its pending tokens to compute)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
+        self._poll_tiers()
         decode: list[tuple[Sequence, int]] = []
         prefill: list[tuple[Sequence, int]] = []
         copies = []
@@ -390,7 +410,8 @@ class Engine:
             if is_new:
                 if len(self._running) >= cfg.max_num_seqs:
                     break
-                self._admit(seq)
+                if not self._admit(seq):
+                    continue
             chunk = min(seq.num_pending, budget, cfg.max_prefill_chunk)
             need = self.allocator.pages_needed(seq.seq_id, seq.num_computed + chunk)
             ok = not is_new or self._can_admit(need)
@@ -416,6 +437,7 @@ class Engine:
         if not decode and not prefill and self._running:
             # Nothing fits: free the lowest-ranked running sequence so the rest can progress.
             self._preempt(self._ranked(self._running)[-1])
+        self._prefetch_from_tiers(idle=not decode and not prefill)
         self._apply_copies(copies)
         self._active = active
         return decode + prefill, len(decode)
@@ -487,6 +509,174 @@ class Engine:
                     f"read pages {stale[:4]} written under "
                     f"{[self._page_version.get(p) for p in stale[:4]]}")
 
+    # ----------------------------------------------------------------------------- tiers
+
+    def _init_tiers(self) -> None:
+        """Host/disk tiers below the pool (config.tiers) and the preemption cost model's inputs."""
+        cfg = self.config.tiers
+        self.tiers = None
+        self._tier_first_page: dict[str, int] = {}  # swapped sequence -> its first loaded page
+        self.stats.update(bytes_device_to_host=0, bytes_host_to_device=0, bytes_host_to_disk=0,
+                          bytes_disk_to_host=0, tier_hit_tokens=0, preemption_decisions=[])
+        if cfg.enabled:
+            if self.config.kv_layout is not KVLayout.PAGED:
+                raise ValueError(f"tiers need the paged layout, got kv_layout="
+                                 f"{self.config.kv_layout.value!r}")
+            self.tiers = TierManager(cfg, self.kv)
+            if self.allocator.prefix_cache is not None:
+                self.allocator.record_evictions()
+            self.swap_space = TieredSwapSpace(self.tiers, self.swap_space, self.allocator)
+        self._swap_bandwidth = cfg.swap_bandwidth_bytes_per_s
+        if (self.config.preemption_mode is PreemptionMode.AUTO and self._swap_bandwidth is None
+                and self.config.kv_layout is KVLayout.PAGED):
+            rates = measure_transfer_bandwidth(self.kv, min(self.num_pages, 16),
+                                               TransferLayout(cfg.transfer_layout))
+            self._swap_bandwidth = 2 / (1 / rates["device_to_host_bytes_per_s"]
+                                        + 1 / rates["host_to_device_bytes_per_s"])
+
+    def _swap_on_preempt(self, seq: Sequence) -> bool:
+        """SWAP or RECOMPUTE as configured; under AUTO, the cost model decides (and is logged)."""
+        mode = self.config.preemption_mode
+        if mode is not PreemptionMode.AUTO:
+            return mode is PreemptionMode.SWAP
+        rate = self.config.tiers.recompute_tokens_per_s or (
+            (self.stats["prefill_tokens"] + self.stats["decode_tokens"])
+            / max(self.stats["step_time_s"], 1e-9))
+        decision = decide_preemption(seq.seq_id, seq.num_computed,
+                                     bytes_per_token=self.kv_bytes_per_token,
+                                     bandwidth_bytes_per_s=self._swap_bandwidth,
+                                     recompute_tokens_per_s=max(rate, 1e-9))
+        self.stats["preemption_decisions"].append(dataclasses.asdict(decision))
+        return PreemptionMode(decision.choice) is PreemptionMode.SWAP
+
+    def _sync_tier_stats(self) -> None:
+        for key in ("bytes_device_to_host", "bytes_host_to_device", "bytes_host_to_disk",
+                    "bytes_disk_to_host"):
+            self.stats[key] = self.tiers.stats[key]
+
+    def _spill_evictions(self) -> None:
+        """Copies cached pages evicted since the last call out to the tiers; runs before anything
+        writes to those pages (copies, scrubs, loads, the step)."""
+        if self.tiers is not None and self.allocator.prefix_cache is not None:
+            evicted = self.allocator.drain_evictions()
+            if evicted:
+                self.tiers.spill(self.kv, evicted)
+            self._sync_tier_stats()
+
+    def _poll_tiers(self) -> None:
+        """Advances tier transfers; sequences whose loads finished get their pages counted."""
+        if self.tiers is None:
+            return
+        self._spill_evictions()
+        self.kv, results = self.tiers.poll(self.kv)
+        self._sync_tier_stats()
+        page_size = self.config.page_size
+        for result in results:
+            seq = self._seqs[result.owner]
+            swapped = seq.status is SeqStatus.SWAPPED
+            first = (self._tier_first_page.pop(seq.seq_id) if swapped
+                     else seq.num_computed // page_size)
+            for page in self.allocator.block_table(seq.seq_id)[first:first + result.num_loaded]:
+                self._page_version[page] = seq.weights_version
+            if swapped:
+                self._finish_swap_in(seq, first + result.num_loaded)
+                self._swapped.remove(seq)
+                self._running.append(seq)
+                continue
+            gained = result.num_loaded * page_size
+            if gained:
+                seq.num_computed += gained
+                self.allocator.commit(seq.seq_id, seq.tokens[:seq.num_computed])
+                self.stats["tier_hit_tokens"] += gained
+                if seq.num_preemptions == 0:
+                    seq.num_cached_prompt_tokens = min(seq.num_computed, seq.num_prompt_tokens)
+
+    def _tier_hit(self, seq: Sequence, cache_key: bytes, first_page: int) -> list[bytes]:
+        """Hashes of the pages after `first_page` that the tiers hold, in chain order."""
+        hashes = page_hash_chain(seq.tokens[:len(seq.tokens) - 1], cache_key,
+                                 self.config.page_size)[first_page:]
+        return hashes[:self.tiers.lookup(hashes)]
+
+    def _load_from_tiers(self, seq: Sequence) -> bool:
+        """Issues loads of the pages continuing an admitted sequence's device prefix hit.
+
+        Returns False when a load was issued (the sequence waits for it), else True.
+        """
+        if (self.tiers is None or self.allocator.prefix_cache is None
+                or self.tiers.num_loading >= self.config.tiers.max_inflight_loads):
+            return True
+        page_size = self.config.page_size
+        first = seq.num_computed // page_size
+        hashes = self._tier_hit(seq, self.allocator.cache_key_of(seq.seq_id), first)
+        if not hashes or not self._can_admit(len(hashes)):
+            return True
+        status, _ = self.allocator.ensure_writable(
+            seq.seq_id, seq.num_computed, seq.num_computed + len(hashes) * page_size)
+        if status is not AllocStatus.OK:
+            return True
+        pages = self.allocator.block_table(seq.seq_id)[first:first + len(hashes)]
+        return self.tiers.load(seq.seq_id, hashes, pages) == 0
+
+    def _prefetch_from_tiers(self, *, idle: bool) -> None:
+        """Admits the next waiting sequences whose prefix continues in the tiers, so their loads
+        overlap this step instead of starting when the scheduler reaches them. A step with
+        nothing to run waits for the transfers in flight instead of spinning."""
+        if self.tiers is None:
+            return
+        if idle:
+            self.tiers.block_until_landed()
+        if self.allocator.prefix_cache is None:
+            return
+        for seq in self._ranked(self._waiting)[:self.config.tiers.max_inflight_loads]:
+            if (self.tiers.num_loading >= self.config.tiers.max_inflight_loads
+                    or len(self._running) >= self.config.max_num_seqs):
+                break
+            if self.allocator.has_sequence(seq.seq_id):
+                continue
+            key = self._cache_key(seq)
+            first = self.allocator.peek_cached_tokens(seq.tokens, cache_key=key) // \
+                self.config.page_size
+            hit = self._tier_hit(seq, key, first)
+            if hit and self._can_admit(len(hit)):
+                self._admit(seq)
+
+    def _swap_in_from_tiers(self, seq: Sequence) -> bool:
+        """Starts (or finishes) bringing a swapped sequence back through the tiers.
+
+        Pages still on the device through the prefix cache are reused; the rest are loaded from
+        the tiers, and whatever the tiers lost or failed to move is recomputed. True when the
+        sequence can run now; False while its load is in flight (`_poll_tiers` resumes it).
+        """
+        tiers = self.tiers
+        if (tiers.is_loading(seq.seq_id) or tiers.swap_pending(seq.seq_id)
+                or len(self._running) + tiers.num_loading >= self.config.max_num_seqs):
+            return False
+        keys = tiers.swap_keys(seq.seq_id)
+        cached = self.allocator.add_sequence(seq.seq_id, seq.tokens[:seq.num_computed + 1],
+                                             cache_key=tiers.swap_cache_key(seq.seq_id))
+        status, copies = self.allocator.ensure_writable(seq.seq_id, cached, seq.num_computed)
+        if status is not AllocStatus.OK:
+            self.allocator.free(seq.seq_id)
+            return False
+        self._apply_copies(copies)
+        first = cached // self.config.page_size
+        available = keys[first:][:tiers.lookup(keys[first:])]
+        pages = self.allocator.block_table(seq.seq_id)[first:first + len(available)]
+        issued = tiers.load(seq.seq_id, available, pages)
+        self.stats["swaps_in"] += 1
+        self.stats["swap_bytes"] += issued * tiers.page_bytes
+        if issued:
+            self._tier_first_page[seq.seq_id] = first
+            return False
+        self._finish_swap_in(seq, first)
+        return True
+
+    def _finish_swap_in(self, seq: Sequence, num_valid_pages: int) -> None:
+        """The first `num_valid_pages` pages hold the sequence's KV; the rest is recomputed."""
+        seq.num_computed = min(seq.num_computed, num_valid_pages * self.config.page_size)
+        seq.status = SeqStatus.RUNNING
+        self.tiers.drop(seq.seq_id)
+
     # ----------------------------------------------------------------------------- the step
 
     def _decode_buckets(self, *, mixed: bool) -> list[int]:
@@ -527,6 +717,8 @@ class Engine:
         for shape in self.step_shapes():
             _, self.kv = self.runner.step(self.model.params, self.kv, empty_step_input(shape),
                                           shape)
+        if self.tiers is not None:
+            self.kv = self.tiers.warmup(self.kv)
         jax.block_until_ready(self.kv)
         return self.num_compiles
 

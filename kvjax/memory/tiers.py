@@ -94,7 +94,7 @@ class TierConfig:
     disk_dir: str | None = None
     transfer_layout: TransferLayout = TransferLayout.PAGE_FIRST
     max_chunk_pages: int = 64
-    timeout_polls: int = 16
+    timeout_polls: int = 64
     max_inflight_loads: int = 4
     swap_bandwidth_bytes_per_s: float | None = None
     recompute_tokens_per_s: float | None = None
@@ -215,10 +215,15 @@ class HostTier:
         return evicted
 
     def _evict_lru(self) -> tuple[Hashable, list[np.ndarray], int]:
-        key, (chunk, slot, checksum) = next(iter(self._entries.items()))
-        page = [np.array(np.asarray(x)[:, slot]) for x in chunk.leaves]  # each [L, ...]
+        key = next(iter(self._entries))
+        page, checksum = self.peek(key), self.checksum(key)
         self.remove(key)
         return key, page, checksum
+
+    def peek(self, key: Hashable) -> list[np.ndarray]:
+        """A copy of one page's leaves, each [L, ...], leaving the LRU order alone."""
+        chunk, slot, _ = self._entries[key]
+        return [np.array(np.asarray(x)[:, slot]) for x in chunk.leaves]
 
     def remove(self, key: Hashable) -> None:
         chunk, _, _ = self._entries.pop(key)
@@ -319,15 +324,19 @@ class DiskTier:
         return leaves
 
     def write(self, t: Transfer, key: Hashable, page: Sequence[np.ndarray], checksum: int,
-              faults: FaultInjector) -> None:
-        """Writes one page through states QUEUED .. COMMITTED (or FAILED); `t` carries it."""
+              faults: FaultInjector) -> int:
+        """Writes one page through states QUEUED .. COMMITTED (or FAILED); `t` carries it.
+
+        Returns:
+            How many least recently used files were deleted to make room.
+        """
         if t.fault is Fault.FAIL:
             t.fail("injected failure")
-            return
+            return 0
         size = self.file_bytes
         if size > self.budget_bytes:
             t.fail(f"a page file of {size} bytes exceeds the disk budget {self.budget_bytes}")
-            return
+            return 0
         path = self.path_of(key)
         tmp = f"{path}.tmp"
         t.advance(TransferState.IN_FLIGHT)
@@ -343,16 +352,19 @@ class DiskTier:
         if landed is None or int(page_checksums_np([x[:, None] for x in landed])[0]) != checksum:
             os.remove(tmp)
             t.fail("checksum mismatch after write")
-            return
+            return 0
         t.advance(TransferState.VERIFIED)
         if key in self._entries:
             self.remove(key)
+        num_evicted = 0
         while self.used_bytes + size > self.budget_bytes:
             self.remove(next(iter(self._entries)))
+            num_evicted += 1
         os.replace(tmp, path)
         self._entries[key] = (path, size, checksum)
         self.used_bytes += size
         t.advance(TransferState.COMMITTED)
+        return num_evicted
 
     def read(self, t: Transfer, key: Hashable, faults: FaultInjector) -> list[np.ndarray] | None:
         """Reads one page (its leaves [L, ...]) through a transfer; a bad file is deleted."""
@@ -615,7 +627,7 @@ class TierManager:
             t = self._track(Transfer(TransferKind.HOST_TO_DISK, (key,), self.page_bytes))
             if t.fault is not Fault.FAIL:
                 self.stats["bytes_host_to_disk"] += t.nbytes
-            self.disk.write(t, key, page, checksum, self.faults)
+            self.stats["pages_dropped"] += self.disk.write(t, key, page, checksum, self.faults)
             self._finished(t)
             if t.state is TransferState.FAILED:
                 self.stats["pages_dropped"] += 1
@@ -724,6 +736,39 @@ class TierManager:
         if t.kind is TransferKind.DEVICE_TO_HOST:
             return _leaves_ready(t.payload[0])
         return _leaves_ready([t.payload[1]])
+
+    def warmup(self, kv):
+        """Compiles the gather, checksum and scatter programs of every chunk size up front.
+
+        Scatters each gathered chunk back where it came from, so the pool's content is
+        unchanged. Returns the new KV pool (its buffers were donated).
+        """
+        leaves, treedef = jax.tree.flatten(kv)
+        # Committed like the pool a step returns (jit caches committed and uncommitted apart).
+        leaves = [jax.device_put(x, s) for x, s in zip(leaves, self._shardings, strict=True)]
+        num_pages = leaves[0].shape[1]
+        sizes = {1} if self.config.transfer_layout is TransferLayout.PER_PAGE else {
+            s for n in range(1, self.config.max_chunk_pages + 1) for s in self._chunk_sizes(n)}
+        for size in sorted(s for s in sizes if s <= num_pages):
+            pages = np.arange(size, dtype=np.int32)
+            gathered, _ = _gather(leaves, pages)
+            # Staged like a load (from host arrays), so the compiled programs are the same ones.
+            staged = [jax.device_put(np.asarray(x), s.with_memory_kind("device"))
+                      for x, s in zip(gathered, self._shardings, strict=True)]
+            _checksums(staged)
+            leaves = _scatter_donated(leaves, pages, staged)
+        jax.block_until_ready(leaves)
+        return jax.tree.unflatten(treedef, leaves)
+
+    def block_until_landed(self) -> None:
+        """Waits until the data of every device transfer in flight is at its destination.
+
+        States do not change: the next `poll` verifies and commits them (injected delays still
+        count in polls).
+        """
+        for t in self._inflight:
+            jax.block_until_ready(t.payload[0] if t.kind is TransferKind.DEVICE_TO_HOST
+                                  else t.payload[1])
 
     def poll(self, kv) -> tuple[object, list[LoadResult]]:
         """Advances every device transfer in flight; returns the new KV pool and finished loads.
