@@ -173,8 +173,11 @@ def test_compile_count_flat_after_warmup(model):
             engine.step()
         serve.count += 1
     serve.count = 0
+    # jit caches are keyed by the traced function, so engines of one process share entries:
+    # count what this engine's warm-up adds, at most one program per step shape.
+    before = engine.num_compiles
     warm = engine.warmup()
-    assert warm <= len(engine.step_shapes()) + 1
+    assert warm - before <= len(engine.step_shapes())
     serve(150)
     serve(150)
     assert engine.num_compiles == warm, f"recompiled after warm-up: {warm} -> {engine.num_compiles}"
