@@ -618,13 +618,23 @@ class Engine:
         return self.tiers.load(seq.seq_id, hashes, pages) == 0
 
     def _prefetch_from_tiers(self, *, idle: bool) -> None:
-        """Admits the next waiting sequences whose prefix continues in the tiers, so their loads
-        overlap this step instead of starting when the scheduler reaches them. A step with
-        nothing to run waits for the transfers in flight instead of spinning."""
+        """Admits the next waiting sequences, in queue order, whose prefix continues in the
+        tiers, so their loads overlap this step instead of starting when the scheduler reaches
+        them; it never passes a sequence it cannot prefetch, so it takes no pages ahead of it.
+
+        A step with nothing to run waits for the transfers in flight instead of spinning, and
+        releases waiting sequences that hold pages without loading: the queue's head may need
+        them, and their loaded pages stay in the device prefix cache.
+        """
         if self.tiers is None:
             return
         if idle:
             self.tiers.block_until_landed()
+            for seq in list(self._waiting):
+                if (self.allocator.has_sequence(seq.seq_id)
+                        and not self.tiers.is_loading(seq.seq_id)):
+                    self._free_pages_of(seq)
+                    seq.num_computed = 0
         if self.allocator.prefix_cache is None:
             return
         for seq in self._ranked(self._waiting)[:self.config.tiers.max_inflight_loads]:
@@ -637,8 +647,9 @@ class Engine:
             first = self.allocator.peek_cached_tokens(seq.tokens, cache_key=key) // \
                 self.config.page_size
             hit = self._tier_hit(seq, key, first)
-            if hit and self._can_admit(len(hit)):
-                self._admit(seq)
+            if not hit or not self._can_admit(len(hit)):
+                break
+            self._admit(seq)
 
     def _swap_in_from_tiers(self, seq: Sequence) -> bool:
         """Starts (or finishes) bringing a swapped sequence back through the tiers.

@@ -10,6 +10,7 @@ import pytest
 from tiny_models import greedy_reference, tiny_model
 
 from kvjax import EngineConfig, KVLayout, PreemptionMode, SamplingParams
+from kvjax.bench.workloads import multi_turn
 from kvjax.engine.engine import Engine
 from kvjax.memory.tiers import TierConfig
 from kvjax.memory.transfer import Fault, FaultConfig, TransferKind, TransferState
@@ -121,6 +122,38 @@ def test_corrupted_disk_files_are_never_loaded(model, chat, page_bytes, tmp_path
                for t in reads), "a file that failed its check must be deleted"
     # Only pages still in the host tier (2 pages) could have been loaded.
     assert engine.stats["tier_hit_tokens"] <= 2 * BASE["page_size"]
+
+
+class ByteTokenizer:
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return [b % 120 for b in text.encode()]
+
+
+def test_multi_turn_chat_with_a_pool_a_quarter_of_the_working_set_finishes(model, page_bytes):
+    """Prefetched sequences hold pages while waiting; they must never starve the queue's head.
+
+    The oracle is a plain engine with a pool holding everything (no tiers, no eviction).
+    """
+    requests = multi_turn(ByteTokenizer(), seed=0, num_requests=18, num_turns=3, user_min=8,
+                          user_max=16, answer_len=4, think_time_s=0.0)
+    turns = [[list(r.prompt_ids) for r in requests if r.turn == t] for t in range(3)]
+    config = {k: v for k, v in BASE.items() if k != "num_pages"} | dict(max_num_seqs=4,
+                                                                       max_model_len=96)
+    roomy, expected = serve(model, EngineConfig(**config, num_pages=128), turns)
+    assert roomy.stats["preemptions"] == 0
+    engine = Engine(model, EngineConfig(**config, num_pages=18, tiers=TierConfig(
+        host_bytes=128 * page_bytes)))
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    for batch, want in zip(turns, expected, strict=True):
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"{len(prompt)}-{i}", prompt, params)
+        done, steps = {}, 0
+        while engine.has_unfinished():
+            steps += 1
+            assert steps < 500, "the engine stopped making progress"
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+        assert [done[f"{len(p)}-{i}"] for i, p in enumerate(batch)] == want
+    assert engine.stats["tier_hit_tokens"] > 0
 
 
 @pytest.fixture(scope="module")
