@@ -7,6 +7,7 @@ import enum
 
 from kvjax.config import KVLayout
 from kvjax.engine.step import AttentionImpl
+from kvjax.kv.retention import make_retention
 from kvjax.memory.tiers import TierConfig
 
 
@@ -52,6 +53,11 @@ class EngineConfig:
       min_chunk_bucket: the smallest padded prefill chunk (shape bucketing).
       debug_provenance: before every step, check that each page a row reads was written under
         the row's weights version; a mismatch raises (the stale-KV detector).
+      retention: a retention policy registered in kvjax.kv.retention ('none', 'streaming',
+        'h2o', 'snapkv', 'quest'): which tokens each sequence keeps, which pages it reads.
+      retention_budget: tokens per sequence the policy keeps (quest: reads per decode query);
+        None for 'none'.
+      retention_options: keyword options of the policy (e.g. {'num_sinks': 4}).
     """
 
     kv_layout: KVLayout = KVLayout.PAGED
@@ -75,6 +81,9 @@ class EngineConfig:
     attention_impl: AttentionImpl = AttentionImpl.AUTO
     min_chunk_bucket: int = 16
     debug_provenance: bool = False
+    retention: str = "none"
+    retention_budget: int | None = None
+    retention_options: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
@@ -89,3 +98,21 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 object.__setattr__(self, name, enum_type(value))
+        self._check_retention()
+
+    def _check_retention(self) -> None:
+        policy = make_retention(self.retention, self.retention_budget, self.page_size,
+                                **self.retention_options)
+        if policy.name == "none":
+            return
+        if self.kv_layout is not KVLayout.PAGED or self.tiers.enabled:
+            raise ValueError(f"retention={self.retention!r} needs the paged layout without "
+                             f"tiers, got kv_layout={self.kv_layout.value!r}, "
+                             f"tiers enabled={self.tiers.enabled}")
+        if policy.evicts and self.kv_codec != "none":
+            raise ValueError(f"retention={self.retention!r} compacts exact pages; it cannot run "
+                             f"with kv_codec={self.kv_codec!r}")
+        if policy.evicts and self.preemption_mode is not PreemptionMode.RECOMPUTE:
+            raise ValueError(f"retention={self.retention!r} needs preemption_mode=RECOMPUTE (a "
+                             f"compacted sequence is recomputed, not swapped), got "
+                             f"{self.preemption_mode.value!r}")

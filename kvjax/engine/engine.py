@@ -31,6 +31,7 @@ from kvjax.engine.request import (
 )
 from kvjax.engine.step import PAGES_PER_BLOCK, LogitsMode, ModelRunner, StepShape, empty_step_input
 from kvjax.engine.swap import HostSwapSpace
+from kvjax.kv.retention import RetentionManager, make_retention
 from kvjax.kv.state import init_contiguous_kv, init_paged_kv, num_pages_for_budget, pages_for
 from kvjax.memory.block_manager import AllocStatus, BlockManager
 from kvjax.memory.slots import SlotAllocator
@@ -81,7 +82,13 @@ class Engine:
                                  mc.max_position_embeddings)
         self.max_model_len = pages_for(self.max_model_len, config.page_size) * config.page_size
         self.kv_dtype = resolve_dtype(config.kv_dtype) if config.kv_dtype else model.dtype
-        self.runner = ModelRunner(mc, attention_impl=config.attention_impl)
+        if mesh is not None and config.retention != "none":
+            raise ValueError(f"retention={config.retention!r} does not run on a mesh")
+        self.retention = RetentionManager(make_retention(
+            config.retention, config.retention_budget, config.page_size,
+            **config.retention_options))
+        self.runner = ModelRunner(mc, attention_impl=config.attention_impl,
+                                  retention=self.retention.step_hooks)
         self.max_pages_per_seq = self.max_model_len // config.page_size
         # Block tables keep one width, so context growth never changes a step's shape.
         self.block_table_width = pages_for(self.max_pages_per_seq, PAGES_PER_BLOCK) * \
@@ -112,6 +119,7 @@ class Engine:
             self.allocator = BlockManager(num_pages, config.page_size,
                                           enable_prefix_cache=config.enable_prefix_cache)
         self.num_pages = self.allocator.num_pages
+        self.kv = self.retention.policy.wrap_state(self.kv)
         if mesh is not None:
             self.kv, self.runner = sharding.shard_kv_and_runner(self.kv, self.runner, model, mesh)
         self.policy = make_policy(config.scheduler_policy)
@@ -158,7 +166,8 @@ class Engine:
     @property
     def num_compiles(self) -> int:
         """Programs compiled so far; flat once every step shape has been seen."""
-        return self.runner.num_compiles + self.swap_space.num_compiles
+        return (self.runner.num_compiles + self.swap_space.num_compiles
+                + self.retention.num_compiles)
 
     # ----------------------------------------------------------------------------- provenance
 
@@ -175,6 +184,7 @@ class Engine:
             f"codec={getattr(self.kv, 'codec_name', 'none')}:{jnp.dtype(self.kv_dtype).name}",
             f"layout={self.config.kv_layout.value}:P{self.config.page_size}",
             f"tenant={tenant or ''}",
+            f"retention={self.retention.fingerprint}",
         ]
         return hashlib.blake2b("|".join(parts).encode(), digest_size=16).digest()
 
@@ -271,6 +281,7 @@ class Engine:
         return sorted(seqs, key=self.policy.priority_key)
 
     def _free_pages_of(self, seq: Sequence) -> None:
+        self.retention.drop(seq.seq_id)
         freed = self.allocator.free(seq.seq_id)
         if freed and self.config.scrub_freed_pages:
             self._spill_evictions()
@@ -367,8 +378,8 @@ class Engine:
             if len(decode) >= cfg.max_num_seqs or budget < 1:
                 break
             while True:
-                status, ops = self.allocator.ensure_writable(seq.seq_id, seq.num_computed,
-                                                             seq.num_computed + 1)
+                cached = self._cached_len(seq)
+                status, ops = self.allocator.ensure_writable(seq.seq_id, cached, cached + 1)
                 if status is AllocStatus.OK:
                     copies += ops
                     decode.append((seq, 1))
@@ -413,11 +424,11 @@ class Engine:
                 if not self._admit(seq):
                     continue
             chunk = min(seq.num_pending, budget, cfg.max_prefill_chunk)
-            need = self.allocator.pages_needed(seq.seq_id, seq.num_computed + chunk)
+            cached = self._cached_len(seq)
+            need = self.allocator.pages_needed(seq.seq_id, cached + chunk)
             ok = not is_new or self._can_admit(need)
             if ok:
-                status, ops = self.allocator.ensure_writable(seq.seq_id, seq.num_computed,
-                                                             seq.num_computed + chunk)
+                status, ops = self.allocator.ensure_writable(seq.seq_id, cached, cached + chunk)
                 ok = status is AllocStatus.OK
             if not ok:
                 if is_new:
@@ -758,12 +769,17 @@ class Engine:
             pos = np.arange(seq.num_computed, seq.num_computed + n, dtype=np.int32)
             buf["tokens"][t0:t0 + n] = seq.tokens[seq.num_computed:seq.num_computed + n]
             buf["positions"][t0:t0 + n] = pos
-            buf["slot_mapping"][t0:t0 + n] = table[pos // page_size] * page_size + pos % page_size
-            for page in set(table[pos // page_size].tolist()):
+            # Retention: positions are logical (RoPE); slots and lengths count cached tokens.
+            cpos = pos - self.retention.num_evicted(seq.seq_id)
+            buf["slot_mapping"][t0:t0 + n] = table[cpos // page_size] * page_size + \
+                cpos % page_size
+            buf["score_weights"][t0:t0 + n] = self.retention.score_weights(
+                seq.seq_id, pos, len(seq.tokens))
+            for page in set(table[cpos // page_size].tolist()):
                 self._page_version[page] = seq.weights_version
             width = min(len(table), max_pages)
             buf["block_tables"][r, :width] = table[:width]
-            buf["kv_lens"][r] = seq.num_computed + n
+            buf["kv_lens"][r] = cpos[-1] + 1
             buf["q_lens"][r] = n
             p = seq.sampling
             buf["temperature"][r] = p.temperature
@@ -788,7 +804,8 @@ class Engine:
             logprobs = np.asarray(out.logprobs)
             t_done = time.perf_counter()
             self.last_logits = out.logits
-            self._commit(rows, row_index, tokens, logprobs)
+            key_scores = None if out.key_scores is None else np.asarray(out.key_scores)
+            self._commit(rows, row_index, tokens, logprobs, key_scores)
             if len(self._params) > 1:
                 self._drop_unused_params()
             self.stats["steps"] += 1
@@ -798,7 +815,7 @@ class Engine:
         finished, self._finished_outputs = self._finished_outputs, []
         return finished
 
-    def _commit(self, rows, row_index, tokens, logprobs) -> None:
+    def _commit(self, rows, row_index, tokens, logprobs, key_scores=None) -> None:
         now = self.clock()
         for (seq, n), r in zip(rows, row_index, strict=True):
             if seq.status is not SeqStatus.RUNNING:
@@ -806,6 +823,7 @@ class Engine:
             seq.num_computed += n
             self.allocator.commit(seq.seq_id, seq.tokens[:seq.num_computed])
             self.policy.on_tokens(seq, n)
+            self._retain(seq, n, None if key_scores is None else key_scores[r])
             self.stats["decode_tokens" if n == 1 and seq.num_pending == 0 and
                        len(seq.tokens) > seq.num_prompt_tokens else "prefill_tokens"] += n
             if seq.num_pending:
@@ -819,6 +837,30 @@ class Engine:
             self._check_stop(seq)
         for request_id in {seq.request_id for seq, _ in rows}:
             self._maybe_emit(request_id)
+
+    def _cached_len(self, seq: Sequence) -> int:
+        """Tokens of `seq` in the cache: its logical length less what retention evicted."""
+        return seq.num_computed - self.retention.num_evicted(seq.seq_id)
+
+    def _retain(self, seq: Sequence, n: int, key_scores: np.ndarray | None) -> None:
+        """Tells the retention policy about a row's n computed tokens; frees what it drops."""
+        if self.retention.is_exact:
+            return
+        self.retention.observe(seq.seq_id, seq.num_computed - n, n, key_scores)
+        is_prefill_done = seq.num_pending == 0
+        keep = self.retention.select(seq.seq_id, is_prefill_done=is_prefill_done)
+        if keep is None:
+            return
+        status, src, dst, freed = self.allocator.retain(seq.seq_id, keep)
+        if status is not AllocStatus.OK:  # No page for a copy now: evict after a later step.
+            return
+        self.kv = self.retention.evict(self.kv, seq.seq_id, keep, src, dst, len(freed),
+                                       is_prefill_done=is_prefill_done)
+        for page in self.allocator.block_table(seq.seq_id):
+            self._page_version[page] = seq.weights_version
+        if freed and self.config.scrub_freed_pages:
+            self.kv = self.swap_space.scrub(self.kv, freed)
+            self.stats["scrubbed_pages"] += len(freed)
 
     def _fork_group(self, parent: Sequence) -> None:
         meta = self._request_meta[parent.request_id]
@@ -840,6 +882,7 @@ class Engine:
             except ValueError:  # No room to share (contiguous slots): prefill it afresh.
                 self._register(child)
                 continue
+            self.retention.fork(parent.seq_id, child.seq_id)
             self._apply_copies(copies)
             child.num_computed = parent.num_computed
             child.status = SeqStatus.RUNNING
@@ -909,7 +952,7 @@ class Engine:
 
     def _sample_kv(self) -> None:
         """Records (time, bytes holding live tokens, bytes reserved by running sequences)."""
-        live = sum(s.num_computed for s in self._running)
+        live = sum(self._cached_len(s) for s in self._running)
         if isinstance(self.allocator, SlotAllocator):
             reserved_tokens = len(self._running) * self.max_model_len
         else:

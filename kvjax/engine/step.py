@@ -76,6 +76,8 @@ class StepInput:
       kv_lens, q_lens: [R] int32.
       temperature, top_p: [R] float32; top_k: [R] int32.
       seeds: [R] uint32; counters: [R] int32, the index of the token each row generates.
+      score_weights: [T] float32, each query's weight in the key scores a retention policy
+        accumulates (kvjax.kv.retention); 0 for padding and for policies that score nothing.
     """
 
     tokens: jax.Array
@@ -89,15 +91,22 @@ class StepInput:
     top_p: jax.Array
     seeds: jax.Array
     counters: jax.Array
+    score_weights: jax.Array
 
 
 @struct.dataclass
 class StepOutput:
-    """tokens, logprobs: [R]; logits: [R, V], [T, V] or None per LogitsMode."""
+    """tokens, logprobs: [R]; logits: [R, V], [T, V] or None per LogitsMode.
+
+    key_scores: [R, W*P] float32 or None: with a retention policy that scores keys, the
+    attention each row's cached tokens received in this step (summed over layers, query heads
+    and the row's queries weighted by score_weights), in cache order.
+    """
 
     tokens: jax.Array
     logprobs: jax.Array
     logits: jax.Array | None = None
+    key_scores: jax.Array | None = None
 
 
 def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
@@ -115,6 +124,7 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
         top_p=np.ones(r, np.float32),
         seeds=np.zeros(r, np.uint32),
         counters=np.zeros(r, np.int32),
+        score_weights=np.zeros(t, np.float32),
     )
 
 
@@ -159,18 +169,32 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
 
 
 def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shape: StepShape,
-               attention_impl: AttentionImpl = AttentionImpl.REFERENCE
+               attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None
                ) -> tuple[StepOutput, KVState]:
-    """Runs the model over one step's tokens, writing their K/V and sampling one token per row."""
+    """Runs the model over one step's tokens, writing their K/V and sampling one token per row.
+
+    `retention` (a kvjax.kv.retention policy, static) may narrow the pages decode rows read and
+    may score the cached keys (StepOutput.key_scores); None is exact attention.
+    """
     bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
     q_lens = inp.q_lens
     impl = _resolve(attention_impl)
+    scores_keys = retention is not None and retention.scores_keys
 
-    def attend(layer, q, k, v, kv):
+    def attend(layer, q, k, v, carry):
+        kv, key_scores = carry
         kv = kv.write(layer, inp.slot_mapping, k, v)
-        return _attend_rows(kv, layer, q, inp, shape, impl), kv
+        rows = inp if retention is None else retention.narrow_rows(kv, layer, q, inp, shape)
+        out = _attend_rows(kv, layer, q, rows, shape, impl)
+        if scores_keys:
+            key_scores = key_scores + retention.key_scores(kv, layer, q, inp, shape,
+                                                           pages_per_block=PAGES_PER_BLOCK)
+        return out, (kv, key_scores)
 
-    h, kv = llama.decode_body(params, config, inp.tokens, inp.positions, attend, kv)  # [T, H]
+    key_scores = (jnp.zeros((shape.num_rows, shape.max_pages * kv.page_size), jnp.float32)
+                  if scores_keys else None)  # [R, W*P]
+    h, (kv, key_scores) = llama.decode_body(params, config, inp.tokens, inp.positions, attend,
+                                            (kv, key_scores))  # [T, H]
     last = jnp.concatenate([
         jnp.arange(bd, dtype=jnp.int32),
         bd + jnp.arange(bp, dtype=jnp.int32) * c + jnp.maximum(q_lens[bd:] - 1, 0),
@@ -184,7 +208,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         out_logits = logits
     elif shape.logits_mode is LogitsMode.ALL:
         out_logits = llama.lm_head(params, config, h)  # [T, V]
-    return StepOutput(tokens=tokens, logprobs=logprobs, logits=out_logits), kv
+    return StepOutput(tokens=tokens, logprobs=logprobs, logits=out_logits,
+                      key_scores=key_scores), kv
 
 
 class ModelRunner:
@@ -194,11 +219,13 @@ class ModelRunner:
     """
 
     def __init__(self, config: ModelConfig, *,
-                 attention_impl: AttentionImpl = AttentionImpl.REFERENCE):
+                 attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None):
         self.config = config
         self.attention_impl = attention_impl
+        self.retention = retention
         self._step = jax.jit(
-            functools.partial(model_step, config=config, attention_impl=attention_impl),
+            functools.partial(model_step, config=config, attention_impl=attention_impl,
+                              retention=retention),
             static_argnames=("shape",), donate_argnames=("kv",))
         self._copy = jax.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
 

@@ -72,6 +72,7 @@ class _Sequence:
     page_hashes: list[bytes]  # hash chain of the leading full pages whose content is known
     num_tokens: int  # current length: the cached prefix, then the `end` of the last write
     num_cached_tokens: int  # prompt tokens attached from the prefix cache
+    is_indexable: bool = True  # False once `retain` dropped tokens from the pages
 
 
 class BlockManager:
@@ -245,9 +246,12 @@ class BlockManager:
         """Records that the device wrote the KV of `token_ids`, the sequence's tokens so far.
 
         Every page that became full is indexed in the prefix cache under the sequence's hash
-        chain; when another page already holds the same chain, that one stays indexed.
+        chain; when another page already holds the same chain, that one stays indexed. A
+        sequence that `retain` compacted indexes nothing (its pages hold a subset of its tokens).
         """
         seq = self._get(seq_id)
+        if not seq.is_indexable:
+            return
         capacity = len(seq.block_table) * self.page_size
         if len(token_ids) > capacity:
             raise ValueError(
@@ -262,6 +266,65 @@ class BlockManager:
             parent = hash_page(parent, token_ids[start : start + self.page_size])
             seq.page_hashes.append(parent)
             self.prefix_cache.insert(parent, seq.block_table[index])
+
+    def retain(
+        self, seq_id: Hashable, keep: Sequence[int]
+    ) -> tuple[AllocStatus, np.ndarray, np.ndarray, list[int]]:
+        """Keeps only positions `keep` of `seq_id`, compacted in order to positions 0..S'-1.
+
+        A page of the new layout whose tokens are one old page's tokens at the same offsets is
+        that old page, unmoved. Every other page of the new layout gets its tokens by slot moves
+        into a private page: the sequence's old page at the same index when no other sequence
+        or the prefix cache holds it (and the new layout does not reuse it), else a new page,
+        so shared and indexed pages are never written. Old pages the new layout does not use
+        are released. From now on the sequence indexes nothing in the prefix cache (its pages
+        no longer hold the K/V of its token chain). All-or-nothing: on NO_PAGES nothing changed.
+
+        Args:
+            seq_id: a registered sequence.
+            keep: [S'] strictly increasing positions in [0, length), S' >= 1.
+
+        Returns:
+            (status, src, dst, freed): the device copies token slot src[i] (page * P + offset)
+            into slot dst[i], every read before any write, before the next write to the
+            sequence; `freed` are the pages that went to the free list.
+        """
+        seq = self._get(seq_id)
+        keep = np.asarray(keep, np.int64)  # [S']
+        if keep.ndim != 1 or len(keep) == 0:
+            raise ValueError(f"keep must be a non-empty 1-D list of positions, got {keep!r}")
+        if keep[0] < 0 or keep[-1] >= seq.num_tokens or np.any(np.diff(keep) <= 0):
+            raise ValueError(f"keep must be strictly increasing positions in "
+                             f"[0, {seq.num_tokens}), got {keep.tolist()}")
+        p = self.page_size
+        old = seq.block_table
+        num_new_pages = -(-len(keep) // p)
+        reused = {}  # new page index -> old page index holding its tokens at the same offsets
+        for j in range(num_new_pages):
+            segment = keep[j * p : (j + 1) * p]
+            if segment[0] % p == 0 and segment[-1] - segment[0] == len(segment) - 1:
+                reused[j] = int(segment[0] // p)
+        taken = set(reused.values())
+        own = {j for j in range(min(num_new_pages, len(old)))
+               if j not in reused and j not in taken and not self._is_shared(old[j])}
+        num_alloc = num_new_pages - len(reused) - len(own)
+        if num_alloc > self.num_free_pages():
+            return AllocStatus.NO_PAGES, np.zeros(0, np.int64), np.zeros(0, np.int64), []
+        table = [old[reused[j]] if j in reused else old[j] if j in own else self._allocate()
+                 for j in range(num_new_pages)]
+        moved = np.array([j not in reused for j in range(num_new_pages)])  # [pages]
+        positions = np.flatnonzero(np.repeat(moved, p)[: len(keep)])  # new positions to fill
+        src = np.array(old, np.int64)[keep[positions] // p] * p + keep[positions] % p
+        dst = np.array(table, np.int64)[positions // p] * p + positions % p
+        changed = src != dst
+        kept = taken | own
+        freed = [page for index, page in enumerate(old)
+                 if index not in kept and self._release(page)]
+        seq.block_table = table
+        seq.num_tokens = len(keep)
+        seq.page_hashes = []
+        seq.is_indexable = False
+        return AllocStatus.OK, src[changed], dst[changed], freed
 
     def free(self, seq_id: Hashable) -> list[int]:
         """Drops `seq_id` and releases its pages.

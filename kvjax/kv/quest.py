@@ -1,0 +1,180 @@
+"""Quest: query-aware selection of the KV pages a decode query reads.
+
+Every page keeps a summary of the keys written into it, per layer and kv head: the elementwise
+minimum and maximum over its tokens of each channel (`key_min`, `key_max`: [L, num_pages, K, D]).
+For a query q (one head) and any key k of the page, q_d * k_d <= max(q_d * min_d, q_d * max_d)
+channel by channel, so
+
+    bound(q, page) = sum_d max(q_d * key_min_d, q_d * key_max_d) >= q . k  for every key k there.
+
+A decode row reads only its `num_read` pages of highest bound (the maximum over its query heads,
+so one block table serves every head), always including its most recent page; the rest of its
+pages stay in memory. This saves reads, not memory. Prefill rows read every page.
+
+Summaries are maintained on write: a token written at offset 0 of a page starts the page's
+summary afresh (a recycled page's stale summary never survives), every other token widens it.
+Pages are filled in offset order (the engine appends; copy-on-write copies a page with its
+summary), so a page's summary always covers exactly its written tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+def _update_summaries(key_min: jax.Array, key_max: jax.Array, layer: jax.Array,
+                      slots: jax.Array, k: jax.Array, page_size: int
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Widens the summaries [L, num_pages, K, D] of the pages that slots [T] write k [T, K, D]."""
+    num_pages = key_min.shape[1]
+    is_valid = slots >= 0
+    pages = jnp.where(is_valid, slots // page_size, num_pages)  # [T]; out of range -> dropped
+    starts = jnp.where(is_valid & (slots % page_size == 0), pages, num_pages)  # [T]
+    kf = k.astype(jnp.float32)  # [T, K, D]
+    key_min = key_min.at[layer, starts].set(jnp.inf, mode="drop")
+    key_max = key_max.at[layer, starts].set(-jnp.inf, mode="drop")
+    key_min = key_min.at[layer, pages].min(kf, mode="drop")  # [L, num_pages, K, D]
+    key_max = key_max.at[layer, pages].max(kf, mode="drop")
+    return key_min, key_max
+
+
+@struct.dataclass
+class QuestKV:
+    """A paged KV state with per-page key summaries for query-aware page selection.
+
+    Every array leaf is page-major ([L, num_pages, ...]), so swapping and scrubbing (which map
+    over leaves) carry the summaries along with the pages.
+
+    Attributes:
+      base: the wrapped paged state (`PagedKV` or a quantized paged state).
+      key_min: [L, num_pages, K, D] float32, elementwise minimum of the page's keys.
+      key_max: [L, num_pages, K, D] float32, elementwise maximum of the page's keys.
+    """
+
+    base: Any
+    key_min: jax.Array
+    key_max: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.base.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.base.page_size
+
+    @property
+    def num_slots(self) -> int:
+        return self.base.num_slots
+
+    @property
+    def codec_name(self) -> str:
+        return getattr(self.base, "codec_name", "none")
+
+    def layer_pages(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.base.layer_pages(layer)
+
+    def load_pages(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.base.load_pages(layer, pages)
+
+    def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array) -> QuestKV:
+        """Writes k, v [T, K, D] into flat slots [T] (-1: dropped) and updates the summaries."""
+        key_min, key_max = _update_summaries(self.key_min, self.key_max, layer, slots, k,
+                                             self.page_size)
+        return self.replace(base=self.base.write(layer, slots, k, v), key_min=key_min,
+                            key_max=key_max)
+
+    def copy_pages(self, src: jax.Array, dst: jax.Array) -> QuestKV:
+        """Copy-on-write of pages src [C] -> dst [C], summaries included."""
+        return self.replace(base=self.base.copy_pages(src, dst),
+                            key_min=self.key_min.at[:, dst].set(self.key_min[:, src]),
+                            key_max=self.key_max.at[:, dst].set(self.key_max[:, src]))
+
+    def nbytes(self) -> int:
+        return self.base.nbytes() + self.key_min.nbytes + self.key_max.nbytes
+
+
+def init_quest_kv(base: Any) -> QuestKV:
+    """Wraps a page-major paged state ([L, num_pages, ...] leaves) with empty summaries."""
+    k, _ = jax.eval_shape(base.load_pages, jnp.int32(0), jnp.zeros((1, 1), jnp.int32))
+    num_layers = jax.tree.leaves(base)[0].shape[0]
+    shape = (num_layers, base.num_pages, k.shape[3], k.shape[4])  # [L, num_pages, K, D]
+    return QuestKV(base=base, key_min=jnp.zeros(shape, jnp.float32),
+                   key_max=jnp.zeros(shape, jnp.float32))
+
+
+def summary_bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes the min and max summaries of one page take (all layers, float32)."""
+    return 2 * num_layers * num_kv_heads * head_dim * 4
+
+
+def page_bounds(q: jax.Array, key_min: jax.Array, key_max: jax.Array) -> jax.Array:
+    """Upper bounds of the attention logits q . k of each page's keys, per query head.
+
+    Args:
+      q: [B, N, D] queries (RoPE applied, unscaled).
+      key_min, key_max: [B, W, K, D] summaries of the W pages each row may read.
+    Returns:
+      [B, W, N] float32: entry (b, w, n) >= q[b, n] . k for every key k written into page w.
+    """
+    b, n, d = q.shape
+    k_heads = key_min.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, 1, k_heads, n // k_heads, d)  # [B, 1, K, G, D]
+    lo = qg * key_min[:, :, :, None, :]  # [B, W, K, G, D]
+    hi = qg * key_max[:, :, :, None, :]
+    return jnp.sum(jnp.maximum(lo, hi), axis=-1).reshape(b, -1, n)  # [B, W, N]
+
+
+def select_pages(scores: jax.Array, kv_lens: jax.Array, page_size: int, num_read: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The `num_read` best pages of each row, in table order, and the length they hold.
+
+    The row's last (partially filled) page is always selected; pages past the row's length
+    never are. A row with at most `num_read` pages selects all of them, unchanged.
+
+    Args:
+      scores: [B, W] page scores (table order).
+      kv_lens: [B] int32 tokens in each row's cache.
+      page_size: P.
+      num_read: pages to keep per row (static, <= W).
+    Returns:
+      (indices [B, num_read] int32 increasing table indices, entries past the row's selection
+      are padding; kv_lens [B] int32, the tokens the selected pages hold, the last one partial).
+    """
+    w = scores.shape[1]
+    num_valid = (kv_lens + page_size - 1) // page_size  # [B]
+    index = jnp.arange(w, dtype=jnp.int32)[None, :]  # [1, W]
+    scores = jnp.where(index == num_valid[:, None] - 1, jnp.inf, scores.astype(jnp.float32))
+    scores = jnp.where(index < num_valid[:, None], scores, -jnp.inf)  # [B, W]
+    _, top = jax.lax.top_k(scores, num_read)  # [B, num_read]
+    indices = jnp.sort(top.astype(jnp.int32), axis=-1)  # valid pages first, then padding
+    num_selected = jnp.minimum(num_valid, num_read)
+    last_count = kv_lens - (num_valid - 1) * page_size
+    lens = jnp.where(kv_lens > 0, (num_selected - 1) * page_size + last_count, 0)
+    return indices, lens.astype(jnp.int32)
+
+
+def narrow_decode_rows(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables: jax.Array,
+                       kv_lens: jax.Array, num_read: int) -> tuple[jax.Array, jax.Array]:
+    """Block tables and lengths of decode rows restricted to their Quest-selected pages.
+
+    Args:
+      q: [B, N, D] one query per row; block_tables: [B, W] int32; kv_lens: [B] int32.
+    Returns:
+      (block_tables [B, W] with the selected pages first, kv_lens [B]): attention over them is
+      attention over the selected pages' tokens, each at its original rotary position.
+    """
+    w = block_tables.shape[1]
+    if num_read >= w:
+        return block_tables, kv_lens
+    key_min = kv.key_min[layer][block_tables]  # [B, W, K, D]
+    key_max = kv.key_max[layer][block_tables]
+    scores = jnp.max(page_bounds(q, key_min, key_max), axis=-1)  # [B, W]
+    indices, lens = select_pages(scores, kv_lens, kv.page_size, num_read)
+    chosen = jnp.take_along_axis(block_tables, indices, axis=1)  # [B, num_read]
+    padding = jnp.zeros((block_tables.shape[0], w - num_read), block_tables.dtype)
+    return jnp.concatenate([chosen, padding], axis=1), lens

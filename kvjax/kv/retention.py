@@ -1,0 +1,593 @@
+"""Retention policies: which tokens' K/V a sequence keeps, and which pages attention reads.
+
+A policy is a small class behind `RetentionPolicy`, registered by name; `EngineConfig.retention`
+picks one, `retention_budget` sizes it and `retention_options` tunes it:
+
+  ==========  ==================================================  ===========================
+  name        keeps (budget B tokens per sequence)                options (defaults)
+  ==========  ==================================================  ===========================
+  none        everything (exact)                                  -
+  streaming   the first num_sinks tokens + the most recent        num_sinks=4
+              B - num_sinks (StreamingLLM)
+  h2o         the num_recent most recent tokens + the B -         num_recent=B // 2
+              num_recent others with the largest accumulated
+              attention (heavy hitters, H2O)
+  snapkv      at the end of prefill: the last `window` prompt     window=64, kernel=5,
+              tokens + the B - window others that the window's    pooling='max'
+              queries attend to most, scores pooled over
+              `kernel` neighbouring tokens (SnapKV); generated
+              tokens are all kept
+  quest       everything in memory; each decode query reads only  -
+              its B // P pages of highest key bound, the newest
+              page always among them (Quest, kvjax.kv.quest)
+  ==========  ==================================================  ===========================
+
+Eviction (streaming, h2o, snapkv) frees whole pages. streaming and h2o evict once a sequence
+caches B + P tokens, back down to B (so a page's worth of tokens is dropped at a time and the
+compaction cost is paid once per P tokens); snapkv compresses once, when the prefill of the
+sequence's tokens completes. The kept tokens are compacted, in order, into the front of the
+sequence's pages (`BlockManager.retain` plans it, `move_slots` copies on the device) and the
+pages past them go back to the pool.
+
+Lengths. A sequence's logical length (tokens seen: `Sequence.num_computed`) and its cached
+length (tokens kept, the length attention masks by) differ by the tokens it evicted; the
+`RetentionManager` records, per sequence, the logical position of every cached token.
+
+Positions. Keys keep the rotary position they were written with and queries use the logical
+position, for every policy: what H2O and SnapKV do. StreamingLLM instead re-assigns positions
+within the cache (to run past the trained context); that would re-rotate every kept key at
+each eviction, so it is not done here, and `streaming` is "sinks + window" at true positions.
+
+Scores. h2o and snapkv need the attention each cached token receives. The step computes it as
+an extra output (`StepOutput.key_scores`, [R, W*P]): per row and cached token, the softmax
+probability summed over layers, query heads and the row's queries, each query weighted by
+`StepInput.score_weights` (h2o: every query; snapkv: the last `window` queries of the prefill).
+The host accumulates it per sequence and token (`CacheView.scores`), so pages shared between
+sequences never mix their scores. Eviction is per token for all layers and heads at once, since
+pages are shared by every layer and head; H2O and SnapKV choose per layer and head, which
+paged memory cannot free. SnapKV pools the layer-and-head sum, not each head's scores.
+
+Prefix cache. A page indexed before a sequence's first eviction holds exact K/V (nothing was
+evicted when it was computed) and stays indexed: compaction copies it on write rather than
+change it. From the first eviction on, a sequence indexes nothing more (`BlockManager.retain`),
+and the policy and budget are part of the provenance fingerprint, so no page is ever served
+to a request that expects another retention.
+
+Limits (checked by EngineConfig): every policy but none needs the paged layout, no tiers and
+no mesh; the evicting ones also need exact pages (kv_codec 'none': slot moves do not apply to
+per-group quantization scales) and RECOMPUTE preemption (a compacted sequence is recomputed
+from its tokens). Admission still sizes a request by its full length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Any, ClassVar, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.kv import quest
+from kvjax.kv.attention import PageLoader
+from kvjax.kv.state import PagedKV
+
+
+class Pooling(enum.Enum):
+    """How SnapKV smooths the window's attention over neighbouring tokens."""
+
+    MAX = "max"
+    AVG = "avg"  # the kernel's sum over in-range neighbours divided by the kernel size
+
+
+@dataclasses.dataclass
+class CacheView:
+    """Host record of one sequence's cached tokens, in cache order.
+
+    Attributes:
+      positions: [S] int32, the logical position of each cached token (increasing); S is the
+        cached length.
+      scores: [S] float32, the attention each cached token has accumulated (zeros for policies
+        that do not score keys).
+      num_evicted: tokens this sequence dropped (logical length = S + num_evicted).
+      is_prefill_done: the prefill of the sequence's tokens completed (SnapKV compressed then).
+    """
+
+    positions: np.ndarray
+    scores: np.ndarray
+    num_evicted: int = 0
+    is_prefill_done: bool = False
+
+
+class RetentionPolicy(Protocol):
+    """What the engine asks of a retention policy.
+
+    Host side: which queries score keys, and which cached tokens to keep. Device side (inside
+    the jitted step; the object is static there): the KV state it needs, the pages each decode
+    row reads, and the keys' attention scores.
+    """
+
+    name: ClassVar[str]
+    budget: int | None
+    evicts: bool  # frees pages (streaming, h2o, snapkv)
+    scores_keys: bool  # needs StepOutput.key_scores
+    narrows_reads: bool  # changes which pages attention reads (quest)
+
+    def fingerprint(self) -> str: ...
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray: ...
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None: ...
+
+    def wrap_state(self, kv: Any) -> Any: ...
+
+    def narrow_rows(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any
+                    ) -> Any: ...
+
+    def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
+                   pages_per_block: int) -> jax.Array: ...
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_retention(cls: type) -> type:
+    """Class decorator: makes a policy constructible by its `name`."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def retention_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_retention(name: str, budget: int | None, page_size: int, **options: Any
+                   ) -> RetentionPolicy:
+    """The registered policy `name` with a budget of `budget` tokens per sequence."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown retention policy {name!r}; registered: {retention_names()}")
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    cls = _REGISTRY[name]
+    unknown = sorted(set(options) - set(cls.option_names))
+    if unknown:
+        raise ValueError(f"retention policy {name!r} has no option(s) {unknown}; it takes "
+                         f"{list(cls.option_names)}")
+    return cls(budget, page_size, **options)
+
+
+def _check_budget(name: str, budget: Any, minimum: int) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < minimum:
+        raise ValueError(f"retention {name!r} needs retention_budget an int >= {minimum}, "
+                         f"got {budget!r}")
+    return budget
+
+
+def _top(scores: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the `count` largest scores (earlier index first among ties), increasing."""
+    order = np.argsort(-scores, kind="stable")
+    return np.sort(order[:count])
+
+
+class _Policy:
+    """Defaults: exact attention, no eviction, no scores."""
+
+    name: ClassVar[str]
+    option_names: ClassVar[tuple[str, ...]] = ()
+    evicts: ClassVar[bool] = False
+    scores_keys: ClassVar[bool] = False
+    narrows_reads: ClassVar[bool] = False
+
+    def __init__(self, budget: int | None, page_size: int):
+        self.budget = budget
+        self.page_size = page_size
+
+    def options(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.option_names}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.fingerprint()})"
+
+    def fingerprint(self) -> str:
+        """What the policy does to KV, for the provenance fingerprint."""
+        opts = ",".join(f"{k}={v.value if isinstance(v, enum.Enum) else v}"
+                        for k, v in self.options().items())
+        return f"{self.name}:B{self.budget}:{opts}"
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray:
+        """[n] float32 weight of each query at logical `positions` in the keys' scores."""
+        return np.zeros(len(positions), np.float32)
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        """Cache indices to keep (increasing), or None to keep everything."""
+        return None
+
+    def wrap_state(self, kv: Any) -> Any:
+        return kv
+
+    def narrow_rows(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any) -> Any:
+        return inp
+
+    def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
+                   pages_per_block: int) -> jax.Array:
+        return step_key_scores(kv, layer, q, inp, shape, pages_per_block=pages_per_block)
+
+
+@register_retention
+class NoRetention(_Policy):
+    """Exact KV: every token kept, every page read."""
+
+    name = "none"
+
+    def __init__(self, budget: int | None, page_size: int):
+        if budget is not None:
+            raise ValueError(f"retention 'none' takes no retention_budget, got {budget!r}")
+        super().__init__(None, page_size)
+
+    def fingerprint(self) -> str:
+        return "none"
+
+
+class _Evicting(_Policy):
+    """Shared trigger of streaming and h2o: evict at B + P cached tokens, down to B."""
+
+    evicts = True
+
+    def _is_over(self, view: CacheView) -> bool:
+        return len(view.positions) >= self.budget + self.page_size
+
+
+@register_retention
+class StreamingLLM(_Evicting):
+    """Attention sinks (the first tokens) plus a window of the most recent tokens."""
+
+    name = "streaming"
+    option_names = ("num_sinks",)
+
+    def __init__(self, budget: int | None, page_size: int, num_sinks: int = 4):
+        if isinstance(num_sinks, bool) or not isinstance(num_sinks, int) or num_sinks < 0:
+            raise ValueError(f"streaming num_sinks must be an int >= 0, got {num_sinks!r}")
+        super().__init__(_check_budget(self.name, budget, num_sinks + 1), page_size)
+        self.num_sinks = num_sinks
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        if not self._is_over(view):
+            return None
+        size = len(view.positions)
+        recent = np.arange(size - (self.budget - self.num_sinks), size)
+        return np.concatenate([np.arange(self.num_sinks), recent])
+
+
+@register_retention
+class H2O(_Evicting):
+    """Heavy hitters (largest accumulated attention) plus the most recent tokens."""
+
+    name = "h2o"
+    option_names = ("num_recent",)
+    scores_keys = True
+
+    def __init__(self, budget: int | None, page_size: int, num_recent: int | None = None):
+        budget = _check_budget(self.name, budget, 1)
+        num_recent = budget // 2 if num_recent is None else num_recent
+        if (isinstance(num_recent, bool) or not isinstance(num_recent, int)
+                or not 1 <= num_recent <= budget):
+            raise ValueError(f"h2o num_recent must be an int in [1, budget={budget}], got "
+                             f"{num_recent!r}")
+        super().__init__(budget, page_size)
+        self.num_recent = num_recent
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray:
+        return np.ones(len(positions), np.float32)
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        if not self._is_over(view):
+            return None
+        older = len(view.positions) - self.num_recent
+        heavy = _top(view.scores[:older], self.budget - self.num_recent)
+        return np.concatenate([heavy, np.arange(older, len(view.positions))])
+
+
+def pool_scores(scores: np.ndarray, kernel: int, pooling: Pooling) -> np.ndarray:
+    """Each score replaced by the max (or kernel-normalized sum) of its `kernel` neighbours.
+
+    The window is centred (kernel // 2 on each side) and clipped at the ends. [S] -> [S].
+    """
+    half = kernel // 2
+    size = len(scores)
+    if size == 0:
+        return scores.astype(np.float32)
+    fill = -np.inf if pooling is Pooling.MAX else 0.0
+    padded = np.concatenate([np.full(half, fill), scores, np.full(half, fill)])  # [S + 2h]
+    windows = np.lib.stride_tricks.sliding_window_view(padded, kernel)  # [S, kernel]
+    if pooling is Pooling.MAX:
+        return windows.max(axis=-1).astype(np.float32)
+    return (windows.sum(axis=-1) / kernel).astype(np.float32)
+
+
+@register_retention
+class SnapKV(_Policy):
+    """At the end of prefill: the observation window plus the tokens it attends to most."""
+
+    name = "snapkv"
+    option_names = ("window", "kernel", "pooling")
+    evicts = True
+    scores_keys = True
+
+    def __init__(self, budget: int | None, page_size: int, window: int = 64, kernel: int = 5,
+                 pooling: str | Pooling = Pooling.MAX):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"snapkv window must be a positive int, got {window!r}")
+        if (isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1
+                or kernel % 2 == 0):
+            raise ValueError(f"snapkv kernel must be a positive odd int, got {kernel!r}")
+        try:
+            pooling = Pooling(pooling)
+        except ValueError:
+            raise ValueError(f"snapkv pooling must be one of {[p.value for p in Pooling]}, got "
+                             f"{pooling!r}") from None
+        super().__init__(_check_budget(self.name, budget, window + 1), page_size)
+        self.window, self.kernel, self.pooling = window, kernel, pooling
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray:
+        if view is not None and view.is_prefill_done:
+            return np.zeros(len(positions), np.float32)
+        return (positions >= num_tokens - self.window).astype(np.float32)
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        size = len(view.positions)
+        if view.is_prefill_done or not is_prefill_done or size <= self.budget:
+            return None
+        prefix = size - self.window
+        pooled = pool_scores(view.scores[:prefix], self.kernel, self.pooling)
+        chosen = _top(pooled, self.budget - self.window)
+        return np.concatenate([chosen, np.arange(prefix, size)])
+
+
+@register_retention
+class Quest(_Policy):
+    """Query-aware page reads: every page stays, each decode query reads its top pages."""
+
+    name = "quest"
+    narrows_reads = True
+
+    def __init__(self, budget: int | None, page_size: int):
+        super().__init__(_check_budget(self.name, budget, page_size), page_size)
+        self.num_read_pages = self.budget // page_size
+
+    def wrap_state(self, kv: Any) -> quest.QuestKV:
+        return quest.init_quest_kv(kv)
+
+    def narrow_rows(self, kv: quest.QuestKV, layer: jax.Array, q: jax.Array, inp: Any,
+                    shape: Any) -> Any:
+        bd = shape.num_decode
+        if bd == 0:
+            return inp
+        tables, lens = quest.narrow_decode_rows(kv, layer, q[:bd], inp.block_tables[:bd],
+                                                inp.kv_lens[:bd], self.num_read_pages)
+        return inp.replace(block_tables=inp.block_tables.at[:bd].set(tables),
+                           kv_lens=inp.kv_lens.at[:bd].set(lens))
+
+
+# ----------------------------------------------------------------------------- device: scores
+
+
+def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax.Array,
+                         kv_lens: jax.Array, q_lens: jax.Array, q_weights: jax.Array, *,
+                         pages_per_block: int = 8, sm_scale: float | None = None) -> jax.Array:
+    """The attention probability each cached key receives, summed over heads and queries.
+
+    Same masking as `paged_attention_blockwise` (query c of row b sits at cached index
+    kv_lens[b] - q_lens[b] + c and sees every earlier index); two passes over the blocks, the
+    first for each query's softmax normaliser, the second for the probabilities.
+
+    Args:
+      q: [B, C, N, D].
+      load_pages: page ids [B, n] -> K, V [B, n, P, K, D].
+      block_tables: [B, W] int32, W a multiple of pages_per_block.
+      kv_lens, q_lens: [B] int32.
+      q_weights: [B, C] float32, each query's weight (0 drops it).
+    Returns:
+      [B, W * P] float32: entry (b, s) is sum over heads n and queries c of
+      q_weights[b, c] * softmax_s(q[b, c, n] . k[b, s]); zero past kv_lens[b].
+    """
+    b, c, n, d = q.shape
+    probe_k, _ = jax.eval_shape(load_pages, block_tables[:, :pages_per_block])
+    _, _, p, k_heads, _ = probe_k.shape
+    block = pages_per_block * p
+    scale = 1.0 / np.sqrt(d) if sm_scale is None else sm_scale
+    qg = q.astype(jnp.float32).reshape(b, c, k_heads, n // k_heads, d) * scale
+    q_idx = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
+    q_pos = (kv_lens - q_lens)[:, None] + q_idx  # [B, C]
+    q_valid = q_idx < q_lens[:, None]  # [B, C]
+    num_blocks = (jnp.max(kv_lens) + block - 1) // block
+
+    def logits(i):
+        pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
+                                             pages_per_block, axis=1)  # [B, ppb]
+        k, _ = load_pages(pages)  # [B, ppb, P, K, D]
+        k = k.reshape(b, block, k_heads, d).astype(jnp.float32)  # [B, S', K, D]
+        kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [S']
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
+            kv_pos[None, None, :] < kv_lens[:, None, None]) & q_valid[:, :, None]  # [B, C, S']
+        s = jnp.einsum("bckgd,bskd->bkgcs", qg, k)  # [B, K, G, C, S']
+        return jnp.where(mask[:, None, None], s, -jnp.inf), mask
+
+    def normaliser(i, carry):
+        m, denom = carry  # [B, K, G, C] each
+        s, mask = logits(i)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+        w = jnp.where(mask[:, None, None], jnp.exp(s - m_safe[..., None]), 0.0)
+        return m_new, alpha * denom + jnp.sum(w, axis=-1)
+
+    g = n // k_heads
+    init = (jnp.full((b, k_heads, g, c), -jnp.inf, jnp.float32),
+            jnp.zeros((b, k_heads, g, c), jnp.float32))
+    m, denom = jax.lax.fori_loop(0, num_blocks, normaliser, init)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    weight = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+    weight = weight * q_weights.astype(jnp.float32)[:, None, None, :]  # [B, K, G, C]
+
+    def accumulate(i, out):
+        s, mask = logits(i)
+        probs = jnp.where(mask[:, None, None], jnp.exp(s - m[..., None]), 0.0)
+        block_scores = jnp.einsum("bkgcs,bkgc->bs", probs, weight)  # [B, S']
+        return jax.lax.dynamic_update_slice_in_dim(out, block_scores, i * block, axis=1)
+
+    out = jnp.zeros((b, block_tables.shape[1] * p), jnp.float32)
+    return jax.lax.fori_loop(0, num_blocks, accumulate, out)  # [B, W*P]
+
+
+def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
+                    pages_per_block: int) -> jax.Array:
+    """Key scores of a step's rows (decode rows, then prefill rows). q: [T, N, D] -> [R, W*P].
+
+    A group of rows whose queries all have weight 0 skips the computation.
+    """
+    bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
+    _, n, d = q.shape
+    load = functools.partial(kv.load_pages, layer)
+    width = inp.block_tables.shape[1] * kv.page_size
+
+    def scored(q_rows, weights, rows):
+        def compute():
+            return key_scores_blockwise(q_rows, load, inp.block_tables[rows], inp.kv_lens[rows],
+                                        inp.q_lens[rows], weights,
+                                        pages_per_block=pages_per_block)
+
+        zeros = jnp.zeros((q_rows.shape[0], width), jnp.float32)
+        return jax.lax.cond(jnp.any(weights > 0), compute, lambda: zeros)
+
+    w = inp.score_weights
+    parts = []
+    if bd:
+        parts.append(scored(q[:bd, None], w[:bd, None], slice(0, bd)))
+    if bp:
+        parts.append(scored(q[bd:].reshape(bp, c, n, d), w[bd:].reshape(bp, c),
+                            slice(bd, bd + bp)))
+    return jnp.concatenate(parts, axis=0)  # [R, W*P]
+
+
+# ----------------------------------------------------------------------------- device: moves
+
+
+def move_slots(kv: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
+    """Copies token slots src [M] into dst [M] in every layer; all reads precede all writes."""
+
+    def move(x):  # [L, num_pages, P, K, D]
+        flat = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+        return flat.at[:, dst].set(flat[:, src]).reshape(x.shape)
+
+    return jax.tree.map(move, kv)
+
+
+def _padded(x: np.ndarray) -> np.ndarray:
+    """Pads to a power of two by repeating the last entry (a repeated move is a no-op)."""
+    n = 1 << max(len(x) - 1, 0).bit_length()
+    return np.concatenate([x, np.full(n - len(x), x[-1], x.dtype)]).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- host: manager
+
+
+class RetentionManager:
+    """The engine's host-side record of what each sequence keeps, and the device moves.
+
+    Attributes:
+      policy: the `RetentionPolicy`.
+      stats: evictions, evicted_tokens, moved_slots, freed_pages.
+    """
+
+    def __init__(self, policy: RetentionPolicy):
+        self.policy = policy
+        self._views: dict[str, CacheView] = {}
+        self._move = jax.jit(move_slots, donate_argnums=0)
+        self.stats = dict(evictions=0, evicted_tokens=0, moved_slots=0, freed_pages=0)
+
+    @property
+    def is_exact(self) -> bool:
+        return not (self.policy.evicts or self.policy.scores_keys or self.policy.narrows_reads)
+
+    @property
+    def step_hooks(self) -> RetentionPolicy | None:
+        """What the jitted step calls; None keeps the exact step program."""
+        return None if self.is_exact else self.policy
+
+    @property
+    def fingerprint(self) -> str:
+        return self.policy.fingerprint()
+
+    @property
+    def num_compiles(self) -> int:
+        return self._move._cache_size()
+
+    def num_evicted(self, seq_id: str) -> int:
+        view = self._views.get(seq_id)
+        return 0 if view is None else view.num_evicted
+
+    def cached_positions(self, seq_id: str) -> np.ndarray:
+        """[S] logical positions of the tokens `seq_id` caches (empty when it holds none)."""
+        view = self._views.get(seq_id)
+        return np.zeros(0, np.int32) if view is None else view.positions.copy()
+
+    def score_weights(self, seq_id: str, positions: np.ndarray, num_tokens: int) -> np.ndarray:
+        """[n] weights of the queries at logical `positions` of a sequence of num_tokens."""
+        return self.policy.score_weights(self._views.get(seq_id), positions, num_tokens)
+
+    def observe(self, seq_id: str, start: int, num_new: int,
+                key_scores: np.ndarray | None) -> None:
+        """Records `num_new` tokens computed at logical positions start.. and their step's scores.
+
+        key_scores: [>= S] the row's StepOutput.key_scores (cache order), or None.
+        """
+        view = self._views.get(seq_id)
+        if view is None:  # Nothing evicted yet: the cache holds positions 0 .. start - 1.
+            view = self._views[seq_id] = CacheView(np.arange(start, dtype=np.int32),
+                                                   np.zeros(start, np.float32))
+        new = np.arange(start, start + num_new, dtype=np.int32)
+        view.positions = np.concatenate([view.positions, new])
+        view.scores = np.concatenate([view.scores, np.zeros(num_new, np.float32)])
+        if key_scores is not None:
+            view.scores += key_scores[:len(view.scores)]
+
+    def select(self, seq_id: str, *, is_prefill_done: bool) -> np.ndarray | None:
+        """The policy's choice of cache indices to keep after the sequence's latest step."""
+        view = self._views[seq_id]
+        keep = self.policy.select(view, is_prefill_done=is_prefill_done)
+        if keep is None:  # Else `evict` records it, once the eviction happened.
+            view.is_prefill_done = view.is_prefill_done or is_prefill_done
+        return keep
+
+    def evict(self, kv: PagedKV, seq_id: str, keep: np.ndarray, src: np.ndarray,
+              dst: np.ndarray, num_freed: int, *, is_prefill_done: bool) -> PagedKV:
+        """Keeps cache indices `keep` of `seq_id` and moves slots src -> dst on the device."""
+        view = self._views[seq_id]
+        view.is_prefill_done = view.is_prefill_done or is_prefill_done
+        self.stats["evictions"] += 1
+        self.stats["evicted_tokens"] += len(view.positions) - len(keep)
+        self.stats["moved_slots"] += len(src)
+        self.stats["freed_pages"] += num_freed
+        view.num_evicted += len(view.positions) - len(keep)
+        view.positions = view.positions[keep]
+        view.scores = view.scores[keep]
+        if len(src) == 0:
+            return kv
+        return self._move(kv, _padded(src), _padded(dst))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares the parent's cache: it starts from a copy of its record."""
+        view = self._views.get(parent_id)
+        if view is not None:
+            self._views[child_id] = dataclasses.replace(
+                view, positions=view.positions.copy(), scores=view.scores.copy())
+
+    def drop(self, seq_id: str) -> None:
+        """The sequence released its pages (finished, preempted or restarted)."""
+        self._views.pop(seq_id, None)
