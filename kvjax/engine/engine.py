@@ -619,7 +619,9 @@ class Engine:
         page_size = self.config.page_size
         first = seq.num_computed // page_size
         hashes = self._tier_hit(seq, self.allocator.cache_key_of(seq.seq_id), first)
-        if not hashes or not self._can_admit(len(hashes)):
+        # Load only when the whole sequence then fits: loaded pages held by a sequence that
+        # cannot run would only squeeze the running ones into preemption.
+        if not hashes or not self._can_admit(pages_for(len(seq.tokens), page_size) - first):
             return True
         status, _ = self.allocator.ensure_writable(
             seq.seq_id, seq.num_computed, seq.num_computed + len(hashes) * page_size)
@@ -658,7 +660,8 @@ class Engine:
             first = self.allocator.peek_cached_tokens(seq.tokens, cache_key=key) // \
                 self.config.page_size
             hit = self._tier_hit(seq, key, first)
-            if not hit or not self._can_admit(len(hit)):
+            if not hit or not self._can_admit(
+                    pages_for(len(seq.tokens), self.config.page_size) - first):
                 break
             self._admit(seq)
 

@@ -147,8 +147,7 @@ def _leaves_ready(leaves) -> bool:
 
 @jax.jit
 def _gather(leaves, pages: jax.Array):
-    out = [x[:, pages] for x in leaves]  # each [L, n, ...]
-    return out, page_checksums(out)  # [n] uint32
+    return [x[:, pages] for x in leaves]  # each [L, n, ...]
 
 
 def _scatter(leaves, pages: jax.Array, staged):
@@ -156,7 +155,8 @@ def _scatter(leaves, pages: jax.Array, staged):
 
 
 _scatter_donated = jax.jit(_scatter, donate_argnums=0)
-_checksums = jax.jit(page_checksums)
+# Kept apart from the gather: XLA:CPU fused the two into a program twice as slow.
+_checksums = jax.jit(page_checksums)  # [n] uint32
 
 
 # ----------------------------------------------------------------------------- host tier
@@ -431,6 +431,10 @@ class TierManager:
         self._page_shapes = [(x.shape[0], *x.shape[2:]) for x in leaves]
         self._page_dtypes = [np.dtype(x.dtype) for x in leaves]
         self._shardings = [x.sharding for x in leaves]
+        # Staged pages match the pool's committedness: jit caches committed and uncommitted
+        # inputs apart, so a committed page scattered into an uncommitted pool would make every
+        # step program compile again.
+        self._committed = leaves[0].committed
         self.page_bytes = sum(math.prod(s) * d.itemsize
                               for s, d in zip(self._page_shapes, self._page_dtypes, strict=True))
         if config.host_bytes < self.page_bytes:
@@ -514,6 +518,11 @@ class TierManager:
             return np.asarray(x)
         return jax.device_put(x, x.sharding.with_memory_kind(self.memory_kind))
 
+    def _to_device(self, x: np.ndarray, sharding) -> jax.Array:
+        if not self._committed:
+            return jax.device_put(x)
+        return jax.device_put(x, sharding.with_memory_kind("device"))
+
     def _host_from_numpy(self, x: np.ndarray, sharding):
         if self.memory_kind is None:
             return x
@@ -582,8 +591,8 @@ class TierManager:
                 t.fail("injected failure")
                 self._finished(t)
                 continue
-            gathered, sums = _gather(leaves, np.asarray([p for _, p in part], np.int32))
-            t.payload = ([self._to_host(x) for x in gathered], sums)
+            gathered = _gather(leaves, np.asarray([p for _, p in part], np.int32))
+            t.payload = ([self._to_host(x) for x in gathered], _checksums(gathered))
             t.issue_time = self.clock()
             t.advance(TransferState.IN_FLIGHT)
             self._inflight.append(t)
@@ -705,8 +714,7 @@ class TierManager:
         self.host.gather(host_run, staged, len(part) - len(host_run))
         if t.fault is Fault.CORRUPT:
             staged = self.faults.corrupt(staged)
-        on_device = [jax.device_put(x, s.with_memory_kind("device"))
-                     for x, s in zip(staged, self._shardings, strict=True)]
+        on_device = [self._to_device(x, s) for x, s in zip(staged, self._shardings, strict=True)]
         t.payload = (on_device, _checksums(on_device), expected, pages)
         t.issue_time = self.clock()
         t.advance(TransferState.IN_FLIGHT)
@@ -744,16 +752,15 @@ class TierManager:
         unchanged. Returns the new KV pool (its buffers were donated).
         """
         leaves, treedef = jax.tree.flatten(kv)
-        # Committed like the pool a step returns (jit caches committed and uncommitted apart).
-        leaves = [jax.device_put(x, s) for x, s in zip(leaves, self._shardings, strict=True)]
         num_pages = leaves[0].shape[1]
         sizes = {1} if self.config.transfer_layout is TransferLayout.PER_PAGE else {
             s for n in range(1, self.config.max_chunk_pages + 1) for s in self._chunk_sizes(n)}
         for size in sorted(s for s in sizes if s <= num_pages):
             pages = np.arange(size, dtype=np.int32)
-            gathered, _ = _gather(leaves, pages)
+            gathered = _gather(leaves, pages)
+            _checksums(gathered)
             # Staged like a load (from host arrays), so the compiled programs are the same ones.
-            staged = [jax.device_put(np.asarray(x), s.with_memory_kind("device"))
+            staged = [self._to_device(np.asarray(x), s)
                       for x, s in zip(gathered, self._shardings, strict=True)]
             _checksums(staged)
             leaves = _scatter_donated(leaves, pages, staged)
@@ -952,7 +959,7 @@ def measure_transfer_bandwidth(kv, num_pages: int, layout: TransferLayout, *,
             x, x.sharding.with_memory_kind(kind))
 
     def down():
-        out = [[to_host(x) for x in _gather(leaves, g)[0]] for g in groups]
+        out = [[to_host(x) for x in _gather(leaves, g)] for g in groups]
         jax.block_until_ready(out)
         return out
 

@@ -241,10 +241,13 @@ def _check_itemsize(dtype) -> None:
 
 def _leaf_checksum_jnp(x: jax.Array) -> jax.Array:
     _check_itemsize(x.dtype)
+    num_layers, n = x.shape[:2]
     words = jax.lax.bitcast_convert_type(x, _WORD[x.dtype.itemsize][0]).astype(jnp.uint32)
-    words = jnp.moveaxis(words, 1, 0).reshape(x.shape[1], -1)  # [n, L * rest]
-    weights = (2 * jnp.arange(words.shape[1], dtype=jnp.uint32) + 1)  # odd: no word cancels
-    return jnp.sum(words * weights, axis=1, dtype=jnp.uint32)  # [n]
+    words = words.reshape(num_layers, n, -1)  # [L, n, R]
+    # Word (l, r) of a page is its word l * R + r; odd weights, so no single word cancels.
+    weights = 2 * jnp.arange(num_layers * words.shape[2], dtype=jnp.uint32) + 1
+    weights = weights.reshape(num_layers, 1, -1)  # [L, 1, R]
+    return jnp.sum(words * weights, axis=(0, 2), dtype=jnp.uint32)  # [n]
 
 
 def page_checksums(leaves: Sequence[jax.Array]) -> jax.Array:
@@ -261,8 +264,9 @@ def page_checksums_np(leaves: Sequence[np.ndarray]) -> np.ndarray:
     for x in leaves:
         x = np.asarray(x)
         _check_itemsize(x.dtype)
-        words = x.view(_WORD[x.dtype.itemsize][1]).astype(np.uint32)
-        words = np.moveaxis(words, 1, 0).reshape(x.shape[1], -1)  # [n, L * rest]
-        weights = 2 * np.arange(words.shape[1], dtype=np.uint32) + 1
-        total = total * np.uint32(_MIX) + np.sum(words * weights, axis=1, dtype=np.uint32)
+        num_layers, n = x.shape[:2]
+        words = x.view(_WORD[x.dtype.itemsize][1]).astype(np.uint32).reshape(num_layers, n, -1)
+        weights = 2 * np.arange(words.shape[0] * words.shape[2], dtype=np.uint32) + 1
+        weights = weights.reshape(num_layers, 1, -1)  # [L, 1, R]
+        total = total * np.uint32(_MIX) + np.sum(words * weights, axis=(0, 2), dtype=np.uint32)
     return total
