@@ -533,6 +533,9 @@ class Engine:
             if self.config.kv_layout is not KVLayout.PAGED:
                 raise ValueError(f"tiers need the paged layout, got kv_layout="
                                  f"{self.config.kv_layout.value!r}")
+            if self.config.retention != "none":
+                raise ValueError(f"tiers do not run with retention={self.config.retention!r}: "
+                                 f"a retained sequence's pages hold a subset of its tokens")
             self.tiers = TierManager(cfg, self.kv)
             if self.allocator.prefix_cache is not None:
                 self.allocator.record_evictions()
