@@ -8,46 +8,52 @@
 # tests_fast.log/.xml, tests_slow.log/.xml, kernel_bench.log, kernel_bench.json, summary.txt.
 # The exit status is non-zero if any step failed; every step runs regardless.
 #
-# Assumptions: a CUDA 12 capable driver; python3 >= 3.11 on PATH (or $PYTHON). If that Python
-# already imports jax with a GPU backend plus kvjax's dependencies, it is used as is. Otherwise a
-# venv ($DEVICE_VENV, default .venv-gpu in the repo) gets jax[cuda12]==$JAX_VERSION (default the
-# version this repo is tested with), kvjax (editable) and pytest from PyPI: network access and
-# about 3 GB of CUDA wheels, capped at 180 s.
+# Offline by design: it never touches the network. It runs the machine's own Python ($PYTHON,
+# default python3), which must already import jax with a GPU backend, flax, absl, pytest and
+# pytest-timeout (the lent H200 has jax 0.11.2 with the CUDA 13 plugin). The repo goes on
+# PYTHONPATH (no install). kvjax imports that this Python lacks (gguf, ml_collections) travel as
+# wheels in .whl/ (git-ignored; `scripts/fetch_device_wheels.sh` downloads them; carry `.whl`
+# to the machine): they are installed with pip --no-index into $WHEEL_SITE (default
+# /tmp/kvjax-site) and put on PYTHONPATH.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT_DIR="${OUT:-$ROOT/device_results}"
 mkdir -p "$OUT_DIR"
-PYTHON="${PYTHON:-python3}"
-JAX_VERSION="${JAX_VERSION:-0.10.2}"
-export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+WHEEL_SITE="${WHEEL_SITE:-/tmp/kvjax-site}"
+export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 SUMMARY="$OUT_DIR/summary.txt"
 : >"$SUMMARY"
 
 note() { echo "[device_check] $*" | tee -a "$SUMMARY"; }
 
-# Usable when it imports everything the tests and the benchmark import, on a GPU backend.
-ready() {
-  "$1" -c 'import jax, flax, absl, pytest, pytest_timeout, kvjax, pallas_kernels
-assert jax.default_backend() == "gpu", jax.default_backend()' >/dev/null 2>&1
-}
-
-if ready "$PYTHON"; then
-  PY="$PYTHON"
-else
-  VENV="${DEVICE_VENV:-$ROOT/.venv-gpu}"
-  if ! ready "$VENV/bin/python"; then
-    note "installing jax[cuda12]==$JAX_VERSION and kvjax into $VENV"
-    "$PYTHON" -m venv "$VENV"
-    timeout 180 "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-      "jax[cuda12]==$JAX_VERSION" -e . pytest pytest-timeout \
-      >"$OUT_DIR/install.log" 2>&1 || note "pip install failed, see install.log"
-  fi
-  PY="$VENV/bin/python"
+shopt -s nullglob
+wheels=("$ROOT"/.whl/*.whl)
+if [ "${#wheels[@]}" -gt 0 ]; then
+  note "installing ${#wheels[@]} carried wheel(s) from .whl into $WHEEL_SITE (no index)"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$WHEEL_SITE" "${wheels[@]}" >"$OUT_DIR/install.log" 2>&1 \
+    || note "wheel install failed, see install.log"
 fi
-if ! ready "$PY"; then
-  note "FAILED: $PY cannot import jax on a GPU backend with kvjax's dependencies"
+export PYTHONPATH="$ROOT:$ROOT/tests:$WHEEL_SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+# Every module the tests and the benchmark import, checked one by one so a miss is named.
+missing=()
+for module in jax flax absl pytest pytest_timeout hypothesis numpy yaml gguf kvjax \
+    pallas_kernels; do
+  "$PY" -c "import $module" >/dev/null 2>&1 || missing+=("$module")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  note "FAILED: $PY cannot import: ${missing[*]} (pure-Python ones: add them to" \
+    "scripts/fetch_device_wheels.sh and carry .whl)"
+  "$PY" -c "import ${missing[0]}" >>"$SUMMARY" 2>&1 || true
+  exit 1
+fi
+backend="$("$PY" -c 'import jax; print(jax.default_backend())' 2>>"$SUMMARY" || true)"
+if [ "$backend" != "gpu" ]; then
+  note "FAILED: jax's default backend is '$backend', not gpu"
   "$PY" -c 'import jax; print(jax.devices())' >>"$SUMMARY" 2>&1 || true
   exit 1
 fi
@@ -55,8 +61,8 @@ fi
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
-  "$PY" -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__)'
-  "$PY" -c 'import jax; print(jax.devices())'
+  "$PY" -c 'import sys, jax, jaxlib; print(sys.version); print("jax", jax.__version__,
+    "jaxlib", jaxlib.__version__); print(jax.devices())'
 } >"$OUT_DIR/env.txt" 2>&1
 
 status=0
@@ -75,10 +81,10 @@ step() {
   fi
 }
 
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider tests/pallas_kernels)
-step tests_fast 90 "${PYTEST[@]}" -m "not slow" --junitxml="$OUT_DIR/tests_fast.xml"
-step tests_slow 110 "${PYTEST[@]}" -m slow --junitxml="$OUT_DIR/tests_slow.xml"
-step kernel_bench 90 "$PY" scripts/kernel_bench.py --context_lens=32768 --batch=8 \
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/pallas_kernels)
+step tests_fast 120 "${PYTEST[@]}" -m "not slow" --junitxml="$OUT_DIR/tests_fast.xml"
+step tests_slow 120 "${PYTEST[@]}" -m slow --junitxml="$OUT_DIR/tests_slow.xml"
+step kernel_bench 150 "$PY" scripts/kernel_bench.py --context_lens=32768 --batch=8 \
   --dtype=bfloat16 --output_json="$OUT_DIR/kernel_bench.json"
 cat "$OUT_DIR/kernel_bench.log"
 note "results in $OUT_DIR"
