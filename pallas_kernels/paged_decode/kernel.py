@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +128,50 @@ def pad_block_tables(block_tables: jax.Array, pages_per_block: int) -> jax.Array
     return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))
 
 
+def cap_logits(s: jax.Array, soft_cap: float | None) -> jax.Array:
+    """soft_cap * tanh(s / soft_cap) when a cap is set, as the oracle applies it."""
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def fold_logits(s: jax.Array, visible: jax.Array, carry, value_matmul: Callable[[jax.Array], Any]
+                ) -> tuple[jax.Array, jax.Array, Any]:
+    """Folds a block's float32 logits s [R, S_blk] into a running softmax.
+
+    Args:
+      s: [R, S_blk] scaled (and capped) logits; entries not `visible` may be anything, NaN too.
+      visible: [R, S_blk] or [1, S_blk] bool.
+      carry: (running max [R, 1], running sum [R, 1], unnormalised output: an array [R, D] or
+        a tuple of them).
+      value_matmul: softmax weights p [R, S_blk] float32 (0 where not visible) -> this block's
+        contribution to the output, with the structure of carry[2].
+    """
+    m_prev, l_prev, acc_prev = carry
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [R, 1]
+    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)  # [R, S_blk]
+    alpha = jnp.exp(m_prev - m_new)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    acc = jax.tree.map(lambda a, pv: alpha * a + pv, acc_prev, value_matmul(p))
+    return m_new, l_new, acc
+
+
+def dot_precision(dtype) -> lax.Precision:
+    """Float32 operands get float32 matmuls (Triton's default would be TF32), like the oracle."""
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
+def matmul_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [R, D] x b [S, D] -> [R, S] float32 (operands in a shared dtype)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=dot_precision(b.dtype),
+                           preferred_element_type=jnp.float32)
+
+
+def matmul_nn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [R, S] x b [S, D] -> [R, D] float32 (operands in a shared dtype)."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=dot_precision(b.dtype),
+                           preferred_element_type=jnp.float32)
+
+
 def online_softmax_step(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
                         carry: tuple[jax.Array, jax.Array, jax.Array], *, sm_scale: float,
                         soft_cap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -136,24 +182,12 @@ def online_softmax_step(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.A
       visible: [R, S_blk] or [1, S_blk] bool, which keys each row attends to.
       carry: (running max [R, 1], running sum [R, 1], unnormalised output [R, D]).
     """
-    m_prev, l_prev, acc_prev = carry
-    # Float32 pages get float32 matmuls (Triton's default would be TF32), matching the oracle.
-    precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else lax.Precision.DEFAULT
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32) * sm_scale  # [R, S_blk]
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    s = jnp.where(visible, s, MASK_VALUE)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [R, 1]
-    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)  # [R, S_blk]
-    alpha = jnp.exp(m_prev - m_new)
-    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)  # [R, D]
-    return m_new, l_new, alpha * acc_prev + pv
+    s = cap_logits(matmul_nt(q, k) * sm_scale, soft_cap)  # [R, S_blk]
+    # bf16 pages: the softmax weights are rounded to bf16 for the value matmul.
+    return fold_logits(s, visible, carry, lambda p: matmul_nn(p.astype(v.dtype), v))
 
 
-def _split_block_range(kv_len: jax.Array, split: jax.Array, *, block_tokens: int,
+def split_block_range(kv_len: jax.Array, split: jax.Array, *, block_tokens: int,
                        num_splits: int, sliding_window: int | None
                        ) -> tuple[jax.Array, jax.Array]:
     """Compute blocks [lo, hi) that `split` covers for a decode query at kv_len - 1."""
@@ -165,7 +199,7 @@ def _split_block_range(kv_len: jax.Array, split: jax.Array, *, block_tokens: int
     return lo, jnp.minimum(lo + per_split, end)
 
 
-def _decode_visible(pos: jax.Array, kv_len: jax.Array, sliding_window: int | None
+def decode_visible(pos: jax.Array, kv_len: jax.Array, sliding_window: int | None
                     ) -> tuple[jax.Array, jax.Array]:
     """(key slot holds a token, key visible to the query at kv_len - 1) for positions `pos`."""
     in_seq = pos < kv_len
@@ -182,7 +216,7 @@ def _pipelined_decode_kernel(bt_ref, lens_ref, q_ref, *refs, pages_per_block: in
     b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_tokens = pages_per_block * page_size
     kv_len = lens_ref[b]
-    lo, hi = _split_block_range(kv_len, split, block_tokens=block_tokens,
+    lo, hi = split_block_range(kv_len, split, block_tokens=block_tokens,
                                 num_splits=num_splits, sliding_window=sliding_window)
     block = lo + step
     num_kv_heads = m_sc.shape[0]
@@ -199,7 +233,7 @@ def _pipelined_decode_kernel(bt_ref, lens_ref, q_ref, *refs, pages_per_block: in
         k = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [S_blk, K, D]
         v = jnp.concatenate([r[...] for r in v_refs], axis=0)
         pos = block * block_tokens + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-        in_seq, visible = _decode_visible(pos, kv_len, sliding_window)  # [1, S_blk]
+        in_seq, visible = decode_visible(pos, kv_len, sliding_window)  # [1, S_blk]
         v = jnp.where(in_seq.reshape(block_tokens, 1, 1), v, jnp.zeros_like(v))
         q = q_ref[...]  # [N, D]
         for h in range(num_kv_heads):
@@ -232,7 +266,7 @@ def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_b
     def page_map(i):
         def index_map(row, split, step, bt_ref, lens_ref):
             kv_len = lens_ref[row]
-            lo, hi = _split_block_range(kv_len, split, block_tokens=block_tokens,
+            lo, hi = split_block_range(kv_len, split, block_tokens=block_tokens,
                                         num_splits=num_splits, sliding_window=sliding_window)
             block = jnp.minimum(lo + step, jnp.maximum(hi - 1, 0))
             slot = jnp.minimum(block * pages_per_block + i, jnp.maximum((kv_len - 1) // p, 0))
@@ -272,14 +306,35 @@ def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_b
       *([k_pages] * pages_per_block), *([v_pages] * pages_per_block))
 
 
+def fold_split(o_ref, m_ref, l_ref, *, lo: jax.Array, hi: jax.Array, fold: Callable,
+               rows: int, widths: tuple[int, ...]) -> None:
+    """Runs `fold(block, carry)` over blocks [lo, hi) and stores a LOOPED program's partials.
+
+    The unnormalised output is one [rows, w] array per entry of `widths`, stored side by side
+    in o_ref [rows, sum(widths)] (a single array when there is one width).
+    """
+    acc = tuple(jnp.zeros((rows, w), jnp.float32) for w in widths)
+    init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            acc[0] if len(widths) == 1 else acc)
+    row_max, row_sum, acc = lax.fori_loop(lo, hi, fold, init)
+    if len(widths) == 1:
+        o_ref[...] = acc
+    else:
+        offsets = np.cumsum((0,) + widths)
+        for part, start, width in zip(acc, offsets[:-1], widths, strict=True):
+            o_ref[:, pl.ds(int(start), width)] = part
+    m_ref[...] = row_max
+    l_ref[...] = row_sum
+
+
 def _looped_decode_kernel(bt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
                           pages_per_block: int, page_size: int, num_splits: int,
                           sm_scale: float, soft_cap: float | None, sliding_window: int | None):
     """One (row, kv head, split) program: loop over the split's blocks of pages."""
     block_tokens = pages_per_block * page_size
     kv_len = len_ref[0]
-    lo, hi = _split_block_range(kv_len, pl.program_id(2), block_tokens=block_tokens,
-                                num_splits=num_splits, sliding_window=sliding_window)
+    lo, hi = split_block_range(kv_len, pl.program_id(2), block_tokens=block_tokens,
+                               num_splits=num_splits, sliding_window=sliding_window)
     q = q_ref[...]  # [G, D]
     rows, d = q.shape
 
@@ -288,56 +343,83 @@ def _looped_decode_kernel(bt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_
         k = k_ref[page_ids].reshape(block_tokens, d)  # [S_blk, D]
         v = v_ref[page_ids].reshape(block_tokens, d)
         pos = block * block_tokens + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-        in_seq, visible = _decode_visible(pos, kv_len, sliding_window)  # [1, S_blk]
+        in_seq, visible = decode_visible(pos, kv_len, sliding_window)  # [1, S_blk]
         v = jnp.where(in_seq.reshape(block_tokens, 1), v, jnp.zeros_like(v))
         return online_softmax_step(q, k, v, visible, carry, sm_scale=sm_scale,
                                    soft_cap=soft_cap)
 
-    init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, d), jnp.float32))
-    row_max, row_sum, acc = lax.fori_loop(lo, hi, fold, init)
-    o_ref[...] = acc
-    m_ref[...] = row_max
-    l_ref[...] = row_sum
+    fold_split(o_ref, m_ref, l_ref, lo=lo, hi=hi, fold=fold, rows=rows, widths=(d,))
+
+
+def head_view_spec(pool: jax.Array) -> pl.BlockSpec:
+    """A LOOPED program's view of a pool [num_pages, P, K, ...]: every page of its kv head."""
+    rest = pool.shape[3:]
+    return pl.BlockSpec((*pool.shape[:2], pl.squeezed, *rest),
+                        lambda row, h, split: (0, 0, h) + (0,) * len(rest))
+
+
+def grouped_queries(q: jax.Array, num_kv_heads: int, rows: int) -> jax.Array:
+    """q [B, N, D] -> [B, K, rows, D]: each kv head's G query heads, zero-padded to `rows`."""
+    b, n, d = q.shape
+    qg = q.reshape(b, num_kv_heads, n // num_kv_heads, d)
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - n // num_kv_heads), (0, 0)))
+
+
+def looped_decode_call(kernel: Callable, *, tables: list[jax.Array], kv_lens: jax.Array,
+                       queries: list[jax.Array], pools: list[jax.Array], out_dim: int,
+                       num_splits: int, interpret: bool, name: str
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode kernel on the LOOPED (GPU) schedule: grid (B, K, splits), all parallel.
+
+    Args:
+      kernel: called with refs (*tables [W_i], kv_len [1], *queries [Gp, D_i], *pools (their
+        kv head's view, `head_view_spec`), out [Gp, out_dim], max [Gp, 1], sum [Gp, 1]).
+      tables: per-row int32 arrays [B, W_i] (block tables, page selections).
+      queries: [B, K, Gp, D_i] each.
+      pools: page pools [num_pages, P, K, ...] (codes, scales, pages).
+    Returns:
+      Partials [B, splits, K, Gp, out_dim] and softmax max, sum [B, splits, K, Gp, 1].
+    """
+    b, k_heads, gp = queries[0].shape[:3]
+    part_map = lambda row, h, split: (row, split, h, 0, 0)
+    stat_shape = jax.ShapeDtypeStruct((b, num_splits, k_heads, gp, 1), jnp.float32)
+    stat_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, gp, 1), part_map)
+    table_specs = [pl.BlockSpec((pl.squeezed, t.shape[1]), lambda row, h, split: (row, 0))
+                   for t in tables]
+    query_specs = [pl.BlockSpec((pl.squeezed, pl.squeezed, gp, x.shape[3]),
+                                lambda row, h, split: (row, h, 0, 0)) for x in queries]
+    return pl.pallas_call(
+        kernel,
+        grid=(b, k_heads, num_splits),
+        in_specs=[*table_specs, pl.BlockSpec((1,), lambda row, h, split: (row,)),
+                  *query_specs, *[head_view_spec(x) for x in pools]],
+        out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, gp, out_dim),
+                                part_map), stat_spec, stat_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, num_splits, k_heads, gp, out_dim), jnp.float32),
+                   stat_shape, stat_shape],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name=name,
+    )(*tables, kv_lens.astype(jnp.int32), *queries, *pools)
 
 
 def _looped_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_block: int,
                    num_splits: int, sm_scale: float, soft_cap: float | None,
                    sliding_window: int | None, interpret: bool):
     """Partials [B, splits, K, Gp, D] (and max, sum [B, splits, K, Gp, 1]) on the GPU schedule."""
-    b, n, d = q.shape
-    num_pages, p, k_heads, _ = k_pages.shape
-    g = n // k_heads
-    gp = padded_group(g, interpret)
+    d = q.shape[2]
+    p, k_heads = k_pages.shape[1:3]
+    gp = padded_group(q.shape[1] // k_heads, interpret)
     if not interpret:
         check_triton_block(rows=gp, head_dim=d, pages_per_block=pages_per_block, page_size=p)
-    qg = q.reshape(b, k_heads, g, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, K, Gp, D]
-    pmax = block_tables.shape[1]
-    page_spec = pl.BlockSpec((num_pages, p, pl.squeezed, d), lambda row, h, split: (0, 0, h, 0))
-    part_map = lambda row, h, split: (row, split, h, 0, 0)
     kernel = functools.partial(
         _looped_decode_kernel, pages_per_block=pages_per_block, page_size=p,
         num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window)
-    stat_shape = jax.ShapeDtypeStruct((b, num_splits, k_heads, gp, 1), jnp.float32)
-    stat_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, gp, 1), part_map)
-    return pl.pallas_call(
-        kernel,
-        grid=(b, k_heads, num_splits),
-        in_specs=[pl.BlockSpec((pl.squeezed, pmax), lambda row, h, split: (row, 0)),
-                  pl.BlockSpec((1,), lambda row, h, split: (row,)),
-                  pl.BlockSpec((pl.squeezed, pl.squeezed, gp, d),
-                               lambda row, h, split: (row, h, 0, 0)),
-                  page_spec, page_spec],
-        out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, gp, d), part_map),
-                   stat_spec, stat_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, num_splits, k_heads, gp, d), jnp.float32),
-                   stat_shape, stat_shape],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="paged_decode_looped",
-    )(block_tables, kv_lens.astype(jnp.int32), qg, k_pages, v_pages)
+    return looped_decode_call(
+        kernel, tables=[block_tables], kv_lens=kv_lens,
+        queries=[grouped_queries(q, k_heads, gp)], pools=[k_pages, v_pages], out_dim=d,
+        num_splits=num_splits, interpret=interpret, name="paged_decode_looped")
 
 
 def combine_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.Array:
@@ -404,22 +486,42 @@ def paged_decode_attention(
     check_paged_args(q, k_pages, v_pages, block_tables, kv_lens, soft_cap=soft_cap,
                      sliding_window=sliding_window,
                      pages_per_compute_block=pages_per_compute_block)
-    if num_splits is not None and num_splits <= 0:
-        raise ValueError(f"num_splits must be positive, got {num_splits}")
     b, n, d = q.shape
     p, k_heads = k_pages.shape[1:3]
     schedule = default_schedule() if schedule is None else schedule
-    pages_per_block = (default_pages_per_compute_block(p, block_tables.shape[1])
+    block_tables, pages_per_block, num_splits = decode_blocking(
+        block_tables, batch=b, num_kv_heads=k_heads, page_size=p,
+        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits)
+    impl = _pipelined_decode if schedule is Schedule.PIPELINED else _looped_decode
+    partials = impl(q, k_pages, v_pages, block_tables, kv_lens,
+                    pages_per_block=pages_per_block, num_splits=num_splits,
+                    sm_scale=1.0 / np.sqrt(d) if sm_scale is None else sm_scale,
+                    soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
+    return finish_decode(*partials, q=q, num_kv_heads=k_heads)
+
+
+def decode_blocking(block_tables: jax.Array, *, batch: int, num_kv_heads: int, page_size: int,
+                    pages_per_compute_block: int | None, num_splits: int | None
+                    ) -> tuple[jax.Array, int, int]:
+    """(block tables padded to whole compute blocks, pages per block, splits) for a decode call.
+
+    Defaults: about 128 tokens per block, `default_num_splits` for the backend; splits never
+    exceed the blocks a row can hold.
+    """
+    if num_splits is not None and num_splits <= 0:
+        raise ValueError(f"num_splits must be positive, got {num_splits}")
+    pages_per_block = (default_pages_per_compute_block(page_size, block_tables.shape[1])
                        if pages_per_compute_block is None else pages_per_compute_block)
     block_tables = pad_block_tables(block_tables, pages_per_block)
     num_blocks = block_tables.shape[1] // pages_per_block
     if num_splits is None:
-        num_splits = default_num_splits(b, k_heads, num_blocks, jax.default_backend())
-    num_splits = min(num_splits, num_blocks)
-    impl = _pipelined_decode if schedule is Schedule.PIPELINED else _looped_decode
-    acc, row_max, row_sum = impl(q, k_pages, v_pages, block_tables, kv_lens,
-                     pages_per_block=pages_per_block, num_splits=num_splits,
-                     sm_scale=1.0 / np.sqrt(d) if sm_scale is None else sm_scale,
-                     soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
+        num_splits = default_num_splits(batch, num_kv_heads, num_blocks, jax.default_backend())
+    return block_tables, pages_per_block, min(num_splits, num_blocks)
+
+
+def finish_decode(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array, *, q: jax.Array,
+                  num_kv_heads: int) -> jax.Array:
+    """Split-K partials [B, splits, K, Gp, D] -> the output [B, N, D] in q's dtype."""
+    b, n, d = q.shape
     out = combine_splits(acc, row_max, row_sum)  # [B, K, Gp, D]
-    return out[:, :, :n // k_heads].reshape(b, n, d).astype(q.dtype)
+    return out[:, :, :n // num_kv_heads].reshape(b, n, d).astype(q.dtype)
