@@ -534,11 +534,254 @@ config (`docs/serve_bench.md`)."""),
 ]
 
 
+RL_ROLLOUTS = [
+    ("md", """\
+# RL rollouts: weight updates mid-flight, stale KV, and a reward curve
+
+In RL fine-tuning of an LLM the trainer and the sampler share the model: the engine samples a
+batch of completions (rollouts), a reward scores them, the trainer takes a gradient step, and
+the new weights go back to the engine. To keep the engine busy, the update lands while the
+next batch is still being generated. Every KV page of those in-flight samples was computed by
+the old weights, so the engine must never let the new weights read it.
+
+This notebook runs a small GRPO loop with `kvjax.rl`: groups of samples per prompt, an update
+landing a few engine steps into each batch, the engine's stale-KV counter (pages a sequence
+would read that other weights wrote), and the reward curve. Then it compares the three ways
+`Engine.update_weights` can treat in-flight samples. The same loop, larger, is
+`scripts/rl_rollout.py` (see "RL rollouts" in `docs/benchmarks.md`).
+
+Runs on a CPU runtime in a few minutes."""),
+    ("code", SETUP),
+    ("code", INSTALL),
+    ("code", """\
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import ListedColormap
+
+import kvjax
+from kvjax.engine.request import FinishReason, WeightUpdatePolicy
+from kvjax.rl import GRPOConfig, GRPOTrainer, Rollout, arithmetic_problems, arithmetic_reward
+
+%matplotlib inline"""),
+    ("md", """\
+## Task, reward, engine and trainer
+
+With SmolLM2-135M-Instruct the task is small additions ("What is 7 + 5? Answer with a
+number."), scored by `arithmetic_reward`: 1 when the first integer of the reply is the sum,
+0.5 when the sum comes later, 0.1 for another integer, 0 for none. Only the final norm is
+trained: its gradient needs no backward pass through the decoder, so an update costs about
+one forward pass on a CPU. In fast mode a tiny random model is rewarded for the fraction of
+even token ids it generates, a task it can learn in a few updates with every param trained.
+
+The engine runs with `debug_provenance=True`: before every step it checks that each page a
+sequence reads was written under that sequence's weights version, counts any that were not
+in `engine.stats["stale_kv_reads"]`, and raises."""),
+    ("code", TINY_MODEL),
+    ("code", """\
+if FAST:
+    model = tiny_random_model()
+    ITERATIONS, NUM_PROMPTS, GROUP_SIZE, MAX_NEW_TOKENS, UPDATE_EVERY = 8, 4, 4, 12, 3
+    grpo = GRPOConfig(learning_rate=3e-2)  # every param of the tiny model
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 120, size=n).tolist()
+               for n in rng.integers(6, 16, size=ITERATIONS * NUM_PROMPTS)]
+
+    def score(batch, first_prompt: int) -> list[float]:
+        \"\"\"Per sample, the fraction of even token ids in its completion.\"\"\"
+        return [float(np.mean([t % 2 == 0 for t in ids])) if ids else 0.0
+                for ids in batch.completion_ids]
+else:
+    model = kvjax.load_model()
+    ITERATIONS, NUM_PROMPTS, GROUP_SIZE, MAX_NEW_TOKENS, UPDATE_EVERY = 8, 4, 4, 16, 4
+    grpo = GRPOConfig(learning_rate=3e-2, trainable=("final_norm",))
+    problems = arithmetic_problems(ITERATIONS * NUM_PROMPTS, seed=0)
+    prompts = [
+        model.tokenizer.encode(model.tokenizer.apply_chat_template([
+            {"role": "system", "content": "You are a calculator."},
+            {"role": "user", "content": p.question}]))
+        for p in problems]
+
+    def score(batch, first_prompt: int) -> list[float]:
+        \"\"\"Per sample, arithmetic_reward against the answer of its problem.\"\"\"
+        return [arithmetic_reward(text, problems[first_prompt + b // GROUP_SIZE].answer)
+                for b, text in enumerate(batch.texts)]
+
+BATCH_SIZE = NUM_PROMPTS * GROUP_SIZE
+PAD_TO = 16 * -(-(max(map(len, prompts)) + MAX_NEW_TOKENS) // 16)  # fixed T: one compile
+engine = kvjax.Engine(model, kvjax.EngineConfig(
+    page_size=16, max_num_seqs=BATCH_SIZE, max_model_len=PAD_TO, max_num_batched_tokens=256,
+    max_prefill_chunk=64, min_chunk_bucket=64, max_prefill_seqs=NUM_PROMPTS,
+    debug_provenance=True))
+trainer = GRPOTrainer(model.config, model.params, grpo)
+sampling = kvjax.SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0)
+print(f"{ITERATIONS} batches of {NUM_PROMPTS} prompts x {GROUP_SIZE} samples, "
+      f"update {UPDATE_EVERY} steps into each batch")"""),
+    ("md", """\
+## The loop
+
+Each iteration submits one batch as a `Rollout` (a request of `GROUP_SIZE` samples per
+prompt; the samples share the prompt's KV pages) and steps the engine. `UPDATE_EVERY` steps
+in, with the batch's samples mid-generation, the trainer takes a GRPO step on the previous,
+finished batch and `engine.update_weights` swaps the new weights in under a new version. With
+`in_flight=RECOMPUTE` (the default) the in-flight samples drop their KV and re-prefill their
+tokens under the new weights; tokens already sampled stay, and the rollout records which
+version sampled each one."""),
+    ("code", """\
+def num_in_flight(engine: kvjax.Engine) -> int:
+    \"\"\"Samples that have generated tokens but not finished.\"\"\"
+    return sum(1 for out in engine.snapshot_outputs() for s in out.outputs
+               if s.token_ids and s.finish_reason is None)
+
+
+rewards, in_flight, stale_reads, update_steps, batch_starts = [], [], [], [], []
+previous = None  # the last finished batch and its rewards: what the next update trains on
+for it in range(ITERATIONS):
+    first = it * NUM_PROMPTS
+    batch_starts.append(len(in_flight))
+    rollout = Rollout(engine, prompts[first:first + NUM_PROMPTS], sampling,
+                      group_size=GROUP_SIZE, seed=it * BATCH_SIZE, name=f"it{it}")
+    steps = 0
+    while not rollout.done:
+        rollout.step()
+        steps += 1
+        in_flight.append(num_in_flight(engine))
+        stale_reads.append(engine.stats["stale_kv_reads"])
+        if previous is not None and steps == UPDATE_EVERY:
+            metrics = trainer.update(*previous)
+            engine.update_weights(trainer.params, f"v{trainer.num_updates}")
+            update_steps.append(len(in_flight))
+            previous = None
+    if previous is not None:  # the batch finished before the update's step: update now
+        trainer.update(*previous)
+        engine.update_weights(trainer.params, f"v{trainer.num_updates}")
+        update_steps.append(len(in_flight))
+    batch = rollout.result(pad_to=PAD_TO)
+    rewards.append(score(batch, first))
+    previous = (batch, rewards[-1])
+    versions = sorted({v for vs in batch.token_versions for v in vs})
+    print(f"batch {it}: mean reward {np.mean(rewards[-1]):.3f}, {steps} steps, "
+          f"tokens sampled by versions {[v[:12] for v in versions]}")
+print(f"{engine.stats['weight_updates']} weight updates, "
+      f"stale KV reads: {engine.stats['stale_kv_reads']}")"""),
+    ("md", """\
+## Reward curve and the update timeline
+
+Left: the mean reward of each batch, over the rewards of its samples (dots). Right: samples
+in flight at each engine step; each dashed line is a weight update, and most land while
+samples are mid-generation. The stale-KV counter stays at 0: no sequence read a page
+written by other weights. With 16 samples per batch each point is noisy; the "RL rollouts"
+section of `docs/benchmarks.md` compares longer runs with a control whose weights do not
+change."""),
+    ("code", """\
+fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+r = np.asarray(rewards)  # [ITERATIONS, BATCH_SIZE]
+jitter = np.random.default_rng(0).uniform(-0.15, 0.15, size=r.shape)
+axes[0].scatter(np.arange(ITERATIONS)[:, None] + jitter, r, s=8, alpha=0.35, color="C0")
+axes[0].plot(r.mean(axis=1), marker="o", color="C0", label="mean reward")
+axes[0].set(xlabel="batch (iteration)", ylabel="reward", ylim=(-0.05, 1.05),
+            title="Reward per batch")
+axes[0].legend(loc="upper left")
+
+for start, end in zip(batch_starts[::2], batch_starts[1::2] + [len(in_flight)]):
+    axes[1].axvspan(start - 0.5, end - 0.5, color="0.93")  # every other batch shaded
+axes[1].step(np.arange(len(in_flight)), in_flight, where="mid", label="samples in flight")
+for i, step in enumerate(update_steps):
+    axes[1].axvline(step - 0.5, color="C3", ls="--", lw=0.8,
+                    label="weight update" if i == 0 else None)
+axes[1].plot(stale_reads, color="k", lw=2, label="stale KV reads (cumulative)")
+axes[1].set(xlabel="engine step", ylabel="samples / pages", ylim=(-0.5, 1.5 * BATCH_SIZE),
+            title="Updates land mid-flight")
+axes[1].legend(loc="upper right", fontsize=8, ncol=3)
+fig.tight_layout()"""),
+    ("md", """\
+## What happens to the in-flight samples
+
+`update_weights(..., in_flight=...)` takes a `WeightUpdatePolicy`:
+
+- `RECOMPUTE`: drop their KV and re-prefill prompt and generated tokens under the new weights
+  (costs prefill tokens; later tokens come from the new policy);
+- `FINISH_OLD`: finish them under the old weights, kept in memory until they drain (no extra
+  compute, but the whole batch is sampled by the old policy);
+- `ABORT`: end them now with `FinishReason.ABORT`; the rollout masks them out of the loss.
+
+Each policy gets the same batch (same prompts, same seeds), with an update `UPDATE_EVERY`
+steps in, and a run without an update is the baseline. Each run starts from a fresh version
+label of the current weights, so none of them finds another's pages in the prefix cache (a
+new version never hits). Each row below is one sample; each cell is a generated token,
+colored by the weights that sampled it."""),
+    ("code", """\
+OLD, NEW, ABORTED = 0, 1, 2
+
+
+def run_batch(policy: WeightUpdatePolicy | None) -> tuple[np.ndarray, int, int]:
+    \"\"\"The first prompts' batch with an update under `policy` (None: no update).
+
+    Returns the token grid [samples, MAX_NEW_TOKENS] (OLD, NEW, ABORTED; NaN: not generated),
+    the engine steps and the tokens prefilled.
+    \"\"\"
+    name = policy.value if policy else "none"
+    # A fresh version of the same weights: no page of an earlier run is a prefix-cache hit.
+    old_version = f"v{trainer.num_updates}-{name}"
+    engine.update_weights(trainer.params, old_version)
+    prefill_before = engine.stats["prefill_tokens"]
+    rollout = Rollout(engine, prompts[:NUM_PROMPTS], sampling, group_size=GROUP_SIZE,
+                      seed=123, name=f"policy-{name}")
+    steps = 0
+    while not rollout.done:
+        rollout.step()
+        steps += 1
+        if policy is not None and steps == UPDATE_EVERY:
+            trainer.update(*previous)
+            engine.update_weights(trainer.params, f"v{trainer.num_updates}", in_flight=policy)
+    batch = rollout.result(pad_to=PAD_TO)
+    grid = np.full((batch.num_samples, MAX_NEW_TOKENS), np.nan)
+    for b, versions in enumerate(batch.token_versions):
+        aborted = batch.finish_reasons[b] is FinishReason.ABORT
+        grid[b, :len(versions)] = [ABORTED if aborted else OLD if v == old_version else NEW
+                                   for v in versions]
+    return grid, steps, engine.stats["prefill_tokens"] - prefill_before
+
+
+runs = {"no update": run_batch(None)}
+runs.update({policy.value: run_batch(policy) for policy in WeightUpdatePolicy})
+print(f"stale KV reads after all four: {engine.stats['stale_kv_reads']}")"""),
+    ("code", """\
+cmap = ListedColormap(["C0", "C1", "0.6"])
+fig, axes = plt.subplots(1, 5, figsize=(17, 4), width_ratios=[1, 1, 1, 1, 1.1])
+for ax, (name, (grid, steps, _)) in zip(axes, runs.items()):
+    ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=-0.5, vmax=2.5, aspect="auto",
+              interpolation="nearest")
+    ax.set(xlabel="generated token", title=f"{name}: {steps} steps")
+axes[0].set_ylabel("sample")
+handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("C0", "C1", "0.6")]
+axes[0].legend(handles, ["old weights", "new weights", "aborted (no loss)"], fontsize=7,
+               loc="lower left")
+baseline = runs["no update"][2]
+extra = {name: prefilled - baseline for name, (_, _, prefilled) in runs.items()}
+axes[4].bar(list(extra), list(extra.values()), color="C2")
+axes[4].tick_params(axis="x", labelsize=8)
+axes[4].set(ylabel="tokens", title="Prefill tokens beyond the baseline")
+fig.tight_layout()"""),
+    ("md", """\
+`RECOMPUTE` pays for the switch in prefill tokens (every in-flight sample re-reads its
+prompt and what it generated so far) and then samples from the new policy; `FINISH_OLD` pays
+nothing extra but the whole batch is off-policy by one update (GRPO's clipped ratio,
+computed against the logprobs the engine recorded, corrects for that); `ABORT` wastes the
+tokens it drops. In every case the stale-KV counter stays 0, which is the engine's
+provenance contract: the weights version is part of each page's fingerprint, so pages and
+prefix-cache entries written by other weights are never read.
+
+To go further: `scripts/rl_rollout.py --in_flight=finish_old`, or train the decoder layers
+(`GRPOConfig(trainable=("layers",), learning_rate=1e-5)`)."""),
+]
+
+
 NOTEBOOKS = {
     "01_quickstart.ipynb": QUICKSTART,
     "02_paged_vs_contiguous.ipynb": PAGED_VS_CONTIGUOUS,
     "03_quantization_tradeoffs.ipynb": QUANTIZATION,
     "04_write_your_own_policy.ipynb": WRITE_YOUR_OWN_POLICY,
+    "05_rl_rollouts.ipynb": RL_ROLLOUTS,
 }
 
 

@@ -61,7 +61,8 @@ def _execute(path: pathlib.Path) -> nbformat.NotebookNode:
 def test_notebooks_exist():
     names = {p.name for p in NOTEBOOKS}
     assert {"01_quickstart.ipynb", "02_paged_vs_contiguous.ipynb",
-            "03_quantization_tradeoffs.ipynb", "04_write_your_own_policy.ipynb"} <= names
+            "03_quantization_tradeoffs.ipynb", "04_write_your_own_policy.ipynb",
+            "05_rl_rollouts.ipynb"} <= names
 
 
 @pytest.mark.slow
