@@ -1,25 +1,55 @@
 """The attention functions the engine's step calls when `attention_impl` is PALLAS.
 
 `attention_fns()` returns (decode_fn, prefill_fn) with exactly the signatures of
-`kvjax.kv.attention.paged_decode_attention_reference` and `paged_prefill_attention_reference`.
-Each kernel runs compiled on GPU (Triton schedule) and TPU (Mosaic schedule); on a CPU backend it
-runs through the Pallas interpreter, which is slow but computes the same values, so
-`attention_impl=pallas` works everywhere.
+`kvjax.kv.attention.paged_decode_attention_reference` and `paged_prefill_attention_reference`,
+over plain float pages. `layer_attention_fns(kv, layer)` picks the kernels for one layer of any
+KV state the engine holds:
+
+  state                                   decode                      prefill
+  PagedKV, ContiguousKV (float pages)     paged_decode kernel         ragged_prefill kernel
+  QuantizedPagedKV, int8 / fp8 dynamic /  quantized_decode kernel     jnp: dequantize the rows'
+    int4 / int2 codecs                    (codes read in the kernel)  pages, blockwise reference
+  QuantizedPagedKV, KIVI or calibrated    ValueError (no kernel reads them)
+    fp8
+  QuestKV(base)                           as its base: the Quest step narrows decode rows' block
+                                          tables first; `quest_sparse_decode` instead hands the
+                                          selection to the sparse_decode kernel
+
+Each kernel runs compiled on GPU (Triton schedule); the paged and prefill kernels also on TPU
+(Mosaic schedule), while the quantized and sparse kernels have no TPU schedule and raise
+ValueError there. On a CPU backend every kernel runs through the Pallas interpreter, which is
+slow but computes the same values, so `attention_impl=pallas` works everywhere.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
-from pallas_kernels.paged_decode.kernel import paged_decode_attention
+from kvjax.kv import attention as attention_ref
+from kvjax.kv import quest
+from pallas_kernels.paged_decode.kernel import pad_block_tables, paged_decode_attention
+from pallas_kernels.quantized_decode.kernel import code_format, quantized_decode_attention
 from pallas_kernels.ragged_prefill.kernel import ragged_prefill_attention
+from pallas_kernels.sparse_decode.kernel import sparse_decode_attention
+
+# Pages per step of the jnp prefill fallback over quantized pages (the engine's value).
+_FALLBACK_PAGES_PER_BLOCK = 8
+
+DecodeFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+PrefillFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
 
 
 def attention_fns() -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
     """(decode_fn, prefill_fn) for the default backend, interpreted when it is the CPU."""
-    interpret = jax.default_backend() == "cpu"
+    interpret = _interpret()
 
     def decode_fn(
         q: jax.Array,
@@ -55,3 +85,85 @@ def attention_fns() -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]
             soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
 
     return decode_fn, prefill_fn
+
+
+def _check_gpu_only(what: str) -> None:
+    if jax.default_backend() == "tpu":
+        raise ValueError(f"attention_impl=pallas: the {what} kernel has a GPU (Triton) schedule "
+                         "only, none for TPU; use attention_impl=reference there")
+
+
+def _quantized_codecs(kv: Any) -> tuple[Any, Any]:
+    """(key codec, value codec) of a quantized state; ValueError when no kernel reads them."""
+    k_codec = kv.codec
+    v_codec = getattr(kv, "value_codec", k_codec)  # Separate only for calibrated fp8.
+    for codec in (k_codec, v_codec):
+        try:
+            code_format(codec)
+        except ValueError as e:
+            raise ValueError(f"attention_impl=pallas cannot read this KV cache: {e}") from None
+    if k_codec != v_codec:
+        raise ValueError(f"attention_impl=pallas: keys ({k_codec.name}) and values "
+                         f"({v_codec.name}) use different codecs; the kernel takes one")
+    return k_codec, v_codec
+
+
+def layer_attention_fns(kv: Any, layer: jax.Array) -> tuple[DecodeFn, PrefillFn]:
+    """(decode_fn, prefill_fn) over one layer of `kv`, for the state's layout (module table).
+
+    decode_fn(q [B, N, D], block_tables [B, W], kv_lens [B]) -> [B, N, D];
+    prefill_fn(q [B, C, N, D], block_tables, kv_lens, q_lens [B]) -> [B, C, N, D].
+    Raises ValueError for a state no kernel reads, before anything is traced.
+    """
+    if isinstance(kv, quest.QuestKV):
+        return layer_attention_fns(kv.base, layer)
+    decode_fn, prefill_fn = attention_fns()
+    if hasattr(kv, "layer_pages"):
+        k_pages, v_pages = kv.layer_pages(layer)  # [num_pages, P, K, D] each
+        return (lambda q, bt, lens: decode_fn(q, k_pages, v_pages, bt, lens),
+                lambda q, bt, lens, q_lens: prefill_fn(q, k_pages, v_pages, bt, lens, q_lens))
+    if not hasattr(kv, "k_stored"):
+        raise ValueError(f"attention_impl=pallas has no kernel for a {type(kv).__name__}")
+    codec, _ = _quantized_codecs(kv)
+    _check_gpu_only("quantized decode")
+    k_stored = {name: x[layer] for name, x in kv.k_stored.items()}  # [num_pages, P, ...]
+    v_stored = {name: x[layer] for name, x in kv.v_stored.items()}
+    decode = functools.partial(quantized_decode_attention, k_stored=k_stored,
+                               v_stored=v_stored, codec=codec, interpret=_interpret())
+
+    def prefill(q, bt, lens, q_lens):
+        # No quantized prefill kernel: the rows' pages are dequantized in jnp, block by block.
+        return attention_ref.paged_attention_blockwise(
+            q, functools.partial(kv.load_pages, layer),
+            pad_block_tables(bt, _FALLBACK_PAGES_PER_BLOCK), lens, q_lens,
+            pages_per_block=_FALLBACK_PAGES_PER_BLOCK)
+
+    return (lambda q, bt, lens: decode(q, block_tables=bt, kv_lens=lens)), prefill
+
+
+def quest_sparse_decode(kv: quest.QuestKV, layer: jax.Array, q: jax.Array,
+                        block_tables: jax.Array, kv_lens: jax.Array, num_read: int
+                        ) -> jax.Array:
+    """Quest decode through the sparse kernel: select each row's pages, read only those.
+
+    Same pages and result as `quest.narrow_decode_rows` followed by dense decode attention
+    (what the engine's Quest step does), without building the narrowed block tables.
+
+    Args:
+      kv: a QuestKV over float pages (PagedKV); q: [B, N, D]; block_tables: [B, W] int32;
+      kv_lens: [B] int32; num_read: pages each row reads (static).
+    Returns:
+      [B, N, D] in q's dtype.
+    """
+    if not hasattr(kv.base, "layer_pages"):
+        raise ValueError(f"quest_sparse_decode reads float pages; the base state is a "
+                         f"{type(kv.base).__name__} (use narrowed tables with its decode kernel)")
+    _check_gpu_only("sparse decode")
+    num_read = min(num_read, block_tables.shape[1])
+    key_min = kv.key_min[layer][block_tables]  # [B, W, K, D]
+    key_max = kv.key_max[layer][block_tables]
+    scores = quest.page_bounds(q, key_min, key_max).max(axis=-1)  # [B, W]
+    page_indices, _ = quest.select_pages(scores, kv_lens, kv.page_size, num_read)
+    k_pages, v_pages = kv.base.layer_pages(layer)
+    return sparse_decode_attention(q, k_pages, v_pages, block_tables, kv_lens, page_indices,
+                                   interpret=_interpret())

@@ -7,15 +7,11 @@ read the lengths do not allow shows up as NaN in the output.
 
 from __future__ import annotations
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.kv import attention as attention_ref
-from pallas_kernels import dispatch
 from pallas_kernels.paged_decode import (
     Schedule,
     default_schedule,
@@ -159,11 +155,3 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="power-of-2"):
         paged_decode_attention(**case, pages_per_compute_block=3, schedule=Schedule.LOOPED)
 
-
-def test_dispatch_functions_have_the_reference_signatures():
-    """The engine calls them positionally and by the reference's keywords."""
-    decode_fn, prefill_fn = dispatch.attention_fns()
-    assert (inspect.signature(decode_fn)
-            == inspect.signature(attention_ref.paged_decode_attention_reference))
-    assert (inspect.signature(prefill_fn)
-            == inspect.signature(attention_ref.paged_prefill_attention_reference))
