@@ -142,21 +142,16 @@ def _leaves_ready(leaves) -> bool:
     return all(not isinstance(x, jax.Array) or x.is_ready() for x in leaves)
 
 
-# Device programs over page-major leaves [L, num_pages, ...]; one compile per chunk size.
+# Device programs over page-major leaves [L, num_pages, ...]; one compile per chunk size. Each
+# TierManager jits its own, so its compile count is its own engine's.
 
 
-@jax.jit
 def _gather(leaves, pages: jax.Array):
     return [x[:, pages] for x in leaves]  # each [L, n, ...]
 
 
 def _scatter(leaves, pages: jax.Array, staged):
     return [x.at[:, pages].set(s.astype(x.dtype)) for x, s in zip(leaves, staged, strict=True)]
-
-
-_scatter_donated = jax.jit(_scatter, donate_argnums=0)
-# Kept apart from the gather: XLA:CPU fused the two into a program twice as slow.
-_checksums = jax.jit(page_checksums)  # [n] uint32
 
 
 # ----------------------------------------------------------------------------- host tier
@@ -445,6 +440,10 @@ class TierManager:
         self.disk = (DiskTier(config.disk_bytes, config.disk_dir, self._page_shapes,
                               self._page_dtypes) if config.disk_bytes else None)
         self.faults = FaultInjector(config.faults)
+        self._gather = jax.jit(_gather)
+        self._scatter = jax.jit(_scatter, donate_argnums=0)
+        # Kept apart from the gather: XLA:CPU fused the two into a program twice as slow.
+        self._checksums = jax.jit(page_checksums)  # [n] uint32
         self._inflight: list[Transfer] = []
         self._pending_keys: set[Hashable] = set()
         self._discard: set[Hashable] = set()
@@ -461,8 +460,7 @@ class TierManager:
 
     @property
     def num_compiles(self) -> int:
-        return (_gather._cache_size() + _scatter_donated._cache_size()
-                + _checksums._cache_size())
+        return sum(f._cache_size() for f in (self._gather, self._scatter, self._checksums))
 
     @property
     def num_inflight(self) -> int:
@@ -591,8 +589,8 @@ class TierManager:
                 t.fail("injected failure")
                 self._finished(t)
                 continue
-            gathered = _gather(leaves, np.asarray([p for _, p in part], np.int32))
-            t.payload = ([self._to_host(x) for x in gathered], _checksums(gathered))
+            gathered = self._gather(leaves, np.asarray([p for _, p in part], np.int32))
+            t.payload = ([self._to_host(x) for x in gathered], self._checksums(gathered))
             t.issue_time = self.clock()
             t.advance(TransferState.IN_FLIGHT)
             self._inflight.append(t)
@@ -715,7 +713,7 @@ class TierManager:
         if t.fault is Fault.CORRUPT:
             staged = self.faults.corrupt(staged)
         on_device = [self._to_device(x, s) for x, s in zip(staged, self._shardings, strict=True)]
-        t.payload = (on_device, _checksums(on_device), expected, pages)
+        t.payload = (on_device, self._checksums(on_device), expected, pages)
         t.issue_time = self.clock()
         t.advance(TransferState.IN_FLIGHT)
         self._inflight.append(t)
@@ -730,7 +728,7 @@ class TierManager:
             t.fail("checksum mismatch after host -> device")
             return leaves
         t.advance(TransferState.VERIFIED)
-        leaves = _scatter_donated(leaves, pages, on_device)
+        leaves = self._scatter(leaves, pages, on_device)
         t.payload = None
         t.advance(TransferState.COMMITTED)
         self.stats["pages_loaded"] += len(pages)
@@ -757,13 +755,13 @@ class TierManager:
             s for n in range(1, self.config.max_chunk_pages + 1) for s in self._chunk_sizes(n)}
         for size in sorted(s for s in sizes if s <= num_pages):
             pages = np.arange(size, dtype=np.int32)
-            gathered = _gather(leaves, pages)
-            _checksums(gathered)
+            gathered = self._gather(leaves, pages)
+            self._checksums(gathered)
             # Staged like a load (from host arrays), so the compiled programs are the same ones.
             staged = [self._to_device(np.asarray(x), s)
                       for x, s in zip(gathered, self._shardings, strict=True)]
-            _checksums(staged)
-            leaves = _scatter_donated(leaves, pages, staged)
+            self._checksums(staged)
+            leaves = self._scatter(leaves, pages, staged)
         jax.block_until_ready(leaves)
         return jax.tree.unflatten(treedef, leaves)
 
@@ -954,12 +952,14 @@ def measure_transfer_bandwidth(kv, num_pages: int, layout: TransferLayout, *,
     pages = np.arange(min(num_pages, leaves[0].shape[1]), dtype=np.int32)
     groups = [pages] if layout is TransferLayout.PAGE_FIRST else [pages[i:i + 1] for i in pages]
 
+    gather = jax.jit(_gather)
+
     def to_host(x):
         return np.asarray(x) if kind is None else jax.device_put(
             x, x.sharding.with_memory_kind(kind))
 
     def down():
-        out = [[to_host(x) for x in _gather(leaves, g)] for g in groups]
+        out = [[to_host(x) for x in gather(leaves, g)] for g in groups]
         jax.block_until_ready(out)
         return out
 
