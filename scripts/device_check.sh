@@ -82,8 +82,8 @@ step() {
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/pallas_kernels)
-step tests_fast 120 "${PYTEST[@]}" -m "not slow" --junitxml="$OUT_DIR/tests_fast.xml"
-step tests_slow 120 "${PYTEST[@]}" -m slow --junitxml="$OUT_DIR/tests_slow.xml"
+step tests_fast 170 "${PYTEST[@]}" -m "not slow" --junitxml="$OUT_DIR/tests_fast.xml"
+step tests_slow 100 "${PYTEST[@]}" -m slow --junitxml="$OUT_DIR/tests_slow.xml"
 step kernel_bench 150 "$PY" scripts/kernel_bench.py --context_lens=32768 --batch=8 \
   --dtype=bfloat16 --output_json="$OUT_DIR/kernel_bench.json"
 cat "$OUT_DIR/kernel_bench.log"

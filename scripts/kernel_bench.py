@@ -2,10 +2,15 @@
 
 For each context length: paged decode (one query per sequence) and chunked prefill (a chunk of
 queries at the end of the context), each through the Pallas kernel, the jnp reference and, on a
-GPU, JAX's own `jax.experimental.pallas.ops.gpu.paged_attention` (decode only). Reports the
-median time per call, the K/V bytes the live tokens occupy (what any implementation must read),
-the achieved bytes/s, and that as a fraction of the device's copy bandwidth measured in the same
-run. Prints a table; writes JSON with --output_json.
+GPU, JAX's own `jax.experimental.pallas.ops.gpu.paged_attention` (decode only); quantized decode
+(per --quant_codecs: the kernel, its dequantize-everything oracle and the engine's jnp path that
+dequantizes the pages it reads); sparse decode over a Quest-style selection of
+--sparse_read_fraction of each row's pages (the kernel, its masked oracle over every page, and
+the engine's Quest path: narrowed block tables through the dense decode kernel). Reports the
+median time per call, the K/V bytes the tokens read occupy (what any implementation must read:
+codes and scales for quantized pools, the selected pages for sparse decode), the achieved
+bytes/s, and that as a fraction of the device's copy bandwidth measured in the same run. Prints
+a table; writes JSON with --output_json.
 
   python scripts/kernel_bench.py --context_lens=4096,32768 --batch=8 --output_json=bench.json
   python scripts/kernel_bench.py --context_lens=256 --batch=2 --num_heads=8 --num_kv_heads=2 \
@@ -26,12 +31,24 @@ import numpy as np
 from absl import app, flags
 
 from kvjax.config import resolve_dtype
+from kvjax.kv import quest
 from kvjax.kv.attention import (
+    paged_attention_blockwise,
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
 )
+from kvjax.kv.quantized import make_codec
 from pallas_kernels.paged_decode import paged_decode_attention
+from pallas_kernels.quantized_decode import (
+    quantized_decode_attention,
+    quantized_decode_attention_reference,
+)
+from pallas_kernels.quantized_decode.reference import codec_view
 from pallas_kernels.ragged_prefill import ragged_prefill_attention
+from pallas_kernels.sparse_decode import (
+    sparse_decode_attention,
+    sparse_decode_attention_reference,
+)
 
 _CONTEXT_LENS = flags.DEFINE_list("context_lens", ["4096", "32768"], "KV tokens per sequence.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per decode call.")
@@ -48,6 +65,10 @@ _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 1024,
                                       "Size of the array copied to measure memory bandwidth.")
 _INTERPRET = flags.DEFINE_bool("interpret", None,
                                "Run the Pallas kernels interpreted; default: on a CPU backend.")
+_QUANT_CODECS = flags.DEFINE_list("quant_codecs", ["int8", "fp8_e4m3", "int4"],
+                                  "Codecs of the quantized decode benchmark (none: skip it).")
+_SPARSE_READ_FRACTION = flags.DEFINE_float(
+    "sparse_read_fraction", 0.125, "Fraction of each row's pages sparse decode reads (0: skip).")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results as JSON.")
 
 
@@ -146,6 +167,81 @@ def bench_prefill(context_len: int, *, interpret: bool, bandwidth: float, dtype
     return measure("prefill", calls, context_len, b, num_bytes, bandwidth)
 
 
+def bench_quantized_decode(context_len: int, *, interpret: bool, bandwidth: float, dtype
+                           ) -> tuple[list[dict], list[dict]]:
+    """Rows for decode over a quantized pool, one codec after another."""
+    b, n, k, d = _BATCH.value, _NUM_HEADS.value, _NUM_KV_HEADS.value, _HEAD_DIM.value
+    kv = make_paged_kv(4, batch=b, context_len=context_len, page_size=_PAGE_SIZE.value,
+                       num_kv_heads=k, head_dim=d, dtype=jnp.float32)
+    q = jax.random.normal(jax.random.PRNGKey(5), (b, n, d), dtype)
+    rows, skipped = [], []
+    for codec_name in [c for c in _QUANT_CODECS.value if c != "none"]:
+        codec = make_codec(codec_name)
+        k_stored, v_stored = (as_pool_storage(codec.encode(kv[name]))
+                              for name in ("k_pages", "v_pages"))
+        args = dict(k_stored=k_stored, v_stored=v_stored, block_tables=kv["block_tables"],
+                    kv_lens=kv["kv_lens"])
+
+        def jnp_blockwise(q, k_stored, v_stored, block_tables, kv_lens, *, codec=codec):
+            """The engine's reference path: dequantize each block's pages as it reads them."""
+            def load(pages):
+                return (codec.decode(codec_view({n_: x[pages] for n_, x in k_stored.items()},
+                                                codec)),
+                        codec.decode(codec_view({n_: x[pages] for n_, x in v_stored.items()},
+                                                codec)))
+            width = -(-block_tables.shape[1] // 8) * 8
+            tables = jnp.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
+            return paged_attention_blockwise(q[:, None], load, tables, kv_lens,
+                                             jnp.ones_like(kv_lens), pages_per_block=8)[:, 0]
+
+        impls = {
+            "pallas": functools.partial(quantized_decode_attention, codec=codec,
+                                        interpret=interpret),
+            "reference": functools.partial(quantized_decode_attention_reference, codec=codec),
+            "jnp_blockwise": jnp_blockwise,
+        }
+        calls = {name: functools.partial(jax.jit(fn), q, **args) for name, fn in impls.items()}
+        num_bytes = int(2 * b * context_len * codec.bytes_per_token(k, d))
+        new_rows, new_skipped = measure(f"q-{codec_name}", calls, context_len, b, num_bytes,
+                                        bandwidth)
+        rows += new_rows
+        skipped += new_skipped
+    return rows, skipped
+
+
+def as_pool_storage(stored: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Codec output [num_pages, P, ...] as QuantizedPagedKV holds it: float8 codes as bytes."""
+    return {name: (jax.lax.bitcast_convert_type(x, jnp.uint8)
+                   if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 1 else x)
+            for name, x in stored.items()}
+
+
+def bench_sparse_decode(context_len: int, *, interpret: bool, bandwidth: float, dtype
+                        ) -> tuple[list[dict], list[dict]]:
+    """Rows for decode over a Quest-style selection of each row's pages."""
+    b, n, k, d = _BATCH.value, _NUM_HEADS.value, _NUM_KV_HEADS.value, _HEAD_DIM.value
+    page_size = _PAGE_SIZE.value
+    kv = make_paged_kv(6, batch=b, context_len=context_len, page_size=page_size,
+                       num_kv_heads=k, head_dim=d, dtype=dtype)
+    q = jax.random.normal(jax.random.PRNGKey(7), (b, n, d), dtype)
+    width = kv["block_tables"].shape[1]
+    num_read = max(1, int(round(_SPARSE_READ_FRACTION.value * width)))
+    scores = jax.random.normal(jax.random.PRNGKey(8), (b, width))
+    page_indices, narrowed_lens = quest.select_pages(scores, kv["kv_lens"], page_size, num_read)
+    narrowed = jnp.take_along_axis(kv["block_tables"], page_indices, axis=1)  # [B, num_read]
+    args = dict(kv, page_indices=page_indices)
+    calls = {
+        "pallas": functools.partial(jax.jit(functools.partial(
+            sparse_decode_attention, interpret=interpret)), q, **args),
+        "reference": functools.partial(jax.jit(sparse_decode_attention_reference), q, **args),
+        "pallas_narrowed": functools.partial(jax.jit(functools.partial(
+            paged_decode_attention, interpret=interpret)), q, kv["k_pages"], kv["v_pages"],
+            narrowed, narrowed_lens),
+    }
+    num_bytes = live_kv_bytes(b, num_read * page_size, k, d, dtype)
+    return measure("sparse", calls, context_len, b, num_bytes, bandwidth)
+
+
 def measure(op: str, calls: dict[str, Callable[[], jax.Array]], context_len: int, batch: int,
             num_bytes: int, bandwidth: float) -> tuple[list[dict], list[dict]]:
     """Times each call: (rows, skipped); an implementation that fails is skipped, not fatal."""
@@ -168,11 +264,11 @@ def measure(op: str, calls: dict[str, Callable[[], jax.Array]], context_len: int
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'op':8} {'impl':12} {'ctx':>7} {'batch':>5} {'ms':>10} {'KV MiB':>9} "
+    header = (f"{'op':10} {'impl':15} {'ctx':>7} {'batch':>5} {'ms':>10} {'KV MiB':>9} "
               f"{'GB/s':>8} {'roofline':>8} {'max err':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r['op']:8} {r['impl']:12} {r['context_len']:>7} {r['batch']:>5} "
+        lines.append(f"{r['op']:10} {r['impl']:15} {r['context_len']:>7} {r['batch']:>5} "
                      f"{r['time_ms']:>10.3f} {r['kv_bytes'] / 2**20:>9.1f} "
                      f"{r['gb_per_s']:>8.2f} {r['roofline_fraction']:>8.3f} "
                      f"{r['max_abs_err_vs_reference']:>9.2e}")
@@ -186,7 +282,12 @@ def run(context_lens: list[int], *, interpret: bool) -> dict:
                                   repeats=_REPEATS.value)
     rows, skipped = [], []
     for context_len in context_lens:
-        for bench in (bench_decode, bench_prefill):
+        benches = [bench_decode, bench_prefill]
+        if any(c != "none" for c in _QUANT_CODECS.value):
+            benches.append(bench_quantized_decode)
+        if _SPARSE_READ_FRACTION.value > 0:
+            benches.append(bench_sparse_decode)
+        for bench in benches:
             new_rows, new_skipped = bench(context_len, interpret=interpret, bandwidth=bandwidth,
                                           dtype=dtype)
             rows += new_rows
@@ -196,7 +297,8 @@ def run(context_lens: list[int], *, interpret: bool) -> dict:
                 jax_version=jax.__version__, interpret=interpret,
                 config={name: flags.FLAGS[name].value for name in (
                     "batch", "prefill_batch", "prefill_chunk", "page_size", "num_heads",
-                    "num_kv_heads", "head_dim", "dtype", "repeats", "warmup")},
+                    "num_kv_heads", "head_dim", "dtype", "repeats", "warmup",
+                    "quant_codecs", "sparse_read_fraction")},
                 bandwidth_bytes_per_s=bandwidth, results=rows, skipped=skipped)
 
 

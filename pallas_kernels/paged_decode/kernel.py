@@ -63,8 +63,10 @@ def next_power_of_2(x: int) -> int:
 
 
 def default_pages_per_compute_block(page_size: int, max_pages: int) -> int:
-    """About 128 tokens per block (a power of two of pages), no more pages than a row holds."""
-    return max(1, min(_DEFAULT_BLOCK_TOKENS // page_size, next_power_of_2(max_pages)))
+    """About 128 tokens per block (a power of two of pages), no more pages than a row holds,
+    but at least the 16 tokens Triton's dots need (extra table entries are masked padding)."""
+    pages = max(1, min(_DEFAULT_BLOCK_TOKENS // page_size, next_power_of_2(max_pages)))
+    return max(pages, next_power_of_2(-(-MIN_TRITON_ROWS // page_size)))
 
 
 def padded_group(group: int, interpret: bool) -> int:
