@@ -10,10 +10,14 @@ install cell that installs the local checkout when there is one, else the publis
 from __future__ import annotations
 
 import pathlib
+import pprint
 
 import nbformat
 
-COLAB_DIR = pathlib.Path(__file__).resolve().parent.parent / "colab"
+from kvjax.bench.runner import load_config
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+COLAB_DIR = REPO / "colab"
 
 SETUP = '''\
 import os
@@ -51,6 +55,18 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         return [1] * add_bos + [2 + b % 126 for b in text.encode()]'''
+
+
+
+def serve_default_cell() -> str:
+    """A code cell defining SERVE_DEFAULT, configs/serve_default.py's config as a dict."""
+    config = load_config(REPO / "configs" / "serve_default.py").to_dict()
+    return ("# serve_bench's default config: configs/serve_default.py, as of this notebook's "
+            "generation.\nSERVE_DEFAULT = "
+            + pprint.pformat(config, width=96, sort_dicts=False))
+
+
+SERVE_DEFAULT = serve_default_cell()
 
 
 QUICKSTART = [
@@ -331,41 +347,28 @@ print(sorted(POLICIES))"""),
     ("md", """\
 ## A benchmark config
 
-The same schema as `configs/serve_default.py` (see `docs/serve_bench.md`), built here so the
-notebook runs without a checkout. The simulated clock advances by a cost model per step
-instead of the wall clock, so the comparison does not depend on the machine."""),
+serve_bench's default config (`configs/serve_default.py`, see `docs/serve_bench.md`), copied
+into the next cell when this notebook was generated so it runs without a checkout, with this
+notebook's changes on top. The simulated clock advances by a cost model per step instead of
+the wall clock, so the comparison does not depend on the machine."""),
+    ("code", SERVE_DEFAULT),
     ("code", TINY_MODEL + "\n\n\n" + BYTE_TOKENIZER),
     ("code", """\
 def bench_config(num_requests: int, max_model_len: int) -> ConfigDict:
     \"\"\"A serve_bench config: a Poisson chat workload served on the simulated clock.\"\"\"
-    return ConfigDict(dict(
-        name="policies",
-        model=dict(name="smollm2-135m", dtype="float32"),
-        engine=dict(
-            kv_layout="paged", page_size=16, kv_budget_mb=None, num_pages=None, kv_dtype=None,
-            max_num_seqs=8, max_num_batched_tokens=256, max_prefill_chunk=128,
-            max_prefill_seqs=1, min_chunk_bucket=128, max_model_len=max_model_len,
-            scheduler_policy="fcfs", enable_prefix_cache=True, preemption_mode="recompute",
-            watermark=0.01, scrub_freed_pages=False, attention_impl="auto"),
-        kv=dict(codec="none", codec_options={}, retention="none", budget=None),
-        tiers=dict(host_budget_mb=None, disk_budget_mb=0.0, transfer_layout="page_first",
-                   fault_injection=dict(transfer_failure_rate=0.0, corruption_rate=0.0)),
-        workload=dict(
-            name="poisson", seed=0, num_requests=num_requests,
-            # Arrivals faster than the engine drains them, so a queue forms and order matters.
-            params=dict(rate=4.0, prompt_dist="lognormal", prompt_len=32, prompt_sigma=1.0,
-                        prompt_min=4, prompt_max=max_model_len // 2, output_dist="uniform",
-                        output_min=8, output_max=24),
-            tenant_weights=(), tenant_priorities=()),
-        sampling=dict(temperature=0.0),
-        slo=dict(ttft_s=5.0, tpot_s=0.5),
-        clock="simulated",
-        sim=dict(step_overhead_s=0.1, per_token_s=0.006, per_context_token_s=2e-5,
-                 host_bytes_per_s=10e9),
-        quality=dict(enabled=False, num_prompts=4, num_tokens=32),
-        energy_profile="cpu",
-        sweep=[],
-    ))
+    config = ConfigDict(SERVE_DEFAULT)
+    config.name = "policies"
+    config.engine.update(max_num_seqs=8, max_num_batched_tokens=256, max_prefill_chunk=128,
+                         max_prefill_seqs=1, min_chunk_bucket=128, max_model_len=max_model_len)
+    config.workload.num_requests = num_requests
+    # Arrivals faster than the engine drains them, so a queue forms and order matters.
+    config.workload.params = ConfigDict(dict(
+        rate=4.0, prompt_dist="lognormal", prompt_len=32, prompt_sigma=1.0, prompt_min=4,
+        prompt_max=max_model_len // 2, output_dist="uniform", output_min=8, output_max=24))
+    config.slo.update(ttft_s=5.0, tpot_s=0.5)
+    config.clock = "simulated"
+    config.quality.enabled = False
+    return config
 
 
 if FAST:

@@ -7,6 +7,7 @@ plotting cell it has produced at least one PNG figure.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -56,6 +57,19 @@ def _execute(path: pathlib.Path) -> nbformat.NotebookNode:
         resources={"metadata": {"path": str(path.parent)}})
     client.execute()
     return nb
+
+
+def test_notebooks_match_their_generator():
+    """colab/*.ipynb are what scripts/make_notebooks.py writes now (it embeds
+    configs/serve_default.py, so a change there needs a regeneration too)."""
+    spec = importlib.util.spec_from_file_location("make_notebooks",
+                                                  REPO / "scripts" / "make_notebooks.py")
+    make_notebooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_notebooks)
+    stale = [name for name, cells in make_notebooks.NOTEBOOKS.items()
+             if nbformat.writes(make_notebooks.build_notebook(cells))
+             != nbformat.writes(nbformat.read(REPO / "colab" / name, as_version=4))]
+    assert not stale, f"{stale} are stale: run .venv/bin/python scripts/make_notebooks.py"
 
 
 def test_notebooks_exist():
