@@ -27,8 +27,13 @@ from kvjax.engine.step import LogitsMode
 from kvjax.kv import quantized
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("codecs", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2", "kivi4", "kivi2"],
-                  "Codecs to compare with exact (float32) KV.")
+flags.DEFINE_list("codecs", ["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3-cal", "fp8_e5m2-cal",
+                            "int4", "int2", "kivi4", "kivi2", "kivi4-r32", "kivi2-r32",
+                            "kivi4-r128", "kivi2-r128"],
+                  "Codecs to compare with exact (float32) KV: a registered name, '-cal' for "
+                  "calibrated fp8 (calibrate_kv on other corpus text), '-r<R>' for a KIVI "
+                  "residual window of R tokens.")
+flags.DEFINE_integer("calibration_tokens", 2048, "Calibration text for '-cal' fp8 codecs.")
 flags.DEFINE_list("contexts", ["512", "2048"], "Teacher-forced sequence lengths in tokens.")
 flags.DEFINE_integer("page_size", 128, "Tokens per page, the same for every codec.")
 flags.DEFINE_integer("group", 32, "Group of int4/int2 (channels) and KIVI (tokens, channels).")
@@ -42,11 +47,15 @@ flags.DEFINE_string("output_json", None, "Write every number here.")
 
 
 def codec_options(codec: str, page_size: int, group: int) -> dict:
-    """The options each codec runs with in this benchmark."""
-    if codec.startswith("kivi"):
-        return {"group": group, "page_size": page_size}
-    if codec in ("int4", "int2"):
+    """The options each codec spec ('kivi4-r32', 'fp8_e4m3-cal', 'int4', ...) runs with."""
+    name, _, suffix = codec.partition("-")
+    if name.startswith("kivi"):
+        residual = int(suffix[1:]) if suffix.startswith("r") else 0
+        return {"group": group, "page_size": page_size, "residual": residual}
+    if name in ("int4", "int2"):
         return {"group": group}
+    if suffix == "cal":
+        return {"scaling": "calibrated"}
     return {}
 
 
@@ -60,12 +69,17 @@ def make_engine(model: kvjax.Model, codec: str, max_len: int) -> kvjax.Engine:
     options = {} if codec == "none" else codec_options(codec, page_size, FLAGS.group)
     num_pages = FLAGS.num_probes * (-(-max_len // page_size) + 1) + 1
     config = kvjax.EngineConfig(
-        page_size=page_size, num_pages=num_pages, kv_codec=codec, kv_codec_options=options,
+        page_size=page_size, num_pages=num_pages, kv_codec=codec.partition("-")[0],
+        kv_codec_options=options,
         max_model_len=max_len + page_size, max_num_seqs=FLAGS.num_probes,
         max_prefill_chunk=FLAGS.chunk, min_chunk_bucket=FLAGS.chunk,
         max_num_batched_tokens=(FLAGS.chunk + 1) * FLAGS.num_probes,
         max_prefill_seqs=FLAGS.num_probes, enable_prefix_cache=False)
-    return kvjax.Engine(model, config)
+    engine = kvjax.Engine(model, config)
+    if options.get("scaling") == "calibrated":
+        text = make_text_tokens(model, FLAGS.calibration_tokens, FLAGS.seed + 7919)
+        engine.calibrate_kv([text[i:i + 512] for i in range(0, len(text), 512)])
+    return engine
 
 
 def teacher_forced_logits(engine: kvjax.Engine, tokens: list[int], request_id: str
@@ -178,17 +192,23 @@ def run_probes(engine: kvjax.Engine, probes: list[tuple[list[int], str]], max_ne
 
 
 def capacity(model: kvjax.Model, codec: str) -> dict[str, float]:
-    """Bytes per token and pages in a --budget_mib pool, vs float32 KV."""
+    """Bytes per token and pages in a --budget_mib pool, vs float32 KV.
+
+    KIVI windows (num_probes + 1 sequence slots) come out of the budget first, as in the engine.
+    """
     page_size = FLAGS.page_size
     budget = FLAGS.budget_mib << 20
     exact = model.config.kv_bytes_per_token(np.float32)
+    windows = 0
     if codec == "none":
         per_token = float(exact)
     else:
-        per_token = quantized.kv_bytes_per_token(
-            model.config, codec, **codec_options(codec, page_size, FLAGS.group))
-    pages = int(budget // (per_token * page_size))
-    return dict(bytes_per_token=per_token, pages=pages,
+        name, options = codec.partition("-")[0], codec_options(codec, page_size, FLAGS.group)
+        per_token = quantized.kv_bytes_per_token(model.config, name, **options)
+        slots = quantized.num_seq_slots_for(name, FLAGS.num_probes, **options)
+        windows = quantized.residual_bytes(model.config, slots, name, **options)
+    pages = int((budget - windows) // (per_token * page_size))
+    return dict(bytes_per_token=per_token, window_bytes=windows, pages=pages,
                 capacity_x=pages / int(budget // (exact * page_size)))
 
 
@@ -243,7 +263,8 @@ def main(argv):
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(flags={k: FLAGS[k].value for k in (
                 "codecs", "contexts", "page_size", "group", "chunk", "budget_mib", "num_probes",
-                "probe_words", "max_new_tokens", "seed")}, rows=rows), f, indent=1)
+                "probe_words", "max_new_tokens", "seed", "calibration_tokens")}, rows=rows),
+                f, indent=1)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,26 @@ class EngineConfig:
             if isinstance(value, str):
                 object.__setattr__(self, name, enum_type(value))
         self._check_retention()
+        self._check_codec()
+
+    def _check_codec(self) -> None:
+        if self.kv_codec == "none":
+            return
+        if self.attention_impl is AttentionImpl.PALLAS:
+            raise ValueError(f"attention_impl=PALLAS has no kernel for kv_codec="
+                             f"{self.kv_codec!r} yet; use AUTO or REFERENCE")
+        if not self.kv_codec.startswith("kivi"):
+            return
+        # KIVI keeps each sequence's recent tokens in a window beside the pages
+        # (kvjax.kv.quantized), which tiers and retention policies do not move.
+        if self.tiers.enabled or self.retention != "none":
+            raise ValueError(f"kv_codec={self.kv_codec!r} runs without tiers and retention, got "
+                             f"tiers enabled={self.tiers.enabled}, retention={self.retention!r}")
+        residual = self.kv_codec_options.get("residual", 0)
+        if residual and self.enable_prefix_cache:
+            raise ValueError(f"kv_codec={self.kv_codec!r} with residual={residual!r}: a cached "
+                             f"prefix page would lack the exact copy of its last tokens; set "
+                             f"enable_prefix_cache=False (or residual=0)")
 
     def _check_retention(self) -> None:
         policy = make_retention(self.retention, self.retention_budget, self.page_size,

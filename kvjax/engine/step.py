@@ -78,6 +78,8 @@ class StepInput:
       seeds: [R] uint32; counters: [R] int32, the index of the token each row generates.
       score_weights: [T] float32, each query's weight in the key scores a retention policy
         accumulates (kvjax.kv.retention); 0 for padding and for policies that score nothing.
+      seq_slots: [R] int32, each row's per-sequence window slot in states that keep one
+        (KIVI's exact window, kvjax.kv.quantized); 0 elsewhere and for padding.
     """
 
     tokens: jax.Array
@@ -92,6 +94,7 @@ class StepInput:
     seeds: jax.Array
     counters: jax.Array
     score_weights: jax.Array
+    seq_slots: jax.Array
 
 
 @struct.dataclass
@@ -125,6 +128,7 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
         seeds=np.zeros(r, np.uint32),
         counters=np.zeros(r, np.int32),
         score_weights=np.zeros(t, np.float32),
+        seq_slots=np.zeros(r, np.int32),
     )
 
 
@@ -156,14 +160,22 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
                                kv_lens[bd:], q_lens[bd:])
             outs.append(out.reshape(bp * c, n, d))
         return jnp.concatenate(outs, axis=0)
-    load = functools.partial(kv.load_pages, layer)
     blockwise = functools.partial(attention_ref.paged_attention_blockwise,
                                   pages_per_block=PAGES_PER_BLOCK)
+
+    def reader(rows: slice):
+        """(block tables, page loader) of `rows`; per-sequence windows need the rows' view."""
+        if getattr(kv, "needs_rows", False):
+            return kv.row_loader(layer, bt[rows], kv_lens[rows], inp.seq_slots[rows])
+        return bt[rows], functools.partial(kv.load_pages, layer)
+
     if bd:
-        out = blockwise(q[:bd, None], load, bt[:bd], kv_lens[:bd], q_lens[:bd])  # [Bd, 1, N, D]
+        tables, load = reader(slice(0, bd))
+        out = blockwise(q[:bd, None], load, tables, kv_lens[:bd], q_lens[:bd])  # [Bd, 1, N, D]
         outs.append(out[:, 0])
     if bp:
-        out = blockwise(q[bd:].reshape(bp, c, n, d), load, bt[bd:], kv_lens[bd:], q_lens[bd:])
+        tables, load = reader(slice(bd, None))
+        out = blockwise(q[bd:].reshape(bp, c, n, d), load, tables, kv_lens[bd:], q_lens[bd:])
         outs.append(out.reshape(bp * c, n, d))  # [Bp*C, N, D]
     return jnp.concatenate(outs, axis=0)
 
@@ -183,7 +195,10 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
 
     def attend(layer, q, k, v, carry):
         kv, key_scores = carry
-        kv = kv.write(layer, inp.slot_mapping, k, v)
+        if getattr(kv, "needs_rows", False):  # Per-sequence windows (KIVI): writes see rows.
+            kv = kv.write_rows(layer, inp, shape, k, v)
+        else:
+            kv = kv.write(layer, inp.slot_mapping, k, v)
         rows = inp if retention is None else retention.narrow_rows(kv, layer, q, inp, shape)
         out = _attend_rows(kv, layer, q, rows, shape, impl)
         if scores_keys:

@@ -11,9 +11,10 @@ configuration; all array methods are pure jnp with static shapes.
 
 Keys and values. One codec describes one tensor (K or V) of one layer, and `bytes_per_token`
 counts that one tensor. `none`, `int8`, `int4` and `int2` use the same codec for K and V.
-`fp8_*` codecs in calibrated mode hold one static scale per kv head, so keys and values get
-two instances calibrated separately (`calibrate(keys)`, `calibrate(values)`); their names
-differ by the scale digest and both go into the provenance fingerprint. KIVI codecs treat K
+`fp8_*` codecs in calibrated mode hold static scales per kv head (or per layer and kv head),
+so keys and values get two instances calibrated separately (`calibrate(keys)`,
+`calibrate(values)`, or `Engine.calibrate_kv` over a calibration set); their names differ by
+the scale digest and both go into the provenance fingerprint. KIVI codecs treat K
 and V differently (see `KiviCodec`); their per-token byte cost is the same for both.
 
 Registered codecs (`get_codec(name, **options)`):
@@ -23,7 +24,7 @@ Registered codecs (`get_codec(name, **options)`):
     int8        int8 [S, K, D], symmetric  scale [S, K]                     int8
     int4        uint8 [S, K, D // 2]       scale, zero [S, K, D // group]   int4-g32
     int2        uint8 [S, K, D // 4]       scale, zero [S, K, D // group]   int2-g32
-    fp8_e4m3    float8_e4m3fn [S, K, D]    calibrated: static scale [K]     fp8_e4m3-s<digest>
+    fp8_e4m3    float8_e4m3fn [S, K, D]    calibrated: static [K] or [L, K] fp8_e4m3-s<digest>
                                            dynamic: scale [S, K]            fp8_e4m3-dyn
     fp8_e5m2    float8_e5m2 [S, K, D]      as fp8_e4m3                      fp8_e5m2-...
     kivi4/2     see `KiviCodec`                                             kivi2-g32-r128
@@ -365,15 +366,30 @@ class Fp8Scaling(enum.Enum):
 class Fp8Codec:
     """float8 codes with a scale per kv head: x_hat = codes * scale.
 
+    Two modes (`Fp8Scaling`). DYNAMIC stores a float32 scale per token and kv head beside the
+    codes (amax / fp8_max of that token): no calibration, 4 bytes per head per token more.
+    CALIBRATED stores codes only and decodes with static scales, per kv head ([K]) or per
+    layer and kv head ([L, K], then `encode` and `decode` take the layer). The static scales
+    come from calibration data, never from a default: a codec without them refuses to encode
+    (a scale of 1.0 by default is a known source of garbage output). kvjax calibrates from a
+    calibration set, not from each prompt, so every sequence shares one codec and one
+    provenance: `calibrate(samples)` for one tensor here, and in the engine
+    `Engine.calibrate_kv(prompts)`, which runs the model over calibration texts
+    (`kvjax.kv.calibration.fp8_kv_scales`) and sets scale = margin * amax / fp8_max per layer
+    and kv head, separately for K and V, with a margin (default 2: one binade of headroom for
+    values beyond the calibration set's, which otherwise saturate; float8's relative precision
+    does not depend on the scale, so the margin only costs subnormal range).
+
     Attributes:
         fmt: the float8 format.
         scaling: calibrated (static per-head scale) or dynamic (per-token per-head scale).
-        scale: the per-head scales [K] of a calibrated codec; None until `calibrate`.
+        scale: a calibrated codec's static scales, [K] or [L, K] nested tuples; None until
+            calibrated.
     """
 
     fmt: Fp8Format
     scaling: Fp8Scaling = Fp8Scaling.CALIBRATED
-    scale: tuple[float, ...] | None = None
+    scale: tuple[float, ...] | tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "fmt", Fp8Format(self.fmt))
@@ -383,10 +399,12 @@ class Fp8Codec:
         if self.scaling is Fp8Scaling.DYNAMIC:
             raise ValueError(f"scale={self.scale!r} given to a dynamic-scaling fp8 codec")
         scale = np.asarray(self.scale, np.float32)
-        if scale.ndim != 1 or not scale.size or not np.all(np.isfinite(scale) & (scale > 0)):
-            raise ValueError(f"scale must be a non-empty sequence of positive finite floats, "
-                             f"got {self.scale!r}")
-        object.__setattr__(self, "scale", tuple(float(s) for s in scale))
+        if (scale.ndim not in (1, 2) or not scale.size
+                or not np.all(np.isfinite(scale) & (scale > 0))):
+            raise ValueError(f"scale must be a non-empty [K] or [L, K] sequence of positive "
+                             f"finite floats, got {self.scale!r}")
+        object.__setattr__(self, "scale", tuple(float(s) for s in scale) if scale.ndim == 1
+                           else tuple(tuple(float(s) for s in row) for row in scale))
 
     @property
     def name(self) -> str:
@@ -419,14 +437,19 @@ class Fp8Codec:
         return dataclasses.replace(self, scaling=Fp8Scaling.CALIBRATED,
                                    scale=tuple((amax / self.fmt.max_value).tolist()))
 
-    def _static_scale(self, num_kv_heads: int) -> jax.Array:
+    def _static_scale(self, num_kv_heads: int, layer: jax.Array | None) -> jax.Array:
         if self.scale is None:
-            raise ValueError(f"{self.name} codec has no scale: call calibrate(samples) first, "
-                             f"or choose scaling='dynamic'")
-        if len(self.scale) != num_kv_heads:
-            raise ValueError(f"{self.name} was calibrated for {len(self.scale)} kv heads, "
+            raise ValueError(f"{self.name} codec has no scale: call calibrate(samples) first "
+                             f"(Engine.calibrate_kv in an engine), or choose scaling='dynamic'")
+        scale = jnp.asarray(self.scale, jnp.float32)  # [K] or [L, K]
+        if scale.ndim == 2:
+            if layer is None:
+                raise ValueError(f"{self.name} has per-layer scales: pass layer=")
+            scale = scale[layer]
+        if scale.shape[0] != num_kv_heads:
+            raise ValueError(f"{self.name} was calibrated for {scale.shape[0]} kv heads, "
                              f"got {num_kv_heads}")
-        return jnp.asarray(self.scale, jnp.float32)[:, None]  # [K, 1]
+        return scale[:, None]  # [K, 1]
 
     def storage_spec(
             self, num_slots: int, num_kv_heads: int, head_dim: int
@@ -438,14 +461,17 @@ class Fp8Codec:
             spec["scale"] = jax.ShapeDtypeStruct((num_slots, num_kv_heads), jnp.float32)
         return spec
 
-    def encode(self, x: jax.Array) -> dict[str, jax.Array]:
-        """[..., T, K, D] -> {"codes": [..., T, K, D]} (+ {"scale": [..., T, K]} if dynamic)."""
+    def encode(self, x: jax.Array, *, layer: jax.Array | None = None) -> dict[str, jax.Array]:
+        """[..., T, K, D] -> {"codes": [..., T, K, D]} (+ {"scale": [..., T, K]} if dynamic).
+
+        `layer` picks the row of [L, K] calibrated scales (ignored otherwise).
+        """
         _check_input(x, 1, self.name)
         x = x.astype(jnp.float32)
         if self.scaling is Fp8Scaling.DYNAMIC:
             scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / self.fmt.max_value
         else:
-            scale = self._static_scale(x.shape[-2])  # [K, 1]
+            scale = self._static_scale(x.shape[-2], layer)  # [K, 1]
         divisor = jnp.where(scale > 0, scale, 1.0)
         # float8_e4m3fn has no inf: out-of-range values would become NaN, so saturate first.
         scaled = jnp.clip(x / divisor, -self.fmt.max_value, self.fmt.max_value)
@@ -454,12 +480,13 @@ class Fp8Codec:
             stored["scale"] = scale[..., 0]  # [..., T, K]
         return stored
 
-    def decode(self, stored: dict[str, jax.Array]) -> jax.Array:
+    def decode(self, stored: dict[str, jax.Array], *, layer: jax.Array | None = None
+               ) -> jax.Array:
         """The `encode` dict with leading axes [..., S] -> [..., S, K, D] float32."""
         codes = stored["codes"].astype(jnp.float32)
         if self.scaling is Fp8Scaling.DYNAMIC:
             return codes * stored["scale"][..., None]  # [..., S, K, D]
-        return codes * self._static_scale(codes.shape[-2])  # [..., S, K, D]
+        return codes * self._static_scale(codes.shape[-2], layer)  # [..., S, K, D]
 
     def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> float:
         dynamic = self.scaling is Fp8Scaling.DYNAMIC

@@ -3,59 +3,67 @@
 `QuantizedPagedKV` has the methods of `PagedKV` (`write`, `load_pages`, `copy_pages`,
 `nbytes`, `num_pages`, `page_size`), so the jitted step and the blockwise attention use it
 unchanged: `write` encodes the step's new tokens inside the jitted step (quantize on write),
-and `load_pages` gathers only the requested pages and decodes them to float32. Every array
-leaf is page-major, `[L, num_pages, ...]`, so swapping, scrubbing and copy-on-write treat it
-like any paged state.
+and `load_pages` gathers only the requested pages and decodes them to float32. Every page leaf
+is page-major, `[L, num_pages, ...]`, so swapping, scrubbing and copy-on-write treat it like
+any paged state.
 
 Per-token codecs (int8, int4, int2, fp8_e4m3, fp8_e5m2, and none): each token's K and V are
 encoded alone, from that token's own values, with the codec's per-token metadata; a page holds
-the codec's `storage_spec` rows for its P tokens. fp8 codecs run in dynamic scaling mode (a
-float32 scale per token per kv head, amax / fp8_max); calibrated fp8 is refused, since it would
-need separate per-head scales for K and V and this state takes one set of options.
+the codec's `storage_spec` rows for its P tokens. fp8 runs in dynamic scaling mode by default
+(a float32 scale per token per kv head, amax / fp8_max); with `scaling="calibrated"` the state
+holds separate key and value codecs with static per-layer, per-kv-head scales
+(`calibrate_fp8`; `Engine.calibrate_kv` computes them from a calibration set), and writing
+through a state that has none raises ValueError.
 
-KIVI (kivi4, kivi2): keys per channel over each group of g consecutive tokens of a sequence,
-values per token over g channels. The layout, for page size P a multiple of g:
+KIVI (kivi4, kivi2; group g, residual R): keys per channel over each group of g consecutive
+tokens of a sequence, values per token over g channels, and the most recent tokens exact. At
+sequence length S, tokens [0, F) are read from the codes and [F, S) exactly, with
+F = codec.num_quantized(S) = max(S - R, 0) // g * g (`codecs.kivi_roundtrip_reference`).
+The layout, for page size P a multiple of g:
 
   * k_stored: key codes [L, num_pages, P, K, D*b/8] and key scale, zero
     [L, num_pages, P/g, K, D] (row j of a page is the metadata of its token group j);
   * v_stored: value codes [L, num_pages, P, K, D*b/8], scale, zero [L, num_pages, P, K, D/g];
-  * k_window, v_window: [L, num_pages, g, K, D] float32, the exact copy of the page's open
-    (incomplete) token group, offset o of the page at row o % g;
-  * num_quantized: [L, num_pages] int32, how many leading tokens of the page are quantized.
+  * k_residual, v_residual: [L, num_seq_slots, W, K, D] float32 with W = R + g, the exact
+    window of each running sequence, position p at row p % W of the sequence's slot.
 
-A group is quantized by the very `write` that stores its last token (offset o with
-o % g == g - 1): that write gathers the group's g exact tokens (those written by the same call
-straight from its input, earlier ones from the window), encodes keys with `encode_key_group`
-and values with `encode`, and scatters codes and metadata into the page. `load_pages` reads
-offsets below num_quantized from the codes and the open group from the window. So a sequence
-of length S reads tokens [0, S // g * g) quantized and the rest, at most g - 1 tokens, exactly:
-the KIVI codec with residual=0 (`kivi_roundtrip_reference` with codec.residual == 0). A
-residual window R > 0 would have to age a group out when the sequence reaches R tokens past
-it, often in a later page; `write` only sees the new tokens' slots, not the block table that
-links a page to the next, so this state refuses residual > 0 (and defaults it to 0).
+Pages hold codes only; the exact tokens live in the per-sequence windows, so the pool's
+capacity is the codes' and the windows cost a fixed W tokens per sequence slot. The step
+passes each row's slot (`StepInput.seq_slots`), and KIVI writes and reads go through
+`write_rows` and `row_loader`, which see the rows' lengths and block tables. A write ages the
+groups that cross F in this step (from the window, or straight from the step's input for
+tokens the same step writes), scatters their codes and metadata into the pages, and stores
+the new tokens that stay exact in the window. At most R + g - 1 tokens are exact at any time,
+so W rows never collide. Within one step the new tokens are written before they are read, so
+every query of a prefill chunk reads the state at the chunk's end (causally masked): groups
+the chunk ages are read quantized even by its earlier queries.
 
-Inside one step the new tokens are written before they are attended to, so a prefill query
-sees every group its chunk completes (even the part after it) quantized, while a decode query
-sees its own open group exactly: KIVI quality depends a little on how a prompt is chunked.
+The window is per sequence, not per page, so the engine keeps it beside the pages
+(`kvjax.engine.residual`): it assigns slots, copies a slot on fork, saves and restores it on
+swap, and zeroes it on scrub. A prefix-cache hit would attach full pages whose last R tokens
+have no exact copy, so engines refuse prefix caching for KIVI with R > 0 (with R = 0 every
+full page is fully quantized and prefix caching works).
 
 Bytes per token (all L layers, K and V; m the metadata dtype's bytes, 4 by default):
 
     none (dtype bytes e)         2 L K D e
     int8, fp8_* (dynamic)        2 L K (D + m)          fp8 scale is always float32 (m = 4)
+    fp8_* (calibrated)           2 L K D                the static scales cost nothing per token
     int4, int2 (bits b, group g) 2 L K (D b / 8 + 2 m D / g)
-    kivi4, kivi2                 2 L K (D b / 8 + 2 m D / g)  +  L (8 g K D + 4) / P
+    kivi4, kivi2                 2 L K (D b / 8 + 2 m D / g)
 
-The KIVI term after the plus is the float32 window (g tokens of K and V per page) and the page
-counter, spread over the page's P tokens, so `kv_bytes_per_token` needs the page size for KIVI.
-The figure is exact: `nbytes()` equals num_pages * P * `kv_bytes_per_token`.
+plus, for KIVI, `residual_bytes` = 2 L num_seq_slots (R + g) K D 4 for the windows:
+`nbytes()` equals num_pages * P * `kv_bytes_per_token` + `residual_bytes`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from kvjax.config import ModelConfig
@@ -76,57 +84,81 @@ def make_codec(codec_name: str, **options: Any) -> codecs.KVCodec:
     """The codec this state uses for `codec_name` and `options` (see the module docstring).
 
     Differs from `codecs.get_codec` in two defaults: fp8 codecs use dynamic scaling and KIVI
-    codecs use residual=0; calibrated fp8 and KIVI with residual > 0 raise ValueError.
+    codecs use residual=0 (pass residual=32 or 128 for KIVI's exact window). A `page_size`
+    option is accepted and ignored here (the pool checks it).
     """
+    options.pop("page_size", None)
     if codec_name in _FP8:
-        scaling = codecs.Fp8Scaling(options.setdefault("scaling", codecs.Fp8Scaling.DYNAMIC))
-        if scaling is not codecs.Fp8Scaling.DYNAMIC:
-            raise ValueError(f"scaling={scaling.value!r}: the quantized paged state runs fp8 "
-                             f"with scaling='dynamic' only (no per-tensor calibration)")
-    if codec_name in _KIVI and options.setdefault("residual", 0) != 0:
-        raise ValueError(f"residual={options['residual']!r}: the quantized paged state keeps "
-                         f"only each page's open token group exact (residual=0)")
+        options.setdefault("scaling", codecs.Fp8Scaling.DYNAMIC)
+    if codec_name in _KIVI:
+        options.setdefault("residual", 0)
     return codecs.get_codec(codec_name, **options)
 
 
-def _is_kivi(codec: codecs.KVCodec) -> bool:
+def is_kivi(codec: codecs.KVCodec) -> bool:
     return isinstance(codec, codecs.KiviCodec)
+
+
+def _is_layered(codec: codecs.KVCodec) -> bool:
+    """Whether the codec's encode and decode take the layer (per-layer static fp8 scales)."""
+    return isinstance(codec, codecs.Fp8Codec) and codec.scaling is codecs.Fp8Scaling.CALIBRATED
+
+
+def _encode(codec: codecs.KVCodec, x: jax.Array, layer: jax.Array) -> dict[str, jax.Array]:
+    return codec.encode(x, layer=layer) if _is_layered(codec) else codec.encode(x)
+
+
+def _decode(codec: codecs.KVCodec, stored: dict[str, jax.Array], layer: jax.Array
+            ) -> jax.Array:
+    return codec.decode(stored, layer=layer) if _is_layered(codec) else codec.decode(stored)
 
 
 def _check_page_size(codec: codecs.KVCodec, page_size: int) -> None:
     _positive_int("page_size", page_size)
-    if _is_kivi(codec) and page_size % codec.group:
+    if is_kivi(codec) and page_size % codec.group:
         raise ValueError(f"page_size={page_size} is not a multiple of the KIVI group "
                          f"{codec.group}: a token group must not straddle pages")
 
 
 def kv_bytes_per_token(config: ModelConfig, codec_name: str, /, *,
                        page_size: int | None = None, **options: Any) -> float:
-    """Bytes one token takes in a quantized pool: all layers, K and V, codes and metadata.
+    """Bytes one token takes in a quantized pool's pages: all layers, K and V, codes and metadata.
 
     Args:
         config: the model.
         codec_name: a registered codec name (`kvjax.kv.codecs.CODECS`).
-        page_size: P; required for KIVI, whose per-page exact window is part of the cost.
+        page_size: P, checked against the codec when given (KIVI needs a multiple of g).
         **options: the codec's options (as for `make_codec`).
 
     Returns:
-        The exact bytes per token, so num_pages * P * this == `QuantizedPagedKV.nbytes()`.
+        The exact bytes per token; KIVI's exact windows are on top (`residual_bytes`).
     """
     codec = make_codec(codec_name, **options)
-    per_token = 2 * config.num_layers * codec.bytes_per_token(config.num_kv_heads,
-                                                              config.head_dim)
-    if not _is_kivi(codec):
-        if page_size is not None:
-            _check_page_size(codec, page_size)
-        return float(per_token)
-    if page_size is None:
-        raise ValueError(f"codec {codec.name!r} needs page_size (pass it with the codec "
-                         f"options): its exact window costs per page, not per token")
-    _check_page_size(codec, page_size)
-    window = 2 * codec.group * config.num_kv_heads * config.head_dim * 4  # K and V, float32
-    per_page = config.num_layers * (window + jnp.dtype(jnp.int32).itemsize)
-    return float(per_token + per_page / page_size)
+    if page_size is not None:
+        _check_page_size(codec, page_size)
+    return float(2 * config.num_layers * codec.bytes_per_token(config.num_kv_heads,
+                                                               config.head_dim))
+
+
+def window_size(codec: codecs.KVCodec) -> int:
+    """W, the exact-window rows one KIVI sequence slot holds (0 for other codecs)."""
+    return codec.residual + codec.group if is_kivi(codec) else 0
+
+
+def num_seq_slots_for(codec_name: str, max_num_seqs: int, **options: Any) -> int:
+    """Window slots an engine running `max_num_seqs` sequences needs (0 for non-KIVI codecs).
+
+    One more than max_num_seqs: a group prefill holds its slot while it forks its samples.
+    """
+    return max_num_seqs + 1 if is_kivi(make_codec(codec_name, **options)) else 0
+
+
+def residual_bytes(config: ModelConfig, num_seq_slots: int, codec_name: str, /,
+                   **options: Any) -> int:
+    """Bytes of the KIVI exact windows of `num_seq_slots` sequences (K and V, float32)."""
+    window = window_size(make_codec(codec_name, **options))
+    per_slot = 2 * config.num_layers * window * config.num_kv_heads * config.head_dim
+    return int(per_slot * num_seq_slots * jnp.dtype(_WINDOW_DTYPE).itemsize)
 
 
 def _is_float8(dtype: Any) -> bool:
@@ -153,18 +185,24 @@ def _page_major(spec: dict[str, jax.ShapeDtypeStruct], num_layers: int, num_page
 
 def _scatter_rows(x: jax.Array, layer: jax.Array, rows: jax.Array, values: jax.Array
                   ) -> jax.Array:
-    """Sets rows of `layer` in page-major x [L, num_pages, R, ...]; rows index page * R + r.
+    """Sets rows of `layer` in x [L, N, R, ...] (pages or window slots); rows index n * R + r.
 
-    rows: any integer shape I; values: I + x.shape[3:]. Rows outside [0, num_pages * R),
-    -1 among them, are dropped.
+    rows: any integer shape I; values: I + x.shape[3:]. Rows outside [0, N * R), -1 among
+    them, are dropped.
     """
-    num_layers, num_pages, per_page = x.shape[:3]
+    num_layers, num_blocks, per_block = x.shape[:3]
     if _is_float8(values.dtype):
         values = jax.lax.bitcast_convert_type(values, jnp.uint8)
-    flat = x.reshape(num_layers, num_pages * per_page, *x.shape[3:])
-    rows = jnp.where((rows >= 0) & (rows < num_pages * per_page), rows, num_pages * per_page)
+    flat = x.reshape(num_layers, num_blocks * per_block, *x.shape[3:])
+    rows = jnp.where((rows >= 0) & (rows < num_blocks * per_block), rows,
+                     num_blocks * per_block)
     flat = flat.at[layer, rows].set(values.astype(x.dtype), mode="drop")
     return flat.reshape(x.shape)
+
+
+def _gather_rows(x: jax.Array, layer: jax.Array, rows: jax.Array) -> jax.Array:
+    """Rows of `layer` of x [L, N, R, ...] at flat indices rows (any shape I) -> I + [...]."""
+    return x[layer].reshape(-1, *x.shape[3:])[rows]
 
 
 def _gather_pages(stored: dict[str, jax.Array], layer: jax.Array, pages: jax.Array,
@@ -176,6 +214,14 @@ def _gather_pages(stored: dict[str, jax.Array], layer: jax.Array, pages: jax.Arr
             for name, x in gathered.items()}
 
 
+def _row_layout(shape: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(first token of each row [R], row of each token [T]) of a step shape (static)."""
+    bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
+    starts = np.concatenate([np.arange(bd), bd + np.arange(bp) * c]).astype(np.int32)
+    token_rows = np.concatenate([np.arange(bd), bd + np.repeat(np.arange(bp), c)])
+    return starts, token_rows.astype(np.int32)
+
+
 @struct.dataclass
 class QuantizedPagedKV:
     """A pool of quantized KV pages shared by all sequences (see the module docstring).
@@ -185,27 +231,38 @@ class QuantizedPagedKV:
             `storage_spec` (rows = P), or for KIVI its `key_storage_spec` (codes: rows = P,
             scale and zero: rows = P / g).
         v_stored: the value storage, name -> [L, num_pages, P, ...] (`storage_spec`).
-        k_window, v_window: KIVI only (else None), [L, num_pages, g, K, D] float32: the exact
-            tokens of each page's open group, page offset o at row o % g.
-        num_quantized: KIVI only (else None), [L, num_pages] int32: leading tokens of each
-            page read from the codes; the next g are read from the window.
-        codec: the codec (static).
+        k_residual, v_residual: KIVI only (else None), [L, num_seq_slots, W, K, D] float32:
+            each sequence slot's exact tokens, position p at row p % W.
+        codec: the key codec (static); also the value codec unless `v_codec` is set.
+        v_codec: the value codec when it differs (calibrated fp8: scales of their own), else
+            None (static).
         float8_views: (name, float8 dtype name) of the storage entries held as uint8 bytes
             (static; fp8 codes), bitcast back after the gather.
     """
 
     k_stored: dict[str, jax.Array]
     v_stored: dict[str, jax.Array]
-    k_window: jax.Array | None
-    v_window: jax.Array | None
-    num_quantized: jax.Array | None
+    k_residual: jax.Array | None
+    v_residual: jax.Array | None
     codec: codecs.KVCodec = struct.field(pytree_node=False)
+    v_codec: codecs.KVCodec | None = struct.field(pytree_node=False, default=None)
     float8_views: tuple[tuple[str, str], ...] = struct.field(pytree_node=False, default=())
 
     @property
+    def value_codec(self) -> codecs.KVCodec:
+        return self.codec if self.v_codec is None else self.v_codec
+
+    @property
     def codec_name(self) -> str:
-        """The codec's name with all its options; part of the KV provenance fingerprint."""
-        return self.codec.name
+        """The codecs' names with all their options; part of the KV provenance fingerprint."""
+        if self.v_codec is None:
+            return self.codec.name
+        return f"k:{self.codec.name}/v:{self.v_codec.name}"
+
+    @property
+    def needs_rows(self) -> bool:
+        """Whether writes and reads need the step's rows (`write_rows`, `row_loader`): KIVI."""
+        return is_kivi(self.codec)
 
     @property
     def num_pages(self) -> int:
@@ -219,116 +276,187 @@ class QuantizedPagedKV:
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
-    def load_pages(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """K and V of `pages` [B, n] of `layer`, each [B, n, P, K, D] float32.
+    @property
+    def num_seq_slots(self) -> int:
+        return 0 if self.k_residual is None else self.k_residual.shape[1]
 
-        Only the requested pages are gathered and decoded.
+    @property
+    def window(self) -> int:
+        return window_size(self.codec)
+
+    def check_ready(self) -> None:
+        """Raises ValueError when the state cannot encode yet (calibrated fp8 without scales)."""
+        for codec in (self.codec, self.value_codec):
+            if _is_layered(codec) and codec.scale is None:
+                raise ValueError(f"kv codec {codec.name!r} runs in calibrated mode and has no "
+                                 f"scales: call Engine.calibrate_kv(prompts) (or "
+                                 f"quantized.calibrate_fp8) first, or pass scaling='dynamic'")
+
+    def load_pages(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K and V of `pages` [B, n] of `layer`, each [B, n, P, K, D] float32, from the codes.
+
+        Only the requested pages are gathered and decoded. For KIVI this is the codes alone:
+        tokens still in a sequence's exact window are read through `row_loader`.
         """
         k_stored = _gather_pages(self.k_stored, layer, pages, self.float8_views)
-        v = self.codec.decode(_gather_pages(self.v_stored, layer, pages, self.float8_views))
-        if not _is_kivi(self.codec):
-            return self.codec.decode(k_stored), v
-        k = self.codec.decode_keys(k_stored)  # [B, n, P, K, D]
-        rows = jnp.arange(self.page_size) % self.codec.group  # [P]
-        k_exact = self.k_window[layer, pages][:, :, rows]  # [B, n, P, K, D]
-        v_exact = self.v_window[layer, pages][:, :, rows]
-        offsets = jnp.arange(self.page_size, dtype=jnp.int32)
-        is_quantized = offsets < self.num_quantized[layer, pages][..., None]  # [B, n, P]
-        is_quantized = is_quantized[..., None, None]  # [B, n, P, 1, 1]
-        return (jnp.where(is_quantized, k, k_exact.astype(jnp.float32)),
-                jnp.where(is_quantized, v, v_exact.astype(jnp.float32)))
+        v_stored = _gather_pages(self.v_stored, layer, pages, self.float8_views)
+        v = _decode(self.value_codec, v_stored, layer)
+        if is_kivi(self.codec):
+            return self.codec.decode_keys(k_stored), v
+        return _decode(self.codec, k_stored, layer), v
+
+    def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
+                   seq_slots: jax.Array):
+        """A page loader for KIVI rows: codes for aged tokens, the exact window for the rest.
+
+        Args:
+            layer: the layer.
+            block_tables: [B, W_bt] int32, the rows' block tables.
+            kv_lens: [B] int32, the rows' lengths after this step's write.
+            seq_slots: [B] int32, the rows' window slots.
+
+        Returns:
+            (logical tables [B, W_bt], loader) for `paged_attention_blockwise`: the tables hold
+            page indices within each row (0, 1, ...), which the loader maps through
+            `block_tables` and to token positions, so it can read each position from the
+            codes or from the row's window.
+        """
+        page_size, window = self.page_size, self.window
+        logical = jnp.broadcast_to(jnp.arange(block_tables.shape[1], dtype=jnp.int32),
+                                   block_tables.shape)  # [B, W_bt]
+        num_aged = self.codec.num_quantized(kv_lens)  # [B]
+
+        def load(index: jax.Array) -> tuple[jax.Array, jax.Array]:
+            pages = jnp.take_along_axis(block_tables, index, axis=1)  # [B, n]
+            k, v = self.load_pages(layer, pages)  # [B, n, P, K, D]
+            positions = index[..., None] * page_size + jnp.arange(page_size)  # [B, n, P]
+            rows = seq_slots[:, None, None] * window + positions % window  # [B, n, P]
+            is_aged = (positions < num_aged[:, None, None])[..., None, None]
+            k_exact = _gather_rows(self.k_residual, layer, rows)  # [B, n, P, K, D]
+            v_exact = _gather_rows(self.v_residual, layer, rows)
+            return jnp.where(is_aged, k, k_exact), jnp.where(is_aged, v, v_exact)
+
+        return logical, load
 
     def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array
               ) -> QuantizedPagedKV:
         """Encodes and writes k, v [T, K, D] of `layer` into flat slots [T] (-1: dropped).
 
-        Slots of one write are distinct, and a sequence writes its positions in order, each
-        page's offsets from where it left off: the contract of the engine's slot mapping.
+        Per-token codecs only: KIVI writes need the rows (`write_rows`).
         """
-        if _is_kivi(self.codec):
-            return self._write_kivi(layer, slots, k, v)
-        k_enc, v_enc = self.codec.encode(k), self.codec.encode(v)  # each [T, ...]
+        if is_kivi(self.codec):
+            raise ValueError(f"{self.codec.name} writes need the step's rows: use write_rows")
+        k_enc = _encode(self.codec, k, layer)  # each [T, ...]
+        v_enc = _encode(self.value_codec, v, layer)
         return self.replace(
                 k_stored={n: _scatter_rows(x, layer, slots, k_enc[n])
                           for n, x in self.k_stored.items()},
                 v_stored={n: _scatter_rows(x, layer, slots, v_enc[n])
                           for n, x in self.v_stored.items()})
 
-    def _write_kivi(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array
-                    ) -> QuantizedPagedKV:
-        """`write` for KIVI: window the open groups, quantize the groups this call completes."""
-        g, page_size, num_pages = self.codec.group, self.page_size, self.num_pages
-        num_tokens = slots.shape[0]
-        is_valid = (slots >= 0) & (slots < self.num_slots)
-        slots = jnp.where(is_valid, slots, self.num_slots)  # [T]; past the pool: dropped
-        page, offset = slots // page_size, slots % page_size  # [T]
-        in_group = offset % g
-        token = jnp.arange(num_tokens, dtype=jnp.int32)
+    def write_rows(self, layer: jax.Array, inp: Any, shape: Any, k: jax.Array, v: jax.Array
+                   ) -> QuantizedPagedKV:
+        """Writes one step's new tokens k, v [T, K, D] of `layer`, laid out by rows.
 
-        def written_here(index: jax.Array, slot: jax.Array) -> jax.Array:
-            """Whether token `index` of this call exists and was written to `slot`."""
-            inside = (index >= 0) & (index < num_tokens)
-            return inside & (slots[jnp.clip(index, 0, num_tokens - 1)] == slot)
+        Args:
+            layer: the layer.
+            inp: the step input (`kvjax.engine.step.StepInput`): block_tables [R, W_bt],
+                kv_lens and q_lens [R], seq_slots [R], slot_mapping [T].
+            shape: the step shape (num_decode, num_prefill, chunk): row r's q_lens[r] tokens
+                start at token r (decode rows) or num_decode + (r - num_decode) * chunk.
+            k, v: [T, K, D].
+        """
+        if not is_kivi(self.codec):
+            return self.write(layer, inp.slot_mapping, k, v)
+        starts, token_rows = _row_layout(shape)
+        before = inp.kv_lens - inp.q_lens  # [R] tokens cached before this step
+        aged_before = self.codec.num_quantized(before)
+        aged_after = self.codec.num_quantized(inp.kv_lens)  # [R]
+        per_row = math.ceil(shape.chunk / self.codec.group) if shape.num_prefill else 0
+        kv = self._age_groups(layer, inp, k, v, starts, before, aged_before, aged_after,
+                              per_row, shape.num_decode, shape.num_prefill)
+        # The new tokens that stay exact go to their sequence's window.
+        offset = jnp.arange(k.shape[0], dtype=jnp.int32) - starts[token_rows]  # [T]
+        positions = before[token_rows] + offset
+        is_exact = (offset < inp.q_lens[token_rows]) & (positions >= aged_after[token_rows])
+        rows = jnp.where(is_exact,
+                         inp.seq_slots[token_rows] * self.window + positions % self.window, -1)
+        return kv.replace(k_residual=_scatter_rows(kv.k_residual, layer, rows, k),
+                          v_residual=_scatter_rows(kv.v_residual, layer, rows, v))
 
-        # Each token's group as it stands after this call: members written by this call come
-        # from its input, the others from the window (stale rows past the group's end are
-        # never read: they lie beyond the sequence length).
-        arange_g = jnp.arange(g, dtype=jnp.int32)
-        members = (token - in_group)[:, None] + arange_g  # [T, g] token indices
-        member_slots = (slots - in_group)[:, None] + arange_g  # [T, g]
-        from_call = written_here(members, member_slots)[..., None, None]  # [T, g, 1, 1]
-        member_index = jnp.clip(members, 0, num_tokens - 1)
-        window_page = jnp.minimum(page, num_pages - 1)
+    def _age_groups(self, layer, inp, k, v, starts, before, aged_before, aged_after, per_row,
+                    num_decode, num_prefill) -> QuantizedPagedKV:
+        """Quantizes the groups each row ages in this step into its pages.
 
-        def group_of(x: jax.Array, window: jax.Array) -> jax.Array:
-            old = window[layer, window_page].astype(jnp.float32)  # [T, g, K, D]
-            return jnp.where(from_call, x[member_index].astype(jnp.float32), old)
+        A decode row ages at most one group, a prefill row of C tokens at most ceil(C / g):
+        the static list of candidate groups has that many entries per row.
+        """
+        g, page_size, window = self.codec.group, self.page_size, self.window
+        group_rows = np.concatenate([np.arange(num_decode),
+                                     num_decode + np.repeat(np.arange(num_prefill), per_row)])
+        group_index = np.concatenate([np.zeros(num_decode, np.int32),
+                                      np.tile(np.arange(per_row), num_prefill)])
+        if not group_rows.size:
+            return self
+        first = aged_before[group_rows] + jnp.asarray(group_index, jnp.int32) * g  # [E]
+        is_aging = first < aged_after[group_rows]  # [E]
+        positions = first[:, None] + jnp.arange(g, dtype=jnp.int32)  # [E, g]
+        row_before = before[group_rows][:, None]  # [E, 1]
+        # Tokens this step writes come from its input, older ones from the window.
+        from_call = (positions >= row_before)[..., None, None]  # [E, g, 1, 1]
+        call_index = jnp.clip(starts[group_rows][:, None] + positions - row_before, 0,
+                              k.shape[0] - 1)  # [E, g]
+        window_rows = inp.seq_slots[group_rows][:, None] * window + positions % window
 
-        k_group, v_group = group_of(k, self.k_window), group_of(v, self.v_window)
+        def group_of(x: jax.Array, residual: jax.Array) -> jax.Array:
+            old = _gather_rows(residual, layer, window_rows)  # [E, g, K, D]
+            return jnp.where(from_call, x[call_index].astype(jnp.float32), old)
 
-        # A group whose last token is in this call is quantized now (by that token); the
-        # call's last token in a group left open writes the whole group back to the window.
-        # Writing groups, not single tokens, makes the window update depend on the read of
-        # the old rows, so XLA updates the window in place rather than copying all of it.
-        closes = is_valid & (in_group == g - 1)  # [T]
-        is_last_of_call = ~written_here(token + 1, slots + 1)  # [T]
-        keeps_open = is_valid & (in_group < g - 1) & is_last_of_call  # [T]
-        window_rows = jnp.where(keeps_open[:, None], page[:, None] * g + arange_g, -1)  # [T, g]
-        k_enc = self.codec.encode_key_group(k_group)  # codes [T, g, ...], scale [T, 1, K, D]
-        v_enc = self.codec.encode(v_group)  # each [T, g, ...]
-        code_rows = jnp.where(closes[:, None], member_slots, -1)  # [T, g]
-        meta_rows = jnp.where(closes, page * (page_size // g) + offset // g, -1)  # [T]
+        k_group, v_group = group_of(k, self.k_residual), group_of(v, self.v_residual)
+        tables = inp.block_tables[group_rows]  # [E, W_bt]
+        page_index = jnp.clip(positions // page_size, 0, tables.shape[1] - 1)
+        pages = jnp.take_along_axis(tables, page_index, axis=1)  # [E, g]
+        code_rows = jnp.where(is_aging[:, None], pages * page_size + positions % page_size, -1)
+        meta_rows = jnp.where(is_aging, pages[:, 0] * (page_size // g) + first % page_size // g,
+                              -1)  # [E]
+        k_enc = self.codec.encode_key_group(k_group)  # codes [E, g, ...], scale [E, 1, K, D]
+        v_enc = self.codec.encode(v_group)  # each [E, g, ...]
         k_stored = {"codes": _scatter_rows(self.k_stored["codes"], layer, code_rows,
                                            k_enc["codes"])}
         for name in ("scale", "zero"):
             k_stored[name] = _scatter_rows(self.k_stored[name], layer, meta_rows,
-                                           k_enc[name][:, 0])  # [T, K, D] rows
+                                           k_enc[name][:, 0])  # [E, K, D] rows
         v_stored = {n: _scatter_rows(x, layer, code_rows, v_enc[n])
                     for n, x in self.v_stored.items()}
-
-        # Groups before a written offset's group are complete and already quantized; the
-        # latest offset of each page decides, which also resets a reused page's count.
-        count = jnp.where(is_valid, (offset + 1) // g * g, -1)  # [T]
-        latest = jnp.full((num_pages,), -1, jnp.int32).at[page].max(count, mode="drop")
-        num_quantized = self.num_quantized.at[layer].set(
-                jnp.where(latest >= 0, latest, self.num_quantized[layer]))  # [num_pages]
-        return self.replace(
-                k_stored=k_stored, v_stored=v_stored,
-                k_window=_scatter_rows(self.k_window, layer, window_rows, k_group),
-                v_window=_scatter_rows(self.v_window, layer, window_rows, v_group),
-                num_quantized=num_quantized)
+        return self.replace(k_stored=k_stored, v_stored=v_stored)
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> QuantizedPagedKV:
-        """Copy-on-write: page dst[i] becomes a copy of page src[i] in all layers. src, dst: [C]."""
-        return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), self)
+        """Copy-on-write: page dst[i] becomes a copy of page src[i] in all layers. src, dst: [C].
+
+        Windows are per sequence, not per page: `copy_window` copies them.
+        """
+        def copy(x):
+            return x.at[:, dst].set(x[:, src])
+
+        return self.replace(k_stored=jax.tree.map(copy, self.k_stored),
+                            v_stored=jax.tree.map(copy, self.v_stored))
+
+    def pages_only(self) -> QuantizedPagedKV:
+        """This state without its windows: the page-major pytree swapping and scrubbing move."""
+        return self.replace(k_residual=None, v_residual=None)
+
+    def copy_window(self, src: jax.Array, dst: jax.Array) -> QuantizedPagedKV:
+        """Window slot dst becomes a copy of slot src (int32 scalars), in all layers."""
+        return self.replace(k_residual=self.k_residual.at[:, dst].set(self.k_residual[:, src]),
+                            v_residual=self.v_residual.at[:, dst].set(self.v_residual[:, src]))
 
     def nbytes(self) -> int:
-        """Device bytes of every buffer: codes, metadata, windows and counters."""
+        """Device bytes of every buffer: codes, metadata and windows."""
         return sum(x.nbytes for x in jax.tree.leaves(self))
 
 
 def init_quantized_kv(config: ModelConfig, num_pages: int, page_size: int, codec_name: str, /,
-                      **options: Any) -> QuantizedPagedKV:
+                      *, num_seq_slots: int = 1, **options: Any) -> QuantizedPagedKV:
     """A zeroed quantized pool of `num_pages` pages of `page_size` tokens.
 
     Args:
@@ -336,8 +464,9 @@ def init_quantized_kv(config: ModelConfig, num_pages: int, page_size: int, codec
         num_pages: pages in the pool.
         page_size: P; a multiple of the group for KIVI.
         codec_name: a registered codec name.
+        num_seq_slots: KIVI only: sequences whose exact windows the state holds.
         **options: the codec's options (as for `make_codec`); a `page_size` option, which
-            `kv_bytes_per_token` takes for KIVI, must equal `page_size`.
+            `kv_bytes_per_token` takes, must equal `page_size`.
     """
     _positive_int("num_pages", num_pages)
     option_page_size = options.pop("page_size", page_size)
@@ -350,16 +479,39 @@ def init_quantized_kv(config: ModelConfig, num_pages: int, page_size: int, codec
     num_slots = num_pages * page_size
     spec = codec.storage_spec(num_slots, heads, head_dim)
     v_stored = _page_major(spec, num_layers, num_pages)
-    if not _is_kivi(codec):
+    if not is_kivi(codec):
         return QuantizedPagedKV(k_stored=_page_major(spec, num_layers, num_pages),
-                                v_stored=v_stored, k_window=None, v_window=None,
-                                num_quantized=None, codec=codec,
-                                float8_views=_float8_views(spec))
+                                v_stored=v_stored, k_residual=None, v_residual=None,
+                                codec=codec, float8_views=_float8_views(spec))
+    _positive_int("num_seq_slots", num_seq_slots)
     k_stored = _page_major(codec.key_storage_spec(num_slots, heads, head_dim), num_layers,
                            num_pages)
-    window_shape = (num_layers, num_pages, codec.group, heads, head_dim)
+    window_shape = (num_layers, num_seq_slots, window_size(codec), heads, head_dim)
     return QuantizedPagedKV(
             k_stored=k_stored, v_stored=v_stored,
-            k_window=jnp.zeros(window_shape, _WINDOW_DTYPE),
-            v_window=jnp.zeros(window_shape, _WINDOW_DTYPE),
-            num_quantized=jnp.zeros((num_layers, num_pages), jnp.int32), codec=codec)
+            k_residual=jnp.zeros(window_shape, _WINDOW_DTYPE),
+            v_residual=jnp.zeros(window_shape, _WINDOW_DTYPE), codec=codec)
+
+
+def calibrate_fp8(kv: QuantizedPagedKV, k_scale: np.ndarray, v_scale: np.ndarray
+                  ) -> QuantizedPagedKV:
+    """The state with calibrated fp8 key and value codecs of static scales [L, K] each.
+
+    The pages keep their bytes, so call it on an empty pool (codes written under other scales
+    would decode wrongly); the codec names, and with them the provenance, change with the
+    scales.
+    """
+    if not _is_layered(kv.codec):
+        raise ValueError(f"calibrate_fp8 needs a calibrated-mode fp8 codec, got "
+                         f"{kv.codec.name!r} (pass scaling='calibrated')")
+    num_layers, heads = kv.v_stored["codes"].shape[0], kv.v_stored["codes"].shape[3]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if np.shape(scale) != (num_layers, heads):
+            raise ValueError(f"{name} has shape {np.shape(scale)}, expected [L, K] = "
+                             f"{(num_layers, heads)}")
+
+    def codec_with(scale: np.ndarray) -> codecs.Fp8Codec:
+        return codecs.Fp8Codec(kv.codec.fmt, codecs.Fp8Scaling.CALIBRATED,
+                               tuple(tuple(float(s) for s in row) for row in np.asarray(scale)))
+
+    return kv.replace(codec=codec_with(k_scale), v_codec=codec_with(v_scale))

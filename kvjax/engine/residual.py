@@ -1,0 +1,142 @@
+"""The engine's side of KIVI's per-sequence exact windows (`kvjax.kv.quantized`).
+
+A KIVI pool keeps each running sequence's most recent tokens exact in a window slot of its
+own, beside the pages. The allocator hands out the slots with the sequences
+(`WindowBlockManager`), and the swap space moves them with the pages (`WindowSwapSpace`): a
+swapped-out sequence takes its window to host memory and gets it back in its new slot, a
+forked sample starts from a copy of its parent's window, and scrubbing zeroes the windows of
+freed sequences as well as their pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.engine.swap import HostSwapSpace
+from kvjax.memory.block_manager import BlockManager
+
+
+class WindowBlockManager(BlockManager):
+    """A block manager that also gives every registered sequence a window slot."""
+
+    def __init__(self, num_pages: int, page_size: int, *, num_seq_slots: int,
+                 enable_prefix_cache: bool = True, scrub_windows: bool = False):
+        super().__init__(num_pages, page_size, enable_prefix_cache=enable_prefix_cache)
+        self.num_seq_slots = num_seq_slots
+        self.scrub_windows = scrub_windows
+        self._free_slots = list(range(num_seq_slots - 1, -1, -1))
+        self._slot_of: dict[Hashable, int] = {}
+        self.released_slots: list[int] = []  # freed since the last scrub (if scrub_windows)
+
+    def seq_slot(self, seq_id: Hashable) -> int:
+        """The window slot of a registered sequence."""
+        return self._slot_of[seq_id]
+
+    def _take_slot(self, seq_id: Hashable) -> None:
+        if not self._free_slots:
+            raise RuntimeError(f"no free window slot for {seq_id!r}: all {self.num_seq_slots} "
+                               f"are held (the engine admits at most max_num_seqs sequences)")
+        self._slot_of[seq_id] = self._free_slots.pop()
+
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
+                     cache_key: bytes = b"") -> int:
+        cached = super().add_sequence(seq_id, token_ids, cache_key=cache_key)
+        self._take_slot(seq_id)
+        return cached
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """As `BlockManager.fork`; ValueError (the child is prefilled afresh) without a slot."""
+        if not self._free_slots:
+            raise ValueError(f"no free window slot to fork {child_id!r} into")
+        super().fork(parent_id, child_id)
+        self._take_slot(child_id)
+
+    def free(self, seq_id: Hashable) -> list[int]:
+        freed = super().free(seq_id)
+        slot = self._slot_of.pop(seq_id)
+        self._free_slots.append(slot)
+        if self.scrub_windows:
+            self.released_slots.append(slot)
+        return freed
+
+
+def _window(kv, slot: jax.Array):
+    return kv.k_residual[:, slot], kv.v_residual[:, slot]  # [L, W, K, D] each
+
+
+def _set_window(kv, slot: jax.Array, k: jax.Array, v: jax.Array):
+    return kv.replace(k_residual=kv.k_residual.at[:, slot].set(k),
+                      v_residual=kv.v_residual.at[:, slot].set(v))
+
+
+def _zero_windows(kv, slots: jax.Array):
+    return kv.replace(k_residual=kv.k_residual.at[:, slots].set(0),
+                      v_residual=kv.v_residual.at[:, slots].set(0))
+
+
+class WindowSwapSpace(HostSwapSpace):
+    """Host swap space for a KIVI pool: pages as `HostSwapSpace`, plus each sequence's window.
+
+    Args:
+        allocator: the engine's `WindowBlockManager` (which slot a sequence holds).
+    """
+
+    def __init__(self, allocator: WindowBlockManager):
+        super().__init__()
+        self.allocator = allocator
+        self._windows: dict[str, tuple[object, object]] = {}
+        self._window = jax.jit(_window)
+        self._set_window = jax.jit(_set_window, donate_argnums=0)
+        self._zero_windows = jax.jit(_zero_windows, donate_argnums=0)
+        self._copy_window = jax.jit(lambda kv, src, dst: kv.copy_window(src, dst),
+                                    donate_argnums=0)
+
+    @property
+    def num_compiles(self) -> int:
+        return super().num_compiles + sum(
+            f._cache_size() for f in (self._window, self._set_window, self._zero_windows,
+                                      self._copy_window))
+
+    @staticmethod
+    def _with_pages(kv, pages_kv):
+        return pages_kv.replace(k_residual=kv.k_residual, v_residual=kv.v_residual)
+
+    def swap_out(self, kv, seq_id: str, pages: list[int]) -> int:
+        """Copies the pages and the sequence's window to host memory; returns bytes moved."""
+        nbytes = super().swap_out(kv.pages_only(), seq_id, pages)
+        window = self._window(kv, jnp.int32(self.allocator.seq_slot(seq_id)))
+        self._windows[seq_id] = tuple(self._to_host(x) for x in window)
+        return nbytes + sum(x.nbytes for x in window)
+
+    def swap_in(self, kv, seq_id: str, pages: list[int], first: int) -> tuple[object, int]:
+        """Writes the pages back, and the window into the sequence's new slot."""
+        pages_kv, nbytes = super().swap_in(kv.pages_only(), seq_id, pages, first)
+        kv = self._with_pages(kv, pages_kv)
+        k, v = (self._to_device(x) for x in self._windows.pop(seq_id))
+        kv = self._set_window(kv, jnp.int32(self.allocator.seq_slot(seq_id)), k, v)
+        return kv, nbytes + k.nbytes + v.nbytes
+
+    def drop(self, seq_id: str) -> None:
+        super().drop(seq_id)
+        self._windows.pop(seq_id, None)
+
+    def scrub(self, kv, pages: list[int]):
+        """Zeroes freed pages and the windows of sequences freed since the last scrub."""
+        kv = self._with_pages(kv, super().scrub(kv.pages_only(), pages))
+        released = self.allocator.released_slots
+        if released:
+            # Repeating the last slot pads to a power of two: zeroing twice is harmless.
+            n = 1 << max(len(released) - 1, 0).bit_length()
+            slots = np.asarray(released + [released[-1]] * (n - len(released)), np.int32)
+            kv = self._zero_windows(kv, slots)
+            released.clear()
+        return kv
+
+    def copy_window(self, kv, parent_id: str, child_id: str):
+        """A forked child's window starts as a copy of its parent's."""
+        return self._copy_window(kv, jnp.int32(self.allocator.seq_slot(parent_id)),
+                                 jnp.int32(self.allocator.seq_slot(child_id)))
