@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import KVLayout, resolve_dtype
+from kvjax.engine import residual
 from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.request import (
     CompletionOutput,
@@ -47,6 +48,9 @@ from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.policies import LongestPrefixMatch, make_policy
+
+# Retention policies that evict whenever a sequence caches budget + P tokens, prefill included.
+_ROLLING_EVICTION = ("streaming", "h2o")
 
 
 def _bucket(n: int, minimum: int, maximum: int) -> int:
@@ -99,14 +103,32 @@ class Engine:
                 raise ValueError(f"kv_codec={config.kv_codec!r} needs the paged layout")
             from kvjax.kv import quantized  # Imported lazily: only quantized engines need it.
 
-            self.kv_bytes_per_token = quantized.kv_bytes_per_token(
-                mc, config.kv_codec, **config.kv_codec_options)
+            options = config.kv_codec_options
+            self.kv_bytes_per_token = quantized.kv_bytes_per_token(mc, config.kv_codec, **options)
+            # KIVI's per-sequence exact windows come out of an explicit byte budget first.
+            num_seq_slots = quantized.num_seq_slots_for(config.kv_codec, config.max_num_seqs,
+                                                        **options)
+            windows = quantized.residual_bytes(mc, num_seq_slots, config.kv_codec, **options)
+            budget = self._budget_bytes() - (windows if config.kv_budget_bytes else 0)
+            if budget < self.kv_bytes_per_token * config.page_size and not config.num_pages:
+                raise ValueError(f"kv_budget_bytes={config.kv_budget_bytes} holds no page "
+                                 f"beside {windows} bytes of KIVI windows")
             num_pages = config.num_pages or max(
-                int(self._budget_bytes() // (self.kv_bytes_per_token * config.page_size)), 1)
+                int(budget // (self.kv_bytes_per_token * config.page_size)), 1)
             self.kv = quantized.init_quantized_kv(mc, num_pages, config.page_size,
-                                                  config.kv_codec, **config.kv_codec_options)
-            self.allocator = BlockManager(num_pages, config.page_size,
-                                          enable_prefix_cache=config.enable_prefix_cache)
+                                                  config.kv_codec, num_seq_slots=num_seq_slots,
+                                                  **options)
+            if num_seq_slots:
+                if mesh is not None:
+                    raise ValueError(f"kv_codec={config.kv_codec!r} (KIVI windows) does not run "
+                                     f"on a mesh")
+                self.allocator = residual.WindowBlockManager(
+                    num_pages, config.page_size, num_seq_slots=num_seq_slots,
+                    enable_prefix_cache=config.enable_prefix_cache,
+                    scrub_windows=config.scrub_freed_pages)
+            else:
+                self.allocator = BlockManager(num_pages, config.page_size,
+                                              enable_prefix_cache=config.enable_prefix_cache)
         elif config.kv_layout is KVLayout.CONTIGUOUS:
             max_seqs = self._contiguous_slots()
             self.kv = init_contiguous_kv(mc, max_seqs, self.max_model_len, config.page_size,
@@ -125,7 +147,9 @@ class Engine:
         self.policy = make_policy(config.scheduler_policy)
         if isinstance(self.policy, LongestPrefixMatch):
             self.policy.cached_tokens = self._peek_cached_tokens
-        self.swap_space = HostSwapSpace()
+        self.swap_space = (residual.WindowSwapSpace(self.allocator)
+                           if isinstance(self.allocator, residual.WindowBlockManager)
+                           else HostSwapSpace())
         self._seqs: dict[str, Sequence] = {}
         self._requests: dict[str, list[str]] = {}  # request id -> its sequence ids
         self._request_meta: dict[str, dict] = {}
@@ -163,6 +187,29 @@ class Engine:
     def kv_bytes_per_page(self) -> int:
         return int(self.kv_bytes_per_token * self.config.page_size)
 
+    def calibrate_kv(self, prompts: Seq[Seq[int]], *, margin: float | None = None) -> None:
+        """Calibrates a `scaling='calibrated'` fp8 KV pool from calibration token sequences.
+
+        Runs the model densely over `prompts`, sets static per-layer, per-kv-head K and V
+        scales (margin * amax / fp8_max, kvjax.kv.calibration) and rebuilds the step programs
+        for them; the codec names, and so the provenance, carry the scales' digest. Call it
+        before serving (no request in flight), and again to recalibrate.
+        """
+        from kvjax.kv import calibration, quantized  # Imported lazily: fp8 engines only.
+
+        if self.has_unfinished():
+            raise ValueError("calibrate_kv needs an idle engine: requests are in flight")
+        codec = getattr(self.kv, "codec", None)
+        if not isinstance(codec, quantized.codecs.Fp8Codec) or codec.scaling.value != \
+                "calibrated":
+            raise ValueError(f"calibrate_kv needs kv_codec fp8_e4m3/fp8_e5m2 with "
+                             f"scaling='calibrated', got {self.config.kv_codec!r} "
+                             f"{self.config.kv_codec_options}")
+        k_scale, v_scale = calibration.fp8_kv_scales(
+            self.model.params, self.model.config, prompts, codec.fmt,
+            margin=calibration.DEFAULT_MARGIN if margin is None else margin)
+        self.kv = quantized.calibrate_fp8(self.kv, k_scale, v_scale)
+
     @property
     def num_compiles(self) -> int:
         """Programs compiled so far; flat once every step shape has been seen."""
@@ -193,6 +240,8 @@ class Engine:
     def validate_request(self, request_id: str, prompt_ids: Seq[int],
                          sampling: SamplingParams) -> list[int]:
         """Checks a request; raises ValueError naming the problem."""
+        if hasattr(self.kv, "check_ready"):  # A calibrated fp8 pool needs its scales first.
+            self.kv.check_ready()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
@@ -211,8 +260,8 @@ class Engine:
             raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens does not "
                              f"fit the context length {self.max_model_len} (at least one token "
                              f"must be generated)")
-        need = pages_for(min(len(prompt) + sampling.max_new_tokens, self.max_model_len),
-                         self.config.page_size)
+        need = self._max_pages_held(min(len(prompt) + sampling.max_new_tokens,
+                                        self.max_model_len))
         if self.config.kv_layout is KVLayout.PAGED and need * sampling.n > self.num_pages:
             raise ValueError(f"request {request_id!r} needs {need * sampling.n} KV pages but "
                              f"the pool has {self.num_pages}")
@@ -355,6 +404,23 @@ class Engine:
             src = np.concatenate([src, np.full(n - len(src), src[-1], np.int32)])
             dst = np.concatenate([dst, np.full(n - len(dst), dst[-1], np.int32)])
             self.kv = self.runner.copy_pages(self.kv, src, dst)
+
+    def _max_pages_held(self, num_tokens: int) -> int:
+        """The most pages a sequence of `num_tokens` tokens (prompt + output) holds at once.
+
+        Admission takes pages a chunk at a time, so this only decides whether a request can
+        ever fit the pool. A policy that evicts as it goes (streaming, h2o) caches fewer than
+        budget + P tokens before a step and at most one prefill chunk more after it, and a
+        compaction may take up to the budget's pages before it frees the old ones; so its
+        requests may be longer than the pool. SnapKV keeps a whole prefill (after a recompute,
+        prompt and output) before it compresses, so it gets no bound below its full length.
+        """
+        p, policy = self.config.page_size, self.retention.policy
+        full = pages_for(num_tokens, p)
+        if policy.name not in _ROLLING_EVICTION:
+            return full
+        uncompacted = pages_for(policy.budget + p - 1 + self.config.max_prefill_chunk, p)
+        return min(full, uncompacted + pages_for(policy.budget, p))
 
     def _can_admit(self, num_new_pages: int) -> bool:
         reserve = int(self.config.watermark * self.num_pages)
@@ -793,6 +859,8 @@ class Engine:
             buf["top_p"][r] = p.top_p
             buf["seeds"][r] = seq.seed
             buf["counters"][r] = len(seq.tokens) - seq.num_prompt_tokens
+            if isinstance(self.allocator, residual.WindowBlockManager):
+                buf["seq_slots"][r] = self.allocator.seq_slot(seq.seq_id)
         row_index = [i if i < num_decode else bd + (i - num_decode) for i in range(len(rows))]
         return shape, buf, row_index
 
@@ -890,6 +958,8 @@ class Engine:
                 continue
             self.retention.fork(parent.seq_id, child.seq_id)
             self._apply_copies(copies)
+            if isinstance(self.swap_space, residual.WindowSwapSpace):
+                self.kv = self.swap_space.copy_window(self.kv, parent.seq_id, child.seq_id)
             child.num_computed = parent.num_computed
             child.status = SeqStatus.RUNNING
             self._seqs[child.seq_id] = child
