@@ -650,7 +650,7 @@ for it in range(ITERATIONS):
         in_flight.append(num_in_flight(engine))
         stale_reads.append(engine.stats["stale_kv_reads"])
         if previous is not None and steps == UPDATE_EVERY:
-            metrics = trainer.update(*previous)
+            trainer.update(*previous)
             engine.update_weights(trainer.params, f"v{trainer.num_updates}")
             update_steps.append(len(in_flight))
             previous = None
@@ -704,7 +704,7 @@ fig.tight_layout()"""),
 - `RECOMPUTE`: drop their KV and re-prefill prompt and generated tokens under the new weights
   (costs prefill tokens; later tokens come from the new policy);
 - `FINISH_OLD`: finish them under the old weights, kept in memory until they drain (no extra
-  compute, but the whole batch is sampled by the old policy);
+  compute, but those samples come entirely from the old policy);
 - `ABORT`: end them now with `FinishReason.ABORT`; the rollout masks them out of the loss.
 
 Each policy gets the same batch (same prompts, same seeds), with an update `UPDATE_EVERY`
@@ -766,13 +766,13 @@ axes[4].tick_params(axis="x", labelsize=8)
 axes[4].set(ylabel="tokens", title="Prefill tokens beyond the baseline")
 fig.tight_layout()"""),
     ("md", """\
-`RECOMPUTE` pays for the switch in prefill tokens (every in-flight sample re-reads its
+`RECOMPUTE` pays for the switch in prefill tokens (every in-flight sample re-prefills its
 prompt and what it generated so far) and then samples from the new policy; `FINISH_OLD` pays
-nothing extra but the whole batch is off-policy by one update (GRPO's clipped ratio,
-computed against the logprobs the engine recorded, corrects for that); `ABORT` wastes the
-tokens it drops. In every case the stale-KV counter stays 0, which is the engine's
-provenance contract: the weights version is part of each page's fingerprint, so pages and
-prefix-cache entries written by other weights are never read.
+nothing extra but its samples are off-policy by one update (GRPO takes its clipped ratio
+against the logprobs the engine recorded under the weights that sampled each token);
+`ABORT` wastes the tokens it drops. In every case the stale-KV counter stays 0, which is the
+engine's provenance contract: the weights version is part of each page's fingerprint, so
+pages and prefix-cache entries written by other weights are never read.
 
 To go further: `scripts/rl_rollout.py --in_flight=finish_old`, or train the decoder layers
 (`GRPOConfig(trainable=("layers",), learning_rate=1e-5)`)."""),
