@@ -139,7 +139,8 @@ def format_signature(name: str, obj: Any, *, drop_first: bool = False) -> str | 
         params = [p.replace(default=_Annotation("<factory>" if "<" in made[p.name]
                                                 else f"{made[p.name]}()"))
                   if p.name in factories else p for p in params]
-    sig = sig.replace(parameters=params, return_annotation=_bare(sig.return_annotation))
+    ret = inspect.Signature.empty if inspect.isclass(obj) else _bare(sig.return_annotation)
+    sig = sig.replace(parameters=params, return_annotation=ret)
     text = _ADDRESS.sub("", f"{name}{sig}")
     if len(text) <= MAX_SIGNATURE_LINE:
         return text
