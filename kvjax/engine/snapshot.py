@@ -51,6 +51,18 @@ SNAPSHOT_FORMAT = 1
 # ----------------------------------------------------------------------------- KV pages
 
 
+def _check_pages_hold_all_kv(engine: Engine) -> None:
+    """Raises ValueError when part of a sequence's KV lives outside its pages."""
+    retention = getattr(engine, "retention", None)
+    if retention is not None and not retention.is_exact:
+        # Such sequences hold fewer pages than tokens, plus policy state a snapshot lacks.
+        raise ValueError(f"snapshots need exact KV; the engine runs retention="
+                         f"{engine.config.retention!r}")
+    if getattr(engine.kv, "k_residual", None) is not None:
+        raise ValueError(f"snapshots carry pages only; kv_codec={engine.config.kv_codec!r} "
+                         f"keeps each sequence's recent tokens in a KIVI window outside them")
+
+
 def _page_leaves(kv) -> list[jax.Array]:
     """The KV pytree's leaves viewed page-major, each [L, num_pages, ...]."""
     if isinstance(kv, ContiguousKV):
@@ -144,11 +156,7 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
     path = Path(directory).expanduser().resolve()
     if path.exists():
         raise ValueError(f"snapshot directory {path} already exists")
-    retention = getattr(engine, "retention", None)
-    if retention is not None and not retention.is_exact:
-        # Such sequences hold fewer pages than tokens, plus policy state a snapshot lacks.
-        raise ValueError(f"snapshots need exact KV; the engine runs retention="
-                         f"{engine.config.retention!r}")
+    _check_pages_hold_all_kv(engine)
     chosen = list(engine._requests) if request_ids is None else list(request_ids)
     for request_id in chosen:
         if request_id not in engine._requests:
@@ -261,6 +269,7 @@ def restore_snapshot(engine: Engine, directory: str | os.PathLike) -> list[str]:
     path = Path(directory).expanduser().resolve()
     if not path.is_dir():
         raise ValueError(f"no snapshot directory at {path}")
+    _check_pages_hold_all_kv(engine)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         meta = checkpointer.restore(path, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore()))["meta"]

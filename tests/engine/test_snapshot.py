@@ -151,3 +151,19 @@ def test_restore_refuses_a_mismatched_snapshot_and_changes_nothing(model, prompt
         save_snapshot(source, tmp_path / "snap")
     with pytest.raises(ValueError, match="'nope'"):
         save_snapshot(source, tmp_path / "other", request_ids=["nope"])
+
+
+def test_snapshot_refuses_kivi_windows_outside_the_pages(model, prompts, tmp_path):
+    config = EngineConfig(**dict(CONFIG, kv_codec="kivi4", enable_prefix_cache=False,
+                                 kv_codec_options=dict(group=4, residual=4)))
+    source = Engine(model, config)
+    _submit(source, prompts)
+    source.step()
+    with pytest.raises(ValueError, match="KIVI window"):
+        save_snapshot(source, tmp_path / "snap")
+    plain = Engine(model, EngineConfig(**CONFIG))
+    _submit(plain, prompts)
+    plain.step()
+    save_snapshot(plain, tmp_path / "plain")
+    with pytest.raises(ValueError, match="KIVI window"):
+        restore_snapshot(Engine(model, config), tmp_path / "plain")
