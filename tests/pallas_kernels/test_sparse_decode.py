@@ -29,6 +29,8 @@ def make_case(seed: int, kv_lens: list[int], num_read: int, *, page_size: int,
     block_tables, _ = paged_layout(rng, kv_lens, page_size)
     kv_lens_arr = jnp.asarray(kv_lens, jnp.int32)
     scores = jnp.asarray(rng.standard_normal(block_tables.shape), jnp.float32)
+    # A budget above the table width reads every page (as dispatch.quest_sparse_decode clamps).
+    num_read = min(num_read, block_tables.shape[1])
     page_indices, _ = quest.select_pages(scores, kv_lens_arr, page_size, num_read)
     read = np.asarray(selected_token_mask(jnp.asarray(block_tables), kv_lens_arr, page_indices,
                                           page_size))  # [B, W*P]
