@@ -108,6 +108,22 @@ def _quantized_codecs(kv: Any) -> tuple[Any, Any]:
     return k_codec, v_codec
 
 
+def unsupported_reason(kv: Any) -> str | None:
+    """Why no kernel reads `kv` on this backend; None when `layer_attention_fns` can."""
+    if isinstance(kv, quest.QuestKV):
+        return unsupported_reason(kv.base)
+    if hasattr(kv, "layer_pages"):
+        return None
+    if not hasattr(kv, "k_stored"):
+        return f"attention_impl=pallas has no kernel for a {type(kv).__name__}"
+    try:
+        _quantized_codecs(kv)
+        _check_gpu_only("quantized decode")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def layer_attention_fns(kv: Any, layer: jax.Array) -> tuple[DecodeFn, PrefillFn]:
     """(decode_fn, prefill_fn) over one layer of `kv`, for the state's layout (module table).
 
@@ -117,15 +133,15 @@ def layer_attention_fns(kv: Any, layer: jax.Array) -> tuple[DecodeFn, PrefillFn]
     """
     if isinstance(kv, quest.QuestKV):
         return layer_attention_fns(kv.base, layer)
+    reason = unsupported_reason(kv)
+    if reason is not None:
+        raise ValueError(reason)
     decode_fn, prefill_fn = attention_fns()
     if hasattr(kv, "layer_pages"):
         k_pages, v_pages = kv.layer_pages(layer)  # [num_pages, P, K, D] each
         return (lambda q, bt, lens: decode_fn(q, k_pages, v_pages, bt, lens),
                 lambda q, bt, lens, q_lens: prefill_fn(q, k_pages, v_pages, bt, lens, q_lens))
-    if not hasattr(kv, "k_stored"):
-        raise ValueError(f"attention_impl=pallas has no kernel for a {type(kv).__name__}")
     codec, _ = _quantized_codecs(kv)
-    _check_gpu_only("quantized decode")
     k_stored = {name: x[layer] for name, x in kv.k_stored.items()}  # [num_pages, P, ...]
     v_stored = {name: x[layer] for name, x in kv.v_stored.items()}
     decode = functools.partial(quantized_decode_attention, k_stored=k_stored,

@@ -7,6 +7,7 @@ import enum
 
 from kvjax.config import KVLayout
 from kvjax.engine.step import AttentionImpl
+from kvjax.kv import quantized
 from kvjax.kv.retention import make_retention
 from kvjax.memory.tiers import TierConfig
 
@@ -105,8 +106,13 @@ class EngineConfig:
         if self.kv_codec == "none":
             return
         if self.attention_impl is AttentionImpl.PALLAS:
-            raise ValueError(f"attention_impl=PALLAS has no kernel for kv_codec="
-                             f"{self.kv_codec!r} yet; use AUTO or REFERENCE")
+            from pallas_kernels.quantized_decode.kernel import code_format  # Kernel code: lazy.
+
+            try:
+                code_format(quantized.make_codec(self.kv_codec, **self.kv_codec_options))
+            except ValueError as e:
+                raise ValueError(f"attention_impl=PALLAS: {e}; use AUTO (the reference where "
+                                 f"no kernel reads the codec) or REFERENCE") from None
         if not self.kv_codec.startswith("kivi"):
             return
         # KIVI keeps each sequence's recent tokens in a window beside the pages

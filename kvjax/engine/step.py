@@ -135,10 +135,17 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
 PAGES_PER_BLOCK = 8  # Block tables are padded to a multiple of this.
 
 
-def _resolve(impl: AttentionImpl) -> AttentionImpl:
-    if impl is AttentionImpl.AUTO:
-        return AttentionImpl.REFERENCE if jax.default_backend() == "cpu" else AttentionImpl.PALLAS
-    return impl
+def _resolve(impl: AttentionImpl, kv: KVState) -> AttentionImpl:
+    """AUTO: the Pallas kernels on GPU/TPU where one reads this KV state, else the reference."""
+    if impl is not AttentionImpl.AUTO:
+        return impl
+    if jax.default_backend() == "cpu":
+        return AttentionImpl.REFERENCE
+    from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
+
+    if dispatch.unsupported_reason(kv) is None:
+        return AttentionImpl.PALLAS
+    return AttentionImpl.REFERENCE
 
 
 def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, shape: StepShape,
@@ -151,13 +158,11 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
     if impl is AttentionImpl.PALLAS:
         from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
 
-        decode_attn, prefill_attn = dispatch.attention_fns()
-        k_pages, v_pages = kv.layer_pages(layer)  # [num_pages, P, K, D]
+        decode_attn, prefill_attn = dispatch.layer_attention_fns(kv, layer)
         if bd:
-            outs.append(decode_attn(q[:bd], k_pages, v_pages, bt[:bd], kv_lens[:bd]))
+            outs.append(decode_attn(q[:bd], bt[:bd], kv_lens[:bd]))
         if bp:
-            out = prefill_attn(q[bd:].reshape(bp, c, n, d), k_pages, v_pages, bt[bd:],
-                               kv_lens[bd:], q_lens[bd:])
+            out = prefill_attn(q[bd:].reshape(bp, c, n, d), bt[bd:], kv_lens[bd:], q_lens[bd:])
             outs.append(out.reshape(bp * c, n, d))
         return jnp.concatenate(outs, axis=0)
     blockwise = functools.partial(attention_ref.paged_attention_blockwise,
@@ -190,7 +195,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     """
     bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
     q_lens = inp.q_lens
-    impl = _resolve(attention_impl)
+    impl = _resolve(attention_impl, kv)
     scores_keys = retention is not None and retention.scores_keys
 
     def attend(layer, q, k, v, carry):

@@ -224,8 +224,10 @@ def test_calibrated_fp8_engine_needs_calibration_then_tracks_exact_kv(model, pro
 
 
 def test_codec_configs_that_cannot_run_are_refused():
-    with pytest.raises(ValueError, match="PALLAS"):
-        EngineConfig(kv_codec="int8", attention_impl="pallas")
+    EngineConfig(kv_codec="int8", attention_impl="pallas")  # the quantized decode kernel
+    for codec, options in (("kivi2", {}), ("fp8_e4m3", {"scaling": "calibrated"})):
+        with pytest.raises(ValueError, match="PALLAS"):
+            EngineConfig(kv_codec=codec, kv_codec_options=options, attention_impl="pallas")
     with pytest.raises(ValueError, match="enable_prefix_cache=False"):
         EngineConfig(kv_codec="kivi2", kv_codec_options={"residual": 32})
     with pytest.raises(ValueError, match="retention"):

@@ -154,7 +154,8 @@ def test_rejects_bad_arguments():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_engine_pallas_gives_the_reference_greedy_tokens():
-    """Chunked prefill (chunks of 8 over pages of 4) then decode, all through the kernels."""
+    """Chunked prefill (chunks of 8 over pages of 4) then decode through the kernels, exact and
+    int8 KV."""
     model = tiny_model()
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 120, size=n)] for n in (3, 13, 21)]
@@ -162,9 +163,12 @@ def test_engine_pallas_gives_the_reference_greedy_tokens():
     base = dict(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=16,
                 max_prefill_chunk=8, min_chunk_bucket=8)
     got = {}
-    for impl in (AttentionImpl.REFERENCE, AttentionImpl.PALLAS):
-        engine = Engine(model, EngineConfig(attention_impl=impl, **base))
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
-        got[impl] = [o.outputs[0].token_ids for o in outs]
-    assert got[AttentionImpl.PALLAS] == got[AttentionImpl.REFERENCE]
-    assert got[AttentionImpl.PALLAS] == [greedy_reference(model, p, max_new) for p in prompts]
+    for codec in ("none", "int8"):
+        for impl in (AttentionImpl.REFERENCE, AttentionImpl.PALLAS):
+            engine = Engine(model, EngineConfig(attention_impl=impl, kv_codec=codec, **base))
+            outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
+            got[codec, impl] = [o.outputs[0].token_ids for o in outs]
+        # int8 decode reads codes in the quantized kernel; its prefill dequantizes in jnp.
+        assert got[codec, AttentionImpl.PALLAS] == got[codec, AttentionImpl.REFERENCE], codec
+    assert got["none", AttentionImpl.PALLAS] == [greedy_reference(model, p, max_new)
+                                                 for p in prompts]
