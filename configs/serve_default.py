@@ -32,7 +32,9 @@ def get_config() -> ConfigDict:
     config.engine.max_model_len = 2048  # context limit (prompt + output); None: the model's
     config.engine.scheduler_policy = "fcfs"  # fcfs, priority, lpm (prefix-aware), fair (tenants)
     config.engine.enable_prefix_cache = True  # share full prompt pages across requests
-    config.engine.preemption_mode = "recompute"  # recompute or swap (to host memory)
+    # recompute, swap (to host memory: the host tier when tiers are on) or auto (per sequence,
+    # whichever a cost model estimates cheaper)
+    config.engine.preemption_mode = "recompute"
     config.engine.watermark = 0.01  # fraction of pages kept free when admitting
     config.engine.scrub_freed_pages = False  # zero pages when they are freed
     config.engine.attention_impl = "auto"  # auto (Pallas on GPU/TPU), reference or pallas
@@ -40,16 +42,36 @@ def get_config() -> ConfigDict:
     config.kv = ConfigDict()
     config.kv.codec = "none"  # KV codec: none, int8, int4, int2, fp8_e4m3, fp8_e5m2, kivi4, kivi2
     config.kv.codec_options = ConfigDict()  # codec keyword options, e.g. group, residual
-    config.kv.retention = "none"  # token retention policy (sparse KV); only none exists yet
-    config.kv.budget = config_dict.placeholder(int)  # tokens retention keeps per sequence
+    # Token retention policy (kvjax.kv.retention): none, streaming, h2o, snapkv, quest. All but
+    # none need the paged layout and no tiers; streaming, h2o and snapkv also need codec none
+    # and recompute preemption.
+    config.kv.retention = "none"
+    # Tokens each sequence keeps (quest: reads per decode query). A value in (0, 1) is a
+    # fraction of engine.max_model_len, floored to whole tokens. None for retention none.
+    config.kv.budget = config_dict.placeholder(float)
+    config.kv.retention_options = ConfigDict()  # policy keyword options, e.g. num_sinks, window
 
+    # Host and disk tiers below the device pool (kvjax.memory.tiers). With a host tier,
+    # evicted prefix-cache pages spill to host (then disk) and load back on a later hit, and
+    # swaps go through the tiers' checked transfers.
     config.tiers = ConfigDict()
-    config.tiers.host_budget_mb = config_dict.placeholder(float)  # host swap MiB; None: unbounded
-    config.tiers.disk_budget_mb = 0.0  # disk tier MiB; 0: no disk tier
-    config.tiers.transfer_layout = "page_first"  # layout of pages in flight between tiers
-    config.tiers.fault_injection = ConfigDict()
+    # Host tier MiB; None or 0: no tiers (swap preemption then uses unbounded host memory).
+    config.tiers.host_budget_mb = config_dict.placeholder(float)
+    config.tiers.disk_budget_mb = 0.0  # disk tier MiB (needs a host tier); 0: no disk tier
+    config.tiers.disk_dir = config_dict.placeholder(str)  # disk tier parent dir; None: tmp
+    config.tiers.transfer_layout = "page_first"  # page_first (chunks of pages) or per_page
+    config.tiers.max_chunk_pages = 64  # most pages in one page-first transfer
+    config.tiers.timeout_polls = 64  # engine steps a transfer may stay in flight
+    config.tiers.max_inflight_loads = 4  # most sequences loading from the tiers at once
+    # Inputs of preemption_mode=auto's cost model; None: measured.
+    config.tiers.swap_bandwidth_bytes_per_s = config_dict.placeholder(float)
+    config.tiers.recompute_tokens_per_s = config_dict.placeholder(float)
+    config.tiers.fault_injection = ConfigDict()  # seeded faults in tier transfers (host tier)
     config.tiers.fault_injection.transfer_failure_rate = 0.0  # fraction of transfers that fail
-    config.tiers.fault_injection.corruption_rate = 0.0  # fraction of transfers corrupted
+    config.tiers.fault_injection.corruption_rate = 0.0  # fraction corrupted (checksum catches)
+    config.tiers.fault_injection.delay_rate = 0.0  # fraction landing delay_polls steps late
+    config.tiers.fault_injection.delay_polls = 3  # how late a delayed transfer lands
+    config.tiers.fault_injection.seed = 0  # which transfers fail, and which bytes flip
 
     config.workload = ConfigDict()
     config.workload.name = "poisson"  # a generator in kvjax.bench.workloads.WORKLOADS
@@ -80,7 +102,9 @@ def get_config() -> ConfigDict:
     config.sim.step_overhead_s = 0.1  # fixed cost of a step
     config.sim.per_token_s = 0.006  # per padded token in the step (T)
     config.sim.per_context_token_s = 2e-5  # per KV token the step's rows attend to (S)
-    config.sim.host_bytes_per_s = 10e9  # swap bandwidth between device and host memory
+    # device <-> host bandwidth: swaps, and with tiers every spill and load (disk traffic is
+    # not charged)
+    config.sim.host_bytes_per_s = 10e9
 
     config.quality = ConfigDict()
     config.quality.enabled = True  # score non-exact KV variants against exact KV

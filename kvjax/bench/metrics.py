@@ -32,11 +32,14 @@ METRIC_KEYS: tuple[str, ...] = (
     "goodput_req_s",
     "kv_utilization_mean",
     "kv_utilization_peak",
+    "kv_reserved_mean_bytes",
+    "kv_reserved_peak_bytes",
     "prefix_hit_rate",
     "preemptions",
     "bytes_moved",
     "energy_j_est",
     "quality",
+    "retrieval_accuracy",
     "fairness",
     "compiles_after_warmup",
     "failed_requests",
@@ -90,6 +93,8 @@ class RequestRecord:
         num_output_tokens: tokens generated.
         error: why it failed, or None if it succeeded.
         num_cached_prompt_tokens: prompt tokens served from the prefix cache.
+        is_correct: for a retrieval probe (a needle prompt), whether the output holds the
+            expected answer; None for other requests.
     """
 
     request_id: str
@@ -102,6 +107,7 @@ class RequestRecord:
     num_output_tokens: int
     error: str | None
     num_cached_prompt_tokens: int = 0
+    is_correct: bool | None = None
 
 
 def _validate_record(r: RequestRecord) -> None:
@@ -203,6 +209,19 @@ def _kv_utilization(kv_samples: Sequence[tuple[float, float, float]]
     return float(mean), float(np.max(utilization))
 
 
+def _kv_reserved(kv_samples: Sequence[tuple[float, float, float]]
+                 ) -> tuple[float | None, float | None]:
+    """Time-weighted mean and peak of allocated KV bytes; each sample holds until the next."""
+    samples = np.asarray(sorted(kv_samples, key=lambda s: s[0]), dtype=np.float64)
+    if samples.size == 0:
+        return None, None
+    times, _, allocated = samples.T  # [num_samples] each
+    held = np.append(np.diff(times), 0.0)  # [num_samples]
+    mean = (np.sum(allocated * held) / np.sum(held) if np.sum(held) > 0
+            else np.mean(allocated))
+    return float(mean), float(np.max(allocated))
+
+
 def _fairness(served: Sequence[RequestRecord], records: Sequence[RequestRecord]
               ) -> dict[str, Any] | None:
     names = sorted({r.tenant or "default" for r in records})
@@ -277,6 +296,8 @@ def compute_metrics(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_
     ttfts = [t for t in map(_ttft, served) if t is not None]
     tpots = [t for t in map(_tpot, served) if t is not None]
     kv_mean, kv_peak = _kv_utilization(kv_samples or [])
+    reserved_mean, reserved_peak = _kv_reserved(kv_samples or [])
+    probes = [r.is_correct for r in served if r.is_correct is not None]
 
     query_tokens = counters.get("prefix_query_tokens")
     prefix_hit_rate = (counters.get("prefix_hit_tokens", 0) / query_tokens
@@ -300,11 +321,14 @@ def compute_metrics(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_
         / duration_s,
         "kv_utilization_mean": kv_mean,
         "kv_utilization_peak": kv_peak,
+        "kv_reserved_mean_bytes": reserved_mean,
+        "kv_reserved_peak_bytes": reserved_peak,
         "prefix_hit_rate": prefix_hit_rate,
         "preemptions": counters.get("preemptions"),
         "bytes_moved": bytes_moved,
         "energy_j_est": None if energy is None else float(energy),
         "quality": None if quality is None else _validated_quality(quality),
+        "retrieval_accuracy": float(np.mean(probes)) if probes else None,
         "fairness": _fairness(served, records),
         "compiles_after_warmup": counters.get("compiles_after_warmup"),
         "failed_requests": len(records) - len(served),
@@ -362,10 +386,10 @@ def quality_stats(logp_ref: np.ndarray, logp_test: np.ndarray) -> dict[str, floa
 
 DEFAULT_TABLE_COLUMNS: tuple[str, ...] = (
     "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tok_s",
-    "goodput_req_s", "kv_utilization_mean", "kv_utilization_peak", "prefix_hit_rate",
-    "preemptions", "bytes_moved.device", "bytes_moved.host", "bytes_moved.disk",
+    "goodput_req_s", "kv_utilization_mean", "kv_utilization_peak", "kv_reserved_peak_bytes",
+    "prefix_hit_rate", "preemptions", "bytes_moved.device", "bytes_moved.host", "bytes_moved.disk",
     "energy_j_est", "quality.kl_mean", "quality.kl_max", "quality.top1_agreement",
-    "fairness.jain_output_tokens", "failed_requests",
+    "retrieval_accuracy", "fairness.jain_output_tokens", "failed_requests",
 )
 
 

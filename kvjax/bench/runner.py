@@ -15,8 +15,9 @@ Clocks (`config.clock`):
             overhead_s + per_token_s * T + per_context_token_s * S + host_bytes / host_bytes_per_s
 
         with T the step's padded token count (what static-shape hardware computes), S the
-        sum of its rows' KV lengths (the context attention reads) and host_bytes the bytes
-        swapped since the previous step. When the engine is idle the clock jumps to the next
+        sum of the KV lengths its rows read (what retention kept; quest's decode rows at most
+        its budget) and host_bytes the device-host traffic since the previous step (swaps,
+        and with tiers on, spills and loads). When the engine is idle the clock jumps to the next
         arrival. Tokens are stamped with the clock after their step's cost is added.
 
 Counters (estimates from the model config and each step's token layout, not measurements):
@@ -25,14 +26,21 @@ Counters (estimates from the model config and each step's token layout, not meas
     bytes_moved.device: every weight read once per step, plus KV written for the step's real
         tokens and KV read for its rows' contexts (at the engine's bytes per token, codec
         included), plus both sides of copy-on-write page copies.
-    bytes_moved.host: the engine's swap traffic (`stats['swap_bytes']`).
-    bytes_moved.disk: 0 (no disk tier exists).
+    bytes_moved.host: device <-> host traffic, both ways: the tiers' counters with a host
+        tier (swaps, prefix-cache spills and loads), else the swap traffic
+        (`stats['swap_bytes']`).
+    bytes_moved.disk: host <-> disk traffic of the disk tier (0 without one).
 
-Quality (only for a non-exact variant: a quantized codec, or a KV dtype other than the
-model's): for the first `quality.num_prompts` prompts an exact engine generates
-`quality.num_tokens` greedy tokens; the exact and the variant engine then score prompt +
-continuation teacher-forced (`score_tokens`), and `quality_stats` compares the rows that
-predict the continuation.
+Quality (only for a non-exact variant: a quantized codec, a retention policy, or a KV dtype
+other than the model's), on the first `quality.num_prompts` prompts. Without retention an
+exact engine generates `quality.num_tokens` greedy tokens; the exact and the variant engine
+then score prompt + continuation teacher-forced (`score_tokens`). With retention (which acts
+between steps, so a single prefill would not show it) the variant decodes the tokens step
+by step, keeping each step's logits, and the exact engine scores prompt + those tokens.
+`quality_stats` compares the rows that predict the continuation.
+
+Retrieval: a request with an `answer` (a needle probe) is correct when its decoded output
+contains the answer (`retrieval_accuracy`).
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ from kvjax.engine.config import EngineConfig
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import RequestOutput
 from kvjax.engine.step import LogitsMode, StepShape
+from kvjax.memory.tiers import TierConfig
+from kvjax.memory.transfer import FaultConfig
 from kvjax.models.loading import load_model
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
@@ -81,19 +91,8 @@ from kvjax.sampling import SamplingParams
 TABLE_COLUMNS: tuple[str, ...] = (
     "num_requests", "duration_s", *DEFAULT_TABLE_COLUMNS, "compiles_after_warmup")
 
-# Config fields nothing implements yet, with the values that mean "feature off".
-_INACTIVE_VALUES: dict[str, tuple[Any, ...]] = {
-    "kv.retention": ("none",),
-    "kv.budget": (None,),
-    "tiers.host_budget_mb": (None,),
-    "tiers.disk_budget_mb": (None, 0, 0.0),
-    "tiers.transfer_layout": ("page_first",),
-    "tiers.fault_injection.transfer_failure_rate": (0, 0.0),
-    "tiers.fault_injection.corruption_rate": (0, 0.0),
-}
-
 # Sections whose keys are free-form keyword arguments, so an override may add a key.
-_OPEN_SECTIONS = ("workload.params", "kv.codec_options")
+_OPEN_SECTIONS = ("workload.params", "kv.codec_options", "kv.retention_options")
 
 # A stuck engine (work queued, nothing schedulable) would otherwise spin forever.
 _MAX_IDLE_STEPS = 1000
@@ -213,20 +212,8 @@ def apply_overrides(config: ConfigDict, overrides: Mapping[str, Any]) -> ConfigD
     return config
 
 
-def _lookup(config: ConfigDict, field: str) -> Any:
-    node = config
-    for part in field.split("."):
-        node = node[part]
-    return node
-
-
 def check_supported(config: ConfigDict) -> None:
-    """Raises ValueError "not yet supported: <field>" for a feature nothing implements."""
-    for field, inactive in _INACTIVE_VALUES.items():
-        value = _lookup(config, field)
-        if value not in inactive:
-            raise ValueError(f"not yet supported: {field}={value!r} (leave it at "
-                             f"{inactive[0]!r}; no kvjax component implements it yet)")
+    """Raises ValueError for a config no run can honour (checked before anything loads)."""
     if config.kv.codec != "none" and importlib.util.find_spec("kvjax.kv.quantized") is None:
         raise ValueError(f"not yet supported: kv.codec={config.kv.codec!r} (the engine's "
                          f"quantized KV state, kvjax.kv.quantized, is not installed)")
@@ -236,8 +223,54 @@ def check_supported(config: ConfigDict) -> None:
                 raise ValueError(f"sim.{name} must be finite and >= 0, got {value!r}")
 
 
+def retention_budget_from(config: ConfigDict) -> int | None:
+    """`kv.budget` in tokens per sequence.
+
+    A value in (0, 1) is a fraction of the context limit `engine.max_model_len`, floored to
+    whole tokens (at least 1); a value >= 1 is a token count and must be whole.
+    """
+    budget, max_len = config.kv.budget, config.engine.max_model_len
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
+        raise ValueError(f"kv.budget must be > 0 (tokens, or a fraction in (0, 1) of "
+                         f"engine.max_model_len), got {budget!r}")
+    if budget < 1:
+        if max_len is None:
+            raise ValueError(f"kv.budget={budget!r} is a fraction of engine.max_model_len, "
+                             f"which is None; give tokens or set engine.max_model_len")
+        return max(1, math.floor(budget * max_len))
+    if not float(budget).is_integer():
+        raise ValueError(f"kv.budget={budget!r} must be whole tokens when >= 1")
+    return int(budget)
+
+
+def tier_config_from(config: ConfigDict) -> TierConfig:
+    """The `TierConfig` of a benchmark config's `tiers` section (None or 0 MiB host: off)."""
+    t, f = config.tiers, config.tiers.fault_injection
+    faults = FaultConfig(fail_fraction=f.transfer_failure_rate,
+                         corrupt_fraction=f.corruption_rate, delay_fraction=f.delay_rate,
+                         delay_polls=f.delay_polls, seed=f.seed)
+    host_bytes = int((t.host_budget_mb or 0) * 2**20)
+    if not host_bytes and (faults.enabled or t.disk_budget_mb):
+        raise ValueError(f"tiers.fault_injection and tiers.disk_budget_mb need a host tier "
+                         f"(tiers.host_budget_mb > 0), got host_budget_mb={t.host_budget_mb!r}")
+    return TierConfig(
+        host_bytes=host_bytes, disk_bytes=int((t.disk_budget_mb or 0) * 2**20),
+        disk_dir=t.disk_dir, transfer_layout=t.transfer_layout,
+        max_chunk_pages=t.max_chunk_pages, timeout_polls=t.timeout_polls,
+        max_inflight_loads=t.max_inflight_loads,
+        swap_bandwidth_bytes_per_s=t.swap_bandwidth_bytes_per_s,
+        recompute_tokens_per_s=t.recompute_tokens_per_s, faults=faults)
+
+
 def engine_config_from(config: ConfigDict) -> EngineConfig:
-    """The `EngineConfig` of a benchmark config's `engine` and `kv` sections."""
+    """The `EngineConfig` of a benchmark config's `engine`, `kv` and `tiers` sections.
+
+    Raises:
+        ValueError: for an invalid value or combination (e.g. retention with tiers, an
+            evicting retention policy with a quantized codec or swap preemption).
+    """
     e = config.engine
     budget = None if e.kv_budget_mb is None else int(e.kv_budget_mb * 2**20)
     return EngineConfig(
@@ -249,7 +282,9 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
         enable_prefix_cache=e.enable_prefix_cache, scheduler_policy=e.scheduler_policy,
         preemption_mode=e.preemption_mode, watermark=e.watermark,
         scrub_freed_pages=e.scrub_freed_pages, attention_impl=e.attention_impl,
-        min_chunk_bucket=e.min_chunk_bucket)
+        min_chunk_bucket=e.min_chunk_bucket, tiers=tier_config_from(config),
+        retention=config.kv.retention, retention_budget=retention_budget_from(config),
+        retention_options=config.kv.retention_options.to_dict())
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -412,6 +447,22 @@ class _ModelCosts:
             kv_bytes_per_token=int(engine.kv_bytes_per_token))
 
 
+def host_link_bytes(engine: Engine) -> int:
+    """KV bytes moved between device and host so far, both ways: the tiers' traffic (swaps,
+    prefix-cache spills and loads) with tiers on, else the plain swap space's."""
+    if engine.tiers is not None:
+        return engine.tiers.stats["bytes_device_to_host"] + engine.tiers.stats[
+            "bytes_host_to_device"]
+    return engine.stats["swap_bytes"]
+
+
+def disk_bytes(engine: Engine) -> int:
+    """KV bytes written to and read from the disk tier so far (0 without one)."""
+    if engine.tiers is None:
+        return 0
+    return engine.tiers.stats["bytes_host_to_disk"] + engine.tiers.stats["bytes_disk_to_host"]
+
+
 class _StepMeter:
     """Stands in for the engine's ModelRunner: tallies each step, advances a virtual clock.
 
@@ -426,7 +477,7 @@ class _StepMeter:
         self._costs = _ModelCosts.of(engine)
         self._cost_model = cost_model
         self._clock = clock
-        self._swap_bytes_seen = engine.stats["swap_bytes"]
+        self._host_bytes_seen = host_link_bytes(engine)
         self.flops = 0
         self.device_bytes = 0
         self.last_layout: tuple[int, int, int] | None = None  # (tokens, padded, context)
@@ -438,6 +489,12 @@ class _StepMeter:
     def step(self, params, kv, host_input: dict[str, np.ndarray], shape: StepShape):
         q_lens = host_input["q_lens"].astype(np.int64)  # [R]
         kv_lens = host_input["kv_lens"].astype(np.int64)  # [R]
+        policy = self._engine.retention.policy
+        if policy.narrows_reads:  # quest: a decode query reads only its chosen pages
+            page_size = self._engine.config.page_size
+            kv_lens = np.where(q_lens == 1,
+                               np.minimum(kv_lens, policy.budget // page_size * page_size),
+                               kv_lens)  # [R]
         num_tokens, context = int(q_lens.sum()), int(kv_lens.sum())
         pairs = int(np.sum(q_lens * kv_lens - q_lens * (q_lens - 1) // 2))
         c = self._costs
@@ -446,8 +503,8 @@ class _StepMeter:
         self.device_bytes += c.weight_bytes + c.kv_bytes_per_token * (num_tokens + context)
         self.last_layout = (num_tokens, shape.num_tokens, context)
         if self._clock is not None:
-            swapped = self._engine.stats["swap_bytes"] - self._swap_bytes_seen
-            self._swap_bytes_seen = self._engine.stats["swap_bytes"]
+            moved = host_link_bytes(self._engine)
+            swapped, self._host_bytes_seen = moved - self._host_bytes_seen, moved
             self.last_cost_s = self._cost_model.step_seconds(shape.num_tokens, context, swapped)
             self._clock.now += self.last_cost_s
         return self._runner.step(params, kv, host_input, shape)
@@ -469,7 +526,7 @@ class _Scorer:
             engine_config, max_num_seqs=1, max_prefill_seqs=1, max_prefill_chunk=bucket,
             min_chunk_bucket=bucket, max_num_batched_tokens=bucket, max_model_len=2 * bucket,
             enable_prefix_cache=False, kv_budget_bytes=None, num_pages=None,
-            scheduler_policy="fcfs")
+            scheduler_policy="fcfs", tiers=TierConfig())
         self.engine = _new_engine(model, config)
         self._ids = itertools.count()
 
@@ -481,8 +538,9 @@ class _Scorer:
             raise ValueError(f"cannot score this prompt: {out.error}")
         return out.outputs[0].token_ids
 
-    def score(self, token_ids: Sequence[int]) -> np.ndarray:
-        """[len - 1, V] float64 log-probabilities; row i predicts token i + 1."""
+    def score(self, token_ids: Sequence[int], first_row: int = 0) -> np.ndarray:
+        """[len - 1 - first_row, V] float64 log-probabilities; row i predicts token
+        first_row + i + 1."""
         if len(token_ids) < 2:
             raise ValueError(f"scoring needs at least 2 tokens, got {len(token_ids)}")
         engine = self.engine
@@ -491,10 +549,54 @@ class _Scorer:
         engine.step(logits_mode=LogitsMode.ALL)
         if engine.has_unfinished():
             raise RuntimeError("the scoring prefill did not fit one step")
-        # One prefill row and no decode rows: its tokens are rows 0 .. len-1 of [T, V].
-        logits = np.asarray(engine.last_logits[:len(token_ids) - 1], np.float64)  # [len-1, V]
-        shifted = logits - logits.max(axis=-1, keepdims=True)  # [len-1, V]
-        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # [len-1, V]
+        # One prefill row and no decode rows: its tokens are rows 0 .. len-1 of [T, V]. Only
+        # the rows asked for leave the device (a long prompt's [T, V] is large).
+        logits = np.asarray(engine.last_logits[first_row:len(token_ids) - 1],
+                            np.float64)  # [n, V]
+        shifted = logits - logits.max(axis=-1, keepdims=True)  # [n, V]
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # [n, V]
+
+
+class _LogitsTap:
+    """Stands in for an engine's runner; keeps each step's logits of its one real row.
+
+    For a single sequence, every step from the one that finishes its prefill on samples one
+    output token, so the last n rows kept are the distributions of its n output tokens.
+    """
+
+    def __init__(self, engine: Engine):
+        self._runner = engine.runner
+        self.rows: list[np.ndarray] = []
+        engine.runner = self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def step(self, params, kv, host_input: dict[str, np.ndarray], shape: StepShape):
+        out, kv = self._runner.step(params, kv, host_input, shape)
+        (row,) = np.flatnonzero(host_input["q_lens"])
+        self.rows.append(np.asarray(out.logits[row], np.float64))  # [V]
+        return out, kv
+
+
+def _generate_with_logits(engine_config: EngineConfig, model: Model, prompt: Sequence[int],
+                          num_tokens: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens of one sequence served alone under `engine_config` (its chunking,
+    codec and retention), with the [num_tokens, V] logits each was chosen from."""
+    config = dataclasses.replace(engine_config, max_num_seqs=1, kv_budget_bytes=None,
+                                 num_pages=None, enable_prefix_cache=False,
+                                 tiers=TierConfig())
+    engine = _new_engine(model, config)
+    tap = _LogitsTap(engine)
+    engine.add_request("quality", list(prompt),
+                       SamplingParams(max_new_tokens=num_tokens, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step(logits_mode=LogitsMode.LAST)
+    (out,) = outputs
+    if out.error:
+        raise ValueError(f"cannot score this prompt: {out.error}")
+    return out.outputs[0].token_ids, np.stack(tap.rows[-num_tokens:])
 
 
 def score_tokens(engine_config: EngineConfig, model: Model, token_ids: Sequence[int]
@@ -509,7 +611,7 @@ def score_tokens(engine_config: EngineConfig, model: Model, token_ids: Sequence[
 
 
 def _is_exact(engine_config: EngineConfig, model: Model) -> bool:
-    return engine_config.kv_codec == "none" and (
+    return engine_config.kv_codec == "none" and engine_config.retention == "none" and (
         engine_config.kv_dtype is None or resolve_dtype(engine_config.kv_dtype) == model.dtype)
 
 
@@ -523,15 +625,25 @@ def _quality(config: ConfigDict, engine_config: EngineConfig, model: Model,
         return None
     max_len = max(len(p) for p in prompts) + q.num_tokens
     exact_config = dataclasses.replace(engine_config, kv_codec="none", kv_codec_options={},
-                                       kv_dtype=None)
+                                       kv_dtype=None, retention="none", retention_budget=None,
+                                       retention_options={})
     exact = _Scorer(exact_config, model, max_len)
-    variant = _Scorer(engine_config, model, max_len)
     refs, tests = [], []
+    if engine_config.retention == "none":
+        variant = _Scorer(engine_config, model, max_len)
+        for prompt in prompts:
+            sequence = list(prompt) + exact.generate(prompt, q.num_tokens)
+            first = len(prompt) - 1  # the rows from here on predict the continuation
+            refs.append(exact.score(sequence, first))
+            tests.append(variant.score(sequence, first))
+        return quality_stats(np.concatenate(refs), np.concatenate(tests))
+    # Retention acts between steps (evicting, or narrowing decode reads), so one
+    # teacher-forced prefill would not see it: the variant decodes step by step, and exact
+    # KV scores the same tokens.
     for prompt in prompts:
-        sequence = list(prompt) + exact.generate(prompt, q.num_tokens)
-        rows = slice(len(prompt) - 1, None)  # the rows that predict the continuation
-        refs.append(exact.score(sequence)[rows])
-        tests.append(variant.score(sequence)[rows])
+        tokens, logits = _generate_with_logits(engine_config, model, prompt, q.num_tokens)
+        refs.append(exact.score(list(prompt) + tokens, len(prompt) - 1))
+        tests.append(logits)
     return quality_stats(np.concatenate(refs), np.concatenate(tests))
 
 
@@ -564,7 +676,17 @@ def environment() -> dict[str, Any]:
                 platform=platform.platform())
 
 
-def _records(out: RequestOutput, request: BenchRequest) -> list[RequestRecord]:
+def _is_correct(request: BenchRequest, token_ids: Sequence[int],
+                tokenizer: Tokenizer | None) -> bool | None:
+    """Whether a retrieval probe's decoded output holds its answer; None for other requests
+    (or a tokenizer that cannot decode)."""
+    if request.answer is None or not hasattr(tokenizer, "decode"):
+        return None
+    return request.answer in tokenizer.decode(list(token_ids))
+
+
+def _records(out: RequestOutput, request: BenchRequest,
+             tokenizer: Tokenizer | None = None) -> list[RequestRecord]:
     """Sample 0 carries the engine's per-token times; other samples share its first token
     time (they are forked together) and are judged from their finish time."""
     return [RequestRecord(
@@ -574,7 +696,8 @@ def _records(out: RequestOutput, request: BenchRequest) -> list[RequestRecord]:
         token_times=list(out.token_times) if c.index == 0 else [],
         finish_time=out.finish_time, num_prompt_tokens=len(out.prompt_ids),
         num_output_tokens=len(c.token_ids), error=None,
-        num_cached_prompt_tokens=out.num_cached_prompt_tokens) for c in out.outputs]
+        num_cached_prompt_tokens=out.num_cached_prompt_tokens,
+        is_correct=_is_correct(request, c.token_ids, tokenizer)) for c in out.outputs]
 
 
 def _failed_record(request: BenchRequest, error: str) -> RequestRecord:
@@ -593,7 +716,8 @@ def _echo(config: ConfigDict) -> dict[str, Any]:
 
 def _serve(engine: Engine, meter: _StepMeter, clock: _WallClock | _VirtualClock,
            requests: Sequence[BenchRequest], sampling: dict[str, Any], *, name: str,
-           progress: bool) -> tuple[list[RequestRecord], list[StepRecord]]:
+           progress: bool, tokenizer: Tokenizer | None = None
+           ) -> tuple[list[RequestRecord], list[StepRecord]]:
     """Replays `requests` on `clock` until every one has finished or failed."""
     by_id = {r.request_id: r for r in requests}
     records: list[RequestRecord] = []
@@ -629,7 +753,7 @@ def _serve(engine: Engine, meter: _StepMeter, clock: _WallClock | _VirtualClock,
                         else engine.stats["step_time_s"] - step_time_before)
             steps.append(StepRecord(clock(), tokens, padded, context, duration))
         for out in finished:
-            records.extend(_records(out, by_id[out.request_id]))
+            records.extend(_records(out, by_id[out.request_id], tokenizer))
             bar.update()
     bar.close()
     return records, steps
@@ -654,8 +778,8 @@ def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
     profile = get_profile(config.energy_profile)
     if model is None:
         model = load_model(config.model.name, dtype=config.model.dtype)
+    tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     if requests is None:
-        tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         if tokenizer is None:
             raise ValueError(f"model {model.config.name!r} has no tokenizer; pass tokenizer=")
         requests = build_workload(config, tokenizer)
@@ -671,16 +795,17 @@ def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
     engine.runner = meter
     sampling = dict(temperature=float(config.sampling.temperature), ignore_eos=True)
     records, steps = _serve(engine, meter, clock, requests, sampling, name=config.name,
-                            progress=progress)
+                            progress=progress, tokenizer=tokenizer)
     # Every request failing at t=0 on the virtual clock leaves no time to divide by.
     duration_s = max(clock(), math.ulp(1.0))
 
     prefix = engine.prefix_cache_stats()
     counters = dict(
-        prefix_hit_tokens=prefix["prefix_hit_tokens"],
+        # Pages a tier loads back continue the device's hash chain hit: reuse all the same.
+        prefix_hit_tokens=prefix["prefix_hit_tokens"] + engine.stats["tier_hit_tokens"],
         prefix_query_tokens=prefix["prefix_query_tokens"],
         preemptions=engine.stats["preemptions"], bytes_moved_device=meter.device_bytes,
-        bytes_moved_host=engine.stats["swap_bytes"], bytes_moved_disk=0,
+        bytes_moved_host=host_link_bytes(engine), bytes_moved_disk=disk_bytes(engine),
         compiles_after_warmup=engine.num_compiles - compiles, flops=meter.flops)
     metrics = compute_metrics(
         records, slo_ttft_s=float(config.slo.ttft_s), slo_tpot_s=float(config.slo.tpot_s),

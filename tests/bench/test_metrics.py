@@ -11,8 +11,9 @@ from kvjax.bench.metrics import RequestRecord, compute_metrics, jain_index, qual
 
 EXPECTED_KEYS = (
     "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tok_s",
-    "goodput_req_s", "kv_utilization_mean", "kv_utilization_peak", "prefix_hit_rate",
-    "preemptions", "bytes_moved", "energy_j_est", "quality", "fairness",
+    "goodput_req_s", "kv_utilization_mean", "kv_utilization_peak", "kv_reserved_mean_bytes",
+    "kv_reserved_peak_bytes", "prefix_hit_rate", "preemptions", "bytes_moved", "energy_j_est",
+    "quality", "retrieval_accuracy", "fairness",
     "compiles_after_warmup", "failed_requests", "num_requests", "duration_s", "clock",
     "config", "env",
 )
@@ -118,6 +119,19 @@ def test_kv_utilization_is_time_weighted_by_hand():
     result = compute_metrics([], slo_ttft_s=1, slo_tpot_s=1, duration_s=5, kv_samples=samples)
     assert result["kv_utilization_mean"] == pytest.approx((0.5 * 1 + 1.0 * 2) / 3)
     assert result["kv_utilization_peak"] == 1.0
+    # Reserved bytes: 100 on [0, 3), 0 on [3, 4); the last sample counts for the peak only.
+    assert result["kv_reserved_mean_bytes"] == pytest.approx(100 * 3 / 4)
+    assert result["kv_reserved_peak_bytes"] == 120
+
+
+def test_retrieval_accuracy_counts_probes_of_served_requests_only():
+    records = [record("a", 0.0, [0.1]), record("b", 0.0, [0.1]), record("c", 0.0, [0.1]),
+               record("d", 0.0, [], error="rejected", num_out=0)]
+    records[0].is_correct, records[1].is_correct, records[3].is_correct = True, False, False
+    result = compute_metrics(records, slo_ttft_s=1, slo_tpot_s=1, duration_s=1)
+    assert result["retrieval_accuracy"] == 0.5
+    assert compute_metrics(records[2:3], slo_ttft_s=1, slo_tpot_s=1,
+                           duration_s=1)["retrieval_accuracy"] is None
 
 
 def test_kv_utilization_rejects_live_above_allocated():

@@ -22,6 +22,8 @@ from kvjax.bench.energy import estimate_energy_j, get_profile
 from kvjax.bench.metrics import METRIC_KEYS, quality_stats
 from kvjax.bench.workloads import BenchRequest
 from kvjax.engine.config import EngineConfig
+from kvjax.memory.tiers import TierConfig, TransferLayout
+from kvjax.memory.transfer import FaultConfig
 from kvjax.models import llama
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -182,17 +184,94 @@ def test_sweep_and_overrides_parse_to_typed_values():
         runner.apply_overrides(config, {"engine.page_size": "big"})
 
 
-@pytest.mark.parametrize("field, value", [
-    ("tiers.disk_budget_mb", 1024.0),
-    ("tiers.host_budget_mb", 64.0),
-    ("tiers.transfer_layout", "layer_first"),
-    ("tiers.fault_injection.transfer_failure_rate", 0.1),
-    ("kv.retention", "h2o"),
+def test_retention_and_tier_fields_reach_the_engine_config():
+    config = tiny_config(**{
+        "kv.retention": "streaming", "kv.budget": 0.25, "kv.retention_options.num_sinks": 2})
+    engine_config = runner.engine_config_from(config)
+    assert (engine_config.retention, engine_config.retention_budget) == ("streaming", 32)
+    assert engine_config.retention_options == {"num_sinks": 2}
+    assert not engine_config.tiers.enabled
+    assert runner.engine_config_from(tiny_config(**{"kv.retention": "h2o", "kv.budget": 40})
+                                     ).retention_budget == 40
+
+    config = tiny_config(**{
+        "tiers.host_budget_mb": 2.0, "tiers.disk_budget_mb": 4.0, "tiers.disk_dir": "/tmp/kv",
+        "tiers.transfer_layout": "per_page", "tiers.max_chunk_pages": 8,
+        "tiers.timeout_polls": 5, "tiers.max_inflight_loads": 2,
+        "tiers.fault_injection.transfer_failure_rate": 0.1,
+        "tiers.fault_injection.corruption_rate": 0.2, "tiers.fault_injection.delay_rate": 0.3,
+        "tiers.fault_injection.delay_polls": 7, "tiers.fault_injection.seed": 9})
+    tiers = runner.engine_config_from(config).tiers
+    assert TierConfig(
+        host_bytes=2 << 20, disk_bytes=4 << 20, disk_dir="/tmp/kv",
+        transfer_layout=TransferLayout.PER_PAGE, max_chunk_pages=8, timeout_polls=5,
+        max_inflight_loads=2, faults=FaultConfig(fail_fraction=0.1, corrupt_fraction=0.2,
+                                                 delay_fraction=0.3, delay_polls=7, seed=9)
+    ) == tiers
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"kv.retention": "h2o", "kv.budget": 1.5}, "whole tokens"),
+    ({"kv.retention": "h2o", "kv.budget": -3.0}, "kv.budget must be > 0"),
+    ({"kv.retention": "h2o", "kv.budget": 0.5, "engine.max_model_len": None}, "max_model_len"),
+    ({"kv.budget": 64.0}, "'none' takes no retention_budget"),
+    ({"kv.retention": "h2o", "kv.budget": 64.0, "tiers.host_budget_mb": 1.0}, "without tiers"),
+    ({"kv.retention": "streaming", "kv.budget": 64.0, "kv.codec": "int8"}, "kv_codec"),
+    ({"tiers.fault_injection.corruption_rate": 0.1}, "need a host tier"),
+    ({"tiers.disk_budget_mb": 8.0}, "need a host tier"),
+    ({"tiers.host_budget_mb": 1.0, "tiers.transfer_layout": "layer_first"}, "layer_first"),
 ])
-def test_unimplemented_options_raise_a_clear_error(field, value):
-    config = tiny_config(**{field: value})
-    with pytest.raises(ValueError, match=f"not yet supported: {field}="):
+def test_invalid_retention_and_tier_configs_raise_a_clear_error(fields, match):
+    config = tiny_config(**fields)
+    with pytest.raises(ValueError, match=match):
         runner.run_benchmark(config, requests=[])  # fails before loading any model
+
+
+def test_a_run_with_retention_keeps_less_kv_and_scores_its_quality(model):
+    overrides = {"clock": "simulated", "workload.params.prompt_min": 40,
+                 "workload.params.prompt_max": 60, "workload.params.output_min": 8,
+                 "quality.num_prompts": 1}
+    tokenizer = ByteTokenizer()
+    exact = runner.run_benchmark(tiny_config(**overrides), model=model, tokenizer=tokenizer)
+    retained = runner.run_benchmark(
+        tiny_config(**overrides, **{"kv.retention": "streaming", "kv.budget": 16.0}),
+        model=model, tokenizer=tokenizer)
+    assert retained["failed_requests"] == 0  # compaction programs compile on first use
+    assert retained["throughput_tok_s"] == pytest.approx(
+        exact["throughput_tok_s"] * exact["duration_s"] / retained["duration_s"])
+    assert retained["kv_reserved_peak_bytes"] < exact["kv_reserved_peak_bytes"]
+    assert 0 < retained["kv_utilization_mean"] <= retained["kv_utilization_peak"] <= 1
+    assert retained["bytes_moved"]["device"] < exact["bytes_moved"]["device"]
+    assert exact["quality"] is None
+    q = retained["quality"]
+    assert 0 < q["kl_mean"] <= q["kl_max"] and 0 <= q["top1_agreement"] <= 1
+
+
+def test_retention_quality_of_a_budget_never_reached_is_exact(model):
+    config = tiny_config(**{"kv.retention": "streaming", "kv.budget": 120.0})
+    prompt = tuple(range(3, 43))
+    quality = runner._quality(config, runner.engine_config_from(config), model,
+                              [BenchRequest("r", 0.0, prompt, 4)])
+    assert quality["kl_max"] == pytest.approx(0.0, abs=1e-6)
+    assert quality["top1_agreement"] == 1.0
+
+
+def test_a_run_with_a_host_tier_counts_the_bytes_it_moves(model):
+    config = tiny_config(**{
+        "clock": "simulated", "engine.num_pages": 12, "engine.preemption_mode": "swap",
+        "tiers.host_budget_mb": 1.0, "workload.name": "multi_turn",
+        "workload.num_requests": 6,
+        "workload.params": ConfigDict(dict(rate=40.0, num_turns=3, think_time_s=1.0,
+                                           user_min=8, user_max=16, answer_len=8))})
+    result = runner.run_benchmark_detailed(config, model=model, tokenizer=ByteTokenizer())
+    m = result.metrics
+    assert m["failed_requests"] == 0 and m["num_requests"] == 6
+    assert m["bytes_moved"]["host"] > 0 and m["bytes_moved"]["disk"] == 0
+    page_bytes = runner._new_engine(model, runner.engine_config_from(config)).kv_bytes_per_page
+    assert m["bytes_moved"]["host"] % page_bytes == 0
+    no_tier = runner.run_benchmark(runner.apply_overrides(config, {"tiers.host_budget_mb": None}),
+                                   model=model, tokenizer=ByteTokenizer())
+    assert no_tier["prefix_hit_rate"] <= m["prefix_hit_rate"]
 
 
 def test_tenant_weights_split_requests_rates_and_priorities():
