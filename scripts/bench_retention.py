@@ -2,7 +2,8 @@
 
   python scripts/bench_retention.py --output_json /tmp/bench_retention.json
 
-For each policy and budget (--variants, `name:budget` tokens) on needle-in-a-haystack prompts
+For each policy and budget (--variants, `name:budget` tokens, then any policy options as
+`:option=value`, e.g. `quest:1024:dense_layers=0`) on needle-in-a-haystack prompts
 (kvjax.bench.corpus.make_needle_prompt, one per --depths entry, --context tokens each):
   * KV bytes per sequence: the pages the sequence held, times the bytes of a page (all
     layers, K and V; Quest adds its per-page key summaries), at their peak (prefill included)
@@ -19,7 +20,9 @@ For each policy and budget (--variants, `name:budget` tokens) on needle-in-a-hay
   * for quest, the recall of the exact top-k attention pages: on exact K/V (a dense pass over
     the exact token sequence), at every continuation position and layer, the fraction of the k
     pages with the most attention mass (summed over heads) that Quest's bound selects
-    (k = budget / page_size, the newest page always among Quest's).
+    (k = budget / page_size, the newest page always among Quest's). The row's recall averages
+    the layers that select (the first dense_layers read every page); it is also reported per
+    group of layers (--recall_groups) and per layer in the JSON.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from kvjax.bench.metrics import quality_stats
 from kvjax.engine.step import LogitsMode
 from kvjax.kv import quest
 from kvjax.kv.attention import paged_attention_blockwise, pages_loader
+from kvjax.kv.retention import make_retention
 from kvjax.models import llama
 
 FLAGS = flags.FLAGS
@@ -50,7 +54,22 @@ flags.DEFINE_integer("num_tokens", 24, "Teacher-forced tokens per probe (answer 
 flags.DEFINE_integer("page_size", 16, "Tokens per page.")
 flags.DEFINE_integer("chunk", 512, "Prefill chunk.")
 flags.DEFINE_integer("seed", 0, "Probe seed.")
+flags.DEFINE_list("recall_groups", ["2", "10", "20"],
+                  "First layers of the layer groups Quest's page recall is reported for.")
 flags.DEFINE_string("output_json", None, "Write every number here.")
+
+
+def parse_variant(variant: str) -> tuple[str, int | None, dict]:
+    """`name[:budget][:option=value...]` -> (policy, budget, options); values int or bool."""
+    name, *rest = variant.split(":")
+    budget = int(rest.pop(0)) if rest and "=" not in rest[0] else None
+    options = {}
+    for item in rest:
+        key, _, value = item.partition("=")
+        lowered = value.lower()
+        options[key] = (lowered == "true" if lowered in ("true", "false")
+                        else int(value) if value.lstrip("-").isdigit() else value)
+    return name, budget, options
 
 
 def make_probe(model: kvjax.Model, context: int, depth: float, seed: int
@@ -74,13 +93,13 @@ def make_probe(model: kvjax.Model, context: int, depth: float, seed: int
 
 def make_engine(model: kvjax.Model, variant: str, max_len: int) -> kvjax.Engine:
     """One sequence at a time, prefill in --chunk chunks, no prefix cache between probes."""
-    name, _, budget = variant.partition(":")
+    name, budget, options = parse_variant(variant)
     config = kvjax.EngineConfig(
         page_size=FLAGS.page_size, num_pages=-(-max_len // FLAGS.page_size) + 1,
         max_model_len=max_len + FLAGS.page_size, max_num_seqs=1, max_prefill_seqs=1,
         max_prefill_chunk=FLAGS.chunk, min_chunk_bucket=FLAGS.chunk,
         max_num_batched_tokens=FLAGS.chunk, enable_prefix_cache=False,
-        retention=name, retention_budget=int(budget) if budget else None)
+        retention=name, retention_budget=budget, retention_options=options)
     return kvjax.Engine(model, config)
 
 
@@ -172,10 +191,12 @@ def capture_qk(model: kvjax.Model, tokens: list[int], num_last: int, page_size: 
     return np.asarray(qs), np.asarray(ks[:, :len(tokens)])
 
 
-def quest_recall(q: np.ndarray, k: np.ndarray, page_size: int, num_read: int) -> float:
-    """Mean fraction of the exact top-`num_read` attention pages Quest's bounds select.
+def quest_layer_recall(q: np.ndarray, k: np.ndarray, page_size: int, num_read: int,
+                       heads: quest.HeadReduction) -> np.ndarray:
+    """Per layer, the mean fraction of the exact top-`num_read` attention pages Quest selects.
 
     q: [L, T, N, D] the last T queries (positions S - T .. S - 1); k: [L, S, K, D].
+    Returns [L] (NaN where every query reads every page).
     """
     num_layers, t, n, d = q.shape
     s, k_heads = k.shape[1], k.shape[2]
@@ -183,8 +204,9 @@ def quest_recall(q: np.ndarray, k: np.ndarray, page_size: int, num_read: int) ->
     padded = np.zeros((num_layers, width * page_size, k_heads, d), np.float32)
     padded[:, :s] = k
     pages = padded.reshape(num_layers, width, page_size, k_heads, d)
-    hits, total = 0, 0
+    recall = np.full(num_layers, np.nan)
     for layer in range(num_layers):
+        hits, total = 0, 0
         for i in range(t):
             pos = s - t + i
             own = pos // page_size
@@ -194,7 +216,8 @@ def quest_recall(q: np.ndarray, k: np.ndarray, page_size: int, num_read: int) ->
             bounds = quest.page_bounds(jnp.asarray(q[layer, i][None]),
                                        jnp.asarray(keys.min(axis=1)[None]),
                                        jnp.asarray(keys.max(axis=1)[None]))  # [1, W', N]
-            chosen, _ = quest.select_pages(jnp.max(bounds, axis=-1), jnp.array([pos + 1]),
+            reduce = jnp.max if heads is quest.HeadReduction.MAX else jnp.sum
+            chosen, _ = quest.select_pages(reduce(bounds, axis=-1), jnp.array([pos + 1]),
                                            page_size, num_read)
             g = n // k_heads
             kk = np.repeat(k[layer, :pos + 1], g, axis=1)  # [pos+1, N, D]
@@ -205,7 +228,21 @@ def quest_recall(q: np.ndarray, k: np.ndarray, page_size: int, num_read: int) ->
             best = set(np.argsort(-mass, kind="stable")[:num_read].tolist())
             hits += len(best & set(np.asarray(chosen[0]).tolist()))
             total += num_read
-    return hits / total if total else float("nan")
+        if total:
+            recall[layer] = hits / total
+    return recall
+
+
+def recall_by_group(recall: np.ndarray, dense_layers: int, starts: list[int]
+                    ) -> dict[str, float]:
+    """Mean recall [L] per layer group `start-end` (inclusive), the dense layers left out."""
+    bounds = sorted({0, *starts, len(recall)})
+    groups = {}
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        lo = max(lo, dense_layers)
+        if lo < hi:
+            groups[f"{lo}-{hi - 1}"] = float(np.mean(recall[lo:hi]))
+    return groups
 
 
 COLUMNS = (("kv_mib_per_seq", "KV MiB/seq peak", "{:.1f}"),
@@ -276,20 +313,29 @@ def main(argv):
         retrieval_pass=float(np.mean([np.all(r["logits"][:len(a)].argmax(-1) == a)
                                       for r, (_, a) in zip(exact_runs, probes, strict=True)])))}
     print(f"exact: {rows['none']} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    captured = None
+    captured, layer_recall = None, {}
     for variant in FLAGS.variants:
         row = run_variant(model, variant, probes, exact_runs, max_len)
         row["decode_kv_fraction"] = (row["decode_kv_mib_per_seq"]
                                      / rows["none"]["decode_kv_mib_per_seq"])
-        name, _, budget = variant.partition(":")
+        name, budget, options = parse_variant(variant)
         if name == "quest":
             if captured is None:
                 captured = [capture_qk(model, prompt + r["tokens"], FLAGS.num_tokens,
                                        FLAGS.page_size)
                             for (prompt, _), r in zip(probes, exact_runs, strict=True)]
-            row["quest_page_recall"] = float(np.mean([
-                quest_recall(q, k, FLAGS.page_size, int(budget) // FLAGS.page_size)
-                for q, k in captured]))
+            policy = make_retention("quest", budget, FLAGS.page_size, **options)
+            key = (policy.num_read_pages, policy.heads)  # The same for any dense_layers.
+            if key not in layer_recall:
+                layer_recall[key] = np.mean([
+                    quest_layer_recall(q, k, FLAGS.page_size, *key) for q, k in captured],
+                    axis=0)  # [L]
+            recall = layer_recall[key]
+            dense = policy.dense_layers
+            row["quest_page_recall"] = float(np.mean(recall[dense:]))
+            row["quest_page_recall_by_layers"] = recall_by_group(
+                recall, dense, [int(x) for x in FLAGS.recall_groups])
+            row["quest_page_recall_per_layer"] = recall.tolist()
         rows[variant] = row
         print(f"{variant}: {row} ({time.perf_counter() - t0:.0f}s)", flush=True)
     print(markdown_table(rows))
@@ -297,7 +343,8 @@ def main(argv):
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(flags={k: FLAGS[k].value for k in (
-                "variants", "context", "depths", "num_tokens", "page_size", "chunk", "seed")},
+                "variants", "context", "depths", "num_tokens", "page_size", "chunk", "seed",
+                "recall_groups")},
                 prompt_tokens=[len(p) for p, _ in probes], rows=rows), f, indent=1)
 
 

@@ -90,7 +90,7 @@ class Engine:
             raise ValueError(f"retention={config.retention!r} does not run on a mesh")
         self.retention = RetentionManager(make_retention(
             config.retention, config.retention_budget, config.page_size,
-            **config.retention_options))
+            **config.retention_options), rope_theta=mc.rope_theta)
         self.runner = ModelRunner(mc, attention_impl=config.attention_impl,
                                   retention=self.retention.step_hooks)
         self.max_pages_per_seq = self.max_model_len // config.page_size
@@ -929,7 +929,8 @@ class Engine:
         if status is not AllocStatus.OK:  # No page for a copy now: evict after a later step.
             return
         self.kv = self.retention.evict(self.kv, seq.seq_id, keep, src, dst, len(freed),
-                                       is_prefill_done=is_prefill_done)
+                                       is_prefill_done=is_prefill_done,
+                                       block_table=self.allocator.block_table(seq.seq_id))
         for page in self.allocator.block_table(seq.seq_id):
             self._page_version[page] = seq.weights_version
         if freed and self.config.scrub_freed_pages:

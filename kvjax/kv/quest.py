@@ -7,9 +7,15 @@ channel by channel, so
 
     bound(q, page) = sum_d max(q_d * key_min_d, q_d * key_max_d) >= q . k  for every key k there.
 
-A decode row reads only its `num_read` pages of highest bound (the maximum over its query heads,
-so one block table serves every head), always including its most recent page; the rest of its
-pages stay in memory. This saves reads, not memory. Prefill rows read every page.
+This is Quest's criticality bound (Tang et al., 2024). The paper selects pages per head (its
+models are multi-head); here one block table serves every query head of a row, so a page's
+score combines its per-head bounds over all N query heads (`HeadReduction`): their maximum
+(the default: a page some head needs stays selectable however little the others want it) or
+their sum (closer to the attention mass summed over heads). A decode row reads only
+its `num_read` pages of highest score, always including its most recent page; the rest of its
+pages stay in memory. This saves reads, not memory. Prefill rows read every page, and so do
+decode rows in the first `num_dense_layers` layers (the paper keeps its first two layers dense:
+their attention is flat, so a few pages cannot hold it).
 
 Summaries are maintained on write: a token written at offset 0 of a page starts the page's
 summary afresh (a recycled page's stale summary never survives), every other token widens it.
@@ -19,11 +25,19 @@ summary), so a page's summary always covers exactly its written tokens.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+
+class HeadReduction(enum.Enum):
+    """How a page's per-query-head bounds combine into its one score."""
+
+    MAX = "max"
+    SUM = "sum"
 
 
 def _update_summaries(key_min: jax.Array, key_max: jax.Array, layer: jax.Array,
@@ -159,11 +173,17 @@ def select_pages(scores: jax.Array, kv_lens: jax.Array, page_size: int, num_read
 
 
 def narrow_decode_rows(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables: jax.Array,
-                       kv_lens: jax.Array, num_read: int) -> tuple[jax.Array, jax.Array]:
+                       kv_lens: jax.Array, num_read: int, *, num_dense_layers: int = 0,
+                       head_reduction: HeadReduction = HeadReduction.MAX
+                       ) -> tuple[jax.Array, jax.Array]:
     """Block tables and lengths of decode rows restricted to their Quest-selected pages.
 
     Args:
+      layer: int32 scalar, the layer index (traced inside the layer scan).
       q: [B, N, D] one query per row; block_tables: [B, W] int32; kv_lens: [B] int32.
+      num_read: pages each row reads (static).
+      num_dense_layers: layers below this index read every page, unchanged (static).
+      head_reduction: how the per-head bounds of a page make its score (static).
     Returns:
       (block_tables [B, W] with the selected pages first, kv_lens [B]): attention over them is
       attention over the selected pages' tokens, each at its original rotary position.
@@ -171,10 +191,18 @@ def narrow_decode_rows(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables
     w = block_tables.shape[1]
     if num_read >= w:
         return block_tables, kv_lens
-    key_min = kv.key_min[layer][block_tables]  # [B, W, K, D]
-    key_max = kv.key_max[layer][block_tables]
-    scores = jnp.max(page_bounds(q, key_min, key_max), axis=-1)  # [B, W]
-    indices, lens = select_pages(scores, kv_lens, kv.page_size, num_read)
-    chosen = jnp.take_along_axis(block_tables, indices, axis=1)  # [B, num_read]
-    padding = jnp.zeros((block_tables.shape[0], w - num_read), block_tables.dtype)
-    return jnp.concatenate([chosen, padding], axis=1), lens
+
+    def narrowed():
+        key_min = kv.key_min[layer][block_tables]  # [B, W, K, D]
+        key_max = kv.key_max[layer][block_tables]
+        bounds = page_bounds(q, key_min, key_max)  # [B, W, N]
+        reduce = jnp.max if head_reduction is HeadReduction.MAX else jnp.sum
+        scores = reduce(bounds, axis=-1)  # [B, W]
+        indices, lens = select_pages(scores, kv_lens, kv.page_size, num_read)
+        chosen = jnp.take_along_axis(block_tables, indices, axis=1)  # [B, num_read]
+        padding = jnp.zeros((block_tables.shape[0], w - num_read), block_tables.dtype)
+        return jnp.concatenate([chosen, padding], axis=1), lens
+
+    if num_dense_layers == 0:
+        return narrowed()
+    return jax.lax.cond(layer < num_dense_layers, lambda: (block_tables, kv_lens), narrowed)

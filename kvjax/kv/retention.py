@@ -7,8 +7,8 @@ picks one, `retention_budget` sizes it and `retention_options` tunes it:
   name        keeps (budget B tokens per sequence)                options (defaults)
   ==========  ==================================================  ===========================
   none        everything (exact)                                  -
-  streaming   the first num_sinks tokens + the most recent        num_sinks=4
-              B - num_sinks (StreamingLLM)
+  streaming   the first num_sinks tokens + the most recent        num_sinks=4,
+              B - num_sinks (StreamingLLM)                        cache_positions=False
   h2o         the num_recent most recent tokens + the B -         num_recent=B // 2
               num_recent others with the largest accumulated
               attention (heavy hitters, H2O)
@@ -17,9 +17,12 @@ picks one, `retention_budget` sizes it and `retention_options` tunes it:
               queries attend to most, scores pooled over
               `kernel` neighbouring tokens (SnapKV); generated
               tokens are all kept
-  quest       everything in memory; each decode query reads only  -
-              its B // P pages of highest key bound, the newest
-              page always among them (Quest, kvjax.kv.quest)
+  quest       everything in memory; each decode query reads only  dense_layers=2,
+              its B // P pages of highest key bound (the max or   heads='max'
+              sum over query heads), the newest page always
+              among them, except in the first dense_layers
+              layers, which read every page (Quest,
+              kvjax.kv.quest)
   ==========  ==================================================  ===========================
 
 Eviction (streaming, h2o, snapkv) frees whole pages. streaming and h2o evict once a sequence
@@ -34,9 +37,18 @@ length (tokens kept, the length attention masks by) differ by the tokens it evic
 `RetentionManager` records, per sequence, the logical position of every cached token.
 
 Positions. Keys keep the rotary position they were written with and queries use the logical
-position, for every policy: what H2O and SnapKV do. StreamingLLM instead re-assigns positions
-within the cache (to run past the trained context); that would re-rotate every kept key at
-each eviction, so it is not done here, and `streaming` is "sinks + window" at true positions.
+position, for every policy: what H2O and SnapKV do, and `streaming` by default ("sinks +
+window" at true positions). StreamingLLM instead re-assigns positions within the cache (token
+i of the cache sits at position i, to run past the trained context): `streaming` with
+cache_positions=True. RoPE logits depend only on the query-key offset, and the window is
+contiguous, so its offsets within the cache equal its offsets in the text; only the sinks'
+differ, by the tokens evicted so far. So each eviction rotates the sinks' keys forward by the
+tokens it dropped (`rotate_slots`; RoPE is a rotation, R(a) R(b) = R(a + b)) and every logit
+is StreamingLLM's, while the window's keys and the queries keep their logical positions. The
+sinks sit in the first page, which compaction always rewrites into a private page (the tokens
+after the sinks are the ones dropped), so no shared page is rotated; hence num_sinks < P.
+Limits: absolute angles still grow with the logical position (float32 angles lose about 1e-3
+rad by position 16k), and each eviction's rotation rounds the sinks' keys once more.
 
 Scores. h2o and snapkv need the attention each cached token receives. The step computes it as
 an extra output (`StepOutput.key_scores`, [R, W*P]): per row and cached token, the softmax
@@ -73,6 +85,7 @@ import numpy as np
 from kvjax.kv import quest
 from kvjax.kv.attention import PageLoader
 from kvjax.kv.state import PagedKV
+from kvjax.models import llama
 
 
 class Pooling(enum.Enum):
@@ -121,6 +134,8 @@ class RetentionPolicy(Protocol):
                       ) -> np.ndarray: ...
 
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None: ...
+
+    def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None: ...
 
     def wrap_state(self, kv: Any) -> Any: ...
 
@@ -206,6 +221,10 @@ class _Policy:
         """Cache indices to keep (increasing), or None to keep everything."""
         return None
 
+    def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None:
+        """[S'] rotary positions to add to each kept key once `keep` is compacted, or None."""
+        return None
+
     def wrap_state(self, kv: Any) -> Any:
         return kv
 
@@ -246,13 +265,20 @@ class StreamingLLM(_Evicting):
     """Attention sinks (the first tokens) plus a window of the most recent tokens."""
 
     name = "streaming"
-    option_names = ("num_sinks",)
+    option_names = ("num_sinks", "cache_positions")
 
-    def __init__(self, budget: int | None, page_size: int, num_sinks: int = 4):
+    def __init__(self, budget: int | None, page_size: int, num_sinks: int = 4,
+                 cache_positions: bool = False):
         if isinstance(num_sinks, bool) or not isinstance(num_sinks, int) or num_sinks < 0:
             raise ValueError(f"streaming num_sinks must be an int >= 0, got {num_sinks!r}")
+        if not isinstance(cache_positions, bool):
+            raise ValueError(f"streaming cache_positions must be a bool, got "
+                             f"{cache_positions!r}")
+        if cache_positions and num_sinks >= page_size:
+            raise ValueError(f"streaming cache_positions needs num_sinks < page_size="
+                             f"{page_size} (the sinks' page is rotated), got {num_sinks}")
         super().__init__(_check_budget(self.name, budget, num_sinks + 1), page_size)
-        self.num_sinks = num_sinks
+        self.num_sinks, self.cache_positions = num_sinks, cache_positions
 
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
         if not self._is_over(view):
@@ -260,6 +286,13 @@ class StreamingLLM(_Evicting):
         size = len(view.positions)
         recent = np.arange(size - (self.budget - self.num_sinks), size)
         return np.concatenate([np.arange(self.num_sinks), recent])
+
+    def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None:
+        if not self.cache_positions or self.num_sinks == 0:
+            return None
+        shifts = np.zeros(len(keep), np.int32)
+        shifts[:self.num_sinks] = len(view.positions) - len(keep)  # the tokens dropped
+        return shifts
 
 
 @register_retention
@@ -354,11 +387,22 @@ class Quest(_Policy):
     """Query-aware page reads: every page stays, each decode query reads its top pages."""
 
     name = "quest"
+    option_names = ("dense_layers", "heads")
     narrows_reads = True
 
-    def __init__(self, budget: int | None, page_size: int):
+    def __init__(self, budget: int | None, page_size: int, dense_layers: int = 2,
+                 heads: str | quest.HeadReduction = quest.HeadReduction.MAX):
+        if (isinstance(dense_layers, bool) or not isinstance(dense_layers, int)
+                or dense_layers < 0):
+            raise ValueError(f"quest dense_layers must be an int >= 0, got {dense_layers!r}")
+        try:
+            heads = quest.HeadReduction(heads)
+        except ValueError:
+            raise ValueError(f"quest heads must be one of "
+                             f"{[h.value for h in quest.HeadReduction]}, got {heads!r}") from None
         super().__init__(_check_budget(self.name, budget, page_size), page_size)
         self.num_read_pages = self.budget // page_size
+        self.dense_layers, self.heads = dense_layers, heads
 
     def wrap_state(self, kv: Any) -> quest.QuestKV:
         return quest.init_quest_kv(kv)
@@ -369,7 +413,9 @@ class Quest(_Policy):
         if bd == 0:
             return inp
         tables, lens = quest.narrow_decode_rows(kv, layer, q[:bd], inp.block_tables[:bd],
-                                                inp.kv_lens[:bd], self.num_read_pages)
+                                                inp.kv_lens[:bd], self.num_read_pages,
+                                                num_dense_layers=self.dense_layers,
+                                                head_reduction=self.heads)
         return inp.replace(block_tables=inp.block_tables.at[:bd].set(tables),
                            kv_lens=inp.kv_lens.at[:bd].set(lens))
 
@@ -488,6 +534,19 @@ def move_slots(kv: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
     return jax.tree.map(move, kv)
 
 
+def rotate_slots(kv: PagedKV, slots: jax.Array, shifts: jax.Array, rope_theta: float
+                 ) -> PagedKV:
+    """Rotates the keys in slots [M] forward by shifts [M] rotary positions, in every layer.
+
+    Keys hold RoPE at their position p; rotating by s gives the key at p + s. Values and other
+    slots are unchanged. Repeated slots must come with equal shifts.
+    """
+    k = kv.k_pages  # [L, num_pages, P, K, D]
+    flat = k.reshape(k.shape[0], k.shape[1] * k.shape[2], *k.shape[3:])  # [L, slots, K, D]
+    rotated = jax.vmap(lambda x: llama.rope(x, shifts, rope_theta))(flat[:, slots])
+    return kv.replace(k_pages=flat.at[:, slots].set(rotated).reshape(k.shape))
+
+
 def _padded(x: np.ndarray) -> np.ndarray:
     """Pads to a power of two by repeating the last entry (a repeated move is a no-op)."""
     n = 1 << max(len(x) - 1, 0).bit_length()
@@ -502,14 +561,18 @@ class RetentionManager:
 
     Attributes:
       policy: the `RetentionPolicy`.
-      stats: evictions, evicted_tokens, moved_slots, freed_pages.
+      stats: evictions, evicted_tokens, moved_slots, freed_pages, rotated_slots.
     """
 
-    def __init__(self, policy: RetentionPolicy):
+    def __init__(self, policy: RetentionPolicy, *, rope_theta: float | None = None):
+        """rope_theta: the model's RoPE base, needed by policies that rotate kept keys."""
         self.policy = policy
         self._views: dict[str, CacheView] = {}
         self._move = jax.jit(move_slots, donate_argnums=0)
-        self.stats = dict(evictions=0, evicted_tokens=0, moved_slots=0, freed_pages=0)
+        self._rotate = jax.jit(rotate_slots, donate_argnums=0, static_argnums=3)
+        self._rope_theta = rope_theta
+        self.stats = dict(evictions=0, evicted_tokens=0, moved_slots=0, freed_pages=0,
+                          rotated_slots=0)
 
     @property
     def is_exact(self) -> bool:
@@ -526,7 +589,7 @@ class RetentionManager:
 
     @property
     def num_compiles(self) -> int:
-        return self._move._cache_size()
+        return self._move._cache_size() + self._rotate._cache_size()
 
     def num_evicted(self, seq_id: str) -> int:
         view = self._views.get(seq_id)
@@ -566,9 +629,14 @@ class RetentionManager:
         return keep
 
     def evict(self, kv: PagedKV, seq_id: str, keep: np.ndarray, src: np.ndarray,
-              dst: np.ndarray, num_freed: int, *, is_prefill_done: bool) -> PagedKV:
-        """Keeps cache indices `keep` of `seq_id` and moves slots src -> dst on the device."""
+              dst: np.ndarray, num_freed: int, *, is_prefill_done: bool,
+              block_table: list[int] | None = None) -> PagedKV:
+        """Keeps cache indices `keep` of `seq_id` and moves slots src -> dst on the device.
+
+        block_table: the sequence's pages after compaction, for policies that rotate kept keys.
+        """
         view = self._views[seq_id]
+        kv = self._rotate_kept(kv, self.policy.rotary_shifts(view, keep), src, dst, block_table)
         view.is_prefill_done = view.is_prefill_done or is_prefill_done
         self.stats["evictions"] += 1
         self.stats["evicted_tokens"] += len(view.positions) - len(keep)
@@ -577,9 +645,24 @@ class RetentionManager:
         view.num_evicted += len(view.positions) - len(keep)
         view.positions = view.positions[keep]
         view.scores = view.scores[keep]
-        if len(src) == 0:
+        return kv
+
+    def _rotate_kept(self, kv: PagedKV, shifts: np.ndarray | None, src: np.ndarray,
+                     dst: np.ndarray, block_table: list[int] | None) -> PagedKV:
+        """Moves src -> dst, then rotates the kept keys `shifts` (cache order) asks for."""
+        if len(src):
+            kv = self._move(kv, _padded(src), _padded(dst))
+        if shifts is None or not np.any(shifts):
             return kv
-        return self._move(kv, _padded(src), _padded(dst))
+        if self._rope_theta is None or block_table is None:
+            raise ValueError(f"{self.policy!r} rotates kept keys: RetentionManager needs "
+                             "rope_theta and evict needs the block_table")
+        index = np.flatnonzero(shifts)  # cache indices to rotate
+        page_size = kv.page_size
+        slots = np.asarray(block_table, np.int64)[index // page_size] * page_size
+        slots += index % page_size
+        self.stats["rotated_slots"] += len(index)
+        return self._rotate(kv, _padded(slots), _padded(shifts[index]), self._rope_theta)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares the parent's cache: it starts from a copy of its record."""

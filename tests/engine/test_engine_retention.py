@@ -45,19 +45,22 @@ def prompt_of(length: int, seed: int = 0) -> list[int]:
 
 
 @functools.cache
-def _masked_forward(config, quest_pages: int):
+def _masked_forward(config, quest_pages: int, quest_dense_layers: int, num_rotated_sinks: int):
     """Dense forward where visible[t, s] says whether query t sees key s.
 
     Returns logits [T, V] and the attention probability each key got from each query, summed
     over layers and heads, [T, S]. With quest_pages, queries flagged in `is_decode` see only
-    the keys of their quest_pages pages of highest key bound (their own page always).
+    the keys of their quest_pages pages of highest key bound (their own page always), in the
+    layers from quest_dense_layers on. With num_rotated_sinks, query t sees the keys of the
+    first num_rotated_sinks tokens at sink_shift[t] positions past their own (StreamingLLM's
+    in-cache positions: the sinks sit that many tokens closer to the query).
     """
     k_heads, g, d = config.num_kv_heads, config.group_size, config.head_dim
 
-    def run(params, tokens, visible, is_decode):
+    def run(params, tokens, visible, is_decode, sink_shift):
         t = tokens.shape[0]
 
-        def attend(_, q, k, v, mass):
+        def attend(layer, q, k, v, mass):
             qg = q.reshape(t, k_heads, g, d).astype(jnp.float32)
             kf = k.astype(jnp.float32)
             seen = visible
@@ -72,8 +75,15 @@ def _masked_forward(config, quest_pages: int):
                 bound = jnp.where(page == own, jnp.inf, jnp.where(page < own, bound, -jnp.inf))
                 rank = jnp.argsort(jnp.argsort(-bound, axis=1), axis=1)
                 chosen = (rank < quest_pages)[:, jnp.arange(t) // P]  # [T, S]
-                seen = jnp.where(is_decode[:, None], visible & chosen, visible)
+                is_sparse = is_decode[:, None] & (layer >= quest_dense_layers)
+                seen = jnp.where(is_sparse, visible & chosen, visible)
             scores = jnp.einsum("tkgd,skd->kgts", qg, kf) / np.sqrt(d)
+            if num_rotated_sinks:
+                sinks = jax.vmap(lambda shift: llama.rope(
+                    kf[:num_rotated_sinks], jnp.full(num_rotated_sinks, shift),
+                    config.rope_theta))(sink_shift)  # [T, sinks, K, D]
+                sink_scores = jnp.einsum("tkgd,tskd->kgts", qg, sinks) / np.sqrt(d)
+                scores = scores.at[..., :num_rotated_sinks].set(sink_scores)
             probs = jax.nn.softmax(jnp.where(seen[None, None], scores, -jnp.inf), axis=-1)
             out = jnp.einsum("kgts,skd->tkgd", probs, v.astype(jnp.float32))
             return out.reshape(t, -1, d).astype(q.dtype), mass + probs.sum(axis=(0, 1))
@@ -118,22 +128,25 @@ def snapkv_keep(budget, window, kernel):
     return keep
 
 
-def oracle(model, prompt, max_new, *, keep=None, weight=None, quest_pages=0):
+def oracle(model, prompt, max_new, *, keep=None, weight=None, quest_pages=0,
+           quest_dense_layers=0, rotated_sinks=0):
     """Greedy tokens and the cached positions after every step, replaying the engine's steps."""
     total = -(-(len(prompt) + max_new) // P) * P
     tokens = np.zeros(total, np.int32)
     tokens[:len(prompt)] = prompt
     visible = np.eye(total, dtype=bool)  # a row must see something: its own (unused) key
     is_decode = np.arange(total) >= len(prompt)
-    forward = _masked_forward(model.config, quest_pages)
+    forward = _masked_forward(model.config, quest_pages, quest_dense_layers, rotated_sinks)
+    sink_shift = np.zeros(total, np.int32)  # tokens evicted when each query was computed
     cached, scores, out, history = [], [], [], []
     length, computed, was_done = len(prompt), 0, False
     while len(out) < max_new:
         queries = list(range(computed, min(computed + CHUNK, length)))
         for i, qpos in enumerate(queries):
             visible[qpos, cached + queries[:i + 1]] = True
+        sink_shift[queries] = computed - len(cached)
         logits, mass = forward(model.params, jnp.asarray(tokens), jnp.asarray(visible),
-                               jnp.asarray(is_decode))
+                               jnp.asarray(is_decode), jnp.asarray(sink_shift))
         mass = np.asarray(mass, np.float64)
         weights = [weight(q, length, was_done) if weight else 0.0 for q in queries]
         got = sum(w * mass[q] for w, q in zip(weights, queries, strict=True))
@@ -190,13 +203,21 @@ CASES = {
     "streaming": (dict(retention="streaming", retention_budget=10,
                        retention_options=dict(num_sinks=2)),
                   dict(keep=streaming_keep(10, 2))),
+    "streaming_cache_positions": (dict(retention="streaming", retention_budget=10,
+                                       retention_options=dict(num_sinks=2,
+                                                              cache_positions=True)),
+                                  dict(keep=streaming_keep(10, 2), rotated_sinks=2)),
     "h2o": (dict(retention="h2o", retention_budget=10, retention_options=dict(num_recent=3)),
             dict(keep=h2o_keep(10, 3), weight=lambda q, length, done: 1.0)),
     "snapkv": (dict(retention="snapkv", retention_budget=10,
                     retention_options=dict(window=3, kernel=3)),
                dict(keep=snapkv_keep(10, 3, 3),
                     weight=lambda q, length, done: float(not done and q >= length - 3))),
-    "quest": (dict(retention="quest", retention_budget=2 * P), dict(quest_pages=2)),
+    "quest": (dict(retention="quest", retention_budget=2 * P,
+                   retention_options=dict(dense_layers=0)), dict(quest_pages=2)),
+    "quest_dense": (dict(retention="quest", retention_budget=2 * P,
+                         retention_options=dict(dense_layers=1)),
+                    dict(quest_pages=2, quest_dense_layers=1)),
 }
 
 
@@ -210,7 +231,7 @@ def test_policy_matches_masked_dense_oracle(model, name):
     exact = greedy_reference(model, prompt, max_new)
     assert tokens != exact, "the budget was meant to change the output"
     exact_peak = -(-(len(prompt) + max_new - 1) // P)  # the last token is never computed
-    if name == "quest":
+    if name.startswith("quest"):
         assert engine.retention.stats["evictions"] == 0
         assert peak == exact_peak  # every page stays
         return
@@ -218,6 +239,7 @@ def test_policy_matches_masked_dense_oracle(model, name):
     assert history[:-1] == want_history[:-1]
     assert engine.retention.stats["evictions"] > 0
     assert peak < exact_peak
+    assert (engine.retention.stats["rotated_slots"] > 0) == ("cache_positions" in name)
 
 
 def step_logits(model, prompts, max_new, **config):
@@ -273,7 +295,7 @@ def exact_peak(model):
                                          ("quest", 8)])
 def test_many_long_requests_finish_in_fewer_pages_without_leaks(model, exact_peak, name,
                                                                  budget):
-    options = {"window": 4} if name == "snapkv" else {}
+    options = {"snapkv": {"window": 4}, "quest": {"dense_layers": 1}}.get(name, {})
     peak, outputs = serve_many(model, retention=name, retention_budget=budget,
                                retention_options=options)
     assert sorted(o.request_id for o in outputs) == [f"r{i}" for i in range(4)]
@@ -304,12 +326,15 @@ def test_preemption_and_parallel_samples_under_eviction(model):
     assert engine.allocator.num_used_pages() == 0
 
 
-def test_prefix_cache_serves_only_pages_computed_before_eviction(model):
+@pytest.mark.parametrize("options", [dict(num_sinks=4),
+                                     dict(num_sinks=2, cache_positions=True)])
+def test_prefix_cache_serves_only_pages_computed_before_eviction(model, options):
+    """Rotating the sinks (cache_positions) must not touch the indexed first page either."""
     prompt = prompt_of(30, seed=7)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     exact = Engine(model, EngineConfig(**BASE))
     lossy = Engine(model, EngineConfig(**BASE, retention="streaming", retention_budget=8,
-                                       retention_options=dict(num_sinks=4)))
+                                       retention_options=options))
     for engine in (exact, lossy):
         engine.generate([prompt], params)
     assert lossy.provenance() != exact.provenance()

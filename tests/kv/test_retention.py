@@ -27,9 +27,11 @@ from kvjax.kv.retention import (
     move_slots,
     pool_scores,
     retention_names,
+    rotate_slots,
 )
 from kvjax.kv.state import PagedKV
 from kvjax.memory.block_manager import AllocStatus, BlockManager
+from kvjax.models import llama
 
 P = 4
 
@@ -59,6 +61,10 @@ def test_registry_lists_every_policy_and_rejects_unknown_names_and_options():
         make_retention("streaming", None, P)
     with pytest.raises(ValueError, match="num_sinks"):
         make_retention("streaming", 8, P, num_sinks=-1)
+    with pytest.raises(ValueError, match="num_sinks < page_size"):
+        make_retention("streaming", 8, P, num_sinks=P, cache_positions=True)
+    with pytest.raises(ValueError, match="cache_positions"):
+        make_retention("streaming", 8, P, cache_positions=1)
     with pytest.raises(ValueError, match="pooling"):
         make_retention("snapkv", 80, P, pooling="median")
     with pytest.raises(ValueError, match="kernel"):
@@ -67,6 +73,10 @@ def test_registry_lists_every_policy_and_rejects_unknown_names_and_options():
         make_retention("h2o", 8, P, num_recent=9)
     with pytest.raises(ValueError, match=">= 4"):
         make_retention("quest", 3, P)
+    with pytest.raises(ValueError, match="dense_layers"):
+        make_retention("quest", 8, P, dense_layers=-1)
+    with pytest.raises(ValueError, match="heads"):
+        make_retention("quest", 8, P, heads="mean")
     with pytest.raises(ValueError, match="no retention_budget"):
         make_retention("none", 8, P)
 
@@ -76,11 +86,14 @@ def test_fingerprint_names_policy_budget_and_options():
               make_retention("streaming", 8, P).fingerprint(),
               make_retention("streaming", 12, P).fingerprint(),
               make_retention("streaming", 8, P, num_sinks=2).fingerprint(),
+              make_retention("streaming", 8, P, num_sinks=2, cache_positions=True).fingerprint(),
               make_retention("h2o", 8, P).fingerprint(),
               make_retention("snapkv", 80, P).fingerprint(),
               make_retention("snapkv", 80, P, pooling="avg").fingerprint(),
-              make_retention("quest", 8, P).fingerprint()}
-    assert len(prints) == 8
+              make_retention("quest", 8, P).fingerprint(),
+              make_retention("quest", 8, P, dense_layers=0).fingerprint(),
+              make_retention("quest", 8, P, heads="sum").fingerprint()}
+    assert len(prints) == 11
 
 
 @pytest.mark.parametrize("size,budget,sinks", [(12, 8, 4), (13, 8, 0), (20, 9, 2), (11, 8, 4)])
@@ -92,6 +105,41 @@ def test_streaming_keeps_sinks_and_recent_window(size, budget, sinks):
         return
     expected = [i for i in range(size) if i < sinks or size - i <= budget - sinks]
     assert keep.tolist() == expected
+
+
+def test_streaming_cache_positions_shifts_sinks_by_the_tokens_dropped():
+    plain = make_retention("streaming", 8, P, num_sinks=2)
+    moving = make_retention("streaming", 8, P, num_sinks=2, cache_positions=True)
+    view = view_of(np.zeros(13))  # over budget + P: back down to 8, dropping 5
+    keep = moving.select(view, is_prefill_done=True)
+    assert plain.rotary_shifts(view, keep) is None
+    assert moving.rotary_shifts(view, keep).tolist() == [5, 5] + [0] * 6
+
+
+def test_rotated_sink_keys_give_the_logits_of_in_cache_positions():
+    """rotate_slots turns a key at position p into the key at p + s; with the sinks shifted
+    by the E tokens evicted, a query at logical position m scores them as a query at its cache
+    position m - E scores sinks at their own positions (StreamingLLM)."""
+    rng = np.random.default_rng(4)
+    num_layers, num_pages, k_heads, d, theta = 2, 3, 2, 8, 10000.0
+    raw = rng.normal(size=(num_layers, num_pages * P, k_heads, d)).astype(np.float32)
+    positions = jnp.arange(num_pages * P)
+    k = jax.vmap(lambda x: llama.rope(x, positions, theta))(jnp.asarray(raw))
+    shape = (num_layers, num_pages, P, k_heads, d)
+    kv = PagedKV(k_pages=k.reshape(shape), v_pages=jnp.asarray(raw).reshape(shape))
+    slots, shifts = jnp.array([1, 6, 6]), jnp.array([40, 3, 3])  # a repeat, same shift
+    got = np.asarray(rotate_slots(kv, slots, shifts, theta).k_pages).reshape(raw.shape)
+    want = np.array(k)
+    for slot, shift in ((1, 40), (6, 3)):
+        want[:, slot] = llama.rope(jnp.asarray(raw[:, slot]), jnp.full(num_layers, slot + shift),
+                                   theta)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    q, m, evicted = rng.normal(size=(1, k_heads, d)).astype(np.float32), 90, 40
+    in_cache = llama.rope(jnp.asarray(q), jnp.array([m - evicted]), theta)[0]  # [K, D]
+    logical = llama.rope(jnp.asarray(q), jnp.array([m]), theta)[0]
+    np.testing.assert_allclose(np.sum(np.asarray(logical) * got[0, 1], -1),
+                               np.sum(np.asarray(in_cache) * np.asarray(k[0, 1]), -1),
+                               atol=1e-4)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -252,6 +300,69 @@ def test_quest_summaries_track_written_keys_across_chunks_and_recycled_pages():
     copied = kv.copy_pages(jnp.array([3]), jnp.array([4]))
     np.testing.assert_array_equal(np.asarray(copied.key_min[:, 4]),
                                   np.asarray(copied.key_min[:, 3]))
+
+
+def narrow_reference(keys, q, table, kv_len, num_read, layer, dense_layers, heads):
+    """Numpy Quest selection of one decode row: (pages read in table order, tokens they hold).
+
+    keys: [L, num_pages, P, K, D] written keys; q: [N, D]; table: [W] page ids.
+    """
+    num_valid = -(-kv_len // P)
+    if layer < dense_layers or num_valid <= num_read:
+        return list(table[:num_valid]), kv_len
+    g = q.shape[0] // keys.shape[3]
+    scores = []
+    for j in range(num_valid - 1):  # the last page is always read
+        page = keys[layer, table[j], :min(P, kv_len - j * P)]  # [n, K, D] written tokens
+        lo, hi = page.min(axis=0), page.max(axis=0)  # [K, D]
+        per_head = [np.sum(np.maximum(q[h] * lo[h // g], q[h] * hi[h // g]))
+                    for h in range(q.shape[0])]
+        scores.append(max(per_head) if heads == "max" else sum(per_head))
+    best = sorted(range(num_valid - 1), key=lambda j: -scores[j])[:num_read - 1]
+    chosen = sorted(best) + [num_valid - 1]
+    tokens = sum(min(P, kv_len - j * P) for j in chosen)
+    return [table[j] for j in chosen], tokens
+
+
+@pytest.mark.parametrize("dense_layers,heads", [(0, "max"), (2, "max"), (1, "sum")])
+def test_quest_narrowing_matches_numpy_and_reads_everything_in_dense_layers(dense_layers, heads):
+    rng = np.random.default_rng(3)
+    num_layers, num_pages, k_heads, n, d, w, num_read = 4, 24, 2, 4, 8, 6, 3
+    keys = rng.normal(size=(num_layers, num_pages, P, k_heads, d)).astype(np.float32)
+    kv = quest.init_quest_kv(PagedKV(k_pages=jnp.zeros(keys.shape),
+                                     v_pages=jnp.zeros(keys.shape)))
+    kv_lens = np.array([23, 9, 6, 17], np.int32)  # one row short enough to read everything
+    tables = rng.permutation(num_pages)[:len(kv_lens) * w].reshape(len(kv_lens), w)
+    slots = np.concatenate([tables[b, :-(-kv_lens[b] // P)][:, None] * P + np.arange(P)
+                            for b in range(len(kv_lens))]).ravel()
+    for layer in range(num_layers):
+        kv = kv.write(jnp.int32(layer), jnp.asarray(slots, jnp.int32),
+                      jnp.asarray(keys[layer].reshape(-1, k_heads, d)[slots]),
+                      jnp.zeros((len(slots), k_heads, d)))
+    q = rng.normal(size=(len(kv_lens), n, d)).astype(np.float32)
+
+    @jax.jit
+    def narrow(layer):
+        return quest.narrow_decode_rows(kv, layer, jnp.asarray(q), jnp.asarray(tables, jnp.int32),
+                                        jnp.asarray(kv_lens), num_read,
+                                        num_dense_layers=dense_layers,
+                                        head_reduction=quest.HeadReduction(heads))
+
+    for layer in range(num_layers):
+        got_tables, got_lens = map(np.asarray, narrow(jnp.int32(layer)))
+        for b in range(len(kv_lens)):
+            want_pages, want_len = narrow_reference(keys, q[b], tables[b], int(kv_lens[b]),
+                                                    num_read, layer, dense_layers, heads)
+            assert got_tables[b, :len(want_pages)].tolist() == want_pages, (layer, b)
+            assert got_lens[b] == want_len, (layer, b)
+        # The stored summaries still bound every written key's logit, in every layer.
+        bounds = np.asarray(quest.page_bounds(jnp.asarray(q), kv.key_min[layer][tables],
+                                              kv.key_max[layer][tables]))  # [B, W, N]
+        g = n // k_heads
+        page_keys = np.repeat(keys[layer][tables], g, axis=3)  # [B, W, P, N, D]
+        logits = np.einsum("bnd,bwpnd->bwpn", q, page_keys)
+        written = np.arange(w * P).reshape(w, P)[None] < kv_lens[:, None, None]  # [B, W, P]
+        assert np.all(np.where(written[..., None], bounds[:, :, None] >= logits - 1e-5, True))
 
 
 # ----------------------------------------------------------------------------- compaction
