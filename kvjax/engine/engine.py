@@ -332,7 +332,10 @@ class Engine:
     def _free_pages_of(self, seq: Sequence) -> None:
         self.retention.drop(seq.seq_id)
         freed = self.allocator.free(seq.seq_id)
-        if freed and self.config.scrub_freed_pages:
+        # A KIVI sequence frees its window slot even when its pages stay in the prefix cache;
+        # that slot must be zeroed now, before a new sequence takes it over.
+        released = getattr(self.allocator, "released_slots", None)
+        if (freed or released) and self.config.scrub_freed_pages:
             self._spill_evictions()
             self.kv = self.swap_space.scrub(self.kv, freed)
             self.stats["scrubbed_pages"] += len(freed)

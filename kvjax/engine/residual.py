@@ -126,7 +126,8 @@ class WindowSwapSpace(HostSwapSpace):
 
     def scrub(self, kv, pages: list[int]):
         """Zeroes freed pages and the windows of sequences freed since the last scrub."""
-        kv = self._with_pages(kv, super().scrub(kv.pages_only(), pages))
+        if pages:
+            kv = self._with_pages(kv, super().scrub(kv.pages_only(), pages))
         released = self.allocator.released_slots
         if released:
             # Repeating the last slot pads to a power of two: zeroing twice is harmless.
