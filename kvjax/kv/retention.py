@@ -127,6 +127,7 @@ class RetentionPolicy(Protocol):
     evicts: bool  # frees pages (streaming, h2o, snapkv)
     scores_keys: bool  # needs StepOutput.key_scores
     narrows_reads: bool  # changes which pages attention reads (quest)
+    rotates_keys: bool  # rotary_shifts may shift kept keys (streaming, cache_positions)
 
     def fingerprint(self) -> str: ...
 
@@ -195,6 +196,7 @@ class _Policy:
     evicts: ClassVar[bool] = False
     scores_keys: ClassVar[bool] = False
     narrows_reads: ClassVar[bool] = False
+    rotates_keys: bool = False
 
     def __init__(self, budget: int | None, page_size: int):
         self.budget = budget
@@ -279,6 +281,7 @@ class StreamingLLM(_Evicting):
                              f"{page_size} (the sinks' page is rotated), got {num_sinks}")
         super().__init__(_check_budget(self.name, budget, num_sinks + 1), page_size)
         self.num_sinks, self.cache_positions = num_sinks, cache_positions
+        self.rotates_keys = cache_positions and num_sinks > 0
 
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
         if not self._is_over(view):
@@ -288,7 +291,7 @@ class StreamingLLM(_Evicting):
         return np.concatenate([np.arange(self.num_sinks), recent])
 
     def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None:
-        if not self.cache_positions or self.num_sinks == 0:
+        if not self.rotates_keys:
             return None
         shifts = np.zeros(len(keep), np.int32)
         shifts[:self.num_sinks] = len(view.positions) - len(keep)  # the tokens dropped
@@ -566,6 +569,8 @@ class RetentionManager:
 
     def __init__(self, policy: RetentionPolicy, *, rope_theta: float | None = None):
         """rope_theta: the model's RoPE base, needed by policies that rotate kept keys."""
+        if policy.rotates_keys and rope_theta is None:
+            raise ValueError(f"{policy!r} rotates kept keys: RetentionManager needs rope_theta")
         self.policy = policy
         self._views: dict[str, CacheView] = {}
         self._move = jax.jit(move_slots, donate_argnums=0)
@@ -636,7 +641,7 @@ class RetentionManager:
         block_table: the sequence's pages after compaction, for policies that rotate kept keys.
         """
         view = self._views[seq_id]
-        kv = self._rotate_kept(kv, self.policy.rotary_shifts(view, keep), src, dst, block_table)
+        kv = self._compact(kv, self.policy.rotary_shifts(view, keep), src, dst, block_table)
         view.is_prefill_done = view.is_prefill_done or is_prefill_done
         self.stats["evictions"] += 1
         self.stats["evicted_tokens"] += len(view.positions) - len(keep)
@@ -647,16 +652,15 @@ class RetentionManager:
         view.scores = view.scores[keep]
         return kv
 
-    def _rotate_kept(self, kv: PagedKV, shifts: np.ndarray | None, src: np.ndarray,
-                     dst: np.ndarray, block_table: list[int] | None) -> PagedKV:
+    def _compact(self, kv: PagedKV, shifts: np.ndarray | None, src: np.ndarray,
+                 dst: np.ndarray, block_table: list[int] | None) -> PagedKV:
         """Moves src -> dst, then rotates the kept keys `shifts` (cache order) asks for."""
         if len(src):
             kv = self._move(kv, _padded(src), _padded(dst))
         if shifts is None or not np.any(shifts):
             return kv
-        if self._rope_theta is None or block_table is None:
-            raise ValueError(f"{self.policy!r} rotates kept keys: RetentionManager needs "
-                             "rope_theta and evict needs the block_table")
+        if block_table is None:
+            raise ValueError(f"{self.policy!r} rotates kept keys: evict needs the block_table")
         index = np.flatnonzero(shifts)  # cache indices to rotate
         page_size = kv.page_size
         slots = np.asarray(block_table, np.int64)[index // page_size] * page_size

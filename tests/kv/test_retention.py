@@ -22,6 +22,7 @@ from kvjax.kv.attention import pages_loader
 from kvjax.kv.retention import (
     CacheView,
     Pooling,
+    RetentionManager,
     key_scores_blockwise,
     make_retention,
     move_slots,
@@ -114,6 +115,8 @@ def test_streaming_cache_positions_shifts_sinks_by_the_tokens_dropped():
     keep = moving.select(view, is_prefill_done=True)
     assert plain.rotary_shifts(view, keep) is None
     assert moving.rotary_shifts(view, keep).tolist() == [5, 5] + [0] * 6
+    with pytest.raises(ValueError, match="rope_theta"):
+        RetentionManager(moving)
 
 
 def test_rotated_sink_keys_give_the_logits_of_in_cache_positions():
