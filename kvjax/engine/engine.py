@@ -144,6 +144,11 @@ class Engine:
         self.kv = self.retention.policy.wrap_state(self.kv)
         if mesh is not None:
             self.kv, self.runner = sharding.shard_kv_and_runner(self.kv, self.runner, model, mesh)
+        else:
+            # Committed from the start: jit caches committed and uncommitted inputs apart, and
+            # a swap-in (device_put to a device) would otherwise commit the pool mid-run and
+            # recompile every step program.
+            self.kv = jax.device_put(self.kv, jax.devices()[0])
         self.policy = make_policy(config.scheduler_policy)
         if isinstance(self.policy, LongestPrefixMatch):
             self.policy.cached_tokens = self._peek_cached_tokens
@@ -816,6 +821,10 @@ class Engine:
                                           shape)
         if self.tiers is not None:
             self.kv = self.tiers.warmup(self.kv)
+        self.kv = self.retention.warmup(self.kv)
+        swaps = self.config.preemption_mode is not PreemptionMode.RECOMPUTE
+        self.kv = self.swap_space.warmup(self.kv, self.block_table_width, swap=swaps,
+                                         scrub=self.config.scrub_freed_pages)
         jax.block_until_ready(self.kv)
         return self.num_compiles
 

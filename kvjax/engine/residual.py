@@ -137,6 +137,22 @@ class WindowSwapSpace(HostSwapSpace):
             released.clear()
         return kv
 
+    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool):
+        """As `HostSwapSpace.warmup`, plus the window programs (writes to a slot past the end
+        are dropped: the state is unchanged)."""
+        kv = self._with_pages(kv, super().warmup(kv.pages_only(), max_pages, swap=swap,
+                                                 scrub=scrub))
+        past = jnp.int32(self.allocator.num_seq_slots)
+        kv = self._copy_window(kv, jnp.int32(0), past)
+        if swap:
+            k, v = (self._to_device(x) for x in self._window(kv, jnp.int32(0)))
+            kv = self._set_window(kv, past, k, v)
+        if scrub:
+            for n in (1 << i for i in range(max(self.allocator.num_seq_slots - 1, 0)
+                                            .bit_length() + 1)):
+                kv = self._zero_windows(kv, np.full(n, self.allocator.num_seq_slots, np.int32))
+        return kv
+
     def copy_window(self, kv, parent_id: str, child_id: str):
         """A forked child's window starts as a copy of its parent's."""
         return self._copy_window(kv, jnp.int32(self.allocator.seq_slot(parent_id)),

@@ -111,3 +111,17 @@ class HostSwapSpace:
     def scrub(self, kv, pages: list[int]):
         """Zeroes freed pages so no later reader could ever see their old content."""
         return self._zero(kv, _padded(sorted(pages)))
+
+    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool):
+        """Compiles the swap and scrub programs for every padded count up to `max_pages` pages.
+
+        Their writes go to a page past the pool, which scatters drop: the state is unchanged.
+        """
+        for n in (1 << i for i in range(max(max_pages - 1, 0).bit_length() + 1)):
+            past = np.full(n, kv.num_pages, np.int32)
+            if swap:
+                stored = jax.tree.map(self._to_device, self._gather(kv, np.zeros(n, np.int32)))
+                kv = self._scatter(kv, past, stored)
+            if scrub:
+                kv = self._zero(kv, past)
+        return kv

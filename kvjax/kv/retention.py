@@ -68,7 +68,8 @@ to a request that expects another retention.
 Limits (checked by EngineConfig): every policy but none needs the paged layout, no tiers and
 no mesh; the evicting ones also need exact pages (kv_codec 'none': slot moves do not apply to
 per-group quantization scales) and RECOMPUTE preemption (a compacted sequence is recomputed
-from its tokens). Admission still sizes a request by its full length.
+from its tokens). A request of streaming or h2o may be longer than the pool (it never holds
+more than its budget plus a prefill chunk); others must fit the pool whole.
 """
 
 from __future__ import annotations
@@ -595,6 +596,21 @@ class RetentionManager:
     @property
     def num_compiles(self) -> int:
         return self._move._cache_size() + self._rotate._cache_size()
+
+    def warmup(self, kv: PagedKV) -> PagedKV:
+        """Compiles the compaction programs of every size a compaction can ask for.
+
+        A compaction moves at most `budget` kept tokens (padded to a power of two) and rotates
+        at most the sinks; moving slot 0 onto itself and rotating by 0 change nothing.
+        """
+        if not self.policy.evicts:
+            return kv
+        for n in (1 << i for i in range(max(self.policy.budget - 1, 0).bit_length() + 1)):
+            kv = self._move(kv, np.zeros(n, np.int32), np.zeros(n, np.int32))
+            if self.policy.rotates_keys and n < 2 * self.policy.num_sinks:
+                kv = self._rotate(kv, np.zeros(n, np.int32), np.zeros(n, np.int32),
+                                  self._rope_theta)
+        return kv
 
     def num_evicted(self, seq_id: str) -> int:
         view = self._views.get(seq_id)

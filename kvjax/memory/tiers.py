@@ -901,6 +901,11 @@ class TieredSwapSpace:
     def scrub(self, kv, pages: list[int]):
         return self._plain.scrub(kv, pages)
 
+    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool):
+        """The scrub programs (swaps go through the tiers, which warm up their own)."""
+        del swap
+        return self._plain.warmup(kv, max_pages, swap=False, scrub=scrub)
+
 
 # ----------------------------------------------------------------------------- cost model
 

@@ -158,9 +158,14 @@ def test_invalid_sampling_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
-def test_compile_count_flat_after_warmup(model):
+@pytest.mark.parametrize("overrides", [
+    dict(num_pages=64),
+    # Swap preemption and scrubbing have programs of their own, one per padded page count.
+    dict(num_pages=24, preemption_mode="swap", scrub_freed_pages=True),
+], ids=["recompute", "swap-scrub"])
+def test_compile_count_flat_after_warmup(model, overrides):
     rng = np.random.default_rng(2)
-    engine = Engine(model, EngineConfig(**BASE, num_pages=64))
+    engine = Engine(model, EngineConfig(**BASE, **overrides))
 
     def serve(num):
         for i in range(num):
@@ -177,7 +182,10 @@ def test_compile_count_flat_after_warmup(model):
     # count what this engine's warm-up adds, at most one program per step shape.
     before = engine.num_compiles
     warm = engine.warmup()
-    assert warm - before <= len(engine.step_shapes())
+    if engine.config.preemption_mode.value == "recompute":
+        assert warm - before <= len(engine.step_shapes())
     serve(150)
     serve(150)
     assert engine.num_compiles == warm, f"recompiled after warm-up: {warm} -> {engine.num_compiles}"
+    if engine.config.scrub_freed_pages:
+        assert engine.stats["swaps_in"] > 0 and engine.stats["scrubbed_pages"] > 0

@@ -275,6 +275,7 @@ MANY = dict(BASE, max_num_batched_tokens=32, max_prefill_seqs=2, num_pages=128,
 def serve_many(model, **config):
     """Four 40-token prompts, 16 tokens each: (peak pages used, outputs); checks no leak."""
     engine = Engine(model, EngineConfig(**MANY, **config))
+    warm = engine.warmup()
     pages = PeakPages(engine)
     for i in range(4):
         engine.add_request(f"r{i}", prompt_of(40, seed=i),
@@ -283,6 +284,7 @@ def serve_many(model, **config):
     while engine.has_unfinished():
         outputs += engine.step()
     assert engine.allocator.num_used_pages() == 0
+    assert engine.num_compiles == warm, "compaction or a step compiled after warm-up"
     return pages.peak, outputs
 
 
