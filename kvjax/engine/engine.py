@@ -365,11 +365,12 @@ class Engine:
         seq.status = SeqStatus.WAITING
         self._waiting.append(seq)
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, *, is_due: bool = True) -> bool:
         """Registers a waiting sequence with the allocator (prefix-cache lookup).
 
         With tiers on, the hash chain continues in the host and disk tiers; False while pages
         found there are loading (the sequence is scheduled only once they are committed).
+        `is_due`: the scheduler wants to run it this step (False: a prefetch).
         """
         if self.tiers is not None and self.allocator.has_sequence(seq.seq_id):
             return not self.tiers.is_loading(seq.seq_id)
@@ -378,7 +379,7 @@ class Engine:
         seq.num_computed = cached
         if seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
-        return self._load_from_tiers(seq)
+        return self._load_from_tiers(seq, is_due=is_due)
 
     def _swap_in(self, seq: Sequence) -> bool:
         if self.tiers is not None:
@@ -651,12 +652,13 @@ class Engine:
                 self.tiers.spill(self.kv, evicted)
             self._sync_tier_stats()
 
-    def _poll_tiers(self) -> None:
-        """Advances tier transfers; sequences whose loads finished get their pages counted."""
+    def _poll_tiers(self, owner: str | None = None) -> None:
+        """Advances tier transfers (only `owner`'s, if given); sequences whose loads finished get
+        their pages counted."""
         if self.tiers is None:
             return
         self._spill_evictions()
-        self.kv, results = self.tiers.poll(self.kv)
+        self.kv, results = self.tiers.poll(self.kv, owner=owner)
         self._sync_tier_stats()
         page_size = self.config.page_size
         for result in results:
@@ -685,10 +687,14 @@ class Engine:
                                  self.config.page_size)[first_page:]
         return hashes[:self.tiers.lookup(hashes)]
 
-    def _load_from_tiers(self, seq: Sequence) -> bool:
+    def _load_from_tiers(self, seq: Sequence, *, is_due: bool) -> bool:
         """Issues loads of the pages continuing an admitted sequence's device prefix hit.
 
-        Returns False when a load was issued (the sequence waits for it), else True.
+        A sequence due to run now waits for its load at once: there is no compute to overlap
+        the wait with, and joining the next step instead costs a whole step and staggers the
+        batch. Prefetches (and spills) stay asynchronous.
+
+        Returns False while a load is in flight (the sequence waits for it), else True.
         """
         if (self.tiers is None or self.allocator.prefix_cache is None
                 or self.tiers.num_loading >= self.config.tiers.max_inflight_loads):
@@ -705,7 +711,11 @@ class Engine:
         if status is not AllocStatus.OK:
             return True
         pages = self.allocator.block_table(seq.seq_id)[first:first + len(hashes)]
-        return self.tiers.load(seq.seq_id, hashes, pages) == 0
+        if self.tiers.load(seq.seq_id, hashes, pages) == 0:
+            return True
+        if is_due:
+            self._poll_tiers(owner=seq.seq_id)
+        return not self.tiers.is_loading(seq.seq_id)
 
     def _prefetch_from_tiers(self, *, idle: bool) -> None:
         """Admits the next waiting sequences, in queue order, whose prefix continues in the
@@ -740,7 +750,7 @@ class Engine:
             if not hit or not self._can_admit(
                     pages_for(len(seq.tokens), self.config.page_size) - first):
                 break
-            self._admit(seq)
+            self._admit(seq, is_due=False)
 
     def _swap_in_from_tiers(self, seq: Sequence) -> bool:
         """Starts (or finishes) bringing a swapped sequence back through the tiers.

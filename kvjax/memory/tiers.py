@@ -7,9 +7,10 @@ The device tier is the engine's page pool. Below it:
     arrive in chunks of one transfer; a chunk's bytes count against the budget until its last
     page leaves.
   * `DiskTier`: one file per page under a private directory: a magic tag, a BLAKE2b digest of
-    the payload, the payload. Files are written to a temporary name, read back and checked, then
-    renamed, so a half-written or corrupted file is never read as valid; every read checks the
-    digest again.
+    the payload, the payload. Worker threads write and read the files, off the engine's step.
+    A write goes to a temporary name and is renamed into place only when it commits (its
+    checksum taken from the bytes it wrote), so a half-written file is never indexed; every
+    read checks the digest and the page checksum before the page may be loaded.
 
 Both keep pages in LRU order under a byte budget: the host spills its least recently used pages
 to disk, the disk drops its least recently used files. Pages are keyed by prefix-cache hash
@@ -23,13 +24,16 @@ in the transfer layout, not the compute layout: n pages are gathered on the devi
 contiguous page-first buffer `[L, n, ...]` (per leaf) and moved in a single transfer
 (`TransferLayout.PAGE_FIRST`, in power-of-two chunks), or one page per transfer
 (`TransferLayout.PER_PAGE`). Device transfers are issued asynchronously (`jax.device_put` returns
-at once) and advanced by `poll`; each is a `kvjax.memory.transfer.Transfer` whose data is read
-only once COMMITTED. A load is scattered into the KV pool only after its checksum verifies.
+at once), disk transfers run on the disk workers, and `poll` advances both; each is a
+`kvjax.memory.transfer.Transfer` whose data is read only once COMMITTED. A load is scattered into
+the KV pool only after its checksum verifies; a load from disk goes to the device only after its
+file reads verified.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import enum
 import hashlib
@@ -54,6 +58,7 @@ from kvjax.memory.transfer import (
     Transfer,
     TransferKind,
     TransferState,
+    flip_byte,
     page_checksums,
     page_checksums_np,
 )
@@ -77,10 +82,15 @@ class TierConfig:
             plain host swap space).
         disk_bytes: disk-tier budget in bytes; 0: pages leaving the host tier are dropped.
         disk_dir: where the disk tier makes its private directory; None: the system temp dir.
+        disk_io_threads: worker threads doing the disk tier's file I/O, so writes and reads
+            overlap the engine's steps; 0: inline, inside the step (the synchronous baseline).
+        disk_fsync: fsync each page file before it is renamed into place. Off by default: the
+            directory is private to one process and deleted with it, and a torn file fails its
+            digest anyway, so durability across a power loss buys nothing for a cache.
         transfer_layout: PAGE_FIRST (chunks of pages per transfer) or PER_PAGE.
         max_chunk_pages: most pages in one page-first transfer (rounded down to a power of 2).
-        timeout_polls: polls (engine steps) a device transfer may stay in flight before it
-            fails as timed out.
+        timeout_polls: polls (engine steps) a transfer may stay in flight before it fails as
+            timed out.
         max_inflight_loads: most sequences with tier loads in flight (prefetch depth).
         swap_bandwidth_bytes_per_s: host link bandwidth for the swap-vs-recompute cost model;
             None: measured once by a calibration transfer.
@@ -92,6 +102,8 @@ class TierConfig:
     host_bytes: int = 0
     disk_bytes: int = 0
     disk_dir: str | None = None
+    disk_io_threads: int = 2
+    disk_fsync: bool = False
     transfer_layout: TransferLayout = TransferLayout.PAGE_FIRST
     max_chunk_pages: int = 64
     timeout_polls: int = 64
@@ -101,7 +113,7 @@ class TierConfig:
     faults: FaultConfig = FaultConfig()
 
     def __post_init__(self):
-        for name in ("host_bytes", "disk_bytes"):
+        for name in ("host_bytes", "disk_bytes", "disk_io_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"TierConfig.{name} must be an int >= 0, got {value!r}")
@@ -247,29 +259,119 @@ _MAGIC = b"KVJXPG01"
 _DIGEST = 32
 
 
+def _payload_leaves(payload: bytes, shapes, dtypes) -> list[np.ndarray]:
+    """Views of a page's leaves, each [L, ...], in its serialized payload."""
+    leaves, offset = [], 0
+    for shape, dtype in zip(shapes, dtypes, strict=True):
+        leaves.append(np.frombuffer(payload, dtype, math.prod(shape), offset).reshape(shape))
+        offset += math.prod(shape) * dtype.itemsize
+    return leaves
+
+
+def _page_checksum(leaves: Sequence[np.ndarray]) -> int:
+    return int(page_checksums_np([x[:, None] for x in leaves])[0])
+
+
+def _write_page_file(tmp: str, payload: bytes, shapes, dtypes, flip: int | None,
+                     fsync: bool) -> int:
+    """Worker: writes a page file to `tmp`; returns the checksum of the bytes it wrote.
+
+    The checksum comes from the in-memory bytes (after an injected flip), not from reading the
+    file back: what a write can corrupt is the buffer it was handed.
+    """
+    if flip is not None:
+        payload = flip_byte(payload, flip)
+    checksum = _page_checksum(_payload_leaves(payload, shapes, dtypes))
+    digest = hashlib.blake2b(payload, digest_size=_DIGEST).digest()
+    with open(tmp, "wb") as f:
+        f.write(_MAGIC + digest)
+        f.write(payload)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    return checksum
+
+
+def _read_page_file(path: str, file_bytes: int, shapes, dtypes, flip: int | None
+                    ) -> tuple[list[np.ndarray], int] | None:
+    """Worker: a page file's leaves and their checksum, or None when its header or digest is
+    wrong (a torn, truncated or corrupted file)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if flip is not None and data:
+        data = flip_byte(data, flip % len(data))
+    header = len(_MAGIC) + _DIGEST
+    if len(data) != file_bytes or not data.startswith(_MAGIC):
+        return None
+    payload = data[header:]
+    if hashlib.blake2b(payload, digest_size=_DIGEST).digest() != data[len(_MAGIC):header]:
+        return None
+    leaves = _payload_leaves(payload, shapes, dtypes)
+    return leaves, _page_checksum(leaves)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _close_disk(pool: concurrent.futures.Executor | None, directory: str) -> None:
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+    shutil.rmtree(directory, True)
+
+
+@dataclasses.dataclass(eq=False)
+class _DiskIO:
+    """A disk transfer's work on the worker, and what its landing is checked against."""
+
+    future: concurrent.futures.Future
+    path: str  # the temporary file of a write, the page file of a read
+    checksum: int  # the source's page checksum
+    nbytes: int  # budget bytes a write holds reserved until it lands
+    source: list[np.ndarray] | None = None  # a write's page leaves [L, ...], as the host held it
+
+
 class DiskTier:
     """One checksummed file per page in a private directory, under a byte budget (LRU).
 
+    Writes and reads run on `num_threads` worker threads (0: inline, on the caller's thread):
+    `start_write`/`start_read` hand the work over and return at once, `land_write`/`land_read`
+    check and commit what the worker did. A page is written to a temporary name and renamed to
+    its page file only when its write commits, so a file that a crash or a failure left half
+    written is never indexed, and a page file that went bad on disk fails the digest and
+    checksum checks of every read.
+
     Attributes:
         directory: the private directory (removed when the tier is garbage collected).
-        budget_bytes: the most bytes its files may take.
-        used_bytes: bytes its indexed files take.
+        budget_bytes: the most bytes its files, and the writes in flight, may take.
+        used_bytes: bytes its indexed (committed) files take.
+        reserved_bytes: bytes held for writes in flight.
     """
 
     def __init__(self, budget_bytes: int, parent_dir: str | None,
-                 page_shapes: Sequence[tuple[int, ...]], page_dtypes: Sequence[np.dtype]):
+                 page_shapes: Sequence[tuple[int, ...]], page_dtypes: Sequence[np.dtype], *,
+                 num_threads: int = 1, fsync: bool = False):
         if parent_dir is not None:
             os.makedirs(parent_dir, exist_ok=True)
         self.directory = tempfile.mkdtemp(prefix="kvjax-tier-", dir=parent_dir)
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
+        self._pool = (concurrent.futures.ThreadPoolExecutor(
+            num_threads, thread_name_prefix="kvjax-disk") if num_threads else None)
+        self._cleanup = weakref.finalize(self, _close_disk, self._pool, self.directory)
+        self._fsync = fsync
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
+        self.reserved_bytes = 0
         self._shapes = list(page_shapes)
         self._dtypes = list(page_dtypes)
         self._payload_bytes = sum(math.prod(s) * d.itemsize
                                   for s, d in zip(self._shapes, self._dtypes, strict=True))
         self._entries: collections.OrderedDict[Hashable, tuple[str, int, int]] = \
             collections.OrderedDict()
+        # Writes failed while on a worker: their temporary files go once the worker is done.
+        self._abandoned: list[tuple[concurrent.futures.Future, str]] = []
 
     @property
     def file_bytes(self) -> int:
@@ -290,99 +392,136 @@ class DiskTier:
         return os.path.join(self.directory, name + ".kvpage")
 
     def close(self) -> None:
-        """Deletes every file and the directory."""
+        """Waits for the workers, then deletes every file and the directory."""
         self._entries.clear()
-        self.used_bytes = 0
+        self.used_bytes = self.reserved_bytes = 0
         self._cleanup()
 
     def remove(self, key: Hashable) -> None:
         path, nbytes, _ = self._entries.pop(key)
         self.used_bytes -= nbytes
+        _remove_quietly(path)
+
+    def inspect(self, key: Hashable) -> list[np.ndarray] | None:
+        """The leaves [L, ...] an indexed page file holds now, or None when it fails its checks;
+        reads on the caller's thread (for tests and tools, not for loads)."""
+        page = _read_page_file(self._entries[key][0], self.file_bytes, self._shapes,
+                               self._dtypes, None)
+        return None if page is None else page[0]
+
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        future = concurrent.futures.Future()
         try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
+            future.set_result(fn(*args))
+        except OSError as e:
+            future.set_exception(e)
+        return future
 
-    def _decode(self, data: bytes) -> list[np.ndarray] | None:
-        """The page leaves of a file's bytes, or None when its header or digest is wrong."""
-        header = len(_MAGIC) + _DIGEST
-        if len(data) != header + self._payload_bytes or not data.startswith(_MAGIC):
-            return None
-        payload = data[header:]
-        if hashlib.blake2b(payload, digest_size=_DIGEST).digest() != data[len(_MAGIC):header]:
-            return None
-        leaves, offset = [], 0
-        for shape, dtype in zip(self._shapes, self._dtypes, strict=True):
-            size = math.prod(shape) * dtype.itemsize
-            leaves.append(np.frombuffer(payload, dtype, math.prod(shape), offset).reshape(shape))
-            offset += size
-        return leaves
+    def wait(self, transfers: Sequence[Transfer]) -> None:
+        """Blocks until the workers finished `transfers` and every abandoned write."""
+        concurrent.futures.wait([t.payload.future for t in transfers]
+                                + [f for f, _ in self._abandoned])
+        self._reap()
 
-    def write(self, t: Transfer, key: Hashable, page: Sequence[np.ndarray], checksum: int,
-              faults: FaultInjector) -> int:
-        """Writes one page through states QUEUED .. COMMITTED (or FAILED); `t` carries it.
+    def _reap(self) -> None:
+        """Deletes the temporary files of abandoned writes whose workers are done."""
+        for future, path in [a for a in self._abandoned if a[0].done()]:
+            _remove_quietly(path)
+            self._abandoned.remove((future, path))
+
+    def start_write(self, t: Transfer, key: Hashable, page: Sequence[np.ndarray], checksum: int,
+                    flip: int | None) -> int:
+        """Reserves room for one page file and hands its write to a worker (IN_FLIGHT), or
+        fails `t` when the budget cannot hold it.
 
         Returns:
             How many least recently used files were deleted to make room.
         """
-        if t.fault is Fault.FAIL:
-            t.fail("injected failure")
-            return 0
+        self._reap()
         size = self.file_bytes
         if size > self.budget_bytes:
             t.fail(f"a page file of {size} bytes exceeds the disk budget {self.budget_bytes}")
             return 0
-        path = self.path_of(key)
-        tmp = f"{path}.tmp"
-        t.advance(TransferState.IN_FLIGHT)
+        num_evicted = 0
+        while self.used_bytes + self.reserved_bytes + size > self.budget_bytes and self._entries:
+            self.remove(next(iter(self._entries)))
+            num_evicted += 1
+        if self.used_bytes + self.reserved_bytes + size > self.budget_bytes:
+            t.fail("the disk budget is held by writes in flight")
+            return num_evicted
+        self.reserved_bytes += size
+        tmp = f"{self.path_of(key)}.{t.transfer_id}.tmp"
         payload = b"".join(np.ascontiguousarray(x).tobytes() for x in page)
-        data = _MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload
-        if t.fault is Fault.CORRUPT:
-            data = faults.corrupt_bytes(data)
-        with open(tmp, "wb") as f:
-            f.write(data)
+        future = self._submit(_write_page_file, tmp, payload, self._shapes, self._dtypes, flip,
+                              self._fsync)
+        t.payload = _DiskIO(future, tmp, checksum, size, source=list(page))
+        t.advance(TransferState.IN_FLIGHT)
+        return num_evicted
+
+    def start_read(self, t: Transfer, key: Hashable, flip: int | None) -> None:
+        """Hands the read of one indexed page file to a worker (IN_FLIGHT)."""
+        path, _, checksum = self._entries[key]
+        future = self._submit(_read_page_file, path, self.file_bytes, self._shapes, self._dtypes,
+                              flip)
+        t.payload = _DiskIO(future, path, checksum, 0)
+        t.advance(TransferState.IN_FLIGHT)
+
+    def abandon(self, t: Transfer, reason: str) -> None:
+        """Fails a transfer in flight; a write's temporary file goes once its worker is done."""
+        io: _DiskIO = t.payload
+        self.reserved_bytes -= io.nbytes
+        if t.kind is TransferKind.HOST_TO_DISK:
+            self._abandoned.append((io.future, io.path))
+            self._reap()
+        t.fail(reason)
+
+    def land_write(self, t: Transfer, key: Hashable) -> None:
+        """Checks a finished write and commits it (renames and indexes the file), or fails it."""
+        io: _DiskIO = t.payload
+        self.reserved_bytes -= io.nbytes
+        try:
+            checksum = io.future.result()
+        except OSError as e:
+            _remove_quietly(io.path)
+            t.fail(f"write failed: {e}")
+            return
         t.advance(TransferState.LANDED)
-        with open(tmp, "rb") as f:
-            landed = self._decode(f.read())
-        if landed is None or int(page_checksums_np([x[:, None] for x in landed])[0]) != checksum:
-            os.remove(tmp)
-            t.fail("checksum mismatch after write")
-            return 0
+        if checksum != io.checksum:
+            _remove_quietly(io.path)
+            t.fail("checksum mismatch in the bytes written")
+            return
         t.advance(TransferState.VERIFIED)
         if key in self._entries:
             self.remove(key)
-        num_evicted = 0
-        while self.used_bytes + size > self.budget_bytes:
-            self.remove(next(iter(self._entries)))
-            num_evicted += 1
-        os.replace(tmp, path)
-        self._entries[key] = (path, size, checksum)
-        self.used_bytes += size
+        path = self.path_of(key)
+        os.replace(io.path, path)
+        self._entries[key] = (path, io.nbytes, io.checksum)
+        self.used_bytes += io.nbytes
+        t.payload = None
         t.advance(TransferState.COMMITTED)
-        return num_evicted
 
-    def read(self, t: Transfer, key: Hashable, faults: FaultInjector) -> list[np.ndarray] | None:
-        """Reads one page (its leaves [L, ...]) through a transfer; a bad file is deleted."""
-        if t.fault is Fault.FAIL:
-            t.fail("injected failure")
-            return None
-        path, _, checksum = self._entries[key]
-        t.advance(TransferState.IN_FLIGHT)
-        with open(path, "rb") as f:
-            data = f.read()
-        if t.fault is Fault.CORRUPT:
-            data = faults.corrupt_bytes(data)
+    def land_read(self, t: Transfer, key: Hashable) -> None:
+        """Checks a finished read and commits it (payload: the page's leaves [L, ...] and its
+        checksum), or fails it and deletes the bad file."""
+        io: _DiskIO = t.payload
+        try:
+            page = io.future.result()
+        except OSError as e:
+            t.fail(f"read failed: {e}")
+            return
         t.advance(TransferState.LANDED)
-        page = self._decode(data)
-        if page is None or int(page_checksums_np([x[:, None] for x in page])[0]) != checksum:
-            self.remove(key)
+        if page is None or page[1] != io.checksum:
+            if key in self._entries:
+                self.remove(key)
             t.fail("checksum mismatch on read")
-            return None
+            return
         t.advance(TransferState.VERIFIED)
-        self._entries.move_to_end(key)
+        if key in self._entries:
+            self._entries.move_to_end(key)
         t.payload = page
         t.advance(TransferState.COMMITTED)
-        return t.result()
 
 
 # ----------------------------------------------------------------------------- manager
@@ -390,8 +529,14 @@ class DiskTier:
 
 @dataclasses.dataclass
 class _Load:
-    transfers: list[Transfer]
-    num_pages: list[int]  # pages of each transfer, in order
+    keys: list[Hashable]
+    pages: list[int]  # the device page of each key
+    # Each key's source until issued: None (a host page), its disk read, or (page leaves,
+    # checksum) from the source of its disk write in flight.
+    reads: list[Transfer | tuple[list[np.ndarray], int] | None]
+    is_issued: bool = False  # whether its host -> device transfers were issued
+    transfers: list[Transfer] = dataclasses.field(default_factory=list)
+    num_pages: list[int] = dataclasses.field(default_factory=list)  # pages of each transfer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,13 +583,16 @@ class TierManager:
         self.memory_kind = host_memory_kind(next(iter(leaves[0].devices())))
         self.host = HostTier(config.host_bytes)
         self.disk = (DiskTier(config.disk_bytes, config.disk_dir, self._page_shapes,
-                              self._page_dtypes) if config.disk_bytes else None)
+                              self._page_dtypes, num_threads=config.disk_io_threads,
+                              fsync=config.disk_fsync) if config.disk_bytes else None)
         self.faults = FaultInjector(config.faults)
         self._gather = jax.jit(_gather)
         self._scatter = jax.jit(_scatter, donate_argnums=0)
         # Kept apart from the gather: XLA:CPU fused the two into a program twice as slow.
         self._checksums = jax.jit(page_checksums)  # [n] uint32
-        self._inflight: list[Transfer] = []
+        self._inflight: list[Transfer] = []  # device transfers
+        self._disk_inflight: list[Transfer] = []  # disk reads and writes on the workers
+        self._disk_writing: dict[Hashable, Transfer] = {}  # key -> its write in flight
         self._pending_keys: set[Hashable] = set()
         self._discard: set[Hashable] = set()
         self._loads: dict[Hashable, _Load] = {}
@@ -464,8 +612,8 @@ class TierManager:
 
     @property
     def num_inflight(self) -> int:
-        """Device transfers issued and not yet committed or failed."""
-        return len(self._inflight)
+        """Transfers issued (device and disk) and not yet committed or failed."""
+        return len(self._inflight) + len(self._disk_inflight)
 
     def is_loading(self, owner: Hashable) -> bool:
         return owner in self._loads
@@ -475,11 +623,13 @@ class TierManager:
         return len(self._loads)
 
     def contains(self, key: Hashable) -> bool:
-        """Whether `key` is committed in the host or disk tier."""
-        return key in self.host or (self.disk is not None and key in self.disk)
+        """Whether `key` can be loaded: committed in the host or disk tier, or committed in the
+        host tier and on its way to disk (a load then takes the write's source, not its file)."""
+        return (key in self.host or key in self._disk_writing
+                or (self.disk is not None and key in self.disk))
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
-        """How many leading `keys` are committed in the host or disk tier."""
+        """How many leading `keys` can be loaded (see `contains`)."""
         count = 0
         for key in keys:
             if not self.contains(key):
@@ -545,7 +695,8 @@ class TierManager:
         seen: set[Hashable] = set()
         todo = []
         for key, page in entries:
-            if key in seen or key in self._pending_keys or self.contains(key):
+            if (key in seen or key in self._pending_keys or key in self._disk_writing
+                    or self.contains(key)):
                 continue
             seen.add(key)
             todo.append((key, page))
@@ -627,34 +778,80 @@ class TierManager:
     # --------------------------------------------------------------------------- host <-> disk
 
     def _spill_to_disk(self, evicted: list[tuple[Hashable, list[np.ndarray], int]]) -> None:
+        """Hands the pages the host tier evicted to the disk workers (dropped without a disk)."""
         for key, page, checksum in evicted:
             if self.disk is None:
                 self.stats["pages_dropped"] += 1
                 continue
             t = self._track(Transfer(TransferKind.HOST_TO_DISK, (key,), self.page_bytes))
-            if t.fault is not Fault.FAIL:
-                self.stats["bytes_host_to_disk"] += t.nbytes
-            self.stats["pages_dropped"] += self.disk.write(t, key, page, checksum, self.faults)
-            self._finished(t)
+            if t.fault is Fault.FAIL:
+                t.fail("injected failure")
+            else:
+                flip = (self.faults.flip_position(self.page_bytes) if t.fault is Fault.CORRUPT
+                        else None)
+                self.stats["pages_dropped"] += self.disk.start_write(t, key, page, checksum, flip)
             if t.state is TransferState.FAILED:
+                self._finished(t)
                 self.stats["pages_dropped"] += 1
+                continue
+            t.issue_time = self.clock()
+            self.stats["bytes_host_to_disk"] += t.nbytes
+            self._disk_inflight.append(t)
+            self._disk_writing[key] = t
 
-    def _read_from_disk(self, key: Hashable) -> list[np.ndarray] | None:
-        t = self._track(Transfer(TransferKind.DISK_TO_HOST, (key,), self.page_bytes))
-        if t.fault is not Fault.FAIL:
-            self.stats["bytes_disk_to_host"] += t.nbytes
-        page = self.disk.read(t, key, self.faults)
+    def _start_disk_read(self, owner: Hashable, key: Hashable) -> Transfer:
+        t = self._track(Transfer(TransferKind.DISK_TO_HOST, (key,), self.page_bytes, owner=owner))
+        if t.fault is Fault.FAIL:
+            t.fail("injected failure")
+            self._finished(t)
+            return t
+        flip = (self.faults.flip_position(self.disk.file_bytes) if t.fault is Fault.CORRUPT
+                else None)
+        self.disk.start_read(t, key, flip)
+        t.issue_time = self.clock()
+        self.stats["bytes_disk_to_host"] += t.nbytes
+        self._disk_inflight.append(t)
+        return t
+
+    def _abandon_disk(self, t: Transfer, reason: str) -> None:
+        self._disk_inflight.remove(t)
+        if t.kind is TransferKind.HOST_TO_DISK:
+            self._disk_writing.pop(t.keys[0], None)
+            self.stats["pages_dropped"] += 1
+        self.disk.abandon(t, reason)
         self._finished(t)
-        return page
+
+    def _poll_disk(self, transfers: Sequence[Transfer]) -> None:
+        """Commits (or fails) the disk `transfers` whose workers finished; times out the rest."""
+        for t in list(transfers):
+            t.polls += 1
+            delayed = t.fault is Fault.DELAY and t.polls <= self.faults.config.delay_polls
+            if delayed or not t.payload.future.done():
+                if t.polls > self.config.timeout_polls:
+                    self._abandon_disk(t, f"timed out after {t.polls - 1} polls")
+                    self.stats["transfers_timed_out"] += 1
+                continue
+            self._disk_inflight.remove(t)
+            t.land_time = self.clock()
+            if t.kind is TransferKind.HOST_TO_DISK:
+                del self._disk_writing[t.keys[0]]
+                self.disk.land_write(t, t.keys[0])
+                if t.state is TransferState.FAILED:
+                    self.stats["pages_dropped"] += 1
+            else:
+                self.disk.land_read(t, t.keys[0])
+            self._finished(t)
 
     # --------------------------------------------------------------------------- host -> device
 
     def load(self, owner: Hashable, keys: Sequence[Hashable], pages: Sequence[int]) -> int:
         """Issues loads of `keys` into the device `pages` (same order) for `owner`.
 
-        Disk pages are read (and checked) now; then the pages travel to the device
-        asynchronously and `poll` scatters each verified chunk into the pool. Stops at the
-        first key that is missing or whose disk file fails its check.
+        Pages on disk are first read by the disk workers (a page whose disk write is in flight
+        is taken from the write's source); once every read of the load has committed or failed
+        (`poll`), the leading pages that are at hand travel to the device
+        asynchronously, and `poll` scatters each verified chunk into the pool. A load of host
+        pages only goes to the device at once. Stops at the first key that is missing.
 
         Returns:
             The number of leading keys issued (0: nothing to wait for).
@@ -663,29 +860,50 @@ class TierManager:
             raise ValueError(f"owner {owner!r} already has a load in flight")
         if len(keys) != len(pages):
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-        available: list[tuple[Hashable, list[np.ndarray] | None]] = []
+        reads: list[Transfer | tuple[list[np.ndarray], int] | None] = []
         for key in keys:
             if key in self.host:
-                available.append((key, None))
+                reads.append(None)
+            elif key in self._disk_writing:
+                io = self._disk_writing[key].payload
+                reads.append((io.source, io.checksum))
             elif self.disk is not None and key in self.disk:
-                page = self._read_from_disk(key)
-                if page is None:
+                t = self._start_disk_read(owner, key)
+                if t.state is TransferState.FAILED:
                     break
-                available.append((key, page))
+                reads.append(t)
             else:
                 break
-        if not available:
+        if not reads:
             return 0
-        load = _Load(transfers=[], num_pages=[])
+        load = _Load(keys=list(keys[:len(reads)]), pages=list(pages[:len(reads)]), reads=reads)
+        self._loads[owner] = load
+        if not any(isinstance(t, Transfer) for t in reads):
+            self._issue_load(owner, load)
+        return len(reads)
+
+    def _issue_load(self, owner: Hashable, load: _Load) -> None:
+        """Sends a load's leading pages at hand (host pages still there, disk reads committed)
+        to the device in chunks."""
+        part: list[tuple[Hashable, tuple[list[np.ndarray], int] | None]] = []
+        for key, read in zip(load.keys, load.reads, strict=True):
+            if read is None and key in self.host:
+                part.append((key, None))
+            elif isinstance(read, tuple):
+                part.append((key, read))
+            elif isinstance(read, Transfer) and read.state is TransferState.COMMITTED:
+                part.append((key, read.result()))
+            else:
+                break
+        load.reads = []
+        load.is_issued = True
         start = 0
-        for size in self._chunk_sizes(len(available)):
-            part = available[start:start + size]
+        for size in self._chunk_sizes(len(part)):
             load.transfers.append(self._issue_host_to_device(
-                owner, part, np.asarray(pages[start:start + size], np.int32)))
+                owner, part[start:start + size],
+                np.asarray(load.pages[start:start + size], np.int32)))
             load.num_pages.append(size)
             start += size
-        self._loads[owner] = load
-        return len(available)
 
     def _issue_host_to_device(self, owner: Hashable, part, pages: np.ndarray) -> Transfer:
         keys = tuple(k for k, _ in part)
@@ -699,16 +917,16 @@ class TierManager:
                   for s, d in zip(self._page_shapes, self._page_dtypes, strict=True)]
         expected = np.empty([len(keys)], np.uint32)
         host_run: list[Hashable] = []
-        for i, (key, page) in enumerate(part):
-            if page is None:
+        for i, (key, read) in enumerate(part):
+            if read is None:
                 host_run.append(key)
                 expected[i] = self.host.checksum(key)
                 continue
             self.host.gather(host_run, staged, i - len(host_run))
             host_run = []
+            page, expected[i] = read
             for dst, src in zip(staged, page, strict=True):
                 dst[:, i] = src
-            expected[i] = page_checksums_np([x[:, None] for x in page])[0]
         self.host.gather(host_run, staged, len(part) - len(host_run))
         if t.fault is Fault.CORRUPT:
             staged = self.faults.corrupt(staged)
@@ -766,7 +984,8 @@ class TierManager:
         return jax.tree.unflatten(treedef, leaves)
 
     def block_until_landed(self) -> None:
-        """Waits until the data of every device transfer in flight is at its destination.
+        """Waits until the data of every transfer in flight is at its destination (and the disk
+        workers are done with the writes that were abandoned).
 
         States do not change: the next `poll` verifies and commits them (injected delays still
         count in polls).
@@ -774,16 +993,39 @@ class TierManager:
         for t in self._inflight:
             jax.block_until_ready(t.payload[0] if t.kind is TransferKind.DEVICE_TO_HOST
                                   else t.payload[1])
+        if self.disk is not None:
+            self.disk.wait(self._disk_inflight)
 
-    def poll(self, kv) -> tuple[object, list[LoadResult]]:
-        """Advances every device transfer in flight; returns the new KV pool and finished loads.
+    def poll(self, kv, *, owner: Hashable | None = None) -> tuple[object, list[LoadResult]]:
+        """Advances every transfer in flight; returns the new KV pool and finished loads.
 
-        A transfer that has landed is verified and committed (host pages become readable, loaded
-        pages are scattered into the pool) or fails; one in flight for more than
-        `timeout_polls` polls fails as timed out.
+        A transfer that has landed is verified and committed (host pages and disk files become
+        readable, loaded pages are scattered into the pool) or fails; one in flight for more
+        than `timeout_polls` polls fails as timed out. Loads whose disk reads are all done go on
+        to the device.
+
+        With `owner`, only its load is advanced, each stage once its data is in (disk reads,
+        then the transfers to the device): for a load whose sequence is due to run now, which
+        then joins this step instead of the next. Injected delays still count in polls.
         """
+        if owner is None:
+            self._poll_disk(self._disk_inflight)
+        else:
+            reads = [t for t in self._disk_inflight if t.owner == owner]
+            if reads:
+                self.disk.wait(reads)
+                self._poll_disk(reads)
+        for load_owner, load in self._loads.items():
+            if (owner in (None, load_owner) and not load.is_issued
+                    and all(t.is_done for t in load.reads if isinstance(t, Transfer))):
+                self._issue_load(load_owner, load)
+        if owner is None:
+            todo = list(self._inflight)
+        else:
+            todo = [t for t in self._inflight if t.owner == owner]
+            jax.block_until_ready([t.payload[1] for t in todo])
         leaves, treedef = jax.tree.flatten(kv)
-        for t in list(self._inflight):
+        for t in todo:
             t.polls += 1
             if not self._has_landed(t):
                 if t.polls > self.config.timeout_polls:
@@ -805,14 +1047,14 @@ class TierManager:
     def _finished_loads(self) -> list[LoadResult]:
         results = []
         for owner, load in list(self._loads.items()):
-            if not all(t.is_done for t in load.transfers):
+            if not load.is_issued or not all(t.is_done for t in load.transfers):
                 continue
             loaded = 0
             for t, n in zip(load.transfers, load.num_pages, strict=True):
                 if t.state is not TransferState.COMMITTED:
                     break
                 loaded += n
-            results.append(LoadResult(owner, sum(load.num_pages), loaded))
+            results.append(LoadResult(owner, len(load.keys), loaded))
             del self._loads[owner]
         return results
 
@@ -821,6 +1063,9 @@ class TierManager:
         load = self._loads.pop(owner, None)
         if load is None:
             return
+        for t in load.reads:
+            if isinstance(t, Transfer) and not t.is_done:
+                self._abandon_disk(t, "cancelled")
         for t in load.transfers:
             if not t.is_done:
                 self._inflight.remove(t)
@@ -834,6 +1079,8 @@ class TierManager:
         for key in keys:
             if key in self._pending_keys:
                 self._discard.add(key)
+            elif key in self._disk_writing:
+                self._abandon_disk(self._disk_writing[key], "dropped")
             elif key in self.host:
                 self.host.remove(key)
             elif self.disk is not None and key in self.disk:
@@ -846,6 +1093,8 @@ class TierManager:
         for t in self._inflight:
             t.fail("closed")
         self._inflight.clear()
+        for t in list(self._disk_inflight):
+            self._abandon_disk(t, "closed")
         if self.disk is not None:
             self.disk.close()
 

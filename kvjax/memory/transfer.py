@@ -16,7 +16,9 @@ landed host bytes), so a transfer is checked end to end. Each word is weighted b
 so changing any single word always changes the checksum.
 
 A `FaultInjector` makes a seeded fraction of transfers fail outright, land corrupted (one byte
-flipped) or land late; the tier manager turns each into a fallback to recompute.
+flipped) or land late; the tier manager turns each into a fallback to recompute. Disk transfers
+run on worker threads; LANDED means the worker finished, and states still change only on the
+tier manager's thread.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class TransferState(enum.Enum):
     """Where a transfer stands; only COMMITTED data may be read."""
 
     QUEUED = "queued"  # created, nothing moved yet.
-    IN_FLIGHT = "in_flight"  # the copy was issued (asynchronously for device transfers).
+    IN_FLIGHT = "in_flight"  # the copy was issued (async dispatch, or a disk worker thread).
     LANDED = "landed"  # the bytes are at the destination, unchecked.
     VERIFIED = "verified"  # the destination's checksum equals the source's.
     COMMITTED = "committed"  # visible to readers (indexed, or scattered into the KV pool).
@@ -221,11 +223,17 @@ class FaultInjector:
             flat -= size
         return out
 
-    def corrupt_bytes(self, data: bytes) -> bytes:
-        """`data` with one byte flipped."""
-        buf = bytearray(data)
-        buf[int(self._rng.integers(len(buf)))] ^= 0xFF
-        return bytes(buf)
+    def flip_position(self, nbytes: int) -> int:
+        """Which byte of an `nbytes` buffer to flip (drawn here, so a transfer whose bytes are
+        handled on a worker thread still draws in issue order: runs stay reproducible)."""
+        return int(self._rng.integers(nbytes))
+
+
+def flip_byte(data: bytes, position: int) -> bytes:
+    """`data` with the byte at `position` flipped (xor 0xFF)."""
+    buf = bytearray(data)
+    buf[position] ^= 0xFF
+    return bytes(buf)
 
 
 # ----------------------------------------------------------------------------- checksums

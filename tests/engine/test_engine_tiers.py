@@ -80,16 +80,21 @@ def test_spilled_prefix_pages_load_back_instead_of_recomputing(model, chat, page
     assert tiered.allocator.num_used_pages() == 0
 
 
-def test_disk_tier_serves_pages_the_host_tier_could_not_keep(model, chat, page_bytes, tmp_path):
+@pytest.mark.parametrize("disk_io_threads", [2, 0], ids=["async", "inline"])
+def test_disk_tier_serves_pages_the_host_tier_could_not_keep(model, chat, page_bytes, tmp_path,
+                                                              disk_io_threads):
     batches, refs = chat
     tiers = TierConfig(host_bytes=4 * page_bytes, disk_bytes=256 * page_bytes,
-                       disk_dir=str(tmp_path))
+                       disk_dir=str(tmp_path), disk_io_threads=disk_io_threads)
     engine, out = serve(model, EngineConfig(**BASE, tiers=tiers), batches)
     assert out == refs
     stats = engine.stats
     assert stats["bytes_host_to_disk"] > 0 and stats["bytes_disk_to_host"] > 0
     assert stats["tier_hit_tokens"] >= 16
     assert engine.tiers.host.used_bytes <= 4 * page_bytes
+    for _ in range(2):  # idle steps wait for the disk writes still in flight, then commit them
+        engine.step()
+    assert engine.tiers.num_inflight == 0
     disk = engine.tiers.disk
     files = os.listdir(disk.directory)
     assert os.path.dirname(disk.directory) == str(tmp_path)
@@ -106,8 +111,10 @@ def test_corrupted_disk_files_are_never_loaded(model, chat, page_bytes, tmp_path
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     for batch, ref in zip(batches[:-1], refs[:-1], strict=True):
         assert [o.outputs[0].token_ids for o in engine.generate(batch, params)] == ref
+    for _ in range(2):  # idle steps: the disk writes in flight commit before the files go bad
+        engine.step()
     disk = engine.tiers.disk
-    assert len(disk) > 0
+    assert len(disk) > 0 and engine.tiers.num_inflight == 0
     for key in disk.keys():  # flip one payload byte of every page file
         with open(disk.path_of(key), "r+b") as f:
             f.seek(-7, os.SEEK_END)
@@ -207,12 +214,26 @@ def test_faulty_tier_loads_fall_back_to_recompute(model, chat, page_bytes, tmp_p
                        disk_dir=str(tmp_path), faults=faults, max_chunk_pages=2)
     engine, out = serve(model, EngineConfig(**BASE, tiers=tiers), batches)
     assert out == refs
-    kinds = {t.kind for t in engine.tiers.recent_transfers if t.state is TransferState.FAILED}
+    transfers = engine.tiers.recent_transfers
+    kinds = {t.kind for t in transfers if t.state is TransferState.FAILED}
     assert len(kinds) >= 2, f"faults should hit several kinds of transfer, hit {kinds}"
-    for t in engine.tiers.recent_transfers:
+    disk_kinds = (TransferKind.HOST_TO_DISK, TransferKind.DISK_TO_HOST)
+    disk = [t for t in transfers if t.kind in disk_kinds]
+    assert {t.fault for t in disk} == set(Fault), "every fault should hit the disk workers"
+    assert any(t.fault is Fault.DELAY and t.state is TransferState.COMMITTED for t in disk)
+    for _ in range(3 * (faults.delay_polls + 1)):  # idle steps poll: late transfers land
+        if not engine.tiers.num_inflight:
+            break
+        engine.step()
+    assert engine.tiers.num_inflight == 0
+    for t in transfers:
         assert t.is_done
         assert t.history[0] is TransferState.QUEUED
         assert (t.state is TransferState.FAILED) == (t.error is not None)
+    disk_tier = engine.tiers.disk
+    assert sorted(os.listdir(disk_tier.directory)) == sorted(
+        os.path.basename(disk_tier.path_of(k)) for k in disk_tier.keys()), "files leaked"
+    assert disk_tier.reserved_bytes == 0 and disk_tier.used_bytes <= 256 * page_bytes
 
 
 def test_auto_preemption_follows_the_cost_model(model, pressure, page_bytes):
@@ -245,19 +266,36 @@ def test_loading_sequence_is_not_scheduled_before_its_pages_commit(model, chat, 
     for batch in batches[:-1]:
         engine.generate(batch, params)
     engine.add_request("second", batches[-1][0], params)
-    engine.step()  # admits it: the load is issued, delayed by 3 polls
+    engine.step()  # admits it: the load is issued and polled once, delayed by 3 polls
     assert engine.tiers.is_loading("second#0")
     waited = 0
     while engine.tiers.is_loading("second#0"):
         assert engine.num_running == 0 and not engine.snapshot_outputs()[0].outputs[0].token_ids
         engine.step()
         waited += 1
-    assert waited == faults.delay_polls + 1  # it lands on the poll after its delay
+    assert waited == faults.delay_polls  # it lands on the poll after its delay
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
     assert outs[0].outputs[0].token_ids == refs[-1][0]
     assert engine.stats["tier_hit_tokens"] >= 16
+
+
+def test_sequence_due_to_run_joins_the_step_that_loads_its_host_pages(model, chat, page_bytes):
+    batches, refs = chat
+    engine = Engine(model, EngineConfig(**BASE, tiers=TierConfig(host_bytes=64 * page_bytes)))
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    for batch in batches[:-1]:
+        engine.generate(batch, params)
+    engine.add_request("second", batches[-1][0], params)
+    prefilled = engine.stats["prefill_tokens"]
+    engine.step()  # admits it, loads its pages from the host and runs its first chunk
+    assert not engine.tiers.is_loading("second#0") and engine.num_running == 1
+    assert engine.stats["tier_hit_tokens"] >= 16 and engine.stats["prefill_tokens"] > prefilled
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[0].outputs[0].token_ids == refs[-1][0]
 
 
 def test_tiers_with_scrubbing_and_copy_on_write_stay_exact(model, pressure, page_bytes):
@@ -286,6 +324,7 @@ def test_invalid_tier_configs_raise(model, overrides, match):
     (dict(disk_bytes=100), "needs a host tier"),
     (dict(host_bytes=-1), "host_bytes"),
     (dict(host_bytes=1, timeout_polls=0), "timeout_polls"),
+    (dict(host_bytes=1, disk_io_threads=-1), "disk_io_threads"),
     (dict(host_bytes=1, swap_bandwidth_bytes_per_s=0.0), "swap_bandwidth"),
 ])
 def test_tier_config_validation(kwargs, match):

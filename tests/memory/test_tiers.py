@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 
 import hypothesis.strategies as st
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from hypothesis.stateful import (
 )
 
 from kvjax.kv.state import PagedKV
+from kvjax.memory import tiers as tiers_module
 from kvjax.memory.tiers import (
     TierConfig,
     TierManager,
@@ -204,11 +206,55 @@ def test_host_tier_evicts_least_recently_used_pages_to_disk_then_drops():
             tm.spill(kv, [(f"k{i}", i)])
             kv, _ = settle(tm, kv)
         assert tm.host.keys() == ["k3", "k4"]
+        # k2's write is still on the worker: it took k1's room, and k2 loads from its source.
+        assert tm.disk.keys() == ["k0"] and tm.num_inflight == 1 and tm.lookup(["k2"]) == 1
+        kv, _ = settle(tm, kv)
         assert tm.disk.keys() == ["k0", "k2"]  # k1 went to disk first, then was dropped
         assert tm.stats["pages_dropped"] == 1
         assert tm.lookup(["k0", "k1"]) == 1 and tm.lookup(["k2", "k3", "k4"]) == 3
         tm.close()
         assert os.listdir(d) == []
+
+
+def test_page_file_is_indexed_only_once_its_write_commits_and_a_torn_file_never(
+        tmp_path, monkeypatch):
+    gate = threading.Event()
+    write = tiers_module._write_page_file
+
+    def held_write(*args):
+        assert gate.wait(10)
+        return write(*args)
+
+    monkeypatch.setattr(tiers_module, "_write_page_file", held_write)
+    kv = random_kv(8)
+    tm = make_manager(host_bytes=PAGE_BYTES, disk_bytes=4 * (PAGE_BYTES + 40),
+                      disk_dir=str(tmp_path), max_chunk_pages=1)
+    tm.spill(kv, [("a", 0)])
+    kv, _ = settle(tm, kv)
+    tm.spill(kv, [("b", 1)])
+    kv, _ = settle(tm, kv)  # "b" lands on the host and evicts "a" to the (held) disk worker
+    (write_a,) = [t for t in tm.recent_transfers if t.kind is TransferKind.HOST_TO_DISK]
+    assert write_a.state is S.IN_FLIGHT and "a" not in tm.disk
+    assert not os.path.exists(tm.disk.path_of("a"))
+    assert tm.disk.reserved_bytes == tm.disk.file_bytes
+    # Meanwhile a load takes the page from the write's source, as the host tier held it.
+    assert tm.load("x", ["a"], [5]) == 1
+    kv, (result,) = tm.poll(kv, owner="x")  # waits for the load's data, not for the write
+    assert result.num_loaded == 1
+    assert all(np.array_equal(a, b) for a, b in zip(page_of(kv, 5), page_of(random_kv(8), 0),
+                                                    strict=True))
+    before = np.asarray(kv.k_pages).copy()
+    gate.set()
+    kv, _ = settle(tm, kv)
+    assert write_a.state is S.COMMITTED and tm.lookup(["a"]) == 1
+    assert os.listdir(tm.disk.directory) == [os.path.basename(tm.disk.path_of("a"))]
+    with open(tm.disk.path_of("a"), "r+b") as f:  # a crash tore the file in half
+        f.truncate(tm.disk.file_bytes // 2)
+    assert tm.load("y", ["a"], [5]) == 1
+    kv, (result,) = settle(tm, kv)
+    assert result.num_loaded == 0 and "a" not in tm.disk and os.listdir(tm.disk.directory) == []
+    assert np.array_equal(np.asarray(kv.k_pages), before), "nothing may be scattered"
+    tm.close()
 
 
 def test_delayed_transfer_lands_late_or_times_out():
@@ -307,18 +353,21 @@ def test_bandwidth_measurement_moves_the_requested_pages(layout):
 
 class TierMachine(RuleBasedStateMachine):
     """Random spills, swaps, loads, polls, cancels and disk corruption against a model of what
-    every key must hold; faults are injected into every kind of transfer."""
+    every key must hold; faults are injected into every kind of transfer, disk I/O runs inline
+    or on worker threads."""
 
     @initialize(host_pages=st.integers(1, 5), disk_pages=st.sampled_from([0, 2, 6]),
                 layout=st.sampled_from(list(TransferLayout)),
                 faults=st.sampled_from([(0, 0, 0), (0.2, 0.2, 0.2), (0.4, 0.3, 0.3)]),
-                delay=st.integers(1, 3), timeout=st.integers(1, 4), seed=st.integers(0, 99))
-    def setup(self, host_pages, disk_pages, layout, faults, delay, timeout, seed):
+                delay=st.integers(1, 3), timeout=st.integers(1, 4), seed=st.integers(0, 99),
+                disk_threads=st.sampled_from([0, 2]))
+    def setup(self, host_pages, disk_pages, layout, faults, delay, timeout, seed, disk_threads):
         self.dir = tempfile.TemporaryDirectory()
         fail, corrupt, late = faults
         self.config = TierConfig(
             host_bytes=host_pages * PAGE_BYTES, disk_bytes=disk_pages * (PAGE_BYTES + 40),
-            disk_dir=self.dir.name, transfer_layout=layout, timeout_polls=timeout,
+            disk_dir=self.dir.name, disk_io_threads=disk_threads, transfer_layout=layout,
+            timeout_polls=timeout,
             faults=FaultConfig(fail_fraction=fail, corrupt_fraction=corrupt,
                                delay_fraction=late, delay_polls=delay, seed=seed))
         self.kv = random_kv(seed)
@@ -398,6 +447,7 @@ class TierMachine(RuleBasedStateMachine):
                   and set(self.tm.disk.keys()) - self.corrupted)
     @rule(data=st.data())
     def corrupt_disk_file(self, data):
+        self.tm.block_until_landed()  # reads in flight see the file before or after, not both
         intact = [k for k in self.tm.disk.keys() if k not in self.corrupted]
         key = data.draw(st.sampled_from(intact))
         with open(self.tm.disk.path_of(key), "r+b") as f:
@@ -425,21 +475,37 @@ class TierMachine(RuleBasedStateMachine):
                 assert all(np.array_equal(a, b) for a, b in zip(got, self.content[key],
                                                                 strict=True))
 
+    def _disk_writes_in_flight(self) -> list[Transfer]:
+        return [t for t in self.tm.recent_transfers
+                if t.kind is TransferKind.HOST_TO_DISK and not t.is_done]
+
     @invariant()
     def budgets_hold(self):
         assert self.tm.host.used_bytes <= self.config.host_bytes
         if self.tm.disk is not None:
-            assert self.tm.disk.used_bytes <= self.config.disk_bytes
+            disk = self.tm.disk
+            assert disk.used_bytes + disk.reserved_bytes <= self.config.disk_bytes
+            assert disk.reserved_bytes == len(self._disk_writes_in_flight()) * disk.file_bytes
 
     @invariant()
-    def files_on_disk_are_exactly_the_index(self):
+    def no_transfer_is_left_behind(self):
+        assert sum(not t.is_done for t in self.tm.recent_transfers) == self.tm.num_inflight
+
+    @invariant()
+    def files_on_disk_are_the_index_and_the_writes_in_flight(self):
         if self.tm.disk is None:
             return
         disk = self.tm.disk
-        files = sorted(os.listdir(disk.directory))
-        assert files == sorted(os.path.basename(disk.path_of(k)) for k in disk.keys())
-        assert sum(os.path.getsize(os.path.join(disk.directory, f)) for f in files) == \
+        self.tm.block_until_landed()  # abandoned writes' temporary files are gone after it
+        files = set(os.listdir(disk.directory))
+        pages = {f for f in files if f.endswith(".kvpage")}
+        assert pages == {os.path.basename(disk.path_of(k)) for k in disk.keys()}
+        assert sum(os.path.getsize(os.path.join(disk.directory, f)) for f in pages) == \
             disk.used_bytes
+        writing = self._disk_writes_in_flight()
+        assert files - pages == {f"{os.path.basename(disk.path_of(t.keys[0]))}."
+                                 f"{t.transfer_id}.tmp" for t in writing}
+        assert not {t.keys[0] for t in writing} & set(disk.keys()), "indexed before committed"
 
     @invariant()
     def stored_pages_hold_what_was_spilled(self):
@@ -448,8 +514,7 @@ class TierMachine(RuleBasedStateMachine):
                        zip(self.tm.host.peek(key), self.content[key], strict=True))
         if self.tm.disk is not None:
             for key in self.tm.disk.keys():
-                with open(self.tm.disk.path_of(key), "rb") as f:
-                    page = self.tm.disk._decode(f.read())
+                page = self.tm.disk.inspect(key)
                 assert (page is None) == (key in self.corrupted)
                 if page is not None:
                     assert all(np.array_equal(a, b) for a, b in
@@ -457,7 +522,7 @@ class TierMachine(RuleBasedStateMachine):
 
     @invariant()
     def transfers_follow_the_state_machine(self):
-        committed_keys = set()
+        committed_keys, written_keys = set(), set()
         for t in self.tm.recent_transfers:
             assert t.history[0] is S.QUEUED and t.history[-1] is t.state
             for a, b in zip(t.history, t.history[1:], strict=False):
@@ -465,8 +530,12 @@ class TierMachine(RuleBasedStateMachine):
             assert (t.state is S.FAILED) == (t.error is not None)
             if t.kind is TransferKind.DEVICE_TO_HOST and t.state is S.COMMITTED:
                 committed_keys.update(t.keys)
+            if t.kind is TransferKind.HOST_TO_DISK and t.state is S.COMMITTED:
+                written_keys.update(t.keys)
         stored = set(self.tm.host.keys()) | set(self.tm.disk.keys() if self.tm.disk else [])
         assert stored <= committed_keys, "only committed pages may be readable"
+        assert set(self.tm.disk.keys() if self.tm.disk else []) <= written_keys, \
+            "only committed page files may be readable"
 
 
 TierMachine.TestCase.settings = settings(
