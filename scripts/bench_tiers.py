@@ -7,8 +7,10 @@ A multi-turn chat workload (kvjax.bench.workloads.multi_turn) is served in round
 conversation's turn k is submitted at once and served to completion before turn k+1, so turn
 k+1 finds turn k's pages cached only if nobody evicted them. The device pool is sized to a
 quarter of the final KV working set (`--device_fraction`). Reported per configuration:
-throughput, TTFT (all turns, and later turns only), prefill tokens, tier hits and bytes moved
-between tiers. Then page-first vs per-page transfer bandwidth for the same KV pool.
+throughput, TTFT (all turns, and later turns only), engine steps, prefill tokens, tier hits and
+bytes moved between tiers. `host_small+disk_sync` is `host_small+disk` with the disk tier's file
+I/O inline in the step (`disk_io_threads=0`) instead of on worker threads. Then page-first vs
+per-page transfer bandwidth for the same KV pool.
 
 On a CPU backend the "host" tier lives in the same RAM as the "device" pool: the numbers show
 the API at work and count bytes, not PCIe bandwidth.
@@ -32,6 +34,8 @@ from kvjax.models import llama
 from kvjax.models.model import Model
 
 FLAGS = flags.FLAGS
+RUNS = ("all_on_device", "recompute_only", "host_tier", "host_small+disk",
+        "host_small+disk_sync")
 flags.DEFINE_enum("model", "random", ["random", "embedded"],
                   "random: SmolLM2-135M's KV geometry (30 layers, 3 KV heads of 64) with a "
                   "narrow random MLP; embedded: SmolLM2-135M-Instruct itself.")
@@ -41,6 +45,7 @@ flags.DEFINE_integer("answer_len", 32, "Tokens generated per turn (and answer le
 flags.DEFINE_float("device_fraction", 0.25, "Device pool / final KV working set.")
 flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
 flags.DEFINE_multi_integer("transfer_pages", [16, 64], "Pages per transfer measurement.")
+flags.DEFINE_list("runs", list(RUNS), "Configurations to serve, in order.")
 flags.DEFINE_string("output_json", None, "Write the results here.")
 
 # SmolLM2-135M's KV per token (30 layers x 3 KV heads x 64 x K,V x float32 = 45 KiB) with cheap
@@ -100,7 +105,8 @@ def serve(model: Model, config: kvjax.EngineConfig, workload) -> dict:
         ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
         later_turns_ttft_p50_s=float(np.percentile(later_ttft, 50)),
         later_turns_ttft_p99_s=float(np.percentile(later_ttft, 99)),
-        prefill_tokens=s["prefill_tokens"], tier_hit_tokens=s["tier_hit_tokens"],
+        steps=s["steps"], prefill_tokens=s["prefill_tokens"],
+        tier_hit_tokens=s["tier_hit_tokens"],
         prefix_hit_tokens=engine.prefix_cache_stats()["prefix_hit_tokens"],
         preemptions=s["preemptions"], swap_bytes=s["swap_bytes"],
         bytes_moved={k: s[k] for k in ("bytes_device_to_host", "bytes_host_to_device",
@@ -142,14 +148,21 @@ def main(argv):
         "recompute_only": dict(num_pages=device_pages),
         "host_tier": dict(num_pages=device_pages, tiers=TierConfig(
             host_bytes=total_pages * page_bytes)),
-        "host_small+disk": dict(num_pages=device_pages, tiers=TierConfig(
-            host_bytes=device_pages * page_bytes, disk_bytes=2 * total_pages * (page_bytes + 64),
-            disk_dir=disk_dir)),
     }
+    small = dict(host_bytes=device_pages * page_bytes,
+                 disk_bytes=2 * total_pages * (page_bytes + 64), disk_dir=disk_dir)
+    configs["host_small+disk"] = dict(num_pages=device_pages, tiers=TierConfig(**small))
+    configs["host_small+disk_sync"] = dict(num_pages=device_pages, tiers=TierConfig(
+        **small, disk_io_threads=0))
+    unknown = set(FLAGS.runs) - set(configs)
+    if unknown:
+        raise ValueError(f"--runs names unknown configurations {sorted(unknown)}; "
+                         f"known: {list(configs)}")
     results = dict(model=FLAGS.model, backend=jax.default_backend(), page_bytes=page_bytes,
                    working_set_pages=total_pages, device_pages=device_pages,
                    num_requests=sum(len(b) for b in workload), runs={})
-    for name, overrides in configs.items():
+    for name in FLAGS.runs:
+        overrides = configs[name]
         t0 = time.perf_counter()
         results["runs"][name] = serve(model, kvjax.EngineConfig(**base, **overrides), workload)
         print(f"{name}: {json.dumps(results['runs'][name])} ({time.perf_counter() - t0:.0f}s)")
