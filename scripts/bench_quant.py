@@ -41,6 +41,8 @@ flags.DEFINE_integer("chunk", 512, "Prefill chunk: longer contexts are scored ch
 flags.DEFINE_integer("budget_mib", 256, "KV budget for the capacity multiplier.")
 flags.DEFINE_integer("num_probes", 4, "Retrieval probes (one decode batch).")
 flags.DEFINE_integer("probe_words", 300, "Filler words per probe prompt.")
+flags.DEFINE_float("needle_depth", 0.1, "Where the needle fact sits in the filler (0: start, "
+                   "1: end).")
 flags.DEFINE_integer("max_new_tokens", 12, "Greedy tokens per probe.")
 flags.DEFINE_integer("seed", 0, "Corpus and probe seed.")
 flags.DEFINE_string("output_json", None, "Write every number here.")
@@ -149,15 +151,15 @@ def make_text_tokens(model: kvjax.Model, num_tokens: int, seed: int) -> list[int
     return ids[:num_tokens]
 
 
-def make_probes(model: kvjax.Model, num: int, filler_words: int, seed: int
-                ) -> list[tuple[list[int], str]]:
-    """Needle prompts (fact at 10% of the filler) and their answers."""
+def make_probes(model: kvjax.Model, num: int, filler_words: int, seed: int,
+                depth: float = 0.1) -> list[tuple[list[int], str]]:
+    """Needle prompts (fact at `depth` of the filler) and their answers."""
     rng = np.random.default_rng(seed)
     probes = []
     for i in range(num):
         key = f"vault {chr(ord('A') + i)}"
         text, answer = make_needle_prompt(rng, filler_words, key, int(rng.integers(1000, 9999)),
-                                          0.1)
+                                          depth)
         probes.append((model.tokenizer.encode(text), answer))
     return probes
 
@@ -235,7 +237,8 @@ def main(argv):
     model = kvjax.load_model()
     codecs = ["none", *FLAGS.codecs]
     contexts = [int(c) for c in FLAGS.contexts]
-    probes = make_probes(model, FLAGS.num_probes, FLAGS.probe_words, FLAGS.seed)
+    probes = make_probes(model, FLAGS.num_probes, FLAGS.probe_words, FLAGS.seed,
+                         FLAGS.needle_depth)
     print(f"probe prompts: {[len(p) for p, _ in probes]} tokens", flush=True)
     max_len = max(max(contexts), *(len(p) for p, _ in probes)) + FLAGS.max_new_tokens
     engines = {c: make_engine(model, c, max_len) for c in codecs}
@@ -263,8 +266,8 @@ def main(argv):
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(flags={k: FLAGS[k].value for k in (
                 "codecs", "contexts", "page_size", "group", "chunk", "budget_mib", "num_probes",
-                "probe_words", "max_new_tokens", "seed", "calibration_tokens")}, rows=rows),
-                f, indent=1)
+                "probe_words", "needle_depth", "max_new_tokens", "seed",
+                "calibration_tokens")}, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
