@@ -337,11 +337,11 @@ class Engine:
     def _free_pages_of(self, seq: Sequence) -> None:
         self.retention.drop(seq.seq_id)
         freed = self.allocator.free(seq.seq_id)
-        # A KIVI sequence frees its window slot even when its pages stay in the prefix cache;
-        # that slot must be zeroed now, before a new sequence takes it over.
-        released = getattr(self.allocator, "released_slots", None)
-        if (freed or released) and self.config.scrub_freed_pages:
-            self._spill_evictions()
+        if self.config.scrub_freed_pages:
+            if freed:
+                self._spill_evictions()
+            # Also with no page freed (its pages stay in the prefix cache): a KIVI sequence's
+            # window slot is freed with it and must be zeroed before a new sequence takes it.
             self.kv = self.swap_space.scrub(self.kv, freed)
             self.stats["scrubbed_pages"] += len(freed)
 

@@ -126,8 +126,7 @@ class WindowSwapSpace(HostSwapSpace):
 
     def scrub(self, kv, pages: list[int]):
         """Zeroes freed pages and the windows of sequences freed since the last scrub."""
-        if pages:
-            kv = self._with_pages(kv, super().scrub(kv.pages_only(), pages))
+        kv = self._with_pages(kv, super().scrub(kv.pages_only(), pages))
         released = self.allocator.released_slots
         if released:
             # Repeating the last slot pads to a power of two: zeroing twice is harmless.

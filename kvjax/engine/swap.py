@@ -110,6 +110,8 @@ class HostSwapSpace:
 
     def scrub(self, kv, pages: list[int]):
         """Zeroes freed pages so no later reader could ever see their old content."""
+        if not pages:
+            return kv
         return self._zero(kv, _padded(sorted(pages)))
 
     def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool):
