@@ -23,6 +23,7 @@ from absl import app, flags
 
 import kvjax
 from kvjax.bench.corpus import make_corpus, make_needle_prompt
+from kvjax.bench.metrics import format_rows
 from kvjax.engine.step import LogitsMode
 from kvjax.kv import quantized
 
@@ -222,15 +223,6 @@ COLUMNS = (("bytes_per_token", "bytes/token", "{:.0f}"), ("capacity_x", "pages x
            ("decode_tok_cpu_s", "decode tok/CPU-s", "{:.1f}"))
 
 
-def markdown_table(rows: dict[str, dict[str, float]]) -> str:
-    lines = ["| codec, context | " + " | ".join(c[1] for c in COLUMNS) + " |",
-             "|---" * (len(COLUMNS) + 1) + "|"]
-    for name, row in rows.items():
-        cells = [fmt.format(row[key]) if key in row else "" for key, _, fmt in COLUMNS]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def main(argv):
     del argv
     t0 = time.perf_counter()
@@ -258,7 +250,7 @@ def main(argv):
         rows[f"none, {context}"].update(kl_mean=0.0, kl_p99=0.0, kl_max=0.0,
                                         top1_agreement=1.0, ppl_change_pct=0.0, ppl_exact=ppl)
         print(f"context {context}: scored ({time.perf_counter() - t0:.0f}s)", flush=True)
-    print(markdown_table(rows))
+    print(format_rows(rows, COLUMNS, "codec, context"))
     print("\nexact perplexity: " + ", ".join(
         f"{c} tokens {rows[f'none, {c}']['ppl_exact']:.2f}" for c in contexts))
     print(f"total {time.perf_counter() - t0:.0f}s")

@@ -37,7 +37,7 @@ from absl import app, flags
 
 import kvjax
 from kvjax.bench.corpus import make_needle_prompt
-from kvjax.bench.metrics import quality_stats
+from kvjax.bench.metrics import format_rows, quality_stats
 from kvjax.engine.step import LogitsMode
 from kvjax.kv import quest
 from kvjax.kv.attention import paged_attention_blockwise, pages_loader
@@ -254,15 +254,6 @@ COLUMNS = (("kv_mib_per_seq", "KV MiB/seq peak", "{:.1f}"),
            ("quest_page_recall", "page recall", "{:.3f}"))
 
 
-def markdown_table(rows: dict[str, dict[str, float]]) -> str:
-    lines = ["| policy:budget | " + " | ".join(c[1] for c in COLUMNS) + " |",
-             "|---" * (len(COLUMNS) + 1) + "|"]
-    for name, row in rows.items():
-        cells = [fmt.format(row[key]) if key in row else "" for key, _, fmt in COLUMNS]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def kv_bytes(engine: kvjax.Engine, peak_pages: int) -> int:
     """Bytes of the pages a sequence held at its peak, Quest's page summaries included."""
     per_page = engine.kv_bytes_per_page
@@ -338,7 +329,7 @@ def main(argv):
             row["quest_page_recall_per_layer"] = recall.tolist()
         rows[variant] = row
         print(f"{variant}: {row} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    print(markdown_table(rows))
+    print(format_rows(rows, COLUMNS, "policy:budget"))
     print(f"prompt tokens: {[len(p) for p, _ in probes]}; total {time.perf_counter() - t0:.0f}s")
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:

@@ -434,3 +434,20 @@ def format_table(runs: Sequence[Mapping[str, Any]],
         cells = [_format_cell(_lookup(run, column)) for column in columns]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def format_rows(rows: Mapping[str, Mapping[str, float]],
+                columns: Sequence[tuple[str, str, str]], label: str) -> str:
+    """A markdown table of named rows, as the offline benchmark scripts print them.
+
+    Args:
+        rows: row name -> {key: value}; a key the row lacks leaves its cell blank.
+        columns: (key, header, format spec such as "{:.2e}") per column.
+        label: the header of the row-name column.
+    """
+    lines = [f"| {label} | " + " | ".join(header for _, header, _ in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    for name, row in rows.items():
+        cells = [fmt.format(row[key]) if key in row else "" for key, _, fmt in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -29,6 +29,7 @@ from kvjax.engine.request import (
     SeqStatus,
     Sequence,
     WeightUpdatePolicy,
+    submit_all,
 )
 from kvjax.engine.step import PAGES_PER_BLOCK, LogitsMode, ModelRunner, StepShape, empty_step_input
 from kvjax.engine.swap import HostSwapSpace
@@ -1079,19 +1080,8 @@ class Engine:
     def stream(self, prompts: Seq[Seq[int]], sampling=None, *, final_only: bool = False
                ) -> Iterator[RequestOutput]:
         """Yields outputs as tokens arrive (every request each step), finals marked `finished`."""
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling or SamplingParams()] * len(prompts)
-        ids, results = [], {}
-        base = next(self._order)
-        for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
-            request_id = f"gen-{base}-{i}"
-            ids.append(request_id)
-            try:
-                self.add_request(request_id, prompt, params)
-            except ValueError as e:
-                results[request_id] = RequestOutput(
-                    request_id=request_id, prompt_ids=list(prompt), outputs=[], finished=True,
-                    arrival_time=self.clock(), error=str(e))
+        ids, results = submit_all(self.add_request, prompts, sampling,
+                                  f"gen-{next(self._order)}", self.clock())
         pending = {r for r in ids if r not in results}
         while pending:
             for out in self.step():

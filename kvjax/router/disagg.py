@@ -42,7 +42,7 @@ import numpy as np
 
 from kvjax.config import KVLayout
 from kvjax.engine.engine import Engine
-from kvjax.engine.request import CompletionOutput, FinishReason, RequestOutput
+from kvjax.engine.request import CompletionOutput, FinishReason, RequestOutput, submit_all
 from kvjax.memory.block_manager import AllocStatus
 from kvjax.router.router import Arrival, SimClock
 from kvjax.sampling import SamplingParams
@@ -301,19 +301,8 @@ class DisaggregatedEngine:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Runs prompts to completion; invalid ones come back with `error` set."""
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling or SamplingParams()] * len(prompts)
-        base = next(self._ids)
-        ids, results = [], {}
-        for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
-            request_id = f"disagg-{base}-{i}"
-            ids.append(request_id)
-            try:
-                self.add_request(request_id, prompt, params)
-            except ValueError as e:
-                results[request_id] = RequestOutput(
-                    request_id=request_id, prompt_ids=list(prompt), outputs=[], finished=True,
-                    arrival_time=self.prefill.clock(), error=str(e))
+        ids, results = submit_all(self.add_request, prompts, sampling,
+                                  f"disagg-{next(self._ids)}", self.prefill.clock())
         while self.has_unfinished():
             for out in self.step():
                 results[out.request_id] = out

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from kvjax.engine.engine import Engine
-from kvjax.engine.request import RequestOutput
+from kvjax.engine.request import RequestOutput, submit_all
 from kvjax.router.policies import InstanceState, RouteRequest, RoutingPolicy, make_policy
 from kvjax.sampling import SamplingParams
 
@@ -151,19 +151,8 @@ class Router:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Runs prompts to completion over the instances; invalid ones come back with `error`."""
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling or SamplingParams()] * len(prompts)
-        base = next(self._ids)
-        ids, results = [], {}
-        for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
-            request_id = f"route-{base}-{i}"
-            ids.append(request_id)
-            try:
-                self.add_request(request_id, prompt, params)
-            except ValueError as e:
-                results[request_id] = RequestOutput(
-                    request_id=request_id, prompt_ids=list(prompt), outputs=[], finished=True,
-                    arrival_time=self.engines[0].clock(), error=str(e))
+        ids, results = submit_all(self.add_request, prompts, sampling,
+                                  f"route-{next(self._ids)}", self.engines[0].clock())
         pending = {r for r in ids if r not in results}
         while pending:
             for out in self.step():
