@@ -80,7 +80,9 @@ from kvjax.config import resolve_dtype
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import RequestOutput
+from kvjax.engine.runner import StepObserver
 from kvjax.engine.step import LogitsMode, StepShape
+from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.memory.tiers import TierConfig
 from kvjax.memory.transfer import FaultConfig
 from kvjax.models.loading import load_model
@@ -97,19 +99,19 @@ _OPEN_SECTIONS = ("workload.params", "kv.codec_options", "kv.retention_options")
 # A stuck engine (work queued, nothing schedulable) would otherwise spin forever.
 _MAX_IDLE_STEPS = 1000
 
-# One ModelRunner per distinct static configuration for the whole process: its jitted step
-# holds one program per step shape, so the runs of a sweep (and the scoring engines) compile
-# each shape once. A runner holds only static configuration (its public attributes, the key
-# here); the engine owns the KV state and passes the params to every call.
-_SHARED_RUNNERS: dict[tuple[Any, ...], Any] = {}
+# One set of step programs per distinct static configuration for the whole process: its jitted
+# step holds one program per step shape, so the runs of a sweep (and the scoring engines)
+# compile each shape once. Programs hold only static configuration (their public attributes,
+# the key here); the runner owns the KV state and passes the params to every call.
+_SHARED_PROGRAMS: dict[tuple[Any, ...], Any] = {}
 
 
 def _new_engine(model: Model, engine_config: EngineConfig, **kwargs: Any) -> Engine:
     engine = Engine(model, engine_config, **kwargs)
-    runner = engine.runner
-    key = (type(runner), *sorted((k, repr(v)) for k, v in vars(runner).items()
-                                 if not k.startswith("_")))
-    engine.runner = _SHARED_RUNNERS.setdefault(key, runner)
+    programs = engine.runner.programs
+    key = (type(programs), *sorted((k, repr(v)) for k, v in vars(programs).items()
+                                   if not k.startswith("_")))
+    engine.runner.programs = _SHARED_PROGRAMS.setdefault(key, programs)
     return engine
 
 
@@ -463,16 +465,12 @@ def disk_bytes(engine: Engine) -> int:
     return engine.tiers.stats["bytes_host_to_disk"] + engine.tiers.stats["bytes_disk_to_host"]
 
 
-class _StepMeter:
-    """Stands in for the engine's ModelRunner: tallies each step, advances a virtual clock.
-
-    Everything the engine asks of the runner is forwarded; `step` first reads the step's
-    token layout (query and KV lengths per row) from its host inputs.
-    """
+class _StepMeter(StepObserver):
+    """Tallies each step from its token layout (query and KV lengths per row) and each page
+    copy, and advances a virtual clock by the cost model's estimate of the step."""
 
     def __init__(self, engine: Engine, cost_model: StepCostModel | None,
                  clock: _VirtualClock | None):
-        self._runner = engine.runner
         self._engine = engine
         self._costs = _ModelCosts.of(engine)
         self._cost_model = cost_model
@@ -483,10 +481,7 @@ class _StepMeter:
         self.last_layout: tuple[int, int, int] | None = None  # (tokens, padded, context)
         self.last_cost_s = 0.0
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-
-    def step(self, params, kv, host_input: dict[str, np.ndarray], shape: StepShape):
+    def before_step(self, shape: StepShape, host_input: dict[str, np.ndarray]) -> None:
         q_lens = host_input["q_lens"].astype(np.int64)  # [R]
         kv_lens = host_input["kv_lens"].astype(np.int64)  # [R]
         policy = self._engine.retention.policy
@@ -507,11 +502,10 @@ class _StepMeter:
             swapped, self._host_bytes_seen = moved - self._host_bytes_seen, moved
             self.last_cost_s = self._cost_model.step_seconds(shape.num_tokens, context, swapped)
             self._clock.now += self.last_cost_s
-        return self._runner.step(params, kv, host_input, shape)
 
-    def copy_pages(self, kv, src: np.ndarray, dst: np.ndarray):
-        self.device_bytes += 2 * len(np.unique(dst)) * self._engine.kv_bytes_per_page
-        return self._runner.copy_pages(kv, src, dst)
+    def on_kv_op(self, op: KVOp) -> None:
+        if op.kind is KVOpKind.COPY:
+            self.device_bytes += 2 * len(set(op.pages)) * self._engine.kv_bytes_per_page
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -557,26 +551,20 @@ class _Scorer:
         return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # [n, V]
 
 
-class _LogitsTap:
-    """Stands in for an engine's runner; keeps each step's logits of its one real row.
+class _LogitsTap(StepObserver):
+    """Keeps each step's logits of an engine's one real row.
 
     For a single sequence, every step from the one that finishes its prefill on samples one
     output token, so the last n rows kept are the distributions of its n output tokens.
     """
 
     def __init__(self, engine: Engine):
-        self._runner = engine.runner
         self.rows: list[np.ndarray] = []
-        engine.runner = self
+        engine.add_step_observer(self)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-
-    def step(self, params, kv, host_input: dict[str, np.ndarray], shape: StepShape):
-        out, kv = self._runner.step(params, kv, host_input, shape)
+    def after_step(self, shape: StepShape, host_input: dict[str, np.ndarray], out) -> None:
         (row,) = np.flatnonzero(host_input["q_lens"])
         self.rows.append(np.asarray(out.logits[row], np.float64))  # [V]
-        return out, kv
 
 
 def _generate_with_logits(engine_config: EngineConfig, model: Model, prompt: Sequence[int],
@@ -792,7 +780,7 @@ def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
     engine = _new_engine(model, engine_config, clock=clock)
     compiles = engine.warmup()
     meter = _StepMeter(engine, cost_model, clock if cost_model is not None else None)
-    engine.runner = meter
+    engine.add_step_observer(meter)
     sampling = dict(temperature=float(config.sampling.temperature), ignore_eos=True)
     records, steps = _serve(engine, meter, clock, requests, sampling, name=config.name,
                             progress=progress, tokenizer=tokenizer)

@@ -1,113 +1,23 @@
-"""Requests, the sequences the scheduler runs for them, and what a request returns."""
+"""Requests as the engine takes them: the request types (kvjax.scheduler.request) and batch
+submission."""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from kvjax.sampling import SamplingParams
+from kvjax.scheduler.request import (
+    CompletionOutput,
+    FinishReason,
+    RequestOutput,
+    SeqStatus,
+    Sequence,
+    WeightUpdatePolicy,
+)
 
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS or a stop token was generated (it is kept in the output).
-    LENGTH = "length"  # max_new_tokens or the model's context length was reached.
-    ABORT = "abort"  # abort(request_id) was called.
-    ERROR = "error"  # the request was invalid; `error` says why.
-
-
-class WeightUpdatePolicy(enum.Enum):
-    """What `Engine.update_weights` does with sequences already in flight."""
-
-    RECOMPUTE = "recompute"  # drop their KV; re-prefill their tokens under the new weights.
-    FINISH_OLD = "finish_old"  # complete them under the old weights, kept until they drain.
-    ABORT = "abort"  # finish them now with reason ABORT.
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"  # holds no KV; (re)starts with a prefill.
-    RUNNING = "running"  # holds KV pages on the device.
-    SWAPPED = "swapped"  # its KV pages sit in host memory.
-    FINISHED = "finished"
-
-
-@dataclasses.dataclass
-class Sequence:
-    """One token stream: a request, or one of its `n` samples.
-
-    `tokens` is prompt + generated tokens; the first `num_computed` of them have their K/V in the
-    cache. A prefill-only sequence (the shared prompt of an n > 1 group) holds the prompt minus
-    its last token and forks into the samples once computed.
-    """
-
-    seq_id: str
-    request_id: str
-    tokens: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    seed: int
-    arrival_time: float
-    order: int
-    tenant: str | None = None
-    priority: int = 0
-    sample_index: int = 0
-    is_group_prefill: bool = False
-    status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0
-    num_cached_prompt_tokens: int = 0
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    token_times: list[float] = dataclasses.field(default_factory=list)
-    first_scheduled_time: float | None = None
-    finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
-    weights_version: str = ""  # the weights its KV is (to be) computed with
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
-
-    @property
-    def num_pending(self) -> int:
-        """Tokens whose K/V still has to be computed."""
-        return len(self.tokens) - self.num_computed
-
-
-@dataclasses.dataclass
-class CompletionOutput:
-    """One sample of a request."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason | None
-    text: str | None = None
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """What a request returns (streamed while running, final once `finished`).
-
-    Attributes:
-      outputs: one CompletionOutput per sample (n of them).
-      arrival_time, first_token_time, finish_time: clock readings (seconds).
-      token_times: when each token of sample 0 was produced.
-      num_cached_prompt_tokens: prompt tokens served from the prefix cache.
-      error: why an invalid request failed (finish_reason ERROR), else None.
-    """
-
-    request_id: str
-    prompt_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    arrival_time: float
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    token_times: list[float] = dataclasses.field(default_factory=list)
-    num_cached_prompt_tokens: int = 0
-    num_preemptions: int = 0
-    tenant: str | None = None
-    error: str | None = None
+__all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "SeqStatus", "Sequence",
+           "WeightUpdatePolicy", "submit_all"]
 
 
 def submit_all(add_request: Callable[[str, Seq[int], SamplingParams], object],

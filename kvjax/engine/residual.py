@@ -85,6 +85,8 @@ class WindowSwapSpace(HostSwapSpace):
         allocator: the engine's `WindowBlockManager` (which slot a sequence holds).
     """
 
+    keeps_windows = True
+
     def __init__(self, allocator: WindowBlockManager):
         super().__init__()
         self.allocator = allocator

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import itertools
 import os
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -42,7 +41,6 @@ import orbax.checkpoint as ocp
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, SeqStatus, Sequence
 from kvjax.kv.state import ContiguousKV, pages_for
-from kvjax.memory.block_manager import AllocStatus
 from kvjax.sampling import SamplingParams
 
 SNAPSHOT_FORMAT = 1
@@ -157,21 +155,23 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
     if path.exists():
         raise ValueError(f"snapshot directory {path} already exists")
     _check_pages_hold_all_kv(engine)
-    chosen = list(engine._requests) if request_ids is None else list(request_ids)
+    scheduler = engine.scheduler
+    chosen = scheduler.request_ids() if request_ids is None else list(request_ids)
     for request_id in chosen:
-        if request_id not in engine._requests:
+        if not scheduler.has_request(request_id):
             raise ValueError(f"request {request_id!r} is not an unfinished request of the engine")
     page_size = engine.config.page_size
     saved_pages: dict[int, int] = {}  # pool page -> index in the saved arrays
     sequences, requests = [], {}
     for request_id in chosen:
-        meta = engine._request_meta[request_id]
+        meta = scheduler.request_meta(request_id)
+        seqs = scheduler.sequences(request_id)
         requests[request_id] = dict(
             prompt=list(meta["prompt"]), arrival=meta["arrival"], tenant=meta["tenant"],
             n=meta["n"], finish_time=meta.get("finish_time"),
-            seq_ids=list(engine._requests[request_id]))
-        for seq_id in engine._requests[request_id]:
-            seq = engine._seqs[seq_id]
+            seq_ids=[s.seq_id for s in seqs])
+        for seq in seqs:
+            seq_id = seq.seq_id
             pages = []
             if _has_device_kv(engine, seq):
                 table = engine.allocator.block_table(seq_id)[:pages_for(seq.num_computed,
@@ -201,7 +201,7 @@ def _check_compatible(engine: Engine, meta: dict) -> None:
     if meta.get("format") != SNAPSHOT_FORMAT:
         raise ValueError(f"snapshot format {meta.get('format')!r} is not {SNAPSHOT_FORMAT}")
     saved, here = meta["provenance"], provenance_parts(engine)
-    live_versions = set(engine._params) | {engine.model.weights_version}
+    live_versions = set(engine.runner.params) | {engine.model.weights_version}
     for seq in meta["sequences"]:
         version = seq["record"]["weights_version"]
         if version not in live_versions:
@@ -222,35 +222,23 @@ def _check_compatible(engine: Engine, meta: dict) -> None:
             raise ValueError(f"sequence {record['seq_id']!r}: the snapshot's KV provenance "
                              "fingerprint does not match the engine's")
     for request_id in meta["requests"]:
-        if request_id in engine._requests:
+        if engine.scheduler.has_request(request_id):
             raise ValueError(f"request {request_id!r} already exists in the engine")
 
 
 def _place(engine: Engine, seq: Sequence, pages: list[int], stored: list[jax.Array] | None
            ) -> None:
     """Gives a restored sequence its KV (pages from the prefix cache or saved), else waits it."""
+    has_kv = False
     if pages and seq.status is SeqStatus.RUNNING:
-        allocator = engine.allocator
-        cached = allocator.add_sequence(seq.seq_id, seq.tokens[:seq.num_computed + 1],
-                                        cache_key=engine._cache_key(seq))
-        status, copies = allocator.ensure_writable(seq.seq_id, cached, seq.num_computed)
-        if status is AllocStatus.OK:
-            engine._apply_copies(copies)
-            first = cached // engine.config.page_size
-            table = allocator.block_table(seq.seq_id)[first:len(pages)]
+        def scatter(kv, table, first):
             src = np.asarray(pages[first:], np.int32)
-            engine.kv = _scatter_pages(engine.kv, np.asarray(table, np.int32),
-                                       [x[:, src] for x in stored])
-            for page in table:
-                engine._page_version[page] = seq.weights_version
-            allocator.commit(seq.seq_id, seq.tokens[:seq.num_computed])
-            engine._running.append(seq)
-            return
-        allocator.free(seq.seq_id)
-    if seq.status is not SeqStatus.FINISHED:
-        seq.status = SeqStatus.WAITING
-        seq.num_computed = 0
-        engine._waiting.append(seq)
+            return _scatter_pages(kv, np.asarray(table, np.int32), [x[:, src] for x in stored])
+
+        has_kv = engine.kv_cache.place(seq.seq_id, seq.tokens, seq.num_computed,
+                                       engine.scheduler.cache_key(seq), seq.weights_version,
+                                       len(pages), scatter)
+    engine.scheduler.restore_sequence(seq, has_kv=has_kv)
 
 
 def restore_snapshot(engine: Engine, directory: str | os.PathLike) -> list[str]:
@@ -281,17 +269,11 @@ def restore_snapshot(engine: Engine, directory: str | os.PathLike) -> list[str]:
             stored = [kv[f"leaf_{i}"] for i in range(len(kv))]
     offset = engine.clock() - meta["clock"]
     for request_id, request in meta["requests"].items():
-        engine._requests[request_id] = list(request["seq_ids"])
-        engine._request_meta[request_id] = dict(
-            prompt=request["prompt"], arrival=request["arrival"] + offset,
-            tenant=request["tenant"], n=request["n"], samples={})
+        record = dict(prompt=request["prompt"], arrival=request["arrival"] + offset,
+                      tenant=request["tenant"], n=request["n"])
         if request["finish_time"] is not None:
-            engine._request_meta[request_id]["finish_time"] = request["finish_time"] + offset
-    orders = []
+            record["finish_time"] = request["finish_time"] + offset
+        engine.scheduler.restore_request(request_id, request["seq_ids"], record)
     for saved in meta["sequences"]:
-        seq = _seq_from_record(saved["record"], offset)
-        engine._seqs[seq.seq_id] = seq
-        orders.append(seq.order)
-        _place(engine, seq, saved["pages"], stored)
-    engine._order = itertools.count(max([next(engine._order), *(o + 1 for o in orders)]))
+        _place(engine, _seq_from_record(saved["record"], offset), saved["pages"], stored)
     return list(meta["requests"])

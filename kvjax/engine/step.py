@@ -232,10 +232,11 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                       key_scores=key_scores), kv
 
 
-class ModelRunner:
-    """Holds the jitted step for one model and counts its compilations.
+class StepPrograms:
+    """The jitted step and page-copy programs for one model; counts their compilations.
 
-    Only static configuration lives here; the engine owns and threads the KV state.
+    Only static configuration lives here (the model runner owns and threads the KV state), so
+    runners of one configuration may share one instance and compile each shape once.
     """
 
     def __init__(self, config: ModelConfig, *,

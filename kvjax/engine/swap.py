@@ -58,6 +58,8 @@ def _page_bytes(stored, num_pages: int) -> int:
 class HostSwapSpace:
     """Host-memory copies of swapped-out sequences' pages, keyed by sequence id."""
 
+    keeps_windows = False  # Pages are all a sequence's KV (see kvjax.engine.residual).
+
     def __init__(self):
         self._stored: dict[str, tuple[object, int]] = {}
         # Per-instance programs, so each engine counts its own compilations.

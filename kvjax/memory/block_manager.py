@@ -123,6 +123,10 @@ class BlockManager:
     def has_sequence(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
 
+    def seq_slot(self, seq_id: Hashable) -> int:
+        """The sequence's per-sequence state slot: 0 (pages are all it holds)."""
+        return 0
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The page ids of `seq_id`, [pages_per_seq]; position p lives in page p // P."""
         return list(self._get(seq_id).block_table)

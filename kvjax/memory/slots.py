@@ -22,6 +22,7 @@ class SlotAllocator:
         self.num_pages = max_seqs * self.pages_per_seq
         self._free = list(range(max_seqs - 1, -1, -1))
         self._slot_of: dict[Hashable, int] = {}
+        self.prefix_cache = None  # Slots are never shared.
 
     def num_free_pages(self) -> int:
         return len(self._free) * self.pages_per_seq
@@ -31,6 +32,10 @@ class SlotAllocator:
 
     def has_sequence(self, seq_id: Hashable) -> bool:
         return seq_id in self._slot_of
+
+    def seq_slot(self, seq_id: Hashable) -> int:
+        """No per-sequence state slot beside the KV slots: 0."""
+        return 0
 
     def pages_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         return 0 if seq_id in self._slot_of else self.pages_per_seq

@@ -3,7 +3,7 @@
 from kvjax.parallel.sharding import (
     DP_AXIS,
     TP_AXIS,
-    ShardedModelRunner,
+    ShardedStepPrograms,
     check_tensor_parallel,
     kv_specs,
     make_mesh,
@@ -15,7 +15,7 @@ from kvjax.parallel.sharding import (
 __all__ = [
     "DP_AXIS",
     "TP_AXIS",
-    "ShardedModelRunner",
+    "ShardedStepPrograms",
     "check_tensor_parallel",
     "kv_specs",
     "make_mesh",

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.config import ModelConfig
 from kvjax.engine.config import EngineConfig, PreemptionMode
-from kvjax.engine.step import ModelRunner, StepOutput, StepShape
+from kvjax.engine.step import StepOutput, StepPrograms, StepShape
 from kvjax.models.model import Model
 
 TP_AXIS = "tp"
@@ -158,26 +158,26 @@ def shard_params(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
     return place(params, named(mesh, param_specs(params)))
 
 
-class ShardedModelRunner(ModelRunner):
-    """A `ModelRunner` whose programs keep params and KV at their shardings across steps.
+class ShardedStepPrograms(StepPrograms):
+    """Step programs that keep params and KV at their shardings across steps.
 
-    Built from the engine's own runner, so the step computes exactly what it would (same
+    Built from the engine's own programs, so the step computes exactly what it would (same
     model function and options); only the placement changes. The step's outputs (tokens,
     logprobs, logits) come back replicated; the returned KV state has the sharding of the
     donated one, so XLA updates it in place and the next step sees the same layout (no
     resharding, no recompile).
     """
 
-    def __init__(self, runner: ModelRunner, mesh: Mesh, param_shardings: Any,
+    def __init__(self, programs: StepPrograms, mesh: Mesh, param_shardings: Any,
                  kv_shardings: Any) -> None:
-        vars(self).update(vars(runner))
+        vars(self).update(vars(programs))
         self.mesh = mesh
         self.param_shardings = param_shardings
         self._replicated = NamedSharding(mesh, P())
-        self._step = jax.jit(runner._step.__wrapped__, static_argnames=("shape",),
+        self._step = jax.jit(programs._step.__wrapped__, static_argnames=("shape",),
                              donate_argnames=("kv",),
                              out_shardings=(self._replicated, kv_shardings))
-        self._copy = jax.jit(runner._copy.__wrapped__, donate_argnums=0,
+        self._copy = jax.jit(programs._copy.__wrapped__, donate_argnums=0,
                              out_shardings=kv_shardings)
 
     def _replicate(self, host: Any) -> Any:
@@ -215,10 +215,11 @@ def shard_model(model: Model, config: EngineConfig, mesh: Mesh) -> Model:
     return dataclasses.replace(model, params=shard_params(model.params, model.config, mesh))
 
 
-def shard_kv_and_runner(kv: Any, runner: ModelRunner, model: Model, mesh: Mesh
-                        ) -> tuple[Any, ShardedModelRunner]:
-    """The engine's KV state split over the kv-head axis, and a runner that keeps it there."""
+def shard_kv_and_programs(kv: Any, programs: StepPrograms, model: Model, mesh: Mesh
+                          ) -> tuple[Any, ShardedStepPrograms]:
+    """The engine's KV state split over the kv-head axis, and step programs that keep it
+    there."""
     kv_shardings = named(mesh, kv_specs(kv, model.config))
     param_shardings = named(mesh, param_specs(model.params))
-    sharded_runner = ShardedModelRunner(runner, mesh, param_shardings, kv_shardings)
-    return place(kv, kv_shardings), sharded_runner
+    sharded = ShardedStepPrograms(programs, mesh, param_shardings, kv_shardings)
+    return place(kv, kv_shardings), sharded

@@ -124,11 +124,11 @@ class Rollout:
         """Per sample the engine holds: (tokens generated, its weights version); and the version
         of each unfinished request (what a sample forked during a step runs under).
 
-        Reads the engine's sequence records: the public outputs do not carry versions.
+        Reads the scheduler's sequence records: the public outputs do not carry versions.
         """
         samples, requests = {}, {}
         mine = set(self.request_ids)
-        for seq in self.engine._seqs.values():
+        for seq in self.engine.scheduler.sequences():
             if seq.request_id not in mine:
                 continue
             if seq.status is not SeqStatus.FINISHED:

@@ -44,6 +44,7 @@ from kvjax.config import KVLayout
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import CompletionOutput, FinishReason, RequestOutput, submit_all
 from kvjax.memory.block_manager import AllocStatus
+from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.router.router import Arrival, SimClock
 from kvjax.sampling import SamplingParams
 
@@ -109,7 +110,7 @@ class DisaggregatedEngine:
         self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=target)
         # Imports return KV committed to the decode devices; committing it now means the
         # decode engine's steps see one placement (and compile once per shape) from here on.
-        decode.kv = jax.device_put(decode.kv, target)
+        decode.runner.apply(KVOp(KVOpKind.PLACE), lambda kv: jax.device_put(kv, target))
         self._handoffs: collections.deque[_Handoff] = collections.deque()
         self._requests: dict[str, dict] = {}  # request id -> its prompt, sampling, first output
         self._pinned: dict[str, str] = {}  # request id -> decode allocator's pinning sequence
@@ -176,7 +177,8 @@ class DisaggregatedEngine:
             # Writing pages' own content back leaves the decode KV as it was.
             pages = np.arange(size, dtype=np.int32)
             own = jax.device_put(_gather(self.decode.kv, pages), self._target)
-            self.decode.kv = self._scatter(self.decode.kv, pages, own)
+            self.decode.runner.apply(KVOp(KVOpKind.WARMUP),
+                                     lambda kv: self._scatter(kv, pages, own))
         jax.block_until_ready(self.decode.kv)
 
     # ----------------------------------------------------------------------------- stepping
@@ -252,7 +254,8 @@ class DisaggregatedEngine:
         start = time.perf_counter()
         index = _padded(list(range(first_page, first_page + len(targets))))
         part = jax.device_put(_gather(staged, index), self._target)
-        self.decode.kv = self._scatter(self.decode.kv, _padded(targets), part)
+        self.decode.runner.apply(KVOp(KVOpKind.SCATTER, tuple(targets)),
+                                 lambda kv: self._scatter(kv, _padded(targets), part))
         jax.block_until_ready(self.decode.kv)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(part)) * len(targets) // len(index)
         self.stats["transfers"] += 1

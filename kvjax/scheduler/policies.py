@@ -11,7 +11,7 @@ import collections
 from collections.abc import Callable
 from typing import Protocol
 
-from kvjax.engine.request import Sequence
+from kvjax.scheduler.request import Sequence
 
 
 class SchedulingPolicy(Protocol):

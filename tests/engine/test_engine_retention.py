@@ -21,6 +21,7 @@ from tiny_models import greedy_reference, tiny_model
 from kvjax import EngineConfig, KVLayout, PreemptionMode, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason
+from kvjax.engine.runner import StepObserver
 from kvjax.engine.step import LogitsMode
 from kvjax.memory.prefix_cache import hash_page, hash_root
 from kvjax.models import llama
@@ -167,22 +168,18 @@ def oracle(model, prompt, max_new, *, keep=None, weight=None, quest_pages=0,
     return out, history
 
 
-class PeakPages:
-    """Stands in for an engine's runner; records the most pages in use at any dispatch.
+class PeakPages(StepObserver):
+    """Records the most pages in use at any dispatch.
 
     A step's pages are allocated before it is dispatched and evicted after it ran.
     """
 
     def __init__(self, engine):
-        self.engine, self.runner, self.peak = engine, engine.runner, 0
-        engine.runner = self
+        self.engine, self.peak = engine, 0
+        engine.add_step_observer(self)
 
-    def step(self, *args, **kwargs):
+    def before_step(self, shape, host_input):
         self.peak = max(self.peak, self.engine.allocator.num_used_pages())
-        return self.runner.step(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
 
 
 def run_engine(model, prompt, max_new, **config):

@@ -41,7 +41,7 @@ def serve(model, num_requests: int, prompt_len: int, max_new: int, **config):
     while engine.has_unfinished():
         outputs += engine.step()
         running.append(engine.num_running)
-        decoding.append(sum(s.num_pending == 1 for s in engine._running))
+        decoding.append(sum(s.num_pending == 1 for s in engine.scheduler.running))
     assert sorted(o.request_id for o in outputs) == [f"r{i}" for i in range(num_requests)]
     assert all(len(o.outputs[0].token_ids) == max_new
                and o.outputs[0].finish_reason is FinishReason.LENGTH for o in outputs)

@@ -80,7 +80,7 @@ def test_pause_resume_continues_like_an_uninterrupted_run(model, prompts, uninte
     _submit(source, prompts)
     for _ in range(4):
         source.step()
-    live = [s for s in source._seqs.values() if s.status is SeqStatus.RUNNING]
+    live = [s for s in source.scheduler.sequences() if s.status is SeqStatus.RUNNING]
     assert live and all(s.num_pending == 1 and s.output_ids for s in live), \
         "every sequence should be decoding when the snapshot is taken"
     save_snapshot(source, tmp_path / "snap")
@@ -102,7 +102,7 @@ def test_snapshot_mid_prefill_and_before_admission_resumes(model, prompts, unint
     source = Engine(model, config)
     _submit(source, prompts)
     source.step()
-    statuses = {s.seq_id: (s.status, s.num_pending) for s in source._seqs.values()}
+    statuses = {s.seq_id: (s.status, s.num_pending) for s in source.scheduler.sequences()}
     assert any(st is SeqStatus.WAITING for st, _ in statuses.values())
     save_snapshot(source, tmp_path / "snap")
     target = Engine(model, config)

@@ -39,7 +39,7 @@ def _start(engine, prompts, steps):
         engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=NEW))
     for _ in range(steps):
         engine.step()
-    return {f"r{i}": list(engine._seqs[f"r{i}#0"].output_ids) for i in range(len(prompts))}
+    return {f"r{i}": list(engine.sequence(f"r{i}#0").output_ids) for i in range(len(prompts))}
 
 
 def _drain(engine):
@@ -75,7 +75,7 @@ def test_finish_old_drains_under_old_weights_while_new_requests_use_new(models, 
     for i in range(2):
         assert done[f"r{i}"].outputs[0].token_ids == greedy_reference(old, prompts[i], NEW)
     assert done["late"].outputs[0].token_ids == greedy_reference(new, prompts[2], NEW)
-    assert list(engine._params) == ["v1"], "old weights are released once drained"
+    assert list(engine.runner.params) == ["v1"], "old weights are released once drained"
     assert engine.stats["stale_kv_reads"] == 0
 
 

@@ -1,0 +1,94 @@
+"""Building an engine's KV pool: the state pytree, its allocator and its swap space, sized from
+the byte budget and the codec's exact bytes per token."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvjax.config import KVLayout, ModelConfig
+from kvjax.engine import residual
+from kvjax.engine.config import EngineConfig
+from kvjax.engine.swap import HostSwapSpace
+from kvjax.kv.state import init_contiguous_kv, init_paged_kv, num_pages_for_budget
+from kvjax.memory.block_manager import BlockManager
+from kvjax.memory.slots import SlotAllocator
+
+
+@dataclasses.dataclass
+class KVPool:
+    """A freshly built pool.
+
+    Attributes:
+      kv: the KV state pytree (on the host's default device, uncommitted).
+      allocator: the BlockManager, WindowBlockManager (KIVI) or SlotAllocator.
+      swap_space: host memory for swapped-out sequences (windows too for KIVI).
+      kv_bytes_per_token: device bytes one cached token takes, all layers, K and V.
+    """
+
+    kv: Any
+    allocator: Any
+    swap_space: Any
+    kv_bytes_per_token: float
+
+
+def budget_bytes(config: EngineConfig, kv_bytes_per_token: float, max_model_len: int) -> int:
+    """The KV byte budget: configured, or enough for max_num_seqs full-length sequences."""
+    if config.kv_budget_bytes is not None:
+        return config.kv_budget_bytes
+    return int(kv_bytes_per_token * max_model_len * config.max_num_seqs)
+
+
+def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, kv_dtype,
+                  on_mesh: bool) -> KVPool:
+    """The pool for `config`: quantized, contiguous or paged."""
+    per_token = mc.kv_bytes_per_token(kv_dtype)
+    if config.kv_codec != "none":
+        return _quantized_pool(mc, config, max_model_len=max_model_len, on_mesh=on_mesh)
+    if config.kv_layout is KVLayout.CONTIGUOUS:
+        per_seq = per_token * max_model_len
+        budget = budget_bytes(config, per_token, max_model_len)
+        max_seqs = min(budget // per_seq, config.max_num_seqs)
+        if max_seqs < 1:
+            raise ValueError(f"a KV budget of {budget} bytes holds no sequence of "
+                             f"max_model_len={max_model_len} tokens")
+        kv = init_contiguous_kv(mc, int(max_seqs), max_model_len, config.page_size, kv_dtype)
+        allocator = SlotAllocator(int(max_seqs), max_model_len, config.page_size)
+        return KVPool(kv, allocator, HostSwapSpace(), per_token)
+    num_pages = config.num_pages or num_pages_for_budget(
+        mc, budget_bytes(config, per_token, max_model_len), config.page_size, kv_dtype)
+    kv = init_paged_kv(mc, num_pages, config.page_size, kv_dtype)
+    allocator = BlockManager(num_pages, config.page_size,
+                             enable_prefix_cache=config.enable_prefix_cache)
+    return KVPool(kv, allocator, HostSwapSpace(), per_token)
+
+
+def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int,
+                    on_mesh: bool) -> KVPool:
+    if config.kv_layout is not KVLayout.PAGED:
+        raise ValueError(f"kv_codec={config.kv_codec!r} needs the paged layout")
+    from kvjax.kv import quantized  # Imported lazily: only quantized engines need it.
+
+    options = config.kv_codec_options
+    per_token = quantized.kv_bytes_per_token(mc, config.kv_codec, **options)
+    # KIVI's per-sequence exact windows come out of an explicit byte budget first.
+    num_seq_slots = quantized.num_seq_slots_for(config.kv_codec, config.max_num_seqs, **options)
+    windows = quantized.residual_bytes(mc, num_seq_slots, config.kv_codec, **options)
+    budget = budget_bytes(config, per_token, max_model_len) - (
+        windows if config.kv_budget_bytes else 0)
+    if budget < per_token * config.page_size and not config.num_pages:
+        raise ValueError(f"kv_budget_bytes={config.kv_budget_bytes} holds no page "
+                         f"beside {windows} bytes of KIVI windows")
+    num_pages = config.num_pages or max(int(budget // (per_token * config.page_size)), 1)
+    kv = quantized.init_quantized_kv(mc, num_pages, config.page_size, config.kv_codec,
+                                     num_seq_slots=num_seq_slots, **options)
+    if not num_seq_slots:
+        allocator = BlockManager(num_pages, config.page_size,
+                                 enable_prefix_cache=config.enable_prefix_cache)
+        return KVPool(kv, allocator, HostSwapSpace(), per_token)
+    if on_mesh:
+        raise ValueError(f"kv_codec={config.kv_codec!r} (KIVI windows) does not run on a mesh")
+    allocator = residual.WindowBlockManager(
+        num_pages, config.page_size, num_seq_slots=num_seq_slots,
+        enable_prefix_cache=config.enable_prefix_cache, scrub_windows=config.scrub_freed_pages)
+    return KVPool(kv, allocator, residual.WindowSwapSpace(allocator), per_token)

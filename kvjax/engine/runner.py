@@ -1,0 +1,204 @@
+"""The model runner: owner of the device KV pool and the params, and of the one jitted step.
+
+It turns a `SchedulerOutput` into one padded `StepInput` (shapes bucketed so each bucket
+compiles once), runs the step under the weights version the scheduler chose, and returns the
+sampled tokens as a `RunnerOutput` in row order. Every other change to the pool arrives as a
+`KVOp` through `apply` (it is the `KVDevice` of the KV cache manager). Observers see each step
+and each KV op (metering, logits taps, tracing) without replacing any part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvjax.engine.step import LogitsMode, StepOutput, StepPrograms, StepShape, empty_step_input
+from kvjax.memory.ops import KVOp
+from kvjax.scheduler.output import RunnerOutput, SchedulerOutput
+from kvjax.shapes import bucket
+
+
+class StepObserver:
+    """Hooks called by the runner; subclass and override what you need (all no-ops here)."""
+
+    def before_step(self, shape: StepShape, host_input: dict[str, np.ndarray]) -> None:
+        """A step is about to be dispatched with these padded host inputs."""
+
+    def after_step(self, shape: StepShape, host_input: dict[str, np.ndarray],
+                   out: StepOutput) -> None:
+        """A step was dispatched; `out` holds its device arrays."""
+
+    def on_kv_op(self, op: KVOp) -> None:
+        """A KV operation was applied to the pool."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBuckets:
+    """The padded sizes of a step: decode rows, prefill rows and chunk lengths.
+
+    Attributes:
+      max_num_seqs, max_prefill_seqs, max_prefill_chunk, min_chunk_bucket: as in EngineConfig.
+      block_table_width: W, the fixed block-table width.
+    """
+
+    max_num_seqs: int
+    max_prefill_seqs: int
+    max_prefill_chunk: int
+    min_chunk_bucket: int
+    block_table_width: int
+
+    def decode_buckets(self, *, mixed: bool) -> list[int]:
+        """Padded decode-row counts: powers of two alone, powers of four beside a prefill."""
+        cap = bucket(self.max_num_seqs)
+        base = 4 if mixed else 2
+        sizes, n = [], 1
+        while n < cap:
+            sizes.append(n)
+            n *= base
+        return ([0] if mixed else []) + sizes + [cap]
+
+    def chunk_buckets(self) -> list[int]:
+        """Padded prefill chunk lengths: powers of four from min_chunk_bucket, and the maximum."""
+        cap = bucket(self.max_prefill_chunk)
+        sizes, n = [], min(self.min_chunk_bucket, cap)
+        while n < cap:
+            sizes.append(n)
+            n *= 4
+        return sizes + [cap]
+
+    def step_shapes(self, logits_mode: LogitsMode = LogitsMode.NONE) -> list[StepShape]:
+        """Every greedy step shape: what warm-up compiles."""
+        width = self.block_table_width
+        shapes = [StepShape(bd, 0, 1, width, logits_mode=logits_mode)
+                  for bd in self.decode_buckets(mixed=False)]
+        prefill_rows = sorted({1, self.max_prefill_seqs})
+        shapes += [StepShape(bd, bp, c, width, logits_mode=logits_mode)
+                   for bd in self.decode_buckets(mixed=True) for bp in prefill_rows
+                   for c in self.chunk_buckets()]
+        return shapes
+
+    def shape_for(self, so: SchedulerOutput, logits_mode: LogitsMode) -> StepShape:
+        """The bucketed shape that holds this step's rows."""
+        num_decode, prefill = len(so.decode), so.prefill
+        mixed = bool(prefill)
+        bd = min(b for b in self.decode_buckets(mixed=mixed) if b >= num_decode)
+        # Prefill rows come in two sizes only (one sequence, or the most allowed), which keeps
+        # the number of step shapes small enough to compile them all during warm-up.
+        bp = (1 if len(prefill) == 1 else self.max_prefill_seqs) if prefill else 0
+        longest = max((r.num_tokens for r in prefill), default=1)
+        chunk = min(c for c in self.chunk_buckets() if c >= longest) if mixed else 1
+        sampling = [r.sampling for r in so.rows]
+        return StepShape(num_decode=bd, num_prefill=bp, chunk=chunk,
+                         max_pages=self.block_table_width,
+                         all_greedy=all(p.is_greedy for p in sampling),
+                         needs_filter=any(p.needs_filter for p in sampling),
+                         logits_mode=logits_mode)
+
+
+class ModelRunner:
+    """Holds the device KV state and the params of every weights version still served.
+
+    Attributes:
+      programs: the jitted step programs (shareable between runners of one configuration).
+      buckets: the StepBuckets shapes are padded to.
+      kv: the device KV pytree (donated to each step).
+      params: weights version -> params.
+    """
+
+    def __init__(self, programs: StepPrograms, buckets: StepBuckets, kv: Any, params: Any,
+                 weights_version: str, *, page_size: int):
+        self.programs = programs
+        self.buckets = buckets
+        self.kv = kv
+        self.params = {weights_version: params}
+        self.page_size = page_size
+        self.observers: list[StepObserver] = []
+
+    @property
+    def num_compiles(self) -> int:
+        return self.programs.num_compiles
+
+    # ----------------------------------------------------------------------------- KV ops
+
+    def apply(self, op: KVOp, fn: Callable[[Any], Any]) -> None:
+        self.kv = fn(self.kv)
+        for observer in self.observers:
+            observer.on_kv_op(op)
+
+    def copy_pages(self, kv: Any, src: np.ndarray, dst: np.ndarray) -> Any:
+        return self.programs.copy_pages(kv, src, dst)
+
+    def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
+        result = fn(self.kv)
+        for observer in self.observers:
+            observer.on_kv_op(op)
+        return result
+
+    # ----------------------------------------------------------------------------- params
+
+    def add_params(self, version: str, params: Any) -> None:
+        self.params[version] = params
+
+    def keep_params(self, versions) -> None:
+        """Releases the params of every version not in `versions`."""
+        for version in [v for v in self.params if v not in versions]:
+            del self.params[version]
+
+    # ----------------------------------------------------------------------------- the step
+
+    def build_input(self, so: SchedulerOutput, logits_mode: LogitsMode = LogitsMode.NONE
+                    ) -> tuple[StepShape, dict[str, np.ndarray], list[int]]:
+        """The padded host inputs of a step; returns (shape, buffers, padded row per row)."""
+        shape = self.buckets.shape_for(so, logits_mode)
+        buf = empty_step_input(shape)
+        bd, chunk, page_size = shape.num_decode, shape.chunk, self.page_size
+        num_decode = len(so.decode)
+        row_index = []
+        for i, row in enumerate(so.rows):
+            r = i if i < num_decode else bd + (i - num_decode)
+            t0 = r if i < num_decode else bd + (i - num_decode) * chunk
+            n = row.num_tokens
+            table = row.block_table
+            cpos = row.cache_positions  # Retention: RoPE positions are logical, slots cached.
+            buf["tokens"][t0:t0 + n] = row.token_ids
+            buf["positions"][t0:t0 + n] = np.arange(row.start, row.start + n, dtype=np.int32)
+            buf["slot_mapping"][t0:t0 + n] = table[cpos // page_size] * page_size + \
+                cpos % page_size
+            buf["score_weights"][t0:t0 + n] = row.score_weights
+            width = min(len(table), shape.max_pages)
+            buf["block_tables"][r, :width] = table[:width]
+            buf["kv_lens"][r] = cpos[-1] + 1
+            buf["q_lens"][r] = n
+            p = row.sampling
+            buf["temperature"][r] = p.temperature
+            buf["top_k"][r] = p.top_k
+            buf["top_p"][r] = p.top_p
+            buf["seeds"][r] = row.seed
+            buf["counters"][r] = row.counter
+            buf["seq_slots"][r] = row.seq_slot
+            row_index.append(r)
+        return shape, buf, row_index
+
+    def execute(self, so: SchedulerOutput, logits_mode: LogitsMode = LogitsMode.NONE
+                ) -> RunnerOutput:
+        """Runs one step under `so.weights_version`; blocks until its tokens are on the host."""
+        shape, buf, row_index = self.build_input(so, logits_mode)
+        for observer in self.observers:
+            observer.before_step(shape, buf)
+        out, self.kv = self.programs.step(self.params[so.weights_version], self.kv, buf, shape)
+        for observer in self.observers:
+            observer.after_step(shape, buf, out)
+        rows = np.asarray(row_index, np.int64)
+        key_scores = None if out.key_scores is None else np.asarray(out.key_scores)[rows]
+        return RunnerOutput(tokens=np.asarray(out.tokens)[rows],  # The one host sync.
+                            logprobs=np.asarray(out.logprobs)[rows], key_scores=key_scores,
+                            logits=out.logits)
+
+    def warmup(self, weights_version: str) -> None:
+        """Compiles every greedy step shape on padding inputs (which write and read nothing)."""
+        params = self.params[weights_version]
+        for shape in self.buckets.step_shapes():
+            _, self.kv = self.programs.step(params, self.kv, empty_step_input(shape), shape)

@@ -1,0 +1,316 @@
+"""The KV cache manager: one object in front of the allocator, prefix cache, swap space, tiers,
+retention and the page-version ledger.
+
+The scheduler decides *which* sequence gets, keeps, shares or loses KV; this manager does the
+bookkeeping and issues every device consequence (copy-on-write copies, swaps, scrubs, spills,
+tier loads, compactions) as a `KVOp` to the `KVDevice` that owns the pool (the model runner).
+It knows sequences by id only: token lists, versions and cache keys come in as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvjax.kv.retention import RetentionManager
+from kvjax.kv.state import pages_for
+from kvjax.memory.block_manager import AllocStatus, CopyOp
+from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
+from kvjax.shapes import next_power_of_2, pad_repeat_last
+
+
+class KVCacheManager:
+    """Allocation, sharing, movement and versioning of KV pages for the scheduler.
+
+    Attributes:
+      allocator: the page (or slot) allocator, with the prefix cache when it has one.
+      swap_space: host copies of swapped-out sequences (through the tiers when enabled).
+      tiers: the host/disk TierManager, or None.
+      retention: the retention manager (which tokens each sequence keeps).
+      page_versions: pool page -> the weights version that last wrote it.
+      stats: the engine's counters (shared dict) this manager adds to.
+    """
+
+    def __init__(self, device: KVDevice, allocator, swap_space, retention: RetentionManager, *,
+                 page_size: int, watermark: float, scrub_freed_pages: bool, stats: dict,
+                 tiers=None):
+        self.device = device
+        self.allocator = allocator
+        self.swap_space = swap_space
+        self.retention = retention
+        self.tiers = tiers
+        self.page_size = page_size
+        self.watermark = watermark
+        self.scrub_freed_pages = scrub_freed_pages
+        self.stats = stats
+        self.page_versions: dict[int, str] = {}
+        self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
+                          stale_kv_reads=0, bytes_device_to_host=0, bytes_host_to_device=0,
+                          bytes_host_to_disk=0, bytes_disk_to_host=0)
+
+    # ----------------------------------------------------------------------------- views
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def has_prefix_cache(self) -> bool:
+        return getattr(self.allocator, "prefix_cache", None) is not None
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return self.allocator.has_sequence(seq_id)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self.allocator.block_table(seq_id)
+
+    def seq_slot(self, seq_id: str) -> int:
+        """The sequence's per-sequence state slot (KIVI windows), else 0."""
+        return self.allocator.seq_slot(seq_id)
+
+    def cached_len(self, seq_id: str, num_computed: int) -> int:
+        """Tokens of a sequence in the cache: its computed length less what retention evicted."""
+        return num_computed - self.retention.num_evicted(seq_id)
+
+    def can_admit(self, num_new_pages: int) -> bool:
+        """Whether `num_new_pages` more pages leave the watermark's reserve free."""
+        reserve = int(self.watermark * self.num_pages)
+        return self.allocator.num_free_pages() - num_new_pages >= reserve
+
+    def pages_needed(self, seq_id: str, num_tokens: int) -> int:
+        return self.allocator.pages_needed(seq_id, num_tokens)
+
+    def peek_cached_tokens(self, token_ids: Sequence[int], cache_key: bytes) -> int:
+        """Tokens a new sequence would find in the prefix cache (0 without one)."""
+        if not self.has_prefix_cache:
+            return 0
+        return self.allocator.peek_cached_tokens(token_ids, cache_key=cache_key)
+
+    def cache_key_of(self, seq_id: str) -> bytes:
+        return self.allocator.cache_key_of(seq_id)
+
+    def prefix_cache_stats(self) -> dict:
+        stats = getattr(self.allocator, "stats", None)
+        if stats is None:
+            return dict(prefix_queries=0, prefix_query_tokens=0, prefix_hit_tokens=0)
+        return dict(prefix_queries=stats.prefix_queries,
+                    prefix_query_tokens=stats.prefix_query_tokens,
+                    prefix_hit_tokens=stats.prefix_hit_tokens)
+
+    @property
+    def num_compiles(self) -> int:
+        return self.swap_space.num_compiles + self.retention.num_compiles
+
+    # ----------------------------------------------------------------------------- pages
+
+    def lookup(self, seq_id: str, token_ids: Sequence[int], cache_key: bytes) -> int:
+        """Registers a sequence; returns how many of its tokens the prefix cache holds."""
+        return self.allocator.add_sequence(seq_id, token_ids, cache_key=cache_key)
+
+    def unregister(self, seq_id: str) -> None:
+        """Drops a registration whose pages were never written by it (admission fell through);
+        its prefix-cache hits go back to the cache."""
+        self.allocator.free(seq_id)
+
+    def allocate(self, seq_id: str, start: int, end: int) -> bool:
+        """Makes cache positions [start, end) of a sequence writable (new pages, copy-on-write
+        copies of shared ones, applied now); False when the pool has no room."""
+        status, copies = self.allocator.ensure_writable(seq_id, start, end)
+        if status is not AllocStatus.OK:
+            return False
+        self.copy(copies)
+        return True
+
+    def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
+        """Publishes the sequence's full computed pages to the prefix cache."""
+        self.allocator.commit(seq_id, token_ids)
+
+    def copy(self, copies: Sequence[CopyOp]) -> None:
+        """Applies copy-on-write copies (after spilling evicted pages they may overwrite)."""
+        self.spill_evictions()
+        if not copies:
+            return
+        for c in copies:
+            self.page_versions[c.dst] = self.page_versions.get(c.src, "")
+        n = next_power_of_2(len(copies))
+        # Padding repeats the last copy: idempotent, and keeps shapes bucketed.
+        src = pad_repeat_last([c.src for c in copies], n)
+        dst = pad_repeat_last([c.dst for c in copies], n)
+        self.device.apply(KVOp(KVOpKind.COPY, tuple(int(c.dst) for c in copies)),
+                          lambda kv: self.device.copy_pages(kv, src, dst))
+
+    def free(self, seq_id: str) -> None:
+        """Releases a sequence's pages (cached ones stay in the prefix cache) and policy state."""
+        self.retention.drop(seq_id)
+        freed = self.allocator.free(seq_id)
+        if self.scrub_freed_pages:
+            if freed:
+                self.spill_evictions()
+            # Also with no page freed (its pages stay in the prefix cache): a KIVI sequence's
+            # window slot is freed with it and must be zeroed before a new sequence takes it.
+            self.scrub(freed)
+
+    def scrub(self, pages: Sequence[int]) -> None:
+        """Zeroes freed pages (and freed window slots) so no later reader sees their content."""
+        self.device.apply(KVOp(KVOpKind.SCRUB, tuple(pages)),
+                          lambda kv: self.swap_space.scrub(kv, list(pages)))
+        self.stats["scrubbed_pages"] += len(pages)
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """Shares the parent's pages (and copies its window) with a new child sequence; False
+        when the allocator cannot share (the child is then prefilled afresh)."""
+        try:
+            copies = self.allocator.fork(parent_id, child_id) or []
+        except ValueError:
+            return False
+        self.retention.fork(parent_id, child_id)
+        self.copy(copies)
+        if self.swap_space.keeps_windows:
+            self.device.apply(KVOp(KVOpKind.COPY_WINDOW),
+                              lambda kv: self.swap_space.copy_window(kv, parent_id, child_id))
+        return True
+
+    # ----------------------------------------------------------------------------- swap
+
+    def swap_out(self, seq_id: str, num_computed: int) -> None:
+        """Copies a sequence's computed pages to host memory, then frees them."""
+        pages = self.block_table(seq_id)[:pages_for(num_computed, self.page_size)]
+        nbytes = self.device.read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)),
+                                  lambda kv: self.swap_space.swap_out(kv, seq_id, pages))
+        self.stats["swaps_out"] += 1
+        self.stats["swap_bytes"] += nbytes
+        self.free(seq_id)
+
+    def swap_in(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
+                cache_key: bytes, version: str) -> bool:
+        """Brings a swapped sequence's pages back (prefix-cache hits reused, the rest from host
+        memory); False, with nothing changed, when the pool has no room."""
+        cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key)
+        if not self.allocate(seq_id, cached, num_computed):
+            self.unregister(seq_id)
+            return False
+        pages = self.block_table(seq_id)
+        first = cached // self.page_size
+        nbytes = []
+
+        def swap_in(kv):
+            kv, n = self.swap_space.swap_in(kv, seq_id, pages, first)
+            nbytes.append(n)
+            return kv
+
+        self.device.apply(KVOp(KVOpKind.SWAP_IN, tuple(pages[first:])), swap_in)
+        self.mark_written(pages[first:], version)
+        self.stats["swaps_in"] += 1
+        self.stats["swap_bytes"] += nbytes[0]
+        return True
+
+    def place(self, seq_id: str, token_ids: Sequence[int], num_computed: int, cache_key: bytes,
+              version: str, num_pages: int, scatter) -> bool:
+        """Registers a sequence whose first `num_pages` pages of KV come from outside the pool
+        (a snapshot): prefix-cache hits are shared, the rest written by
+        `scatter(kv, pages, first) -> kv` (pages: the pool pages for saved pages first..).
+        False, with nothing changed, when the pool has no room."""
+        cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key)
+        if not self.allocate(seq_id, cached, num_computed):
+            self.unregister(seq_id)
+            return False
+        first = cached // self.page_size
+        table = self.block_table(seq_id)[first:num_pages]
+        self.device.apply(KVOp(KVOpKind.SCATTER, tuple(table)),
+                          lambda kv: scatter(kv, table, first))
+        self.mark_written(table, version)
+        self.commit(seq_id, token_ids[:num_computed])
+        return True
+
+    def drop_swapped(self, seq_id: str) -> None:
+        """Forgets a sequence's host copy (it finished or restarts)."""
+        self.swap_space.drop(seq_id)
+
+    # ----------------------------------------------------------------------------- retention
+
+    def retain(self, seq_id: str, start: int, num_new: int, key_scores: np.ndarray | None, *,
+               is_prefill_done: bool, version: str) -> None:
+        """Tells the retention policy about a row's computed tokens; compacts and frees what
+        it drops."""
+        if self.retention.is_exact:
+            return
+        self.retention.observe(seq_id, start, num_new, key_scores)
+        keep = self.retention.select(seq_id, is_prefill_done=is_prefill_done)
+        if keep is None:
+            return
+        status, src, dst, freed = self.allocator.retain(seq_id, keep)
+        if status is not AllocStatus.OK:  # No page for a copy now: evict after a later step.
+            return
+        table = self.block_table(seq_id)
+        self.device.apply(KVOp(KVOpKind.COMPACT, tuple(table)), lambda kv: self.retention.evict(
+            kv, seq_id, keep, src, dst, len(freed), is_prefill_done=is_prefill_done,
+            block_table=table))
+        self.mark_written(table, version)
+        if freed and self.scrub_freed_pages:
+            self.scrub(freed)
+
+    # ----------------------------------------------------------------------------- versions
+
+    def mark_written(self, pages, version: str) -> None:
+        """Records that `version`'s weights wrote these pages."""
+        for page in pages:
+            self.page_versions[int(page)] = version
+
+    def stale_pages(self, seq_id: str, kv_len: int, version: str) -> list[int]:
+        """Pages among a sequence's first `kv_len` cached tokens written by other weights."""
+        table = self.block_table(seq_id)[:pages_for(kv_len, self.page_size)]
+        return [p for p in table if self.page_versions.get(p) != version]
+
+    def check_fresh(self, seq_id: str, kv_len: int, version: str) -> None:
+        """Raises (and counts) if the sequence would read a page written under other weights."""
+        stale = self.stale_pages(seq_id, kv_len, version)
+        if stale:
+            self.stats["stale_kv_reads"] += len(stale)
+            raise RuntimeError(
+                f"stale KV: sequence {seq_id!r} (weights {version!r}) would read pages "
+                f"{stale[:4]} written under {[self.page_versions.get(p) for p in stale[:4]]}")
+
+    # ----------------------------------------------------------------------------- tiers
+
+    def spill_evictions(self) -> None:
+        """Copies cached pages evicted since the last call out to the tiers; runs before anything
+        writes to those pages (copies, scrubs, loads, the step)."""
+        if self.tiers is None or not self.has_prefix_cache:
+            return
+        evicted = self.allocator.drain_evictions()
+        if evicted:
+            self.device.read(KVOp(KVOpKind.SPILL, tuple(p for _, p in evicted)),
+                             lambda kv: self.tiers.spill(kv, evicted))
+        self._sync_tier_stats()
+
+    def poll_tiers(self, owner: str | None = None) -> list:
+        """Advances tier transfers (only `owner`'s, if given); returns the finished loads."""
+        if self.tiers is None:
+            return []
+        self.spill_evictions()
+        results = []
+
+        def poll(kv):
+            kv, done = self.tiers.poll(kv, owner=owner)
+            results.extend(done)
+            return kv
+
+        self.device.apply(KVOp(KVOpKind.POLL), poll)
+        self._sync_tier_stats()
+        return results
+
+    def _sync_tier_stats(self) -> None:
+        for key in ("bytes_device_to_host", "bytes_host_to_device", "bytes_host_to_disk",
+                    "bytes_disk_to_host"):
+            self.stats[key] = self.tiers.stats[key]
+
+    # ----------------------------------------------------------------------------- warm-up
+
+    def warmup(self, block_table_width: int, *, swap: bool) -> None:
+        """Compiles the tier, retention, swap and scrub programs on padding inputs."""
+        if self.tiers is not None:
+            self.device.apply(KVOp(KVOpKind.WARMUP), self.tiers.warmup)
+        self.device.apply(KVOp(KVOpKind.WARMUP), self.retention.warmup)
+        self.device.apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
+            kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages))

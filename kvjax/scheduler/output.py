@@ -1,0 +1,100 @@
+"""What the scheduler decides for one step, and what the model runner reports back: plain data.
+
+`Scheduler.schedule()` returns a `SchedulerOutput`; the runner turns its rows into one padded
+`StepInput`, runs the jitted step and returns a `RunnerOutput` whose arrays follow the order of
+`SchedulerOutput.rows`; `Scheduler.update_from_output` commits it. Rows are snapshots: the runner
+reads nothing else of the scheduler's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvjax.memory.ops import KVOp
+from kvjax.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    """One sequence's tokens to compute in a step (a decode token or a prefill chunk).
+
+    Attributes:
+      seq_id: the sequence.
+      token_ids: [n] int32, the tokens whose K/V the step computes (n = 1 for decode).
+      start: the logical (RoPE) position of token_ids[0].
+      num_evicted: tokens before `start` a retention policy dropped from the cache; the row's
+        cache slots are positions minus this.
+      block_table: [num_pages] int32, the pages holding the sequence's cached tokens.
+      score_weights: [n] float32, each query's weight in the retention policy's key scores.
+      sampling, seed: how the row samples; counter: the index of the token it generates.
+      seq_slot: the sequence's per-sequence state slot (KIVI windows), else 0.
+    """
+
+    seq_id: str
+    token_ids: np.ndarray
+    start: int
+    num_evicted: int
+    block_table: np.ndarray
+    score_weights: np.ndarray
+    sampling: SamplingParams
+    seed: int
+    counter: int
+    seq_slot: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def cache_positions(self) -> np.ndarray:
+        """[n] int32, where the row's tokens land in the cache (position - num_evicted)."""
+        return np.arange(self.start, self.start + self.num_tokens, dtype=np.int32) - \
+            self.num_evicted
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan.
+
+    Attributes:
+      decode: rows of one token each, highest ranked first.
+      prefill: prefill chunks, in scheduling order.
+      preempted: sequences preempted while forming this step.
+      kv_ops: the KV operations (copies, swaps, loads, scrubs, compactions, spills) applied
+        to the device pool while forming the step, in order; records for metering and tracing.
+      weights_version: the weights this step runs under (versions in flight take turns).
+    """
+
+    decode: tuple[ScheduledRow, ...]
+    prefill: tuple[ScheduledRow, ...]
+    preempted: tuple[str, ...]
+    kv_ops: tuple[KVOp, ...]
+    weights_version: str
+
+    @property
+    def rows(self) -> tuple[ScheduledRow, ...]:
+        return self.decode + self.prefill
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced, per row of `SchedulerOutput.rows` (host arrays).
+
+    Attributes:
+      tokens: [R] int32, the token each row sampled; logprobs: [R] float32, its log-probability.
+      key_scores: [R, W*P] float32 or None, the attention each row's cached tokens received
+        (retention policies that score keys).
+      logits: the step's logits as a device array (LogitsMode LAST: [padded R, V]; ALL:
+        [padded T, V] in the step's token layout), else None.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    key_scores: np.ndarray | None = None
+    logits: object | None = None

@@ -1,0 +1,157 @@
+"""The scheduler's request records: sequences by id, their queues, and the outputs they become."""
+
+from __future__ import annotations
+
+import itertools
+
+from kvjax.scheduler.request import (
+    CompletionOutput,
+    FinishReason,
+    RequestOutput,
+    SeqStatus,
+    Sequence,
+)
+
+
+class RequestRegistry:
+    """Sequences of every unfinished request, the three queues, and finished outputs.
+
+    A mixin of `Scheduler`, which supplies `kv_cache`, `clock`, `tokenizer` and `weights_version`.
+    """
+
+    def _init_registry(self) -> None:
+        self._seqs: dict[str, Sequence] = {}
+        self._requests: dict[str, list[str]] = {}  # request id -> its sequence ids
+        self._request_meta: dict[str, dict] = {}
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self._finished_outputs: list[RequestOutput] = []
+        self._order = itertools.count()
+
+    # ----------------------------------------------------------------------------- views
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def sequence(self, seq_id: str) -> Sequence:
+        """The record of a live sequence (`{request_id}#{sample}`); KeyError if unknown."""
+        return self._seqs[seq_id]
+
+    def sequences(self, request_id: str | None = None) -> list[Sequence]:
+        """Live sequences, of one request or of all."""
+        if request_id is None:
+            return list(self._seqs.values())
+        return [self._seqs[s] for s in self._requests.get(request_id, [])]
+
+    def request_ids(self) -> list[str]:
+        """Unfinished requests, in submission order."""
+        return list(self._requests)
+
+    def request_meta(self, request_id: str) -> dict:
+        """A request's prompt, arrival, tenant, n and (once finished) finish time."""
+        return self._request_meta[request_id]
+
+    def next_order(self) -> int:
+        return next(self._order)
+
+    def take_finished(self) -> list[RequestOutput]:
+        """Outputs of requests that finished since the last call."""
+        finished, self._finished_outputs = self._finished_outputs, []
+        return finished
+
+    # ----------------------------------------------------------------------------- records
+
+    def add_request(self, request_id: str, prompt: list[int], seqs: list[Sequence], *,
+                    arrival: float, tenant: str | None, n: int) -> None:
+        """Registers a request and queues its sequences as waiting."""
+        self._requests[request_id] = []
+        self._request_meta[request_id] = dict(prompt=prompt, arrival=arrival, tenant=tenant,
+                                              n=n, samples={})
+        for seq in seqs:
+            self._register(seq)
+
+    def restore_request(self, request_id: str, seq_ids: list[str], meta: dict) -> None:
+        """Registers a request record as saved (snapshots); its sequences come with `restore`."""
+        self._requests[request_id] = list(seq_ids)
+        self._request_meta[request_id] = dict(meta, samples={})
+
+    def restore_sequence(self, seq: Sequence, *, has_kv: bool) -> None:
+        """Registers a saved sequence: running when its KV was placed in the pool, waiting
+        (recomputed) otherwise, or finished."""
+        self._seqs[seq.seq_id] = seq
+        self._order = itertools.count(max(next(self._order), seq.order + 1))
+        if has_kv:
+            self.running.append(seq)
+        elif seq.status is not SeqStatus.FINISHED:
+            seq.status = SeqStatus.WAITING
+            seq.num_computed = 0
+            self.waiting.append(seq)
+
+    def _register(self, seq: Sequence) -> None:
+        seq.weights_version = seq.weights_version or self.weights_version
+        self._seqs[seq.seq_id] = seq
+        self._requests[seq.request_id].append(seq.seq_id)
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request; its pages are freed and it finishes with reason ABORT."""
+        if request_id not in self._requests:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        for seq_id in list(self._requests[request_id]):
+            seq = self._seqs[seq_id]
+            if seq.status is not SeqStatus.FINISHED:
+                self.finish(seq, FinishReason.ABORT)
+        self._maybe_emit(request_id)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if self.kv_cache.has_sequence(seq.seq_id):
+            self.kv_cache.free(seq.seq_id)
+        self.kv_cache.drop_swapped(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self._request_meta[seq.request_id]["finish_time"] = self.clock()
+
+    def _maybe_emit(self, request_id: str) -> None:
+        seq_ids = self._requests.get(request_id, [])
+        seqs = [self._seqs[s] for s in seq_ids]
+        meta = self._request_meta[request_id]
+        if len(seqs) < meta["n"] or any(s.status is not SeqStatus.FINISHED for s in seqs):
+            return
+        self._finished_outputs.append(self.output(request_id, finished=True))
+        for s in seq_ids:
+            del self._seqs[s]
+        del self._requests[request_id]
+        del self._request_meta[request_id]
+
+    # ----------------------------------------------------------------------------- outputs
+
+    def output(self, request_id: str, *, finished: bool) -> RequestOutput:
+        meta = self._request_meta[request_id]
+        seqs = sorted((self._seqs[s] for s in self._requests[request_id]),
+                      key=lambda s: s.sample_index)
+        tokenizer = self.tokenizer
+        outputs = [CompletionOutput(
+            index=s.sample_index, token_ids=list(s.output_ids), logprobs=list(s.logprobs),
+            finish_reason=s.finish_reason,
+            text=tokenizer.decode(s.output_ids) if tokenizer is not None else None)
+            for s in seqs if not s.is_group_prefill]
+        first = seqs[0]
+        times = first.token_times if not first.is_group_prefill else []
+        return RequestOutput(
+            request_id=request_id, prompt_ids=list(meta["prompt"]), outputs=outputs,
+            finished=finished, arrival_time=meta["arrival"],
+            first_token_time=times[0] if times else None,
+            finish_time=meta.get("finish_time") if finished else None, token_times=list(times),
+            num_cached_prompt_tokens=first.num_cached_prompt_tokens,
+            num_preemptions=sum(s.num_preemptions for s in seqs), tenant=meta["tenant"])
+
+    def snapshot_outputs(self) -> list[RequestOutput]:
+        """Current (streaming) outputs of every unfinished request."""
+        return [self.output(r, finished=False) for r in self._requests]

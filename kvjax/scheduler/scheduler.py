@@ -1,0 +1,405 @@
+"""The scheduler: which sequences run in the next step, and what their results change.
+
+Pure host code. `schedule()` forms one step: decode rows for the running sequences first
+(preempting from the bottom of the policy's ranking when pages run out), then prefill chunks of
+partially computed, swapped-out and waiting sequences under a per-step token budget; it returns
+the plan as a `SchedulerOutput`. `update_from_output()` commits the step's tokens: prefix-cache
+commits, retention decisions, n > 1 forks, stop checks and finished outputs. Memory goes
+through the `KVCacheManager`; the scheduler never touches the device pool itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from kvjax.kv.state import pages_for
+from kvjax.memory.kv_cache_manager import KVCacheManager
+from kvjax.scheduler.output import RunnerOutput, ScheduledRow, SchedulerOutput
+from kvjax.scheduler.policies import LongestPrefixMatch, SchedulingPolicy
+from kvjax.scheduler.preemption import PreemptionMode, decide_preemption
+from kvjax.scheduler.request import FinishReason, SeqStatus, Sequence, WeightUpdatePolicy
+from kvjax.scheduler.requests import RequestRegistry
+from kvjax.scheduler.tiered import TierAdmission
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """The limits and modes the scheduler works under (from the engine's `EngineConfig`).
+
+    Attributes:
+      max_num_seqs, max_num_batched_tokens, max_prefill_chunk, max_prefill_seqs, page_size:
+        as in EngineConfig.
+      max_model_len: the context limit (page-rounded).
+      is_paged: the pool is paged (swapping and page-level admission apply).
+      preemption_mode: RECOMPUTE, SWAP or AUTO.
+      kv_bytes_per_token: device bytes one cached token takes (the swap cost model's input).
+      swap_bandwidth_bytes_per_s: measured or configured device<->host rate (AUTO).
+      recompute_tokens_per_s: configured recompute rate (AUTO); None: measured from the steps.
+      max_inflight_loads: tier loads in flight at once.
+      eos_token_ids: tokens that stop a sequence unless it ignores EOS.
+      max_pages_held: pages a sequence of n tokens holds at most (a retention policy bounds it).
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_prefill_chunk: int
+    max_prefill_seqs: int
+    page_size: int
+    max_model_len: int
+    is_paged: bool
+    preemption_mode: PreemptionMode
+    kv_bytes_per_token: float
+    swap_bandwidth_bytes_per_s: float | None = None
+    recompute_tokens_per_s: float | None = None
+    max_inflight_loads: int = 1
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class Scheduler(RequestRegistry, TierAdmission):
+    """Continuous batching over the sequences of every unfinished request.
+
+    Attributes:
+      config: the SchedulerConfig.
+      kv_cache: the KVCacheManager memory decisions go through.
+      policy: the SchedulingPolicy ranking sequences (admission order, preemption victims).
+      waiting, running, swapped: the queues.
+      weights_version: the newest weights version; `versions` every version still served.
+      stats: the engine's counters (shared dict) this scheduler adds to.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 policy: SchedulingPolicy, *, cache_key: Callable[[str | None, str], bytes],
+                 clock: Callable[[], float], stats: dict, weights_version: str, tokenizer=None):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.policy = policy
+        self._cache_key = cache_key
+        self.clock = clock
+        self.stats = stats
+        self.tokenizer = tokenizer
+        self.weights_version = weights_version
+        self.versions = [weights_version]
+        self.stats.update(steps=0, preemptions=0, prefill_tokens=0, decode_tokens=0,
+                          preemption_decisions=[], step_time_s=0.0)
+        if isinstance(policy, LongestPrefixMatch):
+            policy.cached_tokens = self._peek_cached_tokens
+        self._init_registry()
+        self._init_tiers()
+
+    def cache_key(self, seq: Sequence) -> bytes:
+        """The provenance fingerprint a sequence's pages are cached under."""
+        return self._cache_key(seq.tenant, seq.weights_version)
+
+    def _peek_cached_tokens(self, seq: Sequence) -> int:
+        if seq.status is not SeqStatus.WAITING:
+            return 0
+        return self.kv_cache.peek_cached_tokens(seq.tokens, self.cache_key(seq))
+
+    def _ranked(self, seqs: list[Sequence]) -> list[Sequence]:
+        return sorted(seqs, key=self.policy.priority_key)
+
+    def _cached_len(self, seq: Sequence) -> int:
+        return self.kv_cache.cached_len(seq.seq_id, seq.num_computed)
+
+    # ----------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Forms the next step (rows may be empty: nothing can run now)."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        self._poll_tiers()
+        decode: list[tuple[Sequence, int]] = []
+        prefill: list[tuple[Sequence, int]] = []
+        preempted: list[str] = []
+        scheduled: set[str] = set()
+        active = self.active_version()
+        # 1. Decode rows for running sequences, highest ranked first; preempt from the bottom.
+        for seq in self._ranked(self.running):
+            if (seq.status is not SeqStatus.RUNNING or seq.num_pending != 1
+                    or seq.weights_version != active):
+                continue
+            if len(decode) >= cfg.max_num_seqs or budget < 1:
+                break
+            while True:
+                cached = self._cached_len(seq)
+                if self.kv_cache.allocate(seq.seq_id, cached, cached + 1):
+                    decode.append((seq, 1))
+                    scheduled.add(seq.seq_id)
+                    budget -= 1
+                    break
+                victim = [s for s in self._ranked(self.running) if s.seq_id not in scheduled][-1]
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+        # 2. Prefill chunks: running partial prefills, then swapped, then waiting sequences.
+        partial = [s for s in self._ranked(self.running)
+                   if s.num_pending > 1 and s.seq_id not in scheduled]
+        candidates = partial + self._ranked(self.swapped) + self._ranked(self.waiting)
+        for seq in candidates:
+            if seq.weights_version != active:
+                continue
+            if budget <= 0 or len(prefill) >= cfg.max_prefill_seqs:
+                break
+            if seq.status is SeqStatus.SWAPPED:
+                need = pages_for(seq.num_computed, cfg.page_size)
+                if len(self.running) >= cfg.max_num_seqs or not self.kv_cache.can_admit(need):
+                    break
+                if not self._swap_in(seq):
+                    break
+                self.swapped.remove(seq)
+                self.running.append(seq)
+                if (seq.num_pending == 1 and len(decode) < cfg.max_num_seqs
+                        and self.kv_cache.allocate(seq.seq_id, seq.num_computed,
+                                                   seq.num_computed + 1)):
+                    decode.append((seq, 1))
+                    scheduled.add(seq.seq_id)
+                    budget -= 1
+                continue
+            is_new = seq.status is SeqStatus.WAITING
+            if is_new:
+                if len(self.running) >= cfg.max_num_seqs:
+                    break
+                if not self._admit(seq):
+                    continue
+            chunk = min(seq.num_pending, budget, cfg.max_prefill_chunk)
+            cached = self._cached_len(seq)
+            need = self.kv_cache.pages_needed(seq.seq_id, cached + chunk)
+            ok = not is_new or self.kv_cache.can_admit(need)
+            if ok:
+                ok = self.kv_cache.allocate(seq.seq_id, cached, cached + chunk)
+            if not ok:
+                if is_new:
+                    self.kv_cache.unregister(seq.seq_id)
+                    seq.num_computed = 0
+                break
+            if is_new:
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = self.clock()
+            prefill.append((seq, chunk))
+            scheduled.add(seq.seq_id)
+            budget -= chunk
+        if not decode and not prefill and self.running:
+            # Nothing fits: free the lowest-ranked running sequence so the rest can progress.
+            victim = self._ranked(self.running)[-1]
+            self._preempt(victim)
+            preempted.append(victim.seq_id)
+        self._prefetch_from_tiers(idle=not decode and not prefill)
+        self.kv_cache.spill_evictions()  # Before the step writes to pages evicted above.
+        return SchedulerOutput(
+            decode=tuple(self._row(s, n) for s, n in decode),
+            prefill=tuple(self._row(s, n) for s, n in prefill),
+            preempted=tuple(preempted), kv_ops=(), weights_version=active)
+
+    def _row(self, seq: Sequence, n: int) -> ScheduledRow:
+        """The row's snapshot; its pages are recorded as written by its weights version."""
+        table = np.asarray(self.kv_cache.block_table(seq.seq_id), np.int32)
+        evicted = self.kv_cache.retention.num_evicted(seq.seq_id)
+        start = seq.num_computed
+        pos = np.arange(start, start + n, dtype=np.int32)
+        written = table[(pos - evicted) // self.config.page_size]
+        self.kv_cache.mark_written(set(written.tolist()), seq.weights_version)
+        return ScheduledRow(
+            seq_id=seq.seq_id, token_ids=np.asarray(seq.tokens[start:start + n], np.int32),
+            start=start, num_evicted=evicted, block_table=table,
+            score_weights=self.kv_cache.retention.score_weights(seq.seq_id, pos,
+                                                               len(seq.tokens)),
+            sampling=seq.sampling, seed=seq.seed,
+            counter=len(seq.tokens) - seq.num_prompt_tokens,
+            seq_slot=self.kv_cache.seq_slot(seq.seq_id))
+
+    def check_fresh(self, so: SchedulerOutput) -> None:
+        """Raises if a row would read a page written under other weights (debug_provenance)."""
+        for row in so.rows:
+            kv_len = int(row.cache_positions[-1]) + 1
+            self.kv_cache.check_fresh(row.seq_id, kv_len, self._seqs[row.seq_id].weights_version)
+
+    def _admit(self, seq: Sequence, *, is_due: bool = True) -> bool:
+        """Registers a waiting sequence with the KV cache (prefix-cache lookup).
+
+        With tiers on, the hash chain continues in the host and disk tiers; False while pages
+        found there are loading (the sequence is scheduled only once they are committed).
+        `is_due`: the scheduler wants to run it this step (False: a prefetch).
+        """
+        if self._tiers is not None and self.kv_cache.has_sequence(seq.seq_id):
+            return not self._tiers.is_loading(seq.seq_id)
+        cached = self.kv_cache.lookup(seq.seq_id, seq.tokens, self.cache_key(seq))
+        seq.num_computed = cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
+        return self._load_from_tiers(seq, is_due=is_due)
+
+    def _swap_in(self, seq: Sequence) -> bool:
+        if self._tiers is not None:
+            return self._swap_in_from_tiers(seq)
+        if not self.kv_cache.swap_in(seq.seq_id, seq.tokens, seq.num_computed,
+                                     self.cache_key(seq), seq.weights_version):
+            return False
+        seq.status = SeqStatus.RUNNING
+        return True
+
+    # ----------------------------------------------------------------------------- preemption
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        if seq.num_computed > 0 and self.config.is_paged and self._swap_on_preempt(seq):
+            self.kv_cache.swap_out(seq.seq_id, seq.num_computed)
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        self.kv_cache.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def _swap_on_preempt(self, seq: Sequence) -> bool:
+        """SWAP or RECOMPUTE as configured; under AUTO, the cost model decides (and is logged)."""
+        mode = self.config.preemption_mode
+        if mode is not PreemptionMode.AUTO:
+            return mode is PreemptionMode.SWAP
+        rate = self.config.recompute_tokens_per_s or (
+            (self.stats["prefill_tokens"] + self.stats["decode_tokens"])
+            / max(self.stats["step_time_s"], 1e-9))
+        decision = decide_preemption(seq.seq_id, seq.num_computed,
+                                     bytes_per_token=self.config.kv_bytes_per_token,
+                                     bandwidth_bytes_per_s=self.config.swap_bandwidth_bytes_per_s,
+                                     recompute_tokens_per_s=max(rate, 1e-9))
+        self.stats["preemption_decisions"].append(dataclasses.asdict(decision))
+        return decision.choice is PreemptionMode.SWAP
+
+    # ----------------------------------------------------------------------------- update
+
+    def update_from_output(self, so: SchedulerOutput, out: RunnerOutput) -> None:
+        """Commits a step: tokens, prefix-cache pages, retention, forks, stop checks."""
+        now = self.clock()
+        for i, row in enumerate(so.rows):
+            seq = self._seqs.get(row.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue
+            n = row.num_tokens
+            seq.num_computed += n
+            self.kv_cache.commit(seq.seq_id, seq.tokens[:seq.num_computed])
+            self.policy.on_tokens(seq, n)
+            self.kv_cache.retain(seq.seq_id, seq.num_computed - n, n,
+                                 None if out.key_scores is None else out.key_scores[i],
+                                 is_prefill_done=seq.num_pending == 0,
+                                 version=seq.weights_version)
+            self.stats["decode_tokens" if n == 1 and seq.num_pending == 0 and
+                       len(seq.tokens) > seq.num_prompt_tokens else "prefill_tokens"] += n
+            if seq.num_pending:
+                continue
+            if seq.is_group_prefill:
+                self._fork_group(seq)
+                continue
+            seq.tokens.append(int(out.tokens[i]))
+            seq.logprobs.append(float(out.logprobs[i]))
+            seq.token_times.append(now)
+            self._check_stop(seq)
+        for request_id in {self._request_of(row.seq_id) for row in so.rows}:
+            if request_id in self._requests:
+                self._maybe_emit(request_id)
+        self.stats["steps"] += 1
+        if len(self.versions) > 1:
+            self.drop_unused_versions()
+
+    @staticmethod
+    def _request_of(seq_id: str) -> str:
+        return seq_id.rsplit("#", 1)[0]
+
+    def _fork_group(self, parent: Sequence) -> None:
+        meta = self._request_meta[parent.request_id]
+        prompt = meta["prompt"]
+        self.running.remove(parent)
+        parent.status = SeqStatus.FINISHED
+        self._requests[parent.request_id].remove(parent.seq_id)
+        for i in range(meta["n"]):
+            child = Sequence(
+                seq_id=f"{parent.request_id}#{i}", request_id=parent.request_id,
+                tokens=list(prompt), num_prompt_tokens=len(prompt), sampling=parent.sampling,
+                seed=parent.seed + i, arrival_time=parent.arrival_time, order=parent.order,
+                tenant=parent.tenant, priority=parent.priority, sample_index=i,
+                num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
+                first_scheduled_time=parent.first_scheduled_time,
+                weights_version=parent.weights_version)
+            if not self.kv_cache.fork(parent.seq_id, child.seq_id):
+                self._register(child)  # No room to share (contiguous slots): prefill afresh.
+                continue
+            child.num_computed = parent.num_computed
+            child.status = SeqStatus.RUNNING
+            self._seqs[child.seq_id] = child
+            self._requests[child.request_id].append(child.seq_id)
+            self.running.append(child)
+        self.kv_cache.free(parent.seq_id)
+        del self._seqs[parent.seq_id]
+
+    def _check_stop(self, seq: Sequence) -> None:
+        p = seq.sampling
+        token = seq.tokens[-1]
+        eos = () if p.ignore_eos else self.config.eos_token_ids
+        if token in eos or token in p.stop_token_ids:
+            self.finish(seq, FinishReason.STOP)
+        elif (len(seq.output_ids) >= p.max_new_tokens
+              or len(seq.tokens) >= self.config.max_model_len):
+            self.finish(seq, FinishReason.LENGTH)
+
+    # ----------------------------------------------------------------------------- weights
+
+    def active_version(self) -> str:
+        """The weights version the next step serves: versions in flight take turns by step."""
+        live = self.live_versions()
+        versions = [v for v in self.versions if v in live] or [self.weights_version]
+        return versions[self.stats["steps"] % len(versions)]
+
+    def live_versions(self) -> set[str]:
+        """Weights versions some unfinished sequence runs under, and the newest."""
+        live = {s.weights_version for s in self.running + self.swapped + self.waiting}
+        return live | {self.weights_version}
+
+    def drop_unused_versions(self) -> None:
+        live = self.live_versions()
+        self.versions = [v for v in self.versions if v in live]
+
+    def on_weights_update(self, version: str, in_flight: WeightUpdatePolicy) -> None:
+        """New weights serve from the next step; sequences in flight follow `in_flight`."""
+        self.weights_version = version
+        self.versions.append(version)
+        for seq in list(self.running + self.swapped + self.waiting):
+            started = seq.num_computed > 0 or seq.status is not SeqStatus.WAITING or \
+                len(seq.tokens) > seq.num_prompt_tokens
+            if not started or in_flight is WeightUpdatePolicy.RECOMPUTE:
+                self._restart(seq)
+                seq.weights_version = version
+            elif in_flight is WeightUpdatePolicy.ABORT:
+                self.finish(seq, FinishReason.ABORT)
+                self._maybe_emit(seq.request_id)
+        self.drop_unused_versions()
+
+    def _restart(self, seq: Sequence) -> None:
+        """Drops a sequence's KV (device pages or host copy); it re-prefills its tokens later."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.swapped:
+            self.swapped.remove(seq)
+        if self.kv_cache.has_sequence(seq.seq_id):
+            self.kv_cache.free(seq.seq_id)
+        self.kv_cache.drop_swapped(seq.seq_id)
+        seq.num_computed = 0
+        if seq.status is not SeqStatus.WAITING:
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
+
+    # ----------------------------------------------------------------------------- metrics
+
+    def kv_sample(self) -> tuple[int, int]:
+        """(tokens holding live KV, tokens of pages reserved) right now."""
+        live = sum(self._cached_len(s) for s in self.running)
+        reserved = self.kv_cache.allocator.num_used_pages() * self.config.page_size
+        return min(live, reserved), reserved

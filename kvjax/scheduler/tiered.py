@@ -1,0 +1,150 @@
+"""Admission through the host and disk tiers: prefix hits that continue below the device pool,
+prefetches that overlap a step, and swap-ins that arrive as checked tier loads."""
+
+from __future__ import annotations
+
+from kvjax.kv.state import pages_for
+from kvjax.memory.tiers import page_hash_chain
+from kvjax.scheduler.request import SeqStatus, Sequence
+
+
+class TierAdmission:
+    """A mixin of `Scheduler` (which supplies `kv_cache`, `config`, the queues and `stats`)."""
+
+    def _init_tiers(self) -> None:
+        self._tier_first_page: dict[str, int] = {}  # swapped sequence -> its first loaded page
+        self.stats.update(tier_hit_tokens=0)
+
+    @property
+    def _tiers(self):
+        return self.kv_cache.tiers
+
+    def _poll_tiers(self, owner: str | None = None) -> None:
+        """Advances tier transfers; sequences whose loads finished get their pages counted."""
+        page_size = self.config.page_size
+        for result in self.kv_cache.poll_tiers(owner):
+            seq = self._seqs[result.owner]
+            swapped = seq.status is SeqStatus.SWAPPED
+            first = (self._tier_first_page.pop(seq.seq_id) if swapped
+                     else seq.num_computed // page_size)
+            table = self.kv_cache.block_table(seq.seq_id)
+            self.kv_cache.mark_written(table[first:first + result.num_loaded],
+                                       seq.weights_version)
+            if swapped:
+                self._finish_swap_in(seq, first + result.num_loaded)
+                self.swapped.remove(seq)
+                self.running.append(seq)
+                continue
+            gained = result.num_loaded * page_size
+            if gained:
+                seq.num_computed += gained
+                self.kv_cache.commit(seq.seq_id, seq.tokens[:seq.num_computed])
+                self.stats["tier_hit_tokens"] += gained
+                if seq.num_preemptions == 0:
+                    seq.num_cached_prompt_tokens = min(seq.num_computed, seq.num_prompt_tokens)
+
+    def _tier_hit(self, seq: Sequence, cache_key: bytes, first_page: int) -> list[bytes]:
+        """Hashes of the pages after `first_page` that the tiers hold, in chain order."""
+        hashes = page_hash_chain(seq.tokens[:len(seq.tokens) - 1], cache_key,
+                                 self.config.page_size)[first_page:]
+        return hashes[:self._tiers.lookup(hashes)]
+
+    def _load_from_tiers(self, seq: Sequence, *, is_due: bool) -> bool:
+        """Issues loads of the pages continuing an admitted sequence's device prefix hit.
+
+        A sequence due to run now waits for its load at once: there is no compute to overlap
+        the wait with, and joining the next step instead costs a whole step and staggers the
+        batch. Prefetches (and spills) stay asynchronous.
+
+        Returns False while a load is in flight (the sequence waits for it), else True.
+        """
+        tiers = self._tiers
+        if (tiers is None or not self.kv_cache.has_prefix_cache
+                or tiers.num_loading >= self.config.max_inflight_loads):
+            return True
+        page_size = self.config.page_size
+        first = seq.num_computed // page_size
+        hashes = self._tier_hit(seq, self.kv_cache.cache_key_of(seq.seq_id), first)
+        # Load only when the whole sequence then fits: loaded pages held by a sequence that
+        # cannot run would only squeeze the running ones into preemption.
+        if not hashes or not self.kv_cache.can_admit(pages_for(len(seq.tokens), page_size)
+                                                     - first):
+            return True
+        if not self.kv_cache.allocate(seq.seq_id, seq.num_computed,
+                                      seq.num_computed + len(hashes) * page_size):
+            return True
+        pages = self.kv_cache.block_table(seq.seq_id)[first:first + len(hashes)]
+        if tiers.load(seq.seq_id, hashes, pages) == 0:
+            return True
+        if is_due:
+            self._poll_tiers(owner=seq.seq_id)
+        return not tiers.is_loading(seq.seq_id)
+
+    def _prefetch_from_tiers(self, *, idle: bool) -> None:
+        """Admits the next waiting sequences, in queue order, whose prefix continues in the
+        tiers, so their loads overlap this step instead of starting when the scheduler reaches
+        them; it never passes a sequence it cannot prefetch, so it takes no pages ahead of it.
+
+        A step with nothing to run waits for the transfers in flight instead of spinning, and
+        releases waiting sequences that hold pages without loading: the queue's head may need
+        them, and their loaded pages stay in the device prefix cache.
+        """
+        tiers = self._tiers
+        if tiers is None:
+            return
+        if idle:
+            tiers.block_until_landed()
+            for seq in list(self.waiting):
+                if self.kv_cache.has_sequence(seq.seq_id) and not tiers.is_loading(seq.seq_id):
+                    self.kv_cache.free(seq.seq_id)
+                    seq.num_computed = 0
+        if not self.kv_cache.has_prefix_cache:
+            return
+        max_loads = self.config.max_inflight_loads
+        for seq in self._ranked(self.waiting)[:max_loads]:
+            if tiers.num_loading >= max_loads or len(self.running) >= self.config.max_num_seqs:
+                break
+            if self.kv_cache.has_sequence(seq.seq_id):
+                continue
+            key = self.cache_key(seq)
+            first = self.kv_cache.peek_cached_tokens(seq.tokens, key) // self.config.page_size
+            hit = self._tier_hit(seq, key, first)
+            if not hit or not self.kv_cache.can_admit(
+                    pages_for(len(seq.tokens), self.config.page_size) - first):
+                break
+            self._admit(seq, is_due=False)
+
+    def _swap_in_from_tiers(self, seq: Sequence) -> bool:
+        """Starts (or finishes) bringing a swapped sequence back through the tiers.
+
+        Pages still on the device through the prefix cache are reused; the rest are loaded from
+        the tiers, and whatever the tiers lost or failed to move is recomputed. True when the
+        sequence can run now; False while its load is in flight (`_poll_tiers` resumes it).
+        """
+        tiers = self._tiers
+        if (tiers.is_loading(seq.seq_id) or tiers.swap_pending(seq.seq_id)
+                or len(self.running) + tiers.num_loading >= self.config.max_num_seqs):
+            return False
+        keys = tiers.swap_keys(seq.seq_id)
+        cached = self.kv_cache.lookup(seq.seq_id, seq.tokens[:seq.num_computed + 1],
+                                      tiers.swap_cache_key(seq.seq_id))
+        if not self.kv_cache.allocate(seq.seq_id, cached, seq.num_computed):
+            self.kv_cache.unregister(seq.seq_id)
+            return False
+        first = cached // self.config.page_size
+        available = keys[first:][:tiers.lookup(keys[first:])]
+        pages = self.kv_cache.block_table(seq.seq_id)[first:first + len(available)]
+        issued = tiers.load(seq.seq_id, available, pages)
+        self.stats["swaps_in"] += 1
+        self.stats["swap_bytes"] += issued * tiers.page_bytes
+        if issued:
+            self._tier_first_page[seq.seq_id] = first
+            return False
+        self._finish_swap_in(seq, first)
+        return True
+
+    def _finish_swap_in(self, seq: Sequence, num_valid_pages: int) -> None:
+        """The first `num_valid_pages` pages hold the sequence's KV; the rest is recomputed."""
+        seq.num_computed = min(seq.num_computed, num_valid_pages * self.config.page_size)
+        seq.status = SeqStatus.RUNNING
+        self._tiers.drop(seq.seq_id)
