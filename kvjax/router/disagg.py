@@ -178,7 +178,7 @@ class DisaggregatedEngine:
             pages = np.arange(size, dtype=np.int32)
             own = jax.device_put(_gather(self.decode.kv, pages), self._target)
             self.decode.runner.apply(KVOp(KVOpKind.WARMUP),
-                                     lambda kv: self._scatter(kv, pages, own))
+                                     lambda kv, pages=pages, own=own: self._scatter(kv, pages, own))
         jax.block_until_ready(self.decode.kv)
 
     # ----------------------------------------------------------------------------- stepping
