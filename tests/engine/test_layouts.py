@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from tiny_models import tiny_model
 
-from kvjax.engine.step import LogitsMode, ModelRunner, StepShape, empty_step_input
+from kvjax.engine.step import LogitsMode, StepPrograms, StepShape, empty_step_input
 from kvjax.kv.state import init_contiguous_kv, init_paged_kv
 from kvjax.models import llama
 
@@ -46,7 +46,7 @@ def test_paged_and_contiguous_logits_identical():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 128, size=n).astype(np.int32) for n in (13, 1, 16)]
     next_tokens = [7, 9, 11]
-    runner = ModelRunner(model.config)
+    runner = StepPrograms(model.config)
     # Paged: a shuffled pool with pages scattered across it.
     paged = init_paged_kv(model.config, 64, P)
     perm = rng.permutation(64).astype(np.int32)

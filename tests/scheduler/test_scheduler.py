@@ -1,0 +1,241 @@
+"""The scheduler on fake runner outputs: no model, only the host-side decisions.
+
+A step's "model" here is a function of the row (the next token is chosen by the test), so each
+case checks what the scheduler decides: which rows, which tokens, which positions and pages,
+which sequences are preempted, and what the finished outputs hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvjax.config import ModelConfig
+from kvjax.engine.swap import HostSwapSpace
+from kvjax.kv.retention import RetentionManager, make_retention
+from kvjax.kv.state import init_paged_kv
+from kvjax.memory.block_manager import BlockManager
+from kvjax.memory.kv_cache_manager import KVCacheManager
+from kvjax.memory.ops import HostKV, KVOpKind
+from kvjax.sampling import SamplingParams
+from kvjax.scheduler.output import RunnerOutput
+from kvjax.scheduler.policies import make_policy
+from kvjax.scheduler.preemption import PreemptionMode
+from kvjax.scheduler.request import FinishReason, SeqStatus, Sequence, WeightUpdatePolicy
+from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
+
+EOS = 99
+P = 4
+CONFIG = ModelConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_layers=1,
+                     num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=64,
+                     name="fake")
+
+
+def make_scheduler(num_pages: int = 32, *, max_num_seqs: int = 4, prefix_cache: bool = True,
+                   preemption: PreemptionMode = PreemptionMode.RECOMPUTE,
+                   max_num_batched_tokens: int = 64, max_prefill_chunk: int = 16):
+    device = HostKV(init_paged_kv(CONFIG, num_pages, P))
+    stats: dict = {}
+    kv_cache = KVCacheManager(
+        device, BlockManager(num_pages, P, enable_prefix_cache=prefix_cache), HostSwapSpace(),
+        RetentionManager(make_retention("none", None, P)), page_size=P, watermark=0.0,
+        scrub_freed_pages=False, stats=stats)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_prefill_chunk=max_prefill_chunk, max_prefill_seqs=4, page_size=P, max_model_len=64,
+        is_paged=True, preemption_mode=preemption, kv_bytes_per_token=8.0,
+        eos_token_ids=(EOS,))
+    scheduler = Scheduler(config, kv_cache, make_policy("fcfs"),
+                          cache_key=lambda tenant, version: f"{tenant}|{version}".encode(),
+                          clock=lambda: 0.0, stats=stats, weights_version="v0")
+    return scheduler, device
+
+
+def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_new_tokens: int = 8,
+        n: int = 1) -> None:
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, n=n)
+    common = dict(request_id=request_id, num_prompt_tokens=len(prompt), sampling=sampling,
+                  arrival_time=0.0, order=scheduler.next_order())
+    if n > 1:
+        seqs = [Sequence(seq_id=f"{request_id}#prompt", tokens=prompt[:-1], seed=0,
+                         is_group_prefill=True, **common)]
+    else:
+        seqs = [Sequence(seq_id=f"{request_id}#0", tokens=list(prompt), seed=0, **common)]
+    scheduler.add_request(request_id, list(prompt), seqs, arrival=0.0, tenant=None, n=n)
+
+
+def fake_step(scheduler: Scheduler, next_token=lambda row: 7):
+    """Schedules one step and commits `next_token(row)` for every row; returns (plan, done)."""
+    so = scheduler.schedule()
+    tokens = np.array([next_token(row) for row in so.rows], np.int32)
+    scheduler.update_from_output(so, RunnerOutput(tokens=tokens,
+                                                  logprobs=np.zeros(len(tokens), np.float32)))
+    return so, scheduler.take_finished()
+
+
+def test_prefill_then_decode_then_eos():
+    scheduler, _ = make_scheduler()
+    add(scheduler, "a", [1, 2, 3, 4, 5])
+    so, done = fake_step(scheduler, lambda row: 10)
+    assert [r.seq_id for r in so.prefill] == ["a#0"] and not so.decode
+    (row,) = so.prefill
+    assert row.token_ids.tolist() == [1, 2, 3, 4, 5] and row.start == 0
+    assert len(row.block_table) == 2  # 5 tokens on pages of 4
+    so, done = fake_step(scheduler, lambda row: 11)
+    (row,) = so.decode
+    assert row.token_ids.tolist() == [10] and row.start == 5 and row.counter == 1
+    so, done = fake_step(scheduler, lambda row: EOS)
+    (out,) = done
+    assert out.outputs[0].token_ids == [10, 11, EOS]
+    assert out.outputs[0].finish_reason is FinishReason.STOP
+    assert not scheduler.has_unfinished()
+    assert scheduler.kv_cache.allocator.num_used_pages() == 0
+
+
+def test_length_limit_finishes_without_scheduling_past_it():
+    scheduler, _ = make_scheduler()
+    add(scheduler, "a", [1, 2, 3], max_new_tokens=2)
+    _, done = fake_step(scheduler)
+    assert not done
+    so, done = fake_step(scheduler)
+    (out,) = done
+    assert out.outputs[0].token_ids == [7, 7]
+    assert out.outputs[0].finish_reason is FinishReason.LENGTH
+    so, _ = fake_step(scheduler)
+    assert so.is_empty
+
+
+def test_chunked_prefill_under_the_token_budget():
+    scheduler, _ = make_scheduler(max_prefill_chunk=4, max_num_batched_tokens=4)
+    add(scheduler, "a", list(range(1, 11)))
+    starts = []
+    for _ in range(3):
+        so, _ = fake_step(scheduler)
+        (row,) = so.prefill
+        starts.append((row.start, row.num_tokens))
+    assert starts == [(0, 4), (4, 4), (8, 2)]
+    so, _ = fake_step(scheduler)
+    assert [r.start for r in so.decode] == [10]
+
+
+def test_prefix_hit_skips_cached_tokens():
+    scheduler, _ = make_scheduler()
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    add(scheduler, "a", shared + [9])
+    fake_step(scheduler)
+    add(scheduler, "b", shared + [20, 21])
+    so, _ = fake_step(scheduler)
+    (row,) = so.prefill
+    assert row.seq_id == "b#0" and row.start == 8 and row.token_ids.tolist() == [20, 21]
+    a_table = scheduler.kv_cache.block_table("a#0")
+    assert row.block_table[:2].tolist() == a_table[:2]  # the shared full pages
+    assert scheduler.sequence("b#0").num_cached_prompt_tokens == 8
+
+
+def test_recompute_preemption_requeues_the_lowest_ranked_with_its_tokens():
+    scheduler, _ = make_scheduler(num_pages=4)
+    add(scheduler, "a", [1, 2, 3, 4, 5, 6, 7], max_new_tokens=6)  # 2 pages
+    add(scheduler, "b", [8, 9, 10, 11, 12, 13, 14], max_new_tokens=6)  # 2 pages
+    fake_step(scheduler)  # both prefill; the pool is full
+    so, _ = fake_step(scheduler)  # each decodes into its second page's last slot
+    assert {r.seq_id for r in so.decode} == {"a#0", "b#0"}
+    so, _ = fake_step(scheduler)  # a needs a third page: b (later arrival) is preempted
+    assert so.preempted == ("b#0",)
+    assert [r.seq_id for r in so.decode] == ["a#0"]
+    b = scheduler.sequence("b#0")
+    assert b.status is SeqStatus.WAITING and b.num_computed == 0 and b.num_preemptions == 1
+    assert b.tokens == [8, 9, 10, 11, 12, 13, 14, 7, 7]  # its generated tokens are kept
+    refills, outputs = [], {}
+    while scheduler.has_unfinished():
+        so, done = fake_step(scheduler)
+        refills += [r for r in so.prefill if r.seq_id == "b#0"]
+        outputs.update({o.request_id: o for o in done})
+    # Re-prefilled after its full pages' prefix-cache hit, generated tokens included.
+    first = refills[0]
+    assert first.start % P == 0
+    recomputed = np.concatenate([r.token_ids for r in refills]).tolist()
+    assert recomputed == [8, 9, 10, 11, 12, 13, 14, 7, 7][first.start:]
+    assert outputs["b"].outputs[0].token_ids == [7] * 6
+    assert outputs["b"].num_preemptions >= 1
+    assert scheduler.kv_cache.allocator.num_used_pages() == 0
+
+
+def test_swap_preemption_moves_pages_out_and_back_in_order():
+    scheduler, device = make_scheduler(num_pages=4, preemption=PreemptionMode.SWAP)
+    add(scheduler, "a", [1, 2, 3, 4, 5, 6, 7], max_new_tokens=6)
+    add(scheduler, "b", [8, 9, 10, 11, 12, 13, 14], max_new_tokens=6)
+    fake_step(scheduler)
+    fake_step(scheduler)
+    so, _ = fake_step(scheduler)
+    assert so.preempted == ("b#0",)
+    assert scheduler.sequence("b#0").status is SeqStatus.SWAPPED
+    outputs = {}
+    while scheduler.has_unfinished():
+        _, done = fake_step(scheduler)
+        outputs.update({o.request_id: o for o in done})
+    kinds = [op.kind for op in device.ops]
+    assert KVOpKind.SWAP_OUT in kinds and KVOpKind.SWAP_IN in kinds
+    assert kinds.index(KVOpKind.SWAP_OUT) < kinds.index(KVOpKind.SWAP_IN)
+    assert scheduler.stats["swaps_in"] == 1
+    assert outputs["b"].outputs[0].token_ids == [7] * 6  # nothing lost or duplicated
+
+
+def test_group_prefill_forks_samples_that_share_prompt_pages():
+    scheduler, _ = make_scheduler()
+    add(scheduler, "g", [1, 2, 3, 4, 5, 6, 7, 8, 9], n=3)
+    so, _ = fake_step(scheduler)
+    (row,) = so.prefill
+    assert row.seq_id == "g#prompt" and row.num_tokens == 8
+    so, _ = fake_step(scheduler, lambda row: 30 + int(row.seq_id[-1]))
+    # Each sample prefills the prompt's last token on its own, sharing the first 2 pages.
+    assert sorted(r.seq_id for r in so.rows) == ["g#0", "g#1", "g#2"]
+    tables = [scheduler.kv_cache.block_table(f"g#{i}") for i in range(3)]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert len({t[2] for t in tables}) == 3  # the partial page is each sample's own
+    outs = {}
+    while scheduler.has_unfinished():
+        _, done = fake_step(scheduler)
+        outs.update({o.request_id: o for o in done})
+    assert [o.token_ids[0] for o in outs["g"].outputs] == [30, 31, 32]
+
+
+def test_abort_frees_pages_and_reports_abort():
+    scheduler, _ = make_scheduler()
+    add(scheduler, "a", [1, 2, 3, 4, 5])
+    add(scheduler, "b", [6, 7, 8])
+    fake_step(scheduler)
+    scheduler.abort("a")
+    (out,) = scheduler.take_finished()
+    assert out.request_id == "a" and out.outputs[0].finish_reason is FinishReason.ABORT
+    assert not scheduler.kv_cache.has_sequence("a#0")
+    so, _ = fake_step(scheduler)
+    assert [r.seq_id for r in so.rows] == ["b#0"]
+    with pytest.raises(ValueError, match="unknown request_id 'zzz'"):
+        scheduler.abort("zzz")
+
+
+def test_weight_update_recompute_restarts_running_sequences_under_the_new_version():
+    scheduler, _ = make_scheduler()
+    add(scheduler, "a", [1, 2, 3, 4, 5])
+    fake_step(scheduler)
+    fake_step(scheduler)
+    scheduler.on_weights_update("v1", WeightUpdatePolicy.RECOMPUTE)
+    a = scheduler.sequence("a#0")
+    assert a.status is SeqStatus.WAITING and a.num_computed == 0 and a.weights_version == "v1"
+    so, _ = fake_step(scheduler)
+    assert so.weights_version == "v1" and so.prefill[0].start == 0
+    assert scheduler.versions == ["v1"]
+
+
+def test_weight_update_finish_old_takes_turns_until_the_old_version_drains():
+    scheduler, _ = make_scheduler()
+    add(scheduler, "a", [1, 2, 3], max_new_tokens=3)
+    fake_step(scheduler)
+    scheduler.on_weights_update("v1", WeightUpdatePolicy.FINISH_OLD)
+    add(scheduler, "b", [4, 5, 6], max_new_tokens=3)
+    versions = []
+    while scheduler.has_unfinished():
+        so, _ = fake_step(scheduler)
+        versions.append(so.weights_version)
+    assert "v0" in versions and "v1" in versions
+    assert scheduler.sequences() == [] and scheduler.versions == ["v1"]
