@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 from kvjax.config import KVLayout
 from kvjax.engine.step import AttentionImpl
 from kvjax.kv import quantized
 from kvjax.kv.retention import make_retention
 from kvjax.memory.tiers import TierConfig
-
-
-class PreemptionMode(enum.Enum):
-    """What happens to a running sequence's KV when pages run out."""
-
-    RECOMPUTE = "recompute"  # drop its pages; re-prefill prompt + generated tokens later.
-    SWAP = "swap"  # copy its pages to host memory; copy them back later.
-    AUTO = "auto"  # per sequence, whichever a cost model estimates cheaper (kvjax.memory.tiers).
+from kvjax.scheduler.preemption import PreemptionMode
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,10 @@ from kvjax.memory.transfer import (
     page_checksums_np,
 )
 
+# The cost model lives in kvjax.scheduler.preemption; kvjax.engine.engine still imports it from
+# here, so it stays re-exported until that import moves.
+from kvjax.scheduler.preemption import PreemptionDecision, decide_preemption  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 
@@ -1154,44 +1158,6 @@ class TieredSwapSpace:
         """The scrub programs (swaps go through the tiers, which warm up their own)."""
         del swap
         return self._plain.warmup(kv, max_pages, swap=False, scrub=scrub)
-
-
-# ----------------------------------------------------------------------------- cost model
-
-
-@dataclasses.dataclass(frozen=True)
-class PreemptionDecision:
-    """Why a preempted sequence was swapped or recomputed.
-
-    Attributes:
-        seq_id: the preempted sequence.
-        num_tokens: tokens whose KV it held (prompt + generated so far).
-        swap_cost_s: estimated seconds to move its KV out and back.
-        recompute_cost_s: estimated seconds to prefill those tokens again.
-        choice: 'swap' or 'recompute' (the values of kvjax.PreemptionMode).
-    """
-
-    seq_id: str
-    num_tokens: int
-    swap_cost_s: float
-    recompute_cost_s: float
-    choice: str
-
-
-def decide_preemption(seq_id: str, num_tokens: int, *, bytes_per_token: float,
-                      bandwidth_bytes_per_s: float, recompute_tokens_per_s: float
-                      ) -> PreemptionDecision:
-    """Swap when moving the KV out and back is estimated cheaper than prefilling it again."""
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    if not bandwidth_bytes_per_s > 0 or not recompute_tokens_per_s > 0:
-        raise ValueError(f"rates must be > 0, got bandwidth={bandwidth_bytes_per_s!r}, "
-                         f"recompute={recompute_tokens_per_s!r}")
-    swap = 2 * num_tokens * bytes_per_token / bandwidth_bytes_per_s
-    recompute = num_tokens / recompute_tokens_per_s
-    return PreemptionDecision(seq_id=seq_id, num_tokens=num_tokens, swap_cost_s=swap,
-                              recompute_cost_s=recompute,
-                              choice="swap" if swap < recompute else "recompute")
 
 
 def measure_transfer_bandwidth(kv, num_pages: int, layout: TransferLayout, *,

@@ -27,7 +27,6 @@ from kvjax.memory.tiers import (
     TierConfig,
     TierManager,
     TransferLayout,
-    decide_preemption,
     measure_transfer_bandwidth,
 )
 from kvjax.memory.transfer import (
@@ -326,19 +325,6 @@ def test_warmup_compiles_every_chunk_size_and_keeps_the_pool():
     tm.load("s", [f"k{i}" for i in range(7)], [7, 6, 5, 4, 3, 2, 1])
     kv, (result,) = settle(tm, kv)
     assert result.num_loaded == 7 and tm.num_compiles == compiled
-
-
-def test_cost_model_swaps_exactly_when_moving_is_cheaper():
-    d = decide_preemption("s", 100, bytes_per_token=1000, bandwidth_bytes_per_s=1e6,
-                          recompute_tokens_per_s=400)
-    assert d.swap_cost_s == pytest.approx(0.2) and d.recompute_cost_s == pytest.approx(0.25)
-    assert d.choice == "swap"
-    d = decide_preemption("s", 100, bytes_per_token=1000, bandwidth_bytes_per_s=1e6,
-                          recompute_tokens_per_s=600)
-    assert d.choice == "recompute"
-    with pytest.raises(ValueError, match="rates"):
-        decide_preemption("s", 1, bytes_per_token=1, bandwidth_bytes_per_s=0,
-                          recompute_tokens_per_s=1)
 
 
 @pytest.mark.parametrize("layout", list(TransferLayout))
