@@ -22,13 +22,13 @@ from hypothesis.stateful import (
 )
 
 from kvjax.kv.state import PagedKV
-from kvjax.memory import tiers as tiers_module
 from kvjax.memory.tiers import (
     TierConfig,
     TierManager,
     TransferLayout,
     measure_transfer_bandwidth,
 )
+from kvjax.memory.tiers import disk as disk_module
 from kvjax.memory.transfer import (
     Fault,
     FaultConfig,
@@ -218,13 +218,13 @@ def test_host_tier_evicts_least_recently_used_pages_to_disk_then_drops():
 def test_page_file_is_indexed_only_once_its_write_commits_and_a_torn_file_never(
         tmp_path, monkeypatch):
     gate = threading.Event()
-    write = tiers_module._write_page_file
+    write = disk_module._write_page_file
 
     def held_write(*args):
         assert gate.wait(10)
         return write(*args)
 
-    monkeypatch.setattr(tiers_module, "_write_page_file", held_write)
+    monkeypatch.setattr(disk_module, "_write_page_file", held_write)
     kv = random_kv(8)
     tm = make_manager(host_bytes=PAGE_BYTES, disk_bytes=4 * (PAGE_BYTES + 40),
                       disk_dir=str(tmp_path), max_chunk_pages=1)
