@@ -1,4 +1,5 @@
-"""The preemption choice: recompute a preempted sequence later, or swap its KV out and back."""
+"""Preemption: what happens to a running sequence's KV when pages run out, and the cost model
+that picks swap or recompute per sequence under `PreemptionMode.AUTO`."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class PreemptionDecision:
         num_tokens: tokens whose KV it held (prompt + generated so far).
         swap_cost_s: estimated seconds to move its KV out and back.
         recompute_cost_s: estimated seconds to prefill those tokens again.
-        choice: PreemptionMode.SWAP or PreemptionMode.RECOMPUTE.
+        choice: PreemptionMode.SWAP or PreemptionMode.RECOMPUTE (a str enum, so the decision
+            serializes to JSON as 'swap' or 'recompute').
     """
 
     seq_id: str

@@ -22,14 +22,13 @@ from hypothesis.stateful import (
 )
 
 from kvjax.kv.state import PagedKV
-from kvjax.memory import tiers as tiers_module
 from kvjax.memory.tiers import (
     TierConfig,
     TierManager,
     TransferLayout,
-    decide_preemption,
     measure_transfer_bandwidth,
 )
+from kvjax.memory.tiers import disk as disk_module
 from kvjax.memory.transfer import (
     Fault,
     FaultConfig,
@@ -219,13 +218,13 @@ def test_host_tier_evicts_least_recently_used_pages_to_disk_then_drops():
 def test_page_file_is_indexed_only_once_its_write_commits_and_a_torn_file_never(
         tmp_path, monkeypatch):
     gate = threading.Event()
-    write = tiers_module._write_page_file
+    write = disk_module._write_page_file
 
     def held_write(*args):
         assert gate.wait(10)
         return write(*args)
 
-    monkeypatch.setattr(tiers_module, "_write_page_file", held_write)
+    monkeypatch.setattr(disk_module, "_write_page_file", held_write)
     kv = random_kv(8)
     tm = make_manager(host_bytes=PAGE_BYTES, disk_bytes=4 * (PAGE_BYTES + 40),
                       disk_dir=str(tmp_path), max_chunk_pages=1)
@@ -326,19 +325,6 @@ def test_warmup_compiles_every_chunk_size_and_keeps_the_pool():
     tm.load("s", [f"k{i}" for i in range(7)], [7, 6, 5, 4, 3, 2, 1])
     kv, (result,) = settle(tm, kv)
     assert result.num_loaded == 7 and tm.num_compiles == compiled
-
-
-def test_cost_model_swaps_exactly_when_moving_is_cheaper():
-    d = decide_preemption("s", 100, bytes_per_token=1000, bandwidth_bytes_per_s=1e6,
-                          recompute_tokens_per_s=400)
-    assert d.swap_cost_s == pytest.approx(0.2) and d.recompute_cost_s == pytest.approx(0.25)
-    assert d.choice == "swap"
-    d = decide_preemption("s", 100, bytes_per_token=1000, bandwidth_bytes_per_s=1e6,
-                          recompute_tokens_per_s=600)
-    assert d.choice == "recompute"
-    with pytest.raises(ValueError, match="rates"):
-        decide_preemption("s", 1, bytes_per_token=1, bandwidth_bytes_per_s=0,
-                          recompute_tokens_per_s=1)
 
 
 @pytest.mark.parametrize("layout", list(TransferLayout))
