@@ -2,27 +2,11 @@
 
   python scripts/bench_retention.py --output_json /tmp/bench_retention.json
 
-For each policy and budget (--variants, `name:budget` tokens, then any policy options as
-`:option=value`, e.g. `quest:1024:dense_layers=0`) on needle-in-a-haystack prompts
-(kvjax.bench.corpus.make_needle_prompt, one per --depths entry, --context tokens each):
-  * KV bytes per sequence: the pages the sequence held, times the bytes of a page (all
-    layers, K and V; Quest adds its per-page key summaries), at their peak (prefill included)
-    and at their peak while decoding (what SnapKV saves shows only there), counted when each
-    step is dispatched (its pages allocated, nothing evicted yet);
-  * decode tokens/s: one sequence decoding at that context, 1 / the median step time over the
-    steps that compiled nothing (the median resists load spikes on a shared machine);
-  * quality, teacher-forced: the exact engine answers (the gold answer forced, then its own
-    greedy continuation, --num_tokens in all); each variant is forced through the same tokens,
-    one decode step per token, and its next-token distributions are compared with exact's
-    (KL(exact || variant) mean, p99 and worst over every token, top-1 agreement);
-  * retrieval: a probe passes when the greedy prediction at every position of the gold answer
-    is the answer's token (what free greedy decoding would then write);
-  * for quest, the recall of the exact top-k attention pages: on exact K/V (a dense pass over
-    the exact token sequence), at every continuation position and layer, the fraction of the k
-    pages with the most attention mass (summed over heads) that Quest's bound selects
-    (k = budget / page_size, the newest page always among Quest's). The row's recall averages
-    the layers that select (the first dense_layers read every page); it is also reported per
-    group of layers (--recall_groups) and per layer in the JSON.
+Each policy and budget (--variants, `name:budget` tokens, then any policy options as
+`:option=value`, e.g. `quest:1024:dense_layers=0`) on needle-in-a-haystack prompts (one per
+--depths entry, --context tokens each): KV bytes per sequence, decode tokens/s, teacher-forced
+KL and top-1 agreement against exact KV, retrieval, and for quest the recall of the exact
+top-k attention pages; what each number is: `kvjax.bench.retention`.
 """
 
 from __future__ import annotations
@@ -30,19 +14,11 @@ from __future__ import annotations
 import json
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 import kvjax
-from kvjax.bench.corpus import make_needle_prompt
-from kvjax.bench.metrics import format_rows, quality_stats
-from kvjax.engine.step import LogitsMode
-from kvjax.kv import quest
-from kvjax.kv.attention import paged_attention_blockwise, pages_loader
-from kvjax.kv.retention import make_retention
-from kvjax.models import llama
+from kvjax.bench import retention
+from kvjax.bench.metrics import format_rows
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("variants", ["streaming:512", "streaming:1024", "h2o:512", "h2o:1024",
@@ -59,284 +35,25 @@ flags.DEFINE_list("recall_groups", ["2", "10", "20"],
 flags.DEFINE_string("output_json", None, "Write every number here.")
 
 
-def parse_variant(variant: str) -> tuple[str, int | None, dict]:
-    """`name[:budget][:option=value...]` -> (policy, budget, options); values int or bool."""
-    name, *rest = variant.split(":")
-    budget = int(rest.pop(0)) if rest and "=" not in rest[0] else None
-    options = {}
-    for item in rest:
-        key, _, value = item.partition("=")
-        lowered = value.lower()
-        options[key] = (lowered == "true" if lowered in ("true", "false")
-                        else int(value) if value.lstrip("-").isdigit() else value)
-    return name, budget, options
-
-
-def make_probe(model: kvjax.Model, context: int, depth: float, seed: int
-               ) -> tuple[list[int], list[int]]:
-    """A needle prompt of about `context` tokens and the tokens of its answer."""
-    rng = np.random.default_rng(seed)
-    key, value = "vault K", int(rng.integers(1000, 9999))
-    tokenizer = model.tokenizer
-    words = int(context / 1.3)
-    for _ in range(8):  # Resize the filler until the prompt has about `context` tokens.
-        text, answer = make_needle_prompt(np.random.default_rng(seed), words, key, value, depth)
-        prompt = tokenizer.encode(text)
-        if abs(len(prompt) - context) <= context // 50:
-            break
-        words = int(words * context / len(prompt))
-    full = tokenizer.encode(text + " " + answer)
-    if full[:len(prompt)] != prompt:
-        raise ValueError("the answer does not tokenize as a continuation of the prompt")
-    return prompt, full[len(prompt):]
-
-
-def make_engine(model: kvjax.Model, variant: str, max_len: int) -> kvjax.Engine:
-    """One sequence at a time, prefill in --chunk chunks, no prefix cache between probes."""
-    name, budget, options = parse_variant(variant)
-    config = kvjax.EngineConfig(
-        page_size=FLAGS.page_size, num_pages=-(-max_len // FLAGS.page_size) + 1,
-        max_model_len=max_len + FLAGS.page_size, max_num_seqs=1, max_prefill_seqs=1,
-        max_prefill_chunk=FLAGS.chunk, min_chunk_bucket=FLAGS.chunk,
-        max_num_batched_tokens=FLAGS.chunk, enable_prefix_cache=False,
-        retention=name, retention_budget=budget, retention_options=options)
-    return kvjax.Engine(model, config)
-
-
-class _DispatchPages:
-    """Stands in for an engine's runner and records the pages in use at each dispatch.
-
-    A step allocates its pages before it is dispatched and evicts after it ran, so this sees
-    each step's peak, which sampling between steps would miss.
-    """
-
-    def __init__(self, engine: kvjax.Engine):
-        self.engine, self.runner = engine, engine.runner
-        self.last = 0
-
-    def step(self, *args, **kwargs):
-        self.last = self.engine.allocator.num_used_pages()
-        return self.runner.step(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
-
-
-def forced_run(engine: kvjax.Engine, prompt: list[int], forced: list[int], num_tokens: int,
-               request_id: str) -> dict:
-    """Decodes `num_tokens` tokens after `prompt`, forcing the first len(forced) of them.
-
-    Returns the logits [num_tokens, V] each step sampled from, the tokens that went in (the
-    forced ones, then the engine's greedy choices), the peak of pages the engine held (overall
-    and over decode steps) and the seconds of each decode step that compiled nothing.
-    """
-    engine.add_request(request_id, prompt, kvjax.SamplingParams(
-        max_new_tokens=num_tokens, ignore_eos=True))
-    # Teacher forcing rewrites the sampled token before the next step computes it; the engine
-    # has no public hook for it, so this reaches into its sequence record.
-    seq = engine._seqs[f"{request_id}#0"]
-    pages = engine.runner = _DispatchPages(engine)
-    logits, tokens, peak, decode_peak, decode_step_s = [], [], 0, 0, []
-    while engine.has_unfinished():
-        before, compiles = len(seq.tokens), engine.num_compiles
-        is_decode = seq.num_computed >= len(prompt)
-        start = time.perf_counter()
-        engine.step(logits_mode=LogitsMode.LAST)
-        elapsed = time.perf_counter() - start
-        peak = max(peak, pages.last)
-        if is_decode:
-            decode_peak = max(decode_peak, pages.last)
-        if is_decode and engine.num_compiles == compiles:
-            decode_step_s.append(elapsed)
-        if len(seq.tokens) > before:
-            logits.append(np.asarray(engine.last_logits[0], np.float64))
-            i = len(seq.tokens) - 1 - len(prompt)
-            if i < len(forced):
-                seq.tokens[-1] = forced[i]
-            tokens.append(seq.tokens[-1])
-    engine.runner = pages.runner
-    return dict(logits=np.stack(logits), tokens=tokens, peak_pages=peak,
-                decode_peak_pages=decode_peak, decode_step_s=decode_step_s)
-
-
-def capture_qk(model: kvjax.Model, tokens: list[int], num_last: int, page_size: int
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Exact queries of the last `num_last` tokens and keys of all, per layer.
-
-    Returns (q [L, num_last, N, D], k [L, S, K, D]) float32, RoPE applied.
-    """
-    config = model.config
-    block = page_size * 8
-    length = -(-len(tokens) // block) * block
-    ids = jnp.asarray(list(tokens) + [0] * (length - len(tokens)), jnp.int32)
-    num_pages = length // page_size
-    table = jnp.arange(num_pages, dtype=jnp.int32)[None]  # [1, W]
-    last = len(tokens) - num_last
-
-    def attend(layer, q, k, v, captured):
-        qs, ks = captured
-        pages = (k.reshape(num_pages, page_size, *k.shape[1:]),
-                 v.reshape(num_pages, page_size, *v.shape[1:]))
-        out = paged_attention_blockwise(q[None], pages_loader(*pages), table,
-                                        jnp.array([length]), jnp.array([length]))  # [1, S, N, D]
-        qs = qs.at[layer].set(jax.lax.dynamic_slice_in_dim(q, last, num_last).astype(qs.dtype))
-        ks = ks.at[layer].set(k.astype(ks.dtype))
-        return out[0], (qs, ks)
-
-    init = (jnp.zeros((config.num_layers, num_last, config.num_heads, config.head_dim)),
-            jnp.zeros((config.num_layers, length, config.num_kv_heads, config.head_dim)))
-    run = jax.jit(lambda params: llama.decode_body(
-        params, config, ids, jnp.arange(length, dtype=jnp.int32), attend, init)[1])
-    qs, ks = run(model.params)
-    return np.asarray(qs), np.asarray(ks[:, :len(tokens)])
-
-
-def quest_layer_recall(q: np.ndarray, k: np.ndarray, page_size: int, num_read: int,
-                       heads: quest.HeadReduction) -> np.ndarray:
-    """Per layer, the mean fraction of the exact top-`num_read` attention pages Quest selects.
-
-    q: [L, T, N, D] the last T queries (positions S - T .. S - 1); k: [L, S, K, D].
-    Returns [L] (NaN where every query reads every page).
-    """
-    num_layers, t, n, d = q.shape
-    s, k_heads = k.shape[1], k.shape[2]
-    width = -(-s // page_size)
-    padded = np.zeros((num_layers, width * page_size, k_heads, d), np.float32)
-    padded[:, :s] = k
-    pages = padded.reshape(num_layers, width, page_size, k_heads, d)
-    recall = np.full(num_layers, np.nan)
-    for layer in range(num_layers):
-        hits, total = 0, 0
-        for i in range(t):
-            pos = s - t + i
-            own = pos // page_size
-            if own + 1 <= num_read:
-                continue  # every page is read: nothing to select
-            keys = pages[layer, :own + 1]  # [own+1, P, K, D]; the own page is always chosen
-            bounds = quest.page_bounds(jnp.asarray(q[layer, i][None]),
-                                       jnp.asarray(keys.min(axis=1)[None]),
-                                       jnp.asarray(keys.max(axis=1)[None]))  # [1, W', N]
-            reduce = jnp.max if heads is quest.HeadReduction.MAX else jnp.sum
-            chosen, _ = quest.select_pages(reduce(bounds, axis=-1), jnp.array([pos + 1]),
-                                           page_size, num_read)
-            g = n // k_heads
-            kk = np.repeat(k[layer, :pos + 1], g, axis=1)  # [pos+1, N, D]
-            logits = np.einsum("nd,snd->ns", q[layer, i], kk) / np.sqrt(d)  # [N, pos+1]
-            probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-            probs /= probs.sum(axis=-1, keepdims=True)
-            mass = np.bincount(np.arange(pos + 1) // page_size, weights=probs.sum(axis=0))
-            best = set(np.argsort(-mass, kind="stable")[:num_read].tolist())
-            hits += len(best & set(np.asarray(chosen[0]).tolist()))
-            total += num_read
-        if total:
-            recall[layer] = hits / total
-    return recall
-
-
-def recall_by_group(recall: np.ndarray, dense_layers: int, starts: list[int]
-                    ) -> dict[str, float]:
-    """Mean recall [L] per layer group `start-end` (inclusive), the dense layers left out."""
-    bounds = sorted({0, *starts, len(recall)})
-    groups = {}
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        lo = max(lo, dense_layers)
-        if lo < hi:
-            groups[f"{lo}-{hi - 1}"] = float(np.mean(recall[lo:hi]))
-    return groups
-
-
-COLUMNS = (("kv_mib_per_seq", "KV MiB/seq peak", "{:.1f}"),
-           ("decode_kv_mib_per_seq", "KV MiB/seq decoding", "{:.1f}"),
-           ("decode_kv_fraction", "decoding KV vs exact", "{:.2f}"),
-           ("decode_tok_s", "decode tok/s", "{:.1f}"), ("kl_mean", "KL mean", "{:.3f}"),
-           ("kl_p99", "KL p99", "{:.3f}"), ("kl_max", "KL worst", "{:.3f}"),
-           ("top1_agreement", "top-1", "{:.3f}"), ("retrieval_pass", "retrieval", "{:.2f}"),
-           ("quest_page_recall", "page recall", "{:.3f}"))
-
-
-def kv_bytes(engine: kvjax.Engine, peak_pages: int) -> int:
-    """Bytes of the pages a sequence held at its peak, Quest's page summaries included."""
-    per_page = engine.kv_bytes_per_page
-    if engine.config.retention == "quest":
-        mc = engine.model.config
-        per_page += quest.summary_bytes_per_page(mc.num_layers, mc.num_kv_heads, mc.head_dim)
-    return peak_pages * per_page
-
-
-def run_variant(model, variant, probes, exact_runs, max_len) -> dict[str, float]:
-    engine = make_engine(model, variant, max_len)
-    refs, tests, passed, peaks, decode_peaks, decode_step_s = [], [], [], [], [], []
-    for i, ((prompt, answer), exact) in enumerate(zip(probes, exact_runs, strict=True)):
-        run = forced_run(engine, prompt, exact["tokens"], FLAGS.num_tokens, f"{variant}-{i}")
-        refs.append(exact["logits"])
-        tests.append(run["logits"])
-        passed.append(bool(np.all(run["logits"][:len(answer)].argmax(-1) == answer)))
-        peaks.append(run["peak_pages"])
-        decode_peaks.append(run["decode_peak_pages"])
-        decode_step_s += run["decode_step_s"]
-    row = dict(quality_stats(np.concatenate(refs), np.concatenate(tests)),
-               retrieval_pass=float(np.mean(passed)),
-               kv_mib_per_seq=kv_bytes(engine, max(peaks)) / 2**20,
-               decode_kv_mib_per_seq=kv_bytes(engine, max(decode_peaks)) / 2**20,
-               decode_tok_s=1.0 / float(np.median(decode_step_s)),
-               retention_stats=dict(engine.retention.stats))
-    return row
-
-
 def main(argv):
     del argv
     t0 = time.perf_counter()
     model = kvjax.load_model()
-    depths = [float(x) for x in FLAGS.depths]
-    probes = [make_probe(model, FLAGS.context, depth, FLAGS.seed + i)
-              for i, depth in enumerate(depths)]
-    max_len = max(len(p) for p, _ in probes) + FLAGS.num_tokens
-    exact = make_engine(model, "none", max_len)
-    exact_runs = [forced_run(exact, prompt, answer, FLAGS.num_tokens, f"exact-{i}")
-                  for i, (prompt, answer) in enumerate(probes)]
-    peak = max(r["peak_pages"] for r in exact_runs)
-    decode_peak = max(r["decode_peak_pages"] for r in exact_runs)
-    rows = {"none": dict(
-        kv_mib_per_seq=kv_bytes(exact, peak) / 2**20,
-        decode_kv_mib_per_seq=kv_bytes(exact, decode_peak) / 2**20, decode_kv_fraction=1.0,
-        decode_tok_s=1.0 / float(np.median(sum((r["decode_step_s"] for r in exact_runs), []))),
-        kl_mean=0.0, kl_p99=0.0, kl_max=0.0, top1_agreement=1.0,
-        retrieval_pass=float(np.mean([np.all(r["logits"][:len(a)].argmax(-1) == a)
-                                      for r, (_, a) in zip(exact_runs, probes, strict=True)])))}
-    print(f"exact: {rows['none']} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    captured, layer_recall = None, {}
-    for variant in FLAGS.variants:
-        row = run_variant(model, variant, probes, exact_runs, max_len)
-        row["decode_kv_fraction"] = (row["decode_kv_mib_per_seq"]
-                                     / rows["none"]["decode_kv_mib_per_seq"])
-        name, budget, options = parse_variant(variant)
-        if name == "quest":
-            if captured is None:
-                captured = [capture_qk(model, prompt + r["tokens"], FLAGS.num_tokens,
-                                       FLAGS.page_size)
-                            for (prompt, _), r in zip(probes, exact_runs, strict=True)]
-            policy = make_retention("quest", budget, FLAGS.page_size, **options)
-            key = (policy.num_read_pages, policy.heads)  # The same for any dense_layers.
-            if key not in layer_recall:
-                layer_recall[key] = np.mean([
-                    quest_layer_recall(q, k, FLAGS.page_size, *key) for q, k in captured],
-                    axis=0)  # [L]
-            recall = layer_recall[key]
-            dense = policy.dense_layers
-            row["quest_page_recall"] = float(np.mean(recall[dense:]))
-            row["quest_page_recall_by_layers"] = recall_by_group(
-                recall, dense, [int(x) for x in FLAGS.recall_groups])
-            row["quest_page_recall_per_layer"] = recall.tolist()
-        rows[variant] = row
-        print(f"{variant}: {row} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    print(format_rows(rows, COLUMNS, "policy:budget"))
-    print(f"prompt tokens: {[len(p) for p, _ in probes]}; total {time.perf_counter() - t0:.0f}s")
+    settings = retention.RetentionBench(
+        variants=tuple(FLAGS.variants), depths=tuple(float(x) for x in FLAGS.depths),
+        context=FLAGS.context, num_tokens=FLAGS.num_tokens, page_size=FLAGS.page_size,
+        chunk=FLAGS.chunk, seed=FLAGS.seed,
+        recall_groups=tuple(int(x) for x in FLAGS.recall_groups))
+    report = retention.run(model, settings)
+    rows = report["rows"]
+    print(format_rows(rows, retention.COLUMNS, "policy:budget"))
+    print(f"prompt tokens: {report['prompt_tokens']}; total {time.perf_counter() - t0:.0f}s")
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(flags={k: FLAGS[k].value for k in (
                 "variants", "context", "depths", "num_tokens", "page_size", "chunk", "seed",
                 "recall_groups")},
-                prompt_tokens=[len(p) for p, _ in probes], rows=rows), f, indent=1)
+                prompt_tokens=report["prompt_tokens"], rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ SECTIONS = (
     Section("kvjax.rl"),
     Section("kvjax.bench"),
     Section("kvjax.parallel"),
+    Section("kvjax.testing", ("TINY", "tiny_model", "greedy_reference", "ByteTokenizer")),
 )
 
 _SECTION_HEADS = re.compile(r"^(Args|Arguments|Attributes|Returns|Raises|Yields|Example|Examples"

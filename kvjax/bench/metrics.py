@@ -341,7 +341,8 @@ def compute_metrics(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_
     return metrics
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Rows of logits [T, V] as log-probabilities, in x's dtype (float64 for accuracy)."""
     row_max = np.max(x, axis=-1, keepdims=True)  # [T, 1]
     if not np.all(np.isfinite(row_max)):
         raise ValueError("every row needs at least one finite log-probability")
@@ -370,7 +371,7 @@ def quality_stats(logp_ref: np.ndarray, logp_test: np.ndarray) -> dict[str, floa
                          f"{test.shape}")
     if np.isnan(ref).any() or np.isnan(test).any():
         raise ValueError("log-probabilities contain NaN")
-    ref, test = _log_softmax(ref), _log_softmax(test)  # [T, V]
+    ref, test = log_softmax(ref), log_softmax(test)  # [T, V]
     p_ref = np.exp(ref)  # [T, V]
     with np.errstate(invalid="ignore"):
         terms = np.where(p_ref > 0, p_ref * (ref - test), 0.0)  # [T, V]

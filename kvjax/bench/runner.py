@@ -88,6 +88,7 @@ from kvjax.memory.transfer import FaultConfig
 from kvjax.models.loading import load_model
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
+from kvjax.shapes import next_power_of_2
 
 # Columns of results.md: the design's joint metrics plus what makes a row interpretable.
 TABLE_COLUMNS: tuple[str, ...] = (
@@ -515,7 +516,7 @@ class _Scorer:
     """An engine that runs a whole sequence as one prefill chunk, for teacher forcing."""
 
     def __init__(self, engine_config: EngineConfig, model: Model, max_len: int):
-        bucket = 1 << max(max_len - 1, engine_config.page_size - 1, 1).bit_length()
+        bucket = next_power_of_2(max(max_len, engine_config.page_size, 2))
         config = dataclasses.replace(
             engine_config, max_num_seqs=1, max_prefill_seqs=1, max_prefill_chunk=bucket,
             min_chunk_bucket=bucket, max_num_batched_tokens=bucket, max_model_len=2 * bucket,

@@ -87,6 +87,7 @@ from kvjax.kv import quest
 from kvjax.kv.attention import PageLoader
 from kvjax.kv.state import PagedKV
 from kvjax.models import llama
+from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
 
 class Pooling(enum.Enum):
@@ -551,12 +552,6 @@ def rotate_slots(kv: PagedKV, slots: jax.Array, shifts: jax.Array, rope_theta: f
     return kv.replace(k_pages=flat.at[:, slots].set(rotated).reshape(k.shape))
 
 
-def _padded(x: np.ndarray) -> np.ndarray:
-    """Pads to a power of two by repeating the last entry (a repeated move is a no-op)."""
-    n = 1 << max(len(x) - 1, 0).bit_length()
-    return np.concatenate([x, np.full(n - len(x), x[-1], x.dtype)]).astype(np.int32)
-
-
 # ----------------------------------------------------------------------------- host: manager
 
 
@@ -605,7 +600,7 @@ class RetentionManager:
         """
         if not self.policy.evicts:
             return kv
-        for n in (1 << i for i in range(max(self.policy.budget - 1, 0).bit_length() + 1)):
+        for n in powers_of_2_up_to(self.policy.budget):
             kv = self._move(kv, np.zeros(n, np.int32), np.zeros(n, np.int32))
             if self.policy.rotates_keys and n < 2 * self.policy.num_sinks:
                 kv = self._rotate(kv, np.zeros(n, np.int32), np.zeros(n, np.int32),
@@ -672,7 +667,7 @@ class RetentionManager:
                  dst: np.ndarray, block_table: list[int] | None) -> PagedKV:
         """Moves src -> dst, then rotates the kept keys `shifts` (cache order) asks for."""
         if len(src):
-            kv = self._move(kv, _padded(src), _padded(dst))
+            kv = self._move(kv, pad_repeat_last(src), pad_repeat_last(dst))
         if shifts is None or not np.any(shifts):
             return kv
         if block_table is None:
@@ -682,7 +677,8 @@ class RetentionManager:
         slots = np.asarray(block_table, np.int64)[index // page_size] * page_size
         slots += index % page_size
         self.stats["rotated_slots"] += len(index)
-        return self._rotate(kv, _padded(slots), _padded(shifts[index]), self._rope_theta)
+        return self._rotate(kv, pad_repeat_last(slots), pad_repeat_last(shifts[index]),
+                            self._rope_theta)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares the parent's cache: it starts from a copy of its record."""

@@ -47,12 +47,7 @@ from kvjax.memory.block_manager import AllocStatus
 from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.router.router import Arrival, SimClock
 from kvjax.sampling import SamplingParams
-
-
-def _padded(indices: list[int]) -> np.ndarray:
-    """Indices padded to a power of two by repeating the last (idempotent for gather/scatter)."""
-    n = 1 << max(len(indices) - 1, 0).bit_length()
-    return np.asarray(indices + [indices[-1]] * (n - len(indices)), np.int32)
+from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
 
 @jax.jit
@@ -168,7 +163,7 @@ class DisaggregatedEngine:
             self.decode.warmup()
         max_len = self.decode.max_model_len if max_prompt_len is None else max_prompt_len
         max_pages = max(max_len // self.page_size, 1)
-        sizes = [1 << i for i in range((max_pages - 1).bit_length() + 1)]  # up to _padded's
+        sizes = powers_of_2_up_to(max_pages)  # every size pad_repeat_last gives
         for n, size in enumerate(sizes):
             staged = _gather(self.prefill.kv, np.arange(size, dtype=np.int32))
             for part_size in sizes[:n + 1]:
@@ -211,7 +206,7 @@ class DisaggregatedEngine:
         pages = cache.lookup(prompt, self.prefill.provenance(tenant))
         if not pages:
             return None, 0
-        return _gather(self.prefill.kv, _padded(pages)), len(pages)
+        return _gather(self.prefill.kv, pad_repeat_last(pages)), len(pages)
 
     def transfer_ready(self, now: float | None = None) -> int:
         """Moves the KV of every handoff ready by `now` (all if None) into the decode engine.
@@ -252,10 +247,10 @@ class DisaggregatedEngine:
     def _move(self, staged: Any, first_page: int, targets: list[int]) -> int:
         """Device-puts staged pages [first_page:] next to the decode KV and scatters them."""
         start = time.perf_counter()
-        index = _padded(list(range(first_page, first_page + len(targets))))
+        index = pad_repeat_last(range(first_page, first_page + len(targets)))
         part = jax.device_put(_gather(staged, index), self._target)
         self.decode.runner.apply(KVOp(KVOpKind.SCATTER, tuple(targets)),
-                                 lambda kv: self._scatter(kv, _padded(targets), part))
+                                 lambda kv: self._scatter(kv, pad_repeat_last(targets), part))
         jax.block_until_ready(self.decode.kv)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(part)) * len(targets) // len(index)
         self.stats["transfers"] += 1

@@ -36,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from kvjax.shapes import next_power_of_2
+
 # Finite stand-in for -inf: masked scores never produce inf - inf = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Key/value tokens per compute block when pages_per_compute_block is not given.
@@ -55,11 +57,6 @@ def default_schedule(backend: str | None = None) -> Schedule:
     """PIPELINED on TPU; LOOPED on GPU and on CPU, where it compiles and interprets faster."""
     backend = jax.default_backend() if backend is None else backend
     return Schedule.PIPELINED if backend == "tpu" else Schedule.LOOPED
-
-
-def next_power_of_2(x: int) -> int:
-    """The smallest power of two >= x (1 for x <= 1)."""
-    return 1 << max(x - 1, 0).bit_length()
 
 
 def default_pages_per_compute_block(page_size: int, max_pages: int) -> int:

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from kvjax.shapes import next_power_of_2
 from pallas_kernels.paged_decode.kernel import (
     MASK_VALUE,
     MIN_TRITON_ROWS,
@@ -40,7 +41,6 @@ from pallas_kernels.paged_decode.kernel import (
     check_triton_block,
     default_pages_per_compute_block,
     default_schedule,
-    next_power_of_2,
     online_softmax_step,
     pad_block_tables,
 )

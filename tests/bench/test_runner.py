@@ -15,7 +15,6 @@ import jax
 import numpy as np
 import pytest
 from ml_collections import ConfigDict
-from tiny_models import tiny_model
 
 from kvjax.bench import runner
 from kvjax.bench.energy import estimate_energy_j, get_profile
@@ -25,6 +24,7 @@ from kvjax.engine.config import EngineConfig
 from kvjax.memory.tiers import TierConfig, TransferLayout
 from kvjax.memory.transfer import FaultConfig
 from kvjax.models import llama
+from kvjax.testing import tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LATENCY_KEYS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tok_s",

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import greedy_reference, tiny_model
 
 from kvjax import EngineConfig, KVLayout, PreemptionMode, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason
+from kvjax.testing import greedy_reference, tiny_model
 
 MAX_NEW = 10
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import TINY, tiny_model
 
 from kvjax import EngineConfig, PreemptionMode, SamplingParams
 from kvjax.bench.metrics import quality_stats
@@ -17,6 +16,7 @@ from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason
 from kvjax.engine.step import LogitsMode
 from kvjax.models import llama
+from kvjax.testing import TINY, tiny_model
 
 MAX_NEW = 8
 PAGE_SIZE = 8

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import greedy_reference, tiny_model
 
 from kvjax import EngineConfig, KVLayout, PreemptionMode, SamplingParams
 from kvjax.engine.engine import Engine
@@ -25,6 +24,7 @@ from kvjax.engine.runner import StepObserver
 from kvjax.engine.step import LogitsMode
 from kvjax.memory.prefix_cache import hash_page, hash_root
 from kvjax.models import llama
+from kvjax.testing import greedy_reference, tiny_model
 
 P = 4
 CHUNK = 8

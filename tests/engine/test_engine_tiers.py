@@ -7,13 +7,13 @@ import os
 
 import numpy as np
 import pytest
-from tiny_models import greedy_reference, tiny_model
 
 from kvjax import EngineConfig, KVLayout, PreemptionMode, SamplingParams
 from kvjax.bench.workloads import multi_turn
 from kvjax.engine.engine import Engine
 from kvjax.memory.tiers import TierConfig
 from kvjax.memory.transfer import Fault, FaultConfig, TransferKind, TransferState
+from kvjax.testing import greedy_reference, tiny_model
 
 MAX_NEW = 4
 # Few step shapes (one chunk bucket, two decode buckets) keep compilation short.

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from tiny_models import tiny_model
 
 from kvjax.engine.step import LogitsMode, StepPrograms, StepShape, empty_step_input
 from kvjax.kv.state import init_contiguous_kv, init_paged_kv
 from kvjax.models import llama
+from kvjax.testing import tiny_model
 
 P = 4
 WIDTH = 16  # block table width (pages per sequence)
@@ -69,10 +69,9 @@ def test_paged_and_contiguous_logits_identical():
 
 def test_contiguous_layout_serves_parallel_samples():
     """n > 1 on the contiguous baseline forks a slot by copying its pages."""
-    from tiny_models import greedy_reference
-
     from kvjax import EngineConfig, KVLayout, SamplingParams
     from kvjax.engine.engine import Engine
+    from kvjax.testing import greedy_reference
 
     model = tiny_model()
     prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import tiny_model
 
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason
+from kvjax.testing import tiny_model
 
 P = 4
 POOL = dict(page_size=P, max_num_batched_tokens=16, max_prefill_chunk=8, min_chunk_bucket=8,

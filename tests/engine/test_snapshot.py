@@ -10,12 +10,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-from tiny_models import greedy_reference, tiny_model
 
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import SeqStatus
 from kvjax.engine.snapshot import restore_snapshot, save_snapshot
+from kvjax.testing import greedy_reference, tiny_model
 
 NEW = 10
 CONFIG = dict(page_size=4, num_pages=96, max_num_batched_tokens=64, max_prefill_chunk=32,

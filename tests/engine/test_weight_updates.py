@@ -8,12 +8,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from tiny_models import greedy_reference, tiny_model
 
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, WeightUpdatePolicy
 from kvjax.models import llama
+from kvjax.testing import greedy_reference, tiny_model
 
 NEW = 12
 CONFIG = dict(page_size=4, num_pages=128, max_num_batched_tokens=32, max_prefill_chunk=16,

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import greedy_reference, tiny_model
 
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.step import AttentionImpl
+from kvjax.testing import greedy_reference, tiny_model
 from pallas_kernels.paged_decode import Schedule, default_schedule
 from pallas_kernels.ragged_prefill import (
     paged_prefill_attention_reference,

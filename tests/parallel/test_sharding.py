@@ -45,12 +45,12 @@ def _tokens(outputs) -> list[list[int]]:
 
 def _run_fast_cases() -> dict:
     import jax
-    from tiny_models import tiny_model
 
     from kvjax import EngineConfig, SamplingParams
     from kvjax.engine.engine import Engine
     from kvjax.parallel import sharding
     from kvjax.router import DisaggregatedEngine, Router
+    from kvjax.testing import tiny_model
 
     # Every prompt prefills in the first step: two step shapes per engine keep compiles few.
     config = EngineConfig(page_size=4, num_pages=96, max_num_batched_tokens=256,
@@ -156,9 +156,8 @@ def test_embedded_model_tp3_matches_single_device():
 
 
 def test_indivisible_heads_raise_value_error():
-    from tiny_models import TINY
-
     from kvjax.parallel.sharding import check_tensor_parallel
+    from kvjax.testing import TINY
 
     with pytest.raises(ValueError, match="num_heads=9"):
         check_tensor_parallel(_gqa3_config(), 2)
@@ -178,9 +177,8 @@ def test_indivisible_mlp_width_raises_value_error():
 
 
 def test_param_specs_split_heads_and_mlp_and_replicate_the_rest():
-    from tiny_models import tiny_model
-
     from kvjax.parallel.sharding import param_specs
+    from kvjax.testing import tiny_model
 
     specs = param_specs(tiny_model().params)
     layers = specs["layers"]
@@ -193,11 +191,11 @@ def test_param_specs_split_heads_and_mlp_and_replicate_the_rest():
 def test_engine_mesh_validation():
     import jax
     from jax.sharding import Mesh
-    from tiny_models import tiny_model
 
     from kvjax import EngineConfig, PreemptionMode
     from kvjax.engine.engine import Engine
     from kvjax.parallel.sharding import make_mesh
+    from kvjax.testing import tiny_model
 
     with pytest.raises(ValueError, match="needs 1024 devices"):
         make_mesh(tp=1024)
@@ -210,6 +208,6 @@ def test_engine_mesh_validation():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(ROOT, "tests"))  # XLA_FLAGS came with the environment.
+    # XLA_FLAGS came with the environment (see _child).
     case = sys.argv[1]
     print(json.dumps(_run_fast_cases() if case == "fast" else _run_embedded_case()))

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import tiny_model
 
 from kvjax.engine.request import FinishReason
 from kvjax.models import llama
@@ -26,6 +25,7 @@ from kvjax.rl import (
     token_logprobs,
 )
 from kvjax.rl.grpo import merge_params, split_params
+from kvjax.testing import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from tiny_models import tiny_model
 
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, WeightUpdatePolicy
 from kvjax.rl import Rollout, pad_batch, rollout, token_logprobs
+from kvjax.testing import tiny_model
 
 CONFIG = dict(page_size=4, num_pages=128, max_num_batched_tokens=64, max_prefill_chunk=32,
               max_num_seqs=16, debug_provenance=True)

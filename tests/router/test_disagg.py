@@ -11,12 +11,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-from tiny_models import tiny_model
 
 from kvjax import EngineConfig, KVLayout, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason
 from kvjax.router import Arrival, DisaggregatedEngine, SimClock, replay_disaggregated
+from kvjax.testing import tiny_model
 
 MAX_NEW = 6
 PAGE = 4

@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-from tiny_models import tiny_model
 
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
@@ -23,6 +22,7 @@ from kvjax.router import (
     make_policy,
     replay,
 )
+from kvjax.testing import tiny_model
 
 MAX_NEW = 6
 PAGE = 4

@@ -1,0 +1,38 @@
+"""Tests of the retention benchmark's pieces (kvjax.bench.retention) that need no engine."""
+
+import numpy as np
+import pytest
+
+from kvjax.bench import retention
+from kvjax.kv import quest
+
+
+def test_variants_parse_to_policy_budget_and_typed_options():
+    assert retention.parse_variant("none") == ("none", None, {})
+    assert retention.parse_variant("h2o:512") == ("h2o", 512, {})
+    assert retention.parse_variant("quest:1024:dense_layers=0:heads=max") == (
+        "quest", 1024, dict(dense_layers=0, heads="max"))
+    assert retention.parse_variant("snapkv:256:pool=false:offset=-2") == (
+        "snapkv", 256, dict(pool=False, offset=-2))
+
+
+def test_recall_groups_leave_out_the_dense_layers():
+    recall = np.arange(6, dtype=np.float64)  # [L]
+    assert retention.recall_by_group(recall, 0, [2, 4]) == {"0-1": 0.5, "2-3": 2.5, "4-5": 4.5}
+    assert retention.recall_by_group(recall, 3, [2, 4]) == {"3-3": 3.0, "4-5": 4.5}
+
+
+def test_quest_recall_is_nan_when_every_page_is_read_and_one_for_a_clear_winner():
+    rng = np.random.default_rng(0)
+    page_size, s = 4, 16
+    k = rng.normal(size=(1, s, 1, 8)).astype(np.float32)  # [L, S, K, D]
+    q = np.zeros((1, 1, 1, 8), np.float32)  # [L, T, N, D]
+    recall = retention.quest_layer_recall(q, k, page_size, 4, quest.HeadReduction.SUM)
+    assert np.isnan(recall).all()
+    # One key far along the query's direction: its page takes the most attention mass and has
+    # the largest upper bound; the query's own page (always read) takes the next most.
+    q[0, 0, 0, 0] = 1.0
+    k[0, 5, 0, 0] = 50.0
+    k[0, 12:, 0, 0] = 8.0
+    recall = retention.quest_layer_recall(q, k, page_size, 2, quest.HeadReduction.SUM)
+    assert recall[0] == pytest.approx(1.0)
