@@ -23,16 +23,14 @@ For each policy and budget (`variants`, `name:budget` tokens, then any policy op
     the layers that select (the first dense_layers read every page); it is also reported per
     group of layers (`recall_groups`) and per layer in the JSON.
 
-Teacher forcing and the per-dispatch page count need engine internals that have no public
-hook yet; `_private_engine_hooks` is the one place that reaches for them.
+Teacher forcing goes through `Engine.force_token`, the per-dispatch page count through a step
+observer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +39,8 @@ import numpy as np
 import kvjax
 from kvjax.bench.corpus import make_needle_prompt
 from kvjax.bench.metrics import quality_stats
-from kvjax.engine.request import Sequence
+from kvjax.engine.request import SeqStatus
+from kvjax.engine.runner import StepObserver
 from kvjax.engine.step import LogitsMode
 from kvjax.kv import quest
 from kvjax.kv.attention import paged_attention_blockwise, pages_loader
@@ -120,42 +119,19 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
     return kvjax.Engine(model, config)
 
 
-class _DispatchPages:
-    """Stands in for an engine's runner and records the pages in use at each dispatch.
+class _DispatchPages(StepObserver):
+    """Records the pages in use at each dispatch.
 
     A step allocates its pages before it is dispatched and evicts after it ran, so this sees
-    each step's peak, which sampling between steps would miss. `_private_engine_hooks`
-    installs it.
+    each step's peak, which sampling between steps would miss.
     """
 
     def __init__(self, engine: kvjax.Engine):
-        self.engine, self.runner = engine, engine.runner
+        self.engine = engine
         self.last = 0
 
-    def step(self, *args, **kwargs):
+    def before_step(self, shape, host_input) -> None:
         self.last = self.engine.allocator.num_used_pages()
-        return self.runner.step(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
-
-
-@contextlib.contextmanager
-def _private_engine_hooks(engine: kvjax.Engine, seq_id: str
-                          ) -> Iterator[tuple[Sequence, _DispatchPages]]:
-    """The one place this module reaches into the engine's internals.
-
-    Yields the engine's record of sequence `seq_id` (teacher forcing rewrites its last token
-    before the next step computes it) and a `_DispatchPages` standing in for `engine.runner`
-    until the block exits. The engine has no public hooks for either yet; this becomes
-    `engine.sequence(seq_id)` and `engine.add_step_observer(...)` once it does.
-    """
-    seq = engine._seqs[seq_id]
-    pages = engine.runner = _DispatchPages(engine)
-    try:
-        yield seq, pages
-    finally:
-        engine.runner = pages.runner
 
 
 def forced_run(engine: kvjax.Engine, prompt: list[int], forced: list[int], num_tokens: int,
@@ -169,7 +145,11 @@ def forced_run(engine: kvjax.Engine, prompt: list[int], forced: list[int], num_t
     engine.add_request(request_id, prompt, kvjax.SamplingParams(
         max_new_tokens=num_tokens, ignore_eos=True))
     logits, tokens, peak, decode_peak, decode_step_s = [], [], 0, 0, []
-    with _private_engine_hooks(engine, f"{request_id}#0") as (seq, pages):
+    seq_id = f"{request_id}#0"
+    pages = _DispatchPages(engine)
+    engine.add_step_observer(pages)
+    seq = engine.sequence(seq_id)  # The live record: logits steps update it in place.
+    try:
         while engine.has_unfinished():
             before, compiles = len(seq.tokens), engine.num_compiles
             is_decode = seq.num_computed >= len(prompt)
@@ -184,9 +164,11 @@ def forced_run(engine: kvjax.Engine, prompt: list[int], forced: list[int], num_t
             if len(seq.tokens) > before:
                 logits.append(np.asarray(engine.last_logits[0], np.float64))
                 i = len(seq.tokens) - 1 - len(prompt)
-                if i < len(forced):
-                    seq.tokens[-1] = forced[i]
-                tokens.append(seq.tokens[-1])
+                if i < len(forced) and seq.status is not SeqStatus.FINISHED:
+                    engine.force_token(seq_id, forced[i])
+                tokens.append(forced[i] if i < len(forced) else seq.tokens[-1])
+    finally:
+        engine.remove_step_observer(pages)
     return dict(logits=np.stack(logits), tokens=tokens, peak_pages=peak,
                 decode_peak_pages=decode_peak, decode_step_s=decode_step_s)
 

@@ -216,6 +216,12 @@ class Engine:
         """The live record of sequence `{request_id}#{sample}` (read it; do not change it)."""
         return self.scheduler.sequence(seq_id)
 
+    def force_token(self, seq_id: str, token: int) -> None:
+        """Teacher forcing: replaces the sequence's last sampled token before a step computes
+        it (its K/V and every later token then follow the forced one)."""
+        self.drain()
+        self.scheduler.force_last_token(seq_id, int(token))
+
     def add_step_observer(self, observer: StepObserver) -> None:
         """Calls `observer` around every step and KV operation (metering, logits taps)."""
         self.runner.observers.append(observer)

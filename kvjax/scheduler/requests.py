@@ -47,6 +47,13 @@ class RequestRegistry:
             return list(self._seqs.values())
         return [self._seqs[s] for s in self._requests.get(request_id, [])]
 
+    def force_last_token(self, seq_id: str, token: int) -> None:
+        """Replaces a sequence's last sampled token, which no step has computed yet."""
+        seq = self._seqs[seq_id]
+        if seq.num_computed >= len(seq.tokens) or len(seq.tokens) <= seq.num_prompt_tokens:
+            raise ValueError(f"sequence {seq_id!r} has no sampled token waiting to be computed")
+        seq.tokens[-1] = token
+
     def request_ids(self) -> list[str]:
         """Unfinished requests, in submission order."""
         return list(self._requests)
