@@ -2,8 +2,8 @@
 
 `attention_fns()` returns (decode_fn, prefill_fn) with exactly the signatures of
 `kvjax.kv.attention.paged_decode_attention_reference` and `paged_prefill_attention_reference`,
-over plain float pages. `layer_attention_fns(kv, layer)` picks the kernels for one layer of any
-KV state the engine holds:
+over plain float pages. `kernels_for(kv)` picks, from one table by state type, the kernels that
+read a KV state the engine holds, and `layer_attention_fns(kv, layer)` binds them to a layer:
 
   state                                   decode                      prefill
   PagedKV, ContiguousKV (float pages)     paged_decode kernel         ragged_prefill kernel
@@ -23,6 +23,7 @@ slow but computes the same values, so `attention_impl=pallas` works everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,8 @@ import jax
 
 from kvjax.kv import attention as attention_ref
 from kvjax.kv import quest
+from kvjax.kv.quantized import QuantizedPagedKV
+from kvjax.kv.state import ContiguousKV, KVState, PagedKV
 from pallas_kernels.paged_decode.kernel import pad_block_tables, paged_decode_attention
 from pallas_kernels.quantized_decode.kernel import code_format, quantized_decode_attention
 from pallas_kernels.ragged_prefill.kernel import ragged_prefill_attention
@@ -93,10 +96,9 @@ def _check_gpu_only(what: str) -> None:
                          "only, none for TPU; use attention_impl=reference there")
 
 
-def _quantized_codecs(kv: Any) -> tuple[Any, Any]:
+def _quantized_codecs(kv: QuantizedPagedKV) -> tuple[Any, Any]:
     """(key codec, value codec) of a quantized state; ValueError when no kernel reads them."""
-    k_codec = kv.codec
-    v_codec = getattr(kv, "value_codec", k_codec)  # Separate only for calibrated fp8.
+    k_codec, v_codec = kv.codec, kv.value_codec  # Separate only for calibrated fp8.
     for codec in (k_codec, v_codec):
         try:
             code_format(codec)
@@ -108,14 +110,15 @@ def _quantized_codecs(kv: Any) -> tuple[Any, Any]:
     return k_codec, v_codec
 
 
-def unsupported_reason(kv: Any) -> str | None:
-    """Why no kernel reads `kv` on this backend; None when `layer_attention_fns` can."""
-    if isinstance(kv, quest.QuestKV):
-        return unsupported_reason(kv.base)
-    if hasattr(kv, "layer_pages"):
-        return None
-    if not hasattr(kv, "k_stored"):
-        return f"attention_impl=pallas has no kernel for a {type(kv).__name__}"
+def _float_pages_fns(kv: PagedKV | ContiguousKV, layer: jax.Array
+                     ) -> tuple[DecodeFn, PrefillFn]:
+    decode_fn, prefill_fn = attention_fns()
+    k_pages, v_pages = kv.layer_pages(layer)  # [num_pages, P, K, D] each
+    return (lambda q, bt, lens: decode_fn(q, k_pages, v_pages, bt, lens),
+            lambda q, bt, lens, q_lens: prefill_fn(q, k_pages, v_pages, bt, lens, q_lens))
+
+
+def _quantized_reason(kv: QuantizedPagedKV) -> str | None:
     try:
         _quantized_codecs(kv)
         _check_gpu_only("quantized decode")
@@ -124,23 +127,7 @@ def unsupported_reason(kv: Any) -> str | None:
     return None
 
 
-def layer_attention_fns(kv: Any, layer: jax.Array) -> tuple[DecodeFn, PrefillFn]:
-    """(decode_fn, prefill_fn) over one layer of `kv`, for the state's layout (module table).
-
-    decode_fn(q [B, N, D], block_tables [B, W], kv_lens [B]) -> [B, N, D];
-    prefill_fn(q [B, C, N, D], block_tables, kv_lens, q_lens [B]) -> [B, C, N, D].
-    Raises ValueError for a state no kernel reads, before anything is traced.
-    """
-    if isinstance(kv, quest.QuestKV):
-        return layer_attention_fns(kv.base, layer)
-    reason = unsupported_reason(kv)
-    if reason is not None:
-        raise ValueError(reason)
-    decode_fn, prefill_fn = attention_fns()
-    if hasattr(kv, "layer_pages"):
-        k_pages, v_pages = kv.layer_pages(layer)  # [num_pages, P, K, D] each
-        return (lambda q, bt, lens: decode_fn(q, k_pages, v_pages, bt, lens),
-                lambda q, bt, lens, q_lens: prefill_fn(q, k_pages, v_pages, bt, lens, q_lens))
+def _quantized_fns(kv: QuantizedPagedKV, layer: jax.Array) -> tuple[DecodeFn, PrefillFn]:
     codec, _ = _quantized_codecs(kv)
     k_stored = {name: x[layer] for name, x in kv.k_stored.items()}  # [num_pages, P, ...]
     v_stored = {name: x[layer] for name, x in kv.v_stored.items()}
@@ -157,6 +144,70 @@ def layer_attention_fns(kv: Any, layer: jax.Array) -> tuple[DecodeFn, PrefillFn]
     return (lambda q, bt, lens: decode(q, block_tables=bt, kv_lens=lens)), prefill
 
 
+@dataclasses.dataclass(frozen=True)
+class _StateKernels:
+    """How the kernels read one KV state type.
+
+    Attributes:
+      reason: state -> why no kernel reads it on this backend, or None.
+      layer_fns: (state, layer) -> (decode_fn, prefill_fn) over that layer.
+    """
+
+    reason: Callable[[Any], str | None]
+    layer_fns: Callable[[Any, jax.Array], tuple[DecodeFn, PrefillFn]]
+
+
+_FLOAT_PAGES = _StateKernels(reason=lambda kv: None, layer_fns=_float_pages_fns)
+# Quest narrows the block tables before attention; its base's kernels read the pages.
+_QUEST = _StateKernels(reason=lambda kv: unsupported_reason(kv.base),
+                       layer_fns=lambda kv, layer: layer_attention_fns(kv.base, layer))
+
+# The module docstring's table, by state type.
+_KERNELS: dict[type, _StateKernels] = {
+    PagedKV: _FLOAT_PAGES,
+    ContiguousKV: _FLOAT_PAGES,
+    QuantizedPagedKV: _StateKernels(reason=_quantized_reason, layer_fns=_quantized_fns),
+    quest.QuestKV: _QUEST,
+}
+
+
+def _kernels_of(kv: Any) -> _StateKernels | None:
+    for cls in type(kv).__mro__:
+        if cls in _KERNELS:
+            return _KERNELS[cls]
+    return None
+
+
+def unsupported_reason(kv: Any) -> str | None:
+    """Why no kernel reads `kv` on this backend; None when `layer_attention_fns` can."""
+    kernels = _kernels_of(kv)
+    if kernels is None:
+        return f"attention_impl=pallas has no kernel for a {type(kv).__name__}"
+    return kernels.reason(kv)
+
+
+def kernels_for(kv: KVState) -> Callable[[KVState, jax.Array], tuple[DecodeFn, PrefillFn]]:
+    """The kernel chooser for states like `kv` (same type and codecs): (state, layer) -> fns.
+
+    Chosen once per engine step program; raises ValueError for a state no kernel reads,
+    before anything is traced.
+    """
+    reason = unsupported_reason(kv)
+    if reason is not None:
+        raise ValueError(reason)
+    return _kernels_of(kv).layer_fns
+
+
+def layer_attention_fns(kv: Any, layer: jax.Array) -> tuple[DecodeFn, PrefillFn]:
+    """(decode_fn, prefill_fn) over one layer of `kv`, for the state's layout (module table).
+
+    decode_fn(q [B, N, D], block_tables [B, W], kv_lens [B]) -> [B, N, D];
+    prefill_fn(q [B, C, N, D], block_tables, kv_lens, q_lens [B]) -> [B, C, N, D].
+    Raises ValueError for a state no kernel reads, before anything is traced.
+    """
+    return kernels_for(kv)(kv, layer)
+
+
 def quest_sparse_decode(kv: quest.QuestKV, layer: jax.Array, q: jax.Array,
                         block_tables: jax.Array, kv_lens: jax.Array, num_read: int
                         ) -> jax.Array:
@@ -171,7 +222,7 @@ def quest_sparse_decode(kv: quest.QuestKV, layer: jax.Array, q: jax.Array,
     Returns:
       [B, N, D] in q's dtype.
     """
-    if not hasattr(kv.base, "layer_pages"):
+    if _kernels_of(kv.base) is not _FLOAT_PAGES:
         raise ValueError(f"quest_sparse_decode reads float pages; the base state is a "
                          f"{type(kv.base).__name__} (use narrowed tables with its decode kernel)")
     _check_gpu_only("sparse decode")

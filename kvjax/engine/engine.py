@@ -251,7 +251,8 @@ class Engine:
 
         if self.has_unfinished():
             raise ValueError("calibrate_kv needs an idle engine: requests are in flight")
-        codec = getattr(self.kv, "codec", None)
+        codec = (quantized.make_codec(self.config.kv_codec, **self.config.kv_codec_options)
+                 if self.config.kv_codec != "none" else None)
         if not isinstance(codec, quantized.codecs.Fp8Codec) or codec.scaling.value != \
                 "calibrated":
             raise ValueError(f"calibrate_kv needs kv_codec fp8_e4m3/fp8_e5m2 with "
@@ -273,7 +274,7 @@ class Engine:
             f"tokenizer={getattr(tokenizer, 'fingerprint', type(tokenizer).__name__)}",
             "adapter=none",
             f"rope=theta{self.model.config.rope_theta}:absolute",
-            f"codec={getattr(self.kv, 'codec_name', 'none')}:{jnp.dtype(self.kv_dtype).name}",
+            f"codec={self.kv.codec_name}:{jnp.dtype(self.kv_dtype).name}",
             f"layout={self.config.kv_layout.value}:P{self.config.page_size}",
             f"tenant={tenant or ''}",
             f"retention={self.retention.fingerprint}",
@@ -285,8 +286,7 @@ class Engine:
     def validate_request(self, request_id: str, prompt_ids: Seq[int],
                          sampling: SamplingParams) -> list[int]:
         """Checks a request; raises ValueError naming the problem."""
-        if hasattr(self.kv, "check_ready"):  # A calibrated fp8 pool needs its scales first.
-            self.kv.check_ready()
+        self.kv.check_ready()  # A calibrated fp8 pool needs its scales first.
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if self.scheduler.has_request(request_id):

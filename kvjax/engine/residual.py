@@ -1,11 +1,11 @@
-"""The engine's side of KIVI's per-sequence exact windows (`kvjax.kv.quantized`).
+"""The engine's side of per-sequence KV beside the pages (a state's sequence-slot leaves).
 
-A KIVI pool keeps each running sequence's most recent tokens exact in a window slot of its
-own, beside the pages. The allocator hands out the slots with the sequences
-(`WindowBlockManager`), and the swap space moves them with the pages (`WindowSwapSpace`): a
-swapped-out sequence takes its window to host memory and gets it back in its new slot, a
-forked sample starts from a copy of its parent's window, and scrubbing zeroes the windows of
-freed sequences as well as their pages.
+A KIVI pool (`kvjax.kv.quantized`) keeps each running sequence's most recent tokens exact in
+a window slot of its own, beside the pages: its `KVState.seq_slot_leaves`. The allocator hands
+out the slots with the sequences (`WindowBlockManager`), and the swap space moves them with the
+pages (`WindowSwapSpace`): a swapped-out sequence takes its window to host memory and gets it
+back in its new slot, a forked sample starts from a copy of its parent's window, and scrubbing
+zeroes the windows of freed sequences as well as their pages.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.engine.swap import HostSwapSpace
+from kvjax.kv import pages as kv_pages
 from kvjax.memory.block_manager import BlockManager
 
 
@@ -64,22 +65,25 @@ class WindowBlockManager(BlockManager):
         return freed
 
 
-def _window(kv, slot: jax.Array):
-    return kv.k_residual[:, slot], kv.v_residual[:, slot]  # [L, W, K, D] each
+def _window(kv, slot: jax.Array) -> list[jax.Array]:
+    return kv_pages.take(kv.seq_slot_leaves(), slot)  # [L, ...] each, e.g. [L, W, K, D]
 
 
-def _set_window(kv, slot: jax.Array, k: jax.Array, v: jax.Array):
-    return kv.replace(k_residual=kv.k_residual.at[:, slot].set(k),
-                      v_residual=kv.v_residual.at[:, slot].set(v))
+def _set_window(kv, slot: jax.Array, window: list[jax.Array]):
+    return kv.with_seq_slot_leaves(kv_pages.put(kv.seq_slot_leaves(), slot, window))
+
+
+def _copy_window(kv, src: jax.Array, dst: jax.Array):
+    return _set_window(kv, dst, _window(kv, src))
 
 
 def _zero_windows(kv, slots: jax.Array):
-    return kv.replace(k_residual=kv.k_residual.at[:, slots].set(0),
-                      v_residual=kv.v_residual.at[:, slots].set(0))
+    return kv.with_seq_slot_leaves([x.at[:, slots].set(0) for x in kv.seq_slot_leaves()])
 
 
 class WindowSwapSpace(HostSwapSpace):
-    """Host swap space for a KIVI pool: pages as `HostSwapSpace`, plus each sequence's window.
+    """Host swap space for a state with sequence-slot leaves (KIVI): pages as `HostSwapSpace`,
+    plus each sequence's window (its entries of the sequence-slot leaves).
 
     Args:
         allocator: the engine's `WindowBlockManager` (which slot a sequence holds).
@@ -90,12 +94,11 @@ class WindowSwapSpace(HostSwapSpace):
     def __init__(self, allocator: WindowBlockManager):
         super().__init__()
         self.allocator = allocator
-        self._windows: dict[str, tuple[object, object]] = {}
+        self._windows: dict[str, list[object]] = {}
         self._window = jax.jit(_window)
         self._set_window = jax.jit(_set_window, donate_argnums=0)
         self._zero_windows = jax.jit(_zero_windows, donate_argnums=0)
-        self._copy_window = jax.jit(lambda kv, src, dst: kv.copy_window(src, dst),
-                                    donate_argnums=0)
+        self._copy_window = jax.jit(_copy_window, donate_argnums=0)
 
     @property
     def num_compiles(self) -> int:
@@ -103,24 +106,19 @@ class WindowSwapSpace(HostSwapSpace):
             f._cache_size() for f in (self._window, self._set_window, self._zero_windows,
                                       self._copy_window))
 
-    @staticmethod
-    def _with_pages(kv, pages_kv):
-        return pages_kv.replace(k_residual=kv.k_residual, v_residual=kv.v_residual)
-
     def swap_out(self, kv, seq_id: str, pages: list[int]) -> int:
         """Copies the pages and the sequence's window to host memory; returns bytes moved."""
-        nbytes = super().swap_out(kv.pages_only(), seq_id, pages)
+        nbytes = super().swap_out(kv, seq_id, pages)
         window = self._window(kv, jnp.int32(self.allocator.seq_slot(seq_id)))
-        self._windows[seq_id] = tuple(self._to_host(x) for x in window)
+        self._windows[seq_id] = [self._to_host(x) for x in window]
         return nbytes + sum(x.nbytes for x in window)
 
     def swap_in(self, kv, seq_id: str, pages: list[int], first: int) -> tuple[object, int]:
         """Writes the pages back, and the window into the sequence's new slot."""
-        pages_kv, nbytes = super().swap_in(kv.pages_only(), seq_id, pages, first)
-        kv = self._with_pages(kv, pages_kv)
-        k, v = (self._to_device(x) for x in self._windows.pop(seq_id))
-        kv = self._set_window(kv, jnp.int32(self.allocator.seq_slot(seq_id)), k, v)
-        return kv, nbytes + k.nbytes + v.nbytes
+        kv, nbytes = super().swap_in(kv, seq_id, pages, first)
+        window = [self._to_device(x) for x in self._windows.pop(seq_id)]
+        kv = self._set_window(kv, jnp.int32(self.allocator.seq_slot(seq_id)), window)
+        return kv, nbytes + sum(x.nbytes for x in window)
 
     def drop(self, seq_id: str) -> None:
         super().drop(seq_id)
@@ -128,7 +126,7 @@ class WindowSwapSpace(HostSwapSpace):
 
     def scrub(self, kv, pages: list[int]):
         """Zeroes freed pages and the windows of sequences freed since the last scrub."""
-        kv = self._with_pages(kv, super().scrub(kv.pages_only(), pages))
+        kv = super().scrub(kv, pages)
         released = self.allocator.released_slots
         if released:
             # Repeating the last slot pads to a power of two: zeroing twice is harmless.
@@ -141,13 +139,12 @@ class WindowSwapSpace(HostSwapSpace):
     def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool):
         """As `HostSwapSpace.warmup`, plus the window programs (writes to a slot past the end
         are dropped: the state is unchanged)."""
-        kv = self._with_pages(kv, super().warmup(kv.pages_only(), max_pages, swap=swap,
-                                                 scrub=scrub))
+        kv = super().warmup(kv, max_pages, swap=swap, scrub=scrub)
         past = jnp.int32(self.allocator.num_seq_slots)
         kv = self._copy_window(kv, jnp.int32(0), past)
         if swap:
-            k, v = (self._to_device(x) for x in self._window(kv, jnp.int32(0)))
-            kv = self._set_window(kv, past, k, v)
+            window = [self._to_device(x) for x in self._window(kv, jnp.int32(0))]
+            kv = self._set_window(kv, past, window)
         if scrub:
             for n in (1 << i for i in range(max(self.allocator.num_seq_slots - 1, 0)
                                             .bit_length() + 1)):

@@ -40,7 +40,8 @@ import orbax.checkpoint as ocp
 
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, SeqStatus, Sequence
-from kvjax.kv.state import ContiguousKV, pages_for
+from kvjax.kv import pages as kv_pages
+from kvjax.kv.state import pages_for
 from kvjax.sampling import SamplingParams
 
 SNAPSHOT_FORMAT = 1
@@ -56,25 +57,9 @@ def _check_pages_hold_all_kv(engine: Engine) -> None:
         # Such sequences hold fewer pages than tokens, plus policy state a snapshot lacks.
         raise ValueError(f"snapshots need exact KV; the engine runs retention="
                          f"{engine.config.retention!r}")
-    if getattr(engine.kv, "k_residual", None) is not None:
+    if engine.kv.num_seq_slots:
         raise ValueError(f"snapshots carry pages only; kv_codec={engine.config.kv_codec!r} "
                          f"keeps each sequence's recent tokens in a KIVI window outside them")
-
-
-def _page_leaves(kv) -> list[jax.Array]:
-    """The KV pytree's leaves viewed page-major, each [L, num_pages, ...]."""
-    if isinstance(kv, ContiguousKV):
-        return [kv._as_pages(kv.k), kv._as_pages(kv.v)]
-    return jax.tree.leaves(kv)
-
-
-def _scatter_pages(kv, pages: np.ndarray, stored: list[jax.Array]):
-    """Writes stored[i] [L, n, ...] into pages [n] of leaf i; returns the new KV pytree."""
-    written = [leaf.at[:, pages].set(jnp.asarray(s, leaf.dtype))
-               for leaf, s in zip(_page_leaves(kv), stored, strict=True)]
-    if isinstance(kv, ContiguousKV):
-        return kv.replace(k=written[0].reshape(kv.k.shape), v=written[1].reshape(kv.v.shape))
-    return jax.tree.unflatten(jax.tree.structure(kv), written)
 
 
 # ----------------------------------------------------------------------------- provenance
@@ -87,7 +72,7 @@ def provenance_parts(engine: Engine) -> dict[str, str | int]:
         model=engine.model.config.name,
         weights_version=engine.model.weights_version,
         tokenizer=str(getattr(tokenizer, "fingerprint", type(tokenizer).__name__)),
-        codec=str(getattr(engine.kv, "codec_name", "none")),
+        codec=str(engine.kv.codec_name),
         kv_dtype=jnp.dtype(engine.kv_dtype).name,
         layout=engine.config.kv_layout.value,
         page_size=engine.config.page_size,
@@ -97,7 +82,7 @@ def provenance_parts(engine: Engine) -> dict[str, str | int]:
 def _page_shapes(engine: Engine) -> list[list]:
     """Per KV leaf: [L, dims of one page...] and its dtype, which saved pages must match."""
     return [[int(x.shape[0]), *map(int, x.shape[2:]), jnp.dtype(x.dtype).name]
-            for x in _page_leaves(engine.kv)]
+            for x in engine.kv.page_leaves()]
 
 
 # ----------------------------------------------------------------------------- records
@@ -186,7 +171,7 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
     items = dict(meta=ocp.args.JsonSave(meta))
     if saved_pages:
         pool_pages = np.fromiter(saved_pages, np.int32, len(saved_pages))
-        leaves = [leaf[:, pool_pages] for leaf in _page_leaves(engine.kv)]  # [L, n, ...] each
+        leaves = kv_pages.gather_pages(engine.kv, pool_pages)  # [L, n, ...] each
         items["kv"] = ocp.args.StandardSave({f"leaf_{i}": x for i, x in enumerate(leaves)})
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(path, args=ocp.args.Composite(**items))
@@ -233,7 +218,8 @@ def _place(engine: Engine, seq: Sequence, pages: list[int], stored: list[jax.Arr
     if pages and seq.status is SeqStatus.RUNNING:
         def scatter(kv, table, first):
             src = np.asarray(pages[first:], np.int32)
-            return _scatter_pages(kv, np.asarray(table, np.int32), [x[:, src] for x in stored])
+            return kv_pages.scatter_pages(kv, np.asarray(table, np.int32),
+                                          kv_pages.take(stored, src))
 
         has_kv = engine.kv_cache.place(seq.seq_id, seq.tokens, seq.num_computed,
                                        engine.scheduler.cache_key(seq), seq.weights_version,

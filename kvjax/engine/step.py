@@ -78,8 +78,10 @@ class StepInput:
       seeds: [R] uint32; counters: [R] int32, the index of the token each row generates.
       score_weights: [T] float32, each query's weight in the key scores a retention policy
         accumulates (kvjax.kv.retention); 0 for padding and for policies that score nothing.
-      seq_slots: [R] int32, each row's per-sequence window slot in states that keep one
-        (KIVI's exact window, kvjax.kv.quantized); 0 elsewhere and for padding.
+      seq_slots: [R] int32, each row's sequence slot in the KV state's sequence-slot leaves
+        (`KVState.seq_slot_leaves`, per-sequence KV beside the pages, such as KIVI's exact
+        windows); the engine's allocator assigns them. 0 in states without such leaves and
+        for padding.
     """
 
     tokens: jax.Array
@@ -135,30 +137,35 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
 PAGES_PER_BLOCK = 8  # Block tables are padded to a multiple of this.
 
 
-def _resolve(impl: AttentionImpl, kv: KVState) -> AttentionImpl:
-    """AUTO: the Pallas kernels on GPU/TPU where one reads this KV state, else the reference."""
-    if impl is not AttentionImpl.AUTO:
-        return impl
-    if jax.default_backend() == "cpu":
-        return AttentionImpl.REFERENCE
+def _resolve(impl: AttentionImpl, kv: KVState):
+    """The Pallas kernel chooser (state, layer) -> (decode_fn, prefill_fn), or None: reference.
+
+    AUTO: the Pallas kernels on GPU/TPU where one reads this KV state, else the reference.
+    PALLAS raises ValueError for a state no kernel reads.
+    """
+    if impl is AttentionImpl.REFERENCE:
+        return None
+    if impl is AttentionImpl.AUTO and jax.default_backend() == "cpu":
+        return None
     from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
 
-    if dispatch.unsupported_reason(kv) is None:
-        return AttentionImpl.PALLAS
-    return AttentionImpl.REFERENCE
+    if impl is AttentionImpl.AUTO and dispatch.unsupported_reason(kv) is not None:
+        return None
+    return dispatch.kernels_for(kv)
 
 
 def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, shape: StepShape,
-                 impl: AttentionImpl) -> jax.Array:
-    """Attention of a step's decode rows and prefill rows. q: [T, N, D] -> [T, N, D]."""
+                 kernels) -> jax.Array:
+    """Attention of a step's decode rows and prefill rows. q: [T, N, D] -> [T, N, D].
+
+    kernels: `_resolve`'s Pallas kernel chooser, or None for the blockwise reference.
+    """
     bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
     _, n, d = q.shape
     bt, kv_lens, q_lens = inp.block_tables, inp.kv_lens, inp.q_lens
     outs = []
-    if impl is AttentionImpl.PALLAS:
-        from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
-
-        decode_attn, prefill_attn = dispatch.layer_attention_fns(kv, layer)
+    if kernels is not None:
+        decode_attn, prefill_attn = kernels(kv, layer)
         if bd:
             outs.append(decode_attn(q[:bd], bt[:bd], kv_lens[:bd]))
         if bp:
@@ -169,10 +176,8 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
                                   pages_per_block=PAGES_PER_BLOCK)
 
     def reader(rows: slice):
-        """(block tables, page loader) of `rows`; per-sequence windows need the rows' view."""
-        if getattr(kv, "needs_rows", False):
-            return kv.row_loader(layer, bt[rows], kv_lens[rows], inp.seq_slots[rows])
-        return bt[rows], functools.partial(kv.load_pages, layer)
+        """(block tables, page loader) of `rows`."""
+        return kv.row_loader(layer, bt[rows], kv_lens[rows], inp.seq_slots[rows])
 
     if bd:
         tables, load = reader(slice(0, bd))
@@ -195,17 +200,14 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     """
     bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
     q_lens = inp.q_lens
-    impl = _resolve(attention_impl, kv)
+    kernels = _resolve(attention_impl, kv)  # Once per program, for every layer.
     scores_keys = retention is not None and retention.scores_keys
 
     def attend(layer, q, k, v, carry):
         kv, key_scores = carry
-        if getattr(kv, "needs_rows", False):  # Per-sequence windows (KIVI): writes see rows.
-            kv = kv.write_rows(layer, inp, shape, k, v)
-        else:
-            kv = kv.write(layer, inp.slot_mapping, k, v)
+        kv = kv.write_rows(layer, inp, shape, k, v)
         rows = inp if retention is None else retention.narrow_rows(kv, layer, q, inp, shape)
-        out = _attend_rows(kv, layer, q, rows, shape, impl)
+        out = _attend_rows(kv, layer, q, rows, shape, kernels)
         if scores_keys:
             key_scores = key_scores + retention.key_scores(kv, layer, q, inp, shape,
                                                            pages_per_block=PAGES_PER_BLOCK)

@@ -1,9 +1,10 @@
 """Swapping a preempted sequence's KV pages to host memory and back, through jax memory kinds.
 
-Pages travel page-first: a sequence's pages are gathered into one contiguous buffer
-`[L, n, P, K, D]` on the device, then moved in a single transfer to `pinned_host` memory
-(`unpinned_host` where the backend lacks it). Page counts are padded to powers of two so the
-gather and scatter programs compile once per bucket.
+Pages travel page-first: a sequence's pages are gathered from every page leaf of the KV state
+(`kvjax.kv.pages`) into one contiguous buffer per leaf, `[L, n, P, K, D]` for exact K and V,
+then moved in a single transfer to `pinned_host` memory (`unpinned_host` where the backend
+lacks it). Page counts are padded to powers of two so the gather and scatter programs compile
+once per bucket.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import jax
 import numpy as np
 
-from kvjax.kv.state import ContiguousKV
+from kvjax.kv import pages as kv_pages
 
 log = logging.getLogger(__name__)
 
@@ -31,30 +32,6 @@ def _padded(pages: list[int]) -> np.ndarray:
     return np.asarray(pages + [pages[-1]] * (n - len(pages)), np.int32)
 
 
-# Paged states (exact or quantized) keep every array leaf page-major: [L, num_pages, ...].
-
-
-def _gather(kv, pages: jax.Array):
-    return jax.tree.map(lambda x: x[:, pages], kv)  # leaves [L, n, ...]
-
-
-def _scatter(kv, pages: jax.Array, stored):
-    return jax.tree.map(lambda x, s: x.at[:, pages].set(s.astype(x.dtype)), kv, stored)
-
-
-def _zero(kv, pages: jax.Array):
-    if isinstance(kv, ContiguousKV):
-        k = kv._as_pages(kv.k).at[:, pages].set(0).reshape(kv.k.shape)
-        v = kv._as_pages(kv.v).at[:, pages].set(0).reshape(kv.v.shape)
-        return kv.replace(k=k, v=v)
-    return jax.tree.map(lambda x: x.at[:, pages].set(0), kv)
-
-
-def _page_bytes(stored, num_pages: int) -> int:
-    """Bytes one page takes across all leaves of a gathered [L, n, ...] pytree."""
-    return sum(x.nbytes for x in jax.tree.leaves(stored)) // num_pages
-
-
 class HostSwapSpace:
     """Host-memory copies of swapped-out sequences' pages, keyed by sequence id."""
 
@@ -63,9 +40,9 @@ class HostSwapSpace:
     def __init__(self):
         self._stored: dict[str, tuple[object, int]] = {}
         # Per-instance programs, so each engine counts its own compilations.
-        self._gather = jax.jit(_gather)
-        self._scatter = jax.jit(_scatter, donate_argnums=0)
-        self._zero = jax.jit(_zero, donate_argnums=0)
+        self._gather = jax.jit(kv_pages.gather_pages)
+        self._scatter = jax.jit(kv_pages.scatter_pages, donate_argnums=0)
+        self._zero = jax.jit(kv_pages.zero_pages, donate_argnums=0)
         device = jax.devices()[0]
         self.memory_kind = _host_memory_kind(device)
         if self.memory_kind is None:
@@ -93,8 +70,8 @@ class HostSwapSpace:
         """Copies `pages` (in block-table order) to host memory; returns bytes moved."""
         padded = _padded(pages)
         stored = self._gather(kv, padded)
-        self._stored[seq_id] = (jax.tree.map(self._to_host, stored), len(pages))
-        return _page_bytes(stored, len(padded)) * len(pages)
+        self._stored[seq_id] = ([self._to_host(x) for x in stored], len(pages))
+        return kv_pages.blob_bytes_per_page(stored) * len(pages)
 
     def swap_in(self, kv, seq_id: str, pages: list[int], first: int) -> tuple[object, int]:
         """Writes stored pages [first:] into the sequence's new `pages[first:]`; frees the copy."""
@@ -103,9 +80,9 @@ class HostSwapSpace:
         if not targets:
             return kv, 0
         idx = _padded(list(range(first, n)))
-        on_device = jax.tree.map(lambda x: self._to_device(x)[:, idx], stored)
+        on_device = kv_pages.take([self._to_device(x) for x in stored], idx)
         kv = self._scatter(kv, _padded(targets), on_device)
-        return kv, _page_bytes(on_device, len(idx)) * len(targets)
+        return kv, kv_pages.blob_bytes_per_page(on_device) * len(targets)
 
     def drop(self, seq_id: str) -> None:
         self._stored.pop(seq_id, None)
@@ -124,7 +101,7 @@ class HostSwapSpace:
         for n in (1 << i for i in range(max(max_pages - 1, 0).bit_length() + 1)):
             past = np.full(n, kv.num_pages, np.int32)
             if swap:
-                stored = jax.tree.map(self._to_device, self._gather(kv, np.zeros(n, np.int32)))
+                stored = [self._to_device(x) for x in self._gather(kv, np.zeros(n, np.int32))]
                 kv = self._scatter(kv, past, stored)
             if scrub:
                 kv = self._zero(kv, past)

@@ -1,11 +1,11 @@
 """Quantized paged KV state: the page pool holds codec codes and metadata, not float K and V.
 
-`QuantizedPagedKV` has the methods of `PagedKV` (`write`, `load_pages`, `copy_pages`,
-`nbytes`, `num_pages`, `page_size`), so the jitted step and the blockwise attention use it
-unchanged: `write` encodes the step's new tokens inside the jitted step (quantize on write),
-and `load_pages` gathers only the requested pages and decodes them to float32. Every page leaf
-is page-major, `[L, num_pages, ...]`, so swapping, scrubbing and copy-on-write treat it like
-any paged state.
+`QuantizedPagedKV` implements `kvjax.kv.state.KVState`, so the jitted step and the blockwise
+attention use it unchanged: `write` encodes the step's new tokens inside the jitted step
+(quantize on write), and `load_pages` gathers only the requested pages and decodes them to
+float32. Its page leaves (codes and metadata) are page-major, `[L, num_pages, ...]`, so
+swapping, scrubbing and copy-on-write treat it like any paged state; KIVI's windows are its
+sequence-slot leaves.
 
 Per-token codecs (int8, int4, int2, fp8_e4m3, fp8_e5m2, and none): each token's K and V are
 encoded alone, from that token's own values, with the codec's per-token metadata; a page holds
@@ -58,7 +58,9 @@ plus, for KIVI, `residual_bytes` = 2 L num_seq_slots (R + g) K D 4 for the windo
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -319,8 +321,11 @@ class QuantizedPagedKV:
             (logical tables [B, W_bt], loader) for `paged_attention_blockwise`: the tables hold
             page indices within each row (0, 1, ...), which the loader maps through
             `block_tables` and to token positions, so it can read each position from the
-            codes or from the row's window.
+            codes or from the row's window. Per-token codecs read by page alone: the rows'
+            block tables and `load_pages`.
         """
+        if not is_kivi(self.codec):
+            return block_tables, functools.partial(self.load_pages, layer)
         page_size, window = self.page_size, self.window
         logical = jnp.broadcast_to(jnp.arange(block_tables.shape[1], dtype=jnp.int32),
                                    block_tables.shape)  # [B, W_bt]
@@ -442,8 +447,30 @@ class QuantizedPagedKV:
                             v_stored=jax.tree.map(copy, self.v_stored))
 
     def pages_only(self) -> QuantizedPagedKV:
-        """This state without its windows: the page-major pytree swapping and scrubbing move."""
+        """This state without its windows: a pytree of page leaves only."""
         return self.replace(k_residual=None, v_residual=None)
+
+    def page_leaves(self) -> list[jax.Array]:
+        """The key then value storage entries (by name), each [L, num_pages, rows, ...]."""
+        return jax.tree.leaves((self.k_stored, self.v_stored))
+
+    def with_page_leaves(self, leaves: Sequence[jax.Array]) -> QuantizedPagedKV:
+        k_stored, v_stored = jax.tree.unflatten(jax.tree.structure((self.k_stored,
+                                                                    self.v_stored)), leaves)
+        return self.replace(k_stored=k_stored, v_stored=v_stored)
+
+    def seq_slot_leaves(self) -> list[jax.Array]:
+        """KIVI: the exact windows [k_residual, v_residual], each [L, num_seq_slots, W, K, D]."""
+        return [] if self.k_residual is None else [self.k_residual, self.v_residual]
+
+    def with_seq_slot_leaves(self, leaves: Sequence[jax.Array]) -> QuantizedPagedKV:
+        if len(leaves) != len(self.seq_slot_leaves()):
+            raise ValueError(f"{self.codec.name} holds {len(self.seq_slot_leaves())} "
+                             f"sequence-slot leaves, got {len(leaves)}")
+        if not leaves:
+            return self
+        k_residual, v_residual = leaves
+        return self.replace(k_residual=k_residual, v_residual=v_residual)
 
     def copy_window(self, src: jax.Array, dst: jax.Array) -> QuantizedPagedKV:
         """Window slot dst becomes a copy of slot src (int32 scalars), in all layers."""

@@ -26,11 +26,13 @@ summary), so a page's summary always covers exactly its written tokens.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from kvjax.kv.state import KVState, SlotAddressed
 
 
 class HeadReduction(enum.Enum):
@@ -57,19 +59,20 @@ def _update_summaries(key_min: jax.Array, key_max: jax.Array, layer: jax.Array,
 
 
 @struct.dataclass
-class QuestKV:
+class QuestKV(SlotAddressed):
     """A paged KV state with per-page key summaries for query-aware page selection.
 
-    Every array leaf is page-major ([L, num_pages, ...]), so swapping and scrubbing (which map
-    over leaves) carry the summaries along with the pages.
+    Its page leaves are the base's followed by the summaries, so swapping and scrubbing carry
+    the summaries along with the pages.
 
     Attributes:
-      base: the wrapped paged state (`PagedKV` or a quantized paged state).
+      base: the wrapped paged state (`PagedKV` or a per-token quantized paged state), one that
+        writes by flat slot (`needs_rows` False).
       key_min: [L, num_pages, K, D] float32, elementwise minimum of the page's keys.
       key_max: [L, num_pages, K, D] float32, elementwise maximum of the page's keys.
     """
 
-    base: Any
+    base: KVState
     key_min: jax.Array
     key_max: jax.Array
 
@@ -87,7 +90,10 @@ class QuestKV:
 
     @property
     def codec_name(self) -> str:
-        return getattr(self.base, "codec_name", "none")
+        return self.base.codec_name
+
+    def check_ready(self) -> None:
+        self.base.check_ready()
 
     def layer_pages(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self.base.layer_pages(layer)
@@ -108,14 +114,26 @@ class QuestKV:
                             key_min=self.key_min.at[:, dst].set(self.key_min[:, src]),
                             key_max=self.key_max.at[:, dst].set(self.key_max[:, src]))
 
+    def page_leaves(self) -> list[jax.Array]:
+        """The base's page leaves, then key_min and key_max."""
+        return [*self.base.page_leaves(), self.key_min, self.key_max]
+
+    def with_page_leaves(self, leaves: Sequence[jax.Array]) -> QuestKV:
+        *base_leaves, key_min, key_max = leaves
+        return self.replace(base=self.base.with_page_leaves(base_leaves), key_min=key_min,
+                            key_max=key_max)
+
     def nbytes(self) -> int:
         return self.base.nbytes() + self.key_min.nbytes + self.key_max.nbytes
 
 
-def init_quest_kv(base: Any) -> QuestKV:
-    """Wraps a page-major paged state ([L, num_pages, ...] leaves) with empty summaries."""
+def init_quest_kv(base: KVState) -> QuestKV:
+    """Wraps a paged state that writes by flat slot with empty summaries."""
+    if base.needs_rows:
+        raise ValueError(f"Quest summaries follow flat-slot writes; a {base.codec_name} state "
+                         f"writes by rows")
     k, _ = jax.eval_shape(base.load_pages, jnp.int32(0), jnp.zeros((1, 1), jnp.int32))
-    num_layers = jax.tree.leaves(base)[0].shape[0]
+    num_layers = base.page_leaves()[0].shape[0]
     shape = (num_layers, base.num_pages, k.shape[3], k.shape[4])  # [L, num_pages, K, D]
     return QuestKV(base=base, key_min=jnp.zeros(shape, jnp.float32),
                    key_max=jnp.zeros(shape, jnp.float32))

@@ -1,18 +1,27 @@
-"""KV state pytrees: the paged pool and the contiguous baseline.
+"""KV state pytrees and the one protocol every KV state implements.
 
-Both store one layer's keys as pages `[num_pages, P, K, D]`, so the same attention reads both:
+`KVState` is what generic code (the jitted step, swapping, tiers, snapshots, disaggregation,
+the Pallas dispatch) asks of a KV state; it never probes which variant it holds. The variants:
 
   * `PagedKV`: a pool of pages shared by all sequences; block tables (host metadata, shipped
     per step) say which pages hold a sequence's tokens. Pages are allocated on demand.
   * `ContiguousKV`: the naive baseline. Every sequence slot owns `max_len` tokens up front,
     stored contiguously `[L, max_seqs, max_len, K, D]`; viewed as pages, slot b owns pages
     b*pages_per_seq .. (b+1)*pages_per_seq - 1 and its block table is that fixed range.
+  * `kvjax.kv.quantized.QuantizedPagedKV`: pages of codec codes and metadata, and for KIVI
+    an exact window per sequence slot beside them.
+  * `kvjax.kv.quest.QuestKV`: a paged state with per-page key summaries (retention 'quest').
 
-A token's flat slot index is `page * P + offset`; writes to slot -1 (or any slot past the
-pool) are dropped, which is how padded tokens of a bucketed step write nothing.
+Both exact states store one layer's keys as pages `[num_pages, P, K, D]`, so the same attention
+reads both. A token's flat slot index is `page * P + offset`; writes to slot -1 (or any slot
+past the pool) are dropped, which is how padded tokens of a bucketed step write nothing.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +29,126 @@ import numpy as np
 from flax import struct
 
 from kvjax.config import ModelConfig
+from kvjax.kv.attention import PageLoader
+
+
+@runtime_checkable
+class KVState(Protocol):
+    """What every KV state provides (shapes: L layers, P page size, K kv heads, D head dim).
+
+    A state is a frozen pytree; every method returns a new state. Its arrays fall in two
+    groups, and whatever moves KV between places (swap, tiers, snapshots, disaggregation,
+    scrubbing) moves them through these views, never through the state's own fields:
+
+      * page leaves (`page_leaves`): each `[L, num_pages, ...]`, page-major, the KV of each
+        page (keys and values, or codes and scales, plus any per-page summaries); a page's
+        rows in every leaf together are the page.
+      * sequence-slot leaves (`seq_slot_leaves`): each `[L, num_seq_slots, ...]`, per-sequence
+        KV kept outside the pages (KIVI's exact windows); empty for most states. The step
+        passes each row's slot as `StepInput.seq_slots`.
+
+    `kvjax.kv.pages` gathers, scatters and zeroes pages through the page leaves.
+
+    Attributes:
+      page_size: P, tokens per page (the granularity attention reads at).
+      num_pages: pages the state holds (for `ContiguousKV`, its slots viewed as pages).
+      num_slots: num_pages * P flat token slots.
+      num_seq_slots: sequence slots of the sequence-slot leaves (0 when there are none).
+      codec_name: the codec with its options ('none' for exact states); part of the KV
+        provenance fingerprint.
+      needs_rows: whether `write_rows` and `row_loader` use the step's rows (block tables,
+        lengths, seq_slots) beyond the slot mapping: True for KIVI, False for states that
+        write and read by flat slot and page alone.
+    """
+
+    page_size: int
+    num_pages: int
+    num_slots: int
+    num_seq_slots: int
+    codec_name: str
+    needs_rows: bool
+
+    def check_ready(self) -> None:
+        """Raises ValueError when the state cannot be written yet (calibrated fp8 unscaled)."""
+
+    def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array) -> Self:
+        """Writes k, v [T, K, D] of `layer` into flat slots [T] (-1: dropped)."""
+
+    def write_rows(self, layer: jax.Array, inp: Any, shape: Any, k: jax.Array, v: jax.Array
+                   ) -> Self:
+        """Writes one step's new tokens k, v [T, K, D] of `layer`, as the step lays them out.
+
+        inp: the `kvjax.engine.step.StepInput` (slot_mapping [T]; block_tables [R, W],
+        kv_lens, q_lens, seq_slots [R]); shape: its `StepShape`. States with needs_rows False
+        write `inp.slot_mapping`.
+        """
+
+    def load_pages(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K and V of `pages` [B, n] of `layer`, each [B, n, P, K, D]; reads only those pages."""
+
+    def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
+                   seq_slots: jax.Array) -> tuple[jax.Array, PageLoader]:
+        """What attention reads for rows: (block tables [B, W], page loader [B, n] -> K, V).
+
+        block_tables: [B, W] int32; kv_lens: [B] int32 after this step's write; seq_slots:
+        [B] int32. The loader maps index arrays [B, n] of the returned tables to K and V
+        [B, n, P, K, D] (`kvjax.kv.attention.paged_attention_blockwise` takes the pair).
+        """
+
+    def copy_pages(self, src: jax.Array, dst: jax.Array) -> Self:
+        """Copy-on-write: page dst[i] becomes a copy of page src[i] in all layers. src, dst: [C]."""
+
+    def page_leaves(self) -> list[jax.Array]:
+        """The page leaves, each [L, num_pages, ...], in a fixed order."""
+
+    def with_page_leaves(self, leaves: Sequence[jax.Array]) -> Self:
+        """This state with its page leaves replaced (same order, shapes and dtypes)."""
+
+    def seq_slot_leaves(self) -> list[jax.Array]:
+        """The sequence-slot leaves, each [L, num_seq_slots, ...]; [] for most states."""
+
+    def with_seq_slot_leaves(self, leaves: Sequence[jax.Array]) -> Self:
+        """This state with its sequence-slot leaves replaced."""
+
+    def nbytes(self) -> int:
+        """Device bytes of every buffer of the state."""
+
+
+class SlotAddressed:
+    """`KVState` members of states written by flat slot and read by page (no sequence slots).
+
+    A mixin for frozen pytree dataclasses that define `write`, `load_pages` and their page
+    leaves; `codec_name` is 'none' unless the state overrides it.
+    """
+
+    needs_rows: ClassVar[bool] = False
+    num_seq_slots: ClassVar[int] = 0
+
+    @property
+    def codec_name(self) -> str:
+        return "none"
+
+    def check_ready(self) -> None:
+        """Always ready: nothing to calibrate."""
+
+    def write_rows(self, layer: jax.Array, inp: Any, shape: Any, k: jax.Array, v: jax.Array
+                   ) -> Self:
+        """Writes k, v [T, K, D] of `layer` into `inp.slot_mapping` [T]."""
+        return self.write(layer, inp.slot_mapping, k, v)
+
+    def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
+                   seq_slots: jax.Array) -> tuple[jax.Array, PageLoader]:
+        """The rows' own block tables [B, W] and this layer's page loader."""
+        return block_tables, functools.partial(self.load_pages, layer)
+
+    def seq_slot_leaves(self) -> list[jax.Array]:
+        return []
+
+    def with_seq_slot_leaves(self, leaves: Sequence[jax.Array]) -> Self:
+        if leaves:
+            raise ValueError(f"a {type(self).__name__} has no sequence-slot leaves, got "
+                             f"{len(leaves)}")
+        return self
 
 
 def _write_slots(pages: jax.Array, layer: jax.Array, slots: jax.Array, x: jax.Array
@@ -33,7 +162,7 @@ def _write_slots(pages: jax.Array, layer: jax.Array, slots: jax.Array, x: jax.Ar
 
 
 @struct.dataclass
-class PagedKV:
+class PagedKV(SlotAddressed):
     """A pool of KV pages shared by all sequences.
 
     Attributes:
@@ -74,12 +203,20 @@ class PagedKV:
         return self.replace(k_pages=self.k_pages.at[:, dst].set(self.k_pages[:, src]),
                             v_pages=self.v_pages.at[:, dst].set(self.v_pages[:, src]))
 
+    def page_leaves(self) -> list[jax.Array]:
+        """[k_pages, v_pages], each [L, num_pages, P, K, D]."""
+        return [self.k_pages, self.v_pages]
+
+    def with_page_leaves(self, leaves: Sequence[jax.Array]) -> PagedKV:
+        k_pages, v_pages = leaves
+        return self.replace(k_pages=k_pages, v_pages=v_pages)
+
     def nbytes(self) -> int:
         return self.k_pages.nbytes + self.v_pages.nbytes
 
 
 @struct.dataclass
-class ContiguousKV:
+class ContiguousKV(SlotAddressed):
     """Per-sequence preallocated KV, the baseline paged memory is measured against.
 
     Attributes:
@@ -139,11 +276,16 @@ class ContiguousKV:
         """The fixed block table of sequence slot `seq_slot`, truncated to num_pages entries."""
         return seq_slot * self.pages_per_seq + np.arange(num_pages, dtype=np.int32)
 
+    def page_leaves(self) -> list[jax.Array]:
+        """K and V viewed as pages, each [L, num_pages, P, K, D]."""
+        return [self._as_pages(self.k), self._as_pages(self.v)]
+
+    def with_page_leaves(self, leaves: Sequence[jax.Array]) -> ContiguousKV:
+        k, v = leaves
+        return self.replace(k=k.reshape(self.k.shape), v=v.reshape(self.v.shape))
+
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
-
-
-KVState = PagedKV | ContiguousKV
 
 
 def init_paged_kv(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32

@@ -35,7 +35,6 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -43,22 +42,15 @@ import numpy as np
 from kvjax.config import KVLayout
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import CompletionOutput, FinishReason, RequestOutput, submit_all
+from kvjax.kv import pages as kv_pages
 from kvjax.memory.block_manager import AllocStatus
 from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.router.router import Arrival, SimClock
 from kvjax.sampling import SamplingParams
 from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
-
-@jax.jit
-def _gather(kv: Any, pages: jax.Array) -> Any:
-    """Pages [n] of every page-major leaf: [L, num_pages, ...] -> [L, n, ...]."""
-    return jax.tree.map(lambda x: x[:, pages], kv)
-
-
-def _scatter(kv: Any, pages: jax.Array, staged: Any) -> Any:
-    return jax.tree.map(lambda x, s: x.at[:, pages].set(s.astype(x.dtype)), kv, staged)
-
+_gather = jax.jit(kv_pages.gather_pages)  # pages [n] of a KV state -> a PageBlob
+_take = jax.jit(kv_pages.take)  # pages [n'] of a staged PageBlob
 
 @dataclasses.dataclass
 class _Handoff:
@@ -69,7 +61,8 @@ class _Handoff:
     sampling: SamplingParams
     tenant: str | None
     priority: int
-    staged: Any  # full pages [L, n, ...] on the prefill engine's devices, n padded; or None
+    staged: kv_pages.PageBlob | None  # full pages [L, n, ...] per page leaf, n padded, on
+    # the prefill engine's devices; None when the prompt has no full page
     num_staged: int  # real pages in `staged`
     ready_time: float  # when the staged pages exist (the prefill engine's clock)
 
@@ -101,8 +94,8 @@ class DisaggregatedEngine:
         self.decode = decode
         self.page_size = prefill.config.page_size
         target = jax.tree.map(lambda x: x.sharding, decode.kv)
-        self._target = target
-        self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=target)
+        self._target = [x.sharding for x in decode.kv.page_leaves()]  # where a PageBlob goes
+        self._scatter = jax.jit(kv_pages.scatter_pages, donate_argnums=0, out_shardings=target)
         # Imports return KV committed to the decode devices; committing it now means the
         # decode engine's steps see one placement (and compile once per shape) from here on.
         decode.runner.apply(KVOp(KVOpKind.PLACE), lambda kv: jax.device_put(kv, target))
@@ -150,7 +143,7 @@ class DisaggregatedEngine:
     @property
     def num_compiles(self) -> int:
         """Transfer programs compiled so far (gathers are shared by every instance)."""
-        return _gather._cache_size() + self._scatter._cache_size()
+        return _gather._cache_size() + _take._cache_size() + self._scatter._cache_size()
 
     def warmup(self, max_prompt_len: int | None = None, *, engines: bool = True) -> None:
         """Compiles the transfer programs for every padded page count; the KV is unchanged.
@@ -167,7 +160,7 @@ class DisaggregatedEngine:
         for n, size in enumerate(sizes):
             staged = _gather(self.prefill.kv, np.arange(size, dtype=np.int32))
             for part_size in sizes[:n + 1]:
-                jax.device_put(_gather(staged, np.arange(part_size, dtype=np.int32)),
+                jax.device_put(_take(staged, np.arange(part_size, dtype=np.int32)),
                                self._target)
             # Writing pages' own content back leaves the decode KV as it was.
             pages = np.arange(size, dtype=np.int32)
@@ -200,7 +193,8 @@ class DisaggregatedEngine:
                 ready_time=out.first_token_time))
         return done
 
-    def _export(self, prompt: list[int], tenant: str | None) -> tuple[Any, int]:
+    def _export(self, prompt: list[int], tenant: str | None
+                ) -> tuple[kv_pages.PageBlob | None, int]:
         """Gathers the prompt's full pages from the prefill engine: (staged, their count)."""
         cache = self.prefill.allocator.prefix_cache
         pages = cache.lookup(prompt, self.prefill.provenance(tenant))
@@ -244,15 +238,15 @@ class DisaggregatedEngine:
                                 priority=h.priority, arrival_time=h.first.arrival_time)
         return moved
 
-    def _move(self, staged: Any, first_page: int, targets: list[int]) -> int:
+    def _move(self, staged: kv_pages.PageBlob, first_page: int, targets: list[int]) -> int:
         """Device-puts staged pages [first_page:] next to the decode KV and scatters them."""
         start = time.perf_counter()
         index = pad_repeat_last(range(first_page, first_page + len(targets)))
-        part = jax.device_put(_gather(staged, index), self._target)
+        part = jax.device_put(_take(staged, index), self._target)
         self.decode.runner.apply(KVOp(KVOpKind.SCATTER, tuple(targets)),
                                  lambda kv: self._scatter(kv, pad_repeat_last(targets), part))
         jax.block_until_ready(self.decode.kv)
-        nbytes = sum(x.nbytes for x in jax.tree.leaves(part)) * len(targets) // len(index)
+        nbytes = kv_pages.blob_bytes_per_page(part) * len(targets)
         self.stats["transfers"] += 1
         self.stats["transfer_bytes"] += nbytes
         self.stats["transfer_time_s"] += time.perf_counter() - start

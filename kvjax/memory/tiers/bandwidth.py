@@ -8,9 +8,9 @@ import time
 import jax
 import numpy as np
 
+from kvjax.kv import pages as kv_pages
 from kvjax.memory.tiers.config import TransferLayout
 from kvjax.memory.tiers.host import host_memory_kind
-from kvjax.memory.tiers.staging import gather_pages
 
 
 def measure_transfer_bandwidth(kv, num_pages: int, layout: TransferLayout, *,
@@ -20,12 +20,12 @@ def measure_transfer_bandwidth(kv, num_pages: int, layout: TransferLayout, *,
     Page-first: one gather into [L, n, ...] and one transfer per direction. Per page: n
     gathers and n transfers. Each direction is timed to completion, best of `repeats`.
     """
-    leaves = jax.tree.leaves(kv)
+    leaves = kv.page_leaves()
     kind = host_memory_kind(next(iter(leaves[0].devices())))
     pages = np.arange(min(num_pages, leaves[0].shape[1]), dtype=np.int32)
     groups = [pages] if layout is TransferLayout.PAGE_FIRST else [pages[i:i + 1] for i in pages]
 
-    gather = jax.jit(gather_pages)
+    gather = jax.jit(kv_pages.take)
 
     def to_host(x):
         return np.asarray(x) if kind is None else jax.device_put(

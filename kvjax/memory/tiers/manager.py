@@ -8,7 +8,6 @@ import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 
-import jax
 import numpy as np
 
 from kvjax.memory.prefix_cache import hash_page, hash_root
@@ -59,7 +58,7 @@ class TierManager:
     def __init__(self, config: TierConfig, kv, *, clock: Callable[[], float] = time.perf_counter):
         if not config.enabled:
             raise ValueError(f"TierManager needs host_bytes > 0, got {config.host_bytes}")
-        leaves = jax.tree.leaves(kv)
+        leaves = kv.page_leaves()
         self.config = config
         page_shapes = [(x.shape[0], *x.shape[2:]) for x in leaves]
         page_dtypes = [np.dtype(x.dtype) for x in leaves]
@@ -186,7 +185,7 @@ class TierManager:
         return any(key in self._pending_keys for key in self.swap_keys(seq_id))
 
     def _issue_device_to_host(self, kv, todo: list[tuple[Hashable, int]]) -> int:
-        leaves = jax.tree.leaves(kv)
+        leaves = kv.page_leaves()
         issued, start = 0, 0
         for size in self._chunk_sizes(len(todo)):
             part = todo[start:start + size]
@@ -318,12 +317,12 @@ class TierManager:
         Scatters each gathered chunk back where it came from, so the pool's content is
         unchanged. Returns the new KV pool (its buffers were donated).
         """
-        leaves, treedef = jax.tree.flatten(kv)
+        leaves = kv.page_leaves()
         num_pages = leaves[0].shape[1]
         sizes = {1} if self.config.transfer_layout is TransferLayout.PER_PAGE else {
             s for n in range(1, self.config.max_chunk_pages + 1) for s in self._chunk_sizes(n)}
         leaves = self._staging.warmup(leaves, sorted(s for s in sizes if s <= num_pages))
-        return jax.tree.unflatten(treedef, leaves)
+        return kv.with_page_leaves(leaves)
 
     def block_until_landed(self) -> None:
         """Waits until the data of every transfer in flight is at its destination (and the disk
@@ -363,7 +362,7 @@ class TierManager:
         else:
             todo = [t for t in self._inflight if t.owner == owner]
             self._staging.wait(todo)
-        leaves, treedef = jax.tree.flatten(kv)
+        leaves = kv.page_leaves()
         for t in todo:
             t.polls += 1
             if not self._staging.has_landed(t):
@@ -381,7 +380,7 @@ class TierManager:
             else:
                 leaves = self._staging.land_on_device(t, leaves)
             self._ledger.finished(t)
-        return jax.tree.unflatten(treedef, leaves), self._finished_loads()
+        return kv.with_page_leaves(leaves), self._finished_loads()
 
     def _finished_loads(self) -> list[LoadResult]:
         results = []

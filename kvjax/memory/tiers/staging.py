@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from kvjax.kv import pages as kv_pages
 from kvjax.memory.tiers.ledger import TransferLedger
 from kvjax.memory.transfer import (
     Fault,
@@ -25,18 +26,6 @@ from kvjax.memory.transfer import (
 
 def _leaves_ready(leaves) -> bool:
     return all(not isinstance(x, jax.Array) or x.is_ready() for x in leaves)
-
-
-# Device programs over page-major leaves [L, num_pages, ...]; one compile per chunk size. Each
-# TierManager jits its own, so its compile count is its own engine's.
-
-
-def gather_pages(leaves, pages: jax.Array):
-    return [x[:, pages] for x in leaves]  # each [L, n, ...]
-
-
-def scatter_pages(leaves, pages: jax.Array, staged):
-    return [x.at[:, pages].set(s.astype(x.dtype)) for x, s in zip(leaves, staged, strict=True)]
 
 
 class DeviceStaging:
@@ -63,8 +52,10 @@ class DeviceStaging:
         # inputs apart, so a committed page scattered into an uncommitted pool would make every
         # step program compile again.
         self._committed = leaves[0].committed
-        self._gather = jax.jit(gather_pages)
-        self._scatter = jax.jit(scatter_pages, donate_argnums=0)
+        # Device programs over page-major leaves [L, num_pages, ...]; one compile per chunk
+        # size. Each staging jits its own, so its compile count is its own engine's.
+        self._gather = jax.jit(kv_pages.take)
+        self._scatter = jax.jit(kv_pages.put, donate_argnums=0)
         # Kept apart from the gather: XLA:CPU fused the two into a program twice as slow.
         self._checksums = jax.jit(page_checksums)  # [n] uint32
 
