@@ -776,6 +776,9 @@ def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
 
     if clock_mode is Clock.SIMULATED:
         clock, cost_model = _VirtualClock(), StepCostModel(**config.sim.to_dict())
+        # The virtual clock advances as steps are dispatched; a token read one step later
+        # would carry the next step's cost.
+        engine_config = dataclasses.replace(engine_config, async_scheduling=False)
     else:
         clock, cost_model = _WallClock(), None
     engine = _new_engine(model, engine_config, clock=clock)

@@ -53,6 +53,10 @@ class EngineConfig:
       retention_budget: tokens per sequence the policy keeps (quest: reads per decode query);
         None for 'none'.
       retention_options: keyword options of the policy (e.g. {'num_sinks': 4}).
+      async_scheduling: schedule and dispatch step t+1 while the device runs step t (sampled
+        tokens feed the next step on the device; the host reads them one step later). Greedy
+        outputs are identical either way. Steps that return logits, and engines whose
+        retention policy evicts from each step's key scores, run synchronously.
     """
 
     kv_layout: KVLayout = KVLayout.PAGED
@@ -79,6 +83,7 @@ class EngineConfig:
     retention: str = "none"
     retention_budget: int | None = None
     retention_options: dict = dataclasses.field(default_factory=dict)
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",

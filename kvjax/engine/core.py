@@ -1,10 +1,17 @@
-"""The engine core: one step is schedule -> execute -> update, and nothing else."""
+"""The engine core: one step is schedule -> execute -> update, and nothing else.
+
+With asynchronous scheduling the three overlap across steps: the host schedules step t+1 and
+dispatches it while the device still runs step t, then reads step t's tokens and updates the
+scheduler from them. Tokens sampled by step t reach step t+1 on the device (the runner's token
+feed); the host learns them one step later. `drain()` finishes the step in flight, for
+anything that needs the state settled (aborts, weight updates, snapshots, logits).
+"""
 
 from __future__ import annotations
 
 import time
 
-from kvjax.engine.runner import ModelRunner
+from kvjax.engine.runner import InFlightStep, ModelRunner
 from kvjax.engine.step import LogitsMode
 from kvjax.scheduler.request import RequestOutput
 from kvjax.scheduler.scheduler import Scheduler
@@ -16,38 +23,70 @@ class EngineCore:
     Attributes:
       scheduler: decides each step (host only).
       runner: runs it (owns the device KV pool and params).
+      async_scheduling: overlap the host's scheduling of step t+1 with the device's step t.
       debug_provenance: check before each step that no row reads a page of other weights.
       last_logits: the logits the last step returned (per its LogitsMode), or None.
       kv_samples: per step, (time, bytes holding live tokens, bytes reserved by sequences).
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, stats: dict,
-                 debug_provenance: bool = False):
+                 async_scheduling: bool = False, debug_provenance: bool = False):
         self.scheduler = scheduler
         self.runner = runner
         self.stats = stats
+        self.async_scheduling = async_scheduling
         self.debug_provenance = debug_provenance
         self.last_logits = None
         self.kv_samples: list[tuple[float, int, int]] = []
+        self._in_flight: InFlightStep | None = None
         self.stats.update(host_time_s=0.0, step_time_s=0.0)
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
 
     def step(self, logits_mode: LogitsMode = LogitsMode.NONE) -> list[RequestOutput]:
         """One scheduling iteration; returns the outputs of requests that finished in it."""
+        if not self.async_scheduling or logits_mode is not LogitsMode.NONE:
+            self.drain()
         t_start = time.perf_counter()
         so = self.scheduler.schedule()
+        dispatched, t_host = None, 0.0
         if not so.is_empty:
             if self.debug_provenance:
                 self.scheduler.check_fresh(so)
             t_dispatch = time.perf_counter()
-            out = self.runner.execute(so, logits_mode)
-            t_done = time.perf_counter()
-            self.last_logits = out.logits
-            self.scheduler.update_from_output(so, out)
-            self.runner.keep_params(self.scheduler.versions)
-            self.stats["step_time_s"] += t_done - t_dispatch
-            self.stats["host_time_s"] += (t_dispatch - t_start) + (time.perf_counter() - t_done)
-            self._sample_kv()
+            dispatched = self.runner.dispatch(so, logits_mode)
+            self.stats["step_time_s"] += time.perf_counter() - t_dispatch
+            t_host = t_dispatch - t_start
+        else:
+            t_host = time.perf_counter() - t_start
+        if self._in_flight is not None:
+            self._resolve(self._in_flight)
+        self._in_flight = dispatched
+        if dispatched is not None and (not self.async_scheduling
+                                       or logits_mode is not LogitsMode.NONE):
+            self.drain()
+        self.stats["host_time_s"] += t_host
         return self.scheduler.take_finished()
+
+    def drain(self) -> None:
+        """Finishes the step in flight, if any: its tokens reach the scheduler."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._resolve(step)
+
+    def _resolve(self, step: InFlightStep) -> None:
+        t0 = time.perf_counter()
+        out = self.runner.fetch(step)
+        t1 = time.perf_counter()
+        self.last_logits = out.logits
+        self.scheduler.update_from_output(step.so, out)
+        self.runner.keep_params(self.scheduler.versions)
+        # Step time: dispatching and waiting for the device; host time: the host's own work.
+        self.stats["step_time_s"] += t1 - t0
+        self.stats["host_time_s"] += time.perf_counter() - t1
+        self._sample_kv()
 
     def _sample_kv(self) -> None:
         live, reserved = self.scheduler.kv_sample()

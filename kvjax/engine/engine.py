@@ -116,8 +116,12 @@ class Engine:
             cache_key=self.provenance, clock=clock, stats=self.stats,
             weights_version=model.weights_version, tokenizer=model.tokenizer)
         self.stats.update(weight_updates=0)
-        self.core = EngineCore(self.scheduler, self.runner, stats=self.stats,
-                               debug_provenance=config.debug_provenance)
+        # An evicting policy decides from step t's key scores before step t+1's block tables
+        # can exist, so its engine runs synchronously.
+        self.core = EngineCore(
+            self.scheduler, self.runner, stats=self.stats,
+            async_scheduling=config.async_scheduling and not retention.policy.evicts,
+            debug_provenance=config.debug_provenance)
 
     def _build_tiers(self, pool):
         """Host/disk tiers below the pool (config.tiers), and the swap space in front of them."""
@@ -213,7 +217,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def sequence(self, seq_id: str) -> Sequence:
-        """The live record of sequence `{request_id}#{sample}` (read it; do not change it)."""
+        """The live record of sequence `{request_id}#{sample}` (read it; do not change it).
+
+        Drains the step in flight first, so the record holds every token sampled so far."""
+        self.drain()
         return self.scheduler.sequence(seq_id)
 
     def force_token(self, seq_id: str, token: int) -> None:
@@ -249,6 +256,7 @@ class Engine:
         from kvjax.kv import calibration, quantized  # Imported lazily: fp8 engines only.
         from kvjax.memory.ops import KVOp, KVOpKind
 
+        self.drain()
         if self.has_unfinished():
             raise ValueError("calibrate_kv needs an idle engine: requests are in flight")
         codec = (quantized.make_codec(self.config.kv_codec, **self.config.kv_codec_options)
@@ -336,7 +344,13 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stops a request; its pages are freed and it finishes with reason ABORT."""
+        self.drain()
         self.scheduler.abort(request_id)
+
+    def drain(self) -> None:
+        """Finishes the step in flight (asynchronous scheduling): its tokens are committed and
+        the host state is settled. Snapshots, aborts and weight updates call it."""
+        self.core.drain()
 
     def _max_pages_held(self, num_tokens: int) -> int:
         """The most pages a sequence of `num_tokens` tokens (prompt + output) holds at once.
@@ -365,6 +379,7 @@ class Engine:
         versions never hit. Sequences already in flight follow `in_flight`.
         """
         llama.check_params(params, self.model.config)
+        self.drain()
         version = str(version)
         if version in self.runner.params or version == self.model.weights_version:
             raise ValueError(f"weights version {version!r} is already in use; versions must be new")

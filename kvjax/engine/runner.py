@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from kvjax.engine.step import LogitsMode, StepOutput, StepPrograms, StepShape, empty_step_input
@@ -69,13 +70,18 @@ class StepBuckets:
             n *= 4
         return sizes + [cap]
 
+    @property
+    def feed_rows(self) -> int:
+        """F: the most rows a step has, the width of the token feed between steps."""
+        return bucket(self.max_num_seqs) + self.max_prefill_seqs
+
     def step_shapes(self, logits_mode: LogitsMode = LogitsMode.NONE) -> list[StepShape]:
         """Every greedy step shape: what warm-up compiles."""
-        width = self.block_table_width
-        shapes = [StepShape(bd, 0, 1, width, logits_mode=logits_mode)
+        width, feed = self.block_table_width, self.feed_rows
+        shapes = [StepShape(bd, 0, 1, width, logits_mode=logits_mode, feed_rows=feed)
                   for bd in self.decode_buckets(mixed=False)]
         prefill_rows = sorted({1, self.max_prefill_seqs})
-        shapes += [StepShape(bd, bp, c, width, logits_mode=logits_mode)
+        shapes += [StepShape(bd, bp, c, width, logits_mode=logits_mode, feed_rows=feed)
                    for bd in self.decode_buckets(mixed=True) for bp in prefill_rows
                    for c in self.chunk_buckets()]
         return shapes
@@ -95,7 +101,16 @@ class StepBuckets:
                          max_pages=self.block_table_width,
                          all_greedy=all(p.is_greedy for p in sampling),
                          needs_filter=any(p.needs_filter for p in sampling),
-                         logits_mode=logits_mode)
+                         logits_mode=logits_mode, feed_rows=self.feed_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlightStep:
+    """A dispatched step whose results the host has not read yet."""
+
+    so: SchedulerOutput
+    row_index: list[int]  # padded row of each of so.rows
+    out: StepOutput
 
 
 class ModelRunner:
@@ -116,6 +131,14 @@ class ModelRunner:
         self.params = {weights_version: params}
         self.page_size = page_size
         self.observers: list[StepObserver] = []
+        # The token feed between steps: the last step's sampled tokens, on the device. It
+        # starts (and restarts) as committed zeros: jit caches committed and uncommitted inputs
+        # apart, and every step output is committed.
+        device = next(iter(jax.tree.leaves(kv)[0].devices()))
+        self._zero_feed = jax.device_put(np.zeros(buckets.feed_rows, np.int32),
+                                         jax.sharding.SingleDeviceSharding(device))
+        self._feed = self._zero_feed
+        self._last_row_index: list[int] = []
 
     @property
     def num_compiles(self) -> int:
@@ -151,7 +174,11 @@ class ModelRunner:
 
     def build_input(self, so: SchedulerOutput, logits_mode: LogitsMode = LogitsMode.NONE
                     ) -> tuple[StepShape, dict[str, np.ndarray], list[int]]:
-        """The padded host inputs of a step; returns (shape, buffers, padded row per row)."""
+        """The padded host inputs of a step; returns (shape, buffers, padded row per row).
+
+        A row whose token is still in flight (feed_index >= 0) reads it from the previous
+        step's feed on the device, at that row's padded index.
+        """
         shape = self.buckets.shape_for(so, logits_mode)
         buf = empty_step_input(shape)
         bd, chunk, page_size = shape.num_decode, shape.chunk, self.page_size
@@ -179,26 +206,42 @@ class ModelRunner:
             buf["seeds"][r] = row.seed
             buf["counters"][r] = row.counter
             buf["seq_slots"][r] = row.seq_slot
+            if row.feed_index >= 0:
+                buf["token_src"][t0] = self._last_row_index[row.feed_index]
             row_index.append(r)
+        buf["prev_tokens"] = self._feed
         return shape, buf, row_index
 
-    def execute(self, so: SchedulerOutput, logits_mode: LogitsMode = LogitsMode.NONE
-                ) -> RunnerOutput:
-        """Runs one step under `so.weights_version`; blocks until its tokens are on the host."""
+    def dispatch(self, so: SchedulerOutput, logits_mode: LogitsMode = LogitsMode.NONE
+                 ) -> InFlightStep:
+        """Starts one step under `so.weights_version` (asynchronously: nothing is read back)."""
         shape, buf, row_index = self.build_input(so, logits_mode)
         for observer in self.observers:
             observer.before_step(shape, buf)
         out, self.kv = self.programs.step(self.params[so.weights_version], self.kv, buf, shape)
         for observer in self.observers:
             observer.after_step(shape, buf, out)
-        rows = np.asarray(row_index, np.int64)
+        self._feed, self._last_row_index = out.feed_tokens, row_index
+        return InFlightStep(so, row_index, out)
+
+    def fetch(self, step: InFlightStep) -> RunnerOutput:
+        """Waits for a dispatched step and reads its results to the host, in row order."""
+        rows = np.asarray(step.row_index, np.int64)
+        out = step.out
         key_scores = None if out.key_scores is None else np.asarray(out.key_scores)[rows]
-        return RunnerOutput(tokens=np.asarray(out.tokens)[rows],  # The one host sync.
+        return RunnerOutput(tokens=np.asarray(out.tokens)[rows],  # The host sync.
                             logprobs=np.asarray(out.logprobs)[rows], key_scores=key_scores,
                             logits=out.logits)
+
+    def execute(self, so: SchedulerOutput, logits_mode: LogitsMode = LogitsMode.NONE
+                ) -> RunnerOutput:
+        """Runs one step and blocks until its results are on the host."""
+        return self.fetch(self.dispatch(so, logits_mode))
 
     def warmup(self, weights_version: str) -> None:
         """Compiles every greedy step shape on padding inputs (which write and read nothing)."""
         params = self.params[weights_version]
         for shape in self.buckets.step_shapes():
-            _, self.kv = self.programs.step(params, self.kv, empty_step_input(shape), shape)
+            buf = empty_step_input(shape)
+            buf["prev_tokens"] = self._zero_feed
+            _, self.kv = self.programs.step(params, self.kv, buf, shape)

@@ -140,6 +140,7 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
     if path.exists():
         raise ValueError(f"snapshot directory {path} already exists")
     _check_pages_hold_all_kv(engine)
+    engine.drain()
     scheduler = engine.scheduler
     chosen = scheduler.request_ids() if request_ids is None else list(request_ids)
     for request_id in chosen:
@@ -244,6 +245,7 @@ def restore_snapshot(engine: Engine, directory: str | os.PathLike) -> list[str]:
     if not path.is_dir():
         raise ValueError(f"no snapshot directory at {path}")
     _check_pages_hold_all_kv(engine)
+    engine.drain()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         meta = checkpointer.restore(path, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore()))["meta"]

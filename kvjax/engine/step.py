@@ -56,6 +56,7 @@ class StepShape:
     all_greedy: bool = True
     needs_filter: bool = False
     logits_mode: LogitsMode = LogitsMode.NONE
+    feed_rows: int = 1  # F, the fixed width of the token feed between steps (one per engine)
 
     @property
     def num_rows(self) -> int:
@@ -82,6 +83,10 @@ class StepInput:
         (`KVState.seq_slot_leaves`, per-sequence KV beside the pages, such as KIVI's exact
         windows); the engine's allocator assigns them. 0 in states without such leaves and
         for padding.
+      token_src: [T] int32, -1 where `tokens` holds the token; else the index in
+        `prev_tokens` of the token to use (asynchronous scheduling: a token the previous step
+        sampled and the host has not seen yet).
+      prev_tokens: [F] int32, the previous step's `StepOutput.feed_tokens` (zeros if none).
     """
 
     tokens: jax.Array
@@ -97,6 +102,8 @@ class StepInput:
     counters: jax.Array
     score_weights: jax.Array
     seq_slots: jax.Array
+    token_src: jax.Array
+    prev_tokens: jax.Array
 
 
 @struct.dataclass
@@ -106,10 +113,12 @@ class StepOutput:
     key_scores: [R, W*P] float32 or None: with a retention policy that scores keys, the
     attention each row's cached tokens received in this step (summed over layers, query heads
     and the row's queries weighted by score_weights), in cache order.
+    feed_tokens: [F] int32, `tokens` padded to the feed width: the next step's `prev_tokens`.
     """
 
     tokens: jax.Array
     logprobs: jax.Array
+    feed_tokens: jax.Array
     logits: jax.Array | None = None
     key_scores: jax.Array | None = None
 
@@ -131,6 +140,8 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
         counters=np.zeros(r, np.int32),
         score_weights=np.zeros(t, np.float32),
         seq_slots=np.zeros(r, np.int32),
+        token_src=np.full(t, -1, np.int32),
+        prev_tokens=np.zeros(shape.feed_rows, np.int32),
     )
 
 
@@ -215,7 +226,9 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
 
     key_scores = (jnp.zeros((shape.num_rows, shape.max_pages * kv.page_size), jnp.float32)
                   if scores_keys else None)  # [R, W*P]
-    h, (kv, key_scores) = llama.decode_body(params, config, inp.tokens, inp.positions, attend,
+    token_ids = jnp.where(inp.token_src >= 0,
+                          inp.prev_tokens[jnp.maximum(inp.token_src, 0)], inp.tokens)  # [T]
+    h, (kv, key_scores) = llama.decode_body(params, config, token_ids, inp.positions, attend,
                                             (kv, key_scores))  # [T, H]
     last = jnp.concatenate([
         jnp.arange(bd, dtype=jnp.int32),
@@ -230,7 +243,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         out_logits = logits
     elif shape.logits_mode is LogitsMode.ALL:
         out_logits = llama.lm_head(params, config, h)  # [T, V]
-    return StepOutput(tokens=tokens, logprobs=logprobs, logits=out_logits,
+    feed = jnp.zeros(inp.prev_tokens.shape, jnp.int32).at[:shape.num_rows].set(tokens)  # [F]
+    return StepOutput(tokens=tokens, logprobs=logprobs, feed_tokens=feed, logits=out_logits,
                       key_scores=key_scores), kv
 
 

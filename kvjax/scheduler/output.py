@@ -30,6 +30,11 @@ class ScheduledRow:
       score_weights: [n] float32, each query's weight in the retention policy's key scores.
       sampling, seed: how the row samples; counter: the index of the token it generates.
       seq_slot: the sequence's per-sequence state slot (KIVI windows), else 0.
+      samples: the row computes the sequence's last pending token, so its sampled token is
+        the sequence's next one.
+      kv_epoch: the sequence's KV epoch when scheduled.
+      feed_index: for a decode row whose token is still in flight, the index of the row that
+        samples it in the previous step's rows (the runner feeds it on the device); else -1.
     """
 
     seq_id: str
@@ -42,6 +47,9 @@ class ScheduledRow:
     seed: int
     counter: int
     seq_slot: int = 0
+    samples: bool = True
+    kv_epoch: int = 0
+    feed_index: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -35,8 +35,13 @@ class Sequence:
     """One token stream: a request, or one of its `n` samples.
 
     `tokens` is prompt + generated tokens; the first `num_computed` of them have their K/V in the
-    cache. A prefill-only sequence (the shared prompt of an n > 1 group) holds the prompt minus
-    its last token and forks into the samples once computed.
+    cache (or in a step already dispatched: the scheduler counts a row's tokens when it schedules
+    them). With asynchronous scheduling, a token sampled by a step still in flight is not in
+    `tokens` yet: `num_unresolved` counts it (0 or 1), and `inflight_index` is its row in that
+    step. `kv_epoch` changes whenever the sequence loses or moves its KV (preemption, restart),
+    so a step's results apply their KV bookkeeping only to the epoch that scheduled them.
+    A prefill-only sequence (the shared prompt of an n > 1 group) holds the prompt minus its last
+    token and forks into the samples once computed.
     """
 
     seq_id: str
@@ -60,15 +65,23 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     weights_version: str = ""  # the weights its KV is (to be) computed with
+    num_unresolved: int = 0
+    inflight_index: int = -1
+    kv_epoch: int = 0
 
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt_tokens:]
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens, the one still in flight included."""
+        return len(self.tokens) + self.num_unresolved
+
+    @property
     def num_pending(self) -> int:
         """Tokens whose K/V still has to be computed."""
-        return len(self.tokens) - self.num_computed
+        return self.num_tokens - self.num_computed
 
 
 @dataclasses.dataclass

@@ -119,7 +119,7 @@ class Scheduler(RequestRegistry, TierAdmission):
         # 1. Decode rows for running sequences, highest ranked first; preempt from the bottom.
         for seq in self._ranked(self.running):
             if (seq.status is not SeqStatus.RUNNING or seq.num_pending != 1
-                    or seq.weights_version != active):
+                    or seq.weights_version != active or self._is_done(seq)):
                 continue
             if len(decode) >= cfg.max_num_seqs or budget < 1:
                 break
@@ -140,7 +140,8 @@ class Scheduler(RequestRegistry, TierAdmission):
                    if s.num_pending > 1 and s.seq_id not in scheduled]
         candidates = partial + self._ranked(self.swapped) + self._ranked(self.waiting)
         for seq in candidates:
-            if seq.weights_version != active:
+            # A token still in flight joins only as its own decode row (above).
+            if seq.weights_version != active or seq.num_unresolved:
                 continue
             if budget <= 0 or len(prefill) >= cfg.max_prefill_seqs:
                 break
@@ -185,34 +186,51 @@ class Scheduler(RequestRegistry, TierAdmission):
             prefill.append((seq, chunk))
             scheduled.add(seq.seq_id)
             budget -= chunk
-        if not decode and not prefill and self.running:
+        if (not decode and not prefill and self.running
+                and not any(s.num_unresolved for s in self.running)):
             # Nothing fits: free the lowest-ranked running sequence so the rest can progress.
             victim = self._ranked(self.running)[-1]
             self._preempt(victim)
             preempted.append(victim.seq_id)
         self._prefetch_from_tiers(idle=not decode and not prefill)
         self.kv_cache.spill_evictions()  # Before the step writes to pages evicted above.
-        return SchedulerOutput(
-            decode=tuple(self._row(s, n) for s, n in decode),
-            prefill=tuple(self._row(s, n) for s, n in prefill),
-            preempted=tuple(preempted), kv_ops=(), weights_version=active)
+        rows = [self._row(s, n, i) for i, (s, n) in enumerate(decode + prefill)]
+        return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
+                               preempted=tuple(preempted), kv_ops=(), weights_version=active)
 
-    def _row(self, seq: Sequence, n: int) -> ScheduledRow:
-        """The row's snapshot; its pages are recorded as written by its weights version."""
+    def _is_done(self, seq: Sequence) -> bool:
+        """Whether the token in flight is the sequence's last (by its length limits)."""
+        return seq.num_unresolved > 0 and (
+            seq.num_tokens - seq.num_prompt_tokens >= seq.sampling.max_new_tokens
+            or seq.num_tokens >= self.config.max_model_len)
+
+    def _row(self, seq: Sequence, n: int, index: int) -> ScheduledRow:
+        """The row's snapshot; the sequence counts its tokens as computed from now on, and its
+        pages are recorded as written by its weights version."""
         table = np.asarray(self.kv_cache.block_table(seq.seq_id), np.int32)
         evicted = self.kv_cache.retention.num_evicted(seq.seq_id)
         start = seq.num_computed
         pos = np.arange(start, start + n, dtype=np.int32)
         written = table[(pos - evicted) // self.config.page_size]
         self.kv_cache.mark_written(set(written.tolist()), seq.weights_version)
-        return ScheduledRow(
-            seq_id=seq.seq_id, token_ids=np.asarray(seq.tokens[start:start + n], np.int32),
-            start=start, num_evicted=evicted, block_table=table,
+        if seq.num_unresolved:  # Its one token comes from the previous step, on the device.
+            token_ids, feed_index = np.zeros(n, np.int32), seq.inflight_index
+        else:
+            token_ids, feed_index = np.asarray(seq.tokens[start:start + n], np.int32), -1
+        samples = n == seq.num_pending
+        row = ScheduledRow(
+            seq_id=seq.seq_id, token_ids=token_ids, start=start, num_evicted=evicted,
+            block_table=table,
             score_weights=self.kv_cache.retention.score_weights(seq.seq_id, pos,
-                                                               len(seq.tokens)),
-            sampling=seq.sampling, seed=seq.seed,
-            counter=len(seq.tokens) - seq.num_prompt_tokens,
-            seq_slot=self.kv_cache.seq_slot(seq.seq_id))
+                                                               seq.num_tokens),
+            sampling=seq.sampling, seed=seq.seed, counter=seq.num_tokens - seq.num_prompt_tokens,
+            seq_slot=self.kv_cache.seq_slot(seq.seq_id), samples=samples,
+            kv_epoch=seq.kv_epoch, feed_index=feed_index)
+        seq.num_computed += n
+        if samples and not seq.is_group_prefill:
+            seq.num_unresolved += 1
+            seq.inflight_index = index
+        return row
 
     def check_fresh(self, so: SchedulerOutput) -> None:
         """Raises if a row would read a page written under other weights (debug_provenance)."""
@@ -248,6 +266,7 @@ class Scheduler(RequestRegistry, TierAdmission):
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.kv_epoch += 1
         seq.num_preemptions += 1
         self.stats["preemptions"] += 1
         if seq.num_computed > 0 and self.config.is_paged and self._swap_on_preempt(seq):
@@ -278,27 +297,28 @@ class Scheduler(RequestRegistry, TierAdmission):
     # ----------------------------------------------------------------------------- update
 
     def update_from_output(self, so: SchedulerOutput, out: RunnerOutput) -> None:
-        """Commits a step: tokens, prefix-cache pages, retention, forks, stop checks."""
+        """Commits a step: tokens, prefix-cache pages, retention, forks, stop checks.
+
+        With asynchronous scheduling the next step may already be dispatched. A sequence that
+        finished since (a stop token, an abort) drops the row's results: the token sampled
+        after a stop is never emitted. One preempted or restarted since (a newer KV epoch)
+        skips the KV bookkeeping but still takes its sampled token, which is valid.
+        """
         now = self.clock()
         for i, row in enumerate(so.rows):
             seq = self._seqs.get(row.seq_id)
-            if seq is None or seq.status is not SeqStatus.RUNNING:
+            if seq is None or seq.status is SeqStatus.FINISHED:
                 continue
-            n = row.num_tokens
-            seq.num_computed += n
-            self.kv_cache.commit(seq.seq_id, seq.tokens[:seq.num_computed])
-            self.policy.on_tokens(seq, n)
-            self.kv_cache.retain(seq.seq_id, seq.num_computed - n, n,
-                                 None if out.key_scores is None else out.key_scores[i],
-                                 is_prefill_done=seq.num_pending == 0,
-                                 version=seq.weights_version)
-            self.stats["decode_tokens" if n == 1 and seq.num_pending == 0 and
-                       len(seq.tokens) > seq.num_prompt_tokens else "prefill_tokens"] += n
-            if seq.num_pending:
+            is_current = row.kv_epoch == seq.kv_epoch and seq.status is SeqStatus.RUNNING
+            if is_current:
+                self._commit_kv(seq, row, None if out.key_scores is None else out.key_scores[i])
+            if not row.samples:
                 continue
             if seq.is_group_prefill:
-                self._fork_group(seq)
+                if is_current:
+                    self._fork_group(seq)
                 continue
+            seq.num_unresolved -= 1
             seq.tokens.append(int(out.tokens[i]))
             seq.logprobs.append(float(out.logprobs[i]))
             seq.token_times.append(now)
@@ -309,6 +329,17 @@ class Scheduler(RequestRegistry, TierAdmission):
         self.stats["steps"] += 1
         if len(self.versions) > 1:
             self.drop_unused_versions()
+
+    def _commit_kv(self, seq: Sequence, row: ScheduledRow, key_scores: np.ndarray | None
+                   ) -> None:
+        """A row's tokens are computed: full pages to the prefix cache, retention decisions."""
+        n = row.num_tokens
+        self.kv_cache.commit(seq.seq_id, seq.tokens[:min(seq.num_computed, len(seq.tokens))])
+        self.policy.on_tokens(seq, n)
+        self.kv_cache.retain(seq.seq_id, row.start, n, key_scores, is_prefill_done=row.samples,
+                             version=seq.weights_version)
+        is_decode = n == 1 and row.samples and row.start >= seq.num_prompt_tokens
+        self.stats["decode_tokens" if is_decode else "prefill_tokens"] += n
 
     @staticmethod
     def _request_of(seq_id: str) -> str:
@@ -392,6 +423,7 @@ class Scheduler(RequestRegistry, TierAdmission):
             self.kv_cache.free(seq.seq_id)
         self.kv_cache.drop_swapped(seq.seq_id)
         seq.num_computed = 0
+        seq.kv_epoch += 1
         if seq.status is not SeqStatus.WAITING:
             seq.status = SeqStatus.WAITING
             self.waiting.append(seq)
