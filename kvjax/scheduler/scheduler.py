@@ -354,7 +354,7 @@ class Scheduler(RequestRegistry, TierAdmission):
 
     def active_version(self) -> str:
         """The weights version the next step serves: versions in flight take turns by step."""
-        live = self.live_versions()
+        live = {s.weights_version for s in self.running + self.swapped + self.waiting}
         versions = [v for v in self.versions if v in live] or [self.weights_version]
         return versions[self.stats["steps"] % len(versions)]
 
