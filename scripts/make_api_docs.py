@@ -45,6 +45,12 @@ class Section:
 SECTIONS = (
     Section("kvjax"),
     Section("kvjax.engine.request", ("CompletionOutput", "WeightUpdatePolicy", "SeqStatus")),
+    Section("kvjax.engine.core", ("EngineCore",)),
+    Section("kvjax.engine.runner", ("ModelRunner", "StepBuckets", "StepObserver")),
+    Section("kvjax.scheduler.scheduler", ("Scheduler", "SchedulerConfig")),
+    Section("kvjax.scheduler.output", ("ScheduledRow", "SchedulerOutput", "RunnerOutput")),
+    Section("kvjax.memory.kv_cache_manager", ("KVCacheManager",)),
+    Section("kvjax.memory.ops", ("KVOp", "KVOpKind", "KVDevice", "HostKV")),
     Section("kvjax.engine.snapshot", ("save_snapshot", "restore_snapshot")),
     Section("kvjax.kv.state", ("KVState", "PagedKV", "ContiguousKV", "init_paged_kv",
                                "init_contiguous_kv", "pages_for", "num_pages_for_budget")),
