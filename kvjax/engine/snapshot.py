@@ -52,8 +52,7 @@ SNAPSHOT_FORMAT = 1
 
 def _check_pages_hold_all_kv(engine: Engine) -> None:
     """Raises ValueError when part of a sequence's KV lives outside its pages."""
-    retention = getattr(engine, "retention", None)
-    if retention is not None and not retention.is_exact:
+    if not engine.retention.is_exact:
         # Such sequences hold fewer pages than tokens, plus policy state a snapshot lacks.
         raise ValueError(f"snapshots need exact KV; the engine runs retention="
                          f"{engine.config.retention!r}")

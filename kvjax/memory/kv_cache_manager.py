@@ -57,7 +57,7 @@ class KVCacheManager:
 
     @property
     def has_prefix_cache(self) -> bool:
-        return getattr(self.allocator, "prefix_cache", None) is not None
+        return self.allocator.prefix_cache is not None
 
     def has_sequence(self, seq_id: str) -> bool:
         return self.allocator.has_sequence(seq_id)

@@ -84,7 +84,7 @@ class DisaggregatedEngine:
     def __init__(self, prefill: Engine, decode: Engine):
         for name, engine in (("prefill", prefill), ("decode", decode)):
             if (engine.config.kv_layout is not KVLayout.PAGED
-                    or getattr(engine.allocator, "prefix_cache", None) is None):
+                    or engine.allocator.prefix_cache is None):
                 raise ValueError(f"the {name} engine needs the paged layout with the prefix "
                                  f"cache enabled")
         if prefill.provenance() != decode.provenance():
