@@ -32,6 +32,7 @@ import numpy as np
 from absl import app, flags
 
 import kvjax
+from kvjax import testing
 from kvjax.bench import metrics
 from kvjax.bench.workloads import BenchRequest, poisson, shared_prefix
 
@@ -50,6 +51,10 @@ flags.DEFINE_integer("prefix_len", 256, "Shared system prompt length.")
 flags.DEFINE_integer("prefix_output_len", 16, "Output tokens per shared-prefix request.")
 flags.DEFINE_integer("host_batch", 32, "Batch size of part 3.")
 flags.DEFINE_integer("host_new_tokens", 48, "Tokens each part 3 sequence generates.")
+flags.DEFINE_enum("host_model", "embedded", ["embedded", "tiny"],
+                  "Part 3's model: the embedded one, or kvjax.testing's tiny model (a short "
+                  "device step, so the host's share of a step shows).")
+flags.DEFINE_integer("host_repeats", 3, "Part 3 runs per scheduling mode (medians reported).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("output_json", None, "Write the results here.")
 
@@ -187,39 +192,72 @@ def part_prefix(model: kvjax.Model) -> dict:
     return result
 
 
-def part_host(model: kvjax.Model) -> dict:
-    """Part 3: host time per decode step of a full batch, against the step's wall time."""
-    batch, new_tokens = FLAGS.host_batch, FLAGS.host_new_tokens
-    requests = poisson(model.tokenizer, seed=FLAGS.seed + 1, num_requests=batch, rate=math.inf,
-                       prompt_dist="fixed", prompt_len=32, prompt_min=1, prompt_max=32,
-                       output_dist="fixed", output_len=new_tokens, output_min=1,
-                       output_max=new_tokens)
+def _host_steps(model: kvjax.Model, prompts: list[list[int]], *, is_async: bool) -> dict:
+    """Full-batch decode steps of one engine: host work, device wait and wall time per step."""
+    batch, new_tokens = len(prompts), FLAGS.host_new_tokens
     engine = kvjax.Engine(model, kvjax.EngineConfig(
         page_size=FLAGS.page_size, max_num_seqs=batch, max_model_len=32 + new_tokens,
-        enable_prefix_cache=False))
-    prompts = [list(r.prompt_ids) for r in requests]
+        enable_prefix_cache=False, async_scheduling=is_async))
     engine.generate(prompts, kvjax.SamplingParams(max_new_tokens=new_tokens // 2,
-                                                  ignore_eos=True))
+                                                  ignore_eos=True))  # compiles every shape
     sampling = kvjax.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"host-{i}", prompt, sampling)
-    host, device, wall = [], [], []
+    host, wait, wall, outputs = [], [], [], {}
     while engine.has_unfinished():
         before, compiles = dict(engine.stats), engine.num_compiles
         start = time.perf_counter()
-        engine.step()
+        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
         elapsed = time.perf_counter() - start
         stats = engine.stats
         if (stats["decode_tokens"] - before["decode_tokens"] == batch and
                 stats["prefill_tokens"] == before["prefill_tokens"] and
                 engine.num_compiles == compiles):
             host.append(stats["host_time_s"] - before["host_time_s"])
-            device.append(stats["step_time_s"] - before["step_time_s"])
+            wait.append(stats["step_time_s"] - before["step_time_s"])
             wall.append(elapsed)
-    return dict(batch=batch, decode_steps=len(wall), host_ms_per_step=1e3 * float(np.mean(host)),
-                device_ms_per_step=1e3 * float(np.mean(device)),
+    return dict(decode_steps=len(wall), host_ms_per_step=1e3 * float(np.mean(host)),
+                device_wait_ms_per_step=1e3 * float(np.mean(wait)),
                 wall_ms_per_step=1e3 * float(np.mean(wall)),
-                host_fraction_of_wall=float(np.sum(host) / np.sum(wall)))
+                host_fraction_of_wall=float(np.sum(host) / np.sum(wall)),
+                tokens=[outputs[f"host-{i}"] for i in range(batch)])
+
+
+def part_host(model: kvjax.Model) -> dict:
+    """Part 3: host time per full-batch decode step, synchronous vs asynchronous scheduling.
+
+    Sync, the device waits while the host schedules, builds the next step's inputs and commits
+    the last one's tokens; async, the host does that while the device runs the step in flight.
+    The wall time saved per step over the sync host time is the share of host work hidden.
+    """
+    if FLAGS.host_model == "tiny":
+        model = testing.tiny_model()
+    prompts = [list(r.prompt_ids) for r in poisson(
+        _host_tokenizer(model), seed=FLAGS.seed + 1, num_requests=FLAGS.host_batch,
+        rate=math.inf, prompt_dist="fixed", prompt_len=32, prompt_min=1, prompt_max=32,
+        output_dist="fixed", output_len=FLAGS.host_new_tokens, output_min=1,
+        output_max=FLAGS.host_new_tokens)]
+    runs = {}
+    for _ in range(FLAGS.host_repeats):  # Interleaved, so load drifts hit both modes alike.
+        for mode in ("sync", "async"):
+            runs.setdefault(mode, []).append(_host_steps(model, prompts,
+                                                         is_async=mode == "async"))
+    result = dict(batch=FLAGS.host_batch, model=model.config.name, repeats=FLAGS.host_repeats)
+    for mode, reps in runs.items():
+        result[mode] = {key: float(np.median([r[key] for r in reps])) for key in (
+            "host_ms_per_step", "device_wait_ms_per_step", "wall_ms_per_step",
+            "host_fraction_of_wall")}
+        result[mode]["decode_steps"] = reps[0]["decode_steps"]
+    sync, asyn = result["sync"], result["async"]
+    result["identical_tokens"] = all(r["tokens"] == runs["sync"][0]["tokens"]
+                                     for reps in runs.values() for r in reps)
+    result["wall_saved_ms_per_step"] = sync["wall_ms_per_step"] - asyn["wall_ms_per_step"]
+    result["host_hidden_fraction"] = result["wall_saved_ms_per_step"] / sync["host_ms_per_step"]
+    return result
+
+
+def _host_tokenizer(model: kvjax.Model):
+    return model.tokenizer if model.tokenizer is not None else testing.ByteTokenizer()
 
 
 def format_tables(results: dict) -> str:
@@ -247,9 +285,17 @@ def format_tables(results: dict) -> str:
         lines.append("")
     host = results.get("host")
     if host:
-        lines += ["| batch | host ms/step | step wall ms | host fraction |", "|---|---|---|---|",
-                  f"| {host['batch']} | {host['host_ms_per_step']:.2f} | "
-                  f"{host['wall_ms_per_step']:.1f} | {100 * host['host_fraction_of_wall']:.2f}% |"]
+        lines += [f"host, {host['model']}, batch {host['batch']} (median of "
+                  f"{host['repeats']}; identical tokens: {host['identical_tokens']})",
+                  "| scheduling | host ms/step | device wait ms/step | wall ms/step "
+                  "| host fraction |", "|---|---|---|---|---|"]
+        for mode in ("sync", "async"):
+            r = host[mode]
+            lines.append(f"| {mode} | {r['host_ms_per_step']:.2f} | "
+                         f"{r['device_wait_ms_per_step']:.2f} | {r['wall_ms_per_step']:.2f} | "
+                         f"{100 * r['host_fraction_of_wall']:.1f}% |")
+        lines.append(f"wall saved per step: {host['wall_saved_ms_per_step']:.2f} ms = "
+                     f"{100 * host['host_hidden_fraction']:.0f}% of the sync host time")
     return "\n".join(lines)
 
 
@@ -279,7 +325,7 @@ def main(argv):
             "parts", "max_model_len", "page_size", "budget_seqs", "max_num_seqs",
             "memory_requests", "prompt_median", "output_median", "prefix_requests",
             "prefix_rate", "prefix_len", "prefix_output_len", "host_batch", "host_new_tokens",
-            "seed")}
+            "host_model", "host_repeats", "seed")}
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(flags=flag_values, env=env, results=results), f, indent=1)
 

@@ -45,9 +45,25 @@ class KVCacheManager:
         self.scrub_freed_pages = scrub_freed_pages
         self.stats = stats
         self.page_versions: dict[int, str] = {}
+        self._ops: list[KVOp] = []
         self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
                           stale_kv_reads=0, bytes_device_to_host=0, bytes_host_to_device=0,
                           bytes_host_to_disk=0, bytes_disk_to_host=0)
+
+    # ----------------------------------------------------------------------------- KV ops
+
+    def _apply(self, op: KVOp, fn) -> None:
+        self._ops.append(op)
+        self.device.apply(op, fn)
+
+    def _read(self, op: KVOp, fn):
+        self._ops.append(op)
+        return self.device.read(op, fn)
+
+    def take_ops(self) -> tuple[KVOp, ...]:
+        """The KV operations issued since the last call, in order."""
+        ops, self._ops = tuple(self._ops), []
+        return ops
 
     # ----------------------------------------------------------------------------- views
 
@@ -137,7 +153,7 @@ class KVCacheManager:
         # Padding repeats the last copy: idempotent, and keeps shapes bucketed.
         src = pad_repeat_last([c.src for c in copies], n)
         dst = pad_repeat_last([c.dst for c in copies], n)
-        self.device.apply(KVOp(KVOpKind.COPY, tuple(int(c.dst) for c in copies)),
+        self._apply(KVOp(KVOpKind.COPY, tuple(int(c.dst) for c in copies)),
                           lambda kv: self.device.copy_pages(kv, src, dst))
 
     def free(self, seq_id: str) -> None:
@@ -153,7 +169,7 @@ class KVCacheManager:
 
     def scrub(self, pages: Sequence[int]) -> None:
         """Zeroes freed pages (and freed window slots) so no later reader sees their content."""
-        self.device.apply(KVOp(KVOpKind.SCRUB, tuple(pages)),
+        self._apply(KVOp(KVOpKind.SCRUB, tuple(pages)),
                           lambda kv: self.swap_space.scrub(kv, list(pages)))
         self.stats["scrubbed_pages"] += len(pages)
 
@@ -167,7 +183,7 @@ class KVCacheManager:
         self.retention.fork(parent_id, child_id)
         self.copy(copies)
         if self.swap_space.keeps_windows:
-            self.device.apply(KVOp(KVOpKind.COPY_WINDOW),
+            self._apply(KVOp(KVOpKind.COPY_WINDOW),
                               lambda kv: self.swap_space.copy_window(kv, parent_id, child_id))
         return True
 
@@ -176,7 +192,7 @@ class KVCacheManager:
     def swap_out(self, seq_id: str, num_computed: int) -> None:
         """Copies a sequence's computed pages to host memory, then frees them."""
         pages = self.block_table(seq_id)[:pages_for(num_computed, self.page_size)]
-        nbytes = self.device.read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)),
+        nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)),
                                   lambda kv: self.swap_space.swap_out(kv, seq_id, pages))
         self.stats["swaps_out"] += 1
         self.stats["swap_bytes"] += nbytes
@@ -199,7 +215,7 @@ class KVCacheManager:
             nbytes.append(n)
             return kv
 
-        self.device.apply(KVOp(KVOpKind.SWAP_IN, tuple(pages[first:])), swap_in)
+        self._apply(KVOp(KVOpKind.SWAP_IN, tuple(pages[first:])), swap_in)
         self.mark_written(pages[first:], version)
         self.stats["swaps_in"] += 1
         self.stats["swap_bytes"] += nbytes[0]
@@ -217,7 +233,7 @@ class KVCacheManager:
             return False
         first = cached // self.page_size
         table = self.block_table(seq_id)[first:num_pages]
-        self.device.apply(KVOp(KVOpKind.SCATTER, tuple(table)),
+        self._apply(KVOp(KVOpKind.SCATTER, tuple(table)),
                           lambda kv: scatter(kv, table, first))
         self.mark_written(table, version)
         self.commit(seq_id, token_ids[:num_computed])
@@ -243,7 +259,7 @@ class KVCacheManager:
         if status is not AllocStatus.OK:  # No page for a copy now: evict after a later step.
             return
         table = self.block_table(seq_id)
-        self.device.apply(KVOp(KVOpKind.COMPACT, tuple(table)), lambda kv: self.retention.evict(
+        self._apply(KVOp(KVOpKind.COMPACT, tuple(table)), lambda kv: self.retention.evict(
             kv, seq_id, keep, src, dst, len(freed), is_prefill_done=is_prefill_done,
             block_table=table))
         self.mark_written(table, version)
@@ -280,7 +296,7 @@ class KVCacheManager:
             return
         evicted = self.allocator.drain_evictions()
         if evicted:
-            self.device.read(KVOp(KVOpKind.SPILL, tuple(p for _, p in evicted)),
+            self._read(KVOp(KVOpKind.SPILL, tuple(p for _, p in evicted)),
                              lambda kv: self.tiers.spill(kv, evicted))
         self._sync_tier_stats()
 
@@ -296,7 +312,7 @@ class KVCacheManager:
             results.extend(done)
             return kv
 
-        self.device.apply(KVOp(KVOpKind.POLL), poll)
+        self._apply(KVOp(KVOpKind.POLL), poll)
         self._sync_tier_stats()
         return results
 
@@ -310,7 +326,7 @@ class KVCacheManager:
     def warmup(self, block_table_width: int, *, swap: bool) -> None:
         """Compiles the tier, retention, swap and scrub programs on padding inputs."""
         if self.tiers is not None:
-            self.device.apply(KVOp(KVOpKind.WARMUP), self.tiers.warmup)
-        self.device.apply(KVOp(KVOpKind.WARMUP), self.retention.warmup)
-        self.device.apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
+            self._apply(KVOp(KVOpKind.WARMUP), self.tiers.warmup)
+        self._apply(KVOp(KVOpKind.WARMUP), self.retention.warmup)
+        self._apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
             kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages))

@@ -71,7 +71,9 @@ class SchedulerOutput:
       prefill: prefill chunks, in scheduling order.
       preempted: sequences preempted while forming this step.
       kv_ops: the KV operations (copies, swaps, loads, scrubs, compactions, spills) applied
-        to the device pool while forming the step, in order; records for metering and tracing.
+        to the device pool since the previous step was formed (the last step's compactions
+        and frees, then this step's copies, swaps and loads), in order; records for metering
+        and tracing.
       weights_version: the weights this step runs under (versions in flight take turns).
     """
 

@@ -196,7 +196,8 @@ class Scheduler(RequestRegistry, TierAdmission):
         self.kv_cache.spill_evictions()  # Before the step writes to pages evicted above.
         rows = [self._row(s, n, i) for i, (s, n) in enumerate(decode + prefill)]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
-                               preempted=tuple(preempted), kv_ops=(), weights_version=active)
+                               preempted=tuple(preempted), kv_ops=self.kv_cache.take_ops(),
+                               weights_version=active)
 
     def _is_done(self, seq: Sequence) -> bool:
         """Whether the token in flight is the sequence's last (by its length limits)."""

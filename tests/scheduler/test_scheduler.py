@@ -169,6 +169,8 @@ def test_swap_preemption_moves_pages_out_and_back_in_order():
     so, _ = fake_step(scheduler)
     assert so.preempted == ("b#0",)
     assert scheduler.sequence("b#0").status is SeqStatus.SWAPPED
+    (swap_out,) = [op for op in so.kv_ops if op.kind is KVOpKind.SWAP_OUT]
+    assert len(swap_out.pages) == 2  # b's two computed pages, listed in the step's plan
     outputs = {}
     while scheduler.has_unfinished():
         _, done = fake_step(scheduler)
