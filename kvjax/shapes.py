@@ -23,6 +23,13 @@ def bucket(n: int, minimum: int = 1, maximum: int = 1 << 30) -> int:
     return int(min(max(next_power_of_2(n), minimum), maximum))
 
 
+def floor_power_of_2(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    if n < 1:
+        raise ValueError(f"floor_power_of_2 needs n >= 1, got {n}")
+    return 1 << (int(n).bit_length() - 1)
+
+
 def powers_of_2_up_to(n: int) -> list[int]:
     """1, 2, 4, ... up to and including `next_power_of_2(n)`: every padded size of n items."""
     return [1 << i for i in range(max(int(n) - 1, 0).bit_length() + 1)]

@@ -18,3 +18,10 @@ def test_pad_repeat_last():
     assert shapes.pad_repeat_last([1, 2]).dtype == np.int32
     with pytest.raises(ValueError):
         shapes.pad_repeat_last([])
+
+
+def test_floor_power_of_2():
+    got = [shapes.floor_power_of_2(n) for n in (1, 2, 3, 4, 5, 1023, 1024)]
+    assert got == [1, 2, 2, 4, 4, 512, 1024]
+    with pytest.raises(ValueError, match="n >= 1"):
+        shapes.floor_power_of_2(0)

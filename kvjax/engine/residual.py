@@ -19,6 +19,7 @@ import numpy as np
 from kvjax.engine.swap import HostSwapSpace
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.block_manager import BlockManager
+from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
 
 class WindowBlockManager(BlockManager):
@@ -130,9 +131,7 @@ class WindowSwapSpace(HostSwapSpace):
         released = self.allocator.released_slots
         if released:
             # Repeating the last slot pads to a power of two: zeroing twice is harmless.
-            n = 1 << max(len(released) - 1, 0).bit_length()
-            slots = np.asarray(released + [released[-1]] * (n - len(released)), np.int32)
-            kv = self._zero_windows(kv, slots)
+            kv = self._zero_windows(kv, pad_repeat_last(released))
             released.clear()
         return kv
 
@@ -146,8 +145,7 @@ class WindowSwapSpace(HostSwapSpace):
             window = [self._to_device(x) for x in self._window(kv, jnp.int32(0))]
             kv = self._set_window(kv, past, window)
         if scrub:
-            for n in (1 << i for i in range(max(self.allocator.num_seq_slots - 1, 0)
-                                            .bit_length() + 1)):
+            for n in powers_of_2_up_to(self.allocator.num_seq_slots):
                 kv = self._zero_windows(kv, np.full(n, self.allocator.num_seq_slots, np.int32))
         return kv
 

@@ -19,7 +19,7 @@ import numpy as np
 from kvjax.engine.step import LogitsMode, StepOutput, StepPrograms, StepShape, empty_step_input
 from kvjax.memory.ops import KVOp
 from kvjax.scheduler.output import RunnerOutput, SchedulerOutput
-from kvjax.shapes import bucket
+from kvjax.shapes import bucket, geometric_buckets
 
 
 class StepObserver:
@@ -53,22 +53,12 @@ class StepBuckets:
 
     def decode_buckets(self, *, mixed: bool) -> list[int]:
         """Padded decode-row counts: powers of two alone, powers of four beside a prefill."""
-        cap = bucket(self.max_num_seqs)
-        base = 4 if mixed else 2
-        sizes, n = [], 1
-        while n < cap:
-            sizes.append(n)
-            n *= base
-        return ([0] if mixed else []) + sizes + [cap]
+        sizes = geometric_buckets(1, bucket(self.max_num_seqs), 4 if mixed else 2)
+        return ([0] if mixed else []) + sizes
 
     def chunk_buckets(self) -> list[int]:
         """Padded prefill chunk lengths: powers of four from min_chunk_bucket, and the maximum."""
-        cap = bucket(self.max_prefill_chunk)
-        sizes, n = [], min(self.min_chunk_bucket, cap)
-        while n < cap:
-            sizes.append(n)
-            n *= 4
-        return sizes + [cap]
+        return geometric_buckets(self.min_chunk_bucket, bucket(self.max_prefill_chunk), 4)
 
     @property
     def feed_rows(self) -> int:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from kvjax.kv import pages as kv_pages
+from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +26,6 @@ def _host_memory_kind(device) -> str | None:
         if kind in kinds:
             return kind
     return None
-
-
-def _padded(pages: list[int]) -> np.ndarray:
-    n = 1 << max(len(pages) - 1, 0).bit_length()
-    return np.asarray(pages + [pages[-1]] * (n - len(pages)), np.int32)
 
 
 class HostSwapSpace:
@@ -68,7 +64,7 @@ class HostSwapSpace:
 
     def swap_out(self, kv, seq_id: str, pages: list[int]) -> int:
         """Copies `pages` (in block-table order) to host memory; returns bytes moved."""
-        padded = _padded(pages)
+        padded = pad_repeat_last(pages)
         stored = self._gather(kv, padded)
         self._stored[seq_id] = ([self._to_host(x) for x in stored], len(pages))
         return kv_pages.blob_bytes_per_page(stored) * len(pages)
@@ -79,9 +75,9 @@ class HostSwapSpace:
         targets = pages[first:n]
         if not targets:
             return kv, 0
-        idx = _padded(list(range(first, n)))
+        idx = pad_repeat_last(list(range(first, n)))
         on_device = kv_pages.take([self._to_device(x) for x in stored], idx)
-        kv = self._scatter(kv, _padded(targets), on_device)
+        kv = self._scatter(kv, pad_repeat_last(targets), on_device)
         return kv, kv_pages.blob_bytes_per_page(on_device) * len(targets)
 
     def drop(self, seq_id: str) -> None:
@@ -91,14 +87,14 @@ class HostSwapSpace:
         """Zeroes freed pages so no later reader could ever see their old content."""
         if not pages:
             return kv
-        return self._zero(kv, _padded(sorted(pages)))
+        return self._zero(kv, pad_repeat_last(sorted(pages)))
 
     def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool):
         """Compiles the swap and scrub programs for every padded count up to `max_pages` pages.
 
         Their writes go to a page past the pool, which scatters drop: the state is unchanged.
         """
-        for n in (1 << i for i in range(max(max_pages - 1, 0).bit_length() + 1)):
+        for n in powers_of_2_up_to(max_pages):
             past = np.full(n, kv.num_pages, np.int32)
             if swap:
                 stored = [self._to_device(x) for x in self._gather(kv, np.zeros(n, np.int32))]

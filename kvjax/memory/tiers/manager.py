@@ -18,6 +18,7 @@ from kvjax.memory.tiers.host import HostTier, host_memory_kind
 from kvjax.memory.tiers.ledger import TransferLedger
 from kvjax.memory.tiers.staging import DeviceStaging
 from kvjax.memory.transfer import Fault, Transfer, TransferKind, TransferState
+from kvjax.shapes import floor_power_of_2
 
 
 @dataclasses.dataclass
@@ -125,10 +126,10 @@ class TierManager:
         if self.config.transfer_layout is TransferLayout.PER_PAGE:
             return [1] * n
         cap = min(self.config.max_chunk_pages, self.config.host_bytes // self.page_bytes)
-        cap = 1 << (cap.bit_length() - 1)
+        cap = floor_power_of_2(cap)
         sizes = []
         while n:
-            sizes.append(min(cap, 1 << (n.bit_length() - 1)))
+            sizes.append(min(cap, floor_power_of_2(n)))
             n -= sizes[-1]
         return sizes
 
