@@ -187,7 +187,7 @@ class Scheduler(RequestRegistry, TierAdmission):
             scheduled.add(seq.seq_id)
             budget -= chunk
         if (not decode and not prefill and self.running
-                and not any(s.num_unresolved for s in self.running)):
+                and not any(self._awaits_step_in_flight(s) for s in self.running)):
             # Nothing fits: free the lowest-ranked running sequence so the rest can progress.
             victim = self._ranked(self.running)[-1]
             self._preempt(victim)
@@ -198,6 +198,12 @@ class Scheduler(RequestRegistry, TierAdmission):
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
                                preempted=tuple(preempted), kv_ops=self.kv_cache.take_ops(),
                                weights_version=active)
+
+    @staticmethod
+    def _awaits_step_in_flight(seq: Sequence) -> bool:
+        """Its next move comes from a dispatched step's results (a sampled token, or the end
+        of a shared prompt's prefill), not from new pages."""
+        return seq.num_unresolved > 0 or seq.num_pending == 0
 
     def _is_done(self, seq: Sequence) -> bool:
         """Whether the token in flight is the sequence's last (by its length limits)."""

@@ -241,3 +241,34 @@ def test_weight_update_finish_old_takes_turns_until_the_old_version_drains():
         versions.append(so.weights_version)
     assert "v0" in versions and "v1" in versions
     assert scheduler.sequences() == [] and scheduler.versions == ["v1"]
+
+
+@pytest.mark.parametrize("with_other", [False, True])
+def test_overlapped_steps_feed_in_flight_tokens_and_never_stall(with_other):
+    """The asynchronous pattern: step t+1 is scheduled before step t's results are committed.
+
+    Alone, the shared prompt's last chunk leaves nothing to schedule while it is in flight;
+    that must wait for the results, not preempt it.
+    """
+    scheduler, _ = make_scheduler(max_prefill_chunk=8)
+    add(scheduler, "g", list(range(1, 20)), max_new_tokens=4, n=2)  # a shared prompt, forked
+    if with_other:
+        add(scheduler, "a", [5, 6, 7], max_new_tokens=4)
+    in_flight, outputs, fed = None, {}, 0
+    for _ in range(40):
+        so = scheduler.schedule()
+        fed += sum(row.feed_index >= 0 for row in so.rows)
+        if in_flight is not None:
+            tokens = np.full(len(in_flight.rows), 7, np.int32)
+            scheduler.update_from_output(in_flight, RunnerOutput(
+                tokens=tokens, logprobs=np.zeros(len(tokens), np.float32)))
+        in_flight = None if so.is_empty else so
+        outputs.update({o.request_id: o for o in scheduler.take_finished()})
+        if not scheduler.has_unfinished():
+            break
+    assert sorted(outputs) == (["a", "g"] if with_other else ["g"])
+    assert [o.token_ids for o in outputs["g"].outputs] == [[7] * 4] * 2  # none lost or doubled
+    if with_other:
+        assert outputs["a"].outputs[0].token_ids == [7] * 4
+    assert fed > 0, "decode rows should take their token from the step in flight"
+    assert scheduler.stats["preemptions"] == 0
