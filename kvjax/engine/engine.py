@@ -240,7 +240,9 @@ class Engine:
         return self.kv_cache.prefix_cache_stats()
 
     def snapshot_outputs(self) -> list[RequestOutput]:
-        """Current (streaming) outputs of every unfinished request."""
+        """Current outputs of every unfinished request, every token sampled so far included
+        (drains the step in flight)."""
+        self.drain()
         return self.scheduler.snapshot_outputs()
 
     # ----------------------------------------------------------------------------- KV
@@ -427,6 +429,7 @@ class Engine:
                 if out.request_id in pending:
                     results[out.request_id] = out
                     pending.discard(out.request_id)
-            if not final_only:
-                yield from (o for o in self.snapshot_outputs() if o.request_id in pending)
+            if not final_only:  # Streams what the host has; the step in flight stays in flight.
+                yield from (o for o in self.scheduler.snapshot_outputs()
+                            if o.request_id in pending)
         yield from (results[r] for r in ids)

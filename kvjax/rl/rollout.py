@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvjax.engine.engine import Engine
-from kvjax.engine.request import FinishReason, RequestOutput, SeqStatus
+from kvjax.engine.request import FinishReason, RequestOutput
 from kvjax.sampling import SamplingParams
 
 
@@ -106,7 +106,6 @@ class Rollout:
         self.request_ids = [f"{name}/{p}" for p in range(len(prompts))]
         self._prompts = [[int(t) for t in prompt] for prompt in prompts]
         self._outputs: dict[str, RequestOutput] = {}
-        self._versions: dict[tuple[str, int], list[str]] = {}
         params = [dataclasses.replace(sampling, n=group_size,
                                       seed=(seed + p * group_size) % 2**32)
                   for p in range(len(prompts))]
@@ -120,45 +119,14 @@ class Rollout:
     def done(self) -> bool:
         return len(self._outputs) == len(self.request_ids)
 
-    def _live_versions(self) -> tuple[dict[tuple[str, int], tuple[int, str]], dict[str, str]]:
-        """Per sample the engine holds: (tokens generated, its weights version); and the version
-        of each unfinished request (what a sample forked during a step runs under).
-
-        Reads the scheduler's sequence records: the public outputs do not carry versions.
-        """
-        samples, requests = {}, {}
-        mine = set(self.request_ids)
-        for seq in self.engine.scheduler.sequences():
-            if seq.request_id not in mine:
-                continue
-            if seq.status is not SeqStatus.FINISHED:
-                requests[seq.request_id] = seq.weights_version
-            if not seq.is_group_prefill:
-                samples[(seq.request_id, seq.sample_index)] = (len(seq.output_ids),
-                                                               seq.weights_version)
-        return samples, requests
-
     def step(self) -> list[RequestOutput]:
         """One engine step; returns finished outputs of requests that are not this rollout's."""
-        before, request_versions = self._live_versions()
-        finished = self.engine.step()
-        after, _ = self._live_versions()
-        counts = {key: n for key, (n, _) in after.items()}
         others = []
-        for out in finished:
+        for out in self.engine.step():
             if out.request_id not in self._outputs and out.request_id in self.request_ids:
                 self._outputs[out.request_id] = out
-                for sample in out.outputs:
-                    counts[(out.request_id, sample.index)] = len(sample.token_ids)
             else:
                 others.append(out)
-        # Tokens that appeared during the step were sampled under the version their sequence
-        # had before it (weights change only between steps).
-        for key, count in counts.items():
-            versions = self._versions.setdefault(key, [])
-            version = before[key][1] if key in before else request_versions.get(
-                key[0], self.engine.model.weights_version)
-            versions.extend([version] * (count - len(versions)))
         return others
 
     def run(self) -> list[RequestOutput]:
@@ -187,7 +155,7 @@ class Rollout:
             for sample in sorted(out.outputs, key=lambda s: s.index):
                 completions.append(list(sample.token_ids))
                 logprobs.append(np.asarray(sample.logprobs, np.float32))
-                versions.append(list(self._versions.get((request_id, sample.index), [])))
+                versions.append(list(sample.weights_versions))
                 reasons.append(sample.finish_reason)
                 texts.append(sample.text)
         tokens, loss_mask, old_logprobs = pad_batch(

@@ -65,6 +65,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     weights_version: str = ""  # the weights its KV is (to be) computed with
+    token_versions: list[str] = dataclasses.field(default_factory=list)  # per output token
     num_unresolved: int = 0
     inflight_index: int = -1
     kv_epoch: int = 0
@@ -93,6 +94,7 @@ class CompletionOutput:
     logprobs: list[float]
     finish_reason: FinishReason | None
     text: str | None = None
+    weights_versions: list[str] = dataclasses.field(default_factory=list)  # per token
 
 
 @dataclasses.dataclass

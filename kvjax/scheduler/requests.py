@@ -147,7 +147,8 @@ class RequestRegistry:
         outputs = [CompletionOutput(
             index=s.sample_index, token_ids=list(s.output_ids), logprobs=list(s.logprobs),
             finish_reason=s.finish_reason,
-            text=tokenizer.decode(s.output_ids) if tokenizer is not None else None)
+            text=tokenizer.decode(s.output_ids) if tokenizer is not None else None,
+            weights_versions=list(s.token_versions))
             for s in seqs if not s.is_group_prefill]
         first = seqs[0]
         times = first.token_times if not first.is_group_prefill else []

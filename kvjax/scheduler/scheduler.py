@@ -327,6 +327,7 @@ class Scheduler(RequestRegistry, TierAdmission):
                 continue
             seq.num_unresolved -= 1
             seq.tokens.append(int(out.tokens[i]))
+            seq.token_versions.append(so.weights_version)
             seq.logprobs.append(float(out.logprobs[i]))
             seq.token_times.append(now)
             self._check_stop(seq)
