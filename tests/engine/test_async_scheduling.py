@@ -131,12 +131,12 @@ def test_weight_update_mid_flight_matches_sync(model, workload, policy):
 @pytest.mark.parametrize("is_async", [True, False])
 def test_compile_count_flat_after_warmup(model, workload, is_async):
     prompts, _ = workload
+    # No shared pages, so no copy-on-write copies (their programs compile on first use).
     engine = Engine(model, EngineConfig(**BASE, num_pages=14, async_scheduling=is_async,
-                                        preemption_mode=PreemptionMode.SWAP))
+                                        preemption_mode=PreemptionMode.SWAP,
+                                        enable_prefix_cache=False))
     compiled = engine.warmup()
     engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
     engine.generate(prompts[::-1], SamplingParams(max_new_tokens=NEW))
-    assert engine.stats["preemptions"] > 0
-    # Copy-on-write copies compile on first use (one program per padded copy count).
-    copies = engine.runner.programs._copy._cache_size()
-    assert engine.num_compiles - copies == compiled
+    assert engine.stats["preemptions"] > 0 and engine.stats["swaps_in"] > 0
+    assert engine.num_compiles == compiled
