@@ -56,7 +56,8 @@ class StepShape:
     all_greedy: bool = True
     needs_filter: bool = False
     logits_mode: LogitsMode = LogitsMode.NONE
-    feed_rows: int = 1  # F, the fixed width of the token feed between steps (one per engine)
+    # F, the fixed width of the token feed between steps (one per engine; 0: num_rows).
+    feed_rows: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -141,7 +142,7 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
         score_weights=np.zeros(t, np.float32),
         seq_slots=np.zeros(r, np.int32),
         token_src=np.full(t, -1, np.int32),
-        prev_tokens=np.zeros(shape.feed_rows, np.int32),
+        prev_tokens=np.zeros(max(shape.feed_rows, r), np.int32),
     )
 
 

@@ -144,6 +144,8 @@ def place(tree: Any, shardings: Any) -> Any:
     only the shards of its own devices.
     """
     def put(x, sharding: NamedSharding):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x  # Already placed (e.g. the token feed a previous step returned).
         if sharding.is_fully_addressable:
             return jax.device_put(x, sharding)
         host = np.asarray(x)

@@ -153,13 +153,17 @@ class Scheduler(RequestRegistry, TierAdmission):
                     break
                 self.swapped.remove(seq)
                 self.running.append(seq)
-                if (seq.num_pending == 1 and len(decode) < cfg.max_num_seqs
-                        and self.kv_cache.allocate(seq.seq_id, seq.num_computed,
-                                                   seq.num_computed + 1)):
-                    decode.append((seq, 1))
-                    scheduled.add(seq.seq_id)
-                    budget -= 1
-                continue
+                if seq.num_pending == 1:
+                    if (len(decode) < cfg.max_num_seqs
+                            and self.kv_cache.allocate(seq.seq_id, seq.num_computed,
+                                                       seq.num_computed + 1)):
+                        decode.append((seq, 1))
+                        scheduled.add(seq.seq_id)
+                        budget -= 1
+                    continue
+                # Swapped mid-prefill, or its tier copy came back short: the rest of its KV is
+                # computed as prefill chunks, starting now (else "nothing fits" would swap it
+                # straight out again).
             is_new = seq.status is SeqStatus.WAITING
             if is_new:
                 if len(self.running) >= cfg.max_num_seqs:
@@ -234,6 +238,9 @@ class Scheduler(RequestRegistry, TierAdmission):
             seq_slot=self.kv_cache.seq_slot(seq.seq_id), samples=samples,
             kv_epoch=seq.kv_epoch, feed_index=feed_index)
         seq.num_computed += n
+        # Counted when dispatched: the device computes them whatever happens to the sequence.
+        is_decode = n == 1 and samples and start >= seq.num_prompt_tokens
+        self.stats["decode_tokens" if is_decode else "prefill_tokens"] += n
         if samples and not seq.is_group_prefill:
             seq.num_unresolved += 1
             seq.inflight_index = index
@@ -346,8 +353,6 @@ class Scheduler(RequestRegistry, TierAdmission):
         self.policy.on_tokens(seq, n)
         self.kv_cache.retain(seq.seq_id, row.start, n, key_scores, is_prefill_done=row.samples,
                              version=seq.weights_version)
-        is_decode = n == 1 and row.samples and row.start >= seq.num_prompt_tokens
-        self.stats["decode_tokens" if is_decode else "prefill_tokens"] += n
 
     @staticmethod
     def _request_of(seq_id: str) -> str:
