@@ -35,6 +35,7 @@ class Feature(enum.Enum):
     KIVI = "kivi"
     KIVI_RESIDUAL = "kivi_residual"
     STREAMING = "streaming"
+    STREAMING_ROTATED = "streaming_rotated"
     H2O = "h2o"
     SNAPKV = "snapkv"
     QUEST = "quest"
@@ -58,8 +59,8 @@ class Feature(enum.Enum):
 
 _GROUPS = {
     Feature.INT8: "codec", Feature.KIVI: "codec", Feature.KIVI_RESIDUAL: "codec",
-    Feature.STREAMING: "retention", Feature.H2O: "retention", Feature.SNAPKV: "retention",
-    Feature.QUEST: "retention",
+    Feature.STREAMING: "retention", Feature.STREAMING_ROTATED: "retention",
+    Feature.H2O: "retention", Feature.SNAPKV: "retention", Feature.QUEST: "retention",
     Feature.SWAP: "preemption", Feature.AUTO_PREEMPTION: "preemption",
 }
 _DESCRIPTIONS = {
@@ -70,6 +71,8 @@ _DESCRIPTIONS = {
     Feature.KIVI_RESIDUAL: "kv_codec kivi4 or kivi2 with residual > 0 (the most recent "
                            "`residual` tokens stay exact)",
     Feature.STREAMING: "retention='streaming' (attention sinks and a recent window)",
+    Feature.STREAMING_ROTATED: "retention='streaming' with cache_positions=True and "
+                               "num_sinks > 0 (each eviction re-rotates the sinks' keys)",
     Feature.H2O: "retention='h2o' (heavy hitters by accumulated attention)",
     Feature.SNAPKV: "retention='snapkv' (compresses the prompt once from its last queries)",
     Feature.QUEST: "retention='quest' (keeps every page, reads the query's top pages)",
@@ -85,7 +88,7 @@ _DESCRIPTIONS = {
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
 _CODECS = (Feature.INT8, *_KIVI)
-_EVICTING = (Feature.STREAMING, Feature.H2O, Feature.SNAPKV)
+_EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV)
 _RETENTION = (*_EVICTING, Feature.QUEST)
 
 
@@ -106,10 +109,13 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_KIVI, [Feature.HOST_TIER],
            "KIVI keeps each sequence's recent tokens in an exact window beside its pages, and "
            "the tiers move pages only (KIVI runs without tiers and retention)")
-    refuse(_KIVI, _RETENTION,
+    refuse(_KIVI, _EVICTING,
+           "KIVI quantizes each key channel over a group of tokens with one scale per group, "
+           "so a KIVI token cannot be moved alone, and compaction moves single tokens (KIVI "
+           "runs without tiers and retention)")
+    refuse(_KIVI, [Feature.QUEST],
            "KIVI keeps each sequence's recent tokens in an exact window beside its pages, and "
-           "retention policies score, summarize and compact pages only (KIVI runs without "
-           "tiers and retention)")
+           "quest summarizes and reads pages only (KIVI runs without tiers and retention)")
     refuse(_KIVI, [Feature.MESH],
            "the KIVI windows are per-sequence slots the kv-head sharding does not lay out, so "
            "KIVI windows do not run on a mesh")
@@ -119,8 +125,10 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.KIVI_RESIDUAL], [Feature.PREFIX_CACHE],
            "a cached prefix page would lack the exact copy of its last tokens; set "
            "enable_prefix_cache=False (or residual=0)")
-    refuse([Feature.INT8], _EVICTING,
-           "an evicting policy compacts exact pages, which a quantized kv_codec does not hold")
+    refuse([Feature.INT8], [Feature.STREAMING_ROTATED],
+           "re-rotating the sinks' keys rewrites exact keys, and a quantized key cannot be "
+           "rotated without decoding and re-quantizing it; set cache_positions=False (or "
+           "kv_codec 'none')")
     refuse(_EVICTING, [Feature.SWAP, Feature.AUTO_PREEMPTION],
            "a compacted sequence is recomputed, not swapped, so the policy needs "
            "preemption_mode=RECOMPUTE")
@@ -177,6 +185,9 @@ def _retention(config: Any) -> list[_Present]:
                             **config.retention_options)
     if policy.name == "none":
         return []
+    if policy.rotates_keys:
+        return [_Present(Feature.STREAMING_ROTATED, f"retention={config.retention!r} with "
+                         f"retention_options={config.retention_options!r}")]
     feature = next((f for f in _RETENTION if f.value == policy.name), None)
     if feature is None:  # A registered policy of its own: the built-in one that acts alike.
         feature = Feature.STREAMING if policy.evicts else Feature.QUEST

@@ -34,15 +34,17 @@ BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16
             enable_prefix_cache=False)
 # A quantized codec or a retention policy changes the tokens: only their count is checked.
 APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, Feature.STREAMING,
-               Feature.H2O, Feature.SNAPKV, Feature.QUEST}
+               Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV, Feature.QUEST}
 # The features each pair test runs outside the config.
 RUNTIME = {Feature.MESH, Feature.SNAPSHOT, Feature.N_SAMPLES}
-# A few pairs whose programs the others share (codec, retention, tiers, swap, snapshot, n > 1,
-# prefix cache); the other pairs (swapped KIVI windows, mesh engines, ...) run in the slow suite.
+# A few pairs whose programs the others share (codec, retention, compaction of codes, tiers,
+# swap, snapshot, n > 1, prefix cache); the other pairs (swapped KIVI windows, mesh engines, ...)
+# run in the slow suite.
 FAST = {
     frozenset(p) for p in (
-        (Feature.INT8, Feature.PREFIX_CACHE), (Feature.KIVI_RESIDUAL, Feature.N_SAMPLES),
-        (Feature.STREAMING, Feature.PREFIX_CACHE), (Feature.QUEST, Feature.PREFIX_CACHE),
+        (Feature.INT8, Feature.STREAMING), (Feature.INT8, Feature.SNAPKV),
+        (Feature.KIVI_RESIDUAL, Feature.N_SAMPLES),
+        (Feature.QUEST, Feature.PREFIX_CACHE),
         (Feature.HOST_TIER, Feature.SNAPSHOT), (Feature.SWAP, Feature.SNAPSHOT),
         (Feature.AUTO_PREEMPTION, Feature.N_SAMPLES),
     )
@@ -69,6 +71,9 @@ def config_for(features) -> dict:
                                                                            residual=4)),
         Feature.STREAMING: dict(retention="streaming", retention_budget=10,
                                 retention_options=dict(num_sinks=2)),
+        Feature.STREAMING_ROTATED: dict(retention="streaming", retention_budget=10,
+                                        retention_options=dict(num_sinks=2,
+                                                               cache_positions=True)),
         Feature.H2O: dict(retention="h2o", retention_budget=10,
                           retention_options=dict(num_recent=3)),
         Feature.SNAPKV: dict(retention="snapkv", retention_budget=10,
