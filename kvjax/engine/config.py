@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.config import KVLayout
+from kvjax.engine import compat
 from kvjax.engine.step import AttentionImpl
 from kvjax.kv import quantized
-from kvjax.kv.retention import make_retention
 from kvjax.memory.tiers import TierConfig
 from kvjax.scheduler.preemption import PreemptionMode
 
@@ -98,46 +98,16 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 object.__setattr__(self, name, enum_type(value))
-        self._check_retention()
-        self._check_codec()
+        self._check_kernel_reads_codec()
+        compat.check(self, on_mesh=False)
 
-    def _check_codec(self) -> None:
-        if self.kv_codec == "none":
+    def _check_kernel_reads_codec(self) -> None:
+        if self.kv_codec == "none" or self.attention_impl is not AttentionImpl.PALLAS:
             return
-        if self.attention_impl is AttentionImpl.PALLAS:
-            from pallas_kernels.quantized_decode.kernel import code_format  # Kernel code: lazy.
+        from pallas_kernels.quantized_decode.kernel import code_format  # Kernel code: lazy.
 
-            try:
-                code_format(quantized.make_codec(self.kv_codec, **self.kv_codec_options))
-            except ValueError as e:
-                raise ValueError(f"attention_impl=PALLAS: {e}; use AUTO (the reference where "
-                                 f"no kernel reads the codec) or REFERENCE") from None
-        if not self.kv_codec.startswith("kivi"):
-            return
-        # KIVI keeps each sequence's recent tokens in a window beside the pages
-        # (kvjax.kv.quantized), which tiers and retention policies do not move.
-        if self.tiers.enabled or self.retention != "none":
-            raise ValueError(f"kv_codec={self.kv_codec!r} runs without tiers and retention, got "
-                             f"tiers enabled={self.tiers.enabled}, retention={self.retention!r}")
-        residual = self.kv_codec_options.get("residual", 0)
-        if residual and self.enable_prefix_cache:
-            raise ValueError(f"kv_codec={self.kv_codec!r} with residual={residual!r}: a cached "
-                             f"prefix page would lack the exact copy of its last tokens; set "
-                             f"enable_prefix_cache=False (or residual=0)")
-
-    def _check_retention(self) -> None:
-        policy = make_retention(self.retention, self.retention_budget, self.page_size,
-                                **self.retention_options)
-        if policy.name == "none":
-            return
-        if self.kv_layout is not KVLayout.PAGED or self.tiers.enabled:
-            raise ValueError(f"retention={self.retention!r} needs the paged layout without "
-                             f"tiers, got kv_layout={self.kv_layout.value!r}, "
-                             f"tiers enabled={self.tiers.enabled}")
-        if policy.evicts and self.kv_codec != "none":
-            raise ValueError(f"retention={self.retention!r} compacts exact pages; it cannot run "
-                             f"with kv_codec={self.kv_codec!r}")
-        if policy.evicts and self.preemption_mode is not PreemptionMode.RECOMPUTE:
-            raise ValueError(f"retention={self.retention!r} needs preemption_mode=RECOMPUTE (a "
-                             f"compacted sequence is recomputed, not swapped), got "
-                             f"{self.preemption_mode.value!r}")
+        try:
+            code_format(quantized.make_codec(self.kv_codec, **self.kv_codec_options))
+        except ValueError as e:
+            raise ValueError(f"attention_impl=PALLAS: {e}; use AUTO (the reference where "
+                             f"no kernel reads the codec) or REFERENCE") from None

@@ -78,8 +78,6 @@ class Engine:
                       mc.max_position_embeddings)
         self.max_model_len = pages_for(max_len, config.page_size) * config.page_size
         self.kv_dtype = resolve_dtype(config.kv_dtype) if config.kv_dtype else model.dtype
-        if mesh is not None and config.retention != "none":
-            raise ValueError(f"retention={config.retention!r} does not run on a mesh")
         retention = RetentionManager(make_retention(
             config.retention, config.retention_budget, config.page_size,
             **config.retention_options), rope_theta=mc.rope_theta)
@@ -88,7 +86,7 @@ class Engine:
         self.block_table_width = pages_for(self.max_pages_per_seq, PAGES_PER_BLOCK) * \
             PAGES_PER_BLOCK
         pool = build_kv_pool(mc, config, max_model_len=self.max_model_len,
-                             kv_dtype=self.kv_dtype, on_mesh=mesh is not None)
+                             kv_dtype=self.kv_dtype)
         self.kv_bytes_per_token = pool.kv_bytes_per_token
         kv = retention.policy.wrap_state(pool.kv)
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
@@ -135,12 +133,6 @@ class Engine:
                                         + 1 / rates["host_to_device_bytes_per_s"])
         if not cfg.enabled:
             return None, pool.swap_space
-        if self.config.kv_layout is not KVLayout.PAGED:
-            raise ValueError(f"tiers need the paged layout, got kv_layout="
-                             f"{self.config.kv_layout.value!r}")
-        if self.config.retention != "none":
-            raise ValueError(f"tiers do not run with retention={self.config.retention!r}: "
-                             f"a retained sequence's pages hold a subset of its tokens")
         tiers = TierManager(cfg, self.runner.kv)
         if pool.allocator.prefix_cache is not None:
             pool.allocator.record_evictions()

@@ -39,12 +39,13 @@ def budget_bytes(config: EngineConfig, kv_bytes_per_token: float, max_model_len:
     return int(kv_bytes_per_token * max_model_len * config.max_num_seqs)
 
 
-def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, kv_dtype,
-                  on_mesh: bool) -> KVPool:
-    """The pool for `config`: quantized, contiguous or paged."""
+def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, kv_dtype
+                  ) -> KVPool:
+    """The pool for `config`: quantized, contiguous or paged (which features compose is
+    checked before, by kvjax.engine.compat)."""
     per_token = mc.kv_bytes_per_token(kv_dtype)
     if config.kv_codec != "none":
-        return _quantized_pool(mc, config, max_model_len=max_model_len, on_mesh=on_mesh)
+        return _quantized_pool(mc, config, max_model_len=max_model_len)
     if config.kv_layout is KVLayout.CONTIGUOUS:
         per_seq = per_token * max_model_len
         budget = budget_bytes(config, per_token, max_model_len)
@@ -63,10 +64,7 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
     return KVPool(kv, allocator, HostSwapSpace(), per_token)
 
 
-def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int,
-                    on_mesh: bool) -> KVPool:
-    if config.kv_layout is not KVLayout.PAGED:
-        raise ValueError(f"kv_codec={config.kv_codec!r} needs the paged layout")
+def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int) -> KVPool:
     from kvjax.kv import quantized  # Imported lazily: only quantized engines need it.
 
     options = config.kv_codec_options
@@ -86,8 +84,6 @@ def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int
         allocator = BlockManager(num_pages, config.page_size,
                                  enable_prefix_cache=config.enable_prefix_cache)
         return KVPool(kv, allocator, HostSwapSpace(), per_token)
-    if on_mesh:
-        raise ValueError(f"kv_codec={config.kv_codec!r} (KIVI windows) does not run on a mesh")
     allocator = residual.WindowBlockManager(
         num_pages, config.page_size, num_seq_slots=num_seq_slots,
         enable_prefix_cache=config.enable_prefix_cache, scrub_windows=config.scrub_freed_pages)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from kvjax.engine import compat
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, SeqStatus, Sequence
 from kvjax.kv import pages as kv_pages
@@ -51,14 +52,9 @@ SNAPSHOT_FORMAT = 1
 
 
 def _check_pages_hold_all_kv(engine: Engine) -> None:
-    """Raises ValueError when part of a sequence's KV lives outside its pages."""
-    if not engine.retention.is_exact:
-        # Such sequences hold fewer pages than tokens, plus policy state a snapshot lacks.
-        raise ValueError(f"snapshots need exact KV; the engine runs retention="
-                         f"{engine.config.retention!r}")
-    if engine.kv.num_seq_slots:
-        raise ValueError(f"snapshots carry pages only; kv_codec={engine.config.kv_codec!r} "
-                         f"keeps each sequence's recent tokens in a KIVI window outside them")
+    """Raises ValueError when part of a sequence's KV lives outside its pages (retention, KIVI
+    windows: the reasons come from kvjax.engine.compat)."""
+    compat.check(engine.config, on_mesh=engine.mesh is not None, uses=(compat.Feature.SNAPSHOT,))
 
 
 # ----------------------------------------------------------------------------- provenance

@@ -65,11 +65,17 @@ change it. From the first eviction on, a sequence indexes nothing more (`BlockMa
 and the policy and budget are part of the provenance fingerprint, so no page is ever served
 to a request that expects another retention.
 
-Limits (checked by EngineConfig): every policy but none needs the paged layout, no tiers and
-no mesh; the evicting ones also need exact pages (kv_codec 'none': slot moves do not apply to
-per-group quantization scales) and RECOMPUTE preemption (a compacted sequence is recomputed
-from its tokens). A request of streaming or h2o may be longer than the pool (it never holds
-more than its budget plus a prefill chunk); others must fit the pool whole.
+Codecs. Compaction moves every page leaf's token rows (`move_slots`), so it moves exact K/V
+and a per-token codec's codes and scales alike (int8, int4, int2, fp8: each token is encoded
+alone; calibrated fp8's static scales live in the codec): a moved token decodes to exactly
+what it did. KIVI's keys share scales over groups of tokens, so no KIVI token moves alone, and
+re-rotating keys (cache_positions=True) would need exact keys to rotate.
+
+Limits (checked by EngineConfig, `kvjax.engine.compat`): every policy but none needs the
+paged layout, no tiers, no mesh and no KIVI; the evicting ones also need RECOMPUTE preemption
+(a compacted sequence is recomputed from its tokens), and rotating keys need kv_codec 'none'.
+A request of streaming or h2o may be longer than the pool (it never holds more than its
+budget plus a prefill chunk); others must fit the pool whole.
 """
 
 from __future__ import annotations
@@ -529,14 +535,25 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
 # ----------------------------------------------------------------------------- device: moves
 
 
-def move_slots(kv: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
-    """Copies token slots src [M] into dst [M] in every layer; all reads precede all writes."""
+def move_slots(kv: Any, src: jax.Array, dst: jax.Array) -> Any:
+    """Copies token slots src [M] into dst [M] in every layer; all reads precede all writes.
 
-    def move(x):  # [L, num_pages, P, K, D]
-        flat = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+    Moves whatever the state stores per token: every page leaf must be [L, num_pages, P, ...]
+    (exact K and V; a per-token codec's codes and scales). A leaf with fewer rows per page
+    (KIVI's per-group key scales) holds no row per token, so the move is refused.
+    """
+    leaves = kv.page_leaves()
+    for x in leaves:
+        if x.shape[2] != kv.page_size:
+            raise ValueError(f"move_slots moves token rows, but a page leaf of shape {x.shape} "
+                             f"has {x.shape[2]} rows per page of {kv.page_size} tokens "
+                             f"({kv.codec_name})")
+
+    def move(x):  # [L, num_pages, P, ...]
+        flat = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])  # [L, slots, ...]
         return flat.at[:, dst].set(flat[:, src]).reshape(x.shape)
 
-    return jax.tree.map(move, kv)
+    return kv.with_page_leaves([move(x) for x in leaves])
 
 
 def rotate_slots(kv: PagedKV, slots: jax.Array, shifts: jax.Array, rope_theta: float
@@ -544,8 +561,12 @@ def rotate_slots(kv: PagedKV, slots: jax.Array, shifts: jax.Array, rope_theta: f
     """Rotates the keys in slots [M] forward by shifts [M] rotary positions, in every layer.
 
     Keys hold RoPE at their position p; rotating by s gives the key at p + s. Values and other
-    slots are unchanged. Repeated slots must come with equal shifts.
+    slots are unchanged. Repeated slots must come with equal shifts. Exact pages only: a
+    quantized key would have to be decoded, rotated and encoded again.
     """
+    if not isinstance(kv, PagedKV):
+        raise ValueError(f"rotate_slots rotates exact keys, got a {type(kv).__name__} "
+                         f"({kv.codec_name})")
     k = kv.k_pages  # [L, num_pages, P, K, D]
     flat = k.reshape(k.shape[0], k.shape[1] * k.shape[2], *k.shape[3:])  # [L, slots, K, D]
     rotated = jax.vmap(lambda x: llama.rope(x, shifts, rope_theta))(flat[:, slots])
@@ -592,11 +613,13 @@ class RetentionManager:
     def num_compiles(self) -> int:
         return self._move._cache_size() + self._rotate._cache_size()
 
-    def warmup(self, kv: PagedKV) -> PagedKV:
+    def warmup(self, kv: Any) -> Any:
         """Compiles the compaction programs of every size a compaction can ask for.
 
         A compaction moves at most `budget` kept tokens (padded to a power of two) and rotates
-        at most the sinks; moving slot 0 onto itself and rotating by 0 change nothing.
+        at most the sinks; moving slot 0 onto itself and rotating by 0 change nothing. The
+        programs are compiled for `kv` as it is (exact or quantized pages), the state every
+        later compaction is given.
         """
         if not self.policy.evicts:
             return kv
@@ -644,9 +667,9 @@ class RetentionManager:
             view.is_prefill_done = view.is_prefill_done or is_prefill_done
         return keep
 
-    def evict(self, kv: PagedKV, seq_id: str, keep: np.ndarray, src: np.ndarray,
+    def evict(self, kv: Any, seq_id: str, keep: np.ndarray, src: np.ndarray,
               dst: np.ndarray, num_freed: int, *, is_prefill_done: bool,
-              block_table: list[int] | None = None) -> PagedKV:
+              block_table: list[int] | None = None) -> Any:
         """Keeps cache indices `keep` of `seq_id` and moves slots src -> dst on the device.
 
         block_table: the sequence's pages after compaction, for policies that rotate kept keys.
@@ -663,8 +686,8 @@ class RetentionManager:
         view.scores = view.scores[keep]
         return kv
 
-    def _compact(self, kv: PagedKV, shifts: np.ndarray | None, src: np.ndarray,
-                 dst: np.ndarray, block_table: list[int] | None) -> PagedKV:
+    def _compact(self, kv: Any, shifts: np.ndarray | None, src: np.ndarray,
+                 dst: np.ndarray, block_table: list[int] | None) -> Any:
         """Moves src -> dst, then rotates the kept keys `shifts` (cache order) asks for."""
         if len(src):
             kv = self._move(kv, pad_repeat_last(src), pad_repeat_last(dst))

@@ -32,7 +32,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.config import ModelConfig
-from kvjax.engine.config import EngineConfig, PreemptionMode
+from kvjax.engine import compat
+from kvjax.engine.config import EngineConfig
 from kvjax.engine.step import StepOutput, StepPrograms, StepShape
 from kvjax.models.model import Model
 
@@ -207,13 +208,11 @@ def shard_model(model: Model, config: EngineConfig, mesh: Mesh) -> Model:
 
     Raises:
       ValueError: the mesh has no `tp` axis or other axes larger than 1, the head counts or F
-        do not divide by tp, or the engine swaps preempted KV to host memory (the swap space
-        stages pages on one device).
+        do not divide by tp, or a feature of `config` does not run on a mesh
+        (kvjax.engine.compat: swap preemption, KIVI windows, retention).
     """
     check_engine_mesh(mesh, model.config)
-    if config.preemption_mode is PreemptionMode.SWAP:
-        raise ValueError(f"preemption_mode={config.preemption_mode.value!r} is not supported "
-                         f"on a mesh; use 'recompute'")
+    compat.check(config, on_mesh=True)
     return dataclasses.replace(model, params=shard_params(model.params, model.config, mesh))
 
 

@@ -362,8 +362,46 @@ def test_prefix_cache_serves_only_pages_computed_before_eviction(model, options)
     assert again.num_cached_prompt_tokens == 4 * P
 
 
+def serve_small_pool(model, *, warm: bool, **config):
+    """Four 40-token prompts, 16 tokens each, in a 14-page pool: outputs and the engine.
+
+    Without eviction each sequence would hold 14 pages; the pool is a quarter of that.
+    warm: warm the engine up first and check that serving compiles nothing more.
+    """
+    engine = Engine(model, EngineConfig(**{**MANY, "num_pages": 14, **config}))
+    num_compiles = engine.warmup() if warm else None
+    for i in range(4):
+        engine.add_request(f"r{i}", prompt_of(40, seed=i),
+                           SamplingParams(max_new_tokens=16, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+    assert engine.allocator.num_used_pages() == 0, "pages leaked"
+    if warm:
+        assert engine.num_compiles == num_compiles, "compaction or a step compiled after warm-up"
+    return [outputs[f"r{i}"] for i in range(4)], engine
+
+
+def test_int8_streaming_in_a_small_pool_agrees_with_exact_streaming(model):
+    """int8 pages under streaming eviction: every request gets its 16 tokens, no page leaks,
+    compaction of the codes compiles nothing after warm-up, and >= 90% of the greedy tokens
+    (position by position) equal the exact-KV streaming engine's.
+    """
+    policy = dict(retention="streaming", retention_budget=12,
+                  retention_options=dict(num_sinks=2))
+    want, _ = serve_small_pool(model, warm=False, **policy)
+    got, engine = serve_small_pool(model, warm=True, kv_codec="int8", **policy)
+    assert [len(t) for t in got] == [16] * 4
+    assert engine.retention.stats["evictions"] > 0 and engine.retention.stats["moved_slots"] > 0
+    same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+    assert same >= 0.9 * 4 * 16, f"{same} of {4 * 16} tokens agree"
+
+
 @pytest.mark.parametrize("overrides,match", [
-    (dict(retention="streaming", retention_budget=8, kv_codec="int8"), "kv_codec"),
+    (dict(retention="streaming", retention_budget=8, kv_codec="int8",
+          retention_options=dict(num_sinks=2, cache_positions=True)), "cache_positions"),
+    (dict(retention="snapkv", retention_budget=8, retention_options=dict(window=2),
+          kv_codec="kivi4", kv_codec_options=dict(group=4)), "moved alone"),
     (dict(retention="h2o", retention_budget=8, preemption_mode=PreemptionMode.SWAP),
      "RECOMPUTE"),
     (dict(retention="quest", retention_budget=8, kv_layout=KVLayout.CONTIGUOUS), "paged"),

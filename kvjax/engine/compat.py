@@ -1,0 +1,287 @@
+"""Which KV behaviours compose: the one table of refusals, and the check that applies it.
+
+Every behaviour an engine can run with is a `Feature`. Any two features compose unless
+`REFUSED` lists the pair, with the one-sentence reason the combination cannot mean what it
+says. Features of one `group` exclude each other by construction (one codec, one retention
+policy, one preemption mode), so they form no pairs.
+
+    compat.check(config, on_mesh=mesh is not None)                  # Engine / EngineConfig
+    compat.check(config, on_mesh=..., uses=(Feature.SNAPSHOT,))     # save / restore
+
+`docs/compatibility.md` is the table rendered as a matrix (scripts/make_compat_docs.py), and
+tests/engine/test_compatibility.py runs every pair the table lets through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+from kvjax.config import KVLayout
+from kvjax.kv import quantized
+from kvjax.kv.retention import make_retention
+from kvjax.scheduler.preemption import PreemptionMode
+
+__all__ = ["Feature", "REFUSED", "check", "features_of", "pairs", "refusal", "render_markdown"]
+
+
+class Feature(enum.Enum):
+    """A behaviour an engine runs with; `group` names the features it excludes."""
+
+    INT8 = "int8"
+    KIVI = "kivi"
+    KIVI_RESIDUAL = "kivi_residual"
+    STREAMING = "streaming"
+    STREAMING_ROTATED = "streaming_rotated"
+    H2O = "h2o"
+    SNAPKV = "snapkv"
+    QUEST = "quest"
+    HOST_TIER = "host_tier"
+    SWAP = "swap"
+    AUTO_PREEMPTION = "auto_preemption"
+    MESH = "mesh"
+    SNAPSHOT = "snapshot"
+    N_SAMPLES = "n_samples"
+    PREFIX_CACHE = "prefix_cache"
+    CONTIGUOUS = "contiguous"
+
+    @property
+    def group(self) -> str | None:
+        return _GROUPS.get(self)
+
+    @property
+    def description(self) -> str:
+        return _DESCRIPTIONS[self]
+
+
+_GROUPS = {
+    Feature.INT8: "codec", Feature.KIVI: "codec", Feature.KIVI_RESIDUAL: "codec",
+    Feature.STREAMING: "retention", Feature.STREAMING_ROTATED: "retention",
+    Feature.H2O: "retention", Feature.SNAPKV: "retention", Feature.QUEST: "retention",
+    Feature.SWAP: "preemption", Feature.AUTO_PREEMPTION: "preemption",
+}
+_DESCRIPTIONS = {
+    Feature.INT8: "kv_codec int8, or another codec that stores codes and scales in the pages "
+                  "(int4, int2, fp8)",
+    Feature.KIVI: "kv_codec kivi4 or kivi2 with residual=0 (a window of fewer than `group` "
+                  "exact tokens per sequence)",
+    Feature.KIVI_RESIDUAL: "kv_codec kivi4 or kivi2 with residual > 0 (the most recent "
+                           "`residual` tokens stay exact)",
+    Feature.STREAMING: "retention='streaming' (attention sinks and a recent window)",
+    Feature.STREAMING_ROTATED: "retention='streaming' with cache_positions=True and "
+                               "num_sinks > 0 (each eviction re-rotates the sinks' keys)",
+    Feature.H2O: "retention='h2o' (heavy hitters by accumulated attention)",
+    Feature.SNAPKV: "retention='snapkv' (compresses the prompt once from its last queries)",
+    Feature.QUEST: "retention='quest' (keeps every page, reads the query's top pages)",
+    Feature.HOST_TIER: "EngineConfig.tiers with a host budget (spills and swaps through it)",
+    Feature.SWAP: "preemption_mode=SWAP",
+    Feature.AUTO_PREEMPTION: "preemption_mode=AUTO (swap or recompute by a cost model)",
+    Feature.MESH: "a tensor-parallel mesh (Engine(..., mesh=...))",
+    Feature.SNAPSHOT: "kvjax.engine.snapshot: save in-flight requests, restore them mid-run",
+    Feature.N_SAMPLES: "SamplingParams(n > 1): samples fork after a shared prompt",
+    Feature.PREFIX_CACHE: "enable_prefix_cache=True",
+    Feature.CONTIGUOUS: "kv_layout=CONTIGUOUS (a max_model_len slot per sequence)",
+}
+
+_KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
+_CODECS = (Feature.INT8, *_KIVI)
+_EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV)
+_RETENTION = (*_EVICTING, Feature.QUEST)
+
+
+def _refusals() -> dict[frozenset[Feature], str]:
+    table: dict[frozenset[Feature], str] = {}
+
+    def refuse(firsts: Iterable[Feature], seconds: Iterable[Feature], reason: str) -> None:
+        for a, b in itertools.product(firsts, seconds):
+            table[frozenset((a, b))] = reason
+
+    refuse(_CODECS, [Feature.CONTIGUOUS],
+           "quantized codes and scales are stored per page, so a kv_codec needs the paged "
+           "layout")
+    refuse(_RETENTION, [Feature.CONTIGUOUS],
+           "retention frees and selects whole pages, so it needs the paged layout")
+    refuse([Feature.HOST_TIER], [Feature.CONTIGUOUS],
+           "tiers move whole pages, so they need the paged layout")
+    refuse(_KIVI, [Feature.HOST_TIER],
+           "KIVI keeps each sequence's recent tokens in an exact window beside its pages, and "
+           "the tiers move pages only (KIVI runs without tiers and retention)")
+    refuse(_KIVI, _EVICTING,
+           "KIVI quantizes each key channel over a group of tokens with one scale per group, "
+           "so a KIVI token cannot be moved alone, and compaction moves single tokens (KIVI "
+           "runs without tiers and retention)")
+    refuse(_KIVI, [Feature.QUEST],
+           "KIVI keeps each sequence's recent tokens in an exact window beside its pages, and "
+           "quest summarizes and reads pages only (KIVI runs without tiers and retention)")
+    refuse(_KIVI, [Feature.MESH],
+           "the KIVI windows are per-sequence slots the kv-head sharding does not lay out, so "
+           "KIVI windows do not run on a mesh")
+    refuse(_KIVI, [Feature.SNAPSHOT],
+           "snapshots carry pages only, and KIVI keeps each sequence's recent tokens in a "
+           "KIVI window outside them")
+    refuse([Feature.KIVI_RESIDUAL], [Feature.PREFIX_CACHE],
+           "a cached prefix page would lack the exact copy of its last tokens; set "
+           "enable_prefix_cache=False (or residual=0)")
+    refuse([Feature.INT8], [Feature.STREAMING_ROTATED],
+           "re-rotating the sinks' keys rewrites exact keys, and a quantized key cannot be "
+           "rotated without decoding and re-quantizing it; set cache_positions=False (or "
+           "kv_codec 'none')")
+    refuse(_EVICTING, [Feature.SWAP, Feature.AUTO_PREEMPTION],
+           "a compacted sequence is recomputed, not swapped, so the policy needs "
+           "preemption_mode=RECOMPUTE")
+    refuse(_RETENTION, [Feature.HOST_TIER],
+           "a retained sequence's pages hold a subset of its tokens (or the policy's page "
+           "summaries), which the tiers do not carry")
+    refuse(_RETENTION, [Feature.MESH],
+           "retention's key scores, summaries and compactions are built for one device's "
+           "pool, so retention does not run on a mesh")
+    refuse(_RETENTION, [Feature.SNAPSHOT],
+           "snapshots need exact KV: a retained sequence holds fewer pages than tokens, or "
+           "policy state that a snapshot does not carry")
+    refuse([Feature.SWAP, Feature.AUTO_PREEMPTION], [Feature.MESH],
+           "the swap space stages pages on one device, so preemption_mode='swap' (or 'auto', "
+           "which may swap) is not supported on a mesh; use 'recompute'")
+    return table
+
+
+REFUSED: dict[frozenset[Feature], str] = _refusals()
+"""Every pair of features that does not compose, with the reason. Pairs not listed work."""
+
+
+def pairs() -> list[tuple[Feature, Feature]]:
+    """Every pair of features that can meet (not of one group), in the enum's order."""
+    return [(a, b) for a, b in itertools.combinations(Feature, 2)
+            if a.group is None or a.group != b.group]
+
+
+def refusal(a: Feature, b: Feature) -> str | None:
+    """Why `a` and `b` do not compose, or None when they do."""
+    return REFUSED.get(frozenset((a, b)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Present:
+    feature: Feature
+    setting: str  # how the config names it, for the error message
+
+
+def _codec(config: Any) -> list[_Present]:
+    if config.kv_codec == "none":
+        return []
+    codec = quantized.make_codec(config.kv_codec, **config.kv_codec_options)
+    if not quantized.is_kivi(codec):
+        return [_Present(Feature.INT8, f"kv_codec={config.kv_codec!r}")]
+    if codec.residual:
+        return [_Present(Feature.KIVI_RESIDUAL,
+                         f"kv_codec={config.kv_codec!r} with residual={codec.residual!r}")]
+    return [_Present(Feature.KIVI, f"kv_codec={config.kv_codec!r}")]
+
+
+def _retention(config: Any) -> list[_Present]:
+    policy = make_retention(config.retention, config.retention_budget, config.page_size,
+                            **config.retention_options)
+    if policy.name == "none":
+        return []
+    if policy.rotates_keys:
+        return [_Present(Feature.STREAMING_ROTATED, f"retention={config.retention!r} with "
+                         f"retention_options={config.retention_options!r}")]
+    feature = next((f for f in _RETENTION if f.value == policy.name), None)
+    if feature is None:  # A registered policy of its own: the built-in one that acts alike.
+        feature = Feature.STREAMING if policy.evicts else Feature.QUEST
+    return [_Present(feature, f"retention={config.retention!r}")]
+
+
+def _present(config: Any, on_mesh: bool) -> list[_Present]:
+    found = _codec(config) + _retention(config)
+    if config.tiers.enabled:
+        found.append(_Present(Feature.HOST_TIER,
+                              f"tiers (host_bytes={config.tiers.host_bytes})"))
+    mode = PreemptionMode(config.preemption_mode)
+    if mode is PreemptionMode.SWAP:
+        found.append(_Present(Feature.SWAP, "preemption_mode='swap'"))
+    elif mode is PreemptionMode.AUTO:
+        found.append(_Present(Feature.AUTO_PREEMPTION, "preemption_mode='auto'"))
+    if on_mesh:
+        found.append(_Present(Feature.MESH, "a mesh"))
+    if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:
+        found.append(_Present(Feature.CONTIGUOUS, "kv_layout='contiguous'"))
+    elif config.enable_prefix_cache:
+        found.append(_Present(Feature.PREFIX_CACHE, "enable_prefix_cache=True"))
+    return found
+
+
+_USE_SETTINGS = {Feature.SNAPSHOT: "snapshots", Feature.N_SAMPLES: "n > 1 sampling"}
+
+
+def features_of(config: Any, *, on_mesh: bool = False) -> set[Feature]:
+    """The features an `EngineConfig` (on a mesh or not) runs with.
+
+    The prefix cache counts only on the paged layout (the contiguous one has none).
+    """
+    return {p.feature for p in _present(config, on_mesh)}
+
+
+def check(config: Any, *, on_mesh: bool, uses: Iterable[Feature] = ()) -> None:
+    """Raises ValueError when two features of `config` (plus `uses`) do not compose.
+
+    Args:
+      config: an `EngineConfig`.
+      on_mesh: whether the engine runs on a tensor-parallel mesh.
+      uses: features an operation adds to the engine's (e.g. `Feature.SNAPSHOT`); pairs with
+        them are checked first.
+
+    Raises:
+      ValueError: naming both settings and the reason from `REFUSED`.
+    """
+    base = _present(config, on_mesh)
+    added = [_Present(f, _USE_SETTINGS.get(f, f.value)) for f in uses]
+    for a, b in [*itertools.combinations(added, 2), *itertools.product(added, base),
+                 *itertools.combinations(base, 2)]:
+        reason = refusal(a.feature, b.feature)
+        if reason is not None:
+            raise ValueError(f"{a.setting} and {b.setting} do not compose: {reason}")
+
+
+def render_markdown() -> str:
+    """The table as a markdown page: a matrix of the pairs, then each refusal's reason."""
+    features = list(Feature)
+    reasons = list(dict.fromkeys(REFUSED[frozenset(p)] for p in pairs()
+                                 if frozenset(p) in REFUSED))
+    works = sum(refusal(*p) is None for p in pairs())
+    out = [
+        "# Compatibility of KV behaviours",
+        "",
+        "Generated from `kvjax/engine/compat.py` by `scripts/make_compat_docs.py`; do not edit.",
+        "Every pair of features composes unless marked; an engine (or a snapshot) with a",
+        "refused pair raises `ValueError` naming both settings and the reason.",
+        "`tests/engine/test_compatibility.py` runs every working pair and every refusal.",
+        "",
+        f"{len(pairs())} pairs: {works} work, {len(pairs()) - works} are refused.",
+        "",
+        "| feature | what it is |",
+        "|---|---|",
+        *(f"| `{f.value}` | {f.description} |" for f in features),
+        "",
+        "`ok`: works; `Rn`: refused, reason n below; `-`: one setting excludes the other.",
+        "",
+        "| | " + " | ".join(f"`{f.value}`" for f in features) + " |",
+        "|---|" + "---|" * len(features),
+    ]
+    for a in features:
+        cells = []
+        for b in features:
+            if a is b or (a.group is not None and a.group == b.group):
+                cells.append("-")
+            else:
+                reason = refusal(a, b)
+                cells.append("ok" if reason is None else f"R{reasons.index(reason) + 1}")
+        out.append(f"| `{a.value}` | " + " | ".join(cells) + " |")
+    out += ["", "## Reasons", ""]
+    for i, reason in enumerate(reasons, 1):
+        refused = [p for p in pairs() if refusal(*p) == reason]
+        names = ", ".join(f"`{a.value}` + `{b.value}`" for a, b in refused)
+        out.append(f"{i}. {reason[0].upper()}{reason[1:]}. ({names})")
+    return "\n".join(out) + "\n"

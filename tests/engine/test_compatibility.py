@@ -1,0 +1,242 @@
+"""Every pair of KV behaviours the compatibility table lets through runs; the others are refused.
+
+For each pair of `kvjax.engine.compat.Feature`s an engine on the tiny model serves a few
+requests with a small page pool (so sequences are preempted): exact pairs (no codec, no
+retention) give the cache-free greedy reference's tokens, approximate ones finish every
+request with the tokens asked for; either way no page stays allocated. A refused pair raises
+the ValueError that names the table's reason.
+
+All engines share one set of step shapes, so most programs compile once per session. Mesh
+pairs need 8 fake CPU devices, which XLA only gives a process whose XLA_FLAGS are set before
+jax starts: they run in a child process (this file run as a script, as in
+tests/parallel/test_sharding.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from kvjax.engine.compat import REFUSED, Feature, pairs, refusal
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+P = 4
+NUM_NEW = 6
+BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16,
+            max_prefill_chunk=16, min_chunk_bucket=16, max_prefill_seqs=1, max_model_len=32,
+            enable_prefix_cache=False)
+# A quantized codec or a retention policy changes the tokens: only their count is checked.
+APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, Feature.STREAMING,
+               Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV, Feature.QUEST}
+# The features each pair test runs outside the config.
+RUNTIME = {Feature.MESH, Feature.SNAPSHOT, Feature.N_SAMPLES}
+# A few pairs whose programs the others share (codec, retention, compaction of codes, tiers,
+# swap, snapshot, n > 1, prefix cache); the other pairs (swapped KIVI windows, mesh engines, ...)
+# run in the slow suite.
+FAST = {
+    frozenset(p) for p in (
+        (Feature.INT8, Feature.STREAMING), (Feature.INT8, Feature.SNAPKV),
+        (Feature.KIVI_RESIDUAL, Feature.N_SAMPLES),
+        (Feature.QUEST, Feature.PREFIX_CACHE),
+        (Feature.HOST_TIER, Feature.SNAPSHOT), (Feature.SWAP, Feature.SNAPSHOT),
+        (Feature.AUTO_PREEMPTION, Feature.N_SAMPLES),
+    )
+}
+
+
+def _prompts() -> list[list[int]]:
+    # Two share two full pages (prefix-cache hits); one length keeps the oracle's compiles few.
+    shared = [7, 21, 3, 90, 14, 60, 33, 8]
+    return [shared + [5, 41, 77], [2, 99, 64, 18, 30, 11, 45, 70, 6, 81, 19],
+            shared + [12, 50, 3]]
+
+
+def config_for(features) -> dict:
+    """EngineConfig keyword arguments running `features` (runtime ones aside)."""
+    from kvjax.engine.config import PreemptionMode
+    from kvjax.memory.tiers import TierConfig
+
+    page_bytes = 2 * 2 * 2 * 8 * 4 * P  # L * (K, V) * K * D * float32 * P
+    settings = {
+        Feature.INT8: dict(kv_codec="int8"),
+        Feature.KIVI: dict(kv_codec="kivi4", kv_codec_options=dict(group=4)),
+        Feature.KIVI_RESIDUAL: dict(kv_codec="kivi4", kv_codec_options=dict(group=4,
+                                                                           residual=4)),
+        Feature.STREAMING: dict(retention="streaming", retention_budget=10,
+                                retention_options=dict(num_sinks=2)),
+        Feature.STREAMING_ROTATED: dict(retention="streaming", retention_budget=10,
+                                        retention_options=dict(num_sinks=2,
+                                                               cache_positions=True)),
+        Feature.H2O: dict(retention="h2o", retention_budget=10,
+                          retention_options=dict(num_recent=3)),
+        Feature.SNAPKV: dict(retention="snapkv", retention_budget=10,
+                             retention_options=dict(window=3, kernel=3)),
+        Feature.QUEST: dict(retention="quest", retention_budget=2 * P),
+        Feature.HOST_TIER: dict(tiers=TierConfig(host_bytes=64 * page_bytes)),
+        Feature.SWAP: dict(preemption_mode=PreemptionMode.SWAP),
+        Feature.AUTO_PREEMPTION: dict(preemption_mode=PreemptionMode.AUTO),
+        Feature.PREFIX_CACHE: dict(enable_prefix_cache=True),
+        Feature.CONTIGUOUS: dict(kv_layout="contiguous", num_pages=None,
+                                 kv_budget_bytes=2 * 32 * page_bytes // P),
+    }
+    config = dict(BASE)
+    for feature in features:
+        config.update(settings.get(feature, {}))
+    return config
+
+
+def run_pair(model, features, oracle, mesh=None) -> dict:
+    """Serves the prompts with `features` on; returns the outcome the tests check."""
+    from kvjax import EngineConfig, SamplingParams
+    from kvjax.engine.engine import Engine
+    from kvjax.engine.snapshot import restore_snapshot, save_snapshot
+
+    features = set(features)
+    engine = Engine(model, EngineConfig(**config_for(features)), mesh=mesh)
+    prompts = _prompts()
+    samplings = [SamplingParams(max_new_tokens=NUM_NEW, ignore_eos=True) for _ in prompts]
+    if Feature.N_SAMPLES in features:
+        samplings[0] = SamplingParams(max_new_tokens=NUM_NEW, ignore_eos=True, n=2)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for request_id, prompt, sampling in zip(ids, prompts, samplings, strict=True):
+        engine.add_request(request_id, prompt, sampling)
+    finished = {}
+    steps = 0
+    while engine.has_unfinished():
+        finished.update((o.request_id, o) for o in engine.step())
+        steps += 1
+        if steps == 3 and Feature.SNAPSHOT in features:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = save_snapshot(engine, os.path.join(tmp, "snap"))
+                live = engine.scheduler.request_ids()
+                for request_id in live:
+                    engine.abort(request_id)
+                assert engine.allocator.num_used_pages() == 0
+                restore_snapshot(engine, path)
+    tokens = [[c.token_ids for c in finished[r].outputs] for r in ids]
+    want = [[oracle(tuple(p))] * s.n for p, s in zip(prompts, samplings, strict=True)] \
+        if not features & APPROXIMATE else None
+    return dict(tokens=tokens, want=want, used_pages=engine.allocator.num_used_pages(),
+                preemptions=engine.stats.get("preemptions", 0), steps=steps)
+
+
+def check_outcome(features, outcome) -> None:
+    assert outcome["used_pages"] == 0, "pages leaked"
+    for samples in outcome["tokens"]:
+        assert all(len(t) == NUM_NEW for t in samples)
+    if outcome["want"] is not None:
+        assert outcome["tokens"] == outcome["want"]
+
+
+def _case_id(pair) -> str:
+    return "+".join(f.value for f in pair)
+
+
+_WORKING = [p for p in pairs() if refusal(*p) is None]
+_REFUSED = [p for p in pairs() if refusal(*p) is not None]
+_LOCAL = [p for p in _WORKING if Feature.MESH not in p]
+_ON_MESH = [p for p in _WORKING if Feature.MESH in p]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from kvjax.testing import tiny_model
+
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def oracle(model):
+    from kvjax.testing import greedy_reference
+
+    cache = {}
+
+    def tokens(prompt: tuple[int, ...]) -> list[int]:
+        if prompt not in cache:
+            cache[prompt] = greedy_reference(model, list(prompt), NUM_NEW)
+        return cache[prompt]
+
+    return tokens
+
+
+def _marks(pair):
+    return () if frozenset(pair) in FAST else (pytest.mark.slow,)
+
+
+@pytest.mark.parametrize("pair", [pytest.param(p, id=_case_id(p), marks=_marks(p))
+                                  for p in _LOCAL])
+def test_working_pair_serves_every_request(model, oracle, pair):
+    check_outcome(pair, run_pair(model, pair, oracle))
+
+
+@pytest.mark.parametrize("pair", [pytest.param(p, id=_case_id(p)) for p in _REFUSED])
+def test_refused_pair_raises_the_tables_reason(model, pair, tmp_path):
+    from kvjax import EngineConfig
+    from kvjax.engine.engine import Engine
+    from kvjax.engine.snapshot import save_snapshot
+    from kvjax.parallel.sharding import make_mesh
+
+    with pytest.raises(ValueError, match=re.escape(refusal(*pair))):
+        if Feature.MESH in pair:  # a one-device mesh takes the sharded engine's checks
+            Engine(model, EngineConfig(**config_for(pair)), mesh=make_mesh(tp=1))
+        elif Feature.SNAPSHOT in pair:
+            save_snapshot(Engine(model, EngineConfig(**config_for(pair))), tmp_path / "snap")
+        else:
+            EngineConfig(**config_for(pair))
+
+
+def test_the_table_refuses_only_pairs_that_can_meet():
+    assert set(REFUSED) <= {frozenset(p) for p in pairs()}
+
+
+def _run_mesh_pairs() -> dict:
+    from kvjax.parallel import sharding
+    from kvjax.testing import greedy_reference, tiny_model
+
+    model = tiny_model()
+    mesh = sharding.replica_meshes(sharding.make_mesh(2))[0]
+    cache = {}
+
+    def oracle(prompt):
+        if prompt not in cache:
+            cache[prompt] = greedy_reference(model, list(prompt), NUM_NEW)
+        return cache[prompt]
+
+    results = {}
+    for pair in _ON_MESH:
+        try:
+            results[_case_id(pair)] = run_pair(model, pair, oracle, mesh=mesh)
+        except Exception as e:  # noqa: BLE001 - reported to the test in the parent
+            results[_case_id(pair)] = dict(error=f"{type(e).__name__}: {e}")
+    return results
+
+
+@pytest.fixture(scope="module")
+def mesh_outcomes():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+                   [ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__, "mesh"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", [pytest.param(p, id=_case_id(p)) for p in _ON_MESH])
+def test_working_pair_serves_every_request_on_a_tp2_mesh(mesh_outcomes, pair):
+    outcome = mesh_outcomes[_case_id(pair)]
+    assert "error" not in outcome, outcome.get("error")
+    check_outcome(pair, outcome)
+
+
+if __name__ == "__main__":
+    # XLA_FLAGS came with the environment (see mesh_outcomes).
+    print(json.dumps(_run_mesh_pairs()))
