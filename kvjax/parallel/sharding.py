@@ -145,7 +145,7 @@ def place(tree: Any, shardings: Any) -> Any:
     only the shards of its own devices.
     """
     def put(x, sharding: NamedSharding):
-        if isinstance(x, jax.Array) and x.sharding == sharding:
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
             return x  # Already placed (e.g. the token feed a previous step returned).
         if sharding.is_fully_addressable:
             return jax.device_put(x, sharding)

@@ -42,10 +42,10 @@ def generate(model, prompts, *, is_async: bool, **overrides):
 
 
 @pytest.mark.parametrize("name,overrides", [
-    ("plenty", dict(num_pages=128)),
+    pytest.param("plenty", dict(num_pages=128), marks=pytest.mark.slow),
     ("recompute", dict(num_pages=14)),
     ("swap", dict(num_pages=14, preemption_mode=PreemptionMode.SWAP)),
-    ("scrub", dict(num_pages=14, scrub_freed_pages=True)),
+    pytest.param("scrub", dict(num_pages=14, scrub_freed_pages=True), marks=pytest.mark.slow),
 ])
 def test_async_matches_sync_and_the_reference(model, workload, name, overrides):
     prompts, refs = workload
@@ -108,7 +108,10 @@ def test_abort_with_a_step_in_flight_and_parallel_samples(model, workload):
     assert engine.allocator.num_used_pages() == 0
 
 
-@pytest.mark.parametrize("policy", [WeightUpdatePolicy.RECOMPUTE, WeightUpdatePolicy.FINISH_OLD])
+@pytest.mark.parametrize("policy", [
+    WeightUpdatePolicy.RECOMPUTE,
+    pytest.param(WeightUpdatePolicy.FINISH_OLD, marks=pytest.mark.slow),
+])
 def test_weight_update_mid_flight_matches_sync(model, workload, policy):
     prompts, _ = workload
     new = tiny_model(seed=1)

@@ -382,6 +382,7 @@ def serve_small_pool(model, *, warm: bool, **config):
     return [outputs[f"r{i}"] for i in range(4)], engine
 
 
+@pytest.mark.slow
 def test_int8_streaming_in_a_small_pool_agrees_with_exact_streaming(model):
     """int8 pages under streaming eviction: every request gets its 16 tokens, no page leaks,
     compaction of the codes compiles nothing after warm-up, and >= 90% of the greedy tokens
