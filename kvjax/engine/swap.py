@@ -9,23 +9,12 @@ once per bucket.
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import numpy as np
 
 from kvjax.kv import pages as kv_pages
+from kvjax.memory.tiers.host import host_memory_kind
 from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
-
-log = logging.getLogger(__name__)
-
-
-def _host_memory_kind(device) -> str | None:
-    kinds = {m.kind for m in device.addressable_memories()}
-    for kind in ("pinned_host", "unpinned_host"):
-        if kind in kinds:
-            return kind
-    return None
 
 
 class HostSwapSpace:
@@ -40,12 +29,7 @@ class HostSwapSpace:
         self._scatter = jax.jit(kv_pages.scatter_pages, donate_argnums=0)
         self._zero = jax.jit(kv_pages.zero_pages, donate_argnums=0)
         device = jax.devices()[0]
-        self.memory_kind = _host_memory_kind(device)
-        if self.memory_kind is None:
-            log.warning("backend %s has no host memory kind; swapping to numpy", device.platform)
-        elif self.memory_kind != "pinned_host":
-            log.warning("backend %s lacks pinned_host; swapping to %s", device.platform,
-                        self.memory_kind)
+        self.memory_kind = host_memory_kind(device, user="swapping")
         self._device = device
 
     @property

@@ -12,16 +12,16 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def host_memory_kind(device) -> str | None:
-    """`pinned_host`, else `unpinned_host`, else None (numpy), logging any fallback."""
+def host_memory_kind(device, *, user: str = "the host tier") -> str | None:
+    """`pinned_host`, else `unpinned_host`, else None (numpy), logging any fallback for `user`."""
     kinds = {m.kind for m in device.addressable_memories()}
     for kind in ("pinned_host", "unpinned_host"):
         if kind in kinds:
             if kind != "pinned_host":
-                log.warning("backend %s lacks pinned_host; the host tier uses %s",
-                            device.platform, kind)
+                log.warning("backend %s lacks pinned_host; %s uses %s", device.platform, user,
+                            kind)
             return kind
-    log.warning("backend %s has no host memory kind; the host tier uses numpy", device.platform)
+    log.warning("backend %s has no host memory kind; %s uses numpy", device.platform, user)
     return None
 
 
