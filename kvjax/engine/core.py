@@ -47,11 +47,12 @@ class EngineCore:
 
     def step(self, logits_mode: LogitsMode = LogitsMode.NONE) -> list[RequestOutput]:
         """One scheduling iteration; returns the outputs of requests that finished in it."""
-        if not self.async_scheduling or logits_mode is not LogitsMode.NONE:
+        is_sync = not self.async_scheduling or logits_mode is not LogitsMode.NONE
+        if is_sync:
             self.drain()
         t_start = time.perf_counter()
         so = self.scheduler.schedule()
-        dispatched, t_host = None, 0.0
+        dispatched = None
         if not so.is_empty:
             if self.debug_provenance:
                 self.scheduler.check_fresh(so)
@@ -64,8 +65,7 @@ class EngineCore:
         if self._in_flight is not None:
             self._resolve(self._in_flight)
         self._in_flight = dispatched
-        if dispatched is not None and (not self.async_scheduling
-                                       or logits_mode is not LogitsMode.NONE):
+        if is_sync:
             self.drain()
         self.stats["host_time_s"] += t_host
         return self.scheduler.take_finished()

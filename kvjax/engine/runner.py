@@ -223,11 +223,6 @@ class ModelRunner:
                             logprobs=np.asarray(out.logprobs)[rows], key_scores=key_scores,
                             logits=out.logits)
 
-    def execute(self, so: SchedulerOutput, logits_mode: LogitsMode = LogitsMode.NONE
-                ) -> RunnerOutput:
-        """Runs one step and blocks until its results are on the host."""
-        return self.fetch(self.dispatch(so, logits_mode))
-
     def warmup(self, weights_version: str) -> None:
         """Compiles every greedy step shape on padding inputs (which write and read nothing)."""
         params = self.params[weights_version]
