@@ -115,10 +115,8 @@ class Engine:
             weights_version=model.weights_version, tokenizer=model.tokenizer)
         self.stats.update(weight_updates=0)
         # An evicting policy decides from step t's key scores before step t+1's block tables
-        # can exist, so its engine runs synchronously. So does an engine spanning several
-        # processes: feeding a token still in flight across processes is not supported yet.
-        is_async = (config.async_scheduling and not retention.policy.evicts
-                    and jax.process_count() == 1)
+        # can exist, so its engine runs synchronously.
+        is_async = config.async_scheduling and not retention.policy.evicts
         self.core = EngineCore(
             self.scheduler, self.runner, stats=self.stats, async_scheduling=is_async,
             debug_provenance=config.debug_provenance)

@@ -124,7 +124,7 @@ class ModelRunner:
         # The token feed between steps: the last step's sampled tokens, on the device. It
         # starts (and restarts) as committed zeros: jit caches committed and uncommitted inputs
         # apart, and every step output is committed.
-        device = next(iter(jax.tree.leaves(kv)[0].devices()))
+        device = jax.tree.leaves(kv)[0].addressable_shards[0].device  # This process's own.
         self._zero_feed = jax.device_put(np.zeros(buckets.feed_rows, np.int32),
                                          jax.sharding.SingleDeviceSharding(device))
         self._feed = self._zero_feed
