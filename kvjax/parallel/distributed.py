@@ -45,3 +45,10 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id,
                                initialization_timeout=initialization_timeout_s)
+    # The first collective over a set of devices opens its cross-process context, and every
+    # process must get there within a fixed 30 s. Open it here, where the processes are in
+    # step, rather than at the first model step, which each process reaches after compiling
+    # at its own pace.
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("kvjax.parallel.distributed.initialize")

@@ -40,9 +40,8 @@ def test_two_processes_match_a_single_process_run():
     coordinator = f"127.0.0.1:{free_port()}"
     workers = [_start("--num_processes=2", f"--process_id={i}", f"--coordinator={coordinator}",
                       "--tp=2") for i in range(2)]
-    reference = _start("--num_processes=1", "--tp=1")
     results = [_result(p) for p in workers]
-    single = _result(reference)
+    single = _result(_start("--num_processes=1", "--tp=1"))  # After: fewer processes share CPUs.
     assert [r["process"] for r in results] == [0, 1]
     assert all(r["processes"] == 2 and r["devices"] == 2 for r in results)
     assert single["processes"] == 1 and single["devices"] == 1
