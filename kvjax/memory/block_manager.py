@@ -143,7 +143,8 @@ class BlockManager:
         return len(pages) * self.page_size
 
     def add_sequence(
-        self, seq_id: Hashable, token_ids: Sequence[int], *, cache_key: bytes = b""
+        self, seq_id: Hashable, token_ids: Sequence[int], *, cache_key: bytes = b"",
+        indexable: bool = True,
     ) -> int:
         """Registers a sequence and attaches the cached pages of its prompt's longest prefix.
 
@@ -155,6 +156,9 @@ class BlockManager:
             seq_id: a new sequence id (ValueError if already registered).
             token_ids: the prompt, [S] with S >= 1.
             cache_key: seeds the hash chain.
+            indexable: False for a sequence whose pages hold a subset of its tokens (one that
+                `retain` compacted, coming back from swap): it neither reads nor feeds the
+                prefix cache.
 
         Returns:
             The number of cached tokens: a multiple of P, and < len(token_ids).
@@ -166,7 +170,7 @@ class BlockManager:
         if not isinstance(cache_key, bytes):
             raise ValueError(f"cache_key must be bytes, got {type(cache_key).__name__}")
         pages, hashes = [], []
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and indexable:
             pages = self.prefix_cache.lookup(token_ids[: len(token_ids) - 1], cache_key)
             hashes = [self.prefix_cache.hash_of(page) for page in pages]
             for page in pages:
@@ -185,6 +189,7 @@ class BlockManager:
             page_hashes=hashes,
             num_tokens=num_cached,
             num_cached_tokens=num_cached,
+            is_indexable=indexable,
         )
         return num_cached
 

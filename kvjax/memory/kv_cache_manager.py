@@ -120,9 +120,14 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------------------- pages
 
-    def lookup(self, seq_id: str, token_ids: Sequence[int], cache_key: bytes) -> int:
-        """Registers a sequence; returns how many of its tokens the prefix cache holds."""
-        return self.allocator.add_sequence(seq_id, token_ids, cache_key=cache_key)
+    def lookup(self, seq_id: str, token_ids: Sequence[int], cache_key: bytes, *,
+               indexable: bool = True) -> int:
+        """Registers a sequence; returns how many of its tokens the prefix cache holds.
+
+        indexable: False when the sequence's pages hold a subset of its tokens (retention
+        evicted some): it then neither reads nor feeds the prefix cache."""
+        return self.allocator.add_sequence(seq_id, token_ids, cache_key=cache_key,
+                                           indexable=indexable)
 
     def unregister(self, seq_id: str) -> None:
         """Drops a registration whose pages were never written by it (admission fell through);
@@ -156,9 +161,11 @@ class KVCacheManager:
         self._apply(KVOp(KVOpKind.COPY, tuple(int(c.dst) for c in copies)),
                           lambda kv: self.device.copy_pages(kv, src, dst))
 
-    def free(self, seq_id: str) -> None:
-        """Releases a sequence's pages (cached ones stay in the prefix cache) and policy state."""
-        self.retention.drop(seq_id)
+    def free(self, seq_id: str, *, keep_retention: bool = False) -> None:
+        """Releases a sequence's pages (cached ones stay in the prefix cache) and policy state
+        (kept with keep_retention: a swapped sequence comes back with the same tokens)."""
+        if not keep_retention:
+            self.retention.drop(seq_id)
         freed = self.allocator.free(seq_id)
         if self.scrub_freed_pages:
             if freed:
@@ -190,20 +197,25 @@ class KVCacheManager:
     # ----------------------------------------------------------------------------- swap
 
     def swap_out(self, seq_id: str, num_computed: int) -> None:
-        """Copies a sequence's computed pages to host memory, then frees them."""
-        pages = self.block_table(seq_id)[:pages_for(num_computed, self.page_size)]
+        """Copies a sequence's computed pages to host memory, then frees them.
+
+        A sequence retention compacted keeps its record of which tokens its pages hold."""
+        held = self.cached_len(seq_id, num_computed)
+        pages = self.block_table(seq_id)[:pages_for(held, self.page_size)]
         nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)),
                                   lambda kv: self.swap_space.swap_out(kv, seq_id, pages))
         self.stats["swaps_out"] += 1
         self.stats["swap_bytes"] += nbytes
-        self.free(seq_id)
+        self.free(seq_id, keep_retention=True)
 
     def swap_in(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
                 cache_key: bytes, version: str) -> bool:
         """Brings a swapped sequence's pages back (prefix-cache hits reused, the rest from host
         memory); False, with nothing changed, when the pool has no room."""
-        cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key)
-        if not self.allocate(seq_id, cached, num_computed):
+        held = self.cached_len(seq_id, num_computed)
+        cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
+                             indexable=held == num_computed)
+        if not self.allocate(seq_id, cached, held):
             self.unregister(seq_id)
             return False
         pages = self.block_table(seq_id)
@@ -242,6 +254,7 @@ class KVCacheManager:
     def drop_swapped(self, seq_id: str) -> None:
         """Forgets a sequence's host copy (it finished or restarts)."""
         self.swap_space.drop(seq_id)
+        self.retention.drop(seq_id)
 
     # ----------------------------------------------------------------------------- retention
 

@@ -146,7 +146,7 @@ class Scheduler(RequestRegistry, TierAdmission):
             if budget <= 0 or len(prefill) >= cfg.max_prefill_seqs:
                 break
             if seq.status is SeqStatus.SWAPPED:
-                need = pages_for(seq.num_computed, cfg.page_size)
+                need = pages_for(self._cached_len(seq), cfg.page_size)
                 if len(self.running) >= cfg.max_num_seqs or not self.kv_cache.can_admit(need):
                     break
                 if not self._swap_in(seq):
@@ -154,9 +154,9 @@ class Scheduler(RequestRegistry, TierAdmission):
                 self.swapped.remove(seq)
                 self.running.append(seq)
                 if seq.num_pending == 1:
+                    cached = self._cached_len(seq)
                     if (len(decode) < cfg.max_num_seqs
-                            and self.kv_cache.allocate(seq.seq_id, seq.num_computed,
-                                                       seq.num_computed + 1)):
+                            and self.kv_cache.allocate(seq.seq_id, cached, cached + 1)):
                         decode.append((seq, 1))
                         scheduled.add(seq.seq_id)
                         budget -= 1

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import EngineConfig, KVLayout, PreemptionMode, SamplingParams
+from kvjax import EngineConfig, KVLayout, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason
 from kvjax.engine.runner import StepObserver
@@ -403,8 +403,6 @@ def test_int8_streaming_in_a_small_pool_agrees_with_exact_streaming(model):
           retention_options=dict(num_sinks=2, cache_positions=True)), "cache_positions"),
     (dict(retention="snapkv", retention_budget=8, retention_options=dict(window=2),
           kv_codec="kivi4", kv_codec_options=dict(group=4)), "moved alone"),
-    (dict(retention="h2o", retention_budget=8, preemption_mode=PreemptionMode.SWAP),
-     "RECOMPUTE"),
     (dict(retention="quest", retention_budget=8, kv_layout=KVLayout.CONTIGUOUS), "paged"),
     (dict(retention="streaming", retention_budget=None), "retention_budget"),
     (dict(retention="sliding"), "'sliding'"),
