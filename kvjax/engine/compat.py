@@ -119,9 +119,6 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_KIVI, [Feature.MESH],
            "the KIVI windows are per-sequence slots the kv-head sharding does not lay out, so "
            "KIVI windows do not run on a mesh")
-    refuse(_KIVI, [Feature.SNAPSHOT],
-           "snapshots carry pages only, and KIVI keeps each sequence's recent tokens in a "
-           "KIVI window outside them")
     refuse([Feature.KIVI_RESIDUAL], [Feature.PREFIX_CACHE],
            "a cached prefix page would lack the exact copy of its last tokens; set "
            "enable_prefix_cache=False (or residual=0)")
@@ -135,9 +132,6 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_RETENTION, [Feature.MESH],
            "retention's key scores, summaries and compactions are built for one device's "
            "pool, so retention does not run on a mesh")
-    refuse(_RETENTION, [Feature.SNAPSHOT],
-           "snapshots need exact KV: a retained sequence holds fewer pages than tokens, or "
-           "policy state that a snapshot does not carry")
     refuse([Feature.SWAP, Feature.AUTO_PREEMPTION], [Feature.MESH],
            "the swap space stages pages on one device, so preemption_mode='swap' (or 'auto', "
            "which may swap) is not supported on a mesh; use 'recompute'")

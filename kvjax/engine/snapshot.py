@@ -6,9 +6,13 @@
   * kv: the KV pages their running sequences have computed, gathered from the pool, one array
     per leaf of the KV pytree viewed page-major, `[L, num_saved_pages, ...]` (for the exact
     pool `[L, num_saved_pages, P, K, D]` keys and values; codes and scales for a quantized
-    pool). A page shared by several sequences (the prompt of an n > 1 group) is saved once.
+    pool; Quest's page summaries). A page shared by several sequences (the prompt of an n > 1
+    group) is saved once. A sequence retention compacted saves the pages it holds.
+  * windows: a KIVI pool's per-sequence exact windows (the state's sequence-slot leaves), one
+    per saved sequence, `[L, num_saved_windows, ...]` per leaf.
   * meta (JSON): every sequence record (tokens, num_computed, sampling params, seed, status,
-    timings, weights version, ...), each sequence's saved page indices, the request records
+    timings, weights version, ...), each sequence's saved page indices, window index and
+    retention record (which tokens its pages hold, their scores), the request records
     (prompt, n, arrival, tenant), and the provenance: readable parts and each sequence's
     fingerprint.
 
@@ -75,9 +79,10 @@ def provenance_parts(engine: Engine) -> dict[str, str | int]:
 
 
 def _page_shapes(engine: Engine) -> list[list]:
-    """Per KV leaf: [L, dims of one page...] and its dtype, which saved pages must match."""
+    """Per page leaf, then per sequence-slot leaf (KIVI windows): [L, dims of one page or slot...]
+    and its dtype, which saved pages and windows must match."""
     return [[int(x.shape[0]), *map(int, x.shape[2:]), jnp.dtype(x.dtype).name]
-            for x in engine.kv.page_leaves()]
+            for x in [*engine.kv.page_leaves(), *engine.kv.seq_slot_leaves()]]
 
 
 # ----------------------------------------------------------------------------- records
@@ -129,7 +134,7 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
       The snapshot directory (absolute).
     Raises:
       ValueError: an unknown (or already finished) request id, `directory` already exists, or
-        a retention policy drops KV tokens.
+        a setting the compatibility table refuses with snapshots.
     """
     path = Path(directory).expanduser().resolve()
     if path.exists():
@@ -143,6 +148,8 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
             raise ValueError(f"request {request_id!r} is not an unfinished request of the engine")
     page_size = engine.config.page_size
     saved_pages: dict[int, int] = {}  # pool page -> index in the saved arrays
+    window_slots: list[int] = []  # the saved sequences' window slots, in saved order
+    has_windows = bool(engine.kv.seq_slot_leaves())
     sequences, requests = [], {}
     for request_id in chosen:
         meta = scheduler.request_meta(request_id)
@@ -153,22 +160,32 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
             seq_ids=[s.seq_id for s in seqs])
         for seq in seqs:
             seq_id = seq.seq_id
-            pages = []
+            pages, window, retention = [], None, None
             if _has_device_kv(engine, seq):
-                table = engine.allocator.block_table(seq_id)[:pages_for(seq.num_computed,
-                                                                        page_size)]
+                held = engine.kv_cache.cached_len(seq_id, seq.num_computed)
+                table = engine.allocator.block_table(seq_id)[:pages_for(held, page_size)]
                 pages = [saved_pages.setdefault(p, len(saved_pages)) for p in table]
-            sequences.append(dict(record=_seq_record(seq), pages=pages,
+                retention = engine.retention.record(seq_id)
+                if has_windows:
+                    window = len(window_slots)
+                    window_slots.append(engine.kv_cache.seq_slot(seq_id))
+            sequences.append(dict(record=_seq_record(seq), pages=pages, window=window,
+                                  retention=retention,
                                   fingerprint=engine.provenance(seq.tenant,
                                                                 seq.weights_version).hex()))
     meta = dict(format=SNAPSHOT_FORMAT, provenance=provenance_parts(engine),
                 page_shapes=_page_shapes(engine), clock=engine.clock(),
-                num_saved_pages=len(saved_pages), requests=requests, sequences=sequences)
+                num_saved_pages=len(saved_pages), num_saved_windows=len(window_slots),
+                requests=requests, sequences=sequences)
     items = dict(meta=ocp.args.JsonSave(meta))
     if saved_pages:
         pool_pages = np.fromiter(saved_pages, np.int32, len(saved_pages))
         leaves = kv_pages.gather_pages(engine.kv, pool_pages)  # [L, n, ...] each
         items["kv"] = ocp.args.StandardSave({f"leaf_{i}": x for i, x in enumerate(leaves)})
+    if window_slots:
+        windows = kv_pages.take(engine.kv.seq_slot_leaves(), np.asarray(window_slots, np.int32))
+        items["windows"] = ocp.args.StandardSave(
+            {f"leaf_{i}": x for i, x in enumerate(windows)})
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(path, args=ocp.args.Composite(**items))
     return path
@@ -207,19 +224,26 @@ def _check_compatible(engine: Engine, meta: dict) -> None:
             raise ValueError(f"request {request_id!r} already exists in the engine")
 
 
-def _place(engine: Engine, seq: Sequence, pages: list[int], stored: list[jax.Array] | None
-           ) -> None:
-    """Gives a restored sequence its KV (pages from the prefix cache or saved), else waits it."""
+def _place(engine: Engine, seq: Sequence, saved: dict, stored: list[jax.Array] | None,
+           windows: list[jax.Array] | None) -> None:
+    """Gives a restored sequence its KV (pages from the prefix cache or saved, its window and
+    retention record), else waits it."""
     has_kv = False
+    pages, window = saved["pages"], saved.get("window")
     if pages and seq.status is SeqStatus.RUNNING:
         def scatter(kv, table, first):
             src = np.asarray(pages[first:], np.int32)
-            return kv_pages.scatter_pages(kv, np.asarray(table, np.int32),
-                                          kv_pages.take(stored, src))
+            kv = kv_pages.scatter_pages(kv, np.asarray(table, np.int32),
+                                        kv_pages.take(stored, src))
+            if window is None:
+                return kv
+            slot = np.asarray([engine.kv_cache.seq_slot(seq.seq_id)], np.int32)
+            blob = kv_pages.take(windows, np.asarray([window], np.int32))
+            return kv.with_seq_slot_leaves(kv_pages.put(kv.seq_slot_leaves(), slot, blob))
 
         has_kv = engine.kv_cache.place(seq.seq_id, seq.tokens, seq.num_computed,
                                        engine.scheduler.cache_key(seq), seq.weights_version,
-                                       len(pages), scatter)
+                                       len(pages), scatter, retention=saved.get("retention"))
     engine.scheduler.restore_sequence(seq, has_kv=has_kv)
 
 
@@ -250,6 +274,11 @@ def restore_snapshot(engine: Engine, directory: str | os.PathLike) -> list[str]:
             kv = checkpointer.restore(path, args=ocp.args.Composite(
                 kv=ocp.args.StandardRestore()))["kv"]
             stored = [kv[f"leaf_{i}"] for i in range(len(kv))]
+        windows = None
+        if meta.get("num_saved_windows"):
+            blob = checkpointer.restore(path, args=ocp.args.Composite(
+                windows=ocp.args.StandardRestore()))["windows"]
+            windows = [blob[f"leaf_{i}"] for i in range(len(blob))]
     offset = engine.clock() - meta["clock"]
     for request_id, request in meta["requests"].items():
         record = dict(prompt=request["prompt"], arrival=request["arrival"] + offset,
@@ -258,5 +287,5 @@ def restore_snapshot(engine: Engine, directory: str | os.PathLike) -> list[str]:
             record["finish_time"] = request["finish_time"] + offset
         engine.scheduler.restore_request(request_id, request["seq_ids"], record)
     for saved in meta["sequences"]:
-        _place(engine, _seq_from_record(saved["record"], offset), saved["pages"], stored)
+        _place(engine, _seq_from_record(saved["record"], offset), saved, stored, windows)
     return list(meta["requests"])

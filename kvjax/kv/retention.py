@@ -703,6 +703,22 @@ class RetentionManager:
         return self._rotate(kv, pad_repeat_last(slots), pad_repeat_last(shifts[index]),
                             self._rope_theta)
 
+    def record(self, seq_id: str) -> dict | None:
+        """The sequence's record as plain data (for a snapshot), None when it has none."""
+        view = self._views.get(seq_id)
+        if view is None:
+            return None
+        return dict(positions=view.positions.tolist(), scores=view.scores.tolist(),
+                    num_evicted=view.num_evicted, is_prefill_done=view.is_prefill_done)
+
+    def restore(self, seq_id: str, record: dict | None) -> None:
+        """Gives a sequence the `record` another engine's manager saved (None: none)."""
+        if record is not None:
+            self._views[seq_id] = CacheView(
+                np.asarray(record["positions"], np.int32),
+                np.asarray(record["scores"], np.float32), record["num_evicted"],
+                record["is_prefill_done"])
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares the parent's cache: it starts from a copy of its record."""
         view = self._views.get(parent_id)

@@ -234,14 +234,20 @@ class KVCacheManager:
         return True
 
     def place(self, seq_id: str, token_ids: Sequence[int], num_computed: int, cache_key: bytes,
-              version: str, num_pages: int, scatter) -> bool:
+              version: str, num_pages: int, scatter, retention: dict | None = None) -> bool:
         """Registers a sequence whose first `num_pages` pages of KV come from outside the pool
         (a snapshot): prefix-cache hits are shared, the rest written by
-        `scatter(kv, pages, first) -> kv` (pages: the pool pages for saved pages first..).
-        False, with nothing changed, when the pool has no room."""
-        cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key)
-        if not self.allocate(seq_id, cached, num_computed):
+        `scatter(kv, pages, first) -> kv` (pages: the pool pages for saved pages first..;
+        the sequence's slot is `seq_slot(seq_id)` by then). `retention`: the retention record
+        saved with the pages (`RetentionManager.record`), if any. False, with nothing
+        changed, when the pool has no room."""
+        self.retention.restore(seq_id, retention)
+        held = self.cached_len(seq_id, num_computed)
+        cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
+                             indexable=held == num_computed)
+        if not self.allocate(seq_id, cached, held):
             self.unregister(seq_id)
+            self.retention.drop(seq_id)
             return False
         first = cached // self.page_size
         table = self.block_table(seq_id)[first:num_pages]
