@@ -15,10 +15,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.config import ModelConfig
 from kvjax.models import llama
 from kvjax.models.model import Model
+from kvjax.shapes import next_power_of_2
 
 TINY = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
@@ -40,7 +42,17 @@ def tiny_model(config: ModelConfig = TINY, seed: int = 0, scale: float = 0.5) ->
 
 @functools.cache
 def _dense_logits(config: ModelConfig):
-    return jax.jit(lambda params, tokens: llama.forward_dense(params, config, tokens)[-1])
+    """Last-token logits of a sequence right-padded to a power of two (>= 16) tokens: causal
+    attention keeps the padding out of every real position, and the padded lengths bound the
+    compiles to a few per session."""
+    forward = jax.jit(lambda params, tokens, n: llama.forward_dense(params, config, tokens)[n - 1])
+
+    def logits(params, tokens: list[int]) -> jax.Array:
+        padded = np.zeros(next_power_of_2(max(len(tokens), 16)), np.int32)
+        padded[:len(tokens)] = tokens
+        return forward(params, padded, np.int32(len(tokens)))
+
+    return logits
 
 
 def greedy_reference(model: Model, prompt: list[int], max_new_tokens: int,
@@ -62,7 +74,7 @@ def greedy_reference(model: Model, prompt: list[int], max_new_tokens: int,
     step = _dense_logits(model.config)
     out = []
     for _ in range(max_new_tokens):
-        token = int(jnp.argmax(step(model.params, jnp.asarray(tokens, jnp.int32))))
+        token = int(jnp.argmax(step(model.params, tokens)))
         tokens.append(token)
         out.append(token)
         if token in stop:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import jax
@@ -46,3 +47,24 @@ def hf_embedded_tokenizer():
 
     path = embedded_model_path()
     return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+_SLOW_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_cases.txt")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks the cases tests/slow_cases.txt lists as slow; a listed case that no longer exists
+    in a collected file fails a run of whole files, so the list cannot go stale."""
+    with open(_SLOW_CASES) as f:
+        listed = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    ids = {item.nodeid: item for item in items}
+    whole_files = not any("::" in arg for arg in config.args)
+    files = {nodeid.split("::")[0] for nodeid in ids} if whole_files else set()
+    for case in listed:
+        matched = [item for nodeid, item in ids.items()
+                   if nodeid == case or nodeid.startswith(case + "[")]
+        if not matched and case.split("::")[0] in files:
+            raise pytest.UsageError(f"tests/slow_cases.txt lists {case}, which is not a test")
+        for item in matched:
+            item.add_marker(pytest.mark.slow)
