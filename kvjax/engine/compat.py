@@ -116,9 +116,6 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_KIVI, [Feature.QUEST],
            "KIVI keeps each sequence's recent tokens in an exact window beside its pages, and "
            "quest summarizes and reads pages only (KIVI runs without tiers and retention)")
-    refuse(_KIVI, [Feature.MESH],
-           "the KIVI windows are per-sequence slots the kv-head sharding does not lay out, so "
-           "KIVI windows do not run on a mesh")
     refuse([Feature.KIVI_RESIDUAL], [Feature.PREFIX_CACHE],
            "a cached prefix page would lack the exact copy of its last tokens; set "
            "enable_prefix_cache=False (or residual=0)")
@@ -129,12 +126,6 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_RETENTION, [Feature.HOST_TIER],
            "a retained sequence's pages hold a subset of its tokens (or the policy's page "
            "summaries), which the tiers do not carry")
-    refuse(_RETENTION, [Feature.MESH],
-           "retention's key scores, summaries and compactions are built for one device's "
-           "pool, so retention does not run on a mesh")
-    refuse([Feature.SWAP, Feature.AUTO_PREEMPTION], [Feature.MESH],
-           "the swap space stages pages on one device, so preemption_mode='swap' (or 'auto', "
-           "which may swap) is not supported on a mesh; use 'recompute'")
     return table
 
 

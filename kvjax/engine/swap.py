@@ -4,7 +4,8 @@ Pages travel page-first: a sequence's pages are gathered from every page leaf of
 (`kvjax.kv.pages`) into one contiguous buffer per leaf, `[L, n, P, K, D]` for exact K and V,
 then moved in a single transfer to `pinned_host` memory (`unpinned_host` where the backend
 lacks it). Page counts are padded to powers of two so the gather and scatter programs compile
-once per bucket.
+once per bucket. On a mesh each buffer keeps its sharding (the kv-head axis split over the
+`tp` devices), in host memory and back: every device swaps its own heads.
 """
 
 from __future__ import annotations
@@ -36,15 +37,19 @@ class HostSwapSpace:
     def num_compiles(self) -> int:
         return sum(f._cache_size() for f in (self._gather, self._scatter, self._zero))
 
-    def _to_host(self, x: jax.Array):
-        if self.memory_kind is None:
-            return np.asarray(x)
-        sharding = jax.sharding.SingleDeviceSharding(self._device, memory_kind=self.memory_kind)
-        return jax.device_put(x, sharding)
+    def _to_host(self, x: jax.Array) -> tuple[object, jax.sharding.Sharding]:
+        """x in host memory (numpy where the backend has no host memory kind), with the
+        sharding it goes back to."""
+        if self.memory_kind is not None:
+            return jax.device_put(x, x.sharding.with_memory_kind(self.memory_kind)), x.sharding
+        if x.is_fully_addressable:
+            return np.asarray(x), x.sharding
+        return x, x.sharding  # Shards of other processes: host memory is device memory here.
 
-    def _to_device(self, x) -> jax.Array:
-        return jax.device_put(x, jax.sharding.SingleDeviceSharding(self._device,
-                                                                   memory_kind="device"))
+    @staticmethod
+    def _to_device(stored: tuple[object, jax.sharding.Sharding]) -> jax.Array:
+        x, sharding = stored
+        return jax.device_put(x, sharding.with_memory_kind("device"))
 
     def swap_out(self, kv, seq_id: str, pages: list[int]) -> int:
         """Copies `pages` (in block-table order) to host memory; returns bytes moved."""
@@ -81,7 +86,8 @@ class HostSwapSpace:
         for n in powers_of_2_up_to(max_pages):
             past = np.full(n, kv.num_pages, np.int32)
             if swap:
-                stored = [self._to_device(x) for x in self._gather(kv, np.zeros(n, np.int32))]
+                gathered = self._gather(kv, np.zeros(n, np.int32))
+                stored = [self._to_device(self._to_host(x)) for x in gathered]
                 kv = self._scatter(kv, past, stored)
             if scrub:
                 kv = self._zero(kv, past)

@@ -72,8 +72,9 @@ what it did. KIVI's keys share scales over groups of tokens, so no KIVI token mo
 re-rotating keys (cache_positions=True) would need exact keys to rotate.
 
 Limits (checked by EngineConfig, `kvjax.engine.compat`): every policy but none needs the
-paged layout, no tiers, no mesh and no KIVI; the evicting ones also need RECOMPUTE preemption
-(a compacted sequence is recomputed from its tokens), and rotating keys need kv_codec 'none'.
+paged layout, no tiers and no KIVI, and rotating keys need kv_codec 'none'. Policies run on a
+mesh (the kv-head axis is sharded; token selection is per sequence), compacted sequences swap
+(they come back with the pages they held and this record), and snapshots carry the record.
 A request of streaming or h2o may be longer than the pool (it never holds more than its
 budget plus a prefill chunk); others must fit the pool whole.
 """

@@ -209,7 +209,7 @@ def shard_model(model: Model, config: EngineConfig, mesh: Mesh) -> Model:
     Raises:
       ValueError: the mesh has no `tp` axis or other axes larger than 1, the head counts or F
         do not divide by tp, or a feature of `config` does not run on a mesh
-        (kvjax.engine.compat: swap preemption, KIVI windows, retention).
+        (kvjax.engine.compat).
     """
     check_engine_mesh(mesh, model.config)
     compat.check(config, on_mesh=True)

@@ -7,6 +7,7 @@ test_sharding.py <case>`) prints one JSON object of results that the tests below
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -46,7 +47,7 @@ def _tokens(outputs) -> list[list[int]]:
 def _run_fast_cases() -> dict:
     import jax
 
-    from kvjax import EngineConfig, SamplingParams
+    from kvjax import EngineConfig, PreemptionMode, SamplingParams
     from kvjax.engine.engine import Engine
     from kvjax.parallel import sharding
     from kvjax.router import DisaggregatedEngine, Router
@@ -73,8 +74,20 @@ def _run_fast_cases() -> dict:
                               .data.shape),
                 compiles=engine.num_compiles, single_compiles=single.num_compiles,
                 used_pages=engine.allocator.num_used_pages())
-    # dp=2 x tp=2: two engine replicas on disjoint device pairs behind a router.
+    # Composed KV behaviours on a mesh: int8 pages, h2o retention and swap preemption under
+    # memory pressure give the tokens of the same engine on one device.
     model = tiny_model()
+    composed = dataclasses.replace(config, num_pages=12, kv_codec="int8", retention="h2o",
+                                   retention_budget=12, retention_options=dict(num_recent=4),
+                                   preemption_mode=PreemptionMode.SWAP)
+    for size in (1, 2):
+        mesh = sharding.replica_meshes(sharding.make_mesh(size))[0] if size > 1 else None
+        engine = Engine(model, composed, mesh=mesh)
+        results[f"composed_tp{size}"] = _tokens(engine.generate(prompts, sampling))
+        results[f"composed_tp{size}_stats"] = dict(
+            swaps_out=engine.stats["swaps_out"], evictions=engine.retention.stats["evictions"],
+            used_pages=engine.allocator.num_used_pages())
+    # dp=2 x tp=2: two engine replicas on disjoint device pairs behind a router.
     meshes = sharding.replica_meshes(sharding.make_mesh(2, dp=2))
     router = Router([Engine(model, config, mesh=m) for m in meshes], "least_loaded")
     results["dp2tp2"] = _tokens(router.generate(prompts, sampling))
@@ -138,6 +151,13 @@ def test_kv_pages_and_heads_stay_split_across_steps(sharded, name, tp, kv_heads,
     assert info["compiles"] == info["single_compiles"]
 
 
+def test_quantized_retained_swapped_kv_on_a_mesh_matches_one_device(sharded):
+    assert sharded["composed_tp2"] == sharded["composed_tp1"]
+    stats = sharded["composed_tp2_stats"]
+    assert stats["swaps_out"] > 0 and stats["evictions"] > 0, stats
+    assert stats["used_pages"] == 0
+
+
 def test_data_parallel_replicas_of_tensor_parallel_engines(sharded):
     assert sharded["dp2tp2"] == sharded["tiny_single"]
     assert sharded["dp2tp2_devices"] == [[0, 1], [2, 3]]
@@ -192,7 +212,7 @@ def test_engine_mesh_validation():
     import jax
     from jax.sharding import Mesh
 
-    from kvjax import EngineConfig, PreemptionMode
+    from kvjax import EngineConfig
     from kvjax.engine.engine import Engine
     from kvjax.parallel.sharding import make_mesh
     from kvjax.testing import tiny_model
@@ -202,9 +222,6 @@ def test_engine_mesh_validation():
     mesh = Mesh(np.asarray(jax.devices()[:1]), ("x",))
     with pytest.raises(ValueError, match="'tp' axis"):
         Engine(tiny_model(), EngineConfig(num_pages=8), mesh=mesh)
-    with pytest.raises(ValueError, match="preemption_mode='swap'"):
-        Engine(tiny_model(), EngineConfig(num_pages=8, preemption_mode=PreemptionMode.SWAP),
-               mesh=make_mesh(tp=1))
 
 
 if __name__ == "__main__":
