@@ -29,9 +29,7 @@ class HostSwapSpace:
         self._gather = jax.jit(kv_pages.gather_pages)
         self._scatter = jax.jit(kv_pages.scatter_pages, donate_argnums=0)
         self._zero = jax.jit(kv_pages.zero_pages, donate_argnums=0)
-        device = jax.devices()[0]
-        self.memory_kind = host_memory_kind(device, user="swapping")
-        self._device = device
+        self.memory_kind = host_memory_kind(jax.devices()[0], user="swapping")
 
     @property
     def num_compiles(self) -> int:
