@@ -143,7 +143,7 @@ class WindowSwapSpace(HostSwapSpace):
         past = jnp.int32(self.allocator.num_seq_slots)
         kv = self._copy_window(kv, jnp.int32(0), past)
         if swap:
-            window = [self._to_device(self._to_host(x)) for x in self._window(kv, jnp.int32(0))]
+            window = [self._to_device((x, x.sharding)) for x in self._window(kv, jnp.int32(0))]
             kv = self._set_window(kv, past, window)
         if scrub:
             for n in powers_of_2_up_to(self.allocator.num_seq_slots):

@@ -85,7 +85,7 @@ class HostSwapSpace:
             past = np.full(n, kv.num_pages, np.int32)
             if swap:
                 gathered = self._gather(kv, np.zeros(n, np.int32))
-                stored = [self._to_device(self._to_host(x)) for x in gathered]
+                stored = [self._to_device((x, x.sharding)) for x in gathered]
                 kv = self._scatter(kv, past, stored)
             if scrub:
                 kv = self._zero(kv, past)

@@ -212,11 +212,8 @@ class KVCacheManager:
                 cache_key: bytes, version: str) -> bool:
         """Brings a swapped sequence's pages back (prefix-cache hits reused, the rest from host
         memory); False, with nothing changed, when the pool has no room."""
-        held = self.cached_len(seq_id, num_computed)
-        cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
-                             indexable=held == num_computed)
-        if not self.allocate(seq_id, cached, held):
-            self.unregister(seq_id)
+        cached = self._register_held(seq_id, token_ids, num_computed, cache_key)
+        if cached is None:
             return False
         pages = self.block_table(seq_id)
         first = cached // self.page_size
@@ -242,11 +239,8 @@ class KVCacheManager:
         saved with the pages (`RetentionManager.record`), if any. False, with nothing
         changed, when the pool has no room."""
         self.retention.restore(seq_id, retention)
-        held = self.cached_len(seq_id, num_computed)
-        cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
-                             indexable=held == num_computed)
-        if not self.allocate(seq_id, cached, held):
-            self.unregister(seq_id)
+        cached = self._register_held(seq_id, token_ids, num_computed, cache_key)
+        if cached is None:
             self.retention.drop(seq_id)
             return False
         first = cached // self.page_size
@@ -256,6 +250,19 @@ class KVCacheManager:
         self.mark_written(table, version)
         self.commit(seq_id, token_ids[:num_computed])
         return True
+
+    def _register_held(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
+                       cache_key: bytes) -> int | None:
+        """Registers a returning sequence with pages for the tokens its cache holds (prefix
+        hits shared unless retention dropped some); the cached token count, or None, with
+        nothing changed, when the pool has no room."""
+        held = self.cached_len(seq_id, num_computed)
+        cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
+                             indexable=held == num_computed)
+        if not self.allocate(seq_id, cached, held):
+            self.unregister(seq_id)
+            return None
+        return cached
 
     def drop_swapped(self, seq_id: str) -> None:
         """Forgets a sequence's host copy (it finished or restarts)."""
