@@ -123,9 +123,6 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "re-rotating the sinks' keys rewrites exact keys, and a quantized key cannot be "
            "rotated without decoding and re-quantizing it; set cache_positions=False (or "
            "kv_codec 'none')")
-    refuse(_RETENTION, [Feature.HOST_TIER],
-           "a retained sequence's pages hold a subset of its tokens (or the policy's page "
-           "summaries), which the tiers do not carry")
     return table
 
 

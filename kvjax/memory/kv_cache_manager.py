@@ -212,7 +212,7 @@ class KVCacheManager:
                 cache_key: bytes, version: str) -> bool:
         """Brings a swapped sequence's pages back (prefix-cache hits reused, the rest from host
         memory); False, with nothing changed, when the pool has no room."""
-        cached = self._register_held(seq_id, token_ids, num_computed, cache_key)
+        cached = self.register_returning(seq_id, token_ids, num_computed, cache_key)
         if cached is None:
             return False
         pages = self.block_table(seq_id)
@@ -239,7 +239,7 @@ class KVCacheManager:
         saved with the pages (`RetentionManager.record`), if any. False, with nothing
         changed, when the pool has no room."""
         self.retention.restore(seq_id, retention)
-        cached = self._register_held(seq_id, token_ids, num_computed, cache_key)
+        cached = self.register_returning(seq_id, token_ids, num_computed, cache_key)
         if cached is None:
             self.retention.drop(seq_id)
             return False
@@ -251,11 +251,12 @@ class KVCacheManager:
         self.commit(seq_id, token_ids[:num_computed])
         return True
 
-    def _register_held(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
+    def register_returning(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
                        cache_key: bytes) -> int | None:
-        """Registers a returning sequence with pages for the tokens its cache holds (prefix
-        hits shared unless retention dropped some); the cached token count, or None, with
-        nothing changed, when the pool has no room."""
+        """Registers a returning (swapped or restored) sequence with pages for the tokens its
+        cache holds (prefix hits shared unless retention dropped some); the number of leading
+        cached tokens the prefix cache supplied, or None, with nothing changed, when the pool
+        has no room."""
         held = self.cached_len(seq_id, num_computed)
         cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
                              indexable=held == num_computed)

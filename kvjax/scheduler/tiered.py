@@ -13,7 +13,7 @@ class TierAdmission:
 
     def _init_tiers(self) -> None:
         self._tier_first_page: dict[str, int] = {}  # swapped sequence -> its first loaded page
-        self.stats.update(tier_hit_tokens=0)
+        self.stats.update(tier_hit_tokens=0, tier_swap_restarts=0)
 
     @property
     def _tiers(self):
@@ -31,9 +31,9 @@ class TierAdmission:
             self.kv_cache.mark_written(table[first:first + result.num_loaded],
                                        seq.weights_version)
             if swapped:
-                self._finish_swap_in(seq, first + result.num_loaded)
-                self.swapped.remove(seq)
-                self.running.append(seq)
+                if self._finish_swap_in(seq, first + result.num_loaded):
+                    self.swapped.remove(seq)
+                    self.running.append(seq)
                 continue
             gained = result.num_loaded * page_size
             if gained:
@@ -126,10 +126,9 @@ class TierAdmission:
                 or len(self.running) + tiers.num_loading >= self.config.max_num_seqs):
             return False
         keys = tiers.swap_keys(seq.seq_id)
-        cached = self.kv_cache.lookup(seq.seq_id, seq.tokens[:seq.num_computed + 1],
-                                      tiers.swap_cache_key(seq.seq_id))
-        if not self.kv_cache.allocate(seq.seq_id, cached, seq.num_computed):
-            self.kv_cache.unregister(seq.seq_id)
+        cached = self.kv_cache.register_returning(seq.seq_id, seq.tokens, seq.num_computed,
+                                                  tiers.swap_cache_key(seq.seq_id))
+        if cached is None:
             return False
         first = cached // self.config.page_size
         available = keys[first:][:tiers.lookup(keys[first:])]
@@ -140,11 +139,22 @@ class TierAdmission:
         if issued:
             self._tier_first_page[seq.seq_id] = first
             return False
-        self._finish_swap_in(seq, first)
-        return True
+        return self._finish_swap_in(seq, first)
 
-    def _finish_swap_in(self, seq: Sequence, num_valid_pages: int) -> None:
-        """The first `num_valid_pages` pages hold the sequence's KV; the rest is recomputed."""
-        seq.num_computed = min(seq.num_computed, num_valid_pages * self.config.page_size)
-        seq.status = SeqStatus.RUNNING
+    def _finish_swap_in(self, seq: Sequence, num_valid_pages: int) -> bool:
+        """The first `num_valid_pages` pages hold the sequence's KV; the rest is recomputed.
+
+        A sequence retention compacted cannot recompute a lost tail (its pages hold a subset of
+        its tokens, in the policy's order): it restarts from its tokens instead. False then.
+        """
         self._tiers.drop(seq.seq_id)
+        valid = num_valid_pages * self.config.page_size
+        held = self._cached_len(seq)
+        if valid < held:
+            if held < seq.num_computed:
+                self.stats["tier_swap_restarts"] += 1
+                self._restart(seq)
+                return False
+            seq.num_computed = valid
+        seq.status = SeqStatus.RUNNING
+        return True

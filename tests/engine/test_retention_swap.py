@@ -2,7 +2,9 @@
 
 Oracle: the same engine with a pool large enough that nothing is preempted. Prompts are
 prefilled whole in both runs (an evicting policy's choice depends on chunking), so a swap that
-restores the compacted pages and the policy's record exactly gives identical greedy tokens.
+restores the compacted pages and the policy's record exactly gives identical greedy tokens,
+through the plain host swap space or through the host tier. A tier copy that comes back short
+(its transfers fail) cannot be recomputed from the token list: the sequence restarts instead.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ def tiny():
     return tiny_model()
 
 
-def _serve(model, policy: str, num_pages: int):
+def _serve(model, policy: str, num_pages: int, tiers=None):
+    from kvjax.memory.tiers import TierConfig
+
     engine = Engine(model, EngineConfig(
+        tiers=tiers or TierConfig(),
         page_size=P, num_pages=num_pages, max_num_seqs=3, max_num_batched_tokens=32,
         max_prefill_chunk=32, min_chunk_bucket=32, max_model_len=32, retention_budget=10,
         enable_prefix_cache=False,
@@ -52,4 +57,31 @@ def test_swapped_compacted_sequences_match_a_run_without_preemption(tiny, policy
     assert engine.stats["swaps_out"] >= 1 and engine.stats["swaps_in"] >= 1
     assert engine.retention.stats["evictions"] >= 1
     assert got == want
+    assert engine.allocator.num_used_pages() == 0
+
+
+def _host_tier(**faults):
+    from kvjax.memory.tiers import TierConfig
+    from kvjax.memory.transfer import FaultConfig, TransferKind
+
+    return TierConfig(host_bytes=1 << 20, faults=FaultConfig(
+        kinds=(TransferKind.HOST_TO_DEVICE,), **faults) if faults else FaultConfig())
+
+
+@pytest.mark.parametrize("policy", ["h2o", pytest.param("snapkv", marks=pytest.mark.slow)])
+def test_compacted_sequences_swap_through_the_host_tier(tiny, policy):
+    _, want = _serve(tiny, policy, num_pages=40)
+    engine, got = _serve(tiny, policy, num_pages=7, tiers=_host_tier())
+    assert engine.stats["swaps_out"] >= 1 and engine.stats["swaps_in"] >= 1
+    assert engine.stats["bytes_host_to_device"] > 0
+    assert engine.retention.stats["evictions"] >= 1
+    assert got == want
+    assert engine.allocator.num_used_pages() == 0
+
+
+def test_a_compacted_sequence_whose_tier_copy_is_lost_restarts(tiny):
+    engine, got = _serve(tiny, "h2o", num_pages=7, tiers=_host_tier(fail_fraction=1.0))
+    assert engine.stats["swaps_out"] >= 1
+    assert engine.stats["tier_swap_restarts"] >= 1
+    assert [len(t) for t in got] == [10] * len(PROMPTS)
     assert engine.allocator.num_used_pages() == 0
