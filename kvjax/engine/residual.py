@@ -110,17 +110,25 @@ class WindowSwapSpace(HostSwapSpace):
 
     def swap_out(self, kv, seq_id: str, pages: list[int]) -> int:
         """Copies the pages and the sequence's window to host memory; returns bytes moved."""
-        nbytes = super().swap_out(kv, seq_id, pages)
-        window = self._window(kv, jnp.int32(self.allocator.seq_slot(seq_id)))
-        self._windows[seq_id] = [self._to_host(x) for x in window]
-        return nbytes + sum(x.nbytes for x in window)
+        return super().swap_out(kv, seq_id, pages) + self.save_window(kv, seq_id)
 
     def swap_in(self, kv, seq_id: str, pages: list[int], first: int) -> tuple[object, int]:
         """Writes the pages back, and the window into the sequence's new slot."""
         kv, nbytes = super().swap_in(kv, seq_id, pages, first)
+        kv, window_bytes = self.restore_window(kv, seq_id)
+        return kv, nbytes + window_bytes
+
+    def save_window(self, kv, seq_id: str) -> int:
+        """Copies a registered sequence's window to host memory; returns bytes moved."""
+        window = self._window(kv, jnp.int32(self.allocator.seq_slot(seq_id)))
+        self._windows[seq_id] = [self._to_host(x) for x in window]
+        return sum(x.nbytes for x in window)
+
+    def restore_window(self, kv, seq_id: str) -> tuple[object, int]:
+        """Writes a saved window into the (re-registered) sequence's slot; frees the copy."""
         window = [self._to_device(x) for x in self._windows.pop(seq_id)]
         kv = self._set_window(kv, jnp.int32(self.allocator.seq_slot(seq_id)), window)
-        return kv, nbytes + sum(x.nbytes for x in window)
+        return kv, sum(x.nbytes for x in window)
 
     def drop(self, seq_id: str) -> None:
         super().drop(seq_id)

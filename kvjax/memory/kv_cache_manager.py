@@ -189,7 +189,7 @@ class KVCacheManager:
             return False
         self.retention.fork(parent_id, child_id)
         self.copy(copies)
-        if self.swap_space.keeps_windows:
+        if self.keeps_windows:
             self._apply(KVOp(KVOpKind.COPY_WINDOW),
                               lambda kv: self.swap_space.copy_window(kv, parent_id, child_id))
         return True
@@ -264,6 +264,26 @@ class KVCacheManager:
             self.unregister(seq_id)
             return None
         return cached
+
+    @property
+    def keeps_windows(self) -> bool:
+        """Whether sequences hold state beside their pages (KIVI windows)."""
+        return self.swap_space.keeps_windows
+
+    def restore_window(self, seq_id: str) -> None:
+        """Writes a swapped sequence's saved window into its new slot, once it is registered
+        again (with tiers on, its pages come back as tier loads)."""
+        if not self.keeps_windows:
+            return
+        nbytes = []
+
+        def restore(kv):
+            kv, n = self.swap_space.restore_window(kv, seq_id)
+            nbytes.append(n)
+            return kv
+
+        self._apply(KVOp(KVOpKind.SWAP_IN), restore)
+        self.stats["swap_bytes"] += nbytes[0]
 
     def drop_swapped(self, seq_id: str) -> None:
         """Forgets a sequence's host copy (it finished or restarts)."""

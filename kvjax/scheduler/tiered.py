@@ -130,6 +130,7 @@ class TierAdmission:
                                                   tiers.swap_cache_key(seq.seq_id))
         if cached is None:
             return False
+        self.kv_cache.restore_window(seq.seq_id)
         first = cached // self.config.page_size
         available = keys[first:][:tiers.lookup(keys[first:])]
         pages = self.kv_cache.block_table(seq.seq_id)[first:first + len(available)]
@@ -144,14 +145,16 @@ class TierAdmission:
     def _finish_swap_in(self, seq: Sequence, num_valid_pages: int) -> bool:
         """The first `num_valid_pages` pages hold the sequence's KV; the rest is recomputed.
 
-        A sequence retention compacted cannot recompute a lost tail (its pages hold a subset of
-        its tokens, in the policy's order): it restarts from its tokens instead. False then.
+        A lost tail cannot be recomputed from a page boundary when retention compacted the
+        sequence (its pages hold a subset of its tokens, in the policy's order) or when its
+        state beside the pages (a KIVI window) belongs to its last token: it restarts from its
+        tokens instead. False then.
         """
         self._tiers.drop(seq.seq_id)
         valid = num_valid_pages * self.config.page_size
         held = self._cached_len(seq)
         if valid < held:
-            if held < seq.num_computed:
+            if held < seq.num_computed or self.kv_cache.keeps_windows:
                 self.stats["tier_swap_restarts"] += 1
                 self._restart(seq)
                 return False

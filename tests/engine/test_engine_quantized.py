@@ -209,6 +209,22 @@ def test_kivi_window_survives_swap_fork_and_scrub(model, prompts):
     assert len(samples) == 3 and samples[0] == samples[1] == samples[2]  # greedy forks agree
 
 
+@pytest.mark.parametrize("codec", ["kivi4-r8", pytest.param("kivi4", marks=pytest.mark.slow)])
+def test_kivi_swaps_through_the_host_tier(model, prompts, codec):
+    """Pages go through checked tier transfers and the window through host memory beside them;
+    with R = 0 the prefix cache spills its KIVI pages to the host tier and loads them back."""
+    from kvjax.memory.tiers import TierConfig
+
+    _, reference = serve(model, prompts, config(codec, num_pages=64))
+    tiers = TierConfig(host_bytes=1 << 20)
+    swapped, tokens = serve(model, prompts, config(codec, num_pages=SMALL_POOL, tiers=tiers,
+                                                   preemption_mode=PreemptionMode.SWAP,
+                                                   scrub_freed_pages=True))
+    assert swapped.stats["swaps_in"] > 0 and swapped.stats["bytes_host_to_device"] > 0
+    assert tokens == reference
+    assert not np.asarray(swapped.kv.k_residual).any(), "freed windows must be scrubbed"
+
+
 def test_calibrated_fp8_engine_needs_calibration_then_tracks_exact_kv(model, prompts):
     calibrated = EngineConfig(**BASE, num_pages=64, kv_codec="fp8_e4m3",
                               kv_codec_options={"scaling": "calibrated"})

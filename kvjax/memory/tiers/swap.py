@@ -12,18 +12,22 @@ class TieredSwapSpace:
 
     It keeps the interface of kvjax.engine.swap.HostSwapSpace that the engine calls on
     preemption and on finishing (`swap_out`, `drop`, `scrub`, `num_compiles`); swapping back in
-    is asynchronous, through `TierManager.load`.
+    is asynchronous, through `TierManager.load`. Per-sequence state beside the pages (KIVI's
+    exact windows) is small and goes to the plain swap space's host memory at once, and comes
+    back (`restore_window`) when the sequence is registered again, ahead of its page loads.
 
     Attributes:
         tiers: the TierManager.
     """
 
-    keeps_windows = False  # Tiers move pages only; KIVI's windows never reach them.
-
     def __init__(self, tiers: TierManager, plain, allocator):
         self.tiers = tiers
         self._plain = plain
         self._allocator = allocator
+
+    @property
+    def keeps_windows(self) -> bool:
+        return self._plain.keeps_windows
 
     @property
     def memory_kind(self) -> str | None:
@@ -35,8 +39,18 @@ class TieredSwapSpace:
 
     def swap_out(self, kv, seq_id: Hashable, pages: list[int]) -> int:
         """Issues the copy of a registered sequence's `pages` to the tiers; returns bytes."""
-        return self.tiers.swap_out(kv, seq_id, pages,
-                                   cache_key=self._allocator.cache_key_of(seq_id))
+        nbytes = self.tiers.swap_out(kv, seq_id, pages,
+                                     cache_key=self._allocator.cache_key_of(seq_id))
+        if self.keeps_windows:
+            nbytes += self._plain.save_window(kv, seq_id)
+        return nbytes
+
+    def restore_window(self, kv, seq_id: Hashable) -> tuple[object, int]:
+        """Writes a swapped sequence's window into its new slot (see the class doc)."""
+        return self._plain.restore_window(kv, seq_id)
+
+    def copy_window(self, kv, parent_id: Hashable, child_id: Hashable):
+        return self._plain.copy_window(kv, parent_id, child_id)
 
     def drop(self, seq_id: Hashable) -> None:
         self.tiers.drop(seq_id)
@@ -46,6 +60,8 @@ class TieredSwapSpace:
         return self._plain.scrub(kv, pages)
 
     def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool):
-        """The scrub programs (swaps go through the tiers, which warm up their own)."""
-        del swap
-        return self._plain.warmup(kv, max_pages, swap=False, scrub=scrub)
+        """The scrub (and window) programs; page swaps go through the tiers, which warm up
+        their own."""
+        if not self.keeps_windows:
+            swap = False
+        return self._plain.warmup(kv, max_pages, swap=swap, scrub=scrub)
