@@ -109,9 +109,6 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_KIVI, _EVICTING,
            "KIVI quantizes each key channel over a group of tokens with one scale per group, "
            "so a KIVI token cannot be moved alone, and compaction moves single tokens")
-    refuse(_KIVI, [Feature.QUEST],
-           "KIVI keeps each sequence's recent tokens in an exact window beside its pages, and "
-           "quest summarizes and reads pages only")
     refuse([Feature.KIVI_RESIDUAL], [Feature.PREFIX_CACHE],
            "a cached prefix page would lack the exact copy of its last tokens; set "
            "enable_prefix_cache=False (or residual=0)")

@@ -167,19 +167,26 @@ def _resolve(impl: AttentionImpl, kv: KVState):
 
 
 def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, shape: StepShape,
-                 kernels) -> jax.Array:
+                 kernels, reads: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Attention of a step's decode rows and prefill rows. q: [T, N, D] -> [T, N, D].
 
     kernels: `_resolve`'s Pallas kernel chooser, or None for the blockwise reference.
+    reads: (indices [Bd, W], kv_lens [Bd]) of the block-table entries decode rows read (a
+    retention policy's `select_reads`), or None: every page.
     """
     bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
     _, n, d = q.shape
     bt, kv_lens, q_lens = inp.block_tables, inp.kv_lens, inp.q_lens
+    decode_lens = kv_lens[:bd] if reads is None else reads[1]
+
+    def decode_tables(tables: jax.Array) -> jax.Array:
+        return tables if reads is None else jnp.take_along_axis(tables, reads[0], axis=1)
+
     outs = []
     if kernels is not None:
         decode_attn, prefill_attn = kernels(kv, layer)
         if bd:
-            outs.append(decode_attn(q[:bd], bt[:bd], kv_lens[:bd]))
+            outs.append(decode_attn(q[:bd], decode_tables(bt[:bd]), decode_lens))
         if bp:
             out = prefill_attn(q[bd:].reshape(bp, c, n, d), bt[bd:], kv_lens[bd:], q_lens[bd:])
             outs.append(out.reshape(bp * c, n, d))
@@ -192,8 +199,9 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
         return kv.row_loader(layer, bt[rows], kv_lens[rows], inp.seq_slots[rows])
 
     if bd:
-        tables, load = reader(slice(0, bd))
-        out = blockwise(q[:bd, None], load, tables, kv_lens[:bd], q_lens[:bd])  # [Bd, 1, N, D]
+        tables, load = reader(slice(0, bd))  # the loader sees every row's full length
+        out = blockwise(q[:bd, None], load, decode_tables(tables), decode_lens,
+                        q_lens[:bd])  # [Bd, 1, N, D]
         outs.append(out[:, 0])
     if bp:
         tables, load = reader(slice(bd, None))
@@ -218,8 +226,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     def attend(layer, q, k, v, carry):
         kv, key_scores = carry
         kv = kv.write_rows(layer, inp, shape, k, v)
-        rows = inp if retention is None else retention.narrow_rows(kv, layer, q, inp, shape)
-        out = _attend_rows(kv, layer, q, rows, shape, kernels)
+        reads = None if retention is None else retention.select_reads(kv, layer, q, inp, shape)
+        out = _attend_rows(kv, layer, q, inp, shape, kernels, reads)
         if scores_keys:
             key_scores = key_scores + retention.key_scores(kv, layer, q, inp, shape,
                                                            pages_per_block=PAGES_PER_BLOCK)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -101,12 +102,36 @@ class QuestKV(SlotAddressed):
     def load_pages(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self.base.load_pages(layer, pages)
 
-    def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array) -> QuestKV:
-        """Writes k, v [T, K, D] into flat slots [T] (-1: dropped) and updates the summaries."""
+    @property
+    def needs_rows(self) -> bool:
+        return self.base.needs_rows
+
+    def _summarized(self, layer: jax.Array, slots: jax.Array, k: jax.Array, base: KVState
+                    ) -> QuestKV:
         key_min, key_max = _update_summaries(self.key_min, self.key_max, layer, slots, k,
                                              self.page_size)
-        return self.replace(base=self.base.write(layer, slots, k, v), key_min=key_min,
-                            key_max=key_max)
+        return self.replace(base=base, key_min=key_min, key_max=key_max)
+
+    def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array) -> QuestKV:
+        """Writes k, v [T, K, D] into flat slots [T] (-1: dropped) and updates the summaries."""
+        return self._summarized(layer, slots, k, self.base.write(layer, slots, k, v))
+
+    def write_rows(self, layer: jax.Array, inp: Any, shape: Any, k: jax.Array, v: jax.Array
+                   ) -> QuestKV:
+        """The base's row write (KIVI); the summaries follow the tokens' page slots, from
+        their exact keys (a quantized key's bound is its exact key's)."""
+        return self._summarized(layer, inp.slot_mapping, k,
+                                self.base.write_rows(layer, inp, shape, k, v))
+
+    def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
+                   seq_slots: jax.Array):
+        return self.base.row_loader(layer, block_tables, kv_lens, seq_slots)
+
+    def seq_slot_leaves(self) -> list[jax.Array]:
+        return self.base.seq_slot_leaves()
+
+    def with_seq_slot_leaves(self, leaves: Sequence[jax.Array]) -> QuestKV:
+        return self.replace(base=self.base.with_seq_slot_leaves(leaves))
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> QuestKV:
         """Copy-on-write of pages src [C] -> dst [C], summaries included."""
@@ -128,10 +153,7 @@ class QuestKV(SlotAddressed):
 
 
 def init_quest_kv(base: KVState) -> QuestKV:
-    """Wraps a paged state that writes by flat slot with empty summaries."""
-    if base.needs_rows:
-        raise ValueError(f"Quest summaries follow flat-slot writes; a {base.codec_name} state "
-                         f"writes by rows")
+    """Wraps a paged state (exact, quantized or KIVI) with empty summaries."""
     k, _ = jax.eval_shape(base.load_pages, jnp.int32(0), jnp.zeros((1, 1), jnp.int32))
     num_layers = base.page_leaves()[0].shape[0]
     shape = (num_layers, base.num_pages, k.shape[3], k.shape[4])  # [L, num_pages, K, D]
@@ -190,11 +212,11 @@ def select_pages(scores: jax.Array, kv_lens: jax.Array, page_size: int, num_read
     return indices, lens.astype(jnp.int32)
 
 
-def narrow_decode_rows(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables: jax.Array,
-                       kv_lens: jax.Array, num_read: int, *, num_dense_layers: int = 0,
-                       head_reduction: HeadReduction = HeadReduction.MAX
-                       ) -> tuple[jax.Array, jax.Array]:
-    """Block tables and lengths of decode rows restricted to their Quest-selected pages.
+def select_decode_pages(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables: jax.Array,
+                        kv_lens: jax.Array, num_read: int, *, num_dense_layers: int = 0,
+                        head_reduction: HeadReduction = HeadReduction.MAX
+                        ) -> tuple[jax.Array, jax.Array] | None:
+    """Which block-table entries decode rows read: their Quest-selected pages.
 
     Args:
       layer: int32 scalar, the layer index (traced inside the layer scan).
@@ -203,12 +225,15 @@ def narrow_decode_rows(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables
       num_dense_layers: layers below this index read every page, unchanged (static).
       head_reduction: how the per-head bounds of a page make its score (static).
     Returns:
-      (block_tables [B, W] with the selected pages first, kv_lens [B]): attention over them is
-      attention over the selected pages' tokens, each at its original rotary position.
+      None when every row reads every page (num_read >= W), else (indices [B, W] int32: the
+      selected entries in table order first, then 0 as padding; kv_lens [B] of the selection).
+      Attention over `take_along_axis(tables, indices)` up to those lengths is attention over
+      the selected pages' tokens, each at its original rotary position; the tables may be a
+      state's logical tables (`KVState.row_loader`), whose loader knows each page's position.
     """
-    w = block_tables.shape[1]
+    b, w = block_tables.shape
     if num_read >= w:
-        return block_tables, kv_lens
+        return None
 
     def narrowed():
         key_min = kv.key_min[layer][block_tables]  # [B, W, K, D]
@@ -217,10 +242,24 @@ def narrow_decode_rows(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables
         reduce = jnp.max if head_reduction is HeadReduction.MAX else jnp.sum
         scores = reduce(bounds, axis=-1)  # [B, W]
         indices, lens = select_pages(scores, kv_lens, kv.page_size, num_read)
-        chosen = jnp.take_along_axis(block_tables, indices, axis=1)  # [B, num_read]
-        padding = jnp.zeros((block_tables.shape[0], w - num_read), block_tables.dtype)
-        return jnp.concatenate([chosen, padding], axis=1), lens
+        return jnp.pad(indices, ((0, 0), (0, w - num_read))), lens
 
     if num_dense_layers == 0:
         return narrowed()
-    return jax.lax.cond(layer < num_dense_layers, lambda: (block_tables, kv_lens), narrowed)
+    every = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    return jax.lax.cond(layer < num_dense_layers, lambda: (every, kv_lens), narrowed)
+
+
+def narrow_decode_rows(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables: jax.Array,
+                       kv_lens: jax.Array, num_read: int, *, num_dense_layers: int = 0,
+                       head_reduction: HeadReduction = HeadReduction.MAX
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Block tables [B, W] with the Quest-selected pages first, and their kv_lens [B]
+    (`select_decode_pages` applied to `block_tables`)."""
+    selected = select_decode_pages(kv, layer, q, block_tables, kv_lens, num_read,
+                                   num_dense_layers=num_dense_layers,
+                                   head_reduction=head_reduction)
+    if selected is None:
+        return block_tables, kv_lens
+    indices, lens = selected
+    return jnp.take_along_axis(block_tables, indices, axis=1), lens

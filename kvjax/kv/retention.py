@@ -149,8 +149,8 @@ class RetentionPolicy(Protocol):
 
     def wrap_state(self, kv: Any) -> Any: ...
 
-    def narrow_rows(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any
-                    ) -> Any: ...
+    def select_reads(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any
+                     ) -> tuple[jax.Array, jax.Array] | None: ...
 
     def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
                    pages_per_block: int) -> jax.Array: ...
@@ -239,8 +239,11 @@ class _Policy:
     def wrap_state(self, kv: Any) -> Any:
         return kv
 
-    def narrow_rows(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any) -> Any:
-        return inp
+    def select_reads(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any
+                     ) -> tuple[jax.Array, jax.Array] | None:
+        """Which block-table entries the decode rows read (`quest.select_decode_pages`), or
+        None: every page."""
+        return None
 
     def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
                    pages_per_block: int) -> jax.Array:
@@ -419,17 +422,15 @@ class Quest(_Policy):
     def wrap_state(self, kv: Any) -> quest.QuestKV:
         return quest.init_quest_kv(kv)
 
-    def narrow_rows(self, kv: quest.QuestKV, layer: jax.Array, q: jax.Array, inp: Any,
-                    shape: Any) -> Any:
+    def select_reads(self, kv: quest.QuestKV, layer: jax.Array, q: jax.Array, inp: Any,
+                     shape: Any) -> tuple[jax.Array, jax.Array] | None:
         bd = shape.num_decode
         if bd == 0:
-            return inp
-        tables, lens = quest.narrow_decode_rows(kv, layer, q[:bd], inp.block_tables[:bd],
-                                                inp.kv_lens[:bd], self.num_read_pages,
-                                                num_dense_layers=self.dense_layers,
-                                                head_reduction=self.heads)
-        return inp.replace(block_tables=inp.block_tables.at[:bd].set(tables),
-                           kv_lens=inp.kv_lens.at[:bd].set(lens))
+            return None
+        return quest.select_decode_pages(kv, layer, q[:bd], inp.block_tables[:bd],
+                                         inp.kv_lens[:bd], self.num_read_pages,
+                                         num_dense_layers=self.dense_layers,
+                                         head_reduction=self.heads)
 
 
 # ----------------------------------------------------------------------------- device: scores

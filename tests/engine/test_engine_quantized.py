@@ -251,6 +251,3 @@ def test_codec_configs_that_cannot_run_are_refused():
             EngineConfig(kv_codec=codec, kv_codec_options=options, attention_impl="pallas")
     with pytest.raises(ValueError, match="enable_prefix_cache=False"):
         EngineConfig(kv_codec="kivi2", kv_codec_options={"residual": 32})
-    with pytest.raises(ValueError, match="retention"):
-        EngineConfig(kv_codec="kivi2", retention="quest", retention_budget=64,
-                     enable_prefix_cache=False)

@@ -420,3 +420,59 @@ def test_quest_runs_over_a_quantized_pool(model):
     want = Engine(model, plain).generate([prompt], SamplingParams(max_new_tokens=8))
     got = Engine(model, config).generate([prompt], SamplingParams(max_new_tokens=8))
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_quest_over_kivi_reads_its_selected_pages_of_codes_and_window(model):
+    """Quest over KIVI: a decode row's narrowed read is its full read (codes for aged tokens,
+    the sequence's exact window for the newest) restricted to the pages Quest selected.
+
+    Oracle: attention in numpy over every page the row's loader decodes, masked to the
+    selected pages' tokens; the engine's path reads only those pages, through logical tables
+    that keep each page's position (so the window rows are the right tokens).
+    """
+    from kvjax.kv import attention as attention_ref
+    from kvjax.kv import quest
+
+    engine = Engine(model, EngineConfig(**{**BASE, **dict(
+        kv_codec="kivi4", kv_codec_options=dict(group=4, residual=4), retention="quest",
+        retention_budget=2 * P, retention_options=dict(dense_layers=0),
+        enable_prefix_cache=False, async_scheduling=False)}))
+    # Another sequence takes pages first, so a page's pool index is not its position.
+    engine.add_request("x", prompt_of(9, seed=1), SamplingParams(max_new_tokens=12,
+                                                                 ignore_eos=True))
+    engine.add_request("r", prompt_of(22), SamplingParams(max_new_tokens=12, ignore_eos=True))
+    for _ in range(7):
+        engine.step()
+    kv, seq = engine.kv, "r#0"
+    kv_len = len(engine.retention.cached_positions(seq))
+    table = engine.kv_cache.block_table(seq)
+    assert kv_len > 22 and table != list(range(len(table)))
+    width = 8
+    bt = jnp.asarray([table + [0] * (width - len(table))], jnp.int32)  # [1, W]
+    lens, slots = jnp.asarray([kv_len], jnp.int32), jnp.asarray([engine.kv_cache.seq_slot(seq)])
+    cfg = model.config
+    q = jax.random.normal(jax.random.PRNGKey(3), (1, cfg.num_heads, cfg.head_dim), jnp.float32)
+    for layer in map(jnp.int32, range(cfg.num_layers)):
+        index, sel_lens = quest.select_decode_pages(kv, layer, q, bt, lens, 2)
+        tables, load = kv.row_loader(layer, bt, lens, slots)
+        got = attention_ref.paged_attention_blockwise(
+            q[:, None], load, jnp.take_along_axis(tables, index, axis=1), sel_lens,
+            jnp.ones(1, jnp.int32), pages_per_block=2)[0, 0]  # [N, D]
+        chosen = np.asarray(index)[0, :2]
+        assert len(set(chosen.tolist())) == 2 and chosen[-1] == (kv_len - 1) // P
+        k, v = (np.asarray(x)[0].reshape(width * P, cfg.num_kv_heads, cfg.head_dim)
+                for x in load(tables))  # every page, [W * P, K, D]
+        positions = np.arange(width * P)
+        seen = np.isin(positions // P, chosen) & (positions < kv_len)
+        g = cfg.num_heads // cfg.num_kv_heads
+        logits = np.einsum("kgd,skd->kgs", np.asarray(q[0]).reshape(-1, g, cfg.head_dim),
+                           k) / np.sqrt(cfg.head_dim)
+        probs = np.exp(np.where(seen, logits, -np.inf) - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        want = np.einsum("kgs,skd->kgd", probs, v).reshape(cfg.num_heads, cfg.head_dim)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    # The window is read for the newest tokens: they differ from their codes' decoding.
+    codes_k, _ = kv.load_pages(jnp.int32(0), bt)
+    window_k, _ = load(tables)
+    newest = (kv_len - 1) // P, (kv_len - 1) % P
+    assert not np.allclose(np.asarray(codes_k)[0][newest], np.asarray(window_k)[0][newest])
