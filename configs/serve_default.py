@@ -43,8 +43,7 @@ def get_config() -> ConfigDict:
     config.kv.codec = "none"  # KV codec: none, int8, int4, int2, fp8_e4m3, fp8_e5m2, kivi4, kivi2
     config.kv.codec_options = ConfigDict()  # codec keyword options, e.g. group, residual
     # Token retention policy (kvjax.kv.retention): none, streaming, h2o, snapkv, quest. All but
-    # none need the paged layout and no tiers; streaming, h2o and snapkv also need codec none
-    # and recompute preemption.
+    # none need the paged layout; docs/compatibility.md lists what each composes with.
     config.kv.retention = "none"
     # Tokens each sequence keeps (quest: reads per decode query). A value in (0, 1) is a
     # fraction of engine.max_model_len, floored to whole tokens. None for retention none.

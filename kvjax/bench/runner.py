@@ -271,8 +271,8 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
     """The `EngineConfig` of a benchmark config's `engine`, `kv` and `tiers` sections.
 
     Raises:
-        ValueError: for an invalid value or combination (e.g. retention with tiers, an
-            evicting retention policy with a quantized codec or swap preemption).
+        ValueError: for an invalid value, or a combination `kvjax.engine.compat` refuses
+            (e.g. an evicting retention policy with a KIVI codec).
     """
     e = config.engine
     budget = None if e.kv_budget_mb is None else int(e.kv_budget_mb * 2**20)

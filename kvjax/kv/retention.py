@@ -69,12 +69,14 @@ Codecs. Compaction moves every page leaf's token rows (`move_slots`), so it move
 and a per-token codec's codes and scales alike (int8, int4, int2, fp8: each token is encoded
 alone; calibrated fp8's static scales live in the codec): a moved token decodes to exactly
 what it did. KIVI's keys share scales over groups of tokens, so no KIVI token moves alone, and
-re-rotating keys (cache_positions=True) would need exact keys to rotate.
+re-rotating keys (cache_positions=True) would need exact keys to rotate. Quest moves nothing
+and runs over any codec, KIVI included (it selects entries of the state's own tables).
 
 Limits (checked by EngineConfig, `kvjax.engine.compat`): every policy but none needs the
-paged layout, no tiers and no KIVI, and rotating keys need kv_codec 'none'. Policies run on a
-mesh (the kv-head axis is sharded; token selection is per sequence), compacted sequences swap
-(they come back with the pages they held and this record), and snapshots carry the record.
+paged layout, evicting ones no KIVI, and rotating keys need kv_codec 'none'. Policies run on
+a mesh (the kv-head axis is sharded; token selection is per sequence), compacted sequences
+swap, through the host tier too (they come back with the pages they held and this record; a
+tier copy that comes back short restarts them), and snapshots carry the record.
 A request of streaming or h2o may be longer than the pool (it never holds more than its
 budget plus a prefill chunk); others must fit the pool whole.
 """
