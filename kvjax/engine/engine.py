@@ -108,7 +108,7 @@ class Engine:
         self.kv_cache = KVCacheManager(
             self.runner, pool.allocator, swap_space, retention, page_size=config.page_size,
             watermark=config.watermark, scrub_freed_pages=config.scrub_freed_pages,
-            stats=self.stats, tiers=tiers)
+            stats=self.stats, tiers=tiers, quantized_len=pool.quantized_len)
         self.scheduler = Scheduler(
             self._scheduler_config(), self.kv_cache, make_policy(config.scheduler_policy),
             cache_key=self.provenance, clock=clock, stats=self.stats,

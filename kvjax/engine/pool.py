@@ -4,6 +4,7 @@ the byte budget and the codec's exact bytes per token."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from kvjax.config import KVLayout, ModelConfig
@@ -24,12 +25,15 @@ class KVPool:
       allocator: the BlockManager, WindowBlockManager (KIVI) or SlotAllocator.
       swap_space: host memory for swapped-out sequences (windows too for KIVI).
       kv_bytes_per_token: device bytes one cached token takes, all layers, K and V.
+      quantized_len: KIVI: of a sequence's first n tokens, how many its pages hold (the rest
+        are in its exact window); None: pages hold every token.
     """
 
     kv: Any
     allocator: Any
     swap_space: Any
     kv_bytes_per_token: float
+    quantized_len: Callable[[int], int] | None = None
 
 
 def budget_bytes(config: EngineConfig, kv_bytes_per_token: float, max_model_len: int) -> int:
@@ -87,4 +91,5 @@ def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int
     allocator = residual.WindowBlockManager(
         num_pages, config.page_size, num_seq_slots=num_seq_slots,
         enable_prefix_cache=config.enable_prefix_cache, scrub_windows=config.scrub_freed_pages)
-    return KVPool(kv, allocator, residual.WindowSwapSpace(allocator), per_token)
+    return KVPool(kv, allocator, residual.WindowSwapSpace(allocator), per_token,
+                  quantized_len=lambda n: int(kv.codec.num_quantized(n)))

@@ -196,6 +196,7 @@ class ModelRunner:
             buf["seeds"][r] = row.seed
             buf["counters"][r] = row.counter
             buf["seq_slots"][r] = row.seq_slot
+            buf["kv_floors"][r] = row.kv_floor
             if row.feed_index >= 0:
                 buf["token_src"][t0] = self._last_row_index[row.feed_index]
             row_index.append(r)

@@ -11,8 +11,9 @@
   * windows: a KIVI pool's per-sequence exact windows (the state's sequence-slot leaves), one
     per saved sequence, `[L, num_saved_windows, ...]` per leaf.
   * meta (JSON): every sequence record (tokens, num_computed, sampling params, seed, status,
-    timings, weights version, ...), each sequence's saved page indices, window index and
-    retention record (which tokens its pages hold, their scores), the request records
+    timings, weights version, ...), each sequence's saved page indices, window index, KV floor
+    (`KVCacheManager.kv_floor`) and retention record (which tokens its pages hold, their
+    scores), the request records
     (prompt, n, arrival, tenant), and the provenance: readable parts and each sequence's
     fingerprint.
 
@@ -160,8 +161,9 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
             seq_ids=[s.seq_id for s in seqs])
         for seq in seqs:
             seq_id = seq.seq_id
-            pages, window, retention = [], None, None
+            pages, window, retention, kv_floor = [], None, None, 0
             if _has_device_kv(engine, seq):
+                kv_floor = engine.kv_cache.kv_floor(seq_id)
                 held = engine.kv_cache.cached_len(seq_id, seq.num_computed)
                 table = engine.allocator.block_table(seq_id)[:pages_for(held, page_size)]
                 pages = [saved_pages.setdefault(p, len(saved_pages)) for p in table]
@@ -170,7 +172,7 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
                     window = len(window_slots)
                     window_slots.append(engine.kv_cache.seq_slot(seq_id))
             sequences.append(dict(record=_seq_record(seq), pages=pages, window=window,
-                                  retention=retention,
+                                  retention=retention, kv_floor=kv_floor,
                                   fingerprint=engine.provenance(seq.tenant,
                                                                 seq.weights_version).hex()))
     meta = dict(format=SNAPSHOT_FORMAT, provenance=provenance_parts(engine),
@@ -243,7 +245,8 @@ def _place(engine: Engine, seq: Sequence, saved: dict, stored: list[jax.Array] |
 
         has_kv = engine.kv_cache.place(seq.seq_id, seq.tokens, seq.num_computed,
                                        engine.scheduler.cache_key(seq), seq.weights_version,
-                                       len(pages), scatter, retention=saved.get("retention"))
+                                       len(pages), scatter, retention=saved.get("retention"),
+                                       kv_floor=saved.get("kv_floor", 0))
     engine.scheduler.restore_sequence(seq, has_kv=has_kv)
 
 

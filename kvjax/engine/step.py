@@ -84,6 +84,9 @@ class StepInput:
         (`KVState.seq_slot_leaves`, per-sequence KV beside the pages, such as KIVI's exact
         windows); the engine's allocator assigns them. 0 in states without such leaves and
         for padding.
+      kv_floors: [R] int32, cache positions [0, kv_floors) of each row are read from its
+        pages whatever its length: the fully quantized pages it took from the prefix cache
+        (KIVI with an exact window reads later tokens from the window); 0 for padding.
       token_src: [T] int32, -1 where `tokens` holds the token; else the index in
         `prev_tokens` of the token to use (asynchronous scheduling: a token the previous step
         sampled and the host has not seen yet).
@@ -103,6 +106,7 @@ class StepInput:
     counters: jax.Array
     score_weights: jax.Array
     seq_slots: jax.Array
+    kv_floors: jax.Array
     token_src: jax.Array
     prev_tokens: jax.Array
 
@@ -141,6 +145,7 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
         counters=np.zeros(r, np.int32),
         score_weights=np.zeros(t, np.float32),
         seq_slots=np.zeros(r, np.int32),
+        kv_floors=np.zeros(r, np.int32),
         token_src=np.full(t, -1, np.int32),
         prev_tokens=np.zeros(max(shape.feed_rows, r), np.int32),
     )
@@ -196,7 +201,8 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
 
     def reader(rows: slice):
         """(block tables, page loader) of `rows`."""
-        return kv.row_loader(layer, bt[rows], kv_lens[rows], inp.seq_slots[rows])
+        return kv.row_loader(layer, bt[rows], kv_lens[rows], inp.seq_slots[rows],
+                             inp.kv_floors[rows])
 
     if bd:
         tables, load = reader(slice(0, bd))  # the loader sees every row's full length

@@ -40,9 +40,10 @@ the chunk ages are read quantized even by its earlier queries.
 
 The window is per sequence, not per page, so the engine keeps it beside the pages
 (`kvjax.engine.residual`): it assigns slots, copies a slot on fork, saves and restores it on
-swap, and zeroes it on scrub. A prefix-cache hit would attach full pages whose last R tokens
-have no exact copy, so engines refuse prefix caching for KIVI with R > 0 (with R = 0 every
-full page is fully quantized and prefix caching works).
+swap, and zeroes it on scrub. With R > 0 a full page's newest tokens may still be exact only:
+the engine publishes a page to the prefix cache once all its tokens are quantized, and a row
+that starts from h cached tokens reads [0, h) from their codes (its window holds none of them):
+F = max(h, num_quantized(S)), the row's floor h in `StepInput.kv_floors`.
 
 Bytes per token (all L layers, K and V; m the metadata dtype's bytes, 4 by default):
 
@@ -308,7 +309,7 @@ class QuantizedPagedKV:
         return _decode(self.codec, k_stored, layer), v
 
     def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
-                   seq_slots: jax.Array):
+                   seq_slots: jax.Array, kv_floors: jax.Array | None = None):
         """A page loader for KIVI rows: codes for aged tokens, the exact window for the rest.
 
         Args:
@@ -316,6 +317,7 @@ class QuantizedPagedKV:
             block_tables: [B, W_bt] int32, the rows' block tables.
             kv_lens: [B] int32, the rows' lengths after this step's write.
             seq_slots: [B] int32, the rows' window slots.
+            kv_floors: [B] int32, positions below which rows read codes (`num_aged`), or None.
 
         Returns:
             (logical tables [B, W_bt], loader) for `paged_attention_blockwise`: the tables hold
@@ -329,7 +331,7 @@ class QuantizedPagedKV:
         page_size, window = self.page_size, self.window
         logical = jnp.broadcast_to(jnp.arange(block_tables.shape[1], dtype=jnp.int32),
                                    block_tables.shape)  # [B, W_bt]
-        num_aged = self.codec.num_quantized(kv_lens)  # [B]
+        num_aged = self.num_aged(kv_lens, kv_floors)  # [B]
 
         def load(index: jax.Array) -> tuple[jax.Array, jax.Array]:
             pages = jnp.take_along_axis(block_tables, index, axis=1)  # [B, n]
@@ -342,6 +344,13 @@ class QuantizedPagedKV:
             return jnp.where(is_aged, k, k_exact), jnp.where(is_aged, v, v_exact)
 
         return logical, load
+
+    def num_aged(self, lengths: jax.Array, kv_floors: jax.Array | None) -> jax.Array:
+        """KIVI: F, the tokens of rows of these lengths read from the codes: the codec's
+        num_quantized, or the row's floor when it is later (a prefix-cache hit of fully
+        quantized pages, whose last R tokens no window holds)."""
+        aged = self.codec.num_quantized(lengths)
+        return aged if kv_floors is None else jnp.maximum(aged, kv_floors)
 
     def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array
               ) -> QuantizedPagedKV:
@@ -375,8 +384,8 @@ class QuantizedPagedKV:
             return self.write(layer, inp.slot_mapping, k, v)
         starts, token_rows = _row_layout(shape)
         before = inp.kv_lens - inp.q_lens  # [R] tokens cached before this step
-        aged_before = self.codec.num_quantized(before)
-        aged_after = self.codec.num_quantized(inp.kv_lens)  # [R]
+        aged_before = self.num_aged(before, inp.kv_floors)
+        aged_after = self.num_aged(inp.kv_lens, inp.kv_floors)  # [R]
         per_row = math.ceil(shape.chunk / self.codec.group) if shape.num_prefill else 0
         kv = self._age_groups(layer, inp, k, v, starts, before, aged_before, aged_after,
                               per_row, shape.num_decode, shape.num_prefill)

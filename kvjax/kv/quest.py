@@ -124,8 +124,8 @@ class QuestKV(SlotAddressed):
                                 self.base.write_rows(layer, inp, shape, k, v))
 
     def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
-                   seq_slots: jax.Array):
-        return self.base.row_loader(layer, block_tables, kv_lens, seq_slots)
+                   seq_slots: jax.Array, kv_floors: jax.Array | None = None):
+        return self.base.row_loader(layer, block_tables, kv_lens, seq_slots, kv_floors)
 
     def seq_slot_leaves(self) -> list[jax.Array]:
         return self.base.seq_slot_leaves()

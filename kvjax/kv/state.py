@@ -87,12 +87,14 @@ class KVState(Protocol):
         """K and V of `pages` [B, n] of `layer`, each [B, n, P, K, D]; reads only those pages."""
 
     def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
-                   seq_slots: jax.Array) -> tuple[jax.Array, PageLoader]:
+                   seq_slots: jax.Array, kv_floors: jax.Array | None = None
+                   ) -> tuple[jax.Array, PageLoader]:
         """What attention reads for rows: (block tables [B, W], page loader [B, n] -> K, V).
 
         block_tables: [B, W] int32; kv_lens: [B] int32 after this step's write; seq_slots:
-        [B] int32. The loader maps index arrays [B, n] of the returned tables to K and V
-        [B, n, P, K, D] (`kvjax.kv.attention.paged_attention_blockwise` takes the pair).
+        [B] int32; kv_floors: [B] int32 (`StepInput.kv_floors`) or None (zeros). The loader
+        maps index arrays [B, n] of the returned tables to K and V [B, n, P, K, D]
+        (`kvjax.kv.attention.paged_attention_blockwise` takes the pair).
         """
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> Self:
@@ -137,7 +139,8 @@ class SlotAddressed:
         return self.write(layer, inp.slot_mapping, k, v)
 
     def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
-                   seq_slots: jax.Array) -> tuple[jax.Array, PageLoader]:
+                   seq_slots: jax.Array, kv_floors: jax.Array | None = None
+                   ) -> tuple[jax.Array, PageLoader]:
         """The rows' own block tables [B, W] and this layer's page loader."""
         return block_tables, functools.partial(self.load_pages, layer)
 

@@ -30,11 +30,16 @@ class KVCacheManager:
       retention: the retention manager (which tokens each sequence keeps).
       page_versions: pool page -> the weights version that last wrote it.
       stats: the engine's counters (shared dict) this manager adds to.
+
+    Args:
+      quantized_len: for a state whose newest tokens live beside the pages (KIVI with an
+        exact window), how many of a sequence's first n tokens its pages hold; only those
+        pages are published to the prefix cache. None: pages hold every computed token.
     """
 
     def __init__(self, device: KVDevice, allocator, swap_space, retention: RetentionManager, *,
                  page_size: int, watermark: float, scrub_freed_pages: bool, stats: dict,
-                 tiers=None):
+                 tiers=None, quantized_len=None):
         self.device = device
         self.allocator = allocator
         self.swap_space = swap_space
@@ -45,6 +50,8 @@ class KVCacheManager:
         self.scrub_freed_pages = scrub_freed_pages
         self.stats = stats
         self.page_versions: dict[int, str] = {}
+        self._quantized_len = quantized_len
+        self._floors: dict[str, int] = {}  # sequence -> tokens its pages hold from the start
         self._ops: list[KVOp] = []
         self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
                           stale_kv_reads=0, bytes_device_to_host=0, bytes_host_to_device=0,
@@ -84,6 +91,11 @@ class KVCacheManager:
     def seq_slot(self, seq_id: str) -> int:
         """The sequence's per-sequence state slot (KIVI windows), else 0."""
         return self.allocator.seq_slot(seq_id)
+
+    def kv_floor(self, seq_id: str) -> int:
+        """Cache positions of a sequence read from its pages whatever its length: the fully
+        quantized pages it took from the prefix cache or the tiers (0 without a window)."""
+        return self._floors.get(seq_id, 0)
 
     def cached_len(self, seq_id: str, num_computed: int) -> int:
         """Tokens of a sequence in the cache: its computed length less what retention evicted."""
@@ -126,13 +138,22 @@ class KVCacheManager:
 
         indexable: False when the sequence's pages hold a subset of its tokens (retention
         evicted some): it then neither reads nor feeds the prefix cache."""
-        return self.allocator.add_sequence(seq_id, token_ids, cache_key=cache_key,
-                                           indexable=indexable)
+        cached = self.allocator.add_sequence(seq_id, token_ids, cache_key=cache_key,
+                                             indexable=indexable)
+        self.attach_loaded(seq_id, cached)
+        return cached
+
+    def attach_loaded(self, seq_id: str, num_tokens: int) -> None:
+        """The sequence's first `num_tokens` came as whole pages from the prefix cache or the
+        tiers: with a window beside the pages, they are read from the pages from now on."""
+        if self._quantized_len is not None and num_tokens:
+            self._floors[seq_id] = max(self.kv_floor(seq_id), num_tokens)
 
     def unregister(self, seq_id: str) -> None:
         """Drops a registration whose pages were never written by it (admission fell through);
         its prefix-cache hits go back to the cache."""
         self.allocator.free(seq_id)
+        self._floors.pop(seq_id, None)
 
     def allocate(self, seq_id: str, start: int, end: int) -> bool:
         """Makes cache positions [start, end) of a sequence writable (new pages, copy-on-write
@@ -144,7 +165,11 @@ class KVCacheManager:
         return True
 
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
-        """Publishes the sequence's full computed pages to the prefix cache."""
+        """Publishes the sequence's full computed pages to the prefix cache (with a window
+        beside the pages, those whose every token the pages hold)."""
+        if self._quantized_len is not None:
+            token_ids = token_ids[:max(self.kv_floor(seq_id),
+                                       self._quantized_len(len(token_ids)))]
         self.allocator.commit(seq_id, token_ids)
 
     def copy(self, copies: Sequence[CopyOp]) -> None:
@@ -166,6 +191,7 @@ class KVCacheManager:
         (kept with keep_retention: a swapped sequence comes back with the same tokens)."""
         if not keep_retention:
             self.retention.drop(seq_id)
+            self._floors.pop(seq_id, None)
         freed = self.allocator.free(seq_id)
         if self.scrub_freed_pages:
             if freed:
@@ -188,6 +214,8 @@ class KVCacheManager:
         except ValueError:
             return False
         self.retention.fork(parent_id, child_id)
+        if parent_id in self._floors:
+            self._floors[child_id] = self._floors[parent_id]
         self.copy(copies)
         if self.keeps_windows:
             self._apply(KVOp(KVOpKind.COPY_WINDOW),
@@ -231,17 +259,20 @@ class KVCacheManager:
         return True
 
     def place(self, seq_id: str, token_ids: Sequence[int], num_computed: int, cache_key: bytes,
-              version: str, num_pages: int, scatter, retention: dict | None = None) -> bool:
+              version: str, num_pages: int, scatter, retention: dict | None = None,
+              kv_floor: int = 0) -> bool:
         """Registers a sequence whose first `num_pages` pages of KV come from outside the pool
         (a snapshot): prefix-cache hits are shared, the rest written by
         `scatter(kv, pages, first) -> kv` (pages: the pool pages for saved pages first..;
         the sequence's slot is `seq_slot(seq_id)` by then). `retention`: the retention record
-        saved with the pages (`RetentionManager.record`), if any. False, with nothing
-        changed, when the pool has no room."""
+        saved with the pages (`RetentionManager.record`), if any; `kv_floor`: the sequence's
+        `kv_floor` when it was saved. False, with nothing changed, when the pool has no room."""
         self.retention.restore(seq_id, retention)
+        self.attach_loaded(seq_id, kv_floor)
         cached = self.register_returning(seq_id, token_ids, num_computed, cache_key)
         if cached is None:
             self.retention.drop(seq_id)
+            self._floors.pop(seq_id, None)
             return False
         first = cached // self.page_size
         table = self.block_table(seq_id)[first:num_pages]
@@ -258,10 +289,13 @@ class KVCacheManager:
         cached tokens the prefix cache supplied, or None, with nothing changed, when the pool
         has no room."""
         held = self.cached_len(seq_id, num_computed)
+        floor = self._floors.get(seq_id)
         cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
                              indexable=held == num_computed)
         if not self.allocate(seq_id, cached, held):
             self.unregister(seq_id)
+            if floor is not None:  # It stays swapped out, with the floor it had.
+                self._floors[seq_id] = floor
             return None
         return cached
 
@@ -289,6 +323,7 @@ class KVCacheManager:
         """Forgets a sequence's host copy (it finished or restarts)."""
         self.swap_space.drop(seq_id)
         self.retention.drop(seq_id)
+        self._floors.pop(seq_id, None)
 
     # ----------------------------------------------------------------------------- retention
 

@@ -30,6 +30,8 @@ class ScheduledRow:
       score_weights: [n] float32, each query's weight in the retention policy's key scores.
       sampling, seed: how the row samples; counter: the index of the token it generates.
       seq_slot: the sequence's per-sequence state slot (KIVI windows), else 0.
+      kv_floor: cache positions before it are read from the pages whatever the row's length
+        (the fully quantized prefix-cache pages it started from; `KVCacheManager.kv_floor`).
       samples: the row computes the sequence's last pending token, so its sampled token is
         the sequence's next one.
       kv_epoch: the sequence's KV epoch when scheduled.
@@ -47,6 +49,7 @@ class ScheduledRow:
     seed: int
     counter: int
     seq_slot: int = 0
+    kv_floor: int = 0
     samples: bool = True
     kv_epoch: int = 0
     feed_index: int = -1

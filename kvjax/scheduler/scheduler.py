@@ -235,7 +235,8 @@ class Scheduler(RequestRegistry, TierAdmission):
             score_weights=self.kv_cache.retention.score_weights(seq.seq_id, pos,
                                                                seq.num_tokens),
             sampling=seq.sampling, seed=seq.seed, counter=seq.num_tokens - seq.num_prompt_tokens,
-            seq_slot=self.kv_cache.seq_slot(seq.seq_id), samples=samples,
+            seq_slot=self.kv_cache.seq_slot(seq.seq_id),
+            kv_floor=self.kv_cache.kv_floor(seq.seq_id), samples=samples,
             kv_epoch=seq.kv_epoch, feed_index=feed_index)
         seq.num_computed += n
         # Counted when dispatched: the device computes them whatever happens to the sequence.

@@ -38,6 +38,7 @@ class TierAdmission:
             gained = result.num_loaded * page_size
             if gained:
                 seq.num_computed += gained
+                self.kv_cache.attach_loaded(seq.seq_id, seq.num_computed)
                 self.kv_cache.commit(seq.seq_id, seq.tokens[:seq.num_computed])
                 self.stats["tier_hit_tokens"] += gained
                 if seq.num_preemptions == 0:

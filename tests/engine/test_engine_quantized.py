@@ -65,7 +65,8 @@ def prompts():
 
 
 def config(codec: str = "none", **overrides) -> EngineConfig:
-    """An engine config for `codec`, a CODECS key (KIVI with a window: no prefix cache)."""
+    """An engine config for `codec`, a CODECS key (KIVI with a window: no prefix cache unless
+    asked for, so it keeps every prompt token it computed exact until it ages)."""
     options = CODECS.get(codec, {})
     if options.get("residual"):
         overrides = {"enable_prefix_cache": False, **overrides}
@@ -225,6 +226,29 @@ def test_kivi_swaps_through_the_host_tier(model, prompts, codec):
     assert not np.asarray(swapped.kv.k_residual).any(), "freed windows must be scrubbed"
 
 
+def test_kivi_with_a_window_shares_pages_once_their_tokens_are_quantized(model):
+    """KIVI with R > 0 and the prefix cache: a page is published once all its tokens are in its
+    codes, and a row that starts from h cached tokens reads them from the codes (its floor).
+
+    Oracle: the same codec without the prefix cache. Each prompt is 16 shared tokens and 12-19
+    of its own, so a whole prompt's prefill already quantizes the shared tokens (F >= 16 at
+    its end): a row that starts from the shared pages reads the same codes, and greedy tokens
+    are identical, with a pool that swaps too. A row that read the cached tokens from its
+    window instead (no floor) reads rows nobody wrote, and its tokens change.
+    """
+    rng = np.random.default_rng(0)
+    shared = [int(t) for t in rng.integers(0, 120, size=2 * PAGE_SIZE)]
+    prompts = [shared + [int(t) for t in rng.integers(0, 120, size=int(rng.integers(12, 20)))]
+               for _ in range(6)]
+    _, reference = serve(model, prompts, config("kivi4-r8", num_pages=64))
+    for overrides in (dict(num_pages=64),
+                      dict(num_pages=SMALL_POOL + 2, preemption_mode=PreemptionMode.SWAP)):
+        engine, tokens = serve(model, prompts, config("kivi4-r8", enable_prefix_cache=True,
+                                                      **overrides))
+        assert engine.prefix_cache_stats()["prefix_hit_tokens"] >= 2 * 2 * PAGE_SIZE
+        assert tokens == reference, overrides
+
+
 def test_calibrated_fp8_engine_needs_calibration_then_tracks_exact_kv(model, prompts):
     calibrated = EngineConfig(**BASE, num_pages=64, kv_codec="fp8_e4m3",
                               kv_codec_options={"scaling": "calibrated"})
@@ -249,5 +273,3 @@ def test_codec_configs_that_cannot_run_are_refused():
     for codec, options in (("kivi2", {}), ("fp8_e4m3", {"scaling": "calibrated"})):
         with pytest.raises(ValueError, match="PALLAS"):
             EngineConfig(kv_codec=codec, kv_codec_options=options, attention_impl="pallas")
-    with pytest.raises(ValueError, match="enable_prefix_cache=False"):
-        EngineConfig(kv_codec="kivi2", kv_codec_options={"residual": 32})
