@@ -4,7 +4,7 @@ each alone, on multi-turn chat with a device pool a quarter of its working set.
 The workload and engine are configs/serve_tiers.py's (8 conversations of 3 turns, each turn's
 prompt extending the previous one's; 31 pages of 16 tokens of SmolLM2-135M KV), on the
 simulated clock. One run each: exact KV (prefix cache, recompute preemption), int8 pages,
-SnapKV keeping 64 tokens per sequence (a first turn's prompt is 50-80 tokens, a third turn's
+SnapKV keeping 96 tokens per sequence (a first turn's prompt is 50-80 tokens, a third turn's
 about 250), a 96 MiB host tier with swap preemption, and all of them at once. Quality
 compares each variant's decoding with exact KV on the first four prompts (16 tokens each);
 memory is the peak of reserved KV bytes, bytes moved are per tier.
@@ -22,12 +22,12 @@ def get_config() -> ConfigDict:
     config.name = "combined"  # the run's label (each variant is named below)
     config.quality.num_prompts = 4  # quality against exact KV on the first four prompts ...
     config.quality.num_tokens = 16  # ... over 16 decoded tokens each
-    snapkv = {"kv.retention": "snapkv", "kv.budget": 64.0}
+    snapkv = {"kv.retention": "snapkv", "kv.budget": 96.0}
     host_tier = {"tiers.host_budget_mb": 96.0, "engine.preemption_mode": "swap"}
     config.sweep = [
         {"name": "exact"},
         {"name": "int8", "kv.codec": "int8"},
-        {"name": "snapkv:64", **snapkv},
+        {"name": "snapkv:96", **snapkv},
         {"name": "host_tier+swap", **host_tier},
         {"name": "int8+snapkv+host_tier+swap", "kv.codec": "int8", **snapkv, **host_tier},
     ]

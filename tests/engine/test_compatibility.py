@@ -51,11 +51,11 @@ MAX_MEAN_REGRET = {"codec": 0.5, "retention": 2.5}
 # The features each pair test runs outside the config.
 RUNTIME = {Feature.MESH, Feature.SNAPSHOT, Feature.N_SAMPLES}
 # A few pairs whose programs the others share (codec, retention, compaction of codes, tiers,
-# swap, snapshot, n > 1, prefix cache); the other pairs (swapped KIVI windows, mesh engines, ...)
-# run in the slow suite.
+# swap, snapshot, n > 1, prefix cache; int8 + snapkv runs in the first combination); the
+# other pairs (swapped KIVI windows, mesh engines, ...) run in the slow suite.
 FAST = {
     frozenset(p) for p in (
-        (Feature.INT8, Feature.STREAMING), (Feature.INT8, Feature.SNAPKV),
+        (Feature.INT8, Feature.STREAMING),
         (Feature.KIVI_RESIDUAL, Feature.N_SAMPLES),
         (Feature.QUEST, Feature.PREFIX_CACHE),
         (Feature.HOST_TIER, Feature.SNAPSHOT), (Feature.SWAP, Feature.SNAPSHOT),

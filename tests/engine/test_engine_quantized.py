@@ -210,7 +210,8 @@ def test_kivi_window_survives_swap_fork_and_scrub(model, prompts):
     assert len(samples) == 3 and samples[0] == samples[1] == samples[2]  # greedy forks agree
 
 
-@pytest.mark.parametrize("codec", ["kivi4-r8", pytest.param("kivi4", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("codec", ["kivi4-r8", "kivi4"])
 def test_kivi_swaps_through_the_host_tier(model, prompts, codec):
     """Pages go through checked tier transfers and the window through host memory beside them;
     with R = 0 the prefix cache spills its KIVI pages to the host tier and loads them back."""
