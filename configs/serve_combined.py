@@ -6,7 +6,7 @@ prompt extending the previous one's; 31 pages of 16 tokens of SmolLM2-135M KV), 
 simulated clock. One run each: exact KV (prefix cache, recompute preemption), int8 pages,
 SnapKV keeping 96 tokens per sequence (a first turn's prompt is 50-80 tokens, a third turn's
 about 250), a 96 MiB host tier with swap preemption, and all of them at once. Quality
-compares each variant's decoding with exact KV on the first four prompts (16 tokens each);
+compares each variant's decoding with exact KV on the four longest prompts (16 tokens each);
 memory is the peak of reserved KV bytes, bytes moved are per tier.
 """
 
@@ -20,7 +20,8 @@ from kvjax.bench.runner import load_config
 def get_config() -> ConfigDict:
     config = load_config(pathlib.Path(__file__).with_name("serve_tiers.py"))
     config.name = "combined"  # the run's label (each variant is named below)
-    config.quality.num_prompts = 4  # quality against exact KV on the first four prompts ...
+    config.quality.num_prompts = 4  # quality against exact KV on the four longest prompts ...
+    config.quality.prompts = "longest"  # (third turns: SnapKV compresses them)
     config.quality.num_tokens = 16  # ... over 16 decoded tokens each
     snapkv = {"kv.retention": "snapkv", "kv.budget": 96.0}
     host_tier = {"tiers.host_budget_mb": 96.0, "engine.preemption_mode": "swap"}

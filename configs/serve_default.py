@@ -108,6 +108,7 @@ def get_config() -> ConfigDict:
     config.quality = ConfigDict()
     config.quality.enabled = True  # score non-exact KV variants against exact KV
     config.quality.num_prompts = 4  # workload prompts scored
+    config.quality.prompts = "first"  # which: "first" (arrival order) or "longest"
     config.quality.num_tokens = 32  # greedy tokens generated and scored per prompt
 
     config.energy_profile = "cpu"  # kvjax.bench.energy profile: cpu, h100, h200, tpu_v5e

@@ -220,6 +220,9 @@ def check_supported(config: ConfigDict) -> None:
     if config.kv.codec != "none" and importlib.util.find_spec("kvjax.kv.quantized") is None:
         raise ValueError(f"not yet supported: kv.codec={config.kv.codec!r} (the engine's "
                          f"quantized KV state, kvjax.kv.quantized, is not installed)")
+    if config.quality.prompts not in ("first", "longest"):
+        raise ValueError(f"quality.prompts must be 'first' or 'longest', got "
+                         f"{config.quality.prompts!r}")
     if Clock(config.clock) is Clock.SIMULATED:
         for name, value in config.sim.items():
             if not (math.isfinite(value) and value >= 0):
@@ -609,7 +612,9 @@ def _quality(config: ConfigDict, engine_config: EngineConfig, model: Model,
     q = config.quality
     if not q.enabled or _is_exact(engine_config, model):
         return None
-    prompts = [r.prompt_ids for r in requests[:q.num_prompts]]
+    ranked = sorted(requests, key=lambda r: -len(r.prompt_ids)) \
+        if q.prompts == "longest" else requests
+    prompts = [r.prompt_ids for r in ranked[:q.num_prompts]]
     if not prompts:
         return None
     max_len = max(len(p) for p in prompts) + q.num_tokens

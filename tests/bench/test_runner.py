@@ -258,6 +258,22 @@ def test_retention_quality_of_a_budget_never_reached_is_exact(model):
     assert quality["top1_agreement"] == 1.0
 
 
+def test_quality_scores_the_longest_prompts_when_asked(model):
+    """A budget only the long prompt exceeds: "first" scores the short one (exact), "longest"
+    the long one (retention acts)."""
+    requests = [BenchRequest("short", 0.0, tuple(range(3, 23)), 4),
+                BenchRequest("long", 0.0, tuple(range(3, 103)), 4)]
+    kl = {}
+    for which in ("first", "longest"):
+        config = tiny_config(**{"kv.retention": "streaming", "kv.budget": 32.0,
+                                "quality.num_prompts": 1, "quality.prompts": which})
+        kl[which] = runner._quality(config, runner.engine_config_from(config), model,
+                                    requests)["kl_max"]
+    assert kl["first"] == pytest.approx(0.0, abs=1e-6) and kl["longest"] > 1e-4
+    with pytest.raises(ValueError, match="quality.prompts"):
+        runner.check_supported(tiny_config(**{"quality.prompts": "random"}))
+
+
 def test_a_run_with_a_host_tier_counts_the_bytes_it_moves(model):
     config = tiny_config(**{
         "clock": "simulated", "engine.num_pages": 12, "engine.preemption_mode": "swap",
