@@ -109,10 +109,6 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_KIVI, _EVICTING,
            "KIVI quantizes each key channel over a group of tokens with one scale per group, "
            "so a KIVI token cannot be moved alone, and compaction moves single tokens")
-    refuse([Feature.INT8], [Feature.STREAMING_ROTATED],
-           "re-rotating the sinks' keys rewrites exact keys, and a quantized key cannot be "
-           "rotated without decoding and re-quantizing it; set cache_positions=False (or "
-           "kv_codec 'none')")
     return table
 
 

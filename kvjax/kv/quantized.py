@@ -444,6 +444,30 @@ class QuantizedPagedKV:
                     for n, x in self.v_stored.items()}
         return self.replace(k_stored=k_stored, v_stored=v_stored)
 
+    def map_keys(self, slots: jax.Array, fn) -> QuantizedPagedKV:
+        """Per-token codecs: the slots' keys are decoded, mapped (float32) and encoded again,
+        a second rounding of each. KIVI refuses: its keys share scales over token groups."""
+        if is_kivi(self.codec):
+            raise ValueError(f"{self.codec.name} keys share scales over groups of tokens: one "
+                             f"token's key cannot be rewritten alone")
+        views = dict(self.float8_views)
+        num_layers = next(iter(self.k_stored.values())).shape[0]
+
+        def stored_rows(layer: int) -> dict[str, jax.Array]:
+            rows = {n: _gather_rows(x, jnp.int32(layer), slots) for n, x in self.k_stored.items()}
+            return {n: jax.lax.bitcast_convert_type(x, views[n]) if n in views else x
+                    for n, x in rows.items()}
+
+        keys = jnp.stack([_decode(self.codec, stored_rows(layer), jnp.int32(layer))
+                          for layer in range(num_layers)])  # [L, M, K, D]
+        new = fn(keys)
+        k_stored = dict(self.k_stored)
+        for layer in range(num_layers):
+            encoded = _encode(self.codec, new[layer], jnp.int32(layer))
+            k_stored = {n: _scatter_rows(x, jnp.int32(layer), slots, encoded[n])
+                        for n, x in k_stored.items()}
+        return self.replace(k_stored=k_stored)
+
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> QuantizedPagedKV:
         """Copy-on-write: page dst[i] becomes a copy of page src[i] in all layers. src, dst: [C].
 

@@ -68,12 +68,13 @@ to a request that expects another retention.
 Codecs. Compaction moves every page leaf's token rows (`move_slots`), so it moves exact K/V
 and a per-token codec's codes and scales alike (int8, int4, int2, fp8: each token is encoded
 alone; calibrated fp8's static scales live in the codec): a moved token decodes to exactly
-what it did. KIVI's keys share scales over groups of tokens, so no KIVI token moves alone, and
-re-rotating keys (cache_positions=True) would need exact keys to rotate. Quest moves nothing
-and runs over any codec, KIVI included (it selects entries of the state's own tables).
+what it did. Re-rotating keys (cache_positions=True) decodes a per-token codec's keys, rotates
+them and encodes them again (`KVState.map_keys`). KIVI's keys share scales over groups of
+tokens, so no KIVI token moves or rotates alone. Quest moves nothing and runs over any codec,
+KIVI included (it selects entries of the state's own tables).
 
 Limits (checked by EngineConfig, `kvjax.engine.compat`): every policy but none needs the
-paged layout, evicting ones no KIVI, and rotating keys need kv_codec 'none'. Policies run on
+paged layout, and evicting ones no KIVI. Policies run on
 a mesh (the kv-head axis is sharded; token selection is per sequence), compacted sequences
 swap, through the host tier too (they come back with the pages they held and this record; a
 tier copy that comes back short restarts them), and snapshots carry the record.
@@ -94,7 +95,6 @@ import numpy as np
 
 from kvjax.kv import quest
 from kvjax.kv.attention import PageLoader
-from kvjax.kv.state import PagedKV
 from kvjax.models import llama
 from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
@@ -560,21 +560,14 @@ def move_slots(kv: Any, src: jax.Array, dst: jax.Array) -> Any:
     return kv.with_page_leaves([move(x) for x in leaves])
 
 
-def rotate_slots(kv: PagedKV, slots: jax.Array, shifts: jax.Array, rope_theta: float
-                 ) -> PagedKV:
+def rotate_slots(kv: Any, slots: jax.Array, shifts: jax.Array, rope_theta: float) -> Any:
     """Rotates the keys in slots [M] forward by shifts [M] rotary positions, in every layer.
 
     Keys hold RoPE at their position p; rotating by s gives the key at p + s. Values and other
-    slots are unchanged. Repeated slots must come with equal shifts. Exact pages only: a
-    quantized key would have to be decoded, rotated and encoded again.
+    slots are unchanged. Repeated slots must come with equal shifts. A per-token codec's keys
+    are decoded, rotated and encoded again (`KVState.map_keys`); KIVI's cannot be.
     """
-    if not isinstance(kv, PagedKV):
-        raise ValueError(f"rotate_slots rotates exact keys, got a {type(kv).__name__} "
-                         f"({kv.codec_name})")
-    k = kv.k_pages  # [L, num_pages, P, K, D]
-    flat = k.reshape(k.shape[0], k.shape[1] * k.shape[2], *k.shape[3:])  # [L, slots, K, D]
-    rotated = jax.vmap(lambda x: llama.rope(x, shifts, rope_theta))(flat[:, slots])
-    return kv.replace(k_pages=flat.at[:, slots].set(rotated).reshape(k.shape))
+    return kv.map_keys(slots, jax.vmap(lambda x: llama.rope(x, shifts, rope_theta)))
 
 
 # ----------------------------------------------------------------------------- host: manager

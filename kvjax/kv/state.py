@@ -20,7 +20,7 @@ past the pool) are dropped, which is how padded tokens of a bucketed step write 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
 import jax
@@ -100,6 +100,11 @@ class KVState(Protocol):
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> Self:
         """Copy-on-write: page dst[i] becomes a copy of page src[i] in all layers. src, dst: [C]."""
 
+    def map_keys(self, slots: jax.Array, fn: Callable[[jax.Array], jax.Array]) -> Self:
+        """Replaces the keys of flat slots [M] in every layer by fn(keys [L, M, K, D]): the
+        state's values (decoded, then encoded again, for codes). ValueError for a state whose
+        keys cannot be rewritten one token at a time (KIVI, whose keys share group scales)."""
+
     def page_leaves(self) -> list[jax.Array]:
         """The page leaves, each [L, num_pages, ...], in a fixed order."""
 
@@ -143,6 +148,10 @@ class SlotAddressed:
                    ) -> tuple[jax.Array, PageLoader]:
         """The rows' own block tables [B, W] and this layer's page loader."""
         return block_tables, functools.partial(self.load_pages, layer)
+
+    def map_keys(self, slots: jax.Array, fn: Callable[[jax.Array], jax.Array]) -> Self:
+        raise ValueError(f"a {type(self).__name__} ({self.codec_name}) does not rewrite its "
+                         f"keys one token at a time")
 
     def seq_slot_leaves(self) -> list[jax.Array]:
         return []
@@ -200,6 +209,12 @@ class PagedKV(SlotAddressed):
         """Writes k, v [T, K, D] of `layer` into flat slots [T] (-1: dropped)."""
         return self.replace(k_pages=_write_slots(self.k_pages, layer, slots, k),
                             v_pages=_write_slots(self.v_pages, layer, slots, v))
+
+    def map_keys(self, slots: jax.Array, fn: Callable[[jax.Array], jax.Array]) -> PagedKV:
+        k = self.k_pages  # [L, num_pages, P, K, D]
+        flat = k.reshape(k.shape[0], k.shape[1] * k.shape[2], *k.shape[3:])  # [L, slots, K, D]
+        new = fn(flat[:, slots]).astype(k.dtype)
+        return self.replace(k_pages=flat.at[:, slots].set(new).reshape(k.shape))
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> PagedKV:
         """Copy-on-write: page dst[i] becomes a copy of page src[i] in all layers. src, dst: [C]."""

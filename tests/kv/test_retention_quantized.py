@@ -2,7 +2,8 @@
 
 `move_slots` moves token rows of every page leaf, so a per-token codec's token decodes, after
 the move, to bit-for-bit what it decoded to before, and no other slot changes. KIVI's key
-scales cover groups of tokens, and re-rotating keys needs exact keys: both are refused.
+scales cover groups of tokens: its tokens neither move nor rotate alone. A per-token codec's
+rotated key is its decoded key rotated and encoded again.
 """
 
 from __future__ import annotations
@@ -85,10 +86,33 @@ def test_calibrated_fp8_scales_stay_in_the_codec_so_moves_keep_values():
     np.testing.assert_array_equal(v_after[:, dst], v_before[:, src])
 
 
-def test_kivi_tokens_do_not_move_alone_and_quantized_keys_do_not_rotate():
+def test_kivi_tokens_do_not_move_alone_or_rotate():
     kivi = quantized.init_quantized_kv(TINY, NUM_PAGES, P, "kivi4", group=4)
     with pytest.raises(ValueError, match="rows per page"):
         move_slots(kivi, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
-    int8 = quantized.init_quantized_kv(TINY, NUM_PAGES, P, "int8")
-    with pytest.raises(ValueError, match="exact keys"):
-        rotate_slots(int8, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), 10000.0)
+    with pytest.raises(ValueError, match="group"):
+        rotate_slots(kivi, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), 10000.0)
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "fp8_e4m3"])
+def test_rotated_quantized_keys_are_the_rotation_of_their_decoded_keys(codec_name):
+    """Oracle: RoPE by the shift (llama.rope) of each slot's decoded key, encoded once more;
+    values and the other slots keep their codes bit for bit."""
+    from kvjax.models import llama
+
+    kv = filled_pool(codec_name, CODECS[codec_name])
+    slots, shifts = np.array([0, 1, 6, 9]), np.array([3, 3, 5, 40])
+    rows_before, (k_before, v_before) = token_rows(kv), decoded(kv)
+    rotated = rotate_slots(kv, jnp.asarray(slots), jnp.asarray(shifts), TINY.rope_theta)
+    rows_after, (k_after, v_after) = token_rows(rotated), decoded(rotated)
+    want = np.stack([np.asarray(llama.rope(jnp.asarray(k_before[layer, slots]),
+                                           jnp.asarray(shifts), TINY.rope_theta))
+                     for layer in range(TINY.num_layers)])  # [L, M, K, D]
+    # One more rounding: within a step of the codec's scale (int8: amax / 127 per head).
+    step = np.abs(want).max(-1, keepdims=True) / (127 if codec_name == "int8" else 8)
+    assert np.all(np.abs(k_after[:, slots] - want) <= step)
+    others = np.setdiff1d(np.arange(kv.num_slots), slots)
+    np.testing.assert_array_equal(k_after[:, others], k_before[:, others])
+    np.testing.assert_array_equal(v_after, v_before)
+    for before, after in zip(rows_before[2:], rows_after[2:], strict=True):  # value leaves
+        np.testing.assert_array_equal(after, before)
