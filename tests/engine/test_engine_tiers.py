@@ -316,8 +316,6 @@ def test_tiers_with_scrubbing_and_copy_on_write_stay_exact(model, pressure, page
 @pytest.mark.parametrize("overrides,match", [
     (dict(kv_layout=KVLayout.CONTIGUOUS, tiers=TierConfig(host_bytes=1 << 20)), "paged"),
     (dict(tiers=TierConfig(host_bytes=10)), "holds no page"),
-    (dict(retention="streaming", retention_budget=16, tiers=TierConfig(host_bytes=1 << 20)),
-     "retention"),
 ])
 def test_invalid_tier_configs_raise(model, overrides, match):
     with pytest.raises(ValueError, match=match):
