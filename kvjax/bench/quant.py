@@ -70,6 +70,8 @@ def codec_options(codec: str, page_size: int, group: int) -> dict:
         return {"group": group, "page_size": page_size, "residual": residual}
     if name in ("int4", "int2"):
         return {"group": group}
+    if name == "int8" and suffix.startswith("g"):  # int8-g32: a scale and zero per 32 channels
+        return {"group": int(suffix[1:])}
     if suffix == "cal":
         return {"scaling": "calibrated"}
     return {}

@@ -22,6 +22,7 @@ Registered codecs (`get_codec(name, **options)`):
     registry    codes                      metadata per kv head             codec.name
     none        storage dtype [S, K, D]    none                             none-float32
     int8        int8 [S, K, D], symmetric  scale [S, K]                     int8
+    int8 group= uint8 [S, K, D]            scale, zero [S, K, D // group]   int8-g32
     int4        uint8 [S, K, D // 2]       scale, zero [S, K, D // group]   int4-g32
     int2        uint8 [S, K, D // 4]       scale, zero [S, K, D // group]   int2-g32
     fp8_e4m3    float8_e4m3fn [S, K, D]    calibrated: static [K] or [L, K] fp8_e4m3-s<digest>
@@ -59,7 +60,7 @@ import numpy as np
 from kvjax.config import resolve_dtype
 
 _METADATA_DTYPES = ("float32", "float16")
-_PACKED_BITS = (2, 4)
+_PACKED_BITS = (2, 4, 8)
 
 
 @runtime_checkable
@@ -276,7 +277,8 @@ class IntCodec:
     x_hat = zero + codes * scale. Codes are packed along the head dim with `pack_codes`.
 
     Attributes:
-        bits: 4 (two codes per byte) or 2 (four per byte).
+        bits: 8 (one code per byte: `get_codec("int8", group=g)`), 4 (two per byte) or 2
+            (four per byte).
         group: channels sharing one scale and zero; must divide D.
         metadata_dtype: dtype of scale and zero, "float32" or "float16".
     """
@@ -660,8 +662,10 @@ def _none(*, dtype: str = "float32") -> KVCodec:
     return IdentityCodec(dtype)
 
 
-def _int8(*, metadata_dtype: str = "float32") -> KVCodec:
-    return Int8Codec(metadata_dtype)
+def _int8(*, metadata_dtype: str = "float32", group: int | None = None) -> KVCodec:
+    if group is None:
+        return Int8Codec(metadata_dtype)
+    return IntCodec(8, group, metadata_dtype)
 
 
 def _int_factory(bits: int) -> Callable[..., KVCodec]:
@@ -699,7 +703,9 @@ CODECS: dict[str, Callable[..., KVCodec]] = {
 def get_codec(name: str, **options: Any) -> KVCodec:
     """Builds the registered codec `name` with keyword `options` (see the module table).
 
-    Options: none: dtype. int8: metadata_dtype. int4/int2: group, metadata_dtype.
+    Options: none: dtype. int8: metadata_dtype, group (None: symmetric, one scale per token
+    and kv head; an int: asymmetric, a scale and zero per `group` channels, as int4).
+    int4/int2: group, metadata_dtype.
     fp8_e4m3/fp8_e5m2: scaling ("calibrated" or "dynamic"), scale (per-head floats).
     kivi4/kivi2: group, residual, metadata_dtype.
     """

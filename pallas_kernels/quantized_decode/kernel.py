@@ -86,6 +86,9 @@ def code_format(codec: codecs.KVCodec) -> CodeFormat:
                              "dynamic (per-token) scales only")
         return CodeFormat.FP8
     if isinstance(codec, codecs.IntCodec):
+        if codec.bits == 8:
+            raise ValueError(f"codec {codec.name!r}: the quantized decode kernel reads packed "
+                             "codes of 4 or 2 bits, and int8 with one scale per token")
         return CodeFormat.PACKED
     raise ValueError(f"codec {getattr(codec, 'name', codec)!r} has no quantized decode kernel "
                      "(supported: int8, fp8_* dynamic, int4, int2; KIVI keeps per-channel key "

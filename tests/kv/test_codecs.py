@@ -45,6 +45,7 @@ def all_codecs():
             codecs.get_codec("none", dtype="bfloat16"),
             codecs.get_codec("int8"),
             codecs.get_codec("int8", metadata_dtype="float16"),
+            codecs.get_codec("int8", group=16),
             codecs.get_codec("int4"),
             codecs.get_codec("int4", group=16, metadata_dtype="float16"),
             codecs.get_codec("int2"),
@@ -178,6 +179,8 @@ def test_bytes_per_token_values():
     heads, dim = NUM_KV_HEADS, HEAD_DIM
     assert codecs.get_codec("none").bytes_per_token(heads, dim) == heads * dim * 4
     assert codecs.get_codec("int8").bytes_per_token(heads, dim) == heads * (dim + 4)
+    # int8 g32: 64 code bytes + 2 groups * (scale + zero) * 4 bytes per head.
+    assert codecs.get_codec("int8", group=32).bytes_per_token(heads, dim) == heads * (64 + 16)
     # int4 g32: 32 code bytes + 2 groups * (scale + zero) * 4 bytes per head.
     assert codecs.get_codec("int4").bytes_per_token(heads, dim) == heads * (32 + 16)
     assert codecs.get_codec("kivi2", metadata_dtype="float16").bytes_per_token(
@@ -185,11 +188,12 @@ def test_bytes_per_token_values():
 
 
 @settings(max_examples=20, deadline=None)
-@given(name=st.sampled_from(["int8", "int4", "int2"]),
+@given(name=st.sampled_from(["int8", "int8-grouped", "int4", "int2"]),
        metadata_dtype=st.sampled_from(["float32", "float16"]),
        tokens=st.integers(1, 3), group=st.sampled_from([4, 8, 16]), data=st.data())
 def test_int_codecs_error_within_half_step(name, metadata_dtype, tokens, group, data):
     options = {} if name == "int8" else {"group": group}
+    name = name.split("-")[0]
     codec = codecs.get_codec(name, metadata_dtype=metadata_dtype, **options)
     elements = st.floats(-1e3, 1e3, width=32, allow_subnormal=False)
     x = data.draw(hnp.arrays(np.float32, (tokens, 2, 16), elements=elements))

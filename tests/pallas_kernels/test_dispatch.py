@@ -74,6 +74,8 @@ def test_refuses_states_no_kernel_reads():
     kivi = init_quantized_kv(CONFIG, 8, 32, "kivi4", group=32)
     with pytest.raises(ValueError, match="KIVI"):
         dispatch.layer_attention_fns(kivi, jnp.int32(0))
+    grouped_int8 = init_quantized_kv(CONFIG, 8, 32, "int8", group=32)
+    assert "4 or 2 bits" in dispatch.unsupported_reason(grouped_int8)
     with pytest.raises(ValueError, match="no kernel"):
         dispatch.layer_attention_fns(object(), jnp.int32(0))
 
