@@ -399,8 +399,6 @@ def test_int8_streaming_in_a_small_pool_agrees_with_exact_streaming(model):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(retention="streaming", retention_budget=8, kv_codec="int8",
-          retention_options=dict(num_sinks=2, cache_positions=True)), "cache_positions"),
     (dict(retention="snapkv", retention_budget=8, retention_options=dict(window=2),
           kv_codec="kivi4", kv_codec_options=dict(group=4)), "moved alone"),
     (dict(retention="quest", retention_budget=8, kv_layout=KVLayout.CONTIGUOUS), "paged"),
