@@ -215,8 +215,6 @@ def test_retention_and_tier_fields_reach_the_engine_config():
     ({"kv.retention": "h2o", "kv.budget": -3.0}, "kv.budget must be > 0"),
     ({"kv.retention": "h2o", "kv.budget": 0.5, "engine.max_model_len": None}, "max_model_len"),
     ({"kv.budget": 64.0}, "'none' takes no retention_budget"),
-    ({"kv.retention": "h2o", "kv.budget": 64.0, "tiers.host_budget_mb": 1.0},
-     "retention='h2o' and tiers .* do not compose"),
     ({"kv.retention": "streaming", "kv.budget": 64.0, "kv.codec": "kivi4"},
      "kv_codec='kivi4' and retention='streaming' do not compose"),
     ({"tiers.fault_injection.corruption_rate": 0.1}, "need a host tier"),
