@@ -283,7 +283,7 @@ class KVCacheManager:
         return True
 
     def register_returning(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
-                       cache_key: bytes) -> int | None:
+                           cache_key: bytes) -> int | None:
         """Registers a returning (swapped or restored) sequence with pages for the tokens its
         cache holds (prefix hits shared unless retention dropped some); the number of leading
         cached tokens the prefix cache supplied, or None, with nothing changed, when the pool
