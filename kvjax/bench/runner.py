@@ -275,7 +275,7 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
 
     Raises:
         ValueError: for an invalid value, or a combination `kvjax.engine.compat` refuses
-            (e.g. an evicting retention policy with a KIVI codec).
+            (e.g. a retention policy on the contiguous layout).
     """
     e = config.engine
     budget = None if e.kv_budget_mb is None else int(e.kv_budget_mb * 2**20)

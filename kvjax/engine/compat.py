@@ -106,9 +106,6 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "retention frees and selects whole pages, so it needs the paged layout")
     refuse([Feature.HOST_TIER], [Feature.CONTIGUOUS],
            "tiers move whole pages, so they need the paged layout")
-    refuse(_KIVI, _EVICTING,
-           "KIVI quantizes each key channel over a group of tokens with one scale per group, "
-           "so a KIVI token cannot be moved alone, and compaction moves single tokens")
     return table
 
 

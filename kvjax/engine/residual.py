@@ -68,11 +68,11 @@ class WindowBlockManager(BlockManager):
 
 
 def _window(kv, slot: jax.Array) -> list[jax.Array]:
-    return kv_pages.take(kv.seq_slot_leaves(), slot)  # [L, ...] each, e.g. [L, W, K, D]
+    return kv_pages.gather_seq_slots(kv, slot)  # [L, ...] each, e.g. [L, W, K, D]
 
 
 def _set_window(kv, slot: jax.Array, window: list[jax.Array]):
-    return kv.with_seq_slot_leaves(kv_pages.put(kv.seq_slot_leaves(), slot, window))
+    return kv_pages.scatter_seq_slots(kv, slot, window)
 
 
 def _copy_window(kv, src: jax.Array, dst: jax.Array):

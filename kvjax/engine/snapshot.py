@@ -185,7 +185,7 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
         leaves = kv_pages.gather_pages(engine.kv, pool_pages)  # [L, n, ...] each
         items["kv"] = ocp.args.StandardSave({f"leaf_{i}": x for i, x in enumerate(leaves)})
     if window_slots:
-        windows = kv_pages.take(engine.kv.seq_slot_leaves(), np.asarray(window_slots, np.int32))
+        windows = kv_pages.gather_seq_slots(engine.kv, np.asarray(window_slots, np.int32))
         items["windows"] = ocp.args.StandardSave(
             {f"leaf_{i}": x for i, x in enumerate(windows)})
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
@@ -241,7 +241,7 @@ def _place(engine: Engine, seq: Sequence, saved: dict, stored: list[jax.Array] |
                 return kv
             slot = np.asarray([engine.kv_cache.seq_slot(seq.seq_id)], np.int32)
             blob = kv_pages.take(windows, np.asarray([window], np.int32))
-            return kv.with_seq_slot_leaves(kv_pages.put(kv.seq_slot_leaves(), slot, blob))
+            return kv_pages.scatter_seq_slots(kv, slot, blob)
 
         has_kv = engine.kv_cache.place(seq.seq_id, seq.tokens, seq.num_computed,
                                        engine.scheduler.cache_key(seq), seq.weights_version,

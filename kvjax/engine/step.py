@@ -217,16 +217,21 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
 
 
 def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shape: StepShape,
-               attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None
-               ) -> tuple[StepOutput, KVState]:
+               attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
+               place_kernels=None) -> tuple[StepOutput, KVState]:
     """Runs the model over one step's tokens, writing their K/V and sampling one token per row.
 
     `retention` (a kvjax.kv.retention policy, static) may narrow the pages decode rows read and
     may score the cached keys (StepOutput.key_scores); None is exact attention.
+    `place_kernels` maps the Pallas kernel chooser to one that runs where the KV lives (on a
+    mesh: per device over its kv heads, `kvjax.parallel.sharding.shard_kernels`); None runs
+    the kernels as they are.
     """
     bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
     q_lens = inp.q_lens
     kernels = _resolve(attention_impl, kv)  # Once per program, for every layer.
+    if kernels is not None and place_kernels is not None:
+        kernels = place_kernels(kernels)
     scores_keys = retention is not None and retention.scores_keys
 
     def attend(layer, q, k, v, carry):

@@ -611,6 +611,13 @@ class KiviCodec:
         codes = pack_codes(codes.reshape(k.shape), self.bits)  # [..., T, K, D*bits/8]
         return {"codes": codes, "scale": scale[..., 0, :, :], "zero": zero[..., 0, :, :]}
 
+    def decode_key_tokens(self, codes: jax.Array, scale: jax.Array, zero: jax.Array
+                          ) -> jax.Array:
+        """Keys of single tokens: codes [..., K, D * bits / 8], each with its group's scale and
+        zero [..., K, D] -> [..., K, D] float32 (what `decode_keys` gives those tokens)."""
+        values = unpack_codes(codes, self.bits).astype(jnp.float32)  # [..., K, D]
+        return zero.astype(jnp.float32) + values * scale.astype(jnp.float32)
+
     def decode_keys(self, stored: dict[str, jax.Array]) -> jax.Array:
         """Key storage ([..., S, ...] codes, [..., S // group, K, D] metadata) -> [..., S, K, D]."""
         codes = unpack_codes(stored["codes"], self.bits)  # [..., S, K, D]

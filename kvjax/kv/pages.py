@@ -48,6 +48,16 @@ def scatter_pages(kv: KVState, pages: jax.Array, blob: Sequence[jax.Array]) -> K
     return kv.with_page_leaves(put(kv.page_leaves(), pages, blob))
 
 
+def gather_seq_slots(kv: KVState, slots: jax.Array) -> PageBlob:
+    """Slots [n] of every sequence-slot leaf of `kv` (KIVI windows): [L, n, ...] each."""
+    return take(kv.seq_slot_leaves(), slots)
+
+
+def scatter_seq_slots(kv: KVState, slots: jax.Array, blob: Sequence[jax.Array]) -> KVState:
+    """`kv` with sequence slots [n] set to `blob` (a `gather_seq_slots` result)."""
+    return kv.with_seq_slot_leaves(put(kv.seq_slot_leaves(), slots, blob))
+
+
 def zero_pages(kv: KVState, pages: jax.Array) -> KVState:
     """`kv` with pages [n] zeroed in every page leaf (scrubbing freed pages)."""
     return kv.with_page_leaves([x.at[:, pages].set(0) for x in kv.page_leaves()])

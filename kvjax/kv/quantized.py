@@ -45,6 +45,10 @@ the engine publishes a page to the prefix cache once all its tokens are quantize
 that starts from h cached tokens reads [0, h) from their codes (its window holds none of them):
 F = max(h, num_quantized(S)), the row's floor h in `StepInput.kv_floors`.
 
+Retention compaction (`compact`): per-token codecs move each kept token's codes and metadata;
+KIVI lays the kept tokens out again as a sequence of S' tokens (window [F', S'), key groups
+below F' encoded again where their tokens changed, the floor back to 0).
+
 Bytes per token (all L layers, K and V; m the metadata dtype's bytes, 4 by default):
 
     none (dtype bytes e)         2 L K D e
@@ -71,6 +75,7 @@ from flax import struct
 
 from kvjax.config import ModelConfig
 from kvjax.kv import codecs
+from kvjax.kv import state as kv_state
 
 _KIVI = ("kivi2", "kivi4")
 _FP8 = ("fp8_e4m3", "fp8_e5m2")
@@ -208,13 +213,31 @@ def _gather_rows(x: jax.Array, layer: jax.Array, rows: jax.Array) -> jax.Array:
     return x[layer].reshape(-1, *x.shape[3:])[rows]
 
 
+def _take_all(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """Rows of every layer of x [L, N, R, ...] at flat indices rows [M] -> [L, M, ...]."""
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, rows]
+
+
+def _put_all(x: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """x [L, N, R, ...] with rows [M] of every layer set to values [L, M, ...]; rows outside
+    [0, N * R), -1 among them, are dropped."""
+    flat = x.reshape(x.shape[0], -1, *x.shape[3:])
+    rows = jnp.where((rows >= 0) & (rows < flat.shape[1]), rows, flat.shape[1])
+    return flat.at[:, rows].set(values.astype(x.dtype), mode="drop").reshape(x.shape)
+
+
+def _as_float8(gathered: dict[str, jax.Array], float8_views: tuple[tuple[str, str], ...]
+               ) -> dict[str, jax.Array]:
+    """Gathered storage entries with the ones held as uint8 bytes viewed as their float8."""
+    views = dict(float8_views)
+    return {name: jax.lax.bitcast_convert_type(x, views[name]) if name in views else x
+            for name, x in gathered.items()}
+
+
 def _gather_pages(stored: dict[str, jax.Array], layer: jax.Array, pages: jax.Array,
                   float8_views: tuple[tuple[str, str], ...]) -> dict[str, jax.Array]:
     """Rows of `pages` [B, n] of `layer`, each [B, n, R, ...], float8 entries as float8."""
-    views = dict(float8_views)
-    gathered = {name: x[layer, pages] for name, x in stored.items()}  # each [B, n, R, ...]
-    return {name: jax.lax.bitcast_convert_type(x, views[name]) if name in views else x
-            for name, x in gathered.items()}
+    return _as_float8({name: x[layer, pages] for name, x in stored.items()}, float8_views)
 
 
 def _row_layout(shape: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -450,13 +473,11 @@ class QuantizedPagedKV:
         if is_kivi(self.codec):
             raise ValueError(f"{self.codec.name} keys share scales over groups of tokens: one "
                              f"token's key cannot be rewritten alone")
-        views = dict(self.float8_views)
         num_layers = next(iter(self.k_stored.values())).shape[0]
 
         def stored_rows(layer: int) -> dict[str, jax.Array]:
-            rows = {n: _gather_rows(x, jnp.int32(layer), slots) for n, x in self.k_stored.items()}
-            return {n: jax.lax.bitcast_convert_type(x, views[n]) if n in views else x
-                    for n, x in rows.items()}
+            return _as_float8({n: _gather_rows(x, jnp.int32(layer), slots)
+                               for n, x in self.k_stored.items()}, self.float8_views)
 
         keys = jnp.stack([_decode(self.codec, stored_rows(layer), jnp.int32(layer))
                           for layer in range(num_layers)])  # [L, M, K, D]
@@ -467,6 +488,64 @@ class QuantizedPagedKV:
             k_stored = {n: _scatter_rows(x, jnp.int32(layer), slots, encoded[n])
                         for n, x in k_stored.items()}
         return self.replace(k_stored=k_stored)
+
+    def compact(self, plan: kv_state.Compaction, rotate: kv_state.Rotate | None
+                ) -> QuantizedPagedKV:
+        """Per-token codecs: moves the tokens' codes and metadata and rotates keys by
+        `map_keys` (`kv_state.compact_token_rows`). KIVI: `_recode`."""
+        if not is_kivi(self.codec):
+            return kv_state.compact_token_rows(self, plan, rotate)
+        return self._recode(plan, rotate)
+
+    def _recode(self, plan: kv_state.Compaction, rotate: kv_state.Rotate | None
+                ) -> QuantizedPagedKV:
+        """KIVI compaction: the kept tokens, read as attention read them (codes below the old
+        F, the window above), are laid out again as a sequence of S' tokens.
+
+        With F' = num_quantized(S') (the floor is 0 afterwards): the window gets new indices
+        [F', S'), and a key group below F' is encoded again from its tokens' values when any
+        of them changed (moved, rotated, or read from the window before); a group whose tokens
+        sit where they did and were codes keeps its codes, so pages the block manager reused
+        unmoved (shared ones among them) are never written with other values. Re-encoding a
+        group rounds its moved keys once more (their group's scale changes).
+        """
+        g, window, n = self.codec.group, self.window, plan.keep.shape[0]
+        index = jnp.arange(n, dtype=jnp.int32)
+        is_kept = plan.keep >= 0
+        old_keep = jnp.maximum(plan.keep, 0)
+        src = jnp.maximum(plan.kept_src, 0)
+        from_codes = old_keep < self.num_aged(plan.old_len, plan.old_floor)  # [N]
+        old_rows = plan.seq_slot * window + old_keep % window
+
+        def read(stored: dict[str, jax.Array], residual: jax.Array, decode) -> jax.Array:
+            exact = _take_all(residual, old_rows)  # [L, N, K, D]
+            return jnp.where(from_codes[None, :, None, None], decode(stored), exact)
+
+        k = read(self.k_stored, self.k_residual, lambda s: self.codec.decode_key_tokens(
+            _take_all(s["codes"], src), _take_all(s["scale"], src // g),
+            _take_all(s["zero"], src // g)))
+        v = read(self.v_stored, self.v_residual, lambda s: self.value_codec.decode(
+            {name: _take_all(x, src) for name, x in s.items()}))
+        if rotate is not None:
+            k = jax.vmap(lambda keys: rotate(keys, plan.shifts))(k)
+        new_aged = self.codec.num_quantized(plan.new_len)
+        is_changed = (plan.kept_src != plan.kept_dst) | ~from_codes | (plan.shifts != 0)
+        group_end = (jnp.arange(n // g, dtype=jnp.int32) + 1) * g
+        is_recoded = is_changed.reshape(n // g, g).any(axis=1) & (group_end <= new_aged)
+        code_rows = jnp.where(jnp.repeat(is_recoded, g), plan.kept_dst, -1)  # [N]
+        meta_rows = jnp.where(is_recoded, plan.kept_dst[::g] // g, -1)  # [N / g]
+        window_rows = jnp.where(is_kept & (index >= new_aged),
+                                plan.seq_slot * window + index % window, -1)
+        k_enc, v_enc = self.codec.encode_key_group(k), self.value_codec.encode(v)
+        k_stored = {"codes": _put_all(self.k_stored["codes"], code_rows, k_enc["codes"])}
+        for name in ("scale", "zero"):
+            k_stored[name] = _put_all(self.k_stored[name], meta_rows, k_enc[name])
+        return self.replace(
+                k_stored=k_stored,
+                v_stored={name: _put_all(x, code_rows, v_enc[name])
+                          for name, x in self.v_stored.items()},
+                k_residual=_put_all(self.k_residual, window_rows, k),
+                v_residual=_put_all(self.v_residual, window_rows, v))
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> QuantizedPagedKV:
         """Copy-on-write: page dst[i] becomes a copy of page src[i] in all layers. src, dst: [C].

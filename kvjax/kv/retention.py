@@ -65,16 +65,20 @@ change it. From the first eviction on, a sequence indexes nothing more (`BlockMa
 and the policy and budget are part of the provenance fingerprint, so no page is ever served
 to a request that expects another retention.
 
-Codecs. Compaction moves every page leaf's token rows (`move_slots`), so it moves exact K/V
-and a per-token codec's codes and scales alike (int8, int4, int2, fp8: each token is encoded
-alone; calibrated fp8's static scales live in the codec): a moved token decodes to exactly
-what it did. Re-rotating keys (cache_positions=True) decodes a per-token codec's keys, rotates
-them and encodes them again (`KVState.map_keys`). KIVI's keys share scales over groups of
-tokens, so no KIVI token moves or rotates alone. Quest moves nothing and runs over any codec,
-KIVI included (it selects entries of the state's own tables).
+Codecs. The device side of a compaction is `KVState.compact` with a `kv_state.Compaction`
+(`plan_compaction` builds it from the block manager's new layout). A state that stores each
+token alone moves every page leaf's token rows, so exact K/V and a per-token codec's codes
+and scales move alike (int8, int4, int2, fp8: each token is encoded alone; calibrated fp8's
+static scales live in the codec) and a moved token decodes to exactly what it did;
+re-rotating keys (cache_positions=True) decodes its keys, rotates them and encodes them again
+(`KVState.map_keys`). KIVI's keys share scales over groups of tokens, so KIVI lays the kept
+tokens out again: the window takes the new exact tail, and each key group below it whose
+tokens changed (moved, rotated, or exact before) is encoded again from the values attention
+read, one more rounding of its moved keys; groups left in place keep their codes. Quest moves
+nothing and runs over any codec, KIVI included (it selects entries of the state's own tables).
 
 Limits (checked by EngineConfig, `kvjax.engine.compat`): every policy but none needs the
-paged layout, and evicting ones no KIVI. Policies run on
+paged layout. Policies run on
 a mesh (the kv-head axis is sharded; token selection is per sequence), compacted sequences
 swap, through the host tier too (they come back with the pages they held and this record; a
 tier copy that comes back short restarts them), and snapshots carry the record.
@@ -94,9 +98,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.kv import quest
+from kvjax.kv import state as kv_state
 from kvjax.kv.attention import PageLoader
 from kvjax.models import llama
-from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
+from kvjax.shapes import bucket, next_power_of_2, pad_repeat_last, powers_of_2_up_to
 
 
 class Pooling(enum.Enum):
@@ -514,12 +519,13 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
     """
     bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
     _, n, d = q.shape
-    load = functools.partial(kv.load_pages, layer)
     width = inp.block_tables.shape[1] * kv.page_size
 
     def scored(q_rows, weights, rows):
         def compute():
-            return key_scores_blockwise(q_rows, load, inp.block_tables[rows], inp.kv_lens[rows],
+            tables, load = kv.row_loader(layer, inp.block_tables[rows], inp.kv_lens[rows],
+                                         inp.seq_slots[rows], inp.kv_floors[rows])
+            return key_scores_blockwise(q_rows, load, tables, inp.kv_lens[rows],
                                         inp.q_lens[rows], weights,
                                         pages_per_block=pages_per_block)
 
@@ -540,24 +546,8 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
 
 
 def move_slots(kv: Any, src: jax.Array, dst: jax.Array) -> Any:
-    """Copies token slots src [M] into dst [M] in every layer; all reads precede all writes.
-
-    Moves whatever the state stores per token: every page leaf must be [L, num_pages, P, ...]
-    (exact K and V; a per-token codec's codes and scales). A leaf with fewer rows per page
-    (KIVI's per-group key scales) holds no row per token, so the move is refused.
-    """
-    leaves = kv.page_leaves()
-    for x in leaves:
-        if x.shape[2] != kv.page_size:
-            raise ValueError(f"move_slots moves token rows, but a page leaf of shape {x.shape} "
-                             f"has {x.shape[2]} rows per page of {kv.page_size} tokens "
-                             f"({kv.codec_name})")
-
-    def move(x):  # [L, num_pages, P, ...]
-        flat = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])  # [L, slots, ...]
-        return flat.at[:, dst].set(flat[:, src]).reshape(x.shape)
-
-    return kv.with_page_leaves([move(x) for x in leaves])
+    """Copies token slots src [M] into dst [M] in every layer (`kv_state.move_token_rows`)."""
+    return kv_state.move_token_rows(kv, src, dst)
 
 
 def rotate_slots(kv: Any, slots: jax.Array, shifts: jax.Array, rope_theta: float) -> Any:
@@ -565,9 +555,76 @@ def rotate_slots(kv: Any, slots: jax.Array, shifts: jax.Array, rope_theta: float
 
     Keys hold RoPE at their position p; rotating by s gives the key at p + s. Values and other
     slots are unchanged. Repeated slots must come with equal shifts. A per-token codec's keys
-    are decoded, rotated and encoded again (`KVState.map_keys`); KIVI's cannot be.
+    are decoded, rotated and encoded again (`KVState.map_keys`); KIVI's cannot be alone (its
+    compaction rotates them as it re-encodes their groups).
     """
     return kv.map_keys(slots, jax.vmap(lambda x: llama.rope(x, shifts, rope_theta)))
+
+
+def _compact(kv: Any, plan: kv_state.Compaction, rotate: kv_state.Rotate | None) -> Any:
+    return kv.compact(plan, rotate)
+
+
+# ----------------------------------------------------------------------------- host: plans
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqLayout:
+    """Where a sequence's KV sat before a compaction, and its pages after (host data).
+
+    Attributes:
+      old_table, new_table: its block table before and after `BlockManager.retain`.
+      kv_floor: its `KVCacheManager.kv_floor` before.
+      seq_slot: its slot in the sequence-slot leaves (`KVCacheManager.seq_slot`).
+    """
+
+    old_table: list[int]
+    new_table: list[int]
+    kv_floor: int = 0
+    seq_slot: int = 0
+
+
+def plan_compaction(keep: np.ndarray, src: np.ndarray, dst: np.ndarray, layout: SeqLayout,
+                    page_size: int, *, old_len: int, shifts: np.ndarray | None,
+                    kept_size: int, moves_size: int, rotations_size: int = 1
+                    ) -> kv_state.Compaction:
+    """The `kv_state.Compaction` of one sequence keeping cache indices `keep` [S'].
+
+    Args:
+      keep: [S'] increasing old cache indices.
+      src, dst: the block manager's slot moves (`BlockManager.retain`).
+      layout: the sequence's tables, floor and slot.
+      page_size: P.
+      old_len: S, its cached tokens before.
+      shifts: [S'] rotary positions to add to each kept key, or None.
+      kept_size, moves_size, rotations_size: the padded sizes N >= S', M >= len(src) and
+        M2 >= the number of rotated keys (static: one program per size).
+    """
+    keep = np.asarray(keep, np.int64)
+    new_index = np.arange(len(keep))
+    kept_src = np.asarray(layout.old_table, np.int64)[keep // page_size] * page_size
+    kept_src += keep % page_size
+    kept_dst = np.asarray(layout.new_table, np.int64)[new_index // page_size] * page_size
+    kept_dst += new_index % page_size
+    shifts = np.zeros(len(keep), np.int32) if shifts is None else np.asarray(shifts, np.int32)
+    rotated = np.flatnonzero(shifts)
+
+    def padded(x, size, fill):
+        out = np.full(size, fill, np.int32)
+        out[:len(x)] = x
+        return out
+
+    def moves(x, size):  # pad_repeat_last, or slot 0 onto itself when there is nothing
+        return pad_repeat_last(x, size) if len(x) else np.zeros(size, np.int32)
+
+    return kv_state.Compaction(
+        src=moves(src, moves_size), dst=moves(dst, moves_size),
+        rot_slots=moves(kept_dst[rotated], rotations_size),
+        rot_shifts=moves(shifts[rotated], rotations_size),
+        keep=padded(keep, kept_size, -1), kept_src=padded(kept_src, kept_size, -1),
+        kept_dst=padded(kept_dst, kept_size, -1), shifts=padded(shifts, kept_size, 0),
+        old_len=np.int32(old_len), new_len=np.int32(len(keep)),
+        old_floor=np.int32(layout.kv_floor), seq_slot=np.int32(layout.seq_slot))
 
 
 # ----------------------------------------------------------------------------- host: manager
@@ -587,9 +644,9 @@ class RetentionManager:
             raise ValueError(f"{policy!r} rotates kept keys: RetentionManager needs rope_theta")
         self.policy = policy
         self._views: dict[str, CacheView] = {}
-        self._move = jax.jit(move_slots, donate_argnums=0)
-        self._rotate = jax.jit(rotate_slots, donate_argnums=0, static_argnums=3)
-        self._rope_theta = rope_theta
+        self._compact = jax.jit(_compact, donate_argnums=0, static_argnums=2)
+        self._rotate = (functools.partial(llama.rope, theta=rope_theta)
+                        if policy.rotates_keys else None)
         self.stats = dict(evictions=0, evicted_tokens=0, moved_slots=0, freed_pages=0,
                           rotated_slots=0)
 
@@ -608,23 +665,33 @@ class RetentionManager:
 
     @property
     def num_compiles(self) -> int:
-        return self._move._cache_size() + self._rotate._cache_size()
+        return self._compact._cache_size()
+
+    def _sizes(self, page_size: int) -> tuple[int, list[int], int]:
+        """(N, the sizes M, M2) of a compaction's arrays (`plan_compaction`): a compaction
+        keeps `budget` tokens, moves at most that many (padded from P up) and rotates at most
+        the sinks."""
+        kept = -(-next_power_of_2(self.policy.budget) // page_size) * page_size
+        moves = [n for n in powers_of_2_up_to(kept) if n >= min(page_size, kept)]
+        rotations = next_power_of_2(self.policy.num_sinks) if self._rotate else 1
+        return kept, moves, rotations
 
     def warmup(self, kv: Any) -> Any:
-        """Compiles the compaction programs of every size a compaction can ask for.
+        """Compiles the compaction program of every size a compaction can ask for.
 
-        A compaction moves at most `budget` kept tokens (padded to a power of two) and rotates
-        at most the sinks; moving slot 0 onto itself and rotating by 0 change nothing. The
+        Warm-up plans keep nothing and move slot 0 onto itself, which changes nothing. The
         programs are compiled for `kv` as it is (exact or quantized pages), the state every
         later compaction is given.
         """
         if not self.policy.evicts:
             return kv
-        for n in powers_of_2_up_to(self.policy.budget):
-            kv = self._move(kv, np.zeros(n, np.int32), np.zeros(n, np.int32))
-            if self.policy.rotates_keys and n < 2 * self.policy.num_sinks:
-                kv = self._rotate(kv, np.zeros(n, np.int32), np.zeros(n, np.int32),
-                                  self._rope_theta)
+        kept, moves, rotations = self._sizes(kv.page_size)
+        layout = SeqLayout(old_table=[0], new_table=[0])
+        for n in moves:
+            plan = plan_compaction(np.zeros(0, np.int64), [], [], layout, kv.page_size,
+                                   old_len=0, shifts=None, kept_size=kept, moves_size=n,
+                                   rotations_size=rotations)
+            kv = self._compact(kv, plan, self._rotate)
         return kv
 
     def num_evicted(self, seq_id: str) -> int:
@@ -666,39 +733,28 @@ class RetentionManager:
 
     def evict(self, kv: Any, seq_id: str, keep: np.ndarray, src: np.ndarray,
               dst: np.ndarray, num_freed: int, *, is_prefill_done: bool,
-              block_table: list[int] | None = None) -> Any:
-        """Keeps cache indices `keep` of `seq_id` and moves slots src -> dst on the device.
-
-        block_table: the sequence's pages after compaction, for policies that rotate kept keys.
-        """
+              layout: SeqLayout) -> Any:
+        """Keeps cache indices `keep` of `seq_id`: the block manager moved it from
+        layout.old_table to layout.new_table with slot moves src -> dst; the device follows
+        (`KVState.compact`)."""
         view = self._views[seq_id]
-        kv = self._compact(kv, self.policy.rotary_shifts(view, keep), src, dst, block_table)
+        shifts = self.policy.rotary_shifts(view, keep)
+        kept, moves, rotations = self._sizes(kv.page_size)
+        plan = plan_compaction(keep, src, dst, layout, kv.page_size,
+                               old_len=len(view.positions), shifts=shifts, kept_size=kept,
+                               moves_size=bucket(len(src), moves[0]),
+                               rotations_size=rotations)
+        kv = self._compact(kv, plan, self._rotate)
         view.is_prefill_done = view.is_prefill_done or is_prefill_done
         self.stats["evictions"] += 1
         self.stats["evicted_tokens"] += len(view.positions) - len(keep)
         self.stats["moved_slots"] += len(src)
         self.stats["freed_pages"] += num_freed
+        self.stats["rotated_slots"] += 0 if shifts is None else int(np.count_nonzero(shifts))
         view.num_evicted += len(view.positions) - len(keep)
         view.positions = view.positions[keep]
         view.scores = view.scores[keep]
         return kv
-
-    def _compact(self, kv: Any, shifts: np.ndarray | None, src: np.ndarray,
-                 dst: np.ndarray, block_table: list[int] | None) -> Any:
-        """Moves src -> dst, then rotates the kept keys `shifts` (cache order) asks for."""
-        if len(src):
-            kv = self._move(kv, pad_repeat_last(src), pad_repeat_last(dst))
-        if shifts is None or not np.any(shifts):
-            return kv
-        if block_table is None:
-            raise ValueError(f"{self.policy!r} rotates kept keys: evict needs the block_table")
-        index = np.flatnonzero(shifts)  # cache indices to rotate
-        page_size = kv.page_size
-        slots = np.asarray(block_table, np.int64)[index // page_size] * page_size
-        slots += index % page_size
-        self.stats["rotated_slots"] += len(index)
-        return self._rotate(kv, pad_repeat_last(slots), pad_repeat_last(shifts[index]),
-                            self._rope_theta)
 
     def record(self, seq_id: str) -> dict | None:
         """The sequence's record as plain data (for a snapshot), None when it has none."""

@@ -105,6 +105,15 @@ class KVState(Protocol):
         state's values (decoded, then encoded again, for codes). ValueError for a state whose
         keys cannot be rewritten one token at a time (KIVI, whose keys share group scales)."""
 
+    def compact(self, plan: Compaction, rotate: Rotate | None) -> Self:
+        """One sequence keeps `plan.keep` of its cached tokens, in order, as its new cache.
+
+        rotate: (keys [M, K, D], shifts [M]) -> keys at positions + shifts (RoPE), applied
+        to the kept keys `plan` shifts; None when nothing rotates (static). States that store
+        each token alone move its rows (`compact_token_rows`); KIVI re-encodes the key groups
+        whose tokens changed and rewrites the sequence's exact window.
+        """
+
     def page_leaves(self) -> list[jax.Array]:
         """The page leaves, each [L, num_pages, ...], in a fixed order."""
 
@@ -153,6 +162,9 @@ class SlotAddressed:
         raise ValueError(f"a {type(self).__name__} ({self.codec_name}) does not rewrite its "
                          f"keys one token at a time")
 
+    def compact(self, plan: Compaction, rotate: Rotate | None) -> Self:
+        return compact_token_rows(self, plan, rotate)
+
     def seq_slot_leaves(self) -> list[jax.Array]:
         return []
 
@@ -161,6 +173,81 @@ class SlotAddressed:
             raise ValueError(f"a {type(self).__name__} has no sequence-slot leaves, got "
                              f"{len(leaves)}")
         return self
+
+
+Rotate = Callable[[jax.Array, jax.Array], jax.Array]  # (keys [M, K, D], shifts [M]) -> keys
+
+
+@struct.dataclass
+class Compaction:
+    """One sequence's compaction (retention), as index arrays padded to static sizes.
+
+    The sequence keeps cache indices `keep` of its S cached tokens, in order, as its new
+    cache indices 0..S'-1 (`kvjax.kv.retention.plan_compaction` builds it on the host from
+    the block manager's new layout). It describes the change twice, once per kind of state:
+
+      * as slot moves and key rotations, for states that store each token alone (exact K/V,
+        per-token codecs): `src`, `dst`, `rot_slots`, `rot_shifts`;
+      * as the whole new layout, for states whose tokens share storage (KIVI's key groups and
+        exact window): `keep`, `kept_src`, `kept_dst`, `shifts` and the scalars.
+
+    Attributes:
+      src, dst: [M] int32, token slot src[i] is copied into dst[i], every read before any
+        write (padding repeats a pair or moves a slot onto itself).
+      rot_slots, rot_shifts: [M2] int32, after the moves the key in slot rot_slots[i] turns
+        forward by rot_shifts[i] rotary positions (repeats carry equal shifts).
+      keep: [N] int32, the old cache index of new index j < S', -1 past S'.
+      kept_src, kept_dst: [N] int32, that token's old and new slot, -1 past S'.
+      shifts: [N] int32, rotary positions added to the key of new index j (0: none).
+      old_len, new_len: int32 scalars, S and S'.
+      old_floor: int32 scalar, the sequence's kv_floor before (`StepInput.kv_floors`); its
+        floor is 0 afterwards.
+      seq_slot: int32 scalar, the sequence's slot in the sequence-slot leaves.
+    """
+
+    src: jax.Array
+    dst: jax.Array
+    rot_slots: jax.Array
+    rot_shifts: jax.Array
+    keep: jax.Array
+    kept_src: jax.Array
+    kept_dst: jax.Array
+    shifts: jax.Array
+    old_len: jax.Array
+    new_len: jax.Array
+    old_floor: jax.Array
+    seq_slot: jax.Array
+
+
+def move_token_rows(kv: KVState, src: jax.Array, dst: jax.Array) -> KVState:
+    """Copies token slots src [M] into dst [M] in every layer; all reads precede all writes.
+
+    Moves whatever the state stores per token: every page leaf must be [L, num_pages, P, ...]
+    (exact K and V; a per-token codec's codes and scales). A leaf with another number of rows
+    per page (KIVI's per-group key scales, Quest's page summaries) holds no row per token, so
+    the move is refused.
+    """
+    leaves = kv.page_leaves()
+    for x in leaves:
+        if x.shape[2] != kv.page_size:
+            raise ValueError(f"token moves need one row per token, but a page leaf of shape "
+                             f"{x.shape} has {x.shape[2]} rows per page of {kv.page_size} "
+                             f"tokens ({kv.codec_name})")
+
+    def move(x):  # [L, num_pages, P, ...]
+        flat = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])  # [L, slots, ...]
+        return flat.at[:, dst].set(flat[:, src]).reshape(x.shape)
+
+    return kv.with_page_leaves([move(x) for x in leaves])
+
+
+def compact_token_rows(kv: KVState, plan: Compaction, rotate: Rotate | None) -> KVState:
+    """`KVState.compact` of a state that stores each token alone: the plan's slot moves, then
+    its key rotations (`KVState.map_keys`)."""
+    kv = move_token_rows(kv, plan.src, plan.dst)
+    if rotate is None:
+        return kv
+    return kv.map_keys(plan.rot_slots, jax.vmap(lambda keys: rotate(keys, plan.rot_shifts)))
 
 
 def _write_slots(pages: jax.Array, layer: jax.Array, slots: jax.Array, x: jax.Array

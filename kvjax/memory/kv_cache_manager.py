@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvjax.kv.retention import RetentionManager
+from kvjax.kv.retention import RetentionManager, SeqLayout
 from kvjax.kv.state import pages_for
 from kvjax.memory.block_manager import AllocStatus, CopyOp
 from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
@@ -337,13 +337,17 @@ class KVCacheManager:
         keep = self.retention.select(seq_id, is_prefill_done=is_prefill_done)
         if keep is None:
             return
+        old_table = list(self.block_table(seq_id))
         status, src, dst, freed = self.allocator.retain(seq_id, keep)
         if status is not AllocStatus.OK:  # No page for a copy now: evict after a later step.
             return
         table = self.block_table(seq_id)
+        layout = SeqLayout(old_table=old_table, new_table=list(table),
+                           kv_floor=self._floors.pop(seq_id, 0),
+                           seq_slot=self.seq_slot(seq_id))
         self._apply(KVOp(KVOpKind.COMPACT, tuple(table)), lambda kv: self.retention.evict(
             kv, seq_id, keep, src, dst, len(freed), is_prefill_done=is_prefill_done,
-            block_table=table))
+            layout=layout))
         self.mark_written(table, version)
         if freed and self.scrub_freed_pages:
             self.scrub(freed)

@@ -13,6 +13,8 @@ Megatron-style layout (weights in `x @ W` orientation, see `kvjax.models.llama`)
 Query head n reads kv head n // G, so the block of N/tp query heads on a device reads exactly
 the K/tp kv heads stored beside it: attention needs no communication, and each layer costs two
 all-reduces of [T, H] (after wo and after w_down). XLA inserts them from these shardings.
+The Pallas kernels (`attention_impl=pallas`) are opaque calls XLA cannot split, so on a mesh
+each runs under `shard_map` on every device's own heads (`shard_kernels`).
 
 Block tables, slot mappings and every other step input are small host arrays, replicated on
 all devices. Data parallelism is one engine per `dp` replica, each over its own tp sub-mesh
@@ -23,7 +25,8 @@ replicas share nothing, so their page pools and prefix caches are independent.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -161,6 +164,41 @@ def shard_params(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
     return place(params, named(mesh, param_specs(params)))
 
 
+def shard_kernels(kernels: Callable, mesh: Mesh, config: ModelConfig) -> Callable:
+    """A Pallas kernel chooser whose kernels run on each device over its own kv heads.
+
+    A kernel is one opaque call that XLA cannot split, so each runs under `shard_map`: a
+    device gets its K/tp kv heads of the KV state (`kv_specs`), the N/tp query heads that read
+    them, and the replicated block tables and lengths, and returns its query heads' outputs,
+    which stay split on the head axis as the model's q and output projections expect.
+
+    Args:
+      kernels: (kv, layer) -> (decode_fn, prefill_fn), `pallas_kernels.dispatch.kernels_for`.
+      mesh: the engine's tp mesh.
+      config: the model (which KV leaves carry a kv-head axis).
+    """
+    def sharded(kv: Any, layer: jax.Array):
+        kv_spec = kv_specs(kv, config)
+
+        def run(index: int, q_spec: P, q: jax.Array, *tables: jax.Array) -> jax.Array:
+            def local(kv, layer, q, *tables):
+                return kernels(kv, layer)[index](q, *tables)
+
+            return jax.shard_map(local, mesh=mesh, out_specs=q_spec, check_vma=False,
+                                 in_specs=(kv_spec, P(), q_spec, *[P()] * len(tables)))(
+                kv, layer, q, *tables)
+
+        def decode(q, block_tables, kv_lens):  # q [B, N, D]
+            return run(0, P(None, TP_AXIS, None), q, block_tables, kv_lens)
+
+        def prefill(q, block_tables, kv_lens, q_lens):  # q [B, C, N, D]
+            return run(1, P(None, None, TP_AXIS, None), q, block_tables, kv_lens, q_lens)
+
+        return decode, prefill
+
+    return sharded
+
+
 class ShardedStepPrograms(StepPrograms):
     """Step programs that keep params and KV at their shardings across steps.
 
@@ -177,8 +215,9 @@ class ShardedStepPrograms(StepPrograms):
         self.mesh = mesh
         self.param_shardings = param_shardings
         self._replicated = NamedSharding(mesh, P())
-        self._step = jax.jit(programs._step.__wrapped__, static_argnames=("shape",),
-                             donate_argnames=("kv",),
+        step = functools.partial(programs._step.__wrapped__, place_kernels=functools.partial(
+            shard_kernels, mesh=mesh, config=programs.config))
+        self._step = jax.jit(step, static_argnames=("shape",), donate_argnames=("kv",),
                              out_shardings=(self._replicated, kv_shardings))
         self._copy = jax.jit(programs._copy.__wrapped__, donate_argnums=0,
                              out_shardings=kv_shardings)

@@ -398,9 +398,30 @@ def test_int8_streaming_in_a_small_pool_agrees_with_exact_streaming(model):
     assert same >= 0.9 * 4 * 16, f"{same} of {4 * 16} tokens agree"
 
 
+@pytest.mark.parametrize("policy", [
+    dict(retention="streaming", retention_budget=12,
+         retention_options=dict(num_sinks=2, cache_positions=True)),
+    dict(retention="h2o", retention_budget=12, retention_options=dict(num_recent=4)),
+    dict(retention="snapkv", retention_budget=32, retention_options=dict(window=8)),
+], ids=["streaming_rotated", "h2o", "snapkv"])
+def test_kivi_windows_compact_like_exact_pages(model, policy):
+    """Oracle: a KIVI window longer than any sequence keeps every token exact, so under
+    eviction (the window laid out again, sinks rotated in it, keys scored through it) the
+    greedy tokens equal the exact-KV engine's under the same policy; nothing compiles after
+    warm-up and no page leaks. (Re-encoded key groups: tests/kv/test_quantized_state.py.)
+    No prefix cache: such a KIVI engine publishes no page (none is ever fully quantized), so
+    its compactions would find other pages free than the exact engine's."""
+    policy = dict(policy, enable_prefix_cache=False)
+    want, _ = serve_small_pool(model, warm=False, **policy)
+    got, engine = serve_small_pool(model, warm=True, kv_codec="kivi4",
+                                   kv_codec_options=dict(group=4, residual=60), **policy)
+    assert engine.retention.stats["evictions"] > 0
+    assert got == want
+
+
 @pytest.mark.parametrize("overrides,match", [
-    (dict(retention="snapkv", retention_budget=8, retention_options=dict(window=2),
-          kv_codec="kivi4", kv_codec_options=dict(group=4)), "moved alone"),
+    (dict(retention="streaming", retention_budget=8,
+          retention_options=dict(num_sinks=P, cache_positions=True)), "num_sinks < page_size"),
     (dict(retention="quest", retention_budget=8, kv_layout=KVLayout.CONTIGUOUS), "paged"),
     (dict(retention="streaming", retention_budget=None), "retention_budget"),
     (dict(retention="sliding"), "'sliding'"),

@@ -197,11 +197,16 @@ def _write_rows(kv, layer, inp, k, v, *, shape):
     return kv.write_rows(layer, inp, shape, k, v)
 
 
+@jax.jit
+def _load_rows(kv, layer, block_tables, lengths, seq_slots):
+    tables, load = kv.row_loader(layer, block_tables, lengths, seq_slots)
+    return load(tables)  # [B, n, P, K, D] each
+
+
 def _read_rows(kv, layer, block_tables, lengths):
     """Each sequence's K and V through `row_loader`: [B, n * P, K, D] each."""
-    tables, load = kv.row_loader(jnp.int32(layer), jnp.asarray(block_tables),
-                                 jnp.asarray(lengths, jnp.int32), jnp.asarray(SEQ_SLOTS))
-    k, v = jax.jit(load)(tables)  # [B, n, P, K, D]
+    k, v = _load_rows(kv, jnp.int32(layer), jnp.asarray(block_tables),
+                      jnp.asarray(lengths, jnp.int32), jnp.asarray(SEQ_SLOTS))
     b, n = block_tables.shape
     return (np.asarray(k).reshape(b, n * PAGE_SIZE, K, D),
             np.asarray(v).reshape(b, n * PAGE_SIZE, K, D))
@@ -325,6 +330,65 @@ def test_kivi_fork_copies_pages_and_window_and_reads_the_same():
     n = LENGTHS[2]
     np.testing.assert_array_equal(k_after[2, :n], k_before[2, :n])
     np.testing.assert_array_equal(v_after[2, :n], v_before[2, :n])
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["moved", "rotated"])
+@pytest.mark.parametrize("name,options", KIVI, ids=_ids(KIVI))
+def test_kivi_compaction_reads_back_the_kept_tokens_laid_out_again(name, options, rotated):
+    """Oracle: a KIVI sequence that keeps some of its tokens reads back the round trip of a
+    fresh sequence of the values it read before (keys rotated where asked); a page kept in
+    place reads bit for bit what it did, and the other sequences do not change."""
+    from kvjax.kv import retention
+    from kvjax.models import llama
+
+    kv, block_tables, free_pages, _, _ = _write_kivi(name, options, seed=7)
+    seq, old_len = 2, LENGTHS[2]
+    k_before, v_before = _read_rows(kv, LAYER, block_tables, LENGTHS)
+    keep = np.concatenate([np.arange(PAGE_SIZE), [9, 11, 12, 15, 20, 22, 23, 24, 25, 26, 27,
+                                                  28, 29]])
+    old_table = block_tables[seq, :-(-old_len // PAGE_SIZE)].tolist()
+    new_table = [old_table[0], int(free_pages[0]), int(free_pages[1])]
+    shifts = np.zeros(len(keep), np.int32)
+    if rotated:
+        shifts[:2] = 5  # as streaming's sinks turn by the tokens dropped
+    layout = retention.SeqLayout(old_table, new_table, seq_slot=SEQ_SLOTS[seq])
+    src = np.asarray(old_table)[keep // PAGE_SIZE] * PAGE_SIZE + keep % PAGE_SIZE
+    dst = np.asarray(new_table)[np.arange(len(keep)) // PAGE_SIZE] * PAGE_SIZE
+    dst += np.arange(len(keep)) % PAGE_SIZE
+    moved = src != dst
+    plan = retention.plan_compaction(keep, src[moved], dst[moved], layout, PAGE_SIZE,
+                                     old_len=old_len, shifts=shifts, kept_size=32,
+                                     moves_size=16, rotations_size=2)
+    theta = 10000.0
+    rotate = (lambda keys, by: llama.rope(keys, by, theta)) if rotated else None
+    after = jax.jit(lambda kv, plan: kv.compact(plan, rotate))(kv, plan)
+
+    tables = block_tables.copy()
+    tables[seq, :3] = new_table
+    lengths = list(LENGTHS)
+    lengths[seq] = len(keep)
+    k_after, v_after = _read_rows(after, LAYER, tables, lengths)
+    x_k, x_v = k_before[seq, keep], v_before[seq, keep]
+    if rotated:
+        x_k[:2] = np.asarray(llama.rope(jnp.asarray(x_k[:2]), jnp.asarray(shifts[:2]), theta))
+    want_k, want_v = codecs.kivi_roundtrip_reference(jnp.asarray(x_k), jnp.asarray(x_v),
+                                                     len(keep), kv.codec)
+    # Page 0 keeps its place and, unrotated, its codes: it reads what it did (encoding those
+    # values again would round them once more under float16 scales).
+    first = PAGE_SIZE if not rotated else 0
+    np.testing.assert_array_equal(k_after[seq, :first], k_before[seq, :first])
+    # float16 scales: the jitted encode and the eager reference may round a group's scale and
+    # zero to neighbouring float16 values (an ulp is 0.004-0.008 here, times up to 3 levels).
+    atol = 2e-2 if options.get("metadata_dtype") == "float16" else 1e-4
+    np.testing.assert_allclose(k_after[seq, first:len(keep)], np.asarray(want_k)[first:],
+                               atol=atol, rtol=0)
+    np.testing.assert_allclose(v_after[seq, first:len(keep)], np.asarray(want_v)[first:],
+                               atol=atol, rtol=0)
+    for other in (0, 1):
+        n = LENGTHS[other]
+        np.testing.assert_array_equal(k_after[other, :n], k_before[other, :n])
+        np.testing.assert_array_equal(v_after[other, :n], v_before[other, :n])
+    assert kv.codec.num_quantized(len(keep)) > PAGE_SIZE, "the test must re-encode a group"
 
 
 def test_calibrated_fp8_reads_back_its_per_layer_static_scales():

@@ -2,8 +2,9 @@
 
 `move_slots` moves token rows of every page leaf, so a per-token codec's token decodes, after
 the move, to bit-for-bit what it decoded to before, and no other slot changes. KIVI's key
-scales cover groups of tokens: its tokens neither move nor rotate alone. A per-token codec's
-rotated key is its decoded key rotated and encoded again.
+scales cover groups of tokens: its tokens neither move nor rotate alone (its compaction
+re-encodes groups: tests/kv/test_quantized_state.py). A per-token codec's rotated key is its
+decoded key rotated and encoded again.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def test_calibrated_fp8_scales_stay_in_the_codec_so_moves_keep_values():
     np.testing.assert_array_equal(v_after[:, dst], v_before[:, src])
 
 
-def test_kivi_tokens_do_not_move_alone_or_rotate():
+def test_kivi_tokens_do_not_move_or_rotate_alone():
+    """KIVI compacts through `KVState.compact`, which re-encodes whole key groups; a lone
+    token move or key rotation is refused."""
     kivi = quantized.init_quantized_kv(TINY, NUM_PAGES, P, "kivi4", group=4)
     with pytest.raises(ValueError, match="rows per page"):
         move_slots(kivi, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))

@@ -121,6 +121,34 @@ def _run_embedded_case() -> dict:
         [prompt], sampling)))
 
 
+def _run_pallas_case() -> dict:
+    """attention_impl=pallas on tp meshes (each kernel under shard_map on its device's heads,
+    interpreted on the CPU) against the jnp reference on one device: exact pages, int8 pages
+    (the quantized decode kernel), Quest's narrowed reads, and 3 kv heads over tp=3."""
+    from kvjax import EngineConfig, SamplingParams
+    from kvjax.engine.engine import Engine
+    from kvjax.parallel import sharding
+    from kvjax.testing import tiny_model
+
+    config = EngineConfig(page_size=4, num_pages=48, max_num_batched_tokens=64,
+                          max_prefill_chunk=16, min_chunk_bucket=16, max_num_seqs=4,
+                          max_prefill_seqs=4)
+    sampling = SamplingParams(max_new_tokens=4)
+    prompts = _prompts(count=3)
+    results = {}
+    for name, model, tp, overrides in (
+            ("none", tiny_model(), 2, {}), ("int8", tiny_model(), 2, dict(kv_codec="int8")),
+            ("quest", tiny_model(), 2, dict(retention="quest", retention_budget=8)),
+            ("gqa3", tiny_model(_gqa3_config()), 3, {})):
+        reference = dataclasses.replace(config, **overrides)
+        pallas = dataclasses.replace(reference, attention_impl="pallas")
+        mesh = sharding.replica_meshes(sharding.make_mesh(tp))[0]
+        results[name] = dict(
+            reference=_tokens(Engine(model, reference).generate(prompts, sampling)),
+            pallas_tp=_tokens(Engine(model, pallas, mesh=mesh).generate(prompts, sampling)))
+    return results
+
+
 def _child(case: str) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
@@ -175,6 +203,13 @@ def test_embedded_model_tp3_matches_single_device():
     assert result["tp3"] == result["single"]
 
 
+@pytest.mark.slow
+def test_pallas_kernels_on_a_mesh_match_the_reference_on_one_device():
+    results = _child("pallas")
+    for name, result in results.items():
+        assert result["pallas_tp"] == result["reference"], name
+
+
 def test_indivisible_heads_raise_value_error():
     from kvjax.parallel.sharding import check_tensor_parallel
     from kvjax.testing import TINY
@@ -227,4 +262,5 @@ def test_engine_mesh_validation():
 if __name__ == "__main__":
     # XLA_FLAGS came with the environment (see _child).
     case = sys.argv[1]
-    print(json.dumps(_run_fast_cases() if case == "fast" else _run_embedded_case()))
+    runs = dict(fast=_run_fast_cases, embedded=_run_embedded_case, pallas=_run_pallas_case)
+    print(json.dumps(runs[case]()))
