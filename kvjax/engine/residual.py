@@ -144,10 +144,11 @@ class WindowSwapSpace(HostSwapSpace):
             released.clear()
         return kv
 
-    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool):
+    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool, swap_pages: bool = True):
         """As `HostSwapSpace.warmup`, plus the window programs (writes to a slot past the end
-        are dropped: the state is unchanged)."""
-        kv = super().warmup(kv, max_pages, swap=swap, scrub=scrub)
+        are dropped: the state is unchanged). swap_pages=False: windows swap here but pages
+        elsewhere (through the tiers), so no page-swap program is compiled."""
+        kv = super().warmup(kv, max_pages, swap=swap and swap_pages, scrub=scrub)
         past = jnp.int32(self.allocator.num_seq_slots)
         kv = self._copy_window(kv, jnp.int32(0), past)
         if swap:

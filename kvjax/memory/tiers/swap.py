@@ -63,5 +63,5 @@ class TieredSwapSpace:
         """The scrub (and window) programs; page swaps go through the tiers, which warm up
         their own."""
         if not self.keeps_windows:
-            swap = False
-        return self._plain.warmup(kv, max_pages, swap=swap, scrub=scrub)
+            return self._plain.warmup(kv, max_pages, swap=False, scrub=scrub)
+        return self._plain.warmup(kv, max_pages, swap=swap, scrub=scrub, swap_pages=False)
