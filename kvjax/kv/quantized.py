@@ -80,6 +80,7 @@ from kvjax.kv import state as kv_state
 _KIVI = ("kivi2", "kivi4")
 _FP8 = ("fp8_e4m3", "fp8_e5m2")
 _WINDOW_DTYPE = jnp.float32
+_ALL = slice(None)  # `layer` of _gather_rows and _scatter_rows: every layer
 
 
 def _positive_int(field: str, value: Any) -> int:
@@ -191,12 +192,12 @@ def _page_major(spec: dict[str, jax.ShapeDtypeStruct], num_layers: int, num_page
             for name, s in spec.items()}
 
 
-def _scatter_rows(x: jax.Array, layer: jax.Array, rows: jax.Array, values: jax.Array
+def _scatter_rows(x: jax.Array, layer: jax.Array | slice, rows: jax.Array, values: jax.Array
                   ) -> jax.Array:
     """Sets rows of `layer` in x [L, N, R, ...] (pages or window slots); rows index n * R + r.
 
-    rows: any integer shape I; values: I + x.shape[3:]. Rows outside [0, N * R), -1 among
-    them, are dropped.
+    rows: any integer shape I; values: I + x.shape[3:], or [L] + I + x.shape[3:] for
+    layer=_ALL. Rows outside [0, N * R), -1 among them, are dropped.
     """
     num_layers, num_blocks, per_block = x.shape[:3]
     if _is_float8(values.dtype):
@@ -208,22 +209,12 @@ def _scatter_rows(x: jax.Array, layer: jax.Array, rows: jax.Array, values: jax.A
     return flat.reshape(x.shape)
 
 
-def _gather_rows(x: jax.Array, layer: jax.Array, rows: jax.Array) -> jax.Array:
-    """Rows of `layer` of x [L, N, R, ...] at flat indices rows (any shape I) -> I + [...]."""
+def _gather_rows(x: jax.Array, layer: jax.Array | slice, rows: jax.Array) -> jax.Array:
+    """Rows of `layer` of x [L, N, R, ...] at flat indices rows (any shape I) -> I + [...]
+    ([L] + I + [...] for layer=_ALL)."""
+    if isinstance(layer, slice):
+        return x.reshape(x.shape[0], -1, *x.shape[3:])[layer, rows]
     return x[layer].reshape(-1, *x.shape[3:])[rows]
-
-
-def _take_all(x: jax.Array, rows: jax.Array) -> jax.Array:
-    """Rows of every layer of x [L, N, R, ...] at flat indices rows [M] -> [L, M, ...]."""
-    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, rows]
-
-
-def _put_all(x: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    """x [L, N, R, ...] with rows [M] of every layer set to values [L, M, ...]; rows outside
-    [0, N * R), -1 among them, are dropped."""
-    flat = x.reshape(x.shape[0], -1, *x.shape[3:])
-    rows = jnp.where((rows >= 0) & (rows < flat.shape[1]), rows, flat.shape[1])
-    return flat.at[:, rows].set(values.astype(x.dtype), mode="drop").reshape(x.shape)
 
 
 def _as_float8(gathered: dict[str, jax.Array], float8_views: tuple[tuple[str, str], ...]
@@ -518,14 +509,15 @@ class QuantizedPagedKV:
         old_rows = plan.seq_slot * window + old_keep % window
 
         def read(stored: dict[str, jax.Array], residual: jax.Array, decode) -> jax.Array:
-            exact = _take_all(residual, old_rows)  # [L, N, K, D]
+            exact = _gather_rows(residual, _ALL, old_rows)  # [L, N, K, D]
             return jnp.where(from_codes[None, :, None, None], decode(stored), exact)
 
         k = read(self.k_stored, self.k_residual, lambda s: self.codec.decode_key_tokens(
-            _take_all(s["codes"], src), _take_all(s["scale"], src // g),
-            _take_all(s["zero"], src // g)))
+            _gather_rows(s["codes"], _ALL, src),
+            _gather_rows(s["scale"], _ALL, src // g),
+            _gather_rows(s["zero"], _ALL, src // g)))
         v = read(self.v_stored, self.v_residual, lambda s: self.value_codec.decode(
-            {name: _take_all(x, src) for name, x in s.items()}))
+            {name: _gather_rows(x, _ALL, src) for name, x in s.items()}))
         if rotate is not None:
             k = jax.vmap(lambda keys: rotate(keys, plan.shifts))(k)
         new_aged = self.codec.num_quantized(plan.new_len)
@@ -537,15 +529,16 @@ class QuantizedPagedKV:
         window_rows = jnp.where(is_kept & (index >= new_aged),
                                 plan.seq_slot * window + index % window, -1)
         k_enc, v_enc = self.codec.encode_key_group(k), self.value_codec.encode(v)
-        k_stored = {"codes": _put_all(self.k_stored["codes"], code_rows, k_enc["codes"])}
+        k_stored = {"codes": _scatter_rows(self.k_stored["codes"], _ALL, code_rows,
+                                           k_enc["codes"])}
         for name in ("scale", "zero"):
-            k_stored[name] = _put_all(self.k_stored[name], meta_rows, k_enc[name])
+            k_stored[name] = _scatter_rows(self.k_stored[name], _ALL, meta_rows, k_enc[name])
         return self.replace(
                 k_stored=k_stored,
-                v_stored={name: _put_all(x, code_rows, v_enc[name])
+                v_stored={name: _scatter_rows(x, _ALL, code_rows, v_enc[name])
                           for name, x in self.v_stored.items()},
-                k_residual=_put_all(self.k_residual, window_rows, k),
-                v_residual=_put_all(self.v_residual, window_rows, v))
+                k_residual=_scatter_rows(self.k_residual, _ALL, window_rows, k),
+                v_residual=_scatter_rows(self.v_residual, _ALL, window_rows, v))
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> QuantizedPagedKV:
         """Copy-on-write: page dst[i] becomes a copy of page src[i] in all layers. src, dst: [C].
