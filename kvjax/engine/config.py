@@ -44,7 +44,7 @@ class EngineConfig:
         and swaps go through the tiers' checked transfers.
       watermark: fraction of pages kept free when admitting new requests.
       scrub_freed_pages: zero pages when they return to the free list.
-      attention_impl: AUTO, REFERENCE or PALLAS.
+      attention_impl: AUTO, REFERENCE, PALLAS or NATIVE (kvjax.engine.step.AttentionImpl).
       min_chunk_bucket: the smallest padded prefill chunk (shape bucketing).
       debug_provenance: before every step, check that each page a row reads was written under
         the row's weights version; a mismatch raises (the stale-KV detector).
@@ -102,6 +102,10 @@ class EngineConfig:
         compat.check(self, on_mesh=False)
 
     def _check_kernel_reads_codec(self) -> None:
+        if self.attention_impl is AttentionImpl.NATIVE and self.kv_codec not in ("none", "int8"):
+            raise ValueError(f"attention_impl=NATIVE reads float pages and int8 codes, not "
+                             f"kv_codec={self.kv_codec!r}; use AUTO (the reference for other "
+                             f"codecs) or REFERENCE")
         if self.kv_codec == "none" or self.attention_impl is not AttentionImpl.PALLAS:
             return
         from pallas_kernels.quantized_decode.kernel import code_format  # Kernel code: lazy.

@@ -24,6 +24,7 @@ from flax import struct
 
 from kvjax.config import ModelConfig
 from kvjax.kv import attention as attention_ref
+from kvjax.kv import native
 from kvjax.kv.state import KVState
 from kvjax.models import llama
 from kvjax.sampling import sample_tokens
@@ -32,9 +33,10 @@ from kvjax.sampling import sample_tokens
 class AttentionImpl(enum.Enum):
     """Which attention implementation the step uses."""
 
-    AUTO = "auto"  # Pallas kernels on GPU/TPU, the jnp reference on CPU.
-    REFERENCE = "reference"
+    AUTO = "auto"  # Pallas kernels on GPU/TPU; on CPU the native kernel where it reads the state.
+    REFERENCE = "reference"  # The blockwise jnp path everywhere.
     PALLAS = "pallas"
+    NATIVE = "native"  # The C++ CPU decode kernel (kvjax.kv.native), reading pages in place.
 
 
 class LogitsMode(enum.Enum):
@@ -155,15 +157,19 @@ PAGES_PER_BLOCK = 8  # Block tables are padded to a multiple of this.
 
 
 def _resolve(impl: AttentionImpl, kv: KVState):
-    """The Pallas kernel chooser (state, layer) -> (decode_fn, prefill_fn), or None: reference.
+    """The kernel chooser (state, layer) -> (decode_fn, prefill_fn), or None: the reference.
 
-    AUTO: the Pallas kernels on GPU/TPU where one reads this KV state, else the reference.
-    PALLAS raises ValueError for a state no kernel reads.
+    AUTO: the Pallas kernels on GPU/TPU and the native kernel on CPU, each where it reads this
+    KV state, else the reference. PALLAS and NATIVE raise ValueError for a state their
+    kernels do not read.
     """
     if impl is AttentionImpl.REFERENCE:
         return None
-    if impl is AttentionImpl.AUTO and jax.default_backend() == "cpu":
-        return None
+    if impl is AttentionImpl.NATIVE or (impl is AttentionImpl.AUTO
+                                        and jax.default_backend() == "cpu"):
+        if impl is AttentionImpl.AUTO and native.reason_for(kv) is not None:
+            return None
+        return native.kernels_for(kv)
     from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
 
     if impl is AttentionImpl.AUTO and dispatch.unsupported_reason(kv) is not None:

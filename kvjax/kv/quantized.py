@@ -194,19 +194,10 @@ def _page_major(spec: dict[str, jax.ShapeDtypeStruct], num_layers: int, num_page
 
 def _scatter_rows(x: jax.Array, layer: jax.Array | slice, rows: jax.Array, values: jax.Array
                   ) -> jax.Array:
-    """Sets rows of `layer` in x [L, N, R, ...] (pages or window slots); rows index n * R + r.
-
-    rows: any integer shape I; values: I + x.shape[3:], or [L] + I + x.shape[3:] for
-    layer=_ALL. Rows outside [0, N * R), -1 among them, are dropped.
-    """
-    num_layers, num_blocks, per_block = x.shape[:3]
+    """`kv_state.scatter_rows`, with float8 values stored as their bytes (`_page_major`)."""
     if _is_float8(values.dtype):
         values = jax.lax.bitcast_convert_type(values, jnp.uint8)
-    flat = x.reshape(num_layers, num_blocks * per_block, *x.shape[3:])
-    rows = jnp.where((rows >= 0) & (rows < num_blocks * per_block), rows,
-                     num_blocks * per_block)
-    flat = flat.at[layer, rows].set(values.astype(x.dtype), mode="drop")
-    return flat.reshape(x.shape)
+    return kv_state.scatter_rows(x, layer, rows, values)
 
 
 def _gather_rows(x: jax.Array, layer: jax.Array | slice, rows: jax.Array) -> jax.Array:

@@ -250,14 +250,27 @@ def compact_token_rows(kv: KVState, plan: Compaction, rotate: Rotate | None) -> 
     return kv.map_keys(plan.rot_slots, jax.vmap(lambda keys: rotate(keys, plan.rot_shifts)))
 
 
-def _write_slots(pages: jax.Array, layer: jax.Array, slots: jax.Array, x: jax.Array
+def scatter_rows(x: jax.Array, layer: jax.Array | slice, rows: jax.Array, values: jax.Array
                  ) -> jax.Array:
-    """Scatters x [T, K, D] into pages [L, num_pages, P, K, D] at flat slots [T] of `layer`."""
-    num_layers, num_pages, page_size, k, d = pages.shape
-    flat = pages.reshape(num_layers, num_pages * page_size, k, d)
-    slots = jnp.where(slots < 0, num_pages * page_size, slots)  # out of range -> dropped
-    flat = flat.at[layer, slots].set(x.astype(pages.dtype), mode="drop")
-    return flat.reshape(pages.shape)
+    """Sets rows of `layer` in x [L, N, R, ...] (pages, or window slots); rows index n * R + r.
+
+    rows: any integer shape I; values: I + x.shape[3:], or [L] + I + x.shape[3:] for
+    layer=slice(None). Rows outside [0, N * R), -1 among them, are dropped. In place when x
+    is donated.
+    """
+    num_layers, num_blocks, per_block = x.shape[:3]
+    n = num_blocks * per_block
+    flat = x.reshape(num_layers, n, *x.shape[3:])
+    rows = jnp.where((rows >= 0) & (rows < n), rows, n)
+    if rows.size == 1:
+        # XLA rewrites a one-row scatter as a dynamic-update-slice that copies the whole
+        # buffer; a second row, out of range, keeps it a scatter, done in place.
+        lead = values.ndim - rows.ndim - (x.ndim - 3)  # 1 with every layer at once
+        rows = jnp.concatenate([rows.reshape(1), jnp.full((1,), n, rows.dtype)])
+        values = values.reshape(*values.shape[:lead], 1, *x.shape[3:])
+        values = jnp.concatenate([values, jnp.zeros_like(values)], axis=lead)
+    flat = flat.at[layer, rows].set(values.astype(x.dtype), mode="drop")
+    return flat.reshape(x.shape)
 
 
 @struct.dataclass
@@ -294,8 +307,8 @@ class PagedKV(SlotAddressed):
 
     def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array) -> PagedKV:
         """Writes k, v [T, K, D] of `layer` into flat slots [T] (-1: dropped)."""
-        return self.replace(k_pages=_write_slots(self.k_pages, layer, slots, k),
-                            v_pages=_write_slots(self.v_pages, layer, slots, v))
+        return self.replace(k_pages=scatter_rows(self.k_pages, layer, slots, k),
+                            v_pages=scatter_rows(self.v_pages, layer, slots, v))
 
     def map_keys(self, slots: jax.Array, fn: Callable[[jax.Array], jax.Array]) -> PagedKV:
         k = self.k_pages  # [L, num_pages, P, K, D]
@@ -366,9 +379,9 @@ class ContiguousKV(SlotAddressed):
 
     def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array
               ) -> ContiguousKV:
-        return self.replace(k=_write_slots(self._as_pages(self.k), layer, slots, k).reshape(
+        return self.replace(k=scatter_rows(self._as_pages(self.k), layer, slots, k).reshape(
                                 self.k.shape),
-                            v=_write_slots(self._as_pages(self.v), layer, slots, v).reshape(
+                            v=scatter_rows(self._as_pages(self.v), layer, slots, v).reshape(
                                 self.v.shape))
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> ContiguousKV:

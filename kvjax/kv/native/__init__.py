@@ -1,0 +1,191 @@
+"""Native CPU attention: a C++ decode kernel that reads KV pages in place, as an XLA FFI call.
+
+On the CPU, the jnp blockwise path (`kvjax.kv.attention.paged_attention_blockwise`) gathers
+each block of pages into a new buffer and transposes it for the matmuls, so a decode step moves
+several times the bytes of the KV it reads. `paged_decode.cc` walks each row's block table and
+reads every key and value straight from the page pool (the whole `[L, num_pages, P, K, D]`
+buffer and the layer index, so no layer slice is copied either), split over (row, kv head)
+pairs on XLA's intra-op threads. It computes what `paged_decode_attention_reference` computes.
+
+The source is compiled once per machine with the system C++ compiler (`g++`, or `$CXX`) into
+a cache folder (`$KVJAX_NATIVE_CACHE`, default `~/.cache/kvjax/native`), keyed by the source,
+the flags and the jax version, and registered as the FFI target `kvjax_paged_decode`.
+`unavailable_reason()` says why it cannot be used (no compiler, a failed build); the engine
+then keeps the jnp path.
+
+Which states it reads (`kernels_for(kv)`, the same chooser signature as
+`pallas_kernels.dispatch.kernels_for`):
+
+  state                                         what the kernel reads
+  PagedKV, float32 or bfloat16 pages            the pages
+  QuantizedPagedKV, codec none (f32 / bf16)     the values
+  QuantizedPagedKV, int8 with float32 scales    the int8 codes and the per-token scales
+                                                (decoded in registers, never to a float copy)
+  QuestKV over one of the above                 its base (Quest narrows the block tables first)
+
+Prefill rows keep the blockwise jnp path: their cost is the matmuls, not the KV read.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.kv import attention as attention_ref
+
+_SOURCE = pathlib.Path(__file__).with_name("paged_decode.cc")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17",
+          "-shared", "-fPIC", "-w")
+_TARGET = "kvjax_paged_decode"
+_lock = threading.Lock()
+_status: dict[str, str | None] = {}  # "reason": None once registered
+
+
+def _cache_dir() -> pathlib.Path:
+    default = pathlib.Path.home() / ".cache" / "kvjax" / "native"
+    return pathlib.Path(os.environ.get("KVJAX_NATIVE_CACHE", default))
+
+
+def _build() -> pathlib.Path:
+    """Compiles the kernel if no cached build matches; returns the shared library's path."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(),
+                                     jax.__version__.encode(), cxx.encode()])).hexdigest()[:16]
+    lib = _cache_dir() / f"paged_decode-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = pathlib.Path(tmp) / lib.name
+        proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", str(out)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{cxx} failed to build {_SOURCE.name}: {proc.stderr[-2000:]}")
+        os.replace(out, lib)  # atomic: concurrent builders race harmlessly
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is built and registered (building it on first call), else why not."""
+    with _lock:
+        if "reason" not in _status:
+            try:
+                import ctypes
+
+                library = ctypes.cdll.LoadLibrary(str(_build()))
+                jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.KvjaxPagedDecode),
+                                            platform="cpu")
+                _status["reason"] = None
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _status["reason"] = f"the native CPU kernel is unavailable: {e}"
+        return _status["reason"]
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           layer: jax.Array | int, block_tables: jax.Array,
+                           kv_lens: jax.Array, *, k_scale: jax.Array | None = None,
+                           v_scale: jax.Array | None = None, sm_scale: float | None = None
+                           ) -> jax.Array:
+    """Decode attention of one layer, read in place from all layers' pages.
+
+    Args:
+      q: [B, N, D].
+      k_pages, v_pages: [L, num_pages, P, K, D] float32, bfloat16 or int8 (codes).
+      layer: the layer to read (a scalar, traced or not).
+      block_tables: [B, W] int32; kv_lens: [B] int32 (0: a padded row, zeros out).
+      k_scale, v_scale: [L, num_pages, P, K] float32 with int8 codes (x = code * scale).
+      sm_scale: softmax scale, 1/sqrt(D) by default.
+    Returns:
+      [B, N, D] in q's dtype; equal to `paged_decode_attention_reference` on layer `layer`.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ValueError(reason)
+    none = jnp.zeros((1,), jnp.float32)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), k_pages, v_pages,
+        none if k_scale is None else k_scale.astype(jnp.float32),
+        none if v_scale is None else v_scale.astype(jnp.float32),
+        jnp.asarray(layer, jnp.int32), block_tables.astype(jnp.int32),
+        kv_lens.astype(jnp.int32), sm_scale=np.float32(scale))
+    return out.astype(q.dtype)
+
+
+# ---- which states the kernel reads -------------------------------------------------------
+
+_FLOAT_PAGES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _pages(kv) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None] | str:
+    """(k, v, k_scale, v_scale) leaves the kernel reads for `kv`, or why it reads none."""
+    from kvjax.kv import quest
+    from kvjax.kv.quantized import QuantizedPagedKV
+    from kvjax.kv.state import PagedKV
+
+    if isinstance(kv, quest.QuestKV):
+        return _pages(kv.base)
+    if isinstance(kv, PagedKV):
+        if kv.k_pages.dtype not in _FLOAT_PAGES:
+            return f"pages of dtype {kv.k_pages.dtype}"
+        return kv.k_pages, kv.v_pages, None, None
+    if isinstance(kv, QuantizedPagedKV):
+        names = {kv.codec.name, kv.value_codec.name}
+        if len(names) != 1:
+            return f"different key and value codecs {sorted(names)}"
+        if kv.codec.name in ("none-float32", "none-bfloat16"):
+            return kv.k_stored["values"], kv.v_stored["values"], None, None
+        if kv.codec.name == "int8":
+            return (kv.k_stored["codes"], kv.v_stored["codes"], kv.k_stored["scale"],
+                    kv.v_stored["scale"])
+        return f"codec {kv.codec.name!r}"
+    return f"a {type(kv).__name__}"
+
+
+def reason_for(kv) -> str | None:
+    """None when the kernel reads `kv`'s decode rows, else a sentence saying why not."""
+    pages = _pages(kv)
+    if isinstance(pages, str):
+        return f"the native CPU kernel does not read {pages}"
+    return unavailable_reason()
+
+
+def kernels_for(kv):
+    """(kv, layer) -> (decode_fn, prefill_fn): the native decode and the blockwise prefill.
+
+    Same signatures as `paged_decode_attention_reference` / `..._prefill_..._reference` over
+    the rows' own block tables (what `pallas_kernels.dispatch.kernels_for` returns), so the
+    step and `kvjax.parallel.sharding.shard_kernels` use either alike.
+    """
+    reason = reason_for(kv)
+    if reason is not None:
+        raise ValueError(reason)
+
+    def chooser(kv, layer):
+        k, v, k_scale, v_scale = _pages(kv)
+
+        def decode(q, block_tables, kv_lens):
+            return paged_decode_attention(q, k, v, layer, block_tables, kv_lens,
+                                          k_scale=k_scale, v_scale=v_scale)
+
+        def prefill(q, block_tables, kv_lens, q_lens):
+            load = functools.partial(kv.load_pages, layer)
+            return attention_ref.paged_attention_blockwise(q, load, block_tables, kv_lens,
+                                                           q_lens, pages_per_block=8)
+
+        return decode, prefill
+
+    return chooser

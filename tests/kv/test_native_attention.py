@@ -1,0 +1,100 @@
+"""The native CPU decode kernel against a per-token numpy oracle and the engine's jnp path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_attention import F32_TOL, make_case, numpy_attention
+
+import kvjax
+from kvjax.engine.step import AttentionImpl
+from kvjax.kv import native
+from kvjax.testing import tiny_model
+
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
+                                reason=str(native.unavailable_reason()))
+
+# (page size, kv heads, group, head dim): the specialized shapes (D 64/128 with their groups)
+# and the generic path (D 8, group 5).
+CASES = [(16, 3, 3, 64), (4, 2, 4, 64), (1, 1, 1, 64), (16, 2, 8, 128), (4, 2, 5, 8)]
+
+
+def _layered(pages: np.ndarray, layer: int, num_layers: int = 3) -> np.ndarray:
+    """pages [num_pages, ...] placed at `layer` of a [L, num_pages, ...] pool (others NaN)."""
+    out = np.full((num_layers, *pages.shape), np.nan, pages.dtype)
+    out[layer] = pages
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "P{}-K{}-G{}-D{}".format(*c))
+def test_decode_reads_float_pages_in_place_like_numpy(case):
+    page_size, k_heads, group, head_dim = case
+    rng = np.random.default_rng(0)
+    kv_lens, tables, kp, vp, ks, vs = make_case(
+        rng, num_seqs=5, max_len=37, page_size=page_size, num_kv_heads=k_heads, group=group,
+        head_dim=head_dim)
+    kv_lens[3] = 0  # a padded row
+    q = rng.standard_normal((5, k_heads * group, head_dim)).astype(np.float32)
+    run = jax.jit(native.paged_decode_attention)
+    got = np.asarray(run(q, _layered(kp, 1), _layered(vp, 1), 1, tables, kv_lens))
+    for b in range(5):
+        want = (np.zeros_like(q[b]) if kv_lens[b] == 0
+                else numpy_attention(q[b], ks[b], vs[b], kv_lens[b] - 1))
+        np.testing.assert_allclose(got[b], want, **F32_TOL)
+
+
+def test_decode_reads_bfloat16_pages_and_int8_codes_with_scales():
+    rng = np.random.default_rng(1)
+    kv_lens, tables, kp, vp, _, _ = make_case(rng, num_seqs=4, max_len=50, page_size=16,
+                                              num_kv_heads=3, group=3, head_dim=64)
+    kp, vp = np.nan_to_num(kp), np.nan_to_num(vp)
+    q = rng.standard_normal((4, 9, 64)).astype(np.float32)
+    layer = jnp.int32(2)  # a traced layer index, as inside the layer scan
+
+    kb, vb = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
+    want = kvjax.kv.attention.paged_decode_attention_reference(
+        q, kb.astype(jnp.float32), vb.astype(jnp.float32), tables, kv_lens)
+    got = native.paged_decode_attention(q, jnp.stack([kb] * 3), jnp.stack([vb] * 3), layer,
+                                        tables, kv_lens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
+
+    def int8(x):
+        scale = np.abs(x).max(-1) / 127
+        codes = np.clip(np.round(x / np.where(scale > 0, scale, 1)[..., None]), -127, 127)
+        return codes.astype(np.int8), scale.astype(np.float32)
+
+    (kc, kscale), (vc, vscale) = int8(kp), int8(vp)
+    want = kvjax.kv.attention.paged_decode_attention_reference(
+        q, kc * kscale[..., None], vc * vscale[..., None], tables, kv_lens)
+    stack = lambda x: np.stack([x] * 3)  # noqa: E731
+    got = native.paged_decode_attention(q, stack(kc), stack(vc), layer, tables, kv_lens,
+                                        k_scale=stack(kscale), v_scale=stack(vscale))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
+
+
+def test_states_the_kernel_does_not_read_say_why():
+    model = tiny_model()
+    for codec, options in (("int4", dict(group=4)), ("kivi4", dict(group=4, residual=0))):
+        engine = kvjax.Engine(model, kvjax.EngineConfig(
+            num_pages=16, page_size=4, max_num_seqs=2, kv_codec=codec, kv_codec_options=options))
+        assert f"does not read codec '{codec}" in native.reason_for(engine.kv)
+    with pytest.raises(ValueError, match="attention_impl=NATIVE reads float pages and int8"):
+        kvjax.EngineConfig(kv_codec="int4", attention_impl="native")
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_engine_decodes_the_same_tokens_with_the_native_kernel(codec):
+    """Greedy tokens and logprobs of the native decode equal the blockwise jnp path's."""
+    model = tiny_model()
+    prompts = [[1, 5, 9, 13, 2, 7], [3, 4], [8] * 11]
+    sampling = kvjax.SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outs = {}
+    for impl in (AttentionImpl.REFERENCE, AttentionImpl.NATIVE):
+        engine = kvjax.Engine(model, kvjax.EngineConfig(
+            num_pages=32, page_size=4, max_num_seqs=4, kv_codec=codec, attention_impl=impl))
+        outs[impl] = engine.generate(prompts, sampling)
+    for ref, got in zip(outs[AttentionImpl.REFERENCE], outs[AttentionImpl.NATIVE], strict=True):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        np.testing.assert_allclose(got.outputs[0].logprobs, ref.outputs[0].logprobs, atol=1e-4)
