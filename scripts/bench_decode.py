@@ -1,12 +1,15 @@
 """Decode throughput of kvjax (paged and contiguous KV) against Hugging Face transformers.
 
-  python scripts/bench_decode.py --output_json docs/results/bench_decode.json
-  python scripts/bench_decode.py --batch_sizes 1,8 --new_tokens 32 --skip_hf
+  python scripts/bench_decode.py --output_json docs/results/bench_decode.json \
+      --plot docs/results/bench_decode_kv_bytes.png
+  python scripts/bench_decode.py --batch_sizes 1,8 --context_sweep= --new_tokens 32 --skip_hf
 
-Every system decodes the same real-text prompts (all `--prompt_len` tokens long) greedily with
-the same weights (the embedded SmolLM2-135M in float32) for exactly `--new_tokens` tokens; only
-decode is timed, after compilation, against a roofline floor measured on this machine. How each
-system is timed, the floor and the --profile breakdown: `kvjax.bench.decode`.
+Settings: each of `--batch_sizes` at `--prompt_len`, then `--sweep_batch` at each of
+`--context_sweep`. Every system decodes the same real-text prompts greedily with the same
+weights (the embedded SmolLM2-135M in float32) for exactly `--new_tokens` tokens; kvjax runs
+each layout with exact KV and the paged layout with each of `--kv_codecs`. Only decode is
+timed, after compilation, against a roofline floor measured on this machine. How each system
+is timed, the floor and the --profile breakdown: `kvjax.bench.decode`.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ from kvjax.bench import decode
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Batch sizes (sequences decoding at once).")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per sequence.")
-flags.DEFINE_integer("prompt_len", 64, "Prompt tokens per sequence (all prompts this long).")
-flags.DEFINE_list("layouts", ["paged", "contiguous"], "kvjax KV layouts to run.")
+flags.DEFINE_integer("prompt_len", 64, "Prompt tokens per sequence at --batch_sizes.")
+flags.DEFINE_list("context_sweep", ["512", "2048", "8192"], "Prompt lengths run at --sweep_batch.")
+flags.DEFINE_integer("sweep_batch", 8, "Batch size of the context sweep.")
+flags.DEFINE_list("layouts", ["paged", "contiguous"], "kvjax KV layouts to run (exact KV).")
+flags.DEFINE_list("kv_codecs", ["int8", "int4"], "KV codecs the paged layout also runs with.")
 flags.DEFINE_bool("skip_hf", False, "Do not run Hugging Face transformers.")
 flags.DEFINE_list("torch_threads", ["2"], "torch intra-op thread counts for transformers (one "
                   "run each; kvjax is compared with the fastest).")
@@ -33,24 +39,31 @@ flags.DEFINE_integer("seed", 0, "Workload seed (which corpus text the prompts ar
 flags.DEFINE_bool("profile", False, "Also trace full-batch decode steps with jax.profiler and "
                   "report device time per kind of XLA op.")
 flags.DEFINE_string("output_json", None, "Write the results here.")
+flags.DEFINE_string("plot", None, "Write the step-time vs KV-bytes plot (at --sweep_batch) here.")
 
 
 def main(argv):
     del argv
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    contexts = [int(c) for c in FLAGS.context_sweep]
+    settings = [(b, FLAGS.prompt_len) for b in batch_sizes]
+    settings += [(FLAGS.sweep_batch, c) for c in contexts
+                 if (FLAGS.sweep_batch, c) not in settings]
+    variants = decode.parse_variants(FLAGS.layouts, FLAGS.kv_codecs)
+    threads = [int(t) for t in FLAGS.torch_threads]
     report = decode.run(
-        kvjax.load_model(), batch_sizes=batch_sizes, new_tokens=FLAGS.new_tokens,
-        prompt_len=FLAGS.prompt_len, layouts=[kvjax.KVLayout(name) for name in FLAGS.layouts],
-        torch_threads=[int(t) for t in FLAGS.torch_threads], skip_hf=FLAGS.skip_hf,
-        page_size=FLAGS.page_size, warm_tokens=FLAGS.warm_tokens, seed=FLAGS.seed,
-        profile=FLAGS.profile)
+        kvjax.load_model(), settings=settings, new_tokens=FLAGS.new_tokens, variants=variants,
+        torch_threads=threads, skip_hf=FLAGS.skip_hf, page_size=FLAGS.page_size,
+        warm_tokens=FLAGS.warm_tokens, seed=FLAGS.seed, profile=FLAGS.profile)
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
-            json.dump(dict(flags=dict(batch_sizes=batch_sizes, new_tokens=FLAGS.new_tokens,
-                                      prompt_len=FLAGS.prompt_len, layouts=FLAGS.layouts,
-                                      torch_threads=[int(t) for t in FLAGS.torch_threads],
-                                      page_size=FLAGS.page_size, seed=FLAGS.seed,
-                                      profile=FLAGS.profile), **report), f, indent=1)
+            json.dump(dict(flags=dict(settings=settings, new_tokens=FLAGS.new_tokens,
+                                      variants=[v.name for v in variants],
+                                      torch_threads=threads, page_size=FLAGS.page_size,
+                                      seed=FLAGS.seed, profile=FLAGS.profile), **report),
+                      f, indent=1)
+    if FLAGS.plot:
+        decode.plot_step_vs_kv_bytes(report, FLAGS.plot, FLAGS.sweep_batch)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import kvjax
@@ -236,31 +235,54 @@ def profile_breakdown(engine: kvjax.Engine, batch: int, trace_dir: str, num_step
                 top_ops={k: v for k, v in per_op.most_common(10)})
 
 
-def bench_kvjax(model: kvjax.Model, layouts: list[kvjax.KVLayout], prompts: list[list[int]],
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One kvjax engine of the benchmark: a KV layout and, for pages, a KV codec."""
+
+    layout: kvjax.KVLayout = kvjax.KVLayout.PAGED
+    codec: str = "none"
+
+    @property
+    def name(self) -> str:
+        return self.layout.value + ("" if self.codec == "none" else f"-{self.codec}")
+
+
+def parse_variants(layouts: Sequence[str], codecs: Sequence[str]) -> list[Variant]:
+    """Each layout with exact KV, then the paged layout with every other codec."""
+    variants = [Variant(kvjax.KVLayout(name)) for name in layouts]
+    return variants + [Variant(kvjax.KVLayout.PAGED, c) for c in codecs if c != "none"]
+
+
+def bench_kvjax(model: kvjax.Model, variants: Sequence[Variant], prompts: list[list[int]],
                 new_tokens: int, *, page_size: int, warm_tokens: int, profile: bool = False
                 ) -> tuple[list[dict], dict[str, list[list[int]]]]:
-    """Decode step times of one engine per layout at batch len(prompts), run side by side.
+    """Decode step times of one engine per variant at batch len(prompts), run side by side.
 
-    Each engine first runs `warm_tokens` (at most `new_tokens`) untimed new tokens, which
-    compile every step shape the timed run needs. With `profile`, the first few full-batch
-    decode steps are traced (`profile_breakdown`) and left out of the timing.
+    Each engine first runs `warm_tokens` (at most `new_tokens`) untimed new tokens from
+    prompts of at most 64 tokens, which compiles every decode shape the timed run needs (the
+    block-table width is the engine's, whatever the prompt). With `profile`, the first few
+    full-batch decode steps are traced (`profile_breakdown`) and left out of the timing.
 
-    Returns (one result per layout, output ids per layout).
+    Returns (one result per variant, output ids per variant).
     """
     batch = len(prompts)
     engines, compile_s = {}, {}
-    for layout in layouts:
+    for variant in variants:
+        options = {"group": 32} if variant.codec in ("int4", "int2") else {}
         engine = kvjax.Engine(model, kvjax.EngineConfig(
-            kv_layout=layout, page_size=page_size, max_num_seqs=batch,
+            kv_layout=variant.layout, kv_codec=variant.codec, kv_codec_options=options,
+            page_size=page_size, max_num_seqs=batch,
             max_model_len=len(prompts[0]) + new_tokens, enable_prefix_cache=False))
         start = time.perf_counter()
-        engine.generate(prompts, kvjax.SamplingParams(
+        engine.generate([p[:64] for p in prompts], kvjax.SamplingParams(
             max_new_tokens=min(warm_tokens, new_tokens), ignore_eos=True))
-        compile_s[layout.value] = time.perf_counter() - start
-        engines[layout.value] = engine
+        compile_s[variant.name] = time.perf_counter() - start
+        engines[variant.name] = engine
     runs = timed_engine_runs(engines, prompts, new_tokens, profile=profile)
     results = [_kvjax_result(name, run, batch, compile_s[name])
                for name, run in runs.items()]
+    for result in results:
+        result["prompt_len"] = len(prompts[0])
     ids = [f"timed-{i}" for i in range(batch)]
     return results, {name: [run.outputs[r] for r in ids] for name, run in runs.items()}
 
@@ -271,9 +293,9 @@ def _kvjax_result(name: str, run: TimedRun, batch: int, compile_s: float) -> dic
               and not r.compiled and i not in run.traced]
     if not decode:
         raise ValueError(f"no full-batch decode step at batch {batch}: raise new_tokens")
-    itemsize = jnp.dtype(engine.kv_dtype).itemsize
     costs = np.array([roofline.decode_step_cost(engine.model.config, engine.model.params, batch,
-                                                r.kv_tokens, itemsize) for r in decode])
+                                                r.kv_tokens, engine.kv_bytes_per_token)
+                      for r in decode])
     wall = summarize([r.wall_s for r in decode])
     result = dict(
         system=f"kvjax-{name}", batch=batch, tokens_per_s=batch / wall["median"],
@@ -282,6 +304,9 @@ def _kvjax_result(name: str, run: TimedRun, batch: int, compile_s: float) -> dic
         host_fraction=sum(r.host_s for r in decode) / sum(r.wall_s for r in decode),
         bytes_per_step=float(costs[:, 0].mean()), flops_per_step=float(costs[:, 1].mean()),
         mean_kv_tokens=float(np.mean([r.kv_tokens for r in decode])),
+        kv_bytes_per_step=float(np.mean([r.kv_tokens for r in decode])
+                                * engine.kv_bytes_per_token),
+        kv_codec=engine.kv.codec_name, attention=engine.attention_name,
         kv_pool_bytes=int(engine.kv.nbytes()), compile_run_s=compile_s,
         num_steps=len(records), num_compiles=engine.num_compiles)
     if run.traced:
@@ -384,13 +409,14 @@ def environment() -> dict:
 
 def format_table(results: list[dict]) -> str:
     """The markdown table of decode results, one row per system and batch size."""
-    header = ("| system | B | tok/s | step ms (median) | step ms (p90) | floor ms | step/floor "
-              "| host ms/step | host % |")
-    lines = [header, "|" + "---|" * 9]
+    header = ("| system | B | prompt | tok/s | step ms (median) | step ms (p90) | floor ms "
+              "| step/floor | host ms/step | host % |")
+    lines = [header, "|" + "---|" * 10]
     for r in results:
         floor = r.get("floor_s")
-        lines.append("| {} | {} | {:.1f} | {:.1f} | {:.1f} | {} | {} | {} | {} |".format(
-            r["system"], r["batch"], r["tokens_per_s"], 1e3 * r["step_s"]["median"],
+        lines.append("| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {} | {} | {} | {} |".format(
+            r["system"], r["batch"], r["prompt_len"], r["tokens_per_s"],
+            1e3 * r["step_s"]["median"],
             1e3 * r["step_s"]["p90"], f"{1e3 * floor:.1f}" if floor else "-",
             f"{r['step_over_floor']:.2f}" if floor else "-",
             f"{1e3 * r['host_s']['median']:.2f}" if "host_s" in r else "-",
@@ -435,46 +461,56 @@ def add_floors(results: list[dict], rates: roofline.MachineRates) -> None:
                           step_over_floor=result["step_s"]["median"] / floor.floor_s)
 
 
-def speedup_ratios(results: list[dict], batch: int) -> dict:
-    """Paged vs contiguous step time and each layout's speedup over the fastest transformers
-    run at `batch` (None where a system did not run)."""
-    by_system = {r["system"]: r for r in results if r["batch"] == batch}
+def speedup_ratios(results: list[dict], batch: int, prompt_len: int) -> dict:
+    """At one setting: paged vs contiguous step time, each kvjax system's speedup over the
+    fastest transformers run, and each paged codec's speedup over exact paged KV (None where
+    a system did not run)."""
+    by_system = {r["system"]: r for r in results
+                 if r["batch"] == batch and r["prompt_len"] == prompt_len}
     paged, contiguous = by_system.get("kvjax-paged"), by_system.get("kvjax-contiguous")
     hf = max((r for r in by_system.values() if r["system"].startswith("transformers")),
              key=lambda r: r["tokens_per_s"], default=None)
-    return dict(
+    ratios = dict(
         paged_over_contiguous_step=(paged["step_s"]["median"] / contiguous["step_s"]["median"]
                                     if paged and contiguous else None),
-        paged_speedup_over_hf=(paged["tokens_per_s"] / hf["tokens_per_s"]
-                               if paged and hf else None),
-        contiguous_speedup_over_hf=(contiguous["tokens_per_s"] / hf["tokens_per_s"]
-                                    if contiguous and hf else None),
         fastest_hf=hf["system"] if hf else None)
+    for name, r in by_system.items():
+        if not name.startswith("kvjax-"):
+            continue
+        short = name.removeprefix("kvjax-").replace("-", "_")
+        ratios[f"{short}_speedup_over_hf"] = (r["tokens_per_s"] / hf["tokens_per_s"]
+                                              if hf else None)
+        if paged and name.startswith("kvjax-paged-"):
+            ratios[f"{short}_speedup_over_paged"] = (paged["step_s"]["median"]
+                                                     / r["step_s"]["median"])
+    return ratios
 
 
-def run(model: kvjax.Model, *, batch_sizes: Sequence[int], new_tokens: int, prompt_len: int,
-        layouts: Sequence[kvjax.KVLayout], torch_threads: Sequence[int], skip_hf: bool,
+def run(model: kvjax.Model, *, settings: Sequence[tuple[int, int]], new_tokens: int,
+        variants: Sequence[Variant], torch_threads: Sequence[int], skip_hf: bool,
         page_size: int, warm_tokens: int, seed: int, profile: bool) -> dict:
     """The whole benchmark, printing each result as it comes and the table at the end.
 
+    settings: (batch size, prompt length) pairs, each run by every kvjax variant and by
+    transformers (before and after the kvjax engines, so both see the load of the stretch).
+
     Returns a JSON-ready dict: env, rates (the best measured), rate_samples, results (one per
-    system and batch size), ratios and token_agreement_with_hf (per batch size).
+    system and setting), ratios and token_agreement_with_hf (per setting, keyed "B=8,ctx=64").
     """
     env = environment()
     rate_samples = [roofline.measure_machine()]
     hf_model = None if skip_hf else load_hf_model()
-    all_prompts = make_prompts(model, max(batch_sizes), prompt_len, seed)
-    results, agreement = [], {}
-    for batch in batch_sizes:
-        prompts = all_prompts[:batch]
-        # transformers runs before and after kvjax, so both see the load of the whole stretch.
+    results, agreement, ratios = [], {}, {}
+    for batch, prompt_len in settings:
+        key = f"B={batch},ctx={prompt_len}"
+        prompts = make_prompts(model, batch, prompt_len, seed)
         hf_runs: dict[int, list[dict]] = collections.defaultdict(list)
         hf_outputs = {}
         for threads in ([] if hf_model is None else torch_threads):
             hf_run, hf_outputs[threads] = bench_hf(hf_model, prompts, new_tokens, threads)
             hf_runs[threads].append(hf_run)
         rate_samples.append(roofline.measure_machine())
-        kvjax_results, outputs = bench_kvjax(model, list(layouts), prompts, new_tokens,
+        kvjax_results, outputs = bench_kvjax(model, variants, prompts, new_tokens,
                                              page_size=page_size, warm_tokens=warm_tokens,
                                              profile=profile)
         for result in kvjax_results:
@@ -485,9 +521,11 @@ def run(model: kvjax.Model, *, batch_sizes: Sequence[int], new_tokens: int, prom
         for threads, runs in hf_runs.items():
             runs.append(bench_hf(hf_model, prompts, new_tokens, threads)[0])
             result = merge_hf_runs(runs)
+            result.update(prompt_len=prompt_len, kv_bytes_per_step=hf_kv_bytes(
+                model.config, batch, prompt_len + new_tokens / 2))
             results.append(result)
             print(format_table([result]).splitlines()[-1], flush=True)
-            agreement.setdefault(batch, {})[result["system"]] = {
+            agreement.setdefault(key, {})[result["system"]] = {
                 name: token_agreement(hf_outputs[threads], out, model.config.eos_token_ids)
                 for name, out in outputs.items()}
     env["load_average_end"] = list(os.getloadavg())
@@ -497,10 +535,43 @@ def run(model: kvjax.Model, *, batch_sizes: Sequence[int], new_tokens: int, prom
           f"{rates.matmul_flops_per_s / 1e9:.1f} GFLOP/s")
     add_floors(results, rates)
     print(format_table(results))
-    ratios = {}
-    for batch in batch_sizes:
-        ratios[batch] = speedup_ratios(results, batch)
-        print(f"B={batch}: {ratios[batch]}  token agreement with HF: {agreement.get(batch)}")
+    for batch, prompt_len in settings:
+        key = f"B={batch},ctx={prompt_len}"
+        ratios[key] = speedup_ratios(results, batch, prompt_len)
+        print(f"{key}: {ratios[key]}  token agreement with HF: {agreement.get(key)}")
     return dict(env=env, rates=dataclasses.asdict(rates),
                 rate_samples=[dataclasses.asdict(r) for r in rate_samples], results=results,
                 ratios=ratios, token_agreement_with_hf=agreement)
+
+
+def hf_kv_bytes(config, batch: int, mean_len: float) -> float:
+    """KV bytes transformers reads per decode step: float32 K and V of every cached token."""
+    return batch * mean_len * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
+
+
+def plot_step_vs_kv_bytes(result: dict, path: str, batch: int) -> None:
+    """Step time against KV bytes read per step at `batch`: one line per system over the
+    prompt lengths, and the floor (weights + KV bytes over the measured bandwidth)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    rows = [r for r in result["results"] if r["batch"] == batch]
+    for system in dict.fromkeys(r["system"] for r in rows):
+        points = sorted((r["kv_bytes_per_step"], r["step_s"]["median"]) for r in rows
+                        if r["system"] == system)
+        xs, ys = zip(*points, strict=True)
+        ax.plot(np.asarray(xs) / 1e6, np.asarray(ys) * 1e3, marker="o", label=system)
+    weights = min((r["bytes_per_step"] - r["kv_bytes_per_step"] for r in rows
+                   if "bytes_per_step" in r), default=0.0)
+    top = max(r["kv_bytes_per_step"] for r in rows)
+    xs = np.linspace(0, top, 50)
+    ax.plot(xs / 1e6, (weights + xs) / result["rates"]["memory_bytes_per_s"] * 1e3, "k--",
+            label="floor: (weights + KV bytes) / bandwidth")
+    ax.set_xlabel("KV bytes read per decode step (MB)")
+    ax.set_ylabel("decode step (ms, median)")
+    ax.set_title(f"Decode step vs KV bytes, B={batch}, SmolLM2-135M float32")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

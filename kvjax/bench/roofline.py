@@ -117,8 +117,8 @@ def matmul_params(config: ModelConfig) -> int:
     return c.num_layers * (per_layer + bias) + c.hidden_size * c.vocab_size
 
 
-def decode_step_cost(config: ModelConfig, params, batch: int, kv_tokens: int, kv_itemsize: int
-                     ) -> tuple[float, float]:
+def decode_step_cost(config: ModelConfig, params, batch: int, kv_tokens: int,
+                     kv_bytes_per_token: float) -> tuple[float, float]:
     """(bytes read, FLOPs) of one decode step of `batch` sequences holding `kv_tokens` in all.
 
     Bytes: every parameter once (the embedding table once whether tied or not: as the output
@@ -132,7 +132,8 @@ def decode_step_cost(config: ModelConfig, params, batch: int, kv_tokens: int, kv
       batch: B, sequences decoding one token each.
       kv_tokens: tokens in the caches of all B sequences together during the step (including
         the one each writes).
-      kv_itemsize: bytes per stored K/V element.
+      kv_bytes_per_token: bytes one cached token takes in all layers, K and V (codes and
+        metadata for a quantized cache: `Engine.kv_bytes_per_token`).
     """
     if batch < 1 or kv_tokens < 0:
         raise ValueError(f"need batch >= 1 and kv_tokens >= 0, got {batch}, {kv_tokens}")
@@ -141,7 +142,7 @@ def decode_step_cost(config: ModelConfig, params, batch: int, kv_tokens: int, kv
     if not c.tie_word_embeddings:
         embed = params["embed"]
         weight_bytes -= embed.nbytes - batch * c.hidden_size * embed.dtype.itemsize
-    kv_bytes = kv_tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv_itemsize
+    kv_bytes = kv_tokens * kv_bytes_per_token
     flops = 2.0 * matmul_params(c) * batch + \
         4.0 * c.num_heads * c.head_dim * kv_tokens * c.num_layers
     return float(weight_bytes + kv_bytes), flops

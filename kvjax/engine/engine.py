@@ -30,7 +30,13 @@ from kvjax.engine.request import (
     submit_all,
 )
 from kvjax.engine.runner import ModelRunner, StepBuckets, StepObserver
-from kvjax.engine.step import PAGES_PER_BLOCK, LogitsMode, StepPrograms, StepShape
+from kvjax.engine.step import (
+    PAGES_PER_BLOCK,
+    LogitsMode,
+    StepPrograms,
+    StepShape,
+    attention_name,
+)
 from kvjax.kv.retention import RetentionManager, make_retention
 from kvjax.kv.state import pages_for
 from kvjax.memory.kv_cache_manager import KVCacheManager
@@ -195,6 +201,11 @@ class Engine:
     def last_logits(self):
         """The logits the last step returned (per its LogitsMode), or None."""
         return self.core.last_logits
+
+    @property
+    def attention_name(self) -> str:
+        """The attention the step runs: 'native', 'pallas' or 'reference' (`AttentionImpl`)."""
+        return attention_name(self.config.attention_impl, self.kv)
 
     @property
     def num_compiles(self) -> int:

@@ -156,25 +156,32 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
 PAGES_PER_BLOCK = 8  # Block tables are padded to a multiple of this.
 
 
-def _resolve(impl: AttentionImpl, kv: KVState):
-    """The kernel chooser (state, layer) -> (decode_fn, prefill_fn), or None: the reference.
+def attention_name(impl: AttentionImpl, kv: KVState) -> str:
+    """Which attention the step runs over this KV state: 'pallas', 'native' or 'reference'.
 
-    AUTO: the Pallas kernels on GPU/TPU and the native kernel on CPU, each where it reads this
-    KV state, else the reference. PALLAS and NATIVE raise ValueError for a state their
-    kernels do not read.
+    AUTO: the Pallas kernels on GPU/TPU and the native kernel on CPU, each where it reads the
+    state, else the reference. PALLAS and NATIVE are taken as asked (`_resolve` raises
+    ValueError for a state their kernels do not read).
     """
-    if impl is AttentionImpl.REFERENCE:
-        return None
-    if impl is AttentionImpl.NATIVE or (impl is AttentionImpl.AUTO
-                                        and jax.default_backend() == "cpu"):
-        if impl is AttentionImpl.AUTO and native.reason_for(kv) is not None:
-            return None
-        return native.kernels_for(kv)
-    from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
+    if impl is AttentionImpl.AUTO:
+        if jax.default_backend() == "cpu":
+            return "native" if native.reason_for(kv) is None else "reference"
+        from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
 
-    if impl is AttentionImpl.AUTO and dispatch.unsupported_reason(kv) is not None:
-        return None
-    return dispatch.kernels_for(kv)
+        return "pallas" if dispatch.unsupported_reason(kv) is None else "reference"
+    return impl.value
+
+
+def _resolve(impl: AttentionImpl, kv: KVState):
+    """The kernel chooser (state, layer) -> (decode_fn, prefill_fn), or None: the reference."""
+    name = attention_name(impl, kv)
+    if name == "native":
+        return native.kernels_for(kv)
+    if name == "pallas":
+        from pallas_kernels import dispatch
+
+        return dispatch.kernels_for(kv)
+    return None
 
 
 def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, shape: StepShape,

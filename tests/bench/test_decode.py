@@ -84,17 +84,21 @@ def test_floor_uses_the_best_rates_and_the_slower_of_memory_and_compute():
     assert "floor_s" not in hf
 
 
-def test_speedups_compare_with_the_fastest_transformers_run():
-    results = [dict(system="kvjax-paged", batch=8, tokens_per_s=80.0, step_s=dict(median=0.1)),
-               dict(system="kvjax-contiguous", batch=8, tokens_per_s=40.0,
-                    step_s=dict(median=0.2)),
-               dict(system="transformers-1t", batch=8, tokens_per_s=10.0),
-               dict(system="transformers-2t", batch=8, tokens_per_s=20.0),
-               dict(system="kvjax-paged", batch=1, tokens_per_s=1.0, step_s=dict(median=1.0))]
-    assert decode.speedup_ratios(results, 8) == dict(
+def test_speedups_compare_with_the_fastest_transformers_run_and_exact_paged_kv():
+    def r(system, batch, tok_s, step=None, prompt_len=64):
+        out = dict(system=system, batch=batch, prompt_len=prompt_len, tokens_per_s=tok_s)
+        return out if step is None else dict(out, step_s=dict(median=step))
+
+    results = [r("kvjax-paged", 8, 80.0, 0.1), r("kvjax-contiguous", 8, 40.0, 0.2),
+               r("kvjax-paged-int8", 8, 160.0, 0.05), r("transformers-1t", 8, 10.0),
+               r("transformers-2t", 8, 20.0), r("kvjax-paged", 1, 1.0, 1.0),
+               r("kvjax-paged", 8, 8.0, 1.0, prompt_len=2048)]
+    assert decode.speedup_ratios(results, 8, 64) == dict(
         paged_over_contiguous_step=0.5, paged_speedup_over_hf=4.0,
-        contiguous_speedup_over_hf=2.0, fastest_hf="transformers-2t")
-    assert decode.speedup_ratios(results, 1)["paged_speedup_over_hf"] is None
+        contiguous_speedup_over_hf=2.0, paged_int8_speedup_over_hf=8.0,
+        paged_int8_speedup_over_paged=2.0, fastest_hf="transformers-2t")
+    assert decode.speedup_ratios(results, 1, 64)["paged_speedup_over_hf"] is None
+    assert decode.speedup_ratios(results, 8, 2048)["paged_over_contiguous_step"] is None
 
 
 def test_token_agreement_stops_at_the_first_eos():

@@ -34,8 +34,9 @@ def test_decode_step_cost_matches_a_count_over_the_params(tie, bias):
     config = _config(tie_word_embeddings=tie, qkv_bias=bias)
     params = llama.init_params(config, jax.random.key(0))
     kv_lens = [5, 17, 1]
+    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2  # 2-byte KV
     bytes_read, flops = roofline.decode_step_cost(config, params, len(kv_lens), sum(kv_lens),
-                                                   kv_itemsize=2)
+                                                   kv_bytes_per_token=per_token)
 
     weights = _brute_force_matmul_weights(params, config)
     assert roofline.matmul_params(config) == weights
