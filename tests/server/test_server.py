@@ -435,3 +435,22 @@ def test_draining_finishes_in_flight_requests_and_refuses_new_ones(model):
     stopper.join()
     assert "".join(texts) == reference(model, prompt, 60)[1]
     assert not drained.is_running and not drained.app.state.async_engine.is_alive
+
+
+def test_serve_bench_replays_a_workload_over_http(server, http):
+    from kvjax.bench import BenchRequest, load_config
+    from kvjax.bench.remote import run_http_benchmark_detailed
+
+    requests = [BenchRequest(request_id=f"r{i}", arrival_time=0.05 * i,
+                             prompt_ids=tuple(range(20 + i, 44 + i)), max_new_tokens=5 + i,
+                             tenant=f"t{i % 2}") for i in range(4)]
+    result = run_http_benchmark_detailed(load_config("configs/serve_demo.py"), server.base_url,
+                                         requests=requests)
+    m = result.metrics
+    assert m["num_requests"] == 4 and m["failed_requests"] == 0
+    assert sorted(r.num_output_tokens for r in result.records) == [5, 6, 7, 8]
+    assert all(r.first_token_time >= r.arrival_time for r in result.records)
+    assert m["ttft_p50_s"] > 0 and m["throughput_tok_s"] > 0
+    assert m["compiles_after_warmup"] == 0 and m["preemptions"] == 0
+    assert m["prefix_hit_rate"] is not None and m["bytes_moved"]["device"] is None
+    assert m["fairness"]["per_tenant"]["t0"]["num_requests"] == 2
