@@ -224,3 +224,48 @@ def run_http_benchmark_detailed(config: ConfigDict, target: str, *,
 def run_http_benchmark(config: ConfigDict, target: str, **kwargs: Any) -> dict[str, Any]:
     """`run_http_benchmark_detailed(config, target, **kwargs).metrics`."""
     return run_http_benchmark_detailed(config, target, **kwargs).metrics
+
+
+def http_overhead(model, engine_config, *, num_requests: int = 100, max_tokens: int = 4
+                  ) -> dict[str, Any]:
+    """The fixed cost of a request over HTTP: median seconds of `num_requests` sequential
+    `max_tokens`-token greedy requests in-process (`Engine.generate`) and through a
+    `kvjax.server` on loopback (blocking and streaming), on two warmed-up engines of one
+    config. Use a model whose step is short (the tiny test model), so the difference is the
+    server's own cost: parsing, the hop to the engine thread and back, the response."""
+    import statistics
+
+    import httpx
+
+    from kvjax.engine.engine import Engine
+    from kvjax.sampling import SamplingParams
+    from kvjax.server import BackgroundServer, ServerConfig
+
+    def prompt(i: int) -> list[int]:
+        return [5, 6, 7, 1 + i % (model.config.vocab_size - 1)]
+
+    def median_s(call) -> float:
+        times = []
+        for i in range(num_requests):
+            start = time.perf_counter()
+            call(i)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    engine = Engine(model, engine_config)
+    engine.warmup()
+    sampling = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
+    result = dict(num_requests=num_requests, max_tokens=max_tokens,
+                  in_process_s=median_s(lambda i: engine.generate([prompt(i)], sampling)))
+    served = Engine(model, engine_config)
+    served.warmup()
+    with BackgroundServer(served, ServerConfig(model_name="overhead")) as server, \
+            httpx.Client(base_url=server.base_url, timeout=60) as client:
+        for key, stream in (("http_s", False), ("http_stream_s", True)):
+            result[key] = median_s(lambda i, stream=stream: client.post(
+                "/v1/completions", json=dict(prompt=prompt(i), max_tokens=max_tokens,
+                                             temperature=0, ignore_eos=True,
+                                             stream=stream)).read())
+    result["overhead_s"] = result["http_s"] - result["in_process_s"]
+    result["env"] = environment()
+    return result
