@@ -35,6 +35,9 @@ flags.DEFINE_integer("max_waiting_requests", 128, "Requests accepted without a f
                      "yet; beyond it requests get 429 with Retry-After.")
 flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, how long in-flight requests may run.")
 flags.DEFINE_bool("warmup", True, "Compile every greedy step shape before serving.")
+flags.DEFINE_bool("warmup_sampling", False, "Also compile the sampled variants (temperature "
+                  "> 0, top-k / top-p; OpenAI's default temperature is 1), three times the "
+                  "programs; otherwise the first sampled requests compile them.")
 flags.DEFINE_string("log_level", "info", "uvicorn's log level.")
 # Common engine fields; None keeps the config's value.
 flags.DEFINE_integer("page_size", None, "Tokens per KV page.")
@@ -71,7 +74,7 @@ def main(argv):
     model = kvjax.load_model(config.model.name, dtype=config.model.dtype)
     engine = kvjax.Engine(model, runner.engine_config_from(config))
     if FLAGS.warmup:
-        print(f"warming up: {engine.warmup()} programs compiled")
+        print(f"warming up: {engine.warmup(sampling=FLAGS.warmup_sampling)} programs compiled")
     name = FLAGS.served_model_name or config.model.name
     serve(engine, ServerConfig(model_name=name, max_waiting=FLAGS.max_waiting_requests,
                                drain_timeout_s=FLAGS.drain_timeout_s),

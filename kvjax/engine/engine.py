@@ -450,12 +450,18 @@ class Engine:
         """Every greedy step shape this engine can produce: what `warmup` compiles."""
         return self.runner.buckets.step_shapes(logits_mode)
 
-    def warmup(self) -> int:
+    def warmup(self, *, sampling: bool = False) -> int:
         """Compiles every greedy step shape and KV program on padding inputs; returns the
-        compile count. Padded tokens write nothing and padded rows read nothing."""
-        self.runner.warmup(self.model.weights_version)
+        compile count. Padded tokens write nothing and padded rows read nothing. With
+        `sampling`, the sampled variants of each shape too (three times the programs), so
+        temperature, top-k and top-p requests compile nothing either."""
+        self.runner.warmup(self.model.weights_version, sampling=sampling)
+        # Copy-on-write (n > 1 samples, shared partial pages): at most one copy per row.
+        is_paged = self.config.kv_layout is KVLayout.PAGED
         self.kv_cache.warmup(self.block_table_width,
-                             swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE)
+                             swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE,
+                             max_copies=self.config.max_num_seqs + self.config.max_prefill_seqs
+                             if is_paged else 0)
         jax.block_until_ready(self.kv)
         return self.num_compiles
 

@@ -339,15 +339,17 @@ class AsyncEngine:
         self._needs_step = False
         if wants_top:
             self._take_top_logprobs()
+        # Counters first, then the outputs: a client that has its answer sees them counted.
+        self._metrics = self.engine.metrics()
         for out in finished:
             tracked = self._tracked.pop(out.request_id, None)
             if tracked is None:
                 continue
             if not tracked.is_started:
                 self._release_waiting()
-            tracked.stream._post_update(self._update(tracked, out))
             for callback in self.on_finished:
                 callback(out)
+            tracked.stream._post_update(self._update(tracked, out))
         if not self._tracked:
             return
         for out in self.engine.snapshot_outputs(drain=False, with_text=False):

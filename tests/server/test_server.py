@@ -428,9 +428,9 @@ def test_draining_finishes_in_flight_requests_and_refuses_new_ones(model):
     try:
         refused = httpx.post(drained.base_url + "/v1/completions",
                              json=dict(prompt=[1], max_tokens=1), timeout=10).status_code
-    except httpx.ConnectError:
-        refused = "connection refused"
-    assert refused in (503, "connection refused")
+    except httpx.TransportError:  # refused, or closed by the shutdown before answering
+        refused = "connection refused or closed"
+    assert refused in (503, "connection refused or closed")
     worker.join()
     stopper.join()
     assert "".join(texts) == reference(model, prompt, 60)[1]

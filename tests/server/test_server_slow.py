@@ -209,19 +209,23 @@ def test_64_concurrent_streaming_clients_complete_or_get_429():
     assert after["kvjax:num_compiles"] == before["kvjax:num_compiles"]
 
 
-def test_seeded_sampling_equals_the_in_process_engine():
+def test_seeded_sampling_equals_the_in_process_engine_and_compiles_nothing_after_warmup():
     model = tiny_chat_model()
     prompt = [5, 6, 7, 8, 9]
     sampling = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, top_k=20, seed=3,
                               n=3)
     (expected,) = Engine(model, TINY_CONFIG).generate([prompt], sampling)
-    with BackgroundServer(Engine(model, TINY_CONFIG), ServerConfig(model_name="tiny")) as s:
+    served = Engine(model, TINY_CONFIG)
+    compiled = served.warmup(sampling=True)
+    with BackgroundServer(served, ServerConfig(model_name="tiny")) as s:
         client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0)
         kwargs = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0.8, top_p=0.9,
                       seed=3, n=3, logprobs=0, extra_body=dict(
                           top_k=20, return_tokens_as_token_ids=True))
         first = client.completions.create(**kwargs)
         again = client.completions.create(**kwargs)
+        client.completions.create(model="tiny", prompt=[[1, 2, 3]] * 4, max_tokens=8)  # T=1
+        assert metric_values(s.base_url)["kvjax:num_compiles"] == compiled
     for got in (first, again):
         assert [token_ids(c.logprobs.tokens) for c in got.choices] == [
             o.token_ids for o in expected.outputs]
