@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-notebooks lint clean
+.PHONY: setup demo serve test test-slow test-notebooks lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/generate.py --prompt "What is the capital of France?" --max_new_tokens 32
 	$(PY) scripts/serve_bench.py --config=configs/serve_demo.py --workdir=runs/demo
+
+# The embedded model over an OpenAI-compatible API on 127.0.0.1:8000 (Ctrl-C drains and stops).
+serve: $(STAMP)
+	$(PY) scripts/serve.py --config=configs/serve_demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" --durations=15

@@ -13,9 +13,13 @@ from kvjax.sampling import SamplingParams
 
 def encode_prompt(model: Model, prompt: str | Sequence[int], *, chat: bool = False
                   ) -> list[int]:
-    """Token ids of a prompt: ids pass through; text is tokenized (chat template if `chat`)."""
+    """Token ids of a prompt: ids pass through as given (the engine checks them, so a float
+    is never truncated into a token); text is tokenized (chat template if `chat`)."""
     if not isinstance(prompt, str):
-        return [int(t) for t in prompt]
+        if not isinstance(prompt, Sequence):
+            raise ValueError(f"a prompt is text or a sequence of token ids, got "
+                             f"{type(prompt).__name__} {prompt!r:.80}")
+        return list(prompt)
     if model.tokenizer is None:
         raise ValueError("a text prompt needs a model with a tokenizer; pass token ids instead")
     if chat:
@@ -34,5 +38,6 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]],
     the others are served normally.
     """
     engine = Engine(model, engine_config)
-    ids = [encode_prompt(model, p, chat=chat) for p in prompts]
+    # Only text is encoded here: a malformed id prompt fails alone, inside engine.generate.
+    ids = [encode_prompt(model, p, chat=chat) if isinstance(p, str) else p for p in prompts]
     return engine.generate(ids, sampling)

@@ -11,9 +11,22 @@ temperature, top-k and top-p), which is what policy-gradient trainers consume.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def _is_int(value) -> bool:
+    """An int, numpy's included, but not a bool (True would pass as 1)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool | np.bool_)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,18 +54,25 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**32):
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if isinstance(self.stop_token_ids, str | bytes) or not isinstance(
+                self.stop_token_ids, Sequence | np.ndarray):
+            raise ValueError(f"stop_token_ids must be a sequence of int token ids, got "
+                             f"{self.stop_token_ids!r}")
+        bad = [t for t in self.stop_token_ids if not _is_int(t) or t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be int token ids >= 0, got {bad[0]!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

@@ -11,6 +11,7 @@ per KV head, RoPE); only its size and weights are made up, so its outputs mean n
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -48,11 +49,29 @@ def _dense_logits(config: ModelConfig):
     forward = jax.jit(lambda params, tokens, n: llama.forward_dense(params, config, tokens)[n - 1])
 
     def logits(params, tokens: list[int]) -> jax.Array:
-        padded = np.zeros(next_power_of_2(max(len(tokens), 16)), np.int32)
-        padded[:len(tokens)] = tokens
-        return forward(params, padded, np.int32(len(tokens)))
+        return forward(params, _padded(tokens), np.int32(len(tokens)))
 
     return logits
+
+
+def _padded(tokens) -> np.ndarray:
+    """[power of two >= 16] int32: `tokens` right-padded with zeros."""
+    padded = np.zeros(next_power_of_2(max(len(tokens), 16)), np.int32)
+    padded[:len(tokens)] = tokens
+    return padded
+
+
+@functools.cache
+def _dense_logprobs(config: ModelConfig):
+    return jax.jit(lambda params, tokens: jax.nn.log_softmax(
+        llama.forward_dense(params, config, tokens), axis=-1))
+
+
+def dense_logprobs(model: Model, token_ids: list[int]) -> np.ndarray:
+    """[T, V] float32: row i is log p(next token | token_ids[:i + 1]), by the cache-free dense
+    forward pass (padded to a power of two, so a few compiles serve a whole session)."""
+    return np.asarray(_dense_logprobs(model.config)(model.params, _padded(token_ids)))[
+        :len(token_ids)]
 
 
 def greedy_reference(model: Model, prompt: list[int], max_new_tokens: int,
@@ -91,3 +110,45 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         return [1] * add_bos + [2 + b % 126 for b in text.encode()]
+
+
+# The tiny tokenizer's special tokens and their ids; EOS is the tiny model's EOS.
+TINY_SPECIAL_TOKENS = {"<|im_start|>": 0, "<s>": 1, "<|im_end|>": 2, "</s>": 127}
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@functools.cache
+def tiny_tokenizer():
+    """A decodable one-byte-per-token tokenizer over the tiny model's 128 ids, with a ChatML
+    template: a `kvjax.models.tokenizer.Tokenizer` (so servers and chat paths run unchanged).
+
+    Ids 3..126 are single bytes: tab, newline, printable ASCII and 27 other control bytes
+    (all valid one-byte UTF-8, so any id sequence decodes); 0, 1, 2 and 127 are the special
+    tokens of `TINY_SPECIAL_TOKENS` (BOS 1, EOS 127). Text outside those bytes cannot be
+    encoded.
+    """
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from kvjax.models.tokenizer import Tokenizer, _byte_level_alphabet
+
+    others = [b for b in range(32) if b not in (9, 10)]
+    byte_values = [9, 10, *range(32, 127), *others][:124]
+    alphabet = _byte_level_alphabet()
+    vocab = {alphabet[b]: 3 + i for i, b in enumerate(byte_values)}
+    vocab.update(TINY_SPECIAL_TOKENS)
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                                for t in TINY_SPECIAL_TOKENS])
+    return Tokenizer(backend, bos_token_id=1, eos_token_ids=(127,),
+                     chat_template=TINY_CHAT_TEMPLATE)
+
+
+def tiny_chat_model(seed: int = 0) -> Model:
+    """`tiny_model()` with `tiny_tokenizer()`: text prompts, chat and streaming detokenization
+    on a model that compiles in seconds."""
+    return dataclasses.replace(tiny_model(seed=seed), tokenizer=tiny_tokenizer())

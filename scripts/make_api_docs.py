@@ -73,7 +73,9 @@ SECTIONS = (
     Section("kvjax.rl"),
     Section("kvjax.bench"),
     Section("kvjax.parallel"),
-    Section("kvjax.testing", ("TINY", "tiny_model", "greedy_reference", "ByteTokenizer")),
+    Section("kvjax.server"),
+    Section("kvjax.testing", ("TINY", "tiny_model", "greedy_reference", "dense_logprobs",
+                              "ByteTokenizer", "tiny_tokenizer", "tiny_chat_model")),
 )
 
 _SECTION_HEADS = re.compile(r"^(Args|Arguments|Attributes|Returns|Raises|Yields|Example|Examples"

@@ -7,6 +7,13 @@
   python scripts/serve_bench.py --config=configs/serve_demo.py \
       --sweep="engine.scheduler_policy=fcfs,lpm;engine.page_size=16,32" --workdir=runs/grid
 
+Against a running OpenAI-compatible server (kvjax's scripts/serve.py or another engine's),
+the same workload is replayed over HTTP, with TTFT from the first streamed chunk:
+
+  python scripts/serve.py --config=configs/serve_demo.py &
+  python scripts/serve_bench.py --config=configs/serve_demo.py --target=http://127.0.0.1:8000 \
+      --workdir=runs/demo_http
+
 --sweep is `field=v1,v2;field2=w1,w2`: one run per combination (the product of the axes);
 without it, a config's own `config.sweep` list is run, and with neither, the config once.
 Writes <run>.json, <run>.details.json, results.md and PNG plots into --workdir. The config
@@ -21,7 +28,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from kvjax.bench import runner
+from kvjax.bench import remote, runner
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Benchmark config file (configs/serve_*.py).",
@@ -29,6 +36,8 @@ config_flags.DEFINE_config_file("config", None, "Benchmark config file (configs/
 flags.DEFINE_string("workdir", None, "Directory for the JSON results, results.md and plots.")
 flags.DEFINE_string("sweep", None, "Variants: 'field=v1,v2;field2=w1,w2' (product of axes); "
                     "overrides config.sweep.")
+flags.DEFINE_string("target", None, "http://HOST:PORT of an OpenAI-compatible server to "
+                    "replay the workload against (kvjax.bench.remote); None: in-process.")
 flags.DEFINE_bool("progress", True, "Show a progress bar of requests done.")
 flags.DEFINE_bool("plots", True, "Write PNG plots.")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -42,7 +51,12 @@ def main(argv):
         overrides = runner.parse_sweep(FLAGS.sweep, config)
     else:
         overrides = list(config.sweep)
-    if overrides:
+    if FLAGS.target:
+        if overrides:
+            raise app.UsageError("--target replays one config: a server runs one engine config")
+        results = [remote.run_http_benchmark_detailed(config, FLAGS.target,
+                                                      progress=FLAGS.progress)]
+    elif overrides:
         results = runner.run_sweep_detailed(config, overrides, progress=FLAGS.progress)
     else:
         results = [runner.run_benchmark_detailed(config, progress=FLAGS.progress)]

@@ -64,8 +64,11 @@ def plot_latency_cdfs(results: Sequence[BenchResult], workdir: Path) -> list[Pat
     return paths
 
 
-def plot_kv_memory(results: Sequence[BenchResult], workdir: Path) -> Path:
-    """kv_memory.png: live (solid) and reserved (dashed) KV MiB after each step."""
+def plot_kv_memory(results: Sequence[BenchResult], workdir: Path) -> Path | None:
+    """kv_memory.png: live (solid) and reserved (dashed) KV MiB after each step, or None when
+    no run sampled its KV (a run over HTTP sees only the server's outside)."""
+    if not any(result.kv_samples for result in results):
+        return None
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     for result in results:
@@ -115,6 +118,5 @@ def write_plots(results: Sequence[BenchResult], workdir: str | os.PathLike) -> l
     if not results:
         return []
     workdir = Path(workdir)
-    paths = plot_latency_cdfs(results, workdir) + [plot_kv_memory(results, workdir)]
-    load = plot_load(results, workdir)
-    return paths + ([load] if load is not None else [])
+    optional = [plot_kv_memory(results, workdir), plot_load(results, workdir)]
+    return plot_latency_cdfs(results, workdir) + [p for p in optional if p is not None]

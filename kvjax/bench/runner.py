@@ -454,19 +454,13 @@ class _ModelCosts:
 
 
 def host_link_bytes(engine: Engine) -> int:
-    """KV bytes moved between device and host so far, both ways: the tiers' traffic (swaps,
-    prefix-cache spills and loads) with tiers on, else the plain swap space's."""
-    if engine.tiers is not None:
-        return engine.tiers.stats["bytes_device_to_host"] + engine.tiers.stats[
-            "bytes_host_to_device"]
-    return engine.stats["swap_bytes"]
+    """KV bytes moved between device and host so far, both ways (`Engine.kv_bytes_moved`)."""
+    return engine.kv_bytes_moved()["host"]
 
 
 def disk_bytes(engine: Engine) -> int:
     """KV bytes written to and read from the disk tier so far (0 without one)."""
-    if engine.tiers is None:
-        return 0
-    return engine.tiers.stats["bytes_host_to_disk"] + engine.tiers.stats["bytes_disk_to_host"]
+    return engine.kv_bytes_moved()["disk"]
 
 
 class _StepMeter(StepObserver):

@@ -26,6 +26,8 @@ class EngineCore:
       async_scheduling: overlap the host's scheduling of step t+1 with the device's step t.
       debug_provenance: check before each step that no row reads a page of other weights.
       last_logits: the logits the last step returned (per its LogitsMode), or None.
+      last_sampled_rows: (sequence id, row of last_logits) of each row of the last step
+        that sampled its sequence's next token.
       kv_samples: per step, (time, bytes holding live tokens, bytes reserved by sequences).
     """
 
@@ -37,6 +39,7 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.debug_provenance = debug_provenance
         self.last_logits = None
+        self.last_sampled_rows: tuple[tuple[str, int], ...] = ()
         self.kv_samples: list[tuple[float, int, int]] = []
         self._in_flight: InFlightStep | None = None
         self.stats.update(host_time_s=0.0, step_time_s=0.0)
@@ -81,6 +84,9 @@ class EngineCore:
         out = self.runner.fetch(step)
         t1 = time.perf_counter()
         self.last_logits = out.logits
+        self.last_sampled_rows = tuple((row.seq_id, index) for row, index in
+                                       zip(step.so.rows, step.row_index, strict=True)
+                                       if row.samples)
         self.scheduler.update_from_output(step.so, out)
         self.runner.keep_params(self.scheduler.versions)
         # Step time: dispatching and waiting for the device; host time: the host's own work.

@@ -18,6 +18,7 @@ from collections.abc import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.config import KVLayout, resolve_dtype
 from kvjax.engine.config import EngineConfig, PreemptionMode
@@ -54,6 +55,19 @@ from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
 
 # Retention policies that evict whenever a sequence caches budget + P tokens, prefill included.
 _ROLLING_EVICTION = ("streaming", "h2o")
+
+
+def _token_ids(request_id: str, prompt_ids) -> list[int]:
+    """The prompt as a list of Python ints; ValueError for anything but a flat sequence of
+    ints (a float, string or bool would otherwise pass through int() as a token)."""
+    if isinstance(prompt_ids, str | bytes) or not isinstance(prompt_ids, Seq | np.ndarray):
+        raise ValueError(f"request {request_id!r}: the prompt must be a sequence of int token "
+                         f"ids, got {type(prompt_ids).__name__} {prompt_ids!r:.80}")
+    for t in prompt_ids:
+        if isinstance(t, bool | np.bool_) or not isinstance(t, int | np.integer):
+            raise ValueError(f"request {request_id!r}: token ids must be ints, got "
+                             f"{type(t).__name__} {t!r:.80}")
+    return [int(t) for t in prompt_ids]
 
 
 class Engine:
@@ -208,6 +222,12 @@ class Engine:
         return attention_name(self.config.attention_impl, self.kv)
 
     @property
+    def last_sampled_rows(self) -> tuple[tuple[str, int], ...]:
+        """(sequence id `{request_id}#{sample}`, row of `last_logits`) for each row of the
+        last step that sampled its sequence's next token (top-logprob taps)."""
+        return self.core.last_sampled_rows
+
+    @property
     def num_compiles(self) -> int:
         """Programs compiled so far; flat once every step shape has been seen."""
         return self.runner.num_compiles + self.kv_cache.num_compiles
@@ -242,11 +262,47 @@ class Engine:
     def prefix_cache_stats(self) -> dict:
         return self.kv_cache.prefix_cache_stats()
 
-    def snapshot_outputs(self) -> list[RequestOutput]:
-        """Current outputs of every unfinished request, every token sampled so far included
-        (drains the step in flight)."""
-        self.drain()
-        return self.scheduler.snapshot_outputs()
+    def kv_bytes_moved(self) -> dict[str, int]:
+        """KV bytes moved so far, both ways: 'host' between device and host (the tiers'
+        traffic with tiers on: swaps, prefix-cache spills and loads; else the swap space's),
+        'disk' between host and the disk tier (0 without one)."""
+        if self.tiers is None:
+            return dict(host=self.stats["swap_bytes"], disk=0)
+        t = self.tiers.stats
+        return dict(host=t["bytes_device_to_host"] + t["bytes_host_to_device"],
+                    disk=t["bytes_host_to_disk"] + t["bytes_disk_to_host"])
+
+    def metrics(self) -> dict[str, int]:
+        """Gauges and counters for monitoring (what a server's /metrics exports).
+
+        Gauges: num_running, num_waiting, num_swapped (sequences in each queue), num_pages,
+        num_used_pages (held by a sequence), num_free_pages (allocatable: free, or cached and
+        unreferenced). Counters since the engine was built: steps, prefill_tokens,
+        decode_tokens, preemptions, prefix_queries, prefix_query_tokens, prefix_hit_tokens,
+        host_bytes, disk_bytes (`kv_bytes_moved`), num_compiles.
+        """
+        s, moved = self.stats, self.kv_bytes_moved()
+        return dict(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped), num_pages=self.num_pages,
+            num_used_pages=self.allocator.num_used_pages(),
+            num_free_pages=self.allocator.num_free_pages(), steps=s["steps"],
+            prefill_tokens=s["prefill_tokens"], decode_tokens=s["decode_tokens"],
+            preemptions=s["preemptions"], **self.prefix_cache_stats(),
+            host_bytes=moved["host"], disk_bytes=moved["disk"], num_compiles=self.num_compiles)
+
+    def snapshot_outputs(self, *, drain: bool = True, with_text: bool = True
+                         ) -> list[RequestOutput]:
+        """Current outputs of every unfinished request.
+
+        Args:
+          drain: finish the step in flight first, so every token sampled so far is included;
+            False returns what the host has and leaves the step in flight (streaming).
+          with_text: decode each sample's text (else `text` is None).
+        """
+        if drain:
+            self.drain()
+        return self.scheduler.snapshot_outputs(with_text=with_text)
 
     # ----------------------------------------------------------------------------- KV
 
@@ -306,13 +362,17 @@ class Engine:
             raise ValueError(f"duplicate request_id {request_id!r}")
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
-        prompt = [int(t) for t in prompt_ids]
+        prompt = _token_ids(request_id, prompt_ids)
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the "
+                             f"vocabulary [0, {vocab})")
+        bad = [t for t in sampling.stop_token_ids if not t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: stop token id {bad[0]} is outside the "
                              f"vocabulary [0, {vocab})")
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens does not "
@@ -401,12 +461,18 @@ class Engine:
         """Every greedy step shape this engine can produce: what `warmup` compiles."""
         return self.runner.buckets.step_shapes(logits_mode)
 
-    def warmup(self) -> int:
+    def warmup(self, *, sampling: bool = False) -> int:
         """Compiles every greedy step shape and KV program on padding inputs; returns the
-        compile count. Padded tokens write nothing and padded rows read nothing."""
-        self.runner.warmup(self.model.weights_version)
+        compile count. Padded tokens write nothing and padded rows read nothing. With
+        `sampling`, the sampled variants of each shape too (three times the programs), so
+        temperature, top-k and top-p requests compile nothing either."""
+        self.runner.warmup(self.model.weights_version, sampling=sampling)
+        # Copy-on-write (n > 1 samples, shared partial pages): at most one copy per row.
+        is_paged = self.config.kv_layout is KVLayout.PAGED
         self.kv_cache.warmup(self.block_table_width,
-                             swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE)
+                             swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE,
+                             max_copies=self.config.max_num_seqs + self.config.max_prefill_seqs
+                             if is_paged else 0)
         jax.block_until_ready(self.kv)
         return self.num_compiles
 

@@ -39,6 +39,7 @@ def submit_all(add_request: Callable[[str, Seq[int], SamplingParams], object],
             add_request(request_id, prompt, params)
         except ValueError as e:
             failed[request_id] = RequestOutput(
-                request_id=request_id, prompt_ids=list(prompt), outputs=[], finished=True,
+                request_id=request_id, outputs=[], finished=True,
+                prompt_ids=list(prompt) if isinstance(prompt, Seq) else [],
                 arrival_time=now, error=str(e))
     return ids, failed

@@ -224,10 +224,15 @@ class ModelRunner:
                             logprobs=np.asarray(out.logprobs)[rows], key_scores=key_scores,
                             logits=out.logits)
 
-    def warmup(self, weights_version: str) -> None:
-        """Compiles every greedy step shape on padding inputs (which write and read nothing)."""
+    def warmup(self, weights_version: str, *, sampling: bool = False) -> None:
+        """Compiles every greedy step shape on padding inputs (which write and read nothing);
+        with `sampling`, each shape's sampled variants too (with and without top-k / top-p)."""
         params = self.params[weights_version]
-        for shape in self.buckets.step_shapes():
-            buf = empty_step_input(shape)
-            buf["prev_tokens"] = self._zero_feed
-            _, self.kv = self.programs.step(params, self.kv, buf, shape)
+        variants = [{}] + ([dict(all_greedy=False), dict(all_greedy=False, needs_filter=True)]
+                           if sampling else [])
+        for greedy_shape in self.buckets.step_shapes():
+            for variant in variants:
+                shape = dataclasses.replace(greedy_shape, **variant)
+                buf = empty_step_input(shape)
+                buf["prev_tokens"] = self._zero_feed
+                _, self.kv = self.programs.step(params, self.kv, buf, shape)

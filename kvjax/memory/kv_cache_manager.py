@@ -17,7 +17,7 @@ from kvjax.kv.retention import RetentionManager, SeqLayout
 from kvjax.kv.state import pages_for
 from kvjax.memory.block_manager import AllocStatus, CopyOp
 from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
-from kvjax.shapes import next_power_of_2, pad_repeat_last
+from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last
 
 
 class KVCacheManager:
@@ -409,8 +409,14 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------------------- warm-up
 
-    def warmup(self, block_table_width: int, *, swap: bool) -> None:
-        """Compiles the tier, retention, swap and scrub programs on padding inputs."""
+    def warmup(self, block_table_width: int, *, swap: bool, max_copies: int = 0) -> None:
+        """Compiles the tier, retention, swap and scrub programs on padding inputs, and the
+        copy-on-write programs for up to `max_copies` copies in one step (page 0 onto itself,
+        which changes nothing)."""
+        for n in geometric_buckets(1, next_power_of_2(max_copies), 2) if max_copies else ():
+            pages = np.zeros(n, np.int32)
+            self._apply(KVOp(KVOpKind.WARMUP),
+                        lambda kv, pages=pages: self.device.copy_pages(kv, pages, pages))
         if self.tiers is not None:
             self._apply(KVOp(KVOpKind.WARMUP), self.tiers.warmup)
         self._apply(KVOp(KVOpKind.WARMUP), self.retention.warmup)

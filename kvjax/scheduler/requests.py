@@ -139,11 +139,12 @@ class RequestRegistry:
 
     # ----------------------------------------------------------------------------- outputs
 
-    def output(self, request_id: str, *, finished: bool) -> RequestOutput:
+    def output(self, request_id: str, *, finished: bool, with_text: bool = True
+               ) -> RequestOutput:
         meta = self._request_meta[request_id]
         seqs = sorted((self._seqs[s] for s in self._requests[request_id]),
                       key=lambda s: s.sample_index)
-        tokenizer = self.tokenizer
+        tokenizer = self.tokenizer if with_text else None
         outputs = [CompletionOutput(
             index=s.sample_index, token_ids=list(s.output_ids), logprobs=list(s.logprobs),
             finish_reason=s.finish_reason,
@@ -160,6 +161,7 @@ class RequestRegistry:
             num_cached_prompt_tokens=first.num_cached_prompt_tokens,
             num_preemptions=sum(s.num_preemptions for s in seqs), tenant=meta["tenant"])
 
-    def snapshot_outputs(self) -> list[RequestOutput]:
-        """Current (streaming) outputs of every unfinished request."""
-        return [self.output(r, finished=False) for r in self._requests]
+    def snapshot_outputs(self, *, with_text: bool = True) -> list[RequestOutput]:
+        """Current (streaming) outputs of every unfinished request (`text` None unless
+        `with_text`)."""
+        return [self.output(r, finished=False, with_text=with_text) for r in self._requests]

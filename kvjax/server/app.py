@@ -1,0 +1,209 @@
+"""The FastAPI app and the uvicorn server around an `Engine`.
+
+    app = build_app(engine, ServerConfig(model_name="smollm2"))   # routes, metrics, lifespan
+    serve(engine, config, host="127.0.0.1", port=8000)            # blocks; SIGTERM drains
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. The app's lifespan starts the engine thread and, at shutdown, stops it (live
+requests are aborted, their pages freed). Every error, a malformed body included, is
+OpenAI's error JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvjax.engine.engine import Engine
+from kvjax.server import protocol
+from kvjax.server.async_engine import AsyncEngine
+from kvjax.server.metrics import ServerMetrics
+from kvjax.server.serving import ApiError, OpenAIServing, ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """An app serving `engine` (which must not be stepped by anyone else from now on).
+
+    `app.state` holds `async_engine` (the AsyncEngine), `metrics` (ServerMetrics) and
+    `serving` (OpenAIServing).
+    """
+    if engine.model.tokenizer is None:
+        raise ValueError("the server needs a model with a tokenizer (text in and out)")
+    async_engine = AsyncEngine(engine, max_waiting=config.max_waiting)
+    metrics = ServerMetrics(async_engine, config.model_name)
+    serving = OpenAIServing(async_engine, tokenizer=engine.model.tokenizer,
+                            max_model_len=engine.max_model_len,
+                            vocab_size=engine.model.config.vocab_size, config=config,
+                            metrics=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = FastAPI(title="kvjax", lifespan=lifespan)
+    app.state.async_engine, app.state.metrics, app.state.serving = async_engine, metrics, serving
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        metrics.reject("invalid")
+        return JSONResponse(protocol.validation_error_body(list(e.errors())), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return JSONResponse(protocol.error_body(str(e.detail), type="invalid_request_error"),
+                            status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s", request.url.path)
+        return JSONResponse(protocol.error_body(f"internal error: {e!r}", type="server_error"),
+                            status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(body: protocol.CompletionRequest, raw: Request) -> Response:
+        return await _counted(metrics, serving.completions(body, raw))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: protocol.ChatCompletionRequest, raw: Request) -> Response:
+        return await _counted(metrics, serving.chat(body, raw))
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return serving.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.error is not None:
+            return JSONResponse(protocol.error_body(f"the engine failed: {async_engine.error!r}",
+                                                    type="server_error"), status_code=503)
+        if not async_engine.is_admitting:
+            return JSONResponse(protocol.error_body("the server is draining",
+                                                    type="server_error"), status_code=503)
+        return JSONResponse({})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _counted(metrics: ServerMetrics, handler) -> Response:
+    try:
+        return await handler
+    except ApiError as e:
+        if e.status in (400, 404):
+            metrics.reject("invalid")
+        raise
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with SIGTERM / SIGINT draining instead of dying.
+
+    On the signal the engine stops admitting (new requests get 503), uvicorn stops
+    accepting connections and waits up to `timeout_graceful_shutdown` for in-flight
+    responses, then the lifespan stops the engine. Unlike uvicorn's own handler, the signal
+    is not raised again afterwards, so the process exits 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine):
+        super().__init__(config)
+        self.async_engine = async_engine
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.async_engine.stop_admitting()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+class BackgroundServer:
+    """A server on a thread of its own (notebooks, tests): `with BackgroundServer(...) as s:`.
+
+    Attributes:
+      app: the FastAPI app (its `state` holds the AsyncEngine and metrics).
+      server: the DrainingServer; `shutdown()` asks it to drain and waits for it.
+      base_url: http://host:port, the port picked by the OS when 0 was asked for.
+    """
+
+    def __init__(self, engine: Engine, config: ServerConfig, *, host: str = "127.0.0.1",
+                 port: int = 0, log_level: str = "warning"):
+        self.app = build_app(engine, config)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        host, port = self._socket.getsockname()[:2]
+        self.base_url = f"http://{host}:{port}"
+        uv_config = uvicorn.Config(self.app, log_level=log_level, lifespan="on",
+                                   timeout_graceful_shutdown=config.drain_timeout_s)
+        self.server = DrainingServer(uv_config, self.app.state.async_engine)
+        self._thread = threading.Thread(target=self.server.run,
+                                        kwargs=dict(sockets=[self._socket]),
+                                        name="kvjax-http", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def shutdown(self) -> None:
+        """Drains as SIGTERM would (bounded by the drain timeout) and waits for the thread."""
+        self.server.handle_exit(signal.SIGTERM, None)
+        self._thread.join()
+        self._socket.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def serve(engine: Engine, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> None:
+    """Serves `engine` over HTTP until SIGTERM or SIGINT (then drains and returns)."""
+    app = build_app(engine, config)
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                               timeout_graceful_shutdown=config.drain_timeout_s)
+    DrainingServer(uv_config, app.state.async_engine).run()

@@ -1,0 +1,154 @@
+"""From the engine's cumulative token ids to what a client sees: text, stop strings, logprobs.
+
+A `SampleDecoder` follows one sample. It detokenizes incrementally (text is released only
+once it decodes to whole characters), ends the sample at the first stop string (the string
+and what follows are cut) or stop token id (its text is left out), and holds back the last
+`len(longest stop) - 1` characters while the sample runs, so streamed text never shows a
+stop string that the final text cuts. Streaming and non-streaming responses are assembled
+from the same deltas, so their texts are equal by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from kvjax.engine.request import CompletionOutput, FinishReason
+
+# OpenAI's finish reasons; an abort (client gone, server stopping) is vLLM's "abort".
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+                  FinishReason.ABORT: "abort", FinishReason.ERROR: "error"}
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, one token at a time.
+
+    Decodes a short window (from the last released boundary) rather than the whole
+    sequence, and releases text only when it does not end in an incomplete character
+    ("\\ufffd"), the approach of Hugging Face's text-generation-inference.
+    """
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # the window's start
+        self._read = 0  # tokens before this have been released
+
+    def add(self, token_id: int) -> str:
+        """Appends a token; returns the text it completes (possibly '')."""
+        self._ids.append(token_id)
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        text = self._tokenizer.decode(self._ids[self._prefix:])
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the end), released."""
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        text = self._tokenizer.decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return text[len(prefix_text):]
+
+
+@dataclasses.dataclass
+class SampleDelta:
+    """What one update adds to a sample.
+
+    Attributes:
+      index: the sample's index in the request.
+      text: newly released text.
+      token_ids, logprobs: the new tokens kept (up to the one that completed a stop).
+      top_logprobs: per new token {token id: logprob}, or None when not asked for.
+      text_offsets: where each new token's text starts in the sample's text.
+      finish_reason: OpenAI's reason when the sample ended with this update, else None.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None
+    text_offsets: list[int]
+    finish_reason: str | None = None
+
+
+class SampleDecoder:
+    """One sample's text and tokens as the client sees them (see the module docstring).
+
+    Attributes:
+      index: the sample's index in its request.
+      token_ids, logprobs: the tokens kept so far.
+      text: the text so far (stop strings cut; held-back characters included).
+      finish_reason: OpenAI's finish reason once done, else None.
+    """
+
+    def __init__(self, tokenizer, index: int, *, stop: list[str],
+                 stop_token_ids: tuple[int, ...]):
+        self.index = index
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._stop_token_ids = set(stop_token_ids)
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""
+        self._released = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, sample: CompletionOutput, top: list[dict[int, float]] | None,
+               is_final: bool) -> SampleDelta | None:
+        """Takes the sample's cumulative output; returns what it adds (None: nothing new)."""
+        if self.is_done:
+            return None
+        start = len(self.token_ids)
+        offsets = []
+        for i in range(start, len(sample.token_ids)):
+            token = sample.token_ids[i]
+            self.token_ids.append(token)
+            self.logprobs.append(sample.logprobs[i])
+            offsets.append(len(self.text))
+            if token in self._stop_token_ids:
+                self.finish_reason = "stop"  # The engine stops here too; no text for it.
+                break
+            if self._append(self._detokenizer.add(token)):
+                break
+        if not self.is_done and is_final:
+            self._append(self._detokenizer.flush())
+            if not self.is_done:
+                self.finish_reason = FINISH_REASONS[sample.finish_reason or FinishReason.ABORT]
+        end = len(self.text) if self.is_done else max(self._released,
+                                                      len(self.text) - self._holdback)
+        text, self._released = self.text[self._released:end], end
+        new = slice(start, len(self.token_ids))
+        if not text and new.start == new.stop and not self.is_done:
+            return None
+        return SampleDelta(
+            index=self.index, text=text, token_ids=self.token_ids[new],
+            logprobs=self.logprobs[new], top_logprobs=None if top is None else top[new],
+            text_offsets=offsets, finish_reason=self.finish_reason)
+
+    def _append(self, piece: str) -> bool:
+        """Adds text; True when a stop string ended the sample (the text is cut there)."""
+        if not piece:
+            return False
+        begin = max(0, len(self.text) - self._holdback)
+        self.text += piece
+        found = [i for i in (self.text.find(s, begin) for s in self._stop) if i >= 0]
+        if not found:
+            return False
+        self.text = self.text[:min(found)]
+        self.finish_reason = "stop"
+        return True
+
+
+@functools.lru_cache(maxsize=8)
+def token_strings(tokenizer) -> functools._lru_cache_wrapper:
+    """A cached id -> text of that one token (special tokens spelled out) for `tokenizer`."""
+    return functools.lru_cache(maxsize=65536)(
+        lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))

@@ -1,0 +1,199 @@
+"""The OpenAI wire format: request bodies (validated strictly), responses, stream chunks, errors.
+
+Request models forbid unknown fields and coerce nothing (a string is never read as a number,
+a bool never as an int), so every malformed body fails validation with the field's path.
+Extensions beyond OpenAI's schema follow vLLM's names: `top_k`, `stop_token_ids`,
+`ignore_eos`, `return_tokens_as_token_ids`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import Field
+
+# OpenAI allows up to 20 top logprobs in chat (`top_logprobs`) and 5 in completions
+# (`logprobs`); vLLM allows 20 in both, as here.
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class _Strict(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False  # a last chunk carries the usage, with no choices
+
+
+class _SamplingFields(_Strict):
+    """Fields completions and chat share."""
+
+    model: str | None = None  # None: the served model
+    temperature: float | None = Field(None, ge=0.0)  # None: OpenAI's default, 1.0
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    n: int = Field(1, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # becomes the request's tenant (unless an X-Tenant header is sent)
+    # Accepted at their neutral values only: the engine has no penalties.
+    presence_penalty: Literal[0, 0.0] | None = None
+    frequency_penalty: Literal[0, 0.0] | None = None
+    return_tokens_as_token_ids: bool = False  # logprob tokens spelled "token_id:<id>"
+
+    @pydantic.field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value):
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[
+        list[TokenIds], Field(min_length=1)]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # top-N per token
+    echo: Literal[False] = False
+
+    @pydantic.field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        """One message for any wrong shape, instead of one per member of the union."""
+        def is_ids(x):
+            return isinstance(x, list) and all(type(t) is int for t in x)
+
+        if isinstance(value, str) or is_ids(value) or (isinstance(value, list) and value and (
+                all(isinstance(p, str) for p in value) or all(is_ids(p) for p in value))):
+            return value
+        raise ValueError("must be a string, a list of int token ids, a list of strings or a "
+                         "list of lists of int token ids")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)  # None: up to the context length
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @pydantic.model_validator(mode="after")
+    def _check(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts prefix-cache hits."""
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+                prompt_tokens_details=dict(cached_tokens=cached_tokens))
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": dict(message=message, type=type, param=param, code=code)}
+
+
+def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error JSON for pydantic's errors: names the first failing field, its value and
+    the problem."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        problem = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return error_body(f"the request body is not valid JSON: {problem} (at character "
+                          f"{first.get('loc', ('', '?'))[-1]})")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # The top-level field; the full location (union members included) goes in the message.
+    param = loc[0] if loc else None
+    shown = repr(first.get("input"))
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    where = ".".join(loc) if loc else "the request body"
+    message = f"{where}: {first.get('msg', 'invalid value')} (got {shown})"
+    if len(errors) > 1:
+        message += f"; and {len(errors) - 1} more problem(s)"
+    return error_body(message, param=param)

@@ -1,0 +1,436 @@
+"""The OpenAI endpoints' logic: a validated body in, engine requests out, a response back.
+
+`OpenAIServing` turns a completion or chat body into one `EngineRequest` per prompt
+(n samples each), submits them to the `AsyncEngine`, and answers with one JSON body or a
+server-sent event stream in OpenAI's chunk format. Every refusal is an `ApiError` carrying
+OpenAI's error JSON: 400 for a bad value (naming the field), 404 for an unknown model, 429
+with Retry-After beyond the waiting-queue bound, 503 while draining. A client that
+disconnects has its requests aborted at once, which frees their KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvjax.engine.request import RequestOutput
+from kvjax.sampling import SamplingParams
+from kvjax.server import protocol
+from kvjax.server.async_engine import (
+    AsyncEngine,
+    EngineRequest,
+    NotAdmitting,
+    QueueFull,
+    RequestStream,
+)
+from kvjax.server.metrics import ServerMetrics
+from kvjax.server.output import SampleDecoder, SampleDelta, token_strings
+
+TENANT_HEADER = "x-tenant"
+PRIORITY_HEADER = "x-priority"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """How the server admits and answers requests.
+
+    Attributes:
+      model_name: the id clients send as `model` (and /v1/models lists).
+      max_waiting: most requests accepted without an output token yet; beyond it, 429.
+      retry_after_s: the Retry-After header of a 429.
+      drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
+    """
+
+    model_name: str
+    max_waiting: int = 128
+    retry_after_s: int = 1
+    drain_timeout_s: float = 30.0
+
+
+class ApiError(Exception):
+    """A refusal with OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = protocol.error_body(message, type=type, param=param, code=code)
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+def _engine_error_param(message: str, n: int) -> str | None:
+    """Which request field an engine refusal is about (its message names the value)."""
+    if "KV pages" in message:
+        return "n" if n > 1 else "max_tokens"
+    if "token id" in message or "prompt" in message:
+        return "prompt"
+    return None
+
+
+class _Generation:
+    """One engine request of an API request: its stream and one decoder per sample."""
+
+    def __init__(self, engine: AsyncEngine, request: EngineRequest, stream: RequestStream,
+                 decoders: list[SampleDecoder], choice_offset: int):
+        self.engine = engine
+        self.request = request
+        self.stream = stream
+        self.decoders = decoders
+        self.choice_offset = choice_offset
+        self.last: RequestOutput | None = None
+        self.is_finished = False
+
+    async def deltas(self) -> AsyncIterator[list[SampleDelta]]:
+        """The samples' deltas, one list per engine update, until every sample is done."""
+        while not self.is_finished:
+            update = await self.stream.next()
+            out, top = update.output, update.top_logprobs
+            self.last = out
+            deltas = [d for d in (
+                self.decoders[s.index].update(s, None if top is None else top[s.index],
+                                              out.finished)
+                for s in out.outputs) if d is not None]
+            for d in deltas:
+                d.index += self.choice_offset
+            if out.finished:
+                self.is_finished = True
+            elif len(out.outputs) == len(self.decoders) and all(
+                    d.is_done for d in self.decoders):
+                self.abort()  # Every sample met a stop string; the engine need not go on.
+            if deltas:
+                yield deltas
+
+    def abort(self) -> None:
+        if not self.is_finished:
+            self.is_finished = True
+            self.engine.abort(self.request.request_id)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(d.token_ids) for d in self.decoders)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.last.num_cached_prompt_tokens if self.last is not None else 0
+
+
+async def _merged(generations: Sequence[_Generation]
+                  ) -> AsyncIterator[list[SampleDelta]]:
+    """The deltas of several generations, as they come."""
+    if len(generations) == 1:
+        async for deltas in generations[0].deltas():
+            yield deltas
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(generation: _Generation) -> None:
+        try:
+            async for deltas in generation.deltas():
+                await queue.put(deltas)
+            await queue.put(None)
+        except BaseException as e:  # Handed to the consumer, which re-raises it.
+            await queue.put(e)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in generations]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    """Returns when the client goes away (the body has been read, so the next ASGI message
+    is the disconnect)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    """The endpoints over one `AsyncEngine`.
+
+    Attributes:
+      engine: the AsyncEngine requests go to.
+      tokenizer: the model's tokenizer (text prompts, chat template, output text).
+      max_model_len: the engine's context length (prompt + output).
+      vocab_size: token ids must be below it.
+      config: the ServerConfig.
+      metrics: the ServerMetrics refusals are counted in.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, tokenizer, max_model_len: int, vocab_size: int,
+                 config: ServerConfig, metrics: ServerMetrics):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.config = config
+        self.metrics = metrics
+        self._token_text = token_strings(tokenizer)
+
+    # ----------------------------------------------------------------------------- endpoints
+
+    async def completions(self, body: protocol.CompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        prompts = [self._encode_text(p) if isinstance(p, str) else list(p)
+                   for p in body.prompts]
+        return await self._serve(body, raw, prompts, max_tokens=body.max_tokens, chat=False,
+                                 prompt_field="prompt")
+
+    async def chat(self, body: protocol.ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        if self.tokenizer.chat_template is None:
+            raise ApiError(400, "this model has no chat template; use /v1/completions",
+                           param="messages")
+        messages = [dict(role=m.role, content=m.text) for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt)
+        except jinja2.TemplateError as e:
+            raise ApiError(400, f"messages: the chat template refused them: {e}",
+                           param="messages") from None
+        return await self._serve(body, raw, [self.tokenizer.encode(text)],
+                                 max_tokens=body.max_new_tokens, chat=True,
+                                 prompt_field="messages")
+
+    def models(self) -> dict[str, Any]:
+        return dict(object="list", data=[dict(
+            id=self.config.model_name, object="model", created=protocol.now(),
+            owned_by="kvjax", max_model_len=self.max_model_len)])
+
+    # ----------------------------------------------------------------------------- requests
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                           f"`{self.config.model_name}`", param="model", code="model_not_found")
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def _check_prompt(self, ids: list[int], max_tokens: int | None, field: str) -> int:
+        """Checks one prompt against the vocabulary and context; returns its max_new_tokens."""
+        if not ids:
+            raise ApiError(400, f"{field}: the prompt is empty", param=field)
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"{field}: token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.vocab_size})", param=field)
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ApiError(400, f"{field}: the prompt has {len(ids)} tokens; this model's "
+                           f"context length is {self.max_model_len} and at least one token "
+                           f"must be generated", param=field)
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise ApiError(400, f"max_tokens: {max_tokens} tokens after a prompt of {len(ids)} "
+                           f"exceed this model's context length of {self.max_model_len}",
+                           param="max_tokens")
+        return max_tokens
+
+    def _identity(self, body, raw: Request) -> tuple[str | None, int]:
+        tenant = raw.headers.get(TENANT_HEADER) or body.user or None
+        priority = raw.headers.get(PRIORITY_HEADER)
+        if priority is None:
+            return tenant, 0
+        try:
+            value = int(priority)
+        except ValueError:
+            value = None
+        if value is None or not -2**31 <= value < 2**31:
+            raise ApiError(400, f"header X-Priority must be an int32, got {priority!r}",
+                           param="X-Priority")
+        return tenant, value
+
+    def _sampling(self, body, max_new_tokens: int) -> SamplingParams:
+        bad = [t for t in body.stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.vocab_size})", param="stop_token_ids")
+        try:
+            return SamplingParams(
+                max_new_tokens=max_new_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p,
+                seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
+                ignore_eos=body.ignore_eos, n=body.n)
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]  # SamplingParams names its field first.
+            field = {"max_new_tokens": "max_tokens"}.get(field, field)
+            raise ApiError(400, f"{field}: {e}", param=field) from None
+
+    async def _serve(self, body, raw: Request, prompts: list[list[int]], *,
+                     max_tokens: int | None, chat: bool, prompt_field: str) -> Response:
+        tenant, priority = self._identity(body, raw)
+        api_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        arrival = self.engine.clock()
+        requests = []
+        for i, ids in enumerate(prompts):
+            max_new = self._check_prompt(ids, max_tokens, prompt_field)
+            requests.append(EngineRequest(
+                request_id=f"{api_id}-{i}", prompt_ids=ids, sampling=self._sampling(body, max_new),
+                tenant=tenant, priority=priority, num_top_logprobs=body.num_top_logprobs,
+                arrival_time=arrival))
+        generations = await self._submit(requests, body)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(
+                self._sse(api_id, generations, chat, body, include_usage),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._complete(api_id, generations, chat, body, raw)
+
+    async def _submit(self, requests: list[EngineRequest], body) -> list[_Generation]:
+        try:
+            streams = self.engine.submit(requests, asyncio.get_running_loop())
+        except QueueFull as e:
+            self.metrics.reject("queue_full")
+            raise ApiError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
+                           code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        except NotAdmitting as e:
+            self.metrics.reject("not_admitting")
+            raise ApiError(503, str(e), type="server_error", code="service_unavailable") from None
+        generations = []
+        for i, (request, stream) in enumerate(zip(requests, streams, strict=True)):
+            decoders = [SampleDecoder(self.tokenizer, j, stop=body.stop_strings,
+                                      stop_token_ids=request.sampling.stop_token_ids)
+                        for j in range(body.n)]
+            generations.append(_Generation(self.engine, request, stream, decoders, i * body.n))
+        refusal = None
+        for generation in generations:
+            try:
+                await generation.stream.accepted
+            except ValueError as e:
+                generation.is_finished = True
+                refusal = refusal or e
+        if refusal is not None:
+            for generation in generations:
+                generation.abort()
+            raise ApiError(400, str(refusal), param=_engine_error_param(str(refusal), body.n))
+        return generations
+
+    # ----------------------------------------------------------------------------- responses
+
+    def _logprobs(self, body, chat: bool, deltas: Sequence[SampleDelta]) -> dict | None:
+        """The logprobs object of one choice over `deltas` (one sample's, in order)."""
+        if not body.wants_logprobs:
+            return None
+        spell = (lambda t: f"token_id:{t}") if body.return_tokens_as_token_ids else \
+            self._token_text
+        ids = [t for d in deltas for t in d.token_ids]
+        lps = [lp for d in deltas for lp in d.logprobs]
+        tops = [t for d in deltas for t in (d.top_logprobs or [{}] * len(d.token_ids))]
+        if chat:
+            def entry(token, logprob):
+                text = spell(token)
+                return dict(token=text, logprob=logprob, bytes=list(text.encode()))
+
+            return dict(content=[dict(entry(t, lp), top_logprobs=[
+                entry(k, v) for k, v in top.items()]) for t, lp, top in zip(ids, lps, tops,
+                                                                           strict=True)])
+        return dict(tokens=[spell(t) for t in ids], token_logprobs=lps,
+                    top_logprobs=[{spell(k): v for k, v in top.items()} for top in tops]
+                    if body.num_top_logprobs else None,
+                    text_offset=[o for d in deltas for o in d.text_offsets])
+
+    def _usage(self, generations: Sequence[_Generation]) -> dict[str, Any]:
+        return protocol.usage(sum(g.num_prompt_tokens for g in generations),
+                              sum(g.num_completion_tokens for g in generations),
+                              sum(g.num_cached_tokens for g in generations))
+
+    async def _complete(self, api_id: str, generations: list[_Generation], chat: bool, body,
+                        raw: Request) -> Response:
+        per_choice: dict[int, list[SampleDelta]] = {}
+
+        async def collect() -> None:
+            async for deltas in _merged(generations):
+                for d in deltas:
+                    per_choice.setdefault(d.index, []).append(d)
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+            for generation in generations:
+                generation.abort()
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)  # The client is gone; nobody reads this.
+        work.result()  # An engine failure surfaces here.
+        choices = []
+        for index in sorted(per_choice):
+            deltas = per_choice[index]
+            text = "".join(d.text for d in deltas)
+            choice = dict(index=index, logprobs=self._logprobs(body, chat, deltas),
+                          finish_reason=deltas[-1].finish_reason)
+            if chat:
+                choice["message"] = dict(role="assistant", content=text)
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return JSONResponse(dict(
+            id=api_id, object="chat.completion" if chat else "text_completion",
+            created=protocol.now(), model=self.config.model_name, choices=choices,
+            usage=self._usage(generations)))
+
+    async def _sse(self, api_id: str, generations: list[_Generation], chat: bool, body,
+                   include_usage: bool) -> AsyncIterator[str]:
+        created = protocol.now()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict], **extra) -> str:
+            chunk = dict(id=api_id, object=kind, created=created,
+                         model=self.config.model_name, choices=choices, **extra)
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        try:
+            if chat:
+                yield event([dict(index=i, delta=dict(role="assistant", content=""),
+                                  logprobs=None, finish_reason=None)
+                             for i in range(len(generations) * body.n)])
+            async for deltas in _merged(generations):
+                choices = []
+                for d in deltas:
+                    choice = dict(index=d.index, logprobs=self._logprobs(body, chat, [d]),
+                                  finish_reason=d.finish_reason)
+                    if chat:
+                        choice["delta"] = dict(content=d.text) if d.text or d.token_ids else {}
+                    else:
+                        choice["text"] = d.text
+                    choices.append(choice)
+                yield event(choices)
+            if include_usage:
+                yield event([], usage=self._usage(generations))
+        except Exception as e:  # Headers are sent: the error goes in the stream.
+            yield f"data: {json.dumps(protocol.error_body(str(e), type='server_error'))}\n\n"
+        finally:
+            for generation in generations:
+                generation.abort()
+        yield "data: [DONE]\n\n"

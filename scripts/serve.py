@@ -1,0 +1,85 @@
+"""Serve a model over an OpenAI-compatible HTTP API (kvjax.server).
+
+  python scripts/serve.py                                   # embedded SmolLM2, 127.0.0.1:8000
+  python scripts/serve.py --config=configs/serve_tiers.py --port 8080
+  python scripts/serve.py --model path/to/hf_dir --max_num_seqs 16 --page_size 32
+
+--config is a serve_bench config file (its model, engine, kv and tiers sections; the workload
+is not used); any field can be overridden as --config.engine.page_size=32, and the common
+engine fields have flags of their own. SIGTERM or Ctrl-C stops admitting, lets in-flight
+requests finish for up to --drain_timeout_s, then exits 0.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import kvjax
+from kvjax.bench import runner
+from kvjax.server import ServerConfig, serve
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", "configs/serve_demo.py",
+                                "Engine / KV config file (configs/serve_*.py).",
+                                lock_config=True)
+flags.DEFINE_string("model", None, "Embedded model (default), a Hugging Face directory or a "
+                    ".gguf; None: the config's model.name.")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
+                  "Weights and compute dtype; None: the config's model.dtype.")
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+flags.DEFINE_integer("port", 8000, "Port to listen on.")
+flags.DEFINE_string("served_model_name", None, "The model id clients send; None: the model's "
+                    "name.")
+flags.DEFINE_integer("max_waiting_requests", 128, "Requests accepted without a first token "
+                     "yet; beyond it requests get 429 with Retry-After.")
+flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, how long in-flight requests may run.")
+flags.DEFINE_bool("warmup", True, "Compile every greedy step shape before serving.")
+flags.DEFINE_bool("warmup_sampling", False, "Also compile the sampled variants (temperature "
+                  "> 0, top-k / top-p; OpenAI's default temperature is 1), three times the "
+                  "programs; otherwise the first sampled requests compile them.")
+flags.DEFINE_string("log_level", "info", "uvicorn's log level.")
+# Common engine fields; None keeps the config's value.
+flags.DEFINE_integer("page_size", None, "Tokens per KV page.")
+flags.DEFINE_integer("max_num_seqs", None, "Most sequences running at once.")
+flags.DEFINE_integer("max_num_batched_tokens", None, "Per-step token budget.")
+flags.DEFINE_integer("max_prefill_chunk", None, "Longest prefill chunk per sequence and step.")
+flags.DEFINE_integer("max_model_len", None, "Context length (prompt + output).")
+flags.DEFINE_float("kv_budget_mb", None, "Device KV pool size in MiB.")
+flags.DEFINE_string("scheduler_policy", None, "fcfs, priority, lpm or fair.")
+flags.DEFINE_string("preemption_mode", None, "recompute, swap or auto.")
+flags.DEFINE_bool("enable_prefix_cache", None, "Share full prompt pages across requests.")
+flags.DEFINE_string("kv_codec", None, "KV codec: none, int8, int4, fp8_e4m3, kivi4, ...")
+
+_ENGINE_FLAGS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
+                 "max_model_len", "kv_budget_mb", "scheduler_policy", "preemption_mode",
+                 "enable_prefix_cache")
+
+
+def config_from_flags():
+    """The config file with the engine flags (and --model / --dtype) applied."""
+    overrides = {f"engine.{name}": FLAGS[name].value for name in _ENGINE_FLAGS
+                 if FLAGS[name].value is not None}
+    for field, value in (("kv.codec", FLAGS.kv_codec), ("model.name", FLAGS.model),
+                         ("model.dtype", FLAGS.dtype)):
+        if value is not None:
+            overrides[field] = value
+    return runner.apply_overrides(FLAGS.config, {"name": FLAGS.config.name, **overrides})
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = config_from_flags()
+    model = kvjax.load_model(config.model.name, dtype=config.model.dtype)
+    engine = kvjax.Engine(model, runner.engine_config_from(config))
+    if FLAGS.warmup:
+        print(f"warming up: {engine.warmup(sampling=FLAGS.warmup_sampling)} programs compiled")
+    name = FLAGS.served_model_name or config.model.name
+    serve(engine, ServerConfig(model_name=name, max_waiting=FLAGS.max_waiting_requests,
+                               drain_timeout_s=FLAGS.drain_timeout_s),
+          host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,456 @@
+"""The HTTP server driven by real clients (the official `openai` client, httpx) on loopback.
+
+One server on the tiny model (with `tiny_tokenizer`, so text, chat and streaming run) is
+shared by the module. Oracles: `greedy_reference` and the dense forward pass (cache-free) for
+tokens, text and logprobs; the tokenizer's own decode for text; Prometheus's text parser for
+/metrics. Only greedy requests run here (sampled ones compile other step programs; they are
+in test_server_slow.py).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvjax import Engine, EngineConfig
+from kvjax.engine.runner import StepObserver
+from kvjax.server import BackgroundServer, ServerConfig
+from kvjax.testing import dense_logprobs, greedy_reference, tiny_chat_model
+
+MODEL_NAME = "tiny"
+MAX_WAITING = 8
+EOS = 127
+# One prefill chunk size and at most 4 rows: 6 step shapes to compile.
+CONFIG = EngineConfig(page_size=8, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64,
+                      max_prefill_chunk=32, min_chunk_bucket=32, max_prefill_seqs=1)
+
+
+class _SlowSteps(StepObserver):
+    """Makes every step take a little longer, so a request is still running when a test
+    acts on it (disconnects, drains)."""
+
+    def before_step(self, shape, host_input):
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_chat_model()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    engine = Engine(model, CONFIG)
+    engine.warmup()
+    config = ServerConfig(model_name=MODEL_NAME, max_waiting=MAX_WAITING, drain_timeout_s=10)
+    with BackgroundServer(engine, config) as s:
+        s.engine = engine
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+def reference(model, prompt_ids, max_tokens):
+    tokens = greedy_reference(model, prompt_ids, max_tokens, stop=(EOS,))
+    return tokens, model.tokenizer.decode(tokens)
+
+
+def reference_logprobs(model, prompt_ids, tokens):
+    """log p(token_i | prompt, tokens_<i) and the rows they come from, from the dense pass."""
+    rows = dense_logprobs(model, list(prompt_ids) + list(tokens))[len(prompt_ids) - 1:-1]
+    return rows[np.arange(len(tokens)), tokens], rows  # [len(tokens)], [len(tokens), V]
+
+
+def scrape(http) -> dict[str, float]:
+    """/metrics as {sample name + sorted labels: value}, through Prometheus's own parser."""
+    samples = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k != "model_name")
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+PROMPTS = [[5, 9, 20, 33, 40], [70, 3, 3, 12], list(range(10, 40))]
+
+
+def test_completions_equal_the_cache_free_reference(model, client):
+    got = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=12,
+                                    temperature=0, logprobs=0,
+                                    extra_body=dict(return_tokens_as_token_ids=True))
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    num_completion = 0
+    for prompt, choice in zip(PROMPTS, got.choices, strict=True):
+        tokens, text = reference(model, prompt, 12)
+        assert choice.text == text
+        assert choice.logprobs.tokens == [f"token_id:{t}" for t in tokens]
+        expected, _ = reference_logprobs(model, prompt, tokens)
+        np.testing.assert_allclose(choice.logprobs.token_logprobs, expected, atol=2e-4)
+        assert choice.finish_reason == ("stop" if tokens[-1] == EOS else "length")
+        num_completion += len(tokens)
+    assert got.usage.prompt_tokens == sum(map(len, PROMPTS))
+    assert got.usage.completion_tokens == num_completion
+
+
+def test_text_prompt_and_chat_follow_the_tokenizer_and_template(model, client):
+    tokenizer = model.tokenizer
+    got = client.completions.create(model=MODEL_NAME, prompt="Hello, kvjax!", max_tokens=10,
+                                    temperature=0)
+    assert got.choices[0].text == reference(model, tokenizer.encode("Hello, kvjax!"), 10)[1]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10,
+                                          temperature=0)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == reference(model, prompt, 10)[1]
+    assert chat.usage.prompt_tokens == len(prompt)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_streamed_chunks_concatenate_to_the_full_response(client, chat):
+    kwargs = dict(model=MODEL_NAME, max_tokens=20, temperature=0, n=2, stop=["!", "xy"])
+    if chat:
+        create, kwargs["messages"] = client.chat.completions.create, [
+            {"role": "user", "content": "Tell me."}]
+    else:
+        create, kwargs["prompt"] = client.completions.create, [1, 50, 60, 70]
+    full = create(**kwargs)
+    chunks = list(create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    texts, reasons = ["", ""], [None, None]
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] += (c.delta.content or "") if chat else c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    want = [c.message.content if chat else c.text for c in full.choices]
+    assert texts == want and want[0] == want[1]  # n = 2 greedy samples agree
+    assert reasons == [c.finish_reason for c in full.choices]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_stop_strings_and_stop_token_ids_end_the_text(model, client):
+    prompt = [5, 9, 20, 33, 40]
+    tokens, text = reference(model, prompt, 24)
+    stop = text[6:8]
+    cut = text[:text.find(stop)]
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
+                                        temperature=0, stop=[stop], stream=stream)
+        if stream:
+            chunks = list(got)
+            assert "".join(c.choices[0].text for c in chunks) == cut
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        else:
+            assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+    stop_id = tokens[4]
+    first = tokens.index(stop_id)
+    got = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
+                                    temperature=0, extra_body=dict(stop_token_ids=[stop_id]))
+    assert got.choices[0].text == model.tokenizer.decode(tokens[:first])
+    assert got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens == first + 1  # the stop token counts, its text is left out
+
+
+def test_top_logprobs_rank_the_models_distribution(model, client):
+    messages = [{"role": "user", "content": "Hi"}]
+    got = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    tokenizer = model.tokenizer
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    tokens, _ = reference(model, prompt, 6)
+    expected, rows = reference_logprobs(model, prompt, tokens)
+    content = got.choices[0].logprobs.content
+    assert len(content) == len(tokens)
+    for entry, token, logprob, row in zip(content, tokens, expected, rows, strict=True):
+        assert entry.token == tokenizer.decode([token], skip_special_tokens=False)
+        assert entry.logprob == pytest.approx(logprob, abs=2e-4)
+        top3 = np.argsort(-row)[:3]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(row[top3], abs=2e-4)
+        assert entry.top_logprobs[0].token == entry.token  # greedy takes the top token
+
+
+def test_bad_requests_get_400_naming_the_field_while_others_are_served(model, server, http):
+    good_prompt = [7, 8, 9]
+    result = {}
+
+    def good():
+        result["body"] = http.post("/v1/completions", json=dict(
+            prompt=good_prompt, max_tokens=40, temperature=0)).json()
+
+    worker = threading.Thread(target=good)
+    worker.start()
+    bad = [
+        ("/v1/completions", dict(prompt=[1, 2], max_tokens="8"), "max_tokens"),
+        ("/v1/completions", dict(prompt=[1, 2.5]), "prompt"),
+        ("/v1/completions", dict(prompt=[1, True]), "prompt"),
+        ("/v1/completions", dict(prompt=None), "prompt"),
+        ("/v1/completions", dict(prompt=[[1, [2]]]), "prompt"),
+        ("/v1/completions", dict(prompt=[1, 500]), "prompt"),
+        ("/v1/completions", dict(prompt=list(range(1, 120)) * 3), "prompt"),
+        ("/v1/completions", dict(prompt=[1, 2], max_tokens=300), "max_tokens"),
+        ("/v1/completions", dict(prompt=[1, 2], temperature=-1), "temperature"),
+        ("/v1/completions", dict(prompt=[1, 2], top_p=0), "top_p"),
+        ("/v1/completions", dict(prompt=[1, 2], stop_token_ids=[128]), "stop_token_ids"),
+        ("/v1/completions", dict(prompt=[1, 2], n=50, max_tokens=200), "n"),
+        ("/v1/completions", dict(prompt=[1, 2], bogus=1), "bogus"),
+        ("/v1/chat/completions", dict(messages=[]), "messages"),
+        ("/v1/chat/completions", dict(), "messages"),
+        ("/v1/chat/completions", dict(messages=[dict(role="robot", content="x")]), "messages"),
+        ("/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
+                                      top_logprobs=2), None),
+    ]
+    for path, body, param in bad:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"]
+        assert error["param"] == param, (body, error)
+    r = http.post("/v1/completions", content=b'{"prompt": [1, 2], "temperature": Infinity}',
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = http.post("/v1/completions", content=b"{not json", headers={
+        "content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json=dict(model="gpt-9", prompt=[1]))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = http.post("/v1/completions", json=dict(prompt=[1]), headers={"X-Priority": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Priority"
+    worker.join()
+    assert result["body"]["choices"][0]["text"] == reference(model, good_prompt, 40)[1]
+    assert http.get("/health").status_code == 200
+
+
+def test_beyond_the_waiting_bound_requests_get_429_with_retry_after(client, http):
+    r = http.post("/v1/completions", json=dict(prompt=[[1, 2]] * (MAX_WAITING + 1),
+                                               max_tokens=2))
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL_NAME, prompt=[[1, 2]] * (MAX_WAITING + 1),
+                                  max_tokens=2)
+    ok = client.completions.create(model=MODEL_NAME, prompt=[[1, 2]] * MAX_WAITING,
+                                   max_tokens=2, temperature=0)
+    assert len(ok.choices) == MAX_WAITING
+    assert scrape(http)["kvjax:num_requests_rejected_total{reason=queue_full}"] >= 2
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "blocking"])
+def test_a_client_that_disconnects_is_aborted_and_its_pages_freed(model, server, http, stream):
+    slow = _SlowSteps()
+    server.engine.add_step_observer(slow)
+    aborts = scrape(http).get("kvjax:request_success_total{finished_reason=abort}", 0)
+    body = dict(prompt=[3, 4, 5], max_tokens=240, temperature=0, ignore_eos=True,
+                stream=stream)
+    try:
+        if stream:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                next(r.iter_lines())
+                assert scrape(http)["kvjax:kv_cache_pages_used"] > 0
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=body, timeout=0.5)
+        assert wait_for(lambda: scrape(http)["kvjax:kv_cache_pages_used"] == 0, 5.0)
+    finally:
+        server.engine.remove_step_observer(slow)
+    m = scrape(http)
+    assert m["kvjax:request_success_total{finished_reason=abort}"] == aborts + 1
+    assert m["kvjax:num_requests_running"] == 0
+    r = http.post("/v1/completions", json=dict(prompt=[3, 4, 5], max_tokens=6, temperature=0))
+    assert r.json()["choices"][0]["text"] == reference(model, [3, 4, 5], 6)[1]
+
+
+def test_metrics_parse_and_count_what_was_served_without_recompiling(client, http):
+    before = scrape(http)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 120, 5 + 3 * i)]
+               for i in range(6)]
+    usage = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4 + i,
+                                       temperature=0).usage for i, p in enumerate(prompts)]
+    after = scrape(http)
+
+    def grew(name):
+        return after[name] - before.get(name, 0)
+
+    assert grew("kvjax:e2e_request_latency_seconds_count") == len(prompts)
+    assert grew("kvjax:time_to_first_token_seconds_count") == len(prompts)
+    assert grew("kvjax:generation_tokens_total") == sum(u.completion_tokens for u in usage)
+    assert grew("kvjax:prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
+    assert grew("kvjax:engine_steps_total") > 0
+    assert after["kvjax:num_compiles"] == before["kvjax:num_compiles"]
+    assert after["kvjax:kv_cache_pages_used"] == 0 and after["kvjax:num_requests_queued"] == 0
+    assert after["kvjax:kv_cache_pages_free"] == after["kvjax:kv_cache_pages_total"] == 64
+    for name in ("kvjax:num_requests_waiting", "kvjax:num_requests_swapped",
+                 "kvjax:num_preemptions_total", "kvjax:kv_cache_usage_perc",
+                 "kvjax:kv_bytes_moved_total{tier=host}", "kvjax:kv_bytes_moved_total{tier=disk}",
+                 "kvjax:time_per_output_token_seconds_count"):
+        assert name in after
+
+
+def test_tenants_salt_the_prefix_cache(client, http):
+    prompt = list(range(40, 72))  # 4 full pages of 8 tokens
+    before = scrape(http)
+
+    def cached(**kwargs):
+        return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2,
+                                         temperature=0, **kwargs).usage.prompt_tokens_details \
+            .cached_tokens
+
+    assert cached(user="alice") == 0
+    assert cached(user="alice") == 24  # the last page holds the prompt's last token: recomputed
+    assert cached(user="bob") == 0
+    assert cached(extra_headers={"X-Tenant": "alice"}) == 24
+    assert cached(extra_headers={"X-Tenant": "bob"}, user="alice") == 24  # header wins: bob's
+    after = scrape(http)
+    assert after["kvjax:prefix_cache_hits_total"] - before["kvjax:prefix_cache_hits_total"] == 72
+    assert 0 < after["kvjax:prefix_cache_hit_rate"] <= 1
+
+
+def test_models_health_and_priority_header(client, http):
+    (listed,) = client.models.list().data
+    assert listed.id == MODEL_NAME
+    assert http.get("/health").json() == {}
+    r = http.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=2, temperature=0),
+                  headers={"X-Priority": "5"})
+    assert r.status_code == 200
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True),
+                    st.text(max_size=6), st.lists(st.integers(-2, 200), max_size=4),
+                    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_FIELDS = ["model", "max_tokens", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids",
+           "stream", "user", "echo", "max_completion_tokens", "stream_options",
+           "presence_penalty", "ignore_eos", "prompt", "messages"]
+# Values that are either greedy or invalid: a valid sampled or top-logprob request would
+# compile step programs of its own, which this fast test leaves to test_server_slow.py.
+_GREEDY_OR_INVALID = {
+    "temperature": st.one_of(st.just(0), st.just(0.0), st.floats(max_value=-1e-3),
+                             st.text(max_size=3), st.booleans(), st.lists(st.integers())),
+    "logprobs": st.one_of(st.none(), st.integers(max_value=-1), st.integers(min_value=21),
+                          st.text(max_size=3)),
+    "top_logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=21),
+                              st.text(max_size=3)),
+}
+_MESSAGES = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+     "content": st.one_of(st.text(alphabet="abc ", max_size=8), st.integers())}), max_size=2)
+_MAIN_FIELD = {"prompt": st.lists(st.integers(0, 127), min_size=1, max_size=6),
+               "messages": _MESSAGES}
+
+
+def _bodies(main: str):
+    """Bodies near the valid ones: `main` (prompt or messages) and max_tokens usually right,
+    a few other fields drawn from anything JSON."""
+    fixed = {"temperature": _GREEDY_OR_INVALID["temperature"],
+             main: st.one_of(_MAIN_FIELD[main], _VALUES),
+             "max_tokens": st.one_of(st.integers(1, 4), _VALUES)}
+    optional = {"logprobs": _GREEDY_OR_INVALID["logprobs"]}
+    if main == "messages":
+        optional["top_logprobs"] = _GREEDY_OR_INVALID["top_logprobs"]
+    return st.tuples(st.fixed_dictionaries(fixed, optional=optional),
+                     st.dictionaries(st.sampled_from(_FIELDS), _VALUES, max_size=3)).map(
+        lambda parts: {**parts[1], **parts[0]})
+
+
+@hypothesis.settings(max_examples=30, deadline=None, database=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(data=st.data())
+@pytest.mark.parametrize("path,main", [("/v1/completions", "prompt"),
+                                       ("/v1/chat/completions", "messages")],
+                         ids=["completions", "chat"])
+def test_fuzzed_bodies_get_a_4xx_json_error_or_an_answer(server, path, main, data):
+    body = data.draw(_bodies(main))
+    r = httpx.post(server.base_url + path, content=json.dumps(body, allow_nan=True),
+                   timeout=60, headers={"content-type": "application/json"})
+    if r.status_code == 200:
+        return
+    assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+
+
+def test_fuzzing_left_the_server_healthy(model, http):
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/completions", json=dict(prompt=[9, 9], max_tokens=5, temperature=0))
+    assert r.json()["choices"][0]["text"] == reference(model, [9, 9], 5)[1]
+
+
+def test_draining_finishes_in_flight_requests_and_refuses_new_ones(model):
+    engine = Engine(model, CONFIG)  # The module's server compiled its programs: cache hits.
+    engine.add_step_observer(_SlowSteps())
+    drained = BackgroundServer(engine, ServerConfig(model_name=MODEL_NAME, drain_timeout_s=20))
+    drained.start()
+    prompt, texts = [11, 12, 13], []
+
+    def in_flight():
+        body = dict(prompt=prompt, max_tokens=60, temperature=0, stream=True)
+        with httpx.stream("POST", drained.base_url + "/v1/completions", json=body,
+                          timeout=60) as r:
+            texts.extend(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                         if line.startswith("data: {"))
+
+    worker = threading.Thread(target=in_flight)
+    worker.start()
+    assert wait_for(lambda: drained.app.state.async_engine.num_live > 0)
+    stopper = threading.Thread(target=drained.shutdown)  # what SIGTERM does
+    stopper.start()
+    assert wait_for(lambda: not drained.app.state.async_engine.is_admitting)
+    try:
+        refused = httpx.post(drained.base_url + "/v1/completions",
+                             json=dict(prompt=[1], max_tokens=1), timeout=10).status_code
+    except httpx.TransportError:  # refused, or closed by the shutdown before answering
+        refused = "connection refused or closed"
+    assert refused in (503, "connection refused or closed")
+    worker.join()
+    stopper.join()
+    assert "".join(texts) == reference(model, prompt, 60)[1]
+    assert not drained.is_running and not drained.app.state.async_engine.is_alive
+
+
+def test_serve_bench_replays_a_workload_over_http(server, http):
+    from kvjax.bench import BenchRequest, load_config
+    from kvjax.bench.remote import run_http_benchmark_detailed
+
+    requests = [BenchRequest(request_id=f"r{i}", arrival_time=0.05 * i,
+                             prompt_ids=tuple(range(20 + i, 44 + i)), max_new_tokens=5 + i,
+                             tenant=f"t{i % 2}") for i in range(4)]
+    result = run_http_benchmark_detailed(load_config("configs/serve_demo.py"), server.base_url,
+                                         requests=requests)
+    m = result.metrics
+    assert m["num_requests"] == 4 and m["failed_requests"] == 0
+    assert sorted(r.num_output_tokens for r in result.records) == [5, 6, 7, 8]
+    assert all(r.first_token_time >= r.arrival_time for r in result.records)
+    assert m["ttft_p50_s"] > 0 and m["throughput_tok_s"] > 0
+    assert m["compiles_after_warmup"] == 0 and m["preemptions"] == 0
+    assert m["prefix_hit_rate"] is not None and m["bytes_moved"]["device"] is None
+    assert m["fairness"]["per_tenant"]["t0"]["num_requests"] == 2
