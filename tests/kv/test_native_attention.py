@@ -74,6 +74,13 @@ def test_decode_reads_bfloat16_pages_and_int8_codes_with_scales():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
 
 
+def test_loading_the_kernel_leaves_subnormal_floats_alone():
+    """The process keeps IEEE subnormals (a -ffast-math library would flush them to zero)."""
+    assert native.unavailable_reason() is None
+    tiny = np.float32(1e-40)
+    assert tiny * np.float32(1.0) != 0.0
+
+
 def test_states_the_kernel_does_not_read_say_why():
     model = tiny_model()
     for codec, options in (("int4", dict(group=4)), ("kivi4", dict(group=4, residual=0))):

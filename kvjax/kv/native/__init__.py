@@ -44,8 +44,10 @@ import numpy as np
 from kvjax.kv import attention as attention_ref
 
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode.cc")
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17",
-          "-shared", "-fPIC", "-w")
+# Reassociation (vectorized dot products) without -ffast-math: linking a shared library with
+# that flag makes loading it switch the whole process to flushing subnormal floats to zero.
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+          "-fassociative-math", "-freciprocal-math", "-std=c++17", "-shared", "-fPIC", "-w")
 _TARGET = "kvjax_paged_decode"
 _lock = threading.Lock()
 _status: dict[str, str | None] = {}  # "reason": None once registered
