@@ -28,7 +28,11 @@ def get_config() -> ConfigDict:
     config.engine.max_num_batched_tokens = 512  # per-step token budget (decode + prefill)
     config.engine.max_prefill_chunk = 256  # longest prefill chunk of one sequence per step
     config.engine.max_prefill_seqs = 4  # most sequences prefilling in one step
-    config.engine.min_chunk_bucket = 16  # smallest padded prefill chunk (fewer: fewer shapes)
+    config.engine.min_chunk_bucket = 16  # smallest padded prefill-token total of a step
+    config.engine.chunk_bucket_factor = 4  # padded totals: min_chunk_bucket * factor^k
+    # Cut a step's prefill to a bucket when padding to the next would exceed this fraction
+    # (the rest runs next step); None: never.
+    config.engine.prefill_padding_limit = config_dict.placeholder(float)
     config.engine.max_model_len = 2048  # context limit (prompt + output); None: the model's
     config.engine.scheduler_policy = "fcfs"  # fcfs, priority, lpm (prefix-aware), fair (tenants)
     config.engine.enable_prefix_cache = True  # share full prompt pages across requests

@@ -42,6 +42,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "retrieval_accuracy",
     "fairness",
     "compiles_after_warmup",
+    "padded_token_fraction",
     "failed_requests",
     "num_requests",
     "duration_s",
@@ -63,6 +64,8 @@ COUNTER_KEYS: tuple[str, ...] = (
     "bytes_moved_disk",  # KV bytes moved to or from disk
     "compiles_after_warmup",  # XLA compilations after the warm-up phase
     "flops",  # floating-point operations executed (for the energy estimate)
+    "step_tokens",  # token slots the steps computed, padding included
+    "padded_tokens",  # of those, padding (slots that carried no request's token)
 )
 
 # Time differences of equal instants can differ from the SLO by float rounding; a request is
@@ -331,6 +334,8 @@ def compute_metrics(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_
         "retrieval_accuracy": float(np.mean(probes)) if probes else None,
         "fairness": _fairness(served, records),
         "compiles_after_warmup": counters.get("compiles_after_warmup"),
+        "padded_token_fraction": (counters["padded_tokens"] / counters["step_tokens"]
+                                  if counters.get("step_tokens") else None),
         "failed_requests": len(records) - len(served),
         "num_requests": len(records),
         "duration_s": float(duration_s),

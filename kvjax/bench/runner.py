@@ -92,7 +92,8 @@ from kvjax.shapes import next_power_of_2
 
 # Columns of results.md: the design's joint metrics plus what makes a row interpretable.
 TABLE_COLUMNS: tuple[str, ...] = (
-    "num_requests", "duration_s", *DEFAULT_TABLE_COLUMNS, "compiles_after_warmup")
+    "num_requests", "duration_s", *DEFAULT_TABLE_COLUMNS, "compiles_after_warmup",
+    "padded_token_fraction")
 
 # Sections whose keys are free-form keyword arguments, so an override may add a key.
 _OPEN_SECTIONS = ("workload.params", "kv.codec_options", "kv.retention_options")
@@ -288,7 +289,8 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
         enable_prefix_cache=e.enable_prefix_cache, scheduler_policy=e.scheduler_policy,
         preemption_mode=e.preemption_mode, watermark=e.watermark,
         scrub_freed_pages=e.scrub_freed_pages, attention_impl=e.attention_impl,
-        min_chunk_bucket=e.min_chunk_bucket, tiers=tier_config_from(config),
+        min_chunk_bucket=e.min_chunk_bucket, chunk_bucket_factor=e.chunk_bucket_factor,
+        prefill_padding_limit=e.prefill_padding_limit, tiers=tier_config_from(config),
         retention=config.kv.retention, retention_budget=retention_budget_from(config),
         retention_options=config.kv.retention_options.to_dict())
 
@@ -476,6 +478,8 @@ class _StepMeter(StepObserver):
         self._host_bytes_seen = host_link_bytes(engine)
         self.flops = 0
         self.device_bytes = 0
+        self.step_tokens = 0  # token slots computed, padding included
+        self.padded_tokens = 0
         self.last_layout: tuple[int, int, int] | None = None  # (tokens, padded, context)
         self.last_cost_s = 0.0
 
@@ -495,6 +499,8 @@ class _StepMeter(StepObserver):
                        + c.attention_flops_per_pair * pairs)
         self.device_bytes += c.weight_bytes + c.kv_bytes_per_token * (num_tokens + context)
         self.last_layout = (num_tokens, shape.num_tokens, context)
+        self.step_tokens += shape.num_tokens
+        self.padded_tokens += shape.num_tokens - num_tokens
         if self._clock is not None:
             moved = host_link_bytes(self._engine)
             swapped, self._host_bytes_seen = moved - self._host_bytes_seen, moved
@@ -797,7 +803,8 @@ def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
         prefix_query_tokens=prefix["prefix_query_tokens"],
         preemptions=engine.stats["preemptions"], bytes_moved_device=meter.device_bytes,
         bytes_moved_host=host_link_bytes(engine), bytes_moved_disk=disk_bytes(engine),
-        compiles_after_warmup=engine.num_compiles - compiles, flops=meter.flops)
+        compiles_after_warmup=engine.num_compiles - compiles, flops=meter.flops,
+        step_tokens=meter.step_tokens, padded_tokens=meter.padded_tokens)
     metrics = compute_metrics(
         records, slo_ttft_s=float(config.slo.ttft_s), slo_tpot_s=float(config.slo.tpot_s),
         duration_s=duration_s, kv_samples=engine.kv_samples, counters=counters,

@@ -45,7 +45,13 @@ class EngineConfig:
       watermark: fraction of pages kept free when admitting new requests.
       scrub_freed_pages: zero pages when they return to the free list.
       attention_impl: AUTO, REFERENCE, PALLAS or NATIVE (kvjax.engine.step.AttentionImpl).
-      min_chunk_bucket: the smallest padded prefill chunk (shape bucketing).
+      min_chunk_bucket: the smallest padded prefill-token total of a step (shape bucketing).
+      chunk_bucket_factor: padded prefill-token totals are min_chunk_bucket times powers of
+        this (and the largest chunk): smaller factors pad less and compile more step shapes.
+      prefill_padding_limit: when padding a step's prefill tokens up to the next bucket would
+        exceed this fraction of it, the scheduler cuts the last prefill chunk so the step ends
+        on a smaller bucket (where one lies inside that chunk) and computes the rest in the
+        next step (fewer padded tokens, more steps to a first token); None: never cut.
       debug_provenance: before every step, check that each page a row reads was written under
         the row's weights version; a mismatch raises (the stale-KV detector).
       retention: a retention policy registered in kvjax.kv.retention ('none', 'streaming',
@@ -79,6 +85,8 @@ class EngineConfig:
     scrub_freed_pages: bool = False
     attention_impl: AttentionImpl = AttentionImpl.AUTO
     min_chunk_bucket: int = 16
+    chunk_bucket_factor: int = 4
+    prefill_padding_limit: float | None = None
     debug_provenance: bool = False
     retention: str = "none"
     retention_budget: int | None = None
@@ -91,6 +99,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.chunk_bucket_factor, int) or self.chunk_bucket_factor < 2:
+            raise ValueError(f"EngineConfig.chunk_bucket_factor must be an int >= 2, got "
+                             f"{self.chunk_bucket_factor!r}")
+        if self.prefill_padding_limit is not None and not 0.0 <= self.prefill_padding_limit < 1:
+            raise ValueError(f"EngineConfig.prefill_padding_limit must be None or in [0, 1), "
+                             f"got {self.prefill_padding_limit!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         for name, enum_type in (("kv_layout", KVLayout), ("preemption_mode", PreemptionMode),

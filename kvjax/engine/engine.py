@@ -120,7 +120,8 @@ class Engine:
             kv = jax.device_put(kv, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         buckets = StepBuckets(config.max_num_seqs, config.max_prefill_seqs,
                               config.max_prefill_chunk, config.min_chunk_bucket,
-                              self.block_table_width)
+                              self.block_table_width, config.max_num_batched_tokens,
+                              config.chunk_bucket_factor)
         self.runner = ModelRunner(programs, buckets, kv, model.params, model.weights_version,
                                   page_size=config.page_size)
         self.stats: dict = {}
@@ -169,7 +170,9 @@ class Engine:
             swap_bandwidth_bytes_per_s=self._swap_bandwidth,
             recompute_tokens_per_s=cfg.tiers.recompute_tokens_per_s,
             max_inflight_loads=cfg.tiers.max_inflight_loads,
-            eos_token_ids=tuple(self.model.config.eos_token_ids))
+            eos_token_ids=tuple(self.model.config.eos_token_ids),
+            prefill_buckets=self.runner.buckets.prefill_buckets,
+            prefill_padding_limit=cfg.prefill_padding_limit)
 
     # ----------------------------------------------------------------------------- views
 

@@ -38,11 +38,17 @@ class StepObserver:
 
 @dataclasses.dataclass(frozen=True)
 class StepBuckets:
-    """The padded sizes of a step: decode rows, prefill rows and chunk lengths.
+    """The padded sizes of a step: decode rows, prefill rows and prefill tokens.
+
+    Prefill rows are packed (`kvjax.kv.layout`), so a step pads their total token count, not
+    each row: to one of `prefill_buckets` (min_chunk_bucket times powers of
+    chunk_bucket_factor), up to the most one row takes (max_prefill_chunk) with one prefill
+    row, up to the most the rows together take with more.
 
     Attributes:
       max_num_seqs, max_prefill_seqs, max_prefill_chunk, min_chunk_bucket: as in EngineConfig.
       block_table_width: W, the fixed block-table width.
+      max_num_batched_tokens, chunk_bucket_factor: as in EngineConfig.
     """
 
     max_num_seqs: int
@@ -50,15 +56,42 @@ class StepBuckets:
     max_prefill_chunk: int
     min_chunk_bucket: int
     block_table_width: int
+    max_num_batched_tokens: int = 1 << 30
+    chunk_bucket_factor: int = 4
 
     def decode_buckets(self, *, mixed: bool) -> list[int]:
         """Padded decode-row counts: powers of two alone, powers of four beside a prefill."""
         sizes = geometric_buckets(1, bucket(self.max_num_seqs), 4 if mixed else 2)
         return ([0] if mixed else []) + sizes
 
-    def chunk_buckets(self) -> list[int]:
-        """Padded prefill chunk lengths: powers of four from min_chunk_bucket, and the maximum."""
-        return geometric_buckets(self.min_chunk_bucket, bucket(self.max_prefill_chunk), 4)
+    @property
+    def row_chunk(self) -> int:
+        """The most tokens one prefill row has, padded: the width of its attention view."""
+        return bucket(self.max_prefill_chunk)
+
+    def prefill_rows(self) -> list[int]:
+        """Padded prefill-row counts: one sequence, or the most allowed."""
+        return sorted({1, self.max_prefill_seqs})
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Every padded prefill-token total (the scheduler may cut chunks to end on one)."""
+        most = self.max_prefill_chunk
+        if self.max_prefill_seqs > 1:
+            most = min(most * self.max_prefill_seqs, self.max_num_batched_tokens)
+        sizes = geometric_buckets(self.min_chunk_bucket, bucket(most), self.chunk_bucket_factor)
+        return tuple(sorted({*sizes, min(self.row_chunk, bucket(most))}))
+
+    def chunk_buckets(self, num_prefill: int = 1) -> list[int]:
+        """Padded prefill-token totals of a step with `num_prefill` (padded) prefill rows."""
+        if num_prefill > 1:
+            return list(self.prefill_buckets)
+        return [c for c in self.prefill_buckets if c <= self.row_chunk]
+
+    def _prefill_shape(self, bd: int, bp: int, chunk: int, **fields) -> StepShape:
+        row_chunk = chunk if bp == 1 else min(chunk, self.row_chunk)
+        return StepShape(bd, bp, chunk, self.block_table_width, feed_rows=self.feed_rows,
+                         row_chunk=row_chunk, **fields)
 
     @property
     def feed_rows(self) -> int:
@@ -70,10 +103,9 @@ class StepBuckets:
         width, feed = self.block_table_width, self.feed_rows
         shapes = [StepShape(bd, 0, 1, width, logits_mode=logits_mode, feed_rows=feed)
                   for bd in self.decode_buckets(mixed=False)]
-        prefill_rows = sorted({1, self.max_prefill_seqs})
-        shapes += [StepShape(bd, bp, c, width, logits_mode=logits_mode, feed_rows=feed)
-                   for bd in self.decode_buckets(mixed=True) for bp in prefill_rows
-                   for c in self.chunk_buckets()]
+        shapes += [self._prefill_shape(bd, bp, c, logits_mode=logits_mode)
+                   for bd in self.decode_buckets(mixed=True) for bp in self.prefill_rows()
+                   for c in self.chunk_buckets(bp)]
         return shapes
 
     def shape_for(self, so: SchedulerOutput, logits_mode: LogitsMode) -> StepShape:
@@ -81,17 +113,20 @@ class StepBuckets:
         num_decode, prefill = len(so.decode), so.prefill
         mixed = bool(prefill)
         bd = min(b for b in self.decode_buckets(mixed=mixed) if b >= num_decode)
+        sampling = [r.sampling for r in so.rows]
+        fields = dict(all_greedy=all(p.is_greedy for p in sampling),
+                      needs_filter=any(p.needs_filter for p in sampling),
+                      logits_mode=logits_mode)
+        if not mixed:
+            return StepShape(num_decode=bd, num_prefill=0, chunk=1,
+                             max_pages=self.block_table_width, feed_rows=self.feed_rows,
+                             **fields)
         # Prefill rows come in two sizes only (one sequence, or the most allowed), which keeps
         # the number of step shapes small enough to compile them all during warm-up.
-        bp = (1 if len(prefill) == 1 else self.max_prefill_seqs) if prefill else 0
-        longest = max((r.num_tokens for r in prefill), default=1)
-        chunk = min(c for c in self.chunk_buckets() if c >= longest) if mixed else 1
-        sampling = [r.sampling for r in so.rows]
-        return StepShape(num_decode=bd, num_prefill=bp, chunk=chunk,
-                         max_pages=self.block_table_width,
-                         all_greedy=all(p.is_greedy for p in sampling),
-                         needs_filter=any(p.needs_filter for p in sampling),
-                         logits_mode=logits_mode, feed_rows=self.feed_rows)
+        bp = 1 if len(prefill) == 1 else self.max_prefill_seqs
+        total = sum(r.num_tokens for r in prefill)
+        chunk = min(c for c in self.chunk_buckets(bp) if c >= total)
+        return self._prefill_shape(bd, bp, chunk, **fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,37 +206,49 @@ class ModelRunner:
         """
         shape = self.buckets.shape_for(so, logits_mode)
         buf = empty_step_input(shape)
-        bd, chunk, page_size = shape.num_decode, shape.chunk, self.page_size
-        num_decode = len(so.decode)
+        bd, num_decode = shape.num_decode, len(so.decode)
         row_index = []
+        t0 = bd  # the next prefill row's first token: prefill rows are packed
         for i, row in enumerate(so.rows):
-            r = i if i < num_decode else bd + (i - num_decode)
-            t0 = r if i < num_decode else bd + (i - num_decode) * chunk
             n = row.num_tokens
-            table = row.block_table
-            cpos = row.cache_positions  # Retention: RoPE positions are logical, slots cached.
-            buf["tokens"][t0:t0 + n] = row.token_ids
-            buf["positions"][t0:t0 + n] = np.arange(row.start, row.start + n, dtype=np.int32)
-            buf["slot_mapping"][t0:t0 + n] = table[cpos // page_size] * page_size + \
-                cpos % page_size
-            buf["score_weights"][t0:t0 + n] = row.score_weights
-            width = min(len(table), shape.max_pages)
-            buf["block_tables"][r, :width] = table[:width]
-            buf["kv_lens"][r] = cpos[-1] + 1
-            buf["q_lens"][r] = n
-            p = row.sampling
-            buf["temperature"][r] = p.temperature
-            buf["top_k"][r] = p.top_k
-            buf["top_p"][r] = p.top_p
-            buf["seeds"][r] = row.seed
-            buf["counters"][r] = row.counter
-            buf["seq_slots"][r] = row.seq_slot
-            buf["kv_floors"][r] = row.kv_floor
-            if row.feed_index >= 0:
-                buf["token_src"][t0] = self._last_row_index[row.feed_index]
+            if i < num_decode:
+                r = start = i
+            else:
+                r, start = bd + (i - num_decode), t0
+                t0 += n
+                buf["row_starts"][r] = start
+                buf["token_rows"][start:] = r  # padding after the last row belongs to it
+            self._fill_row(buf, r, start, row, shape)
             row_index.append(r)
         buf["prev_tokens"] = self._feed
         return shape, buf, row_index
+
+    def _fill_row(self, buf: dict[str, np.ndarray], r: int, t0: int, row, shape: StepShape
+                  ) -> None:
+        """Writes row `r` (its tokens from index t0) into the step's host buffers."""
+        page_size = self.page_size
+        n = row.num_tokens
+        table = row.block_table
+        cpos = row.cache_positions  # Retention: RoPE positions are logical, slots cached.
+        buf["tokens"][t0:t0 + n] = row.token_ids
+        buf["positions"][t0:t0 + n] = np.arange(row.start, row.start + n, dtype=np.int32)
+        buf["slot_mapping"][t0:t0 + n] = table[cpos // page_size] * page_size + \
+            cpos % page_size
+        buf["score_weights"][t0:t0 + n] = row.score_weights
+        width = min(len(table), shape.max_pages)
+        buf["block_tables"][r, :width] = table[:width]
+        buf["kv_lens"][r] = cpos[-1] + 1
+        buf["q_lens"][r] = n
+        p = row.sampling
+        buf["temperature"][r] = p.temperature
+        buf["top_k"][r] = p.top_k
+        buf["top_p"][r] = p.top_p
+        buf["seeds"][r] = row.seed
+        buf["counters"][r] = row.counter
+        buf["seq_slots"][r] = row.seq_slot
+        buf["kv_floors"][r] = row.kv_floor
+        if row.feed_index >= 0:
+            buf["token_src"][t0] = self._last_row_index[row.feed_index]
 
     def dispatch(self, so: SchedulerOutput, logits_mode: LogitsMode = LogitsMode.NONE
                  ) -> InFlightStep:

@@ -1,14 +1,15 @@
 """The jitted model step: one call per engine iteration, mixing decode tokens and prefill chunks.
 
-Token layout of a step (all sizes static, padded to buckets):
+Token layout of a step (all sizes static, padded to buckets; `kvjax.kv.layout`):
 
   rows 0 .. Bd-1        decode rows, one token each           tokens[0 : Bd]
-  rows Bd .. Bd+Bp-1    prefill rows, a chunk of C tokens     tokens[Bd + b*C : Bd + (b+1)*C]
+  rows Bd .. Bd+Bp-1    prefill rows, packed back to back     tokens[Bd : Bd + C]
 
-so T = Bd + Bp * C. Every row r has a block table, a kv length (tokens in the cache after this
-step) and a query length (1 for decode, <= C for prefill; 0 marks a padded row). The step writes
-the new K/V into the cache, attends, and samples one token per row from the logits of the row's
-last query token. The KV state is donated, so XLA updates the pages in place.
+so T = Bd + C: prefill rows are not padded one by one, only their total is (to C). Every row r
+has a block table, a kv length (tokens in the cache after this step), a query length (1 for
+decode, up to Cr for prefill; 0 marks a padded row) and the index of its first token. The step
+writes the new K/V into the cache, attends, and samples one token per row from the logits of
+the row's last query token. The KV state is donated, so XLA updates the pages in place.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from flax import struct
 
 from kvjax.config import ModelConfig
 from kvjax.kv import attention as attention_ref
-from kvjax.kv import native
+from kvjax.kv import layout, native
 from kvjax.kv.state import KVState
 from kvjax.models import llama
 from kvjax.sampling import sample_tokens
@@ -53,13 +54,15 @@ class StepShape:
 
     num_decode: int  # Bd
     num_prefill: int  # Bp
-    chunk: int  # C
+    chunk: int  # C, the prefill tokens of the step, all rows packed (1 without prefill rows)
     max_pages: int  # W, block table width (fixed per engine)
     all_greedy: bool = True
     needs_filter: bool = False
     logits_mode: LogitsMode = LogitsMode.NONE
     # F, the fixed width of the token feed between steps (one per engine; 0: num_rows).
     feed_rows: int = 0
+    # Cr, the most tokens one prefill row has (the width of attention's per-row view; 0: C).
+    row_chunk: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -67,7 +70,7 @@ class StepShape:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decode + self.num_prefill * self.chunk
+        return self.num_decode + (self.chunk if self.num_prefill else 0)
 
 
 @struct.dataclass
@@ -93,6 +96,8 @@ class StepInput:
         `prev_tokens` of the token to use (asynchronous scheduling: a token the previous step
         sampled and the host has not seen yet).
       prev_tokens: [F] int32, the previous step's `StepOutput.feed_tokens` (zeros if none).
+      row_starts: [R] int32, the index in `tokens` of each row's first token.
+      token_rows: [T] int32, the row of each token (`kvjax.kv.layout`).
     """
 
     tokens: jax.Array
@@ -111,6 +116,8 @@ class StepInput:
     kv_floors: jax.Array
     token_src: jax.Array
     prev_tokens: jax.Array
+    row_starts: jax.Array
+    token_rows: jax.Array
 
 
 @struct.dataclass
@@ -132,7 +139,7 @@ class StepOutput:
 
 def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
     """Host buffers for one step, filled with padding values."""
-    r, t = shape.num_rows, shape.num_tokens
+    r, t, bd = shape.num_rows, shape.num_tokens, shape.num_decode
     return dict(
         tokens=np.zeros(t, np.int32),
         positions=np.zeros(t, np.int32),
@@ -150,6 +157,8 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
         kv_floors=np.zeros(r, np.int32),
         token_src=np.full(t, -1, np.int32),
         prev_tokens=np.zeros(max(shape.feed_rows, r), np.int32),
+        row_starts=np.minimum(np.arange(r), bd).astype(np.int32),
+        token_rows=np.minimum(np.arange(t), bd).astype(np.int32),
     )
 
 
@@ -192,8 +201,7 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
     reads: (indices [Bd, W], kv_lens [Bd]) of the block-table entries decode rows read (a
     retention policy's `select_reads`), or None: every page.
     """
-    bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
-    _, n, d = q.shape
+    bd, bp = shape.num_decode, shape.num_prefill
     bt, kv_lens, q_lens = inp.block_tables, inp.kv_lens, inp.q_lens
     decode_lens = kv_lens[:bd] if reads is None else reads[1]
 
@@ -206,8 +214,9 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
         if bd:
             outs.append(decode_attn(q[:bd], decode_tables(bt[:bd]), decode_lens))
         if bp:
-            out = prefill_attn(q[bd:].reshape(bp, c, n, d), bt[bd:], kv_lens[bd:], q_lens[bd:])
-            outs.append(out.reshape(bp * c, n, d))
+            out = prefill_attn(layout.prefill_view(q, inp, shape), bt[bd:], kv_lens[bd:],
+                               q_lens[bd:])
+            outs.append(layout.unpack_prefill(out, inp, shape))
         return jnp.concatenate(outs, axis=0)
     blockwise = functools.partial(attention_ref.paged_attention_blockwise,
                                   pages_per_block=PAGES_PER_BLOCK)
@@ -224,8 +233,9 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
         outs.append(out[:, 0])
     if bp:
         tables, load = reader(slice(bd, None))
-        out = blockwise(q[bd:].reshape(bp, c, n, d), load, tables, kv_lens[bd:], q_lens[bd:])
-        outs.append(out.reshape(bp * c, n, d))  # [Bp*C, N, D]
+        out = blockwise(layout.prefill_view(q, inp, shape), load, tables, kv_lens[bd:],
+                        q_lens[bd:])  # [Bp, Cr, N, D]
+        outs.append(layout.unpack_prefill(out, inp, shape))  # [C, N, D]
     return jnp.concatenate(outs, axis=0)
 
 
@@ -240,7 +250,6 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     mesh: per device over its kv heads, `kvjax.parallel.sharding.shard_kernels`); None runs
     the kernels as they are.
     """
-    bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
     q_lens = inp.q_lens
     kernels = _resolve(attention_impl, kv)  # Once per program, for every layer.
     if kernels is not None and place_kernels is not None:
@@ -263,10 +272,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                           inp.prev_tokens[jnp.maximum(inp.token_src, 0)], inp.tokens)  # [T]
     h, (kv, key_scores) = llama.decode_body(params, config, token_ids, inp.positions, attend,
                                             (kv, key_scores))  # [T, H]
-    last = jnp.concatenate([
-        jnp.arange(bd, dtype=jnp.int32),
-        bd + jnp.arange(bp, dtype=jnp.int32) * c + jnp.maximum(q_lens[bd:] - 1, 0),
-    ])  # [R]
+    last = inp.row_starts + jnp.maximum(q_lens - 1, 0)  # [R]
     logits = llama.lm_head(params, config, h[last])  # [R, V]
     tokens, logprobs = sample_tokens(
         logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters,

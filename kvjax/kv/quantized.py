@@ -74,7 +74,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.config import ModelConfig
-from kvjax.kv import codecs
+from kvjax.kv import codecs, layout
 from kvjax.kv import state as kv_state
 
 _KIVI = ("kivi2", "kivi4")
@@ -220,14 +220,6 @@ def _gather_pages(stored: dict[str, jax.Array], layer: jax.Array, pages: jax.Arr
                   float8_views: tuple[tuple[str, str], ...]) -> dict[str, jax.Array]:
     """Rows of `pages` [B, n] of `layer`, each [B, n, R, ...], float8 entries as float8."""
     return _as_float8({name: x[layer, pages] for name, x in stored.items()}, float8_views)
-
-
-def _row_layout(shape: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(first token of each row [R], row of each token [T]) of a step shape (static)."""
-    bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
-    starts = np.concatenate([np.arange(bd), bd + np.arange(bp) * c]).astype(np.int32)
-    token_rows = np.concatenate([np.arange(bd), bd + np.repeat(np.arange(bp), c)])
-    return starts, token_rows.astype(np.int32)
 
 
 @struct.dataclass
@@ -381,17 +373,18 @@ class QuantizedPagedKV:
             layer: the layer.
             inp: the step input (`kvjax.engine.step.StepInput`): block_tables [R, W_bt],
                 kv_lens and q_lens [R], seq_slots [R], slot_mapping [T].
-            shape: the step shape (num_decode, num_prefill, chunk): row r's q_lens[r] tokens
-                start at token r (decode rows) or num_decode + (r - num_decode) * chunk.
+            shape: the step shape: row r's q_lens[r] tokens start at token row_starts[r]
+                (`kvjax.kv.layout`), at most `row_chunk` of them.
             k, v: [T, K, D].
         """
         if not is_kivi(self.codec):
             return self.write(layer, inp.slot_mapping, k, v)
-        starts, token_rows = _row_layout(shape)
+        starts, token_rows = inp.row_starts, inp.token_rows
         before = inp.kv_lens - inp.q_lens  # [R] tokens cached before this step
         aged_before = self.num_aged(before, inp.kv_floors)
         aged_after = self.num_aged(inp.kv_lens, inp.kv_floors)  # [R]
-        per_row = math.ceil(shape.chunk / self.codec.group) if shape.num_prefill else 0
+        per_row = (math.ceil(layout.row_chunk(shape) / self.codec.group)
+                   if shape.num_prefill else 0)
         kv = self._age_groups(layer, inp, k, v, starts, before, aged_before, aged_after,
                               per_row, shape.num_decode, shape.num_prefill)
         # The new tokens that stay exact go to their sequence's window.

@@ -97,7 +97,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.kv import quest
+from kvjax.kv import layout, quest
 from kvjax.kv import state as kv_state
 from kvjax.kv.attention import PageLoader
 from kvjax.models import llama
@@ -517,8 +517,7 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
 
     A group of rows whose queries all have weight 0 skips the computation.
     """
-    bd, bp, c = shape.num_decode, shape.num_prefill, shape.chunk
-    _, n, d = q.shape
+    bd, bp = shape.num_decode, shape.num_prefill
     width = inp.block_tables.shape[1] * kv.page_size
 
     def scored(q_rows, weights, rows):
@@ -537,8 +536,8 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
     if bd:
         parts.append(scored(q[:bd, None], w[:bd, None], slice(0, bd)))
     if bp:
-        parts.append(scored(q[bd:].reshape(bp, c, n, d), w[bd:].reshape(bp, c),
-                            slice(bd, bd + bp)))
+        parts.append(scored(layout.prefill_view(q, inp, shape),
+                            layout.prefill_view(w, inp, shape), slice(bd, bd + bp)))
     return jnp.concatenate(parts, axis=0)  # [R, W*P]
 
 

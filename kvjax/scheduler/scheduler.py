@@ -41,6 +41,8 @@ class SchedulerConfig:
       max_inflight_loads: tier loads in flight at once.
       eos_token_ids: tokens that stop a sequence unless it ignores EOS.
       max_pages_held: pages a sequence of n tokens holds at most (a retention policy bounds it).
+      prefill_buckets: the padded prefill-token totals of a step (the runner's buckets).
+      prefill_padding_limit: as in EngineConfig (cut chunks to end on a bucket); None: off.
     """
 
     max_num_seqs: int
@@ -56,6 +58,8 @@ class SchedulerConfig:
     recompute_tokens_per_s: float | None = None
     max_inflight_loads: int = 1
     eos_token_ids: tuple[int, ...] = ()
+    prefill_buckets: tuple[int, ...] = ()
+    prefill_padding_limit: float | None = None
 
 
 class Scheduler(RequestRegistry, TierAdmission):
@@ -170,7 +174,8 @@ class Scheduler(RequestRegistry, TierAdmission):
                     break
                 if not self._admit(seq):
                     continue
-            chunk = min(seq.num_pending, budget, cfg.max_prefill_chunk)
+            chunk = self._fit_to_bucket(sum(n for _, n in prefill),
+                                        min(seq.num_pending, budget, cfg.max_prefill_chunk))
             cached = self._cached_len(seq)
             need = self.kv_cache.pages_needed(seq.seq_id, cached + chunk)
             ok = not is_new or self.kv_cache.can_admit(need)
@@ -202,6 +207,18 @@ class Scheduler(RequestRegistry, TierAdmission):
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
                                preempted=tuple(preempted), kv_ops=self.kv_cache.take_ops(),
                                weights_version=active)
+
+    def _fit_to_bucket(self, total: int, chunk: int) -> int:
+        """`chunk` tokens more after `total` prefill tokens, cut to end on a prefill bucket
+        inside the chunk when padding up to the next bucket would exceed the configured
+        fraction of it."""
+        limit, buckets = self.config.prefill_padding_limit, self.config.prefill_buckets
+        end = total + chunk
+        up = min((b for b in buckets if b >= end), default=end)
+        if limit is None or up - end <= limit * up:
+            return chunk
+        down = max((b for b in buckets if total < b <= end), default=end)
+        return down - total
 
     @staticmethod
     def _awaits_step_in_flight(seq: Sequence) -> bool:

@@ -14,8 +14,8 @@ EXPECTED_KEYS = (
     "goodput_req_s", "kv_utilization_mean", "kv_utilization_peak", "kv_reserved_mean_bytes",
     "kv_reserved_peak_bytes", "prefix_hit_rate", "preemptions", "bytes_moved", "energy_j_est",
     "quality", "retrieval_accuracy", "fairness",
-    "compiles_after_warmup", "failed_requests", "num_requests", "duration_s", "clock",
-    "config", "env",
+    "compiles_after_warmup", "padded_token_fraction", "failed_requests", "num_requests",
+    "duration_s", "clock", "config", "env",
 )
 
 
@@ -62,7 +62,8 @@ def test_nothing_measured_gives_none_not_missing():
     result = compute_metrics([], slo_ttft_s=1.0, slo_tpot_s=1.0, duration_s=2.0)
     for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "kv_utilization_mean",
                 "kv_utilization_peak", "prefix_hit_rate", "preemptions", "bytes_moved",
-                "energy_j_est", "quality", "fairness", "compiles_after_warmup", "config", "env"):
+                "energy_j_est", "quality", "fairness", "compiles_after_warmup",
+                "padded_token_fraction", "config", "env"):
         assert result[key] is None, key
     assert result["throughput_tok_s"] == 0.0 and result["goodput_req_s"] == 0.0
     assert result["num_requests"] == 0 and result["clock"] == "real"

@@ -11,6 +11,7 @@ import pytest
 from kvjax import EngineConfig, KVLayout, PreemptionMode, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason
+from kvjax.engine.runner import StepObserver
 from kvjax.shapes import next_power_of_2
 from kvjax.testing import greedy_reference, tiny_model
 
@@ -52,6 +53,8 @@ BASE = dict(page_size=4, max_num_batched_tokens=32, max_prefill_chunk=16, max_nu
     ("page-16", dict(num_pages=64, page_size=16)),
     ("contiguous", dict(kv_layout=KVLayout.CONTIGUOUS, max_num_seqs=4)),
     ("scrub", dict(num_pages=22, scrub_freed_pages=True)),
+    ("cut-to-buckets", dict(num_pages=256, chunk_bucket_factor=2, min_chunk_bucket=4,
+                            prefill_padding_limit=0.125)),
 ])
 def test_greedy_tokens_match_solo_reference(model, workload, name, overrides):
     prompts, refs = workload
@@ -195,3 +198,38 @@ def test_compile_count_flat_after_warmup(model, overrides):
     assert engine.num_compiles == warm, f"recompiled after warm-up: {warm} -> {engine.num_compiles}"
     if engine.config.scrub_freed_pages:
         assert engine.stats["swaps_in"] > 0 and engine.stats["scrubbed_pages"] > 0
+
+
+class _PrefillLayouts(StepObserver):
+    """Records (prefill tokens computed, real prefill tokens) of every step with prefill rows."""
+
+    def __init__(self):
+        self.steps = []
+
+    def before_step(self, shape, host_input):
+        if shape.num_prefill:
+            real = int(host_input["q_lens"][shape.num_decode:].sum())
+            self.steps.append((shape.num_tokens - shape.num_decode, real))
+
+
+@pytest.mark.parametrize("rows,limit", [(4, None), (4, 0.125), (1, 0.125)])
+def test_prefill_rows_are_packed_and_cut_to_buckets(model, workload, rows, limit):
+    """Prefill rows share one padded token range (padding only after the last row); with a
+    padding limit and one prefill row, a step's prefill tokens end on a bucket unless padding
+    stays under the limit (with more rows, a later row's chunk is cut only where a bucket lies
+    inside it)."""
+    prompts, refs = workload
+    config = EngineConfig(**BASE, num_pages=256, max_prefill_seqs=rows, min_chunk_bucket=4,
+                          chunk_bucket_factor=2, prefill_padding_limit=limit)
+    engine = Engine(model, config)
+    layouts = _PrefillLayouts()
+    engine.add_step_observer(layouts)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    buckets = engine.runner.buckets.prefill_buckets
+    if rows > 1:
+        assert any(real > 16 for _, real in layouts.steps), "the test wants multi-row prefills"
+    for computed, real in layouts.steps:
+        assert computed == min(b for b in buckets if b >= real)  # the total pads, not each row
+        if limit is not None and rows == 1 and real >= buckets[0]:
+            assert computed - real <= limit * computed, (computed, real)

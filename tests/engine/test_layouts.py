@@ -16,20 +16,23 @@ WIDTH = 16  # block table width (pages per sequence)
 
 
 def _prefill_then_decode(runner, model, kv, tables, prompts, next_tokens):
-    """One prefill step for all prompts, then one decode step; returns both steps' logits."""
+    """One prefill step for all prompts (packed), then one decode step; returns both steps'
+    logits."""
     lens = [len(p) for p in prompts]
-    chunk = 16
-    shape = StepShape(0, len(prompts), chunk, WIDTH, logits_mode=LogitsMode.ALL)
+    shape = StepShape(0, len(prompts), 64, WIDTH, logits_mode=LogitsMode.ALL, row_chunk=16)
     buf = empty_step_input(shape)
-    for b, (prompt, table) in enumerate(zip(prompts, tables, strict=True)):
+    starts = np.cumsum([0] + lens[:-1])
+    for b, (prompt, table, t0) in enumerate(zip(prompts, tables, starts, strict=True)):
         pos = np.arange(len(prompt))
-        buf["tokens"][b * chunk:b * chunk + len(prompt)] = prompt
-        buf["positions"][b * chunk:b * chunk + len(prompt)] = pos
-        buf["slot_mapping"][b * chunk:b * chunk + len(prompt)] = table[pos // P] * P + pos % P
+        buf["tokens"][t0:t0 + len(prompt)] = prompt
+        buf["positions"][t0:t0 + len(prompt)] = pos
+        buf["slot_mapping"][t0:t0 + len(prompt)] = table[pos // P] * P + pos % P
         buf["block_tables"][b] = table
         buf["kv_lens"][b] = buf["q_lens"][b] = len(prompt)
+        buf["row_starts"][b] = t0
+        buf["token_rows"][t0:] = b
     out, kv = runner.step(model.params, kv, buf, shape)
-    prefill_logits = [np.asarray(out.logits[b * chunk:b * chunk + n]) for b, n in enumerate(lens)]
+    prefill_logits = [np.asarray(out.logits[t0:t0 + n]) for t0, n in zip(starts, lens, strict=True)]
     shape = StepShape(len(prompts), 0, 1, WIDTH, logits_mode=LogitsMode.LAST)
     buf = empty_step_input(shape)
     for b, (n, table, token) in enumerate(zip(lens, tables, next_tokens, strict=True)):

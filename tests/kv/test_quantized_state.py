@@ -163,22 +163,26 @@ def test_load_pages_equals_dequantized_reference(name, options):
 def _step_input(rng, rows, block_tables, k_all, v_all):
     """One engine-like step of KIVI writes: (StepInput, StepShape, K [T, K, D], V).
 
-    Rows of one token are decode rows, the others prefill rows padded to a chunk of 9 (one
-    more row is pure padding); padding tokens are NaN.
+    Rows of one token are decode rows, the others prefill rows of at most 9 tokens packed
+    back to back (one more row is pure padding); padding tokens are NaN.
     """
     decode = [r for r in rows if r[2] == 1]
     prefill = [r for r in rows if r[2] > 1] + [None]
-    chunk = 9
-    shape = StepShape(num_decode=len(decode), num_prefill=len(prefill), chunk=chunk,
-                      max_pages=block_tables.shape[1])
+    shape = StepShape(num_decode=len(decode), num_prefill=len(prefill), chunk=9 * len(prefill),
+                      max_pages=block_tables.shape[1], row_chunk=9)
     buf = empty_step_input(shape)
     k = np.full((shape.num_tokens, K, D), np.nan, np.float32)
     v = np.full_like(k, np.nan)
+    next_prefill = len(decode)  # prefill rows are packed after the decode tokens
     for r, row in enumerate(decode + prefill):
         if row is None:
             continue
         seq, start, count = row
-        t0 = r if r < len(decode) else len(decode) + (r - len(decode)) * chunk
+        t0 = r
+        if r >= len(decode):
+            t0, next_prefill = next_prefill, next_prefill + count
+            buf["row_starts"][r] = t0
+            buf["token_rows"][t0:] = r
         positions = np.arange(start, start + count)
         k[t0:t0 + count] = k_all[seq, positions]
         v[t0:t0 + count] = v_all[seq, positions]
