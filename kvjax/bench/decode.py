@@ -263,28 +263,36 @@ def bench_kvjax(model: kvjax.Model, variants: Sequence[Variant], prompts: list[l
     block-table width is the engine's, whatever the prompt). With `profile`, the first few
     full-batch decode steps are traced (`profile_breakdown`) and left out of the timing.
 
+    Chunked prefill spreads the B prompts over ceil(B * prompt_len / max_num_batched_tokens)
+    steps, in which the first rows already decode; the timed run generates that many tokens
+    more than `new_tokens` so that about `new_tokens` steps decode the whole batch, and the
+    outputs are cut to `new_tokens` (the tokens compared with transformers').
+
     Returns (one result per variant, output ids per variant).
     """
     batch = len(prompts)
+    prefill_steps = -(-batch * len(prompts[0]) // kvjax.EngineConfig().max_num_batched_tokens)
+    timed_tokens = new_tokens + prefill_steps
     engines, compile_s = {}, {}
     for variant in variants:
         options = {"group": 32} if variant.codec in ("int4", "int2") else {}
         engine = kvjax.Engine(model, kvjax.EngineConfig(
             kv_layout=variant.layout, kv_codec=variant.codec, kv_codec_options=options,
             page_size=page_size, max_num_seqs=batch,
-            max_model_len=len(prompts[0]) + new_tokens, enable_prefix_cache=False))
+            max_model_len=len(prompts[0]) + timed_tokens, enable_prefix_cache=False))
         start = time.perf_counter()
         engine.generate([p[:64] for p in prompts], kvjax.SamplingParams(
             max_new_tokens=min(warm_tokens, new_tokens), ignore_eos=True))
         compile_s[variant.name] = time.perf_counter() - start
         engines[variant.name] = engine
-    runs = timed_engine_runs(engines, prompts, new_tokens, profile=profile)
+    runs = timed_engine_runs(engines, prompts, timed_tokens, profile=profile)
     results = [_kvjax_result(name, run, batch, compile_s[name])
                for name, run in runs.items()]
     for result in results:
-        result["prompt_len"] = len(prompts[0])
+        result.update(prompt_len=len(prompts[0]), generated_tokens=timed_tokens)
     ids = [f"timed-{i}" for i in range(batch)]
-    return results, {name: [run.outputs[r] for r in ids] for name, run in runs.items()}
+    return results, {name: [run.outputs[r][:new_tokens] for r in ids]
+                     for name, run in runs.items()}
 
 
 def _kvjax_result(name: str, run: TimedRun, batch: int, compile_s: float) -> dict:

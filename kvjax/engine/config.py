@@ -116,10 +116,15 @@ class EngineConfig:
         compat.check(self, on_mesh=False)
 
     def _check_kernel_reads_codec(self) -> None:
-        if self.attention_impl is AttentionImpl.NATIVE and self.kv_codec not in ("none", "int8"):
-            raise ValueError(f"attention_impl=NATIVE reads float pages and int8 codes, not "
-                             f"kv_codec={self.kv_codec!r}; use AUTO (the reference for other "
-                             f"codecs) or REFERENCE")
+        if self.attention_impl is AttentionImpl.NATIVE and self.kv_codec != "none":
+            from kvjax.kv import native
+
+            reason = native.codec_reason(quantized.make_codec(self.kv_codec,
+                                                              **self.kv_codec_options))
+            if reason is not None:
+                raise ValueError(f"attention_impl=NATIVE reads float pages and int8/int4/int2 "
+                                 f"codes with float32 scales, not {reason}; use AUTO (the "
+                                 f"reference for other codecs) or REFERENCE")
         if self.kv_codec == "none" or self.attention_impl is not AttentionImpl.PALLAS:
             return
         from pallas_kernels.quantized_decode.kernel import code_format  # Kernel code: lazy.

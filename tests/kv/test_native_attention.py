@@ -81,17 +81,43 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
     assert tiny * np.float32(1.0) != 0.0
 
 
+@pytest.mark.parametrize("name,options", [("int4", dict(group=32)), ("int2", dict(group=16)),
+                                          ("int8", dict(group=32))],
+                         ids=["int4-g32", "int2-g16", "int8-g32"])
+def test_decode_reads_packed_codes_with_group_scales_and_zeros(name, options):
+    """Packed asymmetric codes decode in the kernel exactly as the codec decodes them."""
+    codec = kvjax.kv.codecs.get_codec(name, **options)
+    rng = np.random.default_rng(2)
+    kv_lens, tables, kp, vp, _, _ = make_case(rng, num_seqs=4, max_len=45, page_size=16,
+                                              num_kv_heads=2, group=3, head_dim=64)
+    kp, vp = np.nan_to_num(kp), np.nan_to_num(vp)
+    q = rng.standard_normal((4, 6, 64)).astype(np.float32)
+    k_stored, v_stored = codec.encode(jnp.asarray(kp)), codec.encode(jnp.asarray(vp))
+    want = kvjax.kv.attention.paged_decode_attention_reference(
+        q, codec.decode(k_stored), codec.decode(v_stored), tables, kv_lens)
+    pool = lambda x: jnp.stack([jnp.zeros_like(x), x])  # noqa: E731  (layer 1 of 2)
+    got = native.paged_decode_attention(
+        q, pool(k_stored["codes"]), pool(v_stored["codes"]), 1, tables, kv_lens,
+        k_scale=pool(k_stored["scale"]), v_scale=pool(v_stored["scale"]),
+        k_zero=pool(k_stored["zero"]), v_zero=pool(v_stored["zero"]), bits=codec.bits,
+        group=codec.group)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
+
+
 def test_states_the_kernel_does_not_read_say_why():
     model = tiny_model()
-    for codec, options in (("int4", dict(group=4)), ("kivi4", dict(group=4, residual=0))):
+    for codec, options, says in (
+            ("kivi4", dict(group=4, residual=0), "codec 'kivi4"),
+            ("int4", dict(group=4, metadata_dtype="float16"), "codec 'int4-g4-fp16meta' (float16"),
+            ("fp8_e4m3", dict(scaling="dynamic"), "codec 'fp8_e4m3")):
         engine = kvjax.Engine(model, kvjax.EngineConfig(
             num_pages=16, page_size=4, max_num_seqs=2, kv_codec=codec, kv_codec_options=options))
-        assert f"does not read codec '{codec}" in native.reason_for(engine.kv)
+        assert f"does not read {says}" in native.reason_for(engine.kv)
     with pytest.raises(ValueError, match="attention_impl=NATIVE reads float pages and int8"):
-        kvjax.EngineConfig(kv_codec="int4", attention_impl="native")
+        kvjax.EngineConfig(kv_codec="kivi4", attention_impl="native")
 
 
-@pytest.mark.parametrize("codec", ["none", "int8"])
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
 def test_engine_decodes_the_same_tokens_with_the_native_kernel(codec):
     """Greedy tokens and logprobs of the native decode equal the blockwise jnp path's."""
     model = tiny_model()
@@ -100,7 +126,8 @@ def test_engine_decodes_the_same_tokens_with_the_native_kernel(codec):
     outs = {}
     for impl in (AttentionImpl.REFERENCE, AttentionImpl.NATIVE):
         engine = kvjax.Engine(model, kvjax.EngineConfig(
-            num_pages=32, page_size=4, max_num_seqs=4, kv_codec=codec, attention_impl=impl))
+            num_pages=32, page_size=4, max_num_seqs=4, kv_codec=codec, attention_impl=impl,
+            kv_codec_options=dict(group=4) if codec == "int4" else {}))
         outs[impl] = engine.generate(prompts, sampling)
     for ref, got in zip(outs[AttentionImpl.REFERENCE], outs[AttentionImpl.NATIVE], strict=True):
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -20,7 +20,9 @@ Which states it reads (`kernels_for(kv)`, the same chooser signature as
   PagedKV, float32 or bfloat16 pages            the pages
   QuantizedPagedKV, codec none (f32 / bf16)     the values
   QuantizedPagedKV, int8 with float32 scales    the int8 codes and the per-token scales
-                                                (decoded in registers, never to a float copy)
+  QuantizedPagedKV, int8-g / int4 / int2 with   the packed codes, scales and zeros
+    float32 metadata                            (all decoded in registers, never to a float
+                                                copy of the context)
   QuestKV over one of the above                 its base (Quest narrows the block tables first)
 
 Prefill rows keep the blockwise jnp path: their cost is the matmuls, not the KV read.
@@ -99,31 +101,38 @@ def unavailable_reason() -> str | None:
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            layer: jax.Array | int, block_tables: jax.Array,
                            kv_lens: jax.Array, *, k_scale: jax.Array | None = None,
-                           v_scale: jax.Array | None = None, sm_scale: float | None = None
-                           ) -> jax.Array:
+                           v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
+                           v_zero: jax.Array | None = None, bits: int = 8, group: int = 0,
+                           sm_scale: float | None = None) -> jax.Array:
     """Decode attention of one layer, read in place from all layers' pages.
 
     Args:
       q: [B, N, D].
-      k_pages, v_pages: [L, num_pages, P, K, D] float32, bfloat16 or int8 (codes).
+      k_pages, v_pages: [L, num_pages, P, K, D] float32, bfloat16 or int8 (codes), or uint8
+        [L, num_pages, P, K, D * bits / 8]: packed asymmetric codes (`codecs.pack_codes`).
       layer: the layer to read (a scalar, traced or not).
       block_tables: [B, W] int32; kv_lens: [B] int32 (0: a padded row, zeros out).
-      k_scale, v_scale: [L, num_pages, P, K] float32 with int8 codes (x = code * scale).
+      k_scale, v_scale: float32; [L, num_pages, P, K] with int8 codes (x = code * scale),
+        [L, num_pages, P, K, D / group] with packed codes (x = zero + code * scale).
+      k_zero, v_zero: float32 [L, num_pages, P, K, D / group], packed codes only.
+      bits, group: the packed codes' width (8, 4 or 2) and channels per scale.
       sm_scale: softmax scale, 1/sqrt(D) by default.
     Returns:
-      [B, N, D] in q's dtype; equal to `paged_decode_attention_reference` on layer `layer`.
+      [B, N, D] in q's dtype; equal to `paged_decode_attention_reference` on layer `layer`
+      of the decoded pages.
     """
     reason = unavailable_reason()
     if reason is not None:
         raise ValueError(reason)
     none = jnp.zeros((1,), jnp.float32)
+    meta = [none if x is None else x for x in (k_scale, v_scale, k_zero, v_zero)]
+    if any(x.dtype != jnp.float32 for x in meta):
+        raise ValueError(f"scales and zeros must be float32, got {[str(x.dtype) for x in meta]}")
     scale = 1.0 / np.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_pages, v_pages,
-        none if k_scale is None else k_scale.astype(jnp.float32),
-        none if v_scale is None else v_scale.astype(jnp.float32),
-        jnp.asarray(layer, jnp.int32), block_tables.astype(jnp.int32),
-        kv_lens.astype(jnp.int32), sm_scale=np.float32(scale))
+        q.astype(jnp.float32), k_pages, v_pages, *meta, jnp.asarray(layer, jnp.int32),
+        block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
+        sm_scale=np.float32(scale), bits=np.int32(bits), group=np.int32(group))
     return out.astype(q.dtype)
 
 
@@ -132,9 +141,23 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 _FLOAT_PAGES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def _pages(kv) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None] | str:
-    """(k, v, k_scale, v_scale) leaves the kernel reads for `kv`, or why it reads none."""
+def codec_reason(codec) -> str | None:
+    """None when the kernel reads pages stored by `codec`, else what it does not read."""
+    from kvjax.kv.codecs import IdentityCodec, Int8Codec, IntCodec
+
+    if isinstance(codec, IdentityCodec):
+        return None if jnp.dtype(codec.dtype) in _FLOAT_PAGES else f"pages of dtype {codec.dtype}"
+    if isinstance(codec, (Int8Codec, IntCodec)):
+        if codec.metadata_dtype != "float32":
+            return f"codec {codec.name!r} ({codec.metadata_dtype} scales)"
+        return None
+    return f"codec {codec.name!r}"
+
+
+def _pages(kv) -> dict | str:
+    """The `paged_decode_attention` arguments that hold `kv`'s pages, or why there are none."""
     from kvjax.kv import quest
+    from kvjax.kv.codecs import IntCodec
     from kvjax.kv.quantized import QuantizedPagedKV
     from kvjax.kv.state import PagedKV
 
@@ -143,17 +166,22 @@ def _pages(kv) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None
     if isinstance(kv, PagedKV):
         if kv.k_pages.dtype not in _FLOAT_PAGES:
             return f"pages of dtype {kv.k_pages.dtype}"
-        return kv.k_pages, kv.v_pages, None, None
+        return dict(k_pages=kv.k_pages, v_pages=kv.v_pages)
     if isinstance(kv, QuantizedPagedKV):
-        names = {kv.codec.name, kv.value_codec.name}
-        if len(names) != 1:
-            return f"different key and value codecs {sorted(names)}"
-        if kv.codec.name in ("none-float32", "none-bfloat16"):
-            return kv.k_stored["values"], kv.v_stored["values"], None, None
-        if kv.codec.name == "int8":
-            return (kv.k_stored["codes"], kv.v_stored["codes"], kv.k_stored["scale"],
-                    kv.v_stored["scale"])
-        return f"codec {kv.codec.name!r}"
+        if kv.codec != kv.value_codec:
+            return f"different key and value codecs {sorted({kv.codec.name, kv.value_codec.name})}"
+        reason = codec_reason(kv.codec)
+        if reason is not None:
+            return reason
+        k, v = kv.k_stored, kv.v_stored
+        if "values" in k:
+            return dict(k_pages=k["values"], v_pages=v["values"])
+        args = dict(k_pages=k["codes"], v_pages=v["codes"], k_scale=k["scale"],
+                    v_scale=v["scale"])
+        if isinstance(kv.codec, IntCodec):
+            args.update(k_zero=k["zero"], v_zero=v["zero"], bits=kv.codec.bits,
+                        group=kv.codec.group)
+        return args
     return f"a {type(kv).__name__}"
 
 
@@ -177,11 +205,11 @@ def kernels_for(kv):
         raise ValueError(reason)
 
     def chooser(kv, layer):
-        k, v, k_scale, v_scale = _pages(kv)
+        pages = _pages(kv)
 
         def decode(q, block_tables, kv_lens):
-            return paged_decode_attention(q, k, v, layer, block_tables, kv_lens,
-                                          k_scale=k_scale, v_scale=v_scale)
+            return paged_decode_attention(q, layer=layer, block_tables=block_tables,
+                                          kv_lens=kv_lens, **pages)
 
         def prefill(q, block_tables, kv_lens, q_lens):
             load = functools.partial(kv.load_pages, layer)
