@@ -57,6 +57,14 @@ def get_config() -> ConfigDict:
     # Host and disk tiers below the device pool (kvjax.memory.tiers). With a host tier,
     # evicted prefix-cache pages spill to host (then disk) and load back on a later hit, and
     # swaps go through the tiers' checked transfers.
+    # Speculative decoding (kvjax.scheduler.spec): none, ngram (prompt lookup) or sparse_self
+    # (the model drafts over attention sinks + a recent window of its own pages, MagicDec).
+    config.spec = ConfigDict()
+    config.spec.method = "none"
+    config.spec.num_draft_tokens = 4  # gamma: drafts verified per step
+    config.spec.options = ConfigDict()  # drafter options: sparse_self num_sinks, window (tokens)
+    config.spec.adaptive = False  # draft length follows each sequence's last acceptance
+
     config.tiers = ConfigDict()
     # Host tier MiB; None or 0: no tiers (swap preemption then uses unbounded host memory).
     config.tiers.host_budget_mb = config_dict.placeholder(float)

@@ -11,6 +11,7 @@ temperature, top-k and top-p), which is what policy-gradient trainers consume.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -130,3 +131,61 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
         tokens = jnp.where(temperature > 0, sampled, greedy)
     logprobs = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
+
+
+def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
+                  temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  seeds: jax.Array, counters: jax.Array, *, all_greedy: bool,
+                  needs_filter: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Speculative verification of deterministic drafts, one row per sequence.
+
+    Row b scored its last token and its drafts: logits[b, j] is the model's distribution of
+    the token after drafts[b, :j]. Greedy rows keep the drafts while each equals the argmax;
+    sampled rows keep draft j with probability p_j(d_j) (p: the tempered, filtered
+    distribution) and, at the first rejection, sample from p_j with d_j removed, which is
+    exactly p_j: the output distribution is the model's. After the last kept draft the row
+    emits one more token of its own (at j == num_drafts, an ordinary sample; a row without
+    drafts samples exactly as `sample_tokens` does).
+
+    Args:
+      logits: [B, W, V] float32 (W = 1 + the most drafts).
+      drafts: [B, W - 1] int32; num_drafts: [B] int32 (<= W - 1).
+      temperature, top_k, top_p, seeds, counters: per row as in `sample_tokens`; position j
+        of row b draws with counter counters[b] + j.
+    Returns:
+      num_accepted [B] int32, the token emitted after them [B] int32, and the logprobs
+      (unmodified distribution) of the emitted tokens [B, W]: drafts first, then that token.
+    """
+    b, w, vocab = logits.shape
+    j = jnp.arange(w, dtype=jnp.int32)
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, W]
+    has_draft = j[None, :] < num_drafts[:, None]  # [B, W]
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, W]
+    if all_greedy:
+        accept, final = padded == target, target
+    else:
+        flat = logits.reshape(b * w, vocab)
+        rep = functools.partial(jnp.repeat, repeats=w, axis=0)
+        scaled = flat / jnp.where(temperature > 0, temperature, 1.0)[:, None].repeat(w, 0)
+        if needs_filter:
+            scaled = _filter_logits(scaled, rep(top_k), rep(top_p))
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(
+            rep(seeds), (counters[:, None] + j[None, :]).reshape(-1))
+        d = padded.reshape(-1)
+        p_draft = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1), d[:, None], axis=-1)[:, 0]
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+        without = scaled.at[jnp.arange(b * w), d].set(-jnp.inf)
+        residual = jax.vmap(lambda k, row: jax.random.categorical(jax.random.fold_in(k, 2), row)
+                            )(keys, without).astype(jnp.int32)
+        plain = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        is_sampled = (temperature > 0)[:, None]
+        accept = jnp.where(is_sampled, (u < p_draft).reshape(b, w), padded == target)
+        final = jnp.where(is_sampled, jnp.where(has_draft, residual.reshape(b, w),
+                                                 plain.reshape(b, w)), target)
+    num_accepted = jnp.sum(jnp.cumprod(accept & has_draft, axis=1), axis=1).astype(jnp.int32)
+    token = jnp.take_along_axis(final, num_accepted[:, None], axis=1)[:, 0]
+    emitted = jnp.where(j[None, :] < num_accepted[:, None], padded,
+                        jnp.where(j[None, :] == num_accepted[:, None], token[:, None], 0))
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), emitted[..., None],
+                                   axis=-1)[..., 0]
+    return num_accepted, token, logprobs

@@ -68,6 +68,8 @@ SECTIONS = (
                                          "make_policy", "FCFS", "Priority", "LongestPrefixMatch",
                                          "FairShare")),
     Section("kvjax.scheduler.preemption", ("decide_preemption", "PreemptionDecision")),
+    Section("kvjax.scheduler.spec", ("SpecConfig", "Drafter", "DRAFTERS", "register_drafter",
+                                     "make_drafter", "NgramDrafter", "SparseSelfDrafter")),
     Section("kvjax.memory.tiers", ("TierConfig", "TransferLayout", "measure_transfer_bandwidth")),
     Section("kvjax.router"),
     Section("kvjax.rl"),

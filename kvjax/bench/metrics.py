@@ -43,6 +43,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "fairness",
     "compiles_after_warmup",
     "padded_token_fraction",
+    "spec",
     "failed_requests",
     "num_requests",
     "duration_s",
@@ -66,6 +67,10 @@ COUNTER_KEYS: tuple[str, ...] = (
     "flops",  # floating-point operations executed (for the energy estimate)
     "step_tokens",  # token slots the steps computed, padding included
     "padded_tokens",  # of those, padding (slots that carried no request's token)
+    "spec_proposed",  # speculative draft tokens verify steps checked
+    "spec_accepted",  # of those, kept
+    "spec_verify_rows",  # verify rows (one per sequence per verify step)
+    "spec_draft_steps",  # steps that ran draft rows (sparse_self drafts)
 )
 
 # Time differences of equal instants can differ from the SLO by float rounding; a request is
@@ -336,6 +341,7 @@ def compute_metrics(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_
         "compiles_after_warmup": counters.get("compiles_after_warmup"),
         "padded_token_fraction": (counters["padded_tokens"] / counters["step_tokens"]
                                   if counters.get("step_tokens") else None),
+        "spec": _spec(counters),
         "failed_requests": len(records) - len(served),
         "num_requests": len(records),
         "duration_s": float(duration_s),
@@ -397,6 +403,19 @@ DEFAULT_TABLE_COLUMNS: tuple[str, ...] = (
     "energy_j_est", "quality.kl_mean", "quality.kl_max", "quality.top1_agreement",
     "retrieval_accuracy", "fairness.jain_output_tokens", "failed_requests",
 )
+
+
+def _spec(counters: Mapping[str, Any]) -> dict[str, float] | None:
+    """Speculative decoding: acceptance_rate (kept / proposed drafts), tokens_per_step
+    (tokens a verify row emits: its kept drafts plus the model's own), and draft_steps; None
+    without verify rows."""
+    rows = counters.get("spec_verify_rows")
+    if not rows:
+        return None
+    accepted = counters.get("spec_accepted", 0)
+    return {"acceptance_rate": accepted / max(counters.get("spec_proposed", 0), 1),
+            "tokens_per_step": (rows + accepted) / rows,
+            "draft_steps": counters.get("spec_draft_steps", 0)}
 
 
 def _lookup(metrics: Mapping[str, Any], column: str) -> Any:

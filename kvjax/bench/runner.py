@@ -88,6 +88,7 @@ from kvjax.memory.transfer import FaultConfig
 from kvjax.models.loading import load_model
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
+from kvjax.scheduler.spec import SpecConfig
 from kvjax.shapes import next_power_of_2
 
 # Columns of results.md: the design's joint metrics plus what makes a row interpretable.
@@ -96,7 +97,8 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "padded_token_fraction")
 
 # Sections whose keys are free-form keyword arguments, so an override may add a key.
-_OPEN_SECTIONS = ("workload.params", "kv.codec_options", "kv.retention_options")
+_OPEN_SECTIONS = ("workload.params", "kv.codec_options", "kv.retention_options",
+                  "spec.options")
 
 # A stuck engine (work queued, nothing schedulable) would otherwise spin forever.
 _MAX_IDLE_STEPS = 1000
@@ -292,7 +294,9 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
         min_chunk_bucket=e.min_chunk_bucket, chunk_bucket_factor=e.chunk_bucket_factor,
         prefill_padding_limit=e.prefill_padding_limit, tiers=tier_config_from(config),
         retention=config.kv.retention, retention_budget=retention_budget_from(config),
-        retention_options=config.kv.retention_options.to_dict())
+        retention_options=config.kv.retention_options.to_dict(),
+        spec=SpecConfig(config.spec.method, config.spec.num_draft_tokens,
+                        config.spec.options.to_dict(), adaptive=config.spec.adaptive))
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -804,7 +808,9 @@ def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
         preemptions=engine.stats["preemptions"], bytes_moved_device=meter.device_bytes,
         bytes_moved_host=host_link_bytes(engine), bytes_moved_disk=disk_bytes(engine),
         compiles_after_warmup=engine.num_compiles - compiles, flops=meter.flops,
-        step_tokens=meter.step_tokens, padded_tokens=meter.padded_tokens)
+        step_tokens=meter.step_tokens, padded_tokens=meter.padded_tokens,
+        **{k: engine.stats[k] for k in ("spec_proposed", "spec_accepted", "spec_verify_rows",
+                                        "spec_draft_steps")})
     metrics = compute_metrics(
         records, slo_ttft_s=float(config.slo.ttft_s), slo_tpot_s=float(config.slo.tpot_s),
         duration_s=duration_s, kv_samples=engine.kv_samples, counters=counters,

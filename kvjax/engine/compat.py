@@ -47,6 +47,7 @@ class Feature(enum.Enum):
     N_SAMPLES = "n_samples"
     PREFIX_CACHE = "prefix_cache"
     CONTIGUOUS = "contiguous"
+    SPECULATIVE = "speculative"
 
     @property
     def group(self) -> str | None:
@@ -84,6 +85,8 @@ _DESCRIPTIONS = {
     Feature.N_SAMPLES: "SamplingParams(n > 1): samples fork after a shared prompt",
     Feature.PREFIX_CACHE: "enable_prefix_cache=True",
     Feature.CONTIGUOUS: "kv_layout=CONTIGUOUS (a max_model_len slot per sequence)",
+    Feature.SPECULATIVE: "EngineConfig.spec with a draft method (ngram, sparse_self): "
+                         "drafts verified against the full KV, rejected ones rolled back",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -106,6 +109,17 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "retention frees and selects whole pages, so it needs the paged layout")
     refuse([Feature.HOST_TIER], [Feature.CONTIGUOUS],
            "tiers move whole pages, so they need the paged layout")
+    refuse(_KIVI, [Feature.SPECULATIVE],
+           "KIVI quantizes a token's key group once newer tokens push it out of the exact "
+           "window, so a verify step's rejected drafts would already have pushed verified "
+           "tokens into quantized groups that rolling back cannot restore")
+    refuse(_EVICTING, [Feature.SPECULATIVE],
+           "an evicting retention policy decides after every decode step which tokens the "
+           "next one reads, so no verify step covering several tokens reads the cache that "
+           "plain decoding would, and the drafts would be checked against another model")
+    refuse([Feature.QUEST], [Feature.SPECULATIVE],
+           "Quest picks the pages each decode query reads from that query alone, so the "
+           "target a verify step checks drafts against is not one fixed cache")
     return table
 
 
@@ -168,6 +182,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.AUTO_PREEMPTION, "preemption_mode='auto'"))
     if on_mesh:
         found.append(_Present(Feature.MESH, "a mesh"))
+    if config.spec.enabled:
+        found.append(_Present(Feature.SPECULATIVE, f"spec.method={config.spec.method!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:
         found.append(_Present(Feature.CONTIGUOUS, "kv_layout='contiguous'"))
     elif config.enable_prefix_cache:

@@ -10,8 +10,9 @@ from kvjax.engine.step import AttentionImpl
 from kvjax.kv import quantized
 from kvjax.memory.tiers import TierConfig
 from kvjax.scheduler.preemption import PreemptionMode
+from kvjax.scheduler.spec import SpecConfig
 
-__all__ = ["EngineConfig", "PreemptionMode"]
+__all__ = ["EngineConfig", "PreemptionMode", "SpecConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +62,12 @@ class EngineConfig:
       retention_options: keyword options of the policy (e.g. {'num_sinks': 4}).
       async_scheduling: schedule and dispatch step t+1 while the device runs step t (sampled
         tokens feed the next step on the device; the host reads them one step later). Greedy
-        outputs are identical either way. Steps that return logits, and engines whose
-        retention policy evicts from each step's key scores, run synchronously.
+        outputs are identical either way. Steps that return logits, engines whose
+        retention policy evicts from each step's key scores, and speculative engines (the
+        tokens a verify step keeps decide the next step's positions) run synchronously.
+      spec: speculative decoding (kvjax.scheduler.spec.SpecConfig: draft method 'none',
+        'ngram' or 'sparse_self', gamma, the drafter's options such as the sparse draft's
+        sinks and window); lossless, off by default.
     """
 
     kv_layout: KVLayout = KVLayout.PAGED
@@ -92,6 +97,7 @@ class EngineConfig:
     retention_budget: int | None = None
     retention_options: dict = dataclasses.field(default_factory=dict)
     async_scheduling: bool = True
+    spec: SpecConfig = SpecConfig()
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
@@ -107,6 +113,8 @@ class EngineConfig:
                              f"got {self.prefill_padding_limit!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
+        if isinstance(self.spec, dict):
+            object.__setattr__(self, "spec", SpecConfig(**self.spec))
         for name, enum_type in (("kv_layout", KVLayout), ("preemption_mode", PreemptionMode),
                                 ("attention_impl", AttentionImpl)):
             value = getattr(self, name)

@@ -54,7 +54,8 @@ class EngineCore:
         if is_sync:
             self.drain()
         t_start = time.perf_counter()
-        so = self.scheduler.schedule()
+        # Steps that return logits emit one token per row (no speculative verification).
+        so = self.scheduler.schedule(speculate=logits_mode is LogitsMode.NONE)
         dispatched = None
         if not so.is_empty:
             if self.debug_provenance:

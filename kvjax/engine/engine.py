@@ -52,6 +52,7 @@ from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.policies import make_policy
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvjax.scheduler.spec import make_drafter
 
 # Retention policies that evict whenever a sequence caches budget + P tokens, prefill included.
 _ROLLING_EVICTION = ("streaming", "h2o")
@@ -121,7 +122,9 @@ class Engine:
         buckets = StepBuckets(config.max_num_seqs, config.max_prefill_seqs,
                               config.max_prefill_chunk, config.min_chunk_bucket,
                               self.block_table_width, config.max_num_batched_tokens,
-                              config.chunk_bucket_factor)
+                              config.chunk_bucket_factor,
+                              spec_width=1 + config.spec.num_draft_tokens
+                              if config.spec.enabled else 1)
         self.runner = ModelRunner(programs, buckets, kv, model.params, model.weights_version,
                                   page_size=config.page_size)
         self.stats: dict = {}
@@ -133,11 +136,14 @@ class Engine:
         self.scheduler = Scheduler(
             self._scheduler_config(), self.kv_cache, make_policy(config.scheduler_policy),
             cache_key=self.provenance, clock=clock, stats=self.stats,
-            weights_version=model.weights_version, tokenizer=model.tokenizer)
+            weights_version=model.weights_version, tokenizer=model.tokenizer,
+            drafter=make_drafter(config.spec.method, **config.spec.options))
         self.stats.update(weight_updates=0)
         # An evicting policy decides from step t's key scores before step t+1's block tables
-        # can exist, so its engine runs synchronously.
-        is_async = config.async_scheduling and not retention.policy.evicts
+        # can exist, and a verify step's kept drafts decide step t+1's positions: such
+        # engines run synchronously.
+        is_async = (config.async_scheduling and not retention.policy.evicts
+                    and not config.spec.enabled)
         self.core = EngineCore(
             self.scheduler, self.runner, stats=self.stats, async_scheduling=is_async,
             debug_provenance=config.debug_provenance)
@@ -172,7 +178,9 @@ class Engine:
             max_inflight_loads=cfg.tiers.max_inflight_loads,
             eos_token_ids=tuple(self.model.config.eos_token_ids),
             prefill_buckets=self.runner.buckets.prefill_buckets,
-            prefill_padding_limit=cfg.prefill_padding_limit)
+            prefill_padding_limit=cfg.prefill_padding_limit,
+            num_draft_tokens=cfg.spec.num_draft_tokens if cfg.spec.enabled else 0,
+            adaptive_drafts=cfg.spec.adaptive)
 
     # ----------------------------------------------------------------------------- views
 

@@ -49,6 +49,9 @@ class StepBuckets:
       max_num_seqs, max_prefill_seqs, max_prefill_chunk, min_chunk_bucket: as in EngineConfig.
       block_table_width: W, the fixed block-table width.
       max_num_batched_tokens, chunk_bucket_factor: as in EngineConfig.
+      spec_width: tokens per decode row of a speculative verify step (1 + gamma); 1: no
+        speculative decoding. Steps whose decode rows verify drafts take that width, the
+        others 1, so warm-up compiles both.
     """
 
     max_num_seqs: int
@@ -58,6 +61,7 @@ class StepBuckets:
     block_table_width: int
     max_num_batched_tokens: int = 1 << 30
     chunk_bucket_factor: int = 4
+    spec_width: int = 1
 
     def decode_buckets(self, *, mixed: bool) -> list[int]:
         """Padded decode-row counts: powers of two alone, powers of four beside a prefill."""
@@ -88,6 +92,10 @@ class StepBuckets:
             return list(self.prefill_buckets)
         return [c for c in self.prefill_buckets if c <= self.row_chunk]
 
+    def decode_widths(self) -> list[int]:
+        """Tokens per decode row a step may have: 1, and the verify width with speculation."""
+        return sorted({1, self.spec_width})
+
     def _prefill_shape(self, bd: int, bp: int, chunk: int, **fields) -> StepShape:
         row_chunk = chunk if bp == 1 else min(chunk, self.row_chunk)
         return StepShape(bd, bp, chunk, self.block_table_width, feed_rows=self.feed_rows,
@@ -101,11 +109,13 @@ class StepBuckets:
     def step_shapes(self, logits_mode: LogitsMode = LogitsMode.NONE) -> list[StepShape]:
         """Every greedy step shape: what warm-up compiles."""
         width, feed = self.block_table_width, self.feed_rows
-        shapes = [StepShape(bd, 0, 1, width, logits_mode=logits_mode, feed_rows=feed)
-                  for bd in self.decode_buckets(mixed=False)]
-        shapes += [self._prefill_shape(bd, bp, c, logits_mode=logits_mode)
-                   for bd in self.decode_buckets(mixed=True) for bp in self.prefill_rows()
-                   for c in self.chunk_buckets(bp)]
+        shapes = [StepShape(bd, 0, 1, width, logits_mode=logits_mode, feed_rows=feed,
+                            decode_width=wd)
+                  for wd in self.decode_widths() for bd in self.decode_buckets(mixed=False)]
+        shapes += [self._prefill_shape(bd, bp, c, logits_mode=logits_mode, decode_width=wd)
+                   for wd in self.decode_widths() for bd in self.decode_buckets(mixed=True)
+                   for bp in self.prefill_rows() for c in self.chunk_buckets(bp)
+                   if bd or wd == 1]
         return shapes
 
     def shape_for(self, so: SchedulerOutput, logits_mode: LogitsMode) -> StepShape:
@@ -114,9 +124,11 @@ class StepBuckets:
         mixed = bool(prefill)
         bd = min(b for b in self.decode_buckets(mixed=mixed) if b >= num_decode)
         sampling = [r.sampling for r in so.rows]
+        verifies = any(r.num_tokens > 1 for r in so.decode)
         fields = dict(all_greedy=all(p.is_greedy for p in sampling),
                       needs_filter=any(p.needs_filter for p in sampling),
-                      logits_mode=logits_mode)
+                      logits_mode=logits_mode,
+                      decode_width=self.spec_width if verifies else 1)
         if not mixed:
             return StepShape(num_decode=bd, num_prefill=0, chunk=1,
                              max_pages=self.block_table_width, feed_rows=self.feed_rows,
@@ -206,13 +218,13 @@ class ModelRunner:
         """
         shape = self.buckets.shape_for(so, logits_mode)
         buf = empty_step_input(shape)
-        bd, num_decode = shape.num_decode, len(so.decode)
+        bd, num_decode, wd = shape.num_decode, len(so.decode), shape.decode_width
         row_index = []
-        t0 = bd  # the next prefill row's first token: prefill rows are packed
+        t0 = bd * wd  # the next prefill row's first token: prefill rows are packed
         for i, row in enumerate(so.rows):
             n = row.num_tokens
             if i < num_decode:
-                r = start = i
+                r, start = i, i * wd
             else:
                 r, start = bd + (i - num_decode), t0
                 t0 += n
@@ -235,9 +247,11 @@ class ModelRunner:
         buf["slot_mapping"][t0:t0 + n] = table[cpos // page_size] * page_size + \
             cpos % page_size
         buf["score_weights"][t0:t0 + n] = row.score_weights
-        width = min(len(table), shape.max_pages)
-        buf["block_tables"][r, :width] = table[:width]
-        buf["kv_lens"][r] = cpos[-1] + 1
+        reads, kv_len = (table, cpos[-1] + 1) if row.read_table is None else \
+            (row.read_table, row.read_len)  # a draft row reads a subset of its pages
+        width = min(len(reads), shape.max_pages)
+        buf["block_tables"][r, :width] = reads[:width]
+        buf["kv_lens"][r] = kv_len
         buf["q_lens"][r] = n
         p = row.sampling
         buf["temperature"][r] = p.temperature
@@ -267,9 +281,14 @@ class ModelRunner:
         rows = np.asarray(step.row_index, np.int64)
         out = step.out
         key_scores = None if out.key_scores is None else np.asarray(out.key_scores)[rows]
+        num_accepted = spec_logprobs = None
+        if out.num_accepted is not None:
+            num_accepted = np.asarray(out.num_accepted)[rows]
+            spec_logprobs = np.asarray(out.spec_logprobs)[rows]
         return RunnerOutput(tokens=np.asarray(out.tokens)[rows],  # The host sync.
                             logprobs=np.asarray(out.logprobs)[rows], key_scores=key_scores,
-                            logits=out.logits)
+                            logits=out.logits, num_accepted=num_accepted,
+                            spec_logprobs=spec_logprobs)
 
     def warmup(self, weights_version: str, *, sampling: bool = False) -> None:
         """Compiles every greedy step shape on padding inputs (which write and read nothing);

@@ -98,6 +98,7 @@ def _seq_record(seq: Sequence) -> dict:
         elif isinstance(value, SamplingParams):
             value = dataclasses.asdict(value)
         record[field.name] = value
+    record["draft_tokens"] = []  # Unverified, and their K/V is not saved: drafted again.
     return record
 
 

@@ -2,10 +2,12 @@
 
 Token layout of a step (all sizes static, padded to buckets; `kvjax.kv.layout`):
 
-  rows 0 .. Bd-1        decode rows, one token each           tokens[0 : Bd]
-  rows Bd .. Bd+Bp-1    prefill rows, packed back to back     tokens[Bd : Bd + C]
+  rows 0 .. Bd-1        decode rows, Wd tokens each            tokens[0 : Bd * Wd]
+  rows Bd .. Bd+Bp-1    prefill rows, packed back to back     tokens[Bd * Wd : Bd * Wd + C]
 
-so T = Bd + C: prefill rows are not padded one by one, only their total is (to C). Every row r
+so T = Bd * Wd + C: prefill rows are not padded one by one, only their total is (to C). Wd is
+1, or 1 + gamma in a speculative verify step, whose decode rows score a sequence's last token
+and its draft tokens at once (`kvjax.sampling.verify_drafts`). Every row r
 has a block table, a kv length (tokens in the cache after this step), a query length (1 for
 decode, up to Cr for prefill; 0 marks a padded row) and the index of its first token. The step
 writes the new K/V into the cache, attends, and samples one token per row from the logits of
@@ -28,7 +30,7 @@ from kvjax.kv import attention as attention_ref
 from kvjax.kv import layout, native
 from kvjax.kv.state import KVState
 from kvjax.models import llama
-from kvjax.sampling import sample_tokens
+from kvjax.sampling import sample_tokens, verify_drafts
 
 
 class AttentionImpl(enum.Enum):
@@ -63,6 +65,8 @@ class StepShape:
     feed_rows: int = 0
     # Cr, the most tokens one prefill row has (the width of attention's per-row view; 0: C).
     row_chunk: int = 0
+    # Wd, tokens per decode row: 1, or 1 + gamma in a speculative verify step.
+    decode_width: int = 1
 
     @property
     def num_rows(self) -> int:
@@ -70,7 +74,7 @@ class StepShape:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decode + (self.chunk if self.num_prefill else 0)
+        return self.num_decode * self.decode_width + (self.chunk if self.num_prefill else 0)
 
 
 @struct.dataclass
@@ -124,6 +128,11 @@ class StepInput:
 class StepOutput:
     """tokens, logprobs: [R]; logits: [R, V], [T, V] or None per LogitsMode.
 
+    num_accepted: [R] int32 in a verify step (decode_width > 1): the draft tokens each row
+    kept (`tokens` is the one it emits after them; 0 for prefill rows), else None.
+    spec_logprobs: [R, Wd] float32 in a verify step: the logprobs of the kept drafts, then
+    of `tokens` at index num_accepted; else None.
+
     key_scores: [R, W*P] float32 or None: with a retention policy that scores keys, the
     attention each row's cached tokens received in this step (summed over layers, query heads
     and the row's queries weighted by score_weights), in cache order.
@@ -135,11 +144,13 @@ class StepOutput:
     feed_tokens: jax.Array
     logits: jax.Array | None = None
     key_scores: jax.Array | None = None
+    num_accepted: jax.Array | None = None
+    spec_logprobs: jax.Array | None = None
 
 
 def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
     """Host buffers for one step, filled with padding values."""
-    r, t, bd = shape.num_rows, shape.num_tokens, shape.num_decode
+    r, t, bd, w = shape.num_rows, shape.num_tokens, shape.num_decode, shape.decode_width
     return dict(
         tokens=np.zeros(t, np.int32),
         positions=np.zeros(t, np.int32),
@@ -157,8 +168,8 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
         kv_floors=np.zeros(r, np.int32),
         token_src=np.full(t, -1, np.int32),
         prev_tokens=np.zeros(max(shape.feed_rows, r), np.int32),
-        row_starts=np.minimum(np.arange(r), bd).astype(np.int32),
-        token_rows=np.minimum(np.arange(t), bd).astype(np.int32),
+        row_starts=(np.minimum(np.arange(r), bd) * w).astype(np.int32),
+        token_rows=np.minimum(np.arange(t) // w, bd).astype(np.int32),
     )
 
 
@@ -201,8 +212,11 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
     reads: (indices [Bd, W], kv_lens [Bd]) of the block-table entries decode rows read (a
     retention policy's `select_reads`), or None: every page.
     """
-    bd, bp = shape.num_decode, shape.num_prefill
+    bd, bp, wd = shape.num_decode, shape.num_prefill, shape.decode_width
     bt, kv_lens, q_lens = inp.block_tables, inp.kv_lens, inp.q_lens
+    if wd > 1 and reads is not None:
+        raise ValueError("a verify step's decode rows read every page of their block tables")
+    num_dec, n, d = bd * wd, q.shape[1], q.shape[2]
     decode_lens = kv_lens[:bd] if reads is None else reads[1]
 
     def decode_tables(tables: jax.Array) -> jax.Array:
@@ -211,7 +225,11 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
     outs = []
     if kernels is not None:
         decode_attn, prefill_attn = kernels(kv, layer)
-        if bd:
+        if bd and wd > 1:
+            out = prefill_attn(q[:num_dec].reshape(bd, wd, n, d), bt[:bd], kv_lens[:bd],
+                               q_lens[:bd])
+            outs.append(out.reshape(num_dec, n, d))
+        elif bd:
             outs.append(decode_attn(q[:bd], decode_tables(bt[:bd]), decode_lens))
         if bp:
             out = prefill_attn(layout.prefill_view(q, inp, shape), bt[bd:], kv_lens[bd:],
@@ -228,9 +246,9 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
 
     if bd:
         tables, load = reader(slice(0, bd))  # the loader sees every row's full length
-        out = blockwise(q[:bd, None], load, decode_tables(tables), decode_lens,
-                        q_lens[:bd])  # [Bd, 1, N, D]
-        outs.append(out[:, 0])
+        out = blockwise(q[:num_dec].reshape(bd, wd, n, d), load, decode_tables(tables),
+                        decode_lens, q_lens[:bd])  # [Bd, Wd, N, D]
+        outs.append(out.reshape(num_dec, n, d))
     if bp:
         tables, load = reader(slice(bd, None))
         out = blockwise(layout.prefill_view(q, inp, shape), load, tables, kv_lens[bd:],
@@ -274,9 +292,13 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                                             (kv, key_scores))  # [T, H]
     last = inp.row_starts + jnp.maximum(q_lens - 1, 0)  # [R]
     logits = llama.lm_head(params, config, h[last])  # [R, V]
+    sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     tokens, logprobs = sample_tokens(
-        logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters,
-        all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
+        logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, **sampling)
+    num_accepted = spec_logprobs = None
+    if shape.decode_width > 1:
+        tokens, logprobs, num_accepted, spec_logprobs = _verify_decode_rows(
+            params, config, h, token_ids, tokens, logprobs, inp, shape, sampling)
     out_logits = None
     if shape.logits_mode is LogitsMode.LAST:
         out_logits = logits
@@ -284,7 +306,27 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         out_logits = llama.lm_head(params, config, h)  # [T, V]
     feed = jnp.zeros(inp.prev_tokens.shape, jnp.int32).at[:shape.num_rows].set(tokens)  # [F]
     return StepOutput(tokens=tokens, logprobs=logprobs, feed_tokens=feed, logits=out_logits,
-                      key_scores=key_scores), kv
+                      key_scores=key_scores, num_accepted=num_accepted,
+                      spec_logprobs=spec_logprobs), kv
+
+
+def _verify_decode_rows(params, config: ModelConfig, h, token_ids, tokens, logprobs,
+                        inp: StepInput, shape: StepShape, sampling: dict):
+    """A verify step's decode rows: every token's logits, then `verify_drafts`; the prefill
+    rows keep the tokens they sampled. Returns (tokens, logprobs, num_accepted,
+    spec_logprobs), each over all rows."""
+    bd, wd = shape.num_decode, shape.decode_width
+    logits = llama.lm_head(params, config, h[:bd * wd]).reshape(bd, wd, -1)  # [Bd, Wd, V]
+    rows = slice(0, bd)
+    accepted, emitted, emitted_logprobs = verify_drafts(
+        logits, token_ids[:bd * wd].reshape(bd, wd)[:, 1:],
+        jnp.maximum(inp.q_lens[rows] - 1, 0), inp.temperature[rows], inp.top_k[rows],
+        inp.top_p[rows], inp.seeds[rows], inp.counters[rows], **sampling)
+    final_logprob = jnp.take_along_axis(emitted_logprobs, accepted[:, None], axis=1)[:, 0]
+    bp = shape.num_rows - bd
+    return (tokens.at[rows].set(emitted), logprobs.at[rows].set(final_logprob),
+            jnp.concatenate([accepted, jnp.zeros(bp, jnp.int32)]),
+            jnp.concatenate([emitted_logprobs, jnp.zeros((bp, wd), jnp.float32)]))
 
 
 class StepPrograms:

@@ -335,6 +335,23 @@ class BlockManager:
         seq.is_indexable = False
         return AllocStatus.OK, src[changed], dst[changed], freed
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Shortens a sequence to its first `num_tokens` tokens (rejected speculative drafts):
+        pages past them are released and hashes of pages they no longer fill are dropped.
+
+        Returns:
+            The pages that went to the free list.
+        """
+        seq = self._get(seq_id)
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"truncate of sequence {seq_id!r} to {num_tokens} tokens, but it "
+                             f"has {seq.num_tokens}")
+        keep = -(-num_tokens // self.page_size)
+        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        del seq.page_hashes[num_tokens // self.page_size:]
+        seq.num_tokens = num_tokens
+        return [page for page in reversed(tail) if self._release(page)]
+
     def free(self, seq_id: Hashable) -> list[int]:
         """Drops `seq_id` and releases its pages.
 

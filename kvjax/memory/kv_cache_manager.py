@@ -200,6 +200,13 @@ class KVCacheManager:
             # window slot is freed with it and must be zeroed before a new sequence takes it.
             self.scrub(freed)
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Drops a sequence's cache positions from `num_tokens` on (rejected speculative
+        drafts): the pages past them return to the pool (scrubbed if configured)."""
+        freed = self.allocator.truncate(seq_id, num_tokens)
+        if self.scrub_freed_pages and freed:
+            self.scrub(freed)
+
     def scrub(self, pages: Sequence[int]) -> None:
         """Zeroes freed pages (and freed window slots) so no later reader sees their content."""
         self._apply(KVOp(KVOpKind.SCRUB, tuple(pages)),

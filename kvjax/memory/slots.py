@@ -70,6 +70,10 @@ class SlotAllocator:
     def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         pass
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """A slot keeps its pages whatever the sequence's length: nothing to release."""
+        return []
+
     def free(self, seq_id: Hashable) -> list[int]:
         slot = self._slot_of.pop(seq_id)
         if slot < 0:

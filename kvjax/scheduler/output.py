@@ -37,6 +37,12 @@ class ScheduledRow:
       kv_epoch: the sequence's KV epoch when scheduled.
       feed_index: for a decode row whose token is still in flight, the index of the row that
         samples it in the previous step's rows (the runner feeds it on the device); else -1.
+      num_drafts: a verify row's draft tokens (`kvjax.scheduler.spec`): token_ids[1:] are
+        proposals the step checks; 0 for every other row.
+      is_draft: a draft row: its sampled token is a proposal, not output, and the K/V it
+        writes is overwritten by the verify step.
+      read_table, read_len: the pages a draft row attends to and their token count (a subset
+        of block_table); None: the row reads its whole block table.
     """
 
     seq_id: str
@@ -53,6 +59,10 @@ class ScheduledRow:
     samples: bool = True
     kv_epoch: int = 0
     feed_index: int = -1
+    num_drafts: int = 0
+    is_draft: bool = False
+    read_table: np.ndarray | None = None
+    read_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -105,9 +115,15 @@ class RunnerOutput:
         (retention policies that score keys).
       logits: the step's logits as a device array (LogitsMode LAST: [padded R, V]; ALL:
         [padded T, V] in the step's token layout), else None.
+      num_accepted: [R] int32 after a verify step: the draft tokens each row kept (`tokens`
+        follows them); None for other steps (no row kept a draft).
+      spec_logprobs: [R, 1 + gamma] float32 after a verify step: logprobs of the kept drafts,
+        then of `tokens`; else None.
     """
 
     tokens: np.ndarray
     logprobs: np.ndarray
     key_scores: np.ndarray | None = None
     logits: object | None = None
+    num_accepted: np.ndarray | None = None
+    spec_logprobs: np.ndarray | None = None

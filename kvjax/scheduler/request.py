@@ -40,6 +40,8 @@ class Sequence:
     `tokens` yet: `num_unresolved` counts it (0 or 1), and `inflight_index` is its row in that
     step. `kv_epoch` changes whenever the sequence loses or moves its KV (preemption, restart),
     so a step's results apply their KV bookkeeping only to the epoch that scheduled them.
+    With speculative decoding, `draft_tokens` are proposals after `tokens` that no verify step
+    has checked yet (never output, never in the prefix cache; dropped with the KV).
     A prefill-only sequence (the shared prompt of an n > 1 group) holds the prompt minus its last
     token and forks into the samples once computed.
     """
@@ -69,6 +71,8 @@ class Sequence:
     num_unresolved: int = 0
     inflight_index: int = -1
     kv_epoch: int = 0
+    draft_tokens: list[int] = dataclasses.field(default_factory=list)  # unverified proposals
+    draft_len: int = 0  # adaptive speculation: drafts to propose next (0: gamma)
 
     @property
     def output_ids(self) -> list[int]:

@@ -17,11 +17,13 @@ import numpy as np
 
 from kvjax.kv.state import pages_for
 from kvjax.memory.kv_cache_manager import KVCacheManager
+from kvjax.sampling import SamplingParams
 from kvjax.scheduler.output import RunnerOutput, ScheduledRow, SchedulerOutput
 from kvjax.scheduler.policies import LongestPrefixMatch, SchedulingPolicy
 from kvjax.scheduler.preemption import PreemptionMode, decide_preemption
 from kvjax.scheduler.request import FinishReason, SeqStatus, Sequence, WeightUpdatePolicy
 from kvjax.scheduler.requests import RequestRegistry
+from kvjax.scheduler.spec import Drafter, NoDrafts
 from kvjax.scheduler.tiered import TierAdmission
 
 
@@ -43,6 +45,10 @@ class SchedulerConfig:
       max_pages_held: pages a sequence of n tokens holds at most (a retention policy bounds it).
       prefill_buckets: the padded prefill-token totals of a step (the runner's buckets).
       prefill_padding_limit: as in EngineConfig (cut chunks to end on a bucket); None: off.
+      num_draft_tokens: gamma, the most draft tokens a sequence verifies in one step
+        (`kvjax.scheduler.spec`); 0: no speculative decoding.
+      adaptive_drafts: a sequence's draft length follows its last verify step
+        (`SpecConfig.adaptive`).
     """
 
     max_num_seqs: int
@@ -60,6 +66,12 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     prefill_buckets: tuple[int, ...] = ()
     prefill_padding_limit: float | None = None
+    num_draft_tokens: int = 0
+    adaptive_drafts: bool = False
+
+
+# Draft rows propose the draft's argmax: verification handles deterministic drafts.
+_GREEDY_DRAFT = SamplingParams(max_new_tokens=1)
 
 
 class Scheduler(RequestRegistry, TierAdmission):
@@ -72,11 +84,13 @@ class Scheduler(RequestRegistry, TierAdmission):
       waiting, running, swapped: the queues.
       weights_version: the newest weights version; `versions` every version still served.
       stats: the engine's counters (shared dict) this scheduler adds to.
+      drafter: where speculative draft tokens come from (`kvjax.scheduler.spec`).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  policy: SchedulingPolicy, *, cache_key: Callable[[str | None, str], bytes],
-                 clock: Callable[[], float], stats: dict, weights_version: str, tokenizer=None):
+                 clock: Callable[[], float], stats: dict, weights_version: str, tokenizer=None,
+                 drafter: Drafter | None = None):
         self.config = config
         self.kv_cache = kv_cache
         self.policy = policy
@@ -86,8 +100,10 @@ class Scheduler(RequestRegistry, TierAdmission):
         self.tokenizer = tokenizer
         self.weights_version = weights_version
         self.versions = [weights_version]
+        self.drafter = drafter or NoDrafts()
         self.stats.update(steps=0, preemptions=0, prefill_tokens=0, decode_tokens=0,
-                          preemption_decisions=[], step_time_s=0.0)
+                          preemption_decisions=[], step_time_s=0.0, spec_draft_steps=0,
+                          spec_verify_rows=0, spec_proposed=0, spec_accepted=0)
         if isinstance(policy, LongestPrefixMatch):
             policy.cached_tokens = self._peek_cached_tokens
         self._init_registry()
@@ -110,8 +126,12 @@ class Scheduler(RequestRegistry, TierAdmission):
 
     # ----------------------------------------------------------------------------- schedule
 
-    def schedule(self) -> SchedulerOutput:
-        """Forms the next step (rows may be empty: nothing can run now)."""
+    def schedule(self, *, speculate: bool = True) -> SchedulerOutput:
+        """Forms the next step (rows may be empty: nothing can run now).
+
+        speculate: with speculative decoding configured, decode rows may draft or verify
+        drafts; False plans one token per decode row (steps that return logits, so each
+        logits row is the distribution of the one token its row emits)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         self._poll_tiers()
@@ -120,19 +140,37 @@ class Scheduler(RequestRegistry, TierAdmission):
         preempted: list[str] = []
         scheduled: set[str] = set()
         active = self.active_version()
+        drafting: set[str] = set()
+        num_drafts: dict[str, int] = {}  # verify rows: drafts each checks
+        speculate = speculate and cfg.num_draft_tokens > 0
+        decoding = [s for s in self._ranked(self.running)
+                    if s.status is SeqStatus.RUNNING and s.num_pending == 1
+                    and s.weights_version == active and not self._is_done(s)]
+        is_draft_step = speculate and self.drafter.runs_draft_steps and any(
+            len(s.draft_tokens) < self._max_drafts(s) for s in decoding)
         # 1. Decode rows for running sequences, highest ranked first; preempt from the bottom.
-        for seq in self._ranked(self.running):
-            if (seq.status is not SeqStatus.RUNNING or seq.num_pending != 1
-                    or seq.weights_version != active or self._is_done(seq)):
+        # With speculation a row drafts one token (a draft step) or verifies its drafts.
+        for seq in decoding:
+            if seq.status is not SeqStatus.RUNNING:  # preempted for a higher-ranked row
                 continue
             if len(decode) >= cfg.max_num_seqs or budget < 1:
                 break
+            if is_draft_step and len(seq.draft_tokens) >= self._max_drafts(seq):
+                continue  # its drafts are ready: it waits for the verify step
+            if speculate and not is_draft_step:
+                self._propose(seq, budget - 1)
+            offset = len(seq.draft_tokens) if is_draft_step else 0
+            width = 1 + len(seq.draft_tokens) if speculate and not is_draft_step else 1
             while True:
-                cached = self._cached_len(seq)
-                if self.kv_cache.allocate(seq.seq_id, cached, cached + 1):
-                    decode.append((seq, 1))
+                cached = self._cached_len(seq) + offset
+                if self.kv_cache.allocate(seq.seq_id, cached, cached + width):
+                    decode.append((seq, width))
                     scheduled.add(seq.seq_id)
-                    budget -= 1
+                    if is_draft_step:
+                        drafting.add(seq.seq_id)
+                    elif width > 1:
+                        num_drafts[seq.seq_id] = width - 1
+                    budget -= width
                     break
                 victim = [s for s in self._ranked(self.running) if s.seq_id not in scheduled][-1]
                 self._preempt(victim)
@@ -203,10 +241,50 @@ class Scheduler(RequestRegistry, TierAdmission):
             preempted.append(victim.seq_id)
         self._prefetch_from_tiers(idle=not decode and not prefill)
         self.kv_cache.spill_evictions()  # Before the step writes to pages evicted above.
-        rows = [self._row(s, n, i) for i, (s, n) in enumerate(decode + prefill)]
+        if drafting:
+            self.stats["spec_draft_steps"] += 1
+        rows = [self._draft_row(s, i) if s.seq_id in drafting
+                else self._row(s, n, i, num_drafts.get(s.seq_id, 0))
+                for i, (s, n) in enumerate(decode + prefill)]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
                                preempted=tuple(preempted), kv_ops=self.kv_cache.take_ops(),
                                weights_version=active)
+
+    def _max_drafts(self, seq: Sequence) -> int:
+        """Draft tokens the sequence may verify next: gamma, less near its length limits (the
+        verify step emits one token beyond its drafts)."""
+        left = min(seq.sampling.max_new_tokens - len(seq.output_ids),
+                   self.config.max_model_len - seq.num_tokens)
+        gamma = self.config.num_draft_tokens
+        if self.config.adaptive_drafts and seq.draft_len:
+            gamma = min(gamma, seq.draft_len)
+        return max(0, min(gamma, left - 1))
+
+    def _propose(self, seq: Sequence, budget: int) -> None:
+        """The drafts a verify row checks: a host drafter's proposals, or the draft steps'."""
+        num = min(self._max_drafts(seq), budget)
+        if not self.drafter.runs_draft_steps:
+            seq.draft_tokens = self.drafter.propose(seq.tokens, num)
+        del seq.draft_tokens[num:]
+
+    def _draft_row(self, seq: Sequence, index: int) -> ScheduledRow:
+        """A draft step's row: the sequence's next unverified token at its position, reading
+        the page subset the drafter chooses; it counts nothing as computed."""
+        table = np.asarray(self.kv_cache.block_table(seq.seq_id), np.int32)
+        evicted = self.kv_cache.retention.num_evicted(seq.seq_id)
+        start = seq.num_computed + len(seq.draft_tokens)
+        token = (seq.tokens + seq.draft_tokens)[start]
+        cache_pos = start - evicted
+        self.kv_cache.mark_written({int(table[cache_pos // self.config.page_size])},
+                                   seq.weights_version)
+        reads, read_len = self.drafter.draft_reads(table, cache_pos + 1, self.config.page_size)
+        return ScheduledRow(
+            seq_id=seq.seq_id, token_ids=np.asarray([token], np.int32), start=start,
+            num_evicted=evicted, block_table=table, score_weights=np.zeros(1, np.float32),
+            sampling=_GREEDY_DRAFT, seed=seq.seed, counter=0,
+            seq_slot=self.kv_cache.seq_slot(seq.seq_id),
+            kv_floor=self.kv_cache.kv_floor(seq.seq_id), samples=False, kv_epoch=seq.kv_epoch,
+            is_draft=True, read_table=np.asarray(reads, np.int32), read_len=int(read_len))
 
     def _fit_to_bucket(self, total: int, chunk: int) -> int:
         """`chunk` tokens more after `total` prefill tokens, cut to end on a prefill bucket
@@ -232,9 +310,10 @@ class Scheduler(RequestRegistry, TierAdmission):
             seq.num_tokens - seq.num_prompt_tokens >= seq.sampling.max_new_tokens
             or seq.num_tokens >= self.config.max_model_len)
 
-    def _row(self, seq: Sequence, n: int, index: int) -> ScheduledRow:
+    def _row(self, seq: Sequence, n: int, index: int, num_drafts: int = 0) -> ScheduledRow:
         """The row's snapshot; the sequence counts its tokens as computed from now on, and its
-        pages are recorded as written by its weights version."""
+        pages are recorded as written by its weights version. A verify row's last
+        `num_drafts` tokens are the sequence's draft tokens."""
         table = np.asarray(self.kv_cache.block_table(seq.seq_id), np.int32)
         evicted = self.kv_cache.retention.num_evicted(seq.seq_id)
         start = seq.num_computed
@@ -244,8 +323,10 @@ class Scheduler(RequestRegistry, TierAdmission):
         if seq.num_unresolved:  # Its one token comes from the previous step, on the device.
             token_ids, feed_index = np.zeros(n, np.int32), seq.inflight_index
         else:
-            token_ids, feed_index = np.asarray(seq.tokens[start:start + n], np.int32), -1
-        samples = n == seq.num_pending
+            token_ids = np.asarray(seq.tokens[start:start + n - num_drafts]
+                                   + seq.draft_tokens[:num_drafts], np.int32)
+            feed_index = -1
+        samples = n - num_drafts == seq.num_pending
         row = ScheduledRow(
             seq_id=seq.seq_id, token_ids=token_ids, start=start, num_evicted=evicted,
             block_table=table,
@@ -254,10 +335,14 @@ class Scheduler(RequestRegistry, TierAdmission):
             sampling=seq.sampling, seed=seq.seed, counter=seq.num_tokens - seq.num_prompt_tokens,
             seq_slot=self.kv_cache.seq_slot(seq.seq_id),
             kv_floor=self.kv_cache.kv_floor(seq.seq_id), samples=samples,
-            kv_epoch=seq.kv_epoch, feed_index=feed_index)
+            kv_epoch=seq.kv_epoch, feed_index=feed_index, num_drafts=num_drafts)
+        seq.draft_tokens = []  # Checked by this row (verified or not, they are spent).
         seq.num_computed += n
+        if num_drafts:
+            self.stats["spec_verify_rows"] += 1
+            self.stats["spec_proposed"] += num_drafts
         # Counted when dispatched: the device computes them whatever happens to the sequence.
-        is_decode = n == 1 and samples and start >= seq.num_prompt_tokens
+        is_decode = n - num_drafts == 1 and samples and start >= seq.num_prompt_tokens
         self.stats["decode_tokens" if is_decode else "prefill_tokens"] += n
         if samples and not seq.is_group_prefill:
             seq.num_unresolved += 1
@@ -299,6 +384,7 @@ class Scheduler(RequestRegistry, TierAdmission):
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         seq.kv_epoch += 1
+        seq.draft_tokens = []
         seq.num_preemptions += 1
         self.stats["preemptions"] += 1
         if seq.num_computed > 0 and self.config.is_paged and self._swap_on_preempt(seq):
@@ -342,6 +428,13 @@ class Scheduler(RequestRegistry, TierAdmission):
             if seq is None or seq.status is SeqStatus.FINISHED:
                 continue
             is_current = row.kv_epoch == seq.kv_epoch and seq.status is SeqStatus.RUNNING
+            if row.is_draft:
+                if is_current:
+                    seq.draft_tokens.append(int(out.tokens[i]))
+                continue
+            if row.num_drafts:
+                self._commit_verified(seq, row, out, i, now, is_current, so.weights_version)
+                continue
             if is_current:
                 self._commit_kv(seq, row, None if out.key_scores is None else out.key_scores[i])
             if not row.samples:
@@ -363,11 +456,41 @@ class Scheduler(RequestRegistry, TierAdmission):
         if len(self.versions) > 1:
             self.drop_unused_versions()
 
-    def _commit_kv(self, seq: Sequence, row: ScheduledRow, key_scores: np.ndarray | None
-                   ) -> None:
-        """A row's tokens are computed: full pages to the prefix cache, retention decisions."""
-        n = row.num_tokens
-        self.kv_cache.commit(seq.seq_id, seq.tokens[:min(seq.num_computed, len(seq.tokens))])
+    def _commit_verified(self, seq: Sequence, row: ScheduledRow, out: RunnerOutput, i: int,
+                         now: float, is_current: bool, version: str) -> None:
+        """A verify row: its kept drafts and the model's next token are output; the rejected
+        drafts' cache positions are rolled back (pages past them freed) before anything of
+        the row reaches the prefix cache."""
+        k = 0 if out.num_accepted is None else int(out.num_accepted[i])
+        kept = [int(t) for t in row.token_ids[1:1 + k]]
+        logprobs = ([float(out.logprobs[i])] if out.spec_logprobs is None
+                    else [float(x) for x in out.spec_logprobs[i, :k + 1]])
+        self.stats["spec_accepted"] += k
+        m = row.num_drafts
+        seq.draft_len = min(m + 1, self.config.num_draft_tokens) if k == m else k + 1
+        if is_current:
+            seq.num_computed = row.start + 1 + k
+            self.kv_cache.truncate(seq.seq_id, self._cached_len(seq))
+            self._commit_kv(seq, row, None, tokens=seq.tokens + kept, num_new=1 + k)
+        seq.num_unresolved -= 1
+        for token, logprob in zip([*kept, int(out.tokens[i])], logprobs, strict=True):
+            seq.tokens.append(token)
+            seq.token_versions.append(version)
+            seq.logprobs.append(logprob)
+            seq.token_times.append(now)
+            self._check_stop(seq)
+            if seq.status is SeqStatus.FINISHED:
+                break
+
+    def _commit_kv(self, seq: Sequence, row: ScheduledRow, key_scores: np.ndarray | None, *,
+                   tokens: list[int] | None = None, num_new: int | None = None) -> None:
+        """A row's tokens are computed: full pages to the prefix cache, retention decisions.
+
+        tokens: the sequence's tokens the KV holds (default seq.tokens); num_new: tokens of
+        the row that stay computed (default all of them)."""
+        n = row.num_tokens if num_new is None else num_new
+        tokens = seq.tokens if tokens is None else tokens
+        self.kv_cache.commit(seq.seq_id, tokens[:min(seq.num_computed, len(tokens))])
         self.policy.on_tokens(seq, n)
         self.kv_cache.retain(seq.seq_id, row.start, n, key_scores, is_prefill_done=row.samples,
                              version=seq.weights_version)
@@ -455,6 +578,7 @@ class Scheduler(RequestRegistry, TierAdmission):
         self.kv_cache.drop_swapped(seq.seq_id)
         seq.num_computed = 0
         seq.kv_epoch += 1
+        seq.draft_tokens = []
         if seq.status is not SeqStatus.WAITING:
             seq.status = SeqStatus.WAITING
             self.waiting.append(seq)

@@ -380,3 +380,24 @@ def test_step_cost_fit_recovers_the_cost_model_and_never_goes_negative():
     b = np.array([r.duration_s for r in falling])
     expected = np.linalg.lstsq(a, b, rcond=None)[0]
     assert [fit["step_overhead_s"], fit["per_token_s"]] == pytest.approx(expected.tolist())
+
+
+def test_speculative_run_reports_acceptance_and_tokens_per_step(model):
+    """spec.* reaches the engine; the run reports spec.acceptance_rate and tokens_per_step
+    from the engine's counters, and serves every token asked for (plain runs report None)."""
+    motif = tuple(range(10, 18))
+    requests = [BenchRequest(f"r{i}", 0.0, motif * 3 + (20 + i,), 8) for i in range(3)]
+    config = tiny_config(clock="simulated")
+    plain = runner.run_benchmark_detailed(config, model=model, requests=requests)
+    spec = runner.run_benchmark_detailed(
+        runner.apply_overrides(config, {"spec.method": "ngram", "spec.num_draft_tokens": 3}),
+        model=model, requests=requests)
+    assert plain.metrics["spec"] is None
+    assert runner.engine_config_from(runner.apply_overrides(
+        config, {"spec.method": "sparse_self", "spec.options.window": 32})).spec.options == {
+            "window": 32}
+    m = spec.metrics["spec"]
+    assert 0.0 <= m["acceptance_rate"] <= 1.0
+    assert 1.0 <= m["tokens_per_step"] <= 4.0
+    assert [r.num_output_tokens for r in spec.records] == [8, 8, 8]
+    assert [r.num_output_tokens for r in plain.records] == [8, 8, 8]

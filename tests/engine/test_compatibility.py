@@ -60,6 +60,7 @@ FAST = {
         (Feature.QUEST, Feature.PREFIX_CACHE),
         (Feature.HOST_TIER, Feature.SNAPSHOT), (Feature.SWAP, Feature.SNAPSHOT),
         (Feature.AUTO_PREEMPTION, Feature.N_SAMPLES),
+        (Feature.SPECULATIVE, Feature.SWAP),
     )
 }
 
@@ -98,6 +99,9 @@ def config_for(features) -> dict:
         Feature.PREFIX_CACHE: dict(enable_prefix_cache=True),
         Feature.CONTIGUOUS: dict(kv_layout="contiguous", num_pages=None,
                                  kv_budget_bytes=2 * 32 * page_bytes // P),
+        # Sparse self-drafts: draft steps over a window smaller than the prompts, then verify.
+        Feature.SPECULATIVE: dict(spec=dict(method="sparse_self", num_draft_tokens=2,
+                                            options=dict(num_sinks=P, window=P))),
     }
     config = dict(BASE)
     for feature in features:

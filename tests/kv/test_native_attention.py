@@ -45,6 +45,32 @@ def test_decode_reads_float_pages_in_place_like_numpy(case):
         np.testing.assert_allclose(got[b], want, **F32_TOL)
 
 
+@pytest.mark.parametrize("case", [(16, 3, 3, 64), (4, 2, 5, 8)],
+                         ids=lambda c: "P{}-K{}-G{}-D{}".format(*c))
+def test_rows_of_several_queries_attend_causally_like_numpy(case):
+    """Speculative verify rows: q_lens[b] of Q queries at the row's last positions, each
+    seeing the tokens up to its own; queries past q_lens (and padded rows) get zeros."""
+    page_size, k_heads, group, head_dim = case
+    rng = np.random.default_rng(2)
+    kv_lens, tables, kp, vp, ks, vs = make_case(
+        rng, num_seqs=4, max_len=40, page_size=page_size, num_kv_heads=k_heads, group=group,
+        head_dim=head_dim)
+    num_queries = 5
+    kv_lens[2] = 0  # a padded row
+    q_lens = np.minimum([5, 1, 0, 3], kv_lens).astype(np.int32)
+    q = rng.standard_normal((4, num_queries, k_heads * group, head_dim)).astype(np.float32)
+    run = jax.jit(native.paged_decode_attention)
+    got = np.asarray(run(q, _layered(kp, 0), _layered(vp, 0), 0, tables, kv_lens,
+                         q_lens=q_lens))
+    for b in range(4):
+        for i in range(num_queries):
+            if i >= q_lens[b]:
+                want = np.zeros_like(q[b, i])
+            else:
+                want = numpy_attention(q[b, i], ks[b], vs[b], kv_lens[b] - q_lens[b] + i)
+            np.testing.assert_allclose(got[b, i], want, **F32_TOL)
+
+
 def test_decode_reads_bfloat16_pages_and_int8_codes_with_scales():
     rng = np.random.default_rng(1)
     kv_lens, tables, kp, vp, _, _ = make_case(rng, num_seqs=4, max_len=50, page_size=16,

@@ -220,6 +220,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self._write(seq_id, start, start + len(new_tokens), seq.tokens[:start] + new_tokens):
             seq.num_committed = min(seq.num_committed, start)
 
+    @precondition(lambda self: any(s.num_written > 0 for s in self.seqs.values()))
+    @rule(data=st.data())
+    def truncate(self, data):
+        """Drops a suffix after a speculative verify step (num_written may exceed what the
+        sequence keeps): the pages past the kept tokens are released, tail first."""
+        seq_id = self._draw_seq(data, lambda s: s.num_written > 0)
+        seq = self.seqs[seq_id]
+        keep = data.draw(st.integers(max(seq.num_committed, 0), seq.num_written))
+        table = self.bm.block_table(seq_id)
+        freed = self.bm.truncate(seq_id, keep)
+        num_pages = -(-keep // self.page_size)
+        assert self.bm.block_table(seq_id) == table[:num_pages]
+        for page in reversed(table[num_pages:]):
+            self._release(page)
+        expected = {p for p in table[num_pages:] if self.ref_counts[p] == 0
+                    and not self._indexed(p)}
+        assert sorted(freed) == sorted(expected)
+        seq.num_written = keep
+        seq.tokens = seq.tokens[:keep]
+        assert self.bm.pages_needed(seq_id, keep) == 0
+        with pytest.raises(ValueError, match="truncate"):
+            self.bm.truncate(seq_id, keep + 1)
+
     @precondition(lambda self: any(s.num_written > s.num_committed for s in self.seqs.values()))
     @rule(data=st.data())
     def commit(self, data):

@@ -51,6 +51,7 @@ _SOURCE = pathlib.Path(__file__).with_name("paged_decode.cc")
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-freciprocal-math", "-std=c++17", "-shared", "-fPIC", "-w")
 _TARGET = "kvjax_paged_decode"
+MAX_GROUP = 32  # kMaxGroup: query heads (times queries per row) per kv head
 _lock = threading.Lock()
 _status: dict[str, str | None] = {}  # "reason": None once registered
 
@@ -100,26 +101,30 @@ def unavailable_reason() -> str | None:
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            layer: jax.Array | int, block_tables: jax.Array,
-                           kv_lens: jax.Array, *, k_scale: jax.Array | None = None,
+                           kv_lens: jax.Array, *, q_lens: jax.Array | None = None,
+                           k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
                            v_zero: jax.Array | None = None, bits: int = 8, group: int = 0,
                            sm_scale: float | None = None) -> jax.Array:
     """Decode attention of one layer, read in place from all layers' pages.
 
     Args:
-      q: [B, N, D].
+      q: [B, N, D], or [B, Q, N, D]: Q queries per row (a speculative verify row), of which
+        the first q_lens[b] sit at positions kv_lens[b] - q_lens[b] + i and attend causally;
+        the others get zeros.
       k_pages, v_pages: [L, num_pages, P, K, D] float32, bfloat16 or int8 (codes), or uint8
         [L, num_pages, P, K, D * bits / 8]: packed asymmetric codes (`codecs.pack_codes`).
       layer: the layer to read (a scalar, traced or not).
       block_tables: [B, W] int32; kv_lens: [B] int32 (0: a padded row, zeros out).
+      q_lens: [B] int32 with [B, Q, N, D] queries (None: all Q).
       k_scale, v_scale: float32; [L, num_pages, P, K] with int8 codes (x = code * scale),
         [L, num_pages, P, K, D / group] with packed codes (x = zero + code * scale).
       k_zero, v_zero: float32 [L, num_pages, P, K, D / group], packed codes only.
       bits, group: the packed codes' width (8, 4 or 2) and channels per scale.
       sm_scale: softmax scale, 1/sqrt(D) by default.
     Returns:
-      [B, N, D] in q's dtype; equal to `paged_decode_attention_reference` on layer `layer`
-      of the decoded pages.
+      q's shape and dtype; equal to `paged_decode_attention_reference` (Q = 1) or
+      `paged_prefill_attention_reference` on layer `layer` of the decoded pages.
     """
     reason = unavailable_reason()
     if reason is not None:
@@ -129,11 +134,22 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if any(x.dtype != jnp.float32 for x in meta):
         raise ValueError(f"scales and zeros must be float32, got {[str(x.dtype) for x in meta]}")
     scale = 1.0 / np.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_pages, v_pages, *meta, jnp.asarray(layer, jnp.int32),
-        block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
-        sm_scale=np.float32(scale), bits=np.int32(bits), group=np.int32(group))
-    return out.astype(q.dtype)
+    b, d, k_heads = q.shape[0], q.shape[-1], k_pages.shape[3]
+    num_queries = q.shape[1] if q.ndim == 4 else 1
+    n = q.shape[-2]
+    # Each kv head's Q * G query heads side by side: [B, K * Q * G, D].
+    flat = q.reshape(b, num_queries, k_heads, n // k_heads, d).transpose(0, 2, 1, 3, 4)
+    if q_lens is None:
+        q_lens = jnp.full((b,), num_queries, jnp.int32)
+    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((b, num_queries * n, d),
+                                                         jnp.float32))(
+        flat.reshape(b, num_queries * n, d).astype(jnp.float32), k_pages, v_pages, *meta,
+        jnp.asarray(layer, jnp.int32), block_tables.astype(jnp.int32),
+        kv_lens.astype(jnp.int32), jnp.asarray(q_lens, jnp.int32),
+        sm_scale=np.float32(scale), bits=np.int32(bits), group=np.int32(group),
+        num_queries=np.int32(num_queries))
+    out = out.reshape(b, k_heads, num_queries, n // k_heads, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(q.shape).astype(q.dtype)
 
 
 # ---- which states the kernel reads -------------------------------------------------------
@@ -212,6 +228,11 @@ def kernels_for(kv):
                                           kv_lens=kv_lens, **pages)
 
         def prefill(q, block_tables, kv_lens, q_lens):
+            queries = q.shape[1]
+            if queries <= 8 and queries * q.shape[2] // pages["k_pages"].shape[3] <= MAX_GROUP:
+                # A few queries per row (speculative verify rows): each KV byte read once.
+                return paged_decode_attention(q, layer=layer, block_tables=block_tables,
+                                              kv_lens=kv_lens, q_lens=q_lens, **pages)
             load = functools.partial(kv.load_pages, layer)
             return attention_ref.paged_attention_blockwise(q, load, block_tables, kv_lens,
                                                            q_lens, pages_per_block=8)

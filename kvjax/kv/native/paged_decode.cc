@@ -8,6 +8,11 @@
 // [0, kv_lens[b]); a row with kv_lens[b] == 0 gets zeros. Online softmax in float32, one page
 // at a time.
 //
+// A row may hold Q queries (attribute num_queries: a speculative verify row's last token and
+// drafts): its q_lens[b] <= Q queries sit at positions kv_lens[b] - q_lens[b] + i and see the
+// tokens up to their own (causal); queries past q_lens[b] get zeros. The Q queries of a kv
+// head are laid out as Q * G consecutive heads, so each key and value is read once for all.
+//
 // Buffers (row-major):
 //   q            f32  [B, N, D]
 //   k, v         f32 | bf16 | s8  [L, num_pages, P, K, D], or
@@ -20,7 +25,8 @@
 // Attributes: sm_scale, bits (8, 4 or 2: the u8 code width) and group (channels per scale).
 //   block_tables s32  [B, W]
 //   kv_lens      s32  [B]
-//   out          f32  [B, N, D]
+//   q_lens       s32  [B] (queries per row, <= num_queries)
+//   out          f32  [B, N, D]   (N = num_queries * G * K, kv head h's at [h*Q*G, (h+1)*Q*G))
 // Work is split over (row, kv head) pairs across XLA's intra-op thread pool.
 
 #include <algorithm>
@@ -37,7 +43,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxGroup = 16;   // query heads per kv head
+constexpr int kMaxGroup = 32;   // query heads (times queries per row) per kv head
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxPage = 256;
 
@@ -128,7 +134,8 @@ struct Geometry {
 template <int kD, int kG, typename Rows>
 void AttendOne(const Geometry& g, int64_t b, int64_t h, const float* q, const Rows& k,
                const Rows& v, int64_t layer, const int32_t* block_tables,
-               const int32_t* kv_lens, float sm_scale, float* out) {
+               const int32_t* kv_lens, const int32_t* q_lens, int64_t num_queries,
+               float sm_scale, float* out) {
   const int64_t G = kG ? kG : g.group(), D = kD ? kD : g.head_dim, P = g.page_size;
   const int64_t K = g.num_kv_heads;
   float* o = out + (b * g.num_heads + h * G) * D;
@@ -136,6 +143,13 @@ void AttendOne(const Geometry& g, int64_t b, int64_t h, const float* q, const Ro
   if (len <= 0) {
     std::fill(o, o + G * D, 0.0f);
     return;
+  }
+  // Tokens [0, lim[j]) are visible to head j: query i = j / (G / Q) of the row.
+  int64_t lim[kMaxGroup];
+  const int64_t per_query = G / num_queries, first = len - q_lens[b];
+  for (int64_t j = 0; j < G; ++j) {
+    const int64_t i = j / per_query;
+    lim[j] = i < q_lens[b] ? first + i + 1 : 0;
   }
   alignas(64) float qs[kG ? kG : kMaxGroup][kD ? kD : kMaxHeadDim];
   alignas(64) float acc[kG ? kG : kMaxGroup][kD ? kD : kMaxHeadDim];
@@ -163,11 +177,14 @@ void AttendOne(const Geometry& g, int64_t b, int64_t h, const float* q, const Ro
       }
     }
     for (int64_t j = 0; j < G; ++j) {
+      const int64_t nv = std::clamp<int64_t>(lim[j] - blk * P, 0, n);  // visible tokens
+      for (int64_t p = nv; p < n; ++p) s[j][p] = 0.0f;
+      if (nv == 0) continue;
       float mx = m[j];
-      for (int64_t p = 0; p < n; ++p) mx = std::max(mx, s[j][p]);
+      for (int64_t p = 0; p < nv; ++p) mx = std::max(mx, s[j][p]);
       const float alpha = std::exp(m[j] - mx);  // exp(-inf) = 0 on the first page
       float sum = 0.0f;
-      for (int64_t p = 0; p < n; ++p) {
+      for (int64_t p = 0; p < nv; ++p) {
         s[j][p] = ExpNonPositive(s[j][p] - mx);
         sum += s[j][p];
       }
@@ -216,22 +233,26 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
 template <typename Rows>
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, const Rows& v,
                int64_t layer, ffi::Buffer<ffi::S32> block_tables,
-               ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer::Dimensions kv_dims,
-               int64_t head_dim, float sm_scale, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
+               int64_t num_queries, ffi::AnyBuffer::Dimensions kv_dims, int64_t head_dim,
+               float sm_scale, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto qd = q.dimensions();
   Geometry g{qd[0], qd[1], qd[2], kv_dims[1], kv_dims[2], kv_dims[3],
              block_tables.dimensions()[1]};
   if (head_dim != g.head_dim || g.num_heads % g.num_kv_heads || g.group() > kMaxGroup ||
+      num_queries < 1 || g.group() % num_queries || q_lens.element_count() != g.num_rows ||
       g.head_dim > kMaxHeadDim || g.page_size > kMaxPage || layer < 0 ||
       layer >= kv_dims[0])
     return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
   const float* qp = q.typed_data();
   const int32_t* bt = block_tables.typed_data();
   const int32_t* lens = kv_lens.typed_data();
+  const int32_t* qlens = q_lens.typed_data();
   float* o = out->typed_data();
   auto attend = [&](auto one) {
     ParallelFor(pool, g.num_rows * g.num_kv_heads, [&, one](int64_t i) {
-      one(g, i / g.num_kv_heads, i % g.num_kv_heads, qp, k, v, layer, bt, lens, sm_scale, o);
+      one(g, i / g.num_kv_heads, i % g.num_kv_heads, qp, k, v, layer, bt, lens, qlens,
+          num_queries, sm_scale, o);
     });
   };
   const int64_t G = g.group();
@@ -252,7 +273,8 @@ ffi::Error RunPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
                      ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> k_zero,
                      ffi::Buffer<ffi::F32> v_zero, int64_t layer,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
-                     float sm_scale, int64_t group, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                     ffi::Buffer<ffi::S32> q_lens, int64_t num_queries, float sm_scale,
+                     int64_t group, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   const int64_t dim = k.dimensions()[4] * (8 / kBits);
   const int64_t rows = k.element_count() / k.dimensions()[4];
   const int64_t metadata = rows * (dim / std::max<int64_t>(group, 1));
@@ -264,7 +286,8 @@ ffi::Error RunPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
                        k_zero.typed_data(), group};
   PackedRows<kBits> vr{static_cast<const uint8_t*>(v.untyped_data()), v_scale.typed_data(),
                        v_zero.typed_data(), group};
-  return Run(pool, q, kr, vr, layer, block_tables, kv_lens, k.dimensions(), dim, sm_scale, out);
+  return Run(pool, q, kr, vr, layer, block_tables, kv_lens, q_lens, num_queries, k.dimensions(),
+             dim, sm_scale, out);
 }
 
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
@@ -272,7 +295,8 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
                        ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> k_zero,
                        ffi::Buffer<ffi::F32> v_zero, ffi::Buffer<ffi::S32> layer,
                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
-                       float sm_scale, int32_t bits, int32_t group,
+                       ffi::Buffer<ffi::S32> q_lens, float sm_scale, int32_t bits,
+                       int32_t group, int32_t num_queries,
                        ffi::Result<ffi::Buffer<ffi::F32>> out) {
   if (k.dimensions().size() != 5 || k.element_type() != v.element_type() ||
       k.element_count() != v.element_count())
@@ -283,14 +307,14 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
     case ffi::F32: {
       FloatRows<float> kr{static_cast<const float*>(k.untyped_data())};
       FloatRows<float> vr{static_cast<const float*>(v.untyped_data())};
-      return Run(pool, q, kr, vr, lay, block_tables, kv_lens, k.dimensions(), dim, sm_scale,
-                 out);
+      return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
+                 k.dimensions(), dim, sm_scale, out);
     }
     case ffi::BF16: {
       FloatRows<uint16_t> kr{static_cast<const uint16_t*>(k.untyped_data())};
       FloatRows<uint16_t> vr{static_cast<const uint16_t*>(v.untyped_data())};
-      return Run(pool, q, kr, vr, lay, block_tables, kv_lens, k.dimensions(), dim, sm_scale,
-                 out);
+      return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
+                 k.dimensions(), dim, sm_scale, out);
     }
     case ffi::S8: {
       const int64_t rows = k.element_count() / dim;
@@ -298,20 +322,23 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
         return ffi::Error::InvalidArgument("paged_decode: int8 scales must be [L, pages, P, K]");
       Int8Rows kr{static_cast<const int8_t*>(k.untyped_data()), k_scale.typed_data()};
       Int8Rows vr{static_cast<const int8_t*>(v.untyped_data()), v_scale.typed_data()};
-      return Run(pool, q, kr, vr, lay, block_tables, kv_lens, k.dimensions(), dim, sm_scale,
-                 out);
+      return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
+                 k.dimensions(), dim, sm_scale, out);
     }
     case ffi::U8:
       switch (bits) {
         case 8:
           return RunPacked<8>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
-                              block_tables, kv_lens, sm_scale, group, out);
+                              block_tables, kv_lens, q_lens, num_queries, sm_scale, group,
+                              out);
         case 4:
           return RunPacked<4>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
-                              block_tables, kv_lens, sm_scale, group, out);
+                              block_tables, kv_lens, q_lens, num_queries, sm_scale, group,
+                              out);
         case 2:
           return RunPacked<2>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
-                              block_tables, kv_lens, sm_scale, group, out);
+                              block_tables, kv_lens, q_lens, num_queries, sm_scale, group,
+                              out);
         default:
           return ffi::Error::InvalidArgument("paged_decode: bits must be 8, 4 or 2");
       }
@@ -335,7 +362,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedDecode, PagedDecode,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_lens
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("group")
+                                  .Attr<int32_t>("num_queries")
                                   .Ret<ffi::Buffer<ffi::F32>>());
