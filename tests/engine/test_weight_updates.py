@@ -13,6 +13,7 @@ from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, WeightUpdatePolicy
 from kvjax.models import llama
+from kvjax.scheduler.spec import SpecConfig
 from kvjax.testing import greedy_reference, tiny_model
 
 NEW = 12
@@ -50,9 +51,16 @@ def _drain(engine):
     return done
 
 
-def test_recompute_continues_exactly_like_fresh_new_weights(models, prompts):
+# Plain decoding, and sparse self-drafts whose unverified drafts an update must drop.
+SPECS = pytest.mark.parametrize("spec", [
+    SpecConfig(), SpecConfig("sparse_self", 3, options=dict(num_sinks=4, window=8))],
+    ids=["plain", "speculative"])
+
+
+@SPECS
+def test_recompute_continues_exactly_like_fresh_new_weights(models, prompts, spec):
     old, new = models
-    engine = Engine(old, EngineConfig(**CONFIG))
+    engine = Engine(old, EngineConfig(**CONFIG, spec=spec))
     before = _start(engine, prompts, steps=4)
     assert any(before.values()), "some tokens should exist before the update"
     engine.update_weights(new.params, "v1", in_flight=WeightUpdatePolicy.RECOMPUTE)
@@ -61,13 +69,15 @@ def test_recompute_continues_exactly_like_fresh_new_weights(models, prompts):
         out = done[f"r{i}"].outputs[0].token_ids
         head = before[f"r{i}"]
         assert out[:len(head)] == head
-        assert out[len(head):] == greedy_reference(new, p + head, NEW - len(head))
+        assert out[len(head):] == greedy_reference(new, p + head, NEW - len(head),
+                                                   stop=new.config.eos_token_ids)
     assert engine.stats["stale_kv_reads"] == 0
 
 
-def test_finish_old_drains_under_old_weights_while_new_requests_use_new(models, prompts):
+@SPECS
+def test_finish_old_drains_under_old_weights_while_new_requests_use_new(models, prompts, spec):
     old, new = models
-    engine = Engine(old, EngineConfig(**CONFIG))
+    engine = Engine(old, EngineConfig(**CONFIG, spec=spec))
     _start(engine, prompts[:2], steps=3)
     engine.update_weights(new.params, "v1", in_flight=WeightUpdatePolicy.FINISH_OLD)
     engine.add_request("late", prompts[2], SamplingParams(max_new_tokens=NEW))
