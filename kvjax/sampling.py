@@ -166,7 +166,7 @@ def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
     else:
         flat = logits.reshape(b * w, vocab)
         rep = functools.partial(jnp.repeat, repeats=w, axis=0)
-        scaled = flat / jnp.where(temperature > 0, temperature, 1.0)[:, None].repeat(w, 0)
+        scaled = flat / rep(jnp.where(temperature > 0, temperature, 1.0))[:, None]
         if needs_filter:
             scaled = _filter_logits(scaled, rep(top_k), rep(top_p))
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(

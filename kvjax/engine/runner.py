@@ -92,9 +92,10 @@ class StepBuckets:
             return list(self.prefill_buckets)
         return [c for c in self.prefill_buckets if c <= self.row_chunk]
 
-    def decode_widths(self) -> list[int]:
-        """Tokens per decode row a step may have: 1, and the verify width with speculation."""
-        return sorted({1, self.spec_width})
+    def decode_widths(self, logits_mode: LogitsMode = LogitsMode.NONE) -> list[int]:
+        """Tokens per decode row a step may have: 1, and the verify width with speculation
+        (verify steps return no logits: the scheduler plans no drafts for steps that do)."""
+        return sorted({1, self.spec_width if logits_mode is LogitsMode.NONE else 1})
 
     def _prefill_shape(self, bd: int, bp: int, chunk: int, **fields) -> StepShape:
         row_chunk = chunk if bp == 1 else min(chunk, self.row_chunk)
@@ -111,9 +112,11 @@ class StepBuckets:
         width, feed = self.block_table_width, self.feed_rows
         shapes = [StepShape(bd, 0, 1, width, logits_mode=logits_mode, feed_rows=feed,
                             decode_width=wd)
-                  for wd in self.decode_widths() for bd in self.decode_buckets(mixed=False)]
+                  for wd in self.decode_widths(logits_mode)
+                  for bd in self.decode_buckets(mixed=False)]
         shapes += [self._prefill_shape(bd, bp, c, logits_mode=logits_mode, decode_width=wd)
-                   for wd in self.decode_widths() for bd in self.decode_buckets(mixed=True)
+                   for wd in self.decode_widths(logits_mode)
+                   for bd in self.decode_buckets(mixed=True)
                    for bp in self.prefill_rows() for c in self.chunk_buckets(bp)
                    if bd or wd == 1]
         return shapes

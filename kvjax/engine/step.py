@@ -290,15 +290,19 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                           inp.prev_tokens[jnp.maximum(inp.token_src, 0)], inp.tokens)  # [T]
     h, (kv, key_scores) = llama.decode_body(params, config, token_ids, inp.positions, attend,
                                             (kv, key_scores))  # [T, H]
-    last = inp.row_starts + jnp.maximum(q_lens - 1, 0)  # [R]
-    logits = llama.lm_head(params, config, h[last])  # [R, V]
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
-    tokens, logprobs = sample_tokens(
-        logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, **sampling)
     num_accepted = spec_logprobs = None
     if shape.decode_width > 1:
-        tokens, logprobs, num_accepted, spec_logprobs = _verify_decode_rows(
-            params, config, h, token_ids, tokens, logprobs, inp, shape, sampling)
+        if shape.logits_mode is not LogitsMode.NONE:
+            raise ValueError("verify steps return no logits (the scheduler plans no drafts "
+                             "for steps that do)")
+        tokens, logprobs, num_accepted, spec_logprobs = _verify_step_tokens(
+            params, config, h, token_ids, inp, shape, sampling)
+    else:
+        last = inp.row_starts + jnp.maximum(q_lens - 1, 0)  # [R]
+        logits = llama.lm_head(params, config, h[last])  # [R, V]
+        tokens, logprobs = sample_tokens(
+            logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, **sampling)
     out_logits = None
     if shape.logits_mode is LogitsMode.LAST:
         out_logits = logits
@@ -310,23 +314,29 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                       spec_logprobs=spec_logprobs), kv
 
 
-def _verify_decode_rows(params, config: ModelConfig, h, token_ids, tokens, logprobs,
-                        inp: StepInput, shape: StepShape, sampling: dict):
-    """A verify step's decode rows: every token's logits, then `verify_drafts`; the prefill
-    rows keep the tokens they sampled. Returns (tokens, logprobs, num_accepted,
-    spec_logprobs), each over all rows."""
-    bd, wd = shape.num_decode, shape.decode_width
+def _verify_step_tokens(params, config: ModelConfig, h, token_ids, inp: StepInput,
+                        shape: StepShape, sampling: dict):
+    """A verify step's tokens: decode rows score every token (`verify_drafts`), prefill rows
+    sample from their last token. Returns (tokens, logprobs, num_accepted, spec_logprobs),
+    each over all rows."""
+    bd, bp, wd = shape.num_decode, shape.num_prefill, shape.decode_width
     logits = llama.lm_head(params, config, h[:bd * wd]).reshape(bd, wd, -1)  # [Bd, Wd, V]
-    rows = slice(0, bd)
-    accepted, emitted, emitted_logprobs = verify_drafts(
+    dec = slice(0, bd)
+    accepted, tokens, spec_logprobs = verify_drafts(
         logits, token_ids[:bd * wd].reshape(bd, wd)[:, 1:],
-        jnp.maximum(inp.q_lens[rows] - 1, 0), inp.temperature[rows], inp.top_k[rows],
-        inp.top_p[rows], inp.seeds[rows], inp.counters[rows], **sampling)
-    final_logprob = jnp.take_along_axis(emitted_logprobs, accepted[:, None], axis=1)[:, 0]
-    bp = shape.num_rows - bd
-    return (tokens.at[rows].set(emitted), logprobs.at[rows].set(final_logprob),
-            jnp.concatenate([accepted, jnp.zeros(bp, jnp.int32)]),
-            jnp.concatenate([emitted_logprobs, jnp.zeros((bp, wd), jnp.float32)]))
+        jnp.maximum(inp.q_lens[dec] - 1, 0), inp.temperature[dec], inp.top_k[dec],
+        inp.top_p[dec], inp.seeds[dec], inp.counters[dec], **sampling)
+    logprobs = jnp.take_along_axis(spec_logprobs, accepted[:, None], axis=1)[:, 0]
+    if bp:
+        pre = slice(bd, None)
+        last = inp.row_starts[pre] + jnp.maximum(inp.q_lens[pre] - 1, 0)  # [Bp]
+        pre_tokens, pre_logprobs = sample_tokens(
+            llama.lm_head(params, config, h[last]), inp.temperature[pre], inp.top_k[pre],
+            inp.top_p[pre], inp.seeds[pre], inp.counters[pre], **sampling)
+        tokens = jnp.concatenate([tokens, pre_tokens])
+        logprobs = jnp.concatenate([logprobs, pre_logprobs])
+    return (tokens, logprobs, jnp.concatenate([accepted, jnp.zeros(bp, jnp.int32)]),
+            jnp.concatenate([spec_logprobs, jnp.zeros((bp, wd), jnp.float32)]))
 
 
 class StepPrograms:

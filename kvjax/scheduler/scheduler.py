@@ -141,13 +141,13 @@ class Scheduler(RequestRegistry, TierAdmission):
         scheduled: set[str] = set()
         active = self.active_version()
         drafting: set[str] = set()
-        num_drafts: dict[str, int] = {}  # verify rows: drafts each checks
         speculate = speculate and cfg.num_draft_tokens > 0
         decoding = [s for s in self._ranked(self.running)
                     if s.status is SeqStatus.RUNNING and s.num_pending == 1
                     and s.weights_version == active and not self._is_done(s)]
         is_draft_step = speculate and self.drafter.runs_draft_steps and any(
             len(s.draft_tokens) < self._max_drafts(s) for s in decoding)
+        verifies = speculate and not is_draft_step
         # 1. Decode rows for running sequences, highest ranked first; preempt from the bottom.
         # With speculation a row drafts one token (a draft step) or verifies its drafts.
         for seq in decoding:
@@ -157,10 +157,10 @@ class Scheduler(RequestRegistry, TierAdmission):
                 break
             if is_draft_step and len(seq.draft_tokens) >= self._max_drafts(seq):
                 continue  # its drafts are ready: it waits for the verify step
-            if speculate and not is_draft_step:
+            if verifies:
                 self._propose(seq, budget - 1)
             offset = len(seq.draft_tokens) if is_draft_step else 0
-            width = 1 + len(seq.draft_tokens) if speculate and not is_draft_step else 1
+            width = 1 + len(seq.draft_tokens) if verifies else 1
             while True:
                 cached = self._cached_len(seq) + offset
                 if self.kv_cache.allocate(seq.seq_id, cached, cached + width):
@@ -168,8 +168,6 @@ class Scheduler(RequestRegistry, TierAdmission):
                     scheduled.add(seq.seq_id)
                     if is_draft_step:
                         drafting.add(seq.seq_id)
-                    elif width > 1:
-                        num_drafts[seq.seq_id] = width - 1
                     budget -= width
                     break
                 victim = [s for s in self._ranked(self.running) if s.seq_id not in scheduled][-1]
@@ -243,9 +241,12 @@ class Scheduler(RequestRegistry, TierAdmission):
         self.kv_cache.spill_evictions()  # Before the step writes to pages evicted above.
         if drafting:
             self.stats["spec_draft_steps"] += 1
+        # A decode row's tokens past the first are its drafts in a verify step (a row swapped
+        # in during it has none); prefill rows hold prompt tokens only.
         rows = [self._draft_row(s, i) if s.seq_id in drafting
-                else self._row(s, n, i, num_drafts.get(s.seq_id, 0))
-                for i, (s, n) in enumerate(decode + prefill)]
+                else self._row(s, n, i, n - 1 if verifies else 0)
+                for i, (s, n) in enumerate(decode)]
+        rows += [self._row(s, n, len(decode) + i) for i, (s, n) in enumerate(prefill)]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
                                preempted=tuple(preempted), kv_ops=self.kv_cache.take_ops(),
                                weights_version=active)

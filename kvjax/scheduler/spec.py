@@ -133,7 +133,7 @@ class SparseSelfDrafter(NoDrafts):
                     ) -> tuple[np.ndarray, int]:
         last = (kv_len - 1) // page_size  # the page the draft token is written into
         sinks = -(-self.num_sinks // page_size)
-        first = max(sinks, (max(kv_len - self.window, 0)) // page_size)
+        first = max(kv_len - self.window, 0) // page_size  # the window's first page
         if first <= sinks:
             return block_table, kv_len
         pages = np.concatenate([block_table[:sinks], block_table[first:last + 1]])
