@@ -53,6 +53,10 @@ def get_config() -> ConfigDict:
     # fraction of engine.max_model_len, floored to whole tokens. None for retention none.
     config.kv.budget = config_dict.placeholder(float)
     config.kv.retention_options = ConfigDict()  # policy keyword options, e.g. num_sinks, window
+    # Non-prefix context reuse (kvjax.scheduler.context) of prompts with reusable chunks (the
+    # rag workload's documents): full (recompute, exact), none, ape, epic or cacheblend.
+    config.kv.context_reuse = "full"
+    config.kv.context_reuse_options = ConfigDict()  # ape temperature, epic num_tokens, ratio
 
     # Host and disk tiers below the device pool (kvjax.memory.tiers). With a host tier,
     # evicted prefix-cache pages spill to host (then disk) and load back on a later hit, and

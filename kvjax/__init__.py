@@ -9,6 +9,7 @@ from kvjax.generation import encode_prompt, generate
 from kvjax.models.loading import load_model
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
+from kvjax.scheduler.context import Segment
 from kvjax.scheduler.spec import SpecConfig
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "PreemptionMode",
     "RequestOutput",
     "SamplingParams",
+    "Segment",
     "SpecConfig",
     "encode_prompt",
     "generate",

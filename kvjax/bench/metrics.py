@@ -44,6 +44,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "compiles_after_warmup",
     "padded_token_fraction",
     "spec",
+    "context_reuse",
     "failed_requests",
     "num_requests",
     "duration_s",
@@ -71,6 +72,11 @@ COUNTER_KEYS: tuple[str, ...] = (
     "spec_accepted",  # of those, kept
     "spec_verify_rows",  # verify rows (one per sequence per verify step)
     "spec_draft_steps",  # steps that ran draft rows (sparse_self drafts)
+    "prefill_tokens",  # tokens computed outside decode rows (chunk fills and recomputes too)
+    "chunk_hits",  # reusable chunks copied from the chunk cache into a request
+    "chunk_fills",  # chunks computed alone first because the chunk cache lacked them
+    "chunk_reused_tokens",  # tokens copied from the chunk cache
+    "blend_tokens",  # chunk tokens CacheBlend recomputed after the copy
 )
 
 # Time differences of equal instants can differ from the SLO by float rounding; a request is
@@ -342,6 +348,7 @@ def compute_metrics(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_
         "padded_token_fraction": (counters["padded_tokens"] / counters["step_tokens"]
                                   if counters.get("step_tokens") else None),
         "spec": _spec(counters),
+        "context_reuse": _context_reuse(counters),
         "failed_requests": len(records) - len(served),
         "num_requests": len(records),
         "duration_s": float(duration_s),
@@ -416,6 +423,19 @@ def _spec(counters: Mapping[str, Any]) -> dict[str, float] | None:
     return {"acceptance_rate": accepted / max(counters.get("spec_proposed", 0), 1),
             "tokens_per_step": (rows + accepted) / rows,
             "draft_steps": counters.get("spec_draft_steps", 0)}
+
+
+def _context_reuse(counters: Mapping[str, Any]) -> dict[str, float] | None:
+    """Non-prefix context reuse: chunk_hit_rate (chunk copies that found the chunk cached,
+    not computed for them first), reused_tokens, blend_tokens and prefill_tokens (every token
+    computed outside decode rows, chunk fills and recomputes included); None without copies."""
+    hits = counters.get("chunk_hits")
+    if not hits:
+        return None
+    return {"chunk_hit_rate": max(0.0, 1.0 - counters.get("chunk_fills", 0) / hits),
+            "reused_tokens": counters.get("chunk_reused_tokens", 0),
+            "blend_tokens": counters.get("blend_tokens", 0),
+            "prefill_tokens": counters.get("prefill_tokens", 0)}
 
 
 def _lookup(metrics: Mapping[str, Any], column: str) -> Any:

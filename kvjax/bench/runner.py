@@ -98,7 +98,7 @@ TABLE_COLUMNS: tuple[str, ...] = (
 
 # Sections whose keys are free-form keyword arguments, so an override may add a key.
 _OPEN_SECTIONS = ("workload.params", "kv.codec_options", "kv.retention_options",
-                  "spec.options")
+                  "kv.context_reuse_options", "spec.options")
 
 # A stuck engine (work queued, nothing schedulable) would otherwise spin forever.
 _MAX_IDLE_STEPS = 1000
@@ -295,6 +295,8 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
         prefill_padding_limit=e.prefill_padding_limit, tiers=tier_config_from(config),
         retention=config.kv.retention, retention_budget=retention_budget_from(config),
         retention_options=config.kv.retention_options.to_dict(),
+        context_reuse=config.kv.context_reuse,
+        context_reuse_options=config.kv.context_reuse_options.to_dict(),
         spec=SpecConfig(config.spec.method, config.spec.num_draft_tokens,
                         config.spec.options.to_dict(), adaptive=config.spec.adaptive))
 
@@ -727,8 +729,9 @@ def _serve(engine: Engine, meter: _StepMeter, clock: _WallClock | _VirtualClock,
     while pending or engine.has_unfinished():
         while pending and pending[0].arrival_time <= clock():
             r = pending.popleft()
+            prompt = r.segments() if r.reuse_spans else r.prompt_ids
             try:
-                engine.add_request(r.request_id, r.prompt_ids, SamplingParams(
+                engine.add_request(r.request_id, prompt, SamplingParams(
                     max_new_tokens=r.max_new_tokens, n=r.n, **sampling), tenant=r.tenant,
                     priority=r.priority, arrival_time=r.arrival_time)
             except ValueError as e:
@@ -810,7 +813,9 @@ def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
         compiles_after_warmup=engine.num_compiles - compiles, flops=meter.flops,
         step_tokens=meter.step_tokens, padded_tokens=meter.padded_tokens,
         **{k: engine.stats[k] for k in ("spec_proposed", "spec_accepted", "spec_verify_rows",
-                                        "spec_draft_steps")})
+                                        "spec_draft_steps", "prefill_tokens", "chunk_hits",
+                                        "chunk_fills", "chunk_reused_tokens",
+                                        "blend_tokens")})
     metrics = compute_metrics(
         records, slo_ttft_s=float(config.slo.ttft_s), slo_tpot_s=float(config.slo.tpot_s),
         duration_s=duration_s, kv_samples=engine.kv_samples, counters=counters,

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvjax.bench.corpus import make_needle_prompt, make_text
+from kvjax.scheduler.context import Segment
 
 
 class Tokenizer(Protocol):
@@ -47,6 +48,8 @@ class BenchRequest:
         conversation_id: groups the turns of one conversation; None outside multi-turn.
         turn: 0-based turn index within the conversation.
         answer: the expected answer of a retrieval probe (needle prompts), else None.
+        reuse_spans: [start, end) spans of prompt_ids that are reusable chunks (retrieved
+            documents, `kvjax.Segment(reuse=True)`); () when the prompt has none.
     """
 
     request_id: str
@@ -59,6 +62,7 @@ class BenchRequest:
     conversation_id: str | None = None
     turn: int = 0
     answer: str | None = None
+    reuse_spans: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -72,6 +76,22 @@ class BenchRequest:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.turn < 0:
             raise ValueError(f"turn must be >= 0, got {self.turn!r}")
+        for start, end in self.reuse_spans:
+            if not 0 <= start < end <= len(self.prompt_ids):
+                raise ValueError(f"reuse span [{start}, {end}) is outside the prompt of "
+                                 f"{len(self.prompt_ids)} tokens")
+
+    def segments(self) -> list[Segment]:
+        """The prompt as `kvjax.Segment`s, its reuse spans marked reusable."""
+        out, pos = [], 0
+        for start, end in self.reuse_spans:
+            if start > pos:
+                out.append(Segment(self.prompt_ids[pos:start]))
+            out.append(Segment(self.prompt_ids[start:end], reuse=True))
+            pos = end
+        if pos < len(self.prompt_ids):
+            out.append(Segment(self.prompt_ids[pos:]))
+        return out
 
 
 class LengthDistribution(enum.Enum):
@@ -391,6 +411,65 @@ def long_context(tokenizer: Tokenizer, *, seed: int, num_requests: int,
     return _sorted(requests)
 
 
+RAG_SYSTEM = ("You answer questions from the documents below. Each document may state the "
+              "secret code of someone.\n\n")
+
+
+def rag(tokenizer: Tokenizer, *, seed: int, num_requests: int, rate: float = math.inf,
+        num_docs: int = 24, docs_per_prompt: int = 3, doc_min_words: int = 80,
+        doc_max_words: int = 160, popularity: float = 1.0, output_len: int = 8
+        ) -> list[BenchRequest]:
+    """Retrieval-augmented prompts: a system prompt, `docs_per_prompt` documents drawn from a
+    pool of `num_docs`, and a question whose answer is a fact planted in one of them.
+
+    Each document is corpus text with one fact "The secret code of <name> is <4 digits>."
+    planted at a random sentence boundary; documents are tokenized on their own (so each has
+    the same ids in every prompt) and marked reusable (`BenchRequest.reuse_spans`). Requests
+    draw documents without repeats within a prompt, with Zipf-like weights rank^-popularity
+    (0: uniform), in random order, so the same documents recur at different positions. The
+    question asks for the code in one of the prompt's documents (`BenchRequest.answer`).
+    """
+    _check_positive("num_requests", num_requests)
+    _check_positive("num_docs", num_docs)
+    _check_positive("output_len", output_len)
+    _check_rate("rate", rate)
+    if not 0 < docs_per_prompt <= num_docs:
+        raise ValueError(f"docs_per_prompt must be in [1, num_docs={num_docs}], got "
+                         f"{docs_per_prompt}")
+    if not 0 < doc_min_words <= doc_max_words:
+        raise ValueError(f"need 0 < doc_min_words <= doc_max_words, got {doc_min_words}, "
+                         f"{doc_max_words}")
+    arrival_rng, doc_rng, choice_rng = _streams(seed, 3)
+    arrivals = _poisson_arrivals(arrival_rng, rate, num_requests)
+    docs = []
+    for i in range(num_docs):
+        key = (f"{_NEEDLE_KEYS[int(doc_rng.integers(len(_NEEDLE_KEYS)))]} "
+               f"{int(doc_rng.integers(100, 1000))}")
+        value = int(doc_rng.integers(1000, 10000))
+        words = int(doc_rng.integers(doc_min_words, doc_max_words + 1))
+        text, _ = make_needle_prompt(doc_rng, words, key, value, float(doc_rng.random()))
+        body = text.split("\n\nQuestion:")[0]
+        ids = tuple(int(t) for t in tokenizer.encode(f"Document {i + 1}: {body}\n\n"))
+        docs.append((ids, key, str(value)))
+    system = tuple(int(t) for t in tokenizer.encode(RAG_SYSTEM, add_bos=True))
+    weights = np.arange(1, num_docs + 1, dtype=np.float64) ** -popularity
+    weights /= weights.sum()
+    requests = []
+    for i in range(num_requests):
+        chosen = choice_rng.choice(num_docs, size=docs_per_prompt, replace=False, p=weights)
+        asked = docs[int(chosen[int(choice_rng.integers(docs_per_prompt))])]
+        prompt, spans = list(system), []
+        for d in chosen:
+            spans.append((len(prompt), len(prompt) + len(docs[int(d)][0])))
+            prompt.extend(docs[int(d)][0])
+        prompt.extend(int(t) for t in tokenizer.encode(
+            f"Question: What is the secret code of {asked[1]}? Answer: The secret code of "
+            f"{asked[1]} is"))
+        requests.append(BenchRequest(f"rag-{i:05d}", float(arrivals[i]), tuple(prompt),
+                                     output_len, answer=asked[2], reuse_spans=tuple(spans)))
+    return _sorted(requests)
+
+
 def _burst_arrivals(rng: np.random.Generator, num: int, rates: np.ndarray, burst_tenant: int,
                     burst_multiplier: float, burst_start_s: float,
                     burst_end_s: float) -> tuple[np.ndarray, np.ndarray]:
@@ -613,6 +692,7 @@ WORKLOADS: dict[str, Callable[..., list[BenchRequest]]] = {
     "long_context": long_context,
     "multi_tenant_burst": multi_tenant_burst,
     "rl_group": rl_group,
+    "rag": rag,
     "trace": trace,
 }
 

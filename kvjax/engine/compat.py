@@ -23,6 +23,7 @@ from typing import Any
 from kvjax.config import KVLayout
 from kvjax.kv import quantized
 from kvjax.kv.retention import make_retention
+from kvjax.scheduler.context import make_strategy
 from kvjax.scheduler.preemption import PreemptionMode
 
 __all__ = ["Feature", "REFUSED", "check", "features_of", "pairs", "refusal", "render_markdown"]
@@ -48,6 +49,7 @@ class Feature(enum.Enum):
     PREFIX_CACHE = "prefix_cache"
     CONTIGUOUS = "contiguous"
     SPECULATIVE = "speculative"
+    CONTEXT_REUSE = "context_reuse"
 
     @property
     def group(self) -> str | None:
@@ -87,6 +89,8 @@ _DESCRIPTIONS = {
     Feature.CONTIGUOUS: "kv_layout=CONTIGUOUS (a max_model_len slot per sequence)",
     Feature.SPECULATIVE: "EngineConfig.spec with a draft method (ngram, sparse_self): "
                          "drafts verified against the full KV, rejected ones rolled back",
+    Feature.CONTEXT_REUSE: "EngineConfig.context_reuse with a strategy that reuses cached "
+                           "chunks (none, ape, epic, cacheblend): non-prefix KV reuse",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -120,6 +124,17 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.QUEST], [Feature.SPECULATIVE],
            "Quest picks the pages each decode query reads from that query alone, so the "
            "target a verify step checks drafts against is not one fixed cache")
+    refuse(_KIVI, [Feature.CONTEXT_REUSE],
+           "KIVI quantizes keys in groups along a sequence's own tokens beside an exact "
+           "window, so a chunk's keys cannot be re-rotated and placed token by token into "
+           "another sequence's groups")
+    refuse(_EVICTING, [Feature.CONTEXT_REUSE],
+           "an evicting policy keeps the tokens a sequence's own attention chose, so a chunk "
+           "computed alone would be cut to what it attended to, not to what the request that "
+           "reuses it would keep")
+    refuse([Feature.CONTIGUOUS], [Feature.CONTEXT_REUSE],
+           "the chunk cache keeps chunks as shared prefix-cache pages, which the contiguous "
+           "layout does not have")
     return table
 
 
@@ -184,6 +199,9 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.MESH, "a mesh"))
     if config.spec.enabled:
         found.append(_Present(Feature.SPECULATIVE, f"spec.method={config.spec.method!r}"))
+    if make_strategy(config.context_reuse, **config.context_reuse_options).reuses:
+        found.append(_Present(Feature.CONTEXT_REUSE,
+                              f"context_reuse={config.context_reuse!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:
         found.append(_Present(Feature.CONTIGUOUS, "kv_layout='contiguous'"))
     elif config.enable_prefix_cache:

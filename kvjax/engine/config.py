@@ -9,6 +9,7 @@ from kvjax.engine import compat
 from kvjax.engine.step import AttentionImpl
 from kvjax.kv import quantized
 from kvjax.memory.tiers import TierConfig
+from kvjax.scheduler.context import make_strategy
 from kvjax.scheduler.preemption import PreemptionMode
 from kvjax.scheduler.spec import SpecConfig
 
@@ -68,6 +69,11 @@ class EngineConfig:
       spec: speculative decoding (kvjax.scheduler.spec.SpecConfig: draft method 'none',
         'ngram' or 'sparse_self', gamma, the drafter's options such as the sparse draft's
         sinks and window); lossless, off by default.
+      context_reuse: how requests that mark reusable prompt segments (`kvjax.Segment`) reuse
+        cached chunks (`kvjax.scheduler.context`): 'full' (recompute: the exact default),
+        'none', 'ape', 'epic' or 'cacheblend'; a request may name another.
+      context_reuse_options: keyword options of that strategy (ape: temperature; epic:
+        num_tokens; cacheblend: ratio).
     """
 
     kv_layout: KVLayout = KVLayout.PAGED
@@ -98,6 +104,8 @@ class EngineConfig:
     retention_options: dict = dataclasses.field(default_factory=dict)
     async_scheduling: bool = True
     spec: SpecConfig = SpecConfig()
+    context_reuse: str = "full"
+    context_reuse_options: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
@@ -120,6 +128,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 object.__setattr__(self, name, enum_type(value))
+        reuse = make_strategy(self.context_reuse, **self.context_reuse_options)
+        if reuse.reuses and not self.enable_prefix_cache and self.kv_layout is KVLayout.PAGED:
+            raise ValueError(f"EngineConfig.context_reuse={self.context_reuse!r} keeps chunks "
+                             f"in the prefix cache: set enable_prefix_cache=True")
         self._check_kernel_reads_codec()
         compat.check(self, on_mesh=False)
 

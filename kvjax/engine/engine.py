@@ -39,6 +39,7 @@ from kvjax.engine.step import (
     attention_name,
 )
 from kvjax.kv.retention import RetentionManager, make_retention
+from kvjax.kv.reuse import ChunkCopier
 from kvjax.kv.state import pages_for
 from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.tiers import (
@@ -50,12 +51,23 @@ from kvjax.memory.tiers import (
 from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
+from kvjax.scheduler.context import Segment, clip_spans, make_strategy, split_segments
 from kvjax.scheduler.policies import make_policy
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvjax.scheduler.spec import make_drafter
 
 # Retention policies that evict whenever a sequence caches budget + P tokens, prefill included.
 _ROLLING_EVICTION = ("streaming", "h2o")
+
+
+def _segments(request_id: str, prompt) -> tuple[object, list[tuple[int, int]]]:
+    """A prompt given as `Segment`s: its token ids and reusable spans; else (prompt, [])."""
+    if not isinstance(prompt, Seq) or not any(isinstance(p, Segment) for p in prompt):
+        return prompt, []
+    if not all(isinstance(p, Segment) for p in prompt):
+        raise ValueError(f"request {request_id!r}: a prompt of segments must hold only "
+                         f"kvjax.Segment items")
+    return split_segments(prompt)
 
 
 def _token_ids(request_id: str, prompt_ids) -> list[int]:
@@ -132,12 +144,15 @@ class Engine:
         self.kv_cache = KVCacheManager(
             self.runner, pool.allocator, swap_space, retention, page_size=config.page_size,
             watermark=config.watermark, scrub_freed_pages=config.scrub_freed_pages,
-            stats=self.stats, tiers=tiers, quantized_len=pool.quantized_len)
+            stats=self.stats, tiers=tiers, quantized_len=pool.quantized_len,
+            chunk_copier=ChunkCopier(mc.rope_theta, config.page_size))
+        self.context_reuse = make_strategy(config.context_reuse, **config.context_reuse_options)
         self.scheduler = Scheduler(
             self._scheduler_config(), self.kv_cache, make_policy(config.scheduler_policy),
             cache_key=self.provenance, clock=clock, stats=self.stats,
             weights_version=model.weights_version, tokenizer=model.tokenizer,
-            drafter=make_drafter(config.spec.method, **config.spec.options))
+            drafter=make_drafter(config.spec.method, **config.spec.options),
+            reuse_strategies={config.context_reuse: self.context_reuse})
         self.stats.update(weight_updates=0)
         # An evicting policy decides from step t's key scores before step t+1's block tables
         # can exist, and a verify step's kept drafts decide step t+1's positions: such
@@ -365,7 +380,9 @@ class Engine:
 
     def validate_request(self, request_id: str, prompt_ids: Seq[int],
                          sampling: SamplingParams) -> list[int]:
-        """Checks a request; raises ValueError naming the problem."""
+        """Checks a request; raises ValueError naming the problem. Returns its token ids (of
+        a prompt of `Segment`s, their concatenation)."""
+        prompt_ids, _ = _segments(request_id, prompt_ids)
         self.kv.check_ready()  # A calibrated fp8 pool needs its scales first.
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -396,25 +413,43 @@ class Engine:
                              f"the pool has {self.num_pages}")
         return prompt
 
-    def add_request(self, request_id: str, prompt_ids: Seq[int],
+    def add_request(self, request_id: str, prompt_ids: Seq[int] | Seq[Segment],
                     sampling: SamplingParams | None = None, *, tenant: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        """Queues a request. Invalid requests raise ValueError and change nothing."""
+                    priority: int = 0, arrival_time: float | None = None,
+                    context_reuse: str | None = None) -> None:
+        """Queues a request. Invalid requests raise ValueError and change nothing.
+
+        prompt_ids: token ids, or `Segment`s whose reusable ones take their KV from the chunk
+          cache (`kvjax.scheduler.context`) under `context_reuse` (a strategy name; None:
+          EngineConfig.context_reuse). A strategy other than the configured one compiles its
+          programs on first use.
+        """
         sampling = sampling or SamplingParams()
         prompt = self.validate_request(request_id, prompt_ids, sampling)
+        _, spans = _segments(request_id, prompt_ids)
+        reuse = self.config.context_reuse if context_reuse is None else context_reuse
+        try:
+            strategy = self.scheduler.strategy(reuse)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        if spans and strategy.reuses and not self.kv_cache.has_prefix_cache:
+            raise ValueError(f"request {request_id!r}: context_reuse={reuse!r} keeps chunks in "
+                             f"the prefix cache, which this engine has off")
         arrival = self.clock() if arrival_time is None else arrival_time
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(
             hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little")
         common = dict(request_id=request_id, num_prompt_tokens=len(prompt), sampling=sampling,
                       arrival_time=arrival, order=self.scheduler.next_order(), tenant=tenant,
-                      priority=priority)
+                      priority=priority, context_reuse=reuse)
         if sampling.n > 1 and len(prompt) > 1:
             # The samples share the prompt: prefill all but its last token once, then fork.
             seqs = [Sequence(seq_id=f"{request_id}#prompt", tokens=prompt[:-1], seed=seed,
-                             is_group_prefill=True, **common)]
+                             is_group_prefill=True,
+                             chunk_spans=clip_spans(spans, len(prompt) - 1), **common)]
         else:
             seqs = [Sequence(seq_id=f"{request_id}#{i}", tokens=list(prompt), seed=seed + i,
-                             sample_index=i, **common) for i in range(sampling.n)]
+                             sample_index=i, chunk_spans=clip_spans(spans, len(prompt)),
+                             **common) for i in range(sampling.n)]
         self.scheduler.add_request(request_id, prompt, seqs, arrival=arrival, tenant=tenant,
                                    n=sampling.n)
 
@@ -477,13 +512,18 @@ class Engine:
         compile count. Padded tokens write nothing and padded rows read nothing. With
         `sampling`, the sampled variants of each shape too (three times the programs), so
         temperature, top-k and top-p requests compile nothing either."""
-        self.runner.warmup(self.model.weights_version, sampling=sampling)
+        plan = self.context_reuse.plan(self.max_model_len)
+        self.runner.warmup(self.model.weights_version, sampling=sampling,
+                           blend_ratio=plan.blend_ratio or None,
+                           max_blend_tokens=self.max_model_len)
         # Copy-on-write (n > 1 samples, shared partial pages): at most one copy per row.
         is_paged = self.config.kv_layout is KVLayout.PAGED
         self.kv_cache.warmup(self.block_table_width,
                              swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE,
                              max_copies=self.config.max_num_seqs + self.config.max_prefill_seqs
-                             if is_paged else 0)
+                             if is_paged else 0,
+                             max_chunk_tokens=self.max_model_len
+                             if self.context_reuse.reuses else 0)
         jax.block_until_ready(self.kv)
         return self.num_compiles
 

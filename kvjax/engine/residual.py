@@ -45,9 +45,10 @@ class WindowBlockManager(BlockManager):
         self._slot_of[seq_id] = self._free_slots.pop()
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
-                     cache_key: bytes = b"", indexable: bool = True) -> int:
+                     cache_key: bytes = b"", indexable: bool = True,
+                     record_stats: bool = True) -> int:
         cached = super().add_sequence(seq_id, token_ids, cache_key=cache_key,
-                                      indexable=indexable)
+                                      indexable=indexable, record_stats=record_stats)
         self._take_slot(seq_id)
         return cached
 

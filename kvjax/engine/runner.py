@@ -16,9 +16,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvjax.engine.step import LogitsMode, StepOutput, StepPrograms, StepShape, empty_step_input
+from kvjax.engine.step import (
+    BlendShape,
+    LogitsMode,
+    StepOutput,
+    StepPrograms,
+    StepShape,
+    empty_step_input,
+)
 from kvjax.memory.ops import KVOp
-from kvjax.scheduler.output import RunnerOutput, SchedulerOutput
+from kvjax.scheduler.context import blend_count
+from kvjax.scheduler.output import BlendRow, RunnerOutput, SchedulerOutput
 from kvjax.shapes import bucket, geometric_buckets
 
 
@@ -150,7 +158,7 @@ class InFlightStep:
 
     so: SchedulerOutput
     row_index: list[int]  # padded row of each of so.rows
-    out: StepOutput
+    out: StepOutput | None  # None: the step had no rows (only CacheBlend recomputes)
 
 
 class ModelRunner:
@@ -267,9 +275,32 @@ class ModelRunner:
         if row.feed_index >= 0:
             buf["token_src"][t0] = self._last_row_index[row.feed_index]
 
+    def blend_input(self, blend: BlendRow) -> tuple[BlendShape, dict[str, np.ndarray]]:
+        """The padded host inputs of a CacheBlend recompute (chunk tokens to a power of two,
+        at least `min_chunk_bucket`; recomputed tokens to the ratio's share of that)."""
+        n = blend.token_ids.shape[0]
+        size = max(bucket(n), self.buckets.min_chunk_bucket)
+        select = blend_count(blend.ratio, size)  # one program per chunk size and ratio
+        p, width = self.page_size, self.buckets.block_table_width
+        pos = np.arange(blend.start, blend.start + n, dtype=np.int32)
+        slots = np.full(size, -1, np.int32)
+        slots[:n] = blend.block_table[pos // p] * p + pos % p
+        host = dict(tokens=np.zeros(size, np.int32), positions=np.zeros(size, np.int32),
+                    slots=slots, block_table=np.zeros(width, np.int32),
+                    num_select=np.int32(blend.num_select))
+        host["tokens"][:n], host["positions"][:n] = blend.token_ids, pos
+        host["block_table"][:min(width, len(blend.block_table))] = blend.block_table[:width]
+        return BlendShape(size, select, width), host
+
     def dispatch(self, so: SchedulerOutput, logits_mode: LogitsMode = LogitsMode.NONE
                  ) -> InFlightStep:
-        """Starts one step under `so.weights_version` (asynchronously: nothing is read back)."""
+        """Starts one step under `so.weights_version` (asynchronously: nothing is read back),
+        after the CacheBlend recomputes it carries."""
+        for blend in so.blends:
+            shape, host = self.blend_input(blend)
+            self.kv = self.programs.blend(self.params[so.weights_version], self.kv, host, shape)
+        if not so.rows:
+            return InFlightStep(so, [], None)
         shape, buf, row_index = self.build_input(so, logits_mode)
         for observer in self.observers:
             observer.before_step(shape, buf)
@@ -283,6 +314,8 @@ class ModelRunner:
         """Waits for a dispatched step and reads its results to the host, in row order."""
         rows = np.asarray(step.row_index, np.int64)
         out = step.out
+        if out is None:
+            return RunnerOutput(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32))
         key_scores = None if out.key_scores is None else np.asarray(out.key_scores)[rows]
         num_accepted = spec_logprobs = None
         if out.num_accepted is not None:
@@ -293,10 +326,20 @@ class ModelRunner:
                             logits=out.logits, num_accepted=num_accepted,
                             spec_logprobs=spec_logprobs)
 
-    def warmup(self, weights_version: str, *, sampling: bool = False) -> None:
+    def warmup(self, weights_version: str, *, sampling: bool = False,
+               blend_ratio: float | None = None, max_blend_tokens: int = 0) -> None:
         """Compiles every greedy step shape on padding inputs (which write and read nothing);
-        with `sampling`, each shape's sampled variants too (with and without top-k / top-p)."""
+        with `sampling`, each shape's sampled variants too (with and without top-k / top-p);
+        with `blend_ratio`, the CacheBlend recomputes of chunks up to `max_blend_tokens`."""
         params = self.params[weights_version]
+        n = self.buckets.min_chunk_bucket
+        while blend_ratio is not None and n <= bucket(max_blend_tokens):
+            shape, host = self.blend_input(BlendRow(
+                "", np.zeros(n, np.int32), 0, np.zeros(-(-n // self.page_size), np.int32), 1,
+                blend_ratio))
+            host["slots"][:] = -1  # padding: nothing is read or written
+            self.kv = self.programs.blend(params, self.kv, host, shape)
+            n *= 2
         variants = [{}] + ([dict(all_greedy=False), dict(all_greedy=False, needs_filter=True)]
                            if sampling else [])
         for greedy_shape in self.buckets.step_shapes():

@@ -339,6 +339,73 @@ def _verify_step_tokens(params, config: ModelConfig, h, token_ids, inp: StepInpu
             jnp.concatenate([spec_logprobs, jnp.zeros((bp, wd), jnp.float32)]))
 
 
+@dataclasses.dataclass(frozen=True)
+class BlendShape:
+    """The static shape of a CacheBlend recompute: one compiled program per value."""
+
+    num_tokens: int  # the chunk's tokens, padded
+    num_select: int  # the tokens recomputed, padded
+    max_pages: int  # W, block table width
+
+
+def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
+    """A StepInput of one-token rows of one sequence (kv_lens 0: a padded row)."""
+    n = tokens.shape[0]
+    zeros = jnp.zeros(n, jnp.int32)
+    return StepInput(
+        tokens=tokens, positions=positions, slot_mapping=slots,
+        block_tables=jnp.broadcast_to(block_table, (n, block_table.shape[0])), kv_lens=kv_lens,
+        q_lens=(kv_lens > 0).astype(jnp.int32), temperature=jnp.zeros(n, jnp.float32),
+        top_k=zeros, top_p=jnp.ones(n, jnp.float32), seeds=jnp.zeros(n, jnp.uint32),
+        counters=zeros, score_weights=jnp.zeros(n, jnp.float32), seq_slots=zeros,
+        kv_floors=zeros, token_src=jnp.full(n, -1, jnp.int32), prev_tokens=zeros,
+        row_starts=jnp.arange(n, dtype=jnp.int32), token_rows=jnp.arange(n, dtype=jnp.int32))
+
+
+def blend_step(params, kv: KVState, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
+               block_table: jax.Array, num_select: jax.Array, *, config: ModelConfig,
+               shape: BlendShape, attention_impl: AttentionImpl = AttentionImpl.REFERENCE
+               ) -> KVState:
+    """CacheBlend's selective recompute of a chunk whose KV was copied in without its context.
+
+    The chunk's tokens (tokens, positions, slots [S], slot -1 for padding) run through the
+    first decoder layer attending to the sequence's whole cache (block_table [W]); the
+    `num_select` tokens whose second-layer K/V deviate most (squared L2) from what the cache
+    holds are then recomputed in every layer, each attending to the cache up to its own
+    position, which overwrites their K/V. Layer 0's K/V need no correction: they depend on the
+    token and its position only, which the copy already restored exactly.
+    """
+    valid = slots >= 0
+    kv_lens = jnp.where(valid, positions + 1, 0)
+    probe = _rows_input(tokens, positions, slots, kv_lens, block_table)
+    probe_shape = StepShape(shape.num_tokens, 0, 1, shape.max_pages)
+    kernels = _resolve(attention_impl, kv)
+
+    def attend(layer, q, k, v, kv):
+        kv = kv.write_rows(layer, probe, probe_shape, k, v)
+        return _attend_rows(kv, layer, q, probe, probe_shape, kernels), kv
+
+    layers = params["layers"]
+    h, kv = llama.decoder_layer(config, attend, params["embed"][tokens], positions,
+                                jax.tree.map(lambda x: x[0], layers), jnp.int32(0), kv)
+    probe_layer = min(1, config.num_layers - 1)
+    _, k1, v1 = llama.qkv(config, jax.tree.map(lambda x: x[probe_layer], layers), h, positions)
+    rows = jnp.arange(tokens.shape[0])
+    kc, vc = kv.load_pages(jnp.int32(probe_layer), (jnp.maximum(slots, 0) // kv.page_size)[:, None])
+    offsets = jnp.maximum(slots, 0) % kv.page_size
+    kc, vc = kc[rows, 0, offsets], vc[rows, 0, offsets]  # [S, K, D]
+    deviation = (jnp.sum(jnp.square(k1.astype(jnp.float32) - kc.astype(jnp.float32)), (1, 2))
+                 + jnp.sum(jnp.square(v1.astype(jnp.float32) - vc.astype(jnp.float32)), (1, 2)))
+    _, picked = jax.lax.top_k(jnp.where(valid, deviation, -jnp.inf), shape.num_select)
+    keep = (jnp.arange(shape.num_select) < num_select) & valid[picked]
+    redo = _rows_input(tokens[picked], positions[picked], jnp.where(keep, slots[picked], -1),
+                       jnp.where(keep, kv_lens[picked], 0), block_table)
+    _, kv = model_step(params, kv, redo, config=config,
+                       shape=StepShape(shape.num_select, 0, 1, shape.max_pages),
+                       attention_impl=attention_impl)
+    return kv
+
+
 class StepPrograms:
     """The jitted step and page-copy programs for one model; counts their compilations.
 
@@ -356,11 +423,14 @@ class StepPrograms:
                               retention=retention),
             static_argnames=("shape",), donate_argnames=("kv",))
         self._copy = jax.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
+        self._blend = jax.jit(
+            functools.partial(blend_step, config=config, attention_impl=attention_impl),
+            static_argnames=("shape",), donate_argnames=("kv",))
 
     @property
     def num_compiles(self) -> int:
         """Programs compiled so far (one per distinct step shape and KV layout)."""
-        return self._step._cache_size() + self._copy._cache_size()
+        return self._step._cache_size() + self._copy._cache_size() + self._blend._cache_size()
 
     def step(self, params, kv: KVState, host_input: dict[str, np.ndarray], shape: StepShape
              ) -> tuple[StepOutput, KVState]:
@@ -370,3 +440,9 @@ class StepPrograms:
     def copy_pages(self, kv: KVState, src: np.ndarray, dst: np.ndarray) -> KVState:
         """Applies copy-on-write page copies (src[i] -> dst[i])."""
         return self._copy(kv, src, dst)
+
+    def blend(self, params, kv: KVState, host: dict[str, np.ndarray], shape: BlendShape
+              ) -> KVState:
+        """Dispatches one CacheBlend recompute (`blend_step`; host: its padded arrays)."""
+        return self._blend(params, kv, host["tokens"], host["positions"], host["slots"],
+                           host["block_table"], host["num_select"], shape=shape)

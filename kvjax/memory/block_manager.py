@@ -144,7 +144,7 @@ class BlockManager:
 
     def add_sequence(
         self, seq_id: Hashable, token_ids: Sequence[int], *, cache_key: bytes = b"",
-        indexable: bool = True,
+        indexable: bool = True, record_stats: bool = True,
     ) -> int:
         """Registers a sequence and attaches the cached pages of its prompt's longest prefix.
 
@@ -159,6 +159,8 @@ class BlockManager:
             indexable: False for a sequence whose pages hold a subset of its tokens (one that
                 `retain` compacted, coming back from swap): it neither reads nor feeds the
                 prefix cache.
+            record_stats: count the lookup in the prefix-cache statistics (False for a
+                registration that only holds cached pages, such as a chunk being copied).
 
         Returns:
             The number of cached tokens: a multiple of P, and < len(token_ids).
@@ -175,6 +177,7 @@ class BlockManager:
             hashes = [self.prefix_cache.hash_of(page) for page in pages]
             for page in pages:
                 self._acquire(page)
+        if self.prefix_cache is not None and indexable and record_stats:
             self._stats = dataclasses.replace(
                 self._stats,
                 prefix_queries=self._stats.prefix_queries + 1,

@@ -39,7 +39,7 @@ class KVCacheManager:
 
     def __init__(self, device: KVDevice, allocator, swap_space, retention: RetentionManager, *,
                  page_size: int, watermark: float, scrub_freed_pages: bool, stats: dict,
-                 tiers=None, quantized_len=None):
+                 tiers=None, quantized_len=None, chunk_copier=None):
         self.device = device
         self.allocator = allocator
         self.swap_space = swap_space
@@ -51,6 +51,7 @@ class KVCacheManager:
         self.stats = stats
         self.page_versions: dict[int, str] = {}
         self._quantized_len = quantized_len
+        self._chunk_copier = chunk_copier
         self._floors: dict[str, int] = {}  # sequence -> tokens its pages hold from the start
         self._ops: list[KVOp] = []
         self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
@@ -128,7 +129,8 @@ class KVCacheManager:
 
     @property
     def num_compiles(self) -> int:
-        return self.swap_space.num_compiles + self.retention.num_compiles
+        chunks = 0 if self._chunk_copier is None else self._chunk_copier.num_compiles
+        return self.swap_space.num_compiles + self.retention.num_compiles + chunks
 
     # ----------------------------------------------------------------------------- pages
 
@@ -171,6 +173,40 @@ class KVCacheManager:
             token_ids = token_ids[:max(self.kv_floor(seq_id),
                                        self._quantized_len(len(token_ids)))]
         self.allocator.commit(seq_id, token_ids)
+
+    def load_chunk(self, seq_id: str, chunk_ids: Sequence[int], cache_key: bytes, *,
+                   first: int, count: int, start: int, shift: int, key_scale: float,
+                   version: str) -> str:
+        """Copies tokens [first, first + count) of a cached chunk into the sequence's cache
+        positions [start, start + count), keys turned forward by `shift` positions and scaled
+        by `key_scale` (`kvjax.kv.reuse`); the chunk's own pages are only read.
+
+        chunk_ids: the chunk's tokens padded to whole pages, as the chunk cache keys them.
+        Returns 'loaded'; 'miss' when the prefix cache does not hold every page of the chunk
+        (nothing changed); 'full' when the sequence's pages do not fit the pool.
+        """
+        found = self.allocator.peek_cached_tokens(list(chunk_ids) + [0], cache_key=cache_key)
+        if found < len(chunk_ids):
+            return "miss"
+        pin = f"{seq_id}@chunk"  # Holds the chunk's pages while the sequence allocates.
+        self.allocator.add_sequence(pin, list(chunk_ids) + [0], cache_key=cache_key,
+                                    record_stats=False)
+        try:
+            if not self.allocate(seq_id, start, start + count):
+                return "full"
+            p = self.page_size
+            src_pages = self.block_table(pin)[first // p:pages_for(first + count, p)]
+            dst_table = np.asarray(self.block_table(seq_id), np.int64)
+            dst_pos = np.arange(start, start + count)
+            dst = dst_table[dst_pos // p] * p + dst_pos % p
+            written = sorted(set(dst_table[dst_pos // p].tolist()))
+            self._apply(KVOp(KVOpKind.CHUNK_LOAD, tuple(written)),
+                        lambda kv: self._chunk_copier.copy(kv, src_pages, first % p, dst, shift,
+                                                           key_scale))
+            self.mark_written(written, version)
+            return "loaded"
+        finally:
+            self.allocator.free(pin)
 
     def copy(self, copies: Sequence[CopyOp]) -> None:
         """Applies copy-on-write copies (after spilling evicted pages they may overwrite)."""
@@ -416,10 +452,11 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------------------- warm-up
 
-    def warmup(self, block_table_width: int, *, swap: bool, max_copies: int = 0) -> None:
-        """Compiles the tier, retention, swap and scrub programs on padding inputs, and the
+    def warmup(self, block_table_width: int, *, swap: bool, max_copies: int = 0,
+               max_chunk_tokens: int = 0) -> None:
+        """Compiles the tier, retention, swap and scrub programs on padding inputs, the
         copy-on-write programs for up to `max_copies` copies in one step (page 0 onto itself,
-        which changes nothing)."""
+        which changes nothing) and the chunk copies of up to `max_chunk_tokens` tokens."""
         for n in geometric_buckets(1, next_power_of_2(max_copies), 2) if max_copies else ():
             pages = np.zeros(n, np.int32)
             self._apply(KVOp(KVOpKind.WARMUP),
@@ -427,5 +464,8 @@ class KVCacheManager:
         if self.tiers is not None:
             self._apply(KVOp(KVOpKind.WARMUP), self.tiers.warmup)
         self._apply(KVOp(KVOpKind.WARMUP), self.retention.warmup)
+        if self._chunk_copier is not None and max_chunk_tokens:
+            self._apply(KVOp(KVOpKind.WARMUP),
+                        lambda kv: self._chunk_copier.warmup(kv, max_chunk_tokens))
         self._apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
             kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages))

@@ -27,6 +27,7 @@ class KVOpKind(enum.StrEnum):
     SPILL = "spill"  # evicted prefix-cache pages to the host tier (reads the pool)
     POLL = "poll"  # tier transfers advanced; landed loads scattered into pages
     SCATTER = "scatter"  # pages written from outside (snapshots, disaggregated prefill)
+    CHUNK_LOAD = "chunk_load"  # a cached chunk's tokens copied into a sequence, re-rotated
     PLACE = "place"  # the pool moved to other devices or shardings
     CALIBRATE = "calibrate"  # static codec scales set
     WARMUP = "warmup"  # programs compiled on padding inputs; the pool is unchanged

@@ -41,7 +41,8 @@ class SlotAllocator:
         return 0 if seq_id in self._slot_of else self.pages_per_seq
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
-                     cache_key: bytes = b"", indexable: bool = True) -> int:
+                     cache_key: bytes = b"", indexable: bool = True,
+                     record_stats: bool = True) -> int:
         if seq_id in self._slot_of:
             raise ValueError(f"sequence {seq_id!r} is already registered")
         self._slot_of[seq_id] = -1  # A slot is taken on the first write.

@@ -127,9 +127,9 @@ def check_params(params: Params, config: ModelConfig) -> None:
                 f"params {'/'.join(path)} has shape {tuple(node.shape)}, expected {shape}")
 
 
-def _layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
-           layer_params: Params, layer_index: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
-    """One decoder block. h: [T, H]."""
+def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H]."""
     c = config
     p = layer_params
     t = h.shape[0]
@@ -141,7 +141,17 @@ def _layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.A
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = rope(q.reshape(t, c.num_heads, c.head_dim), positions, c.rope_theta)  # [T, N, D]
     k = rope(k.reshape(t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)  # [T, K, D]
-    v = v.reshape(t, c.num_kv_heads, c.head_dim)
+    return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
+
+
+def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
+                  layer_params: Params, layer_index: jax.Array, cache: Any
+                  ) -> tuple[jax.Array, Any]:
+    """One decoder block. h: [T, H]."""
+    c = config
+    p = layer_params
+    t = h.shape[0]
+    q, k, v = qkv(config, p, h, positions)
     attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
     h = h + attn.reshape(t, -1).astype(h.dtype) @ p["wo"]
     x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps)
@@ -165,7 +175,8 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
     def body(carry, xs):
         h, cache = carry
         layer_params, layer_index = xs
-        h, cache = _layer(config, attend, h, positions, layer_params, layer_index, cache)
+        h, cache = decoder_layer(config, attend, h, positions, layer_params, layer_index,
+                                 cache)
         return (h, cache), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)

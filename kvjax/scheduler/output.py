@@ -76,6 +76,27 @@ class ScheduledRow:
 
 
 @dataclasses.dataclass(frozen=True)
+class BlendRow:
+    """A CacheBlend recompute the runner runs before the step (`kvjax.scheduler.context`).
+
+    Attributes:
+      seq_id: the sequence whose cache holds a chunk copied in without its context.
+      token_ids: [n] int32, the chunk's tokens; start: the position of token_ids[0].
+      block_table: [num_pages] int32, the sequence's pages (no retention: slots = positions).
+      num_select: tokens of the chunk recomputed in every layer (those whose KV deviates most).
+      ratio: the strategy's recompute ratio (the runner pads num_select to its share of the
+        padded chunk, so each chunk size compiles once).
+    """
+
+    seq_id: str
+    token_ids: np.ndarray
+    start: int
+    block_table: np.ndarray
+    num_select: int
+    ratio: float
+
+
+@dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
     """One step's plan.
 
@@ -88,6 +109,7 @@ class SchedulerOutput:
         and frees, then this step's copies, swaps and loads), in order; records for metering
         and tracing.
       weights_version: the weights this step runs under (versions in flight take turns).
+      blends: CacheBlend recomputes of chunks copied in this step, run before the step's rows.
     """
 
     decode: tuple[ScheduledRow, ...]
@@ -95,6 +117,7 @@ class SchedulerOutput:
     preempted: tuple[str, ...]
     kv_ops: tuple[KVOp, ...]
     weights_version: str
+    blends: tuple[BlendRow, ...] = ()
 
     @property
     def rows(self) -> tuple[ScheduledRow, ...]:
@@ -102,7 +125,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.blends
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,10 @@ class Sequence:
     With speculative decoding, `draft_tokens` are proposals after `tokens` that no verify step
     has checked yet (never output, never in the prefix cache; dropped with the KV).
     A prefill-only sequence (the shared prompt of an n > 1 group) holds the prompt minus its last
-    token and forks into the samples once computed.
+    token and forks into the samples once computed. A chunk fill (`kvjax.scheduler.context`)
+    is prefill-only too: it computes a reusable chunk alone so its pages enter the chunk cache,
+    and ends without output. `chunk_spans` are the [start, end) prompt positions whose KV a
+    request copies from the chunk cache under strategy `context_reuse`.
     """
 
     seq_id: str
@@ -73,6 +76,14 @@ class Sequence:
     kv_epoch: int = 0
     draft_tokens: list[int] = dataclasses.field(default_factory=list)  # unverified proposals
     draft_len: int = 0  # adaptive speculation: drafts to propose next (0: gamma)
+    chunk_spans: list = dataclasses.field(default_factory=list)  # [(start, end), ...]
+    context_reuse: str = "full"
+    is_chunk_fill: bool = False
+
+    @property
+    def is_prefill_only(self) -> bool:
+        """It computes KV and emits no token (an n > 1 group's prompt, a chunk fill)."""
+        return self.is_group_prefill or self.is_chunk_fill
 
     @property
     def output_ids(self) -> list[int]:

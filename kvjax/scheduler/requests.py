@@ -54,9 +54,10 @@ class RequestRegistry:
             raise ValueError(f"sequence {seq_id!r} has no sampled token waiting to be computed")
         seq.tokens[-1] = token
 
-    def request_ids(self) -> list[str]:
-        """Unfinished requests, in submission order."""
-        return list(self._requests)
+    def request_ids(self, *, internal: bool = False) -> list[str]:
+        """Unfinished requests, in submission order (with `internal`, chunk fills too)."""
+        return [r for r in self._requests
+                if internal or not self._request_meta[r].get("internal")]
 
     def request_meta(self, request_id: str) -> dict:
         """A request's prompt, arrival, tenant, n and (once finished) finish time."""
@@ -73,11 +74,12 @@ class RequestRegistry:
     # ----------------------------------------------------------------------------- records
 
     def add_request(self, request_id: str, prompt: list[int], seqs: list[Sequence], *,
-                    arrival: float, tenant: str | None, n: int) -> None:
-        """Registers a request and queues its sequences as waiting."""
+                    arrival: float, tenant: str | None, n: int, internal: bool = False) -> None:
+        """Registers a request and queues its sequences as waiting (`internal`: a chunk fill,
+        which emits no output)."""
         self._requests[request_id] = []
         self._request_meta[request_id] = dict(prompt=prompt, arrival=arrival, tenant=tenant,
-                                              n=n, samples={})
+                                              n=n, samples={}, internal=internal)
         for seq in seqs:
             self._register(seq)
 
@@ -113,6 +115,9 @@ class RequestRegistry:
             if seq.status is not SeqStatus.FINISHED:
                 self.finish(seq, FinishReason.ABORT)
         self._maybe_emit(request_id)
+        for fill in [r for r, m in self._request_meta.items() if m.get("internal")]:
+            if not any(w in self._requests for w in self._request_meta[fill]["waiters"]):
+                self.abort(fill)  # No request waits for this chunk any more.
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         for queue in (self.running, self.waiting, self.swapped):
@@ -131,7 +136,8 @@ class RequestRegistry:
         meta = self._request_meta[request_id]
         if len(seqs) < meta["n"] or any(s.status is not SeqStatus.FINISHED for s in seqs):
             return
-        self._finished_outputs.append(self.output(request_id, finished=True))
+        if not meta.get("internal"):  # A chunk fill ends without output.
+            self._finished_outputs.append(self.output(request_id, finished=True))
         for s in seq_ids:
             del self._seqs[s]
         del self._requests[request_id]

@@ -18,6 +18,8 @@ import numpy as np
 from kvjax.kv.state import pages_for
 from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.sampling import SamplingParams
+from kvjax.scheduler.chunks import ChunkReuse
+from kvjax.scheduler.context import ReuseStrategy
 from kvjax.scheduler.output import RunnerOutput, ScheduledRow, SchedulerOutput
 from kvjax.scheduler.policies import LongestPrefixMatch, SchedulingPolicy
 from kvjax.scheduler.preemption import PreemptionMode, decide_preemption
@@ -74,7 +76,7 @@ class SchedulerConfig:
 _GREEDY_DRAFT = SamplingParams(max_new_tokens=1)
 
 
-class Scheduler(RequestRegistry, TierAdmission):
+class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
     """Continuous batching over the sequences of every unfinished request.
 
     Attributes:
@@ -85,12 +87,15 @@ class Scheduler(RequestRegistry, TierAdmission):
       weights_version: the newest weights version; `versions` every version still served.
       stats: the engine's counters (shared dict) this scheduler adds to.
       drafter: where speculative draft tokens come from (`kvjax.scheduler.spec`).
+      reuse_strategies: context-reuse strategies by name (`kvjax.scheduler.context`); a
+        name not in it is made with its default options.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  policy: SchedulingPolicy, *, cache_key: Callable[[str | None, str], bytes],
                  clock: Callable[[], float], stats: dict, weights_version: str, tokenizer=None,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None,
+                 reuse_strategies: dict[str, ReuseStrategy] | None = None):
         self.config = config
         self.kv_cache = kv_cache
         self.policy = policy
@@ -101,6 +106,7 @@ class Scheduler(RequestRegistry, TierAdmission):
         self.weights_version = weights_version
         self.versions = [weights_version]
         self.drafter = drafter or NoDrafts()
+        self._init_chunks(reuse_strategies)
         self.stats.update(steps=0, preemptions=0, prefill_tokens=0, decode_tokens=0,
                           preemption_decisions=[], step_time_s=0.0, spec_draft_steps=0,
                           spec_verify_rows=0, spec_proposed=0, spec_accepted=0)
@@ -110,8 +116,18 @@ class Scheduler(RequestRegistry, TierAdmission):
         self._init_tiers()
 
     def cache_key(self, seq: Sequence) -> bytes:
-        """The provenance fingerprint a sequence's pages are cached under."""
-        return self._cache_key(seq.tenant, seq.weights_version)
+        """The provenance fingerprint a sequence's pages are cached under.
+
+        A chunk fill's pages are chunk-cache entries (the chunk marker); a sequence that copies
+        chunks in holds KV that depends on the strategy and the spans, which its key names."""
+        if seq.is_chunk_fill:
+            return self._chunk_key(seq)
+        key = self._cache_key(seq.tenant, seq.weights_version)
+        strategy = self.strategy(seq.context_reuse)
+        if seq.chunk_spans and strategy.reuses:
+            spans = ",".join(f"{a}-{b}" for a, b in seq.chunk_spans)
+            key += f"|reuse={strategy.fingerprint}|spans={spans}".encode()
+        return key
 
     def _peek_cached_tokens(self, seq: Sequence) -> int:
         if seq.status is not SeqStatus.WAITING:
@@ -210,8 +226,15 @@ class Scheduler(RequestRegistry, TierAdmission):
                     break
                 if not self._admit(seq):
                     continue
+            limit = self._reuse_chunks(seq)
+            if not limit:  # Its next chunk is being filled, or its copy finds no room.
+                if is_new:
+                    self.kv_cache.unregister(seq.seq_id)
+                    seq.num_computed = 0
+                continue
             chunk = self._fit_to_bucket(sum(n for _, n in prefill),
-                                        min(seq.num_pending, budget, cfg.max_prefill_chunk))
+                                        min(seq.num_pending, budget, cfg.max_prefill_chunk,
+                                            limit))
             cached = self._cached_len(seq)
             need = self.kv_cache.pages_needed(seq.seq_id, cached + chunk)
             ok = not is_new or self.kv_cache.can_admit(need)
@@ -249,7 +272,7 @@ class Scheduler(RequestRegistry, TierAdmission):
         rows += [self._row(s, n, len(decode) + i) for i, (s, n) in enumerate(prefill)]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
                                preempted=tuple(preempted), kv_ops=self.kv_cache.take_ops(),
-                               weights_version=active)
+                               weights_version=active, blends=self._take_blends())
 
     def _max_drafts(self, seq: Sequence) -> int:
         """Draft tokens the sequence may verify next: gamma, less near its length limits (the
@@ -345,7 +368,9 @@ class Scheduler(RequestRegistry, TierAdmission):
         # Counted when dispatched: the device computes them whatever happens to the sequence.
         is_decode = n - num_drafts == 1 and samples and start >= seq.num_prompt_tokens
         self.stats["decode_tokens" if is_decode else "prefill_tokens"] += n
-        if samples and not seq.is_group_prefill:
+        if seq.is_chunk_fill:
+            self.stats["chunk_fill_tokens"] += n
+        if samples and not seq.is_prefill_only:
             seq.num_unresolved += 1
             seq.inflight_index = index
         return row
@@ -444,6 +469,10 @@ class Scheduler(RequestRegistry, TierAdmission):
                 if is_current:
                     self._fork_group(seq)
                 continue
+            if seq.is_chunk_fill:  # Its pages are in the chunk cache now: it is done.
+                if is_current:
+                    self.finish(seq, FinishReason.STOP)
+                continue
             seq.num_unresolved -= 1
             seq.tokens.append(int(out.tokens[i]))
             seq.token_versions.append(so.weights_version)
@@ -514,7 +543,8 @@ class Scheduler(RequestRegistry, TierAdmission):
                 tenant=parent.tenant, priority=parent.priority, sample_index=i,
                 num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
                 first_scheduled_time=parent.first_scheduled_time,
-                weights_version=parent.weights_version)
+                weights_version=parent.weights_version, chunk_spans=parent.chunk_spans,
+                context_reuse=parent.context_reuse)
             if not self.kv_cache.fork(parent.seq_id, child.seq_id):
                 self._register(child)  # No room to share (contiguous slots): prefill afresh.
                 continue
@@ -560,7 +590,11 @@ class Scheduler(RequestRegistry, TierAdmission):
         for seq in list(self.running + self.swapped + self.waiting):
             started = seq.num_computed > 0 or seq.status is not SeqStatus.WAITING or \
                 len(seq.tokens) > seq.num_prompt_tokens
-            if not started or in_flight is WeightUpdatePolicy.RECOMPUTE:
+            if seq.is_chunk_fill and in_flight is not WeightUpdatePolicy.FINISH_OLD:
+                # A chunk under old weights serves no request now: a new one is filled on need.
+                self.finish(seq, FinishReason.ABORT)
+                self._maybe_emit(seq.request_id)
+            elif not started or in_flight is WeightUpdatePolicy.RECOMPUTE:
                 self._restart(seq)
                 seq.weights_version = version
             elif in_flight is WeightUpdatePolicy.ABORT:

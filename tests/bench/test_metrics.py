@@ -14,8 +14,8 @@ EXPECTED_KEYS = (
     "goodput_req_s", "kv_utilization_mean", "kv_utilization_peak", "kv_reserved_mean_bytes",
     "kv_reserved_peak_bytes", "prefix_hit_rate", "preemptions", "bytes_moved", "energy_j_est",
     "quality", "retrieval_accuracy", "fairness",
-    "compiles_after_warmup", "padded_token_fraction", "spec", "failed_requests", "num_requests",
-    "duration_s", "clock", "config", "env",
+    "compiles_after_warmup", "padded_token_fraction", "spec", "context_reuse",
+    "failed_requests", "num_requests", "duration_s", "clock", "config", "env",
 )
 
 

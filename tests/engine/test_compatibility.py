@@ -45,7 +45,8 @@ BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16
             enable_prefix_cache=False)
 # A quantized codec or a retention policy changes the tokens: only their count is checked.
 APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, Feature.STREAMING,
-               Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV, Feature.QUEST}
+               Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV, Feature.QUEST,
+               Feature.CONTEXT_REUSE}
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
 MAX_MEAN_REGRET = {"codec": 0.5, "retention": 2.5}
 # The features each pair test runs outside the config.
@@ -61,6 +62,7 @@ FAST = {
         (Feature.HOST_TIER, Feature.SNAPSHOT), (Feature.SWAP, Feature.SNAPSHOT),
         (Feature.AUTO_PREEMPTION, Feature.N_SAMPLES),
         (Feature.SPECULATIVE, Feature.SWAP),
+        (Feature.CONTEXT_REUSE, Feature.HOST_TIER),
     )
 }
 
@@ -102,6 +104,10 @@ def config_for(features) -> dict:
         # Sparse self-drafts: draft steps over a window smaller than the prompts, then verify.
         Feature.SPECULATIVE: dict(spec=dict(method="sparse_self", num_draft_tokens=2,
                                             options=dict(num_sinks=P, window=P))),
+        # CacheBlend: chunk copies, re-rotation and the selective recompute together.
+        Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
+                                    context_reuse_options=dict(ratio=0.5),
+                                    enable_prefix_cache=True),
     }
     config = dict(BASE)
     for feature in features:
@@ -111,7 +117,7 @@ def config_for(features) -> dict:
 
 def run_pair(model, features, oracle, mesh=None) -> dict:
     """Serves the prompts with `features` on; returns the outcome the tests check."""
-    from kvjax import EngineConfig, SamplingParams
+    from kvjax import EngineConfig, SamplingParams, Segment
     from kvjax.engine.engine import Engine
     from kvjax.engine.snapshot import restore_snapshot, save_snapshot
 
@@ -123,6 +129,9 @@ def run_pair(model, features, oracle, mesh=None) -> dict:
         samplings[0] = SamplingParams(max_new_tokens=NUM_NEW, ignore_eos=True, n=2)
     ids = [f"r{i}" for i in range(len(prompts))]
     for request_id, prompt, sampling in zip(ids, prompts, samplings, strict=True):
+        if Feature.CONTEXT_REUSE in features:  # tokens 2..7 are a chunk (shared by two)
+            prompt = [Segment(prompt[:2]), Segment(prompt[2:8], reuse=True),
+                      Segment(prompt[8:])]
         engine.add_request(request_id, prompt, sampling)
     finished = {}
     steps = 0
@@ -144,6 +153,7 @@ def run_pair(model, features, oracle, mesh=None) -> dict:
               for t in samples if len(t) == NUM_NEW]
     return dict(tokens=tokens, want=want, used_pages=engine.allocator.num_used_pages(),
                 preemptions=engine.stats.get("preemptions", 0), steps=steps,
+                chunk_hits=engine.stats["chunk_hits"],
                 mean_regret=float(sum(regret) / max(len(regret), 1)))
 
 
@@ -166,6 +176,8 @@ def check_outcome(features, outcome) -> None:
         assert all(len(t) == NUM_NEW for t in samples)
     if outcome["want"] is not None:
         assert outcome["tokens"] == outcome["want"]
+    if Feature.CONTEXT_REUSE in features:
+        assert outcome["chunk_hits"] > 0, "no chunk was reused"
     retained = set(features) & {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O,
                            Feature.SNAPKV, Feature.QUEST}
     bound = MAX_MEAN_REGRET["retention" if retained else "codec"]

@@ -1,0 +1,85 @@
+"""Copying a cached chunk's KV into another sequence's slots at another position.
+
+A chunk's keys hold RoPE at the chunk's own positions 0..L-1; in a prompt where the chunk starts
+at position a, its token t sits at a + t. Rotating a key forward by a gives exactly the key at
+a + t (RoPE is a rotation, R(a) R(t) = R(a + t)); values carry no position. The copy goes
+through the KV-state protocol only (`load_pages` to read, `write` to store), so a per-token
+codec decodes and encodes the tokens again and a summarized state (Quest) updates its
+summaries as for any write.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.models import llama
+from kvjax.shapes import next_power_of_2
+
+
+def copy_rotated(kv, src_pages: jax.Array, offset: jax.Array, dst: jax.Array, shift: jax.Array,
+                 key_scale: jax.Array, *, rope_theta: float):
+    """Tokens offset.. of the pages src_pages [n] (read as one run of n * P slots) copied into
+    slots dst [M] in every layer, keys turned forward by `shift` rotary positions and
+    multiplied by `key_scale` (scalars). dst -1: nothing written. Each source page is read
+    once per layer."""
+    num_layers = kv.page_leaves()[0].shape[0]
+    m = dst.shape[0]
+    shifts = jnp.full((m,), shift, jnp.int32)
+    rows = jnp.minimum(offset + jnp.arange(m), src_pages.shape[0] * kv.page_size - 1)
+
+    def layer_copy(layer, kv):
+        k, v = kv.load_pages(layer, src_pages[None])  # [1, n, P, K, D]
+        k = k.reshape(-1, *k.shape[3:])[rows]  # [M, K, D]
+        v = v.reshape(-1, *v.shape[3:])[rows]
+        k = llama.rope(k.astype(jnp.float32), shifts, rope_theta) * key_scale
+        return kv.write(layer, dst, k, v.astype(jnp.float32))
+
+    return jax.lax.fori_loop(0, num_layers, layer_copy, kv)
+
+
+class ChunkCopier:
+    """The jitted chunk copy (one program per padded token count); counts its compiles.
+
+    A chunk's tokens first.. sit in its pages from page first // P on, at offset first % P,
+    so the copy reads the pages it spans and nothing more."""
+
+    def __init__(self, rope_theta: float, page_size: int):
+        self.page_size = page_size
+        self._copy = jax.jit(functools.partial(copy_rotated, rope_theta=rope_theta),
+                             donate_argnums=0)
+
+    @property
+    def num_compiles(self) -> int:
+        return self._copy._cache_size()
+
+    def _padded(self, pages, dst) -> tuple[np.ndarray, np.ndarray]:
+        """Source pages and destination slots padded to sizes set by the token count alone
+        (a power of two, and the pages it can span from any offset inside a page)."""
+        n = next_power_of_2(len(dst))
+        src_p = np.zeros(max(n // self.page_size, 1) + 1, np.int32)
+        src_p[:len(pages)] = pages
+        dst_p = np.full(n, -1, np.int32)
+        dst_p[:len(dst)] = dst
+        return src_p, dst_p
+
+    def copy(self, kv, src_pages, offset: int, dst, shift: int, key_scale: float):
+        """Copies tokens offset.. of src_pages (offset < page size) into dst slots (host
+        lists)."""
+        if not 0 <= offset < self.page_size:
+            raise ValueError(f"offset {offset} must be inside the first page")
+        src_p, dst_p = self._padded(src_pages, dst)
+        return self._copy(kv, src_p, np.int32(offset), dst_p, np.int32(shift),
+                          np.float32(key_scale))
+
+    def warmup(self, kv, max_tokens: int):
+        """Compiles the copies of up to `max_tokens` tokens (writing nothing)."""
+        n = 1
+        while n <= next_power_of_2(max_tokens):
+            src_p, dst_p = self._padded([], [-1] * n)
+            kv = self._copy(kv, src_p, np.int32(0), dst_p, np.int32(0), np.float32(1.0))
+            n *= 2
+        return kv

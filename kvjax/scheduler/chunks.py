@@ -1,0 +1,133 @@
+"""The scheduler's side of non-prefix context reuse (`kvjax.scheduler.context`): chunk copies
+at a sequence's chunk spans, chunk fills on a miss, CacheBlend recomputes for the runner."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from kvjax.kv.state import pages_for
+from kvjax.sampling import SamplingParams
+from kvjax.scheduler.context import ReuseStrategy, blend_count, make_strategy
+from kvjax.scheduler.output import BlendRow
+from kvjax.scheduler.request import Sequence
+
+NO_LIMIT = 1 << 62  # tokens a sequence may compute before its next chunk copy: no copy ahead
+_FILL = SamplingParams(max_new_tokens=1)  # a fill's one sampled token is dropped
+
+
+class ChunkReuse:
+    """A mixin of `Scheduler`, which supplies `kv_cache`, `config`, `stats`, `_cache_key`,
+    `_cached_len` and the request registry.
+
+    A sequence whose prefill reaches one of its chunk spans copies the chunk in from the chunk
+    cache (`KVCacheManager.load_chunk`) and skips over it; on a miss it waits while a fill
+    sequence (an internal request, `Sequence.is_chunk_fill`) computes every chunk it lacks.
+    """
+
+    def _init_chunks(self, strategies: dict[str, ReuseStrategy] | None) -> None:
+        self.reuse_strategies = dict(strategies or {})
+        self._blends: list[BlendRow] = []
+        self.stats.update(chunk_lookups=0, chunk_hits=0, chunk_reused_tokens=0, chunk_fills=0,
+                          chunk_fill_tokens=0, blend_tokens=0, blend_probe_tokens=0)
+
+    def strategy(self, name: str) -> ReuseStrategy:
+        """The context-reuse strategy of that name (ValueError if none is registered)."""
+        if name not in self.reuse_strategies:
+            self.reuse_strategies[name] = make_strategy(name)
+        return self.reuse_strategies[name]
+
+    def _reuse_chunks(self, seq: Sequence) -> int:
+        """Copies the cached chunks whose copy starts at the sequence's next token into its
+        cache (`kvjax.scheduler.context`); returns how many tokens it may compute before the
+        next copy (a very large number when none is ahead), or 0 while it waits: for a chunk
+        fill (requested here on a miss) or for room in the pool."""
+        strategy = self.strategy(seq.context_reuse)
+        if not seq.chunk_spans or not strategy.reuses:
+            return NO_LIMIT
+        for start, end in seq.chunk_spans:
+            plan = strategy.plan(end - start)
+            point = start + plan.recompute_first
+            if point >= end or seq.num_computed > point:
+                continue
+            if seq.num_computed < point:
+                return point - seq.num_computed
+            ids = self._chunk_ids(seq, start, end)
+            fill = self._fill_id(seq, ids)
+            if fill in self._requests:
+                return 0
+            self.stats["chunk_lookups"] += 1
+            status = self.kv_cache.load_chunk(
+                seq.seq_id, ids, self._chunk_key(seq), first=plan.recompute_first,
+                count=end - point, start=self._cached_len(seq), shift=start,
+                key_scale=plan.key_scale, version=seq.weights_version)
+            if status == "miss":
+                self._request_fills(seq, strategy)
+                return 0
+            if status == "full":
+                return 0
+            self.stats["chunk_hits"] += 1
+            self.stats["chunk_reused_tokens"] += end - point
+            seq.num_computed = end
+            if plan.blend_ratio:
+                num = blend_count(plan.blend_ratio, end - point)
+                self._blends.append(BlendRow(
+                    seq_id=seq.seq_id, token_ids=np.asarray(seq.tokens[point:end], np.int32),
+                    start=point,
+                    block_table=np.asarray(self.kv_cache.block_table(seq.seq_id), np.int32),
+                    num_select=num, ratio=plan.blend_ratio))
+                self.stats["blend_tokens"] += num
+                self.stats["blend_probe_tokens"] += end - point
+                self.stats["prefill_tokens"] += num
+        return NO_LIMIT
+
+    def _chunk_ids(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """A chunk's tokens padded to whole pages: how the chunk cache keys (and fills) it."""
+        ids = list(seq.tokens[start:end])
+        return ids + [0] * (pages_for(len(ids), self.config.page_size) * self.config.page_size
+                            - len(ids))
+
+    def chunk_cache_key(self, tenant: str | None, weights_version: str) -> bytes:
+        """The key the chunk cache keeps a tenant's chunks under, for one weights version."""
+        return self._cache_key(tenant, weights_version) + b"|chunk"
+
+    def _chunk_key(self, seq: Sequence) -> bytes:
+        return self.chunk_cache_key(seq.tenant, seq.weights_version)
+
+    def _fill_id(self, seq: Sequence, ids: list[int]) -> str:
+        digest = hashlib.blake2b(self._chunk_key(seq), digest_size=8)
+        digest.update(np.asarray(ids, "<i8").tobytes())
+        return f"chunk-{digest.hexdigest()}"
+
+    def _request_fills(self, seq: Sequence, strategy: ReuseStrategy) -> None:
+        """Queues a fill (a prefill of the chunk alone, ranked with the request that waits for
+        it) for every chunk the sequence will copy that the chunk cache lacks, so they are
+        computed side by side."""
+        key = self._chunk_key(seq)
+        for start, end in seq.chunk_spans:
+            point = start + strategy.plan(end - start).recompute_first
+            if point >= end or seq.num_computed > point:
+                continue
+            ids = self._chunk_ids(seq, start, end)
+            fill_id = self._fill_id(seq, ids)
+            if fill_id in self._requests:
+                self._request_meta[fill_id]["waiters"].add(seq.request_id)
+            elif self.kv_cache.peek_cached_tokens(ids + [0], key) < len(ids):
+                self._add_fill(seq, fill_id, ids)
+
+    def _add_fill(self, seq: Sequence, fill_id: str, ids: list[int]) -> None:
+        fill = Sequence(
+            seq_id=f"{fill_id}#0", request_id=fill_id, tokens=list(ids),
+            num_prompt_tokens=len(ids), sampling=_FILL, seed=0,
+            arrival_time=seq.arrival_time, order=seq.order, tenant=seq.tenant,
+            priority=seq.priority, is_chunk_fill=True, weights_version=seq.weights_version)
+        self.add_request(fill_id, list(ids), [fill], arrival=seq.arrival_time,
+                         tenant=seq.tenant, n=1, internal=True)
+        self.stats["chunk_fills"] += 1
+        self._request_meta[fill_id]["waiters"] = {seq.request_id}
+
+    def _take_blends(self) -> tuple[BlendRow, ...]:
+        """The CacheBlend recomputes of the copies made since the last call."""
+        blends, self._blends = tuple(self._blends), []
+        return blends
