@@ -28,6 +28,7 @@ flags.DEFINE_integer("num_docs", 16, "Documents in the retrieval pool.")
 flags.DEFINE_integer("docs_per_prompt", 3, "Documents per prompt.")
 flags.DEFINE_integer("output_len", 8, "Tokens generated per request.")
 flags.DEFINE_integer("quality_requests", 16, "Requests whose answers are scored for KL.")
+flags.DEFINE_integer("num_pages", 1024, "KV pages per engine (chunks and requests' pages).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("output_json", None, "Write the results here.")
 
@@ -42,7 +43,7 @@ def main(argv):
         options={s: o for s, o in options.items() if s in FLAGS.strategies},
         num_requests=FLAGS.num_requests, num_docs=FLAGS.num_docs,
         docs_per_prompt=FLAGS.docs_per_prompt, output_len=FLAGS.output_len,
-        quality_requests=FLAGS.quality_requests, seed=FLAGS.seed)
+        quality_requests=FLAGS.quality_requests, num_pages=FLAGS.num_pages, seed=FLAGS.seed)
     report = context_reuse.run(kvjax.load_model(), settings)
     print(context_reuse.format_table(report["results"]))
     if FLAGS.output_json:

@@ -43,6 +43,7 @@ class ReuseBench:
     output_len: int = 8
     quality_requests: int = 16
     page_size: int = 16
+    num_pages: int = 1024  # per engine: room for every document and the requests' own pages
     max_prefill_chunk: int = 512
     seed: int = 0
 
@@ -51,7 +52,7 @@ def make_engine(model: kvjax.Model, strategy: str, options: dict, settings: Reus
                 max_len: int) -> kvjax.Engine:
     config = kvjax.EngineConfig(
         page_size=settings.page_size, max_model_len=max_len, max_num_seqs=8,
-        num_pages=4 * max_len // settings.page_size + 8 * settings.num_docs,
+        num_pages=settings.num_pages,
         max_prefill_chunk=settings.max_prefill_chunk,
         max_num_batched_tokens=settings.max_prefill_chunk, max_prefill_seqs=4,
         context_reuse=strategy, context_reuse_options=options)

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvjax.kv.state import pages_for
 from kvjax.sampling import SamplingParams
-from kvjax.scheduler.context import ReuseStrategy, blend_count, make_strategy
+from kvjax.scheduler.context import ChunkPlan, ReuseStrategy, blend_count, make_strategy
 from kvjax.scheduler.output import BlendRow
 from kvjax.scheduler.request import Sequence
 
@@ -29,6 +29,7 @@ class ChunkReuse:
     def _init_chunks(self, strategies: dict[str, ReuseStrategy] | None) -> None:
         self.reuse_strategies = dict(strategies or {})
         self._blends: list[BlendRow] = []
+        self.fills_requested = False  # chunk fills were queued in the step being formed
         self.stats.update(chunk_lookups=0, chunk_hits=0, chunk_reused_tokens=0, chunk_fills=0,
                           chunk_fill_tokens=0, blend_tokens=0, blend_probe_tokens=0)
 
@@ -53,14 +54,15 @@ class ChunkReuse:
                 continue
             if seq.num_computed < point:
                 return point - seq.num_computed
-            ids = self._chunk_ids(seq, start, end)
+            prefix = self._shared_prefix(seq, plan)
+            ids = self._chunk_ids(seq, prefix, start, end)
             fill = self._fill_id(seq, ids)
             if fill in self._requests:
                 return 0
             self.stats["chunk_lookups"] += 1
             status = self.kv_cache.load_chunk(
-                seq.seq_id, ids, self._chunk_key(seq), first=plan.recompute_first,
-                count=end - point, start=self._cached_len(seq), shift=start,
+                seq.seq_id, ids, self._chunk_key(seq), first=len(prefix) + plan.recompute_first,
+                count=end - point, start=self._cached_len(seq), shift=start - len(prefix),
                 key_scale=plan.key_scale, version=seq.weights_version)
             if status == "miss":
                 self._request_fills(seq, strategy)
@@ -82,9 +84,16 @@ class ChunkReuse:
                 self.stats["prefill_tokens"] += num
         return NO_LIMIT
 
-    def _chunk_ids(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """A chunk's tokens padded to whole pages: how the chunk cache keys (and fills) it."""
-        ids = list(seq.tokens[start:end])
+    @staticmethod
+    def _shared_prefix(seq: Sequence, plan: ChunkPlan) -> list[int]:
+        """The tokens a chunk is encoded after: the prompt before its first chunk (the system
+        prompt) with `plan.shared_prefix`, else none."""
+        return list(seq.tokens[:seq.chunk_spans[0][0]]) if plan.shared_prefix else []
+
+    def _chunk_ids(self, seq: Sequence, prefix: list[int], start: int, end: int) -> list[int]:
+        """A chunk's tokens after `prefix`, padded to whole pages: how the chunk cache keys
+        (and fills) it."""
+        ids = prefix + list(seq.tokens[start:end])
         return ids + [0] * (pages_for(len(ids), self.config.page_size) * self.config.page_size
                             - len(ids))
 
@@ -106,10 +115,11 @@ class ChunkReuse:
         computed side by side."""
         key = self._chunk_key(seq)
         for start, end in seq.chunk_spans:
-            point = start + strategy.plan(end - start).recompute_first
+            plan = strategy.plan(end - start)
+            point = start + plan.recompute_first
             if point >= end or seq.num_computed > point:
                 continue
-            ids = self._chunk_ids(seq, start, end)
+            ids = self._chunk_ids(seq, self._shared_prefix(seq, plan), start, end)
             fill_id = self._fill_id(seq, ids)
             if fill_id in self._requests:
                 self._request_meta[fill_id]["waiters"].add(seq.request_id)
@@ -125,6 +135,7 @@ class ChunkReuse:
         self.add_request(fill_id, list(ids), [fill], arrival=seq.arrival_time,
                          tenant=seq.tenant, n=1, internal=True)
         self.stats["chunk_fills"] += 1
+        self.fills_requested = True
         self._request_meta[fill_id]["waiters"] = {seq.request_id}
 
     def _take_blends(self) -> tuple[BlendRow, ...]:

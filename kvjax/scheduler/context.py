@@ -17,8 +17,12 @@ corrects in its own way:
 
   * `full`: recompute everything (segments ignored): the exact baseline.
   * `none`: plain concatenation of the cached chunks.
-  * `ape` (APE, ICLR'25): a temperature on the attention later tokens pay to the chunk (its
-    cached keys are scaled by 1 / temperature when copied).
+  * `ape` (APE, ICLR'25): every chunk is encoded after the same shared prefix (the prompt's
+    tokens before its first chunk, so chunks see the system prompt and its attention sink),
+    and a temperature scales the attention later tokens pay to the chunk (its cached keys
+    are multiplied by 1 / temperature when copied). APE's third part, a scale factor on the
+    chunks' share of attention, needs a per-key logit bias the attention kernels do not
+    take; it is not implemented.
   * `epic` (EPIC's LegoLink): the first `num_tokens` tokens of each chunk are recomputed with
     the full context (they absorb the chunk's attention sink); the rest is copied.
   * `cacheblend` (CacheBlend, EuroSys'25): after the copy, the chunk's tokens are run through
@@ -71,11 +75,15 @@ class ChunkPlan:
       key_scale: factor on the copied keys (1: none).
       blend_ratio: the fraction of the copied tokens recomputed by deviation after the copy
         (`blend_count`); 0: none.
+      shared_prefix: the chunk is encoded after the prompt's tokens before its first chunk
+        (the system prompt), as APE encodes every context after one shared prefix; False:
+        alone.
     """
 
     recompute_first: int = 0
     key_scale: float = 1.0
     blend_ratio: float = 0.0
+    shared_prefix: bool = False
 
 
 class ReuseStrategy(Protocol):
@@ -120,9 +128,11 @@ class Concatenate:
 
 @dataclasses.dataclass(frozen=True)
 class APE:
-    """Attention temperature on cached chunks (temperature < 1 sharpens, > 1 flattens)."""
+    """Chunks encoded after the shared prefix (the prompt before the first chunk), and an
+    attention temperature on them (temperature < 1 sharpens, > 1 flattens)."""
 
     temperature: float = 0.9
+    shared_prefix: bool = True
     name: str = "ape"
     reuses: bool = True
 
@@ -131,11 +141,11 @@ class APE:
             raise ValueError(f"ape temperature must be > 0, got {self.temperature!r}")
 
     def plan(self, chunk_len: int) -> ChunkPlan:
-        return ChunkPlan(key_scale=1.0 / self.temperature)
+        return ChunkPlan(key_scale=1.0 / self.temperature, shared_prefix=self.shared_prefix)
 
     @property
     def fingerprint(self) -> str:
-        return f"{self.name}:t={self.temperature}"
+        return f"{self.name}:t={self.temperature}:prefix={self.shared_prefix}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -150,6 +150,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         logits row is the distribution of the one token its row emits)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
+        self.fills_requested = False
         self._poll_tiers()
         decode: list[tuple[Sequence, int]] = []
         prefill: list[tuple[Sequence, int]] = []
@@ -254,9 +255,10 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             prefill.append((seq, chunk))
             scheduled.add(seq.seq_id)
             budget -= chunk
-        if (not decode and not prefill and self.running
+        if (not decode and not prefill and self.running and not self.fills_requested
                 and not any(self._awaits_step_in_flight(s) for s in self.running)):
-            # Nothing fits: free the lowest-ranked running sequence so the rest can progress.
+            # Nothing fits: free the lowest-ranked running sequence so the rest can progress
+            # (unless chunk fills were just queued: they run next, and their waiters after).
             victim = self._ranked(self.running)[-1]
             self._preempt(victim)
             preempted.append(victim.seq_id)

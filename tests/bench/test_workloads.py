@@ -36,6 +36,7 @@ SMALL = {
     "long_context": dict(context_len=512, needle=True),
     "multi_tenant_burst": dict(prompt_len=64, output_len=32),
     "rl_group": dict(group_size=4, prompt_max=128),
+    "rag": dict(num_docs=6, docs_per_prompt=3, doc_min_words=20, doc_max_words=40),
 }
 
 
@@ -309,6 +310,23 @@ def test_rl_group_waves_and_group_size():
 # Traces.
 
 EXAMPLE_TRACE = pathlib.Path(__file__).parents[2] / "data/traces/example_trace.jsonl"
+
+
+def test_rag_documents_recur_with_the_same_ids_at_varying_positions():
+    requests = _build("rag", seed=3, num_requests=20)
+    seen: dict[tuple[int, ...], set[int]] = {}
+    for r in requests:
+        assert len(r.reuse_spans) == 3
+        docs = [r.prompt_ids[a:b] for a, b in r.reuse_spans]
+        assert len(set(docs)) == 3  # no document twice in one prompt
+        assert all(decode(d).startswith("Document ") for d in docs)
+        key = decode(r.prompt_ids[r.reuse_spans[-1][1]:]).split("code of ")[1].split("?")[0]
+        holder = [d for d in docs if f"secret code of {key} is {r.answer}." in decode(d)]
+        assert len(holder) == 1  # the answer is planted in exactly one retrieved document
+        assert [seg.ids for seg in r.segments() if seg.reuse] == docs
+        for d, (a, _) in zip(docs, r.reuse_spans, strict=True):
+            seen.setdefault(d, set()).add(a)
+    assert len(seen) <= 6 and max(len(starts) for starts in seen.values()) > 1
 
 
 def test_example_trace_replays():

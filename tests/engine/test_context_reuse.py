@@ -131,9 +131,31 @@ def test_concatenation_matches_independent_encoding_and_reuses_across_orders(mod
 
 
 def test_ape_scales_the_attention_later_tokens_pay_to_chunks(model):
-    engine = _engine(model, "ape", context_reuse_options=dict(temperature=0.5))
+    engine = _engine(model, "ape", context_reuse_options=dict(temperature=0.5,
+                                                              shared_prefix=False))
     prompt = _rag(DOC_A, DOC_B)
     assert _tokens(engine, [prompt]) == [concat_reference(model, prompt, NUM_NEW, 2.0)]
+
+
+def test_ape_encodes_chunks_after_the_shared_prefix(model):
+    """Each chunk is computed after the system prompt: the first chunk, which follows it in
+    the prompt too, is then exact in every layer; the second misses only the first chunk."""
+    kvs = {}
+    for strategy, options in (("ape", dict(temperature=1.0)), ("full", {})):
+        engine = _engine(model, strategy, context_reuse_options=options,
+                         async_scheduling=False)
+        engine.add_request("a", _rag(DOC_A, DOC_B),
+                           SamplingParams(max_new_tokens=40, ignore_eos=True))
+        while engine.stats["decode_tokens"] < 2:
+            engine.step()
+        kvs[strategy] = _cached_kv(engine, "a#0", range(len(SYS) + len(DOC_A) + len(DOC_B)))
+    (k_ape, v_ape), (k_full, v_full) = kvs["ape"], kvs["full"]
+    first = slice(0, len(SYS) + len(DOC_A))
+    np.testing.assert_allclose(k_ape[:, first], k_full[:, first], atol=1e-5)
+    np.testing.assert_allclose(v_ape[:, first], v_full[:, first], atol=1e-5)
+    second = slice(first.stop, None)
+    np.testing.assert_allclose(k_ape[0, second], k_full[0, second], atol=1e-5)
+    assert np.abs(k_ape[1, second] - k_full[1, second]).max() > 1e-2
 
 
 @pytest.mark.parametrize("strategy", ["none", "epic", "cacheblend"])
@@ -265,6 +287,8 @@ def test_weight_updates_mid_prefill_read_no_stale_chunk(model, policy):
     engine.step()
     engine.step()
     engine.update_weights(new_params, "v2", in_flight=policy)
+    prompts.append(_rag(DOC_B, DOC_A))  # arrives under the new weights
+    engine.add_request("r2", prompts[2], GREEDY)
     outs = {}
     while engine.has_unfinished():
         outs.update((o.request_id, o.outputs[0]) for o in engine.step())
@@ -276,6 +300,38 @@ def test_weight_updates_mid_prefill_read_no_stale_chunk(model, policy):
         versions.append(version)
         served = updated if version == "v2" else model
         assert out.token_ids == concat_reference(served, prompt, NUM_NEW)
-    assert "v2" in versions
-    assert policy == "recompute" or set(versions) == {model.weights_version, "v2"}
+    assert versions[2] == "v2"
+    assert policy == "finish_old" or set(versions) == {"v2"}
     assert engine.allocator.num_used_pages() == 0
+
+
+def test_a_registered_strategy_is_chosen_per_request(model):
+    import dataclasses
+
+    from kvjax.scheduler.context import STRATEGIES, ChunkPlan, register_strategy
+
+    @dataclasses.dataclass(frozen=True)
+    class RecomputeAll:  # reuses the machinery but recomputes every chunk token
+        name: str = "recompute_all"
+        reuses: bool = True
+        fingerprint: str = "recompute_all"
+
+        def plan(self, chunk_len):
+            return ChunkPlan(recompute_first=chunk_len)
+
+    register_strategy("recompute_all", RecomputeAll)
+    try:
+        engine = _engine(model, "none")
+        prompt = _rag(DOC_A, DOC_B)
+        engine.add_request("own", prompt, GREEDY, context_reuse="recompute_all")
+        engine.add_request("default", prompt, GREEDY)
+        outs = {}
+        while engine.has_unfinished():
+            outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+        flat = [t for s in prompt for t in s.ids]
+        assert outs["own"] == greedy_reference(model, flat, NUM_NEW)
+        assert outs["default"] == concat_reference(model, prompt, NUM_NEW)
+        with pytest.raises(ValueError, match="already registered"):
+            register_strategy("recompute_all", RecomputeAll)
+    finally:
+        STRATEGIES.pop("recompute_all")
