@@ -5,7 +5,7 @@ reuse, in varying order, each a reusable chunk) + a question whose answer is a c
 one of them. Compare the strategies side by side:
 
   python scripts/serve_bench.py --config configs/serve_rag.py \
-      --sweep kv.context_reuse=full,none,epic,cacheblend
+      --sweep kv.context_reuse=full,none,ape,epic,cacheblend
 
 Quality (KL to full prefill over the answers) is measured by scripts/bench_context_reuse.py.
 """
