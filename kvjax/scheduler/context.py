@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -102,8 +102,8 @@ class ReuseStrategy(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Full:
-    name: str = "full"
-    reuses: bool = False
+    name: ClassVar[str] = "full"
+    reuses: ClassVar[bool] = False
 
     def plan(self, chunk_len: int) -> ChunkPlan:
         return ChunkPlan(recompute_first=chunk_len)
@@ -115,8 +115,8 @@ class Full:
 
 @dataclasses.dataclass(frozen=True)
 class Concatenate:
-    name: str = "none"
-    reuses: bool = True
+    name: ClassVar[str] = "none"
+    reuses: ClassVar[bool] = True
 
     def plan(self, chunk_len: int) -> ChunkPlan:
         return ChunkPlan()
@@ -133,8 +133,8 @@ class APE:
 
     temperature: float = 0.9
     shared_prefix: bool = True
-    name: str = "ape"
-    reuses: bool = True
+    name: ClassVar[str] = "ape"
+    reuses: ClassVar[bool] = True
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -153,8 +153,8 @@ class EPIC:
     """Recompute the first `num_tokens` tokens of every chunk."""
 
     num_tokens: int = 16
-    name: str = "epic"
-    reuses: bool = True
+    name: ClassVar[str] = "epic"
+    reuses: ClassVar[bool] = True
 
     def __post_init__(self):
         if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
@@ -173,8 +173,8 @@ class CacheBlend:
     """Recompute the `ratio` fraction of each chunk's tokens whose KV deviates most."""
 
     ratio: float = 0.15
-    name: str = "cacheblend"
-    reuses: bool = True
+    name: ClassVar[str] = "cacheblend"
+    reuses: ClassVar[bool] = True
 
     def __post_init__(self):
         if not 0 < self.ratio <= 1:
