@@ -47,11 +47,7 @@ class ChunkReuse:
         strategy = self.strategy(seq.context_reuse)
         if not seq.chunk_spans or not strategy.reuses:
             return NO_LIMIT
-        for start, end in seq.chunk_spans:
-            plan = strategy.plan(end - start)
-            point = start + plan.recompute_first
-            if point >= end or seq.num_computed > point:
-                continue
+        for start, end, point, plan in self._copies_ahead(seq, strategy):
             if seq.num_computed < point:
                 return point - seq.num_computed
             prefix = self._shared_prefix(seq, plan)
@@ -85,6 +81,16 @@ class ChunkReuse:
         return NO_LIMIT
 
     @staticmethod
+    def _copies_ahead(seq: Sequence, strategy: ReuseStrategy):
+        """(start, end, point, plan) of each chunk span whose copy (from `point`, after the
+        plan's recomputed first tokens) the sequence has not reached or made yet, in order."""
+        for start, end in seq.chunk_spans:
+            plan = strategy.plan(end - start)
+            point = start + plan.recompute_first
+            if point < end and seq.num_computed <= point:
+                yield start, end, point, plan
+
+    @staticmethod
     def _shared_prefix(seq: Sequence, plan: ChunkPlan) -> list[int]:
         """The tokens a chunk is encoded after: the prompt before its first chunk (the system
         prompt) with `plan.shared_prefix`, else none."""
@@ -114,11 +120,7 @@ class ChunkReuse:
         it) for every chunk the sequence will copy that the chunk cache lacks, so they are
         computed side by side."""
         key = self._chunk_key(seq)
-        for start, end in seq.chunk_spans:
-            plan = strategy.plan(end - start)
-            point = start + plan.recompute_first
-            if point >= end or seq.num_computed > point:
-                continue
+        for start, end, _, plan in self._copies_ahead(seq, strategy):
             ids = self._chunk_ids(seq, self._shared_prefix(seq, plan), start, end)
             fill_id = self._fill_id(seq, ids)
             if fill_id in self._requests:
