@@ -3,6 +3,7 @@
 from kvjax.config import KVLayout, ModelConfig
 from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.engine import Engine
+from kvjax.engine.multi import ModelSpec, MultiModelEngine, PoolConfig
 from kvjax.engine.request import FinishReason, RequestOutput
 from kvjax.engine.step import AttentionImpl
 from kvjax.generation import encode_prompt, generate
@@ -20,6 +21,9 @@ __all__ = [
     "KVLayout",
     "Model",
     "ModelConfig",
+    "ModelSpec",
+    "MultiModelEngine",
+    "PoolConfig",
     "PreemptionMode",
     "RequestOutput",
     "SamplingParams",

@@ -50,6 +50,7 @@ class Feature(enum.Enum):
     CONTIGUOUS = "contiguous"
     SPECULATIVE = "speculative"
     CONTEXT_REUSE = "context_reuse"
+    KV_ARENA = "kv_arena"
 
     @property
     def group(self) -> str | None:
@@ -91,6 +92,8 @@ _DESCRIPTIONS = {
                          "drafts verified against the full KV, rejected ones rolled back",
     Feature.CONTEXT_REUSE: "EngineConfig.context_reuse with a strategy that reuses cached "
                            "chunks (none, ape, epic, cacheblend): non-prefix KV reuse",
+    Feature.KV_ARENA: "kv_arena=True: pages are frames of a word arena, the layout models "
+                      "of a MultiModelEngine share one budget through",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -135,6 +138,18 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.CONTIGUOUS], [Feature.CONTEXT_REUSE],
            "the chunk cache keeps chunks as shared prefix-cache pages, which the contiguous "
            "layout does not have")
+    refuse(_KIVI, [Feature.KV_ARENA],
+           "KIVI stores keys per channel group across a sequence's tokens, while an arena "
+           "frame, shared by models of any shape, stores each token's row on its own")
+    refuse([Feature.QUEST], [Feature.KV_ARENA],
+           "Quest keeps per-page key summaries in arrays of one model's shape beside the "
+           "pages, which frames that pass between models of other shapes cannot carry")
+    refuse([Feature.CONTIGUOUS], [Feature.KV_ARENA],
+           "an arena hands out frames as pages on demand, which the contiguous layout's "
+           "reserved slots are not")
+    refuse([Feature.MESH], [Feature.KV_ARENA],
+           "an arena frame packs every kv head of a token into one row of words, so there is "
+           "no kv-head axis for a mesh to shard")
     return table
 
 
@@ -202,6 +217,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
     if make_strategy(config.context_reuse, **config.context_reuse_options).reuses:
         found.append(_Present(Feature.CONTEXT_REUSE,
                               f"context_reuse={config.context_reuse!r}"))
+    if config.kv_arena:
+        found.append(_Present(Feature.KV_ARENA, "kv_arena=True"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:
         found.append(_Present(Feature.CONTIGUOUS, "kv_layout='contiguous'"))
     elif config.enable_prefix_cache:

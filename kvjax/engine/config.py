@@ -74,6 +74,9 @@ class EngineConfig:
         'none', 'ape', 'epic' or 'cacheblend'; a request may name another.
       context_reuse_options: keyword options of that strategy (ape: temperature; epic:
         num_tokens; cacheblend: ratio).
+      kv_arena: store pages as frames of a word arena (`kvjax.kv.arena`), the layout
+        models of a `kvjax.engine.multi.MultiModelEngine` share one budget through; alone, the
+        engine's arena holds its own pages (of page_size tokens each).
     """
 
     kv_layout: KVLayout = KVLayout.PAGED
@@ -106,6 +109,7 @@ class EngineConfig:
     spec: SpecConfig = SpecConfig()
     context_reuse: str = "full"
     context_reuse_options: dict = dataclasses.field(default_factory=dict)
+    kv_arena: bool = False
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",

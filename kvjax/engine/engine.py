@@ -23,7 +23,7 @@ import numpy as np
 from kvjax.config import KVLayout, resolve_dtype
 from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.core import EngineCore
-from kvjax.engine.pool import build_kv_pool
+from kvjax.engine.pool import KVPoolSource, build_kv_pool
 from kvjax.engine.request import (
     RequestOutput,
     Sequence,
@@ -97,7 +97,7 @@ class Engine:
 
     def __init__(self, model: Model, config: EngineConfig | None = None, *,
                  clock: Callable[[], float] = time.perf_counter,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, kv_pool: KVPoolSource | None = None):
         self.model = model
         self.config = config = config or EngineConfig()
         self.clock = clock
@@ -118,8 +118,8 @@ class Engine:
         # Block tables keep one width, so context growth never changes a step's shape.
         self.block_table_width = pages_for(self.max_pages_per_seq, PAGES_PER_BLOCK) * \
             PAGES_PER_BLOCK
-        pool = build_kv_pool(mc, config, max_model_len=self.max_model_len,
-                             kv_dtype=self.kv_dtype)
+        pool = (build_kv_pool if kv_pool is None else kv_pool.build)(
+            mc, config, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
         self.kv_bytes_per_token = pool.kv_bytes_per_token
         kv = retention.policy.wrap_state(pool.kv)
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
@@ -138,7 +138,8 @@ class Engine:
                               spec_width=1 + config.spec.num_draft_tokens
                               if config.spec.enabled else 1)
         self.runner = ModelRunner(programs, buckets, kv, model.params, model.weights_version,
-                                  page_size=config.page_size)
+                                  page_size=config.page_size,
+                                  kv_store=None if kv_pool is None else kv_pool.store())
         self.stats: dict = {}
         tiers, swap_space = self._build_tiers(pool)
         self.kv_cache = KVCacheManager(
@@ -526,6 +527,11 @@ class Engine:
                              if self.context_reuse.reuses else 0)
         jax.block_until_ready(self.kv)
         return self.num_compiles
+
+    def models(self) -> dict[str | None, Engine]:
+        """The engines requests can be routed to: this one, under no name of its own (a server
+        names it). `MultiModelEngine.models` names each of its models."""
+        return {None: self}
 
     def step(self, *, logits_mode: LogitsMode = LogitsMode.NONE) -> list[RequestOutput]:
         """One scheduling iteration. Returns the outputs of requests that finished during it."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvjax.config import KVLayout, ModelConfig
 from kvjax.engine import residual
 from kvjax.engine.config import EngineConfig
+from kvjax.engine.runner import KVStore
 from kvjax.engine.swap import HostSwapSpace
 from kvjax.kv.state import init_contiguous_kv, init_paged_kv, num_pages_for_budget
 from kvjax.memory.block_manager import BlockManager
@@ -36,6 +37,17 @@ class KVPool:
     quantized_len: Callable[[int], int] | None = None
 
 
+class KVPoolSource(Protocol):
+    """Builds an engine's pool somewhere other than on its own (a shared arena)."""
+
+    def build(self, mc: ModelConfig, config: EngineConfig, *, max_model_len: int, kv_dtype
+              ) -> KVPool:
+        """The pool, as `build_kv_pool` returns it."""
+
+    def store(self) -> KVStore:
+        """Where the engine's runner keeps the pool's state."""
+
+
 def budget_bytes(config: EngineConfig, kv_bytes_per_token: float, max_model_len: int) -> int:
     """The KV byte budget: configured, or enough for max_num_seqs full-length sequences."""
     if config.kv_budget_bytes is not None:
@@ -48,6 +60,8 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
     """The pool for `config`: quantized, contiguous or paged (which features compose is
     checked before, by kvjax.engine.compat)."""
     per_token = mc.kv_bytes_per_token(kv_dtype)
+    if config.kv_arena:
+        return _arena_pool(mc, config, max_model_len=max_model_len, kv_dtype=kv_dtype)
     if config.kv_codec != "none":
         return _quantized_pool(mc, config, max_model_len=max_model_len)
     if config.kv_layout is KVLayout.CONTIGUOUS:
@@ -93,3 +107,35 @@ def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int
         enable_prefix_cache=config.enable_prefix_cache, scrub_windows=config.scrub_freed_pages)
     return KVPool(kv, allocator, residual.WindowSwapSpace(allocator), per_token,
                   quantized_len=lambda n: int(kv.codec.num_quantized(n)))
+
+
+def arena_layout(mc: ModelConfig, config: EngineConfig, kv_dtype, frame_words: int):
+    """The `FrameLayout` of `mc`'s pages (config's codec) in frames of `frame_words` words."""
+    from kvjax.kv import arena  # Imported lazily: only arena engines need it.
+
+    k_codec, v_codec = arena.arena_codecs(mc, kv_dtype, config.kv_codec,
+                                          **config.kv_codec_options)
+    return arena.frame_layout(mc, k_codec, v_codec, frame_words), k_codec, v_codec
+
+
+def arena_words_per_page(mc: ModelConfig, config: EngineConfig, kv_dtype, page_size: int
+                         ) -> int:
+    """Words of a frame that holds exactly `page_size` tokens of `mc` (config's codec)."""
+    layout, _, _ = arena_layout(mc, config, kv_dtype, 1 << 30)
+    return layout.num_layers * layout.words_per_token * page_size
+
+
+def _arena_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, kv_dtype
+                ) -> KVPool:
+    """An arena of its own: frames of exactly config.page_size tokens, sized by the budget."""
+    from kvjax.kv import arena
+
+    frame_words = arena_words_per_page(mc, config, kv_dtype, config.page_size)
+    layout, k_codec, v_codec = arena_layout(mc, config, kv_dtype, frame_words)
+    per_token = arena.layout_bytes_per_token(layout)
+    num_pages = config.num_pages or max(
+        int(budget_bytes(config, per_token, max_model_len) // (frame_words * arena.WORD)), 1)
+    kv = arena.ArenaKV(arena.init_arena(num_pages, frame_words), layout, k_codec, v_codec)
+    allocator = BlockManager(num_pages, config.page_size,
+                             enable_prefix_cache=config.enable_prefix_cache)
+    return KVPool(kv, allocator, HostSwapSpace(), per_token)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -42,6 +42,29 @@ class StepObserver:
 
     def on_kv_op(self, op: KVOp) -> None:
         """A KV operation was applied to the pool."""
+
+
+class KVStore(Protocol):
+    """Where a runner keeps its device KV state between operations."""
+
+    def get(self) -> Any:
+        """The current state."""
+
+    def set(self, kv: Any) -> None:
+        """Replaces the state (the old buffers were donated)."""
+
+
+class OwnKV:
+    """A runner's own KV state (engines that share an arena keep theirs in the arena)."""
+
+    def __init__(self):
+        self.kv = None
+
+    def get(self) -> Any:
+        return self.kv
+
+    def set(self, kv: Any) -> None:
+        self.kv = kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,14 +190,15 @@ class ModelRunner:
     Attributes:
       programs: the jitted step programs (shareable between runners of one configuration).
       buckets: the StepBuckets shapes are padded to.
-      kv: the device KV pytree (donated to each step).
+      kv: the device KV pytree (donated to each step), kept in a `KVStore`.
       params: weights version -> params.
     """
 
     def __init__(self, programs: StepPrograms, buckets: StepBuckets, kv: Any, params: Any,
-                 weights_version: str, *, page_size: int):
+                 weights_version: str, *, page_size: int, kv_store: KVStore | None = None):
         self.programs = programs
         self.buckets = buckets
+        self._store = OwnKV() if kv_store is None else kv_store
         self.kv = kv
         self.params = {weights_version: params}
         self.page_size = page_size
@@ -187,6 +211,14 @@ class ModelRunner:
                                          jax.sharding.SingleDeviceSharding(device))
         self._feed = self._zero_feed
         self._last_row_index: list[int] = []
+
+    @property
+    def kv(self) -> Any:
+        return self._store.get()
+
+    @kv.setter
+    def kv(self, kv: Any) -> None:
+        self._store.set(kv)
 
     @property
     def num_compiles(self) -> int:
@@ -212,6 +244,12 @@ class ModelRunner:
 
     def add_params(self, version: str, params: Any) -> None:
         self.params[version] = params
+
+    def move_params(self, sharding: jax.sharding.Sharding) -> int:
+        """Moves the params of every version to `sharding` (e.g. host memory and back);
+        returns the bytes moved."""
+        self.params = {v: jax.device_put(p, sharding) for v, p in self.params.items()}
+        return sum(x.nbytes for p in self.params.values() for x in jax.tree.leaves(p))
 
     def keep_params(self, versions) -> None:
         """Releases the params of every version not in `versions`."""

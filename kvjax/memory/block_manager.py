@@ -18,10 +18,57 @@ import collections
 import dataclasses
 import enum
 from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from kvjax.memory.prefix_cache import PrefixCache, hash_page, hash_root
+
+
+class PageSource(Protocol):
+    """Where a block manager's free pages come from and go back to.
+
+    An engine's own pool is a `FreeList`; engines that share one arena draw frames from a
+    shared `kvjax.memory.frames.FramePool` instead.
+    """
+
+    def num_free(self) -> int:
+        """Pages `take` can hand out now."""
+
+    def take(self) -> int | None:
+        """A free page, or None when there is none."""
+
+    def give(self, page: int) -> None:
+        """Returns a page nobody holds any longer."""
+
+    def capacity(self) -> int:
+        """The most pages the manager can ever hold at once."""
+
+
+class FreeList:
+    """The free pages of one engine's own pool, handed out in order of release (FIFO)."""
+
+    def __init__(self, num_pages: int):
+        self._pages = collections.deque(range(num_pages))
+        self._num_pages = num_pages
+
+    def num_free(self) -> int:
+        return len(self._pages)
+
+    def take(self) -> int | None:
+        return self._pages.popleft() if self._pages else None
+
+    def give(self, page: int) -> None:
+        self._pages.append(page)
+
+    def capacity(self) -> int:
+        return self._num_pages
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __iter__(self):
+        return iter(self._pages)
 
 
 class AllocStatus(enum.Enum):
@@ -84,7 +131,8 @@ class BlockManager:
         prefix_cache: the index of full pages, or None when prefix caching is disabled.
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_cache: bool = True):
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_cache: bool = True,
+                 pages: PageSource | None = None):
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         if not isinstance(page_size, int) or page_size <= 0:
@@ -92,7 +140,9 @@ class BlockManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.prefix_cache = PrefixCache(page_size) if enable_prefix_cache else None
-        self._free_pages = collections.deque(range(num_pages))
+        # Page ids are in [0, num_pages) whatever the source; a shared source hands out only
+        # the ids it owns at the time.
+        self._free_pages = FreeList(num_pages) if pages is None else pages
         self._ref_counts = np.zeros([num_pages], np.int32)  # [num_pages]
         self._seqs: dict[Hashable, _Sequence] = {}
         self._stats = BlockManagerStats()
@@ -105,10 +155,16 @@ class BlockManager:
     def stats(self) -> BlockManagerStats:
         return self._stats
 
+    @property
+    def capacity(self) -> int:
+        """The most pages this manager can hold at once: num_pages, or its share of a pool
+        it shares with other engines (the watermark's reserve is a fraction of it)."""
+        return self._free_pages.capacity()
+
     def num_free_pages(self) -> int:
         """Pages allocatable now: the free list plus unreferenced (evictable) cached pages."""
         num_evictable = 0 if self.prefix_cache is None else self.prefix_cache.num_evictable()
-        return len(self._free_pages) + num_evictable
+        return self._free_pages.num_free() + num_evictable
 
     def num_used_pages(self) -> int:
         """Pages referenced by at least one sequence."""
@@ -371,7 +427,8 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Empties the prefix cache; its unreferenced pages return to the free list."""
         if self.prefix_cache is not None:
-            self._free_pages.extend(self.prefix_cache.reset())
+            for page in self.prefix_cache.reset():
+                self._free_pages.give(page)
         if self._evictable_hashes is not None:
             self._evictable_hashes.clear()
 
@@ -437,19 +494,44 @@ class BlockManager:
             if self._evictable_hashes is not None:
                 self._evictable_hashes[page] = self.prefix_cache.hash_of(page)
             return False
-        self._free_pages.append(page)
+        self._free_pages.give(page)
         return True
 
     def _allocate(self) -> int:
         """Takes a free page, else evicts the least recently released cached page."""
-        if self._free_pages:
-            page = self._free_pages.popleft()
-        else:
-            page = None if self.prefix_cache is None else self.prefix_cache.evict_one()
+        page = self._free_pages.take()
+        if page is None:
+            page = self._evict_one()
             if page is None:
                 raise RuntimeError("no page left; callers check num_free_pages first")
-            if self._evictable_hashes is not None:
-                self._evicted.append((self._evictable_hashes.pop(page), page))
-            self._stats = dataclasses.replace(self._stats, evictions=self._stats.evictions + 1)
         self._ref_counts[page] = 1
         return page
+
+    def _evict_one(self) -> int | None:
+        """Evicts the least recently released cached page; None when there is none."""
+        page = None if self.prefix_cache is None else self.prefix_cache.evict_one()
+        if page is None:
+            return None
+        if self._evictable_hashes is not None:
+            self._evicted.append((self._evictable_hashes.pop(page), page))
+        self._stats = dataclasses.replace(self._stats, evictions=self._stats.evictions + 1)
+        return page
+
+    def num_givable_pages(self) -> int:
+        """Cached pages `give_back_cached` would return now."""
+        if self.prefix_cache is None or self._evictable_hashes is not None:
+            return 0
+        return self.prefix_cache.num_evictable()
+
+    def give_back_cached(self, num_pages: int) -> int:
+        """Evicts up to `num_pages` least recently released cached pages back to the page
+        source (another engine sharing the source needs them); returns how many. A manager
+        recording evictions for a tier gives none: its spill reads an evicted page in its own
+        engine's next step, and another engine could overwrite the page before that."""
+        if self._evictable_hashes is not None:
+            return 0
+        given = 0
+        while given < num_pages and (page := self._evict_one()) is not None:
+            self._free_pages.give(page)
+            given += 1
+        return given

@@ -104,7 +104,7 @@ class KVCacheManager:
 
     def can_admit(self, num_new_pages: int) -> bool:
         """Whether `num_new_pages` more pages leave the watermark's reserve free."""
-        reserve = int(self.watermark * self.num_pages)
+        reserve = int(self.watermark * self.allocator.capacity)
         return self.allocator.num_free_pages() - num_new_pages >= reserve
 
     def pages_needed(self, seq_id: str, num_tokens: int) -> int:

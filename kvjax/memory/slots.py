@@ -24,6 +24,10 @@ class SlotAllocator:
         self._slot_of: dict[Hashable, int] = {}
         self.prefix_cache = None  # Slots are never shared.
 
+    @property
+    def capacity(self) -> int:
+        return self.num_pages
+
     def num_free_pages(self) -> int:
         return len(self._free) * self.pages_per_seq
 

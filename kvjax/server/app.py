@@ -12,6 +12,7 @@ OpenAI's error JSON.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -27,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvjax.engine.engine import Engine
+from kvjax.engine.multi import MultiModelEngine
 from kvjax.server import protocol
 from kvjax.server.async_engine import AsyncEngine
 from kvjax.server.metrics import ServerMetrics
@@ -35,20 +37,33 @@ from kvjax.server.serving import ApiError, OpenAIServing, ServerConfig
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAPI:
     """An app serving `engine` (which must not be stepped by anyone else from now on).
 
+    A `MultiModelEngine` serves each of its models under its own name (the request's `model`
+    picks it; `config.model_name` is the one a request without `model` goes to, or the first
+    model if it names none of them).
+
     `app.state` holds `async_engine` (the AsyncEngine), `metrics` (ServerMetrics) and
-    `serving` (OpenAIServing).
+    `servings` (model name -> OpenAIServing).
     """
-    if engine.model.tokenizer is None:
-        raise ValueError("the server needs a model with a tokenizer (text in and out)")
     async_engine = AsyncEngine(engine, max_waiting=config.max_waiting)
     metrics = ServerMetrics(async_engine, config.model_name)
-    serving = OpenAIServing(async_engine, tokenizer=engine.model.tokenizer,
-                            max_model_len=engine.max_model_len,
-                            vocab_size=engine.model.config.vocab_size, config=config,
-                            metrics=metrics)
+    servings = {}
+    for route, model_engine in engine.models().items():
+        if model_engine.model.tokenizer is None:
+            raise ValueError("the server needs a model with a tokenizer (text in and out)")
+        name = config.model_name if route is None else route
+        servings[name] = OpenAIServing(
+            async_engine, tokenizer=model_engine.model.tokenizer,
+            max_model_len=model_engine.max_model_len,
+            vocab_size=model_engine.model.config.vocab_size,
+            config=dataclasses.replace(config, model_name=name), metrics=metrics, route=route)
+    default = servings.get(config.model_name, next(iter(servings.values())))
+
+    def serving_for(model: str | None) -> OpenAIServing:
+        """The model's serving; an unknown name goes to the default one, which refuses it."""
+        return servings.get(model, default) if model is not None else default
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,7 +74,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             async_engine.stop()
 
     app = FastAPI(title="kvjax", lifespan=lifespan)
-    app.state.async_engine, app.state.metrics, app.state.serving = async_engine, metrics, serving
+    app.state.async_engine, app.state.metrics, app.state.servings = (async_engine, metrics,
+                                                                     servings)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -83,15 +99,16 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, raw: Request) -> Response:
-        return await _counted(metrics, serving.completions(body, raw))
+        return await _counted(metrics, serving_for(body.model).completions(body, raw))
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatCompletionRequest, raw: Request) -> Response:
-        return await _counted(metrics, serving.chat(body, raw))
+        return await _counted(metrics, serving_for(body.model).chat(body, raw))
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return serving.models()
+        listed = [serving.models()["data"] for serving in servings.values()]
+        return dict(object="list", data=[m for data in listed for m in data])
 
     @app.get("/health")
     async def health() -> Response:

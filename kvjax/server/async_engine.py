@@ -53,6 +53,8 @@ class EngineRequest:
       priority: the engine priority (larger first under the `priority` policy).
       num_top_logprobs: most likely tokens to report per generated token (0: none).
       arrival_time: on the engine's clock.
+      model: the model it runs on, for an engine of several models
+        (`kvjax.engine.multi.MultiModelEngine`); None for a one-model engine.
     """
 
     request_id: str
@@ -62,6 +64,7 @@ class EngineRequest:
     priority: int = 0
     num_top_logprobs: int = 0
     arrival_time: float | None = None
+    model: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,10 +312,11 @@ class AsyncEngine:
     def _add(self, request: EngineRequest, stream: RequestStream) -> None:
         with self._lock:
             self._num_in_commands -= 1
+        routed = {} if request.model is None else dict(model=request.model)
         try:
             self.engine.add_request(request.request_id, request.prompt_ids, request.sampling,
                                     tenant=request.tenant, priority=request.priority,
-                                    arrival_time=request.arrival_time)
+                                    arrival_time=request.arrival_time, **routed)
         except ValueError as e:
             self._release_waiting()
             stream._post_accepted(e)

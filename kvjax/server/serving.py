@@ -182,8 +182,9 @@ class OpenAIServing:
     """
 
     def __init__(self, engine: AsyncEngine, *, tokenizer, max_model_len: int, vocab_size: int,
-                 config: ServerConfig, metrics: ServerMetrics):
+                 config: ServerConfig, metrics: ServerMetrics, route: str | None = None):
         self.engine = engine
+        self.route = route
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -294,7 +295,7 @@ class OpenAIServing:
             requests.append(EngineRequest(
                 request_id=f"{api_id}-{i}", prompt_ids=ids, sampling=self._sampling(body, max_new),
                 tenant=tenant, priority=priority, num_top_logprobs=body.num_top_logprobs,
-                arrival_time=arrival))
+                arrival_time=arrival, model=self.route))
         generations = await self._submit(requests, body)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage

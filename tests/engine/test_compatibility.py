@@ -63,6 +63,7 @@ FAST = {
         (Feature.AUTO_PREEMPTION, Feature.N_SAMPLES),
         (Feature.SPECULATIVE, Feature.SWAP),
         (Feature.CONTEXT_REUSE, Feature.HOST_TIER),
+        (Feature.KV_ARENA, Feature.SWAP),
     )
 }
 
@@ -105,6 +106,7 @@ def config_for(features) -> dict:
         Feature.SPECULATIVE: dict(spec=dict(method="sparse_self", num_draft_tokens=2,
                                             options=dict(num_sinks=P, window=P))),
         # CacheBlend: chunk copies, re-rotation and the selective recompute together.
+        Feature.KV_ARENA: dict(kv_arena=True),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),
