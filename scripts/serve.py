@@ -3,15 +3,22 @@
   python scripts/serve.py                                   # embedded SmolLM2, 127.0.0.1:8000
   python scripts/serve.py --config=configs/serve_tiers.py --port 8080
   python scripts/serve.py --model path/to/hf_dir --max_num_seqs 16 --page_size 32
+  python scripts/serve.py --also_serve smollm2-bf16=embedded:bfloat16:int8 --pool_budget_mb 1200
 
 --config is a serve_bench config file (its model, engine, kv and tiers sections; the workload
 is not used); any field can be overridden as --config.engine.page_size=32, and the common
 engine fields have flags of their own. SIGTERM or Ctrl-C stops admitting, lets in-flight
 requests finish for up to --drain_timeout_s, then exits 0.
+
+--also_serve adds models that share one device budget with the first (weights and KV pages
+in one arena, `kvjax.MultiModelEngine`); a request's `model` field picks one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -50,6 +57,13 @@ flags.DEFINE_string("scheduler_policy", None, "fcfs, priority, lpm or fair.")
 flags.DEFINE_string("preemption_mode", None, "recompute, swap or auto.")
 flags.DEFINE_bool("enable_prefix_cache", None, "Share full prompt pages across requests.")
 flags.DEFINE_string("kv_codec", None, "KV codec: none, int8, int4, fp8_e4m3, kivi4, ...")
+flags.DEFINE_list("also_serve", [], "More models on one shared budget with the first, each "
+                  "NAME=MODEL:DTYPE[:KV_CODEC] (MODEL as --model; 'embedded' for the embedded "
+                  "one), routed by the request's `model`.")
+flags.DEFINE_float("pool_budget_mb", None, "With --also_serve: device MiB for every model's "
+                   "weights and KV; None: their weights plus the config's KV budget.")
+flags.DEFINE_enum("pool_policy", "elastic", ["elastic", "static"], "With --also_serve: how "
+                  "the models share the budget (kvjax.memory.frames).")
 
 _ENGINE_FLAGS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
                  "max_model_len", "kv_budget_mb", "scheduler_policy", "preemption_mode",
@@ -67,15 +81,41 @@ def config_from_flags():
     return runner.apply_overrides(FLAGS.config, {"name": FLAGS.config.name, **overrides})
 
 
+def multi_model_engine(name: str, model: kvjax.Model, engine_config: kvjax.EngineConfig
+                       ) -> kvjax.MultiModelEngine:
+    """The first model and every --also_serve one on one budget."""
+    specs = {name: kvjax.ModelSpec(model, engine_config)}
+    for entry in FLAGS.also_serve:
+        extra_name, _, spec = entry.partition("=")
+        path, dtype, *codec = spec.split(":")
+        extra = kvjax.load_model(None if path == "embedded" else path, dtype=dtype)
+        config = dataclasses.replace(engine_config, kv_codec=codec[0] if codec else "none",
+                                     kv_codec_options={})
+        specs[extra_name] = kvjax.ModelSpec(extra, config)
+    if FLAGS.pool_budget_mb is not None:
+        budget = int(FLAGS.pool_budget_mb * (1 << 20))
+    else:
+        weights = sum(x.nbytes for s in specs.values() for x in jax.tree.leaves(s.model.params))
+        budget = weights + (engine_config.kv_budget_bytes or 256 << 20)
+    return kvjax.MultiModelEngine(specs, kvjax.PoolConfig(budget, policy=FLAGS.pool_policy))
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = config_from_flags()
     model = kvjax.load_model(config.model.name, dtype=config.model.dtype)
-    engine = kvjax.Engine(model, runner.engine_config_from(config))
-    if FLAGS.warmup:
-        print(f"warming up: {engine.warmup(sampling=FLAGS.warmup_sampling)} programs compiled")
     name = FLAGS.served_model_name or config.model.name
+    engine_config = runner.engine_config_from(config)
+    if FLAGS.also_serve:
+        engine = multi_model_engine(name, model, engine_config)
+        if FLAGS.warmup:
+            engine.warmup()
+    else:
+        engine = kvjax.Engine(model, engine_config)
+        if FLAGS.warmup:
+            print(f"warming up: {engine.warmup(sampling=FLAGS.warmup_sampling)} programs "
+                  f"compiled")
     serve(engine, ServerConfig(model_name=name, max_waiting=FLAGS.max_waiting_requests,
                                drain_timeout_s=FLAGS.drain_timeout_s),
           host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)

@@ -62,8 +62,18 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
     default = servings.get(config.model_name, next(iter(servings.values())))
 
     def serving_for(model: str | None) -> OpenAIServing:
-        """The model's serving; an unknown name goes to the default one, which refuses it."""
-        return servings.get(model, default) if model is not None else default
+        """The serving of the model a request names (None: the default one)."""
+        if model is None:
+            return default
+        if model not in servings:
+            names = ", ".join(f"`{name}`" for name in servings)
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                           f"{names}", param="model", code="model_not_found")
+        return servings[model]
+
+    async def routed(body, raw: Request, *, chat: bool) -> Response:
+        serving = serving_for(body.model)
+        return await (serving.chat(body, raw) if chat else serving.completions(body, raw))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -99,11 +109,11 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, raw: Request) -> Response:
-        return await _counted(metrics, serving_for(body.model).completions(body, raw))
+        return await _counted(metrics, routed(body, raw, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatCompletionRequest, raw: Request) -> Response:
-        return await _counted(metrics, serving_for(body.model).chat(body, raw))
+        return await _counted(metrics, routed(body, raw, chat=True))
 
     @app.get("/v1/models")
     async def models() -> dict:

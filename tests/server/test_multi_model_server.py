@@ -41,5 +41,5 @@ def test_requests_run_on_the_model_they_name(models):
                                             temperature=0)
             want = greedy_reference(model, prompt, 8, stop=(127,))
             assert got.choices[0].text == model.tokenizer.decode(want)
-        with pytest.raises(openai.NotFoundError):
+        with pytest.raises(openai.NotFoundError, match="serves `tiny-a`, `tiny-b`"):
             client.completions.create(model="nope", prompt=prompt, max_tokens=2)
