@@ -63,7 +63,6 @@ FAST = {
         (Feature.AUTO_PREEMPTION, Feature.N_SAMPLES),
         (Feature.SPECULATIVE, Feature.SWAP),
         (Feature.CONTEXT_REUSE, Feature.HOST_TIER),
-        (Feature.KV_ARENA, Feature.SWAP),
     )
 }
 
