@@ -4,7 +4,8 @@
 
 Requests are parsed (a bad line becomes an error line, alone), arranged by an `Ordering`,
 and fed to one `Engine` a window at a time, so the run order reaches the prefix cache.
-Requests with `score` run prefill-only (`PrefillOnlyScorer`) instead of through the engine.
+Requests with `score` or `next_top_k` run prefill-only (`PrefillOnlyScorer`), not through
+the engine.
 Every finished id is appended durably (`OutputLog`); a re-run skips ids already done, so a
 killed job re-run with the same command ends with each id exactly once.
 """
@@ -97,8 +98,12 @@ def output_record(out: RequestOutput) -> dict:
 
 
 def score_record(scorer: PrefillOnlyScorer, request: BatchRequest) -> dict:
-    """The output line of a scoring request: each continuation's summed and per-token
-    log-probabilities given the prompt."""
+    """The output line of a prefill-only request: the `next_top_k` most likely next tokens
+    as [token, logprob] pairs, or each continuation's summed and per-token log-probabilities
+    given the prompt."""
+    if request.next_top_k is not None:
+        top = scorer.top_next(request.request_id, request.prompt_ids, request.next_top_k)
+        return {"id": request.request_id, "top_logprobs": [list(p) for p in top]}
     scores = []
     for continuation in request.continuations:
         token_logprobs = scorer.score(request.request_id, request.prompt_ids, continuation)
@@ -203,12 +208,12 @@ def _submit(engine: Engine, scorer: PrefillOnlyScorer, request: BatchRequest, wr
     """Queues a generation request (1) or writes a scoring request's or a rejected request's
     line now (0)."""
     try:
-        if request.continuations is not None:
+        if request.is_prefill_only:
             write(score_record(scorer, request))
             return 0
         engine.add_request(request.request_id, request.prompt_ids, request.sampling)
         return 1
     except ValueError as e:
-        field = "score" if request.continuations is not None else "prompt"
+        field = "score" if request.is_prefill_only else "prompt"
         write({"id": request.request_id, "error": str(e), "field": field})
         return 0

@@ -4,7 +4,8 @@ A line holds `id`, exactly one prompt source (`prompt` text, `messages` for the 
 `prompt_ids`, or `record` with an optional `instruction`: a table row rendered as
 "field: value" lines), sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
 `stop_token_ids`, `ignore_eos`) and optionally `score`: continuations (strings or id lists)
-to score without decoding. A bad line raises `BadLine`, which names the id and the field.
+to score, or `next_top_k` (the k most likely next tokens), both without decoding. A bad line
+raises `BadLine`, which names the id and the field.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ _PROMPT_FIELDS = ("prompt", "messages", "prompt_ids", "record")
 _SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "temperature": "temperature",
                     "top_p": "top_p", "top_k": "top_k", "seed": "seed",
                     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
-_OTHER_FIELDS = {"id", "score", "instruction"}
+_OTHER_FIELDS = {"id", "score", "next_top_k", "instruction"}
 
 
 class BadLine(ValueError):
@@ -40,6 +41,7 @@ class BatchRequest:
       prompt_ids: the prompt's token ids ([T]).
       sampling: how to decode (ignored when `continuations` is set).
       continuations: token ids of each continuation to score (prefill-only), or None.
+      next_top_k: how many most likely next tokens to return (prefill-only), or None.
       record: the table row the prompt was rendered from (field -> value), or None.
       instruction: the text before a record's fields.
     """
@@ -48,8 +50,14 @@ class BatchRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     continuations: list[list[int]] | None = None
+    next_top_k: int | None = None
     record: dict[str, str] | None = None
     instruction: str = ""
+
+    @property
+    def is_prefill_only(self) -> bool:
+        """Scoring or a next-token distribution: one forward pass, no decode."""
+        return self.continuations is not None or self.next_top_k is not None
 
 
 def render_record(instruction: str, record: dict[str, str], fields: Sequence[str]) -> str:
@@ -96,6 +104,12 @@ def parse_line(line: str, line_number: int, encode: Callable[[str], list[int]],
     request.sampling = _sampling(rid, obj)
     if "score" in obj:
         request.continuations = _continuations(rid, obj["score"], encode)
+    if "next_top_k" in obj:
+        k = obj["next_top_k"]
+        if "score" in obj or not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise BadLine(rid, "next_top_k", f"must be an int >= 1 on a line without `score`, "
+                          f"got {k!r:.80}")
+        request.next_top_k = k
     return request
 
 
