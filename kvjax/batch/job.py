@@ -26,10 +26,6 @@ from kvjax.engine.request import RequestOutput
 from kvjax.generation import encode_prompt
 from kvjax.models.model import Model
 
-# Steps after which a prompt's first page is in the prefix cache: its prefill step, and the
-# step scheduled while that one runs (asynchronous scheduling).
-_WARM_STEPS = 2
-
 
 @dataclasses.dataclass
 class BatchStats:
@@ -38,9 +34,9 @@ class BatchStats:
     Attributes:
       num_done, num_errors, num_skipped: ids written, of them errors, ids already done.
       seconds: wall time from the first request to the last line.
-      prefill_tokens: prompt tokens computed (prefix-cache hits excluded).
-      prompt_tokens: prompt tokens of the requests run.
-      prefix_hit_tokens: prompt tokens served from the prefix cache.
+      prefill_tokens: tokens prefilled (prefix-cache hits excluded, recomputation included).
+      prompt_tokens: prompt tokens of the generation requests written.
+      prefix_hit_tokens: of them, tokens served from the prefix cache.
       generated_tokens: tokens decoded.
     """
 
@@ -94,6 +90,7 @@ def output_record(out: RequestOutput) -> dict:
     sample = out.outputs[0]
     return {"id": out.request_id, "tokens": sample.token_ids, "text": sample.text,
             "logprobs": sample.logprobs, "finish_reason": sample.finish_reason.value,
+            "num_prompt_tokens": len(out.prompt_ids),
             "num_cached_prompt_tokens": out.num_cached_prompt_tokens}
 
 
@@ -164,6 +161,8 @@ def run_batch(model: Model, input_path: str, output_path: str, *, order: str = "
             stats.num_done += 1
             stats.num_errors += "error" in record
             stats.generated_tokens += len(record.get("tokens", ()))
+            stats.prompt_tokens += record.get("num_prompt_tokens", 0)
+            stats.prefix_hit_tokens += record.get("num_cached_prompt_tokens", 0)
             bar.update(stats.generated_tokens)
 
         for e in bad:
@@ -171,10 +170,7 @@ def run_batch(model: Model, input_path: str, output_path: str, *, order: str = "
         _feed(engine, scorer, good, window, write)
         stats.seconds = time.perf_counter() - t0
         bar.close()
-    m = engine.metrics()
-    stats.prefill_tokens = m["prefill_tokens"]
-    stats.prompt_tokens = m["prefix_query_tokens"]
-    stats.prefix_hit_tokens = m["prefix_hit_tokens"]
+    stats.prefill_tokens = engine.metrics()["prefill_tokens"]
     return stats
 
 
@@ -184,24 +180,29 @@ def _feed(engine: Engine, scorer: PrefillOnlyScorer, requests: list[BatchRequest
     as its request finishes; scoring requests run prefill-only as their turn comes.
 
     Pages enter the prefix cache only once computed, so a request whose first page matches
-    one admitted under `_WARM_STEPS` steps ago waits (and the ones behind it): admitted
-    together, the two would both compute the shared prefix.
+    that of a request still in prefill waits (and the ones behind it, keeping the order):
+    admitted together, both would compute the shared prefix.
     """
     page = engine.config.page_size
-    first_step: dict[tuple[int, ...], int] = {}  # first page -> step its first request came
-    queue, step = list(reversed(requests)), 0
-    in_flight = 0
+    in_prefill: dict[tuple[int, ...], str] = {}  # first page -> the request computing it
+    queue, in_flight = list(reversed(requests)), 0
     while queue or in_flight:
         while queue and in_flight < window:
             key = tuple(queue[-1].prompt_ids[:page])
-            if step - first_step.get(key, -_WARM_STEPS) < _WARM_STEPS:
+            if key in in_prefill:
                 break
-            first_step.setdefault(key, step)
-            in_flight += _submit(engine, scorer, queue.pop(), write)
+            request = queue.pop()
+            if _submit(engine, scorer, request, write):
+                in_flight += 1
+                in_prefill[key] = request.request_id
         for out in engine.step() if in_flight else ():
             write(output_record(out))
             in_flight -= 1
-        step += 1
+        if in_prefill:
+            prefilling = {o.request_id for o in engine.snapshot_outputs(drain=False,
+                                                                        with_text=False)
+                          if not o.outputs[0].token_ids}
+            in_prefill = {k: r for k, r in in_prefill.items() if r in prefilling}
 
 
 def _submit(engine: Engine, scorer: PrefillOnlyScorer, request: BatchRequest, write) -> int:
