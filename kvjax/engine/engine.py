@@ -458,6 +458,18 @@ class Engine:
         self.drain()
         self.scheduler.abort(request_id)
 
+    def pause(self, request_id: str, *, to_host: bool = False) -> None:
+        """Stops scheduling a request until `resume`; its KV stays on the device (pages kept,
+        not preemptible) or, with `to_host`, is swapped to host memory, freeing its pages.
+        To move it to another engine, `kvjax.engine.snapshot.save_snapshot` it, `abort` it
+        here and restore it there."""
+        self.drain()
+        self.scheduler.pause(request_id, to_host=to_host)
+
+    def resume(self, request_id: str) -> None:
+        """Schedules a paused request again; it continues with the tokens it would have had."""
+        self.scheduler.resume(request_id)
+
     def drain(self) -> None:
         """Finishes the step in flight (asynchronous scheduling): its tokens are committed and
         the host state is settled. Snapshots, aborts and weight updates call it."""
