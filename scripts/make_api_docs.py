@@ -73,6 +73,7 @@ SECTIONS = (
     Section("kvjax.memory.tiers", ("TierConfig", "TransferLayout", "measure_transfer_bandwidth")),
     Section("kvjax.router"),
     Section("kvjax.rl"),
+    Section("kvjax.batch"),
     Section("kvjax.bench"),
     Section("kvjax.parallel"),
     Section("kvjax.server"),
