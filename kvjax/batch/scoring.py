@@ -5,7 +5,7 @@ reads it later. Scoring needs no decode, so `layerwise_hidden` runs layer 0 over
 input in chunks, keeping only layer 0's K/V ([S, K, D]) while it does, then layer 1 over the
 hidden states layer 0 produced, and so on: peak KV is one layer's, and inputs about L times
 longer than an all-layer KV budget fit. Shapes are bucketed to powers of two (>= the chunk),
-so the compile count stays flat.
+plus one bucket at the budget's limit, so the compile count stays flat.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class PrefillOnlyScorer:
       model: the model.
       chunk: tokens per layer-pass chunk (a power of two).
       max_tokens: the longest input (prompt + continuation) accepted: what one layer's K/V
-        fits in `kv_budget_bytes`, rounded down to a bucket.
+        fits in `kv_budget_bytes`, rounded down to a whole chunk.
     """
 
     def __init__(self, model: Model, *, kv_budget_bytes: int, chunk: int = 128):
@@ -101,15 +101,14 @@ class PrefillOnlyScorer:
         # One layer's K and V per token: what the layer pass holds.
         self.layer_kv_bytes_per_token = 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize
         fit = kv_budget_bytes // self.layer_kv_bytes_per_token
-        self.max_tokens = min(1 << (fit.bit_length() - 1) if fit else 0,
-                              c.max_position_embeddings)
+        self.max_tokens = min(fit // chunk * chunk, c.max_position_embeddings // chunk * chunk)
 
     def _bucket(self, request_id: str, num_tokens: int) -> int:
-        s = max(self.chunk, next_power_of_2(num_tokens))
-        if s > self.max_tokens:
-            raise ValueError(f"request {request_id!r}: {num_tokens} tokens (bucket {s}) exceed "
-                             f"the prefill-only limit of {self.max_tokens}")
-        return s
+        """The padded length: a power of two, or the limit itself past the last one below it."""
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"request {request_id!r}: {num_tokens} tokens exceed the "
+                             f"prefill-only limit of {self.max_tokens}")
+        return min(max(self.chunk, next_power_of_2(num_tokens)), self.max_tokens)
 
     def hidden(self, request_id: str, tokens: list[int]) -> jax.Array:
         """[S, H] final-layer hidden states (before the final norm) of `tokens`, padded."""
