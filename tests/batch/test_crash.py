@@ -1,5 +1,5 @@
 """A batch job killed with SIGKILL and re-run writes each id exactly once, with the greedy
-tokens of an uninterrupted run (the oracle, run in-process on the same checkpoint)."""
+tokens of an uninterrupted run (the oracle: cache-free greedy decoding of each prompt)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import time
 
 import numpy as np
 import pytest
-from hf_utils import make_tiny_hf_checkpoint
 
 from kvjax.batch import run_batch
 from kvjax.engine.config import EngineConfig
 from kvjax.models.loading import load_model
+from kvjax.testing import greedy_reference, save_hf_checkpoint, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "batch_infer.py")
@@ -26,17 +26,17 @@ CONFIG = EngineConfig(page_size=16, max_num_seqs=4)  # The script's flags below.
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """(checkpoint, input, oracle output) shared by every kill point."""
+    """(checkpoint, input, each id's oracle tokens) shared by every kill point."""
     root = tmp_path_factory.mktemp("crash")
-    checkpoint = make_tiny_hf_checkpoint(root, "llama")
+    checkpoint, model = root / "tiny", tiny_model()
+    save_hf_checkpoint(model, checkpoint)
     rng = np.random.default_rng(0)
-    bases = [rng.integers(3, 250, 30).tolist() for _ in range(4)]
-    lines = [{"id": f"r{i}", "prompt_ids": bases[i % 4] + rng.integers(3, 250, 6).tolist(),
+    bases = [rng.integers(3, 120, 30).tolist() for _ in range(4)]
+    lines = [{"id": f"r{i}", "prompt_ids": bases[i % 4] + rng.integers(3, 120, 6).tolist(),
               "max_tokens": 8, "ignore_eos": True} for i in range(NUM_REQUESTS)]
     (root / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    run_batch(load_model(checkpoint), root / "in.jsonl", root / "oracle.jsonl",
-              order="prefix", engine_config=CONFIG)
-    return checkpoint, root / "in.jsonl", _read(root / "oracle.jsonl")
+    oracle = {line["id"]: greedy_reference(model, line["prompt_ids"], 8) for line in lines}
+    return checkpoint, root / "in.jsonl", oracle
 
 
 def _read(path) -> dict[str, list[int]]:
