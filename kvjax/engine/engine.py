@@ -344,8 +344,9 @@ class Engine:
         from kvjax.memory.ops import KVOp, KVOpKind
 
         self.drain()
-        if self.has_unfinished():
-            raise ValueError("calibrate_kv needs an idle engine: requests are in flight")
+        if self.has_unfinished() or self.scheduler.paused:
+            raise ValueError("calibrate_kv needs an idle engine: requests are in flight or "
+                             "paused")
         codec = (quantized.make_codec(self.config.kv_codec, **self.config.kv_codec_options)
                  if self.config.kv_codec != "none" else None)
         if not isinstance(codec, quantized.codecs.Fp8Codec) or codec.scaling.value != \
@@ -503,6 +504,10 @@ class Engine:
         """
         llama.check_params(params, self.model.config)
         self.drain()
+        if self.scheduler.paused:
+            raise ValueError(f"resume or abort the paused requests {sorted(self.scheduler.paused)} "
+                             f"before a weight update: the in-flight policy applies to queued "
+                             f"sequences only, so their old-weights KV would be read on")
         version = str(version)
         if version in self.runner.params or version == self.model.weights_version:
             raise ValueError(f"weights version {version!r} is already in use; versions must be new")

@@ -82,3 +82,12 @@ def test_pause_refuses_unknown_and_repeated_ids(model):
         engine.pause("a")
     with pytest.raises(ValueError, match="'zz' is not paused"):
         engine.resume("zz")
+
+
+def test_a_weight_update_waits_for_paused_requests(model):
+    engine = Engine(model, CONFIG)
+    engine.add_request("a", PROMPTS["a"], SAMPLING)
+    engine.step()
+    engine.pause("a")
+    with pytest.raises(ValueError, match="paused requests \\['a'\\]"):
+        engine.update_weights(model.params, "v2")
