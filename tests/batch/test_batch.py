@@ -7,8 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from kvjax.batch import prefix_order, run_batch, shared_field_order
+from kvjax.batch import (
+    BatchRequest,
+    make_ordering,
+    prefix_order,
+    render_record,
+    run_batch,
+    shared_field_order,
+)
 from kvjax.engine.config import EngineConfig
+from kvjax.sampling import SamplingParams
 from kvjax.testing import greedy_reference, tiny_chat_model
 
 CONFIG = EngineConfig(max_num_seqs=4, num_pages=48)
@@ -55,6 +63,17 @@ def test_shared_field_order_puts_the_most_repeated_values_first():
     records = [{"name": f"n{i}", "city": "Paris" if i < 3 else "Rome", "kind": "a"}
                for i in range(4)]
     assert shared_field_order(records) == ["kind", "city", "name"]
+
+
+def test_blend_keeps_prefix_groups_and_alternates_prefill_and_decode_heavy():
+    def group(first: int, prompt_len: int, max_tokens: int) -> list[BatchRequest]:
+        return [BatchRequest(f"{first}-{i}", [first] * prompt_len + [i],
+                             SamplingParams(max_new_tokens=max_tokens)) for i in range(2)]
+
+    # Prefill/decode ratios: 40, 1, 20, 0.5.
+    requests = [*group(1, 40, 1), *group(2, 32, 32), *group(3, 40, 2), *group(4, 32, 64)]
+    ids = [r.request_id for r in make_ordering("blend").arrange(requests, encode=None)]
+    assert ids == ["1-0", "1-1", "4-0", "4-1", "3-0", "3-1", "2-0", "2-1"]
 
 
 @pytest.mark.parametrize("order", ["prefix", "blend"])
@@ -113,3 +132,20 @@ def test_chat_and_record_prompts_are_templated(model, tmp_path):
     assert out["c"]["tokens"] == greedy_reference(model, chat, 3, stop=(127,))
     assert out["t"]["tokens"] == greedy_reference(model, tok.encode("Rate:\na: x\nb: y\n"), 3,
                                                   stop=(127,))
+
+
+def test_field_order_shares_more_prefix_and_decodes_the_rewritten_prompts(model, tmp_path):
+    from kvjax.bench.batch import table_records
+
+    lines = table_records(16, max_tokens=3)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    base = run_batch(model, tmp_path / "in.jsonl", tmp_path / "input.jsonl", engine_config=CONFIG)
+    fields = run_batch(model, tmp_path / "in.jsonl", tmp_path / "fields.jsonl", order="fields",
+                       engine_config=CONFIG)
+    assert fields.prefix_hit_tokens > base.prefix_hit_tokens
+    order = shared_field_order([line["record"] for line in lines])
+    assert order[0] != "order_id" and order[-1] == "order_id"  # The unique field goes last.
+    row = lines[0]
+    prompt = model.tokenizer.encode(render_record(row["instruction"], row["record"], order))
+    out = read_output(tmp_path / "fields.jsonl")[row["id"]]
+    assert out["tokens"] == greedy_reference(model, prompt, 3, stop=(127,))
