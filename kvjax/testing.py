@@ -163,14 +163,14 @@ def save_hf_checkpoint(model: Model, directory) -> None:
 
     from safetensors.numpy import save_file
 
-    from kvjax.models.hf import _LAYER_WEIGHTS
+    from kvjax.models.hf import LAYER_WEIGHTS
 
     c, params = model.config, model.params
     tensors = {"model.embed_tokens.weight": np.asarray(params["embed"]),
                "model.norm.weight": np.asarray(params["final_norm"])}
     if not c.tie_word_embeddings:
         tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)  # [V, H]
-    for key, name in _LAYER_WEIGHTS.items():
+    for key, name in LAYER_WEIGHTS.items():
         for i, w in enumerate(np.asarray(params["layers"][key])):
             tensors[f"model.layers.{i}.{name}"] = np.ascontiguousarray(w.T)  # [out, in]
     directory = pathlib.Path(directory)

@@ -78,7 +78,8 @@ SECTIONS = (
     Section("kvjax.parallel"),
     Section("kvjax.server"),
     Section("kvjax.testing", ("TINY", "tiny_model", "greedy_reference", "dense_logprobs",
-                              "ByteTokenizer", "tiny_tokenizer", "tiny_chat_model")),
+                              "ByteTokenizer", "tiny_tokenizer", "tiny_chat_model",
+                              "save_hf_checkpoint")),
 )
 
 _SECTION_HEADS = re.compile(r"^(Args|Arguments|Attributes|Returns|Raises|Yields|Example|Examples"
