@@ -71,12 +71,14 @@ def read_requests(model: Model, path: str, skip: set[str]
             if not line.strip():
                 continue
             rid = line_id(line, n)
-            if rid in skip:
-                continue
-            if rid in seen:
-                yield BadLine(f"{rid}@line:{n}", "id", f"repeats id {rid!r} of an earlier line")
+            if rid in seen:  # Reported under its own id, so a re-run skips the report too.
+                if f"{rid}@line:{n}" not in skip:
+                    yield BadLine(f"{rid}@line:{n}", "id", f"repeats id {rid!r} of an earlier "
+                                  f"line")
                 continue
             seen.add(rid)
+            if rid in skip:
+                continue
             try:
                 yield parse_line(line, n, lambda t: encode_prompt(model, t), chat)
             except BadLine as e:
@@ -215,6 +217,7 @@ def _submit(engine: Engine, scorer: PrefillOnlyScorer, request: BatchRequest, wr
         engine.add_request(request.request_id, request.prompt_ids, request.sampling)
         return 1
     except ValueError as e:
-        field = "score" if request.is_prefill_only else "prompt"
+        field = ("prompt" if not request.is_prefill_only else
+                 "score" if request.continuations is not None else "next_top_k")
         write({"id": request.request_id, "error": str(e), "field": field})
         return 0

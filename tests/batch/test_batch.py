@@ -104,6 +104,12 @@ def test_bad_lines_fail_alone_naming_id_and_field(model, tmp_path):
     assert out["big"]["field"] == "prompt" and "500" in out["big"]["error"]
     assert out["line:5"]["field"] == "<json>"
     assert out["r0@line:6"]["field"] == "id" and "tokens" in out["r0"]
+    # A re-run after a kill before r0 was written repeats neither report.
+    kept = [line for line in (tmp_path / "out.jsonl").read_text().splitlines(keepends=True)
+            if json.loads(line)["id"] != "r0"]
+    (tmp_path / "out.jsonl").write_text("".join(kept))
+    rerun = run_batch(model, tmp_path / "in.jsonl", tmp_path / "out.jsonl", engine_config=CONFIG)
+    assert rerun.num_done == 1 and read_output(tmp_path / "out.jsonl")["r0"]["tokens"]
 
 
 def test_rerun_cuts_a_torn_line_and_runs_each_missing_id_once(model, tmp_path):
