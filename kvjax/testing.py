@@ -152,3 +152,34 @@ def tiny_chat_model(seed: int = 0) -> Model:
     """`tiny_model()` with `tiny_tokenizer()`: text prompts, chat and streaming detokenization
     on a model that compiles in seconds."""
     return dataclasses.replace(tiny_model(seed=seed), tokenizer=tiny_tokenizer())
+
+
+def save_hf_checkpoint(model: Model, directory) -> None:
+    """Writes `model` (a Llama without QKV biases, e.g. `tiny_model()`) as a Hugging Face
+    directory (config.json + model.safetensors) that `kvjax.load_model` reads back to the same
+    params: what scripts taking `--model` run on in tests, without torch."""
+    import json
+    import pathlib
+
+    from safetensors.numpy import save_file
+
+    from kvjax.models.hf import LAYER_WEIGHTS
+
+    c, params = model.config, model.params
+    tensors = {"model.embed_tokens.weight": np.asarray(params["embed"]),
+               "model.norm.weight": np.asarray(params["final_norm"])}
+    if not c.tie_word_embeddings:
+        tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)  # [V, H]
+    for key, name in LAYER_WEIGHTS.items():
+        for i, w in enumerate(np.asarray(params["layers"][key])):
+            tensors[f"model.layers.{i}.{name}"] = np.ascontiguousarray(w.T)  # [out, in]
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, bos_token_id=1,
+        eos_token_id=list(c.eos_token_ids), tie_word_embeddings=c.tie_word_embeddings)))

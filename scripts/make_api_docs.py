@@ -79,11 +79,13 @@ SECTIONS = (
     Section("kvjax.memory.tiers", ("TierConfig", "TransferLayout", "measure_transfer_bandwidth")),
     Section("kvjax.router"),
     Section("kvjax.rl"),
+    Section("kvjax.batch"),
     Section("kvjax.bench"),
     Section("kvjax.parallel"),
     Section("kvjax.server"),
     Section("kvjax.testing", ("TINY", "tiny_model", "greedy_reference", "dense_logprobs",
-                              "ByteTokenizer", "tiny_tokenizer", "tiny_chat_model")),
+                              "ByteTokenizer", "tiny_tokenizer", "tiny_chat_model",
+                              "save_hf_checkpoint")),
 )
 
 _SECTION_HEADS = re.compile(r"^(Args|Arguments|Attributes|Returns|Raises|Yields|Example|Examples"

@@ -345,8 +345,9 @@ class Engine:
         from kvjax.memory.ops import KVOp, KVOpKind
 
         self.drain()
-        if self.has_unfinished():
-            raise ValueError("calibrate_kv needs an idle engine: requests are in flight")
+        if self.has_unfinished() or self.scheduler.paused:
+            raise ValueError("calibrate_kv needs an idle engine: requests are in flight or "
+                             "paused")
         codec = (quantized.make_codec(self.config.kv_codec, **self.config.kv_codec_options)
                  if self.config.kv_codec != "none" else None)
         if not isinstance(codec, quantized.codecs.Fp8Codec) or codec.scaling.value != \
@@ -459,6 +460,18 @@ class Engine:
         self.drain()
         self.scheduler.abort(request_id)
 
+    def pause(self, request_id: str, *, to_host: bool = False) -> None:
+        """Stops scheduling a request until `resume`; its KV stays on the device (pages kept,
+        not preemptible) or, with `to_host`, is swapped to host memory, freeing its pages.
+        To move it to another engine, `kvjax.engine.snapshot.save_snapshot` it, `abort` it
+        here and restore it there."""
+        self.drain()
+        self.scheduler.pause(request_id, to_host=to_host)
+
+    def resume(self, request_id: str) -> None:
+        """Schedules a paused request again; it continues with the tokens it would have had."""
+        self.scheduler.resume(request_id)
+
     def drain(self) -> None:
         """Finishes the step in flight (asynchronous scheduling): its tokens are committed and
         the host state is settled. Snapshots, aborts and weight updates call it."""
@@ -492,6 +505,10 @@ class Engine:
         """
         llama.check_params(params, self.model.config)
         self.drain()
+        if self.scheduler.paused:
+            raise ValueError(f"resume or abort the paused requests {sorted(self.scheduler.paused)} "
+                             f"before a weight update: the in-flight policy applies to queued "
+                             f"sequences only, so their old-weights KV would be read on")
         version = str(version)
         if version in self.runner.params or version == self.model.weights_version:
             raise ValueError(f"weights version {version!r} is already in use; versions must be new")

@@ -34,8 +34,9 @@ _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
 }
 
-# kvjax layer param -> Hugging Face name inside `model.layers.N.`.
-_LAYER_WEIGHTS = {
+# kvjax layer param -> Hugging Face name inside `model.layers.N.` (public: checkpoint writers
+# such as kvjax.testing.save_hf_checkpoint use the same names).
+LAYER_WEIGHTS = {
     "attn_norm": "input_layernorm.weight",
     "wq": "self_attn.q_proj.weight",
     "wk": "self_attn.k_proj.weight",
@@ -235,7 +236,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
         per_layer = [take(f"model.layers.{i}.{suffix}", shape) for i in range(config.num_layers)]
         return jnp.asarray(np.stack(per_layer).astype(target))  # [L, ...]
 
-    names = {**_LAYER_WEIGHTS, **(_LAYER_BIASES if config.qkv_bias else {})}
+    names = {**LAYER_WEIGHTS, **(_LAYER_BIASES if config.qkv_bias else {})}
     layers = {key: stacked(names[key], shape)
               for key, shape in _expected_hf_shapes(config).items()}
     v, h = config.vocab_size, config.hidden_size

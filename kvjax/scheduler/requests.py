@@ -26,6 +26,7 @@ class RequestRegistry:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self.paused: dict[str, list[Sequence]] = {}  # request id -> its sequences out of queues
         self._finished_outputs: list[RequestOutput] = []
         self._order = itertools.count()
 
@@ -35,6 +36,7 @@ class RequestRegistry:
         return request_id in self._requests
 
     def has_unfinished(self) -> bool:
+        """Whether a step has work: paused requests are unfinished but not counted."""
         return bool(self.waiting or self.running or self.swapped)
 
     def sequence(self, seq_id: str) -> Sequence:
@@ -114,6 +116,7 @@ class RequestRegistry:
             seq = self._seqs[seq_id]
             if seq.status is not SeqStatus.FINISHED:
                 self.finish(seq, FinishReason.ABORT)
+        self.paused.pop(request_id, None)
         self._maybe_emit(request_id)
         for fill in [r for r, m in self._request_meta.items() if m.get("internal")]:
             if not any(w in self._requests for w in self._request_meta[fill]["waiters"]):

@@ -407,6 +407,42 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         seq.status = SeqStatus.RUNNING
         return True
 
+    # ----------------------------------------------------------------------------- pausing
+
+    def pause(self, request_id: str, *, to_host: bool = False) -> None:
+        """Takes a request out of scheduling until `resume`: no step computes or preempts it.
+
+        Its running sequences keep their device pages, or with `to_host` swap them to host
+        memory (the preemption swap path; paged layout); waiting and swapped ones keep their
+        state. Call between steps (the engine drains first).
+        """
+        if not self.has_request(request_id) or request_id in self.paused:
+            raise ValueError(f"request {request_id!r} is not an unfinished, unpaused request")
+        if to_host and not self.config.is_paged:
+            raise ValueError(f"request {request_id!r}: pausing to host memory needs the paged "
+                             f"layout (the swap space holds pages)")
+        seqs = [s for s in self.sequences(request_id) if s.status is not SeqStatus.FINISHED]
+        for seq in seqs:
+            for queue in (self.running, self.waiting, self.swapped):
+                if seq in queue:
+                    queue.remove(seq)
+            if to_host and seq.status is SeqStatus.RUNNING and seq.num_computed > 0:
+                seq.kv_epoch += 1
+                seq.draft_tokens = []
+                self.kv_cache.swap_out(seq.seq_id, seq.num_computed)
+                seq.status = SeqStatus.SWAPPED
+        self.paused[request_id] = seqs
+
+    def resume(self, request_id: str) -> None:
+        """Puts a paused request back in its queues: device-resident sequences run on, swapped
+        ones swap in when pages allow."""
+        if request_id not in self.paused:
+            raise ValueError(f"request {request_id!r} is not paused")
+        queues = {SeqStatus.RUNNING: self.running, SeqStatus.WAITING: self.waiting,
+                  SeqStatus.SWAPPED: self.swapped}
+        for seq in self.paused.pop(request_id):
+            queues[seq.status].append(seq)
+
     # ----------------------------------------------------------------------------- preemption
 
     def _preempt(self, seq: Sequence) -> None:

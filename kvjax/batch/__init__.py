@@ -1,0 +1,40 @@
+"""Offline batch inference: ordering for prefix reuse, prefill-only scoring, crash-safe jobs.
+
+    from kvjax.batch import run_batch
+    stats = run_batch(model, "requests.jsonl", "outputs.jsonl", order="prefix")
+
+Modules: `requests` (input lines), `output` (durable JSONL output), `ordering` (input,
+prefix, fields, blend behind a registry), `scoring` (layer-by-layer prefill-only scoring),
+`job` (the job loop).
+"""
+
+from kvjax.batch.job import BatchStats, run_batch
+from kvjax.batch.ordering import (
+    ORDERINGS,
+    Ordering,
+    make_ordering,
+    prefix_order,
+    register_ordering,
+    shared_field_order,
+)
+from kvjax.batch.output import OutputLog, done_ids
+from kvjax.batch.requests import BadLine, BatchRequest, parse_line, render_record
+from kvjax.batch.scoring import PrefillOnlyScorer
+
+__all__ = [
+    "ORDERINGS",
+    "BadLine",
+    "BatchRequest",
+    "BatchStats",
+    "Ordering",
+    "OutputLog",
+    "PrefillOnlyScorer",
+    "done_ids",
+    "make_ordering",
+    "parse_line",
+    "prefix_order",
+    "register_ordering",
+    "render_record",
+    "run_batch",
+    "shared_field_order",
+]
