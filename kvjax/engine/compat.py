@@ -51,6 +51,7 @@ class Feature(enum.Enum):
     SPECULATIVE = "speculative"
     CONTEXT_REUSE = "context_reuse"
     KV_ARENA = "kv_arena"
+    PAUSE = "pause"
 
     @property
     def group(self) -> str | None:
@@ -92,6 +93,8 @@ _DESCRIPTIONS = {
                          "drafts verified against the full KV, rejected ones rolled back",
     Feature.CONTEXT_REUSE: "EngineConfig.context_reuse with a strategy that reuses cached "
                            "chunks (none, ape, epic, cacheblend): non-prefix KV reuse",
+    Feature.PAUSE: "Engine.pause / resume: requests leave scheduling mid-run, their pages kept "
+                   "or swapped to host, and go on later",
     Feature.KV_ARENA: "kv_arena=True: pages are frames of a word arena, the layout models "
                       "of a MultiModelEngine share one budget through",
 }
@@ -226,7 +229,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
     return found
 
 
-_USE_SETTINGS = {Feature.SNAPSHOT: "snapshots", Feature.N_SAMPLES: "n > 1 sampling"}
+_USE_SETTINGS = {Feature.SNAPSHOT: "snapshots", Feature.N_SAMPLES: "n > 1 sampling",
+                 Feature.PAUSE: "pausing requests"}
 
 
 def features_of(config: Any, *, on_mesh: bool = False) -> set[Feature]:

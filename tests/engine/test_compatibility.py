@@ -50,7 +50,7 @@ APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, Feature.STREAM
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
 MAX_MEAN_REGRET = {"codec": 0.5, "retention": 2.5}
 # The features each pair test runs outside the config.
-RUNTIME = {Feature.MESH, Feature.SNAPSHOT, Feature.N_SAMPLES}
+RUNTIME = {Feature.MESH, Feature.SNAPSHOT, Feature.N_SAMPLES, Feature.PAUSE}
 # A few pairs whose programs the others share (codec, retention, compaction of codes, tiers,
 # swap, snapshot, n > 1, prefix cache; int8 + snapkv runs in the first combination); the
 # other pairs (swapped KIVI windows, mesh engines, ...) run in the slow suite.
@@ -63,6 +63,7 @@ FAST = {
         (Feature.AUTO_PREEMPTION, Feature.N_SAMPLES),
         (Feature.SPECULATIVE, Feature.SWAP),
         (Feature.CONTEXT_REUSE, Feature.HOST_TIER),
+        (Feature.PAUSE, Feature.SWAP),
     )
 }
 
@@ -139,6 +140,14 @@ def run_pair(model, features, oracle, mesh=None) -> dict:
     while engine.has_unfinished():
         finished.update((o.request_id, o) for o in engine.step())
         steps += 1
+        if steps == 2 and Feature.PAUSE in features:  # all live requests sit out two steps
+            live = engine.scheduler.request_ids()
+            for request_id in live:
+                engine.pause(request_id, to_host=Feature.SWAP in features)
+            for _ in range(2):
+                finished.update((o.request_id, o) for o in engine.step())
+            for request_id in live:
+                engine.resume(request_id)
         if steps == 3 and Feature.SNAPSHOT in features:
             with tempfile.TemporaryDirectory() as tmp:
                 path = save_snapshot(engine, os.path.join(tmp, "snap"))
