@@ -22,6 +22,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from kvjax.memory.prefix_cache import PrefixCache, hash_page, hash_root
+from kvjax.trace import NULL_TRACER, Tracer
 
 
 class AllocStatus(enum.Enum):
@@ -93,6 +94,7 @@ class BlockManager:
         self.page_size = page_size
         self.prefix_cache = PrefixCache(page_size) if enable_prefix_cache else None
         self._free_pages = collections.deque(range(num_pages))
+        self.tracer: Tracer = NULL_TRACER  # page allocations, frees, evictions (set_tracer)
         self._ref_counts = np.zeros([num_pages], np.int32)  # [num_pages]
         self._seqs: dict[Hashable, _Sequence] = {}
         self._stats = BlockManagerStats()
@@ -371,7 +373,11 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Empties the prefix cache; its unreferenced pages return to the free list."""
         if self.prefix_cache is not None:
-            self._free_pages.extend(self.prefix_cache.reset())
+            dropped = self.prefix_cache.reset()
+            self._free_pages.extend(dropped)
+            for page in dropped:  # Invalidated (a weights update): back to the free list.
+                self.tracer.emit("invalidate", "page", "pages/device", page=page)
+                self.tracer.emit("free", "page", "pages/device", page=page)
         if self._evictable_hashes is not None:
             self._evictable_hashes.clear()
 
@@ -438,6 +444,7 @@ class BlockManager:
                 self._evictable_hashes[page] = self.prefix_cache.hash_of(page)
             return False
         self._free_pages.append(page)
+        self.tracer.emit("free", "page", "pages/device", page=page)
         return True
 
     def _allocate(self) -> int:
@@ -451,5 +458,7 @@ class BlockManager:
             if self._evictable_hashes is not None:
                 self._evicted.append((self._evictable_hashes.pop(page), page))
             self._stats = dataclasses.replace(self._stats, evictions=self._stats.evictions + 1)
+            self.tracer.emit("evict", "page", "pages/device", page=page)
+        self.tracer.emit("allocate", "page", "pages/device", page=page)
         self._ref_counts[page] = 1
         return page
