@@ -82,7 +82,7 @@ def test_transfer_states_follow_the_state_machine(traced):
     assert per_transfer, "the traffic should spill pages to the host tier"
     for states in per_transfer.values():
         assert states[0] == TransferState.QUEUED.value
-        for a, b in zip(states, states[1:]):
+        for a, b in zip(states, states[1:], strict=False):
             assert is_legal_transition(TransferState(a), TransferState(b))
 
 
