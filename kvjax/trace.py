@@ -5,9 +5,9 @@ the tiers; each emits plain events into it. Tracing is off by default: every com
 holds `NULL_TRACER`, whose methods return at once, so a disabled trace costs one call.
 
 Tracks are strings, grouped by the part before the first '/': `request/<id>` (lifecycle),
-`pages/device` (allocations, frees, evictions, KV ops), `tier/<kind>` (transfer states),
-`step` (step spans), `counters` (pages used per tier). `to_chrome` writes the Trace Event
-Format (https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU),
+`pages/device` (allocations, frees, evictions, releases into the prefix cache, KV ops),
+`tier/<kind>` (transfer states), `step` (step spans), `counters` (pages used per tier).
+`to_chrome` writes the Trace Event Format (Chrome's "Trace Event Format" document),
 which ui.perfetto.dev opens: one process per group, one thread per track.
 """
 

@@ -13,6 +13,7 @@ from kvjax.engine.engine import Engine
 from kvjax.memory.tiers import TierConfig
 from kvjax.memory.transfer import TransferState, is_legal_transition
 from kvjax.testing import tiny_model
+from kvjax.trace import NULL_TRACER
 
 # A small pool under prefix-sharing traffic: hits, evictions, spills and preemptions.
 BASE = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=16,
@@ -41,8 +42,12 @@ def traced(model):
 
 def test_tracing_off_records_nothing(model):
     engine = Engine(model, EngineConfig(**BASE))
-    engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=2))
-    assert not engine.tracer.enabled and engine.tracer.events == []
+    assert engine.tracer is NULL_TRACER and engine.scheduler.tracer is NULL_TRACER
+    assert engine.kv_cache.tracer is NULL_TRACER and engine.allocator.tracer is NULL_TRACER
+    NULL_TRACER.emit("allocate", "page", "pages/device", page=0)
+    NULL_TRACER.span("step", "step", "step", 0.0, 1.0)
+    NULL_TRACER.counter("pages", device=1)
+    assert NULL_TRACER.events == []
     with pytest.raises(ValueError):
         engine.export_trace("unused.json")
 

@@ -442,6 +442,7 @@ class BlockManager:
             self.prefix_cache.mark_evictable(page)
             if self._evictable_hashes is not None:
                 self._evictable_hashes[page] = self.prefix_cache.hash_of(page)
+            self.tracer.emit("cache", "page", "pages/device", page=page)
             return False
         self._free_pages.append(page)
         self.tracer.emit("free", "page", "pages/device", page=page)
