@@ -101,10 +101,12 @@ def _transfer_waits(events: list[dict]) -> dict[str, float]:
 
 
 def analyse(trace: dict, *, num_windows: int = 10) -> dict:
-    """The report as JSON-ready data (times in seconds)."""
+    """The report as JSON-ready data (times in seconds of the host's clock; counter times
+    from the trace's first event)."""
     events = _events(trace)
     lives, reuse = _page_lives(events)
-    counters = [dict(t_s=e["ts"] / 1e6, **e["args"]) for e in events if e["ph"] == "C"]
+    t0 = events[0]["ts"] if events else 0.0
+    counters = [dict(t_s=(e["ts"] - t0) / 1e6, **e["args"]) for e in events if e["ph"] == "C"]
     waits = _transfer_waits(events)
     return dict(num_events=len(events), num_steps=sum(e["name"] == "step" for e in events),
                 prefix_hit_rate=_hit_rates(events, num_windows),
