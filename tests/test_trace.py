@@ -37,6 +37,8 @@ def traced(model):
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     engine.generate(prompts[:4], params)
     engine.generate(prompts, params)
+    engine.update_weights(model.params, "v2")
+    engine.generate(prompts[:1], params)
     return engine
 
 
@@ -74,7 +76,8 @@ def test_page_events_reconcile_with_the_allocator(traced):
 def test_request_and_prefix_events_reconcile_with_engine_stats(traced):
     t = traced.tracer
     assert t.count("preempt") == traced.stats["preemptions"]
-    assert t.count("arrive") == t.count("finish") == 10
+    assert t.count("arrive") == t.count("finish") == 11
+    assert t.count("weights_update") == traced.stats["weight_updates"] == 1
     assert t.count("prefix_hit") + t.count("prefix_miss") == \
         traced.allocator.stats.prefix_queries
 

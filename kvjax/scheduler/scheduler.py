@@ -600,6 +600,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         """New weights serve from the next step; sequences in flight follow `in_flight`."""
         self.weights_version = version
         self.versions.append(version)
+        # Every cached page of older weights stops matching here (its provenance differs).
+        self.tracer.emit("weights_update", "page", "pages/device", version=version,
+                         in_flight=in_flight.value)
         for seq in list(self.running + self.swapped + self.waiting):
             started = seq.num_computed > 0 or seq.status is not SeqStatus.WAITING or \
                 len(seq.tokens) > seq.num_prompt_tokens
@@ -608,6 +611,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 self.finish(seq, FinishReason.ABORT)
                 self._maybe_emit(seq.request_id)
             elif not started or in_flight is WeightUpdatePolicy.RECOMPUTE:
+                if started:
+                    self.tracer.emit("invalidate", "request", f"request/{seq.request_id}",
+                                     seq_id=seq.seq_id, version=version)
                 self._restart(seq)
                 seq.weights_version = version
             elif in_flight is WeightUpdatePolicy.ABORT:
