@@ -108,6 +108,8 @@ def get_config() -> ConfigDict:
     config.slo.ttft_s = 2.0  # a request meets the SLO with TTFT at most this ...
     config.slo.tpot_s = 0.1  # ... and time per output token at most this
 
+    # Record a KV-semantic trace (kvjax.trace): <run>.trace.json, opens in ui.perfetto.dev.
+    config.trace = False
     config.clock = "real"  # real (wall clock) or simulated (the cost model below)
     # Simulated step seconds = overhead + per_token * T + per_context_token * S (+ swaps), T
     # the step's padded tokens, S the KV tokens its rows read. The defaults are a rounded

@@ -4,6 +4,7 @@
   python scripts/serve.py --config=configs/serve_tiers.py --port 8080
   python scripts/serve.py --model path/to/hf_dir --max_num_seqs 16 --page_size 32
   python scripts/serve.py --also_serve smollm2-bf16=embedded:bfloat16:int8 --pool_budget_mb 1200
+  python scripts/serve.py --trace_path=runs/serve.trace.json   # KV trace written on shutdown
 
 --config is a serve_bench config file (its model, engine, kv and tiers sections; the workload
 is not used); any field can be overridden as --config.engine.page_size=32, and the common
@@ -46,6 +47,8 @@ flags.DEFINE_bool("warmup_sampling", False, "Also compile the sampled variants (
                   "> 0, top-k / top-p; OpenAI's default temperature is 1), three times the "
                   "programs; otherwise the first sampled requests compile them.")
 flags.DEFINE_string("log_level", "info", "uvicorn's log level.")
+flags.DEFINE_string("trace_path", None, "Record a KV-semantic trace (config.trace) and write "
+                    "it here as Perfetto JSON on shutdown; None: no trace.")
 # Common engine fields; None keeps the config's value.
 flags.DEFINE_integer("page_size", None, "Tokens per KV page.")
 flags.DEFINE_integer("max_num_seqs", None, "Most sequences running at once.")
@@ -78,6 +81,8 @@ def config_from_flags():
                          ("model.dtype", FLAGS.dtype)):
         if value is not None:
             overrides[field] = value
+    if FLAGS.trace_path:
+        overrides["trace"] = True
     return runner.apply_overrides(FLAGS.config, {"name": FLAGS.config.name, **overrides})
 
 
@@ -119,6 +124,9 @@ def main(argv):
     serve(engine, ServerConfig(model_name=name, max_waiting=FLAGS.max_waiting_requests,
                                drain_timeout_s=FLAGS.drain_timeout_s),
           host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
+    if FLAGS.trace_path:  # serve returns once drained: the trace is complete.
+        engine.export_trace(FLAGS.trace_path)
+        print(f"wrote {FLAGS.trace_path}")
 
 
 if __name__ == "__main__":

@@ -298,7 +298,8 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
         context_reuse=config.kv.context_reuse,
         context_reuse_options=config.kv.context_reuse_options.to_dict(),
         spec=SpecConfig(config.spec.method, config.spec.num_draft_tokens,
-                        config.spec.options.to_dict(), adaptive=config.spec.adaptive))
+                        config.spec.options.to_dict(), adaptive=config.spec.adaptive),
+        trace=config.trace)
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -659,12 +660,14 @@ class BenchResult:
         records: one per request sample (a request with n samples gives n records).
         kv_samples: (time, live KV bytes, reserved KV bytes) after each step.
         steps: one `StepRecord` per engine step that ran the model.
+        trace: the KV-semantic trace (Trace Event Format JSON) with config.trace, else None.
     """
 
     metrics: dict[str, Any]
     records: list[RequestRecord]
     kv_samples: list[tuple[float, int, int]]
     steps: list[StepRecord]
+    trace: dict | None = None
 
 
 def environment() -> dict[str, Any]:
@@ -821,8 +824,9 @@ def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
         duration_s=duration_s, kv_samples=engine.kv_samples, counters=counters,
         quality=_quality(config, engine_config, model, requests), energy=profile,
         config=_echo(config), env=environment(), clock=clock_mode)
+    trace = engine.tracer.to_chrome() if engine.tracer.enabled else None
     return BenchResult(metrics=metrics, records=records, kv_samples=list(engine.kv_samples),
-                       steps=steps)
+                       steps=steps, trace=trace)
 
 
 def run_benchmark(config: ConfigDict, **kwargs: Any) -> dict[str, Any]:
@@ -902,6 +906,9 @@ def write_results(results: Sequence[BenchResult], workdir: str | os.PathLike, *,
             step_cost_fit=fit_step_cost(result.steps))
         details_path.write_text(_dump(details))
         paths += [metrics_path, details_path]
+        if result.trace is not None:
+            paths.append(workdir / f"{slug}.trace.json")
+            paths[-1].write_text(json.dumps(result.trace))
     runs = [r.metrics for r in results]
     lines = ["# serve_bench results", ""]
     if command:

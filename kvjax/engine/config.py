@@ -54,6 +54,8 @@ class EngineConfig:
         exceed this fraction of it, the scheduler cuts the last prefill chunk so the step ends
         on a smaller bucket (where one lies inside that chunk) and computes the rest in the
         next step (fewer padded tokens, more steps to a first token); None: never cut.
+      trace: record KV-semantic trace events (`kvjax.trace`; engine.export_trace writes
+        them as Perfetto JSON). Off: components hold NULL_TRACER and record nothing.
       debug_provenance: before every step, check that each page a row reads was written under
         the row's weights version; a mismatch raises (the stale-KV detector).
       retention: a retention policy registered in kvjax.kv.retention ('none', 'streaming',
@@ -102,6 +104,7 @@ class EngineConfig:
     chunk_bucket_factor: int = 4
     prefill_padding_limit: float | None = None
     debug_provenance: bool = False
+    trace: bool = False
     retention: str = "none"
     retention_budget: int | None = None
     retention_options: dict = dataclasses.field(default_factory=dict)

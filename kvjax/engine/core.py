@@ -15,6 +15,7 @@ from kvjax.engine.runner import InFlightStep, ModelRunner
 from kvjax.engine.step import LogitsMode
 from kvjax.scheduler.request import RequestOutput
 from kvjax.scheduler.scheduler import Scheduler
+from kvjax.trace import NULL_TRACER, Tracer
 
 
 class EngineCore:
@@ -29,10 +30,12 @@ class EngineCore:
       last_sampled_rows: (sequence id, row of last_logits) of each row of the last step
         that sampled its sequence's next token.
       kv_samples: per step, (time, bytes holding live tokens, bytes reserved by sequences).
+      tracer: where step spans and per-tier page counters go (NULL_TRACER: nowhere).
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, stats: dict,
-                 async_scheduling: bool = False, debug_provenance: bool = False):
+                 async_scheduling: bool = False, debug_provenance: bool = False,
+                 tracer: Tracer = NULL_TRACER):
         self.scheduler = scheduler
         self.runner = runner
         self.stats = stats
@@ -42,6 +45,7 @@ class EngineCore:
         self.last_sampled_rows: tuple[tuple[str, int], ...] = ()
         self.kv_samples: list[tuple[float, int, int]] = []
         self._in_flight: InFlightStep | None = None
+        self.tracer = tracer
         self.stats.update(host_time_s=0.0, step_time_s=0.0)
 
     @property
@@ -72,7 +76,24 @@ class EngineCore:
         if is_sync:
             self.drain()
         self.stats["host_time_s"] += t_host
+        if self.tracer.enabled and dispatched is not None:
+            self._trace_step(dispatched, t_start, t_host, logits_mode)
         return self.scheduler.take_finished()
+
+    def _trace_step(self, step: InFlightStep, t_start: float, t_host: float,
+                    logits_mode: LogitsMode) -> None:
+        """A span for the step (start to now: host scheduling, dispatch, any wait) and the
+        pages each tier holds after it."""
+        so = step.so
+        shape = self.runner.buckets.shape_for(so, logits_mode) if so.rows else None
+        t_end = time.perf_counter()
+        self.tracer.span("step", "step", "step", t_start, t_end - t_start,
+                         rows=len(so.rows), tokens=sum(r.num_tokens for r in so.rows),
+                         padded_rows=shape.num_rows if shape else 0,
+                         padded_tokens=shape.num_tokens if shape else 0,
+                         host_s=t_host, device_s=t_end - t_start - t_host,
+                         preempted=len(so.preempted))
+        self.tracer.counter("pages", **self.scheduler.kv_cache.pages_in_use())
 
     def drain(self) -> None:
         """Finishes the step in flight, if any: its tokens reach the scheduler."""

@@ -55,6 +55,7 @@ from kvjax.scheduler.context import Segment, clip_spans, make_strategy, split_se
 from kvjax.scheduler.policies import make_policy
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvjax.scheduler.spec import make_drafter
+from kvjax.trace import NULL_TRACER, Tracer
 
 # Retention policies that evict whenever a sequence caches budget + P tokens, prefill included.
 _ROLLING_EVICTION = ("streaming", "h2o")
@@ -160,9 +161,11 @@ class Engine:
         # engines run synchronously.
         is_async = (config.async_scheduling and not retention.policy.evicts
                     and not config.spec.enabled)
+        self.tracer: Tracer = Tracer() if config.trace else NULL_TRACER
+        self.scheduler.set_tracer(self.tracer)
         self.core = EngineCore(
             self.scheduler, self.runner, stats=self.stats, async_scheduling=is_async,
-            debug_provenance=config.debug_provenance)
+            debug_provenance=config.debug_provenance, tracer=self.tracer)
 
     def _build_tiers(self, pool):
         """Host/disk tiers below the pool (config.tiers), and the swap space in front of them."""
@@ -278,6 +281,12 @@ class Engine:
         it (its K/V and every later token then follow the forced one)."""
         self.drain()
         self.scheduler.force_last_token(seq_id, int(token))
+
+    def export_trace(self, path) -> None:
+        """Writes the recorded trace as Chrome/Perfetto JSON (needs EngineConfig.trace)."""
+        if not self.tracer.enabled:
+            raise ValueError("export_trace needs EngineConfig(trace=True)")
+        self.tracer.export(path)
 
     def add_step_observer(self, observer: StepObserver) -> None:
         """Calls `observer` around every step and KV operation (metering, logits taps)."""

@@ -46,6 +46,7 @@ from kvjax.memory.block_manager import BlockManager
 from kvjax.memory.frames import FramePool, make_pool_policy
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
+from kvjax.trace import Tracer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +394,17 @@ class MultiModelEngine:
             total.update(engine.metrics())
         total["num_waiting"] += len(self._waiting)
         return dict(total)
+
+    def export_trace(self, path) -> None:
+        """Writes the traced models' events (EngineConfig.trace) as one Perfetto JSON, each
+        model's tracks under its name ('<model>:pages/device', ...)."""
+        tracer = Tracer()
+        tracer.events = [e._replace(track=f"{name}:{e.track}")
+                         for name, engine in self.engines.items() if engine.tracer.enabled
+                         for e in engine.tracer.events]
+        if not tracer.events:
+            raise ValueError("export_trace needs EngineConfig(trace=True) on a model")
+        tracer.export(path)
 
     def models(self) -> dict[str, Engine]:
         """The engines requests can be routed to, by model name."""

@@ -23,6 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from kvjax.memory.prefix_cache import PrefixCache, hash_page, hash_root
+from kvjax.trace import NULL_TRACER, Tracer
 
 
 class PageSource(Protocol):
@@ -143,6 +144,7 @@ class BlockManager:
         # Page ids are in [0, num_pages) whatever the source; a shared source hands out only
         # the ids it owns at the time.
         self._free_pages = FreeList(num_pages) if pages is None else pages
+        self.tracer: Tracer = NULL_TRACER  # page allocations, frees, evictions (set_tracer)
         self._ref_counts = np.zeros([num_pages], np.int32)  # [num_pages]
         self._seqs: dict[Hashable, _Sequence] = {}
         self._stats = BlockManagerStats()
@@ -427,8 +429,10 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Empties the prefix cache; its unreferenced pages return to the free list."""
         if self.prefix_cache is not None:
-            for page in self.prefix_cache.reset():
+            for page in self.prefix_cache.reset():  # Invalidated (a weights update): freed.
                 self._free_pages.give(page)
+                self.tracer.emit("invalidate", "page", "pages/device", page=page)
+                self.tracer.emit("free", "page", "pages/device", page=page)
         if self._evictable_hashes is not None:
             self._evictable_hashes.clear()
 
@@ -493,8 +497,10 @@ class BlockManager:
             self.prefix_cache.mark_evictable(page)
             if self._evictable_hashes is not None:
                 self._evictable_hashes[page] = self.prefix_cache.hash_of(page)
+            self.tracer.emit("cache", "page", "pages/device", page=page)
             return False
         self._free_pages.give(page)
+        self.tracer.emit("free", "page", "pages/device", page=page)
         return True
 
     def _allocate(self) -> int:
@@ -504,6 +510,7 @@ class BlockManager:
             page = self._evict_one()
             if page is None:
                 raise RuntimeError("no page left; callers check num_free_pages first")
+        self.tracer.emit("allocate", "page", "pages/device", page=page)
         self._ref_counts[page] = 1
         return page
 
@@ -515,6 +522,7 @@ class BlockManager:
         if self._evictable_hashes is not None:
             self._evicted.append((self._evictable_hashes.pop(page), page))
         self._stats = dataclasses.replace(self._stats, evictions=self._stats.evictions + 1)
+        self.tracer.emit("evict", "page", "pages/device", page=page)
         return page
 
     def num_givable_pages(self) -> int:

@@ -18,6 +18,7 @@ from kvjax.kv.state import pages_for
 from kvjax.memory.block_manager import AllocStatus, CopyOp
 from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
 from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last
+from kvjax.trace import NULL_TRACER, Tracer
 
 
 class KVCacheManager:
@@ -54,19 +55,35 @@ class KVCacheManager:
         self._chunk_copier = chunk_copier
         self._floors: dict[str, int] = {}  # sequence -> tokens its pages hold from the start
         self._ops: list[KVOp] = []
+        self.tracer: Tracer = NULL_TRACER
         self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
                           stale_kv_reads=0, bytes_device_to_host=0, bytes_host_to_device=0,
                           bytes_host_to_disk=0, bytes_disk_to_host=0)
 
     # ----------------------------------------------------------------------------- KV ops
 
+    def set_tracer(self, tracer: Tracer) -> None:
+        """Reports page events (allocator), KV ops and tier transfers to `tracer`."""
+        self.tracer = self.allocator.tracer = tracer
+        if self.tiers is not None:
+            self.tiers.set_tracer(tracer)
+
     def _apply(self, op: KVOp, fn) -> None:
         self._ops.append(op)
+        self.tracer.emit(op.kind.value, "page", "pages/device", num_pages=len(op.pages))
         self.device.apply(op, fn)
 
     def _read(self, op: KVOp, fn):
         self._ops.append(op)
+        self.tracer.emit(op.kind.value, "page", "pages/device", num_pages=len(op.pages))
         return self.device.read(op, fn)
+
+    def pages_in_use(self) -> dict[str, int]:
+        """Pages held per tier now: device pages not allocatable, and the tiers' pages."""
+        held = dict(device=self.num_pages - self.allocator.num_free_pages())
+        if self.tiers is not None:
+            held.update(self.tiers.num_pages_held())
+        return held
 
     def take_ops(self) -> tuple[KVOp, ...]:
         """The KV operations issued since the last call, in order."""

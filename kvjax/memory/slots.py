@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kvjax.memory.block_manager import AllocStatus, CopyOp
+from kvjax.trace import NULL_TRACER, Tracer
 
 
 class SlotAllocator:
@@ -16,6 +17,7 @@ class SlotAllocator:
 
     def __init__(self, max_seqs: int, max_len: int, page_size: int):
         self.num_slots = max_seqs
+        self.tracer: Tracer = NULL_TRACER  # slots have no page lifecycle to report
         self.max_len = max_len
         self.page_size = page_size
         self.pages_per_seq = max_len // page_size

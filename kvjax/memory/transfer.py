@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.trace import NULL_TRACER, Tracer
+
 
 class TransferState(enum.Enum):
     """Where a transfer stands; only COMMITTED data may be read."""
@@ -115,6 +117,8 @@ class Transfer:
     land_time: float = 0.0
     transfer_id: int = dataclasses.field(default_factory=lambda: next(_transfer_ids))
     payload: Any = dataclasses.field(default=None, repr=False)
+    # Where each state change is reported (the ledger sets the tiers' tracer).
+    tracer: Tracer = dataclasses.field(default=NULL_TRACER, repr=False, compare=False)
 
     @property
     def is_done(self) -> bool:
@@ -128,6 +132,9 @@ class Transfer:
                 f"{self.state.value} to {state.value}")
         self.state = state
         self.history.append(state)
+        self.tracer.emit(state.value, "transfer", f"tier/{self.kind.value}",
+                         transfer_id=self.transfer_id, owner=str(self.owner),
+                         num_pages=len(self.keys), nbytes=self.nbytes)
 
     def fail(self, reason: str) -> None:
         """Moves to FAILED (from any non-final state) and drops the data it carried."""

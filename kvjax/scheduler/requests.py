@@ -11,6 +11,7 @@ from kvjax.scheduler.request import (
     SeqStatus,
     Sequence,
 )
+from kvjax.trace import NULL_TRACER, Tracer
 
 
 class RequestRegistry:
@@ -29,6 +30,12 @@ class RequestRegistry:
         self.paused: dict[str, list[Sequence]] = {}  # request id -> its sequences out of queues
         self._finished_outputs: list[RequestOutput] = []
         self._order = itertools.count()
+        self.tracer: Tracer = NULL_TRACER  # request lifecycle events (set_tracer)
+
+    def set_tracer(self, tracer: Tracer) -> None:
+        """Reports request lifecycle events to `tracer` (and KV events, via the KV cache)."""
+        self.tracer = tracer
+        self.kv_cache.set_tracer(tracer)
 
     # ----------------------------------------------------------------------------- views
 
@@ -84,6 +91,8 @@ class RequestRegistry:
                                               n=n, samples={}, internal=internal)
         for seq in seqs:
             self._register(seq)
+        self.tracer.emit("arrive", "request", f"request/{request_id}", tenant=str(tenant),
+                         prompt_tokens=len(prompt), num_seqs=len(seqs), internal=internal)
 
     def restore_request(self, request_id: str, seq_ids: list[str], meta: dict) -> None:
         """Registers a request record as saved (snapshots); its sequences come with `restore`."""
@@ -132,6 +141,8 @@ class RequestRegistry:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self._request_meta[seq.request_id]["finish_time"] = self.clock()
+        self.tracer.emit("finish", "request", f"request/{seq.request_id}", seq_id=seq.seq_id,
+                         reason=reason.value, num_tokens=len(seq.tokens))
 
     def _maybe_emit(self, request_id: str) -> None:
         seq_ids = self._requests.get(request_id, [])

@@ -250,6 +250,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+                self.tracer.emit("schedule", "request", f"request/{seq.request_id}",
+                                 seq_id=seq.seq_id, cached_tokens=cached)
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = self.clock()
             prefill.append((seq, chunk))
@@ -394,6 +396,11 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             return not self._tiers.is_loading(seq.seq_id)
         cached = self.kv_cache.lookup(seq.seq_id, seq.tokens, self.cache_key(seq))
         seq.num_computed = cached
+        if self.kv_cache.has_prefix_cache:
+            self.tracer.emit("prefix_hit" if cached else "prefix_miss", "page",
+                             f"request/{seq.request_id}", seq_id=seq.seq_id,
+                             tenant=str(self._request_meta[seq.request_id]["tenant"]),
+                             tokens=len(seq.tokens), hit_tokens=cached)
         if seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
         return self._load_from_tiers(seq, is_due=is_due)
@@ -405,6 +412,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                                      self.cache_key(seq), seq.weights_version):
             return False
         seq.status = SeqStatus.RUNNING
+        self.tracer.emit("resume", "request", f"request/{seq.request_id}", seq_id=seq.seq_id)
         return True
 
     # ----------------------------------------------------------------------------- pausing
@@ -451,7 +459,10 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         seq.draft_tokens = []
         seq.num_preemptions += 1
         self.stats["preemptions"] += 1
-        if seq.num_computed > 0 and self.config.is_paged and self._swap_on_preempt(seq):
+        is_swap = seq.num_computed > 0 and self.config.is_paged and self._swap_on_preempt(seq)
+        self.tracer.emit("preempt", "request", f"request/{seq.request_id}", seq_id=seq.seq_id,
+                         mode="swap" if is_swap else "recompute", num_computed=seq.num_computed)
+        if is_swap:
             self.kv_cache.swap_out(seq.seq_id, seq.num_computed)
             seq.status = SeqStatus.SWAPPED
             self.swapped.append(seq)
@@ -625,6 +636,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         """New weights serve from the next step; sequences in flight follow `in_flight`."""
         self.weights_version = version
         self.versions.append(version)
+        # Every cached page of older weights stops matching here (its provenance differs).
+        self.tracer.emit("weights_update", "page", "pages/device", version=version,
+                         in_flight=in_flight.value)
         for seq in list(self.running + self.swapped + self.waiting):
             started = seq.num_computed > 0 or seq.status is not SeqStatus.WAITING or \
                 len(seq.tokens) > seq.num_prompt_tokens
@@ -633,6 +647,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 self.finish(seq, FinishReason.ABORT)
                 self._maybe_emit(seq.request_id)
             elif not started or in_flight is WeightUpdatePolicy.RECOMPUTE:
+                if started:
+                    self.tracer.emit("invalidate", "request", f"request/{seq.request_id}",
+                                     seq_id=seq.seq_id, version=version)
                 self._restart(seq)
                 seq.weights_version = version
             elif in_flight is WeightUpdatePolicy.ABORT:

@@ -161,4 +161,6 @@ class TierAdmission:
                 return False
             seq.num_computed = valid
         seq.status = SeqStatus.RUNNING
+        self.tracer.emit("resume", "request", f"request/{seq.request_id}", seq_id=seq.seq_id,
+                         num_valid_pages=num_valid_pages)
         return True

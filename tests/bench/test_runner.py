@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from kvjax.bench import runner
+from kvjax.bench import runner, trace_report
 from kvjax.bench.energy import estimate_energy_j, get_profile
 from kvjax.bench.metrics import METRIC_KEYS, quality_stats
 from kvjax.bench.workloads import BenchRequest
@@ -401,3 +401,16 @@ def test_speculative_run_reports_acceptance_and_tokens_per_step(model):
     assert 1.0 <= m["tokens_per_step"] <= 4.0
     assert [r.num_output_tokens for r in spec.records] == [8, 8, 8]
     assert [r.num_output_tokens for r in plain.records] == [8, 8, 8]
+
+
+def test_trace_config_writes_a_perfetto_trace_and_report(model, tmp_path):
+    result = runner.run_benchmark_detailed(tiny_config(clock="simulated", trace=True),
+                                           model=model, tokenizer=ByteTokenizer())
+    paths = runner.write_results([result], tmp_path, plots=False)
+    trace = json.loads((tmp_path / "tiny.trace.json").read_text())
+    assert tmp_path / "tiny.trace.json" in paths
+    assert trace_report.validate_trace(trace) == []
+    report = trace_report.analyse(trace)
+    assert report["event_counts"]["finish"] == result.metrics["num_requests"]
+    assert report["event_counts"]["step"] == len(result.steps)
+    assert trace_report.plot(report, trace, tmp_path)[0].endswith(".png")

@@ -6,6 +6,7 @@ import collections
 from collections.abc import Callable
 
 from kvjax.memory.transfer import FaultConfig, FaultInjector, Transfer, TransferKind, TransferState
+from kvjax.trace import NULL_TRACER, Tracer
 
 
 class TransferLedger:
@@ -23,6 +24,7 @@ class TransferLedger:
     def __init__(self, faults: FaultConfig, clock: Callable[[], float]):
         self.faults = FaultInjector(faults)
         self.clock = clock
+        self.tracer: Tracer = NULL_TRACER
         self.recent_transfers: collections.deque[Transfer] = collections.deque(maxlen=4096)
         self.stats = dict(bytes_device_to_host=0, bytes_host_to_device=0, bytes_host_to_disk=0,
                           bytes_disk_to_host=0, transfers_committed=0, transfers_failed=0,
@@ -32,6 +34,10 @@ class TransferLedger:
     def track(self, t: Transfer) -> Transfer:
         """Draws `t`'s fault and records it among the recent transfers."""
         t.fault = self.faults.draw(t.kind)
+        t.tracer = self.tracer
+        self.tracer.emit(t.state.value, "transfer", f"tier/{t.kind.value}",
+                         transfer_id=t.transfer_id, owner=str(t.owner), num_pages=len(t.keys),
+                         nbytes=t.nbytes)
         self.recent_transfers.append(t)
         return t
 

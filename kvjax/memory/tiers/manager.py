@@ -19,6 +19,7 @@ from kvjax.memory.tiers.ledger import TransferLedger
 from kvjax.memory.tiers.staging import DeviceStaging
 from kvjax.memory.transfer import Fault, Transfer, TransferKind, TransferState
 from kvjax.shapes import floor_power_of_2
+from kvjax.trace import NULL_TRACER, Tracer
 
 
 @dataclasses.dataclass
@@ -77,6 +78,7 @@ class TierManager:
         self.faults = self._ledger.faults
         self.stats = self._ledger.stats
         self.recent_transfers = self._ledger.recent_transfers
+        self.tracer: Tracer = NULL_TRACER
         self._staging = DeviceStaging(leaves, page_shapes, page_dtypes, self.memory_kind,
                                       self._ledger)
         self._disk_queue = DiskQueue(self.disk, self._ledger, page_bytes=self.page_bytes,
@@ -89,6 +91,14 @@ class TierManager:
         self._swap_generation = itertools.count()
 
     # --------------------------------------------------------------------------- bookkeeping
+
+    def set_tracer(self, tracer: Tracer) -> None:
+        """Reports every transfer's states to `tracer` from now on."""
+        self.tracer = self._ledger.tracer = tracer
+
+    def num_pages_held(self) -> dict[str, int]:
+        """Pages each tier holds now: {'host': n, 'disk': n} (disk 0 without one)."""
+        return dict(host=len(self.host), disk=0 if self.disk is None else len(self.disk))
 
     @property
     def num_compiles(self) -> int:

@@ -1,0 +1,160 @@
+"""Analyses of a KV-semantic trace (`kvjax.trace`), after production-trace studies
+(KVCacheInTheWild): prefix hit rate per tenant and over time, page lifetimes and reuse
+distances, pages per tier over time, time requests wait on tier transfers.
+
+Works on the exported Trace Event Format JSON, so any saved trace can be re-analysed.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+
+_PHASE_KEYS = {"X": ("name", "ph", "ts", "pid", "tid", "dur"),
+               "i": ("name", "ph", "ts", "pid", "tid"),
+               "C": ("name", "ph", "ts", "pid", "args"),
+               "M": ("name", "ph", "pid", "args")}
+
+
+def validate_trace(trace: dict) -> list[str]:
+    """Trace Event Format checks (required keys per phase, numeric counters, spans with a
+    non-negative duration, each track's spans nested); returns the problems found."""
+    problems = []
+    spans = collections.defaultdict(list)
+    for i, e in enumerate(trace.get("traceEvents", [])):
+        keys = _PHASE_KEYS.get(e.get("ph"))
+        if keys is None:
+            problems.append(f"event {i}: unknown phase {e.get('ph')!r}")
+            continue
+        problems += [f"event {i}: no {k!r}" for k in keys if k not in e]
+        if e["ph"] == "C" and not all(isinstance(v, (int, float)) for v in e["args"].values()):
+            problems.append(f"event {i}: counter values must be numbers")
+        if e["ph"] == "X":
+            if e.get("dur", -1) < 0:
+                problems.append(f"event {i}: negative duration")
+            spans[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0)))
+    for track, items in spans.items():
+        ends = []
+        for start, end in sorted(items):
+            while ends and ends[-1] <= start:
+                ends.pop()
+            if ends and end > ends[-1]:
+                problems.append(f"track {track}: span at {start} overlaps its parent")
+            ends.append(end)
+    return problems
+
+
+def _summary(values) -> dict:
+    if not len(values):
+        return dict(count=0)
+    v = np.asarray(values, np.float64)
+    return dict(count=int(v.size), mean=float(v.mean()), p50=float(np.percentile(v, 50)),
+                p90=float(np.percentile(v, 90)), max=float(v.max()))
+
+
+def _events(trace: dict) -> list[dict]:
+    return sorted((e for e in trace["traceEvents"] if e["ph"] != "M"), key=lambda e: e["ts"])
+
+
+def _hit_rates(events: list[dict], num_windows: int) -> dict:
+    """Token-weighted prefix hit rate overall, per tenant, and over `num_windows` windows."""
+    lookups = [e for e in events if e["name"] in ("prefix_hit", "prefix_miss")]
+    rate = lambda es: (sum(e["args"]["hit_tokens"] for e in es)  # noqa: E731
+                       / max(sum(e["args"]["tokens"] for e in es), 1))
+    by_tenant = collections.defaultdict(list)
+    for e in lookups:
+        by_tenant[e["args"]["tenant"]].append(e)
+    windows = np.array_split(np.asarray(lookups, object), num_windows) if lookups else []
+    return dict(overall=rate(lookups), lookups=len(lookups),
+                per_tenant={t: rate(es) for t, es in by_tenant.items()},
+                over_time=[rate(list(w)) for w in windows if len(w)])
+
+
+def _page_lives(events: list[dict]) -> tuple[list[float], list[int]]:
+    """Seconds from each allocation to its free or eviction; and reuse distances: pages
+    allocated between a page's consecutive allocations."""
+    born, last_alloc, lives, reuse = {}, {}, [], []
+    num_allocs = 0
+    for e in events:
+        page = e["args"].get("page")
+        if e["name"] == "allocate":
+            if page in last_alloc:
+                reuse.append(num_allocs - last_alloc[page])
+            born[page], last_alloc[page] = e["ts"], num_allocs
+            num_allocs += 1
+        elif e["name"] in ("free", "evict") and page in born:
+            lives.append((e["ts"] - born.pop(page)) / 1e6)
+    return lives, reuse
+
+
+def _transfer_waits(events: list[dict]) -> dict[str, float]:
+    """Per waiting sequence, seconds from its first load transfer queued to its last commit."""
+    spans: dict[str, list[float]] = {}
+    for e in events:
+        owner = e["args"].get("owner") if e.get("cat") == "transfer" else None
+        if owner and owner != "None":
+            span = spans.setdefault(owner, [e["ts"], e["ts"]])
+            span[1] = e["ts"]
+    return {o: (b - a) / 1e6 for o, (a, b) in spans.items()}
+
+
+def analyse(trace: dict, *, num_windows: int = 10) -> dict:
+    """The report as JSON-ready data (times in seconds of the host's clock; counter times
+    from the trace's first event)."""
+    events = _events(trace)
+    lives, reuse = _page_lives(events)
+    t0 = events[0]["ts"] if events else 0.0
+    counters = [dict(t_s=(e["ts"] - t0) / 1e6, **e["args"]) for e in events if e["ph"] == "C"]
+    waits = _transfer_waits(events)
+    return dict(num_events=len(events), num_steps=sum(e["name"] == "step" for e in events),
+                prefix_hit_rate=_hit_rates(events, num_windows),
+                page_lifetime_s=_summary(lives), reuse_distance_pages=_summary(reuse),
+                transfer_wait_s=_summary(list(waits.values())),
+                pages_per_tier=counters,
+                event_counts=dict(collections.Counter(e["name"] for e in events)))
+
+
+def format_tables(report: dict) -> str:
+    """The report's scalar parts as plain-text tables."""
+    lines = [f"events {report['num_events']}, steps {report['num_steps']}",
+             f"prefix hit rate {report['prefix_hit_rate']['overall']:.3f} "
+             f"over {report['prefix_hit_rate']['lookups']} lookups", "tenant      hit rate"]
+    lines += [f"{t:<11} {r:.3f}" for t, r in report["prefix_hit_rate"]["per_tenant"].items()]
+    lines.append(f"{'distribution':<22} {'count':>7} {'p50':>10} {'p90':>10} {'max':>10}")
+    for key in ("page_lifetime_s", "reuse_distance_pages", "transfer_wait_s"):
+        s = report[key]
+        lines.append(f"{key:<22} {s['count']:>7} " + " ".join(
+            f"{s.get(k, float('nan')):>10.4g}" for k in ("p50", "p90", "max")))
+    lines += [f"{name:<22} {n:>7}" for name, n in sorted(report["event_counts"].items())]
+    return "\n".join(lines)
+
+
+def plot(report: dict, trace: dict, workdir: str | os.PathLike) -> list[str]:
+    """PNG plots: hit rate over time, page lifetimes and reuse distances, pages per tier."""
+    import matplotlib  # Imported lazily: only plotting needs it.
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lives, reuse = _page_lives(_events(trace))
+    paths = []
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.5))
+    axes[0].plot(report["prefix_hit_rate"]["over_time"], marker="o")
+    axes[0].set(title="prefix hit rate over time", xlabel="window", ylim=(0, 1))
+    axes[1].hist(lives, bins=40)
+    axes[1].set(title="page lifetime", xlabel="s")
+    axes[2].hist(reuse, bins=40)
+    axes[2].set(title="reuse distance", xlabel="pages allocated between")
+    rows = report["pages_per_tier"]
+    for tier in sorted({k for r in rows for k in r} - {"t_s"}):
+        axes[3].plot([r["t_s"] for r in rows], [r.get(tier, 0) for r in rows], label=tier)
+    axes[3].set(title="pages per tier", xlabel="s")
+    axes[3].legend()
+    fig.tight_layout()
+    path = os.path.join(workdir, "trace_report.png")
+    fig.savefig(path)
+    plt.close(fig)
+    paths.append(path)
+    return paths
