@@ -10,12 +10,14 @@ preempt, and keep KV frames plus resident weights within the budget at every ste
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
 import pytest
 
 from kvjax import EngineConfig, SamplingParams
+from kvjax.bench.trace_report import validate_trace
 from kvjax.engine.engine import Engine
 from kvjax.engine.multi import ModelSpec, MultiModelEngine, PoolConfig
 from kvjax.testing import TINY, greedy_reference, tiny_model
@@ -82,8 +84,8 @@ def test_each_model_gives_its_solo_tokens_under_one_tight_budget(models):
     assert len({m["page_size"] for m in s["models"].values()}) == 3  # one frame, three P
 
 
-def test_weight_offload_and_reload_give_identical_tokens(models):
-    mm = MultiModelEngine({"a": ModelSpec(models["a"], EngineConfig(**BASE))},
+def test_weight_offload_and_reload_give_identical_tokens(models, tmp_path):
+    mm = MultiModelEngine({"a": ModelSpec(models["a"], EngineConfig(trace=True, **BASE))},
                           PoolConfig(budget_bytes=_weights(models["a"]) + 64 * 1024))
     prompts = _prompts(7)
     first = _serve(mm, [("a", f"x{i}", p) for i, p in enumerate(prompts)])
@@ -94,6 +96,10 @@ def test_weight_offload_and_reload_give_identical_tokens(models):
     assert mm.weights_resident("a")
     assert [again[f"y{i}"] for i in range(4)] == [first[f"x{i}"] for i in range(4)]
     assert mm.engines["a"].num_compiles == compiles  # reloaded weights compile nothing new
+    mm.export_trace(tmp_path / "trace.json")  # the model's KV events, under its name
+    events = json.loads((tmp_path / "trace.json").read_text())
+    assert validate_trace(events) == []
+    assert mm.engines["a"].tracer.count("allocate") > 0
 
 
 def test_bad_requests_fail_alone(models):
