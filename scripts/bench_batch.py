@@ -5,6 +5,11 @@
 Runs the `corpus` and `table` workloads of `kvjax.bench.batch` under every ordering on the
 tiny random model (untrained weights, a byte tokenizer; outputs mean nothing, the cache work
 is real), then the longest input the engine admits against what prefill-only scores.
+With --reach_only, only that comparison, on --reach_model (the embedded SmolLM2's 30 layers
+show the L-fold reach better than the tiny model's 2):
+
+  python scripts/bench_batch.py --reach_only --reach_model=embedded --num_pages 16 \
+      --output_json docs/results/bench_batch_reach_smollm2.json
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 
 from absl import app, flags
 
+import kvjax
 from kvjax.batch import ORDERINGS
 from kvjax.bench import batch
 from kvjax.testing import TINY, tiny_model, tiny_tokenizer
@@ -25,10 +31,26 @@ flags.DEFINE_integer("num_pages", 96, "KV pages (16 tokens each) in the pool.")
 flags.DEFINE_integer("max_num_seqs", 16, "Sequences per step at most.")
 flags.DEFINE_list("orders", sorted(ORDERINGS), "Orderings to compare ('input' is the baseline).")
 flags.DEFINE_string("output_json", None, "Write the results here.")
+flags.DEFINE_bool("reach_only", False, "Only the prefill-only reach comparison.")
+flags.DEFINE_enum("reach_model", "tiny", ["tiny", "embedded"], "The model of --reach_only.")
+
+
+def reach_only() -> dict:
+    model = kvjax.load_model() if FLAGS.reach_model == "embedded" else tiny_model()
+    result = batch.prefill_only_reach(model, batch.bench_config(FLAGS.num_pages,
+                                                                FLAGS.max_num_seqs))
+    return dict(model=FLAGS.reach_model, num_pages=FLAGS.num_pages, prefill_only=result)
 
 
 def main(argv):
     del argv
+    if FLAGS.reach_only:
+        results = reach_only()
+        print(json.dumps(results, indent=1))
+        if FLAGS.output_json:
+            with open(FLAGS.output_json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     config_ = dataclasses.replace(TINY, max_position_embeddings=8192)
     model = dataclasses.replace(tiny_model(config_), tokenizer=tiny_tokenizer())
     config = batch.bench_config(FLAGS.num_pages, FLAGS.max_num_seqs)
