@@ -110,8 +110,10 @@ def compare(specs: dict[str, ModelSpec], budget_bytes: int, requests: Sequence[P
     """Each policy on the same requests and budget, one after the other."""
     results = [serve(specs, PoolConfig(budget_bytes, policy=p), requests) for p in policies]
     outputs = [r.pop("outputs") for r in results]
+    model_of = {r.request_id: r.model for r in requests}
+    differ = sorted({model_of[i] for o in outputs[1:] for i in o if o[i] != outputs[0][i]})
     return dict(environment=environment(), results=results,
-                identical_outputs=all(o == outputs[0] for o in outputs))
+                identical_outputs=not differ, models_with_other_outputs=differ)
 
 
 def format_table(results: Sequence[dict]) -> str:
