@@ -64,7 +64,7 @@ def main(argv):
     jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="kvjax-mm-"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     specs = models()
-    weights = sum(x.nbytes for s in specs.values() for x in jax.tree.leaves(s.model.params))
+    weights = sum(s.model.nbytes for s in specs.values())
     budget = weights + (FLAGS.kv_mb << 20)
     requests = multi_model.switching_requests(
         list(specs), num_requests=FLAGS.num_requests, rate=FLAGS.rate, phase_s=FLAGS.phase_s,

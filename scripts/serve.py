@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -100,7 +99,7 @@ def multi_model_engine(name: str, model: kvjax.Model, engine_config: kvjax.Engin
     if FLAGS.pool_budget_mb is not None:
         budget = int(FLAGS.pool_budget_mb * (1 << 20))
     else:
-        weights = sum(x.nbytes for s in specs.values() for x in jax.tree.leaves(s.model.params))
+        weights = sum(s.model.nbytes for s in specs.values())
         budget = weights + (engine_config.kv_budget_bytes or 256 << 20)
     return kvjax.MultiModelEngine(specs, kvjax.PoolConfig(budget, policy=FLAGS.pool_policy))
 

@@ -124,10 +124,6 @@ class _SharedPool:
         return _ArenaStore(self.box, self.view)
 
 
-def _weight_bytes(model: Model) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(model.params))
-
-
 class MultiModelEngine:
     """Engines of several models over one shared KV arena and weight budget.
 
@@ -197,7 +193,7 @@ class MultiModelEngine:
         # come back from the host committed.
         model = dataclasses.replace(spec.model,
                                     params=jax.device_put(spec.model.params, self._on_device))
-        owner = self.frames.add_owner(name, _weight_bytes(model))
+        owner = self.frames.add_owner(name, model.nbytes)
         source = _SharedPool(self._box, self.frames, name, frame_words)
         engine = self.engines[name] = Engine(model, config, clock=clock, kv_pool=source)
         owner.is_idle = lambda: not engine.has_unfinished()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from kvjax.config import ModelConfig
 
 
@@ -29,3 +31,8 @@ class Model:
     @property
     def dtype(self):
         return self.params["embed"].dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the params (what the weights take wherever they are)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.params))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import jax
 import numpy as np
 import pytest
 
@@ -31,10 +30,6 @@ NUM_NEW = 6
 def models():
     other = dataclasses.replace(TINY, num_layers=3, num_heads=2, num_kv_heads=1, name="other")
     return dict(a=tiny_model(), b=tiny_model(other, seed=1))
-
-
-def _weights(model) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(model.params))
 
 
 def _specs(models):
@@ -61,7 +56,7 @@ def _serve(mm, requests):
 def test_each_model_gives_its_solo_tokens_under_one_tight_budget(models):
     specs = _specs(models)
     # Room for two models' weights and a few frames: the third must wait for weights to move.
-    budget = _weights(models["a"]) + _weights(models["b"]) + 24 * 1024
+    budget = models["a"].nbytes + models["b"].nbytes + 24 * 1024
     mm = MultiModelEngine(specs, PoolConfig(budget_bytes=budget, policy="elastic",
                                             page_tokens=4))
     prompts = {name: _prompts(i) for i, name in enumerate(specs)}
@@ -86,7 +81,7 @@ def test_each_model_gives_its_solo_tokens_under_one_tight_budget(models):
 
 def test_weight_offload_and_reload_give_identical_tokens(models, tmp_path):
     mm = MultiModelEngine({"a": ModelSpec(models["a"], EngineConfig(trace=True, **BASE))},
-                          PoolConfig(budget_bytes=_weights(models["a"]) + 64 * 1024))
+                          PoolConfig(budget_bytes=models["a"].nbytes + 64 * 1024))
     prompts = _prompts(7)
     first = _serve(mm, [("a", f"x{i}", p) for i, p in enumerate(prompts)])
     compiles = mm.engines["a"].num_compiles
@@ -104,7 +99,7 @@ def test_weight_offload_and_reload_give_identical_tokens(models, tmp_path):
 
 def test_bad_requests_fail_alone(models):
     mm = MultiModelEngine({"a": ModelSpec(models["a"], EngineConfig(**BASE))},
-                          PoolConfig(budget_bytes=_weights(models["a"]) + 64 * 1024))
+                          PoolConfig(budget_bytes=models["a"].nbytes + 64 * 1024))
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         mm.add_request("r0", [1, 2, 3], model="nope")
     mm.add_request("r1", [1, 2, 3], SamplingParams(max_new_tokens=2), model="a")

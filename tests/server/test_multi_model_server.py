@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import openai
 import pytest
 
@@ -28,7 +27,7 @@ def models():
 
 
 def test_requests_run_on_the_model_they_name(models):
-    weights = sum(x.nbytes for m in models.values() for x in jax.tree.leaves(m.params))
+    weights = sum(m.nbytes for m in models.values())
     mm = MultiModelEngine({name: ModelSpec(m, CONFIG) for name, m in models.items()},
                           PoolConfig(budget_bytes=weights + (64 << 10), page_tokens=8))
     with BackgroundServer(mm, ServerConfig(model_name="tiny-a")) as server:
