@@ -42,6 +42,11 @@ def get_config() -> ConfigDict:
     config.engine.watermark = 0.01  # fraction of pages kept free when admitting
     config.engine.scrub_freed_pages = False  # zero pages when they are freed
     config.engine.attention_impl = "auto"  # auto (Pallas on GPU/TPU), reference or pallas
+    # The KV controller consulted every step (kvjax.scheduler.controller): fixed (the settings
+    # above), admission, preemption, tiers, retention, codec or joint; and its options (e.g.
+    # its measured KL tables, retention_kl={budget: kl} and demote_kl).
+    config.engine.controller = "fixed"
+    config.engine.controller_options = ConfigDict()
 
     config.kv = ConfigDict()
     config.kv.codec = "none"  # KV codec: none, int8, int4, int2, fp8_e4m3, fp8_e5m2, kivi4, kivi2
@@ -100,6 +105,8 @@ def get_config() -> ConfigDict:
     config.workload.params.output_max = 512  # longest output
     config.workload.tenant_weights = ()  # per-tenant traffic shares; (): one tenant, as generated
     config.workload.tenant_priorities = ()  # per-tenant priority (larger first); (): all 0
+    # per-tenant SLO (ttft_s, tpot_s, kl_budget) a controller serves; (): the slo section's
+    config.workload.tenant_slos = ()
 
     config.sampling = ConfigDict()
     config.sampling.temperature = 0.0  # 0: greedy (warm-up compiles greedy shapes only)
@@ -107,6 +114,9 @@ def get_config() -> ConfigDict:
     config.slo = ConfigDict()
     config.slo.ttft_s = 2.0  # a request meets the SLO with TTFT at most this ...
     config.slo.tpot_s = 0.1  # ... and time per output token at most this
+    # the most KL (nats per token vs exact KV) a KV controller may spend on a request; 0:
+    # exact only; None: unbounded
+    config.slo.kl_budget = 0.0
 
     # Record a KV-semantic trace (kvjax.trace): <run>.trace.json, opens in ui.perfetto.dev.
     config.trace = False

@@ -11,6 +11,7 @@ from kvjax.models.loading import load_model
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.context import Segment
+from kvjax.scheduler.controller import SLO
 from kvjax.scheduler.spec import SpecConfig
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "PoolConfig",
     "PreemptionMode",
     "RequestOutput",
+    "SLO",
     "SamplingParams",
     "Segment",
     "SpecConfig",

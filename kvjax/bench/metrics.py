@@ -39,6 +39,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "bytes_moved",
     "energy_j_est",
     "quality",
+    "kl_spent",
     "retrieval_accuracy",
     "fairness",
     "compiles_after_warmup",
@@ -109,6 +110,9 @@ class RequestRecord:
         num_cached_prompt_tokens: prompt tokens served from the prefix cache.
         is_correct: for a retrieval probe (a needle prompt), whether the output holds the
             expected answer; None for other requests.
+        slo_ttft_s, slo_tpot_s: its own SLO targets; None: the run's.
+        kl_spent: the KL (nats per token, estimated from measured tables) a KV controller's
+            degradations cost it.
     """
 
     request_id: str
@@ -122,6 +126,9 @@ class RequestRecord:
     error: str | None
     num_cached_prompt_tokens: int = 0
     is_correct: bool | None = None
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    kl_spent: float = 0.0
 
 
 def _validate_record(r: RequestRecord) -> None:
@@ -176,10 +183,23 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return float(low + (rank - math.floor(rank)) * (high - low))
 
 
-def _meets_slo(r: RequestRecord, slo_ttft_s: float, slo_tpot_s: float) -> bool:
+def meets_slo(r: RequestRecord, slo_ttft_s: float, slo_tpot_s: float) -> bool:
+    """Whether a request met its own targets (else the run's)."""
+    slo_ttft_s = slo_ttft_s if r.slo_ttft_s is None else r.slo_ttft_s
+    slo_tpot_s = slo_tpot_s if r.slo_tpot_s is None else r.slo_tpot_s
     ttft, tpot = _ttft(r), _tpot(r)
     return (ttft is not None and ttft <= slo_ttft_s + _SLO_TOLERANCE_S
             and (tpot is None or tpot <= slo_tpot_s + _SLO_TOLERANCE_S))
+
+
+def _kl_spent(served: Sequence[RequestRecord]) -> dict[str, float] | None:
+    """What a KV controller's degradations cost in quality: mean and worst estimated KL over
+    the served requests, and how many were degraded at all."""
+    if not served:
+        return None
+    kl = np.asarray([r.kl_spent for r in served], np.float64)
+    return {"mean": float(kl.mean()), "max": float(kl.max()),
+            "degraded_requests": int(np.count_nonzero(kl))}
 
 
 def jain_index(values: Sequence[float]) -> float:
@@ -331,7 +351,7 @@ def compute_metrics(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_
         "tpot_p50_s": _percentile(tpots, 50),
         "tpot_p99_s": _percentile(tpots, 99),
         "throughput_tok_s": sum(r.num_output_tokens for r in served) / duration_s,
-        "goodput_req_s": sum(_meets_slo(r, slo_ttft_s, slo_tpot_s) for r in served)
+        "goodput_req_s": sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in served)
         / duration_s,
         "kv_utilization_mean": kv_mean,
         "kv_utilization_peak": kv_peak,
@@ -342,6 +362,7 @@ def compute_metrics(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_
         "bytes_moved": bytes_moved,
         "energy_j_est": None if energy is None else float(energy),
         "quality": None if quality is None else _validated_quality(quality),
+        "kl_spent": _kl_spent(served),
         "retrieval_accuracy": float(np.mean(probes)) if probes else None,
         "fairness": _fairness(served, records),
         "compiles_after_warmup": counters.get("compiles_after_warmup"),

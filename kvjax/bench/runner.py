@@ -88,6 +88,7 @@ from kvjax.memory.transfer import FaultConfig
 from kvjax.models.loading import load_model
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
+from kvjax.scheduler.controller import SLO, make_controller
 from kvjax.scheduler.spec import SpecConfig
 from kvjax.shapes import next_power_of_2
 
@@ -98,7 +99,7 @@ TABLE_COLUMNS: tuple[str, ...] = (
 
 # Sections whose keys are free-form keyword arguments, so an override may add a key.
 _OPEN_SECTIONS = ("workload.params", "kv.codec_options", "kv.retention_options",
-                  "kv.context_reuse_options", "spec.options")
+                  "kv.context_reuse_options", "spec.options", "engine.controller_options")
 
 # A stuck engine (work queued, nothing schedulable) would otherwise spin forever.
 _MAX_IDLE_STEPS = 1000
@@ -299,7 +300,9 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
         context_reuse_options=config.kv.context_reuse_options.to_dict(),
         spec=SpecConfig(config.spec.method, config.spec.num_draft_tokens,
                         config.spec.options.to_dict(), adaptive=config.spec.adaptive),
-        trace=config.trace)
+        trace=config.trace, controller=e.controller,
+        controller_options=e.controller_options.to_dict(),
+        slo=SLO(config.slo.ttft_s, config.slo.tpot_s, config.slo.kl_budget))
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -320,16 +323,18 @@ def build_workload(config: ConfigDict, tokenizer: Tokenizer) -> list[BenchReques
     With `workload.tenant_weights` (w_0, ..), tenant t ("tenant-t") gets its own copy of the
     generator with num_requests and any `rate` scaled by w_t / sum(w) and its own seed; the
     copies are merged (superposed Poisson processes stay Poisson). `tenant_priorities` gives
-    each tenant's requests a priority.
+    each tenant's requests a priority, and `tenant_slos` ((ttft_s, tpot_s, kl_budget) per
+    tenant) each tenant's requests an SLO; both also apply, by tenant name, to a generator
+    that names tenants "tenant-t" itself (multi_tenant_burst).
     """
     w = config.workload
     params = w.params.to_dict()
     weights, priorities = tuple(w.tenant_weights), tuple(w.tenant_priorities)
+    slos = [SLO(*s) for s in w.get("tenant_slos", ())]
     if not weights:
-        if priorities:
-            raise ValueError("workload.tenant_priorities needs workload.tenant_weights")
-        return make_workload(w.name, tokenizer, seed=w.seed, num_requests=w.num_requests,
-                             **params)
+        return _per_tenant(make_workload(w.name, tokenizer, seed=w.seed,
+                                         num_requests=w.num_requests, **params),
+                           priorities, slos)
     if any(not x > 0 for x in weights):
         raise ValueError(f"workload.tenant_weights must be > 0, got {weights}")
     if priorities and len(priorities) != len(weights):
@@ -345,9 +350,28 @@ def build_workload(config: ConfigDict, tokenizer: Tokenizer) -> list[BenchReques
         seed = int(np.random.SeedSequence([w.seed, t]).generate_state(1)[0])
         for r in make_workload(w.name, tokenizer, seed=seed, num_requests=count, **mine):
             requests.append(dataclasses.replace(
-                r, request_id=f"tenant-{t}/{r.request_id}", tenant=f"tenant-{t}",
-                priority=priorities[t] if priorities else r.priority))
-    return sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+                r, request_id=f"tenant-{t}/{r.request_id}", tenant=f"tenant-{t}"))
+    return sorted(_per_tenant(requests, priorities, slos),
+                  key=lambda r: (r.arrival_time, r.request_id))
+
+
+def _per_tenant(requests: list[BenchRequest], priorities: Sequence[int],
+                slos: Sequence[SLO]) -> list[BenchRequest]:
+    """Requests of tenant "tenant-t" with priorities[t] and slos[t] (where given)."""
+    if not priorities and not slos:
+        return requests
+    out = []
+    for r in requests:
+        match = re.fullmatch(r"tenant-(\d+)", r.tenant or "")
+        t = int(match[1]) if match else None
+        for name, table in (("priorities", priorities), ("slos", slos)):
+            if table and (t is None or t >= len(table)):
+                raise ValueError(f"workload.tenant_{name} has no entry for request "
+                                 f"{r.request_id!r} of tenant {r.tenant!r}")
+        out.append(dataclasses.replace(
+            r, priority=priorities[t] if priorities else r.priority,
+            slo=slos[t] if slos else r.slo))
+    return out
 
 
 # ----------------------------------------------------------------------------- clocks
@@ -614,11 +638,12 @@ def _is_exact(engine_config: EngineConfig, model: Model) -> bool:
         engine_config.kv_dtype is None or resolve_dtype(engine_config.kv_dtype) == model.dtype)
 
 
-def _quality(config: ConfigDict, engine_config: EngineConfig, model: Model,
+def measure_quality(config: ConfigDict, engine_config: EngineConfig, model: Model,
              requests: Sequence[BenchRequest]) -> dict[str, float] | None:
     q = config.quality
-    if not q.enabled or _is_exact(engine_config, model):
-        return None
+    if not q.enabled or _is_exact(engine_config, model) or make_controller(
+            engine_config.controller, **engine_config.controller_options).manages_retention:
+        return None  # (a controller's quality cost is each request's kl_spent)
     ranked = sorted(requests, key=lambda r: -len(r.prompt_ids)) \
         if q.prompts == "longest" else requests
     prompts = [r.prompt_ids for r in ranked[:q.num_prompts]]
@@ -700,7 +725,10 @@ def _records(out: RequestOutput, request: BenchRequest,
         finish_time=out.finish_time, num_prompt_tokens=len(out.prompt_ids),
         num_output_tokens=len(c.token_ids), error=None,
         num_cached_prompt_tokens=out.num_cached_prompt_tokens,
-        is_correct=_is_correct(request, c.token_ids, tokenizer)) for c in out.outputs]
+        is_correct=_is_correct(request, c.token_ids, tokenizer),
+        slo_ttft_s=None if request.slo is None else request.slo.ttft_s,
+        slo_tpot_s=None if request.slo is None else request.slo.tpot_s,
+        kl_spent=out.kl_spent) for c in out.outputs]
 
 
 def _failed_record(request: BenchRequest, error: str) -> RequestRecord:
@@ -736,7 +764,7 @@ def _serve(engine: Engine, meter: _StepMeter, clock: _WallClock | _VirtualClock,
             try:
                 engine.add_request(r.request_id, prompt, SamplingParams(
                     max_new_tokens=r.max_new_tokens, n=r.n, **sampling), tenant=r.tenant,
-                    priority=r.priority, arrival_time=r.arrival_time)
+                    priority=r.priority, arrival_time=r.arrival_time, slo=r.slo)
             except ValueError as e:
                 records.append(_failed_record(r, str(e)))
                 bar.update()
@@ -822,7 +850,7 @@ def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
     metrics = compute_metrics(
         records, slo_ttft_s=float(config.slo.ttft_s), slo_tpot_s=float(config.slo.tpot_s),
         duration_s=duration_s, kv_samples=engine.kv_samples, counters=counters,
-        quality=_quality(config, engine_config, model, requests), energy=profile,
+        quality=measure_quality(config, engine_config, model, requests), energy=profile,
         config=_echo(config), env=environment(), clock=clock_mode)
     trace = engine.tracer.to_chrome() if engine.tracer.enabled else None
     return BenchResult(metrics=metrics, records=records, kv_samples=list(engine.kv_samples),

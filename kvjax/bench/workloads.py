@@ -24,6 +24,7 @@ import numpy as np
 
 from kvjax.bench.corpus import make_needle_prompt, make_text
 from kvjax.scheduler.context import Segment
+from kvjax.scheduler.controller import SLO
 
 
 class Tokenizer(Protocol):
@@ -50,6 +51,7 @@ class BenchRequest:
         answer: the expected answer of a retrieval probe (needle prompts), else None.
         reuse_spans: [start, end) spans of prompt_ids that are reusable chunks (retrieved
             documents, `kvjax.Segment(reuse=True)`); () when the prompt has none.
+        slo: its own SLO (TTFT, TPOT, KL budget); None: the run's.
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class BenchRequest:
     turn: int = 0
     answer: str | None = None
     reuse_spans: tuple[tuple[int, int], ...] = ()
+    slo: SLO | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -503,12 +506,13 @@ def multi_tenant_burst(tokenizer: Tokenizer, *, seed: int, num_requests: int,
                        burst_multiplier: float = 10.0, burst_start_s: float = 0.0,
                        burst_duration_s: float = math.inf,
                        prompt_len: int = CHAT_PROMPT_MEDIAN,
-                       output_len: int = CHAT_OUTPUT_MEDIAN) -> list[BenchRequest]:
+                       output_len: int = CHAT_OUTPUT_MEDIAN, prompt_max: int = CHAT_PROMPT_MAX,
+                       output_max: int = CHAT_OUTPUT_MAX) -> list[BenchRequest]:
     """Tenants "tenant-0".. each at `base_rate`; one floods at `burst_multiplier` times it.
 
     The flood lasts from `burst_start_s` for `burst_duration_s` (default: the whole run).
     Lengths are log-normal with the chat sigmas and clipping and medians `prompt_len` and
-    `output_len`.
+    `output_len`, at most `prompt_max` and `output_max`.
     """
     _check_positive("num_requests", num_requests)
     _check_positive("num_tenants", num_tenants)
@@ -521,9 +525,9 @@ def multi_tenant_burst(tokenizer: Tokenizer, *, seed: int, num_requests: int,
         raise ValueError(f"need burst_start_s >= 0 and burst_duration_s > 0, got "
                          f"{burst_start_s}, {burst_duration_s}")
     prompt_spec = _length_spec("prompt", LengthDistribution.LOGNORMAL, prompt_len,
-                               CHAT_PROMPT_SIGMA, CHAT_PROMPT_MIN, CHAT_PROMPT_MAX)
+                               CHAT_PROMPT_SIGMA, CHAT_PROMPT_MIN, prompt_max)
     output_spec = _length_spec("output", LengthDistribution.LOGNORMAL, output_len,
-                               CHAT_OUTPUT_SIGMA, CHAT_OUTPUT_MIN, CHAT_OUTPUT_MAX)
+                               CHAT_OUTPUT_SIGMA, CHAT_OUTPUT_MIN, output_max)
     arrival_rng, length_rng, text_rng = _streams(seed, 3)
     times, tenants = _burst_arrivals(arrival_rng, num_requests, np.full(num_tenants, base_rate),
                                      burst_tenant, burst_multiplier, burst_start_s,

@@ -52,6 +52,7 @@ class Feature(enum.Enum):
     CONTEXT_REUSE = "context_reuse"
     KV_ARENA = "kv_arena"
     PAUSE = "pause"
+    CONTROLLER = "controller"
 
     @property
     def group(self) -> str | None:
@@ -97,6 +98,9 @@ _DESCRIPTIONS = {
                    "or swapped to host, and go on later",
     Feature.KV_ARENA: "kv_arena=True: pages are frames of a word arena, the layout models "
                       "of a MultiModelEngine share one budget through",
+    Feature.CONTROLLER: "EngineConfig.controller (e.g. 'joint') serving the requests' SLOs: "
+                        "it orders admission, preempts (swap, recompute, int8 host copies) "
+                        "and sets per-sequence retention budgets",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -222,6 +226,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
                               f"context_reuse={config.context_reuse!r}"))
     if config.kv_arena:
         found.append(_Present(Feature.KV_ARENA, "kv_arena=True"))
+    if config.controller != "fixed":
+        found.append(_Present(Feature.CONTROLLER, f"controller={config.controller!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:
         found.append(_Present(Feature.CONTIGUOUS, "kv_layout='contiguous'"))
     elif config.enable_prefix_cache:

@@ -10,6 +10,7 @@ from kvjax.engine.step import AttentionImpl
 from kvjax.kv import quantized
 from kvjax.memory.tiers import TierConfig
 from kvjax.scheduler.context import make_strategy
+from kvjax.scheduler.controller import SLO, make_controller
 from kvjax.scheduler.preemption import PreemptionMode
 from kvjax.scheduler.spec import SpecConfig
 
@@ -79,6 +80,12 @@ class EngineConfig:
       kv_arena: store pages as frames of a word arena (`kvjax.kv.arena`), the layout
         models of a `kvjax.engine.multi.MultiModelEngine` share one budget through; alone, the
         engine's arena holds its own pages (of page_size tokens each).
+      controller: a KV controller registered in kvjax.scheduler.controller ('fixed', the
+        configured behaviour; 'admission', 'preemption', 'tiers', 'retention', 'codec' or
+        'joint'), consulted every step under the requests' SLOs.
+      controller_options: keyword options of the controller (e.g. its measured KL tables).
+      slo: the SLO of a request that names none (`kvjax.scheduler.controller.SLO`: TTFT and
+        TPOT targets, KL budget); by default no targets and exact KV only.
     """
 
     kv_layout: KVLayout = KVLayout.PAGED
@@ -113,6 +120,9 @@ class EngineConfig:
     context_reuse: str = "full"
     context_reuse_options: dict = dataclasses.field(default_factory=dict)
     kv_arena: bool = False
+    controller: str = "fixed"
+    controller_options: dict = dataclasses.field(default_factory=dict)
+    slo: SLO = SLO()
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
@@ -130,6 +140,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         if isinstance(self.spec, dict):
             object.__setattr__(self, "spec", SpecConfig(**self.spec))
+        if isinstance(self.slo, dict):
+            object.__setattr__(self, "slo", SLO(**self.slo))
+        make_controller(self.controller, **self.controller_options)
         for name, enum_type in (("kv_layout", KVLayout), ("preemption_mode", PreemptionMode),
                                 ("attention_impl", AttentionImpl)):
             value = getattr(self, name)

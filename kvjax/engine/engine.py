@@ -38,6 +38,7 @@ from kvjax.engine.step import (
     StepShape,
     attention_name,
 )
+from kvjax.engine.swap import demoted_nbytes, demotes
 from kvjax.kv.retention import RetentionManager, make_retention
 from kvjax.kv.reuse import ChunkCopier
 from kvjax.kv.state import pages_for
@@ -52,6 +53,7 @@ from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.context import Segment, clip_spans, make_strategy, split_segments
+from kvjax.scheduler.controller import SLO, make_controller
 from kvjax.scheduler.policies import make_policy
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvjax.scheduler.spec import make_drafter
@@ -154,7 +156,8 @@ class Engine:
             cache_key=self.provenance, clock=clock, stats=self.stats,
             weights_version=model.weights_version, tokenizer=model.tokenizer,
             drafter=make_drafter(config.spec.method, **config.spec.options),
-            reuse_strategies={config.context_reuse: self.context_reuse})
+            reuse_strategies={config.context_reuse: self.context_reuse},
+            controller=make_controller(config.controller, **config.controller_options))
         self.stats.update(weight_updates=0)
         # An evicting policy decides from step t's key scores before step t+1's block tables
         # can exist, and a verify step's kept drafts decide step t+1's positions: such
@@ -171,7 +174,9 @@ class Engine:
         """Host/disk tiers below the pool (config.tiers), and the swap space in front of them."""
         cfg = self.config.tiers
         self._swap_bandwidth = cfg.swap_bandwidth_bytes_per_s
-        if (self.config.preemption_mode is PreemptionMode.AUTO and self._swap_bandwidth is None
+        estimates = (self.config.preemption_mode is PreemptionMode.AUTO
+                     or self.config.controller != "fixed")  # a controller prices swaps too
+        if (estimates and self._swap_bandwidth is None
                 and self.config.kv_layout is KVLayout.PAGED):
             rates = measure_transfer_bandwidth(self.runner.kv, min(pool.allocator.num_pages, 16),
                                                TransferLayout(cfg.transfer_layout))
@@ -199,7 +204,17 @@ class Engine:
             prefill_buckets=self.runner.buckets.prefill_buckets,
             prefill_padding_limit=cfg.prefill_padding_limit,
             num_draft_tokens=cfg.spec.num_draft_tokens if cfg.spec.enabled else 0,
-            adaptive_drafts=cfg.spec.adaptive)
+            adaptive_drafts=cfg.spec.adaptive, **self._demotion())
+
+    def _demotion(self) -> dict:
+        """Whether swapped copies can be stored int8 (an exact float K/V pool swapped through
+        the plain swap space; a quantized pool's codes stay as they are), and the byte ratio
+        that saves."""
+        leaves = self.runner.kv.page_leaves()
+        can = (self.config.kv_layout is KVLayout.PAGED and not self.config.tiers.enabled
+               and all(demotes(x) for x in leaves))  # exact float pages only
+        ratio = sum(x.nbytes for x in leaves) / sum(demoted_nbytes(x) for x in leaves)
+        return dict(can_demote=can, demote_ratio=ratio if can else 1.0)
 
     # ----------------------------------------------------------------------------- views
 
@@ -427,8 +442,11 @@ class Engine:
     def add_request(self, request_id: str, prompt_ids: Seq[int] | Seq[Segment],
                     sampling: SamplingParams | None = None, *, tenant: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    context_reuse: str | None = None) -> None:
+                    context_reuse: str | None = None, slo: SLO | None = None) -> None:
         """Queues a request. Invalid requests raise ValueError and change nothing.
+
+        slo: its TTFT / TPOT targets and KL budget (`kvjax.scheduler.controller.SLO`), which
+          the engine's KV controller serves; None: EngineConfig.slo.
 
         prompt_ids: token ids, or `Segment`s whose reusable ones take their KV from the chunk
           cache (`kvjax.scheduler.context`) under `context_reuse` (a strategy name; None:
@@ -446,12 +464,14 @@ class Engine:
         if spans and strategy.reuses and not self.kv_cache.has_prefix_cache:
             raise ValueError(f"request {request_id!r}: context_reuse={reuse!r} keeps chunks in "
                              f"the prefix cache, which this engine has off")
+        if slo is not None and not isinstance(slo, SLO):
+            raise ValueError(f"request {request_id!r}: slo must be a kvjax SLO, got {slo!r}")
         arrival = self.clock() if arrival_time is None else arrival_time
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(
             hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little")
         common = dict(request_id=request_id, num_prompt_tokens=len(prompt), sampling=sampling,
                       arrival_time=arrival, order=self.scheduler.next_order(), tenant=tenant,
-                      priority=priority, context_reuse=reuse)
+                      priority=priority, context_reuse=reuse, slo=slo or self.config.slo)
         if sampling.n > 1 and len(prompt) > 1:
             # The samples share the prompt: prefill all but its last token once, then fork.
             seqs = [Sequence(seq_id=f"{request_id}#prompt", tokens=prompt[:-1], seed=seed,
@@ -498,8 +518,8 @@ class Engine:
         """
         p, policy = self.config.page_size, self.retention.policy
         full = pages_for(num_tokens, p)
-        if policy.name not in _ROLLING_EVICTION:
-            return full
+        if policy.name not in _ROLLING_EVICTION or self.retention.default_budget is None:
+            return full  # (a controller keeps every token until it sets a budget)
         uncompacted = pages_for(policy.budget + p - 1 + self.config.max_prefill_chunk, p)
         return min(full, uncompacted + pages_for(policy.budget, p))
 
@@ -545,8 +565,11 @@ class Engine:
                            max_blend_tokens=self.max_model_len)
         # Copy-on-write (n > 1 samples, shared partial pages): at most one copy per row.
         is_paged = self.config.kv_layout is KVLayout.PAGED
+        controlled = self.config.controller != "fixed"
         self.kv_cache.warmup(self.block_table_width,
-                             swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE,
+                             swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE
+                             or controlled,
+                             demote=controlled and self.scheduler.config.can_demote,
                              max_copies=self.config.max_num_seqs + self.config.max_prefill_seqs
                              if is_paged else 0,
                              max_chunk_tokens=self.max_model_len

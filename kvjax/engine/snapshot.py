@@ -49,6 +49,7 @@ from kvjax.engine.request import FinishReason, SeqStatus, Sequence
 from kvjax.kv import pages as kv_pages
 from kvjax.kv.state import pages_for
 from kvjax.sampling import SamplingParams
+from kvjax.scheduler.controller import SLO
 
 SNAPSHOT_FORMAT = 1
 
@@ -95,7 +96,7 @@ def _seq_record(seq: Sequence) -> dict:
         value = getattr(seq, field.name)
         if isinstance(value, enum.Enum):
             value = value.value
-        elif isinstance(value, SamplingParams):
+        elif isinstance(value, SamplingParams | SLO):
             value = dataclasses.asdict(value)
         record[field.name] = value
     record["draft_tokens"] = []  # Unverified, and their K/V is not saved: drafted again.
@@ -104,8 +105,9 @@ def _seq_record(seq: Sequence) -> dict:
 
 def _seq_from_record(record: dict, offset: float) -> Sequence:
     seq = Sequence(**{k: v for k, v in record.items()
-                      if k not in ("sampling", "status", "finish_reason")},
-                   sampling=SamplingParams(**record["sampling"]))
+                      if k not in ("sampling", "status", "finish_reason", "slo")},
+                   sampling=SamplingParams(**record["sampling"]),
+                   slo=SLO(**record.get("slo", {})))
     if record["finish_reason"] is not None:
         seq.finish_reason = FinishReason(record["finish_reason"])
     seq.status = SeqStatus(record["status"])

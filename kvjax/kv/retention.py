@@ -122,12 +122,15 @@ class CacheView:
         that do not score keys).
       num_evicted: tokens this sequence dropped (logical length = S + num_evicted).
       is_prefill_done: the prefill of the sequence's tokens completed (SnapKV compressed then).
+      budget: the tokens this sequence keeps, set by a KV controller
+        (`RetentionManager.set_budget`; at most the policy's budget); None: the policy's.
     """
 
     positions: np.ndarray
     scores: np.ndarray
     num_evicted: int = 0
     is_prefill_done: bool = False
+    budget: int | None = None
 
 
 class RetentionPolicy(Protocol):
@@ -221,6 +224,10 @@ class _Policy:
     def options(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.option_names}
 
+    def budget_of(self, view: CacheView) -> int | None:
+        """The tokens this sequence keeps: its own budget, else the policy's."""
+        return self.budget if view.budget is None else view.budget
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.fingerprint()})"
 
@@ -278,7 +285,7 @@ class _Evicting(_Policy):
     evicts = True
 
     def _is_over(self, view: CacheView) -> bool:
-        return len(view.positions) >= self.budget + self.page_size
+        return len(view.positions) >= self.budget_of(view) + self.page_size
 
 
 @register_retention
@@ -300,13 +307,14 @@ class StreamingLLM(_Evicting):
                              f"{page_size} (the sinks' page is rotated), got {num_sinks}")
         super().__init__(_check_budget(self.name, budget, num_sinks + 1), page_size)
         self.num_sinks, self.cache_positions = num_sinks, cache_positions
+        self.min_budget = num_sinks + 1
         self.rotates_keys = cache_positions and num_sinks > 0
 
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
         if not self._is_over(view):
             return None
         size = len(view.positions)
-        recent = np.arange(size - (self.budget - self.num_sinks), size)
+        recent = np.arange(size - (self.budget_of(view) - self.num_sinks), size)
         return np.concatenate([np.arange(self.num_sinks), recent])
 
     def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None:
@@ -333,7 +341,7 @@ class H2O(_Evicting):
             raise ValueError(f"h2o num_recent must be an int in [1, budget={budget}], got "
                              f"{num_recent!r}")
         super().__init__(budget, page_size)
-        self.num_recent = num_recent
+        self.num_recent = self.min_budget = num_recent
 
     def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
                       ) -> np.ndarray:
@@ -343,7 +351,7 @@ class H2O(_Evicting):
         if not self._is_over(view):
             return None
         older = len(view.positions) - self.num_recent
-        heavy = _top(view.scores[:older], self.budget - self.num_recent)
+        heavy = _top(view.scores[:older], self.budget_of(view) - self.num_recent)
         return np.concatenate([heavy, np.arange(older, len(view.positions))])
 
 
@@ -387,6 +395,7 @@ class SnapKV(_Policy):
                              f"{pooling!r}") from None
         super().__init__(_check_budget(self.name, budget, window + 1), page_size)
         self.window, self.kernel, self.pooling = window, kernel, pooling
+        self.min_budget = window + 1
 
     def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
                       ) -> np.ndarray:
@@ -396,11 +405,12 @@ class SnapKV(_Policy):
 
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
         size = len(view.positions)
-        if view.is_prefill_done or not is_prefill_done or size <= self.budget:
+        budget = self.budget_of(view)
+        if view.is_prefill_done or not is_prefill_done or size <= budget:
             return None
         prefix = size - self.window
         pooled = pool_scores(view.scores[:prefix], self.kernel, self.pooling)
-        chosen = _top(pooled, self.budget - self.window)
+        chosen = _top(pooled, budget - self.window)
         return np.concatenate([chosen, np.arange(prefix, size)])
 
 
@@ -643,6 +653,9 @@ class RetentionManager:
             raise ValueError(f"{policy!r} rotates kept keys: RetentionManager needs rope_theta")
         self.policy = policy
         self._views: dict[str, CacheView] = {}
+        self._budgets: dict[str, int | None] = {}  # a controller's per-sequence budgets
+        # The budget of a sequence no controller named: the policy's (None: keep all).
+        self.default_budget = policy.budget
         self._compact = jax.jit(_compact, donate_argnums=0, static_argnums=2)
         self._rotate = (functools.partial(llama.rope, theta=rope_theta)
                         if policy.rotates_keys else None)
@@ -722,10 +735,35 @@ class RetentionManager:
         if key_scores is not None:
             view.scores += key_scores[:len(view.scores)]
 
+    def set_budget(self, seq_id: str, budget: int | None) -> None:
+        """The tokens `seq_id` keeps from its next step on (a KV controller's decision): an
+        int in [the policy's minimum, its budget], or None to keep every token."""
+        if not self.policy.evicts:
+            raise ValueError(f"retention {self.policy.name!r} evicts nothing: no per-sequence "
+                             f"budget to set")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or not self.policy.min_budget <= budget <= self.policy.budget):
+            raise ValueError(f"sequence {seq_id!r}: retention budget must be None or an int in "
+                             f"[{self.policy.min_budget}, {self.policy.budget}], got {budget!r}")
+        self._budgets[seq_id] = budget
+
+    def budget(self, seq_id: str) -> int | None:
+        """The tokens `seq_id` keeps (None: all of them; exact policies keep all)."""
+        if not self.policy.evicts:
+            return None
+        return self._budgets.get(seq_id, self.default_budget)
+
+    def forget(self, seq_id: str) -> None:
+        """The sequence finished: its budget goes too."""
+        self._budgets.pop(seq_id, None)
+        self.drop(seq_id)
+
     def select(self, seq_id: str, *, is_prefill_done: bool) -> np.ndarray | None:
         """The policy's choice of cache indices to keep after the sequence's latest step."""
         view = self._views[seq_id]
-        keep = self.policy.select(view, is_prefill_done=is_prefill_done)
+        view.budget = self._budgets.get(seq_id, self.default_budget)
+        keep = None if view.budget is None else self.policy.select(
+            view, is_prefill_done=is_prefill_done)
         if keep is None:  # Else `evict` records it, once the eviction happened.
             view.is_prefill_done = view.is_prefill_done or is_prefill_done
         return keep

@@ -284,14 +284,15 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------------------- swap
 
-    def swap_out(self, seq_id: str, num_computed: int) -> None:
-        """Copies a sequence's computed pages to host memory, then frees them.
+    def swap_out(self, seq_id: str, num_computed: int, *, demote: bool = False) -> None:
+        """Copies a sequence's computed pages to host memory (int8 with `demote`: see
+        `kvjax.engine.swap`), then frees them.
 
         A sequence retention compacted keeps its record of which tokens its pages hold."""
         held = self.cached_len(seq_id, num_computed)
         pages = self.block_table(seq_id)[:pages_for(held, self.page_size)]
-        nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)),
-                                  lambda kv: self.swap_space.swap_out(kv, seq_id, pages))
+        nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
+            self.swap_space.swap_out(kv, seq_id, pages, demote=demote)))
         self.stats["swaps_out"] += 1
         self.stats["swap_bytes"] += nbytes
         self.free(seq_id, keep_retention=True)
@@ -470,7 +471,7 @@ class KVCacheManager:
     # ----------------------------------------------------------------------------- warm-up
 
     def warmup(self, block_table_width: int, *, swap: bool, max_copies: int = 0,
-               max_chunk_tokens: int = 0) -> None:
+               max_chunk_tokens: int = 0, demote: bool = False) -> None:
         """Compiles the tier, retention, swap and scrub programs on padding inputs, the
         copy-on-write programs for up to `max_copies` copies in one step (page 0 onto itself,
         which changes nothing) and the chunk copies of up to `max_chunk_tokens` tokens."""
@@ -485,4 +486,4 @@ class KVCacheManager:
             self._apply(KVOp(KVOpKind.WARMUP),
                         lambda kv: self._chunk_copier.warmup(kv, max_chunk_tokens))
         self._apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
-            kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages))
+            kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages, demote=demote))

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 
 from kvjax.sampling import SamplingParams
+from kvjax.scheduler.controller import SLO
 
 
 class FinishReason(enum.Enum):
@@ -79,6 +80,9 @@ class Sequence:
     chunk_spans: list = dataclasses.field(default_factory=list)  # [(start, end), ...]
     context_reuse: str = "full"
     is_chunk_fill: bool = False
+    slo: SLO = SLO()
+    kl_spent: float = 0.0  # estimated KL of the degradations a controller applied
+    demoted: bool = False  # its host copy is stored int8 when swapped (a controller's choice)
 
     @property
     def is_prefill_only(self) -> bool:
@@ -136,3 +140,4 @@ class RequestOutput:
     num_preemptions: int = 0
     tenant: str | None = None
     error: str | None = None
+    kl_spent: float = 0.0  # estimated KL a KV controller's degradations cost it (worst sample)

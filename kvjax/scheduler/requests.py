@@ -138,6 +138,7 @@ class RequestRegistry:
         if self.kv_cache.has_sequence(seq.seq_id):
             self.kv_cache.free(seq.seq_id)
         self.kv_cache.drop_swapped(seq.seq_id)
+        self.kv_cache.retention.forget(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self._request_meta[seq.request_id]["finish_time"] = self.clock()
@@ -179,7 +180,8 @@ class RequestRegistry:
             first_token_time=times[0] if times else None,
             finish_time=meta.get("finish_time") if finished else None, token_times=list(times),
             num_cached_prompt_tokens=first.num_cached_prompt_tokens,
-            num_preemptions=sum(s.num_preemptions for s in seqs), tenant=meta["tenant"])
+            num_preemptions=sum(s.num_preemptions for s in seqs), tenant=meta["tenant"],
+            kl_spent=max(s.kl_spent for s in seqs))
 
     def snapshot_outputs(self, *, with_text: bool = True) -> list[RequestOutput]:
         """Current (streaming) outputs of every unfinished request (`text` None unless

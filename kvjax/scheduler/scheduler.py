@@ -20,6 +20,14 @@ from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.chunks import ChunkReuse
 from kvjax.scheduler.context import ReuseStrategy
+from kvjax.scheduler.controller import (
+    INF,
+    ControlState,
+    Decisions,
+    FixedController,
+    KVController,
+    SeqState,
+)
 from kvjax.scheduler.output import RunnerOutput, ScheduledRow, SchedulerOutput
 from kvjax.scheduler.policies import LongestPrefixMatch, SchedulingPolicy
 from kvjax.scheduler.preemption import PreemptionMode, decide_preemption
@@ -51,6 +59,8 @@ class SchedulerConfig:
         (`kvjax.scheduler.spec`); 0: no speculative decoding.
       adaptive_drafts: a sequence's draft length follows its last verify step
         (`SpecConfig.adaptive`).
+      can_demote: swapped copies may be stored int8 (float pages, the plain swap space).
+      demote_ratio: a page's bytes over its int8 copy's.
     """
 
     max_num_seqs: int
@@ -70,7 +80,12 @@ class SchedulerConfig:
     prefill_padding_limit: float | None = None
     num_draft_tokens: int = 0
     adaptive_drafts: bool = False
+    can_demote: bool = False
+    demote_ratio: float = 1.0
 
+
+# A controller's estimate of the swap rate when the engine measured none.
+_DEFAULT_SWAP_BYTES_PER_S = 10e9
 
 # Draft rows propose the draft's argmax: verification handles deterministic drafts.
 _GREEDY_DRAFT = SamplingParams(max_new_tokens=1)
@@ -89,13 +104,16 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
       drafter: where speculative draft tokens come from (`kvjax.scheduler.spec`).
       reuse_strategies: context-reuse strategies by name (`kvjax.scheduler.context`); a
         name not in it is made with its default options.
+      controller: the KV controller consulted at the start of every `schedule()`
+        (`kvjax.scheduler.controller`); its last decisions are `decisions`.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  policy: SchedulingPolicy, *, cache_key: Callable[[str | None, str], bytes],
                  clock: Callable[[], float], stats: dict, weights_version: str, tokenizer=None,
                  drafter: Drafter | None = None,
-                 reuse_strategies: dict[str, ReuseStrategy] | None = None):
+                 reuse_strategies: dict[str, ReuseStrategy] | None = None,
+                 controller: KVController | None = None):
         self.config = config
         self.kv_cache = kv_cache
         self.policy = policy
@@ -106,10 +124,14 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self.weights_version = weights_version
         self.versions = [weights_version]
         self.drafter = drafter or NoDrafts()
+        self.controller = controller or FixedController()
+        self.decisions = Decisions()
+        if self.controller.manages_retention and kv_cache.retention.policy.evicts:
+            kv_cache.retention.default_budget = None  # exact until the controller decides
         self._init_chunks(reuse_strategies)
         self.stats.update(steps=0, preemptions=0, prefill_tokens=0, decode_tokens=0,
                           preemption_decisions=[], step_time_s=0.0, spec_draft_steps=0,
-                          spec_verify_rows=0, spec_proposed=0, spec_accepted=0)
+                          spec_verify_rows=0, spec_proposed=0, spec_accepted=0, demoted_swaps=0)
         if isinstance(policy, LongestPrefixMatch):
             policy.cached_tokens = self._peek_cached_tokens
         self._init_registry()
@@ -134,8 +156,22 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             return 0
         return self.kv_cache.peek_cached_tokens(seq.tokens, self.cache_key(seq))
 
-    def _ranked(self, seqs: list[Sequence]) -> list[Sequence]:
-        return sorted(seqs, key=self.policy.priority_key)
+    def _ranked(self, seqs: list[Sequence], first: tuple[str, ...] = ()) -> list[Sequence]:
+        """The policy's order; sequences named in `first` (a controller's order) before it."""
+        ranked = sorted(seqs, key=self.policy.priority_key)
+        if not first:
+            return ranked
+        where = {seq_id: i for i, seq_id in enumerate(first)}
+        return sorted(ranked, key=lambda s: where.get(s.seq_id, len(where)))
+
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        """The running sequence preempted next: the controller's first victim among the
+        candidates, else the lowest ranked."""
+        by_id = {s.seq_id: s for s in candidates}
+        for seq_id in self.decisions.victims:
+            if seq_id in by_id:
+                return by_id[seq_id]
+        return self._ranked(candidates)[-1]
 
     def _cached_len(self, seq: Sequence) -> int:
         return self.kv_cache.cached_len(seq.seq_id, seq.num_computed)
@@ -154,7 +190,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self._poll_tiers()
         decode: list[tuple[Sequence, int]] = []
         prefill: list[tuple[Sequence, int]] = []
-        preempted: list[str] = []
+        preempted = self._control()
+        offloaded = set(preempted)
         scheduled: set[str] = set()
         active = self.active_version()
         drafting: set[str] = set()
@@ -187,7 +224,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                         drafting.add(seq.seq_id)
                     budget -= width
                     break
-                victim = [s for s in self._ranked(self.running) if s.seq_id not in scheduled][-1]
+                victim = self._victim([s for s in self.running if s.seq_id not in scheduled])
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
                 if victim is seq:
@@ -195,7 +232,13 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         # 2. Prefill chunks: running partial prefills, then swapped, then waiting sequences.
         partial = [s for s in self._ranked(self.running)
                    if s.num_pending > 1 and s.seq_id not in scheduled]
-        candidates = partial + self._ranked(self.swapped) + self._ranked(self.waiting)
+        if self.decisions.admit_order:  # The controller ranks swapped and waiting together.
+            queued = self._ranked(self.swapped + self.waiting, self.decisions.admit_order)
+        else:
+            queued = (self._ranked(self.swapped, self.decisions.prefetch)
+                      + self._ranked(self.waiting))
+        # A sequence the controller offloaded this step does not come straight back.
+        candidates = partial + [s for s in queued if s.seq_id not in offloaded]
         for seq in candidates:
             # A token still in flight joins only as its own decode row (above).
             if seq.weights_version != active or seq.num_unresolved:
@@ -261,7 +304,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 and not any(self._awaits_step_in_flight(s) for s in self.running)):
             # Nothing fits: free the lowest-ranked running sequence so the rest can progress
             # (unless chunk fills were just queued: they run next, and their waiters after).
-            victim = self._ranked(self.running)[-1]
+            victim = self._victim(self.running)
             self._preempt(victim)
             preempted.append(victim.seq_id)
         self._prefetch_from_tiers(idle=not decode and not prefill)
@@ -451,6 +494,72 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         for seq in self.paused.pop(request_id):
             queues[seq.status].append(seq)
 
+    # ----------------------------------------------------------------------------- control
+
+    def control_state(self) -> ControlState:
+        """The snapshot a KV controller decides from (see `kvjax.scheduler.controller`)."""
+        cfg, now = self.config, self.clock()
+        retention = self.kv_cache.retention
+        policy = retention.policy
+        seqs = []
+        for status, queue in (("waiting", self.waiting), ("running", self.running),
+                              ("swapped", self.swapped)):
+            for s in queue:
+                held = (len(self.kv_cache.block_table(s.seq_id))
+                        if status == "running" and self.kv_cache.has_sequence(s.seq_id) else 0)
+                seqs.append(SeqState(
+                    seq_id=s.seq_id, request_id=s.request_id, tenant=s.tenant,
+                    priority=s.priority, status=status, age_s=now - s.arrival_time,
+                    num_tokens=s.num_tokens, num_computed=s.num_computed,
+                    cached_tokens=self._cached_len(s) if status != "waiting" else 0,
+                    pages_held=held, slack_s=self._slack(s, now),
+                    retention_budget=retention.budget(s.seq_id), kl_spent=s.kl_spent,
+                    kl_budget=s.slo.kl_budget, demoted=s.demoted))
+        return ControlState(
+            now=now, page_size=cfg.page_size, num_pages=self.kv_cache.allocator.capacity,
+            free_pages=self.kv_cache.allocator.num_free_pages(), max_num_seqs=cfg.max_num_seqs,
+            kv_bytes_per_token=cfg.kv_bytes_per_token,
+            swap_bytes_per_s=cfg.swap_bandwidth_bytes_per_s or _DEFAULT_SWAP_BYTES_PER_S,
+            recompute_tokens_per_s=self._recompute_rate(), can_swap=cfg.is_paged,
+            can_demote=cfg.can_demote, demote_ratio=cfg.demote_ratio,
+            retention_range=(policy.min_budget, policy.budget) if policy.evicts else None,
+            seqs=tuple(seqs))
+
+    @staticmethod
+    def _slack(seq: Sequence, now: float) -> float:
+        """Seconds to the sequence's next deadline: its TTFT before its first token, then the
+        TPOT deadline of its next token (INF without that target, or once the TTFT passed)."""
+        slo, times = seq.slo, seq.token_times
+        if not times:
+            slack = INF if slo.ttft_s is None else seq.arrival_time + slo.ttft_s - now
+            return slack if slack >= 0 else INF  # a missed TTFT: nothing left to protect
+        return INF if slo.tpot_s is None else times[0] + slo.tpot_s * len(times) - now
+
+    def _control(self) -> list[str]:
+        """Consults the controller and applies its budgets and offloads; returns the
+        sequences preempted."""
+        self.decisions = d = self.controller.decide(self.control_state())
+        for seq_id, budget in d.retention.items():
+            self.kv_cache.retention.set_budget(seq_id, budget)
+        for seq_id, kl in d.kl.items():
+            self._seqs[seq_id].kl_spent = kl
+        preempted = []
+        for seq_id in d.offload:
+            seq = self._seqs.get(seq_id)
+            if seq is not None and seq in self.running:
+                self.tracer.emit("offload", "request", f"request/{seq.request_id}",
+                                 seq_id=seq_id, controller=self.controller.name)
+                self._preempt(seq)
+                preempted.append(seq_id)
+        return preempted
+
+    def _recompute_rate(self) -> float:
+        """Tokens per second a recompute is estimated to run at: configured, else measured."""
+        rate = self.config.recompute_tokens_per_s or (
+            (self.stats["prefill_tokens"] + self.stats["decode_tokens"])
+            / max(self.stats["step_time_s"], 1e-9))
+        return max(rate, 1e-9)
+
     # ----------------------------------------------------------------------------- preemption
 
     def _preempt(self, seq: Sequence) -> None:
@@ -460,10 +569,16 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         seq.num_preemptions += 1
         self.stats["preemptions"] += 1
         is_swap = seq.num_computed > 0 and self.config.is_paged and self._swap_on_preempt(seq)
+        demote = is_swap and self.config.can_demote and seq.seq_id in self.decisions.demote
         self.tracer.emit("preempt", "request", f"request/{seq.request_id}", seq_id=seq.seq_id,
-                         mode="swap" if is_swap else "recompute", num_computed=seq.num_computed)
+                         mode="swap" if is_swap else "recompute", num_computed=seq.num_computed,
+                         demoted=demote)
         if is_swap:
-            self.kv_cache.swap_out(seq.seq_id, seq.num_computed)
+            if demote:
+                seq.kl_spent += self.decisions.demote[seq.seq_id]
+                seq.demoted = True
+                self.stats["demoted_swaps"] += 1
+            self.kv_cache.swap_out(seq.seq_id, seq.num_computed, demote=demote)
             seq.status = SeqStatus.SWAPPED
             self.swapped.append(seq)
             return
@@ -473,17 +588,17 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self.waiting.append(seq)
 
     def _swap_on_preempt(self, seq: Sequence) -> bool:
-        """SWAP or RECOMPUTE as configured; under AUTO, the cost model decides (and is logged)."""
+        """The controller's choice for this sequence if it made one; else SWAP or RECOMPUTE as
+        configured; under AUTO, the cost model decides (and is logged)."""
+        if seq.seq_id in self.decisions.swap:
+            return self.decisions.swap[seq.seq_id]
         mode = self.config.preemption_mode
         if mode is not PreemptionMode.AUTO:
             return mode is PreemptionMode.SWAP
-        rate = self.config.recompute_tokens_per_s or (
-            (self.stats["prefill_tokens"] + self.stats["decode_tokens"])
-            / max(self.stats["step_time_s"], 1e-9))
         decision = decide_preemption(seq.seq_id, seq.num_computed,
                                      bytes_per_token=self.config.kv_bytes_per_token,
                                      bandwidth_bytes_per_s=self.config.swap_bandwidth_bytes_per_s,
-                                     recompute_tokens_per_s=max(rate, 1e-9))
+                                     recompute_tokens_per_s=self._recompute_rate())
         self.stats["preemption_decisions"].append(dataclasses.asdict(decision))
         return decision.choice is PreemptionMode.SWAP
 

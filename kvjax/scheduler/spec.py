@@ -29,6 +29,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvjax.registry import Registry
+
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
@@ -140,18 +142,13 @@ class SparseSelfDrafter(NoDrafts):
         return pages, (sinks + last - first) * page_size + (kv_len - 1) % page_size + 1
 
 
-DRAFTERS: dict[str, Callable[..., Drafter]] = {
-    "none": NoDrafts, "ngram": NgramDrafter, "sparse_self": SparseSelfDrafter}
+DRAFTERS = Registry("draft method", {
+    "none": NoDrafts, "ngram": NgramDrafter, "sparse_self": SparseSelfDrafter})
 
 
 def register_drafter(name: str, factory: Callable[..., Drafter]) -> None:
-    DRAFTERS[name] = factory
+    DRAFTERS.register(name, factory)
 
 
 def make_drafter(name: str, **options) -> Drafter:
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown draft method {name!r}; known: {sorted(DRAFTERS)}")
-    try:
-        return DRAFTERS[name](**options)
-    except TypeError as e:
-        raise ValueError(f"draft method {name!r}: bad options {options!r} ({e})") from None
+    return DRAFTERS.make(name, **options)

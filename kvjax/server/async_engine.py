@@ -29,6 +29,7 @@ from kvjax.engine.engine import Engine
 from kvjax.engine.request import RequestOutput
 from kvjax.engine.step import LogitsMode
 from kvjax.sampling import SamplingParams
+from kvjax.scheduler.controller import SLO
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class EngineRequest:
       arrival_time: on the engine's clock.
       model: the model it runs on, for an engine of several models
         (`kvjax.engine.multi.MultiModelEngine`); None for a one-model engine.
+      slo: its SLO for the engine's KV controller; None: the engine's default.
     """
 
     request_id: str
@@ -65,6 +67,7 @@ class EngineRequest:
     num_top_logprobs: int = 0
     arrival_time: float | None = None
     model: str | None = None
+    slo: SLO | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +319,8 @@ class AsyncEngine:
         try:
             self.engine.add_request(request.request_id, request.prompt_ids, request.sampling,
                                     tenant=request.tenant, priority=request.priority,
-                                    arrival_time=request.arrival_time, **routed)
+                                    arrival_time=request.arrival_time, slo=request.slo,
+                                    **routed)
         except ValueError as e:
             self._release_waiting()
             stream._post_accepted(e)

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvjax.engine.request import RequestOutput
 from kvjax.sampling import SamplingParams
+from kvjax.scheduler.controller import SLO
 from kvjax.server import protocol
 from kvjax.server.async_engine import (
     AsyncEngine,
@@ -35,6 +36,9 @@ from kvjax.server.output import SampleDecoder, SampleDelta, token_strings
 
 TENANT_HEADER = "x-tenant"
 PRIORITY_HEADER = "x-priority"
+# A request's SLO for the engine's KV controller (kvjax.scheduler.controller.SLO): seconds to
+# first token, seconds per output token, and the KL (nats per token) it accepts to lose.
+SLO_HEADERS = {"ttft_s": "x-slo-ttft-s", "tpot_s": "x-slo-tpot-s", "kl_budget": "x-kl-budget"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +271,20 @@ class OpenAIServing:
                            param="X-Priority")
         return tenant, value
 
+    @staticmethod
+    def _slo(raw: Request) -> SLO | None:
+        """The request's SLO from its X-SLO-TTFT-S / X-SLO-TPOT-S / X-KL-Budget headers; None
+        without them (the engine's default SLO)."""
+        given = {k: raw.headers.get(h) for k, h in SLO_HEADERS.items()
+                 if raw.headers.get(h) is not None}
+        if not given:
+            return None
+        try:
+            return SLO(**{k: float(v) for k, v in given.items()})
+        except ValueError as e:
+            raise ApiError(400, f"SLO headers {sorted(SLO_HEADERS[k] for k in given)}: {e}",
+                           param=SLO_HEADERS[next(iter(given))]) from None
+
     def _sampling(self, body, max_new_tokens: int) -> SamplingParams:
         bad = [t for t in body.stop_token_ids or () if t >= self.vocab_size]
         if bad:
@@ -287,6 +305,7 @@ class OpenAIServing:
     async def _serve(self, body, raw: Request, prompts: list[list[int]], *,
                      max_tokens: int | None, chat: bool, prompt_field: str) -> Response:
         tenant, priority = self._identity(body, raw)
+        slo = self._slo(raw)
         api_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         arrival = self.engine.clock()
         requests = []
@@ -295,7 +314,7 @@ class OpenAIServing:
             requests.append(EngineRequest(
                 request_id=f"{api_id}-{i}", prompt_ids=ids, sampling=self._sampling(body, max_new),
                 tenant=tenant, priority=priority, num_top_logprobs=body.num_top_logprobs,
-                arrival_time=arrival, model=self.route))
+                arrival_time=arrival, model=self.route, slo=slo))
         generations = await self._submit(requests, body)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage

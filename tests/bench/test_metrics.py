@@ -13,7 +13,7 @@ EXPECTED_KEYS = (
     "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tok_s",
     "goodput_req_s", "kv_utilization_mean", "kv_utilization_peak", "kv_reserved_mean_bytes",
     "kv_reserved_peak_bytes", "prefix_hit_rate", "preemptions", "bytes_moved", "energy_j_est",
-    "quality", "retrieval_accuracy", "fairness",
+    "quality", "kl_spent", "retrieval_accuracy", "fairness",
     "compiles_after_warmup", "padded_token_fraction", "spec", "context_reuse",
     "failed_requests", "num_requests", "duration_s", "clock", "config", "env",
 )
@@ -67,6 +67,23 @@ def test_nothing_measured_gives_none_not_missing():
         assert result[key] is None, key
     assert result["throughput_tok_s"] == 0.0 and result["goodput_req_s"] == 0.0
     assert result["num_requests"] == 0 and result["clock"] == "real"
+
+
+def test_requests_own_slos_judge_goodput_and_kl_spent_aggregates():
+    """A record with its own SLO is judged by it (else by the run's); kl_spent is the mean,
+    worst and count of degraded requests."""
+    import dataclasses
+
+    a, b, c, d, e = timeline()  # TTFT a 0.5, b 0.2, c 1.0, d 0.1
+    records = [dataclasses.replace(a, slo_ttft_s=0.4, kl_spent=0.2),  # misses its own TTFT
+               dataclasses.replace(b, slo_ttft_s=0.3, slo_tpot_s=0.5),  # meets its own
+               dataclasses.replace(c, kl_spent=0.1), d, e]
+    result = compute_metrics(records, slo_ttft_s=1.0, slo_tpot_s=0.25, duration_s=1.0)
+    # a: own TTFT 0.4 < 0.5 (miss); b: TPOT 0.3 <= own 0.5 (meets); c: TTFT 1.0 (meets, one
+    # token); d: TPOT 0.2 <= 0.25 (meets); e failed.
+    assert result["goodput_req_s"] == 3.0
+    assert result["kl_spent"] == {"mean": pytest.approx(0.075), "max": 0.2,
+                                  "degraded_requests": 2}
 
 
 def test_latency_percentiles_by_hand():

@@ -24,6 +24,7 @@ from kvjax.engine.config import EngineConfig
 from kvjax.memory.tiers import TierConfig, TransferLayout
 from kvjax.memory.transfer import FaultConfig
 from kvjax.models import llama
+from kvjax.scheduler.controller import SLO
 from kvjax.testing import tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -174,7 +175,8 @@ def test_sweep_and_overrides_parse_to_typed_values():
     assert runner.engine_config_from(variant) == EngineConfig(
         page_size=8, kv_budget_bytes=2 * 2**20, max_num_seqs=2, max_num_batched_tokens=64,
         max_prefill_chunk=32, min_chunk_bucket=32, max_prefill_seqs=1, max_model_len=128,
-        scheduler_policy="lpm")
+        scheduler_policy="lpm",  # the run's SLO is every request's unless it names its own
+        slo=SLO(config.slo.ttft_s, config.slo.tpot_s, config.slo.kl_budget))
     assert config.engine.scheduler_policy == "fcfs"  # the base config is untouched
     with pytest.raises(ValueError, match="unknown config field 'engine.page_sise'"):
         runner.parse_sweep("engine.page_sise=8", config)
@@ -250,7 +252,7 @@ def test_a_run_with_retention_keeps_less_kv_and_scores_its_quality(model):
 def test_retention_quality_of_a_budget_never_reached_is_exact(model):
     config = tiny_config(**{"kv.retention": "streaming", "kv.budget": 120.0})
     prompt = tuple(range(3, 43))
-    quality = runner._quality(config, runner.engine_config_from(config), model,
+    quality = runner.measure_quality(config, runner.engine_config_from(config), model,
                               [BenchRequest("r", 0.0, prompt, 4)])
     assert quality["kl_max"] == pytest.approx(0.0, abs=1e-6)
     assert quality["top1_agreement"] == 1.0
@@ -265,7 +267,7 @@ def test_quality_scores_the_longest_prompts_when_asked(model):
     for which in ("first", "longest"):
         config = tiny_config(**{"kv.retention": "streaming", "kv.budget": 32.0,
                                 "quality.num_prompts": 1, "quality.prompts": which})
-        kl[which] = runner._quality(config, runner.engine_config_from(config), model,
+        kl[which] = runner.measure_quality(config, runner.engine_config_from(config), model,
                                     requests)["kl_max"]
     assert kl["first"] == pytest.approx(0.0, abs=1e-6) and kl["longest"] > 1e-4
     with pytest.raises(ValueError, match="quality.prompts"):

@@ -64,6 +64,7 @@ FAST = {
         (Feature.SPECULATIVE, Feature.SWAP),
         (Feature.CONTEXT_REUSE, Feature.HOST_TIER),
         (Feature.PAUSE, Feature.SWAP),
+        (Feature.CONTROLLER, Feature.SWAP), (Feature.CONTROLLER, Feature.STREAMING),
     )
 }
 
@@ -107,6 +108,10 @@ def config_for(features) -> dict:
                                             options=dict(num_sinks=P, window=P))),
         # CacheBlend: chunk copies, re-rotation and the selective recompute together.
         Feature.KV_ARENA: dict(kv_arena=True),
+        # The joint controller; the requests' SLOs (run_pair) allow exact KV only, so its
+        # admission order, offloads and victims must keep the exact tokens.
+        Feature.CONTROLLER: dict(controller="joint", controller_options=dict(
+            retention_kl={"4": 0.3, "8": 0.1}, demote_kl=0.001)),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),
@@ -122,6 +127,7 @@ def run_pair(model, features, oracle, mesh=None) -> dict:
     from kvjax import EngineConfig, SamplingParams, Segment
     from kvjax.engine.engine import Engine
     from kvjax.engine.snapshot import restore_snapshot, save_snapshot
+    from kvjax.scheduler.controller import SLO
 
     features = set(features)
     engine = Engine(model, EngineConfig(**config_for(features)), mesh=mesh)
@@ -130,11 +136,15 @@ def run_pair(model, features, oracle, mesh=None) -> dict:
     if Feature.N_SAMPLES in features:
         samplings[0] = SamplingParams(max_new_tokens=NUM_NEW, ignore_eos=True, n=2)
     ids = [f"r{i}" for i in range(len(prompts))]
-    for request_id, prompt, sampling in zip(ids, prompts, samplings, strict=True):
+    for i, (request_id, prompt, sampling) in enumerate(zip(ids, prompts, samplings,
+                                                            strict=True)):
         if Feature.CONTEXT_REUSE in features:  # tokens 2..7 are a chunk (shared by two)
             prompt = [Segment(prompt[:2]), Segment(prompt[2:8], reuse=True),
                       Segment(prompt[8:])]
-        engine.add_request(request_id, prompt, sampling)
+        # The last request outranks the others, so the controller makes room for it.
+        slo = dict(slo=SLO(ttft_s=60.0, tpot_s=60.0), priority=int(i == len(prompts) - 1)) \
+            if Feature.CONTROLLER in features else {}
+        engine.add_request(request_id, prompt, sampling, **slo)
     finished = {}
     steps = 0
     while engine.has_unfinished():

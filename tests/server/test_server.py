@@ -345,6 +345,27 @@ def test_models_health_and_priority_header(client, http):
     assert r.status_code == 404 and "error" in r.json()
 
 
+def test_slo_headers_reach_the_engine_and_bad_ones_get_400(server, http, monkeypatch):
+    from kvjax import SLO
+
+    seen = []
+    add_request = server.engine.add_request
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("slo"))
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine, "add_request", spy)
+    body = dict(prompt=[1, 2], max_tokens=2, temperature=0)
+    r = http.post("/v1/completions", json=body,
+                  headers={"X-SLO-TTFT-S": "2.5", "X-KL-Budget": "0.1"})
+    assert r.status_code == 200 and seen == [SLO(ttft_s=2.5, kl_budget=0.1)]
+    for header, value in (("X-SLO-TTFT-S", "-1"), ("X-KL-Budget", "lots")):
+        r = http.post("/v1/completions", json=body, headers={header: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == header.lower()
+    assert len(seen) == 1  # the bad ones never reached the engine
+
+
 _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True),
                     st.text(max_size=6), st.lists(st.integers(-2, 200), max_size=4),
                     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))

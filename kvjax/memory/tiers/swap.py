@@ -37,8 +37,13 @@ class TieredSwapSpace:
     def num_compiles(self) -> int:
         return self._plain.num_compiles + self.tiers.num_compiles
 
-    def swap_out(self, kv, seq_id: Hashable, pages: list[int]) -> int:
-        """Issues the copy of a registered sequence's `pages` to the tiers; returns bytes."""
+    def swap_out(self, kv, seq_id: Hashable, pages: list[int], *, demote: bool = False) -> int:
+        """Issues the copy of a registered sequence's `pages` to the tiers; returns bytes.
+        The tiers keep pages in the pool's own codec (their checksums and layouts are per
+        page): `demote` is refused."""
+        if demote:
+            raise ValueError(f"sequence {seq_id!r}: the host tier stores pages in the pool's "
+                             f"codec; demoted swap copies need the plain swap space")
         nbytes = self.tiers.swap_out(kv, seq_id, pages,
                                      cache_key=self._allocator.cache_key_of(seq_id))
         if self.keeps_windows:
@@ -59,7 +64,7 @@ class TieredSwapSpace:
     def scrub(self, kv, pages: list[int]):
         return self._plain.scrub(kv, pages)
 
-    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool):
+    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool, demote: bool = False):
         """The scrub (and window) programs; page swaps go through the tiers, which warm up
         their own."""
         if not self.keeps_windows:

@@ -1,0 +1,388 @@
+"""KV controllers: one policy deciding, each step, what happens to KV under one memory budget.
+
+The scheduler consults the engine's controller (`EngineConfig.controller`) at the start of
+every `schedule()` with a `ControlState`, a plain-data snapshot of the pool, the queues, each
+sequence's SLO slack and degradation so far, and the cost rates the engine knows; the
+controller returns `Decisions`, plain data too, which the scheduler carries out through the
+existing mechanisms:
+
+  decision            carried out by
+  admit_order         the order queued sequences (waiting, swapped) are admitted in
+  offload             preempting running sequences now, each swapped (host memory) or
+                      recomputed as `swap` says, to make room for higher-ranked waiting ones
+  victims, swap       which running sequence goes first when pages run out mid-step, and how
+  retention           a sequence's retention budget (evicting policies: the tokens it keeps)
+  demote              a swapped sequence's host copy is stored int8 (fewer bytes moved; its
+                      values come back rounded)
+  prefetch            the order swapped sequences come back in
+
+SLOs and degradation (`SLO`): a request may carry a TTFT and a TPOT target and a KL budget,
+the most quality (mean KL per token against exact KV, from the measured tables the controller
+is given) it accepts to lose. When the engine cannot meet every SLO, the controller degrades
+in a stated order: only a sequence ranked lower than the one that benefits, lowest priority
+first, then the most slack (no SLO = infinite slack); and within its KL budget only. A
+degraded request is slowed (deferred, preempted, swapped) or made lossy (fewer tokens kept,
+a rounded host copy); it is never dropped.
+
+Controllers are registered by name (`CONTROLLERS`, `register_controller`, `make_controller`):
+
+  fixed        no decisions: the engine's configured settings (the baseline)
+  admission    SLO-aware admission only: requests that can still meet their TTFT by
+               earliest deadline, higher priority first
+  preemption   preemption only: lower-ranked running sequences recomputed for higher-ranked
+               waiting ones, victims in degradation order
+  tiers        the host tier only: lower-ranked running sequences swapped out, brought back
+               most urgent first
+  retention    retention only: lower-ranked sequences keep fewer tokens (budgets within
+               their KL budget)
+  codec        codec demotion only: every swapped copy int8 within the KL budget
+  joint        all of the above, each step choosing per victim the action of least
+               estimated cost per page freed: time + energy + quality, against the slack of
+               the requests that benefit
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from kvjax.registry import Registry
+
+INF = math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SLO:
+    """A request's service targets.
+
+    Attributes:
+      ttft_s: time to first token, seconds from arrival; None: none.
+      tpot_s: time per output token after the first, seconds; None: none.
+      kl_budget: the most estimated KL (nats per token, against exact KV) a controller may
+        spend on this request; 0: exact KV only; None: unbounded.
+    """
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    kl_budget: float | None = 0.0
+
+    def __post_init__(self):
+        for name in ("ttft_s", "tpot_s", "kl_budget"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value >= 0):
+                raise ValueError(f"SLO {name} must be None or a number >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqState:
+    """What a controller sees of one unfinished sequence.
+
+    Attributes:
+      status: "waiting", "running" or "swapped".
+      age_s: seconds since its request arrived.
+      pages_held: device pages it holds now.
+      cached_tokens: tokens whose KV it holds (device or host).
+      slack_s: seconds until its next deadline (TTFT before its first token, then the TPOT
+        deadline of its next token); negative when behind; INF without an SLO, and once its
+        TTFT was missed (its SLO is lost: nothing left to protect).
+      retention_budget: tokens it keeps (None: all).
+      kl_spent: estimated KL of the degradations applied to it so far.
+      kl_budget: its SLO's KL budget (None: unbounded).
+      demoted: its host copy is (or will be) stored int8.
+    """
+
+    seq_id: str
+    request_id: str
+    tenant: str | None
+    priority: int
+    status: str
+    age_s: float
+    num_tokens: int
+    num_computed: int
+    cached_tokens: int
+    pages_held: int
+    slack_s: float
+    retention_budget: int | None
+    kl_spent: float
+    kl_budget: float | None
+    demoted: bool
+
+    @property
+    def kl_left(self) -> float:
+        return INF if self.kl_budget is None else self.kl_budget - self.kl_spent
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlState:
+    """A snapshot of the engine for one step's decisions (plain data).
+
+    Attributes:
+      now: the engine's clock.
+      page_size, num_pages: the device pool.
+      free_pages: pages an allocation can take now (free + cached prefix pages it may evict).
+      max_num_seqs: sequences that may run at once.
+      kv_bytes_per_token: device bytes per cached token.
+      swap_bytes_per_s, recompute_tokens_per_s: transfer and prefill rate estimates.
+      can_swap: sequences may be swapped to host memory.
+      can_demote: swapped copies may be stored int8 (`demote_ratio` fewer bytes).
+      retention_range: (least, most) tokens `Decisions.retention` may set as a sequence's
+        budget; None without an evicting retention policy.
+      seqs: every unfinished, unpaused sequence.
+    """
+
+    now: float
+    page_size: int
+    num_pages: int
+    free_pages: int
+    max_num_seqs: int
+    kv_bytes_per_token: float
+    swap_bytes_per_s: float
+    recompute_tokens_per_s: float
+    can_swap: bool
+    can_demote: bool
+    demote_ratio: float
+    retention_range: tuple[int, int] | None
+    seqs: tuple[SeqState, ...]
+
+    def with_status(self, status: str) -> list[SeqState]:
+        return [s for s in self.seqs if s.status == status]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decisions:
+    """One step's decisions (see the module docstring); empty: the configured behaviour.
+
+    Attributes:
+      admit_order: queued (waiting and swapped) sequences in the order they enter, ranked
+        together; else prefetch: swapped ones in the order they come back (before waiting
+        ones, as without a controller). Sequences not named follow in the policy's order.
+      offload: running sequences preempted now, each as `swap` says.
+      victims: the order running sequences are preempted in when pages run out mid-step.
+      swap: per sequence, True to swap its KV to host memory when preempted, False to drop
+        and recompute it (unnamed: the engine's preemption mode).
+      retention: per sequence, its new retention budget (None: keep every token).
+      kl: per sequence, the estimated KL it has spent once this step's retention applies.
+      demote: per sequence, the KL its host copy costs if it is swapped int8 from now on.
+    """
+
+    admit_order: tuple[str, ...] = ()
+    offload: tuple[str, ...] = ()
+    victims: tuple[str, ...] = ()
+    swap: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    retention: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+    kl: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    demote: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    prefetch: tuple[str, ...] = ()
+
+
+class KVController(Protocol):
+    """Decides, once per step, from a ControlState; must not keep references into it.
+
+    manages_retention: sequences start keeping every token and the controller sets their
+      budgets (else they keep the engine's configured retention budget).
+    """
+
+    name: str
+    manages_retention: bool
+
+    def decide(self, state: ControlState) -> Decisions: ...
+
+
+def degradation_key(seq: SeqState) -> tuple:
+    """Who is degraded first (smallest first): lowest priority, then the most slack."""
+    return (seq.priority, -seq.slack_s, -seq.age_s)
+
+
+# ----------------------------------------------------------------------------- the controller
+
+
+_ACTIONS = frozenset({"admit", "recompute", "swap", "retain", "demote"})
+
+
+class CostController:
+    """The joint controller, and with fewer `actions` each single-behaviour baseline.
+
+    actions: which decisions it may take: "admit" (admission order), "recompute" and "swap"
+      (preempt a lower-ranked running sequence, dropping or moving its KV), "retain" (shrink a
+      sequence's retention budget), "demote" (int8 host copies of swapped sequences).
+    retention_kl: {budget: mean KL per token} measured for the engine's retention policy
+      (`kvjax.bench.controller.measure_kl_tables`); a budget missing here is never chosen.
+    demote_kl: mean KL per token of int8 copies of exact KV.
+    kl_cost_s: seconds of delay one nat of KL is worth (the quality term of the cost).
+    miss_cost_s: seconds a victim's missed deadline is worth: preempting a sequence stalls it
+      at least as long as the prefill of the sequence it makes room for (plus its own
+      recompute or transfer), so a preemption that would outlast the victim's slack costs
+      this much more (retention keeps it running).
+    joules_per_byte, joules_per_token, energy_cost_s: the energy term: bytes moved and
+      tokens recomputed priced in joules, and seconds one joule is worth.
+    """
+
+    def __init__(self, name: str, actions: frozenset[str], *,
+                 retention_kl: Mapping[Any, float] | None = None, demote_kl: float = 0.0,
+                 kl_cost_s: float = 10.0, miss_cost_s: float = 5.0,
+                 joules_per_byte: float = 0.0,
+                 joules_per_token: float = 0.0, energy_cost_s: float = 0.0):
+        unknown = sorted(set(actions) - _ACTIONS)
+        if unknown:
+            raise ValueError(f"controller actions {unknown} unknown; known: {sorted(_ACTIONS)}")
+        self.name = name
+        self.actions = frozenset(actions)
+        self.manages_retention = "retain" in self.actions
+        self.retention_kl = {int(b): float(k) for b, k in (retention_kl or {}).items()}
+        self.demote_kl = float(demote_kl)
+        self.kl_cost_s = float(kl_cost_s)
+        self.miss_cost_s = float(miss_cost_s)
+        self.joules_per_byte = float(joules_per_byte)
+        self.joules_per_token = float(joules_per_token)
+        self.energy_cost_s = float(energy_cost_s)
+
+    # The estimated cost, in seconds, of freeing one victim's pages one way.
+    def _cost(self, seconds: float, nbytes: float, tokens: float, kl: float) -> float:
+        joules = self.joules_per_byte * nbytes + self.joules_per_token * tokens
+        return seconds + self.energy_cost_s * joules + self.kl_cost_s * kl
+
+    def _options(self, s: SeqState, state: ControlState, stall_s: float = 0.0, *,
+                 may_stall: bool = True) -> list[tuple[float, int, str, Any]]:
+        """(cost per page freed, pages freed, action, argument) for each way to free a victim's
+        pages; a preempted victim waits about `stall_s` before it runs again (only retention
+        when not `may_stall`)."""
+        held = max(s.pages_held, 1)
+        kv_bytes = s.cached_tokens * state.kv_bytes_per_token
+
+        def preempt_cost(seconds: float, nbytes: float, tokens: float, kl: float) -> float:
+            delay = stall_s + seconds
+            miss = self.miss_cost_s if s.slack_s < delay else 0.0
+            return (self._cost(delay, nbytes, tokens, kl) + miss) / held
+
+        out = []
+        if "recompute" in self.actions and may_stall:
+            t = s.num_computed / state.recompute_tokens_per_s
+            out.append((preempt_cost(t, 0, s.num_computed, 0.0), s.pages_held, "recompute",
+                        None))
+        if "swap" in self.actions and state.can_swap and may_stall:
+            t = 2 * kv_bytes / state.swap_bytes_per_s
+            out.append((preempt_cost(t, 2 * kv_bytes, 0, 0.0), s.pages_held, "swap", False))
+            if ("demote" in self.actions and state.can_demote and not s.demoted
+                    and self.demote_kl <= s.kl_left):
+                moved = 2 * kv_bytes / state.demote_ratio
+                out.append((preempt_cost(moved / state.swap_bytes_per_s, moved, 0,
+                                         self.demote_kl), s.pages_held, "swap", True))
+        if "retain" in self.actions and state.retention_range is not None:
+            low, high = state.retention_range
+            for b in sorted(b for b in self.retention_kl if low <= b <= high):
+                extra = self.retention_kl[b] - self.retention_kl.get(s.retention_budget, 0.0)
+                freed = s.pages_held - -(-(b + state.page_size) // state.page_size)
+                if (s.retention_budget is None or b < s.retention_budget) and freed > 0 \
+                        and extra <= s.kl_left:
+                    out.append((self._cost(0.0, 0, 0, extra) / freed, freed, "retain", b))
+        return sorted(out, key=lambda o: o[0])
+
+    @staticmethod
+    def _pages_to_run(s: SeqState, page_size: int) -> int:
+        """Pages a queued sequence needs to run its next step."""
+        tokens = s.cached_tokens if s.status == "swapped" else s.num_tokens - s.num_computed
+        return -(-(tokens + 1) // page_size)
+
+    def _queue_order(self, queued: list[SeqState], state: ControlState) -> list[SeqState]:
+        """With "admit": higher priority first; among equals those that can still meet their
+        deadline, earliest deadline first, then the rest oldest first. Else priority, then
+        age."""
+        def key(s: SeqState) -> tuple:
+            if "admit" not in self.actions:
+                return (-s.priority, -s.age_s)
+            prefill_s = (s.num_tokens - s.num_computed) / state.recompute_tokens_per_s
+            meetable = prefill_s <= s.slack_s < INF
+            return (-s.priority, not meetable, s.slack_s if meetable else -s.age_s)
+        return sorted(queued, key=key)
+
+    def decide(self, state: ControlState) -> Decisions:
+        running = state.with_status("running")
+        queued = self._queue_order(state.with_status("waiting") + state.with_status("swapped"),
+                                   state)
+        victims = sorted(running, key=degradation_key)
+        # How a sequence preempted mid-step (pages ran out) leaves: the cheapest way.
+        swap, demote = {}, {}
+        for s in victims:
+            options = [o for o in self._options(s, state) if o[2] != "retain"]
+            if options and {"swap", "recompute"} <= self.actions:
+                swap[s.seq_id] = options[0][2] == "swap"
+                if options[0][3]:
+                    demote[s.seq_id] = self.demote_kl
+            if (self.actions == {"demote"} and state.can_demote and not s.demoted
+                    and self.demote_kl <= s.kl_left):
+                demote[s.seq_id] = self.demote_kl
+        # Pages the queued sequences that can still meet a deadline need beyond the free ones;
+        # they are freed from lower-ranked running sequences, cheapest way first.
+        offload, retention, kl = [], {}, {}
+        deficit, beneficiary, stall_s = -state.free_pages, None, 0.0
+        for s in queued[:max(state.max_num_seqs - len(running), 0)]:
+            if not 0 <= s.slack_s < INF:
+                continue  # no deadline to protect (none, or already missed)
+            deficit += self._pages_to_run(s, state.page_size)
+            stall_s += (s.num_tokens - s.num_computed) / state.recompute_tokens_per_s
+            beneficiary = beneficiary or s
+        for s in victims if deficit > 0 and beneficiary is not None else ():
+            if deficit <= 0 or degradation_key(s) >= degradation_key(beneficiary):
+                break
+            # A victim of the beneficiary's priority is only stalled if it can afford to.
+            may_stall = s.priority < beneficiary.priority or s.slack_s >= stall_s
+            options = self._options(s, state, stall_s, may_stall=may_stall)
+            if not options:
+                continue
+            _, freed, action, arg = options[0]
+            if action == "retain":
+                retention[s.seq_id] = arg
+                kl[s.seq_id] = s.kl_spent + self.retention_kl[arg] - self.retention_kl.get(
+                    s.retention_budget, 0.0)
+            else:
+                offload.append(s.seq_id)
+                swap[s.seq_id] = action == "swap"
+                if arg:
+                    demote[s.seq_id] = self.demote_kl
+            deficit -= freed
+        # A controller that preempts ranks the queue itself: a victim must not come back
+        # before the sequence it made room for (swapped ones otherwise go first).
+        ranks = self.actions & {"admit", "swap", "recompute"}
+        return Decisions(
+            admit_order=tuple(s.seq_id for s in queued) if ranks else (),
+            offload=tuple(offload),
+            victims=tuple(s.seq_id for s in victims) if self.actions - {"admit", "demote"}
+            else (),
+            swap=swap, retention=retention, kl=kl, demote=demote)
+
+
+class FixedController:
+    """No decisions: the engine's configured behaviour (today's fixed settings)."""
+
+    name = "fixed"
+    manages_retention = False
+
+    def decide(self, state: ControlState) -> Decisions:
+        return Decisions()
+
+
+_BEHAVIOURS = {
+    "admission": {"admit"},
+    "preemption": {"recompute"},
+    "tiers": {"swap"},
+    "retention": {"retain"},
+    "codec": {"demote"},
+    "joint": set(_ACTIONS),
+}
+
+CONTROLLERS = Registry("controller", {"fixed": lambda **options: FixedController()})
+CONTROLLERS.update({name: functools.partial(CostController, name, frozenset(actions))
+                    for name, actions in _BEHAVIOURS.items()})
+
+
+def register_controller(name: str, factory: Callable[..., KVController]) -> None:
+    """Makes `factory(**options) -> KVController` constructible by `name`."""
+    CONTROLLERS.register(name, factory)
+
+
+def make_controller(name: str, **options: Any) -> KVController:
+    """The registered controller `name` made with `options`."""
+    return CONTROLLERS.make(name, **options)

@@ -1,0 +1,152 @@
+"""KV controllers' decisions on hand-built snapshots: who is degraded, how, and within what."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from kvjax.scheduler.controller import (
+    CONTROLLERS,
+    SLO,
+    ControlState,
+    Decisions,
+    SeqState,
+    degradation_key,
+    make_controller,
+)
+
+P = 16
+TABLE = {"64": 0.09, "128": 0.05, "192": 0.02}
+
+
+def seq(seq_id, status="running", *, priority=0, slack=math.inf, tokens=320, pages=None,
+        kl_budget=None, kl_spent=0.0, budget=None) -> SeqState:
+    computed = tokens if status != "waiting" else 0
+    return SeqState(
+        seq_id=seq_id, request_id=seq_id, tenant=None, priority=priority, status=status,
+        age_s=1.0, num_tokens=tokens, num_computed=computed,
+        cached_tokens=computed, pages_held=(-(-tokens // P) if pages is None else pages)
+        if status == "running" else 0, slack_s=slack, retention_budget=budget,
+        kl_spent=kl_spent, kl_budget=kl_budget, demoted=False)
+
+
+def state(*seqs, free=0, retention=(5, 256), demote=True) -> ControlState:
+    return ControlState(
+        now=10.0, page_size=P, num_pages=64, free_pages=free, max_num_seqs=8,
+        kv_bytes_per_token=46_080, swap_bytes_per_s=10e9, recompute_tokens_per_s=160.0,
+        can_swap=True, can_demote=demote, demote_ratio=3.8, retention_range=retention,
+        seqs=tuple(seqs))
+
+
+def joint(**options):
+    return make_controller("joint", retention_kl=TABLE, demote_kl=0.001, **options)
+
+
+def test_fixed_controller_decides_nothing():
+    s = state(seq("a"), seq("w", "waiting", priority=1, slack=5.0))
+    assert make_controller("fixed").decide(s) == Decisions()
+
+
+def test_degradation_order_is_lowest_priority_then_most_slack():
+    seqs = [seq("hi", priority=2, slack=9.0), seq("lo-tight", slack=1.0),
+            seq("lo-loose", slack=30.0), seq("lo-none")]
+    ranked = [s.seq_id for s in sorted(seqs, key=degradation_key)]
+    assert ranked == ["lo-none", "lo-loose", "lo-tight", "hi"]
+    # The controller's reactive victims follow the same order.
+    assert joint().decide(state(*seqs)).victims == tuple(ranked)
+
+
+def test_room_is_made_only_from_lower_ranked_sequences():
+    """A waiting request with a deadline gets pages from the lowest-ranked running one, never
+    from one that outranks it."""
+    s = state(seq("boss", priority=2, slack=1.0), seq("batch", kl_budget=0.0),
+              seq("urgent", "waiting", priority=1, slack=3.0, tokens=200))
+    d = make_controller("tiers").decide(s)
+    assert d.offload == ("batch",) and d.swap["batch"] is True
+    assert d.admit_order[0] == "urgent"  # it enters before the victim comes back
+    # Nothing outranked: a waiting request of the lowest priority degrades no one.
+    s = state(seq("boss", priority=2, slack=1.0),
+              seq("late", "waiting", priority=0, slack=3.0, tokens=200))
+    assert make_controller("tiers").decide(s).offload == ()
+
+
+def test_no_degradation_for_requests_without_a_deadline_to_protect():
+    for slack in (math.inf, -1.0):
+        s = state(seq("batch"), seq("w", "waiting", priority=1, slack=slack))
+        assert joint().decide(s).offload == () and joint().decide(s).retention == {}
+
+
+def test_retention_respects_each_requests_kl_budget():
+    """Only budgets whose measured KL fits what the victim has left are chosen; a victim
+    with an exact-only SLO is never made lossy (retention or demoted copy)."""
+    waiting = seq("w", "waiting", priority=1, slack=0.5, tokens=100)
+    for kl_budget, allowed in ((0.0, set()), (0.03, {"192"}), (0.06, {"128", "192"}),
+                               (None, set(TABLE))):
+        d = make_controller("retention", retention_kl=TABLE).decide(
+            state(seq("v", kl_budget=kl_budget), waiting))
+        if not allowed:
+            assert d.retention == {}
+            continue
+        (budget,) = d.retention.values()
+        assert str(budget) in allowed
+        assert d.kl["v"] == pytest.approx(TABLE[str(budget)])
+    exact_only = joint().decide(state(seq("v", kl_budget=0.0), waiting))
+    assert exact_only.retention == {} and "v" not in exact_only.demote
+
+
+def test_retention_budget_counts_what_was_already_spent():
+    d = make_controller("retention", retention_kl=TABLE).decide(state(
+        seq("v", kl_budget=0.06, kl_spent=0.02, budget=192),
+        seq("w", "waiting", priority=1, slack=0.5, tokens=100)))
+    assert d.retention == {"v": 128}  # 0.05 - 0.02 more fits; 64 (0.07 more) does not
+    assert d.kl["v"] == pytest.approx(0.02 + 0.05 - 0.02)
+
+
+def test_a_peer_that_cannot_afford_the_stall_keeps_running():
+    """A victim of the beneficiary's own priority (more slack than it, less than the stall)
+    is not preempted; with a KL budget it is made smaller instead."""
+    waiting = seq("w", "waiting", priority=1, slack=1.0, tokens=400)  # 2.5 s of prefill
+    tight = seq("peer", priority=1, slack=2.0, kl_budget=0.0)
+    assert make_controller("tiers").decide(state(tight, waiting)).offload == ()
+    lossy = dataclasses.replace(tight, kl_budget=0.5)
+    d = joint().decide(state(lossy, waiting))
+    assert d.offload == () and d.retention
+
+
+def test_joint_weighs_the_victims_stall_against_quality():
+    """Preempting stalls the victim for about the beneficiary's prefill (300 tokens: ~1.9 s)
+    and misses a tight deadline; a smaller budget costs KL at kl_cost_s seconds per nat."""
+    waiting = seq("w", "waiting", priority=1, slack=3.0, tokens=300)
+    victim = seq("v", slack=0.5, kl_budget=0.5)  # any stall misses its next token
+    d = joint().decide(state(victim, waiting))
+    assert "v" in d.retention and d.offload == ()
+    relaxed = dataclasses.replace(victim, slack_s=math.inf)  # nothing to miss
+    d = joint(kl_cost_s=1000.0).decide(state(relaxed, waiting))
+    assert d.offload == ("v",) and d.swap["v"] and d.retention == {}
+    d = joint().decide(state(relaxed, waiting))  # 0.02 nats = 0.2 s < a 1.9 s stall
+    assert d.retention == {"v": 192} and d.offload == ()
+
+
+def test_admission_puts_meetable_deadlines_first():
+    s = state(seq("hopeless", "waiting", slack=0.1, tokens=400),
+              seq("later", "waiting", slack=20.0, tokens=100),
+              seq("soon", "waiting", slack=5.0, tokens=100),
+              seq("none", "waiting"), seq("vip", "waiting", priority=1, slack=50.0))
+    order = make_controller("admission").decide(s).admit_order
+    assert order[:3] == ("vip", "soon", "later")
+    assert set(order[3:]) == {"hopeless", "none"}
+
+
+def test_registry_and_bad_options():
+    assert {"fixed", "admission", "preemption", "tiers", "retention", "codec",
+            "joint"} <= set(CONTROLLERS)
+    with pytest.raises(ValueError, match="unknown controller 'nope'"):
+        make_controller("nope")
+    with pytest.raises(ValueError, match="controller 'joint'"):
+        make_controller("joint", bogus=1)
+    with pytest.raises(ValueError, match="kl_budget"):
+        SLO(kl_budget=-1.0)
+    with pytest.raises(ValueError, match="ttft_s"):
+        SLO(ttft_s=True)
