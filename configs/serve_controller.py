@@ -34,6 +34,9 @@ def get_config() -> ConfigDict:
     config.engine.max_prefill_seqs = 2
     config.engine.max_model_len = 640
     config.engine.scheduler_policy = "priority"
+    # The cost weights: a nat of KL is worth 10 s of delay, a joule 10 ms (the energy prices
+    # themselves come from config.energy_profile; the KL tables are measured by the script).
+    config.engine.controller_options = ConfigDict(dict(kl_cost_s=10.0, energy_cost_s=0.01))
     config.workload.name = "multi_tenant_burst"
     config.workload.num_requests = 48
     config.workload.params = ConfigDict(dict(

@@ -798,8 +798,10 @@ class RetentionManager:
         view = self._views.get(seq_id)
         if view is None:
             return None
+        budget = dict(budget=self._budgets[seq_id]) if seq_id in self._budgets else {}
         return dict(positions=view.positions.tolist(), scores=view.scores.tolist(),
-                    num_evicted=view.num_evicted, is_prefill_done=view.is_prefill_done)
+                    num_evicted=view.num_evicted, is_prefill_done=view.is_prefill_done,
+                    **budget)
 
     def restore(self, seq_id: str, record: dict | None) -> None:
         """Gives a sequence the `record` another engine's manager saved (None: none)."""
@@ -808,6 +810,8 @@ class RetentionManager:
                 np.asarray(record["positions"], np.int32),
                 np.asarray(record["scores"], np.float32), record["num_evicted"],
                 record["is_prefill_done"])
+            if "budget" in record:  # a controller's budget for it
+                self._budgets[seq_id] = record["budget"]
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares the parent's cache: it starts from a copy of its record."""
