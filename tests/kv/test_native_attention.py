@@ -158,3 +158,39 @@ def test_engine_decodes_the_same_tokens_with_the_native_kernel(codec):
     for ref, got in zip(outs[AttentionImpl.REFERENCE], outs[AttentionImpl.NATIVE], strict=True):
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
         np.testing.assert_allclose(got.outputs[0].logprobs, ref.outputs[0].logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["none", "int8", "int4"])
+def test_long_rows_split_over_threads_merge_like_numpy(name):
+    """Rows far longer than the kernel's minimum chunk (256 tokens) are cut into chunks read on
+    different threads, whose partial softmaxes are merged; with several causal queries per row,
+    a query past q_lens and a padded row, the result is numpy's on the decoded pages."""
+    rng = np.random.default_rng(3)
+    kv_lens, tables, kp, vp, _, _ = make_case(rng, num_seqs=3, max_len=1500, page_size=16,
+                                              num_kv_heads=2, group=3, head_dim=64)
+    kv_lens[1] = 0
+    assert kv_lens.max() > 4 * 256
+    q_lens = np.array([3, 0, 2], np.int32)
+    q = rng.standard_normal((3, 3, 6, 64)).astype(np.float32)
+    pool = lambda x: jnp.stack([jnp.zeros_like(x), x])  # noqa: E731  (layer 1 of 2)
+    if name == "none":
+        args, dk, dv = dict(k_pages=pool(kp), v_pages=pool(vp)), kp, vp
+    else:
+        codec = kvjax.kv.codecs.get_codec(name)
+        kp, vp = np.nan_to_num(kp), np.nan_to_num(vp)
+        k_stored, v_stored = codec.encode(jnp.asarray(kp)), codec.encode(jnp.asarray(vp))
+        args = dict(k_pages=pool(k_stored["codes"]), v_pages=pool(v_stored["codes"]),
+                    k_scale=pool(k_stored["scale"]), v_scale=pool(v_stored["scale"]))
+        if "zero" in k_stored:
+            args.update(k_zero=pool(k_stored["zero"]), v_zero=pool(v_stored["zero"]),
+                        bits=codec.bits, group=codec.group)
+        dk, dv = np.asarray(codec.decode(k_stored)), np.asarray(codec.decode(v_stored))
+    got = np.asarray(native.paged_decode_attention(q, layer=1, block_tables=tables,
+                                                   kv_lens=kv_lens, q_lens=q_lens, **args))
+    for b in range(3):
+        seq_k = dk[tables[b]].reshape(-1, 2, 64)[:kv_lens[b]]
+        seq_v = dv[tables[b]].reshape(-1, 2, 64)[:kv_lens[b]]
+        for i in range(3):
+            want = (numpy_attention(q[b, i], seq_k, seq_v, kv_lens[b] - q_lens[b] + i)
+                    if i < q_lens[b] else np.zeros_like(q[b, i]))
+            np.testing.assert_allclose(got[b, i], want, **F32_TOL)

@@ -4,8 +4,11 @@ On the CPU, the jnp blockwise path (`kvjax.kv.attention.paged_attention_blockwis
 each block of pages into a new buffer and transposes it for the matmuls, so a decode step moves
 several times the bytes of the KV it reads. `paged_decode.cc` walks each row's block table and
 reads every key and value straight from the page pool (the whole `[L, num_pages, P, K, D]`
-buffer and the layer index, so no layer slice is copied either), split over (row, kv head)
-pairs on XLA's intra-op threads. It computes what `paged_decode_attention_reference` computes.
+buffer and the layer index, so no layer slice is copied either), all kv heads of a page
+together, in chunks of rows' pages spread over XLA's intra-op threads (a long row is cut into
+several chunks whose partial softmaxes are merged, so a few rows still keep every thread busy).
+Codes are decoded eight channels at a time in registers, so the head dim must be a multiple of
+8. It computes what `paged_decode_attention_reference` computes.
 
 The source is compiled once per machine with the system C++ compiler (`g++`, or `$CXX`) into
 a cache folder (`$KVJAX_NATIVE_CACHE`, default `~/.cache/kvjax/native`), keyed by the source,
@@ -52,6 +55,7 @@ _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno
           "-fassociative-math", "-freciprocal-math", "-std=c++17", "-shared", "-fPIC", "-w")
 _TARGET = "kvjax_paged_decode"
 MAX_GROUP = 32  # kMaxGroup: query heads (times queries per row) per kv head
+HEAD_DIM_MULTIPLE = 8  # channels are decoded and multiplied eight at a time
 _lock = threading.Lock()
 _status: dict[str, str | None] = {}  # "reason": None once registered
 
@@ -109,9 +113,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """Decode attention of one layer, read in place from all layers' pages.
 
     Args:
-      q: [B, N, D], or [B, Q, N, D]: Q queries per row (a speculative verify row), of which
-        the first q_lens[b] sit at positions kv_lens[b] - q_lens[b] + i and attend causally;
-        the others get zeros.
+      q: [B, N, D] (D a multiple of 8), or [B, Q, N, D]: Q queries per row (a speculative
+        verify row), of which the first q_lens[b] sit at positions kv_lens[b] - q_lens[b] + i
+        and attend causally; the others get zeros.
       k_pages, v_pages: [L, num_pages, P, K, D] float32, bfloat16 or int8 (codes), or uint8
         [L, num_pages, P, K, D * bits / 8]: packed asymmetric codes (`codecs.pack_codes`).
       layer: the layer to read (a scalar, traced or not).
@@ -133,6 +137,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     meta = [none if x is None else x for x in (k_scale, v_scale, k_zero, v_zero)]
     if any(x.dtype != jnp.float32 for x in meta):
         raise ValueError(f"scales and zeros must be float32, got {[str(x.dtype) for x in meta]}")
+    if q.shape[-1] % HEAD_DIM_MULTIPLE:
+        raise ValueError(f"head_dim={q.shape[-1]} is not a multiple of {HEAD_DIM_MULTIPLE}")
     scale = 1.0 / np.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     b, d, k_heads = q.shape[0], q.shape[-1], k_pages.shape[3]
     num_queries = q.shape[1] if q.ndim == 4 else 1
@@ -206,6 +212,10 @@ def reason_for(kv) -> str | None:
     pages = _pages(kv)
     if isinstance(pages, str):
         return f"the native CPU kernel does not read {pages}"
+    head_dim = pages["k_pages"].shape[-1] * 8 // pages.get("bits", 8)
+    if head_dim % HEAD_DIM_MULTIPLE:
+        return (f"the native CPU kernel does not read head_dim={head_dim} (not a multiple of "
+                f"{HEAD_DIM_MULTIPLE})")
     return unavailable_reason()
 
 

@@ -27,7 +27,14 @@
 //   kv_lens      s32  [B]
 //   q_lens       s32  [B] (queries per row, <= num_queries)
 //   out          f32  [B, N, D]   (N = num_queries * G * K, kv head h's at [h*Q*G, (h+1)*Q*G))
-// Work is split over (row, kv head) pairs across XLA's intra-op thread pool.
+// D must be a multiple of 8: channels are decoded and multiplied eight at a time (one AVX2
+// vector; codes are widened, shifted and converted in registers, scales folded into the dot
+// products and weights where they are per token).
+//
+// Work is cut into chunks of a row's pages, all kv heads of a page together (a page of one
+// layer is one contiguous [P, K, D] block), spread over XLA's intra-op thread pool; a long row
+// is cut into several chunks so that few rows still keep every thread busy, and its chunks'
+// partial softmaxes are merged at the end (flash-decoding).
 
 #include <algorithm>
 #include <atomic>
@@ -36,6 +43,10 @@
 #include <cstring>
 #include <memory>
 #include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -46,6 +57,10 @@ namespace {
 constexpr int kMaxGroup = 32;   // query heads (times queries per row) per kv head
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxPage = 256;
+// Work is cut into chunks of a row's pages (all kv heads): about kChunksPerThread per thread,
+// none shorter than kMinChunkTokens (below that the merge costs more than the balance wins).
+constexpr int64_t kChunksPerThread = 4;
+constexpr int64_t kMinChunkTokens = 256;
 
 inline float Load(const float* x, int64_t i) { return x[i]; }
 inline float Load(const uint16_t* x, int64_t i) {
@@ -55,48 +70,144 @@ inline float Load(const uint16_t* x, int64_t i) {
   return f;
 }
 
-// Row readers: decode the `dim` channels of stored row `row` (the flat (layer, page, slot, kv
-// head) index) into floats. Codes are decoded in registers; nothing is written back. `dim` is
-// passed by the caller, where it is a compile-time constant for the common head dims.
+// Eight channels as one vector: a ymm register with AVX2 (the kernel is built with
+// -march=native), otherwise whatever the compiler makes of it.
+typedef float F8 __attribute__((vector_size(32)));
+
+inline F8 Splat(float x) { return F8{} + x; }
+inline F8 LoadF8(const float* p) {
+  F8 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline void StoreF8(float* p, F8 x) { std::memcpy(p, &x, sizeof(x)); }
+inline float Sum(F8 x) {
+#ifdef __AVX2__
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+#else
+  float s = 0.0f;
+  for (int t = 0; t < 8; ++t) s += x[t];
+  return s;
+#endif
+}
+
+// Eight consecutive codes as floats: int8 (signed), or the `kBits`-bit fields of unsigned
+// bytes (first code lowest), 8 / kBits per byte.
+inline F8 Codes8(const int8_t* p) {
+#ifdef __AVX2__
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  F8 x;
+  for (int t = 0; t < 8; ++t) x[t] = p[t];
+  return x;
+#endif
+}
+
+template <int kBits>
+inline F8 Fields8(const uint8_t* p) {
+  constexpr int kPerByte = 8 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1;
+#ifdef __AVX2__
+  __m128i b;
+  if constexpr (kBits == 8) {
+    b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  } else if constexpr (kBits == 4) {
+    uint32_t w;
+    std::memcpy(&w, p, sizeof(w));
+    b = _mm_cvtsi32_si128(static_cast<int>(w));
+    b = _mm_unpacklo_epi8(b, b);  // each byte twice
+  } else {
+    uint16_t w;
+    std::memcpy(&w, p, sizeof(w));
+    b = _mm_cvtsi32_si128(w);
+    b = _mm_unpacklo_epi8(b, b);
+    b = _mm_unpacklo_epi16(b, b);  // each byte four times
+  }
+  __m256i x = _mm256_cvtepu8_epi32(b);
+  if constexpr (kBits < 8) {
+    const __m256i shifts = kBits == 4 ? _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)
+                                      : _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    x = _mm256_and_si256(_mm256_srlv_epi32(x, shifts), _mm256_set1_epi32(kMask));
+  }
+  return _mm256_cvtepi32_ps(x);
+#else
+  F8 x;
+  for (int t = 0; t < 8; ++t) x[t] = (p[t / kPerByte] >> (t % kPerByte * kBits)) & kMask;
+  return x;
+#endif
+}
+
+inline void PrefetchBytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
+// Row decoders: Load8 decodes channels [d0, d0 + 8) of stored row `row` (the flat (layer,
+// page, slot, kv head) index) in registers; nothing is written back. TokenScale is a factor
+// of the whole row that the caller applies to its dot products and softmax weights instead
+// of to every channel. Prefetch asks for rows [row, row + n). `dim` is passed by the caller,
+// where it is a compile-time constant for the common head dims.
 template <typename T>
 struct FloatRows {
   const T* data;
-  void operator()(int64_t row, int64_t dim, float* x) const {
-    const T* r = data + row * dim;
-    for (int64_t d = 0; d < dim; ++d) x[d] = Load(r, d);
+  F8 Load8(int64_t row, int64_t dim, int64_t d0) const {
+    const T* r = data + row * dim + d0;
+    if constexpr (sizeof(T) == 4) {
+      return LoadF8(r);
+    } else {  // bfloat16: the top half of a float32
+#ifdef __AVX2__
+      __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+#else
+      F8 x;
+      for (int t = 0; t < 8; ++t) x[t] = Load(r, t);
+      return x;
+#endif
+    }
+  }
+  float TokenScale(int64_t) const { return 1.0f; }
+  void Prefetch(int64_t row, int64_t n, int64_t dim) const {
+    PrefetchBytes(data + row * dim, n * dim * sizeof(T));
   }
 };
 
-struct Int8Rows {  // symmetric, one scale per token and kv head
+struct Int8Rows {  // symmetric, one scale per token and kv head (the TokenScale)
   const int8_t* codes;
   const float* scale;
-  void operator()(int64_t row, int64_t dim, float* x) const {
-    const int8_t* r = codes + row * dim;
-    const float s = scale[row];
-    for (int64_t d = 0; d < dim; ++d) x[d] = static_cast<float>(r[d]) * s;
+  F8 Load8(int64_t row, int64_t dim, int64_t d0) const { return Codes8(codes + row * dim + d0); }
+  float TokenScale(int64_t row) const { return scale[row]; }
+  void Prefetch(int64_t row, int64_t n, int64_t dim) const {
+    PrefetchBytes(codes + row * dim, n * dim);
+    PrefetchBytes(scale + row, n * sizeof(float));
   }
 };
 
 template <int kBits>
 struct PackedRows {  // asymmetric, a scale and zero per `group` channels
+  static constexpr int kPerByte = 8 / kBits;
   const uint8_t* codes;
   const float* scale;
   const float* zero;
   int64_t group;
-  void operator()(int64_t row, int64_t dim, float* x) const {
-    constexpr int kPerByte = 8 / kBits;
-    constexpr uint32_t kMask = (1u << kBits) - 1;
-    const uint8_t* r = codes + row * (dim / kPerByte);
-    for (int64_t i = 0; i < dim / kPerByte; ++i) {
-      const uint32_t byte = r[i];
-      for (int j = 0; j < kPerByte; ++j)
-        x[i * kPerByte + j] = static_cast<float>((byte >> (j * kBits)) & kMask);
+  F8 Load8(int64_t row, int64_t dim, int64_t d0) const {
+    const F8 c = Fields8<kBits>(codes + (row * dim + d0) / kPerByte);
+    const int64_t meta = row * (dim / group);
+    if (group % 8 == 0) return Splat(zero[meta + d0 / group]) + Splat(scale[meta + d0 / group]) * c;
+    F8 s, z;  // groups narrower than a vector
+    for (int t = 0; t < 8; ++t) {
+      s[t] = scale[meta + (d0 + t) / group];
+      z[t] = zero[meta + (d0 + t) / group];
     }
+    return z + s * c;
+  }
+  float TokenScale(int64_t) const { return 1.0f; }
+  void Prefetch(int64_t row, int64_t n, int64_t dim) const {
     const int64_t groups = dim / group;
-    const float* s = scale + row * groups;
-    const float* z = zero + row * groups;
-    for (int64_t gi = 0; gi < groups; ++gi)
-      for (int64_t d = gi * group; d < (gi + 1) * group; ++d) x[d] = z[gi] + x[d] * s[gi];
+    PrefetchBytes(codes + row * (dim / kPerByte), n * (dim / kPerByte));
+    PrefetchBytes(scale + row * groups, n * groups * sizeof(float));
+    PrefetchBytes(zero + row * groups, n * groups * sizeof(float));
   }
 };
 
@@ -128,84 +239,167 @@ struct Geometry {
   int64_t group() const { return num_heads / num_kv_heads; }
 };
 
-// One (row, kv head): out[b, h*G:(h+1)*G, :] from the row's pages of `layer`, keys and
-// values decoded by `Rows`. kD and kG are the head dim and group size when known at compile
-// time (0: read from g), so the common shapes get fully unrolled, vectorized inner loops.
-template <int kD, int kG, typename Rows>
-void AttendOne(const Geometry& g, int64_t b, int64_t h, const float* q, const Rows& k,
-               const Rows& v, int64_t layer, const int32_t* block_tables,
-               const int32_t* kv_lens, const int32_t* q_lens, int64_t num_queries,
-               float sm_scale, float* out) {
-  const int64_t G = kG ? kG : g.group(), D = kD ? kD : g.head_dim, P = g.page_size;
-  const int64_t K = g.num_kv_heads;
-  float* o = out + (b * g.num_heads + h * G) * D;
-  const int64_t len = kv_lens[b];
-  if (len <= 0) {
-    std::fill(o, o + G * D, 0.0f);
-    return;
+// A run of one row's blocks [first_block, end_block), all kv heads. `partial` >= 0: the row
+// is split over several chunks (flash-decoding) and this one leaves its running max, sum and
+// unnormalized accumulator in partial slot `partial` for MergeChunks; -1: it writes the row.
+struct Chunk {
+  int64_t row, first_block, end_block, partial;
+};
+
+// A row's (or a chunk's) softmax state for its N query heads: m[N], l[N], acc[N * D].
+struct SoftmaxState {
+  float* m;
+  float* l;
+  float* acc;
+  static int64_t Floats(const Geometry& g) { return g.num_heads * (g.head_dim + 2); }
+  static SoftmaxState At(float* base, const Geometry& g) {
+    return {base, base + g.num_heads, base + 2 * g.num_heads};
   }
-  // Tokens [0, lim[j]) are visible to head j: query i = j / (G / Q) of the row.
+};
+
+// out[b] = acc / l per query head; heads that saw no token get zeros.
+void WriteRow(const Geometry& g, int64_t b, const SoftmaxState& st, float* out) {
+  const int64_t D = g.head_dim;
+  for (int64_t j = 0; j < g.num_heads; ++j) {
+    const float inv = st.l[j] > 0.0f ? 1.0f / st.l[j] : 0.0f;
+    float* o = out + (b * g.num_heads + j) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = st.acc[j * D + d] * inv;
+  }
+}
+
+// Chunk c of a row: for each of its pages, each kv head's G query heads against the page's
+// keys (online softmax), then its values; the next page is prefetched while this one is read.
+// A page of one layer is one contiguous [P, K, D] block, so reading all kv heads of it in
+// turn streams memory. kD and kG are the head dim and group size when known at compile time
+// (0: read from g), so the common shapes get fully unrolled, vectorized inner loops.
+template <int kD, int kG, typename Rows>
+void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& k,
+                 const Rows& v, int64_t layer, const int32_t* block_tables,
+                 const int32_t* kv_lens, const int32_t* q_lens, int64_t num_queries,
+                 float sm_scale, float* partials, float* out) {
+  const int64_t G = kG ? kG : g.group(), D = kD ? kD : g.head_dim, P = g.page_size;
+  const int64_t K = g.num_kv_heads, N = g.num_heads, b = c.row;
+  const int64_t len = kv_lens[b];
+  std::vector<float> own(c.partial < 0 ? SoftmaxState::Floats(g) : 0);
+  const SoftmaxState st = SoftmaxState::At(
+      c.partial < 0 ? own.data() : partials + c.partial * SoftmaxState::Floats(g), g);
+  std::fill(st.m, st.m + N, -INFINITY);
+  std::fill(st.l, st.l + N, 0.0f);
+  std::fill(st.acc, st.acc + N * D, 0.0f);
+  // Tokens [0, lim[j]) are visible to head j of a kv head: query i = j / (G / Q) of the row.
   int64_t lim[kMaxGroup];
   const int64_t per_query = G / num_queries, first = len - q_lens[b];
   for (int64_t j = 0; j < G; ++j) {
     const int64_t i = j / per_query;
     lim[j] = i < q_lens[b] ? first + i + 1 : 0;
   }
-  alignas(64) float qs[kG ? kG : kMaxGroup][kD ? kD : kMaxHeadDim];
-  alignas(64) float acc[kG ? kG : kMaxGroup][kD ? kD : kMaxHeadDim];
-  float m[kMaxGroup], l[kMaxGroup];
-  float s[kMaxGroup][kMaxPage];
-  for (int64_t j = 0; j < G; ++j) {
-    const float* qj = q + (b * g.num_heads + h * G + j) * D;
-    for (int64_t d = 0; d < D; ++d) qs[j][d] = qj[d] * sm_scale;
-    for (int64_t d = 0; d < D; ++d) acc[j][d] = 0.0f;
-    m[j] = -INFINITY;
-    l[j] = 0.0f;
-  }
-  const int64_t num_blocks = (len + P - 1) / P;
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t page = block_tables[b * g.width + blk];
+  std::vector<float> qs(N * D);  // scaled
+  for (int64_t i = 0; i < N * D; ++i) qs[i] = q[b * N * D + i] * sm_scale;
+  const int32_t* table = block_tables + b * g.width;
+  const int64_t rows_per_page = P * K;
+  for (int64_t blk = c.first_block; blk < c.end_block; ++blk) {
     const int64_t n = std::min<int64_t>(P, len - blk * P);
-    const int64_t base = ((layer * g.num_pages + page) * P) * K + h;  // token 0, head h
-    for (int64_t p = 0; p < n; ++p) {
-      alignas(64) float x[kD ? kD : kMaxHeadDim];
-      k(base + p * K, D, x);
-      for (int64_t j = 0; j < G; ++j) {
-        float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += qs[j][d] * x[d];
-        s[j][p] = dot;
-      }
+    const int64_t page_row = (layer * g.num_pages + table[blk]) * rows_per_page;
+    if (blk + 1 < c.end_block) {
+      const int64_t next_row = (layer * g.num_pages + table[blk + 1]) * rows_per_page;
+      k.Prefetch(next_row, rows_per_page, D);
+      v.Prefetch(next_row, rows_per_page, D);
     }
-    for (int64_t j = 0; j < G; ++j) {
-      const int64_t nv = std::clamp<int64_t>(lim[j] - blk * P, 0, n);  // visible tokens
-      for (int64_t p = nv; p < n; ++p) s[j][p] = 0.0f;
-      if (nv == 0) continue;
-      float mx = m[j];
-      for (int64_t p = 0; p < nv; ++p) mx = std::max(mx, s[j][p]);
-      const float alpha = std::exp(m[j] - mx);  // exp(-inf) = 0 on the first page
-      float sum = 0.0f;
-      for (int64_t p = 0; p < nv; ++p) {
-        s[j][p] = ExpNonPositive(s[j][p] - mx);
-        sum += s[j][p];
+    for (int64_t h = 0; h < K; ++h) {
+      const float* qh = qs.data() + h * G * D;
+      float* acc = st.acc + h * G * D;
+      float* m = st.m + h * G;
+      float* l = st.l + h * G;
+      float s[kG ? kG : kMaxGroup][kMaxPage];
+      for (int64_t p = 0; p < n; ++p) {
+        const int64_t row = page_row + p * K + h;
+        F8 dot[kG ? kG : kMaxGroup];
+        for (int64_t j = 0; j < G; ++j) dot[j] = F8{};
+        for (int64_t d = 0; d < D; d += 8) {
+          const F8 x = k.Load8(row, D, d);
+          for (int64_t j = 0; j < G; ++j) dot[j] += LoadF8(qh + j * D + d) * x;
+        }
+        const float ts = k.TokenScale(row);
+        for (int64_t j = 0; j < G; ++j) s[j][p] = Sum(dot[j]) * ts;
       }
-      l[j] = l[j] * alpha + sum;
-      if (alpha != 1.0f)
-        for (int64_t d = 0; d < D; ++d) acc[j][d] *= alpha;
-      m[j] = mx;
-    }
-    for (int64_t p = 0; p < n; ++p) {
-      alignas(64) float x[kD ? kD : kMaxHeadDim];
-      v(base + p * K, D, x);
       for (int64_t j = 0; j < G; ++j) {
-        const float w = s[j][p];
-        for (int64_t d = 0; d < D; ++d) acc[j][d] += w * x[d];
+        const int64_t nv = std::clamp<int64_t>(lim[j] - blk * P, 0, n);  // visible tokens
+        for (int64_t p = nv; p < n; ++p) s[j][p] = 0.0f;
+        if (nv == 0) continue;
+        float mx = m[j];
+        for (int64_t p = 0; p < nv; ++p) mx = std::max(mx, s[j][p]);
+        const float alpha = std::exp(m[j] - mx);  // exp(-inf) = 0 on the first page
+        float sum = 0.0f;
+        for (int64_t p = 0; p < nv; ++p) {
+          s[j][p] = ExpNonPositive(s[j][p] - mx);
+          sum += s[j][p];
+        }
+        l[j] = l[j] * alpha + sum;
+        if (alpha != 1.0f)
+          for (int64_t d = 0; d < D; ++d) acc[j * D + d] *= alpha;
+        m[j] = mx;
+      }
+      for (int64_t p = 0; p < n; ++p) {
+        const float ts = v.TokenScale(page_row + p * K + h);
+        for (int64_t j = 0; j < G; ++j) s[j][p] *= ts;
+      }
+      // Eight channels at a time over all the page's tokens, the G accumulators in registers.
+      for (int64_t d = 0; d < D; d += 8) {
+        F8 a[kG ? kG : kMaxGroup];
+        for (int64_t j = 0; j < G; ++j) a[j] = LoadF8(acc + j * D + d);
+        for (int64_t p = 0; p < n; ++p) {
+          const F8 x = v.Load8(page_row + p * K + h, D, d);
+          for (int64_t j = 0; j < G; ++j) a[j] += Splat(s[j][p]) * x;
+        }
+        for (int64_t j = 0; j < G; ++j) StoreF8(acc + j * D + d, a[j]);
       }
     }
   }
-  for (int64_t j = 0; j < G; ++j) {
-    const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) o[j * D + d] = acc[j][d] * inv;
+  if (c.partial < 0) WriteRow(g, b, st, out);
+}
+
+// Rows split over several chunks: the chunks' states rescaled to their common max and summed
+// (the flash-decoding merge), then written like a whole row.
+void MergeChunks(const Geometry& g, const std::vector<Chunk>& chunks, float* partials,
+                 float* out) {
+  const int64_t N = g.num_heads, D = g.head_dim, floats = SoftmaxState::Floats(g);
+  for (size_t i = 0; i < chunks.size();) {
+    size_t end = i + 1;
+    while (end < chunks.size() && chunks[end].row == chunks[i].row) ++end;
+    if (chunks[i].partial >= 0) {
+      const SoftmaxState total = SoftmaxState::At(partials + chunks[i].partial * floats, g);
+      for (size_t c = i + 1; c < end; ++c) {
+        const SoftmaxState part = SoftmaxState::At(partials + chunks[c].partial * floats, g);
+        for (int64_t j = 0; j < N; ++j) {
+          if (part.l[j] == 0.0f) continue;  // the chunk showed head j no token
+          const float mx = std::max(total.m[j], part.m[j]);
+          const float a = std::exp(total.m[j] - mx), b = std::exp(part.m[j] - mx);
+          total.l[j] = total.l[j] * a + part.l[j] * b;
+          for (int64_t d = 0; d < D; ++d)
+            total.acc[j * D + d] = total.acc[j * D + d] * a + part.acc[j * D + d] * b;
+          total.m[j] = mx;
+        }
+      }
+      WriteRow(g, chunks[i].row, total, out);
+    }
+    i = end;
   }
+}
+
+// Cuts the rows into chunks of at most `max_blocks` blocks, of near-equal size per row, so
+// that a few long rows (or one) still give every thread work; a row of one chunk keeps the
+// direct path. Returns the number of partial slots used.
+int64_t PlanChunks(const Geometry& g, const int32_t* kv_lens, int64_t max_blocks,
+                   std::vector<Chunk>* chunks) {
+  int64_t partials = 0;
+  for (int64_t b = 0; b < g.num_rows; ++b) {
+    const int64_t blocks = std::max<int64_t>(kv_lens[b], 0) / g.page_size +
+                           (std::max<int64_t>(kv_lens[b], 0) % g.page_size != 0);
+    const int64_t num = std::max<int64_t>(1, (blocks + max_blocks - 1) / max_blocks);
+    for (int64_t c = 0; c < num; ++c)
+      chunks->push_back({b, blocks * c / num, blocks * (c + 1) / num, num > 1 ? partials++ : -1});
+  }
+  return partials;
 }
 
 // Runs fn(i) for i in [0, n) on the caller and the pool's threads. Items are claimed from a
@@ -241,7 +435,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, con
              block_tables.dimensions()[1]};
   if (head_dim != g.head_dim || g.num_heads % g.num_kv_heads || g.group() > kMaxGroup ||
       num_queries < 1 || g.group() % num_queries || q_lens.element_count() != g.num_rows ||
-      g.head_dim > kMaxHeadDim || g.page_size > kMaxPage || layer < 0 ||
+      g.head_dim > kMaxHeadDim || g.head_dim % 8 || g.page_size > kMaxPage || layer < 0 ||
       layer >= kv_dims[0])
     return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
   const float* qp = q.typed_data();
@@ -249,21 +443,33 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, con
   const int32_t* lens = kv_lens.typed_data();
   const int32_t* qlens = q_lens.typed_data();
   float* o = out->typed_data();
+  // Chunks of at least kMinChunkTokens, and about kChunksPerThread per thread in all.
+  int64_t total_blocks = 0;
+  for (int64_t b = 0; b < g.num_rows; ++b)
+    total_blocks += (std::max<int64_t>(lens[b], 0) + g.page_size - 1) / g.page_size;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t max_blocks = std::max<int64_t>(
+      {(kMinChunkTokens + g.page_size - 1) / g.page_size,
+       (total_blocks + kChunksPerThread * threads - 1) / (kChunksPerThread * threads), 1});
+  std::vector<Chunk> chunks;
+  const int64_t num_partials = PlanChunks(g, lens, max_blocks, &chunks);
+  std::vector<float> partials(num_partials * SoftmaxState::Floats(g));
+  float* pp = partials.data();
   auto attend = [&](auto one) {
-    ParallelFor(pool, g.num_rows * g.num_kv_heads, [&, one](int64_t i) {
-      one(g, i / g.num_kv_heads, i % g.num_kv_heads, qp, k, v, layer, bt, lens, qlens,
-          num_queries, sm_scale, o);
+    ParallelFor(pool, chunks.size(), [&, one](int64_t i) {
+      one(g, chunks[i], qp, k, v, layer, bt, lens, qlens, num_queries, sm_scale, pp, o);
     });
   };
   const int64_t G = g.group();
-  if (g.head_dim == 64 && G == 1) attend(AttendOne<64, 1, Rows>);
-  else if (g.head_dim == 64 && G == 2) attend(AttendOne<64, 2, Rows>);
-  else if (g.head_dim == 64 && G == 3) attend(AttendOne<64, 3, Rows>);
-  else if (g.head_dim == 64 && G == 4) attend(AttendOne<64, 4, Rows>);
-  else if (g.head_dim == 128 && G == 1) attend(AttendOne<128, 1, Rows>);
-  else if (g.head_dim == 128 && G == 4) attend(AttendOne<128, 4, Rows>);
-  else if (g.head_dim == 128 && G == 8) attend(AttendOne<128, 8, Rows>);
-  else attend(AttendOne<0, 0, Rows>);
+  if (g.head_dim == 64 && G == 1) attend(AttendChunk<64, 1, Rows>);
+  else if (g.head_dim == 64 && G == 2) attend(AttendChunk<64, 2, Rows>);
+  else if (g.head_dim == 64 && G == 3) attend(AttendChunk<64, 3, Rows>);
+  else if (g.head_dim == 64 && G == 4) attend(AttendChunk<64, 4, Rows>);
+  else if (g.head_dim == 128 && G == 1) attend(AttendChunk<128, 1, Rows>);
+  else if (g.head_dim == 128 && G == 4) attend(AttendChunk<128, 4, Rows>);
+  else if (g.head_dim == 128 && G == 8) attend(AttendChunk<128, 8, Rows>);
+  else attend(AttendChunk<0, 0, Rows>);
+  if (num_partials) MergeChunks(g, chunks, pp, o);
   return ffi::Error::Success();
 }
 
