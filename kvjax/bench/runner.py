@@ -820,8 +820,16 @@ def run_benchmark_detailed(config: ConfigDict, *, model: Model | None = None,
     if clock_mode is Clock.SIMULATED:
         clock, cost_model = _VirtualClock(), StepCostModel(**config.sim.to_dict())
         # The virtual clock advances as steps are dispatched; a token read one step later
-        # would carry the next step's cost.
-        engine_config = dataclasses.replace(engine_config, async_scheduling=False)
+        # would carry the next step's cost. The engine's rate estimates (swap or recompute,
+        # a controller's costs) are the clock's own unless configured, not measured wall
+        # time, so a run replays the same way on any host.
+        tiers = engine_config.tiers
+        engine_config = dataclasses.replace(
+            engine_config, async_scheduling=False, tiers=dataclasses.replace(
+                tiers, swap_bandwidth_bytes_per_s=tiers.swap_bandwidth_bytes_per_s
+                or cost_model.host_bytes_per_s or None,
+                recompute_tokens_per_s=tiers.recompute_tokens_per_s
+                or (1 / cost_model.per_token_s if cost_model.per_token_s else None)))
     else:
         clock, cost_model = _WallClock(), None
     engine = _new_engine(model, engine_config, clock=clock)

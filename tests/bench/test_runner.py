@@ -122,8 +122,12 @@ def test_simulated_clock_follows_the_cost_model(model):
         get_profile("cpu"), flops, m["bytes_moved"], m["duration_s"]), rel=1e-12)
 
 
-def test_simulated_clock_replays_identically(model):
-    config = tiny_config(clock="simulated", **{"workload.params.rate": 200.0})
+@pytest.mark.parametrize("controller", ["fixed", "joint"])
+def test_simulated_clock_replays_identically(model, controller):
+    """Also under a controller, whose costs use the clock's rates, not measured ones."""
+    config = tiny_config(clock="simulated", **{
+        "workload.params.rate": 200.0, "engine.controller": controller,
+        "engine.num_pages": 12, "slo.kl_budget": 0.5})
     first = runner.run_benchmark(config, model=model, tokenizer=ByteTokenizer())
     second = runner.run_benchmark(config, model=model, tokenizer=ByteTokenizer())
     assert first["ttft_p99_s"] > first["ttft_p50_s"] > 0  # requests queued behind each other
