@@ -17,8 +17,18 @@ class Registry(dict[str, Callable[..., Any]]):
         super().__init__(factories or {})
         self.kind = kind
 
+    @classmethod
+    def of(cls, kind: str, *classes: type) -> Registry:
+        """A registry of `classes`, each under its `name` attribute."""
+        return cls(kind, {c.name: c for c in classes})
+
     def register(self, name: str, factory: Callable[..., Any]) -> None:
         self[name] = factory
+
+    def add(self, policy_class: type) -> type:
+        """Registers a class under its `name` attribute; returns it (a class decorator)."""
+        self[policy_class.name] = policy_class
+        return policy_class
 
     def make(self, name: str, **options: Any) -> Any:
         if name not in self:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvjax.batch.requests import BatchRequest, render_record
+from kvjax.registry import Registry
 
 Encode = Callable[[str], list[int]]
 
@@ -123,18 +124,14 @@ class BlendOrder:
         return mixed
 
 
-ORDERINGS: dict[str, type] = {o.name: o for o in (InputOrder, PrefixOrder, FieldOrder,
-                                                  BlendOrder)}
+ORDERINGS = Registry.of("batch order", InputOrder, PrefixOrder, FieldOrder, BlendOrder)
 
 
 def register_ordering(cls: type) -> type:
     """Class decorator that makes an ordering selectable by its `name`."""
-    ORDERINGS[cls.name] = cls
-    return cls
+    return ORDERINGS.add(cls)
 
 
 def make_ordering(name: str) -> Ordering:
     """Instantiates a registered ordering by name."""
-    if name not in ORDERINGS:
-        raise ValueError(f"unknown batch order {name!r}; known: {sorted(ORDERINGS)}")
-    return ORDERINGS[name]()
+    return ORDERINGS.make(name)

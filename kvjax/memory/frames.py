@@ -27,6 +27,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import ClassVar, Protocol
 
+from kvjax.registry import Registry
+
 
 @dataclasses.dataclass
 class Owner:
@@ -95,19 +97,16 @@ class ElasticLRU:
         return sorted(others, key=lambda o: o.last_active)
 
 
-POOL_POLICIES: dict[str, type] = {"static": StaticPartition, "elastic": ElasticLRU}
+POOL_POLICIES = Registry.of("pool policy", StaticPartition, ElasticLRU)
 
 
 def register_pool_policy(cls: type) -> type:
     """Registers a `PoolPolicy` class under its `name` (usable as a decorator)."""
-    POOL_POLICIES[cls.name] = cls
-    return cls
+    return POOL_POLICIES.add(cls)
 
 
 def make_pool_policy(name: str) -> PoolPolicy:
-    if name not in POOL_POLICIES:
-        raise ValueError(f"unknown pool policy {name!r}; expected one of {sorted(POOL_POLICIES)}")
-    return POOL_POLICIES[name]()
+    return POOL_POLICIES.make(name)
 
 
 class FramePool:

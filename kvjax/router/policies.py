@@ -15,6 +15,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
+from kvjax.registry import Registry
+
 
 @dataclasses.dataclass(frozen=True)
 class RouteRequest:
@@ -109,13 +111,9 @@ class LoadAware:
                        * (s.num_seqs + 1))
 
 
-POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
-    cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAffinity, LoadAware)
-}
+POLICIES = Registry.of("routing policy", RoundRobin, LeastLoaded, PrefixAffinity, LoadAware)
 
 
 def make_policy(name: str) -> RoutingPolicy:
     """A fresh routing policy by registered name."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown routing policy {name!r}; expected one of {sorted(POLICIES)}")
-    return POLICIES[name]()
+    return POLICIES.make(name)

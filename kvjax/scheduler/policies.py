@@ -11,6 +11,7 @@ import collections
 from collections.abc import Callable
 from typing import Protocol
 
+from kvjax.registry import Registry
 from kvjax.scheduler.request import Sequence
 
 
@@ -87,17 +88,14 @@ class FairShare:
         self.served[seq.tenant] += num_tokens
 
 
-POLICIES: dict[str, type] = {p.name: p for p in (FCFS, Priority, LongestPrefixMatch, FairShare)}
+POLICIES = Registry.of("scheduler policy", FCFS, Priority, LongestPrefixMatch, FairShare)
 
 
 def register_policy(cls: type) -> type:
     """Class decorator that makes a policy selectable by its `name`."""
-    POLICIES[cls.name] = cls
-    return cls
+    return POLICIES.add(cls)
 
 
 def make_policy(name: str) -> SchedulingPolicy:
     """Instantiates a registered policy by name."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown scheduler policy {name!r}; known: {sorted(POLICIES)}")
-    return POLICIES[name]()
+    return POLICIES.make(name)
