@@ -538,6 +538,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
     def _control(self) -> list[str]:
         """Consults the controller and applies its budgets and offloads; returns the
         sequences preempted."""
+        if isinstance(self.controller, FixedController):
+            return []  # the configured behaviour decides nothing: no snapshot to build
         self.decisions = d = self.controller.decide(self.control_state())
         for seq_id, budget in d.retention.items():
             self.kv_cache.retention.set_budget(seq_id, budget)
