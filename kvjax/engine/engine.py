@@ -38,7 +38,7 @@ from kvjax.engine.step import (
     StepShape,
     attention_name,
 )
-from kvjax.engine.swap import demoted_nbytes, demotes
+from kvjax.engine.swap import DEMOTION_BITS, demoted_nbytes, demotes
 from kvjax.kv.retention import RetentionManager, make_retention
 from kvjax.kv.reuse import ChunkCopier
 from kvjax.kv.state import pages_for
@@ -149,7 +149,7 @@ class Engine:
             self.runner, pool.allocator, swap_space, retention, page_size=config.page_size,
             watermark=config.watermark, scrub_freed_pages=config.scrub_freed_pages,
             stats=self.stats, tiers=tiers, quantized_len=pool.quantized_len,
-            chunk_copier=ChunkCopier(mc.rope_theta, config.page_size))
+            chunk_copier=ChunkCopier(mc.rope_theta, config.page_size), clock=clock)
         self.context_reuse = make_strategy(config.context_reuse, **config.context_reuse_options)
         self.scheduler = Scheduler(
             self._scheduler_config(), self.kv_cache, make_policy(config.scheduler_policy),
@@ -207,14 +207,16 @@ class Engine:
             adaptive_drafts=cfg.spec.adaptive, **self._demotion())
 
     def _demotion(self) -> dict:
-        """Whether swapped copies can be stored int8 (an exact float K/V pool swapped through
-        the plain swap space; a quantized pool's codes stay as they are), and the byte ratio
-        that saves."""
+        """The precisions swapped copies can be demoted to, each with the byte ratio it saves:
+        {bits: page bytes / demoted copy bytes} (an exact float K/V pool swapped through the
+        plain swap space; a quantized pool's codes stay as they are)."""
         leaves = self.runner.kv.page_leaves()
-        can = (self.config.kv_layout is KVLayout.PAGED and not self.config.tiers.enabled
-               and all(demotes(x) for x in leaves))  # exact float pages only
-        ratio = sum(x.nbytes for x in leaves) / sum(demoted_nbytes(x) for x in leaves)
-        return dict(can_demote=can, demote_ratio=ratio if can else 1.0)
+        if self.config.kv_layout is not KVLayout.PAGED or self.config.tiers.enabled:
+            return dict(demote_ratios={})
+        nbytes = sum(x.nbytes for x in leaves)
+        return dict(demote_ratios={
+            bits: nbytes / sum(demoted_nbytes(x, bits) for x in leaves)
+            for bits in DEMOTION_BITS if all(demotes(x, bits) for x in leaves)})
 
     # ----------------------------------------------------------------------------- views
 
@@ -569,7 +571,8 @@ class Engine:
         self.kv_cache.warmup(self.block_table_width,
                              swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE
                              or controlled,
-                             demote=controlled and self.scheduler.config.can_demote,
+                             demote_bits=tuple(self.scheduler.config.demote_ratios)
+                             if controlled else (),
                              max_copies=self.config.max_num_seqs + self.config.max_prefill_seqs
                              if is_paged else 0,
                              max_chunk_tokens=self.max_model_len

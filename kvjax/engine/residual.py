@@ -109,9 +109,9 @@ class WindowSwapSpace(HostSwapSpace):
             f._cache_size() for f in (self._window, self._set_window, self._zero_windows,
                                       self._copy_window))
 
-    def swap_out(self, kv, seq_id: str, pages: list[int], *, demote: bool = False) -> int:
+    def swap_out(self, kv, seq_id: str, pages: list[int], *, demote_bits: int = 0) -> int:
         """Copies the pages and the sequence's window to host memory; returns bytes moved."""
-        return (super().swap_out(kv, seq_id, pages, demote=demote)
+        return (super().swap_out(kv, seq_id, pages, demote_bits=demote_bits)
                 + self.save_window(kv, seq_id))
 
     def swap_in(self, kv, seq_id: str, pages: list[int], first: int) -> tuple[object, int]:
@@ -147,12 +147,12 @@ class WindowSwapSpace(HostSwapSpace):
         return kv
 
     def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool, swap_pages: bool = True,
-               demote: bool = False):
+               demote_bits: tuple[int, ...] = ()):
         """As `HostSwapSpace.warmup`, plus the window programs (writes to a slot past the end
         are dropped: the state is unchanged). swap_pages=False: windows swap here but pages
         elsewhere (through the tiers), so no page-swap program is compiled."""
         kv = super().warmup(kv, max_pages, swap=swap and swap_pages, scrub=scrub,
-                            demote=demote)
+                            demote_bits=demote_bits)
         past = jnp.int32(self.allocator.num_seq_slots)
         kv = self._copy_window(kv, jnp.int32(0), past)
         if swap:

@@ -7,54 +7,92 @@ lacks it). Page counts are padded to powers of two so the gather and scatter pro
 once per bucket. On a mesh each buffer keeps its sharding (the kv-head axis split over the
 `tp` devices), in host memory and back: every device swaps its own heads.
 
-Demoted copies (`swap_out(..., demote=True)`, a KV controller's decision): every float K/V
-leaf `[L, n, P, K, D]` travels and stays on the host as int8 codes with one float32 scale per
-token and head (absmax over D), about a quarter of float32's bytes; swapping in decodes them
-back into the pool's dtype, so the sequence continues from rounded K/V. Other leaves (codes
-and scales of a quantized pool, arena words) travel as they are.
+Demoted copies (`swap_out(..., demote_bits=8 or 4)`, a KV controller's decision): every float
+K/V leaf `[L, n, P, K, D]` travels and stays on the host encoded by a KV codec
+(`demotion_codec`): `int8` (one scale per token and head) or `int4` (two codes a byte, a scale
+and zero per 32 channels), about a quarter (an eighth) of float32's bytes. Swapping in decodes
+them back into the pool's dtype, so the sequence continues from rounded K/V, exactly as a pool
+of that codec would hold it (so the KL tables measured with those codecs price it). Other
+leaves (codes and scales of a quantized pool, arena words) travel as they are.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.kv import codecs
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.tiers.host import host_memory_kind
 from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
-
-def demotes(x: jax.Array) -> bool:
-    """Whether a page leaf travels int8 in a demoted copy (float K/V [L, n, P, K, D])."""
-    return x.ndim == 5 and jnp.issubdtype(x.dtype, jnp.floating)
+DEMOTION_BITS = (8, 4)  # the precisions a swapped copy may take, larger first
 
 
-def demoted_nbytes(x: jax.Array) -> int:
-    """Bytes of a page leaf in a demoted copy: int8 codes and a float32 scale per row of D."""
-    return x.size + x.size // x.shape[-1] * 4 if demotes(x) else x.nbytes
+def demotion_codec(bits: int, head_dim: int) -> tuple[str, dict]:
+    """(codec name, options) a demoted copy at `bits` is encoded with: int8 (a scale per
+    token and head), int4 (a scale and zero per gcd(32, D) channels)."""
+    if bits == 8:
+        return "int8", {}
+    if bits == 4:
+        return "int4", dict(group=math.gcd(32, head_dim))
+    raise ValueError(f"demoted copies are 8 or 4 bits, got {bits!r}")
 
 
-def demote_blob(blob: list[jax.Array]) -> list[tuple[jax.Array, ...]]:
-    """Each float K/V leaf as (int8 codes, float32 scales [L, n, P, K, 1]); others as (x,)."""
+def _codec(bits: int, head_dim: int) -> codecs.KVCodec:
+    name, options = demotion_codec(bits, head_dim)
+    return codecs.get_codec(name, **options)
+
+
+def demotes(x: jax.Array, bits: int = 8) -> bool:
+    """Whether a page leaf travels encoded in a demoted copy at `bits`: float K/V
+    [L, n, P, K, D] whose head dim the codec takes."""
+    if not (x.ndim == 5 and jnp.issubdtype(x.dtype, jnp.floating)):
+        return False
+    try:
+        _codec(bits, x.shape[-1]).bytes_per_token(x.shape[-2], x.shape[-1])
+    except ValueError:
+        return False
+    return True
+
+
+def demoted_nbytes(x: jax.Array, bits: int = 8) -> int:
+    """Bytes of a page leaf in a demoted copy at `bits`."""
+    if not demotes(x, bits):
+        return x.nbytes
+    tokens = x.size // (x.shape[-2] * x.shape[-1])
+    return int(tokens * _codec(bits, x.shape[-1]).bytes_per_token(x.shape[-2], x.shape[-1]))
+
+
+def demote_blob(blob: list[jax.Array], bits: int = 8) -> list[tuple[jax.Array, ...]]:
+    """Each float K/V leaf as its codec's stored arrays (sorted by name); others as (x,)."""
     out = []
     for x in blob:
-        if not demotes(x):
+        if demotes(x, bits):
+            stored = _codec(bits, x.shape[-1]).encode(x)
+            out.append(tuple(stored[k] for k in sorted(stored)))
+        else:
             out.append((x,))
-            continue
-        scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) / 127.0
-        safe = jnp.where(scale > 0, scale, 1.0)
-        codes = jnp.clip(jnp.round(x.astype(jnp.float32) / safe), -127, 127).astype(jnp.int8)
-        out.append((codes, scale))
     return out
 
 
-def restore_blob(parts: list[tuple[jax.Array, ...]], dtypes: list) -> list[jax.Array]:
-    """`demote_blob` undone: codes * scale in each leaf's dtype."""
-    return [p[0] if len(p) == 1 else (p[0].astype(jnp.float32) * p[1]).astype(dtype)
-            for p, dtype in zip(parts, dtypes, strict=True)]
+def restore_blob(parts: list[tuple[jax.Array, ...]], dtypes: list, bits: int = 8
+                 ) -> list[jax.Array]:
+    """`demote_blob` undone: each encoded leaf decoded into its dtype."""
+    out = []
+    for p, dtype in zip(parts, dtypes, strict=True):
+        if len(p) == 1:
+            out.append(p[0])
+            continue
+        head_dim = p[0].shape[-1] * 8 // bits  # the codes: bits per channel
+        codec = _codec(bits, head_dim)
+        names = sorted(codec.storage_spec(1, 1, head_dim))  # the stored arrays, as encoded
+        out.append(codec.decode(dict(zip(names, p, strict=True))).astype(dtype))
+    return out
 
 
 class HostSwapSpace:
@@ -68,8 +106,8 @@ class HostSwapSpace:
         self._gather = jax.jit(kv_pages.gather_pages)
         self._scatter = jax.jit(kv_pages.scatter_pages, donate_argnums=0)
         self._zero = jax.jit(kv_pages.zero_pages, donate_argnums=0)
-        self._demote = jax.jit(demote_blob)
-        self._restore = jax.jit(restore_blob, static_argnums=1)
+        self._demote = jax.jit(demote_blob, static_argnums=1)
+        self._restore = jax.jit(restore_blob, static_argnums=(1, 2))
         self.memory_kind = host_memory_kind(jax.devices()[0], user="swapping")
 
     @property
@@ -91,20 +129,20 @@ class HostSwapSpace:
         x, sharding = stored
         return jax.device_put(x, sharding.with_memory_kind("device"))
 
-    def swap_out(self, kv, seq_id: str, pages: list[int], *, demote: bool = False) -> int:
-        """Copies `pages` (in block-table order) to host memory, int8 with `demote`; returns
-        bytes moved."""
+    def swap_out(self, kv, seq_id: str, pages: list[int], *, demote_bits: int = 0) -> int:
+        """Copies `pages` (in block-table order) to host memory, at `demote_bits` (8 or 4;
+        0: as stored); returns bytes moved."""
         padded = pad_repeat_last(pages)
         stored = self._gather(kv, padded)
-        parts = self._demote(stored) if demote else [(x,) for x in stored]
+        parts = self._demote(stored, demote_bits) if demote_bits else [(x,) for x in stored]
         flat = [x for p in parts for x in p]
         self._stored[seq_id] = ([self._to_host(x) for x in flat], len(pages),
-                                [len(p) for p in parts], [x.dtype for x in stored])
+                                [len(p) for p in parts], [x.dtype for x in stored], demote_bits)
         return kv_pages.blob_bytes_per_page(flat) * len(pages)
 
     def swap_in(self, kv, seq_id: str, pages: list[int], first: int) -> tuple[object, int]:
         """Writes stored pages [first:] into the sequence's new `pages[first:]`; frees the copy."""
-        stored, n, sizes, dtypes = self._stored.pop(seq_id)
+        stored, n, sizes, dtypes, bits = self._stored.pop(seq_id)
         targets = pages[first:n]
         if not targets:
             return kv, 0
@@ -112,7 +150,7 @@ class HostSwapSpace:
         flat = kv_pages.take([self._to_device(x) for x in stored], idx)
         parts = [tuple(flat[i - k:i]) for i, k in zip(itertools.accumulate(sizes), sizes,
                                                             strict=True)]
-        blob = (self._restore(parts, tuple(dtypes)) if max(sizes) > 1
+        blob = (self._restore(parts, tuple(dtypes), bits) if bits
                 else [p[0] for p in parts])
         kv = self._scatter(kv, pad_repeat_last(targets), blob)
         return kv, kv_pages.blob_bytes_per_page(flat) * len(targets)
@@ -126,9 +164,10 @@ class HostSwapSpace:
             return kv
         return self._zero(kv, pad_repeat_last(sorted(pages)))
 
-    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool, demote: bool = False):
+    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool,
+               demote_bits: tuple[int, ...] = ()):
         """Compiles the swap and scrub programs for every padded count up to `max_pages` pages
-        (and the int8 demotion's with `demote`).
+        (and the demotions' to each of `demote_bits`).
 
         Their writes go to a page past the pool, which scatters drop: the state is unchanged.
         """
@@ -137,8 +176,9 @@ class HostSwapSpace:
             if swap:
                 gathered = self._gather(kv, np.zeros(n, np.int32))
                 stored = [self._to_device((x, x.sharding)) for x in gathered]
-                if demote:
-                    stored = self._restore(self._demote(stored), tuple(x.dtype for x in stored))
+                for bits in demote_bits:
+                    self._restore(self._demote(stored, bits), tuple(x.dtype for x in stored),
+                                  bits)
                 kv = self._scatter(kv, past, stored)
             if scrub:
                 kv = self._zero(kv, past)

@@ -4,7 +4,8 @@ Every page is in exactly one of three states:
 
 - free: on the free list, content meaningless;
 - in use: referenced by the block table of at least one sequence (refcount > 0);
-- cached: indexed by the prefix cache and referenced by nobody, so evictable (LRU).
+- cached: indexed by the prefix cache and referenced by nobody, so evictable (LRU, after
+  pages a caller keeps: `keep_cached`).
 
 An indexed page may also be in use; it is then shared through the cache and never evicted. A
 page that is indexed or referenced by several sequences is read-only: a write into it first
@@ -17,12 +18,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
 import numpy as np
 
-from kvjax.memory.prefix_cache import PrefixCache, hash_page, hash_root
+from kvjax.memory.prefix_cache import CachedPage, PrefixCache, hash_page, hash_root
 from kvjax.trace import NULL_TRACER, Tracer
 
 
@@ -145,6 +147,7 @@ class BlockManager:
         # the ids it owns at the time.
         self._free_pages = FreeList(num_pages) if pages is None else pages
         self.tracer: Tracer = NULL_TRACER  # page allocations, frees, evictions (set_tracer)
+        self.clock: Callable[[], float] = time.monotonic  # when cached pages are released
         self._ref_counts = np.zeros([num_pages], np.int32)  # [num_pages]
         self._seqs: dict[Hashable, _Sequence] = {}
         self._stats = BlockManagerStats()
@@ -235,6 +238,8 @@ class BlockManager:
             hashes = [self.prefix_cache.hash_of(page) for page in pages]
             for page in pages:
                 self._acquire(page)
+                if record_stats:
+                    self.prefix_cache.record_hit(page)
         if self.prefix_cache is not None and indexable and record_stats:
             self._stats = dataclasses.replace(
                 self._stats,
@@ -335,7 +340,7 @@ class BlockManager:
             start = index * self.page_size
             parent = hash_page(parent, token_ids[start : start + self.page_size])
             seq.page_hashes.append(parent)
-            self.prefix_cache.insert(parent, seq.block_table[index])
+            self.prefix_cache.insert(parent, seq.block_table[index], index)
 
     def retain(
         self, seq_id: Hashable, keep: Sequence[int]
@@ -494,7 +499,7 @@ class BlockManager:
         if self._ref_counts[page] > 0:
             return False
         if self.prefix_cache is not None and self.prefix_cache.is_indexed(page):
-            self.prefix_cache.mark_evictable(page)
+            self.prefix_cache.mark_evictable(page, self.clock())
             if self._evictable_hashes is not None:
                 self._evictable_hashes[page] = self.prefix_cache.hash_of(page)
             self.tracer.emit("cache", "page", "pages/device", page=page)
@@ -524,6 +529,17 @@ class BlockManager:
         self._stats = dataclasses.replace(self._stats, evictions=self._stats.evictions + 1)
         self.tracer.emit("evict", "page", "pages/device", page=page)
         return page
+
+    def cached_pages(self) -> list[CachedPage]:
+        """The unreferenced cached pages (evicted first when a page is needed), least recently
+        released first; none without the prefix cache."""
+        return [] if self.prefix_cache is None else self.prefix_cache.cached_pages()
+
+    def keep_cached(self, pages: Sequence[int]) -> None:
+        """Cached pages to evict only after every other one, in this order (see
+        `PrefixCache.keep`); a no-op without the prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.keep(pages)
 
     def num_givable_pages(self) -> int:
         """Cached pages `give_back_cached` would return now."""

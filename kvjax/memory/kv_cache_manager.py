@@ -40,7 +40,7 @@ class KVCacheManager:
 
     def __init__(self, device: KVDevice, allocator, swap_space, retention: RetentionManager, *,
                  page_size: int, watermark: float, scrub_freed_pages: bool, stats: dict,
-                 tiers=None, quantized_len=None, chunk_copier=None):
+                 tiers=None, quantized_len=None, chunk_copier=None, clock=None):
         self.device = device
         self.allocator = allocator
         self.swap_space = swap_space
@@ -53,6 +53,8 @@ class KVCacheManager:
         self.page_versions: dict[int, str] = {}
         self._quantized_len = quantized_len
         self._chunk_copier = chunk_copier
+        if clock is not None and self.has_prefix_cache:
+            allocator.clock = clock  # when cached pages are released (CachedPage.released_at)
         self._floors: dict[str, int] = {}  # sequence -> tokens its pages hold from the start
         self._ops: list[KVOp] = []
         self.tracer: Tracer = NULL_TRACER
@@ -135,6 +137,22 @@ class KVCacheManager:
 
     def cache_key_of(self, seq_id: str) -> bytes:
         return self.allocator.cache_key_of(seq_id)
+
+    def cached_pages(self) -> list:
+        """The unreferenced prefix-cache pages (`kvjax.memory.prefix_cache.CachedPage`), least
+        recently released first; [] without a prefix cache."""
+        return self.allocator.cached_pages() if self.has_prefix_cache else []
+
+    def keep_cached(self, pages: Sequence[int]) -> None:
+        """Cached pages evicted only after every other one, in this order (a controller's
+        choice of which prefix pages to keep); a no-op without a prefix cache."""
+        if self.has_prefix_cache:
+            self.allocator.keep_cached(pages)
+
+    def host_room_bytes(self) -> float:
+        """Bytes the host tier can take before it evicts (inf without a host budget: swapped
+        copies live in host memory unbounded)."""
+        return float("inf") if self.tiers is None else self.tiers.host_room_bytes()
 
     def prefix_cache_stats(self) -> dict:
         stats = getattr(self.allocator, "stats", None)
@@ -284,15 +302,15 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------------------- swap
 
-    def swap_out(self, seq_id: str, num_computed: int, *, demote: bool = False) -> None:
-        """Copies a sequence's computed pages to host memory (int8 with `demote`: see
-        `kvjax.engine.swap`), then frees them.
+    def swap_out(self, seq_id: str, num_computed: int, *, demote_bits: int = 0) -> None:
+        """Copies a sequence's computed pages to host memory (int8 or int4 with `demote_bits`:
+        see `kvjax.engine.swap`), then frees them.
 
         A sequence retention compacted keeps its record of which tokens its pages hold."""
         held = self.cached_len(seq_id, num_computed)
         pages = self.block_table(seq_id)[:pages_for(held, self.page_size)]
         nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
-            self.swap_space.swap_out(kv, seq_id, pages, demote=demote)))
+            self.swap_space.swap_out(kv, seq_id, pages, demote_bits=demote_bits)))
         self.stats["swaps_out"] += 1
         self.stats["swap_bytes"] += nbytes
         self.free(seq_id, keep_retention=True)
@@ -471,7 +489,7 @@ class KVCacheManager:
     # ----------------------------------------------------------------------------- warm-up
 
     def warmup(self, block_table_width: int, *, swap: bool, max_copies: int = 0,
-               max_chunk_tokens: int = 0, demote: bool = False) -> None:
+               max_chunk_tokens: int = 0, demote_bits: tuple[int, ...] = ()) -> None:
         """Compiles the tier, retention, swap and scrub programs on padding inputs, the
         copy-on-write programs for up to `max_copies` copies in one step (page 0 onto itself,
         which changes nothing) and the chunk copies of up to `max_chunk_tokens` tokens."""
@@ -486,4 +504,5 @@ class KVCacheManager:
             self._apply(KVOp(KVOpKind.WARMUP),
                         lambda kv: self._chunk_copier.warmup(kv, max_chunk_tokens))
         self._apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
-            kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages, demote=demote))
+            kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages,
+            demote_bits=demote_bits))

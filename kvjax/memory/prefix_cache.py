@@ -8,13 +8,20 @@ so they are equal across processes and machines (unlike Python's salted `hash`).
 
 The index only knows pages and hashes; the block manager owns reference counts and tells the
 index when an indexed page loses its last reference (it becomes evictable) or gains one again.
+
+Eviction takes the least recently released unreferenced page, except that a caller (a KV
+controller, through the block manager) may name pages to keep (`keep`): those go only after
+every other evictable page, in the order named. Each indexed page counts its reuses (prefix
+hits), remembers when it was last released and its depth in its chain (`CachedPage`), which is
+what such a caller ranks pages by.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,6 +43,23 @@ def hash_page(parent_hash: bytes, page_tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
+class CachedPage(NamedTuple):
+    """An unreferenced indexed page, as a keep policy sees it.
+
+    Attributes:
+      page: the page id.
+      hits: times a lookup reused it since it was indexed.
+      released_at: when it lost its last reference (the caller's clock).
+      depth: its index in its hash chain (0: a sequence's first page); evicting a page strands
+        the deeper pages of its chain (lookups stop at the first missing page).
+    """
+
+    page: int
+    hits: int
+    released_at: float
+    depth: int
+
+
 class PrefixCache:
     """Maps hash chains of full pages to page ids; keeps unreferenced indexed pages in LRU order.
 
@@ -49,8 +73,11 @@ class PrefixCache:
         self.page_size = page_size
         self._page_by_hash: dict[bytes, int] = {}
         self._hash_by_page: dict[int, bytes] = {}
-        # Least recently released first: evict_one pops from the front.
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Least recently released first (evict_one pops from the front), with release times.
+        self._evictable: collections.OrderedDict[int, float] = collections.OrderedDict()
+        self._hits: dict[int, int] = {}  # indexed page -> reuses
+        self._depth: dict[int, int] = {}  # indexed page -> index in its chain
+        self._keep: dict[int, int] = {}  # page -> rank: evicted last, lowest rank first
 
     def lookup(self, token_ids: Sequence[int], cache_key: bytes) -> list[int]:
         """Pages holding the longest indexed prefix of full pages of `token_ids`, in order."""
@@ -64,14 +91,33 @@ class PrefixCache:
             pages.append(page)
         return pages
 
-    def insert(self, page_hash: bytes, page: int) -> bool:
-        """Indexes `page` under `page_hash`; returns False (and changes nothing) when the hash
-        already names another page or the page is already indexed."""
+    def insert(self, page_hash: bytes, page: int, depth: int = 0) -> bool:
+        """Indexes `page` (the `depth`-th page of its chain) under `page_hash`; returns False
+        (and changes nothing) when the hash already names another page or the page is already
+        indexed."""
         if page_hash in self._page_by_hash or page in self._hash_by_page:
             return False
         self._page_by_hash[page_hash] = page
         self._hash_by_page[page] = page_hash
+        self._hits[page] = 0
+        self._depth[page] = depth
         return True
+
+    def record_hit(self, page: int) -> None:
+        """A lookup's sequence reuses the indexed `page`."""
+        if page not in self._hash_by_page:
+            raise ValueError(f"page {page} is not in the prefix cache")
+        self._hits[page] += 1
+
+    def cached_pages(self) -> list[CachedPage]:
+        """The evictable pages, least recently released first."""
+        return [CachedPage(page, self._hits[page], released_at, self._depth[page])
+                for page, released_at in self._evictable.items()]
+
+    def keep(self, pages: Iterable[int]) -> None:
+        """From now on the named pages are evicted only after every other evictable page, in
+        the order named (replaces the previous call's pages; pages not indexed are ignored)."""
+        self._keep = {page: rank for rank, page in enumerate(pages)}
 
     def hash_of(self, page: int) -> bytes:
         """The hash an indexed page is stored under (ValueError when it is not indexed)."""
@@ -91,13 +137,14 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return len(self._evictable)
 
-    def mark_evictable(self, page: int) -> None:
-        """An indexed page lost its last reference: it becomes the most recently released."""
+    def mark_evictable(self, page: int, now: float = 0.0) -> None:
+        """An indexed page lost its last reference at `now`: it becomes the most recently
+        released."""
         if page not in self._hash_by_page:
             raise ValueError(f"page {page} is not in the prefix cache")
         if page in self._evictable:
             raise ValueError(f"page {page} is already evictable")
-        self._evictable[page] = None
+        self._evictable[page] = now
 
     def mark_in_use(self, page: int) -> None:
         """An evictable page is referenced again (a prefix hit): it must not be evicted."""
@@ -106,18 +153,24 @@ class PrefixCache:
         del self._evictable[page]
 
     def evict_one(self) -> int | None:
-        """Drops the least recently released unreferenced page from the index and returns it,
-        or None when every indexed page is referenced."""
+        """Drops an unreferenced page from the index and returns it, or None when every
+        indexed page is referenced: the least recently released one not kept, else the first
+        kept one (see `keep`)."""
         if not self._evictable:
             return None
-        page, _ = self._evictable.popitem(last=False)
+        page = next((p for p in self._evictable if p not in self._keep), None)
+        if page is None:
+            page = min(self._evictable, key=self._keep.__getitem__)
+        del self._evictable[page]
         del self._page_by_hash[self._hash_by_page.pop(page)]
+        del self._hits[page], self._depth[page]
+        self._keep.pop(page, None)
         return page
 
     def reset(self) -> list[int]:
         """Empties the index; returns the pages that were evictable (nobody references them)."""
         released = list(self._evictable)
-        self._page_by_hash.clear()
-        self._hash_by_page.clear()
-        self._evictable.clear()
+        for index in (self._page_by_hash, self._hash_by_page, self._evictable, self._hits,
+                      self._depth, self._keep):
+            index.clear()
         return released

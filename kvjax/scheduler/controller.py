@@ -12,8 +12,12 @@ existing mechanisms:
                       recomputed as `swap` says, to make room for higher-ranked waiting ones
   victims, swap       which running sequence goes first when pages run out mid-step, and how
   retention           a sequence's retention budget (evicting policies: the tokens it keeps)
-  demote              a swapped sequence's host copy is stored int8 (fewer bytes moved; its
-                      values come back rounded)
+  demote              a swapped sequence's host copy is stored at fewer bits, int8 or int4
+                      (exact -> int8 -> int4: fewer bytes moved and held; its values come back
+                      rounded)
+  keep                which cached prefix pages stay on the device longest: the prefix cache
+                      evicts every other unreferenced page first (to the host tier, when the
+                      engine has one), then these in the order given
   prefetch            the order swapped sequences come back in
 
 SLOs and degradation (`SLO`): a request may carry a TTFT and a TPOT target and a KL budget,
@@ -35,7 +39,9 @@ Controllers are registered by name (`CONTROLLERS`, `register_controller`, `make_
                most urgent first
   retention    retention only: lower-ranked sequences keep fewer tokens (budgets within
                their KL budget)
-  codec        codec demotion only: every swapped copy int8 within the KL budget
+  codec        codec demotion only: every swapped copy at the fewest bits within the KL
+               budget
+  prefix       prefix retention only: reused cached pages kept longest, by expected reuse
   joint        all of the above, each step choosing per victim the action of least
                estimated cost per page freed: time + energy + quality, against the slack of
                the requests that benefit
@@ -47,8 +53,9 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
+from kvjax.memory.prefix_cache import CachedPage
 from kvjax.registry import Registry
 
 INF = math.inf
@@ -91,7 +98,8 @@ class SeqState:
       retention_budget: tokens it keeps (None: all).
       kl_spent: estimated KL of the degradations applied to it so far.
       kl_budget: its SLO's KL budget (None: unbounded).
-      demoted: its host copy is (or will be) stored int8.
+      demoted_bits: the fewest bits a host copy of its KV was rounded to (0: exact).
+      num_preemptions: times it was preempted so far.
     """
 
     seq_id: str
@@ -108,7 +116,8 @@ class SeqState:
     retention_budget: int | None
     kl_spent: float
     kl_budget: float | None
-    demoted: bool
+    demoted_bits: int = 0
+    num_preemptions: int = 0
 
     @property
     def kl_left(self) -> float:
@@ -127,10 +136,16 @@ class ControlState:
       kv_bytes_per_token: device bytes per cached token.
       swap_bytes_per_s, recompute_tokens_per_s: transfer and prefill rate estimates.
       can_swap: sequences may be swapped to host memory.
-      can_demote: swapped copies may be stored int8 (`demote_ratio` fewer bytes).
+      demote_ratios: {bits: a page's bytes over its copy's} for each precision a swapped
+        copy may be stored at (8, 4); empty: no demotion.
       retention_range: (least, most) tokens `Decisions.retention` may set as a sequence's
         budget; None without an evicting retention policy.
       seqs: every unfinished, unpaused sequence.
+      cached: the unreferenced prefix-cache pages (reuse count, release time, depth in their
+        chain), least recently released first: what an allocation evicts.
+      host_room_bytes: bytes the host tier takes before it evicts (inf: host memory
+        unbounded, no tier budget).
+      spills_cached: an evicted cached page goes to the host tier (else it is lost).
     """
 
     now: float
@@ -142,13 +157,22 @@ class ControlState:
     swap_bytes_per_s: float
     recompute_tokens_per_s: float
     can_swap: bool
-    can_demote: bool
-    demote_ratio: float
+    demote_ratios: Mapping[int, float]
     retention_range: tuple[int, int] | None
     seqs: tuple[SeqState, ...]
+    cached: tuple[CachedPage, ...] = ()
+    host_room_bytes: float = INF
+    spills_cached: bool = False
 
     def with_status(self, status: str) -> list[SeqState]:
         return [s for s in self.seqs if s.status == status]
+
+
+class Demotion(NamedTuple):
+    """A swapped copy stored at `bits` (8 or 4), costing `kl` more estimated KL."""
+
+    bits: int
+    kl: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +189,9 @@ class Decisions:
         and recompute it (unnamed: the engine's preemption mode).
       retention: per sequence, its new retention budget (None: keep every token).
       kl: per sequence, the estimated KL it has spent once this step's retention applies.
-      demote: per sequence, the KL its host copy costs if it is swapped int8 from now on.
+      demote: per sequence, the precision its host copy is stored at if it is swapped from now
+        on, and the KL that adds.
+      keep: cached prefix pages evicted last, least valuable first (empty: plain LRU).
     """
 
     admit_order: tuple[str, ...] = ()
@@ -174,7 +200,8 @@ class Decisions:
     swap: Mapping[str, bool] = dataclasses.field(default_factory=dict)
     retention: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
     kl: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    demote: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    demote: Mapping[str, Demotion] = dataclasses.field(default_factory=dict)
+    keep: tuple[int, ...] = ()
     prefetch: tuple[str, ...] = ()
 
 
@@ -199,7 +226,7 @@ def degradation_key(seq: SeqState) -> tuple:
 # ----------------------------------------------------------------------------- the controller
 
 
-_ACTIONS = frozenset({"admit", "recompute", "swap", "retain", "demote"})
+_ACTIONS = frozenset({"admit", "recompute", "swap", "retain", "demote", "keep"})
 
 
 class CostController:
@@ -207,10 +234,12 @@ class CostController:
 
     actions: which decisions it may take: "admit" (admission order), "recompute" and "swap"
       (preempt a lower-ranked running sequence, dropping or moving its KV), "retain" (shrink a
-      sequence's retention budget), "demote" (int8 host copies of swapped sequences).
+      sequence's retention budget), "demote" (int8 / int4 host copies of swapped sequences),
+      "keep" (which cached prefix pages stay longest).
     retention_kl: {budget: mean KL per token} measured for the engine's retention policy
       (`kvjax.bench.controller.measure_kl_tables`); a budget missing here is never chosen.
-    demote_kl: mean KL per token of int8 copies of exact KV.
+    demote_kl: {bits: mean KL per token} of copies of exact KV rounded to int8 / int4 (a
+      number: int8's alone); a precision missing here is never chosen.
     kl_cost_s: seconds of delay one nat of KL is worth (the quality term of the cost).
     miss_cost_s: seconds a victim's missed deadline is worth: preempting a sequence stalls it
       at least as long as the prefill of the sequence it makes room for (plus its own
@@ -218,13 +247,20 @@ class CostController:
       this much more (retention keeps it running).
     joules_per_byte, joules_per_token, energy_cost_s: the energy term: bytes moved and
       tokens recomputed priced in joules, and seconds one joule is worth.
+    max_preemptions: a sequence preempted this often is not offloaded by a decision again
+      (only retention may still free its pages; it can still be the victim when pages run
+      out mid-step): bounds the TPOT tail of a repeatedly chosen victim. None: no bound.
+    keep_horizon_s: with "keep", a cached page's reuses count less the longer it sits idle:
+      its value is hits / (1 + idle / keep_horizon_s) times what a miss costs.
     """
 
     def __init__(self, name: str, actions: frozenset[str], *,
-                 retention_kl: Mapping[Any, float] | None = None, demote_kl: float = 0.0,
+                 retention_kl: Mapping[Any, float] | None = None,
+                 demote_kl: float | Mapping[Any, float] = 0.0,
                  kl_cost_s: float = 10.0, miss_cost_s: float = 5.0,
                  joules_per_byte: float = 0.0,
-                 joules_per_token: float = 0.0, energy_cost_s: float = 0.0):
+                 joules_per_token: float = 0.0, energy_cost_s: float = 0.0,
+                 max_preemptions: int | None = None, keep_horizon_s: float = 60.0):
         unknown = sorted(set(actions) - _ACTIONS)
         if unknown:
             raise ValueError(f"controller actions {unknown} unknown; known: {sorted(_ACTIONS)}")
@@ -232,7 +268,17 @@ class CostController:
         self.actions = frozenset(actions)
         self.manages_retention = "retain" in self.actions
         self.retention_kl = {int(b): float(k) for b, k in (retention_kl or {}).items()}
-        self.demote_kl = float(demote_kl)
+        if not isinstance(demote_kl, Mapping):
+            demote_kl = {8: demote_kl}
+        self.demote_kl = {int(b): float(k) for b, k in demote_kl.items()}
+        if max_preemptions is not None and not (isinstance(max_preemptions, int)
+                                                and max_preemptions >= 1):
+            raise ValueError(f"max_preemptions must be None or an int >= 1, got "
+                             f"{max_preemptions!r}")
+        if not keep_horizon_s > 0:
+            raise ValueError(f"keep_horizon_s must be > 0, got {keep_horizon_s!r}")
+        self.max_preemptions = max_preemptions
+        self.keep_horizon_s = float(keep_horizon_s)
         self.kl_cost_s = float(kl_cost_s)
         self.miss_cost_s = float(miss_cost_s)
         self.joules_per_byte = float(joules_per_byte)
@@ -264,12 +310,11 @@ class CostController:
                         None))
         if "swap" in self.actions and state.can_swap and may_stall:
             t = 2 * kv_bytes / state.swap_bytes_per_s
-            out.append((preempt_cost(t, 2 * kv_bytes, 0, 0.0), s.pages_held, "swap", False))
-            if ("demote" in self.actions and state.can_demote and not s.demoted
-                    and self.demote_kl <= s.kl_left):
-                moved = 2 * kv_bytes / state.demote_ratio
+            out.append((preempt_cost(t, 2 * kv_bytes, 0, 0.0), s.pages_held, "swap", None))
+            for demotion in self._demotions(s, state):
+                moved = 2 * kv_bytes / state.demote_ratios[demotion.bits]
                 out.append((preempt_cost(moved / state.swap_bytes_per_s, moved, 0,
-                                         self.demote_kl), s.pages_held, "swap", True))
+                                         demotion.kl), s.pages_held, "swap", demotion))
         if "retain" in self.actions and state.retention_range is not None:
             low, high = state.retention_range
             for b in sorted(b for b in self.retention_kl if low <= b <= high):
@@ -279,6 +324,39 @@ class CostController:
                         and extra <= s.kl_left:
                     out.append((self._cost(0.0, 0, 0, extra) / freed, freed, "retain", b))
         return sorted(out, key=lambda o: o[0])
+
+    def _demotions(self, s: SeqState, state: ControlState) -> list[Demotion]:
+        """The precisions its swapped copy may take within its KL budget, each with the KL it
+        adds (a copy no finer than one it already went through adds none)."""
+        if "demote" not in self.actions:
+            return []
+        spent = self.demote_kl.get(s.demoted_bits, 0.0)
+        out = [Demotion(bits, max(kl - spent, 0.0)) for bits, kl in self.demote_kl.items()
+               if bits in state.demote_ratios]
+        return sorted((d for d in out if d.kl <= s.kl_left), key=lambda d: -d.bits)
+
+    def _keep(self, state: ControlState) -> tuple[int, ...]:
+        """The cached pages reused so far, least valuable first: a page's value is what its
+        eviction is expected to cost, its reuses (fewer the longer it sits idle) times a
+        miss (reloading it from the host tier when it spills there with room, else
+        recomputing its tokens); among equals the deeper page goes first, since evicting a
+        page strands the rest of its chain. Pages never reused go before all of them, least
+        recently released first."""
+        if "keep" not in self.actions:
+            return ()
+        page_bytes = state.kv_bytes_per_token * state.page_size
+        if state.spills_cached and state.host_room_bytes >= page_bytes:
+            miss_s = page_bytes / state.swap_bytes_per_s
+        else:
+            miss_s = state.page_size / state.recompute_tokens_per_s
+
+        def value(c: CachedPage) -> float:
+            idle = max(state.now - c.released_at, 0.0)
+            return c.hits / (1.0 + idle / self.keep_horizon_s) * miss_s
+
+        reused = sorted((c for c in state.cached if c.hits > 0),
+                        key=lambda c: (value(c), -c.depth))
+        return tuple(c.page for c in reused)
 
     @staticmethod
     def _pages_to_run(s: SeqState, page_size: int) -> int:
@@ -310,10 +388,10 @@ class CostController:
             if options and {"swap", "recompute"} <= self.actions:
                 swap[s.seq_id] = options[0][2] == "swap"
                 if options[0][3]:
-                    demote[s.seq_id] = self.demote_kl
-            if (self.actions == {"demote"} and state.can_demote and not s.demoted
-                    and self.demote_kl <= s.kl_left):
-                demote[s.seq_id] = self.demote_kl
+                    demote[s.seq_id] = options[0][3]
+            demotions = self._demotions(s, state)
+            if self.actions == {"demote"} and demotions:
+                demote[s.seq_id] = demotions[-1]  # the fewest bits the budget allows
         # Pages the queued sequences that can still meet a deadline need beyond the free ones;
         # they are freed from lower-ranked running sequences, cheapest way first.
         offload, retention, kl = [], {}, {}
@@ -327,8 +405,11 @@ class CostController:
         for s in victims if deficit > 0 and beneficiary is not None else ():
             if deficit <= 0 or degradation_key(s) >= degradation_key(beneficiary):
                 break
-            # A victim of the beneficiary's priority is only stalled if it can afford to.
-            may_stall = s.priority < beneficiary.priority or s.slack_s >= stall_s
+            # A victim of the beneficiary's priority is only stalled if it can afford to, and
+            # none is offloaded again once preempted max_preemptions times.
+            may_stall = ((s.priority < beneficiary.priority or s.slack_s >= stall_s)
+                         and (self.max_preemptions is None
+                              or s.num_preemptions < self.max_preemptions))
             options = self._options(s, state, stall_s, may_stall=may_stall)
             if not options:
                 continue
@@ -341,7 +422,7 @@ class CostController:
                 offload.append(s.seq_id)
                 swap[s.seq_id] = action == "swap"
                 if arg:
-                    demote[s.seq_id] = self.demote_kl
+                    demote[s.seq_id] = arg
             deficit -= freed
         # A controller that preempts ranks the queue itself: a victim must not come back
         # before the sequence it made room for (swapped ones otherwise go first).
@@ -349,9 +430,9 @@ class CostController:
         return Decisions(
             admit_order=tuple(s.seq_id for s in queued) if ranks else (),
             offload=tuple(offload),
-            victims=tuple(s.seq_id for s in victims) if self.actions - {"admit", "demote"}
-            else (),
-            swap=swap, retention=retention, kl=kl, demote=demote)
+            victims=tuple(s.seq_id for s in victims)
+            if self.actions - {"admit", "demote", "keep"} else (),
+            swap=swap, retention=retention, kl=kl, demote=demote, keep=self._keep(state))
 
 
 class FixedController:
@@ -370,6 +451,7 @@ _BEHAVIOURS = {
     "tiers": {"swap"},
     "retention": {"retain"},
     "codec": {"demote"},
+    "prefix": {"keep"},
     "joint": set(_ACTIONS),
 }
 

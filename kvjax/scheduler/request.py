@@ -82,7 +82,7 @@ class Sequence:
     is_chunk_fill: bool = False
     slo: SLO = SLO()
     kl_spent: float = 0.0  # estimated KL of the degradations a controller applied
-    demoted: bool = False  # its host copy is stored int8 when swapped (a controller's choice)
+    demoted_bits: int = 0  # its KV went through a host copy of this many bits (0: exact)
 
     @property
     def is_prefill_only(self) -> bool:

@@ -11,7 +11,7 @@ through the `KVCacheManager`; the scheduler never touches the device pool itself
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -59,8 +59,8 @@ class SchedulerConfig:
         (`kvjax.scheduler.spec`); 0: no speculative decoding.
       adaptive_drafts: a sequence's draft length follows its last verify step
         (`SpecConfig.adaptive`).
-      can_demote: swapped copies may be stored int8 (float pages, the plain swap space).
-      demote_ratio: a page's bytes over its int8 copy's.
+      demote_ratios: {bits: a page's bytes over its copy's at bits} for each precision a
+        swapped copy may be demoted to (float pages, the plain swap space); empty: none.
     """
 
     max_num_seqs: int
@@ -80,8 +80,7 @@ class SchedulerConfig:
     prefill_padding_limit: float | None = None
     num_draft_tokens: int = 0
     adaptive_drafts: bool = False
-    can_demote: bool = False
-    demote_ratio: float = 1.0
+    demote_ratios: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
 
 # A controller's estimate of the swap rate when the engine measured none.
@@ -514,16 +513,19 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                     cached_tokens=self._cached_len(s) if status != "waiting" else 0,
                     pages_held=held, slack_s=self._slack(s, now),
                     retention_budget=retention.budget(s.seq_id), kl_spent=s.kl_spent,
-                    kl_budget=s.slo.kl_budget, demoted=s.demoted))
+                    kl_budget=s.slo.kl_budget, demoted_bits=s.demoted_bits,
+                    num_preemptions=s.num_preemptions))
         return ControlState(
             now=now, page_size=cfg.page_size, num_pages=self.kv_cache.allocator.capacity,
             free_pages=self.kv_cache.allocator.num_free_pages(), max_num_seqs=cfg.max_num_seqs,
             kv_bytes_per_token=cfg.kv_bytes_per_token,
             swap_bytes_per_s=cfg.swap_bandwidth_bytes_per_s or _DEFAULT_SWAP_BYTES_PER_S,
             recompute_tokens_per_s=self._recompute_rate(), can_swap=cfg.is_paged,
-            can_demote=cfg.can_demote, demote_ratio=cfg.demote_ratio,
+            demote_ratios=cfg.demote_ratios,
             retention_range=(policy.min_budget, policy.budget) if policy.evicts else None,
-            seqs=tuple(seqs))
+            seqs=tuple(seqs), cached=tuple(self.kv_cache.cached_pages()),
+            host_room_bytes=self.kv_cache.host_room_bytes(),
+            spills_cached=self.kv_cache.tiers is not None)
 
     @staticmethod
     def _slack(seq: Sequence, now: float) -> float:
@@ -545,6 +547,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             self.kv_cache.retention.set_budget(seq_id, budget)
         for seq_id, kl in d.kl.items():
             self._seqs[seq_id].kl_spent = kl
+        self.kv_cache.keep_cached(d.keep)
         preempted = []
         for seq_id in d.offload:
             seq = self._seqs.get(seq_id)
@@ -571,16 +574,19 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         seq.num_preemptions += 1
         self.stats["preemptions"] += 1
         is_swap = seq.num_computed > 0 and self.config.is_paged and self._swap_on_preempt(seq)
-        demote = is_swap and self.config.can_demote and seq.seq_id in self.decisions.demote
+        demotion = self.decisions.demote.get(seq.seq_id) if is_swap else None
+        if demotion is not None and demotion.bits not in self.config.demote_ratios:
+            demotion = None
         self.tracer.emit("preempt", "request", f"request/{seq.request_id}", seq_id=seq.seq_id,
                          mode="swap" if is_swap else "recompute", num_computed=seq.num_computed,
-                         demoted=demote)
+                         demote_bits=0 if demotion is None else demotion.bits)
         if is_swap:
-            if demote:
-                seq.kl_spent += self.decisions.demote[seq.seq_id]
-                seq.demoted = True
+            if demotion is not None:
+                seq.kl_spent += demotion.kl
+                seq.demoted_bits = min(demotion.bits, seq.demoted_bits or demotion.bits)
                 self.stats["demoted_swaps"] += 1
-            self.kv_cache.swap_out(seq.seq_id, seq.num_computed, demote=demote)
+            self.kv_cache.swap_out(seq.seq_id, seq.num_computed,
+                                   demote_bits=0 if demotion is None else demotion.bits)
             seq.status = SeqStatus.SWAPPED
             self.swapped.append(seq)
             return

@@ -3,13 +3,15 @@ ones within their KL budgets, nothing dropped, nothing recompiled."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.scheduler.controller import SLO
-from kvjax.testing import greedy_reference, tiny_model
+from kvjax.testing import TINY, greedy_reference, tiny_model
 
 NUM_NEW = 8
 TABLE = {"4": 0.3, "8": 0.1}
@@ -83,6 +85,49 @@ def test_demoted_swaps_move_fewer_bytes_within_the_kl_budget(model, prompts, ref
     assert any(demoted[i].kl_spent > 0 for i in range(len(prompts)))
 
 
+def test_int4_copies_when_the_budget_allows_move_fewer_bytes(prompts):
+    """exact -> int8 -> int4: a KL budget that fits int4 stores the swapped copies at four
+    bits (a model with head dim 32, where int4's metadata does not eat the saving); each
+    request's KL is counted once (a copy no finer than one it went through adds none)."""
+    model = tiny_model(dataclasses.replace(TINY, head_dim=32))
+    budgets = [0.0, 0.0, 0.5, 0.5, 0.5]
+    config = dict(preemption_mode="swap", num_pages=10, controller="codec")
+    runs = {}
+    for levels in ({8: 0.01}, {8: 0.01, 4: 0.05}):
+        outs, engine = serve(model, prompts, dict(config, controller_options=dict(
+            demote_kl=levels)), budgets)
+        assert engine.stats["demoted_swaps"] > 0
+        runs[len(levels)] = outs, engine.stats
+    (int8, int8_stats), (int4, int4_stats) = runs[1], runs[2]
+    assert int4_stats["swaps_out"] == int8_stats["swaps_out"]
+    assert int4_stats["swap_bytes"] < int8_stats["swap_bytes"]
+    assert all(int4[i].kl_spent in (0.0, 0.05) for i in (2, 3, 4))
+    assert any(int4[i].kl_spent == 0.05 for i in (2, 3, 4))
+    for i in (0, 1):
+        assert int4[i].outputs[0].token_ids == int8[i].outputs[0].token_ids
+        assert int4[i].kl_spent == 0.0
+
+
+@pytest.mark.parametrize("bits,codec", [(8, "int8"), (4, "int4")])
+def test_demoted_copies_hold_what_a_pool_of_that_codec_would(bits, codec):
+    """A demoted copy is encoded by the KV codec its KL table was measured with: restored
+    values equal that codec's round trip, in fewer bytes; leaves that are not float K/V
+    travel unchanged."""
+    from kvjax.engine.swap import demote_blob, demoted_nbytes, restore_blob
+    from kvjax.kv.codecs import get_codec
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 3, 4, 2, 64)).astype(np.float32)  # [L, n, P, K, D]
+    codes = rng.integers(-127, 127, size=(2, 3, 4, 2, 64)).astype(np.int8)
+    parts = demote_blob([x, codes], bits)
+    assert sum(p.nbytes for p in parts[0]) == demoted_nbytes(x, bits) < x.nbytes / 3
+    restored, same = restore_blob(parts, [x.dtype, codes.dtype], bits)
+    c = get_codec(codec)
+    np.testing.assert_array_equal(np.asarray(restored), np.asarray(c.decode(c.encode(x))))
+    assert np.abs(np.asarray(restored) - x).max() < 0.05 * 2 ** (8 - bits)
+    np.testing.assert_array_equal(np.asarray(same), codes)
+
+
 def test_retention_budgets_within_each_requests_kl_budget(model, prompts, reference):
     """A streaming engine whose sequences start exact: the controller shrinks the budgets of
     requests that accept the loss (measured table), never the exact-only ones'."""
@@ -110,3 +155,30 @@ def test_bad_slo_fails_alone(model, prompts):
         engine.step()
     with pytest.raises(ValueError, match="unknown controller"):
         EngineConfig(controller="nope")
+
+
+def test_prefix_controller_keeps_reused_pages_over_one_off_ones(model, reference, prompts):
+    """A shared system prompt reused now and then, one-off prompts between its uses that need
+    most of the pool: LRU evicts the system prompt's pages (released before the one-offs'),
+    the `prefix` controller keeps them (reused) and the later requests hit them. Tokens stay
+    the cache-free reference's either way."""
+    rng = np.random.default_rng(7)
+    system = rng.integers(3, model.config.vocab_size, size=8).tolist()
+    shared = [system + rng.integers(3, model.config.vocab_size, size=4).tolist()
+              for _ in range(4)]
+    order = [shared[0], shared[1], prompts[0], prompts[2], shared[2], prompts[1], prompts[4],
+             shared[3]]
+    expected = [greedy_reference(model, p, NUM_NEW) for p in order]
+    hits = {}
+    for controller in ("fixed", "prefix"):
+        engine = Engine(model, EngineConfig(**{**BASE, "enable_prefix_cache": True,
+                                               "num_pages": 12, "controller": controller}))
+        compiles = engine.warmup()
+        for i, prompt in enumerate(order):  # one at a time: each finds what the last left
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=NUM_NEW,
+                                                               ignore_eos=True))
+            out = [o for _ in iter(engine.has_unfinished, False) for o in engine.step()]
+            assert out[0].outputs[0].token_ids == expected[i]
+        assert engine.num_compiles == compiles
+        hits[controller] = engine.prefix_cache_stats()["prefix_hit_tokens"]
+    assert hits["prefix"] > hits["fixed"]

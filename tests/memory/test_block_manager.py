@@ -470,6 +470,33 @@ def test_prefix_hit_refreshes_lru_position():
     assert bm.prefix_cache.is_evictable(page_a)
 
 
+def test_kept_cached_pages_are_evicted_last_in_the_order_named():
+    """A controller's keep list overrides LRU for the pages it names; every cached page
+    reports its reuses, release time and depth in its chain."""
+    times = iter(range(100))
+    bm = BlockManager(num_pages=5, page_size=2)
+    bm.clock = lambda: float(next(times))
+    for seq_id, prompt in (("a", [1, 1, 2, 2, 0]), ("b", [3, 3, 0])):
+        bm.add_sequence(seq_id, prompt)
+        _write_and_commit(bm, seq_id, prompt)
+    a0, a1 = bm.block_table("a")[:2]
+    (b0,) = bm.block_table("b")[:1]
+    bm.free("a")
+    bm.free("b")
+    assert bm.add_sequence("a2", [1, 1, 2, 2, 9]) == 4  # reuses a's two pages
+    bm.free("a2")
+    cached = {c.page: c for c in bm.cached_pages()}
+    assert (cached[a0].hits, cached[a1].hits, cached[b0].hits) == (1, 1, 0)
+    assert (cached[a0].depth, cached[a1].depth, cached[b0].depth) == (0, 1, 0)
+    assert cached[a0].released_at > cached[b0].released_at  # released again by a2
+    # LRU would evict b0 first, then a1, a0; keeping [a0, b0] leaves a1 first, then a0, b0.
+    bm.keep_cached([a0, b0])
+    bm.add_sequence("c", [7])
+    assert bm.ensure_writable("c", 0, 10)[0] is AllocStatus.OK
+    assert bm.block_table("c")[-3:] == [a1, a0, b0]
+    assert bm.stats.evictions == 3 and bm.cached_pages() == []
+
+
 def test_referenced_cached_page_is_never_evicted():
     bm = BlockManager(num_pages=3, page_size=2)
     bm.add_sequence("a", [1, 2, 3])

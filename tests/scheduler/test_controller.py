@@ -7,11 +7,13 @@ import math
 
 import pytest
 
+from kvjax.memory.prefix_cache import CachedPage
 from kvjax.scheduler.controller import (
     CONTROLLERS,
     SLO,
     ControlState,
     Decisions,
+    Demotion,
     SeqState,
     degradation_key,
     make_controller,
@@ -22,26 +24,28 @@ TABLE = {"64": 0.09, "128": 0.05, "192": 0.02}
 
 
 def seq(seq_id, status="running", *, priority=0, slack=math.inf, tokens=320, pages=None,
-        kl_budget=None, kl_spent=0.0, budget=None) -> SeqState:
+        kl_budget=None, kl_spent=0.0, budget=None, demoted_bits=0, preemptions=0
+        ) -> SeqState:
     computed = tokens if status != "waiting" else 0
     return SeqState(
         seq_id=seq_id, request_id=seq_id, tenant=None, priority=priority, status=status,
         age_s=1.0, num_tokens=tokens, num_computed=computed,
         cached_tokens=computed, pages_held=(-(-tokens // P) if pages is None else pages)
         if status == "running" else 0, slack_s=slack, retention_budget=budget,
-        kl_spent=kl_spent, kl_budget=kl_budget, demoted=False)
+        kl_spent=kl_spent, kl_budget=kl_budget, demoted_bits=demoted_bits,
+        num_preemptions=preemptions)
 
 
-def state(*seqs, free=0, retention=(5, 256), demote=True) -> ControlState:
+def state(*seqs, free=0, retention=(5, 256), demote=True, **fields) -> ControlState:
     return ControlState(
         now=10.0, page_size=P, num_pages=64, free_pages=free, max_num_seqs=8,
         kv_bytes_per_token=46_080, swap_bytes_per_s=10e9, recompute_tokens_per_s=160.0,
-        can_swap=True, can_demote=demote, demote_ratio=3.8, retention_range=retention,
-        seqs=tuple(seqs))
+        can_swap=True, demote_ratios={8: 3.8, 4: 7.1} if demote else {},
+        retention_range=retention, seqs=tuple(seqs), **fields)
 
 
 def joint(**options):
-    return make_controller("joint", retention_kl=TABLE, demote_kl=0.001, **options)
+    return make_controller("joint", **{"retention_kl": TABLE, "demote_kl": 0.001, **options})
 
 
 def test_fixed_controller_decides_nothing():
@@ -129,6 +133,58 @@ def test_joint_weighs_the_victims_stall_against_quality():
     assert d.retention == {"v": 192} and d.offload == ()
 
 
+def test_demotion_takes_the_fewest_bits_the_kl_budget_allows():
+    """exact -> int8 -> int4: the codec baseline stores a swapped copy at the fewest bits whose
+    KL fits what the sequence has left; a copy no finer than one it already went through
+    adds no KL."""
+    codec = make_controller("codec", demote_kl={8: 0.001, 4: 0.02})
+    for kl_budget, expected in ((0.0, None), (0.01, Demotion(8, 0.001)),
+                                (0.5, Demotion(4, 0.02))):
+        d = codec.decide(state(seq("v", kl_budget=kl_budget)))
+        assert d.demote.get("v") == expected
+    # Already rounded to int8: int4 costs only the difference, int8 again nothing.
+    d = codec.decide(state(seq("v", kl_budget=0.02, kl_spent=0.001, demoted_bits=8)))
+    assert d.demote["v"] == Demotion(4, pytest.approx(0.019))
+    d = codec.decide(state(seq("v", kl_budget=0.001, kl_spent=0.001, demoted_bits=8)))
+    assert d.demote["v"] == Demotion(8, 0.0)
+    # The engine cannot demote (a quantized pool, the tiers): no demotion decided.
+    assert codec.decide(state(seq("v", kl_budget=None), demote=False)).demote == {}
+    # The joint controller weighs bytes moved against KL: int8 at 10 s per nat, int4 when a
+    # nat is worth 1 s (a 29 MB copy on a 100 MB/s link: 0.29 s exact, 0.08 int8, 0.04 int4).
+    waiting = seq("w", "waiting", priority=1, slack=30.0, tokens=100)
+    slow = dataclasses.replace(state(seq("v", kl_budget=None), waiting, retention=None),
+                               swap_bytes_per_s=1e8)
+    for kl_cost_s, bits in ((10.0, 8), (1.0, 4)):
+        d = joint(demote_kl={8: 0.001, 4: 0.02}, kl_cost_s=kl_cost_s).decide(slow)
+        assert d.offload == ("v",) and d.swap["v"] and d.demote["v"].bits == bits
+
+
+def test_a_victim_is_not_offloaded_again_past_max_preemptions():
+    waiting = seq("w", "waiting", priority=1, slack=30.0, tokens=100)
+    d = make_controller("tiers", max_preemptions=2).decide(
+        state(seq("v", preemptions=2), seq("u", preemptions=1), waiting))
+    assert d.offload == ("u",)  # v was preempted twice already
+    d = make_controller("tiers", max_preemptions=2).decide(
+        state(seq("v", preemptions=2), waiting))
+    assert d.offload == () and d.victims == ("v",)  # still the victim if pages run out
+    with pytest.raises(ValueError, match="max_preemptions"):
+        make_controller("joint", max_preemptions=0)
+
+
+def test_keep_ranks_cached_pages_by_expected_reuse():
+    """Pages never reused are left to LRU (evicted first); reused ones are kept, the least
+    valuable first: fewer reuses, discounted by idle time; among equals the deeper page."""
+    cached = (CachedPage(0, hits=0, released_at=9.0, depth=0),
+              CachedPage(1, hits=3, released_at=5.0, depth=0),
+              CachedPage(2, hits=3, released_at=5.0, depth=1),
+              CachedPage(3, hits=1, released_at=9.5, depth=0),
+              CachedPage(4, hits=6, released_at=-590.0, depth=0))  # idle 600 s: 6 / 11
+    keep = make_controller("prefix").decide(state(cached=cached)).keep
+    assert keep == (4, 3, 2, 1)
+    assert make_controller("tiers").decide(state(cached=cached)).keep == ()
+    assert set(joint().decide(state(cached=cached)).keep) == {1, 2, 3, 4}
+
+
 def test_admission_puts_meetable_deadlines_first():
     s = state(seq("hopeless", "waiting", slack=0.1, tokens=400),
               seq("later", "waiting", slack=20.0, tokens=100),
@@ -140,7 +196,7 @@ def test_admission_puts_meetable_deadlines_first():
 
 
 def test_registry_and_bad_options():
-    assert {"fixed", "admission", "preemption", "tiers", "retention", "codec",
+    assert {"fixed", "admission", "preemption", "tiers", "retention", "codec", "prefix",
             "joint"} <= set(CONTROLLERS)
     with pytest.raises(ValueError, match="unknown controller 'nope'"):
         make_controller("nope")

@@ -100,6 +100,10 @@ class TierManager:
         """Pages each tier holds now: {'host': n, 'disk': n} (disk 0 without one)."""
         return dict(host=len(self.host), disk=0 if self.disk is None else len(self.disk))
 
+    def host_room_bytes(self) -> int:
+        """Bytes the host tier takes before it evicts its least recently used pages."""
+        return max(self.host.budget_bytes - self.host.used_bytes, 0)
+
     @property
     def num_compiles(self) -> int:
         return self._staging.num_compiles

@@ -37,11 +37,11 @@ class TieredSwapSpace:
     def num_compiles(self) -> int:
         return self._plain.num_compiles + self.tiers.num_compiles
 
-    def swap_out(self, kv, seq_id: Hashable, pages: list[int], *, demote: bool = False) -> int:
+    def swap_out(self, kv, seq_id: Hashable, pages: list[int], *, demote_bits: int = 0) -> int:
         """Issues the copy of a registered sequence's `pages` to the tiers; returns bytes.
         The tiers keep pages in the pool's own codec (their checksums and layouts are per
-        page): `demote` is refused."""
-        if demote:
+        page): `demote_bits` is refused."""
+        if demote_bits:
             raise ValueError(f"sequence {seq_id!r}: the host tier stores pages in the pool's "
                              f"codec; demoted swap copies need the plain swap space")
         nbytes = self.tiers.swap_out(kv, seq_id, pages,
@@ -64,7 +64,8 @@ class TieredSwapSpace:
     def scrub(self, kv, pages: list[int]):
         return self._plain.scrub(kv, pages)
 
-    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool, demote: bool = False):
+    def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool,
+               demote_bits: tuple[int, ...] = ()):
         """The scrub (and window) programs; page swaps go through the tiers, which warm up
         their own."""
         if not self.keeps_windows:
