@@ -1,17 +1,17 @@
 """The KV controllers side by side: a bursty multi-tenant workload with three SLO classes on a
 small device pool, one run per controller (scripts/bench_controller.py).
 
-Three tenants of SmolLM2-135M chat traffic (prompts log-normal around 160 tokens, 24 output
-tokens, at most 480 and 64): tenant-0 interactive (priority 2; TTFT 4 s, TPOT 0.5 s, exact KV
-only), tenant-1 standard (priority 1; TTFT 8 s, TPOT 1 s, KL budget 0.2 nats per token) and
-tenant-2 batch (priority 0; TTFT 20 s, TPOT 2 s, KL budget 1.0). Each tenant sends 0.07
-requests per second and the batch tenant floods at 6x that from 30 s to 70 s: 0.21 requests per
-second in all before the flood and 0.63 during it, against about 0.35 the engine serves on this
-clock (a request costs about 3 s of steps). The device pool holds 40 pages of 16 tokens (a few
-requests' worth). Every run uses the priority scheduler; the controllers that change retention
-run on a streaming (sinks + window) engine whose per-sequence budget they set (at most 256
-tokens; sequences start exact), the others on exact KV. The simulated clock makes each run
-reproducible.
+Three tenants of SmolLM2-135M chat traffic (each prompt its tenant's 48-token system prompt,
+then log-normal around 160 tokens; 24 output tokens; at most 48 + 480 and 64): tenant-0
+interactive (priority 2; TTFT 4 s, TPOT 0.5 s, exact KV only), tenant-1 standard (priority 1;
+TTFT 8 s, TPOT 1 s, KL budget 0.2 nats per token) and tenant-2 batch (priority 0; TTFT 20 s,
+TPOT 2 s, KL budget 1.0). Each tenant sends 0.07 requests per second and the batch tenant
+floods at 6x that from 30 s to 70 s: 0.21 requests per second in all before the flood and 0.63
+during it. The device pool holds 40 pages of 16 tokens (a few requests' worth). Every run uses
+the priority scheduler; the controllers that change retention run on a streaming (sinks +
+window) engine whose per-sequence budget they set (at most 256 tokens; sequences start exact),
+the others on exact KV. A controller offloads one victim at most twice (max_preemptions). The
+simulated clock makes each run reproducible.
 """
 
 import pathlib
@@ -36,13 +36,14 @@ def get_config() -> ConfigDict:
     config.engine.scheduler_policy = "priority"
     # The cost weights: a nat of KL is worth 10 s of delay, a joule 10 ms (the energy prices
     # themselves come from config.energy_profile; the KL tables are measured by the script).
-    config.engine.controller_options = ConfigDict(dict(kl_cost_s=10.0, energy_cost_s=0.01))
+    config.engine.controller_options = ConfigDict(dict(kl_cost_s=10.0, energy_cost_s=0.01,
+                                                       max_preemptions=2))
     config.workload.name = "multi_tenant_burst"
     config.workload.num_requests = 48
     config.workload.params = ConfigDict(dict(
         num_tenants=3, base_rate=0.07, burst_tenant=2, burst_multiplier=6.0,
         burst_start_s=30.0, burst_duration_s=40.0, prompt_len=160, output_len=24,
-        prompt_max=480, output_max=64))
+        prompt_max=480, output_max=64, system_prompt_len=48))
     config.workload.tenant_priorities = (2, 1, 0)
     config.workload.tenant_slos = ((4.0, 0.5, 0.0), (8.0, 1.0, 0.2), (20.0, 2.0, 1.0))
     config.quality.prompts = "longest"  # the KL tables: the longest prompts lose the most
@@ -58,6 +59,7 @@ def get_config() -> ConfigDict:
         {"name": "preemption", "engine.controller": "preemption"},
         {"name": "tiers", "engine.controller": "tiers"},
         {"name": "codec", "engine.controller": "codec", "engine.preemption_mode": "swap"},
+        {"name": "prefix", "engine.controller": "prefix"},
         {"name": "retention", "engine.controller": "retention", **streaming},
         {"name": "joint", "engine.controller": "joint", **streaming},
     ]

@@ -43,8 +43,8 @@ def get_config() -> ConfigDict:
     config.engine.scrub_freed_pages = False  # zero pages when they are freed
     config.engine.attention_impl = "auto"  # auto (Pallas on GPU/TPU), reference or pallas
     # The KV controller consulted every step (kvjax.scheduler.controller): fixed (the settings
-    # above), admission, preemption, tiers, retention, codec or joint; and its options (e.g.
-    # its measured KL tables, retention_kl={budget: kl} and demote_kl).
+    # above), admission, preemption, tiers, retention, codec, prefix or joint; and its options
+    # (e.g. its measured KL tables, retention_kl={budget: kl} and demote_kl={bits: kl}).
     config.engine.controller = "fixed"
     config.engine.controller_options = ConfigDict()
 

@@ -1,8 +1,9 @@
 """The KV controller benchmark: every controller on one workload, side by side in one table.
 
 `measure_kl_tables` measures what each degradation costs in quality on the workload's own
-prompts (the retention policy at each candidate budget, and int8 K/V for demoted swap
-copies, each against exact KV: `runner.measure_quality`'s mean KL per token); the tables
+prompts (the retention policy at each candidate budget, and K/V in the codec of each demoted
+swap copy, int8 and int4, each against exact KV: `runner.measure_quality`'s mean KL per
+token); the tables
 become every controller's options, so the controllers price quality from measurements.
 `run_controllers` then runs the config once per controller (`config.sweep` lists them) and
 `controller_table` puts each run's goodput, SLO attainment per tenant, tails, estimated KL
@@ -22,13 +23,15 @@ from kvjax.bench import runner
 from kvjax.bench.energy import get_profile
 from kvjax.bench.metrics import RequestRecord, format_rows, meets_slo
 from kvjax.bench.workloads import BenchRequest
+from kvjax.engine.swap import DEMOTION_BITS, demotion_codec
 from kvjax.models.model import Model
 
 
 def measure_kl_tables(config: ConfigDict, model: Model, requests: Sequence[BenchRequest],
                       budgets: Sequence[int]) -> dict[str, Any]:
-    """{'retention_kl': {str(budget): mean KL}, 'demote_kl': mean KL of int8 K/V}, measured
-    on `config.quality`'s prompts of `requests` for the config's retention policy."""
+    """{'retention_kl': {str(budget): mean KL}, 'demote_kl': {str(bits): mean KL}}, measured on
+    `config.quality`'s prompts of `requests` for the config's retention policy and for K/V
+    held in each demoted copy's codec (`kvjax.engine.swap.demotion_codec`)."""
     base = dataclasses.replace(runner.engine_config_from(config), controller="fixed",
                                controller_options={})
     retention_kl = {}
@@ -37,9 +40,14 @@ def measure_kl_tables(config: ConfigDict, model: Model, requests: Sequence[Bench
                                             retention_budget=int(b))
         retention_kl[str(int(b))] = runner.measure_quality(
             config, engine_config, model, requests)["kl_mean"]
-    int8 = dataclasses.replace(base, retention="none", retention_budget=None,
-                               retention_options={}, kv_codec="int8", kv_codec_options={})
-    demote_kl = runner.measure_quality(config, int8, model, requests)["kl_mean"]
+    demote_kl = {}
+    for bits in DEMOTION_BITS:
+        codec, options = demotion_codec(bits, model.config.head_dim)
+        engine_config = dataclasses.replace(base, retention="none", retention_budget=None,
+                                            retention_options={}, kv_codec=codec,
+                                            kv_codec_options=options)
+        demote_kl[str(bits)] = runner.measure_quality(
+            config, engine_config, model, requests)["kl_mean"]
     return dict(retention_kl=retention_kl, demote_kl=demote_kl)
 
 
@@ -82,7 +90,8 @@ def controller_rows(results: Sequence[runner.BenchResult], config: ConfigDict
             goodput_req_s=m["goodput_req_s"], ttft_p99_s=m["ttft_p99_s"],
             tpot_p99_s=m["tpot_p99_s"], kl_mean=m["kl_spent"]["mean"],
             kl_max=m["kl_spent"]["max"], degraded=m["kl_spent"]["degraded_requests"],
-            preemptions=m["preemptions"], host_mib=m["bytes_moved"]["host"] / 2**20,
+            preemptions=m["preemptions"], prefix_hit_rate=m["prefix_hit_rate"],
+            host_mib=m["bytes_moved"]["host"] / 2**20,
             device_gib=m["bytes_moved"]["device"] / 2**30,
             energy_kj=m["energy_j_est"] / 1e3, duration_s=m["duration_s"])
     return rows
@@ -91,7 +100,8 @@ def controller_rows(results: Sequence[runner.BenchResult], config: ConfigDict
 _COLUMNS = (("goodput_req_s", "goodput req/s", "{:.3f}"), ("ttft_p99_s", "TTFT p99 s", "{:.2f}"),
             ("tpot_p99_s", "TPOT p99 s", "{:.2f}"), ("kl_mean", "KL mean", "{:.2e}"),
             ("kl_max", "KL max", "{:.3f}"), ("degraded", "degraded", "{}"),
-            ("preemptions", "preemptions", "{}"), ("host_mib", "host MiB", "{:.1f}"),
+            ("preemptions", "preemptions", "{}"), ("prefix_hit_rate", "prefix hits", "{:.2f}"),
+            ("host_mib", "host MiB", "{:.1f}"),
             ("device_gib", "device GiB", "{:.1f}"), ("energy_kj", "energy kJ", "{:.2f}"),
             ("duration_s", "duration s", "{:.1f}"))
 

@@ -507,12 +507,15 @@ def multi_tenant_burst(tokenizer: Tokenizer, *, seed: int, num_requests: int,
                        burst_duration_s: float = math.inf,
                        prompt_len: int = CHAT_PROMPT_MEDIAN,
                        output_len: int = CHAT_OUTPUT_MEDIAN, prompt_max: int = CHAT_PROMPT_MAX,
-                       output_max: int = CHAT_OUTPUT_MAX) -> list[BenchRequest]:
+                       output_max: int = CHAT_OUTPUT_MAX,
+                       system_prompt_len: int = 0) -> list[BenchRequest]:
     """Tenants "tenant-0".. each at `base_rate`; one floods at `burst_multiplier` times it.
 
     The flood lasts from `burst_start_s` for `burst_duration_s` (default: the whole run).
     Lengths are log-normal with the chat sigmas and clipping and medians `prompt_len` and
-    `output_len`, at most `prompt_max` and `output_max`.
+    `output_len`, at most `prompt_max` and `output_max`. With `system_prompt_len`, every
+    prompt starts with its tenant's system prompt of that many tokens (one per tenant), and
+    the log-normal length is what follows it.
     """
     _check_positive("num_requests", num_requests)
     _check_positive("num_tenants", num_tenants)
@@ -528,15 +531,20 @@ def multi_tenant_burst(tokenizer: Tokenizer, *, seed: int, num_requests: int,
                                CHAT_PROMPT_SIGMA, CHAT_PROMPT_MIN, prompt_max)
     output_spec = _length_spec("output", LengthDistribution.LOGNORMAL, output_len,
                                CHAT_OUTPUT_SIGMA, CHAT_OUTPUT_MIN, output_max)
-    arrival_rng, length_rng, text_rng = _streams(seed, 3)
+    if not (isinstance(system_prompt_len, int) and system_prompt_len >= 0):
+        raise ValueError(f"system_prompt_len must be an int >= 0, got {system_prompt_len!r}")
+    arrival_rng, length_rng, text_rng, system_rng = _streams(seed, 4)
     times, tenants = _burst_arrivals(arrival_rng, num_requests, np.full(num_tenants, base_rate),
                                      burst_tenant, burst_multiplier, burst_start_s,
                                      burst_start_s + burst_duration_s)
     prompt_lens = prompt_spec.sample(length_rng, num_requests)
     output_lens = output_spec.sample(length_rng, num_requests)
+    systems = [_corpus_ids(tokenizer, system_rng, system_prompt_len, add_bos=True)
+               if system_prompt_len else () for _ in range(num_tenants)]
     return _sorted([
         BenchRequest(f"burst-{i:05d}", float(times[i]),
-                     _corpus_ids(tokenizer, text_rng, int(prompt_lens[i]), add_bos=True),
+                     systems[tenants[i]] + _corpus_ids(tokenizer, text_rng, int(prompt_lens[i]),
+                                                       add_bos=not system_prompt_len),
                      int(output_lens[i]), tenant=f"tenant-{tenants[i]}")
         for i in range(num_requests)
     ])

@@ -299,6 +299,20 @@ def test_burst_window_raises_only_that_tenants_rate_inside_it():
     assert 0.5 < rate("tenant-1", 20, 40) < 1.6
 
 
+def test_burst_system_prompts_are_shared_within_a_tenant_only():
+    plain = _build("multi_tenant_burst", 2, num_requests=30, num_tenants=3, prompt_len=40)
+    requests = _build("multi_tenant_burst", 2, num_requests=30, num_tenants=3, prompt_len=40,
+                      system_prompt_len=24)
+    systems = {}
+    for r, p in zip(requests, plain, strict=True):
+        assert (r.arrival_time, r.tenant, r.max_new_tokens) == (
+            p.arrival_time, p.tenant, p.max_new_tokens)
+        assert len(r.prompt_ids) == 24 + len(p.prompt_ids)
+        systems.setdefault(r.tenant, set()).add(r.prompt_ids[:24])
+    assert all(len(s) == 1 for s in systems.values())
+    assert len({next(iter(s)) for s in systems.values()}) == 3
+
+
 def test_rl_group_waves_and_group_size():
     requests = _build("rl_group", 0, num_requests=12, group_size=6, num_waves=3,
                       wave_interval_s=2.5)

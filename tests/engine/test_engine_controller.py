@@ -182,3 +182,25 @@ def test_prefix_controller_keeps_reused_pages_over_one_off_ones(model, reference
         assert engine.num_compiles == compiles
         hits[controller] = engine.prefix_cache_stats()["prefix_hit_tokens"]
     assert hits["prefix"] > hits["fixed"]
+
+
+def test_the_snapshot_shows_cached_pages_and_host_room(model, prompts):
+    """What a controller sees of the prefix cache and the host tier: each unreferenced
+    cached page with its reuses and depth, and the tier's free bytes (inf without one)."""
+    from kvjax.memory.tiers import TierConfig
+
+    tiers = TierConfig(host_bytes=1 << 20)
+    for config, room in ((dict(), np.inf), (dict(tiers=tiers), 1 << 20)):
+        engine = Engine(model, EngineConfig(**{**BASE, "enable_prefix_cache": True,
+                                               "controller": "prefix", **config}))
+        for i in range(2):  # the same prompt twice: its full pages are reused once
+            engine.add_request(f"r{i}", prompts[0], SamplingParams(max_new_tokens=2))
+            while engine.has_unfinished():
+                engine.step()
+        state = engine.scheduler.control_state()
+        assert state.host_room_bytes == room and state.spills_cached == bool(config)
+        full = (len(prompts[0]) - 1) // BASE["page_size"]  # pages of the prompt it shares
+        reused = sorted((c.depth, c.hits) for c in state.cached if c.hits)
+        assert reused == [(d, 1) for d in range(full)]
+        keep = engine.scheduler.controller.decide(state).keep  # the next step's decision
+        assert sorted(keep) == sorted(c.page for c in state.cached if c.hits)
