@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=str(native.unavailable_reason()))
 
 # (page size, kv heads, group, head dim): the specialized shapes (D 64/128 with their groups)
-# and the generic path (D 8, group 5).
-CASES = [(16, 3, 3, 64), (4, 2, 4, 64), (1, 1, 1, 64), (16, 2, 8, 128), (4, 2, 5, 8)]
+# and the generic path (D 8, 32 and 24, groups 5 and 2).
+CASES = [(16, 3, 3, 64), (4, 2, 4, 64), (1, 1, 1, 64), (16, 2, 8, 128), (4, 2, 5, 8),
+         (4, 2, 5, 32), (4, 1, 2, 24)]
 
 
 def _layered(pages: np.ndarray, layer: int, num_layers: int = 3) -> np.ndarray:
