@@ -251,7 +251,7 @@ class CostController:
       (only retention may still free its pages; it can still be the victim when pages run
       out mid-step): bounds the TPOT tail of a repeatedly chosen victim. None: no bound.
     keep_horizon_s: with "keep", a cached page's reuses count less the longer it sits idle:
-      its value is hits / (1 + idle / keep_horizon_s) times what a miss costs.
+      its value is hits / (1 + idle / keep_horizon_s).
     """
 
     def __init__(self, name: str, actions: frozenset[str], *,
@@ -336,23 +336,16 @@ class CostController:
         return sorted((d for d in out if d.kl <= s.kl_left), key=lambda d: -d.bits)
 
     def _keep(self, state: ControlState) -> tuple[int, ...]:
-        """The cached pages reused so far, least valuable first: a page's value is what its
-        eviction is expected to cost, its reuses (fewer the longer it sits idle) times a
-        miss (reloading it from the host tier when it spills there with room, else
-        recomputing its tokens); among equals the deeper page goes first, since evicting a
-        page strands the rest of its chain. Pages never reused go before all of them, least
-        recently released first."""
+        """The cached pages reused so far, least valuable first: a page is worth its reuses,
+        discounted the longer it sits idle (every page's miss costs the same: its tokens
+        recomputed, or reloaded from the host tier); among equals the deeper page goes first,
+        since evicting a page strands the rest of its chain. Pages never reused are not kept:
+        they go first, least recently released first."""
         if "keep" not in self.actions:
             return ()
-        page_bytes = state.kv_bytes_per_token * state.page_size
-        if state.spills_cached and state.host_room_bytes >= page_bytes:
-            miss_s = page_bytes / state.swap_bytes_per_s
-        else:
-            miss_s = state.page_size / state.recompute_tokens_per_s
 
         def value(c: CachedPage) -> float:
-            idle = max(state.now - c.released_at, 0.0)
-            return c.hits / (1.0 + idle / self.keep_horizon_s) * miss_s
+            return c.hits / (1.0 + max(state.now - c.released_at, 0.0) / self.keep_horizon_s)
 
         reused = sorted((c for c in state.cached if c.hits > 0),
                         key=lambda c: (value(c), -c.depth))
