@@ -41,7 +41,9 @@ def get_config() -> ConfigDict:
     config.engine.preemption_mode = "recompute"
     config.engine.watermark = 0.01  # fraction of pages kept free when admitting
     config.engine.scrub_freed_pages = False  # zero pages when they are freed
-    config.engine.attention_impl = "auto"  # auto (Pallas on GPU/TPU), reference or pallas
+    # auto (Pallas on GPU/TPU, the native kernel on CPU), reference, pallas or native
+    config.engine.attention_impl = "auto"
+    config.engine.matmul_impl = "auto"  # auto (native CPU kernel in decode steps), xla, native
     # The KV controller consulted every step (kvjax.scheduler.controller): fixed (the settings
     # above), admission, preemption, tiers, retention, codec, prefix or joint; and its options
     # (e.g. its measured KL tables, retention_kl={budget: kl} and demote_kl={bits: kl}).

@@ -5,7 +5,7 @@ from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.engine import Engine
 from kvjax.engine.multi import ModelSpec, MultiModelEngine, PoolConfig
 from kvjax.engine.request import FinishReason, RequestOutput
-from kvjax.engine.step import AttentionImpl
+from kvjax.engine.step import AttentionImpl, MatmulImpl
 from kvjax.generation import encode_prompt, generate
 from kvjax.models.loading import load_model
 from kvjax.models.model import Model
@@ -20,6 +20,7 @@ __all__ = [
     "EngineConfig",
     "FinishReason",
     "KVLayout",
+    "MatmulImpl",
     "Model",
     "ModelConfig",
     "ModelSpec",

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from kvjax import cpu_kernels
 from kvjax.kv import codecs, native
 
 _SOURCES = flags.DEFINE_list("sources", [str(native._SOURCE)], "Kernel sources to compare.")
@@ -45,7 +46,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed steps per source and codec.
 def _register(source: str, index: int, workdir: pathlib.Path) -> str:
     """Compiles `source` like kvjax.kv.native and registers it; returns its FFI target."""
     lib = workdir / f"kernel{index}.so"
-    subprocess.run(["g++", *native._FLAGS, f"-I{jax.ffi.include_dir()}", source, "-o", str(lib)],
+    subprocess.run(["g++", *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}",
+                    f"-I{pathlib.Path(cpu_kernels.__file__).parent}", source, "-o", str(lib)],
                    check=True)
     target = f"bench_native_decode_{index}"
     jax.ffi.register_ffi_target(

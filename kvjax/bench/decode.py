@@ -207,7 +207,8 @@ def profile_breakdown(engine: kvjax.Engine, batch: int, trace_dir: str, num_step
                       max_pages=engine.block_table_width)
     # The same jit the engine's runner builds, so the compiled module has the same op names.
     step = jax.jit(functools.partial(model_step, config=engine.model.config,
-                                     attention_impl=engine.config.attention_impl),
+                                     attention_impl=engine.config.attention_impl,
+                                     matmul_impl=engine.config.matmul_impl),
                    static_argnames=("shape",), donate_argnames=("kv",))
     ops = classify_hlo_ops(step.lower(engine.model.params, engine.kv,
                               StepInput(**empty_step_input(shape)), shape=shape)

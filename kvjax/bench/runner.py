@@ -292,6 +292,7 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
         enable_prefix_cache=e.enable_prefix_cache, scheduler_policy=e.scheduler_policy,
         preemption_mode=e.preemption_mode, watermark=e.watermark,
         scrub_freed_pages=e.scrub_freed_pages, attention_impl=e.attention_impl,
+        matmul_impl=e.matmul_impl,
         min_chunk_bucket=e.min_chunk_bucket, chunk_bucket_factor=e.chunk_bucket_factor,
         prefill_padding_limit=e.prefill_padding_limit, tiers=tier_config_from(config),
         retention=config.kv.retention, retention_budget=retention_budget_from(config),

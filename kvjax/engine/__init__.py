@@ -4,7 +4,14 @@ from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.core import EngineCore
 from kvjax.engine.engine import Engine
 from kvjax.engine.runner import ModelRunner, StepBuckets, StepObserver
-from kvjax.engine.step import AttentionImpl, LogitsMode, StepInput, StepOutput, StepShape
+from kvjax.engine.step import (
+                               AttentionImpl,
+                               LogitsMode,
+                               MatmulImpl,
+                               StepInput,
+                               StepOutput,
+                               StepShape,
+)
 
 __all__ = [
     "AttentionImpl",
@@ -12,6 +19,7 @@ __all__ = [
     "EngineConfig",
     "EngineCore",
     "LogitsMode",
+    "MatmulImpl",
     "ModelRunner",
     "PreemptionMode",
     "StepBuckets",

@@ -6,7 +6,7 @@ import dataclasses
 
 from kvjax.config import KVLayout
 from kvjax.engine import compat
-from kvjax.engine.step import AttentionImpl
+from kvjax.engine.step import AttentionImpl, MatmulImpl
 from kvjax.kv import quantized
 from kvjax.memory.tiers import TierConfig
 from kvjax.scheduler.context import make_strategy
@@ -48,6 +48,9 @@ class EngineConfig:
       watermark: fraction of pages kept free when admitting new requests.
       scrub_freed_pages: zero pages when they return to the free list.
       attention_impl: AUTO, REFERENCE, PALLAS or NATIVE (kvjax.engine.step.AttentionImpl).
+      matmul_impl: AUTO, XLA or NATIVE: the decoder's matmuls (kvjax.engine.step.MatmulImpl;
+        AUTO reads each layer's weights in place with the native CPU kernel in decode-sized
+        steps on one CPU device).
       min_chunk_bucket: the smallest padded prefill-token total of a step (shape bucketing).
       chunk_bucket_factor: padded prefill-token totals are min_chunk_bucket times powers of
         this (and the largest chunk): smaller factors pad less and compile more step shapes.
@@ -107,6 +110,7 @@ class EngineConfig:
     watermark: float = 0.01
     scrub_freed_pages: bool = False
     attention_impl: AttentionImpl = AttentionImpl.AUTO
+    matmul_impl: MatmulImpl = MatmulImpl.AUTO
     min_chunk_bucket: int = 16
     chunk_bucket_factor: int = 4
     prefill_padding_limit: float | None = None
@@ -144,7 +148,8 @@ class EngineConfig:
             object.__setattr__(self, "slo", SLO(**self.slo))
         make_controller(self.controller, **self.controller_options)
         for name, enum_type in (("kv_layout", KVLayout), ("preemption_mode", PreemptionMode),
-                                ("attention_impl", AttentionImpl)):
+                                ("attention_impl", AttentionImpl),
+                                ("matmul_impl", MatmulImpl)):
             value = getattr(self, name)
             if isinstance(value, str):
                 object.__setattr__(self, name, enum_type(value))

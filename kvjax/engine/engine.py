@@ -126,7 +126,7 @@ class Engine:
         self.kv_bytes_per_token = pool.kv_bytes_per_token
         kv = retention.policy.wrap_state(pool.kv)
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
-                                retention=retention.step_hooks)
+                                retention=retention.step_hooks, matmul_impl=config.matmul_impl)
         if mesh is not None:
             kv, programs = sharding.shard_kv_and_programs(kv, programs, model, mesh)
         else:

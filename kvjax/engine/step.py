@@ -29,7 +29,7 @@ from kvjax.config import ModelConfig
 from kvjax.kv import attention as attention_ref
 from kvjax.kv import layout, native
 from kvjax.kv.state import KVState
-from kvjax.models import llama
+from kvjax.models import linear, llama
 from kvjax.sampling import sample_tokens, verify_drafts
 
 
@@ -40,6 +40,25 @@ class AttentionImpl(enum.Enum):
     REFERENCE = "reference"  # The blockwise jnp path everywhere.
     PALLAS = "pallas"
     NATIVE = "native"  # The C++ CPU decode kernel (kvjax.kv.native), reading pages in place.
+
+
+class MatmulImpl(enum.Enum):
+    """Which matmuls the step's decoder layers use."""
+
+    # On CPU the native kernel (kvjax.models.linear) for steps of at most
+    # linear.NATIVE_MAX_TOKENS tokens where it is available, else XLA's.
+    AUTO = "auto"
+    XLA = "xla"
+    NATIVE = "native"  # The native CPU kernel at every step size.
+
+
+def layer_linear(impl: MatmulImpl, num_tokens: int) -> linear.LayerLinear | None:
+    """The decoder's `linear` for a step of `num_tokens` tokens (None: XLA's matmuls)."""
+    if impl is MatmulImpl.AUTO:
+        use = (jax.default_backend() == "cpu" and num_tokens <= linear.NATIVE_MAX_TOKENS
+               and linear.unavailable_reason() is None)
+        return linear.native_linear if use else None
+    return linear.native_linear if impl is MatmulImpl.NATIVE else None
 
 
 class LogitsMode(enum.Enum):
@@ -259,7 +278,8 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
 
 def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shape: StepShape,
                attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
-               place_kernels=None) -> tuple[StepOutput, KVState]:
+               place_kernels=None, matmul_impl: MatmulImpl = MatmulImpl.XLA
+               ) -> tuple[StepOutput, KVState]:
     """Runs the model over one step's tokens, writing their K/V and sampling one token per row.
 
     `retention` (a kvjax.kv.retention policy, static) may narrow the pages decode rows read and
@@ -288,8 +308,9 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                   if scores_keys else None)  # [R, W*P]
     token_ids = jnp.where(inp.token_src >= 0,
                           inp.prev_tokens[jnp.maximum(inp.token_src, 0)], inp.tokens)  # [T]
+    linear = layer_linear(matmul_impl, shape.num_tokens)
     h, (kv, key_scores) = llama.decode_body(params, config, token_ids, inp.positions, attend,
-                                            (kv, key_scores))  # [T, H]
+                                            (kv, key_scores), linear=linear)  # [T, H]
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     num_accepted = spec_logprobs = None
     if shape.decode_width > 1:
@@ -300,7 +321,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
             params, config, h, token_ids, inp, shape, sampling)
     else:
         last = inp.row_starts + jnp.maximum(q_lens - 1, 0)  # [R]
-        logits = llama.lm_head(params, config, h[last])  # [R, V]
+        logits = llama.lm_head(params, config, h[last], linear)  # [R, V]
         tokens, logprobs = sample_tokens(
             logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, **sampling)
     out_logits = None
@@ -414,13 +435,14 @@ class StepPrograms:
     """
 
     def __init__(self, config: ModelConfig, *,
-                 attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None):
+                 attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
+                 matmul_impl: MatmulImpl = MatmulImpl.XLA):
         self.config = config
         self.attention_impl = attention_impl
         self.retention = retention
         self._step = jax.jit(
             functools.partial(model_step, config=config, attention_impl=attention_impl,
-                              retention=retention),
+                              retention=retention, matmul_impl=matmul_impl),
             static_argnames=("shape",), donate_argnames=("kv",))
         self._copy = jax.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
         self._blend = jax.jit(

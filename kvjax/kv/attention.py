@@ -220,13 +220,17 @@ def paged_attention_blockwise(
     *,
     pages_per_block: int = 8,
     sm_scale: float | None = None,
+    query_tile: int = 128,
 ) -> jax.Array:
     """The engine's jnp fast path: `paged_prefill_attention_reference` computed block by block.
 
     Walks the block tables `pages_per_block` pages at a time with an online softmax, for only as
     many blocks as the longest sequence needs (a dynamic trip count), so the block table can
     keep its full width and the step compiles once whatever the context lengths. Decode is the
-    case C == 1, q_lens == 1.
+    case C == 1, q_lens == 1. Long chunks (C a multiple of `query_tile`, larger than it) are
+    taken `query_tile` queries at a time, each tile walking only the blocks its queries see
+    (causal), so the work is about half of all queries times all blocks and a tile's scores
+    stay in cache.
 
     Args:
       q: [B, C, N, D].
@@ -246,32 +250,47 @@ def paged_attention_blockwise(
     q_idx = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
     q_pos = (kv_lens - q_lens)[:, None] + q_idx  # [B, C]
     q_valid = q_idx < q_lens[:, None]  # [B, C]
-    num_blocks = (jnp.max(kv_lens) + block - 1) // block
+    tile = query_tile if c > query_tile and c % query_tile == 0 else c
 
-    def body(i, carry):
-        m, denom, acc = carry  # [B, K, G, C], [B, K, G, C], [B, K, G, C, D]
-        pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
-                                             pages_per_block, axis=1)  # [B, ppb]
-        k, v = load_pages(pages)  # [B, ppb, P, K, D] each
-        k = k.reshape(b, block, k_heads, d).astype(jnp.float32)  # [B, S', K, D]
-        v = v.reshape(b, block, k_heads, d).astype(jnp.float32)
-        kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [S']
-        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
-            kv_pos[None, None, :] < kv_lens[:, None, None]) & q_valid[:, :, None]  # [B, C, S']
-        v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, 0.0)
-        s = jnp.einsum("bckgd,bskd->bkgcs", qg, k)  # [B, K, G, C, S']
-        s = jnp.where(mask[:, None, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        w = jnp.where(mask[:, None, None], jnp.exp(s - m_safe[..., None]), 0.0)
-        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
-        denom = alpha * denom + jnp.sum(w, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("bkgcs,bskd->bkgcd", w, v)
-        return m_new, denom, acc
+    def attend(qt, pos, valid):
+        """Queries qt [B, Ct, K, G, D] at positions pos [B, Ct] (valid [B, Ct])."""
+        ct = qt.shape[1]
+        seen = jnp.minimum(jnp.max(jnp.where(valid, pos + 1, 0)), jnp.max(kv_lens))
+        num_blocks = (seen + block - 1) // block
 
-    init = (jnp.full((b, k_heads, g, c), -jnp.inf, jnp.float32),
-            jnp.zeros((b, k_heads, g, c), jnp.float32),
-            jnp.zeros((b, k_heads, g, c, d), jnp.float32))
-    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [B, K, G, C, D]
-    return jnp.einsum("bkgcd->bckgd", out).reshape(b, c, n, d).astype(q.dtype)
+        def body(i, carry):
+            m, denom, acc = carry  # [B, K, G, Ct], [B, K, G, Ct], [B, K, G, Ct, D]
+            pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
+                                                 pages_per_block, axis=1)  # [B, ppb]
+            k, v = load_pages(pages)  # [B, ppb, P, K, D] each
+            k = k.reshape(b, block, k_heads, d).astype(jnp.float32)  # [B, S', K, D]
+            v = v.reshape(b, block, k_heads, d).astype(jnp.float32)
+            kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [S']
+            mask = (kv_pos[None, None, :] <= pos[:, :, None]) & (
+                kv_pos[None, None, :] < kv_lens[:, None, None]) & valid[:, :, None]  # [B,Ct,S']
+            v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, 0.0)
+            s = jnp.einsum("bckgd,bskd->bkgcs", qt, k)  # [B, K, G, Ct, S']
+            s = jnp.where(mask[:, None, None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            w = jnp.exp(s - m_safe[..., None])  # masked scores are -inf: exp gives 0
+            alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+            denom = alpha * denom + jnp.sum(w, axis=-1)
+            acc = alpha[..., None] * acc + jnp.einsum("bkgcs,bskd->bkgcd", w, v)
+            return m_new, denom, acc
+
+        init = (jnp.full((b, k_heads, g, ct), -jnp.inf, jnp.float32),
+                jnp.zeros((b, k_heads, g, ct), jnp.float32),
+                jnp.zeros((b, k_heads, g, ct, d), jnp.float32))
+        _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+        out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [B, K, G, Ct, D]
+        return jnp.einsum("bkgcd->bckgd", out).reshape(b, ct, n, d)
+
+    if tile == c:
+        return attend(qg, q_pos, q_valid).astype(q.dtype)
+
+    def split(x):  # [B, C, ...] -> [C / tile, B, tile, ...]
+        return jnp.moveaxis(x.reshape(b, c // tile, tile, *x.shape[2:]), 1, 0)
+
+    out = jax.lax.map(lambda xs: attend(*xs), (split(qg), split(q_pos), split(q_valid)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, c, n, d).astype(q.dtype)

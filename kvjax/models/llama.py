@@ -33,11 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
+from kvjax.models.linear import LayerLinear
 
 Params = dict[str, Any]
 
 # attend(layer_index, q [T, N, D], k [T, K, D], v [T, K, D], cache) -> (out [T, N, D], cache)
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+# matmul(x [T, In], w) -> [T, Out]: a layer's matrix product (w as decoder_layer was given it).
+Matmul = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -127,16 +130,20 @@ def check_params(params: Params, config: ModelConfig) -> None:
                 f"params {'/'.join(path)} has shape {tuple(node.shape)}, expected {shape}")
 
 
-def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array
-        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    return x @ w
+
+
+def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array,
+        matmul: Matmul = _matmul) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H]."""
     c = config
     p = layer_params
     t = h.shape[0]
     x = rms_norm(h, p["attn_norm"], c.rms_norm_eps)
-    q = x @ p["wq"]  # [T, N*D]
-    k = x @ p["wk"]  # [T, K*D]
-    v = x @ p["wv"]
+    q = matmul(x, p["wq"])  # [T, N*D]
+    k = matmul(x, p["wk"])  # [T, K*D]
+    v = matmul(x, p["wv"])
     if c.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = rope(q.reshape(t, c.num_heads, c.head_dim), positions, c.rope_theta)  # [T, N, D]
@@ -145,23 +152,25 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
 
 
 def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
-                  layer_params: Params, layer_index: jax.Array, cache: Any
-                  ) -> tuple[jax.Array, Any]:
-    """One decoder block. h: [T, H]."""
+                  layer_params: Params, layer_index: jax.Array, cache: Any,
+                  matmul: Matmul = _matmul) -> tuple[jax.Array, Any]:
+    """One decoder block. h: [T, H]. `matmul(x, w)` multiplies by one of layer_params' matrices
+    (x @ w by default)."""
     c = config
     p = layer_params
     t = h.shape[0]
-    q, k, v = qkv(config, p, h, positions)
+    q, k, v = qkv(config, p, h, positions, matmul)
     attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
-    h = h + attn.reshape(t, -1).astype(h.dtype) @ p["wo"]
+    h = h + matmul(attn.reshape(t, -1).astype(h.dtype), p["wo"])
     x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps)
-    gate = jax.nn.silu((x @ p["w_gate"]).astype(jnp.float32)).astype(x.dtype)  # [T, F]
-    h = h + (gate * (x @ p["w_up"])) @ p["w_down"]  # [T, H]
+    gate = jax.nn.silu(matmul(x, p["w_gate"]).astype(jnp.float32)).astype(x.dtype)  # [T, F]
+    h = h + matmul(gate * matmul(x, p["w_up"]), p["w_down"])  # [T, H]
     return h, cache
 
 
 def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                attend: AttendFn, cache: Any) -> tuple[jax.Array, Any]:
+                attend: AttendFn, cache: Any, linear: LayerLinear | None = None
+                ) -> tuple[jax.Array, Any]:
     """Runs the decoder over packed tokens and returns final hidden states [T, H] and the cache.
 
     Args:
@@ -169,23 +178,46 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
       positions: [T] int32 position of each token in its own sequence.
       attend: the KV-layout specific attention (see module docstring).
       cache: whatever `attend` threads through the layers (donated KV buffers).
+      linear: multiplies by a layer of the stacked matrices, reading it where it lies
+        (`kvjax.models.linear.native_linear`); None: XLA matmuls of the scan's layer slices.
     """
     h = params["embed"][tokens]  # [T, H]
-
-    def body(carry, xs):
-        h, cache = carry
-        layer_params, layer_index = xs
-        h, cache = decoder_layer(config, attend, h, positions, layer_params, layer_index,
-                                 cache)
-        return (h, cache), None
-
+    layers = params["layers"]
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (h, cache), _ = jax.lax.scan(body, (h, cache), (params["layers"], layer_ids))
+    if linear is None:
+        def body(carry, xs):
+            h, cache = carry
+            layer_params, layer_index = xs
+            h, cache = decoder_layer(config, attend, h, positions, layer_params, layer_index,
+                                     cache)
+            return (h, cache), None
+
+        (h, cache), _ = jax.lax.scan(body, (h, cache), (layers, layer_ids))
+    else:
+        def body(carry, layer_index):
+            h, cache = carry
+            # Matrices ([L, In, Out]) stay whole for `linear`; norms and biases are sliced.
+            layer_params = {name: w if w.ndim == 3 else w[layer_index]
+                            for name, w in layers.items()}
+            h, cache = decoder_layer(
+                config, attend, h, positions, layer_params, layer_index, cache,
+                matmul=lambda x, w: linear(x, w, layer_index))
+            return (h, cache), None
+
+        (h, cache), _ = jax.lax.scan(body, (h, cache), layer_ids)
     return rms_norm(h, params["final_norm"], config.rms_norm_eps), cache
 
 
-def lm_head(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
-    """Logits in float32. h: [..., H] -> [..., V]."""
+def lm_head(params: Params, config: ModelConfig, h: jax.Array,
+            linear: LayerLinear | None = None) -> jax.Array:
+    """Logits in float32. h: [..., H] -> [..., V]. `linear`: as in `decode_body` (None: XLA)."""
+    if linear is not None and h.dtype == jnp.float32:
+        x = h.reshape(-1, h.shape[-1])
+        if config.tie_word_embeddings:  # embed [V, H]: its transpose
+            logits = linear(x, params["embed"][None], jnp.int32(0), transpose=True)
+        else:
+            logits = linear(x, params["lm_head"][None], jnp.int32(0))
+        return logits.reshape(*h.shape[:-1], -1)
     w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
     return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
 

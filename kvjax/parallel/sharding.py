@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.config import ModelConfig
 from kvjax.engine import compat
 from kvjax.engine.config import EngineConfig
-from kvjax.engine.step import StepOutput, StepPrograms, StepShape
+from kvjax.engine.step import MatmulImpl, StepOutput, StepPrograms, StepShape
 from kvjax.models.model import Model
 
 TP_AXIS = "tp"
@@ -215,8 +215,10 @@ class ShardedStepPrograms(StepPrograms):
         self.mesh = mesh
         self.param_shardings = param_shardings
         self._replicated = NamedSharding(mesh, P())
+        # XLA's matmuls: it splits them over the mesh (the native CPU matmul is one opaque
+        # call over whole weights).
         step = functools.partial(programs._step.__wrapped__, place_kernels=functools.partial(
-            shard_kernels, mesh=mesh, config=programs.config))
+            shard_kernels, mesh=mesh, config=programs.config), matmul_impl=MatmulImpl.XLA)
         self._step = jax.jit(step, static_argnames=("shape",), donate_argnames=("kv",),
                              out_shardings=(self._replicated, kv_shardings))
         self._copy = jax.jit(programs._copy.__wrapped__, donate_argnums=0,

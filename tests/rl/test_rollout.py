@@ -113,9 +113,11 @@ def test_update_in_flight_tags_each_token_with_the_weights_that_sampled_it(
             assert versions == olds
             assert not batch.loss_mask[b].any(), "aborted samples carry no loss"
         start = len(prompts[b // GROUP])
+        # Float32 sums in another order (the decode step's matmuls and attention kernels) move
+        # a logprob by ~1e-5; the other weights version's is orders of magnitude further.
         for i, version in enumerate(versions):
             assert batch.old_logprobs[b, start + i] == pytest.approx(
-                scored[version][b, start + i], abs=2e-5)
+                scored[version][b, start + i], abs=1e-4)
 
 
 def test_invalid_requests_queue_nothing(models, prompts):

@@ -10,11 +10,9 @@ several chunks whose partial softmaxes are merged, so a few rows still keep ever
 Codes are decoded eight channels at a time in registers, so the head dim must be a multiple of
 8. It computes what `paged_decode_attention_reference` computes.
 
-The source is compiled once per machine with the system C++ compiler (`g++`, or `$CXX`) into
-a cache folder (`$KVJAX_NATIVE_CACHE`, default `~/.cache/kvjax/native`), keyed by the source,
-the flags and the jax version, and registered as the FFI target `kvjax_paged_decode`.
-`unavailable_reason()` says why it cannot be used (no compiler, a failed build); the engine
-then keeps the jnp path.
+The source is built once per machine and registered as the FFI target `kvjax_paged_decode`
+(`kvjax.cpu_kernels`); `unavailable_reason()` says why it cannot be used (no compiler, a
+failed build); the engine then keeps the jnp path.
 
 Which states it reads (`kernels_for(kv)`, the same chooser signature as
 `pallas_kernels.dispatch.kernels_for`):
@@ -34,73 +32,24 @@ Prefill rows keep the blockwise jnp path: their cost is the matmuls, not the KV 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 import pathlib
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import cpu_kernels
 from kvjax.kv import attention as attention_ref
 
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode.cc")
-# Reassociation (vectorized dot products) without -ffast-math: linking a shared library with
-# that flag makes loading it switch the whole process to flushing subnormal floats to zero.
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-          "-fassociative-math", "-freciprocal-math", "-std=c++17", "-shared", "-fPIC", "-w")
 _TARGET = "kvjax_paged_decode"
 MAX_GROUP = 32  # kMaxGroup: query heads (times queries per row) per kv head
 HEAD_DIM_MULTIPLE = 8  # channels are decoded and multiplied eight at a time
-_lock = threading.Lock()
-_status: dict[str, str | None] = {}  # "reason": None once registered
-
-
-def _cache_dir() -> pathlib.Path:
-    default = pathlib.Path.home() / ".cache" / "kvjax" / "native"
-    return pathlib.Path(os.environ.get("KVJAX_NATIVE_CACHE", default))
-
-
-def _build() -> pathlib.Path:
-    """Compiles the kernel if no cached build matches; returns the shared library's path."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(),
-                                     jax.__version__.encode(), cxx.encode()])).hexdigest()[:16]
-    lib = _cache_dir() / f"paged_decode-{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        out = pathlib.Path(tmp) / lib.name
-        proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", str(out)],
-                              capture_output=True, text=True)
-        if proc.returncode:
-            raise RuntimeError(f"{cxx} failed to build {_SOURCE.name}: {proc.stderr[-2000:]}")
-        os.replace(out, lib)  # atomic: concurrent builders race harmlessly
-    return lib
 
 
 def unavailable_reason() -> str | None:
     """None when the kernel is built and registered (building it on first call), else why not."""
-    with _lock:
-        if "reason" not in _status:
-            try:
-                import ctypes
-
-                library = ctypes.cdll.LoadLibrary(str(_build()))
-                jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.KvjaxPagedDecode),
-                                            platform="cpu")
-                _status["reason"] = None
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                _status["reason"] = f"the native CPU kernel is unavailable: {e}"
-        return _status["reason"]
+    return cpu_kernels.register(_TARGET, _SOURCE, "KvjaxPagedDecode")
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -48,6 +48,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -402,27 +403,7 @@ int64_t PlanChunks(const Geometry& g, const int32_t* kv_lens, int64_t max_blocks
   return partials;
 }
 
-// Runs fn(i) for i in [0, n) on the caller and the pool's threads. Items are claimed from a
-// shared counter, so a task the pool starts late finds nothing left and returns; the caller
-// waits only for items already claimed (no deadlock when the pool is busy).
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, n, fn]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
-      fn(i);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
-  work();
-  while (state->done.load(std::memory_order_acquire) < n) {
-  }
-}
+using kvjax::ParallelFor;
 
 template <typename Rows>
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, const Rows& v,

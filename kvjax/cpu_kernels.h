@@ -1,0 +1,39 @@
+// What the project's C++ CPU kernels share (kvjax.cpu_kernels builds them with this folder on
+// the include path).
+#ifndef KVJAX_CPU_KERNELS_H_
+#define KVJAX_CPU_KERNELS_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace kvjax {
+
+// Runs fn(i) for i in [0, n) on the caller and the pool's threads. Items are claimed from a
+// shared counter, so a task the pool starts late finds nothing left and returns; the caller
+// waits only for items already claimed (no deadlock when the pool is busy).
+template <typename Fn>
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, Fn fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, fn]() {
+    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
+      fn(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) {
+  }
+}
+
+}  // namespace kvjax
+
+#endif  // KVJAX_CPU_KERNELS_H_

@@ -1,0 +1,235 @@
+// x @ w[layer] (or x @ w[layer]^T) for few rows of x, reading one layer of the stacked weights
+// in place: an XLA FFI handler for the CPU.
+//
+// A decode step multiplies a handful of token rows by every weight matrix once, so its cost is
+// reading the weights. Inside the layer scan, XLA copies each layer's slice of the stacked
+// [L, In, Out] weights before its matmul (a dynamic slice), and its matmul of a few rows packs
+// the weights again; this kernel reads the layer's rows straight from the stacked buffer, once.
+//
+// Buffers (row-major):
+//   x      f32  [T, In]
+//   w      f32  [L, In, Out], or [L, Out, In] with the attribute transpose (a tied embedding
+//              as the vocabulary projection)
+//   layer  s32  []
+//   out    f32  [T, Out]
+//
+// [L, In, Out]: the columns are cut into strips kNV vectors wide, spread over XLA's intra-op
+// thread pool. For a strip, tiles of up to kMR rows of x accumulate in registers while a block
+// of the strip's weight rows streams by (the first tile prefetches kPrefetchRows rows ahead
+// from memory; later tiles find the block in L1). Columns past the last whole vector are
+// summed one at a time.
+// [L, Out, In]: each output is a dot product of two contiguous rows; threads take ranges of
+// weight rows (read sequentially), kDotRows of them at a time against tiles of kMR rows of x.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#ifdef __AVX512F__
+constexpr int kV = 16;  // floats per vector
+constexpr int kNV = 6;  // vectors per strip: 4 x 6 accumulators + 6 weights + 1 broadcast
+#else
+constexpr int kV = 8;
+constexpr int kNV = 3;  // 4 x 3 accumulators + 3 weights + 1 broadcast (16 ymm registers)
+#endif
+constexpr int kMR = 4;  // rows of x per tile
+constexpr int kDotRows = 4;  // weight rows per tile of the transposed product
+constexpr int kBlockRows = 32;  // weight rows a strip's tiles take at a time
+constexpr int kPrefetchRows = 24;
+constexpr int kItemsPerThread = 4;
+
+typedef float Vec __attribute__((vector_size(kV * sizeof(float))));
+
+inline Vec LoadV(const float* p) {
+  Vec x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline void StoreV(float* p, Vec x) { std::memcpy(p, &x, sizeof(x)); }
+
+// out[0:MR, 0:NV*kV] (+)= x[0:MR, 0:K] @ w[0:K, 0:NV*kV] (leading dimensions ldx, ldw, ldo;
+// adding to out with `accumulate`).
+template <int MR, int NV>
+void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
+          int64_t ldo, bool prefetch, bool accumulate) {
+  Vec acc[MR][NV] = {};
+  if (accumulate)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NV; ++j) acc[i][j] = LoadV(out + i * ldo + j * kV);
+  for (int64_t k = 0; k < K; ++k) {
+    const float* row = w + k * ldw;
+    if (prefetch) {
+      for (int j = 0; j < NV * kV; j += 64 / sizeof(float))
+        __builtin_prefetch(row + kPrefetchRows * ldw + j);
+    }
+    Vec wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = LoadV(row + j * kV);
+    for (int i = 0; i < MR; ++i) {
+      const Vec xi = Vec{} + x[i * ldx + k];
+      for (int j = 0; j < NV; ++j) acc[i][j] += xi * wv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) StoreV(out + i * ldo + j * kV, acc[i][j]);
+}
+
+// Columns [n0, n0 + NV * kV) of every row, kBlockRows weight rows at a time: the first tile
+// of rows of x streams a block from memory (prefetching into the next), the others find it in
+// L1, so memory keeps streaming while they compute.
+template <int NV>
+void Strip(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
+           int64_t n0) {
+  for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) {
+    const int64_t rows = std::min<int64_t>(kBlockRows, K - k0);
+    const float* wk = w + k0 * N + n0;
+    const bool add = k0 > 0;
+    for (int64_t t = 0; t < T; t += kMR) {
+      const float* xt = x + t * K + k0;
+      float* ot = out + t * N + n0;
+      const bool first = t == 0;
+      switch (std::min<int64_t>(kMR, T - t)) {
+        case 1: Tile<1, NV>(xt, K, wk, N, rows, ot, N, first, add); break;
+        case 2: Tile<2, NV>(xt, K, wk, N, rows, ot, N, first, add); break;
+        case 3: Tile<3, NV>(xt, K, wk, N, rows, ot, N, first, add); break;
+        default: Tile<kMR, NV>(xt, K, wk, N, rows, ot, N, first, add); break;
+      }
+    }
+  }
+}
+
+template <int NV = kNV>
+void StripOf(int nv, const float* x, int64_t T, int64_t K, const float* w, int64_t N,
+             float* out, int64_t n0) {
+  if constexpr (NV > 0) {
+    if (nv == NV) return Strip<NV>(x, T, K, w, N, out, n0);
+    return StripOf<NV - 1>(nv, x, T, K, w, N, out, n0);
+  }
+}
+
+// Columns [n0, N) one at a time (fewer than kV of them).
+void Tail(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
+          int64_t n0) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = n0; n < N; ++n) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k) s += x[t * K + k] * w[k * N + n];
+      out[t * N + n] = s;
+    }
+}
+
+inline float Sum(Vec x) {
+  float s = 0.0f;
+  for (int i = 0; i < kV; ++i) s += x[i];
+  return s;
+}
+
+// out[t, n] = dot(x[t, :K], w[n, :K]) for t < MR, n < NR (leading dimensions ldx, ldw, ldo).
+template <int MR, int NR>
+void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
+             int64_t ldo) {
+  Vec acc[MR][NR] = {};
+  const int64_t whole = K / kV * kV;
+  for (int64_t k = 0; k < whole; k += kV) {
+    Vec wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = LoadV(w + j * ldw + k);
+    for (int i = 0; i < MR; ++i) {
+      const Vec xi = LoadV(x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] += xi * wv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = Sum(acc[i][j]);
+      for (int64_t k = whole; k < K; ++k) s += x[i * ldx + k] * w[j * ldw + k];
+      out[i * ldo + j] = s;
+    }
+}
+
+// Outputs [n0, n0 + NR) of every row of x.
+template <int NR>
+void DotRows(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
+             int64_t n0) {
+  const float* wn = w + n0 * K;
+  for (int64_t t = 0; t < T; t += kMR) {
+    const float* xt = x + t * K;
+    float* ot = out + t * N + n0;
+    switch (std::min<int64_t>(kMR, T - t)) {
+      case 1: DotTile<1, NR>(xt, K, wn, K, K, ot, N); break;
+      case 2: DotTile<2, NR>(xt, K, wn, K, K, ot, N); break;
+      case 3: DotTile<3, NR>(xt, K, wn, K, K, ot, N); break;
+      default: DotTile<kMR, NR>(xt, K, wn, K, K, ot, N); break;
+    }
+  }
+}
+
+using kvjax::ParallelFor;
+
+// x [T, K] @ w[N, K]^T.
+void LinearTransposed(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K,
+                      const float* wp, int64_t N, float* op) {
+  const int64_t tiles = N / kDotRows;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per_item = std::max<int64_t>(1, tiles / (threads * kItemsPerThread));
+  const int64_t items = (tiles + per_item - 1) / per_item;
+  if (tiles) {
+    ParallelFor(pool, items, [&](int64_t i) {
+      for (int64_t r = i * per_item; r < std::min(tiles, (i + 1) * per_item); ++r)
+        DotRows<kDotRows>(xp, T, K, wp, N, op, r * kDotRows);
+    });
+  }
+  for (int64_t n = tiles * kDotRows; n < N; ++n) DotRows<1>(xp, T, K, wp, N, op, n);
+}
+
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::Buffer<ffi::S32> layer, bool transpose,
+                  ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[transpose ? 2 : 1] != xd[1])
+    return ffi::Error::InvalidArgument(
+        "linear: x must be [T, In] and w [L, In, Out] ([L, Out, In] transposed)");
+  const int64_t T = xd[0], K = xd[1], N = wd[transpose ? 1 : 2];
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("linear: layer out of range");
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data() + l * K * N;
+  float* op = out->typed_data();
+  if (transpose) {
+    LinearTransposed(pool, xp, T, K, wp, N, op);
+    return ffi::Error::Success();
+  }
+  constexpr int64_t kStrip = kNV * kV;
+  const int64_t vectors = N / kV;  // whole vectors of columns
+  const int64_t strips = (vectors + kNV - 1) / kNV;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per_item = std::max<int64_t>(1, strips / (threads * kItemsPerThread));
+  const int64_t items = (strips + per_item - 1) / per_item;
+  if (strips) {
+    ParallelFor(pool, items, [&](int64_t i) {
+      for (int64_t s = i * per_item; s < std::min(strips, (i + 1) * per_item); ++s) {
+        const int nv = static_cast<int>(std::min<int64_t>(kNV, vectors - s * kNV));
+        StripOf(nv, xp, T, K, wp, N, op, s * kStrip);
+      }
+    });
+  }
+  if (vectors * kV < N) Tail(xp, T, K, wp, N, op, vectors * kV);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLinear, Linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Attr<bool>("transpose")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,63 @@
+"""x @ w[layer] over the stacked layer weights: XLA's matmul, or a native CPU kernel.
+
+The decoder's matrices are stacked over layers ([L, In, Out], `kvjax.models.llama`) and its
+layer loop is one scan. XLA copies each layer's slice before its matmul, and its matmul of a
+few rows packs the weights once more, so a decode step on the CPU moved about twice the bytes
+of the weights. `native_linear` (`linear.cc`, built and registered by `kvjax.cpu_kernels`)
+reads the layer's rows in place, once; it pays off for few rows (decode steps), while XLA's
+packed matmul wins for prefill chunks (`NATIVE_MAX_TOKENS`).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import cpu_kernels
+
+_SOURCE = pathlib.Path(__file__).with_name("linear.cc")
+_TARGET = "kvjax_linear"
+# Steps of at most this many tokens use the native kernel under AUTO (scripts/bench_decode.py
+# --matmul_sweep: the kernel is ahead of XLA up to here on a 2-core host).
+NATIVE_MAX_TOKENS = 64
+
+
+class LayerLinear(Protocol):
+    """x [T, In] times layer `layer` (a scalar, traced or not) of stacked w [L, In, Out], or
+    of its transpose where w is [L, Out, In] and `transpose` is set."""
+
+    def __call__(self, x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
+                 ) -> jax.Array: ...
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is built and registered (building it on first call), else why not."""
+    return cpu_kernels.register(_TARGET, _SOURCE, "KvjaxLinear")
+
+
+def xla_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
+               ) -> jax.Array:
+    """x @ w[layer] (x @ w[layer].T with `transpose`) by XLA (the slice is a dynamic slice)."""
+    return x @ (w[layer].T if transpose else w[layer])
+
+
+def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
+                  ) -> jax.Array:
+    """x @ w[layer] (x @ w[layer].T with `transpose`) reading the layer in place.
+
+    float32 x and w only; other dtypes go to `xla_linear`.
+
+    Raises:
+      ValueError: the kernel is unavailable on this machine.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ValueError(reason)
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3:
+        return xla_linear(x, w, layer, transpose)
+    out = w.shape[1] if transpose else w.shape[2]
+    return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))(
+        x, w, jnp.asarray(layer, jnp.int32), transpose=transpose)

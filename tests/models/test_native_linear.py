@@ -1,0 +1,107 @@
+"""The native CPU matmul (kvjax.models.linear) against numpy, and the engine with it vs XLA's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.engine.step import MatmulImpl, layer_linear
+from kvjax.models import linear, llama
+from kvjax.testing import TINY, tiny_model
+
+pytestmark = pytest.mark.skipif(linear.unavailable_reason() is not None,
+                                reason=str(linear.unavailable_reason()))
+
+# (rows T, In, Out): whole strips; column tails past the last vector (Out 19, 8, 200); row
+# tiles of 1-4 rows and their remainders (T 5, 33); In not a multiple of a vector.
+SHAPES = [(1, 576, 576), (8, 64, 1536), (3, 40, 19), (5, 16, 8), (33, 100, 70),
+          (64, 64, 200)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-In{}-Out{}".format(*s))
+def test_reads_one_layer_of_stacked_weights_like_numpy(shape):
+    t, k, n = shape
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    w = np.full((3, k, n), np.nan, np.float32)  # other layers must not be read
+    w[1] = rng.standard_normal((k, n))
+    got = jax.jit(linear.native_linear)(x, w, jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w[1], rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-In{}-Out{}".format(*s))
+def test_transposed_weights_are_dot_products_of_rows(shape):
+    t, k, n = shape
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    w = np.full((2, n, k), np.nan, np.float32)
+    w[0] = rng.standard_normal((n, k))
+    got = jax.jit(linear.native_linear, static_argnames="transpose")(x, w, 0, transpose=True)
+    np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w[0].T, rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_other_dtypes_go_to_xla():
+    x = jnp.ones((2, 16), jnp.bfloat16)
+    w = jnp.arange(3 * 16 * 8, dtype=jnp.float32).reshape(3, 16, 8).astype(jnp.bfloat16)
+    got = linear.native_linear(x, w, 2)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x @ w[2]))
+
+
+def test_auto_uses_the_kernel_for_decode_sized_steps_only():
+    assert layer_linear(MatmulImpl.AUTO, 1) is linear.native_linear
+    assert layer_linear(MatmulImpl.AUTO, linear.NATIVE_MAX_TOKENS) is linear.native_linear
+    assert layer_linear(MatmulImpl.AUTO, linear.NATIVE_MAX_TOKENS + 1) is None
+    assert layer_linear(MatmulImpl.XLA, 1) is None
+    assert layer_linear(MatmulImpl.NATIVE, 4096) is linear.native_linear
+
+
+def test_decoder_logits_match_the_scan_over_layer_slices():
+    """decode_body + lm_head reading layers in place equal XLA's scan over sliced layers
+    (untied and tied embeddings)."""
+    for tied in (False, True):
+        config = dataclasses.replace(TINY, tie_word_embeddings=tied)
+        model = tiny_model(config)
+        tokens = jnp.array([3, 9, 27, 81, 5], jnp.int32)
+        logits = {}
+        for name, lin in (("xla", None), ("native", linear.native_linear)):
+            logits[name] = jax.jit(_logits, static_argnums=(0, 3))(config, model.params,
+                                                                  tokens, lin)
+        np.testing.assert_allclose(logits["native"], logits["xla"], rtol=1e-5, atol=1e-5)
+
+
+def _logits(config, params, tokens, lin):
+    h, _ = llama.decode_body(params, config, tokens, jnp.arange(tokens.shape[0]),
+                             _no_attention, None, linear=lin)
+    return llama.lm_head(params, config, h, lin)
+
+
+def _no_attention(_, q, k, v, cache):
+    return q + jnp.repeat(v, q.shape[1] // v.shape[1], axis=1), cache
+
+
+def test_engine_decodes_the_same_tokens_with_native_matmuls():
+    """Greedy tokens and logprobs with the native matmuls equal XLA's; prefill-sized steps
+    keep XLA under AUTO; the choice is per step shape, so no program is added."""
+    model = tiny_model()
+    prompts = [[1, 5, 9, 13, 2, 7], [3, 4], [8] * 11]
+    sampling = kvjax.SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outs, compiles = {}, {}
+    for impl in (MatmulImpl.XLA, MatmulImpl.AUTO, MatmulImpl.NATIVE):
+        engine = kvjax.Engine(model, kvjax.EngineConfig(
+            num_pages=32, page_size=4, max_num_seqs=4, matmul_impl=impl))
+        outs[impl] = engine.generate(prompts, sampling)
+        compiles[impl] = engine.num_compiles
+    assert compiles[MatmulImpl.AUTO] == compiles[MatmulImpl.NATIVE] == compiles[MatmulImpl.XLA]
+    for impl in (MatmulImpl.AUTO, MatmulImpl.NATIVE):
+        for ref, got in zip(outs[MatmulImpl.XLA], outs[impl], strict=True):
+            assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+            np.testing.assert_allclose(got.outputs[0].logprobs, ref.outputs[0].logprobs,
+                                       atol=1e-4)
