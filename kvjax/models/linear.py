@@ -20,8 +20,9 @@ from kvjax import cpu_kernels
 
 _SOURCE = pathlib.Path(__file__).with_name("linear.cc")
 _TARGET = "kvjax_linear"
-# Steps of at most this many tokens use the native kernel under AUTO (scripts/bench_decode.py
-# --matmul_sweep: the kernel is ahead of XLA up to here on a 2-core host).
+# Steps of at most this many tokens use the native kernel under AUTO: up to here it is at least
+# as fast as XLA on the 2-core CPU host, beyond it XLA's packed matmul wins
+# (scripts/bench_linear.py, docs/benchmarks.md "Native matmuls").
 NATIVE_MAX_TOKENS = 64
 
 

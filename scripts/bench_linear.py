@@ -1,0 +1,87 @@
+"""Times the decoder's matmuls alone: the native CPU kernel against XLA's, per token count.
+
+For each of --tokens, one jitted call runs the embedded model's decoder layers (attention
+replaced by a cheap stand-in, so only the projections and the MLP remain) and the output head
+over that many token rows, once with `kvjax.models.linear.native_linear` reading each layer of
+the stacked weights in place and once with XLA's matmuls of the layer scan's slices. The two
+alternate, so a noisy machine slows them alike. Prints the median ms per call beside the floor
+(weight bytes over the measured memory bandwidth, or FLOPs over the measured matmul rate,
+whichever is larger); this is what sets `linear.NATIVE_MAX_TOKENS`.
+
+  python scripts/bench_linear.py --tokens=1,8,32,64,128,256 --output_json=/tmp/linear.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+import kvjax
+from kvjax.bench import roofline
+from kvjax.models import linear, llama
+
+_TOKENS = flags.DEFINE_list("tokens", ["1", "8", "32", "64", "128", "256"], "Token rows.")
+_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed calls per system and token count.")
+_OUTPUT = flags.DEFINE_string("output_json", None, "Write the results here.")
+
+
+def _no_attention(_, q, k, v, cache):
+    return q + jnp.repeat(v, q.shape[1] // v.shape[1], axis=1), cache
+
+
+def decoder_matmuls(config, params, tokens, lin):
+    """The decoder over `tokens` with attention stubbed out, and the head: [T, V] logits."""
+    h, _ = llama.decode_body(params, config, tokens, jnp.zeros_like(tokens), _no_attention,
+                             None, linear=lin)
+    return llama.lm_head(params, config, h, lin)
+
+
+def main(argv):
+    del argv
+    reason = linear.unavailable_reason()
+    if reason is not None:
+        raise SystemExit(reason)
+    model = kvjax.load_model()
+    config, params = model.config, model.params
+    rates = roofline.measure_machine()
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) + \
+        params["embed"].nbytes
+    systems = {"native": linear.native_linear, "xla": None}
+    results = []
+    print("| tokens | native ms | xla ms | native / xla | floor ms | native / floor |")
+    print("|---|---|---|---|---|---|")
+    for t in (int(x) for x in _TOKENS.value):
+        tokens = jnp.arange(t, dtype=jnp.int32) + 5
+        calls = {name: jax.jit(lambda p, x, lin=lin: decoder_matmuls(config, p, x, lin))
+                 for name, lin in systems.items()}
+        for call in calls.values():
+            call(params, tokens).block_until_ready()
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(_REPEATS.value):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call(params, tokens).block_until_ready()
+                times[name].append(time.perf_counter() - start)
+        ms = {name: 1e3 * statistics.median(v) for name, v in times.items()}
+        flops = 2.0 * roofline.matmul_params(config) * t
+        floor = 1e3 * max(weight_bytes / rates.memory_bytes_per_s,
+                          flops / rates.matmul_flops_per_s)
+        results.append(dict(tokens=t, native_ms=ms["native"], xla_ms=ms["xla"], floor_ms=floor))
+        print(f"| {t} | {ms['native']:.1f} | {ms['xla']:.1f} | {ms['native'] / ms['xla']:.2f} "
+              f"| {floor:.1f} | {ms['native'] / floor:.2f} |", flush=True)
+    print(f"machine: {rates.memory_bytes_per_s / 1e9:.1f} GB/s, "
+          f"{rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
+    if _OUTPUT.value:
+        with open(_OUTPUT.value, "w") as f:
+            json.dump(dict(results=results, memory_bytes_per_s=rates.memory_bytes_per_s,
+                           matmul_flops_per_s=rates.matmul_flops_per_s,
+                           weight_bytes=weight_bytes), f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
