@@ -41,6 +41,7 @@ constexpr int kNV = 3;  // 4 x 3 accumulators + 3 weights + 1 broadcast (16 ymm 
 #endif
 constexpr int kMR = 4;  // rows of x per tile
 constexpr int kDotRows = 4;  // weight rows per tile of the transposed product
+constexpr int kDotAheadTiles = 2;  // how far ahead (in tiles of rows) the first tile prefetches
 constexpr int kBlockRows = 32;  // weight rows a strip's tiles take at a time
 constexpr int kPrefetchRows = 24;
 constexpr int kItemsPerThread = 4;
@@ -133,10 +134,13 @@ inline float Sum(Vec x) {
 // out[t, n] = dot(x[t, :K], w[n, :K]) for t < MR, n < NR (leading dimensions ldx, ldw, ldo).
 template <int MR, int NR>
 void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
-             int64_t ldo) {
+             int64_t ldo, bool prefetch) {
   Vec acc[MR][NR] = {};
   const int64_t whole = K / kV * kV;
   for (int64_t k = 0; k < whole; k += kV) {
+    if (prefetch) {  // the same columns kDotAheadTiles tiles of weight rows further on
+      for (int j = 0; j < NR; ++j) __builtin_prefetch(w + (kDotAheadTiles * NR + j) * ldw + k);
+    }
     Vec wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = LoadV(w + j * ldw + k);
     for (int i = 0; i < MR; ++i) {
@@ -160,11 +164,12 @@ void DotRows(const float* x, int64_t T, int64_t K, const float* w, int64_t N, fl
   for (int64_t t = 0; t < T; t += kMR) {
     const float* xt = x + t * K;
     float* ot = out + t * N + n0;
+    const bool first = t == 0 && n0 + (kDotAheadTiles + 1) * NR <= N;
     switch (std::min<int64_t>(kMR, T - t)) {
-      case 1: DotTile<1, NR>(xt, K, wn, K, K, ot, N); break;
-      case 2: DotTile<2, NR>(xt, K, wn, K, K, ot, N); break;
-      case 3: DotTile<3, NR>(xt, K, wn, K, K, ot, N); break;
-      default: DotTile<kMR, NR>(xt, K, wn, K, K, ot, N); break;
+      case 1: DotTile<1, NR>(xt, K, wn, K, K, ot, N, first); break;
+      case 2: DotTile<2, NR>(xt, K, wn, K, K, ot, N, first); break;
+      case 3: DotTile<3, NR>(xt, K, wn, K, K, ot, N, first); break;
+      default: DotTile<kMR, NR>(xt, K, wn, K, K, ot, N, first); break;
     }
   }
 }
