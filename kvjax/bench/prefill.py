@@ -4,7 +4,8 @@ What `scripts/bench_decode.py --prefill_lens=...` runs beside the decode benchma
 prompt (corpus text through the model's tokenizer) of `prompt_len` tokens, the same weights:
 
   * kvjax: an engine with the prefix cache off prefills the prompt in chunks of at most
-    `chunk` tokens (its `max_num_batched_tokens`) and samples one greedy token. Timed from
+    `chunk` tokens (its `max_num_batched_tokens` and `max_prefill_chunk`) and samples one
+    greedy token. Timed from
     `add_request` to the finished output, host work included. An identical untimed run first
     compiles every step shape the timed runs use.
   * transformers: `model(input_ids, logits_to_keep=1)` under `torch.no_grad()` (the logits
@@ -58,8 +59,8 @@ def bench_prefill(model: kvjax.Model, hf_model, prompt: list[int], *, chunks: li
     engines = {}
     for chunk in chunks:
         engine = kvjax.Engine(model, kvjax.EngineConfig(
-            max_num_seqs=1, max_num_batched_tokens=chunk, max_model_len=len(prompt) + 1,
-            enable_prefix_cache=False))
+            max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_chunk=chunk,
+            max_model_len=len(prompt) + 1, enable_prefix_cache=False))
         _kvjax_prefill_s(engine, prompt, "warm")
         engines[chunk] = engine
     times: dict[object, list[float]] = {chunk: [] for chunk in chunks}
