@@ -226,7 +226,7 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
                               f"context_reuse={config.context_reuse!r}"))
     if config.kv_arena:
         found.append(_Present(Feature.KV_ARENA, "kv_arena=True"))
-    if config.controller != "fixed":
+    if config.controlled:
         found.append(_Present(Feature.CONTROLLER, f"controller={config.controller!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:
         found.append(_Present(Feature.CONTIGUOUS, "kv_layout='contiguous'"))

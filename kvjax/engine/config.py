@@ -10,7 +10,7 @@ from kvjax.engine.step import AttentionImpl, MatmulImpl
 from kvjax.kv import quantized
 from kvjax.memory.tiers import TierConfig
 from kvjax.scheduler.context import make_strategy
-from kvjax.scheduler.controller import SLO, make_controller
+from kvjax.scheduler.controller import SLO, FixedController, make_controller
 from kvjax.scheduler.preemption import PreemptionMode
 from kvjax.scheduler.spec import SpecConfig
 
@@ -159,6 +159,12 @@ class EngineConfig:
                              f"in the prefix cache: set enable_prefix_cache=True")
         self._check_kernel_reads_codec()
         compat.check(self, on_mesh=False)
+
+    @property
+    def controlled(self) -> bool:
+        """Whether a KV controller decides beyond the fixed settings (it may offload, swap,
+        demote or set retention budgets, so the engine prepares for all of them)."""
+        return self.controller != FixedController.name
 
     def _check_kernel_reads_codec(self) -> None:
         if self.attention_impl is AttentionImpl.NATIVE and self.kv_codec != "none":

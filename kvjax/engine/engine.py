@@ -175,7 +175,7 @@ class Engine:
         cfg = self.config.tiers
         self._swap_bandwidth = cfg.swap_bandwidth_bytes_per_s
         estimates = (self.config.preemption_mode is PreemptionMode.AUTO
-                     or self.config.controller != "fixed")  # a controller prices swaps too
+                     or self.config.controlled)  # a controller prices swaps too
         if (estimates and self._swap_bandwidth is None
                 and self.config.kv_layout is KVLayout.PAGED):
             rates = measure_transfer_bandwidth(self.runner.kv, min(pool.allocator.num_pages, 16),
@@ -567,7 +567,7 @@ class Engine:
                            max_blend_tokens=self.max_model_len)
         # Copy-on-write (n > 1 samples, shared partial pages): at most one copy per row.
         is_paged = self.config.kv_layout is KVLayout.PAGED
-        controlled = self.config.controller != "fixed"
+        controlled = self.config.controlled
         self.kv_cache.warmup(self.block_table_width,
                              swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE
                              or controlled,
