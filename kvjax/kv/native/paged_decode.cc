@@ -37,11 +37,9 @@
 // partial softmaxes are merged at the end (flash-decoding).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #ifdef __AVX2__
@@ -298,31 +296,43 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
   for (int64_t i = 0; i < N * D; ++i) qs[i] = q[b * N * D + i] * sm_scale;
   const int32_t* table = block_tables + b * g.width;
   const int64_t rows_per_page = P * K;
+  constexpr int kVecs = kD ? kD / 8 : kMaxHeadDim / 8;  // vectors of channels per head
   for (int64_t blk = c.first_block; blk < c.end_block; ++blk) {
     const int64_t n = std::min<int64_t>(P, len - blk * P);
     const int64_t page_row = (layer * g.num_pages + table[blk]) * rows_per_page;
-    if (blk + 1 < c.end_block) {
-      const int64_t next_row = (layer * g.num_pages + table[blk + 1]) * rows_per_page;
-      k.Prefetch(next_row, rows_per_page, D);
-      v.Prefetch(next_row, rows_per_page, D);
-    }
+    // The next page is prefetched a row at a time alongside this page's rows, so that the
+    // requests overlap the arithmetic instead of stalling in one burst.
+    const int64_t next_row = blk + 1 < c.end_block
+        ? (layer * g.num_pages + table[blk + 1]) * rows_per_page : -1;
     for (int64_t h = 0; h < K; ++h) {
       const float* qh = qs.data() + h * G * D;
       float* acc = st.acc + h * G * D;
       float* m = st.m + h * G;
       float* l = st.l + h * G;
       float s[kG ? kG : kMaxGroup][kMaxPage];
+      F8 qv[kG ? kG : kMaxGroup][kVecs];  // this kv head's queries, in registers
+      for (int64_t j = 0; j < G; ++j)
+        for (int64_t d = 0; d < D; d += 8) qv[j][d / 8] = LoadF8(qh + j * D + d);
       for (int64_t p = 0; p < n; ++p) {
         const int64_t row = page_row + p * K + h;
+        if (next_row >= 0) {
+          k.Prefetch(next_row + p * K + h, 1, D);
+          v.Prefetch(next_row + p * K + h, 1, D);
+        }
         F8 dot[kG ? kG : kMaxGroup];
         for (int64_t j = 0; j < G; ++j) dot[j] = F8{};
         for (int64_t d = 0; d < D; d += 8) {
           const F8 x = k.Load8(row, D, d);
-          for (int64_t j = 0; j < G; ++j) dot[j] += LoadF8(qh + j * D + d) * x;
+          for (int64_t j = 0; j < G; ++j) dot[j] += qv[j][d / 8] * x;
         }
         const float ts = k.TokenScale(row);
         for (int64_t j = 0; j < G; ++j) s[j][p] = Sum(dot[j]) * ts;
       }
+      if (next_row >= 0)  // rows of the next page past this page's last token
+        for (int64_t p = n; p < P; ++p) {
+          k.Prefetch(next_row + p * K + h, 1, D);
+          v.Prefetch(next_row + p * K + h, 1, D);
+        }
       for (int64_t j = 0; j < G; ++j) {
         const int64_t nv = std::clamp<int64_t>(lim[j] - blk * P, 0, n);  // visible tokens
         for (int64_t p = nv; p < n; ++p) s[j][p] = 0.0f;
