@@ -130,12 +130,8 @@ def check_params(params: Params, config: ModelConfig) -> None:
                 f"params {'/'.join(path)} has shape {tuple(node.shape)}, expected {shape}")
 
 
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    return x @ w
-
-
 def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array,
-        matmul: Matmul = _matmul) -> tuple[jax.Array, jax.Array, jax.Array]:
+        matmul: Matmul = jnp.matmul) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H]."""
     c = config
     p = layer_params
@@ -153,7 +149,7 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
 
 def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
                   layer_params: Params, layer_index: jax.Array, cache: Any,
-                  matmul: Matmul = _matmul) -> tuple[jax.Array, Any]:
+                  matmul: Matmul = jnp.matmul) -> tuple[jax.Array, Any]:
     """One decoder block. h: [T, H]. `matmul(x, w)` multiplies by one of layer_params' matrices
     (x @ w by default)."""
     c = config
