@@ -18,8 +18,8 @@
 // prefetched into L2 one block ahead); within a block, strips of kNV vectors of columns
 // accumulate tiles of up to kMR rows of x in registers. Each range sums into its own partial
 // output; the partials are added at the end. (Walking each column strip down all rows instead
-// reads the same bytes in a strided order that the hardware prefetcher turns into wasted
-// lines: 20 GB/s against 28 GB/s this way at one row.)
+// reads the same bytes in a strided order, well below the rate of a sequential read;
+// scripts/bench_linear.py measures the kernel.)
 // [L, Out, In]: each output is a dot product of two contiguous rows; threads take ranges of
 // weight rows (read sequentially), kDotRows of them at a time against tiles of kMR rows of x.
 
