@@ -3,17 +3,22 @@
 For each of --tokens, one jitted call runs the embedded model's decoder layers (attention
 replaced by a cheap stand-in, so only the projections and the MLP remain) and the output head
 over that many token rows, once with `kvjax.models.linear.native_linear` reading each layer of
-the stacked weights in place and once with XLA's matmuls of the layer scan's slices. The two
+the stacked weights in place and once with XLA's matmuls of the layer scan's slices. The calls
 alternate, so a noisy machine slows them alike. Prints the median ms per call beside the floor
 (weight bytes over the measured memory bandwidth, or FLOPs over the measured matmul rate,
-whichever is larger); this is what sets `linear.NATIVE_MAX_TOKENS`.
+whichever is larger); this is what sets `linear.NATIVE_MAX_TOKENS`. With --sources, each
+kernel source (e.g. an older one saved with `git show REV:kvjax/models/linear.cc > old.cc`)
+is built and run side by side in place of the packaged one.
 
   python scripts/bench_linear.py --tokens=1,8,32,64,128,256 --output_json=/tmp/linear.json
+  python scripts/bench_linear.py --sources=/tmp/old.cc,kvjax/models/linear.cc --tokens=8,32
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import pathlib
 import statistics
 import time
 
@@ -22,11 +27,14 @@ import jax.numpy as jnp
 from absl import app, flags
 
 import kvjax
+from kvjax import cpu_kernels
 from kvjax.bench import roofline
 from kvjax.models import linear, llama
 
 _TOKENS = flags.DEFINE_list("tokens", ["1", "8", "32", "64", "128", "256"], "Token rows.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed calls per system and token count.")
+_SOURCES = flags.DEFINE_list("sources", [], "linear.cc sources to run side by side instead "
+                             "of the packaged kernel.")
 _OUTPUT = flags.DEFINE_string("output_json", None, "Write the results here.")
 
 
@@ -41,6 +49,20 @@ def decoder_matmuls(config, params, tokens, lin):
     return llama.lm_head(params, config, h, lin)
 
 
+def kernels() -> dict[str, linear.LayerLinear]:
+    """The native kernels to time: the packaged one, or a build of each of --sources."""
+    if not _SOURCES.value:
+        return {"native": linear.native_linear}
+    out = {}
+    for i, source in enumerate(_SOURCES.value):
+        target = f"bench_linear_{i}"
+        reason = cpu_kernels.register(target, pathlib.Path(source), "KvjaxLinear")
+        if reason is not None:
+            raise SystemExit(reason)
+        out[source] = functools.partial(linear.call_kernel, target)
+    return out
+
+
 def main(argv):
     del argv
     reason = linear.unavailable_reason()
@@ -51,10 +73,12 @@ def main(argv):
     rates = roofline.measure_machine()
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) + \
         params["embed"].nbytes
-    systems = {"native": linear.native_linear, "xla": None}
+    systems = {**kernels(), "xla": None}
+    native = [n for n in systems if n != "xla"]
     results = []
-    print("| tokens | native ms | xla ms | native / xla | floor ms | native / floor |")
-    print("|---|---|---|---|---|---|")
+    print(f"| tokens | {' | '.join(f'{n} ms' for n in systems)} | floor ms | "
+          f"{' | '.join(f'{n} / xla' for n in native)} |")
+    print("|---" * (len(systems) + len(native) + 2) + "|")
     for t in (int(x) for x in _TOKENS.value):
         tokens = jnp.arange(t, dtype=jnp.int32) + 5
         calls = {name: jax.jit(lambda p, x, lin=lin: decoder_matmuls(config, p, x, lin))
@@ -71,9 +95,10 @@ def main(argv):
         flops = 2.0 * roofline.matmul_params(config) * t
         floor = 1e3 * max(weight_bytes / rates.memory_bytes_per_s,
                           flops / rates.matmul_flops_per_s)
-        results.append(dict(tokens=t, native_ms=ms["native"], xla_ms=ms["xla"], floor_ms=floor))
-        print(f"| {t} | {ms['native']:.1f} | {ms['xla']:.1f} | {ms['native'] / ms['xla']:.2f} "
-              f"| {floor:.1f} | {ms['native'] / floor:.2f} |", flush=True)
+        results.append(dict(tokens=t, ms=ms, floor_ms=floor))
+        ratios = " | ".join(f"{ms[n] / ms['xla']:.2f}" for n in native)
+        print(f"| {t} | {' | '.join(f'{v:.1f}' for v in ms.values())} | {floor:.1f} | "
+              f"{ratios} |", flush=True)
     print(f"machine: {rates.memory_bytes_per_s / 1e9:.1f} GB/s, "
           f"{rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
     if _OUTPUT.value:

@@ -13,11 +13,8 @@ for quantized pools) and bytes/s; also the largest difference between sources' o
 
 from __future__ import annotations
 
-import ctypes
 import pathlib
 import statistics
-import subprocess
-import tempfile
 import time
 
 import jax
@@ -43,16 +40,12 @@ _SHUFFLE = flags.DEFINE_bool("shuffle_pages", False,
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed steps per source and codec.")
 
 
-def _register(source: str, index: int, workdir: pathlib.Path) -> str:
-    """Compiles `source` like kvjax.kv.native and registers it; returns its FFI target."""
-    lib = workdir / f"kernel{index}.so"
-    subprocess.run(["g++", *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}",
-                    f"-I{pathlib.Path(cpu_kernels.__file__).parent}", source, "-o", str(lib)],
-                   check=True)
+def _register(source: str, index: int) -> str:
+    """Builds `source` like kvjax.kv.native and registers it; returns its FFI target."""
     target = f"bench_native_decode_{index}"
-    jax.ffi.register_ffi_target(
-        target, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).KvjaxPagedDecode),
-        platform="cpu")
+    reason = cpu_kernels.register(target, pathlib.Path(source), "KvjaxPagedDecode")
+    if reason is not None:
+        raise SystemExit(reason)
     return target
 
 
@@ -110,26 +103,25 @@ def main(argv):
     q = jnp.asarray(rng.standard_normal((b, k_heads * _GROUP.value, _HEAD_DIM.value),
                                         np.float32))
     shape = (_LAYERS.value, num_pages, p, k_heads, _HEAD_DIM.value)
-    with tempfile.TemporaryDirectory() as tmp:
-        targets = [_register(s, i, pathlib.Path(tmp)) for i, s in enumerate(_SOURCES.value)]
-        for codec_name in _CODECS.value:
-            pool = _pool(codec_name, shape, rng)
-            # Every page of the pool is some row's: the step reads all of it.
-            nbytes = sum(x.nbytes for x in (pool["k"], pool["v"], *pool["meta"]) if x.size > 1)
-            steps = [_step(t, pool, tables, lens, _LAYERS.value) for t in targets]
-            outs = [np.asarray(f(q, pool["k"], pool["v"], pool["meta"])) for f in steps]
-            times = [[] for _ in steps]
-            for _ in range(_REPEATS.value):
-                for f, t in zip(steps, times, strict=True):
-                    start = time.perf_counter()
-                    f(q, pool["k"], pool["v"], pool["meta"]).block_until_ready()
-                    t.append(time.perf_counter() - start)
-            for source, out, t in zip(_SOURCES.value, outs, times, strict=True):
-                ms = statistics.median(t) * 1e3
-                print(f"{codec_name:5s} {source}: {ms:7.1f} ms/step  {nbytes / 1e9:.3f} GB  "
-                      f"{nbytes / ms / 1e6:5.1f} GB/s  max |diff| vs first "
-                      f"{np.abs(out - outs[0]).max():.2e}")
-            del pool
+    targets = [_register(s, i) for i, s in enumerate(_SOURCES.value)]
+    for codec_name in _CODECS.value:
+        pool = _pool(codec_name, shape, rng)
+        # Every page of the pool is some row's: the step reads all of it.
+        nbytes = sum(x.nbytes for x in (pool["k"], pool["v"], *pool["meta"]) if x.size > 1)
+        steps = [_step(t, pool, tables, lens, _LAYERS.value) for t in targets]
+        outs = [np.asarray(f(q, pool["k"], pool["v"], pool["meta"])) for f in steps]
+        times = [[] for _ in steps]
+        for _ in range(_REPEATS.value):
+            for f, t in zip(steps, times, strict=True):
+                start = time.perf_counter()
+                f(q, pool["k"], pool["v"], pool["meta"]).block_until_ready()
+                t.append(time.perf_counter() - start)
+        for source, out, t in zip(_SOURCES.value, outs, times, strict=True):
+            ms = statistics.median(t) * 1e3
+            print(f"{codec_name:5s} {source}: {ms:7.1f} ms/step  {nbytes / 1e9:.3f} GB  "
+                  f"{nbytes / ms / 1e6:5.1f} GB/s  max |diff| vs first "
+                  f"{np.abs(out - outs[0]).max():.2e}")
+        del pool
 
 
 if __name__ == "__main__":

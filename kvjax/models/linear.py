@@ -59,6 +59,13 @@ def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool 
         raise ValueError(reason)
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3:
         return xla_linear(x, w, layer, transpose)
+    return call_kernel(_TARGET, x, w, layer, transpose)
+
+
+def call_kernel(target: str, x: jax.Array, w: jax.Array, layer: jax.Array,
+                transpose: bool = False) -> jax.Array:
+    """x @ w[layer] by the FFI target `target`, a registered build of `linear.cc` (float32
+    x [T, In] and w [L, In, Out], or [L, Out, In] with `transpose`)."""
     out = w.shape[1] if transpose else w.shape[2]
-    return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))(
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))(
         x, w, jnp.asarray(layer, jnp.int32), transpose=transpose)
