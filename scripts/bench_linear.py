@@ -35,6 +35,8 @@ _TOKENS = flags.DEFINE_list("tokens", ["1", "8", "32", "64", "128", "256"], "Tok
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed calls per system and token count.")
 _SOURCES = flags.DEFINE_list("sources", [], "linear.cc sources to run side by side instead "
                              "of the packaged kernel.")
+_HEAD_ONLY = flags.DEFINE_bool("head_only", False, "Time only the output head (the tied "
+                               "embedding's transposed product).")
 _OUTPUT = flags.DEFINE_string("output_json", None, "Write the results here.")
 
 
@@ -42,10 +44,14 @@ def _no_attention(_, q, k, v, cache):
     return q + jnp.repeat(v, q.shape[1] // v.shape[1], axis=1), cache
 
 
-def decoder_matmuls(config, params, tokens, lin):
-    """The decoder over `tokens` with attention stubbed out, and the head: [T, V] logits."""
-    h, _ = llama.decode_body(params, config, tokens, jnp.zeros_like(tokens), _no_attention,
-                             None, linear=lin)
+def decoder_matmuls(config, params, tokens, lin, head_only=False):
+    """The decoder over `tokens` with attention stubbed out (or, with `head_only`, just the
+    tokens' embeddings), and the head: [T, V] logits."""
+    if head_only:
+        h = params["embed"][tokens]
+    else:
+        h, _ = llama.decode_body(params, config, tokens, jnp.zeros_like(tokens),
+                                 _no_attention, None, linear=lin)
     return llama.lm_head(params, config, h, lin)
 
 
@@ -71,8 +77,11 @@ def main(argv):
     model = kvjax.load_model()
     config, params = model.config, model.params
     rates = roofline.measure_machine()
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) + \
-        params["embed"].nbytes
+    weight_bytes = params.get("lm_head", params["embed"]).nbytes
+    flops_per_token = 2.0 * config.vocab_size * config.hidden_size
+    if not _HEAD_ONLY.value:
+        weight_bytes += sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
+        flops_per_token = 2.0 * roofline.matmul_params(config)
     systems = {**kernels(), "xla": None}
     native = [n for n in systems if n != "xla"]
     results = []
@@ -81,7 +90,8 @@ def main(argv):
     print("|---" * (len(systems) + len(native) + 2) + "|")
     for t in (int(x) for x in _TOKENS.value):
         tokens = jnp.arange(t, dtype=jnp.int32) + 5
-        calls = {name: jax.jit(lambda p, x, lin=lin: decoder_matmuls(config, p, x, lin))
+        calls = {name: jax.jit(lambda p, x, lin=lin: decoder_matmuls(config, p, x, lin,
+                                                                     _HEAD_ONLY.value))
                  for name, lin in systems.items()}
         for call in calls.values():
             call(params, tokens).block_until_ready()
@@ -92,7 +102,7 @@ def main(argv):
                 call(params, tokens).block_until_ready()
                 times[name].append(time.perf_counter() - start)
         ms = {name: 1e3 * statistics.median(v) for name, v in times.items()}
-        flops = 2.0 * roofline.matmul_params(config) * t
+        flops = flops_per_token * t
         floor = 1e3 * max(weight_bytes / rates.memory_bytes_per_s,
                           flops / rates.matmul_flops_per_s)
         results.append(dict(tokens=t, ms=ms, floor_ms=floor))
