@@ -271,7 +271,8 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
     if bp:
         tables, load = reader(slice(bd, None))
         out = blockwise(layout.prefill_view(q, inp, shape), load, tables, kv_lens[bd:],
-                        q_lens[bd:])  # [Bp, Cr, N, D]
+                        q_lens[bd:], pages_per_block=attention_ref.PREFILL_PAGES_PER_BLOCK
+                        )  # [Bp, Cr, N, D]
         outs.append(layout.unpack_prefill(out, inp, shape))  # [C, N, D]
     return jnp.concatenate(outs, axis=0)
 

@@ -193,8 +193,9 @@ def kernels_for(kv):
                 return paged_decode_attention(q, layer=layer, block_tables=block_tables,
                                               kv_lens=kv_lens, q_lens=q_lens, **pages)
             load = functools.partial(kv.load_pages, layer)
-            return attention_ref.paged_attention_blockwise(q, load, block_tables, kv_lens,
-                                                           q_lens, pages_per_block=8)
+            return attention_ref.paged_attention_blockwise(
+                q, load, block_tables, kv_lens, q_lens,
+                pages_per_block=attention_ref.PREFILL_PAGES_PER_BLOCK)
 
         return decode, prefill
 
