@@ -4,9 +4,9 @@ A kernel source is compiled with the system C++ compiler (`g++`, or `$CXX`) into
 folder (`$KVJAX_NATIVE_CACHE`, default `~/.cache/kvjax/native`), keyed by the source, the
 flags and the jax version, then loaded and registered for the CPU platform. `register` says
 why a kernel cannot be used (no compiler, a failed build); callers then keep their jnp path.
-The kernels: `kvjax/kv/native/paged_decode.cc` (paged decode attention) and
-`kvjax/models/linear.cc` (matmuls reading a layer of the stacked weights in place); both
-include `cpu_kernels.h` (the thread-pool loop they share).
+The kernels: `kvjax/kv/native/paged_decode.cc` and `paged_prefill.cc` (paged decode and
+prefill attention) and `kvjax/models/linear.cc` (matmuls reading a layer of the stacked
+weights in place); all include `cpu_kernels.h` (the thread-pool loop they share).
 """
 
 from __future__ import annotations

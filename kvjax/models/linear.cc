@@ -55,12 +55,8 @@ constexpr int kItemsPerThread = 4;  // ranges of rows per thread (transposed pro
 
 typedef float Vec __attribute__((vector_size(kV * sizeof(float))));
 
-inline Vec LoadV(const float* p) {
-  Vec x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-inline void StoreV(float* p, Vec x) { std::memcpy(p, &x, sizeof(x)); }
+inline Vec LoadV(const float* p) { return kvjax::LoadVec<Vec>(p); }
+inline void StoreV(float* p, Vec x) { kvjax::StoreVec<Vec>(p, x); }
 
 // out[0:MR, 0:NV*kV] (+)= x[0:MR, 0:K] @ w[0:K, 0:NV*kV] (leading dimensions ldx, ldw, ldo;
 // adding to out with `accumulate`).

@@ -1,4 +1,4 @@
-"""Native CPU attention: a C++ decode kernel that reads KV pages in place, as an XLA FFI call.
+"""Native CPU attention: C++ decode and prefill kernels that read KV pages in place (XLA FFI).
 
 On the CPU, the jnp blockwise path (`kvjax.kv.attention.paged_attention_blockwise`) gathers
 each block of pages into a new buffer and transposes it for the matmuls, so a decode step moves
@@ -26,7 +26,13 @@ Which states it reads (`kernels_for(kv)`, the same chooser signature as
                                                 copy of the context)
   QuestKV over one of the above                 its base (Quest narrows the block tables first)
 
-Prefill rows keep the blockwise jnp path: their cost is the matmuls, not the KV read.
+Prefill chunks over float32 pages go to `paged_prefill.cc` (`paged_prefill_attention`): each
+row's keys are transposed once per layer into a scratch, then tiles of 16 queries walk
+32-key blocks up to their last position (causal blocks past it are skipped, masks only on the
+diagonal) with an online softmax in registers and a vectorized exp, reading values in place;
+it computes what `paged_prefill_attention_reference` computes. Other pages (bfloat16, codes),
+and head dims other than 64 and 128, keep the blockwise jnp path (`prefill_reason`); rows of
+at most 8 queries (speculative verify) use the decode kernel.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ from kvjax.kv import attention as attention_ref
 
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode.cc")
 _TARGET = "kvjax_paged_decode"
+_PREFILL_SOURCE = pathlib.Path(__file__).with_name("paged_prefill.cc")
+_PREFILL_TARGET = "kvjax_paged_prefill"
+PREFILL_HEAD_DIMS = (64, 128)
 MAX_GROUP = 32  # kMaxGroup: query heads (times queries per row) per kv head
 HEAD_DIM_MULTIPLE = 8  # channels are decoded and multiplied eight at a time
 
@@ -168,8 +177,63 @@ def reason_for(kv) -> str | None:
     return unavailable_reason()
 
 
+def prefill_unavailable_reason() -> str | None:
+    """None when the prefill kernel is built and registered, else why not."""
+    return cpu_kernels.register(_PREFILL_TARGET, _PREFILL_SOURCE, "KvjaxPagedPrefill")
+
+
+def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                            layer: jax.Array | int, block_tables: jax.Array,
+                            kv_lens: jax.Array, q_lens: jax.Array, *,
+                            sm_scale: float | None = None) -> jax.Array:
+    """Causal prefill attention of one layer, read in place from all layers' float32 pages.
+
+    Args:
+      q: [B, C, N, D], D in PREFILL_HEAD_DIMS; query i of row b sits at position
+        kv_lens[b] - q_lens[b] + i and sees the keys up to it; queries past q_lens[b] get
+        zeros.
+      k_pages, v_pages: [L, num_pages, P, K, D] float32.
+      layer: the layer to read (a scalar, traced or not).
+      block_tables: [B, W] int32; kv_lens, q_lens: [B] int32.
+      sm_scale: softmax scale, 1/sqrt(D) by default.
+    Returns:
+      q's shape and dtype: `paged_prefill_attention_reference` on layer `layer`.
+    Raises:
+      ValueError: the kernel is unavailable, or pages or head dim it does not read.
+    """
+    reason = prefill_reason(dict(k_pages=k_pages, v_pages=v_pages))
+    if reason is not None:
+        raise ValueError(reason)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    out = jax.ffi.ffi_call(_PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), k_pages, v_pages, jnp.asarray(layer, jnp.int32),
+        block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
+        jnp.asarray(q_lens, jnp.int32), sm_scale=np.float32(scale))
+    return out.astype(q.dtype)
+
+
+def prefill_reason(pages: dict) -> str | None:
+    """None when `paged_prefill_attention` reads these `_pages` arguments, else why not (the
+    engine then prefills with the blockwise jnp path)."""
+    if set(pages) != {"k_pages", "v_pages"} or pages["k_pages"].dtype != jnp.float32:
+        return "the native prefill kernel reads float32 pages only"
+    if pages["k_pages"].shape[-1] not in PREFILL_HEAD_DIMS:
+        return (f"the native prefill kernel reads head_dim in {PREFILL_HEAD_DIMS}, not "
+                f"{pages['k_pages'].shape[-1]}")
+    return prefill_unavailable_reason()
+
+
+def prefill_reason_for(kv) -> str | None:
+    """None when the engine prefills `kv`'s rows with the native prefill kernel, else why not."""
+    pages = _pages(kv)
+    if isinstance(pages, str):
+        return f"the native CPU kernels do not read {pages}"
+    return prefill_reason(pages)
+
+
 def kernels_for(kv):
-    """(kv, layer) -> (decode_fn, prefill_fn): the native decode and the blockwise prefill.
+    """(kv, layer) -> (decode_fn, prefill_fn): the native decode, and the native prefill
+    where it reads the pages (`prefill_reason`), else the blockwise jnp prefill.
 
     Same signatures as `paged_decode_attention_reference` / `..._prefill_..._reference` over
     the rows' own block tables (what `pallas_kernels.dispatch.kernels_for` returns), so the
@@ -192,6 +256,9 @@ def kernels_for(kv):
                 # A few queries per row (speculative verify rows): each KV byte read once.
                 return paged_decode_attention(q, layer=layer, block_tables=block_tables,
                                               kv_lens=kv_lens, q_lens=q_lens, **pages)
+            if prefill_reason(pages) is None:
+                return paged_prefill_attention(q, layer=layer, block_tables=block_tables,
+                                               kv_lens=kv_lens, q_lens=q_lens, **pages)
             load = functools.partial(kv.load_pages, layer)
             return attention_ref.paged_attention_blockwise(
                 q, load, block_tables, kv_lens, q_lens,

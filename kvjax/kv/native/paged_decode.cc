@@ -217,15 +217,7 @@ struct PackedRows {  // asymmetric, a scale and zero per `group` channels
 inline float ExpNonPositive(float x) {
   const float t = std::max(x, -87.0f) * 1.44269504088896341f;
   const float n = std::floor(t + 0.5f);
-  const float f = (t - n) * 0.693147180559945309f;  // 2^(t - n) = e^f
-  float p = 1.0f / 5040.0f;
-  p = p * f + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  float p = kvjax::ExpTaylor((t - n) * 0.693147180559945309f);  // 2^(t - n)
   uint32_t bits;
   std::memcpy(&bits, &p, sizeof(bits));
   bits += static_cast<uint32_t>(static_cast<int32_t>(n)) << 23;

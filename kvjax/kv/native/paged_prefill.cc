@@ -1,0 +1,290 @@
+// Causal prefill attention over float32 KV pages read in place: an XLA FFI handler for the CPU.
+//
+// Buffers (row-major):
+//   q        f32 [B, C, N, D]  query i of row b sits at kv_lens[b] - q_lens[b] + i and sees the
+//                              keys up to it; queries i >= q_lens[b] get zeros
+//   k, v     f32 [L, num_pages, P, K, D]
+//   layer    s32 []
+//   tables   s32 [B, W]         block tables
+//   kv_lens  s32 [B]
+//   q_lens   s32 [B]
+//   out      f32 [B, C, N, D]
+//
+// Two passes over XLA's intra-op threads. First, each row's keys of each kv head are copied
+// transposed into a scratch [D, S], so that the scores of sixteen keys against one query are
+// one vector: a broadcast query channel times a row of the scratch. Then each work item takes
+// a row, a kv head and a tile of kTileQueries queries (all G query heads of each): it walks
+// key blocks of kKeys up to its last query's position (causal: blocks past it are never
+// read), computing the block's scores kScoreRows query heads at a time in registers, an
+// online softmax on whole vectors (a vectorized exp; a mask only on the blocks that cross the
+// tile's diagonal), and the values' sum kPVRows query heads at a time, each value row read
+// once from its page. Items are claimed longest first (the last tiles see the most keys).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kKeys = 32;  // keys per block: two vectors of scores per query head
+constexpr int kKeyVecs = kKeys / kLanes;
+constexpr int kTileQueries = 16;
+constexpr int kScoreRows = 8;  // query heads whose scores are accumulated together
+
+typedef float V __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IV __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline V Load(const float* p) { return kvjax::LoadVec<V>(p); }
+inline void Store(float* p, V x) { kvjax::StoreVec<V>(p, x); }
+inline V Splat(float x) { return V{} + x; }
+
+inline float MaxLanes(V x) {
+  float m = x[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, x[i]);
+  return m;
+}
+inline float SumLanes(V x) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += x[i];
+  return s;
+}
+
+// e^x for x <= 0, lane-wise: 2^n * e^f with |f| <= ln2/2 (kvjax::ExpTaylor); x below -87
+// gives about 1e-38.
+inline V ExpNonPositive(V x) {
+  const V t = (x < -87.0f ? Splat(-87.0f) : x) * 1.44269504088896341f;
+  const IV n = __builtin_convertvector(t - 0.5f, IV);  // t <= 0: rounds to nearest
+  V p = kvjax::ExpTaylor((t - __builtin_convertvector(n, V)) * 0.693147180559945309f);
+  IV bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += n << 23;
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
+struct Geometry {
+  int64_t rows, chunk, heads, kv_heads, page_size, num_pages, width, stride;  // stride: of Kt
+  int64_t group() const { return heads / kv_heads; }
+};
+
+// Keys [0, len) of row b, kv head h, layer `layer`, into kt [D, stride] (zero past len).
+template <int kD>
+void TransposeKeys(const Geometry& g, const float* k, int64_t layer, const int32_t* table,
+                   int64_t len, int64_t h, float* kt) {
+  const int64_t P = g.page_size, K = g.kv_heads;
+  for (int64_t t = 0; t < len; ++t) {
+    const float* row = k + (((layer * g.num_pages + table[t / P]) * P + t % P) * K + h) * kD;
+    for (int64_t d = 0; d < kD; ++d) kt[d * g.stride + t] = row[d];
+  }
+  for (int64_t d = 0; d < kD; ++d)
+    std::fill(kt + d * g.stride + len, kt + (d + 1) * g.stride, 0.0f);
+}
+
+// Scores of query heads qs[0:R] (scaled, [R, kD]) against keys [key0, key0 + kKeys) of kt.
+template <int kD, int R>
+void Scores(const float* qs, const float* kt, int64_t stride, int64_t key0, float* s) {
+  V acc[R][kKeyVecs] = {};
+  for (int64_t d = 0; d < kD; ++d) {
+    V kv[kKeyVecs];
+    for (int j = 0; j < kKeyVecs; ++j) kv[j] = Load(kt + d * stride + key0 + j * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const V x = Splat(qs[r * kD + d]);
+      for (int j = 0; j < kKeyVecs; ++j) acc[r][j] += x * kv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kKeyVecs; ++j) Store(s + r * kKeys + j * kLanes, acc[r][j]);
+}
+
+template <int kD, int R = kScoreRows>
+void ScoresOf(int rows, const float* qs, const float* kt, int64_t stride, int64_t key0,
+              float* s) {
+  if constexpr (R > 0) {
+    if (rows != R) return ScoresOf<kD, R - 1>(rows, qs, kt, stride, key0, s);
+    Scores<kD, R>(qs, kt, stride, key0, s);
+  }
+}
+
+// o[0:R] = o[0:R] * alpha[0:R] + p[0:R, 0:n] @ values (n rows at vrow(t)).
+template <int kD, int R, typename VRow>
+void AccumulateValues(const float* p, int64_t n, VRow vrow, const float* alpha, float* o) {
+  constexpr int kDV = kD / kLanes;
+  V acc[R][kDV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kDV; ++j) acc[r][j] = Load(o + r * kD + j * kLanes) * alpha[r];
+  for (int64_t t = 0; t < n; ++t) {
+    const float* row = vrow(t);
+    V vv[kDV];
+    for (int j = 0; j < kDV; ++j) vv[j] = Load(row + j * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const V w = Splat(p[r * kKeys + t]);
+      for (int j = 0; j < kDV; ++j) acc[r][j] += w * vv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kDV; ++j) Store(o + r * kD + j * kLanes, acc[r][j]);
+}
+
+template <int kD>
+constexpr int PVRows() {
+  return std::max(1, 24 / (kD / kLanes));  // 24 accumulators
+}
+
+template <int kD, int R = PVRows<kD>(), typename VRow>
+void AccumulateValuesOf(int rows, const float* p, int64_t n, VRow vrow, const float* alpha,
+                        float* o) {
+  if constexpr (R > 0) {
+    if (rows != R) return AccumulateValuesOf<kD, R - 1>(rows, p, n, vrow, alpha, o);
+    AccumulateValues<kD, R>(p, n, vrow, alpha, o);
+  }
+}
+
+// One item: row b, kv head h, queries [q0, q0 + kTileQueries).
+template <int kD>
+void AttendTile(const Geometry& g, const float* q, const float* kt, const float* v,
+                int64_t layer, const int32_t* table, int64_t len, int64_t q_len, int64_t b,
+                int64_t h, int64_t q0, float sm_scale, float* out) {
+  const int64_t G = g.group(), N = g.heads, P = g.page_size, K = g.kv_heads;
+  const int64_t queries = std::min<int64_t>(kTileQueries, g.chunk - q0);
+  const int64_t valid = std::clamp<int64_t>(q_len - q0, 0, queries);
+  for (int64_t i = valid; i < queries; ++i)  // past the row's queries: zeros
+    std::fill(out + ((b * g.chunk + q0 + i) * N + h * G) * kD,
+              out + ((b * g.chunk + q0 + i) * N + h * G + G) * kD, 0.0f);
+  if (valid == 0) return;
+  const int64_t M = valid * G;  // query heads: row r is query r / G, head h * G + r % G
+  std::vector<float> qs(M * kD), o(M * kD, 0.0f), s(M * kKeys), m(M, -INFINITY), l(M, 0.0f),
+      alpha(M);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* src = q + ((b * g.chunk + q0 + r / G) * N + h * G + r % G) * kD;
+    for (int64_t d = 0; d < kD; ++d) qs[r * kD + d] = src[d] * sm_scale;
+  }
+  const int64_t first = len - q_len + q0;  // position of the tile's first query
+  const int64_t end = first + valid;       // keys [0, end) are seen by some query
+  auto vrow = [&](int64_t t) {
+    return v + (((layer * g.num_pages + table[t / P]) * P + t % P) * K + h) * kD;
+  };
+  for (int64_t key0 = 0; key0 < end; key0 += kKeys) {
+    for (int64_t r = 0; r < M; r += kScoreRows)
+      ScoresOf<kD>(static_cast<int>(std::min<int64_t>(kScoreRows, M - r)), qs.data() + r * kD,
+                   kt, g.stride, key0, s.data() + r * kKeys);
+    const bool diagonal = key0 + kKeys - 1 > first;  // some key is past some query
+    for (int64_t r = 0; r < M; ++r) {
+      float* sr = s.data() + r * kKeys;
+      V x[kKeyVecs];
+      for (int j = 0; j < kKeyVecs; ++j) x[j] = Load(sr + j * kLanes);
+      IV seen[kKeyVecs];  // lanes of keys the query sees
+      if (diagonal) {
+        const int32_t last = static_cast<int32_t>(first + r / G - key0);
+        for (int j = 0; j < kKeyVecs; ++j) {
+          IV lane;
+          for (int i = 0; i < kLanes; ++i) lane[i] = j * kLanes + i;
+          seen[j] = lane <= last;
+          x[j] = seen[j] ? x[j] : Splat(-INFINITY);
+        }
+      }
+      float mx = m[r];
+      for (int j = 0; j < kKeyVecs; ++j) mx = std::max(mx, MaxLanes(x[j]));
+      alpha[r] = m[r] == mx ? 1.0f : std::exp(m[r] - mx);  // m = -inf first: 0
+      float sum = 0.0f;
+      for (int j = 0; j < kKeyVecs; ++j) {
+        V p = ExpNonPositive(x[j] - mx);
+        if (diagonal) p = seen[j] ? p : V{};
+        sum += SumLanes(p);
+        Store(sr + j * kLanes, p);
+      }
+      l[r] = l[r] * alpha[r] + sum;
+      m[r] = mx;
+    }
+    const int64_t n = std::min<int64_t>(kKeys, end - key0);
+    for (int64_t r = 0; r < M; r += PVRows<kD>())
+      AccumulateValuesOf<kD>(static_cast<int>(std::min<int64_t>(PVRows<kD>(), M - r)),
+                             s.data() + r * kKeys, n,
+                             [&](int64_t t) { return vrow(key0 + t); }, alpha.data() + r,
+                             o.data() + r * kD);
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    float* dst = out + ((b * g.chunk + q0 + r / G) * N + h * G + r % G) * kD;
+    const float inv = 1.0f / l[r];  // every valid query sees at least its own key
+    for (int64_t d = 0; d < kD; ++d) dst[d] = o[r * kD + d] * inv;
+  }
+}
+
+using kvjax::ParallelFor;
+
+template <int kD>
+void Run(ffi::ThreadPool& pool, const Geometry& g, const float* q, const float* k,
+         const float* v, int64_t layer, const int32_t* tables, const int32_t* lens,
+         const int32_t* q_lens, float sm_scale, float* out) {
+  const int64_t B = g.rows, K = g.kv_heads;
+  std::vector<float> kt(B * K * kD * g.stride);
+  ParallelFor(pool, B * K, [&](int64_t i) {
+    const int64_t b = i / K;
+    if (q_lens[b] > 0)
+      TransposeKeys<kD>(g, k, layer, tables + b * g.width, lens[b], i % K,
+                        kt.data() + i * kD * g.stride);
+  });
+  const int64_t tiles = (g.chunk + kTileQueries - 1) / kTileQueries;
+  ParallelFor(pool, B * K * tiles, [&](int64_t i) {
+    const int64_t tile = tiles - 1 - i / (B * K);  // the longest (last) tiles first
+    const int64_t b = i % (B * K) / K, h = i % K;
+    AttendTile<kD>(g, q, kt.data() + (b * K + h) * kD * g.stride, v, layer,
+                   tables + b * g.width, lens[b], q_lens[b], b, h, tile * kTileQueries,
+                   sm_scale, out);
+  });
+}
+
+ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                        ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+                        ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
+                        float sm_scale, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || td[0] != qd[0] ||
+      kd[4] != qd[3] || qd[2] % kd[3] != 0)
+    return ffi::Error::InvalidArgument(
+        "paged_prefill: q must be [B, C, N, D], pages [L, num_pages, P, K, D] with K dividing "
+        "N, block tables [B, W]");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument("paged_prefill: bad layer");
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* ql = q_lens.typed_data();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < qd[0]; ++b) {
+    if (lens[b] < 0 || lens[b] > td[1] * kd[2] || ql[b] < 0 || ql[b] > std::min<int64_t>(lens[b], qd[1]))
+      return ffi::Error::InvalidArgument("paged_prefill: a row's kv_len or q_len is out of range");
+    longest = std::max<int64_t>(longest, lens[b]);
+  }
+  const Geometry g{qd[0], qd[1], qd[2], kd[3], kd[2], kd[1], td[1],
+                   (longest + kKeys - 1) / kKeys * kKeys};
+  auto run = [&](auto fn) {
+    fn(pool, g, q.typed_data(), k.typed_data(), v.typed_data(), l, tables.typed_data(), lens,
+       ql, sm_scale, out->typed_data());
+    return ffi::Error::Success();
+  };
+  if (qd[3] == 64) return run(Run<64>);
+  if (qd[3] == 128) return run(Run<128>);
+  return ffi::Error::InvalidArgument("paged_prefill: head_dim must be 64 or 128");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedPrefill, PagedPrefill,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q lens
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
