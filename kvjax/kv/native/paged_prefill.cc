@@ -37,7 +37,7 @@ constexpr int kLanes = 16;
 constexpr int kKeys = 32;  // keys per block: two vectors of scores per query head
 constexpr int kKeyVecs = kKeys / kLanes;
 constexpr int kTileQueries = 16;
-constexpr int kScoreRows = 8;  // query heads whose scores are accumulated together
+constexpr int kScoreRows = 12;  // query heads whose scores are accumulated together
 
 typedef float V __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IV __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -46,15 +46,21 @@ inline V Load(const float* p) { return kvjax::LoadVec<V>(p); }
 inline void Store(float* p, V x) { kvjax::StoreVec<V>(p, x); }
 inline V Splat(float x) { return V{} + x; }
 
+// Lane-wise max and sum of a vector, by halving shuffles (a tree, not a chain of 15).
+template <typename Op>
+inline float ReduceLanes(V x, Op op) {
+  static_assert(kLanes == 16);
+  x = op(x, __builtin_shuffle(x, IV{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  x = op(x, __builtin_shuffle(x, IV{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
+  x = op(x, __builtin_shuffle(x, IV{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
+  x = op(x, __builtin_shuffle(x, IV{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
+  return x[0];
+}
 inline float MaxLanes(V x) {
-  float m = x[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, x[i]);
-  return m;
+  return ReduceLanes(x, [](V a, V b) { return a > b ? a : b; });
 }
 inline float SumLanes(V x) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += x[i];
-  return s;
+  return ReduceLanes(x, [](V a, V b) { return a + b; });
 }
 
 // e^x for x <= 0, lane-wise: 2^n * e^f with |f| <= ln2/2 (kvjax::ExpTaylor); x below -87
@@ -71,21 +77,24 @@ inline V ExpNonPositive(V x) {
 }
 
 struct Geometry {
-  int64_t rows, chunk, heads, kv_heads, page_size, num_pages, width, stride;  // stride: of Kt
+  int64_t rows, chunk, heads, kv_heads, page_size, num_pages, width;
   int64_t group() const { return heads / kv_heads; }
 };
 
-// Keys [0, len) of row b, kv head h, layer `layer`, into kt [D, stride] (zero past len).
+// Row b's keys [0, len) of kv head h in layer `layer`, into kt [D, Stride(len)] (zero past
+// len).
+inline int64_t Stride(int64_t len) { return (len + kKeys - 1) / kKeys * kKeys; }
+
 template <int kD>
 void TransposeKeys(const Geometry& g, const float* k, int64_t layer, const int32_t* table,
                    int64_t len, int64_t h, float* kt) {
+  const int64_t stride = Stride(len);
   const int64_t P = g.page_size, K = g.kv_heads;
   for (int64_t t = 0; t < len; ++t) {
     const float* row = k + (((layer * g.num_pages + table[t / P]) * P + t % P) * K + h) * kD;
-    for (int64_t d = 0; d < kD; ++d) kt[d * g.stride + t] = row[d];
+    for (int64_t d = 0; d < kD; ++d) kt[d * stride + t] = row[d];
   }
-  for (int64_t d = 0; d < kD; ++d)
-    std::fill(kt + d * g.stride + len, kt + (d + 1) * g.stride, 0.0f);
+  for (int64_t d = 0; d < kD; ++d) std::fill(kt + d * stride + len, kt + (d + 1) * stride, 0.0f);
 }
 
 // Scores of query heads qs[0:R] (scaled, [R, kD]) against keys [key0, key0 + kKeys) of kt.
@@ -160,8 +169,8 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
               out + ((b * g.chunk + q0 + i) * N + h * G + G) * kD, 0.0f);
   if (valid == 0) return;
   const int64_t M = valid * G;  // query heads: row r is query r / G, head h * G + r % G
-  std::vector<float> qs(M * kD), o(M * kD, 0.0f), s(M * kKeys), m(M, -INFINITY), l(M, 0.0f),
-      alpha(M);
+  std::vector<float> qs(M * kD), o(M * kD, 0.0f), s(M * kKeys), m(M, -INFINITY), alpha(M);
+  std::vector<V> l(M, V{});  // softmax denominators, summed across lanes at the end
   for (int64_t r = 0; r < M; ++r) {
     const float* src = q + ((b * g.chunk + q0 + r / G) * N + h * G + r % G) * kD;
     for (int64_t d = 0; d < kD; ++d) qs[r * kD + d] = src[d] * sm_scale;
@@ -174,7 +183,7 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
   for (int64_t key0 = 0; key0 < end; key0 += kKeys) {
     for (int64_t r = 0; r < M; r += kScoreRows)
       ScoresOf<kD>(static_cast<int>(std::min<int64_t>(kScoreRows, M - r)), qs.data() + r * kD,
-                   kt, g.stride, key0, s.data() + r * kKeys);
+                   kt, Stride(len), key0, s.data() + r * kKeys);
     const bool diagonal = key0 + kKeys - 1 > first;  // some key is past some query
     for (int64_t r = 0; r < M; ++r) {
       float* sr = s.data() + r * kKeys;
@@ -190,17 +199,18 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
           x[j] = seen[j] ? x[j] : Splat(-INFINITY);
         }
       }
-      float mx = m[r];
-      for (int j = 0; j < kKeyVecs; ++j) mx = std::max(mx, MaxLanes(x[j]));
+      V top = x[0];
+      for (int j = 1; j < kKeyVecs; ++j) top = top > x[j] ? top : x[j];
+      const float mx = std::max(m[r], MaxLanes(top));
       alpha[r] = m[r] == mx ? 1.0f : std::exp(m[r] - mx);  // m = -inf first: 0
-      float sum = 0.0f;
+      V sum = l[r] * alpha[r];
       for (int j = 0; j < kKeyVecs; ++j) {
         V p = ExpNonPositive(x[j] - mx);
         if (diagonal) p = seen[j] ? p : V{};
-        sum += SumLanes(p);
+        sum += p;
         Store(sr + j * kLanes, p);
       }
-      l[r] = l[r] * alpha[r] + sum;
+      l[r] = sum;
       m[r] = mx;
     }
     const int64_t n = std::min<int64_t>(kKeys, end - key0);
@@ -212,7 +222,7 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
   }
   for (int64_t r = 0; r < M; ++r) {
     float* dst = out + ((b * g.chunk + q0 + r / G) * N + h * G + r % G) * kD;
-    const float inv = 1.0f / l[r];  // every valid query sees at least its own key
+    const float inv = 1.0f / SumLanes(l[r]);  // every valid query sees its own key
     for (int64_t d = 0; d < kD; ++d) dst[d] = o[r * kD + d] * inv;
   }
 }
@@ -224,18 +234,23 @@ void Run(ffi::ThreadPool& pool, const Geometry& g, const float* q, const float* 
          const float* v, int64_t layer, const int32_t* tables, const int32_t* lens,
          const int32_t* q_lens, float sm_scale, float* out) {
   const int64_t B = g.rows, K = g.kv_heads;
-  std::vector<float> kt(B * K * kD * g.stride);
+  std::vector<int64_t> offset(B + 1, 0);  // of row b's scratch: rows without queries have none
+  for (int64_t b = 0; b < B; ++b)
+    offset[b + 1] = offset[b] + (q_lens[b] > 0 ? K * kD * Stride(lens[b]) : 0);
+  std::vector<float> kt(offset[B]);
+  auto scratch = [&](int64_t b, int64_t h) {
+    return kt.data() + offset[b] + h * kD * Stride(lens[b]);
+  };
   ParallelFor(pool, B * K, [&](int64_t i) {
     const int64_t b = i / K;
     if (q_lens[b] > 0)
-      TransposeKeys<kD>(g, k, layer, tables + b * g.width, lens[b], i % K,
-                        kt.data() + i * kD * g.stride);
+      TransposeKeys<kD>(g, k, layer, tables + b * g.width, lens[b], i % K, scratch(b, i % K));
   });
   const int64_t tiles = (g.chunk + kTileQueries - 1) / kTileQueries;
   ParallelFor(pool, B * K * tiles, [&](int64_t i) {
     const int64_t tile = tiles - 1 - i / (B * K);  // the longest (last) tiles first
     const int64_t b = i % (B * K) / K, h = i % K;
-    AttendTile<kD>(g, q, kt.data() + (b * K + h) * kD * g.stride, v, layer,
+    AttendTile<kD>(g, q, scratch(b, h), v, layer,
                    tables + b * g.width, lens[b], q_lens[b], b, h, tile * kTileQueries,
                    sm_scale, out);
   });
@@ -256,14 +271,11 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument("paged_prefill: bad layer");
   const int32_t* lens = kv_lens.typed_data();
   const int32_t* ql = q_lens.typed_data();
-  int64_t longest = 0;
-  for (int64_t b = 0; b < qd[0]; ++b) {
-    if (lens[b] < 0 || lens[b] > td[1] * kd[2] || ql[b] < 0 || ql[b] > std::min<int64_t>(lens[b], qd[1]))
+  for (int64_t b = 0; b < qd[0]; ++b)
+    if (lens[b] < 0 || lens[b] > td[1] * kd[2] || ql[b] < 0 ||
+        ql[b] > std::min<int64_t>(lens[b], qd[1]))
       return ffi::Error::InvalidArgument("paged_prefill: a row's kv_len or q_len is out of range");
-    longest = std::max<int64_t>(longest, lens[b]);
-  }
-  const Geometry g{qd[0], qd[1], qd[2], kd[3], kd[2], kd[1], td[1],
-                   (longest + kKeys - 1) / kKeys * kKeys};
+  const Geometry g{qd[0], qd[1], qd[2], kd[3], kd[2], kd[1], td[1]};
   auto run = [&](auto fn) {
     fn(pool, g, q.typed_data(), k.typed_data(), v.typed_data(), l, tables.typed_data(), lens,
        ql, sm_scale, out->typed_data());
