@@ -17,8 +17,10 @@
 // key blocks of kKeys up to its last query's position (causal: blocks past it are never
 // read), computing the block's scores kScoreRows query heads at a time in registers, an
 // online softmax on whole vectors (a vectorized exp; a mask only on the blocks that cross the
-// tile's diagonal), and the values' sum kPVRows query heads at a time, each value row read
-// once from its page. Items are claimed longest first (the last tiles see the most keys).
+// tile's diagonal), and the values' sum PVRows() query heads at a time (24 accumulators),
+// each value row read once from its page. Items are claimed longest first (the last tiles
+// see the most keys). GCC vector extensions (g++ builds it; another compiler failing leaves
+// the engine on the jnp path).
 
 #include <algorithm>
 #include <cmath>
