@@ -245,6 +245,7 @@ def kernels_for(kv):
 
     def chooser(kv, layer):
         pages = _pages(kv)
+        native_prefill = prefill_reason(pages) is None
 
         def decode(q, block_tables, kv_lens):
             return paged_decode_attention(q, layer=layer, block_tables=block_tables,
@@ -256,7 +257,7 @@ def kernels_for(kv):
                 # A few queries per row (speculative verify rows): each KV byte read once.
                 return paged_decode_attention(q, layer=layer, block_tables=block_tables,
                                               kv_lens=kv_lens, q_lens=q_lens, **pages)
-            if prefill_reason(pages) is None:
+            if native_prefill:
                 return paged_prefill_attention(q, layer=layer, block_tables=block_tables,
                                                kv_lens=kv_lens, q_lens=q_lens, **pages)
             load = functools.partial(kv.load_pages, layer)

@@ -83,6 +83,15 @@ struct Geometry {
   int64_t group() const { return heads / kv_heads; }
 };
 
+// Token t's row of kv head h in layer `layer` of pages [L, num_pages, P, K, kD], by the row's
+// block table.
+template <int kD>
+inline const float* TokenRow(const Geometry& g, const float* pages, int64_t layer,
+                             const int32_t* table, int64_t t, int64_t h) {
+  const int64_t P = g.page_size;
+  return pages + (((layer * g.num_pages + table[t / P]) * P + t % P) * g.kv_heads + h) * kD;
+}
+
 // Row b's keys [0, len) of kv head h in layer `layer`, into kt [D, Stride(len)] (zero past
 // len).
 inline int64_t Stride(int64_t len) { return (len + kKeys - 1) / kKeys * kKeys; }
@@ -91,9 +100,8 @@ template <int kD>
 void TransposeKeys(const Geometry& g, const float* k, int64_t layer, const int32_t* table,
                    int64_t len, int64_t h, float* kt) {
   const int64_t stride = Stride(len);
-  const int64_t P = g.page_size, K = g.kv_heads;
   for (int64_t t = 0; t < len; ++t) {
-    const float* row = k + (((layer * g.num_pages + table[t / P]) * P + t % P) * K + h) * kD;
+    const float* row = TokenRow<kD>(g, k, layer, table, t, h);
     for (int64_t d = 0; d < kD; ++d) kt[d * stride + t] = row[d];
   }
   for (int64_t d = 0; d < kD; ++d) std::fill(kt + d * stride + len, kt + (d + 1) * stride, 0.0f);
@@ -163,7 +171,7 @@ template <int kD>
 void AttendTile(const Geometry& g, const float* q, const float* kt, const float* v,
                 int64_t layer, const int32_t* table, int64_t len, int64_t q_len, int64_t b,
                 int64_t h, int64_t q0, float sm_scale, float* out) {
-  const int64_t G = g.group(), N = g.heads, P = g.page_size, K = g.kv_heads;
+  const int64_t G = g.group(), N = g.heads;
   const int64_t queries = std::min<int64_t>(kTileQueries, g.chunk - q0);
   const int64_t valid = std::clamp<int64_t>(q_len - q0, 0, queries);
   for (int64_t i = valid; i < queries; ++i)  // past the row's queries: zeros
@@ -179,9 +187,6 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
   }
   const int64_t first = len - q_len + q0;  // position of the tile's first query
   const int64_t end = first + valid;       // keys [0, end) are seen by some query
-  auto vrow = [&](int64_t t) {
-    return v + (((layer * g.num_pages + table[t / P]) * P + t % P) * K + h) * kD;
-  };
   for (int64_t key0 = 0; key0 < end; key0 += kKeys) {
     for (int64_t r = 0; r < M; r += kScoreRows)
       ScoresOf<kD>(static_cast<int>(std::min<int64_t>(kScoreRows, M - r)), qs.data() + r * kD,
@@ -216,10 +221,10 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
       m[r] = mx;
     }
     const int64_t n = std::min<int64_t>(kKeys, end - key0);
+    auto vrow = [&](int64_t t) { return TokenRow<kD>(g, v, layer, table, key0 + t, h); };
     for (int64_t r = 0; r < M; r += PVRows<kD>())
       AccumulateValuesOf<kD>(static_cast<int>(std::min<int64_t>(PVRows<kD>(), M - r)),
-                             s.data() + r * kKeys, n,
-                             [&](int64_t t) { return vrow(key0 + t); }, alpha.data() + r,
+                             s.data() + r * kKeys, n, vrow, alpha.data() + r,
                              o.data() + r * kD);
   }
   for (int64_t r = 0; r < M; ++r) {
