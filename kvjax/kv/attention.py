@@ -206,8 +206,8 @@ def dense_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_positi
 
 
 # Key block of long prefill chunks: with query tiles of 256, blocks of 16 pages of 16 tokens
-# prefill a 2048-token prompt about 15% faster than 8-page blocks and 128-query tiles on the
-# 2-core CPU host (fewer, larger matmuls and softmax passes; docs/benchmarks.md).
+# prefill faster than 8-page blocks and 128-query tiles on the 2-core CPU host (fewer, larger
+# matmuls and softmax passes; docs/benchmarks.md "Native prefill attention").
 PREFILL_PAGES_PER_BLOCK = 16
 
 
