@@ -27,7 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -52,6 +52,7 @@ constexpr int kDotRows = 4;  // weight rows per tile of the transposed product
 constexpr int kDotAheadTiles = 2;  // how far ahead (in tiles of rows) the first tile prefetches
 constexpr int kBlockRows = 32;  // weight rows a range takes at a time
 constexpr int kItemsPerThread = 4;  // ranges of rows per thread (transposed product)
+constexpr int64_t kParallelSumFloats = 1 << 14;  // outputs from which partials sum in parallel
 
 typedef float Vec __attribute__((vector_size(kV * sizeof(float))));
 
@@ -202,7 +203,7 @@ void LinearTransposed(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t
 }
 
 // x [T, K] @ w[K, N] (see the top of the file): range i of the rows sums into out (i = 0) or
-// a partial; an empty range leaves its partial zero.
+// a partial (every range is non-empty, and its first block writes all of its partial).
 void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K,
                      const float* wp, int64_t N, float* op) {
   constexpr int64_t kStrip = kNV * kV;
@@ -210,11 +211,13 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
   const int64_t strips = (vectors + kNV - 1) / kNV;
   const int64_t blocks = (K + kBlockRows - 1) / kBlockRows;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t items = std::min<int64_t>(blocks, threads);
-  const int64_t per = (blocks + items - 1) / items * kBlockRows;
-  std::vector<float> partial((items - 1) * T * N);
+  const int64_t blocks_per_item = (blocks + threads - 1) / threads;
+  const int64_t items = (blocks + blocks_per_item - 1) / blocks_per_item;
+  const int64_t per = blocks_per_item * kBlockRows;
+  const int64_t size = T * N;
+  std::unique_ptr<float[]> partial(new float[(items - 1) * size]);  // left uninitialized
   ParallelFor(pool, items, [&](int64_t i) {
-    float* o = i == 0 ? op : partial.data() + (i - 1) * T * N;
+    float* o = i == 0 ? op : partial.get() + (i - 1) * size;
     const int64_t k_end = std::min(K, (i + 1) * per);
     for (int64_t k0 = i * per; k0 < k_end; k0 += kBlockRows) {
       const int64_t rows = std::min<int64_t>(kBlockRows, k_end - k0);
@@ -239,10 +242,18 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
         }
     }
   });
-  for (int64_t i = 1; i < items; ++i) {
-    const float* p = partial.data() + (i - 1) * T * N;
-    for (int64_t j = 0; j < T * N; ++j) op[j] += p[j];
-  }
+  if (items == 1) return;
+  // All threads add the partials, each over its own piece of the output (one thread adding
+  // them left the other idle for a few percent of a 32-row step's matmul time).
+  const int64_t pieces = size >= kParallelSumFloats ? threads : 1;
+  const int64_t piece = (size + pieces - 1) / pieces;
+  ParallelFor(pool, pieces, [&](int64_t c) {
+    const int64_t j0 = c * piece, j1 = std::min(size, j0 + piece);
+    for (int64_t i = 1; i < items; ++i) {
+      const float* p = partial.get() + (i - 1) * size;
+      for (int64_t j = j0; j < j1; ++j) op[j] += p[j];
+    }
+  });
 }
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,

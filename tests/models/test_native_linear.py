@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(linear.unavailable_reason() is not None,
 # (rows T, In, Out): whole strips; column tails past the last vector (Out 19, 8, 200); row
 # tiles of 1-4 rows and their remainders (T 5, 33); In not a multiple of a vector, and weight
 # rows split over the threads' ranges with a short last block (In 100, 40) or one block (16);
-# transposed, whole 4 x 4 tiles summed across lanes together (T 8, 64 with In 64).
-SHAPES = [(1, 576, 576), (8, 64, 1536), (3, 40, 19), (5, 16, 8), (33, 100, 70),
+# transposed, whole 4 x 4 tiles summed across lanes together (T 16, 64 with In 64); partials
+# of the threads' ranges added by all threads (T x Out >= 16K: T 16, Out 1536).
+SHAPES = [(1, 576, 576), (16, 64, 1536), (3, 40, 19), (5, 16, 8), (33, 100, 70),
           (64, 64, 200)]
 
 
