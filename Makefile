@@ -23,8 +23,12 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(PY) scripts/serve.py --config=configs/serve_demo.py
 
+# Test processes of `make test` (pytest-xdist): two keep both cores of the CI machine busy
+# while the other compiles; each holds the model and its compiled programs (a few GiB).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=15
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --durations=15
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
