@@ -15,9 +15,9 @@
 //
 // [L, In, Out]: each thread of XLA's intra-op pool takes a contiguous range of the weight rows
 // and walks it a block of kBlockRows rows at a time (one contiguous piece of memory, read once,
-// prefetched into L2 one block ahead); within a block, strips of kNV vectors of columns
+// prefetched one block ahead); within a block, strips of kNV vectors of columns
 // accumulate tiles of up to kMR rows of x in registers. Each range sums into its own partial
-// output; the partials are added at the end. (Walking each column strip down all rows instead
+// output; the partials are added at the end, by all threads. (Walking each column strip down all rows instead
 // reads the same bytes in a strided order, well below the rate of a sequential read;
 // scripts/bench_linear.py measures the kernel.)
 // [L, Out, In]: each output is a dot product of two contiguous rows; threads take ranges of
@@ -49,7 +49,9 @@ constexpr int kNV = 3;  // 4 x 3 accumulators + 3 weights + 1 broadcast (16 ymm 
 #endif
 constexpr int kMR = 4;  // rows of x per tile
 constexpr int kDotRows = 4;  // weight rows per tile of the transposed product
-constexpr int kDotAheadTiles = 2;  // how far ahead (in tiles of rows) the first tile prefetches
+constexpr int kDotAheadTiles = 2;  // tiles of rows the transposed product prefetches ahead
+constexpr int kSpread = 8;  // tiles of x over which the prefetching of weights is spread
+constexpr int kHint = 1;  // __builtin_prefetch locality of weights (1 beat 2 and 3 side by side)
 constexpr int kBlockRows = 32;  // weight rows a range takes at a time
 constexpr int kItemsPerThread = 4;  // ranges of rows per thread (transposed product)
 constexpr int64_t kParallelSumFloats = 1 << 14;  // outputs from which partials sum in parallel
@@ -59,20 +61,33 @@ typedef float Vec __attribute__((vector_size(kV * sizeof(float))));
 inline Vec LoadV(const float* p) { return kvjax::LoadVec<Vec>(p); }
 inline void StoreV(float* p, Vec x) { kvjax::StoreVec<Vec>(p, x); }
 
+// Prefetching `units` rows of weights is spread over the first tiles of x, so that the requests
+// overlap more of the arithmetic than one burst during the first tile does (at 8-64 rows of x;
+// scripts/bench_linear.py): tile i of x's `tiles` issues units [lo, hi).
+struct Part {
+  int64_t lo = 0, hi = 0;  // none by default
+};
+inline Part PartOf(int64_t i, int64_t tiles, int64_t units) {
+  const int64_t spread = std::max<int64_t>(std::min<int64_t>({tiles, units, kSpread}), 1);
+  const int64_t per = (units + spread - 1) / spread;
+  const int64_t lo = std::min(units, i * per);
+  return {lo, std::min(units, lo + per)};
+}
+
 // out[0:MR, 0:NV*kV] (+)= x[0:MR, 0:K] @ w[0:K, 0:NV*kV] (leading dimensions ldx, ldw, ldo;
-// adding to out with `accumulate`).
+// adding to out with `accumulate`); steps k in [ahead.lo, ahead.hi) prefetch row k + distance.
 template <int MR, int NV>
 void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
-          int64_t ldo, int64_t prefetch, bool accumulate) {
+          int64_t ldo, int64_t distance, Part ahead, bool accumulate) {
   Vec acc[MR][NV] = {};
   if (accumulate)
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NV; ++j) acc[i][j] = LoadV(out + i * ldo + j * kV);
   for (int64_t k = 0; k < K; ++k) {
     const float* row = w + k * ldw;
-    if (prefetch) {
+    if (k >= ahead.lo && k < ahead.hi) {
       for (int j = 0; j < NV * kV; j += 64 / sizeof(float))
-        __builtin_prefetch(row + prefetch * ldw + j, 0, 2);
+        __builtin_prefetch(row + distance * ldw + j, 0, kHint);
     }
     Vec wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = LoadV(row + j * kV);
@@ -87,15 +102,15 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, f
 
 template <int NV = kNV>
 void TileOf(int mr, int nv, const float* x, int64_t ldx, const float* w, int64_t ldw,
-            int64_t K, float* out, int64_t ldo, int64_t prefetch, bool accumulate) {
+            int64_t K, float* out, int64_t ldo, int64_t distance, Part ahead, bool accumulate) {
   if constexpr (NV > 0) {
     if (nv != NV)
-      return TileOf<NV - 1>(mr, nv, x, ldx, w, ldw, K, out, ldo, prefetch, accumulate);
+      return TileOf<NV - 1>(mr, nv, x, ldx, w, ldw, K, out, ldo, distance, ahead, accumulate);
     switch (mr) {
-      case 1: return Tile<1, NV>(x, ldx, w, ldw, K, out, ldo, prefetch, accumulate);
-      case 2: return Tile<2, NV>(x, ldx, w, ldw, K, out, ldo, prefetch, accumulate);
-      case 3: return Tile<3, NV>(x, ldx, w, ldw, K, out, ldo, prefetch, accumulate);
-      default: return Tile<kMR, NV>(x, ldx, w, ldw, K, out, ldo, prefetch, accumulate);
+      case 1: return Tile<1, NV>(x, ldx, w, ldw, K, out, ldo, distance, ahead, accumulate);
+      case 2: return Tile<2, NV>(x, ldx, w, ldw, K, out, ldo, distance, ahead, accumulate);
+      case 3: return Tile<3, NV>(x, ldx, w, ldw, K, out, ldo, distance, ahead, accumulate);
+      default: return Tile<kMR, NV>(x, ldx, w, ldw, K, out, ldo, distance, ahead, accumulate);
     }
   }
 }
@@ -136,16 +151,16 @@ inline void SumTiles4x4(const Vec (&acc)[4][4], float* out, int64_t ldo) {
 }
 #endif
 
-// out[t, n] = dot(x[t, :K], w[n, :K]) for t < MR, n < NR (leading dimensions ldx, ldw, ldo).
+// out[t, n] = dot(x[t, :K], w[n, :K]) for t < MR, n < NR (leading dimensions ldx, ldw, ldo);
+// each step also prefetches its columns of weight rows [ahead.lo, ahead.hi) of `next`.
 template <int MR, int NR>
 void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
-             int64_t ldo, bool prefetch) {
+             int64_t ldo, const float* next, Part ahead) {
   Vec acc[MR][NR] = {};
   const int64_t whole = K / kV * kV;
   for (int64_t k = 0; k < whole; k += kV) {
-    if (prefetch) {  // the same columns kDotAheadTiles tiles of weight rows further on
-      for (int j = 0; j < NR; ++j) __builtin_prefetch(w + (kDotAheadTiles * NR + j) * ldw + k);
-    }
+    for (int64_t j = ahead.lo; j < ahead.hi; ++j)
+      __builtin_prefetch(next + j * ldw + k, 0, kHint);
     Vec wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = LoadV(w + j * ldw + k);
     for (int i = 0; i < MR; ++i) {
@@ -166,20 +181,24 @@ void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K
     }
 }
 
-// Outputs [n0, n0 + NR) of every row of x.
+// Outputs [n0, n0 + NR) of every row of x; the weight rows kDotAheadTiles tiles further on
+// are prefetched meanwhile (spread over x's first tiles).
 template <int NR>
 void DotRows(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
              int64_t n0) {
   const float* wn = w + n0 * K;
+  const float* next = wn + kDotAheadTiles * NR * K;
+  const bool room = n0 + (kDotAheadTiles + 1) * NR <= N;
+  const int64_t tiles = (T + kMR - 1) / kMR;
   for (int64_t t = 0; t < T; t += kMR) {
     const float* xt = x + t * K;
     float* ot = out + t * N + n0;
-    const bool first = t == 0 && n0 + (kDotAheadTiles + 1) * NR <= N;
+    const Part ahead = room ? PartOf(t / kMR, tiles, NR) : Part{};
     switch (std::min<int64_t>(kMR, T - t)) {
-      case 1: DotTile<1, NR>(xt, K, wn, K, K, ot, N, first); break;
-      case 2: DotTile<2, NR>(xt, K, wn, K, K, ot, N, first); break;
-      case 3: DotTile<3, NR>(xt, K, wn, K, K, ot, N, first); break;
-      default: DotTile<kMR, NR>(xt, K, wn, K, K, ot, N, first); break;
+      case 1: DotTile<1, NR>(xt, K, wn, K, K, ot, N, next, ahead); break;
+      case 2: DotTile<2, NR>(xt, K, wn, K, K, ot, N, next, ahead); break;
+      case 3: DotTile<3, NR>(xt, K, wn, K, K, ot, N, next, ahead); break;
+      default: DotTile<kMR, NR>(xt, K, wn, K, K, ot, N, next, ahead); break;
     }
   }
 }
@@ -215,6 +234,7 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
   const int64_t items = (blocks + blocks_per_item - 1) / blocks_per_item;
   const int64_t per = blocks_per_item * kBlockRows;
   const int64_t size = T * N;
+  const int64_t tiles = (T + kMR - 1) / kMR;  // of x
   std::unique_ptr<float[]> partial(new float[(items - 1) * size]);  // left uninitialized
   ParallelFor(pool, items, [&](int64_t i) {
     float* o = i == 0 ? op : partial.get() + (i - 1) * size;
@@ -229,9 +249,10 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
         for (int64_t t = 0; t < T; t += kMR) {
           const float* xt = xp + t * K + k0;
           float* ot = o + t * N + n0;
-          const int64_t first = t == 0 && k0 + kBlockRows < k_end ? kBlockRows : 0;
+          const Part ahead =
+              k0 + kBlockRows < k_end ? PartOf(t / kMR, tiles, kBlockRows) : Part{};
           const int mr = static_cast<int>(std::min<int64_t>(kMR, T - t));
-          TileOf(mr, nv, xt, K, wk + n0, N, rows, ot, N, first, add);
+          TileOf(mr, nv, xt, K, wk + n0, N, rows, ot, N, kBlockRows, ahead, add);
         }
       }
       for (int64_t t = 0; t < T; ++t)  // columns past the last whole vector
