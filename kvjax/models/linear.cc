@@ -56,6 +56,8 @@ constexpr int kBlockRows = 32;  // weight rows a range takes at a time
 constexpr int kItemsPerThread = 4;  // ranges of rows per thread (transposed product)
 constexpr int64_t kParallelSumFloats = 1 << 14;  // outputs from which partials sum in parallel
 
+constexpr int kStrip = kNV * kV;  // columns of a strip
+
 typedef float Vec __attribute__((vector_size(kV * sizeof(float))));
 
 inline Vec LoadV(const float* p) { return kvjax::LoadVec<Vec>(p); }
@@ -74,23 +76,43 @@ inline Part PartOf(int64_t i, int64_t tiles, int64_t units) {
   return {lo, std::min(units, lo + per)};
 }
 
-// out[0:MR, 0:NV*kV] (+)= x[0:MR, 0:K] @ w[0:K, 0:NV*kV] (leading dimensions ldx, ldw, ldo;
-// adding to out with `accumulate`); steps k in [ahead.lo, ahead.hi) prefetch row k + distance.
+// A tile's weights: rows w + k * ldw. With `pack`, the tile also copies them there, kStrip
+// floats apart, for the other tiles of x to read (a block's rows of a strip lie N floats apart,
+// and with N = 1536 they fall into few L1 sets; the packed copy is contiguous). Steps k in
+// [ahead.lo, ahead.hi) prefetch row k of `next`, rows ld_next apart.
+struct Weights {
+  const float* w;
+  int64_t ldw;
+  float* pack = nullptr;
+  const float* next = nullptr;
+  int64_t ld_next = 0;
+  Part ahead = {};
+};
+
+// out[0:MR, 0:NV*kV] (+)= x[0:MR, 0:K] @ w[0:K, 0:NV*kV] (leading dimensions ldx, ldo; adding
+// to out with `accumulate`).
 template <int MR, int NV>
-void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
-          int64_t ldo, int64_t distance, Part ahead, bool accumulate) {
+void Tile(const float* x, int64_t ldx, const Weights& wt, int64_t K, float* out, int64_t ldo,
+          bool accumulate) {
   Vec acc[MR][NV] = {};
   if (accumulate)
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NV; ++j) acc[i][j] = LoadV(out + i * ldo + j * kV);
+  // Locals, so that the stores to pack and out need not reload them.
+  const float* const w = wt.w;
+  float* const pack = wt.pack;
+  const float* const next = wt.next;
+  const int64_t ldw = wt.ldw, ld_next = wt.ld_next, lo = wt.ahead.lo, hi = wt.ahead.hi;
   for (int64_t k = 0; k < K; ++k) {
     const float* row = w + k * ldw;
-    if (k >= ahead.lo && k < ahead.hi) {
+    if (k >= lo && k < hi) {
       for (int j = 0; j < NV * kV; j += 64 / sizeof(float))
-        __builtin_prefetch(row + distance * ldw + j, 0, kHint);
+        __builtin_prefetch(next + k * ld_next + j, 0, kHint);
     }
     Vec wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = LoadV(row + j * kV);
+    if (pack)
+      for (int j = 0; j < NV; ++j) StoreV(pack + k * kStrip + j * kV, wv[j]);
     for (int i = 0; i < MR; ++i) {
       const Vec xi = Vec{} + x[i * ldx + k];
       for (int j = 0; j < NV; ++j) acc[i][j] += xi * wv[j];
@@ -101,16 +123,15 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, f
 }
 
 template <int NV = kNV>
-void TileOf(int mr, int nv, const float* x, int64_t ldx, const float* w, int64_t ldw,
-            int64_t K, float* out, int64_t ldo, int64_t distance, Part ahead, bool accumulate) {
+void TileOf(int mr, int nv, const float* x, int64_t ldx, const Weights& wt, int64_t K,
+            float* out, int64_t ldo, bool accumulate) {
   if constexpr (NV > 0) {
-    if (nv != NV)
-      return TileOf<NV - 1>(mr, nv, x, ldx, w, ldw, K, out, ldo, distance, ahead, accumulate);
+    if (nv != NV) return TileOf<NV - 1>(mr, nv, x, ldx, wt, K, out, ldo, accumulate);
     switch (mr) {
-      case 1: return Tile<1, NV>(x, ldx, w, ldw, K, out, ldo, distance, ahead, accumulate);
-      case 2: return Tile<2, NV>(x, ldx, w, ldw, K, out, ldo, distance, ahead, accumulate);
-      case 3: return Tile<3, NV>(x, ldx, w, ldw, K, out, ldo, distance, ahead, accumulate);
-      default: return Tile<kMR, NV>(x, ldx, w, ldw, K, out, ldo, distance, ahead, accumulate);
+      case 1: return Tile<1, NV>(x, ldx, wt, K, out, ldo, accumulate);
+      case 2: return Tile<2, NV>(x, ldx, wt, K, out, ldo, accumulate);
+      case 3: return Tile<3, NV>(x, ldx, wt, K, out, ldo, accumulate);
+      default: return Tile<kMR, NV>(x, ldx, wt, K, out, ldo, accumulate);
     }
   }
 }
@@ -225,7 +246,6 @@ void LinearTransposed(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t
 // a partial (every range is non-empty, and its first block writes all of its partial).
 void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K,
                      const float* wp, int64_t N, float* op) {
-  constexpr int64_t kStrip = kNV * kV;
   const int64_t vectors = N / kV;
   const int64_t strips = (vectors + kNV - 1) / kNV;
   const int64_t blocks = (K + kBlockRows - 1) / kBlockRows;
@@ -238,6 +258,7 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
   std::unique_ptr<float[]> partial(new float[(items - 1) * size]);  // left uninitialized
   ParallelFor(pool, items, [&](int64_t i) {
     float* o = i == 0 ? op : partial.get() + (i - 1) * size;
+    alignas(64) float packed[kBlockRows * kStrip];
     const int64_t k_end = std::min(K, (i + 1) * per);
     for (int64_t k0 = i * per; k0 < k_end; k0 += kBlockRows) {
       const int64_t rows = std::min<int64_t>(kBlockRows, k_end - k0);
@@ -249,10 +270,15 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
         for (int64_t t = 0; t < T; t += kMR) {
           const float* xt = xp + t * K + k0;
           float* ot = o + t * N + n0;
-          const Part ahead =
-              k0 + kBlockRows < k_end ? PartOf(t / kMR, tiles, kBlockRows) : Part{};
+          Weights wt = t == 0 ? Weights{wk + n0, N, T > kMR ? packed : nullptr}
+                              : Weights{packed, kStrip};
+          if (k0 + kBlockRows < k_end) {
+            wt.next = wk + kBlockRows * N + n0;
+            wt.ld_next = N;
+            wt.ahead = PartOf(t / kMR, tiles, kBlockRows);
+          }
           const int mr = static_cast<int>(std::min<int64_t>(kMR, T - t));
-          TileOf(mr, nv, xt, K, wk + n0, N, rows, ot, N, kBlockRows, ahead, add);
+          TileOf(mr, nv, xt, K, wt, rows, ot, N, add);
         }
       }
       for (int64_t t = 0; t < T; ++t)  // columns past the last whole vector
