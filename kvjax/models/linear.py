@@ -23,7 +23,7 @@ _TARGET = "kvjax_linear"
 # Steps of at most this many tokens use the native kernel under AUTO: up to here it is at least
 # as fast as XLA on the 2-core CPU host, beyond it XLA's packed matmul wins
 # (scripts/bench_linear.py, docs/benchmarks.md "Native matmuls").
-NATIVE_MAX_TOKENS = 64
+NATIVE_MAX_TOKENS = 128
 
 
 class LayerLinear(Protocol):
