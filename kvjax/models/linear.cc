@@ -14,7 +14,7 @@
 //   out    f32  [T, Out]
 //
 // [L, In, Out]: each thread of XLA's intra-op pool takes a contiguous range of the weight rows
-// and walks it a block of kBlockRows rows at a time (one contiguous piece of memory, read once,
+// and walks it a block of rows at a time (one contiguous piece of memory, read once,
 // prefetched one block ahead); within a block, strips of kNV vectors of columns
 // accumulate tiles of up to kMR rows of x in registers. Each range sums into its own partial
 // output; the partials are added at the end, by all threads. (Walking each column strip down all rows instead
@@ -52,7 +52,11 @@ constexpr int kDotRows = 4;  // weight rows per tile of the transposed product
 constexpr int kDotAheadTiles = 2;  // tiles of rows the transposed product prefetches ahead
 constexpr int kSpread = 8;  // tiles of x over which the prefetching of weights is spread
 constexpr int kHint = 1;  // __builtin_prefetch locality of weights (1 beat 2 and 3 side by side)
-constexpr int kBlockRows = 32;  // weight rows a range takes at a time
+// Weight rows a range takes at a time: fewer for few rows of x (side by side in bench_linear,
+// 16 beat 32 by 3-10% at 4-32 rows and lost 4% at 64).
+constexpr int kBlockRows = 32;
+constexpr int kBlockRowsFewX = 16;  // up to kFewX rows of x
+constexpr int kFewX = 32;
 constexpr int kItemsPerThread = 4;  // ranges of rows per thread (transposed product)
 constexpr int64_t kParallelSumFloats = 1 << 14;  // outputs from which partials sum in parallel
 
@@ -248,11 +252,12 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
                      const float* wp, int64_t N, float* op) {
   const int64_t vectors = N / kV;
   const int64_t strips = (vectors + kNV - 1) / kNV;
-  const int64_t blocks = (K + kBlockRows - 1) / kBlockRows;
+  const int64_t block = T <= kFewX ? kBlockRowsFewX : kBlockRows;
+  const int64_t blocks = (K + block - 1) / block;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t blocks_per_item = (blocks + threads - 1) / threads;
   const int64_t items = (blocks + blocks_per_item - 1) / blocks_per_item;
-  const int64_t per = blocks_per_item * kBlockRows;
+  const int64_t per = blocks_per_item * block;
   const int64_t size = T * N;
   const int64_t tiles = (T + kMR - 1) / kMR;  // of x
   std::unique_ptr<float[]> partial(new float[(items - 1) * size]);  // left uninitialized
@@ -260,8 +265,8 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
     float* o = i == 0 ? op : partial.get() + (i - 1) * size;
     alignas(64) float packed[kBlockRows * kStrip];
     const int64_t k_end = std::min(K, (i + 1) * per);
-    for (int64_t k0 = i * per; k0 < k_end; k0 += kBlockRows) {
-      const int64_t rows = std::min<int64_t>(kBlockRows, k_end - k0);
+    for (int64_t k0 = i * per; k0 < k_end; k0 += block) {
+      const int64_t rows = std::min<int64_t>(block, k_end - k0);
       const bool add = k0 > i * per;
       const float* wk = wp + k0 * N;
       for (int64_t s = 0; s < strips; ++s) {
@@ -272,10 +277,10 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
           float* ot = o + t * N + n0;
           Weights wt = t == 0 ? Weights{wk + n0, N, T > kMR ? packed : nullptr}
                               : Weights{packed, kStrip};
-          if (k0 + kBlockRows < k_end) {
-            wt.next = wk + kBlockRows * N + n0;
+          if (k0 + block < k_end) {
+            wt.next = wk + block * N + n0;
             wt.ld_next = N;
-            wt.ahead = PartOf(t / kMR, tiles, kBlockRows);
+            wt.ahead = PartOf(t / kMR, tiles, block);
           }
           const int mr = static_cast<int>(std::min<int64_t>(kMR, T - t));
           TileOf(mr, nv, xt, K, wt, rows, ot, N, add);
