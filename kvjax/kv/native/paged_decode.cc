@@ -192,8 +192,15 @@ struct PackedRows {  // asymmetric, a scale and zero per `group` channels
   const float* scale;
   const float* zero;
   int64_t group;
+  int group_shift;  // log2(group) when group is a power of two, else -1
   F8 Load8(int64_t row, int64_t dim, int64_t d0) const {
     const F8 c = Fields8<kBits>(codes + (row * dim + d0) / kPerByte);
+    // A shift, not divisions by the runtime group, for power-of-two groups (with a division
+    // per eight channels, int4 pages decoded 20% slower: scripts/bench_native_decode.py).
+    if (group_shift >= 3) {
+      const int64_t at = (row * dim + d0) >> group_shift;
+      return Splat(zero[at]) + Splat(scale[at]) * c;
+    }
     const int64_t meta = row * (dim / group);
     if (group % 8 == 0) return Splat(zero[meta + d0 / group]) + Splat(scale[meta + d0 / group]) * c;
     F8 s, z;  // groups narrower than a vector
@@ -473,10 +480,11 @@ ffi::Error RunPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
       v_scale.element_count() != metadata || k_zero.element_count() != metadata ||
       v_zero.element_count() != metadata)
     return ffi::Error::InvalidArgument("paged_decode: scale/zero do not match codes and group");
+  const int shift = (group & (group - 1)) == 0 ? __builtin_ctzll(group) : -1;
   PackedRows<kBits> kr{static_cast<const uint8_t*>(k.untyped_data()), k_scale.typed_data(),
-                       k_zero.typed_data(), group};
+                       k_zero.typed_data(), group, shift};
   PackedRows<kBits> vr{static_cast<const uint8_t*>(v.untyped_data()), v_scale.typed_data(),
-                       v_zero.typed_data(), group};
+                       v_zero.typed_data(), group, shift};
   return Run(pool, q, kr, vr, layer, block_tables, kv_lens, q_lens, num_queries, k.dimensions(),
              dim, sm_scale, out);
 }
