@@ -6,13 +6,15 @@ Each of --sources (a `paged_decode.cc`, e.g. the current one and an older one sa
 call runs the kernel over every layer of a random page pool (SmolLM2-135M's shape by default:
 L=30, K=3, G=3, D=64, P=16), as a decode step does; the sources' calls alternate, so a noisy
 machine slows them alike. Prints the median ms per step, the KV bytes read (codes and scales
-for quantized pools) and bytes/s; also the largest difference between sources' outputs.
+for quantized pools) and bytes/s; also the largest difference between sources' outputs
+(--output_json writes them).
 
   python scripts/bench_native_decode.py --sources=/tmp/old.cc,kvjax/kv/native/paged_decode.cc
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import statistics
 import time
@@ -24,6 +26,8 @@ from absl import app, flags
 
 from kvjax import cpu_kernels
 from kvjax.kv import codecs, native
+
+FLAGS = flags.FLAGS
 
 _SOURCES = flags.DEFINE_list("sources", [str(native._SOURCE)], "Kernel sources to compare.")
 _CODECS = flags.DEFINE_list("kv_codecs", ["none", "int8", "int4"], "KV codecs (none: float32).")
@@ -38,6 +42,7 @@ _SHUFFLE = flags.DEFINE_bool("shuffle_pages", False,
                              "Random block tables (default: each row's pages in order, as a "
                              "fresh engine's FIFO free list hands them out).")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed steps per source and codec.")
+_OUTPUT = flags.DEFINE_string("output_json", None, "Write the results here.")
 
 
 def _register(source: str, index: int) -> str:
@@ -104,6 +109,7 @@ def main(argv):
                                         np.float32))
     shape = (_LAYERS.value, num_pages, p, k_heads, _HEAD_DIM.value)
     targets = [_register(s, i) for i, s in enumerate(_SOURCES.value)]
+    results = []
     for codec_name in _CODECS.value:
         pool = _pool(codec_name, shape, rng)
         # Every page of the pool is some row's: the step reads all of it.
@@ -118,10 +124,20 @@ def main(argv):
                 t.append(time.perf_counter() - start)
         for source, out, t in zip(_SOURCES.value, outs, times, strict=True):
             ms = statistics.median(t) * 1e3
+            diff = float(np.abs(out - outs[0]).max())
             print(f"{codec_name:5s} {source}: {ms:7.1f} ms/step  {nbytes / 1e9:.3f} GB  "
-                  f"{nbytes / ms / 1e6:5.1f} GB/s  max |diff| vs first "
-                  f"{np.abs(out - outs[0]).max():.2e}")
+                  f"{nbytes / ms / 1e6:5.1f} GB/s  max |diff| vs first {diff:.2e}")
+            results.append(dict(codec=codec_name, source=source, ms_per_step=ms,
+                                kv_bytes=nbytes, gb_per_s=nbytes / ms / 1e6,
+                                max_abs_diff_vs_first=diff, times_s=t))
         del pool
+    if _OUTPUT.value:
+        flag_values = {name: FLAGS[name].value for name in
+                       ("sources", "kv_codecs", "batch", "context", "num_layers",
+                        "num_kv_heads", "group", "head_dim", "page_size", "shuffle_pages",
+                        "repeats")}
+        with open(_OUTPUT.value, "w") as f:
+            json.dump(dict(flags=flag_values, results=results), f, indent=1)
 
 
 if __name__ == "__main__":
