@@ -9,9 +9,37 @@
 #include <cstring>
 #include <memory>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace kvjax {
+
+#ifdef __AVX512F__
+// The lane sums of sixteen vectors at once: lane 4i + j of the result is the sum of v[i + 4j]'s
+// lanes. One tree of 128-bit-lane and in-lane shuffles (45 instructions) against about eight
+// dependent instructions per vector for sixteen separate sums.
+inline __m512 SumLanes16(const __m512 (&v)[16]) {
+  // Halves of pairs: lanes 0-7 hold v[2k]'s two halves summed, lanes 8-15 v[2k+1]'s.
+  __m512 a[8];
+  for (int k = 0; k < 8; ++k)
+    a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  // 128-bit lane l of b[k] holds four partial sums of v[4k + l].
+  __m512 b[4];
+  for (int k = 0; k < 4; ++k)
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
+  // 128-bit lane l of c[k]: [two partials of v[8k + l], two of v[8k + 4 + l]].
+  __m512 c[2];
+  for (int k = 0; k < 2; ++k)
+    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+#endif
 
 // A vector of floats (GCC vector extensions) from and to unaligned memory.
 template <typename Vec>

@@ -147,30 +147,11 @@ inline float Sum(Vec x) {
 }
 
 #ifdef __AVX512F__
-// out[i, j] = the sum of acc[i][j]'s lanes for i, j < 4: one tree of 128-bit-lane and in-lane
-// shuffles reduces the 16 vectors together (45 instructions, against about 8 dependent ones
-// per output for 16 separate sums).
+// out[i, j] = the sum of acc[i][j]'s lanes for i, j < 4, the 16 sums reduced together.
 inline void SumTiles4x4(const Vec (&acc)[4][4], float* out, int64_t ldo) {
   __m512 v[16];
   for (int k = 0; k < 16; ++k) v[k] = (__m512)acc[k % 4][k / 4];
-  // Halves of pairs: lanes 0-7 hold v[2k]'s two halves summed, lanes 8-15 v[2k+1]'s.
-  __m512 a[8];
-  for (int k = 0; k < 8; ++k)
-    a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-  // 128-bit lane l of b[k] holds four partial sums of v[4k + l].
-  __m512 b[4];
-  for (int k = 0; k < 4; ++k)
-    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
-  // 128-bit lane l of c[k]: [two partials of v[8k + l], two of v[8k + 4 + l]].
-  __m512 c[2];
-  for (int k = 0; k < 2; ++k)
-    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0x44),
-                         _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0xEE));
-  // Lane 4i + j: the sum of v[i + 4j] = acc[i][j].
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
-                                    _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  const __m512 sums = kvjax::SumLanes16(v);  // lane 4i + j: acc[i][j]
   for (int i = 0; i < 4; ++i)
     _mm_storeu_ps(out + i * ldo, _mm512_extractf32x4_ps(sums, i));
 }

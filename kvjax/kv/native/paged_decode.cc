@@ -29,7 +29,10 @@
 //   out          f32  [B, N, D]   (N = num_queries * G * K, kv head h's at [h*Q*G, (h+1)*Q*G))
 // D must be a multiple of 8: channels are decoded and multiplied eight at a time (one AVX2
 // vector; codes are widened, shifted and converted in registers, scales folded into the dot
-// products and weights where they are per token).
+// products and weights where they are per token), or sixteen at a time with AVX-512 where D
+// (and a packed codec's group) is a multiple of 16. Sixteen 4- or 2-bit codes become their
+// group's dequantized values by one permute of a 16-entry table (zero + scale * level), which
+// takes a third of the instructions of widening, masking, converting and scaling.
 //
 // Work is cut into chunks of a row's pages, all kv heads of a page together (a page of one
 // layer is one contiguous [P, K, D] block), spread over XLA's intra-op thread pool; a long row
@@ -42,7 +45,7 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -56,13 +59,18 @@ namespace {
 constexpr int kMaxGroup = 32;   // query heads (times queries per row) per kv head
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxPage = 256;
+// Vectors the values loop accumulates in registers (of 32 with AVX-512, else 16).
+#ifdef __AVX512F__
+constexpr int kMaxAccumulators = 16;
+#else
+constexpr int kMaxAccumulators = 8;
+#endif
 // Work is cut into chunks of a row's pages (all kv heads): about kChunksPerThread per thread,
 // none shorter than kMinChunkTokens (below that the merge costs more than the balance wins).
 constexpr int64_t kChunksPerThread = 4;
 constexpr int64_t kMinChunkTokens = 256;
 
-inline float Load(const float* x, int64_t i) { return x[i]; }
-inline float Load(const uint16_t* x, int64_t i) {
+inline float LoadFloat(const uint16_t* x, int64_t i) {
   uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
@@ -73,13 +81,19 @@ inline float Load(const uint16_t* x, int64_t i) {
 // -march=native), otherwise whatever the compiler makes of it.
 typedef float F8 __attribute__((vector_size(32)));
 
-inline F8 Splat(float x) { return F8{} + x; }
-inline F8 LoadF8(const float* p) {
-  F8 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-inline void StoreF8(float* p, F8 x) { std::memcpy(p, &x, sizeof(x)); }
+// Sixteen channels as one zmm register (AVX-512 only).
+typedef float F16 __attribute__((vector_size(64)));
+
+template <typename V = F8>
+inline V Splat(float x) { return V{} + x; }
+template <typename V = F8>
+inline V LoadV(const float* p) { return kvjax::LoadVec<V>(p); }
+template <typename V>
+inline void StoreV(float* p, V x) { kvjax::StoreVec<V>(p, x); }
+inline F8 LoadF8(const float* p) { return LoadV<F8>(p); }
+#ifdef __AVX512F__
+inline float Sum(F16 x) { return _mm512_reduce_add_ps(x); }
+#endif
 inline float Sum(F8 x) {
 #ifdef __AVX2__
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -145,27 +159,81 @@ inline void PrefetchBytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 1);
 }
 
-// Row decoders: Load8 decodes channels [d0, d0 + 8) of stored row `row` (the flat (layer,
-// page, slot, kv head) index) in registers; nothing is written back. TokenScale is a factor
-// of the whole row that the caller applies to its dot products and softmax weights instead
-// of to every channel. Prefetch asks for rows [row, row + n). `dim` is passed by the caller,
+#ifdef __AVX512F__
+// Sixteen codes as floats: int8 (signed) or unsigned bytes.
+inline F16 Codes16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline F16 Bytes16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The sixteen `kBits`-bit codes at p (kBits = 4 or 2; first code lowest), each replaced by
+// table[its low four bits]: each lane gets its code's byte, shifted so that the code sits in
+// the lowest bits, and the permute reads only the index's four lowest bits (the bits above a
+// 2-bit code belong to the next codes; its table repeats every four entries).
+template <int kBits>
+inline F16 Lookup16(const uint8_t* p, F16 table) {
+  __m128i b;
+  __m512i shifts;
+  if constexpr (kBits == 4) {
+    b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    b = _mm_unpacklo_epi8(b, b);  // each byte twice
+    shifts = _mm512_set1_epi64(int64_t{4} << 32);  // 0, 4, 0, 4, ...
+  } else {
+    uint32_t w;
+    std::memcpy(&w, p, sizeof(w));
+    b = _mm_cvtsi32_si128(static_cast<int>(w));
+    b = _mm_unpacklo_epi8(b, b);
+    b = _mm_unpacklo_epi16(b, b);  // each byte four times
+    shifts = _mm512_set4_epi32(6, 4, 2, 0);  // 0, 2, 4, 6, ...
+  }
+  const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shifts);
+  return _mm512_permutexvar_ps(idx, table);
+}
+
+// zero + scale * level for each of the 16 table entries: level i is code i (4 bits) or code
+// i mod 4 (2 bits).
+template <int kBits>
+inline F16 Levels16() {
+  F16 x;
+  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(i & ((1 << kBits) - 1));
+  return x;
+}
+#endif
+
+// Row decoders: Load<V> decodes channels [d0, d0 + lanes of V) of stored row `row` (the flat
+// (layer, page, slot, kv head) index) in registers; nothing is written back. F16 is asked for
+// only where Reads16() (AVX-512 builds). TokenScale is a factor of the whole row that the
+// caller applies to its dot products and softmax weights instead of to every channel.
+// Prefetch asks for rows [row, row + n). `dim` is passed by the caller,
 // where it is a compile-time constant for the common head dims.
 template <typename T>
 struct FloatRows {
   const T* data;
-  F8 Load8(int64_t row, int64_t dim, int64_t d0) const {
+  bool Reads16() const { return true; }
+  template <typename V>
+  V Load(int64_t row, int64_t dim, int64_t d0) const {
     const T* r = data + row * dim + d0;
     if constexpr (sizeof(T) == 4) {
-      return LoadF8(r);
+      return LoadV<V>(r);
     } else {  // bfloat16: the top half of a float32
-#ifdef __AVX2__
-      __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-#else
-      F8 x;
-      for (int t = 0; t < 8; ++t) x[t] = Load(r, t);
-      return x;
+#ifdef __AVX512F__
+      if constexpr (sizeof(V) == 64) {
+        __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      } else
 #endif
+      {
+#ifdef __AVX2__
+        __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+#else
+        F8 x;
+        for (int t = 0; t < 8; ++t) x[t] = LoadFloat(r, t);
+        return x;
+#endif
+      }
     }
   }
   float TokenScale(int64_t) const { return 1.0f; }
@@ -177,7 +245,15 @@ struct FloatRows {
 struct Int8Rows {  // symmetric, one scale per token and kv head (the TokenScale)
   const int8_t* codes;
   const float* scale;
-  F8 Load8(int64_t row, int64_t dim, int64_t d0) const { return Codes8(codes + row * dim + d0); }
+  bool Reads16() const { return true; }
+  template <typename V>
+  V Load(int64_t row, int64_t dim, int64_t d0) const {
+#ifdef __AVX512F__
+    if constexpr (sizeof(V) == 64) return Codes16(codes + row * dim + d0);
+    else
+#endif
+      return Codes8(codes + row * dim + d0);
+  }
   float TokenScale(int64_t row) const { return scale[row]; }
   void Prefetch(int64_t row, int64_t n, int64_t dim) const {
     PrefetchBytes(codes + row * dim, n * dim);
@@ -193,6 +269,21 @@ struct PackedRows {  // asymmetric, a scale and zero per `group` channels
   const float* zero;
   int64_t group;
   int group_shift;  // log2(group) when group is a power of two, else -1
+  bool Reads16() const { return group_shift >= 4; }  // 16 channels share a scale and zero
+  template <typename V>
+  V Load(int64_t row, int64_t dim, int64_t d0) const {
+#ifdef __AVX512F__
+    if constexpr (sizeof(V) == 64) {
+      const int64_t at = (row * dim + d0) >> group_shift;
+      const uint8_t* c = codes + (row * dim + d0) / kPerByte;
+      if constexpr (kBits == 8) return Splat<F16>(zero[at]) + Splat<F16>(scale[at]) * Bytes16(c);
+      else return Lookup16<kBits>(c, Splat<F16>(zero[at]) + Splat<F16>(scale[at]) * Levels16<kBits>());
+    } else
+#endif
+    {
+      return Load8(row, dim, d0);
+    }
+  }
   F8 Load8(int64_t row, int64_t dim, int64_t d0) const {
     const F8 c = Fields8<kBits>(codes + (row * dim + d0) / kPerByte);
     // A shift, not divisions by the runtime group, for power-of-two groups (with a division
@@ -271,8 +362,9 @@ void WriteRow(const Geometry& g, int64_t b, const SoftmaxState& st, float* out) 
 // keys (online softmax), then its values; the next page is prefetched while this one is read.
 // A page of one layer is one contiguous [P, K, D] block, so reading all kv heads of it in
 // turn streams memory. kD and kG are the head dim and group size when known at compile time
-// (0: read from g), so the common shapes get fully unrolled, vectorized inner loops.
-template <int kD, int kG, typename Rows>
+// (0: read from g), so the common shapes get fully unrolled, vectorized inner loops; V is
+// the vector of channels (F8, or F16 with AVX-512).
+template <int kD, int kG, typename V, typename Rows>
 void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& k,
                  const Rows& v, int64_t layer, const int32_t* block_tables,
                  const int32_t* kv_lens, const int32_t* q_lens, int64_t num_queries,
@@ -297,7 +389,11 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
   for (int64_t i = 0; i < N * D; ++i) qs[i] = q[b * N * D + i] * sm_scale;
   const int32_t* table = block_tables + b * g.width;
   const int64_t rows_per_page = P * K;
-  constexpr int kVecs = kD ? kD / 8 : kMaxHeadDim / 8;  // vectors of channels per head
+  constexpr int kW = sizeof(V) / sizeof(float);  // channels per vector
+  constexpr int kVecs = kD ? kD / kW : kMaxHeadDim / kW;  // vectors of channels per head
+  // Vectors of channels the values loop takes at a time: up to kMaxAccumulators accumulators
+  // (one vector at a time where the shape is not known at compile time).
+  constexpr int kC = kD && kG ? std::max(1, std::min(kVecs, kMaxAccumulators / kG)) : 1;
   for (int64_t blk = c.first_block; blk < c.end_block; ++blk) {
     const int64_t n = std::min<int64_t>(P, len - blk * P);
     const int64_t page_row = (layer * g.num_pages + table[blk]) * rows_per_page;
@@ -311,23 +407,53 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
       float* m = st.m + h * G;
       float* l = st.l + h * G;
       float s[kG ? kG : kMaxGroup][kMaxPage];
-      F8 qv[kG ? kG : kMaxGroup][kVecs];  // this kv head's queries, in registers
+      V qv[kG ? kG : kMaxGroup][kVecs];  // this kv head's queries, in registers
       for (int64_t j = 0; j < G; ++j)
-        for (int64_t d = 0; d < D; d += 8) qv[j][d / 8] = LoadF8(qh + j * D + d);
-      for (int64_t p = 0; p < n; ++p) {
+        for (int64_t d = 0; d < D; d += kW) qv[j][d / kW] = LoadV<V>(qh + j * D + d);
+      // Token p's G dot products as vectors (their lanes still to be summed); the same row of
+      // the next page is prefetched meanwhile.
+      auto dots = [&](int64_t p, V (&dot)[kG ? kG : kMaxGroup]) {
         const int64_t row = page_row + p * K + h;
         if (next_row >= 0) {
           k.Prefetch(next_row + p * K + h, 1, D);
           v.Prefetch(next_row + p * K + h, 1, D);
         }
-        F8 dot[kG ? kG : kMaxGroup];
-        for (int64_t j = 0; j < G; ++j) dot[j] = F8{};
-        for (int64_t d = 0; d < D; d += 8) {
-          const F8 x = k.Load8(row, D, d);
-          for (int64_t j = 0; j < G; ++j) dot[j] += qv[j][d / 8] * x;
+        for (int64_t j = 0; j < G; ++j) dot[j] = V{};
+        for (int64_t d = 0; d < D; d += kW) {
+          const V x = k.template Load<V>(row, D, d);
+          for (int64_t j = 0; j < G; ++j) dot[j] += qv[j][d / kW] * x;
         }
-        const float ts = k.TokenScale(row);
-        for (int64_t j = 0; j < G; ++j) s[j][p] = Sum(dot[j]) * ts;
+      };
+      V dot[kG ? kG : kMaxGroup];
+#ifdef __AVX512F__
+      if constexpr (sizeof(V) == 64) {
+        // Sixteen tokens' lane sums at once per query head (SumLanes16): summing each vector
+        // alone took about half of a quantized page's arithmetic (bench_native_decode).
+        for (int64_t p0 = 0; p0 < n; p0 += 16) {
+          __m512 sums[kG ? kG : kMaxGroup][16];
+          alignas(64) float ts[16];
+          for (int64_t t = 0; t < 16; ++t) {
+            const int slot = t / 4 + 4 * (t % 4);  // lane t of SumLanes16's result
+            if (p0 + t < n) {
+              dots(p0 + t, dot);
+              ts[t] = k.TokenScale(page_row + (p0 + t) * K + h);
+            } else {
+              for (int64_t j = 0; j < G; ++j) dot[j] = V{};
+              ts[t] = 0.0f;
+            }
+            for (int64_t j = 0; j < G; ++j) sums[j][slot] = (__m512)dot[j];
+          }
+          for (int64_t j = 0; j < G; ++j)
+            StoreV(s[j] + p0, (V)kvjax::SumLanes16(sums[j]) * LoadV<V>(ts));
+        }
+      } else
+#endif
+      {
+        for (int64_t p = 0; p < n; ++p) {
+          dots(p, dot);
+          const float ts = k.TokenScale(page_row + p * K + h);
+          for (int64_t j = 0; j < G; ++j) s[j][p] = Sum(dot[j]) * ts;
+        }
       }
       if (next_row >= 0)  // rows of the next page past this page's last token
         for (int64_t p = n; p < P; ++p) {
@@ -355,15 +481,23 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
         const float ts = v.TokenScale(page_row + p * K + h);
         for (int64_t j = 0; j < G; ++j) s[j][p] *= ts;
       }
-      // Eight channels at a time over all the page's tokens, the G accumulators in registers.
-      for (int64_t d = 0; d < D; d += 8) {
-        F8 a[kG ? kG : kMaxGroup];
-        for (int64_t j = 0; j < G; ++j) a[j] = LoadF8(acc + j * D + d);
+      // kC vectors of channels at a time over all the page's tokens, the G * kC accumulators
+      // in registers: each token adds to all of them, so that the adds of consecutive tokens
+      // (one dependent chain per accumulator) overlap.
+      for (int64_t d = 0; d < D; d += kC * kW) {
+        V a[kG ? kG : kMaxGroup][kC];
+        for (int64_t j = 0; j < G; ++j)
+          for (int c = 0; c < kC; ++c) a[j][c] = LoadV<V>(acc + j * D + d + c * kW);
         for (int64_t p = 0; p < n; ++p) {
-          const F8 x = v.Load8(page_row + p * K + h, D, d);
-          for (int64_t j = 0; j < G; ++j) a[j] += Splat(s[j][p]) * x;
+          V x[kC];
+          for (int c = 0; c < kC; ++c) x[c] = v.template Load<V>(page_row + p * K + h, D, d + c * kW);
+          for (int64_t j = 0; j < G; ++j) {
+            const V w = Splat<V>(s[j][p]);
+            for (int c = 0; c < kC; ++c) a[j][c] += w * x[c];
+          }
         }
-        for (int64_t j = 0; j < G; ++j) StoreF8(acc + j * D + d, a[j]);
+        for (int64_t j = 0; j < G; ++j)
+          for (int c = 0; c < kC; ++c) StoreV(acc + j * D + d + c * kW, a[j][c]);
       }
     }
   }
@@ -417,6 +551,25 @@ int64_t PlanChunks(const Geometry& g, const int32_t* kv_lens, int64_t max_blocks
 using kvjax::ParallelFor;
 
 template <typename Rows>
+using ChunkFn = void (*)(const Geometry&, const Chunk&, const float*, const Rows&, const Rows&,
+                         int64_t, const int32_t*, const int32_t*, const int32_t*, int64_t, float,
+                         float*, float*);
+
+// AttendChunk compiled for the common head dims and group sizes, else the generic one.
+template <typename V, typename Rows>
+ChunkFn<Rows> ChunkKernel(const Geometry& g) {
+  const int64_t D = g.head_dim, G = g.group();
+  if (D == 64 && G == 1) return AttendChunk<64, 1, V, Rows>;
+  if (D == 64 && G == 2) return AttendChunk<64, 2, V, Rows>;
+  if (D == 64 && G == 3) return AttendChunk<64, 3, V, Rows>;
+  if (D == 64 && G == 4) return AttendChunk<64, 4, V, Rows>;
+  if (D == 128 && G == 1) return AttendChunk<128, 1, V, Rows>;
+  if (D == 128 && G == 4) return AttendChunk<128, 4, V, Rows>;
+  if (D == 128 && G == 8) return AttendChunk<128, 8, V, Rows>;
+  return AttendChunk<0, 0, V, Rows>;
+}
+
+template <typename Rows>
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, const Rows& v,
                int64_t layer, ffi::Buffer<ffi::S32> block_tables,
                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
@@ -447,20 +600,13 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, con
   const int64_t num_partials = PlanChunks(g, lens, max_blocks, &chunks);
   std::vector<float> partials(num_partials * SoftmaxState::Floats(g));
   float* pp = partials.data();
-  auto attend = [&](auto one) {
-    ParallelFor(pool, chunks.size(), [&, one](int64_t i) {
-      one(g, chunks[i], qp, k, v, layer, bt, lens, qlens, num_queries, sm_scale, pp, o);
-    });
-  };
-  const int64_t G = g.group();
-  if (g.head_dim == 64 && G == 1) attend(AttendChunk<64, 1, Rows>);
-  else if (g.head_dim == 64 && G == 2) attend(AttendChunk<64, 2, Rows>);
-  else if (g.head_dim == 64 && G == 3) attend(AttendChunk<64, 3, Rows>);
-  else if (g.head_dim == 64 && G == 4) attend(AttendChunk<64, 4, Rows>);
-  else if (g.head_dim == 128 && G == 1) attend(AttendChunk<128, 1, Rows>);
-  else if (g.head_dim == 128 && G == 4) attend(AttendChunk<128, 4, Rows>);
-  else if (g.head_dim == 128 && G == 8) attend(AttendChunk<128, 8, Rows>);
-  else attend(AttendChunk<0, 0, Rows>);
+  ChunkFn<Rows> one = ChunkKernel<F8, Rows>(g);
+#ifdef __AVX512F__
+  if (g.head_dim % 16 == 0 && k.Reads16()) one = ChunkKernel<F16, Rows>(g);
+#endif
+  ParallelFor(pool, chunks.size(), [&](int64_t i) {
+    one(g, chunks[i], qp, k, v, layer, bt, lens, qlens, num_queries, sm_scale, pp, o);
+  });
   if (num_partials) MergeChunks(g, chunks, pp, o);
   return ffi::Error::Success();
 }
