@@ -110,9 +110,13 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
     assert tiny * np.float32(1.0) != 0.0
 
 
-@pytest.mark.parametrize("name,options", [("int4", dict(group=32)), ("int2", dict(group=16)),
-                                          ("int8", dict(group=32))],
-                         ids=["int4-g32", "int2-g16", "int8-g32"])
+# Groups of 32 and more read 32 channels at a time in the codes' own order (with AVX-512),
+# groups of 16 one vector at a time, groups of 8 eight channels at a time.
+@pytest.mark.parametrize("name,options", [
+    ("int4", dict(group=32)), ("int4", dict(group=64)), ("int4", dict(group=16)),
+    ("int4", dict(group=8)), ("int2", dict(group=32)), ("int2", dict(group=16)),
+    ("int8", dict(group=32))],
+    ids=["int4-g32", "int4-g64", "int4-g16", "int4-g8", "int2-g32", "int2-g16", "int8-g32"])
 def test_decode_reads_packed_codes_with_group_scales_and_zeros(name, options):
     """Packed asymmetric codes decode in the kernel exactly as the codec decodes them."""
     codec = kvjax.kv.codecs.get_codec(name, **options)
