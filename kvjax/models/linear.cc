@@ -53,10 +53,11 @@ constexpr int kDotAheadTiles = 2;  // tiles of rows the transposed product prefe
 constexpr int kSpread = 8;  // tiles of x over which the prefetching of weights is spread
 constexpr int kHint = 1;  // __builtin_prefetch locality of weights (1 beat 2 and 3 side by side)
 // Weight rows a range takes at a time: fewer for few rows of x (side by side in bench_linear,
-// 16 beat 32 by 3-10% at 4-32 rows and lost 4% at 64).
+// 16 beat 32 by 3-10% at 4-16 rows on a Zen 5 box, was even at 32 and lost 4% at 64; on a
+// Zen 4 box, with half the FMA rate, 32 beat 16 by 5-6% at 24 and 32 rows).
 constexpr int kBlockRows = 32;
 constexpr int kBlockRowsFewX = 16;  // up to kFewX rows of x
-constexpr int kFewX = 32;
+constexpr int kFewX = 16;
 constexpr int kItemsPerThread = 4;  // ranges of rows per thread (transposed product)
 constexpr int64_t kParallelSumFloats = 1 << 14;  // outputs from which partials sum in parallel
 
