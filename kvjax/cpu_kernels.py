@@ -6,7 +6,8 @@ flags and the jax version, then loaded and registered for the CPU platform. `reg
 why a kernel cannot be used (no compiler, a failed build); callers then keep their jnp path.
 The kernels: `kvjax/kv/native/paged_decode.cc` and `paged_prefill.cc` (paged decode and
 prefill attention) and `kvjax/models/linear.cc` (matmuls reading a layer of the stacked
-weights in place); all include `cpu_kernels.h` (the thread-pool loop they share).
+weights in place); all include `cpu_kernels.h` (the thread-pool loop and vector helpers they
+share).
 """
 
 from __future__ import annotations
