@@ -17,9 +17,9 @@
 // and walks it a block of rows at a time (one contiguous piece of memory, read once,
 // prefetched one block ahead); within a block, strips of kNV vectors of columns
 // accumulate tiles of up to kMR rows of x in registers. Each range sums into its own partial
-// output; the partials are added at the end, by all threads. (Walking each column strip down all rows instead
-// reads the same bytes in a strided order, well below the rate of a sequential read;
-// scripts/bench_linear.py measures the kernel.)
+// output; the partials are added at the end, by all threads. (Walking each column strip down
+// all rows instead reads the same bytes in a strided order, well below the rate of a
+// sequential read; scripts/bench_linear.py measures the kernel.)
 // [L, Out, In]: each output is a dot product of two contiguous rows; threads take ranges of
 // weight rows (read sequentially), kDotRows of them at a time against tiles of kMR rows of x,
 // and a whole 4 x 4 tile's sums are reduced together.

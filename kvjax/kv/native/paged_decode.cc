@@ -98,10 +98,6 @@ template <typename V = F8>
 inline V LoadV(const float* p) { return kvjax::LoadVec<V>(p); }
 template <typename V>
 inline void StoreV(float* p, V x) { kvjax::StoreVec<V>(p, x); }
-inline F8 LoadF8(const float* p) { return LoadV<F8>(p); }
-#ifdef __AVX512F__
-inline float Sum(F16 x) { return _mm512_reduce_add_ps(x); }
-#endif
 inline float Sum(F8 x) {
 #ifdef __AVX2__
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -200,13 +196,13 @@ inline F16 Lookup16(const uint8_t* p, F16 table) {
   return _mm512_permutexvar_ps(idx, table);
 }
 
-// zero + scale * level for each of the 16 table entries: level i is code i (4 bits) or code
-// i mod 4 (2 bits).
+// The table Lookup16 reads for a group: zero + scale * level of entry i, where level i is
+// code i (4 bits) or code i mod 4 (2 bits).
 template <int kBits>
-inline F16 Levels16() {
-  F16 x;
-  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(i & ((1 << kBits) - 1));
-  return x;
+inline F16 GroupTable16(float zero, float scale) {
+  F16 levels;
+  for (int i = 0; i < 16; ++i) levels[i] = static_cast<float>(i & ((1 << kBits) - 1));
+  return Splat<F16>(zero) + Splat<F16>(scale) * levels;
 }
 #endif
 
@@ -300,7 +296,7 @@ struct PackedRows : RowsBase {  // asymmetric, a scale and zero per `group` chan
       const int64_t at = (row * dim + d0) >> group_shift;
       const uint8_t* c = codes + (row * dim + d0) / kPerByte;
       if constexpr (kBits == 8) return Splat<F16>(zero[at]) + Splat<F16>(scale[at]) * Bytes16(c);
-      else return Lookup16<kBits>(c, Splat<F16>(zero[at]) + Splat<F16>(scale[at]) * Levels16<kBits>());
+      else return Lookup16<kBits>(c, GroupTable16<kBits>(zero[at], scale[at]));
     } else
 #endif
     {
@@ -350,7 +346,7 @@ struct PackedBlockRows : PackedRows<kBits> {
   void LoadBlock(int64_t row, int64_t dim, int64_t d0, F16* x) const {
     const int64_t at = (row * dim + d0) >> this->group_shift;
     const uint8_t* c = this->codes + (row * dim + d0) / this->kPerByte;
-    const F16 table = Splat<F16>(this->zero[at]) + Splat<F16>(this->scale[at]) * Levels16<kBits>();
+    const F16 table = GroupTable16<kBits>(this->zero[at], this->scale[at]);
     if constexpr (kBits == 4) {
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
       x[0] = _mm512_permutexvar_ps(b, table);
@@ -459,9 +455,9 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
   const int64_t rows_per_page = P * K;
   constexpr int kW = sizeof(V) / sizeof(float);  // channels per vector
   constexpr int kVecs = kD ? kD / kW : kMaxHeadDim / kW;  // vectors of channels per head
+  constexpr int kB = Rows::kBlockVecs;  // vectors the reader decodes at a time
   // Vectors of channels the values loop takes at a time: up to kMaxAccumulators accumulators
-  // (one vector at a time where the shape is not known at compile time).
-  constexpr int kB = Rows::kBlockVecs;
+  // (one block at a time where the shape is not known at compile time).
   constexpr int kC = AccumulatedVecs(kD && kG ? std::min(kVecs, kMaxAccumulators / kG) : 1, kB);
   if constexpr (kB > 1) Reorder<Rows>(qs.data(), N * D, false);  // the keys' channel order
   for (int64_t blk = c.first_block; blk < c.end_block; ++blk) {
