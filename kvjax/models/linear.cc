@@ -22,7 +22,10 @@
 // sequential read; scripts/bench_linear.py measures the kernel.)
 // [L, Out, In]: each output is a dot product of two contiguous rows; threads take ranges of
 // weight rows (read sequentially), kDotRows of them at a time against tiles of kMR rows of x,
-// and a whole 4 x 4 tile's sums are reduced together.
+// and a whole 4 x 4 tile's sums are reduced together. From kPanelX rows of x (where the
+// products, not the reads, set the time) a panel of kStrip weight rows is transposed in
+// 16 x 16 blocks into a buffer and the broadcast tiles of [L, In, Out] multiply it: no lane
+// sums, and x's rows are read kStrip outputs at a time instead of kDotRows.
 
 #include <algorithm>
 #include <cstdint>
@@ -59,6 +62,10 @@ constexpr int kBlockRows = 32;
 constexpr int kBlockRowsFewX = 16;  // up to kFewX rows of x
 constexpr int kFewX = 16;
 constexpr int kItemsPerThread = 4;  // ranges of rows per thread (transposed product)
+// From kPanelX rows of x on, the transposed product transposes panels of kStrip weight rows
+// and runs the broadcast tiles on them (with AVX-512; while a panel fits in L2: K <= kPanelMaxK).
+constexpr int kPanelX = 24;
+constexpr int kPanelMaxK = 1024;
 constexpr int64_t kParallelSumFloats = 1 << 14;  // outputs from which partials sum in parallel
 
 constexpr int kStrip = kNV * kV;  // columns of a strip
@@ -95,10 +102,10 @@ struct Weights {
 };
 
 // out[0:MR, 0:NV*kV] (+)= x[0:MR, 0:K] @ w[0:K, 0:NV*kV] (leading dimensions ldx, ldo; adding
-// to out with `accumulate`).
+// to out with `accumulate`). Inlined into each caller (as TileOf is; see PanelTile).
 template <int MR, int NV>
-void Tile(const float* x, int64_t ldx, const Weights& wt, int64_t K, float* out, int64_t ldo,
-          bool accumulate) {
+[[gnu::always_inline]] inline void Tile(const float* x, int64_t ldx, const Weights& wt,
+                                        int64_t K, float* out, int64_t ldo, bool accumulate) {
   Vec acc[MR][NV] = {};
   if (accumulate)
     for (int i = 0; i < MR; ++i)
@@ -128,8 +135,9 @@ void Tile(const float* x, int64_t ldx, const Weights& wt, int64_t K, float* out,
 }
 
 template <int NV = kNV>
-void TileOf(int mr, int nv, const float* x, int64_t ldx, const Weights& wt, int64_t K,
-            float* out, int64_t ldo, bool accumulate) {
+[[gnu::always_inline]] inline void TileOf(int mr, int nv, const float* x, int64_t ldx,
+                                          const Weights& wt, int64_t K, float* out, int64_t ldo,
+                                          bool accumulate) {
   if constexpr (NV > 0) {
     if (nv != NV) return TileOf<NV - 1>(mr, nv, x, ldx, wt, K, out, ldo, accumulate);
     switch (mr) {
@@ -212,20 +220,101 @@ void DotRows(const float* x, int64_t T, int64_t K, const float* w, int64_t N, fl
 
 using kvjax::ParallelFor;
 
+#ifdef __AVX512F__
+// dst[j * ldd + i] = src[i * lds + j] for i, j < 16: one 16 x 16 block transposed in registers
+// (pairs of rows interleaved, then pairs of pairs, then 128-bit lanes; 64 shuffles).
+inline void Transpose16x16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);  // per 128-bit lane: a0 b0 a1 b1
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3
+  }
+  // u[4g + e], lane l: element 4l + e of rows 4g .. 4g + 3.
+  for (int g = 0; g < 4; ++g) {
+    const __m512* a = t + 4 * g;
+    r[4 * g] = _mm512_shuffle_ps(a[0], a[2], 0x44);
+    r[4 * g + 1] = _mm512_shuffle_ps(a[0], a[2], 0xEE);
+    r[4 * g + 2] = _mm512_shuffle_ps(a[1], a[3], 0x44);
+    r[4 * g + 3] = _mm512_shuffle_ps(a[1], a[3], 0xEE);
+  }
+  // Column 4l + e gathers lane l of u[e], u[4 + e], u[8 + e], u[12 + e].
+  for (int e = 0; e < 4; ++e) {
+    const __m512 v0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
+    const __m512 v1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
+    const __m512 v2 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+    const __m512 v3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xDD);
+    _mm512_storeu_ps(dst + e * ldd, _mm512_shuffle_f32x4(v0, v2, 0x88));
+    _mm512_storeu_ps(dst + (4 + e) * ldd, _mm512_shuffle_f32x4(v1, v3, 0x88));
+    _mm512_storeu_ps(dst + (8 + e) * ldd, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+    _mm512_storeu_ps(dst + (12 + e) * ldd, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+  }
+}
+
+// A tile of a panel: the row-block product's tile, in a copy of its own (sharing one out-of-line
+// copy, or inlining it here as well, slowed one of the two products by 7-25%: bench_linear).
+[[gnu::noinline]] void PanelTile(int mr, const float* x, int64_t ldx, const Weights& wt,
+                                 int64_t K, float* out, int64_t ldo) {
+  TileOf(mr, kNV, x, ldx, wt, K, out, ldo, false);
+}
+
+// out[:, n0 : n0 + kStrip] = x [T, K] @ w[n0 : n0 + kStrip, :]^T with the broadcast tiles of
+// the untransposed product: the panel of kStrip weight rows is transposed into `packed`
+// ([K, kStrip], in L2) and every tile of x multiplies it. The next panel (contiguous: K rows
+// of kStrip floats) is prefetched meanwhile, spread over the first tiles.
+void PanelRows(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
+               int64_t n0, float* packed) {
+  const float* wp = w + n0 * K;
+  const int64_t whole = K / 16 * 16;
+  for (int64_t r = 0; r < kStrip; r += 16)
+    for (int64_t c = 0; c < whole; c += 16)
+      Transpose16x16(wp + r * K + c, K, packed + c * kStrip + r, kStrip);
+  for (int64_t c = whole; c < K; ++c)
+    for (int64_t r = 0; r < kStrip; ++r) packed[c * kStrip + r] = wp[r * K + c];
+  const int64_t tiles = (T + kMR - 1) / kMR;
+  for (int64_t t = 0; t < T; t += kMR) {
+    Weights wt{packed, kStrip};
+    if (n0 + 2 * kStrip <= N) {
+      wt.next = wp + kStrip * K;
+      wt.ld_next = kStrip;
+      wt.ahead = PartOf(t / kMR, tiles, K);
+    }
+    const int mr = static_cast<int>(std::min<int64_t>(kMR, T - t));
+    PanelTile(mr, x + t * K, K, wt, K, out + t * N + n0, N);
+  }
+}
+#endif
+
 // x [T, K] @ w[N, K]^T.
 void LinearTransposed(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K,
                       const float* wp, int64_t N, float* op) {
-  const int64_t tiles = N / kDotRows;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  int64_t done = 0;  // rows of w
+#ifdef __AVX512F__
+  if (T >= kPanelX && K <= kPanelMaxK) {
+    const int64_t panels = N / kStrip;
+    const int64_t per_item = std::max<int64_t>(1, panels / (threads * kItemsPerThread));
+    const int64_t items = (panels + per_item - 1) / per_item;
+    if (panels) {
+      ParallelFor(pool, items, [&](int64_t i) {
+        std::unique_ptr<float[]> packed(new float[K * kStrip]);
+        for (int64_t p = i * per_item; p < std::min(panels, (i + 1) * per_item); ++p)
+          PanelRows(xp, T, K, wp, N, op, p * kStrip, packed.get());
+      });
+    }
+    done = panels * kStrip;
+  }
+#endif
+  const int64_t tiles = (N - done) / kDotRows;
   const int64_t per_item = std::max<int64_t>(1, tiles / (threads * kItemsPerThread));
   const int64_t items = (tiles + per_item - 1) / per_item;
   if (tiles) {
     ParallelFor(pool, items, [&](int64_t i) {
       for (int64_t r = i * per_item; r < std::min(tiles, (i + 1) * per_item); ++r)
-        DotRows<kDotRows>(xp, T, K, wp, N, op, r * kDotRows);
+        DotRows<kDotRows>(xp, T, K, wp, N, op, done + r * kDotRows);
     });
   }
-  for (int64_t n = tiles * kDotRows; n < N; ++n) DotRows<1>(xp, T, K, wp, N, op, n);
+  for (int64_t n = done + tiles * kDotRows; n < N; ++n) DotRows<1>(xp, T, K, wp, N, op, n);
 }
 
 // x [T, K] @ w[K, N] (see the top of the file): range i of the rows sums into out (i = 0) or

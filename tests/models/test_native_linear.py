@@ -20,10 +20,12 @@ pytestmark = pytest.mark.skipif(linear.unavailable_reason() is not None,
 # (rows T, In, Out): whole strips; column tails past the last vector (Out 19, 8, 200); row
 # tiles of 1-4 rows and their remainders (T 5, 33); In not a multiple of a vector, and weight
 # rows split over the threads' ranges with a short last block (In 100, 40) or one block (16);
-# transposed, whole 4 x 4 tiles summed across lanes together (T 16, 64 with In 64); partials
-# of the threads' ranges added by all threads (T x Out >= 16K: T 16, Out 1536).
+# transposed, whole 4 x 4 tiles summed across lanes together (T 16 with In 64); partials
+# of the threads' ranges added by all threads (T x Out >= 16K: T 16, Out 1536); transposed
+# panels of weight rows with x's broadcast tiles from 24 rows (T 26 and 64: a short last tile,
+# In not a multiple of 16, rows past the last whole panel).
 SHAPES = [(1, 576, 576), (16, 64, 1536), (3, 40, 19), (5, 16, 8), (33, 100, 70),
-          (64, 64, 200)]
+          (64, 64, 200), (26, 150, 200)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-In{}-Out{}".format(*s))
