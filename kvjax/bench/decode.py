@@ -15,11 +15,13 @@ after compilation:
     It runs once before and once after the kvjax engines; the steps of both runs are pooled.
 
 The floor of a step is max(bytes read / bandwidth, FLOPs / matmul rate), both rates measured on
-this machine (`kvjax.bench.roofline`) at the start and before each batch size; the floor uses
-the best of those measurements (`best_rates`, `add_floors`). With `profile`, a few full-batch
-decode steps of each kvjax run are traced with jax.profiler and their XLA op time is split by
-kind (matmul, KV write, copies, the per-layer weight slices of the layer scan, the attention
-loop; `classify_hlo_ops`); those steps are left out of the timing.
+this machine (`kvjax.bench.roofline`) at the start and right before and after each setting's
+kvjax engines; the floor uses the best of all those measurements (`best_rates`, `add_floors`),
+and `step_over_setting_floor` the better of the two taken around the result's own setting
+(the memory of a shared machine is slower at some moments than at others). With `profile`,
+a few full-batch decode steps of each kvjax run are traced with jax.profiler and their XLA
+op time is split by kind (matmul, KV write, copies, the per-layer weight slices of the layer
+scan, the attention loop; `classify_hlo_ops`); those steps are left out of the timing.
 """
 
 from __future__ import annotations
@@ -419,15 +421,15 @@ def environment() -> dict:
 def format_table(results: list[dict]) -> str:
     """The markdown table of decode results, one row per system and batch size."""
     header = ("| system | B | prompt | tok/s | step ms (median) | step ms (p90) | floor ms "
-              "| step/floor | host ms/step | host % |")
-    lines = [header, "|" + "---|" * 10]
+              "| step/floor | step/floor (setting's probes) | host ms/step | host % |")
+    lines = [header, "|" + "---|" * 11]
     for r in results:
-        floor = r.get("floor_s")
-        lines.append("| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {} | {} | {} | {} |".format(
+        floor, own = r.get("floor_s"), r.get("step_over_setting_floor")
+        lines.append("| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {} | {} | {} | {} | {} |".format(
             r["system"], r["batch"], r["prompt_len"], r["tokens_per_s"],
             1e3 * r["step_s"]["median"],
             1e3 * r["step_s"]["p90"], f"{1e3 * floor:.1f}" if floor else "-",
-            f"{r['step_over_floor']:.2f}" if floor else "-",
+            f"{r['step_over_floor']:.2f}" if floor else "-", f"{own:.2f}" if own else "-",
             f"{1e3 * r['host_s']['median']:.2f}" if "host_s" in r else "-",
             f"{100 * r['host_fraction']:.1f}" if "host_fraction" in r else "-"))
     return "\n".join(lines)
@@ -459,15 +461,24 @@ def best_rates(rate_samples: Sequence[roofline.MachineRates]) -> roofline.Machin
 def add_floors(results: list[dict], rates: roofline.MachineRates) -> None:
     """Adds each kvjax result's roofline floor and its median step over that floor, in place.
 
-    Results without `bytes_per_step` (transformers') are left as they are.
+    The floor uses `rates` (the best of the run); a result that carries `setting_rates` (the
+    probes taken right before and after its own setting: on a shared machine the bandwidth
+    of the moment differs from the run's best) also gets `setting_floor_s` and
+    `step_over_setting_floor`. Results without `bytes_per_step` (transformers') are left as
+    they are.
     """
     for result in results:
-        if "bytes_per_step" in result:
-            floor = roofline.step_floor(result["bytes_per_step"], result["flops_per_step"],
-                                        rates)
-            result.update(floor_s=floor.floor_s, floor_memory_s=floor.memory_s,
-                          floor_compute_s=floor.compute_s, floor_bound=floor.bound,
-                          step_over_floor=result["step_s"]["median"] / floor.floor_s)
+        if "bytes_per_step" not in result:
+            continue
+        floor = roofline.step_floor(result["bytes_per_step"], result["flops_per_step"], rates)
+        result.update(floor_s=floor.floor_s, floor_memory_s=floor.memory_s,
+                      floor_compute_s=floor.compute_s, floor_bound=floor.bound,
+                      step_over_floor=result["step_s"]["median"] / floor.floor_s)
+        if "setting_rates" in result:
+            own = roofline.step_floor(result["bytes_per_step"], result["flops_per_step"],
+                                      roofline.MachineRates(**result["setting_rates"]))
+            result.update(setting_floor_s=own.floor_s,
+                          step_over_setting_floor=result["step_s"]["median"] / own.floor_s)
 
 
 def speedup_ratios(results: list[dict], batch: int, prompt_len: int) -> dict:
@@ -522,7 +533,10 @@ def run(model: kvjax.Model, *, settings: Sequence[tuple[int, int]], new_tokens: 
         kvjax_results, outputs = bench_kvjax(model, variants, prompts, new_tokens,
                                              page_size=page_size, warm_tokens=warm_tokens,
                                              profile=profile)
+        rate_samples.append(roofline.measure_machine())
+        setting_rates = dataclasses.asdict(best_rates(rate_samples[-2:]))
         for result in kvjax_results:
+            result["setting_rates"] = setting_rates
             results.append(result)
             print(format_table([result]).splitlines()[-1], flush=True)
             if "profile" in result:

@@ -1,5 +1,7 @@
 """Tests of the decode benchmark's harness (kvjax.bench.decode) on small cases."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -75,10 +77,15 @@ def test_floor_uses_the_best_rates_and_the_slower_of_memory_and_compute():
     compute_bound = dict(system="kvjax-contiguous", batch=1, bytes_per_step=2e9,
                          flops_per_step=1.2e10, step_s=dict(median=6.0))
     hf = dict(system="transformers-2t", batch=1, step_s=dict(median=1.0))
+    # The same step against the slower probes of its own setting: half the bandwidth.
+    memory_bound["setting_rates"] = dataclasses.asdict(_rates(1e9, 4e9))
     decode.add_floors([memory_bound, compute_bound, hf], rates)
     assert memory_bound["floor_bound"] == "memory"
     assert memory_bound["floor_s"] == pytest.approx(2.0)
     assert memory_bound["step_over_floor"] == pytest.approx(2.0)
+    assert memory_bound["setting_floor_s"] == pytest.approx(4.0)
+    assert memory_bound["step_over_setting_floor"] == pytest.approx(1.0)
+    assert "step_over_setting_floor" not in compute_bound
     assert compute_bound["floor_bound"] == "compute"
     assert compute_bound["floor_s"] == pytest.approx(3.0)
     assert "floor_s" not in hf
