@@ -230,7 +230,7 @@ inline void Transpose16x16(const float* src, int64_t lds, float* dst, int64_t ld
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);  // per 128-bit lane: a0 b0 a1 b1
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3
   }
-  // u[4g + e], lane l: element 4l + e of rows 4g .. 4g + 3.
+  // Now r[4g + e], 128-bit lane l: element 4l + e of rows 4g .. 4g + 3.
   for (int g = 0; g < 4; ++g) {
     const __m512* a = t + 4 * g;
     r[4 * g] = _mm512_shuffle_ps(a[0], a[2], 0x44);
@@ -238,7 +238,7 @@ inline void Transpose16x16(const float* src, int64_t lds, float* dst, int64_t ld
     r[4 * g + 2] = _mm512_shuffle_ps(a[1], a[3], 0x44);
     r[4 * g + 3] = _mm512_shuffle_ps(a[1], a[3], 0xEE);
   }
-  // Column 4l + e gathers lane l of u[e], u[4 + e], u[8 + e], u[12 + e].
+  // Column 4l + e gathers lane l of r[e], r[4 + e], r[8 + e], r[12 + e].
   for (int e = 0; e < 4; ++e) {
     const __m512 v0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
     const __m512 v1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
