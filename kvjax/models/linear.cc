@@ -61,7 +61,7 @@ constexpr int kHint = 1;  // __builtin_prefetch locality of weights (1 beat 2 an
 constexpr int kBlockRows = 32;
 constexpr int kBlockRowsFewX = 16;  // up to kFewX rows of x
 constexpr int kFewX = 16;
-constexpr int kItemsPerThread = 4;  // ranges of rows per thread (transposed product)
+constexpr int kItemsPerThread = 4;  // ranges per thread of the transposed product
 // From kPanelX rows of x on, the transposed product transposes panels of kStrip weight rows
 // and runs the broadcast tiles on them (with AVX-512; while a panel fits in L2: K <= kPanelMaxK).
 constexpr int kPanelX = 24;
@@ -285,35 +285,36 @@ void PanelRows(const float* x, int64_t T, int64_t K, const float* w, int64_t N, 
 }
 #endif
 
+// fn(lo, hi) for ranges of [0, units) on the pool's threads, about kItemsPerThread per thread
+// (ranges of rows or panels of the transposed product: its threads finish closer together).
+template <typename Fn>
+void ParallelRanges(ffi::ThreadPool& pool, int64_t units, Fn fn) {
+  if (units <= 0) return;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per_item = std::max<int64_t>(1, units / (threads * kItemsPerThread));
+  ParallelFor(pool, (units + per_item - 1) / per_item, [&](int64_t i) {
+    fn(i * per_item, std::min(units, (i + 1) * per_item));
+  });
+}
+
 // x [T, K] @ w[N, K]^T.
 void LinearTransposed(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K,
                       const float* wp, int64_t N, float* op) {
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   int64_t done = 0;  // rows of w
 #ifdef __AVX512F__
   if (T >= kPanelX && K <= kPanelMaxK) {
     const int64_t panels = N / kStrip;
-    const int64_t per_item = std::max<int64_t>(1, panels / (threads * kItemsPerThread));
-    const int64_t items = (panels + per_item - 1) / per_item;
-    if (panels) {
-      ParallelFor(pool, items, [&](int64_t i) {
-        std::unique_ptr<float[]> packed(new float[K * kStrip]);
-        for (int64_t p = i * per_item; p < std::min(panels, (i + 1) * per_item); ++p)
-          PanelRows(xp, T, K, wp, N, op, p * kStrip, packed.get());
-      });
-    }
+    ParallelRanges(pool, panels, [&](int64_t lo, int64_t hi) {
+      std::unique_ptr<float[]> packed(new float[K * kStrip]);
+      for (int64_t p = lo; p < hi; ++p) PanelRows(xp, T, K, wp, N, op, p * kStrip, packed.get());
+    });
     done = panels * kStrip;
   }
 #endif
   const int64_t tiles = (N - done) / kDotRows;
-  const int64_t per_item = std::max<int64_t>(1, tiles / (threads * kItemsPerThread));
-  const int64_t items = (tiles + per_item - 1) / per_item;
-  if (tiles) {
-    ParallelFor(pool, items, [&](int64_t i) {
-      for (int64_t r = i * per_item; r < std::min(tiles, (i + 1) * per_item); ++r)
-        DotRows<kDotRows>(xp, T, K, wp, N, op, done + r * kDotRows);
-    });
-  }
+  ParallelRanges(pool, tiles, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) DotRows<kDotRows>(xp, T, K, wp, N, op, done + r * kDotRows);
+  });
   for (int64_t n = done + tiles * kDotRows; n < N; ++n) DotRows<1>(xp, T, K, wp, N, op, n);
 }
 
