@@ -252,7 +252,8 @@ inline void Transpose16x16(const float* src, int64_t lds, float* dst, int64_t ld
 }
 
 // A tile of a panel: the row-block product's tile, in a copy of its own (sharing one out-of-line
-// copy, or inlining it here as well, slowed one of the two products by 7-25%: bench_linear).
+// copy, or inlining it here as well, made one of the two products clearly slower side by side
+// in bench_linear: GCC's code for the tile differs with its caller).
 [[gnu::noinline]] void PanelTile(int mr, const float* x, int64_t ldx, const Weights& wt,
                                  int64_t K, float* out, int64_t ldo) {
   TileOf(mr, kNV, x, ldx, wt, K, out, ldo, false);
