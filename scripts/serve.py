@@ -38,8 +38,10 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
 flags.DEFINE_string("served_model_name", None, "The model id clients send; None: the model's "
                     "name.")
-flags.DEFINE_integer("max_waiting_requests", 128, "Requests accepted without a first token "
-                     "yet; beyond it requests get 429 with Retry-After.")
+flags.DEFINE_integer("max_waiting_requests", 128, "Sequences (n per request) accepted without "
+                     "a first token yet; beyond it requests get 429 with Retry-After.")
+flags.DEFINE_integer("max_waiting_tokens", 1 << 16, "Prompt tokens of those requests; beyond "
+                     "it requests get 429 (an empty queue takes any one request).")
 flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, how long in-flight requests may run.")
 flags.DEFINE_bool("warmup", True, "Compile every greedy step shape before serving.")
 flags.DEFINE_bool("warmup_sampling", False, "Also compile the sampled variants (temperature "
@@ -121,6 +123,7 @@ def main(argv):
             print(f"warming up: {engine.warmup(sampling=FLAGS.warmup_sampling)} programs "
                   f"compiled")
     serve(engine, ServerConfig(model_name=name, max_waiting=FLAGS.max_waiting_requests,
+                               max_waiting_tokens=FLAGS.max_waiting_tokens,
                                drain_timeout_s=FLAGS.drain_timeout_s),
           host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
     if FLAGS.trace_path:  # serve returns once drained: the trace is complete.

@@ -58,6 +58,7 @@ from kvjax.scheduler.policies import make_policy
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvjax.scheduler.spec import make_drafter
 from kvjax.trace import NULL_TRACER, Tracer
+from kvjax.validation import check_identity, check_request_id
 
 # Retention policies that evict whenever a sequence caches budget + P tokens, prefill included.
 _ROLLING_EVICTION = ("streaming", "h2o")
@@ -410,10 +411,9 @@ class Engine:
                          sampling: SamplingParams) -> list[int]:
         """Checks a request; raises ValueError naming the problem. Returns its token ids (of
         a prompt of `Segment`s, their concatenation)."""
+        check_request_id(request_id)
         prompt_ids, _ = _segments(request_id, prompt_ids)
         self.kv.check_ready()  # A calibrated fp8 pool needs its scales first.
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if self.scheduler.has_request(request_id):
             raise ValueError(f"duplicate request_id {request_id!r}")
         if not isinstance(sampling, SamplingParams):
@@ -456,6 +456,7 @@ class Engine:
           programs on first use.
         """
         sampling = sampling or SamplingParams()
+        check_identity(request_id, tenant=tenant, priority=priority, arrival_time=arrival_time)
         prompt = self.validate_request(request_id, prompt_ids, sampling)
         _, spans = _segments(request_id, prompt_ids)
         reuse = self.config.context_reuse if context_reuse is None else context_reuse

@@ -90,6 +90,14 @@ class Tokenizer:
         digest.update(repr((self.bos_token_id, self.eos_token_ids)).encode())
         return digest.hexdigest()
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to (special tokens spelled out): with it, a
+        text's length bounds its token count from below before it is tokenized."""
+        ids = [[i] for i in range(self.vocab_size)]
+        texts = self._backend.decode_batch(ids, skip_special_tokens=False)
+        return max(map(len, texts), default=1)
+
     @property
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped `tokenizers.Tokenizer`."""

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from kvjax.engine.engine import Engine
 from kvjax.engine.multi import MultiModelEngine
 from kvjax.server import protocol
-from kvjax.server.async_engine import AsyncEngine
+from kvjax.server.async_engine import AsyncEngine, RequestFailed
 from kvjax.server.metrics import ServerMetrics
 from kvjax.server.serving import ApiError, OpenAIServing, ServerConfig
 
@@ -47,7 +47,8 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
     `app.state` holds `async_engine` (the AsyncEngine), `metrics` (ServerMetrics) and
     `servings` (model name -> OpenAIServing).
     """
-    async_engine = AsyncEngine(engine, max_waiting=config.max_waiting)
+    async_engine = AsyncEngine(engine, max_waiting=config.max_waiting,
+                               max_waiting_tokens=config.max_waiting_tokens)
     metrics = ServerMetrics(async_engine, config.model_name)
     servings = {}
     for route, model_engine in engine.models().items():
@@ -103,9 +104,11 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception) -> JSONResponse:
+        # The client learns that it failed, not how: an exception's text can hold paths,
+        # fingerprints or other requests' data. The log has it all.
         logger.exception("unhandled error serving %s", request.url.path)
-        return JSONResponse(protocol.error_body(f"internal error: {e!r}", type="server_error"),
-                            status_code=500)
+        message = str(e) if isinstance(e, RequestFailed) else "internal error"
+        return JSONResponse(protocol.error_body(message, type="server_error"), status_code=500)
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, raw: Request) -> Response:
@@ -123,8 +126,9 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
     @app.get("/health")
     async def health() -> Response:
         if async_engine.error is not None:
-            return JSONResponse(protocol.error_body(f"the engine failed: {async_engine.error!r}",
-                                                    type="server_error"), status_code=503)
+            return JSONResponse(protocol.error_body(
+                "the engine failed; the server must be restarted", type="server_error"),
+                status_code=503)
         if not async_engine.is_admitting:
             return JSONResponse(protocol.error_body("the server is draining",
                                                     type="server_error"), status_code=503)

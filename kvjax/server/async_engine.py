@@ -42,6 +42,11 @@ class NotAdmitting(Exception):
     """The engine is draining or stopped, or failed (HTTP 503)."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine could not take one request for a reason that is not the request's fault
+    (HTTP 500); the message names the request and nothing internal. The engine goes on."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineRequest:
     """One engine request: a prompt, its sampling, who sent it, and when it arrived.
@@ -147,7 +152,7 @@ class _Tracked:
     request: EngineRequest
     stream: RequestStream
     top: list[list[dict[int, float]]]
-    num_tokens: int = 0
+    num_tokens: int = 0  # generated so far, all samples
     is_started: bool = False
     is_aborted: bool = False
 
@@ -157,20 +162,27 @@ class AsyncEngine:
 
     Attributes:
       engine: the Engine; only the engine thread may touch it once `start` was called.
-      max_waiting: most requests accepted but without a first token yet; `submit` raises
-        QueueFull beyond it.
+      max_waiting: most sequences (a request of n samples counts n) accepted but without a
+        first token yet; `submit` raises QueueFull beyond it.
+      max_waiting_tokens: most prompt tokens of those requests (the prefill work queued);
+        beyond it QueueFull, except that an empty queue takes any one request.
       on_finished: callables the engine thread calls with each final RequestOutput (metrics).
     """
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 128):
+    def __init__(self, engine: Engine, *, max_waiting: int = 128,
+                 max_waiting_tokens: int = 1 << 16):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting!r}")
+        if max_waiting_tokens < 1:
+            raise ValueError(f"max_waiting_tokens must be >= 1, got {max_waiting_tokens!r}")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.max_waiting_tokens = max_waiting_tokens
         self.on_finished: list[Callable[[RequestOutput], None]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._num_waiting = 0
+        self._num_waiting = 0  # sequences
+        self._num_waiting_tokens = 0
         self._num_in_commands = 0  # requests submitted that the engine thread has not added
         self._is_admitting = True
         self._tracked: dict[str, _Tracked] = {}
@@ -196,7 +208,8 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted that have no output token yet (the bounded queue)."""
+        """Sequences of the requests accepted that have no output token yet (the bounded
+        queue)."""
         return self._num_waiting
 
     @property
@@ -243,12 +256,18 @@ class AsyncEngine:
         """
         if not self.is_admitting:
             raise NotAdmitting("the server is not admitting requests" if self._error is None
-                               else f"the engine failed: {self._error!r}")
+                               else "the engine failed; the server must be restarted")
+        seqs = sum(r.sampling.n for r in requests)
+        tokens = sum(len(r.prompt_ids) for r in requests)
         with self._lock:
-            if self._num_waiting + len(requests) > self.max_waiting:
-                raise QueueFull(f"{self._num_waiting} requests are waiting (the bound is "
+            if self._num_waiting + seqs > self.max_waiting:
+                raise QueueFull(f"{self._num_waiting} sequences are waiting (the bound is "
                                 f"{self.max_waiting})")
-            self._num_waiting += len(requests)
+            if self._num_waiting and self._num_waiting_tokens + tokens > self.max_waiting_tokens:
+                raise QueueFull(f"{self._num_waiting_tokens} prompt tokens are waiting (the "
+                                f"bound is {self.max_waiting_tokens})")
+            self._num_waiting += seqs
+            self._num_waiting_tokens += tokens
             self._num_in_commands += len(requests)
         streams = [RequestStream(r.request_id, loop) for r in requests]
         self._commands.put(("add", list(zip(requests, streams, strict=True))))
@@ -260,9 +279,10 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------------------- engine thread
 
-    def _release_waiting(self, count: int = 1) -> None:
+    def _release_waiting(self, request: EngineRequest) -> None:
         with self._lock:
-            self._num_waiting -= count
+            self._num_waiting -= request.sampling.n
+            self._num_waiting_tokens -= len(request.prompt_ids)
 
     def _run(self) -> None:
         try:
@@ -274,9 +294,11 @@ class AsyncEngine:
         except BaseException as e:  # Every caller must hear of it, whatever it was.
             logger.exception("the engine thread failed")
             self._error = e
+            # Callers hear that it failed; what failed (and the engine's internals) is logged.
+            failed = RequestFailed("the engine failed; the server must be restarted")
             for tracked in self._tracked.values():
-                tracked.stream._post_error(e)
-            self._drain_commands_after_failure(e)
+                tracked.stream._post_error(failed)
+            self._drain_commands_after_failure(failed)
 
     def _drain_commands_after_failure(self, error: BaseException) -> None:
         while True:
@@ -322,8 +344,14 @@ class AsyncEngine:
                                     arrival_time=request.arrival_time, slo=request.slo,
                                     **routed)
         except ValueError as e:
-            self._release_waiting()
+            self._release_waiting(request)
             stream._post_accepted(e)
+            return
+        except Exception:  # Not the request's fault, and no reason to stop everyone else's.
+            logger.exception("adding request %r failed", request.request_id)
+            self._release_waiting(request)
+            stream._post_accepted(RequestFailed(
+                f"request {request.request_id!r}: internal error while adding it"))
             return
         self._tracked[request.request_id] = _Tracked(
             request, stream, top=[[] for _ in range(request.sampling.n)])
@@ -354,7 +382,7 @@ class AsyncEngine:
             if tracked is None:
                 continue
             if not tracked.is_started:
-                self._release_waiting()
+                self._release_waiting(tracked.request)
             for callback in self.on_finished:
                 callback(out)
             tracked.stream._post_update(self._update(tracked, out))
@@ -370,7 +398,7 @@ class AsyncEngine:
             tracked.num_tokens = num_tokens
             if not tracked.is_started:
                 tracked.is_started = True
-                self._release_waiting()
+                self._release_waiting(tracked.request)
             tracked.stream._post_update(self._update(tracked, out))
 
     @staticmethod

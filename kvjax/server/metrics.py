@@ -66,8 +66,9 @@ class _EngineCollector(Collector):
 
         for name, doc, key in _ENGINE_GAUGES:
             yield gauge(name, doc, m[key])
-        yield gauge("kvjax:num_requests_queued", "Requests accepted without an output token yet "
-                    "(bounded: beyond the bound requests get 429).", self._engine.num_waiting)
+        yield gauge("kvjax:num_requests_queued", "Sequences (n per request) accepted without an "
+                    "output token yet (bounded: beyond the bound requests get 429).",
+                    self._engine.num_waiting)
         yield gauge("kvjax:kv_cache_usage_perc", "Fraction of KV pages held by sequences "
                     "(1 = full).", m["num_used_pages"] / max(m["num_pages"], 1))
         queries = m["prefix_query_tokens"]

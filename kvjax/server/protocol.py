@@ -15,14 +15,38 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import Field
 
+from kvjax.validation import name_problem, text_problem
+
 # OpenAI allows up to 20 top logprobs in chat (`top_logprobs`) and 5 in completions
 # (`logprobs`); vLLM allows 20 in both, as here.
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 
 
+def _first_bad_text(value: Any) -> str | None:
+    """Why a string in `value` (a string, or lists and dicts of them) cannot be read as
+    text, or None."""
+    if isinstance(value, str):
+        return text_problem(value)
+    if isinstance(value, list | tuple):
+        return next(filter(None, map(_first_bad_text, value)), None)
+    if isinstance(value, dict):
+        return _first_bad_text(list(value.keys()) + list(value.values()))
+    return None
+
+
 class _Strict(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+
+    @pydantic.field_validator("*", mode="after")
+    @classmethod
+    def _utf8_text(cls, value):
+        """Every string field is text: a lone surrogate ("\\ud800", legal JSON) is refused
+        here, naming its field, instead of failing in the tokenizer or a cache key."""
+        problem = _first_bad_text(value)
+        if problem is not None:
+            raise ValueError(f"not valid text: {problem}")
+        return value
 
 
 class StreamOptions(_Strict):
@@ -43,11 +67,19 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # becomes the request's tenant (unless an X-Tenant header is sent)
+    user: str | None = None  # the request's tenant, where the server lets clients name it
     # Accepted at their neutral values only: the engine has no penalties.
     presence_penalty: Literal[0, 0.0] | None = None
     frequency_penalty: Literal[0, 0.0] | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens spelled "token_id:<id>"
+
+    @pydantic.field_validator("user")
+    @classmethod
+    def _user_is_a_name(cls, value):
+        problem = None if value is None else name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @pydantic.field_validator("stop")
     @classmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -29,15 +30,19 @@ from kvjax.server.async_engine import (
     EngineRequest,
     NotAdmitting,
     QueueFull,
+    RequestFailed,
     RequestStream,
 )
 from kvjax.server.metrics import ServerMetrics
 from kvjax.server.output import SampleDecoder, SampleDelta, token_strings
+from kvjax.validation import name_problem
 
 TENANT_HEADER = "x-tenant"
 PRIORITY_HEADER = "x-priority"
 # A request's SLO for the engine's KV controller (kvjax.scheduler.controller.SLO): seconds to
 # first token, seconds per output token, and the KL (nats per token) it accepts to lose.
+logger = logging.getLogger(__name__)
+
 SLO_HEADERS = {"ttft_s": "x-slo-ttft-s", "tpot_s": "x-slo-tpot-s", "kl_budget": "x-kl-budget"}
 
 
@@ -47,13 +52,17 @@ class ServerConfig:
 
     Attributes:
       model_name: the id clients send as `model` (and /v1/models lists).
-      max_waiting: most requests accepted without an output token yet; beyond it, 429.
+      max_waiting: most sequences (n per request) accepted without an output token yet;
+        beyond it, 429.
+      max_waiting_tokens: most prompt tokens of those requests; beyond it, 429 (an empty
+        queue takes any one request).
       retry_after_s: the Retry-After header of a 429.
       drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
     """
 
     model_name: str
     max_waiting: int = 128
+    max_waiting_tokens: int = 1 << 16
     retry_after_s: int = 1
     drain_timeout_s: float = 30.0
 
@@ -99,12 +108,10 @@ class _Generation:
         """The samples' deltas, one list per engine update, until every sample is done."""
         while not self.is_finished:
             update = await self.stream.next()
-            out, top = update.output, update.top_logprobs
+            out = update.output
             self.last = out
-            deltas = [d for d in (
-                self.decoders[s.index].update(s, None if top is None else top[s.index],
-                                              out.finished)
-                for s in out.outputs) if d is not None]
+            # Detokenizing (and stop-string search) runs off the event loop.
+            deltas = await asyncio.to_thread(self._decode, update)
             for d in deltas:
                 d.index += self.choice_offset
             if out.finished:
@@ -114,6 +121,13 @@ class _Generation:
                 self.abort()  # Every sample met a stop string; the engine need not go on.
             if deltas:
                 yield deltas
+
+    def _decode(self, update) -> list[SampleDelta]:
+        out, top = update.output, update.top_logprobs
+        return [d for d in (
+            self.decoders[s.index].update(s, None if top is None else top[s.index],
+                                          out.finished)
+            for s in out.outputs) if d is not None]
 
     def abort(self) -> None:
         if not self.is_finished:
@@ -200,7 +214,7 @@ class OpenAIServing:
 
     async def completions(self, body: protocol.CompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
-        prompts = [self._encode_text(p) if isinstance(p, str) else list(p)
+        prompts = [await self._encode_text(p, "prompt") if isinstance(p, str) else list(p)
                    for p in body.prompts]
         return await self._serve(body, raw, prompts, max_tokens=body.max_tokens, chat=False,
                                  prompt_field="prompt")
@@ -211,13 +225,14 @@ class OpenAIServing:
             raise ApiError(400, "this model has no chat template; use /v1/completions",
                            param="messages")
         messages = [dict(role=m.role, content=m.text) for m in body.messages]
+        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt)
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
+                                           add_generation_prompt=body.add_generation_prompt)
         except jinja2.TemplateError as e:
             raise ApiError(400, f"messages: the chat template refused them: {e}",
                            param="messages") from None
-        return await self._serve(body, raw, [self.tokenizer.encode(text)],
+        return await self._serve(body, raw, [await self._encode_text(text, "messages")],
                                  max_tokens=body.max_new_tokens, chat=True,
                                  prompt_field="messages")
 
@@ -233,8 +248,24 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves "
                            f"`{self.config.model_name}`", param="model", code="model_not_found")
 
-    def _encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def _check_prompt_chars(self, num_chars: int, field: str) -> None:
+        """Refuses, before tokenizing, a text too long to fit the context whatever its
+        tokens: no token spans more than `max_token_chars` characters (4x slack for
+        normalization), so such a text has more tokens than the context holds."""
+        limit = 4 * (self.tokenizer.max_token_chars + 1) * self.max_model_len
+        if num_chars > limit:
+            raise ApiError(400, f"{field}: {num_chars} characters cannot fit this model's "
+                           f"context length of {self.max_model_len} tokens", param=field)
+
+    async def _encode_text(self, text: str, field: str) -> list[int]:
+        """Token ids of `text`, tokenized off the event loop; a text the tokenizer cannot
+        read is the client's error."""
+        self._check_prompt_chars(len(text), field)
+        try:
+            return await asyncio.to_thread(self.tokenizer.encode, text)
+        except Exception as e:  # The tokenizer's own refusal (TypeError, ValueError, ...).
+            raise ApiError(400, f"{field}: the tokenizer cannot read it ({type(e).__name__})",
+                           param=field) from None
 
     def _check_prompt(self, ids: list[int], max_tokens: int | None, field: str) -> int:
         """Checks one prompt against the vocabulary and context; returns its max_new_tokens."""
@@ -259,6 +290,9 @@ class OpenAIServing:
 
     def _identity(self, body, raw: Request) -> tuple[str | None, int]:
         tenant = raw.headers.get(TENANT_HEADER) or body.user or None
+        problem = None if tenant is None else name_problem(tenant)
+        if problem is not None:  # (`user` was checked with the body)
+            raise ApiError(400, f"header X-Tenant {tenant!r:.80} {problem}", param="X-Tenant")
         priority = raw.headers.get(PRIORITY_HEADER)
         if priority is None:
             return tenant, 0
@@ -304,6 +338,9 @@ class OpenAIServing:
 
     async def _serve(self, body, raw: Request, prompts: list[list[int]], *,
                      max_tokens: int | None, chat: bool, prompt_field: str) -> Response:
+        if body.n > self.config.max_waiting:
+            raise ApiError(400, f"n: {body.n} samples can never be admitted: the server queues "
+                           f"at most {self.config.max_waiting} sequences", param="n")
         tenant, priority = self._identity(body, raw)
         slo = self._slo(raw)
         api_id = protocol.new_id("chatcmpl" if chat else "cmpl")
@@ -344,12 +381,14 @@ class OpenAIServing:
         for generation in generations:
             try:
                 await generation.stream.accepted
-            except ValueError as e:
+            except (ValueError, RequestFailed) as e:
                 generation.is_finished = True
                 refusal = refusal or e
         if refusal is not None:
             for generation in generations:
                 generation.abort()
+            if isinstance(refusal, RequestFailed):
+                raise ApiError(500, str(refusal), type="server_error")
             raise ApiError(400, str(refusal), param=_engine_error_param(str(refusal), body.n))
         return generations
 
@@ -449,7 +488,9 @@ class OpenAIServing:
             if include_usage:
                 yield event([], usage=self._usage(generations))
         except Exception as e:  # Headers are sent: the error goes in the stream.
-            yield f"data: {json.dumps(protocol.error_body(str(e), type='server_error'))}\n\n"
+            logger.exception("stream %s failed", api_id)
+            message = str(e) if isinstance(e, RequestFailed) else "internal error"
+            yield f"data: {json.dumps(protocol.error_body(message, type='server_error'))}\n\n"
         finally:
             for generation in generations:
                 generation.abort()

@@ -3,12 +3,16 @@ value, and changes nothing (the HTTP server maps the same refusals to 400s)."""
 
 from __future__ import annotations
 
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from strategies import HOSTILE_TEXT
 
 import kvjax
 from kvjax import Engine, EngineConfig, SamplingParams
-from kvjax.testing import tiny_model
+from kvjax.testing import greedy_reference, tiny_model
+from kvjax.validation import name_problem
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +65,46 @@ def test_generate_returns_malformed_prompts_alone_with_their_error(engine):
     (out,) = kvjax.generate(engine.model, [None], SamplingParams(max_new_tokens=2),
                             engine_config=engine.config)
     assert "NoneType" in out.error
+
+
+_NOT_TEXT = st.one_of(st.none(), st.integers(), st.floats(), st.binary(max_size=3),
+                      st.lists(st.integers(), max_size=2))
+_PRIORITIES = st.one_of(st.integers(-2**33, 2**33), st.booleans(), st.floats(), st.text(max_size=2))
+_ARRIVALS = st.one_of(st.none(), st.floats(), st.integers(-5, 5), st.text(max_size=2))
+
+
+@hypothesis.settings(max_examples=60, deadline=None, database=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(request_id=st.one_of(HOSTILE_TEXT, _NOT_TEXT),
+                  tenant=st.one_of(HOSTILE_TEXT, _NOT_TEXT), priority=_PRIORITIES,
+                  arrival_time=_ARRIVALS)
+def test_fuzzed_add_request_never_stops_the_engine(engine, request_id, tenant, priority,
+                                                   arrival_time):
+    """Whatever identity a caller passes, add_request either takes it or raises a ValueError
+    naming it, and the engine then serves a normal request to the cache-free reference."""
+    prompt = [3, 1, 4, 1, 5]
+    try:
+        engine.add_request(request_id, prompt, SamplingParams(max_new_tokens=2),
+                           tenant=tenant, priority=priority, arrival_time=arrival_time)
+        accepted = True
+    except ValueError as e:
+        assert "request" in str(e)
+        accepted = False
+    if accepted:  # Only text that goes through UTF-8 without control characters gets in.
+        for name in (request_id, tenant):
+            assert name is None or name_problem(name) is None
+    engine.add_request("normal", prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert outs["normal"].outputs[0].token_ids == _reference(engine.model, tuple(prompt))
+    assert set(outs) == ({"normal", request_id} if accepted else {"normal"})
+
+
+_REFERENCE: dict[tuple[int, ...], list[int]] = {}
+
+
+def _reference(model, prompt: tuple[int, ...]) -> list[int]:
+    if prompt not in _REFERENCE:
+        _REFERENCE[prompt] = greedy_reference(model, list(prompt), 3)
+    return _REFERENCE[prompt]

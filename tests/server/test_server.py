@@ -10,6 +10,7 @@ in test_server_slow.py).
 from __future__ import annotations
 
 import json
+import pathlib
 import threading
 import time
 
@@ -20,9 +21,12 @@ import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from strategies import HOSTILE_TEXT
 
+import kvjax
 from kvjax import Engine, EngineConfig
 from kvjax.engine.runner import StepObserver
+from kvjax.engine.snapshot import provenance_parts
 from kvjax.server import BackgroundServer, ServerConfig
 from kvjax.testing import dense_logprobs, greedy_reference, tiny_chat_model
 
@@ -367,7 +371,8 @@ def test_slo_headers_reach_the_engine_and_bad_ones_get_400(server, http, monkeyp
 
 
 _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True),
-                    st.text(max_size=6), st.lists(st.integers(-2, 200), max_size=4),
+                    HOSTILE_TEXT, st.lists(st.integers(-2, 200), max_size=4),
+                    st.lists(HOSTILE_TEXT, max_size=2),
                     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 _FIELDS = ["model", "max_tokens", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids",
            "stream", "user", "echo", "max_completion_tokens", "stream_options",
@@ -384,7 +389,8 @@ _GREEDY_OR_INVALID = {
 }
 _MESSAGES = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "robot"]),
-     "content": st.one_of(st.text(alphabet="abc ", max_size=8), st.integers())}), max_size=2)
+     "content": st.one_of(st.text(alphabet="abc ", max_size=8), HOSTILE_TEXT, st.integers())}),
+    max_size=2)
 _MAIN_FIELD = {"prompt": st.lists(st.integers(0, 127), min_size=1, max_size=6),
                "messages": _MESSAGES}
 
@@ -409,15 +415,83 @@ def _bodies(main: str):
 @pytest.mark.parametrize("path,main", [("/v1/completions", "prompt"),
                                        ("/v1/chat/completions", "messages")],
                          ids=["completions", "chat"])
-def test_fuzzed_bodies_get_a_4xx_json_error_or_an_answer(server, path, main, data):
+def test_fuzzed_bodies_get_a_4xx_json_error_or_an_answer(model, server, path, main, data):
+    """Any body, lone surrogates and control characters in every string field included: an
+    answer or a 4xx naming the problem, never the engine's internals; after each, a normal
+    request is served."""
     body = data.draw(_bodies(main))
+    # What an HTTP header value can carry: tab and space inside, visible ASCII and Latin-1.
+    tenant = data.draw(st.one_of(st.none(), st.from_regex(
+        "[a-z0-9_.\xe9\xff-]([\t a-z\xe9]{0,2}[a-z\xe9])?", fullmatch=True)))
+    headers = {"content-type": "application/json"}
+    if tenant is not None:
+        headers["x-tenant"] = tenant.encode("latin-1")
     r = httpx.post(server.base_url + path, content=json.dumps(body, allow_nan=True),
-                   timeout=60, headers={"content-type": "application/json"})
-    if r.status_code == 200:
-        return
-    assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
-    error = r.json()["error"]
-    assert error["message"] and error["type"]
+                   timeout=60, headers=headers)
+    for secret in _internals(server.engine):
+        assert secret not in r.text
+    if r.status_code != 200:
+        assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["type"]
+    r = httpx.post(server.base_url + "/v1/completions", timeout=60, json=dict(
+        prompt=[9, 9], max_tokens=2, temperature=0))
+    assert r.json()["choices"][0]["text"] == reference(model, [9, 9], 2)[1]
+
+
+def _internals(engine) -> list[str]:
+    """Strings no response may show: the KV provenance's parts and this machine's paths."""
+    parts = provenance_parts(engine)
+    secrets = [engine.provenance().hex(), parts["weights_version"], parts["tokenizer"],
+               str(pathlib.Path(kvjax.__file__).parent), ".py\""]
+    return [s for s in secrets if len(s) >= 4]  # (the tiny model's weights version is "0")
+
+
+def test_a_request_that_breaks_the_engine_fails_alone(model, server, http, monkeypatch):
+    """Hostile identities are 400s naming the field, and an internal error while adding one
+    request is that request's 500 (without its text); the engine serves the next ones."""
+    body = dict(prompt=[1, 2], max_tokens=2, temperature=0)
+    for extra, headers, param in (
+            (dict(user="\ud800"), {}, "user"), (dict(user="a\x00b"), {}, "user"),
+            (dict(user="u" * 300), {}, "user"), ({}, {"X-Tenant": "a\tb"}, "X-Tenant"),
+            (dict(prompt="caf\udce9"), {}, "prompt"), (dict(stop=["\ud800"]), {}, "stop")):
+        # json.dumps escapes a lone surrogate as JSON allows ("\\ud800").
+        r = http.post("/v1/completions", content=json.dumps({**body, **extra}),
+                      headers={"content-type": "application/json", **headers})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = http.post("/v1/chat/completions", headers={"content-type": "application/json"},
+                  content=json.dumps(dict(messages=[dict(role="user", content="hi \udfff")],
+                                          max_tokens=2, temperature=0)))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    secret = "weights=" + provenance_parts(server.engine)["weights_version"]
+    add_request = server.engine.add_request
+
+    def broken(request_id, *args, **kwargs):
+        if kwargs.get("tenant") == "breaks":
+            raise RuntimeError(f"key {secret} in /some/path.py")
+        return add_request(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(server.engine, "add_request", broken)
+    r = http.post("/v1/completions", json={**body, "user": "breaks"})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert secret not in r.text and "path" not in r.text
+    monkeypatch.undo()
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/completions", json=body)
+    assert r.json()["choices"][0]["text"] == reference(model, [1, 2], 2)[1]
+    assert server.app.state.async_engine.num_waiting == 0
+
+
+def test_huge_prompts_and_n_are_refused_before_any_work(server, http):
+    """A text prompt too long for the context whatever its tokens is refused without
+    tokenizing it (the event loop stays free), and n beyond the waiting bound at once."""
+    start = time.monotonic()
+    r = http.post("/v1/completions", json=dict(prompt="x" * 5_000_000, max_tokens=2))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "characters" in r.json()["error"]["message"]
+    assert time.monotonic() - start < 5.0
+    r = http.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=2, n=MAX_WAITING + 1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
 def test_fuzzing_left_the_server_healthy(model, http):
