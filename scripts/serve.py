@@ -5,6 +5,7 @@
   python scripts/serve.py --model path/to/hf_dir --max_num_seqs 16 --page_size 32
   python scripts/serve.py --also_serve smollm2-bf16=embedded:bfloat16:int8 --pool_budget_mb 1200
   python scripts/serve.py --trace_path=runs/serve.trace.json   # KV trace written on shutdown
+  python scripts/serve.py --api_key_file=keys.txt       # lines 'KEY TENANT'; fair admission
 
 --config is a serve_bench config file (its model, engine, kv and tiers sections; the workload
 is not used); any field can be overridden as --config.engine.page_size=32, and the common
@@ -42,6 +43,13 @@ flags.DEFINE_integer("max_waiting_requests", 128, "Sequences (n per request) acc
                      "a first token yet; beyond it requests get 429 with Retry-After.")
 flags.DEFINE_integer("max_waiting_tokens", 1 << 16, "Prompt tokens of those requests; beyond "
                      "it requests get 429 (an empty queue takes any one request).")
+flags.DEFINE_list("api_key", [], "API keys clients must send (Authorization: Bearer); their "
+                  "requests run as the default tenant.")
+flags.DEFINE_string("api_key_file", None, "A file of lines 'KEY TENANT' (# comments): each "
+                    "key's requests run as its tenant. With keys, the scheduler policy "
+                    "defaults to 'fair'.")
+flags.DEFINE_bool("allow_client_tenant", None, "Let clients name a tenant (X-Tenant, or the "
+                  "body's user), nested in their key's; default: only without API keys.")
 flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, how long in-flight requests may run.")
 flags.DEFINE_bool("warmup", True, "Compile every greedy step shape before serving.")
 flags.DEFINE_bool("warmup_sampling", False, "Also compile the sampled variants (temperature "
@@ -74,10 +82,28 @@ _ENGINE_FLAGS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_pre
                  "enable_prefix_cache")
 
 
+def api_keys_from_flags() -> dict[str, str | None]:
+    """--api_key (default tenant) and --api_key_file's 'KEY TENANT' lines."""
+    keys: dict[str, str | None] = dict.fromkeys(FLAGS.api_key)
+    if FLAGS.api_key_file:
+        with open(FLAGS.api_key_file) as f:
+            for number, line in enumerate(f, 1):
+                fields = line.split("#", 1)[0].split()
+                if not fields:
+                    continue
+                if len(fields) != 2:
+                    raise app.UsageError(f"{FLAGS.api_key_file}:{number}: expected 'KEY TENANT'")
+                keys[fields[0]] = fields[1]
+    return keys
+
+
 def config_from_flags():
-    """The config file with the engine flags (and --model / --dtype) applied."""
+    """The config file with the engine flags (and --model / --dtype) applied; with API keys
+    (tenants) and no --scheduler_policy, fair admission across tenants."""
     overrides = {f"engine.{name}": FLAGS[name].value for name in _ENGINE_FLAGS
                  if FLAGS[name].value is not None}
+    if (FLAGS.api_key or FLAGS.api_key_file) and FLAGS.scheduler_policy is None:
+        overrides["engine.scheduler_policy"] = "fair"
     for field, value in (("kv.codec", FLAGS.kv_codec), ("model.name", FLAGS.model),
                          ("model.dtype", FLAGS.dtype)):
         if value is not None:
@@ -124,7 +150,9 @@ def main(argv):
                   f"compiled")
     serve(engine, ServerConfig(model_name=name, max_waiting=FLAGS.max_waiting_requests,
                                max_waiting_tokens=FLAGS.max_waiting_tokens,
-                               drain_timeout_s=FLAGS.drain_timeout_s),
+                               drain_timeout_s=FLAGS.drain_timeout_s,
+                               api_keys=api_keys_from_flags(),
+                               allow_client_tenant=FLAGS.allow_client_tenant),
           host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
     if FLAGS.trace_path:  # serve returns once drained: the trace is complete.
         engine.export_trace(FLAGS.trace_path)

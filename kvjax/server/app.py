@@ -3,9 +3,11 @@
     app = build_app(engine, ServerConfig(model_name="smollm2"))   # routes, metrics, lifespan
     serve(engine, config, host="127.0.0.1", port=8000)            # blocks; SIGTERM drains
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. The app's lifespan starts the engine thread and, at shutdown, stops it (live
-requests are aborted, their pages freed). Every error, a malformed body included, is
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, and vLLM's
+POST /tokenize, POST /detokenize, GET /version; GET /health and GET /metrics (kvjax: and
+vllm: names). With API keys (`ServerConfig.api_keys`) every route but /health, /metrics and
+/version needs one. The app's lifespan starts the engine thread and, at shutdown, stops it
+(live requests are aborted, their pages freed). Every error, a malformed body included, is
 OpenAI's error JSON.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.metadata
 import logging
 import signal
 import socket
@@ -20,7 +23,7 @@ import threading
 import time
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -59,7 +62,8 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
             async_engine, tokenizer=model_engine.model.tokenizer,
             max_model_len=model_engine.max_model_len,
             vocab_size=model_engine.model.config.vocab_size,
-            config=dataclasses.replace(config, model_name=name), metrics=metrics, route=route)
+            config=dataclasses.replace(config, model_name=name), metrics=metrics, route=route,
+            root=model_engine.model.config.name)
     default = servings.get(config.model_name, next(iter(servings.values())))
 
     def serving_for(model: str | None) -> OpenAIServing:
@@ -71,6 +75,12 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
             raise ApiError(404, f"The model `{model}` does not exist; this server serves "
                            f"{names}", param="model", code="model_not_found")
         return servings[model]
+
+    def authenticated(raw: Request) -> None:
+        """Refuses (401) a request without a valid key before its body is looked at."""
+        config.authenticate(raw.headers.get("authorization"))
+
+    keyed = [Depends(authenticated)]
 
     async def routed(body, raw: Request, *, chat: bool) -> Response:
         serving = serving_for(body.model)
@@ -110,18 +120,30 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
         message = str(e) if isinstance(e, RequestFailed) else "internal error"
         return JSONResponse(protocol.error_body(message, type="server_error"), status_code=500)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: protocol.CompletionRequest, raw: Request) -> Response:
         return await _counted(metrics, routed(body, raw, chat=False))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat(body: protocol.ChatCompletionRequest, raw: Request) -> Response:
         return await _counted(metrics, routed(body, raw, chat=True))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict:
         listed = [serving.models()["data"] for serving in servings.values()]
         return dict(object="list", data=[m for data in listed for m in data])
+
+    @app.post("/tokenize", dependencies=keyed)
+    async def tokenize(body: protocol.TokenizeRequest) -> dict:
+        return await serving_for(body.model).tokenize(body)
+
+    @app.post("/detokenize", dependencies=keyed)
+    async def detokenize(body: protocol.DetokenizeRequest) -> dict:
+        return await serving_for(body.model).detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return dict(version=importlib.metadata.version("kvjax"))
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,4 +1,6 @@
-"""Prometheus metrics of a server: vLLM's `vllm:*` names with a `kvjax:` prefix.
+"""Prometheus metrics of a server: vLLM's `vllm:*` names with a `kvjax:` prefix, and the
+same series again under vLLM's own names (`VLLM_NAMES`), so dashboards made for vLLM read a
+kvjax server unchanged.
 
 Engine gauges and counters are read from `AsyncEngine.metrics()` (the engine thread's copy
 of `Engine.metrics()` after its last step) when /metrics is scraped; latency histograms and
@@ -9,7 +11,7 @@ clock (arrival is when the HTTP handler received the request).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvjax.engine.request import RequestOutput
@@ -47,6 +49,39 @@ _ENGINE_COUNTERS = (
     ("kvjax:prefill_tokens", "Tokens computed in prefill chunks.", "prefill_tokens"),
     ("kvjax:decode_tokens", "Tokens computed in decode rows.", "decode_tokens"),
 )
+
+
+# kvjax name -> vLLM's names of the same series (same type, labels and meaning).
+VLLM_NAMES = {
+    "kvjax:num_requests_running": ("vllm:num_requests_running",),
+    "kvjax:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "kvjax:num_requests_swapped": ("vllm:num_requests_swapped",),
+    "kvjax:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "kvjax:num_preemptions": ("vllm:num_preemptions",),
+    "kvjax:prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "kvjax:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "kvjax:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "kvjax:time_per_output_token_seconds": ("vllm:time_per_output_token_seconds",),
+    "kvjax:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "kvjax:prompt_tokens": ("vllm:prompt_tokens",),
+    "kvjax:generation_tokens": ("vllm:generation_tokens",),
+    "kvjax:request_success": ("vllm:request_success",),
+}
+
+
+class _VllmAliases(Collector):
+    """The series of `source` that vLLM also exports, under vLLM's names."""
+
+    def __init__(self, source: CollectorRegistry):
+        self._source = source
+
+    def collect(self):
+        for family in self._source.collect():
+            for alias in VLLM_NAMES.get(family.name, ()):
+                copy = Metric(alias, family.documentation, family.type, family.unit)
+                copy.samples = [sample._replace(name=alias + sample.name[len(family.name):])
+                                for sample in family.samples]
+                yield copy
 
 
 class _EngineCollector(Collector):
@@ -90,15 +125,16 @@ class ServerMetrics:
     """The server's Prometheus registry: engine state plus per-request observations.
 
     Attributes:
-      registry: a registry of its own (servers in one process do not mix counts).
+      registry: a registry of its own (servers in one process do not mix counts): the
+        kvjax series and their vLLM aliases.
       rejected: kvjax:num_requests_rejected_total{reason}: queue_full (429), invalid (4xx),
         not_admitting (503).
     """
 
     def __init__(self, engine: AsyncEngine, model_name: str):
-        self.registry = CollectorRegistry()
+        kvjax_series = CollectorRegistry()
         self.model_name = model_name
-        kw = dict(labelnames=["model_name"], registry=self.registry)
+        kw = dict(labelnames=["model_name"], registry=kvjax_series)
         self.ttft = Histogram("kvjax:time_to_first_token_seconds", "Time to first token.",
                               buckets=TTFT_BUCKETS, **kw)
         self.tpot = Histogram("kvjax:time_per_output_token_seconds", "Mean time per output "
@@ -113,11 +149,14 @@ class ServerMetrics:
         self.success = Counter("kvjax:request_success", "Finished requests by the engine's "
                                "finish reason of sample 0.",
                                labelnames=["model_name", "finished_reason"],
-                               registry=self.registry)
+                               registry=kvjax_series)
         self.rejected = Counter("kvjax:num_requests_rejected", "Requests refused before "
                                 "reaching the engine's queue, by reason.",
-                                labelnames=["model_name", "reason"], registry=self.registry)
-        self.registry.register(_EngineCollector(engine, model_name))
+                                labelnames=["model_name", "reason"], registry=kvjax_series)
+        kvjax_series.register(_EngineCollector(engine, model_name))
+        self.registry = CollectorRegistry()
+        self.registry.register(kvjax_series)
+        self.registry.register(_VllmAliases(kvjax_series))
         engine.on_finished.append(self.observe_finished)
 
     def observe_finished(self, out: RequestOutput) -> None:

@@ -186,6 +186,30 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else 0
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a text prompt, or chat messages through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True  # (the BOS, for a model that prepends one)
+    add_generation_prompt: bool = True  # with messages
+    return_token_strs: bool = False
+
+    @pydantic.model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 # ----------------------------------------------------------------------------- responses
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -58,6 +59,11 @@ class ServerConfig:
         queue takes any one request).
       retry_after_s: the Retry-After header of a 429.
       drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
+      api_keys: API key -> the tenant its requests run as (None: the default tenant). When
+        set, /v1/* and /tokenize, /detokenize need `Authorization: Bearer <key>` (else 401).
+      allow_client_tenant: whether a client may name its tenant (X-Tenant header, else the
+        body's `user`); None: only without api_keys. With a key, a named tenant is nested in
+        the key's ("key-tenant/named"), so no client reaches another key's prefix cache.
     """
 
     model_name: str
@@ -65,6 +71,33 @@ class ServerConfig:
     max_waiting_tokens: int = 1 << 16
     retry_after_s: int = 1
     drain_timeout_s: float = 30.0
+    api_keys: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    allow_client_tenant: bool | None = None
+
+    def __post_init__(self):
+        for key, tenant in self.api_keys.items():
+            problem = name_problem(key) or (None if tenant is None else name_problem(tenant))
+            if problem is not None:
+                raise ValueError(f"api_keys: a key or its tenant {problem}")
+
+    @property
+    def honours_client_tenant(self) -> bool:
+        return not self.api_keys if self.allow_client_tenant is None else \
+            self.allow_client_tenant
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The tenant of the request's API key (None: the default tenant); ApiError 401 when
+        keys are configured and the header does not carry one of them."""
+        if not self.api_keys:
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer":
+            for key, tenant in self.api_keys.items():
+                # Every key is compared in constant time: no timing tells a near miss.
+                if hmac.compare_digest(token.strip().encode(), key.encode()):
+                    return tenant
+        raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>",
+                       type="invalid_request_error", code="invalid_api_key")
 
 
 class ApiError(Exception):
@@ -197,12 +230,15 @@ class OpenAIServing:
       vocab_size: token ids must be below it.
       config: the ServerConfig.
       metrics: the ServerMetrics refusals are counted in.
+      root: what the served name stands for (the model's own name), /v1/models' `root`.
     """
 
     def __init__(self, engine: AsyncEngine, *, tokenizer, max_model_len: int, vocab_size: int,
-                 config: ServerConfig, metrics: ServerMetrics, route: str | None = None):
+                 config: ServerConfig, metrics: ServerMetrics, route: str | None = None,
+                 root: str | None = None):
         self.engine = engine
         self.route = route
+        self.root = root or config.model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -221,25 +257,48 @@ class OpenAIServing:
 
     async def chat(self, body: protocol.ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
-        if self.tokenizer.chat_template is None:
-            raise ApiError(400, "this model has no chat template; use /v1/completions",
-                           param="messages")
-        messages = [dict(role=m.role, content=m.text) for m in body.messages]
-        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
-                                           add_generation_prompt=body.add_generation_prompt)
-        except jinja2.TemplateError as e:
-            raise ApiError(400, f"messages: the chat template refused them: {e}",
-                           param="messages") from None
-        return await self._serve(body, raw, [await self._encode_text(text, "messages")],
-                                 max_tokens=body.max_new_tokens, chat=True,
+        ids = await self._encode_chat(body.messages, body.add_generation_prompt)
+        return await self._serve(body, raw, [ids], max_tokens=body.max_new_tokens, chat=True,
                                  prompt_field="messages")
 
+    async def tokenize(self, body: protocol.TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the ids the completions (prompt) or chat (messages) endpoint
+        would run. kvjax's tokenizers add no special tokens to a text, so
+        `add_special_tokens` changes nothing here, as in vLLM for such tokenizers."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            ids = await self._encode_chat(body.messages, body.add_generation_prompt)
+        else:
+            ids = await self._encode_text(body.prompt, "prompt")
+        out = dict(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
+        if body.return_token_strs:
+            out["token_strs"] = [self._token_text(t) for t in ids]
+        return out
+
+    async def detokenize(self, body: protocol.DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize: the text of token ids (special tokens kept)."""
+        self._check_model(body.model)
+        bad = [t for t in body.tokens if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"tokens: token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.vocab_size})", param="tokens")
+        text = await asyncio.to_thread(self.tokenizer.decode, body.tokens,
+                                       skip_special_tokens=False)
+        return dict(prompt=text)
+
     def models(self) -> dict[str, Any]:
+        """/v1/models: OpenAI's model object with vLLM's fields (`root`, `parent`,
+        `max_model_len`, `permission`), which vLLM's clients read."""
+        created = protocol.now()
+        permission = dict(
+            id=protocol.new_id("modelperm"), object="model_permission", created=created,
+            allow_create_engine=False, allow_sampling=True, allow_logprobs=True,
+            allow_search_indices=False, allow_view=True, allow_fine_tuning=False,
+            organization="*", group=None, is_blocking=False)
         return dict(object="list", data=[dict(
-            id=self.config.model_name, object="model", created=protocol.now(),
-            owned_by="kvjax", max_model_len=self.max_model_len)])
+            id=self.config.model_name, object="model", created=created, owned_by="kvjax",
+            root=self.root, parent=None, max_model_len=self.max_model_len,
+            permission=[permission])])
 
     # ----------------------------------------------------------------------------- requests
 
@@ -256,6 +315,22 @@ class OpenAIServing:
         if num_chars > limit:
             raise ApiError(400, f"{field}: {num_chars} characters cannot fit this model's "
                            f"context length of {self.max_model_len} tokens", param=field)
+
+    async def _encode_chat(self, messages: list[protocol.ChatMessage],
+                           add_generation_prompt: bool) -> list[int]:
+        """Token ids of chat messages through the model's template, off the event loop."""
+        if self.tokenizer.chat_template is None:
+            raise ApiError(400, "this model has no chat template; use /v1/completions",
+                           param="messages")
+        turns = [dict(role=m.role, content=m.text) for m in messages]
+        self._check_prompt_chars(sum(len(m["content"]) for m in turns), "messages")
+        try:
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, turns,
+                                           add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as e:
+            raise ApiError(400, f"messages: the chat template refused them: {e}",
+                           param="messages") from None
+        return await self._encode_text(text, "messages")
 
     async def _encode_text(self, text: str, field: str) -> list[int]:
         """Token ids of `text`, tokenized off the event loop; a text the tokenizer cannot
@@ -288,11 +363,20 @@ class OpenAIServing:
                            param="max_tokens")
         return max_tokens
 
-    def _identity(self, body, raw: Request) -> tuple[str | None, int]:
-        tenant = raw.headers.get(TENANT_HEADER) or body.user or None
-        problem = None if tenant is None else name_problem(tenant)
+    def _tenant(self, body, raw: Request) -> str | None:
+        """The request's tenant: its API key's, and within it the one the client names
+        where the server allows that."""
+        key_tenant = self.config.authenticate(raw.headers.get("authorization"))
+        named = raw.headers.get(TENANT_HEADER) or body.user or None
+        if named is None or not self.config.honours_client_tenant:
+            return key_tenant
+        problem = name_problem(named)
         if problem is not None:  # (`user` was checked with the body)
-            raise ApiError(400, f"header X-Tenant {tenant!r:.80} {problem}", param="X-Tenant")
+            raise ApiError(400, f"header X-Tenant {named!r:.80} {problem}", param="X-Tenant")
+        return named if key_tenant is None else f"{key_tenant}/{named}"
+
+    def _identity(self, body, raw: Request) -> tuple[str | None, int]:
+        tenant = self._tenant(body, raw)
         priority = raw.headers.get(PRIORITY_HEADER)
         if priority is None:
             return tenant, 0

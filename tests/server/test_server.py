@@ -9,6 +9,7 @@ in test_server_slow.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import threading
@@ -28,6 +29,7 @@ from kvjax import Engine, EngineConfig
 from kvjax.engine.runner import StepObserver
 from kvjax.engine.snapshot import provenance_parts
 from kvjax.server import BackgroundServer, ServerConfig
+from kvjax.server.metrics import VLLM_NAMES
 from kvjax.testing import dense_logprobs, greedy_reference, tiny_chat_model
 
 MODEL_NAME = "tiny"
@@ -317,6 +319,71 @@ def test_metrics_parse_and_count_what_was_served_without_recompiling(client, htt
                  "kvjax:kv_bytes_moved_total{tier=host}", "kvjax:kv_bytes_moved_total{tier=disk}",
                  "kvjax:time_per_output_token_seconds_count"):
         assert name in after
+    # Every series vLLM also exports is there under vLLM's name, with the same value.
+    aliased = [(k, k.replace(ours, theirs)) for k in after for ours, names in VLLM_NAMES.items()
+               for theirs in names if k.split("{")[0].startswith(ours)]
+    assert {theirs.split("{")[0] for _, theirs in aliased} >= {
+        "vllm:num_requests_running", "vllm:gpu_cache_usage_perc", "vllm:prompt_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket", "vllm:request_success_total"}
+    for ours, theirs in aliased:
+        assert after[theirs] == after[ours], theirs
+
+
+def test_tokenize_and_detokenize_are_what_the_endpoints_run(model, server, client, http):
+    """vLLM's /tokenize gives the ids the completion and chat endpoints count as the prompt
+    (their usage says so); /detokenize inverts it."""
+    r = http.post("/tokenize", json=dict(prompt="Hi there!", return_token_strs=True)).json()
+    assert r["tokens"] == model.tokenizer.encode("Hi there!") and r["count"] == 9
+    assert "".join(r["token_strs"]) == "Hi there!" and r["max_model_len"] == server.engine.max_model_len
+    done = client.completions.create(model=MODEL_NAME, prompt="Hi there!", max_tokens=1,
+                                     temperature=0)
+    assert done.usage.prompt_tokens == r["count"]
+    messages = [dict(role="user", content="Hello")]
+    r = http.post("/tokenize", json=dict(messages=messages)).json()
+    done = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,
+                                          temperature=0)
+    assert done.usage.prompt_tokens == r["count"]
+    assert http.post("/detokenize", json=dict(tokens=r["tokens"])).json()["prompt"] == \
+        model.tokenizer.decode(r["tokens"], skip_special_tokens=False)
+    for path, body, param in (("/tokenize", dict(prompt="x", messages=messages), None),
+                              ("/tokenize", dict(prompt="\udc80"), "prompt"),
+                              ("/detokenize", dict(tokens=[1, 999]), "tokens")):
+        r = http.post(path, content=json.dumps(body), headers={
+            "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_api_keys_decide_the_tenant(model):
+    """With API keys, a request without a valid key is a 401 before its body is read; the
+    key decides the tenant, and a tenant the client names nests inside the key's, so one
+    key never reads another's prefix cache."""
+    config = ServerConfig(model_name=MODEL_NAME, api_keys={"key-a": "a", "key-b": "b"},
+                          allow_client_tenant=True)
+    prompt = list(range(40, 72))  # 4 full pages of 8 tokens: 24 cached on a hit
+    with BackgroundServer(Engine(model, CONFIG), config) as server:
+        def cached(key, **kwargs):
+            c = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+            return c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
+                                        temperature=0, **kwargs).usage.prompt_tokens_details \
+                .cached_tokens
+
+        for key in ("wrong", "key-a "[:-2]):
+            with pytest.raises(openai.AuthenticationError):
+                cached(key)
+        r = httpx.post(server.base_url + "/v1/completions", json=dict(prompt="bad body"),
+                       headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(server.base_url + "/health").status_code == 200
+        assert httpx.post(server.base_url + "/tokenize", json=dict(prompt="x")
+                          ).status_code == 401
+        assert cached("key-a") == 0 and cached("key-a") == 24
+        assert cached("key-b") == 0  # another key: another tenant
+        assert cached("key-b", user="a") == 0  # naming key a's tenant gives "b/a", not "a"
+        assert cached("key-b", user="a") == 24
+    config = dataclasses.replace(config, allow_client_tenant=None)  # keys: names ignored
+    assert not config.honours_client_tenant
+    with pytest.raises(ValueError, match="api_keys"):
+        ServerConfig(model_name=MODEL_NAME, api_keys={"k\ud800": None})
 
 
 def test_tenants_salt_the_prefix_cache(client, http):
@@ -338,9 +405,13 @@ def test_tenants_salt_the_prefix_cache(client, http):
     assert 0 < after["kvjax:prefix_cache_hit_rate"] <= 1
 
 
-def test_models_health_and_priority_header(client, http):
+def test_models_health_and_priority_header(server, client, http):
     (listed,) = client.models.list().data
     assert listed.id == MODEL_NAME
+    card = http.get("/v1/models").json()["data"][0]  # what vLLM's clients read
+    assert card["root"] and card["parent"] is None and card["max_model_len"] == server.engine.max_model_len
+    assert card["permission"][0]["object"] == "model_permission"
+    assert http.get("/version").json()["version"]
     assert http.get("/health").json() == {}
     r = http.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=2, temperature=0),
                   headers={"X-Priority": "5"})
