@@ -4,8 +4,8 @@
     stats = run_batch(model, "requests.jsonl", "outputs.jsonl", order="prefix")
 
 Modules: `requests` (input lines), `output` (durable JSONL output), `ordering` (input,
-prefix, fields, blend behind a registry), `scoring` (layer-by-layer prefill-only scoring),
-`job` (the job loop).
+prefix, fields, blend behind a registry), `job` (the job loop); scoring requests run on
+`kvjax.models.scoring` (layer-by-layer prefill-only scoring).
 """
 
 from kvjax.batch.job import BatchStats, run_batch
@@ -19,7 +19,7 @@ from kvjax.batch.ordering import (
 )
 from kvjax.batch.output import OutputLog, done_ids
 from kvjax.batch.requests import BadLine, BatchRequest, parse_line, render_record
-from kvjax.batch.scoring import PrefillOnlyScorer
+from kvjax.models.scoring import PrefillOnlyScorer
 
 __all__ = [
     "ORDERINGS",

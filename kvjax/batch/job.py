@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from kvjax.batch.ordering import make_ordering
 from kvjax.batch.output import OutputLog
 from kvjax.batch.requests import BadLine, BatchRequest, line_id, parse_line
-from kvjax.batch.scoring import PrefillOnlyScorer
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import RequestOutput
 from kvjax.generation import encode_prompt
 from kvjax.models.model import Model
+from kvjax.models.scoring import PrefillOnlyScorer
 
 
 @dataclasses.dataclass

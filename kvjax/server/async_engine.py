@@ -10,6 +10,9 @@ coalesce: a slow reader sees the latest output, never a backlog.
 
 Top logprobs: while any request wants them, steps return their logits (`LogitsMode.LAST`,
 which runs steps synchronously); the engine thread takes each sampled row's top k.
+
+Prompt logprobs (`echo` with logprobs): `score_prompt` runs the prompt through a
+prefill-only scorer (`kvjax.models.scoring`) on the engine thread, between steps.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import RequestOutput
 from kvjax.engine.step import LogitsMode
+from kvjax.models.scoring import PrefillOnlyScorer
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.controller import SLO
 
@@ -186,6 +190,7 @@ class AsyncEngine:
         self._num_in_commands = 0  # requests submitted that the engine thread has not added
         self._is_admitting = True
         self._tracked: dict[str, _Tracked] = {}
+        self._scorers: dict[str | None, PrefillOnlyScorer] = {}  # per routed model
         self._needs_step = False
         self._metrics = engine.metrics()
         self._error: BaseException | None = None
@@ -277,6 +282,18 @@ class AsyncEngine:
         """Aborts a request (a no-op once it finished); its pages are freed at once."""
         self._commands.put(("abort", request_id))
 
+    def score_prompt(self, request_id: str, prompt_ids: list[int], num_top: int,
+                     loop: asyncio.AbstractEventLoop, *, model: str | None = None
+                     ) -> asyncio.Future:
+        """A future of `PrefillOnlyScorer.prompt_logprobs(prompt_ids, num_top)`, computed on
+        the engine thread: per token None (the first) or (logprob, top {id: logprob})."""
+        if not self.is_admitting:
+            raise NotAdmitting("the server is not admitting requests")
+        future = loop.create_future()
+        self._commands.put(("score", request_id, list(prompt_ids), num_top, model, future,
+                            loop))
+        return future
+
     # ----------------------------------------------------------------------------- engine thread
 
     def _release_waiting(self, request: EngineRequest) -> None:
@@ -327,6 +344,8 @@ class AsyncEngine:
                     self._add(request, stream)
             elif kind == "abort":
                 self._abort(command[1])
+            elif kind == "score":
+                self._score(*command[1:])
             elif kind == "stop":
                 for request_id in list(self._tracked):
                     self._abort(request_id)
@@ -356,6 +375,31 @@ class AsyncEngine:
         self._tracked[request.request_id] = _Tracked(
             request, stream, top=[[] for _ in range(request.sampling.n)])
         stream._post_accepted(None)
+
+    def _score(self, request_id: str, prompt_ids: list[int], num_top: int, model: str | None,
+               future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        def answer(fn, value):
+            try:
+                loop.call_soon_threadsafe(lambda: future.done() or fn(value))
+            except RuntimeError:  # The loop is closed: nobody is listening any more.
+                pass
+
+        try:
+            if model not in self._scorers:
+                scored_model = self.engine.models()[model].model
+                c = scored_model.config
+                # One layer's K and V in float32 for the longest context the model has.
+                budget = 2 * c.num_kv_heads * c.head_dim * 4 * c.max_position_embeddings
+                self._scorers[model] = PrefillOnlyScorer(scored_model, kv_budget_bytes=budget)
+            result = self._scorers[model].prompt_logprobs(request_id, prompt_ids, num_top)
+        except ValueError as e:
+            answer(future.set_exception, e)
+        except Exception:  # Not the request's fault, and no reason to stop everyone else's.
+            logger.exception("scoring request %r failed", request_id)
+            answer(future.set_exception, RequestFailed(
+                f"request {request_id!r}: internal error while scoring its prompt"))
+        else:
+            answer(future.set_result, result)
 
     def _abort(self, request_id: str) -> None:
         tracked = self._tracked.get(request_id)

@@ -59,8 +59,10 @@ class SampleDelta:
     Attributes:
       index: the sample's index in the request.
       text: newly released text.
-      token_ids, logprobs: the new tokens kept (up to the one that completed a stop).
-      top_logprobs: per new token {token id: logprob}, or None when not asked for.
+      token_ids, logprobs: the new tokens kept (up to the one that completed a stop); an
+        echoed prompt's first token has no logprob (None).
+      top_logprobs: per new token {token id: logprob} (None for an echoed prompt's first
+        token), or None when not asked for.
       text_offsets: where each new token's text starts in the sample's text.
       finish_reason: OpenAI's reason when the sample ended with this update, else None.
     """
@@ -68,8 +70,8 @@ class SampleDelta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]] | None
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None] | None
     text_offsets: list[int]
     finish_reason: str | None = None
 
@@ -85,8 +87,9 @@ class SampleDecoder:
     """
 
     def __init__(self, tokenizer, index: int, *, stop: list[str],
-                 stop_token_ids: tuple[int, ...]):
+                 stop_token_ids: tuple[int, ...], text_offset: int = 0):
         self.index = index
+        self._text_offset = text_offset  # where the sample's text starts (after an echo)
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
@@ -112,7 +115,7 @@ class SampleDecoder:
             token = sample.token_ids[i]
             self.token_ids.append(token)
             self.logprobs.append(sample.logprobs[i])
-            offsets.append(len(self.text))
+            offsets.append(self._text_offset + len(self.text))
             if token in self._stop_token_ids:
                 self.finish_reason = "stop"  # The engine stops here too; no text for it.
                 break
@@ -145,6 +148,24 @@ class SampleDecoder:
         self.text = self.text[:min(found)]
         self.finish_reason = "stop"
         return True
+
+
+def echo_delta(tokenizer, index: int, prompt_ids: list[int], text: str | None,
+               scored: list[tuple[float, dict[int, float]] | None] | None) -> SampleDelta:
+    """The echoed prompt as a sample's first delta: its text (`text` as the client sent it,
+    else the ids decoded), each token's offset in it, and with `scored`
+    (`PrefillOnlyScorer.prompt_logprobs`) each token's logprob and top logprobs."""
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    offsets, decoded = [], ""
+    for token in prompt_ids:
+        offsets.append(len(decoded))
+        decoded += detokenizer.add(token)
+    decoded += detokenizer.flush()
+    return SampleDelta(
+        index=index, text=decoded if text is None else text, token_ids=list(prompt_ids),
+        logprobs=[None if s is None else s[0] for s in scored] if scored else [],
+        top_logprobs=[None if s is None else s[1] for s in scored] if scored else None,
+        text_offsets=offsets)
 
 
 @functools.lru_cache(maxsize=8)

@@ -104,9 +104,9 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[
         list[TokenIds], Field(min_length=1)]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt alone
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # top-N per token
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt comes first in each choice (with its logprobs)
 
     @pydantic.field_validator("prompt", mode="before")
     @classmethod

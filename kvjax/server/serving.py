@@ -35,7 +35,7 @@ from kvjax.server.async_engine import (
     RequestStream,
 )
 from kvjax.server.metrics import ServerMetrics
-from kvjax.server.output import SampleDecoder, SampleDelta, token_strings
+from kvjax.server.output import SampleDecoder, SampleDelta, echo_delta, token_strings
 from kvjax.validation import name_problem
 
 TENANT_HEADER = "x-tenant"
@@ -127,18 +127,25 @@ def _engine_error_param(message: str, n: int) -> str | None:
 class _Generation:
     """One engine request of an API request: its stream and one decoder per sample."""
 
-    def __init__(self, engine: AsyncEngine, request: EngineRequest, stream: RequestStream,
-                 decoders: list[SampleDecoder], choice_offset: int):
+    def __init__(self, engine: AsyncEngine, request: EngineRequest,
+                 stream: RequestStream | None, decoders: list[SampleDecoder], choice_offset: int,
+                 echo: SampleDelta | None = None):
         self.engine = engine
         self.request = request
-        self.stream = stream
+        self.stream = stream  # None: nothing to generate (an echo of 0 tokens)
         self.decoders = decoders
         self.choice_offset = choice_offset
+        self.echo = echo
         self.last: RequestOutput | None = None
-        self.is_finished = False
+        self.is_finished = stream is None
 
     async def deltas(self) -> AsyncIterator[list[SampleDelta]]:
-        """The samples' deltas, one list per engine update, until every sample is done."""
+        """The samples' deltas, one list per engine update, until every sample is done; an
+        echoed prompt first."""
+        if self.echo is not None:
+            finish = "length" if self.stream is None else None
+            yield [dataclasses.replace(self.echo, index=self.choice_offset + j,
+                                       finish_reason=finish) for j in range(len(self.decoders))]
         while not self.is_finished:
             update = await self.stream.next()
             out = update.output
@@ -173,7 +180,7 @@ class _Generation:
 
     @property
     def num_completion_tokens(self) -> int:
-        return sum(len(d.token_ids) for d in self.decoders)
+        return sum(len(d.token_ids) for d in self.decoders if d is not None)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -250,10 +257,14 @@ class OpenAIServing:
 
     async def completions(self, body: protocol.CompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens: 0 tokens are only allowed with echo=true",
+                           param="max_tokens")
         prompts = [await self._encode_text(p, "prompt") if isinstance(p, str) else list(p)
                    for p in body.prompts]
+        texts = [p if isinstance(p, str) else None for p in body.prompts]
         return await self._serve(body, raw, prompts, max_tokens=body.max_tokens, chat=False,
-                                 prompt_field="prompt")
+                                 prompt_field="prompt", echo_texts=texts if body.echo else None)
 
     async def chat(self, body: protocol.ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
@@ -421,7 +432,11 @@ class OpenAIServing:
             raise ApiError(400, f"{field}: {e}", param=field) from None
 
     async def _serve(self, body, raw: Request, prompts: list[list[int]], *,
-                     max_tokens: int | None, chat: bool, prompt_field: str) -> Response:
+                     max_tokens: int | None, chat: bool, prompt_field: str,
+                     echo_texts: list[str | None] | None = None) -> Response:
+        """Runs one engine request per prompt. With `echo_texts` (completions' echo), each
+        choice starts with its prompt (the client's text, or the ids decoded), scored when
+        logprobs are asked for; max_tokens=0 then only echoes."""
         if body.n > self.config.max_waiting:
             raise ApiError(400, f"n: {body.n} samples can never be admitted: the server queues "
                            f"at most {self.config.max_waiting} sequences", param="n")
@@ -433,10 +448,12 @@ class OpenAIServing:
         for i, ids in enumerate(prompts):
             max_new = self._check_prompt(ids, max_tokens, prompt_field)
             requests.append(EngineRequest(
-                request_id=f"{api_id}-{i}", prompt_ids=ids, sampling=self._sampling(body, max_new),
+                request_id=f"{api_id}-{i}", prompt_ids=ids,
+                sampling=self._sampling(body, max_new) if max_new else None,
                 tenant=tenant, priority=priority, num_top_logprobs=body.num_top_logprobs,
                 arrival_time=arrival, model=self.route, slo=slo))
-        generations = await self._submit(requests, body)
+        echoes = None if echo_texts is None else await self._echoes(requests, echo_texts, body)
+        generations = await self._submit(requests, body, echoes)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
@@ -444,7 +461,34 @@ class OpenAIServing:
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._complete(api_id, generations, chat, body, raw)
 
-    async def _submit(self, requests: list[EngineRequest], body) -> list[_Generation]:
+    async def _echoes(self, requests: list[EngineRequest], texts: list[str | None], body
+                      ) -> list[SampleDelta]:
+        """Each request's echoed prompt, scored (on the engine thread) when logprobs are
+        asked for."""
+        echoes = []
+        for request, text in zip(requests, texts, strict=True):
+            scored = None
+            if body.wants_logprobs:
+                try:
+                    scored = await self.engine.score_prompt(
+                        request.request_id, request.prompt_ids, body.num_top_logprobs,
+                        asyncio.get_running_loop(), model=self.route)
+                except NotAdmitting as e:
+                    raise ApiError(503, str(e), type="server_error",
+                                   code="service_unavailable") from None
+                except ValueError as e:
+                    raise ApiError(400, f"prompt: {e}", param="prompt") from None
+                except RequestFailed as e:
+                    raise ApiError(500, str(e), type="server_error") from None
+            echoes.append(await asyncio.to_thread(
+                echo_delta, self.tokenizer, 0, request.prompt_ids, text, scored))
+        return echoes
+
+    async def _submit(self, requests: list[EngineRequest], body,
+                      echoes: list[SampleDelta] | None = None) -> list[_Generation]:
+        if echoes is not None and requests[0].sampling is None:  # max_tokens=0: echo only
+            return [_Generation(self.engine, r, None, [None] * body.n, i * body.n, echo)
+                    for i, (r, echo) in enumerate(zip(requests, echoes, strict=True))]
         try:
             streams = self.engine.submit(requests, asyncio.get_running_loop())
         except QueueFull as e:
@@ -457,10 +501,13 @@ class OpenAIServing:
             raise ApiError(503, str(e), type="server_error", code="service_unavailable") from None
         generations = []
         for i, (request, stream) in enumerate(zip(requests, streams, strict=True)):
+            echo = None if echoes is None else echoes[i]
             decoders = [SampleDecoder(self.tokenizer, j, stop=body.stop_strings,
-                                      stop_token_ids=request.sampling.stop_token_ids)
+                                      stop_token_ids=request.sampling.stop_token_ids,
+                                      text_offset=0 if echo is None else len(echo.text))
                         for j in range(body.n)]
-            generations.append(_Generation(self.engine, request, stream, decoders, i * body.n))
+            generations.append(_Generation(self.engine, request, stream, decoders, i * body.n,
+                                           echo))
         refusal = None
         for generation in generations:
             try:
@@ -496,8 +543,8 @@ class OpenAIServing:
                 entry(k, v) for k, v in top.items()]) for t, lp, top in zip(ids, lps, tops,
                                                                            strict=True)])
         return dict(tokens=[spell(t) for t in ids], token_logprobs=lps,
-                    top_logprobs=[{spell(k): v for k, v in top.items()} for top in tops]
-                    if body.num_top_logprobs else None,
+                    top_logprobs=[None if top is None else {spell(k): v for k, v in top.items()}
+                                  for top in tops] if body.num_top_logprobs else None,
                     text_offset=[o for d in deltas for o in d.text_offsets])
 
     def _usage(self, generations: Sequence[_Generation]) -> dict[str, Any]:

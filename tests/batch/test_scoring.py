@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kvjax.batch import PrefillOnlyScorer, run_batch
-from kvjax.batch.scoring import _layer_pass
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.engine import Engine
+from kvjax.models.scoring import _layer_pass
 from kvjax.sampling import SamplingParams
 from kvjax.testing import dense_logprobs, tiny_model
 

@@ -334,7 +334,8 @@ def test_tokenize_and_detokenize_are_what_the_endpoints_run(model, server, clien
     (their usage says so); /detokenize inverts it."""
     r = http.post("/tokenize", json=dict(prompt="Hi there!", return_token_strs=True)).json()
     assert r["tokens"] == model.tokenizer.encode("Hi there!") and r["count"] == 9
-    assert "".join(r["token_strs"]) == "Hi there!" and r["max_model_len"] == server.engine.max_model_len
+    assert "".join(r["token_strs"]) == "Hi there!"
+    assert r["max_model_len"] == server.engine.max_model_len
     done = client.completions.create(model=MODEL_NAME, prompt="Hi there!", max_tokens=1,
                                      temperature=0)
     assert done.usage.prompt_tokens == r["count"]
@@ -351,6 +352,46 @@ def test_tokenize_and_detokenize_are_what_the_endpoints_run(model, server, clien
         r = http.post(path, content=json.dumps(body), headers={
             "content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(model, server, client, http):
+    """An lm-eval-harness style loglikelihood request (context + continuation ids, echo,
+    logprobs=1, max_tokens 0 or 1): each prompt token's logprob equals the dense forward
+    pass, and its top logprob says whether the continuation is greedy."""
+    context, continuation = [5, 9, 20, 33], [40, 41, 7]
+    prompt = context + continuation
+    rows = dense_logprobs(model, prompt)  # [S, V]: row i predicts token i + 1
+    for max_tokens in (0, 1):
+        choice = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1,
+            temperature=0, extra_body=dict(return_tokens_as_token_ids=True)).choices[0]
+        lp = choice.logprobs
+        assert lp.tokens[:len(prompt)] == [f"token_id:{t}" for t in prompt]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        np.testing.assert_allclose(lp.token_logprobs[1:len(prompt)],
+                                   rows[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-4)
+        for i in range(1, len(prompt)):
+            (top,) = lp.top_logprobs[i].keys()
+            assert top == f"token_id:{int(np.argmax(rows[i - 1]))}"
+        assert len(lp.tokens) == len(prompt) + max_tokens
+        assert choice.text.startswith(model.tokenizer.decode(prompt))
+        assert choice.finish_reason == "length"
+    # A text prompt is echoed as sent, then the generated text, offsets in the whole text.
+    text_prompt = "Hi there"
+    full = client.completions.create(model=MODEL_NAME, prompt=text_prompt, max_tokens=4,
+                                     echo=True, logprobs=0, temperature=0).choices[0]
+    plain = client.completions.create(model=MODEL_NAME, prompt=text_prompt, max_tokens=4,
+                                      temperature=0).choices[0]
+    assert full.text == text_prompt + plain.text
+    offsets = full.logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert offsets[len(text_prompt)] == len(text_prompt)  # one byte per token: the 1st output
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL_NAME, prompt=text_prompt, max_tokens=4, echo=True, temperature=0,
+        stream=True))
+    assert streamed == full.text
+    r = http.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=0))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 def test_api_keys_decide_the_tenant(model):
@@ -409,7 +450,8 @@ def test_models_health_and_priority_header(server, client, http):
     (listed,) = client.models.list().data
     assert listed.id == MODEL_NAME
     card = http.get("/v1/models").json()["data"][0]  # what vLLM's clients read
-    assert card["root"] and card["parent"] is None and card["max_model_len"] == server.engine.max_model_len
+    assert card["root"] and card["parent"] is None
+    assert card["max_model_len"] == server.engine.max_model_len
     assert card["permission"][0]["object"] == "model_permission"
     assert http.get("/version").json()["version"]
     assert http.get("/health").json() == {}

@@ -58,21 +58,32 @@ def _layer_pass(config: ModelConfig, chunk: int, layers, layer: jax.Array, h: ja
     return h
 
 
-@functools.partial(jax.jit, static_argnames=("config", "chunk"))
-def _next_logprobs(config: ModelConfig, chunk: int, params, h: jax.Array, targets: jax.Array
-                   ) -> jax.Array:
+# Top logprobs per position are computed for this many tokens whatever a request asks
+# (OpenAI's most), so requests asking for different counts share one program.
+MAX_TOP_LOGPROBS = 20
+
+
+@functools.partial(jax.jit, static_argnames=("config", "chunk", "num_top"))
+def _next_logprobs(config: ModelConfig, chunk: int, params, h: jax.Array, targets: jax.Array,
+                   num_top: int = 0) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """[S] float32: log p(targets[i] | tokens[:i + 1]) from final hidden states h [S, H];
-    the vocabulary projection runs a chunk at a time so [S, V] never exists."""
+    the vocabulary projection runs a chunk at a time so [S, V] never exists. With
+    `num_top`, also the most likely next tokens at each position: logprobs [S, num_top] and
+    ids [S, num_top] (int32), most likely first."""
     def rows(args):
         h_chunk, t_chunk = args  # [T, H], [T]
         logits = llama.lm_head(params, config, llama.rms_norm(
             h_chunk, params["final_norm"], config.rms_norm_eps))  # [T, V]
         logp = jax.nn.log_softmax(logits, axis=-1)
-        return jnp.take_along_axis(logp, t_chunk[:, None], axis=-1)[:, 0]
+        target = jnp.take_along_axis(logp, t_chunk[:, None], axis=-1)[:, 0]  # [T]
+        if not num_top:
+            return target
+        top_logp, top_ids = jax.lax.top_k(logp, num_top)  # [T, num_top] each
+        return target, top_logp, top_ids.astype(jnp.int32)
 
     s, hidden = h.shape
     out = jax.lax.map(rows, (h.reshape(s // chunk, chunk, hidden), targets.reshape(-1, chunk)))
-    return out.reshape(s)
+    return jax.tree.map(lambda x: x.reshape(s, *x.shape[2:]), out)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -132,6 +143,25 @@ class PrefillOnlyScorer:
         logp = np.asarray(_next_logprobs(self.model.config, self.chunk, self.model.params, h,
                                          jnp.asarray(targets)))
         return logp[len(prompt) - 1:len(tokens) - 1].tolist()
+
+    def prompt_logprobs(self, request_id: str, prompt: list[int], k: int
+                        ) -> list[tuple[float, dict[int, float]] | None]:
+        """Per prompt token: None for the first, then (log p(token | tokens before it), the
+        k most likely tokens there {id: logprob}), k <= MAX_TOP_LOGPROBS. One program serves
+        every k (the top MAX_TOP_LOGPROBS are computed and cut)."""
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"request {request_id!r}: k must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {k!r}")
+        h = self.hidden(request_id, prompt)
+        targets = np.zeros(h.shape[0], np.int32)
+        targets[:len(prompt) - 1] = prompt[1:]
+        logp, top_logp, top_ids = (np.asarray(x) for x in _next_logprobs(
+            self.model.config, self.chunk, self.model.params, h, jnp.asarray(targets),
+            num_top=MAX_TOP_LOGPROBS))
+        return [None] + [
+            (float(logp[i]), {int(t): float(v) for t, v in zip(top_ids[i, :k], top_logp[i, :k],
+                                                                strict=True)})
+            for i in range(len(prompt) - 1)]
 
     def top_next(self, request_id: str, prompt: list[int], k: int) -> list[tuple[int, float]]:
         """The k most likely next tokens after `prompt`, with their log-probabilities."""
