@@ -8,6 +8,7 @@ from kvjax.config import KVLayout
 from kvjax.engine import compat
 from kvjax.engine.step import AttentionImpl, MatmulImpl
 from kvjax.kv import quantized
+from kvjax.memory.prefix_cache import PrefixEviction
 from kvjax.memory.tiers import TierConfig
 from kvjax.scheduler.context import make_strategy
 from kvjax.scheduler.controller import SLO, FixedController, make_controller
@@ -37,6 +38,9 @@ class EngineConfig:
       max_prefill_seqs: most sequences prefilling in one step.
       max_model_len: context length limit (prompt + generated); None: the model's.
       enable_prefix_cache: share full prompt pages across requests (paged layout only).
+      prefix_cache_eviction: which unreferenced cached page goes first ("lru", or
+        "fair_share": that of the tenant holding the most cached pages, so a tenant flooding
+        the cache with distinct prefixes evicts its own pages first).
       scheduler_policy: a name registered in kvjax.scheduler.policies.
       preemption_mode: RECOMPUTE, SWAP or AUTO (swap when moving the sequence's KV out and back
         is estimated cheaper than recomputing it; each decision lands in
@@ -104,6 +108,7 @@ class EngineConfig:
     max_prefill_seqs: int = 4
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
+    prefix_cache_eviction: PrefixEviction = PrefixEviction.LRU
     scheduler_policy: str = "fcfs"
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     tiers: TierConfig = TierConfig()
@@ -149,7 +154,8 @@ class EngineConfig:
         make_controller(self.controller, **self.controller_options)
         for name, enum_type in (("kv_layout", KVLayout), ("preemption_mode", PreemptionMode),
                                 ("attention_impl", AttentionImpl),
-                                ("matmul_impl", MatmulImpl)):
+                                ("matmul_impl", MatmulImpl),
+                                ("prefix_cache_eviction", PrefixEviction)):
             value = getattr(self, name)
             if isinstance(value, str):
                 object.__setattr__(self, name, enum_type(value))

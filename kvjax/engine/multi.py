@@ -37,7 +37,7 @@ import numpy as np
 
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.engine import Engine
-from kvjax.engine.pool import KVPool, arena_layout, arena_words_per_page
+from kvjax.engine.pool import KVPool, allocator_options, arena_layout, arena_words_per_page
 from kvjax.engine.request import RequestOutput, submit_all
 from kvjax.engine.step import LogitsMode
 from kvjax.engine.swap import HostSwapSpace
@@ -113,7 +113,7 @@ class _SharedPool:
         layout, k_codec, v_codec = arena_layout(mc, config, kv_dtype, self.frame_words)
         self.view = arena.ArenaKV(self.box.buffer, layout, k_codec, v_codec)
         allocator = BlockManager(self.frames.num_frames, layout.page_size,
-                                 enable_prefix_cache=config.enable_prefix_cache,
+                                 **allocator_options(config),
                                  pages=self.frames.pages(self.name))
         owner = self.frames.owners[self.name]
         owner.evictable = allocator.num_givable_pages

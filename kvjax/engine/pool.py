@@ -48,6 +48,12 @@ class KVPoolSource(Protocol):
         """Where the engine's runner keeps the pool's state."""
 
 
+
+def allocator_options(config: EngineConfig) -> dict:
+    """The block manager's prefix-cache settings from the engine config."""
+    return dict(enable_prefix_cache=config.enable_prefix_cache,
+                prefix_eviction=config.prefix_cache_eviction)
+
 def budget_bytes(config: EngineConfig, kv_bytes_per_token: float, max_model_len: int) -> int:
     """The KV byte budget: configured, or enough for max_num_seqs full-length sequences."""
     if config.kv_budget_bytes is not None:
@@ -78,7 +84,7 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
         mc, budget_bytes(config, per_token, max_model_len), config.page_size, kv_dtype)
     kv = init_paged_kv(mc, num_pages, config.page_size, kv_dtype)
     allocator = BlockManager(num_pages, config.page_size,
-                             enable_prefix_cache=config.enable_prefix_cache)
+                             **allocator_options(config))
     return KVPool(kv, allocator, HostSwapSpace(), per_token)
 
 
@@ -100,11 +106,11 @@ def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int
                                      num_seq_slots=num_seq_slots, **options)
     if not num_seq_slots:
         allocator = BlockManager(num_pages, config.page_size,
-                                 enable_prefix_cache=config.enable_prefix_cache)
+                                 **allocator_options(config))
         return KVPool(kv, allocator, HostSwapSpace(), per_token)
     allocator = residual.WindowBlockManager(
         num_pages, config.page_size, num_seq_slots=num_seq_slots,
-        enable_prefix_cache=config.enable_prefix_cache, scrub_windows=config.scrub_freed_pages)
+        **allocator_options(config), scrub_windows=config.scrub_freed_pages)
     return KVPool(kv, allocator, residual.WindowSwapSpace(allocator), per_token,
                   quantized_len=lambda n: int(kv.codec.num_quantized(n)))
 
@@ -137,5 +143,5 @@ def _arena_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, kv
         int(budget_bytes(config, per_token, max_model_len) // (frame_words * arena.WORD)), 1)
     kv = arena.ArenaKV(arena.init_arena(num_pages, frame_words), layout, k_codec, v_codec)
     allocator = BlockManager(num_pages, config.page_size,
-                             enable_prefix_cache=config.enable_prefix_cache)
+                             **allocator_options(config))
     return KVPool(kv, allocator, HostSwapSpace(), per_token)

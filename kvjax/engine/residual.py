@@ -26,8 +26,8 @@ class WindowBlockManager(BlockManager):
     """A block manager that also gives every registered sequence a window slot."""
 
     def __init__(self, num_pages: int, page_size: int, *, num_seq_slots: int,
-                 enable_prefix_cache: bool = True, scrub_windows: bool = False):
-        super().__init__(num_pages, page_size, enable_prefix_cache=enable_prefix_cache)
+                 scrub_windows: bool = False, **options):
+        super().__init__(num_pages, page_size, **options)
         self.num_seq_slots = num_seq_slots
         self.scrub_windows = scrub_windows
         self._free_slots = list(range(num_seq_slots - 1, -1, -1))

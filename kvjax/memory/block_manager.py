@@ -24,7 +24,13 @@ from typing import Protocol
 
 import numpy as np
 
-from kvjax.memory.prefix_cache import CachedPage, PrefixCache, hash_page, hash_root
+from kvjax.memory.prefix_cache import (
+    CachedPage,
+    PrefixCache,
+    PrefixEviction,
+    hash_page,
+    hash_root,
+)
 from kvjax.trace import NULL_TRACER, Tracer
 
 
@@ -135,14 +141,16 @@ class BlockManager:
     """
 
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_cache: bool = True,
-                 pages: PageSource | None = None):
+                 pages: PageSource | None = None,
+                 prefix_eviction: PrefixEviction = PrefixEviction.LRU):
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         if not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.prefix_cache = PrefixCache(page_size) if enable_prefix_cache else None
+        self.prefix_cache = (PrefixCache(page_size, prefix_eviction) if enable_prefix_cache
+                             else None)
         # Page ids are in [0, num_pages) whatever the source; a shared source hands out only
         # the ids it owns at the time.
         self._free_pages = FreeList(num_pages) if pages is None else pages
@@ -335,12 +343,13 @@ class BlockManager:
             )
         if self.prefix_cache is None:
             return
-        parent = seq.page_hashes[-1] if seq.page_hashes else hash_root(seq.cache_key)
+        root = hash_root(seq.cache_key)
+        parent = seq.page_hashes[-1] if seq.page_hashes else root
         for index in range(len(seq.page_hashes), len(token_ids) // self.page_size):
             start = index * self.page_size
             parent = hash_page(parent, token_ids[start : start + self.page_size])
             seq.page_hashes.append(parent)
-            self.prefix_cache.insert(parent, seq.block_table[index], index)
+            self.prefix_cache.insert(parent, seq.block_table[index], index, owner=root)
 
     def retain(
         self, seq_id: Hashable, keep: Sequence[int]

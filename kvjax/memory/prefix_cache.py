@@ -9,16 +9,20 @@ so they are equal across processes and machines (unlike Python's salted `hash`).
 The index only knows pages and hashes; the block manager owns reference counts and tells the
 index when an indexed page loses its last reference (it becomes evictable) or gains one again.
 
-Eviction takes the least recently released unreferenced page, except that a caller (a KV
-controller, through the block manager) may name pages to keep (`keep`): those go only after
-every other evictable page, in the order named. Each indexed page counts its reuses (prefix
-hits), remembers when it was last released and its depth in its chain (`CachedPage`), which is
-what such a caller ranks pages by.
+Eviction takes the least recently released unreferenced page (`PrefixEviction.LRU`), or,
+under `PrefixEviction.FAIR_SHARE`, that of the owner holding the most indexed pages: an owner
+is a chain's root (one cache key: a tenant's salt with the KV provenance), so a tenant
+flooding the cache with long distinct prefixes gives up its own pages before another
+tenant's. Either way a caller (a KV controller, through the block manager) may name pages to
+keep (`keep`): those go only after every other evictable page, in the order named. Each
+indexed page counts its reuses (prefix hits), remembers when it was last released and its
+depth in its chain (`CachedPage`), which is what such a caller ranks pages by.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 import hashlib
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -43,6 +47,13 @@ def hash_page(parent_hash: bytes, page_tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
+class PrefixEviction(enum.Enum):
+    """Which unreferenced page the prefix cache gives up first."""
+
+    LRU = "lru"  # the least recently released
+    FAIR_SHARE = "fair_share"  # the least recently released of the owner with the most pages
+
+
 class CachedPage(NamedTuple):
     """An unreferenced indexed page, as a keep policy sees it.
 
@@ -65,12 +76,14 @@ class PrefixCache:
 
     Attributes:
         page_size: P, tokens per page.
+        eviction: the PrefixEviction policy.
     """
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, eviction: PrefixEviction = PrefixEviction.LRU):
         if not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
+        self.eviction = PrefixEviction(eviction)
         self._page_by_hash: dict[bytes, int] = {}
         self._hash_by_page: dict[int, bytes] = {}
         # Least recently released first (evict_one pops from the front), with release times.
@@ -78,6 +91,8 @@ class PrefixCache:
         self._hits: dict[int, int] = {}  # indexed page -> reuses
         self._depth: dict[int, int] = {}  # indexed page -> index in its chain
         self._keep: dict[int, int] = {}  # page -> rank: evicted last, lowest rank first
+        self._owner: dict[int, bytes] = {}  # indexed page -> its chain's root hash
+        self._owned: collections.Counter[bytes] = collections.Counter()  # root -> pages
 
     def lookup(self, token_ids: Sequence[int], cache_key: bytes) -> list[int]:
         """Pages holding the longest indexed prefix of full pages of `token_ids`, in order."""
@@ -91,16 +106,18 @@ class PrefixCache:
             pages.append(page)
         return pages
 
-    def insert(self, page_hash: bytes, page: int, depth: int = 0) -> bool:
-        """Indexes `page` (the `depth`-th page of its chain) under `page_hash`; returns False
-        (and changes nothing) when the hash already names another page or the page is already
-        indexed."""
+    def insert(self, page_hash: bytes, page: int, depth: int = 0, owner: bytes = b"") -> bool:
+        """Indexes `page` (the `depth`-th page of its chain, whose root hash is `owner`) under
+        `page_hash`; returns False (and changes nothing) when the hash already names another
+        page or the page is already indexed."""
         if page_hash in self._page_by_hash or page in self._hash_by_page:
             return False
         self._page_by_hash[page_hash] = page
         self._hash_by_page[page] = page_hash
         self._hits[page] = 0
         self._depth[page] = depth
+        self._owner[page] = owner
+        self._owned[owner] += 1
         return True
 
     def record_hit(self, page: int) -> None:
@@ -158,19 +175,30 @@ class PrefixCache:
         kept one (see `keep`)."""
         if not self._evictable:
             return None
-        page = next((p for p in self._evictable if p not in self._keep), None)
+        candidates = (p for p in self._evictable if p not in self._keep)
+        if self.eviction is PrefixEviction.FAIR_SHARE:
+            # Each owner's least recently released page, then the owner with the most pages.
+            firsts: dict[bytes, int] = {}
+            for p in candidates:
+                firsts.setdefault(self._owner[p], p)
+            candidates = iter(sorted(firsts.values(), key=lambda p: -self._owned[self._owner[p]]))
+        page = next(candidates, None)
         if page is None:
             page = min(self._evictable, key=self._keep.__getitem__)
         del self._evictable[page]
         del self._page_by_hash[self._hash_by_page.pop(page)]
         del self._hits[page], self._depth[page]
         self._keep.pop(page, None)
+        owner = self._owner.pop(page)
+        self._owned[owner] -= 1
+        if not self._owned[owner]:
+            del self._owned[owner]
         return page
 
     def reset(self) -> list[int]:
         """Empties the index; returns the pages that were evictable (nobody references them)."""
         released = list(self._evictable)
         for index in (self._page_by_hash, self._hash_by_page, self._evictable, self._hits,
-                      self._depth, self._keep):
+                      self._depth, self._keep, self._owner, self._owned):
             index.clear()
         return released

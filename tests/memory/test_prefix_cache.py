@@ -94,6 +94,40 @@ def test_evicts_least_recently_released_and_only_unreferenced_pages():
     assert cache.lookup([1, 2, 3, 4], b"") == []
 
 
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "release", "evict", "keep"]),
+                              st.integers(0, 2), st.integers(0, 11)), max_size=40))
+def test_fair_share_evicts_from_the_owner_with_the_most_pages(ops):
+    """Against a brute-force model: each eviction takes, among owners with an evictable page
+    not kept, one holding the most indexed pages, and that owner's least recently released
+    page; kept pages go last (in the order named), as under LRU."""
+    cache = PrefixCache(1, prefix_cache.PrefixEviction.FAIR_SHARE)
+    owner_of, released, kept, next_page = {}, [], [], 0  # released: LRU order
+    for op, owner, arg in ops:
+        if op == "insert":
+            assert cache.insert(bytes([next_page]) * 16, next_page, owner=bytes([owner]))
+            owner_of[next_page], next_page = owner, next_page + 1
+        elif op == "release" and arg in owner_of and arg not in released:
+            cache.mark_evictable(arg)
+            released.append(arg)
+        elif op == "keep":
+            kept = [p for p in released if p % 3 == arg % 3]
+            cache.keep(kept)
+        elif op == "evict":
+            counts = {o: sum(1 for v in owner_of.values() if v == o) for o in owner_of.values()}
+            free = [p for p in released if p not in kept]
+            if free:
+                most = max(counts[owner_of[p]] for p in free)
+                expected = next(p for p in free if counts[owner_of[p]] == most)
+            else:
+                expected = kept[0] if kept else None
+            assert cache.evict_one() == expected
+            if expected is not None:
+                released.remove(expected)
+                kept = [p for p in kept if p != expected]
+                del owner_of[expected]
+
+
 def test_reset_returns_only_evictable_pages():
     cache = PrefixCache(1)
     _insert_chain(cache, [1, 2, 3], b"", [0, 1, 2])
