@@ -2,7 +2,8 @@
 
 A `SampleDecoder` follows one sample. It detokenizes incrementally (text is released only
 once it decodes to whole characters), ends the sample at the first stop string (the string
-and what follows are cut) or stop token id (its text is left out), and holds back the last
+and what follows are cut; with vLLM's `include_stop_str_in_output` only what follows) or stop
+token id (its text is left out), and holds back the last
 `len(longest stop) - 1` characters while the sample runs, so streamed text never shows a
 stop string that the final text cuts. Streaming and non-streaming responses are assembled
 from the same deltas, so their texts are equal by construction.
@@ -28,8 +29,9 @@ class IncrementalDetokenizer:
     ("\\ufffd"), the approach of Hugging Face's text-generation-inference.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # the window's start
         self._read = 0  # tokens before this have been released
@@ -37,8 +39,10 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Appends a token; returns the text it completes (possibly '')."""
         self._ids.append(token_id)
-        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read])
-        text = self._tokenizer.decode(self._ids[self._prefix:])
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read],
+                                             skip_special_tokens=self._skip)
+        text = self._tokenizer.decode(self._ids[self._prefix:],
+                                      skip_special_tokens=self._skip)
         if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self._ids)
             return text[len(prefix_text):]
@@ -46,8 +50,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The text still held back (an incomplete character at the end), released."""
-        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read])
-        text = self._tokenizer.decode(self._ids[self._prefix:])
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read],
+                                             skip_special_tokens=self._skip)
+        text = self._tokenizer.decode(self._ids[self._prefix:],
+                                      skip_special_tokens=self._skip)
         self._prefix = self._read = len(self._ids)
         return text[len(prefix_text):]
 
@@ -87,11 +93,14 @@ class SampleDecoder:
     """
 
     def __init__(self, tokenizer, index: int, *, stop: list[str],
-                 stop_token_ids: tuple[int, ...], text_offset: int = 0):
+                 stop_token_ids: tuple[int, ...], text_offset: int = 0,
+                 skip_special_tokens: bool = True, include_stop_str: bool = False):
         self.index = index
         self._text_offset = text_offset  # where the sample's text starts (after an echo)
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._detokenizer = IncrementalDetokenizer(tokenizer,
+                                                   skip_special_tokens=skip_special_tokens)
         self._stop = stop
+        self._include_stop_str = include_stop_str
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._stop_token_ids = set(stop_token_ids)
         self.token_ids: list[int] = []
@@ -142,10 +151,12 @@ class SampleDecoder:
             return False
         begin = max(0, len(self.text) - self._holdback)
         self.text += piece
-        found = [i for i in (self.text.find(s, begin) for s in self._stop) if i >= 0]
+        found = [(i, len(s)) for i, s in ((self.text.find(s, begin), s) for s in self._stop)
+                 if i >= 0]
         if not found:
             return False
-        self.text = self.text[:min(found)]
+        at, length = min(found)
+        self.text = self.text[:at + length if self._include_stop_str else at]
         self.finish_reason = "stop"
         return True
 

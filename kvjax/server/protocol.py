@@ -72,6 +72,8 @@ class _SamplingFields(_Strict):
     presence_penalty: Literal[0, 0.0] | None = None
     frequency_penalty: Literal[0, 0.0] | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens spelled "token_id:<id>"
+    skip_special_tokens: bool = True  # leave special tokens out of the output text
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
 
     @pydantic.field_validator("user")
     @classmethod

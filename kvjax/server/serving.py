@@ -504,7 +504,9 @@ class OpenAIServing:
             echo = None if echoes is None else echoes[i]
             decoders = [SampleDecoder(self.tokenizer, j, stop=body.stop_strings,
                                       stop_token_ids=request.sampling.stop_token_ids,
-                                      text_offset=0 if echo is None else len(echo.text))
+                                      text_offset=0 if echo is None else len(echo.text),
+                                      skip_special_tokens=body.skip_special_tokens,
+                                      include_stop_str=body.include_stop_str_in_output)
                         for j in range(body.n)]
             generations.append(_Generation(self.engine, request, stream, decoders, i * body.n,
                                            echo))

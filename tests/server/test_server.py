@@ -185,6 +185,18 @@ def test_stop_strings_and_stop_token_ids_end_the_text(model, client):
     assert got.choices[0].text == model.tokenizer.decode(tokens[:first])
     assert got.choices[0].finish_reason == "stop"
     assert got.usage.completion_tokens == first + 1  # the stop token counts, its text is left out
+    # vLLM's extensions: the stop string kept; special tokens spelled out in the text.
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
+                                        temperature=0, stop=[stop], stream=stream,
+                                        extra_body=dict(include_stop_str_in_output=True))
+        kept = "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
+        assert kept == cut + stop
+    special = [t for t in tokens if model.tokenizer.decode([t]) == ""]
+    got = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
+                                    temperature=0, extra_body=dict(skip_special_tokens=False))
+    assert got.choices[0].text == model.tokenizer.decode(tokens, skip_special_tokens=False)
+    assert bool(special) == (got.choices[0].text != text)
 
 
 def test_top_logprobs_rank_the_models_distribution(model, client):
