@@ -36,6 +36,12 @@ def get_config() -> ConfigDict:
     config.engine.max_model_len = 2048  # context limit (prompt + output); None: the model's
     config.engine.scheduler_policy = "fcfs"  # fcfs, priority, lpm (prefix-aware), fair (tenants)
     config.engine.enable_prefix_cache = True  # share full prompt pages across requests
+    # Which unreferenced cached page goes first: lru, or fair_share (that of the tenant holding
+    # the most cached pages: a tenant flooding the cache evicts its own pages first).
+    config.engine.prefix_cache_eviction = "lru"
+    # A tenant whose running sequences hold this fraction of the pool admits no more while
+    # another tenant's requests wait; None: no limit.
+    config.engine.max_tenant_page_share = config_dict.placeholder(float)
     # recompute, swap (to host memory: the host tier when tiers are on) or auto (per sequence,
     # whichever a cost model estimates cheaper)
     config.engine.preemption_mode = "recompute"

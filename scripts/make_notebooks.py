@@ -285,10 +285,11 @@ WRITE_YOUR_OWN_POLICY = [
 
 A scheduling policy decides which waiting request is admitted next and which running one is
 preempted when pages run out. In kvjax it is a small class with a `name`, a
-`priority_key(seq)` (smaller goes first, larger is preempted first) and an
-`on_tokens(seq, num_tokens)` hook, registered by name. Here we write shortest-prompt-first
-and benchmark it against first-come-first-served with the joint benchmark's Python API (the
-functions `scripts/serve_bench.py` calls)."""),
+`priority_key(seq)` (smaller goes first, larger is preempted first), an
+`on_tokens(seq, num_tokens)` hook and `ranks_prefills_together` (whether a waiting request
+may go before a running one's unfinished prefill), registered by name. Here we write
+shortest-prompt-first and benchmark it against first-come-first-served with the joint
+benchmark's Python API (the functions `scripts/serve_bench.py` calls)."""),
     ("code", SETUP),
     ("code", INSTALL),
     ("code", """\
@@ -313,6 +314,7 @@ class ShortestPromptFirst:
     \"\"\"Fewest prompt tokens first; ties by arrival.\"\"\"
 
     name = "spf"
+    ranks_prefills_together = False  # admitted prompts finish their prefill first
 
     def priority_key(self, seq: Sequence) -> tuple:
         return (seq.num_prompt_tokens, seq.arrival_time, seq.order)

@@ -99,11 +99,14 @@ def api_keys_from_flags() -> dict[str, str | None]:
 
 def config_from_flags():
     """The config file with the engine flags (and --model / --dtype) applied; with API keys
-    (tenants) and no --scheduler_policy, fair admission across tenants."""
+    (tenants), fair admission (unless --scheduler_policy says otherwise) and fair-share
+    prefix-cache eviction."""
     overrides = {f"engine.{name}": FLAGS[name].value for name in _ENGINE_FLAGS
                  if FLAGS[name].value is not None}
-    if (FLAGS.api_key or FLAGS.api_key_file) and FLAGS.scheduler_policy is None:
-        overrides["engine.scheduler_policy"] = "fair"
+    if FLAGS.api_key or FLAGS.api_key_file:  # tenants: fair admission, fair cache shares
+        if FLAGS.scheduler_policy is None:
+            overrides["engine.scheduler_policy"] = "fair"
+        overrides.setdefault("engine.prefix_cache_eviction", "fair_share")
     for field, value in (("kv.codec", FLAGS.kv_codec), ("model.name", FLAGS.model),
                          ("model.dtype", FLAGS.dtype)):
         if value is not None:

@@ -271,6 +271,9 @@ def _fairness(served: Sequence[RequestRecord], records: Sequence[RequestRecord]
                                    for r in records),
             "output_tokens": sum(r.num_output_tokens for r in mine),
             "prompt_tokens": sum(r.num_prompt_tokens for r in mine),
+            "prefix_hit_rate": (sum(r.num_cached_prompt_tokens for r in mine)
+                                / max(sum(r.num_prompt_tokens for r in mine), 1)),
+            "ttft_p50_s": _percentile(ttfts, 50),
             "ttft_p99_s": _percentile(ttfts, 99),
         }
     return {

@@ -41,6 +41,8 @@ class EngineConfig:
       prefix_cache_eviction: which unreferenced cached page goes first ("lru", or
         "fair_share": that of the tenant holding the most cached pages, so a tenant flooding
         the cache with distinct prefixes evicts its own pages first).
+      max_tenant_page_share: a tenant whose running sequences hold this fraction of the pool
+        admits no more while another tenant's requests wait (None: no limit).
       scheduler_policy: a name registered in kvjax.scheduler.policies.
       preemption_mode: RECOMPUTE, SWAP or AUTO (swap when moving the sequence's KV out and back
         is estimated cheaper than recomputing it; each decision lands in
@@ -109,6 +111,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
     prefix_cache_eviction: PrefixEviction = PrefixEviction.LRU
+    max_tenant_page_share: float | None = None
     scheduler_policy: str = "fcfs"
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     tiers: TierConfig = TierConfig()
@@ -145,6 +148,9 @@ class EngineConfig:
         if self.prefill_padding_limit is not None and not 0.0 <= self.prefill_padding_limit < 1:
             raise ValueError(f"EngineConfig.prefill_padding_limit must be None or in [0, 1), "
                              f"got {self.prefill_padding_limit!r}")
+        if self.max_tenant_page_share is not None and not 0.0 < self.max_tenant_page_share <= 1:
+            raise ValueError(f"EngineConfig.max_tenant_page_share must be None or in (0, 1], "
+                             f"got {self.max_tenant_page_share!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         if isinstance(self.spec, dict):

@@ -205,7 +205,8 @@ class Engine:
             prefill_buckets=self.runner.buckets.prefill_buckets,
             prefill_padding_limit=cfg.prefill_padding_limit,
             num_draft_tokens=cfg.spec.num_draft_tokens if cfg.spec.enabled else 0,
-            adaptive_drafts=cfg.spec.adaptive, **self._demotion())
+            adaptive_drafts=cfg.spec.adaptive,
+            max_tenant_page_share=cfg.max_tenant_page_share, **self._demotion())
 
     def _demotion(self) -> dict:
         """The precisions swapped copies can be demoted to, each with the byte ratio it saves:

@@ -16,9 +16,17 @@ from kvjax.scheduler.request import Sequence
 
 
 class SchedulingPolicy(Protocol):
-    """Orders requests. Smaller keys are served first and preempted last."""
+    """Orders requests. Smaller keys are served first and preempted last.
+
+    Attributes:
+      name: the registry name.
+      ranks_prefills_together: whether a waiting sequence may go before a running one's
+        unfinished prefill (True: prefill chunks follow the keys alone; False: running
+        prefills finish first, so pages already taken are put to use before new admissions).
+    """
 
     name: str
+    ranks_prefills_together: bool
 
     def priority_key(self, seq: Sequence) -> tuple:
         """The sort key of a waiting or running sequence."""
@@ -31,6 +39,7 @@ class FCFS:
     """First come, first served by arrival time."""
 
     name = "fcfs"
+    ranks_prefills_together = False
 
     def priority_key(self, seq: Sequence) -> tuple:
         return (seq.arrival_time, seq.order)
@@ -43,6 +52,7 @@ class Priority:
     """Higher `priority` first, then arrival."""
 
     name = "priority"
+    ranks_prefills_together = False
 
     def priority_key(self, seq: Sequence) -> tuple:
         return (-seq.priority, seq.arrival_time, seq.order)
@@ -55,6 +65,7 @@ class LongestPrefixMatch:
     """Cache-aware: requests with more prompt tokens already in the prefix cache go first."""
 
     name = "lpm"
+    ranks_prefills_together = False
 
     def __init__(self, cached_tokens: Callable[[Sequence], int] | None = None):
         self.cached_tokens = cached_tokens
@@ -71,10 +82,13 @@ class FairShare:
     """Per-tenant fair share: the tenant with the fewest tokens served so far goes first.
 
     A virtual token counter per tenant grows with every token computed for it; a tenant that
-    arrives late starts at the current minimum, so it cannot claim credit for idle time.
+    arrives late starts at the current minimum, so it cannot claim credit for idle time. A
+    tenant's waiting request goes before another tenant's unfinished prefill when it has been
+    served less, so a flood of long prompts cannot hold the prefill slots.
     """
 
     name = "fair"
+    ranks_prefills_together = True
 
     def __init__(self):
         self.served: dict[str | None, float] = collections.defaultdict(float)

@@ -61,6 +61,7 @@ class SchedulerConfig:
         (`SpecConfig.adaptive`).
       demote_ratios: {bits: a page's bytes over its copy's at bits} for each precision a
         swapped copy may be demoted to (float pages, the plain swap space); empty: none.
+      max_tenant_page_share: as in EngineConfig.
     """
 
     max_num_seqs: int
@@ -81,6 +82,7 @@ class SchedulerConfig:
     num_draft_tokens: int = 0
     adaptive_drafts: bool = False
     demote_ratios: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    max_tenant_page_share: float | None = None
 
 
 # A controller's estimate of the swap rate when the engine measured none.
@@ -172,6 +174,17 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 return by_id[seq_id]
         return self._ranked(candidates)[-1]
 
+    def _over_tenant_share(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence's tenant already holds its share of the pool
+        (`max_tenant_page_share`) while another tenant waits: then it waits too. Alone, a
+        tenant may take the whole pool (the limit never idles pages)."""
+        share = self.config.max_tenant_page_share
+        if share is None or all(s.tenant == seq.tenant for s in self.waiting):
+            return False
+        held = sum(len(self.kv_cache.block_table(s.seq_id)) for s in self.running
+                   if s.tenant == seq.tenant)
+        return held >= share * self.kv_cache.num_pages
+
     def _cached_len(self, seq: Sequence) -> int:
         return self.kv_cache.cached_len(seq.seq_id, seq.num_computed)
 
@@ -238,6 +251,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                       + self._ranked(self.waiting))
         # A sequence the controller offloaded this step does not come straight back.
         candidates = partial + [s for s in queued if s.seq_id not in offloaded]
+        if self.policy.ranks_prefills_together and not self.decisions.admit_order:
+            candidates = self._ranked(candidates)
         for seq in candidates:
             # A token still in flight joins only as its own decode row (above).
             if seq.weights_version != active or seq.num_unresolved:
@@ -267,7 +282,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             if is_new:
                 if len(self.running) >= cfg.max_num_seqs:
                     break
-                if not self._admit(seq):
+                if self._over_tenant_share(seq) or not self._admit(seq):
                     continue
             limit = self._reuse_chunks(seq)
             if not limit:  # Its next chunk is being filled, or its copy finds no room.

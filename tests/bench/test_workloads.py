@@ -37,6 +37,9 @@ SMALL = {
     "multi_tenant_burst": dict(prompt_len=64, output_len=32),
     "rl_group": dict(group_size=4, prompt_max=128),
     "rag": dict(num_docs=6, docs_per_prompt=3, doc_min_words=20, doc_max_words=40),
+    # (the flood's requests come on top of num_requests: its own test turns it on)
+    "tenant_flood": dict(system_prompt_len=48, flood_bursts=0, burst_size=3,
+                         flood_prompt_len=64),
 }
 
 
@@ -281,6 +284,20 @@ def test_burst_tenant_gets_its_share_of_arrivals():
     assert abs(share - expected) < 4 * math.sqrt(expected * (1 - expected) / num)
     total_rate = num / requests[-1].arrival_time
     assert abs(total_rate - 2.0 * (multiplier + num_tenants - 1)) < 2.0
+
+
+def test_tenant_flood_victim_requests_are_the_same_with_and_without_the_flood():
+    flooded = _build("tenant_flood", 3, flood_bursts=2)
+    alone = _build("tenant_flood", 3)
+    victims = [r for r in flooded if r.tenant == "victim"]
+    assert victims == alone and len(victims) == 12
+    system = victims[0].prompt_ids[:48]
+    assert all(r.prompt_ids[:48] == system and len(r.prompt_ids) == 64 for r in victims)
+    flood = [r for r in flooded if r.tenant == "flooder"]
+    assert [r.arrival_time for r in flood] == [0.0] * 3 + [4.0] * 3
+    # No two flood prompts share even their first page of 16 tokens after BOS.
+    assert len({r.prompt_ids[1:17] for r in flood}) == 6
+    assert all(len(r.prompt_ids) == 64 for r in flood)
 
 
 def test_burst_window_raises_only_that_tenants_rate_inside_it():

@@ -33,7 +33,9 @@ CONFIG = ModelConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_l
 
 def make_scheduler(num_pages: int = 32, *, max_num_seqs: int = 4, prefix_cache: bool = True,
                    preemption: PreemptionMode = PreemptionMode.RECOMPUTE,
-                   max_num_batched_tokens: int = 64, max_prefill_chunk: int = 16):
+                   max_num_batched_tokens: int = 64, max_prefill_chunk: int = 16,
+                   max_prefill_seqs: int = 4, policy: str = "fcfs",
+                   max_tenant_page_share: float | None = None):
     device = HostKV(init_paged_kv(CONFIG, num_pages, P))
     stats: dict = {}
     kv_cache = KVCacheManager(
@@ -42,26 +44,26 @@ def make_scheduler(num_pages: int = 32, *, max_num_seqs: int = 4, prefix_cache: 
         scrub_freed_pages=False, stats=stats)
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_prefill_chunk=max_prefill_chunk, max_prefill_seqs=4, page_size=P, max_model_len=64,
-        is_paged=True, preemption_mode=preemption, kv_bytes_per_token=8.0,
-        eos_token_ids=(EOS,))
-    scheduler = Scheduler(config, kv_cache, make_policy("fcfs"),
+        max_prefill_chunk=max_prefill_chunk, max_prefill_seqs=max_prefill_seqs, page_size=P,
+        max_model_len=64, is_paged=True, preemption_mode=preemption, kv_bytes_per_token=8.0,
+        eos_token_ids=(EOS,), max_tenant_page_share=max_tenant_page_share)
+    scheduler = Scheduler(config, kv_cache, make_policy(policy),
                           cache_key=lambda tenant, version: f"{tenant}|{version}".encode(),
                           clock=lambda: 0.0, stats=stats, weights_version="v0")
     return scheduler, device
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_new_tokens: int = 8,
-        n: int = 1) -> None:
+        n: int = 1, tenant: str | None = None) -> None:
     sampling = SamplingParams(max_new_tokens=max_new_tokens, n=n)
     common = dict(request_id=request_id, num_prompt_tokens=len(prompt), sampling=sampling,
-                  arrival_time=0.0, order=scheduler.next_order())
+                  arrival_time=0.0, order=scheduler.next_order(), tenant=tenant)
     if n > 1:
         seqs = [Sequence(seq_id=f"{request_id}#prompt", tokens=prompt[:-1], seed=0,
                          is_group_prefill=True, **common)]
     else:
         seqs = [Sequence(seq_id=f"{request_id}#0", tokens=list(prompt), seed=0, **common)]
-    scheduler.add_request(request_id, list(prompt), seqs, arrival=0.0, tenant=None, n=n)
+    scheduler.add_request(request_id, list(prompt), seqs, arrival=0.0, tenant=tenant, n=n)
 
 
 def fake_step(scheduler: Scheduler, next_token=lambda row: 7):
@@ -272,3 +274,45 @@ def test_overlapped_steps_feed_in_flight_tokens_and_never_stall(with_other):
         assert outputs["a"].outputs[0].token_ids == [7] * 4
     assert fed > 0, "decode rows should take their token from the step in flight"
     assert scheduler.stats["preemptions"] == 0
+
+
+def test_fair_share_lets_a_waiting_tenant_go_before_another_tenants_long_prefill():
+    """Under `fair`, a tenant served less goes before another tenant's unfinished prefill
+    (one prefill row a step); under `fcfs` the running prefill finishes first."""
+    order = {}
+    for policy in ("fcfs", "fair"):
+        scheduler, _ = make_scheduler(policy=policy, max_prefill_seqs=1, max_prefill_chunk=4,
+                                      max_num_batched_tokens=8)
+        add(scheduler, "flood", list(range(1, 25)), tenant="a")  # 6 chunks of 4
+        fake_step(scheduler)
+        add(scheduler, "chat", [50, 51, 52], tenant="b")
+        steps = 1
+        while "chat#0" not in {r.seq_id for r in fake_step(scheduler)[0].prefill}:
+            steps += 1
+        order[policy] = steps
+    # (b starts level with a's count, so a's next chunk wins the tie; then b is served less)
+    assert order == {"fcfs": 6, "fair": 2}, order
+
+
+def test_a_tenant_over_its_page_share_waits_while_another_tenant_waits():
+    """With max_tenant_page_share, a tenant holding its share admits nothing new while
+    another tenant's request waits; alone it may fill the pool."""
+    scheduler, _ = make_scheduler(num_pages=16, policy="fcfs", max_prefill_chunk=16,
+                                  max_num_batched_tokens=64, max_tenant_page_share=0.5)
+    for i in range(3):  # 3 x 3 pages, then a 4th each to decode: a alone takes 12 of 16
+        add(scheduler, f"a{i}", list(range(20 * i + 1, 20 * i + 13)), tenant="a")
+    so, _ = fake_step(scheduler)
+    assert sorted(r.seq_id for r in so.prefill) == ["a0#0", "a1#0", "a2#0"]
+    add(scheduler, "a3", list(range(101, 109)), tenant="a")
+    add(scheduler, "b0", list(range(201, 209)), tenant="b")
+    so, _ = fake_step(scheduler)
+    assert [r.seq_id for r in so.prefill] == ["b0#0"]  # a holds 12 >= 8 pages: a3 waits
+    unlimited, _ = make_scheduler(num_pages=16, policy="fcfs", max_prefill_chunk=16,
+                                  max_num_batched_tokens=64)
+    for i in range(3):
+        add(unlimited, f"a{i}", list(range(20 * i + 1, 20 * i + 13)), tenant="a")
+    fake_step(unlimited)
+    add(unlimited, "a3", list(range(101, 109)), tenant="a")
+    add(unlimited, "b0", list(range(201, 209)), tenant="b")
+    so, _ = fake_step(unlimited)
+    assert [r.seq_id for r in so.prefill] == ["a3#0"]  # first come (then max_num_seqs is met)
