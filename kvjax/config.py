@@ -15,6 +15,8 @@ import enum
 
 import jax.numpy as jnp
 
+from kvjax.models.rope import RoPE
+
 
 class KVLayout(enum.Enum):
     """How KV storage is organised on the device."""
@@ -47,7 +49,7 @@ class ModelConfig:
         num_heads: N, query heads.
         num_kv_heads: K, key/value heads (GQA when K < N, MQA when K == 1).
         head_dim: D.
-        rope_theta: RoPE base frequency.
+        rope: the rotary position embedding (base, scaling).
         rms_norm_eps: epsilon of RMSNorm.
         max_position_embeddings: the context length the model was trained for.
         tie_word_embeddings: the output projection reuses the token embedding.
@@ -63,7 +65,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope_theta: float = 10000.0
+    rope: RoPE = RoPE()
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -81,6 +83,7 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
+        self.rope.inv_freq(self.head_dim)  # raises ValueError when the RoPE does not fit D
 
     @property
     def group_size(self) -> int:

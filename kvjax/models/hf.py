@@ -4,11 +4,11 @@ Hugging Face stores linear weights as [out, in]; kvjax computes `x @ W`, so ever
 transposed to [in, out], and per-layer tensors are stacked on a leading L axis (see
 `kvjax.models.llama`). Both use the rotate-half RoPE convention, so Q and K need no permutation.
 
-What is rejected rather than silently computed wrong: RoPE scaling (`rope_type` other than
-'default'), partial rotary embeddings, activations other than SiLU, biases beyond Qwen2's Q/K/V
-biases, and Qwen2's sliding-window layers. Mistral's `sliding_window` is honoured by capping
-`max_position_embeddings` at the window: within the window, sliding-window attention equals full
-causal attention, which is what kvjax computes.
+What is rejected rather than silently computed wrong: RoPE types `RoPE.from_hf` does not know
+(see `kvjax.models.rope`), partial rotary embeddings, activations other than SiLU, biases
+beyond Qwen2's Q/K/V biases, and Qwen2's sliding-window layers. Mistral's `sliding_window` is
+honoured by capping `max_position_embeddings` at the window: within the window, sliding-window
+attention equals full causal attention, which is what kvjax computes.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 from kvjax.config import ModelConfig, resolve_dtype
 from kvjax.models import llama
 from kvjax.models.model import Model
+from kvjax.models.rope import RoPE
 from kvjax.models.tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -52,24 +53,6 @@ _LAYER_BIASES = {
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
 }
-
-
-def _rope_theta(hf_config: dict[str, Any]) -> float:
-    """RoPE base from `rope_parameters` (transformers >= 5) or `rope_theta` / `rope_scaling`."""
-    theta = hf_config.get("rope_theta", 10000.0)
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = hf_config.get(key) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported {key} rope_type {rope_type!r}; "
-                             "only 'default' RoPE is supported")
-        theta = rope.get("rope_theta", theta)
-    rope_parameters = hf_config.get("rope_parameters") or {}
-    partial = hf_config.get("partial_rotary_factor",
-                            rope_parameters.get("partial_rotary_factor", 1))
-    if partial != 1:
-        raise ValueError(f"unsupported partial_rotary_factor {partial!r}")
-    return float(theta)
 
 
 def _required(hf_config: dict[str, Any], key: str) -> Any:
@@ -103,7 +86,8 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
     for flag in ("attention_bias", "mlp_bias"):
         if hf_config.get(flag):
             raise ValueError(f"unsupported {flag}=true for model_type {model_type!r}")
-    max_positions = hf_config.get("max_position_embeddings", 2048)
+    rope = RoPE.from_hf(hf_config)
+    max_positions = rope.context_length(hf_config.get("max_position_embeddings", 2048))
     if model_type == "qwen2":
         layer_types = hf_config.get("layer_types") or ()
         if hf_config.get("use_sliding_window") or "sliding_attention" in layer_types:
@@ -120,7 +104,7 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
         num_heads=num_heads,
         num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
         head_dim=hf_config.get("head_dim") or hidden // num_heads,
-        rope_theta=_rope_theta(hf_config),
+        rope=rope,
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),

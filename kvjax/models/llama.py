@@ -50,19 +50,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding, rotate-half convention. x: [T, heads, D]; positions: [T]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
-    sin = jnp.sin(angles)[:, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [T, heads, D]
-    return out.astype(x.dtype)
-
-
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02
                 ) -> Params:
     """Random params (normal * scale, norms at 1) for tests and synthetic benchmarks."""
@@ -142,8 +129,9 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
     v = matmul(x, p["wv"])
     if c.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = rope(q.reshape(t, c.num_heads, c.head_dim), positions, c.rope_theta)  # [T, N, D]
-    k = rope(k.reshape(t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)  # [T, K, D]
+    q = q.reshape(t, c.num_heads, c.head_dim)  # [T, N, D]
+    k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, K, D]
+    q, k = c.rope.apply(q, positions), c.rope.apply(k, positions)
     return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
 
 

@@ -80,9 +80,9 @@ def _masked_forward(config, quest_pages: int, quest_dense_layers: int, num_rotat
                 seen = jnp.where(is_sparse, visible & chosen, visible)
             scores = jnp.einsum("tkgd,skd->kgts", qg, kf) / np.sqrt(d)
             if num_rotated_sinks:
-                sinks = jax.vmap(lambda shift: llama.rope(
-                    kf[:num_rotated_sinks], jnp.full(num_rotated_sinks, shift),
-                    config.rope_theta))(sink_shift)  # [T, sinks, K, D]
+                sinks = jax.vmap(lambda shift: config.rope.rotate(
+                    kf[:num_rotated_sinks], jnp.full(num_rotated_sinks, shift)))(
+                        sink_shift)  # [T, sinks, K, D]
                 sink_scores = jnp.einsum("tkgd,tskd->kgts", qg, sinks) / np.sqrt(d)
                 scores = scores.at[..., :num_rotated_sinks].set(sink_scores)
             probs = jax.nn.softmax(jnp.where(seen[None, None], scores, -jnp.inf), axis=-1)
