@@ -39,7 +39,7 @@ def resolve_dtype(name: str | jnp.dtype) -> jnp.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2).
+    """Hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5/3, Phi-3, SmolLM2).
 
     Attributes:
         vocab_size: V.
@@ -54,6 +54,7 @@ class ModelConfig:
         max_position_embeddings: the context length the model was trained for.
         tie_word_embeddings: the output projection reuses the token embedding.
         qkv_bias: Q, K and V projections carry a bias (Qwen2).
+        qk_norm: queries and keys pass a per-head RMSNorm before RoPE (Qwen3).
         bos_token_id / eos_token_ids: special tokens (eos may be several ids).
         name: a human-readable name, part of the KV provenance fingerprint.
     """
@@ -70,6 +71,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = "llama"
