@@ -86,6 +86,18 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def _phi3_rope_names(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 configs written before LongRoPE had its name call it 'su' or 'yarn' (transformers
+    reads both as 'longrope' for Phi-3)."""
+    out = dict(hf_config)
+    for key in ("rope_scaling", "rope_parameters"):
+        params = out.get(key)
+        if isinstance(params, dict) and params.get("rope_type", params.get("type")) in (
+                "su", "yarn"):
+            out[key] = {**params, "rope_type": "longrope"}
+    return out
+
+
 def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] | None = None,
                    name: str = "hf") -> ModelConfig:
     """The `ModelConfig` of a Hugging Face `config.json` (already parsed).
@@ -109,7 +121,7 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
     for flag in ("attention_bias", "mlp_bias"):
         if hf_config.get(flag):
             raise ValueError(f"unsupported {flag}=true for model_type {model_type!r}")
-    rope = RoPE.from_hf(hf_config)
+    rope = RoPE.from_hf(_phi3_rope_names(hf_config) if model_type == "phi3" else hf_config)
     max_positions = rope.context_length(hf_config.get("max_position_embeddings", 2048))
     layer_types = hf_config.get("layer_types") or ()
     if hf_config.get("use_sliding_window") or "sliding_attention" in layer_types:

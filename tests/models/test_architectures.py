@@ -103,6 +103,26 @@ def test_sharded_phi3_loads_the_same_params(tmp_path):
         np.testing.assert_array_equal(np.asarray(sharded.params["layers"][name]), np.asarray(w))
 
 
+def test_phi3_legacy_su_scaling_is_longrope(tmp_path):
+    """Older Phi-3 configs name LongRoPE 'su'; transformers reads it as longrope, so does kvjax:
+    the same logits (short factors and attention factor, within the pre-training length)."""
+    directory = make_tiny_hf_checkpoint(tmp_path, "phi3", seed=8,
+                                        original_max_position_embeddings=ORIGINAL_LEN,
+                                        rope_parameters=_LONGROPE)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("rope_parameters")
+    config["rope_scaling"] = {**{k: v for k, v in _LONGROPE.items() if k != "rope_type"},
+                              "type": "su"}
+    config_path.write_text(json.dumps(config))
+    model = load_hf(directory)
+    assert model.config.rope.rope_type is RopeType.LONGROPE
+    tokens = list(range(3, 3 + ORIGINAL_LEN))
+    ref = hf_logits(directory, tokens)
+    got = np.asarray(llama.forward_dense(model.params, model.config, jnp.asarray(tokens)))
+    assert float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))) <= LOGITS_RTOL
+
+
 def test_a_fused_matrix_of_the_wrong_size_is_refused(tmp_path):
     from safetensors.numpy import load_file, save_file
 
