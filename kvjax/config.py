@@ -15,6 +15,8 @@ import enum
 
 import jax.numpy as jnp
 
+from kvjax.models.rope import RoPE
+
 
 class KVLayout(enum.Enum):
     """How KV storage is organised on the device."""
@@ -37,7 +39,7 @@ def resolve_dtype(name: str | jnp.dtype) -> jnp.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2).
+    """Hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5/3, Phi-3, SmolLM2).
 
     Attributes:
         vocab_size: V.
@@ -47,11 +49,12 @@ class ModelConfig:
         num_heads: N, query heads.
         num_kv_heads: K, key/value heads (GQA when K < N, MQA when K == 1).
         head_dim: D.
-        rope_theta: RoPE base frequency.
+        rope: the rotary position embedding (base, scaling).
         rms_norm_eps: epsilon of RMSNorm.
         max_position_embeddings: the context length the model was trained for.
         tie_word_embeddings: the output projection reuses the token embedding.
         qkv_bias: Q, K and V projections carry a bias (Qwen2).
+        qk_norm: queries and keys pass a per-head RMSNorm before RoPE (Qwen3).
         bos_token_id / eos_token_ids: special tokens (eos may be several ids).
         name: a human-readable name, part of the KV provenance fingerprint.
     """
@@ -63,11 +66,12 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope_theta: float = 10000.0
+    rope: RoPE = RoPE()
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = "llama"
@@ -81,6 +85,7 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
+        self.rope.inv_freq(self.head_dim)  # raises ValueError when the RoPE does not fit D
 
     @property
     def group_size(self) -> int:

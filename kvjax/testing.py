@@ -21,6 +21,7 @@ import numpy as np
 from kvjax.config import ModelConfig
 from kvjax.models import llama
 from kvjax.models.model import Model
+from kvjax.models.rope import RoPE
 from kvjax.shapes import next_power_of_2
 
 TINY = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -155,7 +156,7 @@ def tiny_chat_model(seed: int = 0) -> Model:
 
 
 def save_hf_checkpoint(model: Model, directory) -> None:
-    """Writes `model` (a Llama without QKV biases, e.g. `tiny_model()`) as a Hugging Face
+    """Writes `model` (a Llama without QKV biases, default RoPE, e.g. `tiny_model()`) as a HF
     directory (config.json + model.safetensors) that `kvjax.load_model` reads back to the same
     params: what scripts taking `--model` run on in tests, without torch."""
     import json
@@ -166,6 +167,8 @@ def save_hf_checkpoint(model: Model, directory) -> None:
     from kvjax.models.hf import LAYER_WEIGHTS
 
     c, params = model.config, model.params
+    if c.rope != RoPE(theta=c.rope.theta) or c.qkv_bias or c.qk_norm:
+        raise ValueError(f"save_hf_checkpoint writes plain Llama checkpoints, not {c}")
     tensors = {"model.embed_tokens.weight": np.asarray(params["embed"]),
                "model.norm.weight": np.asarray(params["final_norm"])}
     if not c.tie_word_embeddings:
@@ -181,5 +184,5 @@ def save_hf_checkpoint(model: Model, directory) -> None:
         intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
         num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
         head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, bos_token_id=1,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope.theta, bos_token_id=1,
         eos_token_id=list(c.eos_token_ids), tie_word_embeddings=c.tie_word_embeddings)))

@@ -43,7 +43,8 @@ def _config_class(model_type: str):
     import transformers
 
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config}
+               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "phi3": transformers.Phi3Config}
     if model_type not in classes:
         raise ValueError(f"no tiny config for model_type {model_type!r}; known: {sorted(classes)}")
     return classes[model_type]
@@ -54,12 +55,13 @@ def make_tiny_hf_checkpoint(tmp_path: str | os.PathLike, model_type: str, *, see
                             **overrides: Any) -> Path:
     """Writes a small random `model_type` checkpoint with `save_pretrained` (safetensors).
 
-    Every parameter is random, including RMSNorm weights and Qwen2's Q/K/V biases (which Hugging
-    Face initializes to constants), so a mix-up of any two tensors changes the logits.
+    Every parameter is random, including RMSNorm weights (Qwen3's per-head Q/K norms too) and
+    Qwen2's Q/K/V biases (which Hugging Face initializes to constants), so a mix-up of any two
+    tensors changes the logits.
 
     Args:
       tmp_path: the parent directory; the checkpoint goes into `<tmp_path>/<model_type>-<seed>`.
-      model_type: 'llama', 'mistral' or 'qwen2'.
+      model_type: 'llama', 'mistral', 'qwen2', 'qwen3' or 'phi3'.
       seed: torch seed of the random weights.
       torch_dtype: dtype the weights are stored in ('float32' or 'bfloat16').
       max_shard_size: e.g. '100KB' to write a sharded checkpoint with an index json.
@@ -71,7 +73,9 @@ def make_tiny_hf_checkpoint(tmp_path: str | os.PathLike, model_type: str, *, see
     import transformers
 
     torch = import_torch()
-    config = _config_class(model_type)(**{**TINY_DEFAULTS, **overrides})
+    # Phi-3's default pad id (32000) lies outside the tiny vocabulary.
+    defaults = {**TINY_DEFAULTS, **({"pad_token_id": 0} if model_type == "phi3" else {})}
+    config = _config_class(model_type)(**{**defaults, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

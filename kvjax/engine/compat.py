@@ -7,6 +7,10 @@ policy, one preemption mode), so they form no pairs.
 
     compat.check(config, on_mesh=mesh is not None)                  # Engine / EngineConfig
     compat.check(config, on_mesh=..., uses=(Feature.SNAPSHOT,))     # save / restore
+    compat.check_model(config, model.config)                        # Engine
+
+A model's architecture can refuse a feature too: `MODEL_REFUSED` pairs a `ModelTrait` with a
+`Feature` and the reason.
 
 `docs/compatibility.md` is the table rendered as a matrix (scripts/make_compat_docs.py), and
 tests/engine/test_compatibility.py runs every pair the table lets through.
@@ -26,7 +30,8 @@ from kvjax.kv.retention import make_retention
 from kvjax.scheduler.context import make_strategy
 from kvjax.scheduler.preemption import PreemptionMode
 
-__all__ = ["Feature", "REFUSED", "check", "features_of", "pairs", "refusal", "render_markdown"]
+__all__ = ["Feature", "MODEL_REFUSED", "ModelTrait", "REFUSED", "check", "check_model",
+           "features_of", "model_traits", "pairs", "refusal", "render_markdown"]
 
 
 class Feature(enum.Enum):
@@ -162,6 +167,49 @@ def _refusals() -> dict[frozenset[Feature], str]:
 
 REFUSED: dict[frozenset[Feature], str] = _refusals()
 """Every pair of features that does not compose, with the reason. Pairs not listed work."""
+
+
+class ModelTrait(enum.Enum):
+    """A property of a model's architecture that some features cannot serve."""
+
+    POSITION_DEPENDENT_ROPE = "position_dependent_rope"
+
+    @property
+    def description(self) -> str:
+        return _TRAIT_DESCRIPTIONS[self]
+
+
+_TRAIT_DESCRIPTIONS = {
+    ModelTrait.POSITION_DEPENDENT_ROPE: "RoPE whose frequencies depend on the position "
+                                        "(rope_type dynamic or longrope, e.g. Phi-3 128k)",
+}
+_SHIFTED_KEYS = ("{} choose a key's frequencies by its position, so a key turned by a shift "
+                 "is not the key at its new position")
+MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
+    (ModelTrait.POSITION_DEPENDENT_ROPE, Feature.CONTEXT_REUSE): _SHIFTED_KEYS.format(
+        "dynamic NTK and LongRoPE") + ", which is what a reused chunk's keys need",
+    (ModelTrait.POSITION_DEPENDENT_ROPE, Feature.STREAMING_ROTATED): _SHIFTED_KEYS.format(
+        "dynamic NTK and LongRoPE") + ", which is what rotated attention sinks need",
+}
+"""Every feature a model trait refuses, with the reason."""
+
+
+def model_traits(model_config: Any) -> set[ModelTrait]:
+    """The traits of a `ModelConfig` that `MODEL_REFUSED` knows."""
+    return set() if model_config.rope.is_shift_invariant else {
+        ModelTrait.POSITION_DEPENDENT_ROPE}
+
+
+def check_model(config: Any, model_config: Any, *, on_mesh: bool = False) -> None:
+    """Raises ValueError when a feature of `config` (an `EngineConfig`) does not serve a model
+    of `model_config`, naming the setting, the model and the reason from `MODEL_REFUSED`."""
+    traits = model_traits(model_config)
+    for present in _present(config, on_mesh):
+        for trait in traits:
+            reason = MODEL_REFUSED.get((trait, present.feature))
+            if reason is not None:
+                raise ValueError(f"{present.setting} does not serve model {model_config.name!r} "
+                                 f"({trait.value}): {reason}")
 
 
 def pairs() -> list[tuple[Feature, Feature]]:
@@ -307,4 +355,10 @@ def render_markdown() -> str:
         refused = [p for p in pairs() if refusal(*p) == reason]
         names = ", ".join(f"`{a.value}` + `{b.value}`" for a, b in refused)
         out.append(f"{i}. {reason[0].upper()}{reason[1:]}. ({names})")
+    out += ["", "## Refused by the model", "",
+            "An engine built for a model with one of these traits refuses the feature.", "",
+            "| trait | what it is | feature | reason |", "|---|---|---|---|"]
+    for (trait, feature), reason in MODEL_REFUSED.items():
+        out.append(f"| `{trait.value}` | {trait.description} | `{feature.value}` | "
+                   f"{reason[0].upper()}{reason[1:]}. |")
     return "\n".join(out) + "\n"

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import KVLayout, resolve_dtype
+from kvjax.engine import compat
 from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.core import EngineCore
 from kvjax.engine.pool import KVPoolSource, build_kv_pool
@@ -111,13 +112,14 @@ class Engine:
 
             self.model = model = sharding.shard_model(model, config, mesh)
         mc = model.config
+        compat.check_model(config, mc, on_mesh=mesh is not None)
         max_len = min(config.max_model_len or mc.max_position_embeddings,
                       mc.max_position_embeddings)
         self.max_model_len = pages_for(max_len, config.page_size) * config.page_size
         self.kv_dtype = resolve_dtype(config.kv_dtype) if config.kv_dtype else model.dtype
         retention = RetentionManager(make_retention(
             config.retention, config.retention_budget, config.page_size,
-            **config.retention_options), rope_theta=mc.rope_theta)
+            **config.retention_options), rope=mc.rope)
         self.max_pages_per_seq = self.max_model_len // config.page_size
         # Block tables keep one width, so context growth never changes a step's shape.
         self.block_table_width = pages_for(self.max_pages_per_seq, PAGES_PER_BLOCK) * \
@@ -150,7 +152,7 @@ class Engine:
             self.runner, pool.allocator, swap_space, retention, page_size=config.page_size,
             watermark=config.watermark, scrub_freed_pages=config.scrub_freed_pages,
             stats=self.stats, tiers=tiers, quantized_len=pool.quantized_len,
-            chunk_copier=ChunkCopier(mc.rope_theta, config.page_size), clock=clock)
+            chunk_copier=ChunkCopier(mc.rope, config.page_size), clock=clock)
         self.context_reuse = make_strategy(config.context_reuse, **config.context_reuse_options)
         self.scheduler = Scheduler(
             self._scheduler_config(), self.kv_cache, make_policy(config.scheduler_policy),
@@ -398,7 +400,7 @@ class Engine:
             f"weights={version}",
             f"tokenizer={getattr(tokenizer, 'fingerprint', type(tokenizer).__name__)}",
             "adapter=none",
-            f"rope=theta{self.model.config.rope_theta}:absolute",
+            f"rope={self.model.config.rope.fingerprint}:absolute",
             f"codec={self.kv.codec_name}:{jnp.dtype(self.kv_dtype).name}",
             f"layout={self.config.kv_layout.value}:P{self.config.page_size}",
             f"tenant={tenant or ''}",

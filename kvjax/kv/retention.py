@@ -90,7 +90,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -100,7 +99,7 @@ import numpy as np
 from kvjax.kv import layout, quest
 from kvjax.kv import state as kv_state
 from kvjax.kv.attention import PageLoader
-from kvjax.models import llama
+from kvjax.models.rope import RoPE
 from kvjax.shapes import bucket, next_power_of_2, pad_repeat_last, powers_of_2_up_to
 
 
@@ -559,7 +558,7 @@ def move_slots(kv: Any, src: jax.Array, dst: jax.Array) -> Any:
     return kv_state.move_token_rows(kv, src, dst)
 
 
-def rotate_slots(kv: Any, slots: jax.Array, shifts: jax.Array, rope_theta: float) -> Any:
+def rotate_slots(kv: Any, slots: jax.Array, shifts: jax.Array, rope: RoPE) -> Any:
     """Rotates the keys in slots [M] forward by shifts [M] rotary positions, in every layer.
 
     Keys hold RoPE at their position p; rotating by s gives the key at p + s. Values and other
@@ -567,7 +566,7 @@ def rotate_slots(kv: Any, slots: jax.Array, shifts: jax.Array, rope_theta: float
     are decoded, rotated and encoded again (`KVState.map_keys`); KIVI's cannot be alone (its
     compaction rotates them as it re-encodes their groups).
     """
-    return kv.map_keys(slots, jax.vmap(lambda x: llama.rope(x, shifts, rope_theta)))
+    return kv.map_keys(slots, jax.vmap(lambda x: rope.rotate(x, shifts)))
 
 
 def _compact(kv: Any, plan: kv_state.Compaction, rotate: kv_state.Rotate | None) -> Any:
@@ -647,18 +646,17 @@ class RetentionManager:
       stats: evictions, evicted_tokens, moved_slots, freed_pages, rotated_slots.
     """
 
-    def __init__(self, policy: RetentionPolicy, *, rope_theta: float | None = None):
-        """rope_theta: the model's RoPE base, needed by policies that rotate kept keys."""
-        if policy.rotates_keys and rope_theta is None:
-            raise ValueError(f"{policy!r} rotates kept keys: RetentionManager needs rope_theta")
+    def __init__(self, policy: RetentionPolicy, *, rope: RoPE | None = None):
+        """rope: the model's RoPE, needed by policies that rotate kept keys."""
+        if policy.rotates_keys and rope is None:
+            raise ValueError(f"{policy!r} rotates kept keys: RetentionManager needs rope")
         self.policy = policy
         self._views: dict[str, CacheView] = {}
         self._budgets: dict[str, int | None] = {}  # a controller's per-sequence budgets
         # The budget of a sequence no controller named: the policy's (None: keep all).
         self.default_budget = policy.budget
         self._compact = jax.jit(_compact, donate_argnums=0, static_argnums=2)
-        self._rotate = (functools.partial(llama.rope, theta=rope_theta)
-                        if policy.rotates_keys else None)
+        self._rotate = rope.rotate if policy.rotates_keys else None
         self.stats = dict(evictions=0, evicted_tokens=0, moved_slots=0, freed_pages=0,
                           rotated_slots=0)
 

@@ -2,7 +2,8 @@
 
 A chunk's keys hold RoPE at the chunk's own positions 0..L-1; in a prompt where the chunk starts
 at position a, its token t sits at a + t. Rotating a key forward by a gives exactly the key at
-a + t (RoPE is a rotation, R(a) R(t) = R(a + t)); values carry no position. The copy goes
+a + t (RoPE is a rotation, R(a) R(t) = R(a + t), for a RoPE that `is_shift_invariant`);
+values carry no position. The copy goes
 through the KV-state protocol only (`load_pages` to read, `write` to store), so a per-token
 codec decodes and encodes the tokens again and a summarized state (Quest) updates its
 summaries as for any write.
@@ -16,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.models import llama
+from kvjax.models.rope import RoPE
 from kvjax.shapes import next_power_of_2
 
 
 def copy_rotated(kv, src_pages: jax.Array, offset: jax.Array, dst: jax.Array, shift: jax.Array,
-                 key_scale: jax.Array, *, rope_theta: float):
+                 key_scale: jax.Array, *, rope: RoPE):
     """Tokens offset.. of the pages src_pages [n] (read as one run of n * P slots) copied into
     slots dst [M] in every layer, keys turned forward by `shift` rotary positions and
     multiplied by `key_scale` (scalars). dst -1: nothing written. Each source page is read
@@ -35,7 +36,7 @@ def copy_rotated(kv, src_pages: jax.Array, offset: jax.Array, dst: jax.Array, sh
         k, v = kv.load_pages(layer, src_pages[None])  # [1, n, P, K, D]
         k = k.reshape(-1, *k.shape[3:])[rows]  # [M, K, D]
         v = v.reshape(-1, *v.shape[3:])[rows]
-        k = llama.rope(k.astype(jnp.float32), shifts, rope_theta) * key_scale
+        k = rope.rotate(k.astype(jnp.float32), shifts) * key_scale
         return kv.write(layer, dst, k, v.astype(jnp.float32))
 
     return jax.lax.fori_loop(0, num_layers, layer_copy, kv)
@@ -47,9 +48,9 @@ class ChunkCopier:
     A chunk's tokens first.. sit in its pages from page first // P on, at offset first % P,
     so the copy reads the pages it spans and nothing more."""
 
-    def __init__(self, rope_theta: float, page_size: int):
+    def __init__(self, rope: RoPE, page_size: int):
         self.page_size = page_size
-        self._copy = jax.jit(functools.partial(copy_rotated, rope_theta=rope_theta),
+        self._copy = jax.jit(functools.partial(copy_rotated, rope=rope),
                              donate_argnums=0)
 
     @property

@@ -24,6 +24,7 @@ import numpy as np
 from kvjax.config import ModelConfig, resolve_dtype
 from kvjax.models import llama
 from kvjax.models.model import Model
+from kvjax.models.rope import RoPE
 from kvjax.models.tokenizer import Tokenizer
 
 _ARCH = "llama"
@@ -97,7 +98,7 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
         num_heads=num_heads,
         num_kv_heads=metadata.get(prefix + "attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        rope_theta=float(metadata.get(prefix + "rope.freq_base", 10000.0)),
+        rope=RoPE(theta=float(metadata.get(prefix + "rope.freq_base", 10000.0))),
         rms_norm_eps=float(_required(metadata, prefix + "attention.layer_norm_rms_epsilon")),
         max_position_embeddings=_required(metadata, prefix + "context_length"),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),

@@ -1,14 +1,19 @@
-"""Loads Hugging Face checkpoints (config.json + *.safetensors) of Llama, Mistral and Qwen2.
+"""Loads Hugging Face checkpoints (config.json + *.safetensors) of Llama-family decoders.
+
+Architectures (`model_type`): llama (Llama 2, Llama 3.x with `rope_type` llama3, SmolLM2),
+mistral, qwen2 (Qwen2, Qwen2.5: Q/K/V biases), qwen3 (per-head Q/K RMSNorm, no biases) and phi3
+(fused `qkv_proj` and `gate_up_proj`, split on loading; LongRoPE). The RoPE of every one is read
+by `kvjax.models.rope.RoPE.from_hf`.
 
 Hugging Face stores linear weights as [out, in]; kvjax computes `x @ W`, so every matrix is
 transposed to [in, out], and per-layer tensors are stacked on a leading L axis (see
 `kvjax.models.llama`). Both use the rotate-half RoPE convention, so Q and K need no permutation.
 
-What is rejected rather than silently computed wrong: RoPE scaling (`rope_type` other than
-'default'), partial rotary embeddings, activations other than SiLU, biases beyond Qwen2's Q/K/V
-biases, and Qwen2's sliding-window layers. Mistral's `sliding_window` is honoured by capping
-`max_position_embeddings` at the window: within the window, sliding-window attention equals full
-causal attention, which is what kvjax computes.
+What is rejected rather than silently computed wrong: mixture-of-experts configs, RoPE types
+`RoPE.from_hf` does not know, partial rotary embeddings, activations other than SiLU, biases
+beyond Qwen2's Q/K/V biases, and Qwen2/Qwen3 sliding-window layers. Mistral's and Phi-3's one
+`sliding_window` is honoured by capping `max_position_embeddings` at the window: within the
+window, sliding-window attention equals full causal attention, which is what kvjax computes.
 """
 
 from __future__ import annotations
@@ -26,9 +31,14 @@ import numpy as np
 from kvjax.config import ModelConfig, resolve_dtype
 from kvjax.models import llama
 from kvjax.models.model import Model
+from kvjax.models.rope import RoPE
 from kvjax.models.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# config.json keys that make a model a mixture of experts (Mixtral, Qwen MoE, DeepSeek, Phi-3.5).
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+# Architectures whose one sliding window kvjax honours by capping the context at it.
+_CAPPED_WINDOW_TYPES = ("mistral", "phi3")
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
@@ -52,24 +62,16 @@ _LAYER_BIASES = {
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
 }
-
-
-def _rope_theta(hf_config: dict[str, Any]) -> float:
-    """RoPE base from `rope_parameters` (transformers >= 5) or `rope_theta` / `rope_scaling`."""
-    theta = hf_config.get("rope_theta", 10000.0)
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = hf_config.get(key) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported {key} rope_type {rope_type!r}; "
-                             "only 'default' RoPE is supported")
-        theta = rope.get("rope_theta", theta)
-    rope_parameters = hf_config.get("rope_parameters") or {}
-    partial = hf_config.get("partial_rotary_factor",
-                            rope_parameters.get("partial_rotary_factor", 1))
-    if partial != 1:
-        raise ValueError(f"unsupported partial_rotary_factor {partial!r}")
-    return float(theta)
+_LAYER_QK_NORMS = {
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
+# Phi-3's fused matrices: name -> the names of the parts they stack along `out`, in order.
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                  "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
 
 
 def _required(hf_config: dict[str, Any], key: str) -> Any:
@@ -84,6 +86,18 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def _phi3_rope_names(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 configs written before LongRoPE had its name call it 'su' or 'yarn' (transformers
+    reads both as 'longrope' for Phi-3)."""
+    out = dict(hf_config)
+    for key in ("rope_scaling", "rope_parameters"):
+        params = out.get(key)
+        if isinstance(params, dict) and params.get("rope_type", params.get("type")) in (
+                "su", "yarn"):
+            out[key] = {**params, "rope_type": "longrope"}
+    return out
+
+
 def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] | None = None,
                    name: str = "hf") -> ModelConfig:
     """The `ModelConfig` of a Hugging Face `config.json` (already parsed).
@@ -94,6 +108,10 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
       name: the model name recorded in the config.
     """
     model_type = hf_config.get("model_type")
+    for key in _MOE_KEYS:
+        if hf_config.get(key):
+            raise ValueError(f"unsupported mixture-of-experts config ({key}={hf_config[key]!r}, "
+                             f"model_type {model_type!r}); kvjax runs dense MLPs only")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; "
                          f"supported: {list(SUPPORTED_MODEL_TYPES)}")
@@ -103,12 +121,14 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
     for flag in ("attention_bias", "mlp_bias"):
         if hf_config.get(flag):
             raise ValueError(f"unsupported {flag}=true for model_type {model_type!r}")
-    max_positions = hf_config.get("max_position_embeddings", 2048)
-    if model_type == "qwen2":
-        layer_types = hf_config.get("layer_types") or ()
-        if hf_config.get("use_sliding_window") or "sliding_attention" in layer_types:
-            raise ValueError("unsupported Qwen2 sliding-window attention (use_sliding_window)")
-    elif model_type == "mistral" and hf_config.get("sliding_window"):
+    rope = RoPE.from_hf(_phi3_rope_names(hf_config) if model_type == "phi3" else hf_config)
+    max_positions = rope.context_length(hf_config.get("max_position_embeddings", 2048))
+    layer_types = hf_config.get("layer_types") or ()
+    if hf_config.get("use_sliding_window") or "sliding_attention" in layer_types:
+        raise ValueError(f"unsupported sliding-window layers in model_type {model_type!r} "
+                         f"(use_sliding_window={hf_config.get('use_sliding_window')!r}, "
+                         f"sliding_window={hf_config.get('sliding_window')!r})")
+    if model_type in _CAPPED_WINDOW_TYPES and hf_config.get("sliding_window"):
         max_positions = min(max_positions, hf_config["sliding_window"])
     hidden = _required(hf_config, "hidden_size")
     num_heads = _required(hf_config, "num_attention_heads")
@@ -120,11 +140,12 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
         num_heads=num_heads,
         num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
         head_dim=hf_config.get("head_dim") or hidden // num_heads,
-        rope_theta=_rope_theta(hf_config),
+        rope=rope,
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
         bos_token_id=hf_config.get("bos_token_id"),
         eos_token_ids=(eos_token_ids if eos_token_ids is not None
                        else _token_ids(hf_config.get("eos_token_id"))),
@@ -210,7 +231,33 @@ def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if c.qkv_bias:
         shapes.update(bq=(nd,), bk=(kd,), bv=(kd,))
+    if c.qk_norm:
+        shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
     return shapes
+
+
+def _unfuse(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """`tensors` with Phi-3's fused matrices split into the separate ones (views, no copy).
+
+    Raises:
+      ValueError: a fused matrix's rows are not the sum of its parts' rows.
+    """
+    shapes = _expected_hf_shapes(config)
+    rows = {name: shapes[key][0] for key, name in LAYER_WEIGHTS.items()}
+    out = dict(tensors)
+    for i in range(config.num_layers):
+        for fused, parts in _FUSED.items():
+            name = f"model.layers.{i}.{fused}"
+            if name not in out:
+                continue
+            w = out.pop(name)
+            sizes = [rows[p] for p in parts]
+            if w.shape[0] != sum(sizes):
+                raise ValueError(f"tensor {name} has {w.shape[0]} rows, expected {sum(sizes)} "
+                                 f"({' + '.join(map(str, sizes))} for {', '.join(parts)})")
+            for part, piece in zip(parts, np.split(w, np.cumsum(sizes)[:-1]), strict=True):
+                out[f"model.layers.{i}.{part}"] = piece
+    return out
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
@@ -221,6 +268,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
       ValueError: a tensor is missing, has the wrong shape, or is not part of the architecture.
     """
     target = resolve_dtype(dtype)
+    tensors = _unfuse(tensors, config)
     used: set[str] = set()
 
     def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -236,7 +284,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
         per_layer = [take(f"model.layers.{i}.{suffix}", shape) for i in range(config.num_layers)]
         return jnp.asarray(np.stack(per_layer).astype(target))  # [L, ...]
 
-    names = {**LAYER_WEIGHTS, **(_LAYER_BIASES if config.qkv_bias else {})}
+    names = {**LAYER_WEIGHTS, **(_LAYER_BIASES if config.qkv_bias else {}),
+             **(_LAYER_QK_NORMS if config.qk_norm else {})}
     layers = {key: stacked(names[key], shape)
               for key, shape in _expected_hf_shapes(config).items()}
     v, h = config.vocab_size, config.hidden_size
@@ -264,7 +313,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_hf(directory: str | os.PathLike, dtype: str = "float32") -> Model:
-    """Loads a Hugging Face Llama / Mistral / Qwen2 checkpoint directory.
+    """Loads a Hugging Face checkpoint directory of a `SUPPORTED_MODEL_TYPES` architecture.
 
     Reads config.json, generation_config.json (its `eos_token_id` list, when present), the
     safetensors weights (one file, or shards through model.safetensors.index.json or a glob) and

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) as pure functions over a params pytree.
+"""A Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, SmolLM2): pure functions over params.
 
 Params pytree (weights in `x @ W` orientation; per-layer tensors stacked on a leading L axis so
 the layer loop is one `lax.scan`):
@@ -12,6 +12,8 @@ the layer loop is one `lax.scan`):
     wk, wv:     [L, H, K*D]
     bq:         [L, N*D]         only with qkv_bias (Qwen2)
     bk, bv:     [L, K*D]         only with qkv_bias
+    q_norm:     [L, D]           only with qk_norm (Qwen3): per-head RMSNorm before RoPE
+    k_norm:     [L, D]           only with qk_norm
     wo:         [L, N*D, H]
     mlp_norm:   [L, H]
     w_gate:     [L, H, F]
@@ -50,19 +52,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding, rotate-half convention. x: [T, heads, D]; positions: [T]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
-    sin = jnp.sin(angles)[:, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [T, heads, D]
-    return out.astype(x.dtype)
-
-
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02
                 ) -> Params:
     """Random params (normal * scale, norms at 1) for tests and synthetic benchmarks."""
@@ -86,6 +75,9 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     }
     layers["attn_norm"] = jnp.ones((c.num_layers, c.hidden_size), dtype)
     layers["mlp_norm"] = jnp.ones((c.num_layers, c.hidden_size), dtype)
+    if c.qk_norm:
+        layers["q_norm"] = jnp.ones((c.num_layers, c.head_dim), dtype)
+        layers["k_norm"] = jnp.ones((c.num_layers, c.head_dim), dtype)
     params = {
         "embed": (scale * jax.random.normal(keys[0], (c.vocab_size, c.hidden_size))).astype(dtype),
         "final_norm": jnp.ones((c.hidden_size,), dtype),
@@ -119,6 +111,9 @@ def check_params(params: Params, config: ModelConfig) -> None:
     if c.qkv_bias:
         expected.update({("layers", "bq"): (L, nd), ("layers", "bk"): (L, kd),
                          ("layers", "bv"): (L, kd)})
+    if c.qk_norm:
+        expected.update({("layers", "q_norm"): (L, c.head_dim),
+                         ("layers", "k_norm"): (L, c.head_dim)})
     for path, shape in expected.items():
         node: Any = params
         for part in path:
@@ -142,8 +137,12 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
     v = matmul(x, p["wv"])
     if c.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = rope(q.reshape(t, c.num_heads, c.head_dim), positions, c.rope_theta)  # [T, N, D]
-    k = rope(k.reshape(t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)  # [T, K, D]
+    q = q.reshape(t, c.num_heads, c.head_dim)  # [T, N, D]
+    k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, K, D]
+    if c.qk_norm:
+        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+    q, k = c.rope.apply(q, positions), c.rope.apply(k, positions)
     return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
 
 

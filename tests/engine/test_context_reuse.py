@@ -9,6 +9,7 @@ positions only, so a chunk computed at 0 and re-rotated is that chunk encoded in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,6 +19,7 @@ import pytest
 
 from kvjax import Engine, EngineConfig, SamplingParams, Segment
 from kvjax.models import llama
+from kvjax.models.rope import RoPE, RopeType
 from kvjax.testing import greedy_reference, tiny_model
 
 P = 4
@@ -165,9 +167,17 @@ def test_a_chunk_with_no_context_before_it_is_exact(model, strategy):
     assert got == [greedy_reference(model, DOC_A + QUESTION, NUM_NEW)]
 
 
-def test_rerotated_chunk_keys_equal_keys_computed_in_place(model):
+# A scaled RoPE whose keys still turn by a shift (YaRN: scaled frequencies, cos/sin times an
+# attention factor), from a pre-training length the prompts run past.
+YARN = RoPE(RopeType.YARN, factor=4.0, original_max_position_embeddings=16, attention_factor=1.2)
+
+
+@pytest.mark.parametrize("rope", [None, YARN], ids=["default_rope", "yarn"])
+def test_rerotated_chunk_keys_equal_keys_computed_in_place(model, rope):
     """Layer 0's K/V depend on the token and its position only: the copy is exact there; the
     next layer's differ, as the chunk was computed without the context."""
+    if rope is not None:
+        model = tiny_model(dataclasses.replace(model.config, rope=rope))
     kvs = {}
     for strategy in ("none", "full"):
         engine = _engine(model, strategy, async_scheduling=False)

@@ -24,6 +24,7 @@ from kvjax.engine.runner import StepObserver
 from kvjax.engine.step import LogitsMode
 from kvjax.memory.prefix_cache import hash_page, hash_root
 from kvjax.models import llama
+from kvjax.models.rope import RoPE, RopeType
 from kvjax.testing import greedy_reference, tiny_model
 
 P = 4
@@ -80,9 +81,9 @@ def _masked_forward(config, quest_pages: int, quest_dense_layers: int, num_rotat
                 seen = jnp.where(is_sparse, visible & chosen, visible)
             scores = jnp.einsum("tkgd,skd->kgts", qg, kf) / np.sqrt(d)
             if num_rotated_sinks:
-                sinks = jax.vmap(lambda shift: llama.rope(
-                    kf[:num_rotated_sinks], jnp.full(num_rotated_sinks, shift),
-                    config.rope_theta))(sink_shift)  # [T, sinks, K, D]
+                sinks = jax.vmap(lambda shift: config.rope.rotate(
+                    kf[:num_rotated_sinks], jnp.full(num_rotated_sinks, shift)))(
+                        sink_shift)  # [T, sinks, K, D]
                 sink_scores = jnp.einsum("tkgd,tskd->kgts", qg, sinks) / np.sqrt(d)
                 scores = scores.at[..., :num_rotated_sinks].set(sink_scores)
             probs = jax.nn.softmax(jnp.where(seen[None, None], scores, -jnp.inf), axis=-1)
@@ -237,6 +238,22 @@ def test_policy_matches_masked_dense_oracle(model, name):
     assert engine.retention.stats["evictions"] > 0
     assert peak < exact_peak
     assert (engine.retention.stats["rotated_slots"] > 0) == ("cache_positions" in name)
+
+
+def test_rotated_sinks_turn_by_the_models_scaled_rope(model):
+    """Under YaRN (scaled frequencies, cos/sin times an attention factor, positions past the
+    pre-training length) the sinks' keys turn by the model's own RoPE: the oracle's tokens and
+    cached positions."""
+    yarn = RoPE(RopeType.YARN, factor=4.0, original_max_position_embeddings=16,
+                attention_factor=1.2)
+    scaled = tiny_model(dataclasses.replace(model.config, rope=yarn))
+    config, spec = CASES["streaming_cache_positions"]
+    prompt, max_new = prompt_of(22), 12
+    want_tokens, want_history = oracle(scaled, prompt, max_new, **spec)
+    tokens, history, _, engine = run_engine(scaled, prompt, max_new, **config)
+    assert tokens == want_tokens
+    assert history[:-1] == want_history[:-1]
+    assert engine.retention.stats["rotated_slots"] > 0
 
 
 def step_logits(model, prompts, max_new, **config):

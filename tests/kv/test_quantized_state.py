@@ -343,7 +343,7 @@ def test_kivi_compaction_reads_back_the_kept_tokens_laid_out_again(name, options
     fresh sequence of the values it read before (keys rotated where asked); a page kept in
     place reads bit for bit what it did, and the other sequences do not change."""
     from kvjax.kv import retention
-    from kvjax.models import llama
+    from kvjax.models.rope import RoPE
 
     kv, block_tables, free_pages, _, _ = _write_kivi(name, options, seed=7)
     seq, old_len = 2, LENGTHS[2]
@@ -363,8 +363,8 @@ def test_kivi_compaction_reads_back_the_kept_tokens_laid_out_again(name, options
     plan = retention.plan_compaction(keep, src[moved], dst[moved], layout, PAGE_SIZE,
                                      old_len=old_len, shifts=shifts, kept_size=32,
                                      moves_size=16, rotations_size=2)
-    theta = 10000.0
-    rotate = (lambda keys, by: llama.rope(keys, by, theta)) if rotated else None
+    rope = RoPE(theta=10000.0)
+    rotate = rope.rotate if rotated else None
     after = jax.jit(lambda kv, plan: kv.compact(plan, rotate))(kv, plan)
 
     tables = block_tables.copy()
@@ -374,7 +374,7 @@ def test_kivi_compaction_reads_back_the_kept_tokens_laid_out_again(name, options
     k_after, v_after = _read_rows(after, LAYER, tables, lengths)
     x_k, x_v = k_before[seq, keep], v_before[seq, keep]
     if rotated:
-        x_k[:2] = np.asarray(llama.rope(jnp.asarray(x_k[:2]), jnp.asarray(shifts[:2]), theta))
+        x_k[:2] = np.asarray(rope.rotate(jnp.asarray(x_k[:2]), jnp.asarray(shifts[:2])))
     want_k, want_v = codecs.kivi_roundtrip_reference(jnp.asarray(x_k), jnp.asarray(x_v),
                                                      len(keep), kv.codec)
     # Page 0 keeps its place and, unrotated, its codes: it reads what it did (encoding those

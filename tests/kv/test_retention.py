@@ -32,7 +32,7 @@ from kvjax.kv.retention import (
 )
 from kvjax.kv.state import PagedKV
 from kvjax.memory.block_manager import AllocStatus, BlockManager
-from kvjax.models import llama
+from kvjax.models.rope import RoPE
 
 P = 4
 
@@ -115,7 +115,7 @@ def test_streaming_cache_positions_shifts_sinks_by_the_tokens_dropped():
     keep = moving.select(view, is_prefill_done=True)
     assert plain.rotary_shifts(view, keep) is None
     assert moving.rotary_shifts(view, keep).tolist() == [5, 5] + [0] * 6
-    with pytest.raises(ValueError, match="rope_theta"):
+    with pytest.raises(ValueError, match="needs rope"):
         RetentionManager(moving)
 
 
@@ -124,22 +124,21 @@ def test_rotated_sink_keys_give_the_logits_of_in_cache_positions():
     by the E tokens evicted, a query at logical position m scores them as a query at its cache
     position m - E scores sinks at their own positions (StreamingLLM)."""
     rng = np.random.default_rng(4)
-    num_layers, num_pages, k_heads, d, theta = 2, 3, 2, 8, 10000.0
+    num_layers, num_pages, k_heads, d, rope = 2, 3, 2, 8, RoPE(theta=10000.0)
     raw = rng.normal(size=(num_layers, num_pages * P, k_heads, d)).astype(np.float32)
     positions = jnp.arange(num_pages * P)
-    k = jax.vmap(lambda x: llama.rope(x, positions, theta))(jnp.asarray(raw))
+    k = jax.vmap(lambda x: rope.apply(x, positions))(jnp.asarray(raw))
     shape = (num_layers, num_pages, P, k_heads, d)
     kv = PagedKV(k_pages=k.reshape(shape), v_pages=jnp.asarray(raw).reshape(shape))
     slots, shifts = jnp.array([1, 6, 6]), jnp.array([40, 3, 3])  # a repeat, same shift
-    got = np.asarray(rotate_slots(kv, slots, shifts, theta).k_pages).reshape(raw.shape)
+    got = np.asarray(rotate_slots(kv, slots, shifts, rope).k_pages).reshape(raw.shape)
     want = np.array(k)
     for slot, shift in ((1, 40), (6, 3)):
-        want[:, slot] = llama.rope(jnp.asarray(raw[:, slot]), jnp.full(num_layers, slot + shift),
-                                   theta)
+        want[:, slot] = rope.apply(jnp.asarray(raw[:, slot]), jnp.full(num_layers, slot + shift))
     np.testing.assert_allclose(got, want, atol=1e-5)
     q, m, evicted = rng.normal(size=(1, k_heads, d)).astype(np.float32), 90, 40
-    in_cache = llama.rope(jnp.asarray(q), jnp.array([m - evicted]), theta)[0]  # [K, D]
-    logical = llama.rope(jnp.asarray(q), jnp.array([m]), theta)[0]
+    in_cache = rope.apply(jnp.asarray(q), jnp.array([m - evicted]))[0]  # [K, D]
+    logical = rope.apply(jnp.asarray(q), jnp.array([m]))[0]
     np.testing.assert_allclose(np.sum(np.asarray(logical) * got[0, 1], -1),
                                np.sum(np.asarray(in_cache) * np.asarray(k[0, 1]), -1),
                                atol=1e-4)

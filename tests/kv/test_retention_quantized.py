@@ -99,17 +99,15 @@ def test_kivi_tokens_do_not_move_or_rotate_alone():
 
 @pytest.mark.parametrize("codec_name", ["int8", "fp8_e4m3"])
 def test_rotated_quantized_keys_are_the_rotation_of_their_decoded_keys(codec_name):
-    """Oracle: RoPE by the shift (llama.rope) of each slot's decoded key, encoded once more;
+    """Oracle: RoPE's rotation by the shift of each slot's decoded key, encoded once more;
     values and the other slots keep their codes bit for bit."""
-    from kvjax.models import llama
-
     kv = filled_pool(codec_name, CODECS[codec_name])
     slots, shifts = np.array([0, 1, 6, 9]), np.array([3, 3, 5, 40])
     rows_before, (k_before, v_before) = token_rows(kv), decoded(kv)
-    rotated = rotate_slots(kv, jnp.asarray(slots), jnp.asarray(shifts), TINY.rope_theta)
+    rotated = rotate_slots(kv, jnp.asarray(slots), jnp.asarray(shifts), TINY.rope)
     rows_after, (k_after, v_after) = token_rows(rotated), decoded(rotated)
-    want = np.stack([np.asarray(llama.rope(jnp.asarray(k_before[layer, slots]),
-                                           jnp.asarray(shifts), TINY.rope_theta))
+    want = np.stack([np.asarray(TINY.rope.rotate(jnp.asarray(k_before[layer, slots]),
+                                                jnp.asarray(shifts)))
                      for layer in range(TINY.num_layers)])  # [L, M, K, D]
     # One more rounding: within a step of the codec's scale (int8: amax / 127 per head).
     step = np.abs(want).max(-1, keepdims=True) / (127 if codec_name == "int8" else 8)

@@ -16,6 +16,7 @@ from kvjax.models import llama
 from kvjax.models.gguf import load_gguf
 from kvjax.models.hf import load_hf
 from kvjax.models.loading import EMBEDDED_MODEL, embedded_model_path, load_model
+from kvjax.models.rope import RoPE
 
 TINY_LOGITS_RTOL = 1e-5
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -114,7 +115,7 @@ def test_embedded_config_is_smollm2_135m(embedded_model):
     assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == (
         49152, 576, 1536, 30)
     assert (c.num_heads, c.num_kv_heads, c.head_dim) == (9, 3, 64)
-    assert c.rope_theta == 100000.0
+    assert c.rope == RoPE(theta=100000.0)
     assert c.rms_norm_eps == pytest.approx(1e-5)
     assert c.max_position_embeddings == 8192
     assert c.tie_word_embeddings and "lm_head" not in embedded_model.params
@@ -223,8 +224,14 @@ def test_hf_unknown_tensor(tiny_llama):
 
 @pytest.mark.parametrize("changes, message", [
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
-     "rope_type 'llama3'"),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_type 'linear'"),
+     "rope_type 'llama3' needs 'low_freq_factor'"),
+    (dict(rope_scaling={"type": "ntk-by-parts", "factor": 2.0}), "rope_type 'ntk-by-parts'"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}, partial_rotary_factor=0.5),
+     "partial_rotary_factor"),
+    (dict(num_local_experts=8), "mixture-of-experts"),
+    (dict(model_type="qwen3_moe", num_experts=4), "mixture-of-experts"),
+    (dict(model_type="qwen3", layer_types=["sliding_attention", "full_attention"]),
+     "sliding-window"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(model_type="qwen2", use_sliding_window=True), "sliding-window"),

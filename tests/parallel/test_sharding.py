@@ -33,6 +33,19 @@ def _gqa3_config():
                        eos_token_ids=(127,), name="tiny-gqa3")
 
 
+def _qwen3_config():
+    """Qwen3's layer shape (per-head Q/K RMSNorm, N*D != H) with a YaRN RoPE, at test size."""
+    from kvjax.config import ModelConfig
+    from kvjax.models.rope import RoPE, RopeType
+
+    return ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                       qk_norm=True, rope=RoPE(RopeType.YARN, theta=1e6, factor=4.0,
+                                               original_max_position_embeddings=16,
+                                               attention_factor=1.1),
+                       eos_token_ids=(127,), name="tiny-qwen3")
+
+
 def _prompts(seed: int = 0, count: int = 6) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     shared = [int(t) for t in rng.integers(0, 120, size=9)]
@@ -60,7 +73,8 @@ def _run_fast_cases() -> dict:
     sampling = SamplingParams(max_new_tokens=MAX_NEW)
     prompts = _prompts()
     results = {}
-    for name, model, tp in (("gqa3", tiny_model(_gqa3_config()), 3), ("tiny", tiny_model(), 2)):
+    for name, model, tp in (("gqa3", tiny_model(_gqa3_config()), 3), ("tiny", tiny_model(), 2),
+                            ("qwen3", tiny_model(_qwen3_config()), 2)):
         single = Engine(model, config)
         results[f"{name}_single"] = _tokens(single.generate(prompts, sampling))
         mesh = sharding.replica_meshes(sharding.make_mesh(tp))[0]
@@ -162,7 +176,7 @@ def sharded():
     return _child("fast")
 
 
-@pytest.mark.parametrize("name,tp", [("gqa3", 3), ("tiny", 2)])
+@pytest.mark.parametrize("name,tp", [("gqa3", 3), ("tiny", 2), ("qwen3", 2)])
 def test_tensor_parallel_greedy_tokens_match_single_device(sharded, name, tp):
     assert sharded[f"{name}_tp{tp}"] == sharded[f"{name}_single"]
     assert sharded[f"{name}_tp{tp}_kv"]["used_pages"] == 0
