@@ -181,9 +181,10 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         share = self.config.max_tenant_page_share
         if share is None or all(s.tenant == seq.tenant for s in self.waiting):
             return False
-        held = sum(len(self.kv_cache.block_table(s.seq_id)) for s in self.running
-                   if s.tenant == seq.tenant)
-        return held >= share * self.kv_cache.num_pages
+        # Distinct pages: a prefix its sequences share counts once.
+        held = set().union(*(self.kv_cache.block_table(s.seq_id) for s in self.running
+                             if s.tenant == seq.tenant))
+        return len(held) >= share * self.kv_cache.num_pages
 
     def _cached_len(self, seq: Sequence) -> int:
         return self.kv_cache.cached_len(seq.seq_id, seq.num_computed)
