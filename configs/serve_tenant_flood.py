@@ -5,9 +5,9 @@ requests, 0.5 per second, so its prefix sits unreferenced between requests). Ten
 "flooder" sends 4 bursts of 6 distinct 512-token prompts, one every 4 s: 12k prefill tokens
 that share nothing, against a 40 MiB KV pool (about 56 pages of 16 tokens), so the flood
 holds the pool and its finished prompts push cached pages out. One run per sweep entry: no
-flood; the flood under fcfs admission and LRU eviction (the defaults); then adding fair
-admission, fair-share eviction and a per-tenant page share one at a time; and no flood under
-all three. The victim's requests are the same in every run.
+flood; the flood under fcfs admission and LRU eviction (the defaults); fair-share eviction
+alone; then adding fair admission, fair-share eviction and a per-tenant page share one at a
+time; and no flood under all three. The victim's requests are the same in every run.
 """
 
 import pathlib
@@ -49,6 +49,7 @@ def get_config() -> ConfigDict:
     config.sweep = [
         {"workload.params.flood_bursts": 0},  # fcfs + lru, no flood: the baseline
         {},  # fcfs + lru under the flood
+        {"engine.prefix_cache_eviction": "fair_share"},  # fair-share eviction alone
         fair,  # fair admission
         fair_cache,  # ... and fair-share prefix-cache eviction
         isolating,  # ... and at most half the pool per tenant while another waits
