@@ -68,7 +68,8 @@ class SamplingParams:
       repetition_penalty: > 0 (1.0: off); a token of the prompt or the output has its logit
         divided by it when positive, multiplied by it when negative.
       logit_bias: token id -> bias in [-100, 100] added to its logit (a mapping, or pairs;
-        stored as sorted pairs; ids are checked against the vocabulary by the engine).
+        ids may be decimal strings, as in JSON; stored as sorted (int, float) pairs; ids are
+        checked against the vocabulary by the engine).
       min_p: in [0, 1]; drops tokens whose probability (after temperature) is below min_p
         times the most likely token's.
       min_tokens: EOS (unless ignored) and stop tokens are masked until this many tokens
@@ -168,6 +169,8 @@ def _bias_pairs(logit_bias) -> tuple[tuple[int, float], ...]:
         if not isinstance(item, Sequence) or isinstance(item, str | bytes) or len(item) != 2:
             raise ValueError(f"logit_bias entries must be (token id, bias), got {item!r}")
         token, bias = item
+        if isinstance(token, str) and token.isascii() and token.isdigit():
+            token = int(token)  # JSON objects (OpenAI's logit_bias) key ids by strings.
         if not _is_int(token) or token < 0:
             raise ValueError(f"logit_bias token ids must be ints >= 0, got {token!r}")
         if not _is_real(bias) or not -100.0 <= bias <= 100.0:

@@ -194,7 +194,8 @@ def test_verify_drafts_sees_earlier_drafts_in_the_counts(rows, seed, gamma):
     (dict(min_tokens=2.0), "min_tokens.*got 2.0"),
     (dict(logit_bias={3: 101}), "logit_bias\\[3\\] must be in \\[-100, 100\\], got 101"),
     (dict(logit_bias={-1: 1.0}), "logit_bias token ids must be ints >= 0, got -1"),
-    (dict(logit_bias={"5": 1.0}), "logit_bias token ids.*got '5'"),
+    (dict(logit_bias={"x5": 1.0}), "logit_bias token ids.*got 'x5'"),
+    (dict(logit_bias={"-5": 1.0}), "logit_bias token ids.*got '-5'"),
     (dict(logit_bias={5: float("nan")}), "logit_bias\\[5\\].*got nan"),
     (dict(logit_bias="5"), "logit_bias must map token ids to biases, got '5'"),
     (dict(logit_bias=[(1, 2.0), (1, 3.0)]), "logit_bias names token id 1 twice"),
@@ -209,6 +210,7 @@ def test_logit_bias_is_stored_as_sorted_pairs_and_round_trips():
     p = SamplingParams(logit_bias={9: -1, 2: 0.5})
     assert p.logit_bias == ((2, 0.5), (9, -1.0))
     assert SamplingParams(logit_bias=[list(x) for x in p.logit_bias]) == p
+    assert SamplingParams(logit_bias={"9": -1, "2": 0.5}) == p  # JSON's string keys
     assert hash(p) == hash(SamplingParams(logit_bias={2: 0.5, 9: -1.0}))
     assert not SamplingParams().needs_rules and SamplingParams(min_tokens=1).needs_rules
     assert SamplingParams(temperature=1.0, min_p=0.1).needs_filter
