@@ -4,8 +4,22 @@ Randomness is per request: the key for a request's i-th generated token is
 `fold_in(key(seed), i)`, so a seeded request samples the same tokens whatever it is batched
 with, preempted or recomputed.
 
-Reported logprobs are of the model's own distribution (log-softmax of the logits, before
-temperature, top-k and top-p), which is what policy-gradient trainers consume.
+Logits pass through the rules in vLLM's order:
+
+  1. logit bias, and EOS / stop tokens masked while fewer than `min_tokens` are generated;
+  2. penalties on the biased raw logits: repetition (tokens of the prompt and the output,
+     positive logits divided by it, negative ones multiplied), then frequency (minus
+     frequency_penalty times the token's count in the output) and presence (minus
+     presence_penalty once per token present in the output);
+  3. temperature (greedy rows take the argmax here);
+  4. min-p, then top-k, then top-p over what top-k kept (renormalized).
+
+Every rule reads per-row arrays inside one jitted program, so requests with other values
+compile nothing new; only the switches `all_greedy`, `needs_filter` and whether rules are on
+at all (`LogitRules` or None) are static.
+
+Reported logprobs are of the model's own distribution (log-softmax of the raw logits, before
+every rule above), which is what policy-gradient trainers consume.
 """
 
 from __future__ import annotations
@@ -13,11 +27,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
+
+MAX_LOGIT_BIAS = 300
+"""The most `logit_bias` entries a request may set (OpenAI's API has the same bound)."""
 
 
 def _is_int(value) -> bool:
@@ -43,6 +61,19 @@ class SamplingParams:
       stop_token_ids: tokens that end the request (kept in the output), besides EOS.
       ignore_eos: keep generating past the model's EOS tokens.
       n: parallel samples of the same prompt (they share the prompt's KV pages).
+      presence_penalty: in [-2, 2]; subtracted once from the logit of every token the output
+        holds so far.
+      frequency_penalty: in [-2, 2]; subtracted from a token's logit once per occurrence in
+        the output so far.
+      repetition_penalty: > 0 (1.0: off); a token of the prompt or the output has its logit
+        divided by it when positive, multiplied by it when negative.
+      logit_bias: token id -> bias in [-100, 100] added to its logit (a mapping, or pairs;
+        ids may be decimal strings, as in JSON; stored as sorted (int, float) pairs; ids are
+        checked against the vocabulary by the engine).
+      min_p: in [0, 1]; drops tokens whose probability (after temperature) is below min_p
+        times the most likely token's.
+      min_tokens: EOS (unless ignored) and stop tokens are masked until this many tokens
+        are generated (<= max_new_tokens).
     """
 
     max_new_tokens: int = 64
@@ -53,6 +84,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
@@ -75,6 +112,19 @@ class SamplingParams:
         if bad:
             raise ValueError(f"stop_token_ids must be int token ids >= 0, got {bad[0]!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be finite and > 0, got "
+                             f"{self.repetition_penalty!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_new_tokens="
+                             f"{self.max_new_tokens}], got {self.min_tokens!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
@@ -82,46 +132,139 @@ class SamplingParams:
 
     @property
     def needs_filter(self) -> bool:
-        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    def stop_ids(self, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
+        """The sorted tokens that end a request: the model's EOS unless ignored, and its own
+        stop tokens."""
+        eos = () if self.ignore_eos else tuple(eos_token_ids)
+        return tuple(sorted({*eos, *self.stop_token_ids}))
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a penalty reads the tokens of the prompt or the output."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_rules(self) -> bool:
+        """Whether the logits change before temperature (penalties, bias, min_tokens)."""
+        return self.reads_history or bool(self.logit_bias) or self.min_tokens > 0
 
 
-def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Masks logits [B, V] outside each row's top-k / top-p set to -inf."""
+def _bias_pairs(logit_bias) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` (a mapping or pairs) as sorted (token id, bias) pairs; raises ValueError
+    naming the entry that is not an id >= 0 with a bias in [-100, 100]."""
+    if isinstance(logit_bias, Mapping):
+        items = list(logit_bias.items())
+    elif isinstance(logit_bias, str | bytes) or not isinstance(logit_bias, Sequence):
+        raise ValueError(f"logit_bias must map token ids to biases, got {logit_bias!r}")
+    else:
+        items = list(logit_bias)
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got "
+                         f"{len(items)}")
+    pairs = {}
+    for item in items:
+        if not isinstance(item, Sequence) or isinstance(item, str | bytes) or len(item) != 2:
+            raise ValueError(f"logit_bias entries must be (token id, bias), got {item!r}")
+        token, bias = item
+        if isinstance(token, str) and token.isascii() and token.isdigit():
+            token = int(token)  # JSON objects (OpenAI's logit_bias) key ids by strings.
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias token ids must be ints >= 0, got {token!r}")
+        if not _is_real(bias) or not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias!r}")
+        if int(token) in pairs:
+            raise ValueError(f"logit_bias names token id {token} twice")
+        pairs[int(token)] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
+@struct.dataclass
+class LogitRules:
+    """Per-row inputs of the rules applied to raw logits before temperature (N rows).
+
+    Attributes:
+      prompt_mask: [N, V] bool, tokens the row's prompt holds.
+      output_counts: [N, V] int32, each token's occurrences in the row's output so far.
+      presence, frequency, repetition: [N] float32 penalties (0, 0, 1: off).
+      bias_ids: [N, K] int32, bias_values: [N, K] float32 (-inf masks),
+      bias_until: [N, K] int32: entry k adds bias_values[k] to token bias_ids[k] while the
+        row's counter (tokens generated before this one) is below bias_until[k]; padding
+        entries add 0.
+    """
+
+    prompt_mask: jax.Array
+    output_counts: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
+    bias_until: jax.Array
+
+
+def apply_rules(logits: jax.Array, rules: LogitRules, counters: jax.Array) -> jax.Array:
+    """Logit bias and min_tokens masks, then the repetition, frequency and presence
+    penalties. logits: [N, V] float32; counters: [N] int32 -> [N, V] float32."""
+    rows = jnp.arange(logits.shape[0])[:, None]  # [N, 1]
+    active = counters[:, None] < rules.bias_until  # [N, K]
+    logits = logits.at[rows, rules.bias_ids].add(jnp.where(active, rules.bias_values, 0.0))
+    seen = rules.output_counts > 0  # [N, V]
+    repeat = rules.repetition[:, None]
+    penalized = jnp.where(logits > 0, logits / repeat, logits * repeat)
+    logits = jnp.where(rules.prompt_mask | seen, penalized, logits)
+    logits = logits - rules.frequency[:, None] * rules.output_counts
+    return logits - rules.presence[:, None] * seen
+
+
+def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                   min_p: jax.Array) -> jax.Array:
+    """Masks tempered logits [B, V] outside each row's min-p, then top-k, then top-p set
+    (top-p over the top-k set renormalized) to -inf; ties with the last kept token stay."""
     vocab = logits.shape[-1]
+    # min-p: p >= min_p * p_max, in logits (log 0 = -inf keeps every token).
+    floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]  # [B, 1]
+    logits = jnp.where(logits >= floor, logits, -jnp.inf)
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # [B, V] descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)  # [B]
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # [B, 1]
+    sorted_logits = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_logits, -jnp.inf)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a sorted token while the mass strictly before it is below top_p.
+    # Keep a sorted token while the mass strictly before it is below top_p (top_p = 1 keeps
+    # all: rounding must not drop the tail).
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V]
-    keep_sorted = mass_before < top_p[:, None]
+    keep_sorted = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)) & (
+        sorted_logits > -jnp.inf)
     num_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)  # [B]
-    pth = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)  # [B, 1]
-    threshold = jnp.maximum(kth, pth)
+    threshold = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)  # [B, 1]
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                  top_p: jax.Array, seeds: jax.Array, counters: jax.Array, *,
+                  top_p: jax.Array, seeds: jax.Array, counters: jax.Array,
+                  min_p: jax.Array | None = None, rules: LogitRules | None = None, *,
                   all_greedy: bool, needs_filter: bool) -> tuple[jax.Array, jax.Array]:
     """Picks one token per row.
 
     Args:
       logits: [B, V] float32.
-      temperature, top_p: [B] float32; top_k: [B] int32.
+      temperature, top_p, min_p: [B] float32 (min_p None: 0); top_k: [B] int32.
       seeds: [B] uint32; counters: [B] int32 (index of the token being generated).
+      rules: the rows' penalties and biases (`apply_rules`), or None: none.
       all_greedy, needs_filter: static switches that skip unused work.
     Returns:
       tokens [B] int32 and their logprobs [B] float32 under the unmodified distribution.
     """
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    processed = logits if rules is None else apply_rules(logits, rules, counters)
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if all_greedy:
         tokens = greedy
     else:
-        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        scaled = processed / jnp.where(temperature > 0, temperature, 1.0)[:, None]
         if needs_filter:
-            scaled = _filter_logits(scaled, top_k, top_p)
+            scaled = _filter_logits(scaled, top_k, top_p, _or_zeros(min_p, temperature))
 
         def draw(seed, counter, row):
             key = jax.random.fold_in(jax.random.key(seed), counter)
@@ -133,9 +276,29 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return tokens, logprobs
 
 
+def _or_zeros(min_p: jax.Array | None, like: jax.Array) -> jax.Array:
+    return jnp.zeros_like(like) if min_p is None else min_p
+
+
+def draft_rules(rules: LogitRules, drafts: jax.Array, num_drafts: jax.Array) -> LogitRules:
+    """The rules of each verify position, [B] rows -> [B * W] rows (W = 1 + drafts' width):
+    position j of row b counts drafts[b, :j] as output besides what the row's rules count.
+    drafts: [B, W - 1] int32; num_drafts: [B] int32."""
+    b, w1 = drafts.shape
+    vocab = rules.output_counts.shape[-1]
+    real = jnp.arange(w1)[None, :] < num_drafts[:, None]  # [B, W-1]
+    onehot = jax.nn.one_hot(drafts, vocab, dtype=jnp.int32) * real[..., None]  # [B, W-1, V]
+    before = jnp.concatenate([jnp.zeros((b, 1, vocab), jnp.int32),
+                              jnp.cumsum(onehot, axis=1)], axis=1)  # [B, W, V]
+    counts = (rules.output_counts[:, None] + before).reshape(b * (w1 + 1), vocab)
+    rep = functools.partial(jnp.repeat, repeats=w1 + 1, axis=0)
+    return jax.tree.map(rep, rules).replace(output_counts=counts)
+
+
 def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
                   temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                  seeds: jax.Array, counters: jax.Array, *, all_greedy: bool,
+                  seeds: jax.Array, counters: jax.Array, min_p: jax.Array | None = None,
+                  rules: LogitRules | None = None, *, all_greedy: bool,
                   needs_filter: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Speculative verification of deterministic drafts, one row per sequence.
 
@@ -145,13 +308,16 @@ def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
     distribution) and, at the first rejection, sample from p_j with d_j removed, which is
     exactly p_j: the output distribution is the model's. After the last kept draft the row
     emits one more token of its own (at j == num_drafts, an ordinary sample; a row without
-    drafts samples exactly as `sample_tokens` does).
+    drafts samples exactly as `sample_tokens` does). With `rules`, position j applies them
+    with drafts[b, :j] counted as output (`draft_rules`) and counter counters[b] + j, so the
+    output equals one token at a time under the same rules.
 
     Args:
       logits: [B, W, V] float32 (W = 1 + the most drafts).
       drafts: [B, W - 1] int32; num_drafts: [B] int32 (<= W - 1).
-      temperature, top_k, top_p, seeds, counters: per row as in `sample_tokens`; position j
-        of row b draws with counter counters[b] + j.
+      temperature, top_k, top_p, min_p, seeds, counters: per row as in `sample_tokens`;
+        position j of row b draws with counter counters[b] + j.
+      rules: per row as in `sample_tokens`, counting the output up to the row's last token.
     Returns:
       num_accepted [B] int32, the token emitted after them [B] int32, and the logprobs
       (unmodified distribution) of the emitted tokens [B, W]: drafts first, then that token.
@@ -160,17 +326,21 @@ def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
     j = jnp.arange(w, dtype=jnp.int32)
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, W]
     has_draft = j[None, :] < num_drafts[:, None]  # [B, W]
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, W]
+    flat_counters = (counters[:, None] + j[None, :]).reshape(-1)  # [B*W]
+    flat = logits.reshape(b * w, vocab)
+    if rules is not None:
+        flat = apply_rules(flat, draft_rules(rules, drafts, num_drafts), flat_counters)
+    target = jnp.argmax(flat, axis=-1).astype(jnp.int32).reshape(b, w)  # [B, W]
     if all_greedy:
         accept, final = padded == target, target
     else:
-        flat = logits.reshape(b * w, vocab)
         rep = functools.partial(jnp.repeat, repeats=w, axis=0)
         scaled = flat / rep(jnp.where(temperature > 0, temperature, 1.0))[:, None]
         if needs_filter:
-            scaled = _filter_logits(scaled, rep(top_k), rep(top_p))
+            scaled = _filter_logits(scaled, rep(top_k), rep(top_p),
+                                    rep(_or_zeros(min_p, temperature)))
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(
-            rep(seeds), (counters[:, None] + j[None, :]).reshape(-1))
+            rep(seeds), flat_counters)
         d = padded.reshape(-1)
         p_draft = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1), d[:, None], axis=-1)[:, 0]
         u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)

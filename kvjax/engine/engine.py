@@ -31,7 +31,7 @@ from kvjax.engine.request import (
     WeightUpdatePolicy,
     submit_all,
 )
-from kvjax.engine.runner import ModelRunner, StepBuckets, StepObserver
+from kvjax.engine.runner import ModelRunner, StepBuckets, StepObserver, rules_entries
 from kvjax.engine.step import (
     PAGES_PER_BLOCK,
     LogitsMode,
@@ -63,6 +63,9 @@ from kvjax.validation import check_identity, check_request_id
 
 # Retention policies that evict whenever a sequence caches budget + P tokens, prefill included.
 _ROLLING_EVICTION = ("streaming", "h2o")
+# Bias entries per row of a step with rules (`StepShape.bias_width`): room for the most
+# logit_bias entries a request may set and the stop tokens min_tokens masks.
+_BIAS_WIDTH = 512
 
 
 def _segments(request_id: str, prompt) -> tuple[object, list[tuple[int, int]]]:
@@ -142,7 +145,8 @@ class Engine:
                               self.block_table_width, config.max_num_batched_tokens,
                               config.chunk_bucket_factor,
                               spec_width=1 + config.spec.num_draft_tokens
-                              if config.spec.enabled else 1)
+                              if config.spec.enabled else 1,
+                              history_width=self.max_model_len, bias_width=_BIAS_WIDTH)
         self.runner = ModelRunner(programs, buckets, kv, model.params, model.weights_version,
                                   page_size=config.page_size,
                                   kv_store=None if kv_pool is None else kv_pool.store())
@@ -433,6 +437,14 @@ class Engine:
         if bad:
             raise ValueError(f"request {request_id!r}: stop token id {bad[0]} is outside the "
                              f"vocabulary [0, {vocab})")
+        bad = [t for t, _ in sampling.logit_bias if not t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: logit_bias token id {bad[0]} is outside "
+                             f"the vocabulary [0, {vocab})")
+        entries = rules_entries(sampling, sampling.stop_ids(self.model.config.eos_token_ids))
+        if entries > _BIAS_WIDTH:
+            raise ValueError(f"request {request_id!r}: logit_bias and the stop tokens "
+                             f"min_tokens masks take {entries} entries, more than {_BIAS_WIDTH}")
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens does not "
                              f"fit the context length {self.max_model_len} (at least one token "
@@ -563,8 +575,9 @@ class Engine:
     def warmup(self, *, sampling: bool = False) -> int:
         """Compiles every greedy step shape and KV program on padding inputs; returns the
         compile count. Padded tokens write nothing and padded rows read nothing. With
-        `sampling`, the sampled variants of each shape too (three times the programs), so
-        temperature, top-k and top-p requests compile nothing either."""
+        `sampling`, the sampled variants of each shape too (four times the programs), so
+        temperature, top-k, top-p, min-p, penalties, logit bias and min_tokens compile
+        nothing either."""
         plan = self.context_reuse.plan(self.max_model_len)
         self.runner.warmup(self.model.weights_version, sampling=sampling,
                            blend_ratio=plan.blend_ratio or None,

@@ -10,6 +10,7 @@ and each KV op (metering, logits taps, tracing) without replacing any part.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ from kvjax.engine.step import (
     empty_step_input,
 )
 from kvjax.memory.ops import KVOp
+from kvjax.sampling import SamplingParams
 from kvjax.scheduler.context import blend_count
 from kvjax.scheduler.output import BlendRow, RunnerOutput, SchedulerOutput
 from kvjax.shapes import bucket, geometric_buckets
@@ -83,6 +85,9 @@ class StepBuckets:
       spec_width: tokens per decode row of a speculative verify step (1 + gamma); 1: no
         speculative decoding. Steps whose decode rows verify drafts take that width, the
         others 1, so warm-up compiles both.
+      history_width, bias_width: H and Kb of a step whose rows have penalties, a logit bias
+        or min_tokens (`StepShape`): the context length, and the most bias entries a row has
+        (`rules_entries`).
     """
 
     max_num_seqs: int
@@ -93,6 +98,8 @@ class StepBuckets:
     max_num_batched_tokens: int = 1 << 30
     chunk_bucket_factor: int = 4
     spec_width: int = 1
+    history_width: int = 0
+    bias_width: int = 0
 
     def decode_buckets(self, *, mixed: bool) -> list[int]:
         """Padded decode-row counts: powers of two alone, powers of four beside a prefill."""
@@ -152,6 +159,13 @@ class StepBuckets:
                    if bd or wd == 1]
         return shapes
 
+    @property
+    def rules_variant(self) -> dict:
+        """The StepShape fields of a step with rules: one variant per shape, sampled and
+        filtered (greedy rows take the argmax of their processed logits in it)."""
+        return dict(all_greedy=False, needs_filter=True, history_width=self.history_width,
+                    bias_width=self.bias_width)
+
     def shape_for(self, so: SchedulerOutput, logits_mode: LogitsMode) -> StepShape:
         """The bucketed shape that holds this step's rows."""
         num_decode, prefill = len(so.decode), so.prefill
@@ -163,6 +177,8 @@ class StepBuckets:
                       needs_filter=any(p.needs_filter for p in sampling),
                       logits_mode=logits_mode,
                       decode_width=self.spec_width if verifies else 1)
+        if any(p.needs_rules for p in sampling):
+            fields.update(self.rules_variant)
         if not mixed:
             return StepShape(num_decode=bd, num_prefill=0, chunk=1,
                              max_pages=self.block_table_width, feed_rows=self.feed_rows,
@@ -173,6 +189,41 @@ class StepBuckets:
         total = sum(r.num_tokens for r in prefill)
         chunk = min(c for c in self.chunk_buckets(bp) if c >= total)
         return self._prefill_shape(bd, bp, chunk, **fields)
+
+
+def rules_entries(p: SamplingParams, stop_ids: tuple[int, ...]) -> int:
+    """The bias entries a request takes: its logit bias, and with min_tokens its stop ids."""
+    return len(p.logit_bias) + (len(stop_ids) if p.min_tokens else 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bias_entries(p: SamplingParams, stop_ids: tuple[int, ...]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A request's (ids, values, until) bias entries: its logit bias for every token, and
+    -inf on `stop_ids` while fewer than min_tokens are generated."""
+    always = np.iinfo(np.int32).max
+    ids = [t for t, _ in p.logit_bias] + list(stop_ids)
+    values = [b for _, b in p.logit_bias] + [-np.inf] * len(stop_ids)
+    until = [always] * len(p.logit_bias) + [p.min_tokens] * len(stop_ids)
+    return (np.asarray(ids, np.int32), np.asarray(values, np.float32),
+            np.asarray(until, np.int32))
+
+
+def _fill_rules(buf: dict[str, np.ndarray], r: int, row) -> None:
+    """Writes row `r`'s penalties, token history and bias entries."""
+    p = row.sampling
+    buf["presence"][r] = p.presence_penalty
+    buf["frequency"][r] = p.frequency_penalty
+    buf["repetition"][r] = p.repetition_penalty
+    buf["num_prompt"][r] = row.num_prompt_tokens
+    if row.history is not None:
+        n = len(row.history)
+        buf["history"][r, :n] = row.history
+        buf["history_lens"][r] = n
+    ids, values, until = _bias_entries(p, row.stop_ids)
+    k = len(ids)
+    buf["bias_ids"][r, :k], buf["bias_values"][r, :k], buf["bias_until"][r, :k] = \
+        ids, values, until
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,8 +357,11 @@ class ModelRunner:
         buf["temperature"][r] = p.temperature
         buf["top_k"][r] = p.top_k
         buf["top_p"][r] = p.top_p
+        buf["min_p"][r] = p.min_p
         buf["seeds"][r] = row.seed
         buf["counters"][r] = row.counter
+        if shape.has_rules:
+            _fill_rules(buf, r, row)
         buf["seq_slots"][r] = row.seq_slot
         buf["kv_floors"][r] = row.kv_floor
         if row.feed_index >= 0:
@@ -367,7 +421,8 @@ class ModelRunner:
     def warmup(self, weights_version: str, *, sampling: bool = False,
                blend_ratio: float | None = None, max_blend_tokens: int = 0) -> None:
         """Compiles every greedy step shape on padding inputs (which write and read nothing);
-        with `sampling`, each shape's sampled variants too (with and without top-k / top-p);
+        with `sampling`, each shape's sampled variants too (with and without top-k / top-p /
+        min-p, and with penalties, logit bias or min_tokens);
         with `blend_ratio`, the CacheBlend recomputes of chunks up to `max_blend_tokens`."""
         params = self.params[weights_version]
         n = self.buckets.min_chunk_bucket
@@ -378,8 +433,8 @@ class ModelRunner:
             host["slots"][:] = -1  # padding: nothing is read or written
             self.kv = self.programs.blend(params, self.kv, host, shape)
             n *= 2
-        variants = [{}] + ([dict(all_greedy=False), dict(all_greedy=False, needs_filter=True)]
-                           if sampling else [])
+        variants = [{}] + ([dict(all_greedy=False), dict(all_greedy=False, needs_filter=True),
+                            self.buckets.rules_variant] if sampling else [])
         for greedy_shape in self.buckets.step_shapes():
             for variant in variants:
                 shape = dataclasses.replace(greedy_shape, **variant)

@@ -30,7 +30,7 @@ from kvjax.kv import attention as attention_ref
 from kvjax.kv import layout, native
 from kvjax.kv.state import KVState
 from kvjax.models import linear, llama
-from kvjax.sampling import sample_tokens, verify_drafts
+from kvjax.sampling import LogitRules, sample_tokens, verify_drafts
 
 
 class AttentionImpl(enum.Enum):
@@ -86,6 +86,14 @@ class StepShape:
     row_chunk: int = 0
     # Wd, tokens per decode row: 1, or 1 + gamma in a speculative verify step.
     decode_width: int = 1
+    # H, the token history each row ships for penalties, and Kb, its bias entries; both 0
+    # when no row of the step has penalties, a logit bias or min_tokens (rules off).
+    history_width: int = 0
+    bias_width: int = 0
+
+    @property
+    def has_rules(self) -> bool:
+        return self.bias_width > 0
 
     @property
     def num_rows(self) -> int:
@@ -104,8 +112,15 @@ class StepInput:
       tokens, positions, slot_mapping: [T] int32 (slot -1: a padded token writes nothing).
       block_tables: [R, Pmax] int32.
       kv_lens, q_lens: [R] int32.
-      temperature, top_p: [R] float32; top_k: [R] int32.
+      temperature, top_p, min_p: [R] float32; top_k: [R] int32.
       seeds: [R] uint32; counters: [R] int32, the index of the token each row generates.
+      presence, frequency, repetition: [R] float32, the rows' penalties (0, 0, 1: off).
+      history: [R, H] int32, the sequence's tokens before the row's first one (positions
+        0 .. history_lens - 1; the step's own tokens are read on the device, so one still in
+        flight counts); num_prompt: [R] int32, its prompt length (later positions are
+        output). H = 0 when rules are off.
+      bias_ids, bias_until: [R, Kb] int32; bias_values: [R, Kb] float32: the rows' logit
+        bias and min_tokens masks (`kvjax.sampling.LogitRules`). Kb = 0 when rules are off.
       score_weights: [T] float32, each query's weight in the key scores a retention policy
         accumulates (kvjax.kv.retention); 0 for padding and for policies that score nothing.
       seq_slots: [R] int32, each row's sequence slot in the KV state's sequence-slot leaves
@@ -134,6 +149,16 @@ class StepInput:
     top_p: jax.Array
     seeds: jax.Array
     counters: jax.Array
+    min_p: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+    history: jax.Array
+    history_lens: jax.Array
+    num_prompt: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
+    bias_until: jax.Array
     score_weights: jax.Array
     seq_slots: jax.Array
     kv_floors: jax.Array
@@ -170,6 +195,7 @@ class StepOutput:
 def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
     """Host buffers for one step, filled with padding values."""
     r, t, bd, w = shape.num_rows, shape.num_tokens, shape.num_decode, shape.decode_width
+    h, kb = shape.history_width, shape.bias_width
     return dict(
         tokens=np.zeros(t, np.int32),
         positions=np.zeros(t, np.int32),
@@ -182,6 +208,16 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
         top_p=np.ones(r, np.float32),
         seeds=np.zeros(r, np.uint32),
         counters=np.zeros(r, np.int32),
+        min_p=np.zeros(r, np.float32),
+        presence=np.zeros(r, np.float32),
+        frequency=np.zeros(r, np.float32),
+        repetition=np.ones(r, np.float32),
+        history=np.zeros((r, h), np.int32),
+        history_lens=np.zeros(r, np.int32),
+        num_prompt=np.zeros(r, np.int32),
+        bias_ids=np.zeros((r, kb), np.int32),
+        bias_values=np.zeros((r, kb), np.float32),
+        bias_until=np.zeros((r, kb), np.int32),
         score_weights=np.zeros(t, np.float32),
         seq_slots=np.zeros(r, np.int32),
         kv_floors=np.zeros(r, np.int32),
@@ -313,18 +349,20 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     h, (kv, key_scores) = llama.decode_body(params, config, token_ids, inp.positions, attend,
                                             (kv, key_scores), linear=linear)  # [T, H]
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
+    rules = _logit_rules(inp, token_ids, shape, config.vocab_size) if shape.has_rules else None
     num_accepted = spec_logprobs = None
     if shape.decode_width > 1:
         if shape.logits_mode is not LogitsMode.NONE:
             raise ValueError("verify steps return no logits (the scheduler plans no drafts "
                              "for steps that do)")
         tokens, logprobs, num_accepted, spec_logprobs = _verify_step_tokens(
-            params, config, h, token_ids, inp, shape, sampling)
+            params, config, h, token_ids, inp, shape, sampling, rules)
     else:
         last = inp.row_starts + jnp.maximum(q_lens - 1, 0)  # [R]
         logits = llama.lm_head(params, config, h[last], linear)  # [R, V]
         tokens, logprobs = sample_tokens(
-            logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, **sampling)
+            logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, inp.min_p,
+            rules, **sampling)
     out_logits = None
     if shape.logits_mode is LogitsMode.LAST:
         out_logits = logits
@@ -336,25 +374,58 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                       spec_logprobs=spec_logprobs), kv
 
 
+def _logit_rules(inp: StepInput, token_ids: jax.Array, shape: StepShape, vocab: int
+                 ) -> LogitRules:
+    """Each row's `LogitRules`, its prompt mask and output counts rebuilt on the device from
+    its shipped history and the step's own tokens up to the one it samples after (a verify
+    row: its first token; `verify_drafts` counts its drafts per position)."""
+    r, t = shape.num_rows, shape.num_tokens
+    rows = jnp.arange(r)[:, None]  # [R, 1]
+    pos = jnp.arange(shape.history_width)[None, :]  # [1, H]
+    known = pos < inp.history_lens[:, None]  # [R, H]
+    is_output = pos >= inp.num_prompt[:, None]  # [R, H]
+    counts = jnp.zeros((r, vocab), jnp.int32).at[rows, inp.history].add(
+        (known & is_output).astype(jnp.int32))  # [R, V]
+    in_prompt = jnp.zeros((r, vocab), jnp.int32).at[rows, inp.history].add(
+        (known & ~is_output).astype(jnp.int32))  # [R, V]
+    t_rows = inp.token_rows  # [T]
+    offset = jnp.arange(t) - inp.row_starts[t_rows]  # [T]
+    q = inp.q_lens[t_rows]
+    counted = offset < jnp.where(t_rows < shape.num_decode, jnp.minimum(q, 1), q)  # [T]
+    step_output = inp.positions >= inp.num_prompt[t_rows]  # [T]
+    counts = counts.at[t_rows, token_ids].add((counted & step_output).astype(jnp.int32))
+    in_prompt = in_prompt.at[t_rows, token_ids].add((counted & ~step_output).astype(jnp.int32))
+    return LogitRules(prompt_mask=in_prompt > 0, output_counts=counts, presence=inp.presence,
+                      frequency=inp.frequency, repetition=inp.repetition,
+                      bias_ids=inp.bias_ids, bias_values=inp.bias_values,
+                      bias_until=inp.bias_until)
+
+
 def _verify_step_tokens(params, config: ModelConfig, h, token_ids, inp: StepInput,
-                        shape: StepShape, sampling: dict):
+                        shape: StepShape, sampling: dict, rules: LogitRules | None):
     """A verify step's tokens: decode rows score every token (`verify_drafts`), prefill rows
     sample from their last token. Returns (tokens, logprobs, num_accepted, spec_logprobs),
     each over all rows."""
     bd, bp, wd = shape.num_decode, shape.num_prefill, shape.decode_width
     logits = llama.lm_head(params, config, h[:bd * wd]).reshape(bd, wd, -1)  # [Bd, Wd, V]
     dec = slice(0, bd)
+
+    def rows_of(part: slice) -> LogitRules | None:
+        return None if rules is None else jax.tree.map(lambda x: x[part], rules)
+
     accepted, tokens, spec_logprobs = verify_drafts(
         logits, token_ids[:bd * wd].reshape(bd, wd)[:, 1:],
         jnp.maximum(inp.q_lens[dec] - 1, 0), inp.temperature[dec], inp.top_k[dec],
-        inp.top_p[dec], inp.seeds[dec], inp.counters[dec], **sampling)
+        inp.top_p[dec], inp.seeds[dec], inp.counters[dec], inp.min_p[dec], rows_of(dec),
+        **sampling)
     logprobs = jnp.take_along_axis(spec_logprobs, accepted[:, None], axis=1)[:, 0]
     if bp:
         pre = slice(bd, None)
         last = inp.row_starts[pre] + jnp.maximum(inp.q_lens[pre] - 1, 0)  # [Bp]
         pre_tokens, pre_logprobs = sample_tokens(
             llama.lm_head(params, config, h[last]), inp.temperature[pre], inp.top_k[pre],
-            inp.top_p[pre], inp.seeds[pre], inp.counters[pre], **sampling)
+            inp.top_p[pre], inp.seeds[pre], inp.counters[pre], inp.min_p[pre], rows_of(pre),
+            **sampling)
         tokens = jnp.concatenate([tokens, pre_tokens])
         logprobs = jnp.concatenate([logprobs, pre_logprobs])
     return (tokens, logprobs, jnp.concatenate([accepted, jnp.zeros(bp, jnp.int32)]),
@@ -379,7 +450,12 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         block_tables=jnp.broadcast_to(block_table, (n, block_table.shape[0])), kv_lens=kv_lens,
         q_lens=(kv_lens > 0).astype(jnp.int32), temperature=jnp.zeros(n, jnp.float32),
         top_k=zeros, top_p=jnp.ones(n, jnp.float32), seeds=jnp.zeros(n, jnp.uint32),
-        counters=zeros, score_weights=jnp.zeros(n, jnp.float32), seq_slots=zeros,
+        counters=zeros, min_p=jnp.zeros(n, jnp.float32), presence=jnp.zeros(n, jnp.float32),
+        frequency=jnp.zeros(n, jnp.float32), repetition=jnp.ones(n, jnp.float32),
+        history=jnp.zeros((n, 0), jnp.int32), history_lens=zeros, num_prompt=zeros,
+        bias_ids=jnp.zeros((n, 0), jnp.int32), bias_values=jnp.zeros((n, 0), jnp.float32),
+        bias_until=jnp.zeros((n, 0), jnp.int32), score_weights=jnp.zeros(n, jnp.float32),
+        seq_slots=zeros,
         kv_floors=zeros, token_src=jnp.full(n, -1, jnp.int32), prev_tokens=zeros,
         row_starts=jnp.arange(n, dtype=jnp.int32), token_rows=jnp.arange(n, dtype=jnp.int32))
 

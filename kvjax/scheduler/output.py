@@ -43,6 +43,11 @@ class ScheduledRow:
         writes is overwritten by the verify step.
       read_table, read_len: the pages a draft row attends to and their token count (a subset
         of block_table); None: the row reads its whole block table.
+      history: [start] int32, the sequence's tokens before `start`, for a row whose sampling
+        penalizes repeats (`SamplingParams.reads_history`); else None.
+      num_prompt_tokens: the sequence's prompt length (later positions are output).
+      stop_ids: the tokens that would end the sequence (EOS unless ignored, and its stop
+        tokens), for a row whose sampling masks them until `min_tokens`; else ().
     """
 
     seq_id: str
@@ -63,6 +68,9 @@ class ScheduledRow:
     is_draft: bool = False
     read_table: np.ndarray | None = None
     read_len: int = 0
+    history: np.ndarray | None = None
+    num_prompt_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -421,7 +421,12 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             sampling=seq.sampling, seed=seq.seed, counter=seq.num_tokens - seq.num_prompt_tokens,
             seq_slot=self.kv_cache.seq_slot(seq.seq_id),
             kv_floor=self.kv_cache.kv_floor(seq.seq_id), samples=samples,
-            kv_epoch=seq.kv_epoch, feed_index=feed_index, num_drafts=num_drafts)
+            kv_epoch=seq.kv_epoch, feed_index=feed_index, num_drafts=num_drafts,
+            history=np.asarray(seq.tokens[:start], np.int32)
+            if seq.sampling.reads_history else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            stop_ids=seq.sampling.stop_ids(self.config.eos_token_ids)
+            if seq.sampling.min_tokens else ())
         seq.draft_tokens = []  # Checked by this row (verified or not, they are spent).
         seq.num_computed += n
         if num_drafts:
