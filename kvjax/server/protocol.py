@@ -2,8 +2,9 @@
 
 Request models forbid unknown fields and coerce nothing (a string is never read as a number,
 a bool never as an int), so every malformed body fails validation with the field's path.
-Extensions beyond OpenAI's schema follow vLLM's names: `top_k`, `stop_token_ids`,
-`ignore_eos`, `return_tokens_as_token_ids`.
+Extensions beyond OpenAI's schema follow vLLM's names: `top_k`, `min_p`, `min_tokens`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`,
+`include_stop_str_in_output`, `return_tokens_as_token_ids`.
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the request's tenant, where the server lets clients name it
-    # Accepted at their neutral values only: the engine has no penalties.
-    presence_penalty: Literal[0, 0.0] | None = None
-    frequency_penalty: Literal[0, 0.0] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's; 1.0: off
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's
+    min_tokens: int = Field(0, ge=0)  # vLLM's: EOS and stop tokens masked until then
     return_tokens_as_token_ids: bool = False  # logprob tokens spelled "token_id:<id>"
     skip_special_tokens: bool = True  # leave special tokens out of the output text
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text

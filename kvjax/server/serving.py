@@ -119,6 +119,8 @@ def _engine_error_param(message: str, n: int) -> str | None:
     """Which request field an engine refusal is about (its message names the value)."""
     if "KV pages" in message:
         return "n" if n > 1 else "max_tokens"
+    if "logit_bias" in message:
+        return "logit_bias"
     if "token id" in message or "prompt" in message:
         return "prompt"
     return None
@@ -425,7 +427,12 @@ class OpenAIServing:
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p,
                 seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
-                ignore_eos=body.ignore_eos, n=body.n)
+                ignore_eos=body.ignore_eos, n=body.n,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=body.repetition_penalty or 1.0,
+                logit_bias=body.logit_bias or (), min_p=body.min_p or 0.0,
+                min_tokens=body.min_tokens)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]  # SamplingParams names its field first.
             field = {"max_new_tokens": "max_tokens"}.get(field, field)

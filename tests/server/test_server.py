@@ -406,6 +406,45 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(model, server,
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+def test_vllm_bench_client_body_is_served(model, server, http):
+    """The body vLLM's own benchmark client (`vllm bench serve`, openai backend) sends for
+    every request, field for field: served, with the usage chunk it reads."""
+    prompt = [5, 9, 20, 33, 40]
+    body = {"model": MODEL_NAME, "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": 6,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True, "temperature": 0}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    tokens = greedy_reference(model, prompt, 6)  # ignore_eos: all 6 tokens
+    assert text == model.tokenizer.decode(tokens)
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_sampling_controls_reach_the_engine_and_bad_ones_get_400(model, server, client, http):
+    """logit_bias steers greedy decoding (reported logprobs stay the model's own); values
+    outside OpenAI's and vLLM's ranges are 400s naming the field."""
+    prompt = [5, 9, 20, 33, 40]
+    got = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=0,
+        logit_bias={"50": 100}, extra_body=dict(return_tokens_as_token_ids=True))
+    assert got.choices[0].logprobs.tokens == ["token_id:50"] * 4
+    expected, _ = reference_logprobs(model, prompt, [50] * 4)
+    np.testing.assert_allclose(got.choices[0].logprobs.token_logprobs, expected, atol=2e-4)
+    for extra, param in ((dict(presence_penalty=2.5), "presence_penalty"),
+                         (dict(frequency_penalty=-3), "frequency_penalty"),
+                         (dict(repetition_penalty=0), "repetition_penalty"),
+                         (dict(logit_bias={"999": 1}), "logit_bias"),
+                         (dict(logit_bias={"x": 1}), "logit_bias"),
+                         (dict(logit_bias={"5": 101}), "logit_bias"),
+                         (dict(min_p=1.5), "min_p"), (dict(min_tokens=9), "min_tokens")):
+        r = http.post("/v1/completions", json=dict(prompt=prompt, max_tokens=4, **extra))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
 def test_api_keys_decide_the_tenant(model):
     """With API keys, a request without a valid key is a 401 before its body is read; the
     key decides the tenant, and a tenant the client names nests inside the key's, so one
