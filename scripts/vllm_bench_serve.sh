@@ -32,8 +32,8 @@ import transformers
 from kvjax.models.loading import embedded_model_path
 
 path = embedded_model_path()
-transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(
-    sys.argv[1])
+for auto in (transformers.AutoTokenizer, transformers.AutoConfig):
+    auto.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(sys.argv[1])
 PY
 # shellcheck disable=SC2086
 .venv/bin/python scripts/serve.py --config=configs/serve_demo.py --port "$PORT" \
