@@ -174,6 +174,11 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 return by_id[seq_id]
         return self._ranked(candidates)[-1]
 
+    def _tenant_pages(self, tenant: str | None) -> int:
+        """Distinct device pages the tenant's running sequences hold (a shared prefix once)."""
+        return len(set().union(*(self.kv_cache.block_table(s.seq_id) for s in self.running
+                                 if s.tenant == tenant)))
+
     def _over_tenant_share(self, seq: Sequence) -> bool:
         """Whether a waiting sequence's tenant already holds its share of the pool
         (`max_tenant_page_share`) while another tenant waits: then it waits too. Alone, a
@@ -181,10 +186,33 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         share = self.config.max_tenant_page_share
         if share is None or all(s.tenant == seq.tenant for s in self.waiting):
             return False
-        # Distinct pages: a prefix its sequences share counts once.
-        held = set().union(*(self.kv_cache.block_table(s.seq_id) for s in self.running
-                             if s.tenant == seq.tenant))
-        return len(held) >= share * self.kv_cache.num_pages
+        return self._tenant_pages(seq.tenant) >= share * self.kv_cache.num_pages
+
+    def _reclaim_share(self) -> list[str]:
+        """Preempts one running sequence of a tenant over its share (`max_tenant_page_share`)
+        when the first waiting sequence of a tenant under it finds no room for its first
+        chunk: the lowest ranked such sequence, so the pages it frees admit the waiting one.
+        Returns the preempted ids (none without a share)."""
+        share = self.config.max_tenant_page_share
+        if share is None:
+            return []
+        limit = share * self.kv_cache.num_pages
+        under = next((s for s in self._ranked(self.waiting)
+                      if self._tenant_pages(s.tenant) < limit), None)
+        if under is None:
+            return []
+        first_chunk = min(under.num_pending, self.config.max_prefill_chunk)
+        if self.kv_cache.can_admit(pages_for(first_chunk, self.config.page_size)):
+            return []
+        over = {s.tenant for s in self.running
+                if s.tenant != under.tenant and self._tenant_pages(s.tenant) > limit}
+        candidates = [s for s in self.running
+                      if s.tenant in over and not self._awaits_step_in_flight(s)]
+        if not candidates:
+            return []
+        hog = self._victim(candidates)
+        self._preempt(hog)
+        return [hog.seq_id]
 
     def _cached_len(self, seq: Sequence) -> int:
         return self.kv_cache.cached_len(seq.seq_id, seq.num_computed)
@@ -203,7 +231,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self._poll_tiers()
         decode: list[tuple[Sequence, int]] = []
         prefill: list[tuple[Sequence, int]] = []
-        preempted = self._control()
+        preempted = self._control() + self._reclaim_share()
         offloaded = set(preempted)
         scheduled: set[str] = set()
         active = self.active_version()

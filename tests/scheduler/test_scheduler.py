@@ -316,3 +316,29 @@ def test_a_tenant_over_its_page_share_waits_while_another_tenant_waits():
     add(unlimited, "b0", list(range(201, 209)), tenant="b")
     so, _ = fake_step(unlimited)
     assert [r.seq_id for r in so.prefill] == ["a3#0"]  # first come (then max_num_seqs is met)
+
+
+def test_a_tenant_over_its_share_is_preempted_for_one_under_it():
+    """A tenant that took the whole pool while alone gives back a sequence (recomputed
+    later, its tokens unchanged) when another tenant under its share needs pages; without a
+    share the newcomer waits for a sequence to finish."""
+    def steps_until_b_runs(share):
+        scheduler, _ = make_scheduler(num_pages=12, policy="fair", max_prefill_chunk=16,
+                                      max_num_batched_tokens=64, max_tenant_page_share=share)
+        for i in range(3):  # 3 x 4 pages (13 tokens: 3 more fit): the whole pool
+            add(scheduler, f"a{i}", list(range(20 * i + 1, 20 * i + 14)), max_new_tokens=30,
+                tenant="a")
+        fake_step(scheduler)
+        add(scheduler, "b0", list(range(101, 109)), tenant="b")
+        preempted = []
+        for step in range(1, 40):
+            so, _ = fake_step(scheduler)
+            preempted += so.preempted
+            if "b0#0" in {r.seq_id for r in so.prefill}:
+                return step, preempted
+        return None, preempted
+
+    # The lowest ranked of a's goes before the step is formed, and b0 runs in that step.
+    assert steps_until_b_runs(0.5) == (1, ["a2#0"])
+    step, preempted = steps_until_b_runs(None)
+    assert step > 3  # waits until a's decode rows need pages and the lowest ranked goes
