@@ -40,7 +40,7 @@ test-notebooks: $(STAMP)
 # the CUDA plugin and libtpu change what `import jax` does, so .venv never carries them.
 DL_VENV := .venv-deviceless
 DL_STAMP := $(DL_VENV)/.installed
-DL_ENV := JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1
+DL_ENV := JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 ALLOW_MULTIPLE_LIBTPU_LOAD=1
 
 $(DL_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(DL_VENV)

@@ -15,10 +15,13 @@ read a KV state the engine holds, and `layer_attention_fns(kv, layer)` binds the
                                           tables first; `quest_sparse_decode` instead hands the
                                           selection to the sparse_decode kernel
 
-Each kernel runs compiled on GPU (Triton schedule); the paged and prefill kernels also on TPU
-(Mosaic schedule), while the quantized and sparse kernels have no TPU schedule and raise
-ValueError there. On a CPU backend every kernel runs through the Pallas interpreter, which is
-slow but computes the same values, so `attention_impl=pallas` works everywhere.
+Each kernel runs compiled on GPU (Triton schedule), except fp8 codes on GPUs below sm_89 (no
+float8 conversions: ValueError); the paged and prefill kernels also on TPU (Mosaic schedule),
+while the quantized and sparse kernels have no TPU schedule and raise ValueError there. "GPU"
+and "TPU" are the target being compiled for (`targets.current_platform`): the abstract mesh's
+device in a deviceless compile, else the backend. On a CPU backend every kernel runs through
+the Pallas interpreter, which is slow but computes the same values, so `attention_impl=pallas`
+works everywhere.
 """
 
 from __future__ import annotations

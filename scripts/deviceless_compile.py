@@ -17,6 +17,7 @@ import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from absl import app, flags  # noqa: E402
 
@@ -33,6 +34,8 @@ def main(argv):
     del argv
     records = deviceless.run(deviceless.all_cases(_TARGETS.value, _PROGRAMS.value,
                                                   _DTYPES.value, _SHAPES.value))
+    print(deviceless.format_summary(records))
+    print()
     print(deviceless.format_table(records))
     if _OUTPUT.value:
         path = pathlib.Path(_OUTPUT.value)

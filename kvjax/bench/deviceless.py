@@ -145,9 +145,13 @@ class ModelShape:
                            name=self.name)
 
 
+# SmolLM2-135M as it is, and a Llama-3-8B-like model with 4 of its 32 layers: the step scans
+# over layers, so the layer count changes no compiled kernel, only whether the weights fit one
+# chip (all 32 layers' 16 GB of bf16 weights exceed a v5e's 15.75 GiB HBM, and in float32 a
+# v6e's 31.25 GiB, which the compile reports as RESOURCE_EXHAUSTED).
 SHAPES: dict[str, ModelShape] = {
     "smollm2": ModelShape("smollm2", 9, 3, 64, 576, 1536, 30, 49152),
-    "8b": ModelShape("8b", 32, 8, 128, 4096, 14336, 32, 128256),
+    "8b": ModelShape("8b", 32, 8, 128, 4096, 14336, 4, 128256),
 }
 
 # Kernel programs: the float-page kernels, the quantized kernel per codec, the sparse kernel.
@@ -416,4 +420,25 @@ def format_table(records: list[dict]) -> str:
         lines.append(f"| {r['program']} | {r['target']} | {r['dtype']} | {r['shape']} | "
                      f"{r['status']} | {show(smem)} | {show(regs)} | {show(spills)} | "
                      f"{r['seconds']} | {reason} |")
+    return "\n".join(lines)
+
+
+def format_summary(records: list[dict]) -> str:
+    """A markdown table: one line per program, one column per target, each cell the number
+    of (dtype, shape) cases compiled, or the refusal's reason when every case was refused."""
+    names = list(dict.fromkeys(r["target"] for r in records))
+    lines = [f"| program | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
+    for program in dict.fromkeys(r["program"] for r in records):
+        cells = []
+        for target in names:
+            rs = [r for r in records if r["program"] == program and r["target"] == target]
+            done = sum(r["status"] == "compiled" for r in rs)
+            refused = [r for r in rs if r["status"] == "refused"]
+            if refused and len(refused) == len(rs):
+                cells.append(f"refused: {refused[0]['reason']}".replace("|", "/"))
+            else:
+                failed = len(rs) - done - len(refused)
+                cells.append(f"{done}/{len(rs)} compiled" + (f", {failed} FAILED" if failed
+                                                             else ""))
+        lines.append(f"| {program} | {' | '.join(cells)} |")
     return "\n".join(lines)
