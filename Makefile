@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo serve test test-slow test-notebooks lint clean
+.PHONY: setup demo serve test test-slow test-notebooks test-deviceless deviceless-setup lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,25 @@ test-slow: $(STAMP)
 test-notebooks: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/test_notebooks.py
 
+# Deviceless compiles for H100, A100, TPU v5e and v6e (tests_deviceless/) in their own venv:
+# the CUDA plugin and libtpu change what `import jax` does, so .venv never carries them.
+DL_VENV := .venv-deviceless
+DL_STAMP := $(DL_VENV)/.installed
+DL_ENV := JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 ALLOW_MULTIPLE_LIBTPU_LOAD=1
+
+$(DL_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(DL_VENV)
+	$(DL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DL_VENV)/bin/python -m pip install -q -e '.[deviceless]'
+	touch $(DL_STAMP)
+
+deviceless-setup: $(DL_STAMP)
+
+test-deviceless: $(DL_STAMP)
+	$(DL_ENV) $(DL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests_deviceless
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvjax pallas_kernels scripts tests configs
+	$(VENV)/bin/ruff check kvjax pallas_kernels scripts tests tests_deviceless configs
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(DL_VENV) .pytest_cache

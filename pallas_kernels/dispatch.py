@@ -15,10 +15,13 @@ read a KV state the engine holds, and `layer_attention_fns(kv, layer)` binds the
                                           tables first; `quest_sparse_decode` instead hands the
                                           selection to the sparse_decode kernel
 
-Each kernel runs compiled on GPU (Triton schedule); the paged and prefill kernels also on TPU
-(Mosaic schedule), while the quantized and sparse kernels have no TPU schedule and raise
-ValueError there. On a CPU backend every kernel runs through the Pallas interpreter, which is
-slow but computes the same values, so `attention_impl=pallas` works everywhere.
+Each kernel runs compiled on GPU (Triton schedule), except fp8 codes on GPUs below sm_89 (no
+float8 conversions: ValueError); the paged and prefill kernels also on TPU (Mosaic schedule),
+while the quantized and sparse kernels have no TPU schedule and raise ValueError there. "GPU"
+and "TPU" are the target being compiled for (`targets.current_platform`): the abstract mesh's
+device in a deviceless compile, else the backend. On a CPU backend every kernel runs through
+the Pallas interpreter, which is slow but computes the same values, so `attention_impl=pallas`
+works everywhere.
 """
 
 from __future__ import annotations
@@ -34,8 +37,13 @@ from kvjax.kv import attention as attention_ref
 from kvjax.kv import quest
 from kvjax.kv.quantized import QuantizedPagedKV
 from kvjax.kv.state import ContiguousKV, KVState, PagedKV
+from pallas_kernels import targets
 from pallas_kernels.paged_decode.kernel import pad_block_tables, paged_decode_attention
-from pallas_kernels.quantized_decode.kernel import code_format, quantized_decode_attention
+from pallas_kernels.quantized_decode.kernel import (
+    CodeFormat,
+    code_format,
+    quantized_decode_attention,
+)
 from pallas_kernels.ragged_prefill.kernel import ragged_prefill_attention
 from pallas_kernels.sparse_decode.kernel import sparse_decode_attention
 
@@ -47,7 +55,7 @@ PrefillFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def _interpret() -> bool:
-    return jax.default_backend() == "cpu"
+    return targets.current_platform() == "cpu"
 
 
 def attention_fns() -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
@@ -90,10 +98,22 @@ def attention_fns() -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]
     return decode_fn, prefill_fn
 
 
+def _gpu_only_reason(what: str) -> str | None:
+    if targets.current_platform() == "tpu":
+        return (f"attention_impl=pallas: the {what} kernel has a GPU (Triton) schedule only, "
+                "none for TPU; use attention_impl=reference there")
+    return None
+
+
 def _check_gpu_only(what: str) -> None:
-    if jax.default_backend() == "tpu":
-        raise ValueError(f"attention_impl=pallas: the {what} kernel has a GPU (Triton) schedule "
-                         "only, none for TPU; use attention_impl=reference there")
+    reason = _gpu_only_reason(what)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def sparse_unsupported_reason() -> str | None:
+    """Why `quest_sparse_decode` cannot run on this target, or None."""
+    return _gpu_only_reason("sparse decode")
 
 
 def _quantized_codecs(kv: QuantizedPagedKV) -> tuple[Any, Any]:
@@ -120,11 +140,21 @@ def _float_pages_fns(kv: PagedKV | ContiguousKV, layer: jax.Array
 
 def _quantized_reason(kv: QuantizedPagedKV) -> str | None:
     try:
-        _quantized_codecs(kv)
-        _check_gpu_only("quantized decode")
+        codec, _ = _quantized_codecs(kv)
     except ValueError as e:
         return str(e)
-    return None
+    reason = _gpu_only_reason("quantized decode")
+    if reason is None and targets.current_platform() == "gpu":
+        reason = fp8_gpu_reason(codec)
+    return reason
+
+
+def fp8_gpu_reason(codec: Any) -> str | None:
+    """Why the GPU being compiled for cannot read `codec`'s codes (fp8 below sm_89), or None."""
+    if code_format(codec) is not CodeFormat.FP8:
+        return None
+    reason = targets.fp8_unsupported_reason(targets.current_gpu())
+    return None if reason is None else f"attention_impl=pallas: {reason}"
 
 
 def _quantized_fns(kv: QuantizedPagedKV, layer: jax.Array) -> tuple[DecodeFn, PrefillFn]:

@@ -37,11 +37,12 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from kvjax.shapes import next_power_of_2
+from pallas_kernels import targets
 
 # Finite stand-in for -inf: masked scores never produce inf - inf = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Key/value tokens per compute block when pages_per_compute_block is not given.
-_DEFAULT_BLOCK_TOKENS = 128
+DEFAULT_BLOCK_TOKENS = 128
 # Triton's dots want every side (rows, head dim, block tokens) to be at least 16.
 MIN_TRITON_ROWS = 16
 
@@ -55,15 +56,53 @@ class Schedule(enum.Enum):
 
 def default_schedule(backend: str | None = None) -> Schedule:
     """PIPELINED on TPU; LOOPED on GPU and on CPU, where it compiles and interprets faster."""
-    backend = jax.default_backend() if backend is None else backend
+    backend = targets.current_platform() if backend is None else backend
     return Schedule.PIPELINED if backend == "tpu" else Schedule.LOOPED
 
 
-def default_pages_per_compute_block(page_size: int, max_pages: int) -> int:
-    """About 128 tokens per block (a power of two of pages), no more pages than a row holds,
-    but at least the 16 tokens Triton's dots need (extra table entries are masked padding)."""
-    pages = max(1, min(_DEFAULT_BLOCK_TOKENS // page_size, next_power_of_2(max_pages)))
+def default_pages_per_compute_block(page_size: int, max_pages: int,
+                                    max_block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+    """About 128 tokens per block (a power of two of pages; fewer where `max_block_tokens`,
+    what the GPU's shared memory holds, says so), no more pages than a row holds, but at least
+    the 16 tokens Triton's dots need (extra table entries are masked padding)."""
+    pages = max(1, min(max_block_tokens // page_size, next_power_of_2(max_pages)))
     return max(pages, next_power_of_2(-(-MIN_TRITON_ROWS // page_size)))
+
+
+# Triton's software pipeline (num_stages) keeps this many copies of each loaded block in
+# shared memory.
+TRITON_STAGES = 2
+
+
+def gpu_smem_estimate(*, rows: int, head_dim: int, block_tokens: int, dtype) -> int:
+    """Shared memory (bytes) a LOOPED program asks for: the query tile and TRITON_STAGES
+    buffered K and V blocks, in the compute dtype. Float32 tiles take about half as much
+    again (measured by compiling for an H100: the IEEE dots keep extra operand copies), so
+    they count 1.5 times; the estimate is conservative, the deviceless compile tier checks it.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    tiles = rows * head_dim * itemsize + TRITON_STAGES * 2 * block_tokens * head_dim * itemsize
+    return tiles * 3 // 2 if itemsize >= 4 else tiles
+
+
+def gpu_block_tokens(*, rows: int, head_dim: int, dtype,
+                     start: int = DEFAULT_BLOCK_TOKENS) -> int:
+    """Tokens per compute block (a power of two, at most `start`, at least Triton's 16) whose
+    tiles fit the shared memory of the GPU being compiled for (`targets.current_gpu`)."""
+    budget = targets.current_gpu().shared_memory_per_block
+    tokens = start
+    while tokens > MIN_TRITON_ROWS and gpu_smem_estimate(
+            rows=rows, head_dim=head_dim, block_tokens=tokens, dtype=dtype) > budget:
+        tokens //= 2
+    return tokens
+
+
+def max_block_tokens(*, rows: int, head_dim: int, dtype, interpret: bool) -> int:
+    """The compute-block cap for a LOOPED call: the GPU's shared memory when compiled for a
+    GPU, else the default (interpret mode and TPU have no such limit)."""
+    if interpret or targets.current_platform() != "gpu":
+        return DEFAULT_BLOCK_TOKENS
+    return gpu_block_tokens(rows=rows, head_dim=head_dim, dtype=dtype)
 
 
 def padded_group(group: int, interpret: bool) -> int:
@@ -206,6 +245,17 @@ def decode_visible(pos: jax.Array, kv_len: jax.Array, sliding_window: int | None
     return in_seq, visible
 
 
+def token_column_mask(block: jax.Array, block_tokens: int, kv_len: jax.Array) -> jax.Array:
+    """[S_blk, 1] bool: which slots of the block hold a token, one per sublane.
+
+    Built from an iota along the sublanes rather than by reshaping the lane-major [1, S_blk]
+    row: Mosaic cannot relayout a [1, S] boolean vector to [S, 1, 1] (an "unsupported shape
+    cast" when compiled for a TPU).
+    """
+    pos = block * block_tokens + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
+    return pos < kv_len
+
+
 def _pipelined_decode_kernel(bt_ref, lens_ref, q_ref, *refs, pages_per_block: int,
                              page_size: int, num_splits: int, sm_scale: float,
                              soft_cap: float | None, sliding_window: int | None):
@@ -232,13 +282,14 @@ def _pipelined_decode_kernel(bt_ref, lens_ref, q_ref, *refs, pages_per_block: in
         k = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [S_blk, K, D]
         v = jnp.concatenate([r[...] for r in v_refs], axis=0)
         pos = block * block_tokens + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-        in_seq, visible = decode_visible(pos, kv_len, sliding_window)  # [1, S_blk]
-        v = jnp.where(in_seq.reshape(block_tokens, 1, 1), v, jnp.zeros_like(v))
+        _, visible = decode_visible(pos, kv_len, sliding_window)  # [1, S_blk]
+        in_seq_col = token_column_mask(block, block_tokens, kv_len)  # [S_blk, 1]
         q = q_ref[...]  # [N, D]
         for h in range(num_kv_heads):
             carry = (m_sc[h], l_sc[h], acc_sc[h])
+            v_h = jnp.where(in_seq_col, v[:, h], jnp.zeros((), v.dtype))  # [S_blk, D]
             row_max, row_sum, acc = online_softmax_step(
-                q[h * group:(h + 1) * group], k[:, h], v[:, h], visible, carry,
+                q[h * group:(h + 1) * group], k[:, h], v_h, visible, carry,
                 sm_scale=sm_scale, soft_cap=soft_cap)
             m_sc[h], l_sc[h], acc_sc[h] = row_max, row_sum, acc
 
@@ -396,7 +447,7 @@ def looped_decode_call(kernel: Callable, *, tables: list[jax.Array], kv_lens: ja
                                 part_map), stat_spec, stat_spec],
         out_shape=[jax.ShapeDtypeStruct((b, num_splits, k_heads, gp, out_dim), jnp.float32),
                    stat_shape, stat_shape],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=TRITON_STAGES),
         interpret=interpret,
         name=name,
     )(*tables, kv_lens.astype(jnp.int32), *queries, *pools)
@@ -444,7 +495,7 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int, backend: 
     """
     if backend != "gpu":
         return 1
-    target_programs = 2 * getattr(jax.devices()[0], "core_count", 128)  # 2 per SM.
+    target_programs = 2 * targets.current_gpu().num_sms
     return int(max(1, min(num_blocks, pl.cdiv(target_programs, batch * num_kv_heads))))
 
 
@@ -490,7 +541,10 @@ def paged_decode_attention(
     schedule = default_schedule() if schedule is None else schedule
     block_tables, pages_per_block, num_splits = decode_blocking(
         block_tables, batch=b, num_kv_heads=k_heads, page_size=p,
-        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits)
+        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
+        max_block_tokens=max_block_tokens(
+            rows=padded_group(n // k_heads, interpret), head_dim=d, dtype=q.dtype,
+            interpret=interpret or schedule is Schedule.PIPELINED))
     impl = _pipelined_decode if schedule is Schedule.PIPELINED else _looped_decode
     partials = impl(q, k_pages, v_pages, block_tables, kv_lens,
                     pages_per_block=pages_per_block, num_splits=num_splits,
@@ -500,21 +554,24 @@ def paged_decode_attention(
 
 
 def decode_blocking(block_tables: jax.Array, *, batch: int, num_kv_heads: int, page_size: int,
-                    pages_per_compute_block: int | None, num_splits: int | None
+                    pages_per_compute_block: int | None, num_splits: int | None,
+                    max_block_tokens: int = DEFAULT_BLOCK_TOKENS
                     ) -> tuple[jax.Array, int, int]:
     """(block tables padded to whole compute blocks, pages per block, splits) for a decode call.
 
-    Defaults: about 128 tokens per block, `default_num_splits` for the backend; splits never
-    exceed the blocks a row can hold.
+    Defaults: about 128 tokens per block (at most `max_block_tokens`), `default_num_splits`
+    for the backend; splits never exceed the blocks a row can hold.
     """
     if num_splits is not None and num_splits <= 0:
         raise ValueError(f"num_splits must be positive, got {num_splits}")
-    pages_per_block = (default_pages_per_compute_block(page_size, block_tables.shape[1])
+    pages_per_block = (default_pages_per_compute_block(page_size, block_tables.shape[1],
+                                                       max_block_tokens)
                        if pages_per_compute_block is None else pages_per_compute_block)
     block_tables = pad_block_tables(block_tables, pages_per_block)
     num_blocks = block_tables.shape[1] // pages_per_block
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, num_blocks, jax.default_backend())
+        num_splits = default_num_splits(batch, num_kv_heads, num_blocks,
+                                        targets.current_platform())
     return block_tables, pages_per_block, min(num_splits, num_blocks)
 
 

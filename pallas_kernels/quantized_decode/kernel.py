@@ -50,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kvjax.kv import codecs
+from pallas_kernels import targets
 from pallas_kernels.paged_decode.kernel import (
     cap_logits,
     check_paged_args,
@@ -63,6 +64,7 @@ from pallas_kernels.paged_decode.kernel import (
     looped_decode_call,
     matmul_nn,
     matmul_nt,
+    max_block_tokens,
     padded_group,
     split_block_range,
 )
@@ -246,10 +248,20 @@ def quantized_decode_attention(
     b, n, d = q.shape
     _, p, k_heads, _ = shape
     phases = _phases(fmt, codec)
+    # The codes are dequantized to the compute dtype in shared memory: size blocks by it.
     block_tables, pages_per_block, num_splits = decode_blocking(
         block_tables, batch=b, num_kv_heads=k_heads, page_size=p,
-        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits)
+        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
+        max_block_tokens=max_block_tokens(
+            rows=padded_group(n // k_heads, interpret), head_dim=d,
+            dtype=jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32,
+            interpret=interpret))
     gp = padded_group(n // k_heads, interpret)
+    if not interpret and fmt is CodeFormat.FP8 and targets.current_platform() == "gpu":
+        # Refused here: below sm_89 the compiler aborts the process instead of failing.
+        reason = targets.fp8_unsupported_reason(targets.current_gpu())
+        if reason is not None:
+            raise ValueError(f"codec {codec.name!r}: {reason}")
     if not interpret:
         check_triton_block(rows=gp, head_dim=d // phases, pages_per_block=pages_per_block,
                            page_size=p)

@@ -33,20 +33,35 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from kvjax.shapes import next_power_of_2
+from pallas_kernels import targets
 from pallas_kernels.paged_decode.kernel import (
+    DEFAULT_BLOCK_TOKENS,
     MASK_VALUE,
     MIN_TRITON_ROWS,
+    TRITON_STAGES,
     Schedule,
     check_paged_args,
     check_triton_block,
     default_pages_per_compute_block,
     default_schedule,
+    gpu_block_tokens,
     online_softmax_step,
     pad_block_tables,
+    token_column_mask,
 )
 
 # Queries per block when block_q is not given (fewer if the chunk is shorter).
 _DEFAULT_BLOCK_Q = 64
+# Most query rows (block_q * padded group) of one GPU program, and its warps: the logits tile
+# [rows, S_blk] float32 is spread over the warps' registers.
+_MAX_GPU_ROWS = 128
+_GPU_PREFILL_WARPS = 8
+
+
+def _gpu_group(group: int, block_q: int) -> int:
+    """Query heads per kv head in a compiled GPU program: a power of two, padded so a short
+    query block still gives Triton's dot its 16 rows."""
+    return max(next_power_of_2(group), MIN_TRITON_ROWS // block_q)
 
 
 def _query_block_range(kv_len: jax.Array, q_len: jax.Array, q_block: jax.Array, *,
@@ -99,7 +114,7 @@ def _pipelined_prefill_kernel(bt_ref, lens_ref, qlens_ref, q_ref, *refs, pages_p
         k = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [S_blk, K, D]
         v = jnp.concatenate([r[...] for r in v_refs], axis=0)
         pos = block * block_tokens + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-        v = jnp.where((pos < kv_len).reshape(block_tokens, 1, 1), v, jnp.zeros_like(v))
+        in_seq_col = token_column_mask(block, block_tokens, kv_len)  # [S_blk, 1]
         query = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
         visible = _prefill_visible(query, pos, kv_len, q_len, sliding_window)  # [bq, S_blk]
         visible = jnp.broadcast_to(visible[None], (group, block_q, block_tokens))
@@ -107,8 +122,9 @@ def _pipelined_prefill_kernel(bt_ref, lens_ref, qlens_ref, q_ref, *refs, pages_p
         for h in range(num_kv_heads):
             q = q_ref[h].reshape(group * block_q, d)  # [G*bq, D]
             carry = (m_sc[h], l_sc[h], acc_sc[h])
-            row_max, row_sum, acc = online_softmax_step(q, k[:, h], v[:, h], visible, carry,
-                                            sm_scale=sm_scale, soft_cap=soft_cap)
+            v_h = jnp.where(in_seq_col, v[:, h], jnp.zeros((), v.dtype))  # [S_blk, D]
+            row_max, row_sum, acc = online_softmax_step(q, k[:, h], v_h, visible, carry,
+                                                        sm_scale=sm_scale, soft_cap=soft_cap)
             m_sc[h], l_sc[h], acc_sc[h] = row_max, row_sum, acc
 
     @pl.when(step == pl.num_programs(2) - 1)
@@ -210,8 +226,7 @@ def _looped_prefill(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, block
     g = n // k_heads
     gp = next_power_of_2(g)
     if not interpret:
-        # Pad the group so a short query block still gives Triton's dot its 16 rows.
-        gp = max(gp, MIN_TRITON_ROWS // block_q)
+        gp = _gpu_group(g, block_q)
         check_triton_block(rows=block_q * gp, head_dim=d, pages_per_block=pages_per_block,
                            page_size=p)
     qg = q.reshape(b, c, k_heads, g, d)
@@ -232,7 +247,8 @@ def _looped_prefill(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, block
                   len_spec, len_spec, q_spec, page_spec, page_spec],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=_GPU_PREFILL_WARPS,
+                                                num_stages=TRITON_STAGES),
         interpret=interpret,
         name="ragged_prefill_looped",
     )(block_tables, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32), qg, k_pages, v_pages)
@@ -285,8 +301,19 @@ def ragged_prefill_attention(
     b, c, n, d = q.shape
     p = k_pages.shape[1]
     schedule = default_schedule() if schedule is None else schedule
-    block_q = min(next_power_of_2(c), _DEFAULT_BLOCK_Q) if block_q is None else block_q
-    pages_per_block = (default_pages_per_compute_block(p, block_tables.shape[1])
+    on_gpu = (not interpret and schedule is Schedule.LOOPED
+              and targets.current_platform() == "gpu")
+    if block_q is None:
+        block_q = min(next_power_of_2(c), _DEFAULT_BLOCK_Q)
+        if on_gpu:
+            # A [block_q * Gp, S_blk] float32 logits tile lives in registers: past
+            # _MAX_GPU_ROWS rows it spills (measured for an H100).
+            block_q = max(1, min(block_q, _MAX_GPU_ROWS // _gpu_group(n // k_pages.shape[2],
+                                                                      block_q)))
+    max_tokens = (gpu_block_tokens(rows=block_q * _gpu_group(n // k_pages.shape[2], block_q),
+                                   head_dim=d, dtype=q.dtype) if on_gpu
+                  else DEFAULT_BLOCK_TOKENS)
+    pages_per_block = (default_pages_per_compute_block(p, block_tables.shape[1], max_tokens)
                        if pages_per_compute_block is None else pages_per_compute_block)
     block_tables = pad_block_tables(block_tables, pages_per_block)
     c_pad = pl.cdiv(c, block_q) * block_q

@@ -38,6 +38,7 @@ from pallas_kernels.paged_decode.kernel import (
     fold_split,
     grouped_queries,
     looped_decode_call,
+    max_block_tokens,
     online_softmax_step,
     padded_group,
     split_block_range,
@@ -117,7 +118,9 @@ def sparse_decode_attention(
     num_entries = page_indices.shape[1]  # R, before padding to whole compute blocks
     page_indices, pages_per_block, num_splits = decode_blocking(
         page_indices, batch=b, num_kv_heads=k_heads, page_size=p,
-        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits)
+        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
+        max_block_tokens=max_block_tokens(rows=padded_group(n // k_heads, interpret),
+                                          head_dim=d, dtype=q.dtype, interpret=interpret))
     gp = padded_group(n // k_heads, interpret)
     if not interpret:
         check_triton_block(rows=gp, head_dim=d, pages_per_block=pages_per_block, page_size=p)
