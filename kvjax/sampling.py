@@ -241,6 +241,16 @@ def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def _filter_if_any(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                   top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """`_filter_logits` when a sampled row filters, else the logits as they are: the step
+    variant with rules is compiled filtered, and its sort over the vocabulary must not slow
+    the steps whose rows only penalize. All rows [B]."""
+    active = (temperature > 0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))  # [B]
+    return jax.lax.cond(jnp.any(active), lambda x: _filter_logits(x, top_k, top_p, min_p),
+                        lambda x: x, logits)
+
+
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, seeds: jax.Array, counters: jax.Array,
                   min_p: jax.Array | None = None, rules: LogitRules | None = None, *,
@@ -262,16 +272,21 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     if all_greedy:
         tokens = greedy
     else:
-        scaled = processed / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        if needs_filter:
-            scaled = _filter_logits(scaled, top_k, top_p, _or_zeros(min_p, temperature))
+        def sample(logits: jax.Array) -> jax.Array:
+            scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+            if needs_filter:
+                scaled = _filter_if_any(scaled, temperature, top_k, top_p,
+                                        _or_zeros(min_p, temperature))
 
-        def draw(seed, counter, row):
-            key = jax.random.fold_in(jax.random.key(seed), counter)
-            return jax.random.categorical(key, row).astype(jnp.int32)
+            def draw(seed, counter, row):
+                key = jax.random.fold_in(jax.random.key(seed), counter)
+                return jax.random.categorical(key, row).astype(jnp.int32)
 
-        sampled = jax.vmap(draw)(seeds, counters, scaled)
-        tokens = jnp.where(temperature > 0, sampled, greedy)
+            sampled = jax.vmap(draw)(seeds, counters, scaled)
+            return jnp.where(temperature > 0, sampled, greedy)
+
+        # A step of greedy rows only (the variant with rules serves them too) draws nothing.
+        tokens = jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, processed)
     logprobs = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
 
@@ -337,7 +352,7 @@ def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
         rep = functools.partial(jnp.repeat, repeats=w, axis=0)
         scaled = flat / rep(jnp.where(temperature > 0, temperature, 1.0))[:, None]
         if needs_filter:
-            scaled = _filter_logits(scaled, rep(top_k), rep(top_p),
+            scaled = _filter_if_any(scaled, rep(temperature), rep(top_k), rep(top_p),
                                     rep(_or_zeros(min_p, temperature)))
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(
             rep(seeds), flat_counters)
