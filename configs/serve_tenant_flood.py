@@ -29,13 +29,13 @@ def get_config() -> ConfigDict:
     config.engine.max_model_len = 640  # a flood prompt (512) + output fits
     config.engine.kv_budget_mb = 40.0  # about 900 tokens of float32 SmolLM2 KV
     config.workload.name = "tenant_flood"
-    config.workload.num_requests = 16  # the victim's requests
+    config.workload.num_requests = 40  # 16 of the victim's, 24 of the flood's
     config.workload.params = ConfigDict(dict(
         rate=0.5,  # the victim's arrivals per second
         system_prompt_len=256,  # the victim's shared system prompt
         question_len=16,  # then a distinct question
         output_len=16,  # the victim's output tokens
-        flood_bursts=4,  # the flood: bursts of ...
+        flood_share=0.6,  # the flood's requests (24 of 40): bursts of ...
         burst_size=6,  # ... this many distinct prompts ...
         burst_interval_s=4.0,  # ... this often, from time 0 ...
         flood_prompt_len=512,  # ... of this many tokens ...
@@ -46,13 +46,14 @@ def get_config() -> ConfigDict:
     fair = {"engine.scheduler_policy": "fair"}
     fair_cache = {**fair, "engine.prefix_cache_eviction": "fair_share"}
     isolating = {**fair_cache, "engine.max_tenant_page_share": 0.5}
+    no_flood = {"workload.num_requests": 16, "workload.params.flood_share": 0.0}
     config.sweep = [
-        {"workload.params.flood_bursts": 0},  # fcfs + lru, no flood: the baseline
+        no_flood,  # fcfs + lru, no flood: the baseline
         {},  # fcfs + lru under the flood
         {"engine.prefix_cache_eviction": "fair_share"},  # fair-share eviction alone
         fair,  # fair admission
         fair_cache,  # ... and fair-share prefix-cache eviction
         isolating,  # ... and at most half the pool per tenant while another waits
-        {"workload.params.flood_bursts": 0, **isolating},  # all three, no flood
+        {**no_flood, **isolating},  # all three, no flood
     ]
     return config

@@ -552,17 +552,17 @@ def multi_tenant_burst(tokenizer: Tokenizer, *, seed: int, num_requests: int,
 
 def tenant_flood(tokenizer: Tokenizer, *, seed: int, num_requests: int, rate: float = 1.0,
                  system_prompt_len: int = 256, question_len: int = 16, output_len: int = 16,
-                 flood_bursts: int = 0, burst_size: int = 8, burst_interval_s: float = 4.0,
+                 flood_share: float = 0.0, burst_size: int = 8, burst_interval_s: float = 4.0,
                  flood_prompt_len: int = 512, flood_output_len: int = 4
                  ) -> list[BenchRequest]:
     """A tenant reusing its system prompt while another floods the prefix cache.
 
-    Tenant "victim" sends `num_requests` Poisson requests (`rate` per second): its system
-    prompt of `system_prompt_len` tokens, then a distinct question. Tenant "flooder" sends
-    `flood_bursts` bursts of `burst_size` distinct prompts of `flood_prompt_len` tokens (no
-    two share a page), one burst every `burst_interval_s` from time 0. The victim's requests
-    come from streams of their own, so they are the same with and without a flood
-    (`flood_bursts=0`).
+    `round(flood_share * num_requests)` requests are tenant "flooder"'s: bursts of
+    `burst_size` distinct prompts of `flood_prompt_len` tokens (no two share a page), one
+    burst every `burst_interval_s` from time 0. The others are tenant "victim"'s, Poisson at
+    `rate` per second: its system prompt of `system_prompt_len` tokens, then a distinct
+    question. The victim's requests come from streams of their own, so a run without the
+    flood (`flood_share=0` and the victim's count as `num_requests`) has the same ones.
     """
     for name, value in (("num_requests", num_requests), ("system_prompt_len", system_prompt_len),
                         ("question_len", question_len), ("output_len", output_len),
@@ -570,22 +570,24 @@ def tenant_flood(tokenizer: Tokenizer, *, seed: int, num_requests: int, rate: fl
                         ("flood_output_len", flood_output_len)):
         _check_positive(name, value)
     _check_rate("rate", rate)
-    if not (isinstance(flood_bursts, int) and flood_bursts >= 0):
-        raise ValueError(f"flood_bursts must be an int >= 0, got {flood_bursts!r}")
+    if not 0.0 <= flood_share < 1.0:
+        raise ValueError(f"flood_share must be in [0, 1), got {flood_share!r}")
     if not burst_interval_s > 0:
         raise ValueError(f"burst_interval_s must be > 0, got {burst_interval_s!r}")
+    num_flood = round(flood_share * num_requests)
+    num_victim = num_requests - num_flood
     arrival_rng, victim_rng, flood_rng = _streams(seed, 3)
-    arrivals = _poisson_arrivals(arrival_rng, rate, num_requests)
+    arrivals = _poisson_arrivals(arrival_rng, rate, num_victim)
     system = _corpus_ids(tokenizer, victim_rng, system_prompt_len, add_bos=True)
     requests = [BenchRequest(
         f"victim-{i:05d}", float(arrivals[i]),
         system + _corpus_ids(tokenizer, victim_rng, question_len, add_bos=False,
                              lead=f"Question {i + 1}: "), output_len, tenant="victim")
-        for i in range(num_requests)]
+        for i in range(num_victim)]
     requests += [BenchRequest(
-        f"flood-{b:03d}-{j:03d}", b * burst_interval_s,
+        f"flood-{i // burst_size:03d}-{i % burst_size:03d}", i // burst_size * burst_interval_s,
         _corpus_ids(tokenizer, flood_rng, flood_prompt_len, add_bos=True), flood_output_len,
-        tenant="flooder") for b in range(flood_bursts) for j in range(burst_size)]
+        tenant="flooder") for i in range(num_flood)]
     return _sorted(requests)
 
 

@@ -37,8 +37,7 @@ SMALL = {
     "multi_tenant_burst": dict(prompt_len=64, output_len=32),
     "rl_group": dict(group_size=4, prompt_max=128),
     "rag": dict(num_docs=6, docs_per_prompt=3, doc_min_words=20, doc_max_words=40),
-    # (the flood's requests come on top of num_requests: its own test turns it on)
-    "tenant_flood": dict(system_prompt_len=48, flood_bursts=0, burst_size=3,
+    "tenant_flood": dict(system_prompt_len=48, flood_share=0.5, burst_size=3,
                          flood_prompt_len=64),
 }
 
@@ -287,8 +286,8 @@ def test_burst_tenant_gets_its_share_of_arrivals():
 
 
 def test_tenant_flood_victim_requests_are_the_same_with_and_without_the_flood():
-    flooded = _build("tenant_flood", 3, flood_bursts=2)
-    alone = _build("tenant_flood", 3)
+    flooded = _build("tenant_flood", 3, num_requests=18, flood_share=1 / 3)
+    alone = _build("tenant_flood", 3, flood_share=0.0)
     victims = [r for r in flooded if r.tenant == "victim"]
     assert victims == alone and len(victims) == 12
     system = victims[0].prompt_ids[:48]
