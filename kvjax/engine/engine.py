@@ -93,6 +93,9 @@ class Engine:
       model: the `Model` (config, params, tokenizer, weights_version).
       config: the `EngineConfig`.
       scheduler, kv_cache, runner, core: the parts (see the module docstring).
+      kv_spec: the pool's `KVCacheSpec` (`kvjax.kv.spec`): its layer groups and the bytes of a
+        token, a page and a sequence slot, per-page summaries of a retention policy included.
+      kv_bytes_per_token: device bytes one cached token takes over every layer.
       stats: counters (steps, preemptions, swaps, prefix cache, timing).
       mesh: the tensor-parallel mesh params and KV are laid out on (kvjax.parallel.sharding),
         or None for one device.
@@ -124,6 +127,7 @@ class Engine:
         pool = (build_kv_pool if kv_pool is None else kv_pool.build)(
             mc, config, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
         self.kv_bytes_per_token = pool.kv_bytes_per_token
+        self.kv_spec = retention.policy.wrap_spec(pool.spec)
         kv = retention.policy.wrap_state(pool.kv)
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
                                 retention=retention.step_hooks, matmul_impl=config.matmul_impl)
@@ -251,7 +255,8 @@ class Engine:
 
     @property
     def kv_bytes_per_page(self) -> int:
-        return int(self.kv_bytes_per_token * self.config.page_size)
+        """Device bytes of one page's tokens over every layer (codes and metadata)."""
+        return int(self.kv_bytes_per_token * self.kv_spec.page_size)
 
     @property
     def kv_samples(self) -> list[tuple[float, int, int]]:
