@@ -43,6 +43,7 @@ from kvjax.kv.retention import RetentionManager, make_retention
 from kvjax.kv.reuse import ChunkCopier
 from kvjax.kv.state import pages_for
 from kvjax.memory.kv_cache_manager import KVCacheManager
+from kvjax.memory.ops import KVOpKind
 from kvjax.memory.tiers import (
     TieredSwapSpace,
     TierManager,
@@ -149,6 +150,8 @@ class Engine:
                                   kv_store=None if kv_pool is None else kv_pool.store())
         self.stats: dict = {}
         tiers, swap_space = self._build_tiers(pool)
+        self.runner.kv_programs[KVOpKind.SCRUB] = lambda kv, op: swap_space.scrub(
+            kv, op.dst, op.seq_slots)
         self.kv_cache = KVCacheManager(
             self.runner, pool.allocator, swap_space, retention, page_size=config.page_size,
             watermark=config.watermark, scrub_freed_pages=config.scrub_freed_pages,

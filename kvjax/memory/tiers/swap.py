@@ -61,8 +61,11 @@ class TieredSwapSpace:
         self.tiers.drop(seq_id)
         self._plain.drop(seq_id)
 
-    def scrub(self, kv, pages: list[int]):
-        return self._plain.scrub(kv, pages)
+    def take_released_slots(self) -> list[int]:
+        return self._plain.take_released_slots()
+
+    def scrub(self, kv, pages, seq_slots=()):
+        return self._plain.scrub(kv, pages, seq_slots)
 
     def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool,
                demote_bits: tuple[int, ...] = ()):
