@@ -152,6 +152,9 @@ class Engine:
         tiers, swap_space = self._build_tiers(pool)
         self.runner.kv_programs[KVOpKind.SCRUB] = lambda kv, op: swap_space.scrub(
             kv, op.dst, op.seq_slots)
+        # Only a swap space that keeps windows is ever asked for a window copy.
+        self.runner.kv_programs[KVOpKind.COPY_WINDOW] = lambda kv, op: swap_space.copy_window(
+            kv, op.src[0], op.dst[0])
         self.kv_cache = KVCacheManager(
             self.runner, pool.allocator, swap_space, retention, page_size=config.page_size,
             watermark=config.watermark, scrub_freed_pages=config.scrub_freed_pages,

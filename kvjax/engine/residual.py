@@ -166,7 +166,6 @@ class WindowSwapSpace(HostSwapSpace):
                 kv = self._zero_windows(kv, np.full(n, self.allocator.num_seq_slots, np.int32))
         return kv
 
-    def copy_window(self, kv, parent_id: str, child_id: str):
-        """A forked child's window starts as a copy of its parent's."""
-        return self._copy_window(kv, jnp.int32(self.allocator.seq_slot(parent_id)),
-                                 jnp.int32(self.allocator.seq_slot(child_id)))
+    def copy_window(self, kv, src_slot: int, dst_slot: int):
+        """A forked child's window (slot dst_slot) starts as a copy of its parent's."""
+        return self._copy_window(kv, jnp.int32(src_slot), jnp.int32(dst_slot))

@@ -196,7 +196,7 @@ class ModelRunner:
       params: weights version -> params.
       kv_programs: `KVOpKind` -> program(state, op) -> state, for each kind of
         `kvjax.memory.ops.DATA_KINDS`: how the runner applies ops given as data (the engine
-        registers the scrub program of its swap space).
+        registers the scrub and window-copy programs of its swap space).
     """
 
     def __init__(self, programs: StepPrograms, buckets: StepBuckets, kv: Any, params: Any,

@@ -339,8 +339,8 @@ class KVCacheManager:
             self._floors[child_id] = self._floors[parent_id]
         self.copy(copies)
         if self.keeps_windows:
-            self._apply(KVOp(KVOpKind.COPY_WINDOW),
-                              lambda kv: self.swap_space.copy_window(kv, parent_id, child_id))
+            self._issue(KVOp(KVOpKind.COPY_WINDOW, src=(self.seq_slot(parent_id),),
+                             dst=(self.seq_slot(child_id),)))
         return True
 
     # ----------------------------------------------------------------------------- swap

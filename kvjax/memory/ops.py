@@ -5,10 +5,10 @@ runner owns the device KV pytree. Each device consequence of a memory decision (
 copy, a swap, a tier load, a scrub, a compaction) is one `KVOp`, in the order the decisions
 were made.
 
-Ops of the kinds in `DATA_KINDS` (copy-on-write copies, scrubs) are plain data: their index
-arrays say everything, so the ops the scheduler issues while it forms a step travel in the
-step's `SchedulerOutput.kv_plan` and the runner applies them in the step's dispatch, before
-the model (`KVDevice.apply_ops`); those of committing a step are what
+Ops of the kinds in `DATA_KINDS` (copy-on-write copies, scrubs, window copies) are plain
+data: their index arrays say everything, so the ops the scheduler issues while it forms a step
+travel in the step's `SchedulerOutput.kv_plan` and the runner applies them in the step's
+dispatch, before the model (`KVDevice.apply_ops`); those of committing a step are what
 `Scheduler.update_from_output` returns, applied by the engine core right after. The other
 kinds still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`);
 before one does, the manager hands over the data ops issued ahead of it, so the pool sees
@@ -42,7 +42,7 @@ class KVOpKind(enum.StrEnum):
 
 
 # Kinds whose ops carry all they do as index arrays (the runner applies them from the data).
-DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB})
+DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB, KVOpKind.COPY_WINDOW})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +56,8 @@ class KVOp:
     Attributes:
       kind: what it does.
       pages: the pool pages it writes (or reads, for SWAP_OUT and SPILL), unpadded.
-      src, dst: COPY: page dst[i] becomes a copy of page src[i]. SCRUB: dst are the pages
-        zeroed (empty: none).
+      src, dst: COPY: page dst[i] becomes a copy of page src[i]. COPY_WINDOW: sequence slot
+        dst[0] becomes a copy of slot src[0]. SCRUB: dst are the pages zeroed (empty: none).
       seq_slots: SCRUB: the sequence slots zeroed (KIVI windows of freed sequences; empty:
         none).
     """
@@ -107,6 +107,10 @@ class HostKV:
             if op.kind is KVOpKind.COPY:
                 self.kv = self.kv.copy_pages(np.asarray(op.src, np.int32),
                                              np.asarray(op.dst, np.int32))
+            elif op.kind is KVOpKind.COPY_WINDOW:
+                src, dst = np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32)
+                self.kv = pages.scatter_seq_slots(self.kv, dst,
+                                                  pages.gather_seq_slots(self.kv, src))
             else:
                 self.kv = pages.scrub(self.kv, np.asarray(op.dst, np.int32),
                                       np.asarray(op.seq_slots, np.int32))

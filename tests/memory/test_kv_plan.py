@@ -1,15 +1,21 @@
-"""KV operations as data: copy-on-write copies and scrubs issued while a step is formed leave
-the pool untouched and come back as index arrays; applying them gives the pool exactly what
-applying each op when issued gives (the oracle: a second manager that does)."""
+"""KV operations as data: copy-on-write copies, scrubs and KIVI window copies issued while a
+step is formed leave the pool untouched and come back as index arrays; applying them gives the
+pool exactly what applying each op when issued gives (the oracle: a second manager that
+does)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
-from test_kv_cache_manager import make_manager, page
+from test_kv_cache_manager import CONFIG, P, make_manager, page
 
 import kvjax
+from kvjax.engine.residual import WindowBlockManager, WindowSwapSpace
 from kvjax.engine.runner import StepObserver
-from kvjax.memory.ops import DATA_KINDS, KVOpKind
+from kvjax.kv import quantized
+from kvjax.kv.retention import RetentionManager, make_retention
+from kvjax.memory.kv_cache_manager import KVCacheManager
+from kvjax.memory.ops import DATA_KINDS, HostKV, KVOpKind
 from kvjax.testing import greedy_reference, tiny_model
 
 
@@ -133,3 +139,50 @@ def test_engine_applies_each_steps_plan_in_its_dispatch_and_keeps_greedy_tokens(
     last_scrub = [op for op in events.ops if op.kind is KVOpKind.SCRUB and op.pages][-1]
     assert not np.asarray(engine.kv.k_pages[:, list(last_scrub.pages)]).any()
     assert not np.asarray(engine.kv.v_pages[:, list(last_scrub.pages)]).any()
+
+
+def _kivi_manager():
+    """A KIVI pool whose window slot s holds the value s + 1 everywhere, so a copied or zeroed
+    window shows."""
+    kv = quantized.init_quantized_kv(CONFIG, 8, P, "kivi4", num_seq_slots=3, group=4,
+                                     residual=4)
+    kv = kv.with_seq_slot_leaves([
+        x + jnp.arange(1, 4, dtype=x.dtype).reshape(1, 3, *[1] * (x.ndim - 2))
+        for x in kv.seq_slot_leaves()])
+    allocator = WindowBlockManager(8, P, num_seq_slots=3, scrub_windows=True)
+    device = HostKV(kv)
+    manager = KVCacheManager(device, allocator, WindowSwapSpace(allocator),
+                             RetentionManager(make_retention("none", None, P)), page_size=P,
+                             watermark=0.0, scrub_freed_pages=True, stats={})
+    return manager, device
+
+
+def _windows(device) -> list[np.ndarray]:
+    return [np.asarray(x) for x in device.kv.seq_slot_leaves()]
+
+
+def test_planned_window_copy_and_window_scrub_match_immediate_ones():
+    planned, planned_device = _kivi_manager()
+    immediate, immediate_device = _kivi_manager()
+    for manager in (planned, immediate):
+        manager.lookup("a", [1, 2, 3, 4, 5], b"")
+        assert manager.allocate("a", 0, 5)
+    before = _windows(planned_device)
+    planned.defer_ops()
+    for manager in (planned, immediate):
+        assert manager.fork("a", "b")
+        manager.free("a")
+    for got, want in zip(_windows(planned_device), before, strict=True):
+        np.testing.assert_array_equal(got, want)  # nothing applied yet
+    plan = planned.take_plan()
+    kinds = [op.kind for op in plan]
+    assert KVOpKind.COPY_WINDOW in kinds and kinds[-1] is KVOpKind.SCRUB
+    (copy,) = [op for op in plan if op.kind is KVOpKind.COPY_WINDOW]
+    a_slot, b_slot = copy.src[0], copy.dst[0]
+    assert plan[-1].seq_slots == (a_slot,)  # a's window is scrubbed with it
+    planned_device.apply_ops(plan)
+    for got, want in zip(_windows(planned_device), _windows(immediate_device), strict=True):
+        np.testing.assert_array_equal(got, want)
+    for x, old in zip(_windows(planned_device), before, strict=True):
+        np.testing.assert_array_equal(x[:, b_slot], old[:, a_slot])  # b starts from a's window
+        assert not x[:, a_slot].any()

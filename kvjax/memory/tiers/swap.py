@@ -54,8 +54,8 @@ class TieredSwapSpace:
         """Writes a swapped sequence's window into its new slot (see the class doc)."""
         return self._plain.restore_window(kv, seq_id)
 
-    def copy_window(self, kv, parent_id: Hashable, child_id: Hashable):
-        return self._plain.copy_window(kv, parent_id, child_id)
+    def copy_window(self, kv, src_slot: int, dst_slot: int):
+        return self._plain.copy_window(kv, src_slot, dst_slot)
 
     def drop(self, seq_id: Hashable) -> None:
         self.tiers.drop(seq_id)
