@@ -3,10 +3,10 @@
 It turns a `SchedulerOutput` into one padded `StepInput` (shapes bucketed so each bucket
 compiles once), runs the step under the weights version the scheduler chose, and returns the
 sampled tokens as a `RunnerOutput` in row order. The step's plan of KV operations
-(`SchedulerOutput.kv_plan`: copy-on-write copies, scrubs) is applied first, from its index
-arrays (`apply_ops`); every other change to the pool arrives as a `KVOp` through `apply` (it is
-the `KVDevice` of the KV cache manager). Observers see each step
-and each KV op (metering, logits taps, tracing) without replacing any part.
+(`SchedulerOutput.kv_plan`: copy-on-write copies, scrubs, window copies) is applied first,
+from its index arrays (`apply_ops`); every other change to the pool arrives as a `KVOp`
+through `apply` (it is the `KVDevice` of the KV cache manager). Observers see each step and
+each KV op (metering, logits taps, tracing) without replacing any part.
 """
 
 from __future__ import annotations

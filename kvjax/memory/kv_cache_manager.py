@@ -4,9 +4,10 @@ retention and the page-version ledger.
 The scheduler decides *which* sequence gets, keeps, shares or loses KV; this manager does the
 bookkeeping and issues every device consequence (copy-on-write copies, swaps, scrubs, spills,
 tier loads, compactions) as a `KVOp` for the `KVDevice` that owns the pool (the model runner).
-Between `defer_ops()` and `take_plan()` (while the scheduler forms or commits a step)
-copy-on-write copies and scrubs are collected as data for the runner to apply; otherwise, and
-for the other kinds, the device applies them when issued (`kvjax.memory.ops`).
+Between `defer_ops()` and `take_plan()` (while the scheduler forms or commits a step) the ops
+of `DATA_KINDS` (copy-on-write copies, scrubs, window copies) are collected as data for the
+runner to apply; otherwise, and for the other kinds, the device applies them when issued
+(`kvjax.memory.ops`).
 It knows sequences by id only: token lists, versions and cache keys come in as arguments.
 """
 
@@ -103,8 +104,8 @@ class KVCacheManager:
         return self.device.read(op, fn)
 
     def defer_ops(self) -> None:
-        """From now until `take_plan`, copy-on-write copies and scrubs are planned as data
-        (a step is being formed) instead of applied when issued."""
+        """From now until `take_plan`, ops of `DATA_KINDS` are planned as data (a step is
+        being formed or committed) instead of applied when issued."""
         self._flush_plan()
         self._plan = []
 
