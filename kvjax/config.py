@@ -15,6 +15,7 @@ import enum
 
 import jax.numpy as jnp
 
+from kvjax.kv.spec import LayerGroup, TokenFormat
 from kvjax.models.rope import RoPE
 
 
@@ -92,7 +93,13 @@ class ModelConfig:
         """G = N // K, query heads per kv head."""
         return self.num_heads // self.num_kv_heads
 
+    def kv_layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The model's layers grouped by KV needs (`kvjax.kv.spec`): one group of every layer,
+        global attention, K and V heads."""
+        return (LayerGroup(tuple(range(self.num_layers)),
+                           TokenFormat.kv_heads(self.num_kv_heads, self.head_dim)),)
+
     def kv_bytes_per_token(self, dtype) -> int:
-        """Bytes one token's K and V take over all layers at `dtype`."""
-        itemsize = jnp.dtype(dtype).itemsize
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes one token takes over all layers stored exactly at `dtype` (K and V)."""
+        values = sum(len(g.layers) * g.format.values_per_token for g in self.kv_layer_groups())
+        return values * jnp.dtype(dtype).itemsize

@@ -569,7 +569,7 @@ def run(model: kvjax.Model, *, settings: Sequence[tuple[int, int]], new_tokens: 
 
 def hf_kv_bytes(config, batch: int, mean_len: float) -> float:
     """KV bytes transformers reads per decode step: float32 K and V of every cached token."""
-    return batch * mean_len * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
+    return batch * mean_len * config.kv_bytes_per_token("float32")
 
 
 def plot_step_vs_kv_bytes(result: dict, path: str, batch: int) -> None:

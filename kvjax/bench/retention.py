@@ -270,11 +270,7 @@ COLUMNS = (("kv_mib_per_seq", "KV MiB/seq peak", "{:.1f}"),
 
 def kv_bytes(engine: kvjax.Engine, peak_pages: int) -> int:
     """Bytes of the pages a sequence held at its peak, Quest's page summaries included."""
-    per_page = engine.kv_bytes_per_page
-    if engine.config.retention == "quest":
-        mc = engine.model.config
-        per_page += quest.summary_bytes_per_page(mc.num_layers, mc.num_kv_heads, mc.head_dim)
-    return peak_pages * per_page
+    return int(peak_pages * engine.kv_spec.page_bytes)
 
 
 def run_variant(model: kvjax.Model, variant: str, probes: list[tuple[list[int], list[int]]],

@@ -69,6 +69,7 @@ class EngineCore:
             self.stats["step_time_s"] += time.perf_counter() - t_dispatch
             t_host = t_dispatch - t_start
         else:
+            self.runner.apply_ops(so.kv_plan)  # no step to dispatch: e.g. a preemption's scrub
             t_host = time.perf_counter() - t_start
         if self._in_flight is not None:
             self._resolve(self._in_flight)
@@ -109,7 +110,7 @@ class EngineCore:
         self.last_sampled_rows = tuple((row.seq_id, index) for row, index in
                                        zip(step.so.rows, step.row_index, strict=True)
                                        if row.samples)
-        self.scheduler.update_from_output(step.so, out)
+        self.runner.apply_ops(self.scheduler.update_from_output(step.so, out))
         self.runner.keep_params(self.scheduler.versions)
         # Step time: dispatching and waiting for the device; host time: the host's own work.
         self.stats["step_time_s"] += t1 - t0

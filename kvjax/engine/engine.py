@@ -44,6 +44,7 @@ from kvjax.kv.retention import RetentionManager, make_retention
 from kvjax.kv.reuse import ChunkCopier
 from kvjax.kv.state import pages_for
 from kvjax.memory.kv_cache_manager import KVCacheManager
+from kvjax.memory.ops import KVOpKind
 from kvjax.memory.tiers import (
     TieredSwapSpace,
     TierManager,
@@ -98,6 +99,9 @@ class Engine:
       model: the `Model` (config, params, tokenizer, weights_version).
       config: the `EngineConfig`.
       scheduler, kv_cache, runner, core: the parts (see the module docstring).
+      kv_spec: the pool's `KVCacheSpec` (`kvjax.kv.spec`): its layer groups and the bytes of a
+        token, a page and a sequence slot, per-page summaries of a retention policy included.
+      kv_bytes_per_token: device bytes one cached token takes over every layer.
       stats: counters (steps, preemptions, swaps, prefix cache, timing).
       mesh: the tensor-parallel mesh params and KV are laid out on (kvjax.parallel.sharding),
         or None for one device.
@@ -130,6 +134,7 @@ class Engine:
         pool = (build_kv_pool if kv_pool is None else kv_pool.build)(
             mc, config, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
         self.kv_bytes_per_token = pool.kv_bytes_per_token
+        self.kv_spec = retention.policy.wrap_spec(pool.spec)
         kv = retention.policy.wrap_state(pool.kv)
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
                                 retention=retention.step_hooks, matmul_impl=config.matmul_impl)
@@ -152,6 +157,11 @@ class Engine:
                                   kv_store=None if kv_pool is None else kv_pool.store())
         self.stats: dict = {}
         tiers, swap_space = self._build_tiers(pool)
+        self.runner.kv_programs[KVOpKind.SCRUB] = lambda kv, op: swap_space.scrub(
+            kv, op.dst, op.seq_slots)
+        # Only a swap space that keeps windows is ever asked for a window copy.
+        self.runner.kv_programs[KVOpKind.COPY_WINDOW] = lambda kv, op: swap_space.copy_window(
+            kv, op.src[0], op.dst[0])
         self.kv_cache = KVCacheManager(
             self.runner, pool.allocator, swap_space, retention, page_size=config.page_size,
             watermark=config.watermark, scrub_freed_pages=config.scrub_freed_pages,
@@ -259,7 +269,8 @@ class Engine:
 
     @property
     def kv_bytes_per_page(self) -> int:
-        return int(self.kv_bytes_per_token * self.config.page_size)
+        """Device bytes of one page's tokens over every layer (codes and metadata)."""
+        return int(self.kv_bytes_per_token * self.kv_spec.page_size)
 
     @property
     def kv_samples(self) -> list[tuple[float, int, int]]:

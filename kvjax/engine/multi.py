@@ -119,7 +119,7 @@ class _SharedPool:
         owner.evictable = allocator.num_givable_pages
         owner.give_back = allocator.give_back_cached
         return KVPool(self.view, allocator, HostSwapSpace(),
-                      arena.layout_bytes_per_token(layout))
+                      arena.arena_cache_spec(mc, layout, k_codec, v_codec))
 
     def store(self) -> _ArenaStore:
         return _ArenaStore(self.box, self.view)

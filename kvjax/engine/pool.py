@@ -1,5 +1,6 @@
 """Building an engine's KV pool: the state pytree, its allocator and its swap space, sized from
-the byte budget and the codec's exact bytes per token."""
+the byte budget and the pool's `KVCacheSpec` (the model's layer groups with the codec's exact
+bytes per token, page and sequence slot)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from kvjax.engine import residual
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.runner import KVStore
 from kvjax.engine.swap import HostSwapSpace
-from kvjax.kv.state import init_contiguous_kv, init_paged_kv, num_pages_for_budget
+from kvjax.kv.spec import KVCacheSpec
+from kvjax.kv.state import exact_cache_spec, init_contiguous_kv, init_paged_kv
 from kvjax.memory.block_manager import BlockManager
 from kvjax.memory.slots import SlotAllocator
 
@@ -25,7 +27,7 @@ class KVPool:
       kv: the KV state pytree (on the host's default device, uncommitted).
       allocator: the BlockManager, WindowBlockManager (KIVI) or SlotAllocator.
       swap_space: host memory for swapped-out sequences (windows too for KIVI).
-      kv_bytes_per_token: device bytes one cached token takes, all layers, K and V.
+      spec: the `KVCacheSpec` the pool was sized from (bytes per token, page, window slot).
       quantized_len: KIVI: of a sequence's first n tokens, how many its pages hold (the rest
         are in its exact window); None: pages hold every token.
     """
@@ -33,8 +35,13 @@ class KVPool:
     kv: Any
     allocator: Any
     swap_space: Any
-    kv_bytes_per_token: float
+    spec: KVCacheSpec
     quantized_len: Callable[[int], int] | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Device bytes one cached token takes, all layers, K and V."""
+        return self.spec.bytes_per_token
 
 
 class KVPoolSource(Protocol):
@@ -65,11 +72,13 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
                   ) -> KVPool:
     """The pool for `config`: quantized, contiguous or paged (which features compose is
     checked before, by kvjax.engine.compat)."""
-    per_token = mc.kv_bytes_per_token(kv_dtype)
     if config.kv_arena:
         return _arena_pool(mc, config, max_model_len=max_model_len, kv_dtype=kv_dtype)
     if config.kv_codec != "none":
         return _quantized_pool(mc, config, max_model_len=max_model_len)
+    spec = exact_cache_spec(mc, config.page_size, kv_dtype)
+    spec.check_single_group()
+    per_token = spec.bytes_per_token
     if config.kv_layout is KVLayout.CONTIGUOUS:
         per_seq = per_token * max_model_len
         budget = budget_bytes(config, per_token, max_model_len)
@@ -79,39 +88,42 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
                              f"max_model_len={max_model_len} tokens")
         kv = init_contiguous_kv(mc, int(max_seqs), max_model_len, config.page_size, kv_dtype)
         allocator = SlotAllocator(int(max_seqs), max_model_len, config.page_size)
-        return KVPool(kv, allocator, HostSwapSpace(), per_token)
-    num_pages = config.num_pages or num_pages_for_budget(
-        mc, budget_bytes(config, per_token, max_model_len), config.page_size, kv_dtype)
+        return KVPool(kv, allocator, HostSwapSpace(), spec)
+    num_pages = config.num_pages or spec.num_pages_for_budget(
+        budget_bytes(config, per_token, max_model_len))
     kv = init_paged_kv(mc, num_pages, config.page_size, kv_dtype)
     allocator = BlockManager(num_pages, config.page_size,
                              **allocator_options(config))
-    return KVPool(kv, allocator, HostSwapSpace(), per_token)
+    return KVPool(kv, allocator, HostSwapSpace(), spec)
 
 
 def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int) -> KVPool:
     from kvjax.kv import quantized  # Imported lazily: only quantized engines need it.
 
-    options = config.kv_codec_options
-    per_token = quantized.kv_bytes_per_token(mc, config.kv_codec, **options)
+    options = dict(config.kv_codec_options)
+    options.pop("page_size", None)  # checked against the pool's by init_quantized_kv
+    spec = quantized.cache_spec(mc, config.page_size, config.kv_codec, **options)
+    spec.check_single_group()
+    per_token = spec.bytes_per_token
     # KIVI's per-sequence exact windows come out of an explicit byte budget first.
     num_seq_slots = quantized.num_seq_slots_for(config.kv_codec, config.max_num_seqs, **options)
-    windows = quantized.residual_bytes(mc, num_seq_slots, config.kv_codec, **options)
+    windows = num_seq_slots * spec.seq_slot_bytes
     budget = budget_bytes(config, per_token, max_model_len) - (
         windows if config.kv_budget_bytes else 0)
-    if budget < per_token * config.page_size and not config.num_pages:
+    if budget < spec.page_bytes and not config.num_pages:
         raise ValueError(f"kv_budget_bytes={config.kv_budget_bytes} holds no page "
                          f"beside {windows} bytes of KIVI windows")
-    num_pages = config.num_pages or max(int(budget // (per_token * config.page_size)), 1)
+    num_pages = config.num_pages or max(int(budget // spec.page_bytes), 1)
     kv = quantized.init_quantized_kv(mc, num_pages, config.page_size, config.kv_codec,
-                                     num_seq_slots=num_seq_slots, **options)
+                                     num_seq_slots=num_seq_slots, **config.kv_codec_options)
     if not num_seq_slots:
         allocator = BlockManager(num_pages, config.page_size,
                                  **allocator_options(config))
-        return KVPool(kv, allocator, HostSwapSpace(), per_token)
+        return KVPool(kv, allocator, HostSwapSpace(), spec)
     allocator = residual.WindowBlockManager(
         num_pages, config.page_size, num_seq_slots=num_seq_slots,
         **allocator_options(config), scrub_windows=config.scrub_freed_pages)
-    return KVPool(kv, allocator, residual.WindowSwapSpace(allocator), per_token,
+    return KVPool(kv, allocator, residual.WindowSwapSpace(allocator), spec,
                   quantized_len=lambda n: int(kv.codec.num_quantized(n)))
 
 
@@ -138,10 +150,10 @@ def _arena_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, kv
 
     frame_words = arena_words_per_page(mc, config, kv_dtype, config.page_size)
     layout, k_codec, v_codec = arena_layout(mc, config, kv_dtype, frame_words)
-    per_token = arena.layout_bytes_per_token(layout)
+    spec = arena.arena_cache_spec(mc, layout, k_codec, v_codec)
     num_pages = config.num_pages or max(
-        int(budget_bytes(config, per_token, max_model_len) // (frame_words * arena.WORD)), 1)
+        int(budget_bytes(config, spec.bytes_per_token, max_model_len) // spec.page_bytes), 1)
     kv = arena.ArenaKV(arena.init_arena(num_pages, frame_words), layout, k_codec, v_codec)
     allocator = BlockManager(num_pages, config.page_size,
                              **allocator_options(config))
-    return KVPool(kv, allocator, HostSwapSpace(), per_token)
+    return KVPool(kv, allocator, HostSwapSpace(), spec)

@@ -19,7 +19,7 @@ import numpy as np
 from kvjax.engine.swap import HostSwapSpace
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.block_manager import BlockManager
-from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
+from kvjax.shapes import powers_of_2_up_to
 
 
 class WindowBlockManager(BlockManager):
@@ -136,14 +136,17 @@ class WindowSwapSpace(HostSwapSpace):
         super().drop(seq_id)
         self._windows.pop(seq_id, None)
 
-    def scrub(self, kv, pages: list[int]):
-        """Zeroes freed pages and the windows of sequences freed since the last scrub."""
+    def take_released_slots(self) -> list[int]:
+        """The window slots of sequences freed since the last call (with scrub_windows)."""
+        released = list(self.allocator.released_slots)
+        self.allocator.released_slots.clear()
+        return released
+
+    def scrub(self, kv, pages: Sequence[int], seq_slots: Sequence[int] = ()):
+        """Zeroes freed pages and the windows of freed sequence slots (padded index arrays)."""
         kv = super().scrub(kv, pages)
-        released = self.allocator.released_slots
-        if released:
-            # Repeating the last slot pads to a power of two: zeroing twice is harmless.
-            kv = self._zero_windows(kv, pad_repeat_last(released))
-            released.clear()
+        if len(seq_slots):
+            kv = self._zero_windows(kv, np.asarray(seq_slots, np.int32))
         return kv
 
     def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool, swap_pages: bool = True,
@@ -163,7 +166,6 @@ class WindowSwapSpace(HostSwapSpace):
                 kv = self._zero_windows(kv, np.full(n, self.allocator.num_seq_slots, np.int32))
         return kv
 
-    def copy_window(self, kv, parent_id: str, child_id: str):
-        """A forked child's window starts as a copy of its parent's."""
-        return self._copy_window(kv, jnp.int32(self.allocator.seq_slot(parent_id)),
-                                 jnp.int32(self.allocator.seq_slot(child_id)))
+    def copy_window(self, kv, src_slot: int, dst_slot: int):
+        """A forked child's window (slot dst_slot) starts as a copy of its parent's."""
+        return self._copy_window(kv, jnp.int32(src_slot), jnp.int32(dst_slot))

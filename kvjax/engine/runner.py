@@ -2,16 +2,18 @@
 
 It turns a `SchedulerOutput` into one padded `StepInput` (shapes bucketed so each bucket
 compiles once), runs the step under the weights version the scheduler chose, and returns the
-sampled tokens as a `RunnerOutput` in row order. Every other change to the pool arrives as a
-`KVOp` through `apply` (it is the `KVDevice` of the KV cache manager). Observers see each step
-and each KV op (metering, logits taps, tracing) without replacing any part.
+sampled tokens as a `RunnerOutput` in row order. The step's plan of KV operations
+(`SchedulerOutput.kv_plan`: copy-on-write copies, scrubs, window copies) is applied first,
+from its index arrays (`apply_ops`); every other change to the pool arrives as a `KVOp`
+through `apply` (it is the `KVDevice` of the KV cache manager). Observers see each step and
+each KV op (metering, logits taps, tracing) without replacing any part.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -25,7 +27,7 @@ from kvjax.engine.step import (
     StepShape,
     empty_step_input,
 )
-from kvjax.memory.ops import KVOp
+from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.context import blend_count
 from kvjax.scheduler.output import BlendRow, RunnerOutput, SchedulerOutput
@@ -243,6 +245,9 @@ class ModelRunner:
       buckets: the StepBuckets shapes are padded to.
       kv: the device KV pytree (donated to each step), kept in a `KVStore`.
       params: weights version -> params.
+      kv_programs: `KVOpKind` -> program(state, op) -> state, for each kind of
+        `kvjax.memory.ops.DATA_KINDS`: how the runner applies ops given as data (the engine
+        registers the scrub and window-copy programs of its swap space).
     """
 
     def __init__(self, programs: StepPrograms, buckets: StepBuckets, kv: Any, params: Any,
@@ -262,6 +267,9 @@ class ModelRunner:
                                          jax.sharding.SingleDeviceSharding(device))
         self._feed = self._zero_feed
         self._last_row_index: list[int] = []
+        self.kv_programs: dict[KVOpKind, Callable[[Any, KVOp], Any]] = {
+            KVOpKind.COPY: lambda kv, op: programs.copy_pages(
+                kv, np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32))}
 
     @property
     def kv(self) -> Any:
@@ -281,6 +289,13 @@ class ModelRunner:
         self.kv = fn(self.kv)
         for observer in self.observers:
             observer.on_kv_op(op)
+
+    def apply_ops(self, ops: Sequence[KVOp]) -> None:
+        """Applies KV operations given as data (`DATA_KINDS`), in order."""
+        for op in ops:
+            self.kv = self.kv_programs[op.kind](self.kv, op)
+            for observer in self.observers:
+                observer.on_kv_op(op)
 
     def copy_pages(self, kv: Any, src: np.ndarray, dst: np.ndarray) -> Any:
         return self.programs.copy_pages(kv, src, dst)
@@ -387,7 +402,8 @@ class ModelRunner:
     def dispatch(self, so: SchedulerOutput, logits_mode: LogitsMode = LogitsMode.NONE
                  ) -> InFlightStep:
         """Starts one step under `so.weights_version` (asynchronously: nothing is read back),
-        after the CacheBlend recomputes it carries."""
+        after its plan of KV operations and the CacheBlend recomputes it carries."""
+        self.apply_ops(so.kv_plan)
         for blend in so.blends:
             shape, host = self.blend_input(blend)
             self.kv = self.programs.blend(self.params[so.weights_version], self.kv, host, shape)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -158,11 +159,18 @@ class HostSwapSpace:
     def drop(self, seq_id: str) -> None:
         self._stored.pop(seq_id, None)
 
-    def scrub(self, kv, pages: list[int]):
-        """Zeroes freed pages so no later reader could ever see their old content."""
-        if not pages:
+    def take_released_slots(self) -> list[int]:
+        """Sequence slots freed since the last call whose state a scrub must zero: none here
+        (pages are all a sequence's KV)."""
+        return []
+
+    def scrub(self, kv, pages: Sequence[int], seq_slots: Sequence[int] = ()):
+        """Zeroes freed pages so no later reader could ever see their old content.
+
+        pages, seq_slots: padded index arrays (`KVOpKind.SCRUB`); no sequence slots here."""
+        if not len(pages):
             return kv
-        return self._zero(kv, pad_repeat_last(sorted(pages)))
+        return self._zero(kv, np.asarray(pages, np.int32))
 
     def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool,
                demote_bits: tuple[int, ...] = ()):

@@ -33,6 +33,7 @@ from kvjax.config import ModelConfig
 from kvjax.kv import codecs
 from kvjax.kv import state as kv_state
 from kvjax.kv.quantized import _decode, _encode, is_kivi, make_codec
+from kvjax.kv.spec import KVCacheSpec, group_spec
 
 WORD = 4  # bytes per arena word (uint32)
 
@@ -132,6 +133,12 @@ def from_words(w: jax.Array, entry: Entry) -> jax.Array:
     return jax.lax.bitcast_convert_type(b.reshape(*lead, *entry.shape, dtype.itemsize), dtype)
 
 
+def _codec_name(k_codec: codecs.KVCodec, v_codec: codecs.KVCodec) -> str:
+    if k_codec == v_codec:
+        return f"arena:{k_codec.name}"
+    return f"arena:k:{k_codec.name}/v:{v_codec.name}"
+
+
 @struct.dataclass
 class ArenaKV(kv_state.SlotAddressed):
     """One model's pages in a shared arena (a `KVState`; see the module docstring).
@@ -164,9 +171,7 @@ class ArenaKV(kv_state.SlotAddressed):
 
     @property
     def codec_name(self) -> str:
-        if self.k_codec == self.v_codec:
-            return f"arena:{self.k_codec.name}"
-        return f"arena:k:{self.k_codec.name}/v:{self.v_codec.name}"
+        return _codec_name(self.k_codec, self.v_codec)
 
     def _entries(self, tensor: str) -> tuple[Entry, ...]:
         return self.layout.k_entries if tensor == "k" else self.layout.v_entries
@@ -301,9 +306,20 @@ def init_arena(num_frames: int, frame_words: int) -> jax.Array:
     return jnp.zeros((num_frames, frame_words), jnp.uint32)
 
 
-def layout_bytes_per_token(layout: FrameLayout) -> float:
-    """Arena bytes one token of the model takes (all layers, K and V, with word padding)."""
-    return float(layout.words_per_token * layout.num_layers * WORD)
+def arena_cache_spec(config: ModelConfig, layout: FrameLayout, k_codec: codecs.KVCodec,
+                     v_codec: codecs.KVCodec) -> KVCacheSpec:
+    """The spec of `config`'s pages as `layout` puts them in frames: a token's words (codes and
+    scales padded to whole words) per tensor, and a layer block's words past its P tokens."""
+    (group,) = config.kv_layer_groups()  # FrameLayout lays out one group of every layer
+
+    def words_bytes(entries: tuple[Entry, ...]):
+        return lambda heads, width: float(sum(e.num_words for e in entries) * WORD)
+
+    spare = layout.words_per_layer - layout.page_size * layout.words_per_token
+    return KVCacheSpec((group_spec(
+        group, codec_name=_codec_name(k_codec, v_codec), page_size=layout.page_size,
+        tensor_bytes=(words_bytes(layout.k_entries), words_bytes(layout.v_entries)),
+        page_extra_bytes=spare * WORD),))
 
 
 

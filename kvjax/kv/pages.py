@@ -63,6 +63,16 @@ def zero_pages(kv: KVState, pages: jax.Array) -> KVState:
     return kv.with_page_leaves([x.at[:, pages].set(0) for x in kv.page_leaves()])
 
 
+def scrub(kv: KVState, pages: jax.Array, seq_slots: jax.Array) -> KVState:
+    """`kv` with pages [n] zeroed in every page leaf and sequence slots [m] in every
+    sequence-slot leaf (a `KVOpKind.SCRUB` op; either may be empty)."""
+    if pages.shape[0]:
+        kv = zero_pages(kv, pages)
+    if seq_slots.shape[0]:
+        kv = kv.with_seq_slot_leaves([x.at[:, seq_slots].set(0) for x in kv.seq_slot_leaves()])
+    return kv
+
+
 def blob_bytes_per_page(blob: Sequence[jax.Array]) -> int:
     """Bytes one page takes across the leaves of a blob of n pages, each [L, n, ...]."""
     num_pages = blob[0].shape[1]

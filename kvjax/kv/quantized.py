@@ -75,6 +75,7 @@ from flax import struct
 
 from kvjax.config import ModelConfig
 from kvjax.kv import codecs, layout
+from kvjax.kv import spec as kv_spec
 from kvjax.kv import state as kv_state
 
 _KIVI = ("kivi2", "kivi4")
@@ -129,6 +130,30 @@ def _check_page_size(codec: codecs.KVCodec, page_size: int) -> None:
                          f"{codec.group}: a token group must not straddle pages")
 
 
+def cache_spec(config: ModelConfig, page_size: int, codec_name: str, /, **options: Any
+               ) -> kv_spec.KVCacheSpec:
+    """The spec of `config`'s layer groups in a quantized pool of pages of `page_size` tokens.
+
+    Bytes per token are the codec's codes and metadata, keys and values alike (KIVI's keys
+    cost what its values do: 2 D / g metadata per token); a KIVI sequence slot holds the
+    exact window, W rows of float32 keys and values per layer.
+    """
+    codec = make_codec(codec_name, **options)
+    _check_page_size(codec, page_size)
+    return _cache_spec(config, codec, page_size)
+
+
+def _cache_spec(config: ModelConfig, codec: codecs.KVCodec, page_size: int
+                ) -> kv_spec.KVCacheSpec:
+    window_itemsize = jnp.dtype(_WINDOW_DTYPE).itemsize
+    return kv_spec.KVCacheSpec(tuple(
+        kv_spec.group_spec(group, codec_name=codec.name, page_size=page_size,
+                           tensor_bytes=codec.bytes_per_token,
+                           seq_slot_bytes=window_size(codec) * group.format.values_per_token
+                           * window_itemsize)
+        for group in config.kv_layer_groups()))
+
+
 def kv_bytes_per_token(config: ModelConfig, codec_name: str, /, *,
                        page_size: int | None = None, **options: Any) -> float:
     """Bytes one token takes in a quantized pool's pages: all layers, K and V, codes and metadata.
@@ -145,8 +170,7 @@ def kv_bytes_per_token(config: ModelConfig, codec_name: str, /, *,
     codec = make_codec(codec_name, **options)
     if page_size is not None:
         _check_page_size(codec, page_size)
-    return float(2 * config.num_layers * codec.bytes_per_token(config.num_kv_heads,
-                                                               config.head_dim))
+    return _cache_spec(config, codec, page_size or _any_page_size(codec)).bytes_per_token
 
 
 def window_size(codec: codecs.KVCodec) -> int:
@@ -165,9 +189,14 @@ def num_seq_slots_for(codec_name: str, max_num_seqs: int, **options: Any) -> int
 def residual_bytes(config: ModelConfig, num_seq_slots: int, codec_name: str, /,
                    **options: Any) -> int:
     """Bytes of the KIVI exact windows of `num_seq_slots` sequences (K and V, float32)."""
-    window = window_size(make_codec(codec_name, **options))
-    per_slot = 2 * config.num_layers * window * config.num_kv_heads * config.head_dim
-    return int(per_slot * num_seq_slots * jnp.dtype(_WINDOW_DTYPE).itemsize)
+    codec = make_codec(codec_name, **options)
+    spec = _cache_spec(config, codec, _any_page_size(codec))
+    return int(spec.seq_slot_bytes * num_seq_slots)
+
+
+def _any_page_size(codec: codecs.KVCodec) -> int:
+    """A page size the codec accepts: bytes per token and per window do not depend on it."""
+    return codec.group if is_kivi(codec) else 1
 
 
 def _is_float8(dtype: Any) -> bool:

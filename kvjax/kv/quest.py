@@ -25,6 +25,7 @@ summary), so a page's summary always covers exactly its written tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax.kv.spec import KVCacheSpec, KVSpec
 from kvjax.kv.state import KVState, SlotAddressed
 
 
@@ -161,9 +163,16 @@ def init_quest_kv(base: KVState) -> QuestKV:
                    key_max=jnp.zeros(shape, jnp.float32))
 
 
-def summary_bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes the min and max summaries of one page take (all layers, float32)."""
-    return 2 * num_layers * num_kv_heads * head_dim * 4
+def summarized_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    """The spec of `init_quest_kv` over a state of `spec`: each page also holds, per layer, the
+    min and max of its keys ([K, D] float32 each)."""
+
+    def with_summaries(layer: KVSpec) -> KVSpec:
+        _, heads, width = layer.format.tensors[0]  # the keys
+        extra = 2 * heads * width * jnp.dtype(jnp.float32).itemsize
+        return dataclasses.replace(layer, page_extra_bytes=layer.page_extra_bytes + extra)
+
+    return spec.with_specs(with_summaries)
 
 
 def page_bounds(q: jax.Array, key_min: jax.Array, key_max: jax.Array) -> jax.Array:

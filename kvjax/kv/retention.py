@@ -99,6 +99,7 @@ import numpy as np
 from kvjax.kv import layout, quest
 from kvjax.kv import state as kv_state
 from kvjax.kv.attention import PageLoader
+from kvjax.kv.spec import KVCacheSpec
 from kvjax.models.rope import RoPE
 from kvjax.shapes import bucket, next_power_of_2, pad_repeat_last, powers_of_2_up_to
 
@@ -157,6 +158,8 @@ class RetentionPolicy(Protocol):
     def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None: ...
 
     def wrap_state(self, kv: Any) -> Any: ...
+
+    def wrap_spec(self, spec: KVCacheSpec) -> KVCacheSpec: ...
 
     def select_reads(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any
                      ) -> tuple[jax.Array, jax.Array] | None: ...
@@ -251,6 +254,10 @@ class _Policy:
 
     def wrap_state(self, kv: Any) -> Any:
         return kv
+
+    def wrap_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
+        """The spec of `wrap_state`'s state over a state of `spec`."""
+        return spec
 
     def select_reads(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any
                      ) -> tuple[jax.Array, jax.Array] | None:
@@ -437,6 +444,9 @@ class Quest(_Policy):
 
     def wrap_state(self, kv: Any) -> quest.QuestKV:
         return quest.init_quest_kv(kv)
+
+    def wrap_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
+        return quest.summarized_spec(spec)
 
     def select_reads(self, kv: quest.QuestKV, layer: jax.Array, q: jax.Array, inp: Any,
                      shape: Any) -> tuple[jax.Array, jax.Array] | None:

@@ -30,6 +30,8 @@ from flax import struct
 
 from kvjax.config import ModelConfig
 from kvjax.kv.attention import PageLoader
+from kvjax.kv.codecs import IdentityCodec
+from kvjax.kv.spec import KVCacheSpec, cache_spec
 
 
 @runtime_checkable
@@ -432,10 +434,14 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def exact_cache_spec(config: ModelConfig, page_size: int, dtype) -> KVCacheSpec:
+    """The spec of `config`'s layer groups stored exactly at `dtype` in pages of `page_size`
+    (`PagedKV`; `ContiguousKV` viewed as pages)."""
+    codec = IdentityCodec(jnp.dtype(dtype).name)
+    return cache_spec(config.kv_layer_groups(), codec_name="none", page_size=page_size,
+                      tensor_bytes=codec.bytes_per_token)
+
+
 def num_pages_for_budget(config: ModelConfig, budget_bytes: int, page_size: int, dtype) -> int:
     """How many pages of `dtype` KV fit in `budget_bytes` (all layers, K and V)."""
-    per_page = config.kv_bytes_per_token(dtype) * page_size
-    num_pages = budget_bytes // per_page
-    if num_pages < 1:
-        raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of {per_page} bytes")
-    return int(num_pages)
+    return exact_cache_spec(config, page_size, dtype).num_pages_for_budget(budget_bytes)

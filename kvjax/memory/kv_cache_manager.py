@@ -3,7 +3,11 @@ retention and the page-version ledger.
 
 The scheduler decides *which* sequence gets, keeps, shares or loses KV; this manager does the
 bookkeeping and issues every device consequence (copy-on-write copies, swaps, scrubs, spills,
-tier loads, compactions) as a `KVOp` to the `KVDevice` that owns the pool (the model runner).
+tier loads, compactions) as a `KVOp` for the `KVDevice` that owns the pool (the model runner).
+Between `defer_ops()` and `take_plan()` (while the scheduler forms or commits a step) the ops
+of `DATA_KINDS` (copy-on-write copies, scrubs, window copies) are collected as data for the
+runner to apply; otherwise, and for the other kinds, the device applies them when issued
+(`kvjax.memory.ops`).
 It knows sequences by id only: token lists, versions and cache keys come in as arguments.
 """
 
@@ -57,6 +61,7 @@ class KVCacheManager:
             allocator.clock = clock  # when cached pages are released (CachedPage.released_at)
         self._floors: dict[str, int] = {}  # sequence -> tokens its pages hold from the start
         self._ops: list[KVOp] = []
+        self._plan: list[KVOp] | None = None  # data ops deferred to the step; None: apply now
         self.tracer: Tracer = NULL_TRACER
         self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
                           stale_kv_reads=0, bytes_device_to_host=0, bytes_host_to_device=0,
@@ -70,15 +75,51 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.set_tracer(tracer)
 
-    def _apply(self, op: KVOp, fn) -> None:
+    def _record(self, op: KVOp) -> None:
         self._ops.append(op)
         self.tracer.emit(op.kind.value, "page", "pages/device", num_pages=len(op.pages))
+
+    def _issue(self, op: KVOp) -> None:
+        """A data op (`DATA_KINDS`): into the step's plan while one is formed, else applied."""
+        self._record(op)
+        if self._plan is None:
+            self.device.apply_ops((op,))
+        else:
+            self._plan.append(op)
+
+    def _flush_plan(self) -> None:
+        """Applies the data ops planned so far: an op that runs now must come after them."""
+        if self._plan:
+            self.device.apply_ops(tuple(self._plan))
+            self._plan.clear()
+
+    def _apply(self, op: KVOp, fn) -> None:
+        self._flush_plan()
+        self._record(op)
         self.device.apply(op, fn)
 
     def _read(self, op: KVOp, fn):
-        self._ops.append(op)
-        self.tracer.emit(op.kind.value, "page", "pages/device", num_pages=len(op.pages))
+        self._flush_plan()
+        self._record(op)
         return self.device.read(op, fn)
+
+    def defer_ops(self) -> None:
+        """From now until `take_plan`, ops of `DATA_KINDS` are planned as data (a step is
+        being formed or committed) instead of applied when issued."""
+        self._flush_plan()
+        self._plan = []
+
+    def take_plan(self) -> tuple[KVOp, ...]:
+        """The data ops planned since `defer_ops`, in order, for the runner to apply before
+        the step's model; ops are applied when issued again afterwards."""
+        plan, self._plan = tuple(self._plan or ()), None
+        return plan
+
+    def end_plan(self) -> None:
+        """Applies the data ops still planned (none once `take_plan` took them) and applies
+        ops when issued again."""
+        self._flush_plan()
+        self._plan = None
 
     def pages_in_use(self) -> dict[str, int]:
         """Pages held per tier now: device pages not allocatable, and the tiers' pages."""
@@ -254,8 +295,8 @@ class KVCacheManager:
         # Padding repeats the last copy: idempotent, and keeps shapes bucketed.
         src = pad_repeat_last([c.src for c in copies], n)
         dst = pad_repeat_last([c.dst for c in copies], n)
-        self._apply(KVOp(KVOpKind.COPY, tuple(int(c.dst) for c in copies)),
-                          lambda kv: self.device.copy_pages(kv, src, dst))
+        self._issue(KVOp(KVOpKind.COPY, tuple(int(c.dst) for c in copies),
+                         src=tuple(src.tolist()), dst=tuple(dst.tolist())))
 
     def free(self, seq_id: str, *, keep_retention: bool = False) -> None:
         """Releases a sequence's pages (cached ones stay in the prefix cache) and policy state
@@ -280,8 +321,11 @@ class KVCacheManager:
 
     def scrub(self, pages: Sequence[int]) -> None:
         """Zeroes freed pages (and freed window slots) so no later reader sees their content."""
-        self._apply(KVOp(KVOpKind.SCRUB, tuple(pages)),
-                          lambda kv: self.swap_space.scrub(kv, list(pages)))
+        slots = self.swap_space.take_released_slots()
+        # Padding repeats the last index: zeroing twice is harmless, and shapes stay bucketed.
+        self._issue(KVOp(KVOpKind.SCRUB, tuple(pages),
+                         dst=tuple(pad_repeat_last(sorted(pages)).tolist()) if pages else (),
+                         seq_slots=tuple(pad_repeat_last(slots).tolist()) if slots else ()))
         self.stats["scrubbed_pages"] += len(pages)
 
     def fork(self, parent_id: str, child_id: str) -> bool:
@@ -296,8 +340,8 @@ class KVCacheManager:
             self._floors[child_id] = self._floors[parent_id]
         self.copy(copies)
         if self.keeps_windows:
-            self._apply(KVOp(KVOpKind.COPY_WINDOW),
-                              lambda kv: self.swap_space.copy_window(kv, parent_id, child_id))
+            self._issue(KVOp(KVOpKind.COPY_WINDOW, src=(self.seq_slot(parent_id),),
+                             dst=(self.seq_slot(child_id),)))
         return True
 
     # ----------------------------------------------------------------------------- swap

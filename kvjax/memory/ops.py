@@ -2,19 +2,27 @@
 
 The manager owns the host metadata (block tables, prefix cache, tiers, swap space); the model
 runner owns the device KV pytree. Each device consequence of a memory decision (a copy-on-write
-copy, a swap, a tier load, a scrub, a compaction) goes through `KVDevice.apply` as one `KVOp`,
-in the order the decisions were made, and the runner lists the ops of each step in the
-`SchedulerOutput` for metering and tracing. Ops are applied when issued: JAX dispatch is
-asynchronous anyway, and issuing order is what keeps, e.g., a spill of an evicted page ahead of
-the copy that overwrites it.
+copy, a swap, a tier load, a scrub, a compaction) is one `KVOp`, in the order the decisions
+were made.
+
+Ops of the kinds in `DATA_KINDS` (copy-on-write copies, scrubs, window copies) are plain
+data: their index arrays say everything, so the ops the scheduler issues while it forms a step
+travel in the step's `SchedulerOutput.kv_plan` and the runner applies them in the step's
+dispatch, before the model (`KVDevice.apply_ops`); those of committing a step are what
+`Scheduler.update_from_output` returns, applied by the engine core right after. The other
+kinds still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`);
+before one does, the manager hands over the data ops issued ahead of it, so the pool sees
+every op in issuing order (a spill of an evicted page before the copy that overwrites it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 
 class KVOpKind(enum.StrEnum):
@@ -33,17 +41,32 @@ class KVOpKind(enum.StrEnum):
     WARMUP = "warmup"  # programs compiled on padding inputs; the pool is unchanged
 
 
+# Kinds whose ops carry all they do as index arrays (the runner applies them from the data).
+DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB, KVOpKind.COPY_WINDOW})
+
+
 @dataclasses.dataclass(frozen=True)
 class KVOp:
     """One operation on the device pool.
 
+    Index arrays are int32 values held as tuples (so ops compare and hash as plain data),
+    padded by the issuer to bucketed lengths (a power of two, repeating the last entry:
+    repeating a copy or a zeroing is harmless), so each length compiles once.
+
     Attributes:
       kind: what it does.
-      pages: the pool pages it writes (or reads, for SWAP_OUT and SPILL).
+      pages: the pool pages it writes (or reads, for SWAP_OUT and SPILL), unpadded.
+      src, dst: COPY: page dst[i] becomes a copy of page src[i]. COPY_WINDOW: sequence slot
+        dst[0] becomes a copy of slot src[0]. SCRUB: dst are the pages zeroed (empty: none).
+      seq_slots: SCRUB: the sequence slots zeroed (KIVI windows of freed sequences; empty:
+        none).
     """
 
     kind: KVOpKind
     pages: tuple[int, ...] = ()
+    src: tuple[int, ...] = ()
+    dst: tuple[int, ...] = ()
+    seq_slots: tuple[int, ...] = ()
 
 
 class KVDevice(Protocol):
@@ -55,6 +78,9 @@ class KVDevice(Protocol):
 
     def apply(self, op: KVOp, fn: Callable[[Any], Any]) -> None:
         """Replaces the KV state with fn(state) and records `op`."""
+
+    def apply_ops(self, ops: Sequence[KVOp]) -> None:
+        """Applies ops of `DATA_KINDS`, in order, from their index arrays."""
 
     def copy_pages(self, kv: Any, src, dst) -> Any:
         """The pool's copy program: page dst[i] becomes a copy of page src[i]."""
@@ -73,6 +99,22 @@ class HostKV:
     def apply(self, op: KVOp, fn: Callable[[Any], Any]) -> None:
         self.kv = fn(self.kv)
         self.ops.append(op)
+
+    def apply_ops(self, ops: Sequence[KVOp]) -> None:
+        from kvjax.kv import pages  # Imported lazily: the host side runs without jax.
+
+        for op in ops:
+            if op.kind is KVOpKind.COPY:
+                self.kv = self.kv.copy_pages(np.asarray(op.src, np.int32),
+                                             np.asarray(op.dst, np.int32))
+            elif op.kind is KVOpKind.COPY_WINDOW:
+                src, dst = np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32)
+                self.kv = pages.scatter_seq_slots(self.kv, dst,
+                                                  pages.gather_seq_slots(self.kv, src))
+            else:
+                self.kv = pages.scrub(self.kv, np.asarray(op.dst, np.int32),
+                                      np.asarray(op.seq_slots, np.int32))
+            self.ops.append(op)
 
     def copy_pages(self, kv: Any, src, dst) -> Any:
         return kv.copy_pages(src, dst)

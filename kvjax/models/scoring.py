@@ -110,7 +110,8 @@ class PrefillOnlyScorer:
         c = model.config
         self.model, self.chunk = model, chunk
         # One layer's K and V per token: what the layer pass holds.
-        self.layer_kv_bytes_per_token = 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+        self.layer_kv_bytes_per_token = max(g.format.values_per_token
+                                            for g in c.kv_layer_groups()) * model.dtype.itemsize
         fit = kv_budget_bytes // self.layer_kv_bytes_per_token
         self.max_tokens = min(fit // chunk * chunk, c.max_position_embeddings // chunk * chunk)
 

@@ -112,10 +112,12 @@ class SchedulerOutput:
       decode: rows of one token each, highest ranked first.
       prefill: prefill chunks, in scheduling order.
       preempted: sequences preempted while forming this step.
-      kv_ops: the KV operations (copies, swaps, loads, scrubs, compactions, spills) applied
-        to the device pool since the previous step was formed (the last step's compactions
-        and frees, then this step's copies, swaps and loads), in order; records for metering
-        and tracing.
+      kv_ops: the KV operations (copies, swaps, loads, scrubs, compactions, spills) issued
+        since the previous step was formed (the last step's compactions and frees, then this
+        step's copies, swaps and loads), in order; records for metering and tracing.
+      kv_plan: the KV operations the runner applies, in order, before this step's model:
+        the copy-on-write copies and scrubs issued while the step was formed, as index arrays
+        (`kvjax.memory.ops.DATA_KINDS`); the other ops of `kv_ops` were applied when issued.
       weights_version: the weights this step runs under (versions in flight take turns).
       blends: CacheBlend recomputes of chunks copied in this step, run before the step's rows.
     """
@@ -126,6 +128,7 @@ class SchedulerOutput:
     kv_ops: tuple[KVOp, ...]
     weights_version: str
     blends: tuple[BlendRow, ...] = ()
+    kv_plan: tuple[KVOp, ...] = ()
 
     @property
     def rows(self) -> tuple[ScheduledRow, ...]:

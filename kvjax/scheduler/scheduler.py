@@ -17,6 +17,7 @@ import numpy as np
 
 from kvjax.kv.state import pages_for
 from kvjax.memory.kv_cache_manager import KVCacheManager
+from kvjax.memory.ops import KVOp
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.chunks import ChunkReuse
 from kvjax.scheduler.context import ReuseStrategy
@@ -224,7 +225,17 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
 
         speculate: with speculative decoding configured, decode rows may draft or verify
         drafts; False plans one token per decode row (steps that return logits, so each
-        logits row is the distribution of the one token its row emits)."""
+        logits row is the distribution of the one token its row emits).
+
+        The copy-on-write copies and scrubs of forming the step come back as data in
+        `SchedulerOutput.kv_plan`, for the runner to apply before the step's model."""
+        self.kv_cache.defer_ops()
+        try:
+            return self._form_step(speculate)
+        finally:
+            self.kv_cache.end_plan()  # a step that failed to form leaves no op unapplied
+
+    def _form_step(self, speculate: bool) -> SchedulerOutput:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         self.fills_requested = False
@@ -361,8 +372,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 for i, (s, n) in enumerate(decode)]
         rows += [self._row(s, n, len(decode) + i) for i, (s, n) in enumerate(prefill)]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
-                               preempted=tuple(preempted), kv_ops=self.kv_cache.take_ops(),
-                               weights_version=active, blends=self._take_blends())
+                               preempted=tuple(preempted), kv_plan=self.kv_cache.take_plan(),
+                               kv_ops=self.kv_cache.take_ops(), weights_version=active,
+                               blends=self._take_blends())
 
     def _max_drafts(self, seq: Sequence) -> int:
         """Draft tokens the sequence may verify next: gamma, less near its length limits (the
@@ -661,14 +673,25 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
 
     # ----------------------------------------------------------------------------- update
 
-    def update_from_output(self, so: SchedulerOutput, out: RunnerOutput) -> None:
+    def update_from_output(self, so: SchedulerOutput, out: RunnerOutput) -> tuple[KVOp, ...]:
         """Commits a step: tokens, prefix-cache pages, retention, forks, stop checks.
 
         With asynchronous scheduling the next step may already be dispatched. A sequence that
         finished since (a stop token, an abort) drops the row's results: the token sampled
         after a stop is never emitted. One preempted or restarted since (a newer KV epoch)
         skips the KV bookkeeping but still takes its sampled token, which is valid.
+
+        Returns the KV operations it planned as data (the copies of forked samples, scrubs of
+        freed pages), in order, for the runner to apply before anything reads the pool again.
         """
+        self.kv_cache.defer_ops()
+        try:
+            self._commit_step(so, out)
+            return self.kv_cache.take_plan()
+        finally:
+            self.kv_cache.end_plan()
+
+    def _commit_step(self, so: SchedulerOutput, out: RunnerOutput) -> None:
         now = self.clock()
         for i, row in enumerate(so.rows):
             seq = self._seqs.get(row.seq_id)

@@ -54,15 +54,18 @@ class TieredSwapSpace:
         """Writes a swapped sequence's window into its new slot (see the class doc)."""
         return self._plain.restore_window(kv, seq_id)
 
-    def copy_window(self, kv, parent_id: Hashable, child_id: Hashable):
-        return self._plain.copy_window(kv, parent_id, child_id)
+    def copy_window(self, kv, src_slot: int, dst_slot: int):
+        return self._plain.copy_window(kv, src_slot, dst_slot)
 
     def drop(self, seq_id: Hashable) -> None:
         self.tiers.drop(seq_id)
         self._plain.drop(seq_id)
 
-    def scrub(self, kv, pages: list[int]):
-        return self._plain.scrub(kv, pages)
+    def take_released_slots(self) -> list[int]:
+        return self._plain.take_released_slots()
+
+    def scrub(self, kv, pages, seq_slots=()):
+        return self._plain.scrub(kv, pages, seq_slots)
 
     def warmup(self, kv, max_pages: int, *, swap: bool, scrub: bool,
                demote_bits: tuple[int, ...] = ()):

@@ -1,0 +1,318 @@
+"""KV specs: what each group of layers keeps, stores and costs, declared once.
+
+A model declares its layers' KV as `LayerGroup`s (which layers, which tokens they keep, what
+they store per token); an engine turns each into a `KVCacheGroupSpec` by adding its codec and
+page size, and sizes everything from the resulting `KVCacheSpec`: pages for a byte budget,
+bytes per token and per page, the budget admission and the benchmarks count against. No other
+module multiplies layers by heads by head dim.
+
+Today every model declares one group of all its layers, keeping every token, K and V heads
+(G = 1), and every page holds that group's tokens in every layer. The enums already name what
+later groups need: a sliding window or a token budget for `TokenKeep`, an MLA latent for
+`TokenStore`. A pool built from a spec it cannot serve yet refuses it (`check_single_group`).
+
+Bytes, for a group of Lg layers and page size P (one tensor's codec bytes per token: c(K, D)):
+
+    token_bytes       per layer: c_k(K, D) + c_v(K, D), or c(1, d_c + d_r) for an MLA latent
+    bytes_per_token   Lg * token_bytes
+    page_bytes        Lg * (P * token_bytes + page_extra_bytes)   (Quest's key summaries)
+    seq_slot_bytes    Lg * per-sequence bytes beside the pages     (KIVI's exact window)
+
+This module imports nothing from jax: the host side (scheduler, memory) reads specs freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable, Sequence
+
+
+class TokenKeep(enum.Enum):
+    """Which of a sequence's tokens a layer keeps in its cache."""
+
+    ALL = "all"  # every token (global attention)
+    SLIDING_WINDOW = "sliding_window"  # the last `num_keep_tokens` tokens
+    BUDGET = "budget"  # at most `num_keep_tokens` tokens, chosen by a retention policy
+
+
+class TokenStore(enum.Enum):
+    """What a layer stores per token."""
+
+    KV_HEADS = "kv_heads"  # K and V, each [K, D]
+    MLA_LATENT = "mla_latent"  # one latent [d_c] plus a shared RoPE key part [d_r] (MLA)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFormat:
+    """What one layer stores per token, before any codec.
+
+    Attributes:
+      store: the kind of storage.
+      num_kv_heads, head_dim: K and D (KV_HEADS).
+      latent_dim, rope_dim: d_c and d_r (MLA_LATENT).
+    """
+
+    store: TokenStore = TokenStore.KV_HEADS
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    latent_dim: int = 0
+    rope_dim: int = 0
+
+    def __post_init__(self):
+        if self.store is TokenStore.KV_HEADS:
+            _check_positive("num_kv_heads", self.num_kv_heads)
+            _check_positive("head_dim", self.head_dim)
+        else:
+            _check_positive("latent_dim", self.latent_dim)
+            if not isinstance(self.rope_dim, int) or self.rope_dim < 0:
+                raise ValueError(f"rope_dim must be an int >= 0, got {self.rope_dim!r}")
+
+    @classmethod
+    def kv_heads(cls, num_kv_heads: int, head_dim: int) -> TokenFormat:
+        return cls(TokenStore.KV_HEADS, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+    @classmethod
+    def mla_latent(cls, latent_dim: int, rope_dim: int) -> TokenFormat:
+        return cls(TokenStore.MLA_LATENT, latent_dim=latent_dim, rope_dim=rope_dim)
+
+    @property
+    def tensors(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, heads, width) of each tensor a token stores per layer; a codec sizes each."""
+        if self.store is TokenStore.KV_HEADS:
+            return (("k", self.num_kv_heads, self.head_dim),
+                    ("v", self.num_kv_heads, self.head_dim))
+        return (("latent", 1, self.latent_dim + self.rope_dim),)
+
+    @property
+    def values_per_token(self) -> int:
+        """Scalars one token stores per layer (2 K D, or d_c + d_r)."""
+        return sum(heads * width for _, heads, width in self.tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Layers with the same KV needs, as a model declares them.
+
+    Attributes:
+      layers: the layer indices, increasing.
+      format: what each of these layers stores per token.
+      keep: which tokens they keep.
+      num_keep_tokens: the window (SLIDING_WINDOW) or the budget (BUDGET); 0 for ALL.
+    """
+
+    layers: tuple[int, ...]
+    format: TokenFormat
+    keep: TokenKeep = TokenKeep.ALL
+    num_keep_tokens: int = 0
+
+    def __post_init__(self):
+        if not self.layers or list(self.layers) != sorted(set(self.layers)) \
+                or self.layers[0] < 0:
+            raise ValueError(f"a layer group's layers must be increasing indices >= 0, got "
+                             f"{self.layers!r}")
+        if (self.keep is TokenKeep.ALL) != (self.num_keep_tokens == 0):
+            raise ValueError(f"keep={self.keep.value} with num_keep_tokens="
+                             f"{self.num_keep_tokens!r}: a window or budget needs a positive "
+                             f"count, keeping all tokens takes none")
+        if self.keep is not TokenKeep.ALL:
+            _check_positive("num_keep_tokens", self.num_keep_tokens)
+
+    def max_tokens_held(self, num_tokens: int) -> int:
+        """Tokens of a sequence of `num_tokens` tokens these layers keep (a window or budget
+        bounds it)."""
+        if self.keep is TokenKeep.ALL:
+            return num_tokens
+        return min(num_tokens, self.num_keep_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSpec:
+    """How one layer of a group holds its KV in a pool: the group's needs plus the codec, the
+    page size and the bytes they cost (per layer).
+
+    Attributes:
+      format: what a token stores (`TokenFormat`).
+      keep, num_keep_tokens: which tokens the layer keeps (`LayerGroup`).
+      codec_name: the codec with its options ('none' for exact float storage).
+      page_size: P, tokens per page.
+      token_bytes: bytes one token takes in one layer, every tensor, codes and metadata.
+      page_extra_bytes: bytes a page holds per layer beside its tokens (Quest's key summaries).
+      seq_slot_bytes: bytes a sequence slot holds per layer beside its pages (KIVI's exact
+        window); 0 for pools with no per-sequence state.
+    """
+
+    format: TokenFormat
+    codec_name: str
+    page_size: int
+    token_bytes: float
+    keep: TokenKeep = TokenKeep.ALL
+    num_keep_tokens: int = 0
+    page_extra_bytes: int = 0
+    seq_slot_bytes: int = 0
+
+    def __post_init__(self):
+        _check_positive("page_size", self.page_size)
+        if not self.token_bytes > 0:
+            raise ValueError(f"token_bytes must be positive, got {self.token_bytes!r}")
+
+    @property
+    def page_bytes(self) -> float:
+        """Bytes one page takes in one layer."""
+        return self.page_size * self.token_bytes + self.page_extra_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """A group's layers paired with the spec each of them follows.
+
+    Attributes:
+      layers: the layer indices.
+      spec: the per-layer `KVSpec`.
+    """
+
+    layers: tuple[int, ...]
+    spec: KVSpec
+
+    @property
+    def bytes_per_token(self) -> float:
+        return len(self.layers) * self.spec.token_bytes
+
+    @property
+    def page_bytes(self) -> float:
+        return len(self.layers) * self.spec.page_bytes
+
+    @property
+    def seq_slot_bytes(self) -> int:
+        return len(self.layers) * self.spec.seq_slot_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """Every layer's KV in a pool: the groups, which together cover layers 0..L-1 once.
+
+    Pages today span every group (one page id addresses a page of each group), so a page costs
+    the sum of the groups' page bytes. Groups with their own block tables will draw pages of
+    their own size from the same byte budget.
+
+    Attributes:
+      groups: the `KVCacheGroupSpec`s, in layer order of their first layer.
+    """
+
+    groups: tuple[KVCacheGroupSpec, ...]
+
+    def __post_init__(self):
+        if not self.groups:
+            raise ValueError("a KV cache spec needs at least one layer group")
+        layers = sorted(i for g in self.groups for i in g.layers)
+        if layers != list(range(len(layers))):
+            raise ValueError(f"the layer groups must cover layers 0..L-1 exactly once, got "
+                             f"{[g.layers for g in self.groups]}")
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layers) for g in self.groups)
+
+    @property
+    def page_size(self) -> int:
+        """P, shared by every group while pages span them all."""
+        sizes = {g.spec.page_size for g in self.groups}
+        if len(sizes) != 1:
+            raise ValueError(f"groups with different page sizes {sorted(sizes)} have no "
+                             f"single page size")
+        return sizes.pop()
+
+    @property
+    def codec_name(self) -> str:
+        names = [g.spec.codec_name for g in self.groups]
+        return names[0] if len(set(names)) == 1 else "/".join(names)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes one cached token takes over every layer (codes and metadata, K and V)."""
+        return sum(g.bytes_per_token for g in self.groups)
+
+    @property
+    def page_bytes(self) -> float:
+        """Bytes one page takes over every layer (summaries included)."""
+        return sum(g.page_bytes for g in self.groups)
+
+    @property
+    def seq_slot_bytes(self) -> int:
+        """Bytes one sequence slot takes beside the pages over every layer (KIVI windows)."""
+        return sum(g.seq_slot_bytes for g in self.groups)
+
+    def nbytes(self, num_pages: int, num_seq_slots: int = 0) -> int:
+        """Bytes of a pool of `num_pages` pages and `num_seq_slots` sequence slots."""
+        return math.ceil(num_pages * self.page_bytes) + num_seq_slots * self.seq_slot_bytes
+
+    def num_pages_for_budget(self, budget_bytes: float) -> int:
+        """Pages that fit in `budget_bytes` (ValueError: not one)."""
+        num_pages = int(budget_bytes // self.page_bytes)
+        if num_pages < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of "
+                             f"{self.page_bytes} bytes")
+        return num_pages
+
+    def with_specs(self, fn: Callable[[KVSpec], KVSpec]) -> KVCacheSpec:
+        """This spec with every group's spec replaced by fn(spec) (a state wrapper's bytes)."""
+        return KVCacheSpec(tuple(dataclasses.replace(g, spec=fn(g.spec)) for g in self.groups))
+
+    def check_single_group(self) -> None:
+        """ValueError unless this is one group of all layers keeping every token, K and V heads:
+        the only spec pools serve so far."""
+        spec = self.groups[0].spec
+        if len(self.groups) != 1 or spec.keep is not TokenKeep.ALL \
+                or spec.format.store is not TokenStore.KV_HEADS:
+            raise ValueError(f"KV pools hold one group of global-attention layers with K and V "
+                             f"heads so far; got groups {self.describe()}")
+
+    def describe(self) -> list[dict]:
+        """The groups as plain data (reports, JSON)."""
+        return [dict(layers=list(g.layers), keep=g.spec.keep.value,
+                     num_keep_tokens=g.spec.num_keep_tokens, store=g.spec.format.store.value,
+                     codec=g.spec.codec_name, page_size=g.spec.page_size,
+                     token_bytes=g.spec.token_bytes, page_bytes=g.page_bytes,
+                     seq_slot_bytes=g.seq_slot_bytes) for g in self.groups]
+
+
+TokenBytes = Callable[[int, int], float]  # (heads, width) -> bytes of one tensor per token
+
+
+def group_spec(group: LayerGroup, *, codec_name: str, page_size: int,
+               tensor_bytes: TokenBytes | Sequence[TokenBytes], page_extra_bytes: int = 0,
+               seq_slot_bytes: int = 0) -> KVCacheGroupSpec:
+    """The pool spec of a model's layer group.
+
+    Args:
+      group: what the model declares.
+      codec_name: the codec with its options.
+      page_size: P.
+      tensor_bytes: a codec's bytes per token of one tensor, (heads, width) -> bytes
+        (`KVCodec.bytes_per_token`), or one per tensor of `group.format.tensors` (keys and
+        values with codecs of their own).
+      page_extra_bytes, seq_slot_bytes: per layer, as in `KVSpec`.
+    """
+    tensors = group.format.tensors
+    sizers = [tensor_bytes] * len(tensors) if callable(tensor_bytes) else list(tensor_bytes)
+    if len(sizers) != len(tensors):
+        raise ValueError(f"{len(sizers)} tensor sizes for the {len(tensors)} tensors "
+                         f"{[t[0] for t in tensors]} a token stores")
+    token_bytes = float(sum(size(heads, width)
+                            for size, (_, heads, width) in zip(sizers, tensors, strict=True)))
+    spec = KVSpec(format=group.format, codec_name=codec_name, page_size=page_size,
+                  token_bytes=token_bytes, keep=group.keep,
+                  num_keep_tokens=group.num_keep_tokens, page_extra_bytes=page_extra_bytes,
+                  seq_slot_bytes=seq_slot_bytes)
+    return KVCacheGroupSpec(group.layers, spec)
+
+
+def cache_spec(groups: Sequence[LayerGroup], **kwargs) -> KVCacheSpec:
+    """`group_spec` of each group with the same codec and page size (kwargs), as one spec."""
+    return KVCacheSpec(tuple(group_spec(g, **kwargs) for g in groups))
+
+
+def _check_positive(field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{field} must be a positive int, got {value!r}")
