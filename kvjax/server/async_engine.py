@@ -93,6 +93,14 @@ class Update:
     top_logprobs: tuple[list[dict[int, float]], ...] | None = None
 
 
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn, value) -> None:
+    """Calls `fn(value)` (the future's set_result or set_exception) on the future's loop."""
+    try:
+        loop.call_soon_threadsafe(lambda: future.done() or fn(value))
+    except RuntimeError:  # The loop is closed: nobody is listening any more.
+        pass
+
+
 class RequestStream:
     """The event-loop side of one request: whether the engine took it, then its updates.
 
@@ -326,6 +334,9 @@ class AsyncEngine:
             if command[0] == "add":
                 for _, stream in command[1]:
                     stream._post_error(error)
+            elif command[0] == "score":
+                future, loop = command[5], command[6]
+                _resolve(loop, future, future.set_exception, error)
 
     def _take_commands(self, *, block: bool) -> bool:
         """Applies queued commands (waiting for one if `block`); False once told to stop."""
@@ -378,12 +389,6 @@ class AsyncEngine:
 
     def _score(self, request_id: str, prompt_ids: list[int], num_top: int, model: str | None,
                future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
-        def answer(fn, value):
-            try:
-                loop.call_soon_threadsafe(lambda: future.done() or fn(value))
-            except RuntimeError:  # The loop is closed: nobody is listening any more.
-                pass
-
         try:
             if model not in self._scorers:
                 scored_model = self.engine.models()[model].model
@@ -393,13 +398,13 @@ class AsyncEngine:
                 self._scorers[model] = PrefillOnlyScorer(scored_model, kv_budget_bytes=budget)
             result = self._scorers[model].prompt_logprobs(request_id, prompt_ids, num_top)
         except ValueError as e:
-            answer(future.set_exception, e)
+            _resolve(loop, future, future.set_exception, e)
         except Exception:  # Not the request's fault, and no reason to stop everyone else's.
             logger.exception("scoring request %r failed", request_id)
-            answer(future.set_exception, RequestFailed(
+            _resolve(loop, future, future.set_exception, RequestFailed(
                 f"request {request_id!r}: internal error while scoring its prompt"))
         else:
-            answer(future.set_result, result)
+            _resolve(loop, future, future.set_result, result)
 
     def _abort(self, request_id: str) -> None:
         tracked = self._tracked.get(request_id)
