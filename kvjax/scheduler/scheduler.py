@@ -198,17 +198,16 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         if share is None:
             return []
         limit = share * self.kv_cache.num_pages
-        under = next((s for s in self._ranked(self.waiting)
-                      if self._tenant_pages(s.tenant) < limit), None)
+        held = {t: self._tenant_pages(t)
+                for t in {s.tenant for s in self.running + self.waiting}}
+        under = next((s for s in self._ranked(self.waiting) if held[s.tenant] < limit), None)
         if under is None:
             return []
         first_chunk = min(under.num_pending, self.config.max_prefill_chunk)
         if self.kv_cache.can_admit(pages_for(first_chunk, self.config.page_size)):
             return []
-        over = {s.tenant for s in self.running
-                if s.tenant != under.tenant and self._tenant_pages(s.tenant) > limit}
-        candidates = [s for s in self.running
-                      if s.tenant in over and not self._awaits_step_in_flight(s)]
+        candidates = [s for s in self.running if s.tenant != under.tenant
+                      and held[s.tenant] > limit and not self._awaits_step_in_flight(s)]
         if not candidates:
             return []
         hog = self._victim(candidates)

@@ -291,10 +291,7 @@ class OpenAIServing:
     async def detokenize(self, body: protocol.DetokenizeRequest) -> dict[str, Any]:
         """vLLM's /detokenize: the text of token ids (special tokens kept)."""
         self._check_model(body.model)
-        bad = [t for t in body.tokens if t >= self.vocab_size]
-        if bad:
-            raise ApiError(400, f"tokens: token id {bad[0]} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", param="tokens")
+        self._check_in_vocab(body.tokens, "tokens")
         text = await asyncio.to_thread(self.tokenizer.decode, body.tokens,
                                        skip_special_tokens=False)
         return dict(prompt=text)
@@ -319,6 +316,12 @@ class OpenAIServing:
         if model is not None and model != self.config.model_name:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves "
                            f"`{self.config.model_name}`", param="model", code="model_not_found")
+
+    def _check_in_vocab(self, ids: Sequence[int], field: str) -> None:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"{field}: token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.vocab_size})", param=field)
 
     def _check_prompt_chars(self, num_chars: int, field: str) -> None:
         """Refuses, before tokenizing, a text too long to fit the context whatever its
@@ -359,10 +362,7 @@ class OpenAIServing:
         """Checks one prompt against the vocabulary and context; returns its max_new_tokens."""
         if not ids:
             raise ApiError(400, f"{field}: the prompt is empty", param=field)
-        bad = [t for t in ids if t >= self.vocab_size]
-        if bad:
-            raise ApiError(400, f"{field}: token id {bad[0]} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", param=field)
+        self._check_in_vocab(ids, field)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ApiError(400, f"{field}: the prompt has {len(ids)} tokens; this model's "
@@ -417,10 +417,7 @@ class OpenAIServing:
                            param=SLO_HEADERS[next(iter(given))]) from None
 
     def _sampling(self, body, max_new_tokens: int) -> SamplingParams:
-        bad = [t for t in body.stop_token_ids or () if t >= self.vocab_size]
-        if bad:
-            raise ApiError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", param="stop_token_ids")
+        self._check_in_vocab(body.stop_token_ids or (), "stop_token_ids")
         try:
             return SamplingParams(
                 max_new_tokens=max_new_tokens,
