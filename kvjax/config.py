@@ -15,7 +15,7 @@ import enum
 
 import jax.numpy as jnp
 
-from kvjax.kv.spec import LayerGroup, TokenFormat
+from kvjax.kv.spec import LayerGroup, TokenFormat, TokenKeep
 from kvjax.models.rope import RoPE
 
 
@@ -56,6 +56,9 @@ class ModelConfig:
         tie_word_embeddings: the output projection reuses the token embedding.
         qkv_bias: Q, K and V projections carry a bias (Qwen2).
         qk_norm: queries and keys pass a per-head RMSNorm before RoPE (Qwen3).
+        layer_windows: per layer, the sliding window in tokens a query attends (0: every
+          earlier token); empty when every layer is global. Layers of one window form one KV
+          layer group (`kv_layer_groups`).
         bos_token_id / eos_token_ids: special tokens (eos may be several ids).
         name: a human-readable name, part of the KV provenance fingerprint.
     """
@@ -73,6 +76,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    layer_windows: tuple[int, ...] = ()
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = "llama"
@@ -87,17 +91,30 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
         self.rope.inv_freq(self.head_dim)  # raises ValueError when the RoPE does not fit D
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or any(
+                isinstance(w, bool) or not isinstance(w, int) or w < 0
+                for w in self.layer_windows)):
+            raise ValueError(f"ModelConfig.layer_windows must hold one int >= 0 per layer "
+                             f"({self.num_layers}), got {self.layer_windows!r}")
 
     @property
     def group_size(self) -> int:
         """G = N // K, query heads per kv head."""
         return self.num_heads // self.num_kv_heads
 
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer` in tokens, 0 for global attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
     def kv_layer_groups(self) -> tuple[LayerGroup, ...]:
-        """The model's layers grouped by KV needs (`kvjax.kv.spec`): one group of every layer,
-        global attention, K and V heads."""
-        return (LayerGroup(tuple(range(self.num_layers)),
-                           TokenFormat.kv_heads(self.num_kv_heads, self.head_dim)),)
+        """The model's layers grouped by KV needs (`kvjax.kv.spec`): one group per distinct
+        window (global layers first), each storing K and V heads."""
+        fmt = TokenFormat.kv_heads(self.num_kv_heads, self.head_dim)
+        windows = sorted({self.layer_window(i) for i in range(self.num_layers)})
+        return tuple(
+            LayerGroup(tuple(i for i in range(self.num_layers) if self.layer_window(i) == w),
+                       fmt, TokenKeep.SLIDING_WINDOW if w else TokenKeep.ALL, w)
+            for w in windows)
 
     def kv_bytes_per_token(self, dtype) -> int:
         """Bytes one token takes over all layers stored exactly at `dtype` (K and V)."""
