@@ -55,6 +55,13 @@ CASES = {
     # Llama with dynamic NTK scaling past max_position_embeddings (the length it starts from).
     "llama-dynamic": ("llama", dict(max_position_embeddings=ORIGINAL_LEN,
                                     rope_parameters=_DYNAMIC), RopeType.DYNAMIC),
+    # Qwen3 with a sliding-window layer beside a global one: two KV layer groups, the window's
+    # pages given back as the sequence moves past them (prompts and outputs span many windows).
+    "qwen3-sliding": ("qwen3", dict(head_dim=32, use_sliding_window=True, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"]),
+                      RopeType.DEFAULT),
+    # Mistral: one window on every layer (one layer group keeping its last 8 tokens).
+    "mistral-window": ("mistral", dict(sliding_window=8), RopeType.DEFAULT),
 }
 
 
@@ -137,8 +144,7 @@ def test_a_fused_matrix_of_the_wrong_size_is_refused(tmp_path):
 
 @pytest.mark.parametrize("model_type, overrides, message", [
     ("qwen3", dict(attention_bias=True), "attention_bias"),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
-     "sliding-window layers in model_type 'qwen3'"),
+    ("qwen3", dict(layer_types=["sliding_attention", "sliding"]), "unsupported layer_types"),
     ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
                                    "short_factor": [1.0], "long_factor": [1.0]}),
      "longrope factors have 1 entries, head dim 16 needs 8"),
