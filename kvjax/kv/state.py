@@ -416,7 +416,8 @@ def init_paged_kv(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp
     layer groups); None: every layer of the model."""
     if num_pages <= 0 or page_size <= 0:
         raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be positive")
-    shape = (num_layers or config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+    shape = (num_layers or config.num_layers, num_pages, page_size, config.num_kv_heads,
+             config.head_dim)
     return PagedKV(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
 
 

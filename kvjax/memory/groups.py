@@ -20,8 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from kvjax.memory.block_manager import (RELEASED, AllocStatus, BlockManager, BlockManagerStats,
-                                        CopyOp, FreeList)
+from kvjax.memory.block_manager import (
+    RELEASED,
+    AllocStatus,
+    BlockManager,
+    BlockManagerStats,
+    CopyOp,
+    FreeList,
+)
 from kvjax.memory.prefix_cache import CachedPage, PrefixEviction
 from kvjax.trace import NULL_TRACER, Tracer
 

@@ -110,7 +110,7 @@ class TwoGroupMachine(RuleBasedStateMachine):
             for g, table in enumerate(self.alloc.block_tables(seq)):
                 used[g] |= {page for page in table if page != RELEASED}
         cached = [{c.page for c in m.cached_pages()} for m in self.alloc.groups]
-        held = [u | c for u, c in zip(used, cached)]
+        held = [u | c for u, c in zip(used, cached, strict=True)]
         assert not held[0] & held[1]
         free = self.alloc.num_free_pages() - sum(len(c) for c in cached)
         assert len(held[0]) + len(held[1]) + free == NUM_PAGES
