@@ -261,11 +261,14 @@ class KVCacheSpec:
 
     @property
     def page_bytes(self) -> float:
-        """Bytes one page takes: its `layers_per_table` layers (summaries included); over
-        every layer when G = 1."""
-        if len(self.groups) == 1:
-            return self.groups[0].page_bytes
-        return self.layers_per_table * self.groups[0].spec.page_bytes
+        """Bytes one page takes. Groups whose layers' pages are alike (a sliding window beside
+        global layers) share one pool of pages of `layers_per_table` layers; groups that
+        differ in what a page holds (an MLA latent beside K and V heads, which no pool serves
+        yet) would span one page across every group's layers."""
+        per_layer = {g.spec.page_bytes for g in self.groups}
+        if len(self.groups) > 1 and len(per_layer) == 1:
+            return self.layers_per_table * per_layer.pop()
+        return sum(g.page_bytes for g in self.groups)
 
     @property
     def seq_slot_bytes(self) -> int:
