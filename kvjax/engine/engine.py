@@ -460,7 +460,7 @@ class Engine:
             raise ValueError(f"request {request_id!r}: logit_bias and the stop tokens "
                              f"min_tokens masks take {entries} entries, more than {_BIAS_WIDTH}")
         if sampling.grammar is not None:
-            self._grammar_matcher(request_id, sampling.grammar)
+            self.grammar_matcher(request_id, sampling.grammar)
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens does not "
                              f"fit the context length {self.max_model_len} (at least one token "
@@ -517,14 +517,15 @@ class Engine:
                              **common) for i in range(sampling.n)]
         if sampling.grammar is not None:
             for seq in seqs:
-                seq.grammar = self._grammar_matcher(request_id, sampling.grammar)
+                seq.grammar = self.grammar_matcher(request_id, sampling.grammar)
         self.scheduler.add_request(request_id, prompt, seqs, arrival=arrival, tenant=tenant,
                                    n=sampling.n)
 
-    def _grammar_matcher(self, request_id: str, grammar: grammar_lib.Grammar
-                         ) -> grammar_lib.GrammarMatcher:
-        """A matcher at the start of `grammar`; raises ValueError naming the request when the
-        grammar does not compile (or the model has no tokenizer, or llguidance is absent)."""
+    def grammar_matcher(self, request_id: str, grammar: grammar_lib.Grammar,
+                        output_ids: Seq[int] = ()) -> grammar_lib.GrammarMatcher:
+        """A matcher of `grammar` past `output_ids` (a restored sequence's output); raises
+        ValueError naming the request when the grammar does not compile (or the model has
+        no tokenizer, or llguidance, an optional extra, is absent)."""
         tokenizer = self.model.tokenizer
         if tokenizer is None:
             raise ValueError(f"request {request_id!r}: a grammar needs the model's tokenizer, "
@@ -533,9 +534,12 @@ class Engine:
             self._grammars = grammar_lib.GrammarCompiler(
                 tokenizer, self.model.config.vocab_size, self.model.config.eos_token_ids)
         try:
-            return self._grammars.matcher(grammar)
+            matcher = self._grammars.matcher(grammar)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
+        for token in output_ids:
+            matcher.accept(token)
+        return matcher
 
     def abort(self, request_id: str) -> None:
         """Stops a request; its pages are freed and it finishes with reason ABORT."""

@@ -140,3 +140,22 @@ def test_bad_grammar_is_refused_and_engine_keeps_serving(engine, prompts, gramma
         engine.add_request("bad", prompts[0], SamplingParams(grammar=grammar))
     out = engine.generate([prompts[0]], SamplingParams(max_new_tokens=2))[0]
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_snapshot_mid_output_resumes_under_the_grammar(model, prompts, references, tmp_path):
+    from kvjax.engine.snapshot import restore_snapshot, save_snapshot
+
+    source = Engine(model, EngineConfig(**CONFIG))
+    for i, (p, g) in enumerate(zip(prompts, GRAMMARS, strict=True)):
+        source.add_request(f"r{i}", p, SamplingParams(max_new_tokens=MAX_NEW, grammar=g))
+    for _ in range(4):
+        source.step()
+    source.drain()
+    assert all(s.output_ids for s in source.scheduler.sequences()), "snapshot mid-output"
+    save_snapshot(source, tmp_path / "snap")
+    target = Engine(model, EngineConfig(**CONFIG))
+    restore_snapshot(target, tmp_path / "snap")
+    done = {}
+    while target.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in target.step()})
+    assert [done[f"r{i}"] for i in range(3)] == references
