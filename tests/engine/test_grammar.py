@@ -110,13 +110,31 @@ def test_greedy_equals_masked_reference_without_new_compiles(engine, model, prom
     dict(spec=SpecConfig("ngram", num_draft_tokens=3)),
 ], ids=["sync", "ngram_spec"])
 def test_greedy_composes(model, prompts, references, overrides):
-    engine = Engine(model, EngineConfig(**CONFIG, **overrides))
-    # Twice: the second time the prompts hit the prefix cache.
+    engine = Engine(model, EngineConfig(**dict(CONFIG, **overrides)))
+    # Twice: the second time the prompts hit the prefix cache (where it is on).
     for _ in range(2):
         outs = engine.generate(prompts, [SamplingParams(max_new_tokens=MAX_NEW, grammar=g)
                                          for g in GRAMMARS])
         assert [o.outputs[0].token_ids for o in outs] == references
     assert engine.metrics()["prefix_hit_tokens"] > 0
+
+
+def test_swapped_out_mid_output_and_back(model, prompts, references):
+    engine = Engine(model, EngineConfig(**CONFIG))
+    for i, (p, g) in enumerate(zip(prompts, GRAMMARS, strict=True)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=MAX_NEW, grammar=g))
+    done = {}
+    for _ in range(4):
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    live = engine.scheduler.request_ids()
+    for request_id in live:
+        engine.pause(request_id, to_host=True)
+    engine.step()
+    for request_id in live:
+        engine.resume(request_id)
+    while engine.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    assert [done[f"r{i}"] for i in range(3)] == references
 
 
 def test_sampled_n_samples_each_match(engine, model, prompts):
