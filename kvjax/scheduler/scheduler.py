@@ -377,7 +377,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
 
     def _max_drafts(self, seq: Sequence) -> int:
         """Draft tokens the sequence may verify next: gamma, less near its length limits (the
-        verify step emits one token beyond its drafts); none under a grammar (`_propose`)."""
+        verify step emits one token beyond its drafts). None under a grammar: the mask of draft
+        j depends on drafts[:j] and a step ships one mask per row, so a constrained sequence
+        decodes one token at a time."""
         if seq.grammar is not None:
             return 0
         left = min(seq.sampling.max_new_tokens - len(seq.output_ids),
@@ -390,10 +392,6 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
     def _propose(self, seq: Sequence, budget: int) -> None:
         """The drafts a verify row checks: a host drafter's proposals, or the draft steps'."""
         num = min(self._max_drafts(seq), budget)
-        if seq.grammar is not None:
-            # Its grammar's mask at draft j depends on drafts[:j]: the step ships one mask
-            # per row, so a constrained sequence verifies no drafts and decodes one at a time.
-            num = 0
         if not self.drafter.runs_draft_steps:
             seq.draft_tokens = self.drafter.propose(seq.tokens, num)
         del seq.draft_tokens[num:]

@@ -17,7 +17,7 @@ from sampling_reference import dense_logits
 from kvjax import Engine, EngineConfig, SamplingParams
 from kvjax.grammar import Grammar, GrammarKind
 from kvjax.scheduler.spec import SpecConfig
-from kvjax.testing import tiny_chat_model
+from kvjax.testing import greedy_reference, tiny_chat_model
 
 llguidance = pytest.importorskip("llguidance")
 import llguidance.numpy as llg_numpy  # noqa: E402
@@ -111,12 +111,17 @@ def test_greedy_equals_masked_reference_without_new_compiles(engine, model, prom
 ], ids=["sync", "ngram_spec"])
 def test_greedy_composes(model, prompts, references, overrides):
     engine = Engine(model, EngineConfig(**dict(CONFIG, **overrides)))
-    # Twice: the second time the prompts hit the prefix cache (where it is on).
+    # Twice: the second time the prompts hit the prefix cache. An unconstrained request
+    # beside them (drafted and verified under speculation) keeps its greedy tokens.
+    free = greedy_reference(model, prompts[0], 8, stop=model.config.eos_token_ids)
     for _ in range(2):
-        outs = engine.generate(prompts, [SamplingParams(max_new_tokens=MAX_NEW, grammar=g)
-                                         for g in GRAMMARS])
-        assert [o.outputs[0].token_ids for o in outs] == references
+        outs = engine.generate(prompts + prompts[:1], [
+            SamplingParams(max_new_tokens=MAX_NEW, grammar=g) for g in GRAMMARS
+        ] + [SamplingParams(max_new_tokens=8)])
+        assert [o.outputs[0].token_ids for o in outs] == references + [free]
     assert engine.metrics()["prefix_hit_tokens"] > 0
+    if engine.config.spec.enabled:
+        assert engine.stats["spec_proposed"] > 0, "the unconstrained row drafted nothing"
 
 
 def test_swapped_out_mid_output_and_back(model, prompts, references):
@@ -138,7 +143,7 @@ def test_swapped_out_mid_output_and_back(model, prompts, references):
 
 
 def test_sampled_n_samples_each_match(engine, model, prompts):
-    params = [SamplingParams(max_new_tokens=MAX_NEW, grammar=g, temperature=1.5, seed=5, n=3)
+    params = [SamplingParams(max_new_tokens=MAX_NEW, grammar=g, temperature=1.5, seed=5, n=6)
               for g in GRAMMARS]
     for out, grammar in zip(engine.generate(prompts, params), GRAMMARS, strict=True):
         assert all(s.finish_reason.value == "stop" for s in out.outputs)
