@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import jsonschema
 import numpy as np
@@ -182,3 +183,12 @@ def test_snapshot_mid_output_resumes_under_the_grammar(model, prompts, reference
     while target.has_unfinished():
         done.update({o.request_id: o.outputs[0].token_ids for o in target.step()})
     assert [done[f"r{i}"] for i in range(3)] == references
+
+
+def test_without_llguidance_a_grammar_is_refused_saying_so(model, monkeypatch):
+    from kvjax.grammar import GrammarCompiler
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` fails
+    compiler = GrammarCompiler(model.tokenizer, model.config.vocab_size, [127])
+    with pytest.raises(ValueError, match=r"optional extra: pip install 'kvjax\[grammar\]'"):
+        compiler.matcher(GRAMMARS[1])
