@@ -7,6 +7,7 @@ from kvjax.engine.multi import ModelSpec, MultiModelEngine, PoolConfig
 from kvjax.engine.request import FinishReason, RequestOutput
 from kvjax.engine.step import AttentionImpl, MatmulImpl
 from kvjax.generation import encode_prompt, generate
+from kvjax.grammar import Grammar, GrammarKind
 from kvjax.models.loading import load_model
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
@@ -19,6 +20,8 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "FinishReason",
+    "Grammar",
+    "GrammarKind",
     "KVLayout",
     "MatmulImpl",
     "Model",

@@ -14,6 +14,9 @@ Logits pass through the rules in vLLM's order:
   3. temperature (greedy rows take the argmax here);
   4. min-p, then top-k, then top-p over what top-k kept (renormalized).
 
+A row with a grammar (`kvjax.grammar`) masks the tokens its grammar forbids to -inf after
+step 2 (`apply_token_mask`): its greedy pick and its sample are among the allowed tokens.
+
 Every rule reads per-row arrays inside one jitted program, so requests with other values
 compile nothing new; only the switches `all_greedy`, `needs_filter` and whether rules are on
 at all (`LogitRules` or None) are static.
@@ -33,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from kvjax.grammar import Grammar
 
 MAX_LOGIT_BIAS = 300
 """The most `logit_bias` entries a request may set (OpenAI's API has the same bound)."""
@@ -74,6 +79,8 @@ class SamplingParams:
         times the most likely token's.
       min_tokens: EOS (unless ignored) and stop tokens are masked until this many tokens
         are generated (<= max_new_tokens).
+      grammar: what the output must match (`kvjax.grammar.Grammar`: JSON schema, regex,
+        choice, Lark/GBNF), or None; the request finishes (STOP) when the grammar is complete.
     """
 
     max_new_tokens: int = 64
@@ -90,6 +97,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
     min_p: float = 0.0
     min_tokens: int = 0
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
@@ -125,6 +133,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an int in [0, max_new_tokens="
                              f"{self.max_new_tokens}], got {self.min_tokens!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a kvjax Grammar, got {self.grammar!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -219,6 +229,17 @@ def apply_rules(logits: jax.Array, rules: LogitRules, counters: jax.Array) -> ja
     return logits - rules.presence[:, None] * seen
 
 
+def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """Sets the logits of tokens a row's bitmask forbids to -inf. logits: [N, V] float32;
+    token_mask: [N, ceil(V / 32)] int32, bit t % 32 of word t // 32 set when token t is
+    allowed (-1: every token) -> [N, V]."""
+    n, vocab = logits.shape
+    bits = jnp.arange(32, dtype=jnp.int32)  # [32]
+    allowed = (token_mask[:, :, None] >> bits) & 1  # [N, W, 32]
+    allowed = allowed.reshape(n, -1)[:, :vocab]  # [N, V]
+    return jnp.where(allowed > 0, logits, -jnp.inf)
+
+
 def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
                    min_p: jax.Array) -> jax.Array:
     """Masks tempered logits [B, V] outside each row's min-p, then top-k, then top-p set
@@ -253,7 +274,8 @@ def _filter_if_any(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, seeds: jax.Array, counters: jax.Array,
-                  min_p: jax.Array | None = None, rules: LogitRules | None = None, *,
+                  min_p: jax.Array | None = None, rules: LogitRules | None = None,
+                  token_mask: jax.Array | None = None, *,
                   all_greedy: bool, needs_filter: bool) -> tuple[jax.Array, jax.Array]:
     """Picks one token per row.
 
@@ -262,12 +284,16 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
       temperature, top_p, min_p: [B] float32 (min_p None: 0); top_k: [B] int32.
       seeds: [B] uint32; counters: [B] int32 (index of the token being generated).
       rules: the rows' penalties and biases (`apply_rules`), or None: none.
+      token_mask: [B, ceil(V / 32)] int32, the tokens each row may pick (`apply_token_mask`;
+        -1 words: all), or None: all.
       all_greedy, needs_filter: static switches that skip unused work.
     Returns:
       tokens [B] int32 and their logprobs [B] float32 under the unmodified distribution.
     """
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
     processed = logits if rules is None else apply_rules(logits, rules, counters)
+    if token_mask is not None:
+        processed = apply_token_mask(processed, token_mask)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if all_greedy:
         tokens = greedy
@@ -313,8 +339,9 @@ def draft_rules(rules: LogitRules, drafts: jax.Array, num_drafts: jax.Array) -> 
 def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
                   temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   seeds: jax.Array, counters: jax.Array, min_p: jax.Array | None = None,
-                  rules: LogitRules | None = None, *, all_greedy: bool,
-                  needs_filter: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  rules: LogitRules | None = None, token_mask: jax.Array | None = None, *,
+                  all_greedy: bool, needs_filter: bool
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Speculative verification of deterministic drafts, one row per sequence.
 
     Row b scored its last token and its drafts: logits[b, j] is the model's distribution of
@@ -333,6 +360,8 @@ def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
       temperature, top_k, top_p, min_p, seeds, counters: per row as in `sample_tokens`;
         position j of row b draws with counter counters[b] + j.
       rules: per row as in `sample_tokens`, counting the output up to the row's last token.
+      token_mask: [B, ceil(V / 32)] int32 or None, applied at every position of its row: the
+        scheduler drafts nothing for a row with a grammar, so it matters at position 0 only.
     Returns:
       num_accepted [B] int32, the token emitted after them [B] int32, and the logprobs
       (unmodified distribution) of the emitted tokens [B, W]: drafts first, then that token.
@@ -345,6 +374,8 @@ def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
     flat = logits.reshape(b * w, vocab)
     if rules is not None:
         flat = apply_rules(flat, draft_rules(rules, drafts, num_drafts), flat_counters)
+    if token_mask is not None:
+        flat = apply_token_mask(flat, jnp.repeat(token_mask, w, axis=0))
     target = jnp.argmax(flat, axis=-1).astype(jnp.int32).reshape(b, w)  # [B, W]
     if all_greedy:
         accept, final = padded == target, target

@@ -51,6 +51,7 @@ SECTIONS = (
     Section("kvjax.scheduler.output", ("ScheduledRow", "SchedulerOutput", "RunnerOutput")),
     Section("kvjax.memory.kv_cache_manager", ("KVCacheManager",)),
     Section("kvjax.memory.ops", ("KVOp", "KVOpKind", "KVDevice", "HostKV")),
+    Section("kvjax.grammar", ("GrammarCompiler", "GrammarMatcher", "mask_width")),
     Section("kvjax.engine.snapshot", ("save_snapshot", "restore_snapshot")),
     Section("kvjax.engine.multi", ("MultiModelEngine", "ModelSpec", "PoolConfig")),
     Section("kvjax.memory.frames", ("FramePool", "Owner", "OwnerPages", "PoolPolicy",

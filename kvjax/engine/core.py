@@ -5,6 +5,10 @@ dispatches it while the device still runs step t, then reads step t's tokens and
 scheduler from them. Tokens sampled by step t reach step t+1 on the device (the runner's token
 feed); the host learns them one step later. `drain()` finishes the step in flight, for
 anything that needs the state settled (aborts, weight updates, snapshots, logits).
+
+A step with a row under a grammar (`kvjax.grammar`) is finished before the next one is
+scheduled: that row's next mask depends on the token it samples, which only the host's
+matcher can turn into a mask. Steps without such rows keep overlapping.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class EngineCore:
     def step(self, logits_mode: LogitsMode = LogitsMode.NONE) -> list[RequestOutput]:
         """One scheduling iteration; returns the outputs of requests that finished in it."""
         is_sync = not self.async_scheduling or logits_mode is not LogitsMode.NONE
-        if is_sync:
+        if is_sync or (self._in_flight is not None and self._in_flight.so.is_constrained):
             self.drain()
         t_start = time.perf_counter()
         # Steps that return logits emit one token per row (no speculative verification).

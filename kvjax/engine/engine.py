@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import grammar as grammar_lib
 from kvjax.config import KVLayout, resolve_dtype
 from kvjax.engine import compat
 from kvjax.engine.config import EngineConfig, PreemptionMode
@@ -151,12 +152,14 @@ class Engine:
                               config.chunk_bucket_factor,
                               spec_width=1 + config.spec.num_draft_tokens
                               if config.spec.enabled else 1,
-                              history_width=self.max_model_len, bias_width=_BIAS_WIDTH)
+                              history_width=self.max_model_len, bias_width=_BIAS_WIDTH,
+                              mask_width=grammar_lib.mask_width(model.config.vocab_size))
         self.runner = ModelRunner(programs, buckets, kv, model.params, model.weights_version,
                                   page_size=config.page_size,
                                   kv_store=None if kv_pool is None else kv_pool.store(),
                                   num_tables=len(pool.spec.table_groups()))
         self.stats: dict = {}
+        self._grammars: grammar_lib.GrammarCompiler | None = None  # built on the first grammar
         tiers, swap_space = self._build_tiers(pool)
         self.runner.kv_programs[KVOpKind.SCRUB] = lambda kv, op: swap_space.scrub(
             kv, op.dst, op.seq_slots)
@@ -460,6 +463,8 @@ class Engine:
         if entries > _BIAS_WIDTH:
             raise ValueError(f"request {request_id!r}: logit_bias and the stop tokens "
                              f"min_tokens masks take {entries} entries, more than {_BIAS_WIDTH}")
+        if sampling.grammar is not None:
+            self.grammar_matcher(request_id, sampling.grammar)
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens does not "
                              f"fit the context length {self.max_model_len} (at least one token "
@@ -514,8 +519,31 @@ class Engine:
             seqs = [Sequence(seq_id=f"{request_id}#{i}", tokens=list(prompt), seed=seed + i,
                              sample_index=i, chunk_spans=clip_spans(spans, len(prompt)),
                              **common) for i in range(sampling.n)]
+        if sampling.grammar is not None:
+            for seq in seqs:
+                seq.grammar = self.grammar_matcher(request_id, sampling.grammar)
         self.scheduler.add_request(request_id, prompt, seqs, arrival=arrival, tenant=tenant,
                                    n=sampling.n)
+
+    def grammar_matcher(self, request_id: str, grammar: grammar_lib.Grammar,
+                        output_ids: Seq[int] = ()) -> grammar_lib.GrammarMatcher:
+        """A matcher of `grammar` past `output_ids` (a restored sequence's output); raises
+        ValueError naming the request when the grammar does not compile (or the model has
+        no tokenizer, or llguidance, an optional extra, is absent)."""
+        tokenizer = self.model.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"request {request_id!r}: a grammar needs the model's tokenizer, "
+                             f"and this model has none")
+        if self._grammars is None:
+            self._grammars = grammar_lib.GrammarCompiler(
+                tokenizer, self.model.config.vocab_size, self.model.config.eos_token_ids)
+        try:
+            matcher = self._grammars.matcher(grammar)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        for token in output_ids:
+            matcher.accept(token)
+        return matcher
 
     def abort(self, request_id: str) -> None:
         """Stops a request; its pages are freed and it finishes with reason ABORT."""

@@ -90,6 +90,8 @@ class StepBuckets:
       history_width, bias_width: H and Kb of a step whose rows have penalties, a logit bias
         or min_tokens (`StepShape`): the context length, and the most bias entries a row has
         (`rules_entries`).
+      mask_width: Wm, the words of every row's token bitmask (`StepShape`), ceil(V / 32);
+        0: steps take no masks.
     """
 
     max_num_seqs: int
@@ -102,6 +104,7 @@ class StepBuckets:
     spec_width: int = 1
     history_width: int = 0
     bias_width: int = 0
+    mask_width: int = 0
 
     def decode_buckets(self, *, mixed: bool) -> list[int]:
         """Padded decode-row counts: powers of two alone, powers of four beside a prefill."""
@@ -140,7 +143,7 @@ class StepBuckets:
     def _prefill_shape(self, bd: int, bp: int, chunk: int, **fields) -> StepShape:
         row_chunk = chunk if bp == 1 else min(chunk, self.row_chunk)
         return StepShape(bd, bp, chunk, self.block_table_width, feed_rows=self.feed_rows,
-                         row_chunk=row_chunk, **fields)
+                         row_chunk=row_chunk, mask_width=self.mask_width, **fields)
 
     @property
     def feed_rows(self) -> int:
@@ -151,7 +154,7 @@ class StepBuckets:
         """Every greedy step shape: what warm-up compiles."""
         width, feed = self.block_table_width, self.feed_rows
         shapes = [StepShape(bd, 0, 1, width, logits_mode=logits_mode, feed_rows=feed,
-                            decode_width=wd)
+                            decode_width=wd, mask_width=self.mask_width)
                   for wd in self.decode_widths(logits_mode)
                   for bd in self.decode_buckets(mixed=False)]
         shapes += [self._prefill_shape(bd, bp, c, logits_mode=logits_mode, decode_width=wd)
@@ -184,7 +187,7 @@ class StepBuckets:
         if not mixed:
             return StepShape(num_decode=bd, num_prefill=0, chunk=1,
                              max_pages=self.block_table_width, feed_rows=self.feed_rows,
-                             **fields)
+                             mask_width=self.mask_width, **fields)
         # Prefill rows come in two sizes only (one sequence, or the most allowed), which keeps
         # the number of step shapes small enough to compile them all during warm-up.
         bp = 1 if len(prefill) == 1 else self.max_prefill_seqs
@@ -385,6 +388,8 @@ class ModelRunner:
         buf["counters"][r] = row.counter
         if shape.has_rules:
             _fill_rules(buf, r, row)
+        if row.token_mask is not None:
+            buf["token_mask"][r] = row.token_mask
         buf["seq_slots"][r] = row.seq_slot
         buf["kv_floors"][r] = row.kv_floor
         if row.feed_index >= 0:

@@ -46,6 +46,7 @@ import orbax.checkpoint as ocp
 from kvjax.engine import compat
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, SeqStatus, Sequence
+from kvjax.grammar import Grammar, GrammarKind
 from kvjax.kv import pages as kv_pages
 from kvjax.kv.state import pages_for
 from kvjax.sampling import SamplingParams
@@ -102,14 +103,27 @@ def _seq_record(seq: Sequence) -> dict:
             value = dataclasses.asdict(value)
         record[field.name] = value
     record["draft_tokens"] = []  # Unverified, and their K/V is not saved: drafted again.
+    # A grammar is saved as data; the matcher is host state, rebuilt on restore.
+    grammar = seq.sampling.grammar
+    record["sampling"]["grammar"] = None if grammar is None else dict(
+        kind=grammar.kind.value, source=grammar.source)
+    record["grammar"] = None
     return record
 
 
-def _seq_from_record(record: dict, offset: float) -> Sequence:
+def _seq_from_record(engine: Engine, record: dict, offset: float) -> Sequence:
+    sampling = dict(record["sampling"])
+    if sampling.get("grammar") is not None:
+        sampling["grammar"] = Grammar(GrammarKind(sampling["grammar"]["kind"]),
+                                      sampling["grammar"]["source"])
     seq = Sequence(**{k: v for k, v in record.items()
-                      if k not in ("sampling", "status", "finish_reason", "slo")},
-                   sampling=SamplingParams(**record["sampling"]),
+                      if k not in ("sampling", "status", "finish_reason", "slo", "grammar")},
+                   sampling=SamplingParams(**sampling),
                    slo=SLO(**record.get("slo", {})))
+    if seq.sampling.grammar is not None and not seq.is_prefill_only:
+        # The matcher at the sequence's position: its output so far replayed.
+        seq.grammar = engine.grammar_matcher(seq.request_id, seq.sampling.grammar,
+                                             seq.output_ids)
     if record["finish_reason"] is not None:
         seq.finish_reason = FinishReason(record["finish_reason"])
     seq.status = SeqStatus(record["status"])
@@ -295,5 +309,6 @@ def restore_snapshot(engine: Engine, directory: str | os.PathLike) -> list[str]:
             record["finish_time"] = request["finish_time"] + offset
         engine.scheduler.restore_request(request_id, request["seq_ids"], record)
     for saved in meta["sequences"]:
-        _place(engine, _seq_from_record(saved["record"], offset), saved, stored, windows)
+        _place(engine, _seq_from_record(engine, saved["record"], offset), saved, stored,
+               windows)
     return list(meta["requests"])

@@ -91,6 +91,10 @@ class StepShape:
     # when no row of the step has penalties, a logit bias or min_tokens (rules off).
     history_width: int = 0
     bias_width: int = 0
+    # Wm, the words of each row's token bitmask: ceil(V / 32) in an engine's steps (every
+    # row ships one, all bits set when unconstrained, so a grammar compiles nothing new);
+    # 0: no masks.
+    mask_width: int = 0
 
     @property
     def has_rules(self) -> bool:
@@ -122,6 +126,7 @@ class StepInput:
         output). H = 0 when rules are off.
       bias_ids, bias_until: [R, Kb] int32; bias_values: [R, Kb] float32: the rows' logit
         bias and min_tokens masks (`kvjax.sampling.LogitRules`). Kb = 0 when rules are off.
+      token_mask: [R, Wm] int32, the tokens each row may sample (`kvjax.grammar`; -1: all).
       score_weights: [T] float32, each query's weight in the key scores a retention policy
         accumulates (kvjax.kv.retention); 0 for padding and for policies that score nothing.
       seq_slots: [R] int32, each row's sequence slot in the KV state's sequence-slot leaves
@@ -163,6 +168,7 @@ class StepInput:
     bias_ids: jax.Array
     bias_values: jax.Array
     bias_until: jax.Array
+    token_mask: jax.Array
     score_weights: jax.Array
     seq_slots: jax.Array
     kv_floors: jax.Array
@@ -231,6 +237,7 @@ def empty_step_input(shape: StepShape, num_tables: int = 1) -> dict[str, np.ndar
         bias_ids=np.zeros((r, kb), np.int32),
         bias_values=np.zeros((r, kb), np.float32),
         bias_until=np.zeros((r, kb), np.int32),
+        token_mask=np.full((r, shape.mask_width), -1, np.int32),
         score_weights=np.zeros(t, np.float32),
         seq_slots=np.zeros(r, np.int32),
         kv_floors=np.zeros(r, np.int32),
@@ -376,19 +383,20 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                                             (kv, key_scores), linear=linear)  # [T, H]
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     rules = _logit_rules(inp, token_ids, shape, config.vocab_size) if shape.has_rules else None
+    token_mask = inp.token_mask if shape.mask_width else None
     num_accepted = spec_logprobs = None
     if shape.decode_width > 1:
         if shape.logits_mode is not LogitsMode.NONE:
             raise ValueError("verify steps return no logits (the scheduler plans no drafts "
                              "for steps that do)")
         tokens, logprobs, num_accepted, spec_logprobs = _verify_step_tokens(
-            params, config, h, token_ids, inp, shape, sampling, rules)
+            params, config, h, token_ids, inp, shape, sampling, rules, token_mask)
     else:
         last = inp.row_starts + jnp.maximum(q_lens - 1, 0)  # [R]
         logits = llama.lm_head(params, config, h[last], linear)  # [R, V]
         tokens, logprobs = sample_tokens(
             logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, inp.min_p,
-            rules, **sampling)
+            rules, token_mask, **sampling)
     out_logits = None
     if shape.logits_mode is LogitsMode.LAST:
         out_logits = logits
@@ -428,7 +436,8 @@ def _logit_rules(inp: StepInput, token_ids: jax.Array, shape: StepShape, vocab: 
 
 
 def _verify_step_tokens(params, config: ModelConfig, h, token_ids, inp: StepInput,
-                        shape: StepShape, sampling: dict, rules: LogitRules | None):
+                        shape: StepShape, sampling: dict, rules: LogitRules | None,
+                        token_mask: jax.Array | None):
     """A verify step's tokens: decode rows score every token (`verify_drafts`), prefill rows
     sample from their last token. Returns (tokens, logprobs, num_accepted, spec_logprobs),
     each over all rows."""
@@ -439,11 +448,14 @@ def _verify_step_tokens(params, config: ModelConfig, h, token_ids, inp: StepInpu
     def rows_of(part: slice) -> LogitRules | None:
         return None if rules is None else jax.tree.map(lambda x: x[part], rules)
 
+    def mask_of(part: slice) -> jax.Array | None:
+        return None if token_mask is None else token_mask[part]
+
     accepted, tokens, spec_logprobs = verify_drafts(
         logits, token_ids[:bd * wd].reshape(bd, wd)[:, 1:],
         jnp.maximum(inp.q_lens[dec] - 1, 0), inp.temperature[dec], inp.top_k[dec],
         inp.top_p[dec], inp.seeds[dec], inp.counters[dec], inp.min_p[dec], rows_of(dec),
-        **sampling)
+        mask_of(dec), **sampling)
     logprobs = jnp.take_along_axis(spec_logprobs, accepted[:, None], axis=1)[:, 0]
     if bp:
         pre = slice(bd, None)
@@ -451,7 +463,7 @@ def _verify_step_tokens(params, config: ModelConfig, h, token_ids, inp: StepInpu
         pre_tokens, pre_logprobs = sample_tokens(
             llama.lm_head(params, config, h[last]), inp.temperature[pre], inp.top_k[pre],
             inp.top_p[pre], inp.seeds[pre], inp.counters[pre], inp.min_p[pre], rows_of(pre),
-            **sampling)
+            mask_of(pre), **sampling)
         tokens = jnp.concatenate([tokens, pre_tokens])
         logprobs = jnp.concatenate([logprobs, pre_logprobs])
     return (tokens, logprobs, jnp.concatenate([accepted, jnp.zeros(bp, jnp.int32)]),
@@ -480,7 +492,8 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         frequency=jnp.zeros(n, jnp.float32), repetition=jnp.ones(n, jnp.float32),
         history=jnp.zeros((n, 0), jnp.int32), history_lens=zeros, num_prompt=zeros,
         bias_ids=jnp.zeros((n, 0), jnp.int32), bias_values=jnp.zeros((n, 0), jnp.float32),
-        bias_until=jnp.zeros((n, 0), jnp.int32), score_weights=jnp.zeros(n, jnp.float32),
+        bias_until=jnp.zeros((n, 0), jnp.int32), token_mask=jnp.zeros((n, 0), jnp.int32),
+        score_weights=jnp.zeros(n, jnp.float32),
         seq_slots=zeros,
         kv_floors=zeros, token_src=jnp.full(n, -1, jnp.int32), prev_tokens=zeros,
         row_starts=jnp.arange(n, dtype=jnp.int32), token_rows=jnp.arange(n, dtype=jnp.int32),

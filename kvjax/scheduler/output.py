@@ -50,6 +50,9 @@ class ScheduledRow:
       num_prompt_tokens: the sequence's prompt length (later positions are output).
       stop_ids: the tokens that would end the sequence (EOS unless ignored, and its stop
         tokens), for a row whose sampling masks them until `min_tokens`; else ().
+      token_mask: [ceil(V / 32)] int32, the tokens a row with a grammar may sample
+        (`kvjax.grammar`), built from the sequence's matcher after its last committed token;
+        None: unconstrained.
     """
 
     seq_id: str
@@ -74,6 +77,7 @@ class ScheduledRow:
     history: np.ndarray | None = None
     num_prompt_tokens: int = 0
     stop_ids: tuple[int, ...] = ()
+    token_mask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -140,6 +144,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.decode and not self.prefill and not self.blends
+
+    @property
+    def is_constrained(self) -> bool:
+        """A row samples under a grammar: the next step's mask needs its token on the host."""
+        return any(r.token_mask is not None for r in self.decode + self.prefill)
 
 
 @dataclasses.dataclass(frozen=True)

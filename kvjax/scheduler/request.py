@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from kvjax.grammar import GrammarMatcher
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.controller import SLO
 
@@ -48,6 +49,8 @@ class Sequence:
     is prefill-only too: it computes a reusable chunk alone so its pages enter the chunk cache,
     and ends without output. `chunk_spans` are the [start, end) prompt positions whose KV a
     request copies from the chunk cache under strategy `context_reuse`.
+    `grammar` is the matcher of a request with a grammar (`SamplingParams.grammar`), advanced
+    with each committed output token; its rows sample under its mask.
     """
 
     seq_id: str
@@ -83,6 +86,7 @@ class Sequence:
     slo: SLO = SLO()
     kl_spent: float = 0.0  # estimated KL of the degradations a controller applied
     demoted_bits: int = 0  # its KV went through a host copy of this many bits (0: exact)
+    grammar: GrammarMatcher | None = None
 
     @property
     def is_prefill_only(self) -> bool:

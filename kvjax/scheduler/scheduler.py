@@ -377,7 +377,11 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
 
     def _max_drafts(self, seq: Sequence) -> int:
         """Draft tokens the sequence may verify next: gamma, less near its length limits (the
-        verify step emits one token beyond its drafts)."""
+        verify step emits one token beyond its drafts). None under a grammar: the mask of draft
+        j depends on drafts[:j] and a step ships one mask per row, so a constrained sequence
+        decodes one token at a time."""
+        if seq.grammar is not None:
+            return 0
         left = min(seq.sampling.max_new_tokens - len(seq.output_ids),
                    self.config.max_model_len - seq.num_tokens)
         gamma = self.config.num_draft_tokens
@@ -468,7 +472,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             if seq.sampling.reads_history else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             stop_ids=seq.sampling.stop_ids(self.config.eos_token_ids)
-            if seq.sampling.min_tokens else ())
+            if seq.sampling.min_tokens else (),
+            token_mask=seq.grammar.mask() if samples and seq.grammar is not None else None)
         seq.draft_tokens = []  # Checked by this row (verified or not, they are spent).
         seq.num_computed += n
         if num_drafts:
@@ -790,7 +795,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
                 first_scheduled_time=parent.first_scheduled_time,
                 weights_version=parent.weights_version, chunk_spans=parent.chunk_spans,
-                context_reuse=parent.context_reuse)
+                context_reuse=parent.context_reuse,
+                grammar=None if parent.grammar is None else parent.grammar.fork())
             if not self.kv_cache.fork(parent.seq_id, child.seq_id):
                 self._register(child)  # No room to share (contiguous slots): prefill afresh.
                 continue
@@ -806,7 +812,10 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         p = seq.sampling
         token = seq.tokens[-1]
         eos = () if p.ignore_eos else self.config.eos_token_ids
-        if token in eos or token in p.stop_token_ids:
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+        if (token in eos or token in p.stop_token_ids
+                or (seq.grammar is not None and seq.grammar.is_finished)):
             self.finish(seq, FinishReason.STOP)
         elif (len(seq.output_ids) >= p.max_new_tokens
               or len(seq.tokens) >= self.config.max_model_len):

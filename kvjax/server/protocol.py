@@ -4,7 +4,9 @@ Request models forbid unknown fields and coerce nothing (a string is never read 
 a bool never as an int), so every malformed body fails validation with the field's path.
 Extensions beyond OpenAI's schema follow vLLM's names: `top_k`, `min_p`, `min_tokens`,
 `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`,
-`include_stop_str_in_output`, `return_tokens_as_token_ids`.
+`include_stop_str_in_output`, `return_tokens_as_token_ids`, and the structured-output fields
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`
+(`kvjax.server.structured` turns them, `response_format` and chat's `tools` into a grammar).
 """
 
 from __future__ import annotations
@@ -54,6 +56,46 @@ class StreamOptions(_Strict):
     include_usage: bool = False  # a last chunk carries the usage, with no choices
 
 
+JsonSchema = dict[str, Any]
+
+
+class JsonSchemaSpec(_Strict):
+    """`response_format.json_schema` (OpenAI's): the schema travels as `schema`."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: JsonSchema = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = pydantic.ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    """`response_format`: free text, any JSON object, or JSON valid under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is needed with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: JsonSchema | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # (kvjax's JSON is compact anyway)
+
+    model_config = pydantic.ConfigDict(populate_by_name=True)
+
+
 class _SamplingFields(_Strict):
     """Fields completions and chat share."""
 
@@ -78,6 +120,12 @@ class _SamplingFields(_Strict):
     return_tokens_as_token_ids: bool = False  # logprob tokens spelled "token_id:<id>"
     skip_special_tokens: bool = True  # leave special tokens out of the output text
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    response_format: ResponseFormat | None = None
+    guided_json: JsonSchema | str | None = None  # vLLM's guided decoding fields
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @pydantic.field_validator("user")
     @classmethod
@@ -149,16 +197,61 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @pydantic.model_validator(mode="after")
+    def _check(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is needed (only an assistant turn with tool_calls "
+                             "may leave it out)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: JsonSchema | None = None  # None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -170,6 +263,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a reply makes at most one call
 
     @pydantic.model_validator(mode="after")
     def _check(self):

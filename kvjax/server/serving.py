@@ -36,6 +36,13 @@ from kvjax.server.async_engine import (
 )
 from kvjax.server.metrics import ServerMetrics
 from kvjax.server.output import SampleDecoder, SampleDelta, echo_delta, token_strings
+from kvjax.server.structured import (
+    GRAMMAR_ERRORS,
+    ToolCallStream,
+    ToolPlan,
+    chat_turns,
+    request_grammar,
+)
 from kvjax.validation import name_problem
 
 TENANT_HEADER = "x-tenant"
@@ -115,8 +122,10 @@ class ApiError(Exception):
         return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
-def _engine_error_param(message: str, n: int) -> str | None:
+def _engine_error_param(message: str, n: int, grammar_field: str | None) -> str | None:
     """Which request field an engine refusal is about (its message names the value)."""
+    if grammar_field is not None and any(e in message for e in GRAMMAR_ERRORS):
+        return grammar_field
     if "KV pages" in message:
         return "n" if n > 1 else "max_tokens"
     if "logit_bias" in message:
@@ -124,6 +133,30 @@ def _engine_error_param(message: str, n: int) -> str | None:
     if "token id" in message or "prompt" in message:
         return "prompt"
     return None
+
+
+def model_list(name: str, root: str, max_model_len: int) -> dict[str, Any]:
+    """/v1/models: OpenAI's model object with vLLM's fields (`root`, `parent`,
+    `max_model_len`, `permission`), which vLLM's clients read."""
+    created = protocol.now()
+    permission = dict(
+        id=protocol.new_id("modelperm"), object="model_permission", created=created,
+        allow_create_engine=False, allow_sampling=True, allow_logprobs=True,
+        allow_search_indices=False, allow_view=True, allow_fine_tuning=False,
+        organization="*", group=None, is_blocking=False)
+    return dict(object="list", data=[dict(
+        id=name, object="model", created=created, owned_by="kvjax", root=root, parent=None,
+        max_model_len=max_model_len, permission=[permission])])
+
+
+def _constraint(body, tools: ToolPlan | None):
+    """(field, grammar) of the request's constraint, (None, None) without one; ApiError 400
+    naming the field when it is malformed."""
+    try:
+        return request_grammar(body, tools) or (None, None)
+    except ValueError as e:
+        field = str(e).split(":", 1)[0]
+        raise ApiError(400, str(e), param=field) from None
 
 
 class _Generation:
@@ -270,9 +303,13 @@ class OpenAIServing:
 
     async def chat(self, body: protocol.ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
-        ids = await self._encode_chat(body.messages, body.add_generation_prompt)
+        try:
+            tools = ToolPlan.of(body)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=str(e).split(":", 1)[0]) from None
+        ids = await self._encode_chat(body.messages, body.add_generation_prompt, tools)
         return await self._serve(body, raw, [ids], max_tokens=body.max_new_tokens, chat=True,
-                                 prompt_field="messages")
+                                 prompt_field="messages", tools=tools)
 
     async def tokenize(self, body: protocol.TokenizeRequest) -> dict[str, Any]:
         """vLLM's /tokenize: the ids the completions (prompt) or chat (messages) endpoint
@@ -297,18 +334,8 @@ class OpenAIServing:
         return dict(prompt=text)
 
     def models(self) -> dict[str, Any]:
-        """/v1/models: OpenAI's model object with vLLM's fields (`root`, `parent`,
-        `max_model_len`, `permission`), which vLLM's clients read."""
-        created = protocol.now()
-        permission = dict(
-            id=protocol.new_id("modelperm"), object="model_permission", created=created,
-            allow_create_engine=False, allow_sampling=True, allow_logprobs=True,
-            allow_search_indices=False, allow_view=True, allow_fine_tuning=False,
-            organization="*", group=None, is_blocking=False)
-        return dict(object="list", data=[dict(
-            id=self.config.model_name, object="model", created=created, owned_by="kvjax",
-            root=self.root, parent=None, max_model_len=self.max_model_len,
-            permission=[permission])])
+        """/v1/models (`model_list`)."""
+        return model_list(self.config.model_name, self.root, self.max_model_len)
 
     # ----------------------------------------------------------------------------- requests
 
@@ -333,12 +360,14 @@ class OpenAIServing:
                            f"context length of {self.max_model_len} tokens", param=field)
 
     async def _encode_chat(self, messages: list[protocol.ChatMessage],
-                           add_generation_prompt: bool) -> list[int]:
-        """Token ids of chat messages through the model's template, off the event loop."""
+                           add_generation_prompt: bool, tools: ToolPlan | None = None
+                           ) -> list[int]:
+        """Token ids of chat messages (and offered tools) through the model's template, off
+        the event loop."""
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions",
                            param="messages")
-        turns = [dict(role=m.role, content=m.text) for m in messages]
+        turns = chat_turns(messages, tools)
         self._check_prompt_chars(sum(len(m["content"]) for m in turns), "messages")
         try:
             text = await asyncio.to_thread(self.tokenizer.apply_chat_template, turns,
@@ -416,7 +445,7 @@ class OpenAIServing:
             raise ApiError(400, f"SLO headers {sorted(SLO_HEADERS[k] for k in given)}: {e}",
                            param=SLO_HEADERS[next(iter(given))]) from None
 
-    def _sampling(self, body, max_new_tokens: int) -> SamplingParams:
+    def _sampling(self, body, max_new_tokens: int, grammar) -> SamplingParams:
         self._check_in_vocab(body.stop_token_ids or (), "stop_token_ids")
         try:
             return SamplingParams(
@@ -429,7 +458,7 @@ class OpenAIServing:
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=body.repetition_penalty or 1.0,
                 logit_bias=body.logit_bias or (), min_p=body.min_p or 0.0,
-                min_tokens=body.min_tokens)
+                min_tokens=body.min_tokens, grammar=grammar)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]  # SamplingParams names its field first.
             field = {"max_new_tokens": "max_tokens"}.get(field, field)
@@ -437,13 +466,16 @@ class OpenAIServing:
 
     async def _serve(self, body, raw: Request, prompts: list[list[int]], *,
                      max_tokens: int | None, chat: bool, prompt_field: str,
-                     echo_texts: list[str | None] | None = None) -> Response:
+                     echo_texts: list[str | None] | None = None,
+                     tools: ToolPlan | None = None) -> Response:
         """Runs one engine request per prompt. With `echo_texts` (completions' echo), each
         choice starts with its prompt (the client's text, or the ids decoded), scored when
-        logprobs are asked for; max_tokens=0 then only echoes."""
+        logprobs are asked for; max_tokens=0 then only echoes. With `tools`, replies that
+        call one come back as `tool_calls`."""
         if body.n > self.config.max_waiting:
             raise ApiError(400, f"n: {body.n} samples can never be admitted: the server queues "
                            f"at most {self.config.max_waiting} sequences", param="n")
+        field, grammar = _constraint(body, tools)
         tenant, priority = self._identity(body, raw)
         slo = self._slo(raw)
         api_id = protocol.new_id("chatcmpl" if chat else "cmpl")
@@ -453,17 +485,17 @@ class OpenAIServing:
             max_new = self._check_prompt(ids, max_tokens, prompt_field)
             requests.append(EngineRequest(
                 request_id=f"{api_id}-{i}", prompt_ids=ids,
-                sampling=self._sampling(body, max_new) if max_new else None,
+                sampling=self._sampling(body, max_new, grammar) if max_new else None,
                 tenant=tenant, priority=priority, num_top_logprobs=body.num_top_logprobs,
                 arrival_time=arrival, model=self.route, slo=slo))
         echoes = None if echo_texts is None else await self._echoes(requests, echo_texts, body)
-        generations = await self._submit(requests, body, echoes)
+        generations = await self._submit(requests, body, echoes, field)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                self._sse(api_id, generations, chat, body, include_usage),
+                self._sse(api_id, generations, chat, body, include_usage, tools),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._complete(api_id, generations, chat, body, raw)
+        return await self._complete(api_id, generations, chat, body, raw, tools)
 
     async def _echoes(self, requests: list[EngineRequest], texts: list[str | None], body
                       ) -> list[SampleDelta]:
@@ -489,7 +521,8 @@ class OpenAIServing:
         return echoes
 
     async def _submit(self, requests: list[EngineRequest], body,
-                      echoes: list[SampleDelta] | None = None) -> list[_Generation]:
+                      echoes: list[SampleDelta] | None = None,
+                      grammar_field: str | None = None) -> list[_Generation]:
         if echoes is not None and requests[0].sampling is None:  # max_tokens=0: echo only
             return [_Generation(self.engine, r, None, [None] * body.n, i * body.n, echo)
                     for i, (r, echo) in enumerate(zip(requests, echoes, strict=True))]
@@ -526,7 +559,9 @@ class OpenAIServing:
                 generation.abort()
             if isinstance(refusal, RequestFailed):
                 raise ApiError(500, str(refusal), type="server_error")
-            raise ApiError(400, str(refusal), param=_engine_error_param(str(refusal), body.n))
+            param = _engine_error_param(str(refusal), body.n, grammar_field)
+            message = f"{param}: {refusal}" if param == grammar_field else str(refusal)
+            raise ApiError(400, message, param=param)
         return generations
 
     # ----------------------------------------------------------------------------- responses
@@ -559,7 +594,7 @@ class OpenAIServing:
                               sum(g.num_cached_tokens for g in generations))
 
     async def _complete(self, api_id: str, generations: list[_Generation], chat: bool, body,
-                        raw: Request) -> Response:
+                        raw: Request, tools: ToolPlan | None) -> Response:
         per_choice: dict[int, list[SampleDelta]] = {}
 
         async def collect() -> None:
@@ -586,7 +621,10 @@ class OpenAIServing:
             text = "".join(d.text for d in deltas)
             choice = dict(index=index, logprobs=self._logprobs(body, chat, deltas),
                           finish_reason=deltas[-1].finish_reason)
-            if chat:
+            if tools is not None:
+                choice["message"], choice["finish_reason"] = tools.message(
+                    text, choice["finish_reason"])
+            elif chat:
                 choice["message"] = dict(role="assistant", content=text)
             else:
                 choice["text"] = text
@@ -597,9 +635,10 @@ class OpenAIServing:
             usage=self._usage(generations)))
 
     async def _sse(self, api_id: str, generations: list[_Generation], chat: bool, body,
-                   include_usage: bool) -> AsyncIterator[str]:
+                   include_usage: bool, tools: ToolPlan | None) -> AsyncIterator[str]:
         created = protocol.now()
         kind = "chat.completion.chunk" if chat else "text_completion"
+        held: dict[int, ToolCallStream] = {}
 
         def event(choices: list[dict], **extra) -> str:
             chunk = dict(id=api_id, object=kind, created=created,
@@ -616,7 +655,10 @@ class OpenAIServing:
                 for d in deltas:
                     choice = dict(index=d.index, logprobs=self._logprobs(body, chat, [d]),
                                   finish_reason=d.finish_reason)
-                    if chat:
+                    if tools is not None:
+                        choice["delta"], choice["finish_reason"] = held.setdefault(
+                            d.index, ToolCallStream(tools)).delta(d.text, d.finish_reason)
+                    elif chat:
                         choice["delta"] = dict(content=d.text) if d.text or d.token_ids else {}
                     else:
                         choice["text"] = d.text

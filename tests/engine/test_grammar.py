@@ -1,0 +1,194 @@
+"""Structured outputs in the engine: a request with a grammar emits exactly what a brute-force
+loop emits (the dense forward pass per token, its logits masked by an independent llguidance
+matcher, argmax), its output matches the grammar (jsonschema, re.fullmatch, the choices), with
+asynchronous scheduling, n > 1, speculative decoding and the prefix cache; masks compile
+nothing after warm-up; a bad grammar is a ValueError naming the request."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import jsonschema
+import numpy as np
+import pytest
+from sampling_reference import dense_logits
+
+from kvjax import Engine, EngineConfig, SamplingParams
+from kvjax.grammar import Grammar, GrammarKind
+from kvjax.scheduler.spec import SpecConfig
+from kvjax.testing import greedy_reference, tiny_chat_model
+
+llguidance = pytest.importorskip("llguidance")
+import llguidance.numpy as llg_numpy  # noqa: E402
+
+CONFIG = dict(page_size=8, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64,
+              max_prefill_chunk=32, min_chunk_bucket=32, max_prefill_seqs=1)
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["ok", "color", "n"], "additionalProperties": False}
+REGEX = "[a-c]{2,4}-[0-9]"
+CHOICES = ["yes", "no", "maybe"]
+GRAMMARS = [Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+            Grammar(GrammarKind.REGEX, REGEX), Grammar.choice(CHOICES)]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_chat_model()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = Engine(model, EngineConfig(**CONFIG))
+    engine.warmup()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    return [model.tokenizer.encode(t) for t in ("Reply in JSON.", "a code:", "yes or no?")]
+
+
+def check_matches(grammar: Grammar, text: str) -> None:
+    if grammar.kind is GrammarKind.JSON_SCHEMA:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif grammar.kind is GrammarKind.REGEX:
+        assert re.fullmatch(REGEX, text), text
+    else:
+        assert text in CHOICES
+
+
+def masked_greedy_reference(model, prompt: list[int], grammar: Grammar) -> list[int]:
+    """Greedy decoding by brute force under the grammar: a fresh llguidance matcher, the
+    dense model's logits masked with llguidance's own numpy kernel, argmax."""
+    vocab = model.config.vocab_size
+    lib_tokenizer = llguidance.LLTokenizer(model.tokenizer.backend.to_str(), n_vocab=vocab,
+                                           eos_token=list(model.config.eos_token_ids))
+    if grammar.kind is GrammarKind.JSON_SCHEMA:
+        text = llguidance.LLMatcher.grammar_from_json_schema(
+            grammar.source, defaults={"whitespace_flexible": False})
+    else:
+        text = llguidance.grammar_from(grammar.kind.value, grammar.source)
+    matcher = llguidance.LLMatcher(lib_tokenizer, text)
+    output: list[int] = []
+    while len(output) < MAX_NEW and not matcher.is_stopped():
+        logits = dense_logits(model, prompt + output)[None].astype(np.float32)
+        mask = llg_numpy.allocate_token_bitmask(1, vocab)
+        llg_numpy.fill_next_token_bitmask(matcher, mask)
+        llg_numpy.apply_token_bitmask_inplace(logits, mask)
+        output.append(int(np.argmax(logits[0])))
+        assert matcher.consume_token(output[-1])
+    return output
+
+
+@pytest.fixture(scope="module")
+def references(model, prompts):
+    return [masked_greedy_reference(model, p, g) for p, g in zip(prompts, GRAMMARS, strict=True)]
+
+
+def test_greedy_equals_masked_reference_without_new_compiles(engine, model, prompts,
+                                                             references):
+    compiles = engine.num_compiles
+    params = [SamplingParams(max_new_tokens=MAX_NEW, grammar=g) for g in GRAMMARS]
+    # Unconstrained rows share the steps: their outputs must not change.
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    outs = engine.generate(prompts + prompts, params + [SamplingParams(max_new_tokens=8)] * 3)
+    for out, ref, grammar in zip(outs[:3], references, GRAMMARS, strict=True):
+        tokens = out.outputs[0].token_ids
+        assert tokens == ref
+        assert out.outputs[0].finish_reason.value == "stop"
+        check_matches(grammar, model.tokenizer.decode(tokens))
+    assert [o.outputs[0].token_ids for o in outs[3:]] == [o.outputs[0].token_ids for o in free]
+    assert engine.num_compiles == compiles, "a grammar compiled a step program"
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(async_scheduling=False),
+    dict(spec=SpecConfig("ngram", num_draft_tokens=3)),
+], ids=["sync", "ngram_spec"])
+def test_greedy_composes(model, prompts, references, overrides):
+    engine = Engine(model, EngineConfig(**dict(CONFIG, **overrides)))
+    # Twice: the second time the prompts hit the prefix cache. An unconstrained request
+    # beside them (drafted and verified under speculation) keeps its greedy tokens.
+    free = greedy_reference(model, prompts[0], 8, stop=model.config.eos_token_ids)
+    for _ in range(2):
+        outs = engine.generate(prompts + prompts[:1], [
+            SamplingParams(max_new_tokens=MAX_NEW, grammar=g) for g in GRAMMARS
+        ] + [SamplingParams(max_new_tokens=8)])
+        assert [o.outputs[0].token_ids for o in outs] == references + [free]
+    assert engine.metrics()["prefix_hit_tokens"] > 0
+    if engine.config.spec.enabled:
+        assert engine.stats["spec_proposed"] > 0, "the unconstrained row drafted nothing"
+
+
+def test_swapped_out_mid_output_and_back(model, prompts, references):
+    engine = Engine(model, EngineConfig(**CONFIG))
+    for i, (p, g) in enumerate(zip(prompts, GRAMMARS, strict=True)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=MAX_NEW, grammar=g))
+    done = {}
+    for _ in range(4):
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    live = engine.scheduler.request_ids()
+    for request_id in live:
+        engine.pause(request_id, to_host=True)
+    engine.step()
+    for request_id in live:
+        engine.resume(request_id)
+    while engine.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    assert [done[f"r{i}"] for i in range(3)] == references
+
+
+def test_sampled_n_samples_each_match(engine, model, prompts):
+    params = [SamplingParams(max_new_tokens=MAX_NEW, grammar=g, temperature=1.5, seed=5, n=6)
+              for g in GRAMMARS]
+    for out, grammar in zip(engine.generate(prompts, params), GRAMMARS, strict=True):
+        assert all(s.finish_reason.value == "stop" for s in out.outputs)
+        texts = [model.tokenizer.decode(s.token_ids) for s in out.outputs]
+        for text in texts:
+            check_matches(grammar, text)
+        assert len(set(texts)) > 1 or grammar.kind is GrammarKind.CHOICE
+
+
+@pytest.mark.parametrize("grammar, message", [
+    (Grammar(GrammarKind.JSON_SCHEMA, '{"type": "nope"}'), "invalid json_schema"),
+    (Grammar(GrammarKind.REGEX, "[a-"), "invalid regex"),
+    (Grammar(GrammarKind.CHOICE, "[1, 2]"), "invalid choice"),
+])
+def test_bad_grammar_is_refused_and_engine_keeps_serving(engine, prompts, grammar, message):
+    with pytest.raises(ValueError, match=rf"request 'bad'.*{message}"):
+        engine.add_request("bad", prompts[0], SamplingParams(grammar=grammar))
+    out = engine.generate([prompts[0]], SamplingParams(max_new_tokens=2))[0]
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_snapshot_mid_output_resumes_under_the_grammar(model, prompts, references, tmp_path):
+    from kvjax.engine.snapshot import restore_snapshot, save_snapshot
+
+    source = Engine(model, EngineConfig(**CONFIG))
+    for i, (p, g) in enumerate(zip(prompts, GRAMMARS, strict=True)):
+        source.add_request(f"r{i}", p, SamplingParams(max_new_tokens=MAX_NEW, grammar=g))
+    for _ in range(4):
+        source.step()
+    source.drain()
+    assert all(s.output_ids for s in source.scheduler.sequences()), "snapshot mid-output"
+    save_snapshot(source, tmp_path / "snap")
+    target = Engine(model, EngineConfig(**CONFIG))
+    restore_snapshot(target, tmp_path / "snap")
+    done = {}
+    while target.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in target.step()})
+    assert [done[f"r{i}"] for i in range(3)] == references
+
+
+def test_without_llguidance_a_grammar_is_refused_saying_so(model, monkeypatch):
+    from kvjax.grammar import GrammarCompiler
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` fails
+    compiler = GrammarCompiler(model.tokenizer, model.config.vocab_size, [127])
+    with pytest.raises(ValueError, match=r"optional extra: pip install 'kvjax\[grammar\]'"):
+        compiler.matcher(GRAMMARS[1])
