@@ -350,8 +350,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     the kernels as they are.
     """
     q_lens = inp.q_lens
-    # Sliding-window layers run the blockwise path, which masks and skips out-of-window pages.
-    kernels = None if any(config.layer_windows) else _resolve(attention_impl, kv)
+    kernels = _resolve(attention_impl, kv)  # Once per program, for every layer.
     if kernels is not None and place_kernels is not None:
         kernels = place_kernels(kernels)
     scores_keys = retention is not None and retention.scores_keys
@@ -368,7 +367,14 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
             layer_inp, window = inp, None
         kv = kv.write_rows(layer, layer_inp, shape, k, v)
         reads = None if retention is None else retention.select_reads(kv, layer, q, inp, shape)
-        out = _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads, window)
+        if window is None or kernels is None:
+            out = _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads, window)
+        else:  # the kernels read every page: sliding-window layers take the blockwise path,
+            # which masks the window and skips the pages before it
+            out = jax.lax.cond(
+                window > 0,
+                lambda: _attend_rows(kv, layer, q, layer_inp, shape, None, reads, window),
+                lambda: _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads))
         if scores_keys:
             key_scores = key_scores + retention.key_scores(kv, layer, q, inp, shape,
                                                            pages_per_block=PAGES_PER_BLOCK)
