@@ -71,7 +71,7 @@ SECTIONS = (
                                    "StreamingLLM", "H2O", "SnapKV", "Quest", "Pooling")),
     Section("kvjax.kv.presses", ("TOVA", "KNorm", "ExpectedAttention", "ObservedAttention",
                                  "key_norm_scores_blockwise", "expected_attention_blockwise",
-                                 "query_statistics", "mean_rotation")),
+                                 "query_statistics", "mean_rotation", "pyramid_budgets")),
     Section("kvjax.kv.quest", ("QuestKV", "init_quest_kv")),
     Section("kvjax.scheduler.policies", ("SchedulingPolicy", "POLICIES", "register_policy",
                                          "make_policy", "FCFS", "Priority", "LongestPrefixMatch",

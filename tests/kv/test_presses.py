@@ -14,7 +14,11 @@ import pytest
 from presses_reference import expected_attention, keep, knorm, observed, tova
 
 from kvjax.kv.attention import pages_loader
-from kvjax.kv.presses import expected_attention_blockwise, key_norm_scores_blockwise
+from kvjax.kv.presses import (
+    expected_attention_blockwise,
+    key_norm_scores_blockwise,
+    pyramid_budgets,
+)
 from kvjax.kv.retention import (
     CacheView,
     RetentionManager,
@@ -169,3 +173,30 @@ def test_presses_validate_budgets_and_options():
             make_retention(name, budget, P, **options)
     with pytest.raises(ValueError, match="needs rope"):
         RetentionManager(make_retention("expected_attention", 8, P))
+
+
+@pytest.mark.parametrize("layers,budget,tokens,window,beta", [
+    (30, 512, 2048, 64, 20), (2, 10, 40, 2, 4), (7, 100, 130, 8, 20), (5, 64, 4096, 0, 1)])
+def test_pyramid_budgets_fall_linearly_and_keep_the_uniform_total(layers, budget, tokens,
+                                                                  window, beta):
+    got = pyramid_budgets(layers, budget, tokens, window=window, beta=beta)
+    assert got.sum() == layers * budget
+    assert np.all(np.diff(got) <= 0) and got.max() <= tokens and got.min() >= window
+    share = budget - window
+    # The paper's real-valued schedule: last layer share / beta, linear up to the first; the
+    # integer budgets are within one token of it wherever no layer is capped at the prompt.
+    want = window + 2 * share - share / beta - np.arange(layers) * (
+        2 * share - 2 * share / beta) / max(layers - 1, 1)
+    if want.max() <= tokens:
+        assert np.all(np.abs(got - want) < 1.0)
+    if beta == 1:
+        assert np.all(got == budget)
+
+
+def test_pyramid_budgets_are_uniform_when_nothing_is_dropped_and_reject_bad_options():
+    assert pyramid_budgets(4, 64, 50).tolist() == [50] * 4
+    assert pyramid_budgets(4, 32, 500, window=64).tolist() == [32] * 4
+    with pytest.raises(ValueError, match="beta"):
+        pyramid_budgets(4, 128, 500, beta=0.5)
+    with pytest.raises(ValueError, match="num_layers"):
+        pyramid_budgets(0, 128, 500)
