@@ -85,7 +85,7 @@ paged layout. Policies run on
 a mesh (the kv-head axis is sharded; token selection is per sequence), compacted sequences
 swap, through the host tier too (they come back with the pages they held and this record; a
 tier copy that comes back short restarts them), and snapshots carry the record.
-A request of streaming or h2o may be longer than the pool (it never holds more than its
+A request of streaming, h2o or tova may be longer than the pool (it never holds more than its
 budget plus a prefill chunk); others must fit the pool whole.
 """
 
