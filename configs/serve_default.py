@@ -59,7 +59,8 @@ def get_config() -> ConfigDict:
     config.kv = ConfigDict()
     config.kv.codec = "none"  # KV codec: none, int8, int4, int2, fp8_e4m3, fp8_e5m2, kivi4, kivi2
     config.kv.codec_options = ConfigDict()  # codec keyword options, e.g. group, residual
-    # Token retention policy (kvjax.kv.retention): none, streaming, h2o, snapkv, quest. All but
+    # Token retention policy (kvjax.kv.retention): none, streaming, h2o, snapkv, quest, and the
+    # presses tova, knorm, expected_attention, observed_attention (kvjax.kv.presses). All but
     # none need the paged layout; docs/compatibility.md lists what each composes with.
     config.kv.retention = "none"
     # Tokens each sequence keeps (quest: reads per decode query). A value in (0, 1) is a

@@ -22,7 +22,9 @@ from kvjax.bench.metrics import format_rows
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("variants", ["streaming:512", "streaming:1024", "h2o:512", "h2o:1024",
-                               "snapkv:512", "snapkv:1024", "quest:512", "quest:1024"],
+                               "snapkv:512", "snapkv:1024", "quest:512", "quest:1024",
+                               "tova:512", "knorm:512", "expected_attention:512",
+                               "observed_attention:512"],
                   "Retention policies to compare with exact KV, as name:budget_tokens.")
 flags.DEFINE_integer("context", 4096, "Prompt tokens per probe (the filler is sized to it).")
 flags.DEFINE_list("depths", ["0.5"], "Where the needle sits in each probe (fraction).")

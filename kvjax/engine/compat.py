@@ -44,6 +44,10 @@ class Feature(enum.Enum):
     STREAMING_ROTATED = "streaming_rotated"
     H2O = "h2o"
     SNAPKV = "snapkv"
+    TOVA = "tova"
+    KNORM = "knorm"
+    EXPECTED_ATTENTION = "expected_attention"
+    OBSERVED_ATTENTION = "observed_attention"
     QUEST = "quest"
     HOST_TIER = "host_tier"
     SWAP = "swap"
@@ -72,6 +76,8 @@ _GROUPS = {
     Feature.INT8: "codec", Feature.KIVI: "codec", Feature.KIVI_RESIDUAL: "codec",
     Feature.STREAMING: "retention", Feature.STREAMING_ROTATED: "retention",
     Feature.H2O: "retention", Feature.SNAPKV: "retention", Feature.QUEST: "retention",
+    Feature.TOVA: "retention", Feature.KNORM: "retention",
+    Feature.EXPECTED_ATTENTION: "retention", Feature.OBSERVED_ATTENTION: "retention",
     Feature.SWAP: "preemption", Feature.AUTO_PREEMPTION: "preemption",
 }
 _DESCRIPTIONS = {
@@ -86,6 +92,12 @@ _DESCRIPTIONS = {
                                "num_sinks > 0 (each eviction re-rotates the sinks' keys)",
     Feature.H2O: "retention='h2o' (heavy hitters by accumulated attention)",
     Feature.SNAPKV: "retention='snapkv' (compresses the prompt once from its last queries)",
+    Feature.TOVA: "retention='tova' (evicts the tokens the newest query attends to least)",
+    Feature.KNORM: "retention='knorm' (compresses the prompt once to its lowest key norms)",
+    Feature.EXPECTED_ATTENTION: "retention='expected_attention' (compresses the prompt once "
+                                "by the attention expected from future queries)",
+    Feature.OBSERVED_ATTENTION: "retention='observed_attention' (compresses the prompt once "
+                                "by its mean attention during prefill)",
     Feature.QUEST: "retention='quest' (keeps every page, reads the query's top pages)",
     Feature.HOST_TIER: "EngineConfig.tiers with a host budget (spills and swaps through it)",
     Feature.SWAP: "preemption_mode=SWAP",
@@ -110,7 +122,9 @@ _DESCRIPTIONS = {
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
 _CODECS = (Feature.INT8, *_KIVI)
-_EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV)
+_EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
+             Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION,
+             Feature.OBSERVED_ATTENTION)
 _RETENTION = (*_EVICTING, Feature.QUEST)
 
 
@@ -196,6 +210,10 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         "dynamic NTK and LongRoPE") + ", which is what a reused chunk's keys need",
     (ModelTrait.POSITION_DEPENDENT_ROPE, Feature.STREAMING_ROTATED): _SHIFTED_KEYS.format(
         "dynamic NTK and LongRoPE") + ", which is what rotated attention sinks need",
+    (ModelTrait.POSITION_DEPENDENT_ROPE, Feature.EXPECTED_ATTENTION): (
+        "dynamic NTK and LongRoPE choose a query's frequencies by its position, so the "
+        "prompt's queries cannot be turned back by a shift to one Gaussian, nor forward to "
+        "the future positions ExpectedAttention averages over"),
     **{(ModelTrait.LAYER_GROUPS, f): _ONE_TABLE.format(what) for f, what in (
         (Feature.INT8, "quantized pools lay out codes and scales for"),
         (Feature.KIVI, "KIVI's key groups and exact windows follow"),
@@ -204,6 +222,10 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         (Feature.STREAMING_ROTATED, "a retention policy compacts"),
         (Feature.H2O, "a retention policy compacts"),
         (Feature.SNAPKV, "a retention policy compacts"),
+        (Feature.TOVA, "a retention policy compacts"),
+        (Feature.KNORM, "a retention policy compacts"),
+        (Feature.EXPECTED_ATTENTION, "a retention policy compacts"),
+        (Feature.OBSERVED_ATTENTION, "a retention policy compacts"),
         (Feature.QUEST, "Quest's page summaries and selections index"),
         (Feature.HOST_TIER, "the host and disk tiers move and index"),
         (Feature.SWAP, "a swap copies out and back"),

@@ -69,7 +69,8 @@ class EngineConfig:
       debug_provenance: before every step, check that each page a row reads was written under
         the row's weights version; a mismatch raises (the stale-KV detector).
       retention: a retention policy registered in kvjax.kv.retention ('none', 'streaming',
-        'h2o', 'snapkv', 'quest'): which tokens each sequence keeps, which pages it reads.
+        'h2o', 'snapkv', 'quest', and the presses 'tova', 'knorm', 'expected_attention',
+        'observed_attention'): which tokens each sequence keeps, which pages it reads.
       retention_budget: tokens per sequence the policy keeps (quest: reads per decode query);
         None for 'none'.
       retention_options: keyword options of the policy (e.g. {'num_sinks': 4}).

@@ -64,7 +64,7 @@ from kvjax.trace import NULL_TRACER, Tracer
 from kvjax.validation import check_identity, check_request_id
 
 # Retention policies that evict whenever a sequence caches budget + P tokens, prefill included.
-_ROLLING_EVICTION = ("streaming", "h2o")
+_ROLLING_EVICTION = ("streaming", "h2o", "tova")
 # Bias entries per row of a step with rules (`StepShape.bias_width`): room for the most
 # logit_bias entries a request may set and the stop tokens min_tokens masks.
 _BIAS_WIDTH = 512

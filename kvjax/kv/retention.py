@@ -25,6 +25,9 @@ picks one, `retention_budget` sizes it and `retention_options` tunes it:
               kvjax.kv.quest)
   ==========  ==================================================  ===========================
 
+The scoring presses tova, knorm, expected_attention and observed_attention (kvjax.kv.presses)
+register here too.
+
 Eviction (streaming, h2o, snapkv) frees whole pages. streaming and h2o evict once a sequence
 caches B + P tokens, back down to B (so a page's worth of tokens is dropped at a time and the
 compaction cost is paid once per P tokens); snapkv compresses once, when the prefill of the
@@ -82,7 +85,7 @@ paged layout. Policies run on
 a mesh (the kv-head axis is sharded; token selection is per sequence), compacted sequences
 swap, through the host tier too (they come back with the pages they held and this record; a
 tier copy that comes back short restarts them), and snapshots carry the record.
-A request of streaming or h2o may be longer than the pool (it never holds more than its
+A request of streaming, h2o or tova may be longer than the pool (it never holds more than its
 budget plus a prefill chunk); others must fit the pool whole.
 """
 
@@ -147,6 +150,8 @@ class RetentionPolicy(Protocol):
     scores_keys: bool  # needs StepOutput.key_scores
     narrows_reads: bool  # changes which pages attention reads (quest)
     rotates_keys: bool  # rotary_shifts may shift kept keys (streaming, cache_positions)
+    accumulates_scores: bool  # a step's key scores add to the earlier ones (else replace them)
+    needs_rope: bool  # its device side reads the model's RoPE (`bind_rope`)
 
     def fingerprint(self) -> str: ...
 
@@ -156,6 +161,8 @@ class RetentionPolicy(Protocol):
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None: ...
 
     def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None: ...
+
+    def bind_rope(self, rope: RoPE) -> RetentionPolicy: ...
 
     def wrap_state(self, kv: Any) -> Any: ...
 
@@ -217,6 +224,8 @@ class _Policy:
     evicts: ClassVar[bool] = False
     scores_keys: ClassVar[bool] = False
     narrows_reads: ClassVar[bool] = False
+    accumulates_scores: ClassVar[bool] = True
+    needs_rope: ClassVar[bool] = False
     rotates_keys: bool = False
 
     def __init__(self, budget: int | None, page_size: int):
@@ -251,6 +260,10 @@ class _Policy:
     def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None:
         """[S'] rotary positions to add to each kept key once `keep` is compacted, or None."""
         return None
+
+    def bind_rope(self, rope: RoPE) -> Any:
+        """The policy for a model of this RoPE (policies that read none: itself)."""
+        return self
 
     def wrap_state(self, kv: Any) -> Any:
         return kv
@@ -530,32 +543,54 @@ def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax
     return jax.lax.fori_loop(0, num_blocks, accumulate, out)  # [B, W*P]
 
 
+class RowScorer(Protocol):
+    """Scores the cached keys of a group of rows (`step_key_scores`' `score_rows`).
+
+    q: [B, C, N, D] (RoPE applied), q_pos: [B, C] int32 their logical positions, load_pages:
+    page ids [B, n] -> K, V [B, n, P, K, D], block_tables: [B, W], kv_lens, q_lens: [B],
+    q_weights: [B, C] (0 past q_lens). Returns [B, W * P] float32, zero past kv_lens.
+    """
+
+    def __call__(self, q: jax.Array, q_pos: jax.Array, load_pages: PageLoader,
+                 block_tables: jax.Array, kv_lens: jax.Array, q_lens: jax.Array,
+                 q_weights: jax.Array) -> jax.Array: ...
+
+
 def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
-                    pages_per_block: int) -> jax.Array:
+                    pages_per_block: int, score_rows: RowScorer | None = None) -> jax.Array:
     """Key scores of a step's rows (decode rows, then prefill rows). q: [T, N, D] -> [R, W*P].
 
-    A group of rows whose queries all have weight 0 skips the computation.
+    score_rows: what a row's keys score; None: the attention its weighted queries pay them
+    (`key_scores_blockwise`). A group of rows whose queries all have weight 0 skips the
+    computation.
     """
     bd, bp = shape.num_decode, shape.num_prefill
     width = inp.block_tables.shape[1] * kv.page_size
 
-    def scored(q_rows, weights, rows):
+    def scored(q_rows, pos_rows, weights, rows):
+        q_lens = inp.q_lens[rows]
+        # A prefill view pads a row with the tokens after it: their weights are not its own.
+        weights = jnp.where(jnp.arange(weights.shape[1])[None] < q_lens[:, None], weights, 0.0)
+
         def compute():
             tables, load = kv.row_loader(layer, inp.block_tables[rows], inp.kv_lens[rows],
                                          inp.seq_slots[rows], inp.kv_floors[rows])
-            return key_scores_blockwise(q_rows, load, tables, inp.kv_lens[rows],
-                                        inp.q_lens[rows], weights,
-                                        pages_per_block=pages_per_block)
+            if score_rows is None:
+                return key_scores_blockwise(q_rows, load, tables, inp.kv_lens[rows], q_lens,
+                                            weights, pages_per_block=pages_per_block)
+            return score_rows(q_rows, pos_rows, load, tables, inp.kv_lens[rows], q_lens,
+                              weights)
 
         zeros = jnp.zeros((q_rows.shape[0], width), jnp.float32)
         return jax.lax.cond(jnp.any(weights > 0), compute, lambda: zeros)
 
-    w = inp.score_weights
+    w, pos = inp.score_weights, inp.positions
     parts = []
     if bd:
-        parts.append(scored(q[:bd, None], w[:bd, None], slice(0, bd)))
+        parts.append(scored(q[:bd, None], pos[:bd, None], w[:bd, None], slice(0, bd)))
     if bp:
         parts.append(scored(layout.prefill_view(q, inp, shape),
+                            layout.prefill_view(pos, inp, shape),
                             layout.prefill_view(w, inp, shape), slice(bd, bd + bp)))
     return jnp.concatenate(parts, axis=0)  # [R, W*P]
 
@@ -657,10 +692,11 @@ class RetentionManager:
     """
 
     def __init__(self, policy: RetentionPolicy, *, rope: RoPE | None = None):
-        """rope: the model's RoPE, needed by policies that rotate kept keys."""
-        if policy.rotates_keys and rope is None:
-            raise ValueError(f"{policy!r} rotates kept keys: RetentionManager needs rope")
-        self.policy = policy
+        """rope: the model's RoPE, needed by policies that rotate kept keys or read it."""
+        if (policy.rotates_keys or policy.needs_rope) and rope is None:
+            raise ValueError(f"{policy!r} rotates kept keys or reads RoPE: RetentionManager "
+                             f"needs rope")
+        self.policy = policy.bind_rope(rope) if policy.needs_rope else policy
         self._views: dict[str, CacheView] = {}
         self._budgets: dict[str, int | None] = {}  # a controller's per-sequence budgets
         # The budget of a sequence no controller named: the policy's (None: keep all).
@@ -740,8 +776,10 @@ class RetentionManager:
         new = np.arange(start, start + num_new, dtype=np.int32)
         view.positions = np.concatenate([view.positions, new])
         view.scores = np.concatenate([view.scores, np.zeros(num_new, np.float32)])
-        if key_scores is not None:
+        if key_scores is not None and self.policy.accumulates_scores:
             view.scores += key_scores[:len(view.scores)]
+        elif key_scores is not None:
+            view.scores = np.asarray(key_scores[:len(view.scores)], np.float32).copy()
 
     def set_budget(self, seq_id: str, budget: int | None) -> None:
         """The tokens `seq_id` keeps from its next step on (a KV controller's decision): an
@@ -831,3 +869,8 @@ class RetentionManager:
     def drop(self, seq_id: str) -> None:
         """The sequence released its pages (finished, preempted or restarted)."""
         self._views.pop(seq_id, None)
+
+
+# The scoring presses register themselves beside the policies above; importing them here makes
+# every registered name available wherever the registry is.
+from kvjax.kv import presses as _presses  # noqa: E402, F401

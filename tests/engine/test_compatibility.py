@@ -44,8 +44,10 @@ BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16
             max_prefill_chunk=16, min_chunk_bucket=16, max_prefill_seqs=1, max_model_len=32,
             enable_prefix_cache=False)
 # A quantized codec or a retention policy changes the tokens: only their count is checked.
-APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, Feature.STREAMING,
-               Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV, Feature.QUEST,
+PRESSES = {Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION}
+RETAINED = {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
+            Feature.QUEST, *PRESSES}
+APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, *RETAINED,
                Feature.CONTEXT_REUSE}
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
 MAX_MEAN_REGRET = {"codec": 0.5, "retention": 2.5}
@@ -65,6 +67,7 @@ FAST = {
         (Feature.CONTEXT_REUSE, Feature.HOST_TIER),
         (Feature.PAUSE, Feature.SWAP),
         (Feature.CONTROLLER, Feature.SWAP), (Feature.CONTROLLER, Feature.STREAMING),
+        (Feature.EXPECTED_ATTENTION, Feature.INT8), (Feature.TOVA, Feature.SWAP),
     )
 }
 
@@ -97,6 +100,11 @@ def config_for(features) -> dict:
         Feature.SNAPKV: dict(retention="snapkv", retention_budget=10,
                              retention_options=dict(window=3, kernel=3)),
         Feature.QUEST: dict(retention="quest", retention_budget=2 * P),
+        Feature.TOVA: dict(retention="tova", retention_budget=10),
+        Feature.KNORM: dict(retention="knorm", retention_budget=10),
+        Feature.EXPECTED_ATTENTION: dict(retention="expected_attention", retention_budget=10,
+                                         retention_options=dict(num_sinks=2, num_future=16)),
+        Feature.OBSERVED_ATTENTION: dict(retention="observed_attention", retention_budget=10),
         Feature.HOST_TIER: dict(tiers=TierConfig(host_bytes=64 * page_bytes)),
         Feature.SWAP: dict(preemption_mode=PreemptionMode.SWAP),
         Feature.AUTO_PREEMPTION: dict(preemption_mode=PreemptionMode.AUTO),
@@ -198,8 +206,7 @@ def check_outcome(features, outcome) -> None:
         assert outcome["tokens"] == outcome["want"]
     if Feature.CONTEXT_REUSE in features:
         assert outcome["chunk_hits"] > 0, "no chunk was reused"
-    retained = set(features) & {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O,
-                           Feature.SNAPKV, Feature.QUEST}
+    retained = set(features) & RETAINED
     bound = MAX_MEAN_REGRET["retention" if retained else "codec"]
     assert outcome["mean_regret"] <= bound, (outcome["mean_regret"], bound)
 

@@ -117,6 +117,16 @@ def h2o_keep(budget, recent):
     return keep
 
 
+def tova_keep(budget):
+    def keep(cached, scores, is_done, was_done):
+        size = len(cached)
+        if size < budget + P:
+            return None
+        best = sorted(range(size - 1), key=lambda i: (-scores[i], i))[:budget - 1]
+        return sorted(best) + [size - 1]
+    return keep
+
+
 def snapkv_keep(budget, window, kernel):
     def keep(cached, scores, is_done, was_done):
         size = len(cached)
@@ -130,9 +140,12 @@ def snapkv_keep(budget, window, kernel):
     return keep
 
 
-def oracle(model, prompt, max_new, *, keep=None, weight=None, quest_pages=0,
+def oracle(model, prompt, max_new, *, keep=None, weight=None, accumulate=True, quest_pages=0,
            quest_dense_layers=0, rotated_sinks=0):
-    """Greedy tokens and the cached positions after every step, replaying the engine's steps."""
+    """Greedy tokens and the cached positions after every step, replaying the engine's steps.
+
+    weight(query position, length, prefill done before, is the step's last query); accumulate:
+    a step's key scores add to the earlier ones, else replace them."""
     total = -(-(len(prompt) + max_new) // P) * P
     tokens = np.zeros(total, np.int32)
     tokens[:len(prompt)] = prompt
@@ -150,10 +163,11 @@ def oracle(model, prompt, max_new, *, keep=None, weight=None, quest_pages=0,
         logits, mass = forward(model.params, jnp.asarray(tokens), jnp.asarray(visible),
                                jnp.asarray(is_decode), jnp.asarray(sink_shift))
         mass = np.asarray(mass, np.float64)
-        weights = [weight(q, length, was_done) if weight else 0.0 for q in queries]
+        weights = [weight(q, length, was_done, q == queries[-1]) if weight else 0.0
+                   for q in queries]
         got = sum(w * mass[q] for w, q in zip(weights, queries, strict=True))
         cached = cached + queries
-        scores = [s + (got[p] if weight else 0.0) for s, p in
+        scores = [s * accumulate + (got[p] if weight else 0.0) for s, p in
                   zip(scores + [0.0] * len(queries), cached, strict=True)]
         computed += len(queries)
         is_done = computed == length
@@ -206,11 +220,14 @@ CASES = {
                                                               cache_positions=True)),
                                   dict(keep=streaming_keep(10, 2), rotated_sinks=2)),
     "h2o": (dict(retention="h2o", retention_budget=10, retention_options=dict(num_recent=3)),
-            dict(keep=h2o_keep(10, 3), weight=lambda q, length, done: 1.0)),
+            dict(keep=h2o_keep(10, 3), weight=lambda q, length, done, last: 1.0)),
+    "tova": (dict(retention="tova", retention_budget=10),
+             dict(keep=tova_keep(10), weight=lambda q, length, done, last: float(last),
+                  accumulate=False)),
     "snapkv": (dict(retention="snapkv", retention_budget=10,
                     retention_options=dict(window=3, kernel=3)),
                dict(keep=snapkv_keep(10, 3, 3),
-                    weight=lambda q, length, done: float(not done and q >= length - 3))),
+                    weight=lambda q, length, done, last: float(not done and q >= length - 3))),
     "quest": (dict(retention="quest", retention_budget=2 * P,
                    retention_options=dict(dense_layers=0)), dict(quest_pages=2)),
     "quest_dense": (dict(retention="quest", retention_budget=2 * P,

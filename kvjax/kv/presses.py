@@ -1,0 +1,410 @@
+"""Scoring presses: retention policies that rank tokens by a score and keep the best.
+
+The presses of NVIDIA's kvpress that kvjax serves, registered beside the policies of
+`kvjax.kv.retention` (same protocol, same compaction, same budgets):
+
+  ==================  ===============================================  ========================
+  name                keeps (budget B tokens per sequence)             options (defaults)
+  ==================  ===============================================  ========================
+  tova                evicts at B + P cached tokens, down to B: the    -
+                      newest token + the B - 1 others the newest
+                      query attends to most (TOVA); its scores are
+                      that step's alone, not accumulated
+  knorm               at the end of prefill: the B prompt tokens       -
+                      whose keys have the lowest L2 norm (KNorm)
+  expected_attention  at the end of prefill: the first num_sinks       num_future=512,
+                      tokens + the B - num_sinks others of largest     num_sinks=4,
+                      expected attention from the next num_future      covariance=True,
+                      queries (ExpectedAttention, below)               vnorm=True
+  observed_attention  at the end of prefill: the B prompt tokens of    -
+                      largest mean attention over the prompt queries
+                      that see them (observed attention)
+  ==================  ===============================================  ========================
+
+The three prefill presses compress once, when the prefill of the sequence's tokens completes
+(as snapkv); generated tokens are all kept.
+
+Scores per token. Pages hold every layer and kv head of a token, so a token's score is its
+per-layer, per-head score summed over layers and heads (kvpress keeps per layer and head, which
+paged memory cannot free; `kvjax.kv.retention`'s "Scores"): tova and observed_attention sum the
+softmax probability over query heads (a mean up to a constant); knorm sums -||k|| over layers and
+kv heads; expected_attention sums its per-kv-head score.
+
+ExpectedAttention. Future queries are modelled as Gaussian: per layer and query head, the mean mu
+and covariance S of the prompt's queries before RoPE (positions num_sinks on, the outliers of
+the first tokens left out), turned by the average RoPE rotation R over the next num_future
+positions (mu' = R mu, S' = R S R^T). A key k (RoPE applied) then gets the expected logit
+exp(mu'.k / sqrt(D) + k^T S' k / (2 D)) (the Gaussian's moment generating function), normalised
+over the non-sink keys per head (a softmax), averaged over the query heads of its kv head, and
+(vnorm) times its value's norm. The sinks are always kept. The statistics come from the queries
+of the step that completes the prefill: the whole prompt when it is prefilled in one chunk (as
+kvpress does), else the last chunk's. Queries are turned back by the model's RoPE, so a RoPE
+whose frequencies depend on the position cannot serve it (`kvjax.engine.compat`).
+
+Per-layer budgets. `pyramid_budgets` is PyramidKV's schedule (more tokens in lower layers) as
+a pure function; pages hold every layer of a token, so no policy frees by it yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.kv.attention import PageLoader
+from kvjax.kv.retention import (
+    CacheView,
+    _check_budget,
+    _Evicting,
+    _Policy,
+    _top,
+    register_retention,
+    step_key_scores,
+)
+from kvjax.models.rope import RoPE
+
+
+def _check_int(name: str, option: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} {option} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, option: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} {option} must be a bool, got {value!r}")
+    return value
+
+
+def _last_query(positions: np.ndarray) -> np.ndarray:
+    """[n] weights: 1 for the newest of a row's queries."""
+    return (positions == positions.max()).astype(np.float32) if len(positions) else \
+        np.zeros(0, np.float32)
+
+
+@register_retention
+class TOVA(_Evicting):
+    """The newest token plus the tokens the newest query attends to most."""
+
+    name = "tova"
+    scores_keys = True
+    accumulates_scores = False
+
+    def __init__(self, budget: int | None, page_size: int):
+        super().__init__(_check_budget(self.name, budget, 1), page_size)
+        self.min_budget = 1
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray:
+        return _last_query(positions)
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        if not self._is_over(view):
+            return None
+        newest = len(view.positions) - 1
+        chosen = _top(view.scores[:newest], self.budget_of(view) - 1)
+        return np.concatenate([chosen, [newest]])
+
+
+class _PrefillPress(_Policy):
+    """Compresses once, at the end of prefill, to the budget's best-scored tokens.
+
+    The first `num_sinks` tokens are always kept; `token_scores` ranks the others.
+    """
+
+    evicts = True
+    scores_keys = True
+    num_sinks: int = 0
+
+    def __init__(self, budget: int | None, page_size: int):
+        super().__init__(_check_budget(self.name, budget, self.num_sinks + 1), page_size)
+        self.min_budget = self.num_sinks + 1
+
+    def token_scores(self, view: CacheView) -> np.ndarray:
+        """[S] the score of each cached token (larger: kept first)."""
+        return view.scores
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        size, budget = len(view.positions), self.budget_of(view)
+        if view.is_prefill_done or not is_prefill_done or size <= budget:
+            return None
+        sinks = self.num_sinks
+        chosen = _top(self.token_scores(view)[sinks:], budget - sinks) + sinks
+        return np.concatenate([np.arange(sinks), chosen])
+
+
+@register_retention
+class KNorm(_PrefillPress):
+    """The prompt tokens whose keys have the lowest L2 norm."""
+
+    name = "knorm"
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray:
+        # The last prompt token's step sees every key: the one step that scores them.
+        done = view is not None and view.is_prefill_done
+        return np.zeros(len(positions), np.float32) if done else \
+            (positions == num_tokens - 1).astype(np.float32)
+
+    def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
+                   pages_per_block: int) -> jax.Array:
+        def score_rows(q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights):
+            return key_norm_scores_blockwise(load_pages, block_tables, kv_lens,
+                                             jnp.any(q_weights > 0, axis=1),
+                                             pages_per_block=pages_per_block)
+
+        return step_key_scores(kv, layer, q, inp, shape, pages_per_block=pages_per_block,
+                               score_rows=score_rows)
+
+
+@register_retention
+class ObservedAttention(_PrefillPress):
+    """The prompt tokens of largest mean attention from the prompt queries that see them."""
+
+    name = "observed_attention"
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray:
+        done = view is not None and view.is_prefill_done
+        return np.full(len(positions), 0.0 if done else 1.0, np.float32)
+
+    def token_scores(self, view: CacheView) -> np.ndarray:
+        # Causal attention: the token at position p is seen by the queries p .. S - 1 only.
+        num_seen = view.positions[-1] + 1 - view.positions
+        return view.scores / num_seen
+
+
+@register_retention
+class ExpectedAttention(_PrefillPress):
+    """Sinks plus the tokens of largest expected attention from future queries."""
+
+    name = "expected_attention"
+    option_names = ("num_future", "num_sinks", "covariance", "vnorm")
+    needs_rope = True
+
+    def __init__(self, budget: int | None, page_size: int, num_future: int = 512,
+                 num_sinks: int = 4, covariance: bool = True, vnorm: bool = True,
+                 rope: RoPE | None = None):
+        self.num_future = _check_int(self.name, "num_future", num_future, 1)
+        self.num_sinks = _check_int(self.name, "num_sinks", num_sinks, 0)
+        self.covariance = _check_bool(self.name, "covariance", covariance)
+        self.vnorm = _check_bool(self.name, "vnorm", vnorm)
+        self.rope = rope
+        super().__init__(budget, page_size)
+
+    def bind_rope(self, rope: RoPE) -> ExpectedAttention:
+        return ExpectedAttention(self.budget, self.page_size, rope=rope, **self.options())
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray:
+        done = view is not None and view.is_prefill_done
+        if done or not len(positions) or positions.max() != num_tokens - 1:
+            return np.zeros(len(positions), np.float32)
+        return (positions >= self.num_sinks).astype(np.float32)
+
+    def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
+                   pages_per_block: int) -> jax.Array:
+        if self.rope is None:
+            raise ValueError("expected_attention needs the model's RoPE (bind_rope)")
+
+        def score_rows(q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights):
+            return expected_attention_blockwise(
+                q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights, self.rope,
+                num_future=self.num_future, num_sinks=self.num_sinks,
+                covariance=self.covariance, vnorm=self.vnorm, pages_per_block=pages_per_block)
+
+        return step_key_scores(kv, layer, q, inp, shape, pages_per_block=pages_per_block,
+                               score_rows=score_rows)
+
+
+# ----------------------------------------------------------------------------- device: scores
+
+
+def _key_blocks(load_pages: PageLoader, block_tables: jax.Array, pages_per_block: int
+                ) -> tuple[int, int, int, int]:
+    """(P, K, D, tokens per block) of the pages `load_pages` reads."""
+    probe_k, _ = jax.eval_shape(load_pages, block_tables[:, :pages_per_block])
+    _, _, p, k_heads, d = probe_k.shape
+    return p, k_heads, d, pages_per_block * p
+
+
+def _load_block(load_pages: PageLoader, block_tables: jax.Array, i: jax.Array,
+                pages_per_block: int) -> tuple[jax.Array, jax.Array]:
+    """Block i's keys and values, [B, S', K, D] float32 each (S' = pages_per_block * P)."""
+    pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block, pages_per_block,
+                                         axis=1)  # [B, ppb]
+    k, v = load_pages(pages)  # [B, ppb, P, K, D]
+    b, _, p, k_heads, d = k.shape
+    shape = (b, pages_per_block * p, k_heads, d)
+    return k.reshape(shape).astype(jnp.float32), v.reshape(shape).astype(jnp.float32)
+
+
+def key_norm_scores_blockwise(load_pages: PageLoader, block_tables: jax.Array,
+                              kv_lens: jax.Array, is_scored: jax.Array, *,
+                              pages_per_block: int = 8) -> jax.Array:
+    """-||k|| summed over kv heads, per cached key (KNorm's score: lower norms rank higher).
+
+    Args:
+      load_pages: page ids [B, n] -> K, V [B, n, P, K, D].
+      block_tables: [B, W] int32, W a multiple of pages_per_block.
+      kv_lens: [B] int32.
+      is_scored: [B] bool; rows that are not get zeros.
+    Returns:
+      [B, W * P] float32, zero past kv_lens[b].
+    """
+    b, width = block_tables.shape
+    p, _, _, block = _key_blocks(load_pages, block_tables, pages_per_block)
+    num_blocks = (jnp.max(kv_lens) + block - 1) // block
+
+    def body(i, out):
+        k, _ = _load_block(load_pages, block_tables, i, pages_per_block)  # [B, S', K, D]
+        norms = jnp.sqrt(jnp.sum(k * k, axis=-1)).sum(axis=-1)  # [B, S']
+        kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [S']
+        valid = (kv_pos[None] < kv_lens[:, None]) & is_scored[:, None]  # [B, S']
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(valid, -norms, 0.0),
+                                                   i * block, axis=1)
+
+    return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros((b, width * p), jnp.float32))
+
+
+def query_statistics(q: jax.Array, q_pos: jax.Array, q_weights: jax.Array, rope: RoPE
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Weighted mean and covariance of queries turned back to position 0 (before RoPE).
+
+    q: [B, C, N, D] (RoPE applied at q_pos [B, C]); q_weights: [B, C] (rows of weight 0 give
+    zeros). Returns mu [B, N, D] and cov [B, N, D, D] float32.
+    """
+    b, c, n, d = q.shape
+    raw = rope.rotate(q.reshape(b * c, n, d).astype(jnp.float32),
+                      -q_pos.reshape(b * c)).reshape(b, c, n, d)  # [B, C, N, D]
+    total = jnp.sum(q_weights, axis=1)  # [B]
+    w = q_weights / jnp.where(total > 0, total, 1.0)[:, None]  # [B, C]
+    mu = jnp.einsum("bc,bcnd->bnd", w, raw)  # [B, N, D]
+    centred = raw - mu[:, None]  # [B, C, N, D]
+    cov = jnp.einsum("bc,bcnd,bcne->bnde", w, centred, centred)  # [B, N, D, D]
+    return mu, cov
+
+
+def mean_rotation(rope: RoPE, start: jax.Array, num_future: int, dim: int) -> jax.Array:
+    """[B, D, D] the RoPE rotation averaged over positions start[b] .. start[b] + F - 1.
+
+    Rotate-half pairs: R = [[diag(cos), -diag(sin)], [diag(sin), diag(cos)]], cos and sin
+    (times RoPE's attention factor) averaged over the positions.
+    """
+    b = start.shape[0]
+    future = (start[:, None] + jnp.arange(num_future, dtype=jnp.int32)).reshape(-1)  # [B*F]
+    angles = rope.angles(future, dim).reshape(b, num_future, dim // 2)  # [B, F, D/2]
+    cos = jnp.mean(jnp.cos(angles), axis=1) * rope.attention_factor  # [B, D/2]
+    sin = jnp.mean(jnp.sin(angles), axis=1) * rope.attention_factor
+    top = jnp.concatenate([jax.vmap(jnp.diag)(cos), jax.vmap(jnp.diag)(-sin)], axis=2)
+    bottom = jnp.concatenate([jax.vmap(jnp.diag)(sin), jax.vmap(jnp.diag)(cos)], axis=2)
+    return jnp.concatenate([top, bottom], axis=1)  # [B, D, D]
+
+
+def expected_attention_blockwise(q: jax.Array, q_pos: jax.Array, load_pages: PageLoader,
+                                 block_tables: jax.Array, kv_lens: jax.Array,
+                                 q_lens: jax.Array, q_weights: jax.Array, rope: RoPE, *,
+                                 num_future: int, num_sinks: int, covariance: bool = True,
+                                 vnorm: bool = True, pages_per_block: int = 8) -> jax.Array:
+    """ExpectedAttention's score of each cached key, summed over kv heads (module doc).
+
+    Args:
+      q: [B, C, N, D] queries, RoPE applied at q_pos [B, C]; q_weights [B, C] picks the ones
+        the statistics use (rows of weight 0 score nothing).
+      load_pages: page ids [B, n] -> K, V [B, n, P, K, D].
+      block_tables: [B, W] int32, W a multiple of pages_per_block.
+      kv_lens, q_lens: [B] int32; the future starts after each row's last query.
+    Returns:
+      [B, W * P] float32: zero for the first num_sinks keys and past kv_lens[b].
+    """
+    b, c, n, d = q.shape
+    _, width = block_tables.shape
+    p, k_heads, _, block = _key_blocks(load_pages, block_tables, pages_per_block)
+    g = n // k_heads
+    mu, cov = query_statistics(q, q_pos, q_weights, rope)
+    last = jnp.take_along_axis(q_pos, jnp.maximum(q_lens - 1, 0)[:, None], axis=1)[:, 0]
+    rot = mean_rotation(rope, last + 1, num_future, d)  # [B, D, D]
+    mu = jnp.einsum("bij,bnj->bni", rot, mu).reshape(b, k_heads, g, d)  # [B, K, G, D]
+    cov = jnp.einsum("bij,bnjk,blk->bnil", rot, cov, rot).reshape(b, k_heads, g, d, d)
+    is_scored = jnp.any(q_weights > 0, axis=1)  # [B]
+    num_blocks = (jnp.max(kv_lens) + block - 1) // block
+
+    def logits(i):
+        k, v = _load_block(load_pages, block_tables, i, pages_per_block)  # [B, S', K, D]
+        s = jnp.einsum("bkgd,bskd->bkgs", mu, k) / np.sqrt(d)  # [B, K, G, S']
+        if covariance:
+            s = s + jnp.einsum("bskd,bkgde,bske->bkgs", k, cov, k) / (2 * d)
+        kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [S']
+        mask = (kv_pos[None] >= num_sinks) & (kv_pos[None] < kv_lens[:, None]) & \
+            is_scored[:, None]  # [B, S']
+        return jnp.where(mask[:, None, None], s, -jnp.inf), mask, v
+
+    def normaliser(i, carry):
+        m, denom = carry  # [B, K, G] each
+        s, mask, _ = logits(i)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+        w = jnp.where(mask[:, None, None], jnp.exp(s - m_safe[..., None]), 0.0)
+        return m_new, alpha * denom + jnp.sum(w, axis=-1)
+
+    init = (jnp.full((b, k_heads, g), -jnp.inf, jnp.float32),
+            jnp.zeros((b, k_heads, g), jnp.float32))
+    m, denom = jax.lax.fori_loop(0, num_blocks, normaliser, init)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)  # [B, K, G]
+
+    def accumulate(i, out):
+        s, mask, v = logits(i)
+        probs = jnp.where(mask[:, None, None], jnp.exp(s - m[..., None]), 0.0)
+        per_kv_head = jnp.einsum("bkgs,bkg->bks", probs, inv) / g  # [B, K, S']
+        if vnorm:
+            per_kv_head = per_kv_head * jnp.sqrt(jnp.sum(v * v, axis=-1)).transpose(0, 2, 1)
+        block_scores = jnp.where(mask, per_kv_head.sum(axis=1), 0.0)  # [B, S']
+        return jax.lax.dynamic_update_slice_in_dim(out, block_scores, i * block, axis=1)
+
+    return jax.lax.fori_loop(0, num_blocks, accumulate, jnp.zeros((b, width * p), jnp.float32))
+
+
+# ----------------------------------------------------------------------------- budget schedules
+
+
+def pyramid_budgets(num_layers: int, budget: int, num_tokens: int, *, window: int = 64,
+                    beta: float = 20.0) -> np.ndarray:
+    """PyramidKV's per-layer token budgets: more tokens in lower layers, fewer in upper ones.
+
+    Each layer keeps the `window` most recent tokens plus a share of the B - window others
+    that falls linearly from the first layer to the last, the last layer's being 1 / beta of
+    the mean share (B = budget). Shares are rounded so the layers keep L * B tokens in all,
+    exactly as uniform budgets would; no layer keeps more than num_tokens (the rest goes to
+    the layers above, in order). A budget of at least num_tokens, or one whose window leaves
+    no share, is uniform.
+
+    Returns:
+      [L] int64 budgets, non-increasing, summing to L * min(budget, num_tokens).
+    """
+    for option, value, minimum in (("num_layers", num_layers, 1), ("budget", budget, 1),
+                                   ("num_tokens", num_tokens, 1), ("window", window, 0)):
+        _check_int("pyramid_budgets", option, value, minimum)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta < 1:
+        raise ValueError(f"pyramid_budgets beta must be a number >= 1, got {beta!r}")
+    budget = min(budget, num_tokens)
+    share = budget - window
+    if share <= 0 or budget == num_tokens or num_layers == 1:
+        return np.full(num_layers, budget, np.int64)
+    low = share / beta
+    high = 2 * share - low
+    shares = high - np.arange(num_layers) * (high - low) / (num_layers - 1)  # [L], mean share
+    floors = np.floor(shares).astype(np.int64)
+    # Largest remainders take the tokens rounding left over, so the total is exact.
+    extra = num_layers * share - int(floors.sum())
+    floors[np.argsort(-(shares - floors), kind="stable")[:extra]] += 1
+    budgets = np.sort(floors)[::-1] + window
+    overflow = 0
+    for i in range(num_layers):  # A layer cannot keep more tokens than there are.
+        budgets[i] += overflow
+        overflow = max(int(budgets[i]) - num_tokens, 0)
+        budgets[i] -= overflow
+    return budgets

@@ -1,0 +1,88 @@
+"""numpy references of the scoring presses (kvjax.kv.presses): loops and explicit matrices.
+
+Each takes one layer's exact tensors of one sequence (queries with RoPE applied at positions
+0.., keys and values of every cached token) and returns [S] float64 scores; a press's score is
+their sum over layers. `keep` turns scores into the kept cache indices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def keep(scores, budget: int, *, first: int = 0, last: int = 0) -> list[int]:
+    """The `first` tokens, the `last` tokens, and the best-scored of the rest (earlier first
+    among ties), sorted."""
+    size = len(scores)
+    middle = range(first, size - last)
+    best = sorted(middle, key=lambda i: (-scores[i], i))[:budget - first - last]
+    return sorted([*range(first), *best, *range(size - last, size)])
+
+
+def softmax_rows(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def knorm(k: np.ndarray) -> np.ndarray:
+    """k [S, K, D] -> -(sum over kv heads of ||k||)."""
+    return -np.sqrt((k.astype(np.float64) ** 2).sum(-1)).sum(-1)
+
+
+def tova(q_last: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """The newest query's softmax over every key, summed over query heads. q_last [N, D]."""
+    n, d = q_last.shape
+    g = n // k.shape[1]
+    out = np.zeros(len(k))
+    for h in range(n):
+        out += softmax_rows(k[:, h // g].astype(np.float64) @ q_last[h] / np.sqrt(d))
+    return out
+
+
+def observed(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Causal attention of queries q [S, N, D] summed over queries and heads, divided by the
+    number of queries that see each key."""
+    s, n, d = q.shape
+    g = n // k.shape[1]
+    out = np.zeros(s)
+    for t in range(s):
+        for h in range(n):
+            out[:t + 1] += softmax_rows(k[:t + 1, h // g].astype(np.float64) @ q[t, h]
+                                        / np.sqrt(d))
+    return out / (s - np.arange(s))
+
+
+def rotation(position: int, inv_freq: np.ndarray) -> np.ndarray:
+    """[D, D] RoPE's rotate-half rotation at `position`."""
+    c, s = np.cos(position * inv_freq), np.sin(position * inv_freq)
+    return np.block([[np.diag(c), -np.diag(s)], [np.diag(s), np.diag(c)]])
+
+
+def expected_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, inv_freq: np.ndarray, *,
+                       num_future: int, num_sinks: int, covariance: bool, vnorm: bool
+                       ) -> np.ndarray:
+    """ExpectedAttention's scores (0 for the sinks) from the prompt's queries q [S, N, D] (RoPE
+    applied at positions 0..S-1, the sinks' queries left out of the statistics), keys and
+    values [S, K, D]."""
+    s, n, d = q.shape
+    k_heads = k.shape[1]
+    g = n // k_heads
+    raw = np.stack([rotation(p, inv_freq).T @ q[p].T for p in range(s)]).transpose(0, 2, 1)
+    raw = raw[num_sinks:].astype(np.float64)  # [S - sinks, N, D]
+    mu = raw.mean(axis=0)  # [N, D]
+    cov = np.einsum("tnd,tne->nde", raw - mu, raw - mu) / len(raw)
+    rot = np.mean([rotation(p, inv_freq) for p in range(s, s + num_future)], axis=0)
+    mu = mu @ rot.T
+    cov = np.einsum("ij,njk,lk->nil", rot, cov, rot)
+    scores = np.zeros(s)
+    keys = k[num_sinks:].astype(np.float64)
+    for h in range(n):
+        kk = keys[:, h // g]  # [S', D]
+        logits = kk @ mu[h] / np.sqrt(d)
+        if covariance:
+            logits += np.einsum("sd,de,se->s", kk, cov[h], kk) / (2 * d)
+        probs = softmax_rows(logits) / g
+        if vnorm:
+            probs *= np.linalg.norm(v[num_sinks:, h // g].astype(np.float64), axis=-1)
+        scores[num_sinks:] += probs
+    return scores
