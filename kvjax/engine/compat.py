@@ -173,6 +173,7 @@ class ModelTrait(enum.Enum):
     """A property of a model's architecture that some features cannot serve."""
 
     POSITION_DEPENDENT_ROPE = "position_dependent_rope"
+    PER_LAYER_ROPE = "per_layer_rope"
 
     @property
     def description(self) -> str:
@@ -182,6 +183,8 @@ class ModelTrait(enum.Enum):
 _TRAIT_DESCRIPTIONS = {
     ModelTrait.POSITION_DEPENDENT_ROPE: "RoPE whose frequencies depend on the position "
                                         "(rope_type dynamic or longrope, e.g. Phi-3 128k)",
+    ModelTrait.PER_LAYER_ROPE: "layers turned by RoPEs of different bases (ModelConfig."
+                               "local_rope, e.g. Gemma 3's local and global layers)",
 }
 _SHIFTED_KEYS = ("{} choose a key's frequencies by its position, so a key turned by a shift "
                  "is not the key at its new position")
@@ -190,14 +193,23 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         "dynamic NTK and LongRoPE") + ", which is what a reused chunk's keys need",
     (ModelTrait.POSITION_DEPENDENT_ROPE, Feature.STREAMING_ROTATED): _SHIFTED_KEYS.format(
         "dynamic NTK and LongRoPE") + ", which is what rotated attention sinks need",
+    (ModelTrait.PER_LAYER_ROPE, Feature.CONTEXT_REUSE):
+        "a reused chunk's keys are re-rotated by one RoPE for every layer, while this model "
+        "turns the keys of its local layers by another",
+    (ModelTrait.PER_LAYER_ROPE, Feature.STREAMING_ROTATED):
+        "rotated attention sinks turn kept keys by one RoPE for every layer, while this model "
+        "turns the keys of its local layers by another",
 }
 """Every feature a model trait refuses, with the reason."""
 
 
 def model_traits(model_config: Any) -> set[ModelTrait]:
     """The traits of a `ModelConfig` that `MODEL_REFUSED` knows."""
-    return set() if model_config.rope.is_shift_invariant else {
+    traits = set() if model_config.rope.is_shift_invariant else {
         ModelTrait.POSITION_DEPENDENT_ROPE}
+    if model_config.local_rope is not None:
+        traits.add(ModelTrait.PER_LAYER_ROPE)
+    return traits
 
 
 def check_model(config: Any, model_config: Any, *, on_mesh: bool = False) -> None:

@@ -226,6 +226,7 @@ def paged_attention_blockwise(
     *,
     pages_per_block: int = 8,
     sm_scale: float | None = None,
+    soft_cap: float | None = None,
     query_tile: int = 256,
 ) -> jax.Array:
     """The engine's jnp fast path: `paged_prefill_attention_reference` computed block by block.
@@ -245,6 +246,7 @@ def paged_attention_blockwise(
       block_tables: [B, W] int32 (padded here with page 0, masked, to a multiple of
         pages_per_block).
       kv_lens, q_lens: [B] int32.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap) (Gemma 2).
     Returns:
       [B, C, N, D] in q's dtype.
     """
@@ -278,6 +280,8 @@ def paged_attention_blockwise(
                 kv_pos[None, None, :] < kv_lens[:, None, None]) & valid[:, :, None]  # [B,Ct,S']
             v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, 0.0)
             s = jnp.einsum("bckgd,bskd->bkgcs", qt, k)  # [B, K, G, Ct, S']
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(mask[:, None, None], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)

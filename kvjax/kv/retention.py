@@ -165,7 +165,7 @@ class RetentionPolicy(Protocol):
                      ) -> tuple[jax.Array, jax.Array] | None: ...
 
     def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
-                   pages_per_block: int) -> jax.Array: ...
+                   pages_per_block: int, soft_cap: float | None = None) -> jax.Array: ...
 
 
 _REGISTRY: dict[str, type] = {}
@@ -266,8 +266,9 @@ class _Policy:
         return None
 
     def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
-                   pages_per_block: int) -> jax.Array:
-        return step_key_scores(kv, layer, q, inp, shape, pages_per_block=pages_per_block)
+                   pages_per_block: int, soft_cap: float | None = None) -> jax.Array:
+        return step_key_scores(kv, layer, q, inp, shape, pages_per_block=pages_per_block,
+                               soft_cap=soft_cap)
 
 
 @register_retention
@@ -464,7 +465,8 @@ class Quest(_Policy):
 
 def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax.Array,
                          kv_lens: jax.Array, q_lens: jax.Array, q_weights: jax.Array, *,
-                         pages_per_block: int = 8, sm_scale: float | None = None) -> jax.Array:
+                         pages_per_block: int = 8, sm_scale: float | None = None,
+                         soft_cap: float | None = None) -> jax.Array:
     """The attention probability each cached key receives, summed over heads and queries.
 
     Same masking as `paged_attention_blockwise` (query c of row b sits at cached index
@@ -477,6 +479,8 @@ def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax
       block_tables: [B, W] int32, W a multiple of pages_per_block.
       kv_lens, q_lens: [B] int32.
       q_weights: [B, C] float32, each query's weight (0 drops it).
+      soft_cap: the model's attention logit soft cap (logits -> cap * tanh(logits / cap)),
+        so the probabilities are the ones it attends with; None: no cap.
     Returns:
       [B, W * P] float32: entry (b, s) is sum over heads n and queries c of
       q_weights[b, c] * softmax_s(q[b, c, n] . k[b, s]); zero past kv_lens[b].
@@ -501,6 +505,8 @@ def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
             kv_pos[None, None, :] < kv_lens[:, None, None]) & q_valid[:, :, None]  # [B, C, S']
         s = jnp.einsum("bckgd,bskd->bkgcs", qg, k)  # [B, K, G, C, S']
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         return jnp.where(mask[:, None, None], s, -jnp.inf), mask
 
     def normaliser(i, carry):
@@ -531,7 +537,7 @@ def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax
 
 
 def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
-                    pages_per_block: int) -> jax.Array:
+                    pages_per_block: int, soft_cap: float | None = None) -> jax.Array:
     """Key scores of a step's rows (decode rows, then prefill rows). q: [T, N, D] -> [R, W*P].
 
     A group of rows whose queries all have weight 0 skips the computation.
@@ -545,7 +551,7 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
                                          inp.seq_slots[rows], inp.kv_floors[rows])
             return key_scores_blockwise(q_rows, load, tables, inp.kv_lens[rows],
                                         inp.q_lens[rows], weights,
-                                        pages_per_block=pages_per_block)
+                                        pages_per_block=pages_per_block, soft_cap=soft_cap)
 
         zeros = jnp.zeros((q_rows.shape[0], width), jnp.float32)
         return jax.lax.cond(jnp.any(weights > 0), compute, lambda: zeros)

@@ -165,8 +165,12 @@ def _pages(kv) -> dict | str:
     return f"a {type(kv).__name__}"
 
 
-def reason_for(kv) -> str | None:
-    """None when the kernel reads `kv`'s decode rows, else a sentence saying why not."""
+def reason_for(kv, *, soft_cap: float | None = None) -> str | None:
+    """None when the kernel reads `kv`'s decode rows (for a model whose attention logit soft
+    cap is `soft_cap`), else a sentence saying why not."""
+    if soft_cap is not None:
+        return (f"the native CPU kernels do not apply an attention logit soft cap "
+                f"(soft_cap={soft_cap})")
     pages = _pages(kv)
     if isinstance(pages, str):
         return f"the native CPU kernel does not read {pages}"
@@ -231,15 +235,16 @@ def prefill_reason_for(kv) -> str | None:
     return prefill_reason(pages)
 
 
-def kernels_for(kv):
+def kernels_for(kv, *, soft_cap: float | None = None):
     """(kv, layer) -> (decode_fn, prefill_fn): the native decode, and the native prefill
-    where it reads the pages (`prefill_reason`), else the blockwise jnp prefill.
+    where it reads the pages (`prefill_reason`), else the blockwise jnp prefill. ValueError
+    for a state (or a model's `soft_cap`) the kernels do not serve (`reason_for`).
 
     Same signatures as `paged_decode_attention_reference` / `..._prefill_..._reference` over
     the rows' own block tables (what `pallas_kernels.dispatch.kernels_for` returns), so the
     step and `kvjax.parallel.sharding.shard_kernels` use either alike.
     """
-    reason = reason_for(kv)
+    reason = reason_for(kv, soft_cap=soft_cap)
     if reason is not None:
         raise ValueError(reason)
 
