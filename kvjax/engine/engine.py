@@ -285,8 +285,7 @@ class Engine:
     @property
     def attention_name(self) -> str:
         """The attention the step runs: 'native', 'pallas' or 'reference' (`AttentionImpl`)."""
-        return attention_name(self.config.attention_impl, self.kv,
-                              soft_cap=self.model.config.attn_logit_softcap)
+        return attention_name(self.config.attention_impl, self.kv)
 
     @property
     def last_sampled_rows(self) -> tuple[tuple[str, int], ...]:

@@ -231,17 +231,16 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
 PAGES_PER_BLOCK = 8  # Block tables are padded to a multiple of this.
 
 
-def attention_name(impl: AttentionImpl, kv: KVState, *, soft_cap: float | None = None) -> str:
+def attention_name(impl: AttentionImpl, kv: KVState) -> str:
     """Which attention the step runs over this KV state: 'pallas', 'native' or 'reference'.
 
     AUTO: the Pallas kernels on GPU/TPU and the native kernel on CPU, each where it reads the
-    state (and applies the model's attention logit `soft_cap`), else the reference. PALLAS and
-    NATIVE are taken as asked (`_resolve` raises ValueError for a state their kernels do not
-    read).
+    state, else the reference. PALLAS and NATIVE are taken as asked (`_resolve` raises
+    ValueError for a state their kernels do not read).
     """
     if impl is AttentionImpl.AUTO:
         if jax.default_backend() == "cpu":
-            return "native" if native.reason_for(kv, soft_cap=soft_cap) is None else "reference"
+            return "native" if native.reason_for(kv) is None else "reference"
         from pallas_kernels import dispatch  # Imported lazily: kernels need a GPU/TPU backend.
 
         return "pallas" if dispatch.unsupported_reason(kv) is None else "reference"
@@ -251,7 +250,7 @@ def attention_name(impl: AttentionImpl, kv: KVState, *, soft_cap: float | None =
 def _resolve(impl: AttentionImpl, kv: KVState, soft_cap: float | None):
     """The kernel chooser (state, layer) -> (decode_fn, prefill_fn) applying the attention
     logit `soft_cap`, or None: the reference."""
-    name = attention_name(impl, kv, soft_cap=soft_cap)
+    name = attention_name(impl, kv)
     if name == "native":
         return native.kernels_for(kv, soft_cap=soft_cap)
     if name == "pallas":

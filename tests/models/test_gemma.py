@@ -80,11 +80,12 @@ def test_gemma_logits_and_engine_greedy_match_transformers(tmp_path, name):
     engine, got_tokens = _engine_tokens(model, prompts)
     assert got_tokens == expected
     assert engine.prefix_cache_stats()["prefix_hit_tokens"] >= 12
-    # The native CPU kernels apply no soft cap: a capped model runs the jnp path.
-    if c.attn_logit_softcap is not None:
-        assert engine.attention_name == "reference"
-    elif native.unavailable_reason() is None:
+    if native.unavailable_reason() is None:
         assert engine.attention_name == "native"
+    if c.attn_logit_softcap is not None:  # the soft cap on the jnp path too
+        engine, got_tokens = _engine_tokens(model, prompts,
+                                            attention_impl=AttentionImpl.REFERENCE)
+        assert engine.attention_name == "reference" and got_tokens == expected
 
 
 def test_gemma3_older_config_form_reads_the_same_model(tmp_path):
@@ -169,19 +170,11 @@ def test_local_rope_fields_are_validated():
 
 
 @pytest.fixture(scope="module")
-def tiny_gemmas(tmp_path_factory):
-    """{name: Model} of the CASES checkpoints (loaded once for the engine refusals)."""
-    root = tmp_path_factory.mktemp("gemma")
-    return {name: load_hf(make_tiny_hf_checkpoint(root / name, model_type, seed=5, **overrides))
-            for name, (model_type, overrides) in CASES.items()}
-
-
-def test_native_attention_refuses_a_soft_capped_model(tiny_gemmas):
-    engine = kvjax.Engine(tiny_gemmas["gemma2"],
-                          kvjax.EngineConfig(**ENGINE, attention_impl=AttentionImpl.NATIVE))
-    engine.add_request("r", [5, 6, 7], kvjax.SamplingParams(max_new_tokens=2))
-    with pytest.raises(ValueError, match=r"do not apply an attention logit soft cap"):
-        engine.step()
+def tiny_gemma3(tmp_path_factory):
+    """The Gemma 3 case's Model (for the engine refusals)."""
+    model_type, overrides = CASES["gemma3"]
+    return load_hf(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("gemma"), model_type,
+                                           seed=5, **overrides))
 
 
 @pytest.mark.parametrize("overrides, setting", [
@@ -189,8 +182,8 @@ def test_native_attention_refuses_a_soft_capped_model(tiny_gemmas):
     (dict(retention="streaming", retention_budget=32,
           retention_options={"num_sinks": 2, "cache_positions": True}), "retention='streaming'"),
 ])
-def test_gemma3_refuses_single_rope_key_rotations(tiny_gemmas, overrides, setting):
+def test_gemma3_refuses_single_rope_key_rotations(tiny_gemma3, overrides, setting):
     """Chunk re-rotation and rotated sinks turn keys by one RoPE; Gemma 3's local layers use
     another (kvjax/engine/compat.py, "Refused by the model")."""
     with pytest.raises(ValueError, match=rf"{setting}.*per_layer_rope"):
-        kvjax.Engine(tiny_gemmas["gemma3"], kvjax.EngineConfig(**{**ENGINE, **overrides}))
+        kvjax.Engine(tiny_gemma3, kvjax.EngineConfig(**{**ENGINE, **overrides}))
