@@ -26,6 +26,13 @@ class KVLayout(enum.Enum):
     PAGED = "paged"  # [L, num_pages, P, K, D] plus block tables.
 
 
+class MlpActivation(enum.Enum):
+    """The gate activation of the gated MLP, down(act(gate(x)) * up(x))."""
+
+    SILU = "silu"  # SwiGLU (Llama, Mistral, Qwen, Phi-3).
+    GELU_TANH = "gelu_tanh"  # GeGLU with tanh-approximated GELU (Gemma's gelu_pytorch_tanh).
+
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -40,7 +47,8 @@ def resolve_dtype(name: str | jnp.dtype) -> jnp.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5/3, Phi-3, SmolLM2).
+    """Hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5/3, Phi-3, SmolLM2,
+    Gemma 2/3).
 
     Attributes:
         vocab_size: V.
@@ -55,7 +63,21 @@ class ModelConfig:
         max_position_embeddings: the context length the model was trained for.
         tie_word_embeddings: the output projection reuses the token embedding.
         qkv_bias: Q, K and V projections carry a bias (Qwen2).
-        qk_norm: queries and keys pass a per-head RMSNorm before RoPE (Qwen3).
+        qk_norm: queries and keys pass a per-head RMSNorm before RoPE (Qwen3, Gemma 3).
+        activation: the MLP's gate activation (SwiGLU or GeGLU).
+        norm_unit_offset: every RMSNorm scales by (1 + w) instead of w (Gemma).
+        scale_embeddings: token embeddings are multiplied by sqrt(H), rounded to the params'
+          dtype (Gemma).
+        sandwich_norms: the attention and MLP outputs pass their own RMSNorm before the
+          residual add (Gemma 2/3: params `post_attn_norm`, `post_mlp_norm`).
+        query_pre_attn_scalar: attention logits are scaled by its inverse square root instead
+          of D's (Gemma); None: D.
+        attn_logit_softcap: attention logits become cap * tanh(logits / cap) (Gemma 2); None:
+          no cap.
+        final_logit_softcap: the same on the output logits (Gemma 2); None: no cap.
+        local_rope: the RoPE of the layers in `local_rope_layers` (Gemma 3's sliding-window
+          layers: another base); None: every layer uses `rope`.
+        local_rope_layers: the layers that use `local_rope`, ascending.
         layer_windows: per layer, the sliding window in tokens a query attends (0: every
           earlier token); empty when every layer is global. Layers of one window form one KV
           layer group (`kv_layer_groups`).
@@ -77,6 +99,15 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     layer_windows: tuple[int, ...] = ()
+    activation: MlpActivation = MlpActivation.SILU
+    norm_unit_offset: bool = False
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    local_rope: RoPE | None = None
+    local_rope_layers: tuple[int, ...] = ()
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = "llama"
@@ -96,6 +127,36 @@ class ModelConfig:
                 for w in self.layer_windows)):
             raise ValueError(f"ModelConfig.layer_windows must hold one int >= 0 per layer "
                              f"({self.num_layers}), got {self.layer_windows!r}")
+        for field in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"ModelConfig.{field} must be None or a positive number, got "
+                                 f"{value!r}")
+        self._check_local_rope()
+
+    def _check_local_rope(self) -> None:
+        layers = self.local_rope_layers
+        if (self.local_rope is None) != (not layers):
+            raise ValueError(f"ModelConfig.local_rope ({self.local_rope!r}) and local_rope_layers "
+                             f"({layers!r}) must be set together")
+        if not layers:
+            return
+        if list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= self.num_layers:
+            raise ValueError(f"ModelConfig.local_rope_layers must be ascending distinct layers "
+                             f"< {self.num_layers}, got {layers!r}")
+        self.local_rope.inv_freq(self.head_dim)
+        for name, rope in (("rope", self.rope), ("local_rope", self.local_rope)):
+            # Each layer picks its frequencies from a stacked table inside the layer scan,
+            # which holds fixed frequencies only.
+            if not rope.is_shift_invariant:
+                raise ValueError(f"ModelConfig.{name} {rope!r} chooses frequencies by position; "
+                                 f"a model with a local_rope takes fixed-frequency RoPEs only")
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor attention logits are scaled by: query_pre_attn_scalar**-0.5, or
+        D**-0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def group_size(self) -> int:

@@ -155,6 +155,12 @@ def tiny_chat_model(seed: int = 0) -> Model:
     return dataclasses.replace(tiny_model(seed=seed), tokenizer=tiny_tokenizer())
 
 
+_NOT_LLAMA_FIELDS = ("qkv_bias", "qk_norm", "layer_windows", "activation", "norm_unit_offset",
+                     "scale_embeddings", "sandwich_norms", "query_pre_attn_scalar",
+                     "attn_logit_softcap", "final_logit_softcap", "local_rope",
+                     "local_rope_layers")
+
+
 def save_hf_checkpoint(model: Model, directory) -> None:
     """Writes `model` (a Llama without QKV biases, default RoPE, e.g. `tiny_model()`) as a HF
     directory (config.json + model.safetensors) that `kvjax.load_model` reads back to the same
@@ -167,7 +173,10 @@ def save_hf_checkpoint(model: Model, directory) -> None:
     from kvjax.models.hf import LAYER_WEIGHTS
 
     c, params = model.config, model.params
-    if c.rope != RoPE(theta=c.rope.theta) or c.qkv_bias or c.qk_norm:
+    # Fields a plain Llama config.json cannot state (Qwen's, Gemma's), set apart from defaults.
+    other_fields = [f.name for f in dataclasses.fields(c) if f.name in _NOT_LLAMA_FIELDS
+                    and getattr(c, f.name) != f.default]
+    if c.rope != RoPE(theta=c.rope.theta) or other_fields:
         raise ValueError(f"save_hf_checkpoint writes plain Llama checkpoints, not {c}")
     tensors = {"model.embed_tokens.weight": np.asarray(params["embed"]),
                "model.norm.weight": np.asarray(params["final_norm"])}

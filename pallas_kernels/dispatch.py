@@ -130,12 +130,13 @@ def _quantized_codecs(kv: QuantizedPagedKV) -> tuple[Any, Any]:
     return k_codec, v_codec
 
 
-def _float_pages_fns(kv: PagedKV | ContiguousKV, layer: jax.Array
+def _float_pages_fns(kv: PagedKV | ContiguousKV, layer: jax.Array, soft_cap: float | None
                      ) -> tuple[DecodeFn, PrefillFn]:
     decode_fn, prefill_fn = attention_fns()
     k_pages, v_pages = kv.layer_pages(layer)  # [num_pages, P, K, D] each
-    return (lambda q, bt, lens: decode_fn(q, k_pages, v_pages, bt, lens),
-            lambda q, bt, lens, q_lens: prefill_fn(q, k_pages, v_pages, bt, lens, q_lens))
+    return (lambda q, bt, lens: decode_fn(q, k_pages, v_pages, bt, lens, soft_cap=soft_cap),
+            lambda q, bt, lens, q_lens: prefill_fn(q, k_pages, v_pages, bt, lens, q_lens,
+                                                   soft_cap=soft_cap))
 
 
 def _quantized_reason(kv: QuantizedPagedKV) -> str | None:
@@ -157,19 +158,21 @@ def fp8_gpu_reason(codec: Any) -> str | None:
     return None if reason is None else f"attention_impl=pallas: {reason}"
 
 
-def _quantized_fns(kv: QuantizedPagedKV, layer: jax.Array) -> tuple[DecodeFn, PrefillFn]:
+def _quantized_fns(kv: QuantizedPagedKV, layer: jax.Array, soft_cap: float | None
+                   ) -> tuple[DecodeFn, PrefillFn]:
     codec, _ = _quantized_codecs(kv)
     k_stored = {name: x[layer] for name, x in kv.k_stored.items()}  # [num_pages, P, ...]
     v_stored = {name: x[layer] for name, x in kv.v_stored.items()}
     decode = functools.partial(quantized_decode_attention, k_stored=k_stored,
-                               v_stored=v_stored, codec=codec, interpret=_interpret())
+                               v_stored=v_stored, codec=codec, soft_cap=soft_cap,
+                               interpret=_interpret())
 
     def prefill(q, bt, lens, q_lens):
         # No quantized prefill kernel: the rows' pages are dequantized in jnp, block by block.
         return attention_ref.paged_attention_blockwise(
             q, functools.partial(kv.load_pages, layer),
             pad_block_tables(bt, _FALLBACK_PAGES_PER_BLOCK), lens, q_lens,
-            pages_per_block=_FALLBACK_PAGES_PER_BLOCK)
+            pages_per_block=_FALLBACK_PAGES_PER_BLOCK, soft_cap=soft_cap)
 
     return (lambda q, bt, lens: decode(q, block_tables=bt, kv_lens=lens)), prefill
 
@@ -180,17 +183,19 @@ class _StateKernels:
 
     Attributes:
       reason: state -> why no kernel reads it on this backend, or None.
-      layer_fns: (state, layer) -> (decode_fn, prefill_fn) over that layer.
+      layer_fns: (state, layer, soft_cap) -> (decode_fn, prefill_fn) over that layer, with
+        the attention logits soft-capped at soft_cap (None: not capped).
     """
 
     reason: Callable[[Any], str | None]
-    layer_fns: Callable[[Any, jax.Array], tuple[DecodeFn, PrefillFn]]
+    layer_fns: Callable[[Any, jax.Array, float | None], tuple[DecodeFn, PrefillFn]]
 
 
 _FLOAT_PAGES = _StateKernels(reason=lambda kv: None, layer_fns=_float_pages_fns)
 # Quest narrows the block tables before attention; its base's kernels read the pages.
 _QUEST = _StateKernels(reason=lambda kv: unsupported_reason(kv.base),
-                       layer_fns=lambda kv, layer: layer_attention_fns(kv.base, layer))
+                       layer_fns=lambda kv, layer, soft_cap: layer_attention_fns(
+                           kv.base, layer, soft_cap=soft_cap))
 
 # The module docstring's table, by state type.
 _KERNELS: dict[type, _StateKernels] = {
@@ -216,8 +221,10 @@ def unsupported_reason(kv: Any) -> str | None:
     return kernels.reason(kv)
 
 
-def kernels_for(kv: KVState) -> Callable[[KVState, jax.Array], tuple[DecodeFn, PrefillFn]]:
-    """The kernel chooser for states like `kv` (same type and codecs): (state, layer) -> fns.
+def kernels_for(kv: KVState, *, soft_cap: float | None = None
+                ) -> Callable[[KVState, jax.Array], tuple[DecodeFn, PrefillFn]]:
+    """The kernel chooser for states like `kv` (same type and codecs): (state, layer) -> fns,
+    soft-capping attention logits at `soft_cap` (None: not capped).
 
     Chosen once per engine step program; raises ValueError for a state no kernel reads,
     before anything is traced.
@@ -225,17 +232,19 @@ def kernels_for(kv: KVState) -> Callable[[KVState, jax.Array], tuple[DecodeFn, P
     reason = unsupported_reason(kv)
     if reason is not None:
         raise ValueError(reason)
-    return _kernels_of(kv).layer_fns
+    layer_fns = _kernels_of(kv).layer_fns
+    return lambda state, layer: layer_fns(state, layer, soft_cap)
 
 
-def layer_attention_fns(kv: Any, layer: jax.Array) -> tuple[DecodeFn, PrefillFn]:
+def layer_attention_fns(kv: Any, layer: jax.Array, *, soft_cap: float | None = None
+                        ) -> tuple[DecodeFn, PrefillFn]:
     """(decode_fn, prefill_fn) over one layer of `kv`, for the state's layout (module table).
 
     decode_fn(q [B, N, D], block_tables [B, W], kv_lens [B]) -> [B, N, D];
     prefill_fn(q [B, C, N, D], block_tables, kv_lens, q_lens [B]) -> [B, C, N, D].
     Raises ValueError for a state no kernel reads, before anything is traced.
     """
-    return kernels_for(kv)(kv, layer)
+    return kernels_for(kv, soft_cap=soft_cap)(kv, layer)
 
 
 def quest_sparse_decode(kv: quest.QuestKV, layer: jax.Array, q: jax.Array,

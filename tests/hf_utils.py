@@ -44,7 +44,8 @@ def _config_class(model_type: str):
 
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-               "phi3": transformers.Phi3Config}
+               "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
+               "gemma3_text": transformers.Gemma3TextConfig}
     if model_type not in classes:
         raise ValueError(f"no tiny config for model_type {model_type!r}; known: {sorted(classes)}")
     return classes[model_type]
@@ -61,7 +62,7 @@ def make_tiny_hf_checkpoint(tmp_path: str | os.PathLike, model_type: str, *, see
 
     Args:
       tmp_path: the parent directory; the checkpoint goes into `<tmp_path>/<model_type>-<seed>`.
-      model_type: 'llama', 'mistral', 'qwen2', 'qwen3' or 'phi3'.
+      model_type: 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma2' or 'gemma3_text'.
       seed: torch seed of the random weights.
       torch_dtype: dtype the weights are stored in ('float32' or 'bfloat16').
       max_shard_size: e.g. '100KB' to write a sharded checkpoint with an index json.

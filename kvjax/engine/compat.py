@@ -188,6 +188,7 @@ class ModelTrait(enum.Enum):
 
     POSITION_DEPENDENT_ROPE = "position_dependent_rope"
     LAYER_GROUPS = "layer_groups"
+    PER_LAYER_ROPE = "per_layer_rope"
 
     @property
     def description(self) -> str:
@@ -200,6 +201,8 @@ _TRAIT_DESCRIPTIONS = {
     ModelTrait.LAYER_GROUPS: "sliding-window layers (`ModelConfig.layer_windows`: Mistral, "
                              "Qwen2/Qwen3 with windows, Gemma): KV layer groups with block "
                              "tables of their own",
+    ModelTrait.PER_LAYER_ROPE: "layers turned by RoPEs of different bases (ModelConfig."
+                               "local_rope, e.g. Gemma 3's local and global layers)",
 }
 _ONE_TABLE = ("{} one block table of pages per sequence, while a model with sliding-window "
               "layers keeps one per layer group, its windows' older pages already given back")
@@ -236,6 +239,12 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         (Feature.CONTROLLER, "the controller's swaps and demotions move"),
         (Feature.CONTIGUOUS, "contiguous slots preallocate every layer of"),
         (Feature.MESH, "the mesh's sharded programs are built for"))},
+    (ModelTrait.PER_LAYER_ROPE, Feature.CONTEXT_REUSE):
+        "a reused chunk's keys are re-rotated by one RoPE for every layer, while this model "
+        "turns the keys of its local layers by another",
+    (ModelTrait.PER_LAYER_ROPE, Feature.STREAMING_ROTATED):
+        "rotated attention sinks turn kept keys by one RoPE for every layer, while this model "
+        "turns the keys of its local layers by another",
 }
 """Every feature a model trait refuses, with the reason."""
 
@@ -246,6 +255,8 @@ def model_traits(model_config: Any) -> set[ModelTrait]:
         ModelTrait.POSITION_DEPENDENT_ROPE}
     if any(model_config.layer_windows):
         traits.add(ModelTrait.LAYER_GROUPS)
+    if model_config.local_rope is not None:
+        traits.add(ModelTrait.PER_LAYER_ROPE)
     return traits
 
 

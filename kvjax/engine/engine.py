@@ -417,12 +417,16 @@ class Engine:
         """The KV provenance fingerprint: what produced a page, and who may read it."""
         tokenizer = self.model.tokenizer
         version = self.model.weights_version if weights_version is None else weights_version
+        mc = self.model.config
+        rope = f"rope={mc.rope.fingerprint}:absolute"
+        if mc.local_rope is not None:  # keys of those layers are turned by their own RoPE
+            rope += f";local={mc.local_rope.fingerprint}@{list(mc.local_rope_layers)}"
         parts = [
-            f"model={self.model.config.name}",
+            f"model={mc.name}",
             f"weights={version}",
             f"tokenizer={getattr(tokenizer, 'fingerprint', type(tokenizer).__name__)}",
             "adapter=none",
-            f"rope={self.model.config.rope.fingerprint}:absolute",
+            rope,
             f"codec={self.kv.codec_name}:{jnp.dtype(self.kv_dtype).name}",
             f"layout={self.config.kv_layout.value}:P{self.config.page_size}",
             f"tenant={tenant or ''}",

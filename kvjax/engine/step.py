@@ -269,24 +269,26 @@ def attention_name(impl: AttentionImpl, kv: KVState) -> str:
     return impl.value
 
 
-def _resolve(impl: AttentionImpl, kv: KVState):
-    """The kernel chooser (state, layer) -> (decode_fn, prefill_fn), or None: the reference."""
+def _resolve(impl: AttentionImpl, kv: KVState, soft_cap: float | None):
+    """The kernel chooser (state, layer) -> (decode_fn, prefill_fn) applying the attention
+    logit `soft_cap`, or None: the reference."""
     name = attention_name(impl, kv)
     if name == "native":
-        return native.kernels_for(kv)
+        return native.kernels_for(kv, soft_cap=soft_cap)
     if name == "pallas":
         from pallas_kernels import dispatch
 
-        return dispatch.kernels_for(kv)
+        return dispatch.kernels_for(kv, soft_cap=soft_cap)
     return None
 
 
 def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, shape: StepShape,
-                 kernels, reads: tuple[jax.Array, jax.Array] | None = None,
-                 window: jax.Array | None = None) -> jax.Array:
+                 kernels, reads: tuple[jax.Array, jax.Array] | None = None, *,
+                 window: jax.Array | None = None, soft_cap: float | None = None) -> jax.Array:
     """Attention of a step's decode rows and prefill rows. q: [T, N, D] -> [T, N, D].
 
-    kernels: `_resolve`'s Pallas kernel chooser, or None for the blockwise reference.
+    kernels: `_resolve`'s kernel chooser, or None for the blockwise reference (which applies
+    the attention logit `soft_cap` itself).
     reads: (indices [Bd, W], kv_lens [Bd]) of the block-table entries decode rows read (a
     retention policy's `select_reads`), or None: every page.
     window: the layer's sliding window (int32 scalar, 0: global; blockwise only), or None.
@@ -316,7 +318,8 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
             outs.append(layout.unpack_prefill(out, inp, shape))
         return jnp.concatenate(outs, axis=0)
     blockwise = functools.partial(attention_ref.paged_attention_blockwise,
-                                  pages_per_block=PAGES_PER_BLOCK, window=window)
+                                  pages_per_block=PAGES_PER_BLOCK, window=window,
+                                  soft_cap=soft_cap)
 
     def reader(rows: slice):
         """(block tables, page loader) of `rows`."""
@@ -350,7 +353,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     the kernels as they are.
     """
     q_lens = inp.q_lens
-    kernels = _resolve(attention_impl, kv)  # Once per program, for every layer.
+    # Once per program, for every layer.
+    kernels = _resolve(attention_impl, kv, config.attn_logit_softcap)
     if kernels is not None and place_kernels is not None:
         kernels = place_kernels(kernels)
     scores_keys = retention is not None and retention.scores_keys
@@ -367,17 +371,22 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
             layer_inp, window = inp, None
         kv = kv.write_rows(layer, layer_inp, shape, k, v)
         reads = None if retention is None else retention.select_reads(kv, layer, q, inp, shape)
+        cap = config.attn_logit_softcap
         if window is None or kernels is None:
-            out = _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads, window)
+            out = _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads, window=window,
+                               soft_cap=cap)
         else:  # the kernels read every page: sliding-window layers take the blockwise path,
             # which masks the window and skips the pages before it
             out = jax.lax.cond(
                 window > 0,
-                lambda: _attend_rows(kv, layer, q, layer_inp, shape, None, reads, window),
-                lambda: _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads))
+                lambda: _attend_rows(kv, layer, q, layer_inp, shape, None, reads,
+                                     window=window, soft_cap=cap),
+                lambda: _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads,
+                                     soft_cap=cap))
         if scores_keys:
-            key_scores = key_scores + retention.key_scores(kv, layer, q, inp, shape,
-                                                           pages_per_block=PAGES_PER_BLOCK)
+            key_scores = key_scores + retention.key_scores(
+                kv, layer, q, inp, shape, pages_per_block=PAGES_PER_BLOCK,
+                soft_cap=config.attn_logit_softcap)
         return out, (kv, key_scores)
 
     key_scores = (jnp.zeros((shape.num_rows, shape.max_pages * kv.page_size), jnp.float32)
@@ -524,17 +533,19 @@ def blend_step(params, kv: KVState, tokens: jax.Array, positions: jax.Array, slo
     kv_lens = jnp.where(valid, positions + 1, 0)
     probe = _rows_input(tokens, positions, slots, kv_lens, block_table)
     probe_shape = StepShape(shape.num_tokens, 0, 1, shape.max_pages)
-    kernels = _resolve(attention_impl, kv)
+    kernels = _resolve(attention_impl, kv, config.attn_logit_softcap)
 
     def attend(layer, q, k, v, kv):
         kv = kv.write_rows(layer, probe, probe_shape, k, v)
-        return _attend_rows(kv, layer, q, probe, probe_shape, kernels), kv
+        return _attend_rows(kv, layer, q, probe, probe_shape, kernels,
+                            soft_cap=config.attn_logit_softcap), kv
 
     layers = params["layers"]
-    h, kv = llama.decoder_layer(config, attend, params["embed"][tokens], positions,
+    h, kv = llama.decoder_layer(config, attend, llama.embed(params, config, tokens), positions,
                                 jax.tree.map(lambda x: x[0], layers), jnp.int32(0), kv)
     probe_layer = min(1, config.num_layers - 1)
-    _, k1, v1 = llama.qkv(config, jax.tree.map(lambda x: x[probe_layer], layers), h, positions)
+    _, k1, v1 = llama.qkv(config, jax.tree.map(lambda x: x[probe_layer], layers), h, positions,
+                          jnp.int32(probe_layer))
     rows = jnp.arange(tokens.shape[0])
     kc, vc = kv.load_pages(jnp.int32(probe_layer), (jnp.maximum(slots, 0) // kv.page_size)[:, None])
     offsets = jnp.maximum(slots, 0) % kv.page_size

@@ -226,6 +226,7 @@ def paged_attention_blockwise(
     *,
     pages_per_block: int = 8,
     sm_scale: float | None = None,
+    soft_cap: float | None = None,
     query_tile: int = 256,
     window: jax.Array | int | None = None,
 ) -> jax.Array:
@@ -249,6 +250,7 @@ def paged_attention_blockwise(
       window: a sliding window (int32 scalar, traced or not; 0 or None: none): a query at
         position t sees keys t - window + 1 .. t, and the walk starts at the first block any
         of them needs, so pages before it (given back to the pool) are never read.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap) (Gemma 2).
     Returns:
       [B, C, N, D] in q's dtype.
     """
@@ -288,6 +290,8 @@ def paged_attention_blockwise(
                 mask &= (window <= 0) | (kv_pos[None, None, :] > pos[:, :, None] - window)
             v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, 0.0)
             s = jnp.einsum("bckgd,bskd->bkgcs", qt, k)  # [B, K, G, Ct, S']
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(mask[:, None, None], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)

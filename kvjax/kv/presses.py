@@ -149,7 +149,9 @@ class KNorm(_PrefillPress):
             (positions == num_tokens - 1).astype(np.float32)
 
     def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
-                   pages_per_block: int) -> jax.Array:
+                   pages_per_block: int, soft_cap: float | None = None) -> jax.Array:
+        del soft_cap  # key norms involve no query logits
+
         def score_rows(q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights):
             return key_norm_scores_blockwise(load_pages, block_tables, kv_lens,
                                              jnp.any(q_weights > 0, axis=1),
@@ -205,7 +207,8 @@ class ExpectedAttention(_PrefillPress):
         return (positions >= self.num_sinks).astype(np.float32)
 
     def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
-                   pages_per_block: int) -> jax.Array:
+                   pages_per_block: int, soft_cap: float | None = None) -> jax.Array:
+        del soft_cap  # scores expected logits under a Gaussian of queries, before any cap
         if self.rope is None:
             raise ValueError("expected_attention needs the model's RoPE (bind_rope)")
 

@@ -172,7 +172,7 @@ class RetentionPolicy(Protocol):
                      ) -> tuple[jax.Array, jax.Array] | None: ...
 
     def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
-                   pages_per_block: int) -> jax.Array: ...
+                   pages_per_block: int, soft_cap: float | None = None) -> jax.Array: ...
 
 
 _REGISTRY: dict[str, type] = {}
@@ -279,8 +279,9 @@ class _Policy:
         return None
 
     def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
-                   pages_per_block: int) -> jax.Array:
-        return step_key_scores(kv, layer, q, inp, shape, pages_per_block=pages_per_block)
+                   pages_per_block: int, soft_cap: float | None = None) -> jax.Array:
+        return step_key_scores(kv, layer, q, inp, shape, pages_per_block=pages_per_block,
+                               soft_cap=soft_cap)
 
 
 @register_retention
@@ -477,7 +478,8 @@ class Quest(_Policy):
 
 def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax.Array,
                          kv_lens: jax.Array, q_lens: jax.Array, q_weights: jax.Array, *,
-                         pages_per_block: int = 8, sm_scale: float | None = None) -> jax.Array:
+                         pages_per_block: int = 8, sm_scale: float | None = None,
+                         soft_cap: float | None = None) -> jax.Array:
     """The attention probability each cached key receives, summed over heads and queries.
 
     Same masking as `paged_attention_blockwise` (query c of row b sits at cached index
@@ -490,6 +492,8 @@ def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax
       block_tables: [B, W] int32, W a multiple of pages_per_block.
       kv_lens, q_lens: [B] int32.
       q_weights: [B, C] float32, each query's weight (0 drops it).
+      soft_cap: the model's attention logit soft cap (logits -> cap * tanh(logits / cap)),
+        so the probabilities are the ones it attends with; None: no cap.
     Returns:
       [B, W * P] float32: entry (b, s) is sum over heads n and queries c of
       q_weights[b, c] * softmax_s(q[b, c, n] . k[b, s]); zero past kv_lens[b].
@@ -514,6 +518,8 @@ def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
             kv_pos[None, None, :] < kv_lens[:, None, None]) & q_valid[:, :, None]  # [B, C, S']
         s = jnp.einsum("bckgd,bskd->bkgcs", qg, k)  # [B, K, G, C, S']
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         return jnp.where(mask[:, None, None], s, -jnp.inf), mask
 
     def normaliser(i, carry):
@@ -557,7 +563,8 @@ class RowScorer(Protocol):
 
 
 def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
-                    pages_per_block: int, score_rows: RowScorer | None = None) -> jax.Array:
+                    pages_per_block: int, score_rows: RowScorer | None = None,
+                    soft_cap: float | None = None) -> jax.Array:
     """Key scores of a step's rows (decode rows, then prefill rows). q: [T, N, D] -> [R, W*P].
 
     score_rows: what a row's keys score; None: the attention its weighted queries pay them
@@ -577,7 +584,8 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
                                          inp.seq_slots[rows], inp.kv_floors[rows])
             if score_rows is None:
                 return key_scores_blockwise(q_rows, load, tables, inp.kv_lens[rows], q_lens,
-                                            weights, pages_per_block=pages_per_block)
+                                            weights, pages_per_block=pages_per_block,
+                                            soft_cap=soft_cap)
             return score_rows(q_rows, pos_rows, load, tables, inp.kv_lens[rows], q_lens,
                               weights)
 

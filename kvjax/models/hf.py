@@ -1,9 +1,12 @@
 """Loads Hugging Face checkpoints (config.json + *.safetensors) of Llama-family decoders.
 
 Architectures (`model_type`): llama (Llama 2, Llama 3.x with `rope_type` llama3, SmolLM2),
-mistral, qwen2 (Qwen2, Qwen2.5: Q/K/V biases), qwen3 (per-head Q/K RMSNorm, no biases) and phi3
-(fused `qkv_proj` and `gate_up_proj`, split on loading; LongRoPE). The RoPE of every one is read
-by `kvjax.models.rope.RoPE.from_hf`.
+mistral, qwen2 (Qwen2, Qwen2.5: Q/K/V biases), qwen3 (per-head Q/K RMSNorm, no biases), phi3
+(fused `qkv_proj` and `gate_up_proj`, split on loading; LongRoPE), gemma2 and gemma3_text
+(GeGLU, (1 + w) RMSNorms before and after attention and MLP, scaled embeddings, the query
+scale `query_pre_attn_scalar`, Gemma 2's attention and final logit soft caps, Gemma 3's Q/K
+norms and its local layers' own RoPE base). The RoPE of every one is read by
+`kvjax.models.rope.RoPE.from_hf`.
 
 Hugging Face stores linear weights as [out, in]; kvjax computes `x @ W`, so every matrix is
 transposed to [in, out], and per-layer tensors are stacked on a leading L axis (see
@@ -13,8 +16,9 @@ What is rejected rather than silently computed wrong: mixture-of-experts configs
 `RoPE.from_hf` does not know, partial rotary embeddings, activations other than SiLU, biases
 beyond Qwen2's Q/K/V biases. Sliding windows become `ModelConfig.layer_windows`
 (`layer_windows_from_hf`): Mistral's and Phi-3's one window on every layer, Qwen2/Qwen3's on the
-layers from `max_window_layers` on, or whatever `layer_types` names; each window is one KV
-layer group whose pages go back to the pool as they fall out of it.
+layers from `max_window_layers` on, Gemma's alternating (Gemma 2) or one global layer in six
+(Gemma 3), or whatever `layer_types` names; each window is one KV layer group whose pages go
+back to the pool as they fall out of it.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig, resolve_dtype
+from kvjax.config import MlpActivation, ModelConfig, resolve_dtype
 from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.models.rope import RoPE
 from kvjax.models.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+_GEMMA_TYPES = ("gemma2", "gemma3_text")
 # config.json keys that make a model a mixture of experts (Mixtral, Qwen MoE, DeepSeek, Phi-3.5).
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 # Architectures whose one `sliding_window` applies to every layer.
@@ -57,6 +62,13 @@ LAYER_WEIGHTS = {
     "w_gate": "mlp.gate_proj.weight",
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
+}
+# Gemma's four norms per layer: HF's post_attention_layernorm is on the attention output.
+_GEMMA_LAYER_NORMS = {
+    "attn_norm": "input_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
 }
 _LAYER_BIASES = {
     "bq": "self_attn.q_proj.bias",
@@ -99,6 +111,43 @@ def _phi3_rope_names(hf_config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _gemma3_ropes(hf_config: dict[str, Any]) -> tuple[RoPE, RoPE]:
+    """(global layers' RoPE, local layers' RoPE) of a Gemma 3 config: transformers 5's
+    per-layer-type `rope_parameters`, or the older `rope_theta` / `rope_scaling` (global) and
+    `rope_local_base_freq` (local)."""
+    params = hf_config.get("rope_parameters") or {}
+    bare = {k: v for k, v in hf_config.items() if k not in ("rope_parameters", "rope_scaling")}
+    if isinstance(params.get("full_attention"), dict):
+        return (RoPE.from_hf({**bare, "rope_parameters": params["full_attention"]}),
+                RoPE.from_hf({**bare, "rope_parameters": params.get("sliding_attention")}))
+    global_rope = RoPE.from_hf({**hf_config, "rope_theta": hf_config.get("rope_theta", 1e6)})
+    return global_rope, RoPE(theta=float(hf_config.get("rope_local_base_freq", 10000.0)))
+
+
+def _gemma_fields(hf_config: dict[str, Any], rope: RoPE) -> dict[str, Any]:
+    """The `ModelConfig` fields that make a Gemma 2 / Gemma 3 decoder."""
+    model_type = hf_config["model_type"]
+    if hf_config.get("use_bidirectional_attention"):
+        raise ValueError(f"unsupported use_bidirectional_attention=true for model_type "
+                         f"{model_type!r}; kvjax decodes causally")
+    fields: dict[str, Any] = dict(
+        norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
+        activation=MlpActivation.GELU_TANH, qk_norm=model_type == "gemma3_text",
+        query_pre_attn_scalar=hf_config.get("query_pre_attn_scalar"),
+        attn_logit_softcap=hf_config.get("attn_logit_softcapping"),
+        final_logit_softcap=hf_config.get("final_logit_softcapping"),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", True)))
+    if model_type == "gemma3_text":
+        fields["rope"], local = _gemma3_ropes(hf_config)
+        # Gemma 3's local layers are its sliding-window layers.
+        local_layers = tuple(i for i, w in enumerate(layer_windows_from_hf(hf_config)) if w)
+        if local != fields["rope"] and local_layers:
+            fields.update(local_rope=local, local_rope_layers=local_layers)
+    else:
+        fields["rope"] = rope
+    return fields
+
+
 def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] | None = None,
                    name: str = "hf") -> ModelConfig:
     """The `ModelConfig` of a Hugging Face `config.json` (already parsed).
@@ -116,14 +165,25 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; "
                          f"supported: {list(SUPPORTED_MODEL_TYPES)}")
-    act = hf_config.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+    is_gemma = model_type in _GEMMA_TYPES
+    act_key = "hidden_activation" if is_gemma else "hidden_act"
+    act = hf_config.get(act_key) or hf_config.get("hidden_act") or "silu"
+    supported_acts = ("gelu_pytorch_tanh",) if is_gemma else ("silu", "swish")
+    if act not in supported_acts:
+        raise ValueError(f"unsupported {act_key} {act!r} for model_type {model_type!r}; "
+                         f"supported: {list(supported_acts)}")
     for flag in ("attention_bias", "mlp_bias"):
         if hf_config.get(flag):
             raise ValueError(f"unsupported {flag}=true for model_type {model_type!r}")
-    rope = RoPE.from_hf(_phi3_rope_names(hf_config) if model_type == "phi3" else hf_config)
-    max_positions = rope.context_length(hf_config.get("max_position_embeddings", 2048))
+    # Gemma 3 reads its two RoPEs in _gemma_fields.
+    rope = None if model_type == "gemma3_text" else RoPE.from_hf(
+        _phi3_rope_names(hf_config) if model_type == "phi3" else hf_config)
+    max_positions = hf_config.get("max_position_embeddings", 2048)
+    if rope is not None:
+        max_positions = rope.context_length(max_positions)
+    extra = (_gemma_fields(hf_config, rope) if is_gemma
+             else dict(rope=rope, qk_norm=model_type == "qwen3",
+                       tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False))))
     hidden = _required(hf_config, "hidden_size")
     num_heads = _required(hf_config, "num_attention_heads")
     return ModelConfig(
@@ -134,12 +194,10 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
         num_heads=num_heads,
         num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
         head_dim=hf_config.get("head_dim") or hidden // num_heads,
-        rope=rope,
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        **extra,
         layer_windows=layer_windows_from_hf(hf_config),
         bos_token_id=hf_config.get("bos_token_id"),
         eos_token_ids=(eos_token_ids if eos_token_ids is not None
@@ -153,17 +211,26 @@ def layer_windows_from_hf(hf_config: dict[str, Any]) -> tuple[int, ...]:
     layer is global.
 
     `layer_types` ('sliding_attention' / 'full_attention'), when present, names the windowed
-    layers; otherwise Mistral and Phi-3 window every layer, and Qwen2/Qwen3 with
-    `use_sliding_window` the layers from `max_window_layers` on.
+    layers; otherwise Gemma's older forms (Gemma 3's `sliding_window_pattern`: every
+    pattern-th layer, counted from 1, is global; Gemma 2: every second), Mistral and Phi-3
+    window every layer, and Qwen2/Qwen3 with `use_sliding_window` the layers from
+    `max_window_layers` on.
     """
     num_layers = _required(hf_config, "num_hidden_layers")
     window = hf_config.get("sliding_window") or 0
     model_type = hf_config.get("model_type")
     layer_types = hf_config.get("layer_types")
+    if not layer_types and model_type in _GEMMA_TYPES:
+        pattern = (hf_config.get("sliding_window_pattern", 6) if model_type == "gemma3_text"
+                   else 2)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(num_layers)]
     if layer_types:
-        if len(layer_types) != num_layers or not set(layer_types) <= {
-                "sliding_attention", "full_attention"}:
-            raise ValueError(f"unsupported layer_types {layer_types!r} for {num_layers} layers")
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries, "
+                             f"num_hidden_layers is {num_layers}")
+        if not set(layer_types) <= {"sliding_attention", "full_attention"}:
+            raise ValueError(f"unsupported layer_types {layer_types!r}")
         sliding = [t == "sliding_attention" for t in layer_types]
     elif model_type in _EVERY_LAYER_WINDOW_TYPES:  # a window of None: none
         sliding = [bool(window)] * num_layers
@@ -259,6 +326,8 @@ def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(bq=(nd,), bk=(kd,), bv=(kd,))
     if c.qk_norm:
         shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+    if c.sandwich_norms:
+        shapes.update(post_attn_norm=(c.hidden_size,), post_mlp_norm=(c.hidden_size,))
     return shapes
 
 
@@ -311,7 +380,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
         return jnp.asarray(np.stack(per_layer).astype(target))  # [L, ...]
 
     names = {**LAYER_WEIGHTS, **(_LAYER_BIASES if config.qkv_bias else {}),
-             **(_LAYER_QK_NORMS if config.qk_norm else {})}
+             **(_LAYER_QK_NORMS if config.qk_norm else {}),
+             **(_GEMMA_LAYER_NORMS if config.sandwich_norms else {})}
     layers = {key: stacked(names[key], shape)
               for key, shape in _expected_hf_shapes(config).items()}
     v, h = config.vocab_size, config.hidden_size

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, SmolLM2): pure functions over params.
+"""A Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, SmolLM2, Gemma 2/3): pure functions
+over params.
 
 Params pytree (weights in `x @ W` orientation; per-layer tensors stacked on a leading L axis so
 the layer loop is one `lax.scan`):
@@ -12,13 +13,19 @@ the layer loop is one `lax.scan`):
     wk, wv:     [L, H, K*D]
     bq:         [L, N*D]         only with qkv_bias (Qwen2)
     bk, bv:     [L, K*D]         only with qkv_bias
-    q_norm:     [L, D]           only with qk_norm (Qwen3): per-head RMSNorm before RoPE
+    q_norm:     [L, D]           only with qk_norm (Qwen3, Gemma 3): per-head RMSNorm before RoPE
     k_norm:     [L, D]           only with qk_norm
     wo:         [L, N*D, H]
+    post_attn_norm: [L, H]       only with sandwich_norms (Gemma): on the attention output
     mlp_norm:   [L, H]
     w_gate:     [L, H, F]
     w_up:       [L, H, F]
     w_down:     [L, F, H]
+    post_mlp_norm: [L, H]        only with sandwich_norms: on the MLP output
+
+Gemma's differences are static branches on `ModelConfig` fields (norms scaling by 1 + w, scaled
+embeddings, GeGLU, sandwich norms, the query scale, logit soft caps, a second RoPE for local
+layers), so the compiled programs of the other architectures are unchanged.
 
 The decoder takes an `attend` callback per layer, so the same model body serves every KV layout
 (contiguous, paged, quantized, sparse): the callback writes the new K/V into the cache and returns
@@ -34,8 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig
+from kvjax.config import MlpActivation, ModelConfig
 from kvjax.models.linear import LayerLinear
+from kvjax.models.rope import apply_selected
 
 Params = dict[str, Any]
 
@@ -45,11 +53,38 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32, cast back to x's dtype. x: [..., H]."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, unit_offset: bool = False
+             ) -> jax.Array:
+    """RMSNorm in float32, cast back to x's dtype. x: [..., H]; scales by (1 + weight) with
+    `unit_offset` (Gemma), else by weight."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+    w32 = weight.astype(jnp.float32)
+    return (x32 * (1.0 + w32 if unit_offset else w32)).astype(x.dtype)
+
+
+def norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The model's RMSNorm (its eps and weight convention). x: [..., H or D]."""
+    return rms_norm(x, weight, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
+
+
+def cap_logits(x: jax.Array, cap: float | None) -> jax.Array:
+    """Soft cap: cap * tanh(x / cap), or x when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Token embeddings [T, H] of tokens [T], times sqrt(H) in the params' dtype when
+    `scale_embeddings` (Gemma rounds the factor to that dtype too)."""
+    h = params["embed"][tokens]
+    if config.scale_embeddings:
+        h = h * jnp.asarray(np.sqrt(config.hidden_size), h.dtype)
+    return h
+
+
+def final_norm(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
+    """The final RMSNorm before the output projection. h: [..., H]."""
+    return norm(config, h, params["final_norm"])
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02
@@ -73,14 +108,18 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
         name: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
         for k, (name, shape) in zip(keys[2:], sorted(shapes.items()), strict=True)
     }
-    layers["attn_norm"] = jnp.ones((c.num_layers, c.hidden_size), dtype)
-    layers["mlp_norm"] = jnp.ones((c.num_layers, c.hidden_size), dtype)
+    # Norm weights that make each norm a plain RMS normalization: 0 where it scales by 1 + w.
+    unit = jnp.zeros if c.norm_unit_offset else jnp.ones
+    norms = ["attn_norm", "mlp_norm"] + (["post_attn_norm", "post_mlp_norm"]
+                                         if c.sandwich_norms else [])
+    for name in norms:
+        layers[name] = unit((c.num_layers, c.hidden_size), dtype)
     if c.qk_norm:
-        layers["q_norm"] = jnp.ones((c.num_layers, c.head_dim), dtype)
-        layers["k_norm"] = jnp.ones((c.num_layers, c.head_dim), dtype)
+        layers["q_norm"] = unit((c.num_layers, c.head_dim), dtype)
+        layers["k_norm"] = unit((c.num_layers, c.head_dim), dtype)
     params = {
         "embed": (scale * jax.random.normal(keys[0], (c.vocab_size, c.hidden_size))).astype(dtype),
-        "final_norm": jnp.ones((c.hidden_size,), dtype),
+        "final_norm": unit((c.hidden_size,), dtype),
         "layers": layers,
     }
     if not c.tie_word_embeddings:
@@ -114,6 +153,9 @@ def check_params(params: Params, config: ModelConfig) -> None:
     if c.qk_norm:
         expected.update({("layers", "q_norm"): (L, c.head_dim),
                          ("layers", "k_norm"): (L, c.head_dim)})
+    if c.sandwich_norms:
+        expected.update({("layers", "post_attn_norm"): (L, c.hidden_size),
+                         ("layers", "post_mlp_norm"): (L, c.hidden_size)})
     for path, shape in expected.items():
         node: Any = params
         for part in path:
@@ -125,13 +167,34 @@ def check_params(params: Params, config: ModelConfig) -> None:
                 f"params {'/'.join(path)} has shape {tuple(node.shape)}, expected {shape}")
 
 
+def _local_rope_index(config: ModelConfig) -> np.ndarray:
+    """[L] int32: 1 for the layers of `local_rope`, 0 for the others."""
+    index = np.zeros(config.num_layers, np.int32)
+    index[list(config.local_rope_layers)] = 1
+    return index
+
+
+def apply_rope(config: ModelConfig, x: jax.Array, positions: jax.Array,
+               layer_index: jax.Array) -> jax.Array:
+    """x [T, heads, D] embedded at positions [T] by layer `layer_index`'s RoPE."""
+    if config.local_rope is None:
+        return config.rope.apply(x, positions)
+    choice = jnp.asarray(_local_rope_index(config))[layer_index]
+    return apply_selected((config.rope, config.local_rope), choice, x, positions)
+
+
 def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array,
-        matmul: Matmul = jnp.matmul) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H]."""
+        layer_index: jax.Array, matmul: Matmul = jnp.matmul
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H].
+
+    Attention everywhere scales logits by D**-0.5, so a model's other query scale
+    (`query_pre_attn_scalar`) is folded into the queries here: every attention path, kernel
+    and retention score then sees the model's logits unchanged."""
     c = config
     p = layer_params
     t = h.shape[0]
-    x = rms_norm(h, p["attn_norm"], c.rms_norm_eps)
+    x = norm(c, h, p["attn_norm"])
     q = matmul(x, p["wq"])  # [T, N*D]
     k = matmul(x, p["wk"])  # [T, K*D]
     v = matmul(x, p["wv"])
@@ -140,9 +203,11 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
     q = q.reshape(t, c.num_heads, c.head_dim)  # [T, N, D]
     k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, K, D]
     if c.qk_norm:
-        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
-    q, k = c.rope.apply(q, positions), c.rope.apply(k, positions)
+        q = norm(c, q, p["q_norm"])
+        k = norm(c, k, p["k_norm"])
+    q, k = apply_rope(c, q, positions, layer_index), apply_rope(c, k, positions, layer_index)
+    if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
+        q = (q.astype(jnp.float32) * (c.attn_scale * np.sqrt(c.head_dim))).astype(q.dtype)
     return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
 
 
@@ -154,12 +219,18 @@ def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions
     c = config
     p = layer_params
     t = h.shape[0]
-    q, k, v = qkv(config, p, h, positions, matmul)
+    q, k, v = qkv(config, p, h, positions, layer_index, matmul)
     attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
-    h = h + matmul(attn.reshape(t, -1).astype(h.dtype), p["wo"])
-    x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps)
-    gate = jax.nn.silu(matmul(x, p["w_gate"]).astype(jnp.float32)).astype(x.dtype)  # [T, F]
-    h = h + matmul(gate * matmul(x, p["w_up"]), p["w_down"])  # [T, H]
+    out = matmul(attn.reshape(t, -1).astype(h.dtype), p["wo"])  # [T, H]
+    h = h + (norm(c, out, p["post_attn_norm"]) if c.sandwich_norms else out)
+    x = norm(c, h, p["mlp_norm"])
+    gate = matmul(x, p["w_gate"]).astype(jnp.float32)  # [T, F]
+    if c.activation is MlpActivation.GELU_TANH:
+        gate = jax.nn.gelu(gate, approximate=True)
+    else:
+        gate = jax.nn.silu(gate)
+    out = matmul(gate.astype(x.dtype) * matmul(x, p["w_up"]), p["w_down"])  # [T, H]
+    h = h + (norm(c, out, p["post_mlp_norm"]) if c.sandwich_norms else out)
     return h, cache
 
 
@@ -176,7 +247,7 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
       linear: multiplies by a layer of the stacked matrices, reading it where it lies
         (`kvjax.models.linear.native_linear`); None: XLA matmuls of the scan's layer slices.
     """
-    h = params["embed"][tokens]  # [T, H]
+    h = embed(params, config, tokens)  # [T, H]
     layers = params["layers"]
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     if linear is None:
@@ -200,21 +271,24 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
             return (h, cache), None
 
         (h, cache), _ = jax.lax.scan(body, (h, cache), layer_ids)
-    return rms_norm(h, params["final_norm"], config.rms_norm_eps), cache
+    return final_norm(params, config, h), cache
 
 
 def lm_head(params: Params, config: ModelConfig, h: jax.Array,
             linear: LayerLinear | None = None) -> jax.Array:
-    """Logits in float32. h: [..., H] -> [..., V]. `linear`: as in `decode_body` (None: XLA)."""
+    """Logits in float32 (soft-capped by `final_logit_softcap`). h: [..., H] -> [..., V].
+    `linear`: as in `decode_body` (None: XLA)."""
     if linear is not None and h.dtype == jnp.float32:
         x = h.reshape(-1, h.shape[-1])
         if config.tie_word_embeddings:  # embed [V, H]: its transpose
             logits = linear(x, params["embed"][None], jnp.int32(0), transpose=True)
         else:
             logits = linear(x, params["lm_head"][None], jnp.int32(0))
-        return logits.reshape(*h.shape[:-1], -1)
-    w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
-    return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+        logits = logits.reshape(*h.shape[:-1], -1)
+    else:
+        w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
+        logits = jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+    return cap_logits(logits, config.final_logit_softcap)
 
 
 def forward_dense(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -237,7 +311,7 @@ def forward_dense(params: Params, config: ModelConfig, tokens: jax.Array) -> jax
         g = config.group_size
         qg = q.reshape(t, config.num_kv_heads, g, config.head_dim).astype(jnp.float32)
         scores = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32))
-        scores = scores / np.sqrt(config.head_dim)
+        scores = cap_logits(scores / np.sqrt(config.head_dim), config.attn_logit_softcap)
         scores = jnp.where(visible[None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)  # [K, G, T, S]
         out = jnp.einsum("kgts,skd->tkgd", probs, v.astype(jnp.float32))  # [T, K, G, D]

@@ -279,6 +279,26 @@ class RoPE:
                    long_factor=tuple(float(f) for f in required("long_factor")), **common)
 
 
+def apply_selected(ropes: tuple[RoPE, ...], choice: jax.Array, x: jax.Array,
+                   positions: jax.Array) -> jax.Array:
+    """x [T, heads, D] embedded at positions [T] by ropes[choice], `choice` a traced int32
+    scalar (a layer's RoPE inside the layer scan: the frequencies [R, D/2] and attention
+    factors [R] are stacked and one row is selected, so the scan stays one program).
+
+    Raises:
+      ValueError: a RoPE whose frequencies depend on the position (no fixed row to stack).
+    """
+    for rope in ropes:
+        if not rope.is_shift_invariant:
+            raise ValueError(f"{rope!r} chooses frequencies by position; only fixed-frequency "
+                             f"RoPEs can be selected per layer")
+    d = x.shape[-1]
+    inv_freq = jnp.asarray(np.stack([rope.inv_freq(d) for rope in ropes]))  # [R, D/2]
+    factors = jnp.asarray([rope.attention_factor for rope in ropes], jnp.float32)  # [R]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[choice][None]  # [T, D/2]
+    return _turn(x, angles, factors[choice])
+
+
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature, 0.1 * mscale * ln(factor) + 1 (1 when not extending)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -37,8 +37,8 @@ def _layer_pass(config: ModelConfig, chunk: int, layers, layer: jax.Array, h: ja
         v_buf = jax.lax.dynamic_update_slice(v_buf, v.astype(v_buf.dtype), (start, 0, 0))
         visible = jnp.arange(s)[None, :] <= (start + jnp.arange(chunk))[:, None]  # [T, S]
         qg = q.reshape(chunk, c.num_kv_heads, c.group_size, c.head_dim).astype(jnp.float32)
-        scores = jnp.einsum("tkgd,skd->kgts", qg, k_buf.astype(jnp.float32)) / np.sqrt(
-            c.head_dim)  # [K, G, T, S]
+        scores = llama.cap_logits(jnp.einsum("tkgd,skd->kgts", qg, k_buf.astype(jnp.float32))
+                                  / np.sqrt(c.head_dim), c.attn_logit_softcap)  # [K, G, T, S]
         probs = jax.nn.softmax(jnp.where(visible[None, None], scores, -jnp.inf), axis=-1)
         out = jnp.einsum("kgts,skd->tkgd", probs, v_buf.astype(jnp.float32))  # [T, K, G, D]
         return out.reshape(chunk, c.num_heads, c.head_dim).astype(q.dtype), (k_buf, v_buf,
@@ -72,8 +72,7 @@ def _next_logprobs(config: ModelConfig, chunk: int, params, h: jax.Array, target
     ids [S, num_top] (int32), most likely first."""
     def rows(args):
         h_chunk, t_chunk = args  # [T, H], [T]
-        logits = llama.lm_head(params, config, llama.rms_norm(
-            h_chunk, params["final_norm"], config.rms_norm_eps))  # [T, V]
+        logits = llama.lm_head(params, config, llama.final_norm(params, config, h_chunk))
         logp = jax.nn.log_softmax(logits, axis=-1)
         target = jnp.take_along_axis(logp, t_chunk[:, None], axis=-1)[:, 0]  # [T]
         if not num_top:
@@ -89,8 +88,7 @@ def _next_logprobs(config: ModelConfig, chunk: int, params, h: jax.Array, target
 @functools.partial(jax.jit, static_argnames=("config",))
 def _last_logprobs(config: ModelConfig, params, h_last: jax.Array) -> jax.Array:
     """[V] float32 next-token log-probabilities from the last hidden state h_last [H]."""
-    logits = llama.lm_head(params, config, llama.rms_norm(
-        h_last, params["final_norm"], config.rms_norm_eps))
+    logits = llama.lm_head(params, config, llama.final_norm(params, config, h_last))
     return jax.nn.log_softmax(logits)
 
 
@@ -128,7 +126,7 @@ class PrefillOnlyScorer:
         padded = np.zeros(s, np.int32)
         padded[:len(tokens)] = tokens
         params, config = self.model.params, self.model.config
-        h = params["embed"][jnp.asarray(padded)]  # [S, H]
+        h = llama.embed(params, config, jnp.asarray(padded))  # [S, H]
         for layer in range(config.num_layers):
             h = _layer_pass(config, self.chunk, params["layers"], jnp.int32(layer), h)
         return h

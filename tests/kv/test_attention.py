@@ -183,3 +183,28 @@ def test_query_tiles_see_only_their_causal_blocks_and_match_the_reference(query_
     got = attention.paged_attention_blockwise(q, attention.pages_loader(kp, vp), wide, kv_lens,
                                               q_lens, pages_per_block=2, query_tile=query_tile)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
+
+
+@pytest.mark.parametrize("query_tile", [4, 16])
+def test_blockwise_soft_cap_matches_numpy(query_tile):
+    """Gemma 2's attention logit soft cap on the engine's jnp path, every query of ragged
+    chunks (one query tile, and several) against the per-query numpy oracle."""
+    rng = np.random.default_rng(11)
+    case = dict(page_size=4, num_kv_heads=2, group=2, head_dim=8)
+    kv_lens, tables, kp, vp, ks, vs = make_case(rng, num_seqs=3, max_len=40, **case)
+    q_lens = np.minimum([16, 7, 1], kv_lens).astype(np.int32)
+    width = -(-tables.shape[1] // 2) * 2
+    wide = np.zeros((3, width), np.int32)
+    wide[:, :tables.shape[1]] = tables
+    q = 4 * rng.standard_normal((3, 16, 4, 8)).astype(np.float32)  # logits well past the cap
+    got = np.asarray(attention.paged_attention_blockwise(
+        q, attention.pages_loader(np.nan_to_num(kp), np.nan_to_num(vp)), wide, kv_lens,
+        q_lens, pages_per_block=2, query_tile=query_tile, soft_cap=2.0))
+    for b in range(3):
+        for c in range(q_lens[b]):
+            want = numpy_attention(q[b, c], ks[b], vs[b], kv_lens[b] - q_lens[b] + c,
+                                   soft_cap=2.0)
+            np.testing.assert_allclose(got[b, c], want, **F32_TOL)
+        last = q_lens[b] - 1  # sees several keys, so the cap changes its weights
+        uncapped = numpy_attention(q[b, last], ks[b], vs[b], kv_lens[b] - 1)
+        assert not np.allclose(got[b, last], uncapped, **F32_TOL)

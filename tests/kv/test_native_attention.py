@@ -258,3 +258,47 @@ def test_engine_prefills_chunks_with_the_native_kernel_like_the_jnp_path():
     for ref, got in zip(outs[AttentionImpl.REFERENCE], outs[AttentionImpl.NATIVE], strict=True):
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
         np.testing.assert_allclose(got.outputs[0].logprobs, ref.outputs[0].logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", [(16, 3, 3, 64), (4, 2, 5, 8)],
+                         ids=lambda c: "P{}-K{}-G{}-D{}".format(*c))
+def test_kernels_soft_cap_logits_like_numpy(case):
+    """Gemma 2's attention logit soft cap in the decode kernel (specialized and generic
+    shapes, float pages and int8 codes) and the prefill kernel, logits well past the cap."""
+    page_size, k_heads, group, head_dim = case
+    cap = 2.0
+    rng = np.random.default_rng(9)
+    kv_lens, tables, kp, vp, ks, vs = make_case(
+        rng, num_seqs=4, max_len=40, page_size=page_size, num_kv_heads=k_heads, group=group,
+        head_dim=head_dim)
+    n = k_heads * group
+    q = 4 * rng.standard_normal((4, n, head_dim)).astype(np.float32)
+    got = np.asarray(jax.jit(native.paged_decode_attention, static_argnames="soft_cap")(
+        q, _layered(kp, 1), _layered(vp, 1), 1, tables, kv_lens, soft_cap=cap))
+    for b in range(4):
+        want = numpy_attention(q[b], ks[b], vs[b], kv_lens[b] - 1, soft_cap=cap)
+        np.testing.assert_allclose(got[b], want, **F32_TOL)
+    assert not np.allclose(got[0], numpy_attention(q[0], ks[0], vs[0], kv_lens[0] - 1),
+                           **F32_TOL)
+
+    codec = kvjax.kv.codecs.get_codec("int8")
+    k8, v8 = codec.encode(jnp.asarray(np.nan_to_num(kp))), codec.encode(
+        jnp.asarray(np.nan_to_num(vp)))
+    want = kvjax.kv.attention.paged_decode_attention_reference(
+        q, codec.decode(k8), codec.decode(v8), tables, kv_lens, soft_cap=cap)
+    got = native.paged_decode_attention(
+        q, k8["codes"][None], v8["codes"][None], 0, tables, kv_lens,
+        k_scale=k8["scale"][None], v_scale=v8["scale"][None], soft_cap=cap)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
+
+    if head_dim not in native.PREFILL_HEAD_DIMS:
+        return
+    q_lens = np.minimum([30, 17, 1, 9], kv_lens).astype(np.int32)
+    qc = 4 * rng.standard_normal((4, 30, n, head_dim)).astype(np.float32)
+    got = np.asarray(native.paged_prefill_attention(qc, _layered(kp, 0), _layered(vp, 0), 0,
+                                                    tables, kv_lens, q_lens, soft_cap=cap))
+    for b in range(4):
+        for i in range(q_lens[b]):
+            want = numpy_attention(qc[b, i], ks[b], vs[b], kv_lens[b] - q_lens[b] + i,
+                                   soft_cap=cap)
+            np.testing.assert_allclose(got[b, i], want, **F32_TOL)

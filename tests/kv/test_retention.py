@@ -201,7 +201,7 @@ def test_snapkv_leaves_short_prompts_alone():
 # ----------------------------------------------------------------------------- key scores
 
 
-def dense_key_scores(q, k_seq, kv_len, q_len, weights):
+def dense_key_scores(q, k_seq, kv_len, q_len, weights, soft_cap=None):
     """[S] attention probability mass per key: loops over queries and heads, float64."""
     c, n, d = q.shape
     g = n // k_seq.shape[1]
@@ -210,12 +210,16 @@ def dense_key_scores(q, k_seq, kv_len, q_len, weights):
         pos = kv_len - q_len + ci
         for h in range(n):
             logits = k_seq[:pos + 1, h // g] @ q[ci, h] / np.sqrt(d)
+            if soft_cap is not None:
+                logits = soft_cap * np.tanh(logits / soft_cap)
             p = np.exp(logits - logits.max())
             out[:pos + 1] += weights[ci] * p / p.sum()
     return out
 
 
-def test_key_scores_match_dense_softmax_mass():
+@pytest.mark.parametrize("soft_cap", [None, 1.5])
+def test_key_scores_match_dense_softmax_mass(soft_cap):
+    """The probabilities are the ones the model attends with, soft cap (Gemma 2) included."""
     rng = np.random.default_rng(0)
     b, c, n, k_heads, d, num_pages, width = 3, 5, 4, 2, 8, 24, 8
     k_pages = rng.normal(size=(num_pages, P, k_heads, d)).astype(np.float32)
@@ -223,15 +227,16 @@ def test_key_scores_match_dense_softmax_mass():
     tables = rng.permutation(num_pages)[:b * width].reshape(b, width).astype(np.int32)
     kv_lens = np.array([17, 3, 30], np.int32)
     q_lens = np.array([5, 1, 4], np.int32)
-    q = rng.normal(size=(b, c, n, d)).astype(np.float32)
+    q = 3 * rng.normal(size=(b, c, n, d)).astype(np.float32)  # logits past the cap
     weights = rng.random((b, c)).astype(np.float32)
     got = np.asarray(key_scores_blockwise(
         jnp.asarray(q), pages_loader(k_pages, v_pages), jnp.asarray(tables),
-        jnp.asarray(kv_lens), jnp.asarray(q_lens), jnp.asarray(weights), pages_per_block=2))
+        jnp.asarray(kv_lens), jnp.asarray(q_lens), jnp.asarray(weights), pages_per_block=2,
+        soft_cap=soft_cap))
     assert got.shape == (b, width * P)
     for i in range(b):
         k_seq = k_pages[tables[i]].reshape(width * P, k_heads, d)
-        want = dense_key_scores(q[i], k_seq, kv_lens[i], q_lens[i], weights[i])
+        want = dense_key_scores(q[i], k_seq, kv_lens[i], q_lens[i], weights[i], soft_cap)
         np.testing.assert_allclose(got[i, :kv_lens[i]], want, rtol=2e-5, atol=1e-6)
         assert not got[i, kv_lens[i]:].any()
 

@@ -43,27 +43,39 @@ def filled(kv, seed: int):
     return kv, jnp.asarray(block_tables, jnp.int32), jnp.asarray(KV_LENS, jnp.int32)
 
 
-def engine_decode(kv, layer, q, block_tables, kv_lens):
+def engine_decode(kv, layer, q, block_tables, kv_lens, soft_cap=None):
     """The engine's jnp decode over any state: blockwise attention over its loaded pages."""
     width = -(-block_tables.shape[1] // 8) * 8
     tables = jnp.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
     out = attention_ref.paged_attention_blockwise(
         q[:, None], lambda pages: kv.load_pages(layer, pages), tables, kv_lens,
-        jnp.minimum(kv_lens, 1), pages_per_block=8)
+        jnp.minimum(kv_lens, 1), pages_per_block=8, soft_cap=soft_cap)
     return out[:, 0]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("codec_name", ["none", "int8", "fp8_e4m3", "int4"])
 def test_decode_matches_the_engine_path(codec_name):
+    check_decode_and_prefill(codec_name, soft_cap=None)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec_name", ["none", "int8"])
+def test_soft_cap_reaches_the_kernels(codec_name):
+    """Gemma 2's attention logit soft cap: the kernels (and the quantized prefill fallback)
+    give the engine's capped jnp path."""
+    check_decode_and_prefill(codec_name, soft_cap=1.0)
+
+
+def check_decode_and_prefill(codec_name, soft_cap):
     pool = (init_paged_kv(CONFIG, 32, PAGE_SIZE) if codec_name == "none"
             else init_quantized_kv(CONFIG, 32, PAGE_SIZE, codec_name))
     kv, block_tables, kv_lens = filled(pool, 1)
     q = jax.random.normal(jax.random.PRNGKey(2), (len(KV_LENS), CONFIG.num_heads,
                                                   CONFIG.head_dim), jnp.float32)
     layer = jnp.int32(1)
-    decode_fn, prefill_fn = dispatch.layer_attention_fns(kv, layer)
-    want = engine_decode(kv, layer, q, block_tables, kv_lens)
+    decode_fn, prefill_fn = dispatch.layer_attention_fns(kv, layer, soft_cap=soft_cap)
+    want = engine_decode(kv, layer, q, block_tables, kv_lens, soft_cap)
     np.testing.assert_allclose(decode_fn(q, block_tables, kv_lens), want,
                                **TOLERANCES[jnp.float32])
     chunk = prefill_fn(q[:, None], block_tables, kv_lens, jnp.minimum(kv_lens, 1))

@@ -46,6 +46,22 @@ def _qwen3_config():
                        eos_token_ids=(127,), name="tiny-qwen3")
 
 
+def _gemma_config():
+    """Every Gemma field on (Gemma 2's soft caps with Gemma 3's Q/K norms and local RoPE), at
+    test size: GeGLU, (1 + w) sandwich norms, scaled embeddings, a query scale apart from D."""
+    from kvjax.config import MlpActivation, ModelConfig
+    from kvjax.models.rope import RoPE, RopeType
+
+    return ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=3,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                       qk_norm=True, activation=MlpActivation.GELU_TANH, norm_unit_offset=True,
+                       scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=24,
+                       attn_logit_softcap=3.0, final_logit_softcap=8.0,
+                       rope=RoPE(RopeType.LINEAR, theta=1e6, factor=4.0),
+                       local_rope=RoPE(theta=100.0), local_rope_layers=(0, 2),
+                       eos_token_ids=(127,), name="tiny-gemma")
+
+
 def _prompts(seed: int = 0, count: int = 6) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     shared = [int(t) for t in rng.integers(0, 120, size=9)]
@@ -74,7 +90,8 @@ def _run_fast_cases() -> dict:
     prompts = _prompts()
     results = {}
     for name, model, tp in (("gqa3", tiny_model(_gqa3_config()), 3), ("tiny", tiny_model(), 2),
-                            ("qwen3", tiny_model(_qwen3_config()), 2)):
+                            ("qwen3", tiny_model(_qwen3_config()), 2),
+                            ("gemma", tiny_model(_gemma_config()), 2)):
         single = Engine(model, config)
         results[f"{name}_single"] = _tokens(single.generate(prompts, sampling))
         mesh = sharding.replica_meshes(sharding.make_mesh(tp))[0]
@@ -176,7 +193,7 @@ def sharded():
     return _child("fast")
 
 
-@pytest.mark.parametrize("name,tp", [("gqa3", 3), ("tiny", 2), ("qwen3", 2)])
+@pytest.mark.parametrize("name,tp", [("gqa3", 3), ("tiny", 2), ("qwen3", 2), ("gemma", 2)])
 def test_tensor_parallel_greedy_tokens_match_single_device(sharded, name, tp):
     assert sharded[f"{name}_tp{tp}"] == sharded[f"{name}_single"]
     assert sharded[f"{name}_tp{tp}_kv"]["used_pages"] == 0

@@ -8,7 +8,8 @@ buffer and the layer index, so no layer slice is copied either), all kv heads of
 together, in chunks of rows' pages spread over XLA's intra-op threads (a long row is cut into
 several chunks whose partial softmaxes are merged, so a few rows still keep every thread busy).
 Codes are decoded eight channels at a time in registers, so the head dim must be a multiple of
-8. It computes what `paged_decode_attention_reference` computes.
+8. It computes what `paged_decode_attention_reference` computes, a soft cap on the logits
+(Gemma 2) included.
 
 The source is built once per machine and registered as the FFI target `kvjax_paged_decode`
 (`kvjax.cpu_kernels`); `unavailable_reason()` says why it cannot be used (no compiler, a
@@ -67,7 +68,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
                            v_zero: jax.Array | None = None, bits: int = 8, group: int = 0,
-                           sm_scale: float | None = None) -> jax.Array:
+                           sm_scale: float | None = None,
+                           soft_cap: float | None = None) -> jax.Array:
     """Decode attention of one layer, read in place from all layers' pages.
 
     Args:
@@ -84,6 +86,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       k_zero, v_zero: float32 [L, num_pages, P, K, D / group], packed codes only.
       bits, group: the packed codes' width (8, 4 or 2) and channels per scale.
       sm_scale: softmax scale, 1/sqrt(D) by default.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
     Returns:
       q's shape and dtype; equal to `paged_decode_attention_reference` (Q = 1) or
       `paged_prefill_attention_reference` on layer `layer` of the decoded pages.
@@ -110,7 +113,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         flat.reshape(b, num_queries * n, d).astype(jnp.float32), k_pages, v_pages, *meta,
         jnp.asarray(layer, jnp.int32), block_tables.astype(jnp.int32),
         kv_lens.astype(jnp.int32), jnp.asarray(q_lens, jnp.int32),
-        sm_scale=np.float32(scale), bits=np.int32(bits), group=np.int32(group),
+        sm_scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0), bits=np.int32(bits),
+        group=np.int32(group),
         num_queries=np.int32(num_queries))
     out = out.reshape(b, k_heads, num_queries, n // k_heads, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(q.shape).astype(q.dtype)
@@ -185,7 +189,8 @@ def prefill_unavailable_reason() -> str | None:
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                             layer: jax.Array | int, block_tables: jax.Array,
                             kv_lens: jax.Array, q_lens: jax.Array, *,
-                            sm_scale: float | None = None) -> jax.Array:
+                            sm_scale: float | None = None,
+                            soft_cap: float | None = None) -> jax.Array:
     """Causal prefill attention of one layer, read in place from all layers' float32 pages.
 
     Args:
@@ -196,6 +201,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       layer: the layer to read (a scalar, traced or not).
       block_tables: [B, W] int32; kv_lens, q_lens: [B] int32.
       sm_scale: softmax scale, 1/sqrt(D) by default.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
     Returns:
       q's shape and dtype: `paged_prefill_attention_reference` on layer `layer`.
     Raises:
@@ -208,7 +214,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     out = jax.ffi.ffi_call(_PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_pages, v_pages, jnp.asarray(layer, jnp.int32),
         block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
-        jnp.asarray(q_lens, jnp.int32), sm_scale=np.float32(scale))
+        jnp.asarray(q_lens, jnp.int32), sm_scale=np.float32(scale),
+        soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)
 
 
@@ -231,9 +238,11 @@ def prefill_reason_for(kv) -> str | None:
     return prefill_reason(pages)
 
 
-def kernels_for(kv):
+def kernels_for(kv, *, soft_cap: float | None = None):
     """(kv, layer) -> (decode_fn, prefill_fn): the native decode, and the native prefill
-    where it reads the pages (`prefill_reason`), else the blockwise jnp prefill.
+    where it reads the pages (`prefill_reason`), else the blockwise jnp prefill, all with the
+    attention logits soft-capped at `soft_cap` (None: not capped). ValueError for a state the
+    kernels do not read (`reason_for`).
 
     Same signatures as `paged_decode_attention_reference` / `..._prefill_..._reference` over
     the rows' own block tables (what `pallas_kernels.dispatch.kernels_for` returns), so the
@@ -249,21 +258,23 @@ def kernels_for(kv):
 
         def decode(q, block_tables, kv_lens):
             return paged_decode_attention(q, layer=layer, block_tables=block_tables,
-                                          kv_lens=kv_lens, **pages)
+                                          kv_lens=kv_lens, soft_cap=soft_cap, **pages)
 
         def prefill(q, block_tables, kv_lens, q_lens):
             queries = q.shape[1]
             if queries <= 8 and queries * q.shape[2] // pages["k_pages"].shape[3] <= MAX_GROUP:
                 # A few queries per row (speculative verify rows): each KV byte read once.
                 return paged_decode_attention(q, layer=layer, block_tables=block_tables,
-                                              kv_lens=kv_lens, q_lens=q_lens, **pages)
+                                              kv_lens=kv_lens, q_lens=q_lens,
+                                              soft_cap=soft_cap, **pages)
             if native_prefill:
                 return paged_prefill_attention(q, layer=layer, block_tables=block_tables,
-                                               kv_lens=kv_lens, q_lens=q_lens, **pages)
+                                               kv_lens=kv_lens, q_lens=q_lens,
+                                               soft_cap=soft_cap, **pages)
             load = functools.partial(kv.load_pages, layer)
             return attention_ref.paged_attention_blockwise(
                 q, load, block_tables, kv_lens, q_lens,
-                pages_per_block=attention_ref.PREFILL_PAGES_PER_BLOCK)
+                pages_per_block=attention_ref.PREFILL_PAGES_PER_BLOCK, soft_cap=soft_cap)
 
         return decode, prefill
 

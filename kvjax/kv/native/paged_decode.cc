@@ -22,7 +22,8 @@
 //   k_zero,      f32  u8: [L, num_pages, P, K, D / group]; else [1]
 //   v_zero
 //   layer        s32  []
-// Attributes: sm_scale, bits (8, 4 or 2: the u8 code width) and group (channels per scale).
+// Attributes: sm_scale, soft_cap (logits -> soft_cap * tanh(logits / soft_cap) when > 0: Gemma
+// 2's attention logit cap), bits (8, 4 or 2: the u8 code width) and group (channels per scale).
 //   block_tables s32  [B, W]
 //   kv_lens      s32  [B]
 //   q_lens       s32  [B] (queries per row, <= num_queries)
@@ -394,6 +395,12 @@ struct Geometry {
   int64_t group() const { return num_heads / num_kv_heads; }
 };
 
+// How a query-key dot product becomes a softmax logit: times `scale`, then soft-capped at
+// `soft_cap` when it is > 0.
+struct Logits {
+  float scale, soft_cap;
+};
+
 // A run of one row's blocks [first_block, end_block), all kv heads. `partial` >= 0: the row
 // is split over several chunks (flash-decoding) and this one leaves its running max, sum and
 // unnormalized accumulator in partial slot `partial` for MergeChunks; -1: it writes the row.
@@ -432,7 +439,7 @@ template <int kD, int kG, typename V, typename Rows>
 void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& k,
                  const Rows& v, int64_t layer, const int32_t* block_tables,
                  const int32_t* kv_lens, const int32_t* q_lens, int64_t num_queries,
-                 float sm_scale, float* partials, float* out) {
+                 Logits logits, float* partials, float* out) {
   const int64_t G = kG ? kG : g.group(), D = kD ? kD : g.head_dim, P = g.page_size;
   const int64_t K = g.num_kv_heads, N = g.num_heads, b = c.row;
   const int64_t len = kv_lens[b];
@@ -450,7 +457,7 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
     lim[j] = i < q_lens[b] ? first + i + 1 : 0;
   }
   std::vector<float> qs(N * D);  // scaled
-  for (int64_t i = 0; i < N * D; ++i) qs[i] = q[b * N * D + i] * sm_scale;
+  for (int64_t i = 0; i < N * D; ++i) qs[i] = q[b * N * D + i] * logits.scale;
   const int32_t* table = block_tables + b * g.width;
   const int64_t rows_per_page = P * K;
   constexpr int kW = sizeof(V) / sizeof(float);  // channels per vector
@@ -532,6 +539,9 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
         const int64_t nv = std::clamp<int64_t>(lim[j] - blk * P, 0, n);  // visible tokens
         for (int64_t p = nv; p < n; ++p) s[j][p] = 0.0f;
         if (nv == 0) continue;
+        if (logits.soft_cap > 0.0f)
+          for (int64_t p = 0; p < nv; ++p)
+            s[j][p] = logits.soft_cap * std::tanh(s[j][p] / logits.soft_cap);
         float mx = m[j];
         for (int64_t p = 0; p < nv; ++p) mx = std::max(mx, s[j][p]);
         const float alpha = std::exp(m[j] - mx);  // exp(-inf) = 0 on the first page
@@ -621,7 +631,7 @@ using kvjax::ParallelFor;
 
 template <typename Rows>
 using ChunkFn = void (*)(const Geometry&, const Chunk&, const float*, const Rows&, const Rows&,
-                         int64_t, const int32_t*, const int32_t*, const int32_t*, int64_t, float,
+                         int64_t, const int32_t*, const int32_t*, const int32_t*, int64_t, Logits,
                          float*, float*);
 
 // AttendChunk compiled for the common head dims and group sizes, else the generic one.
@@ -643,7 +653,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, con
                int64_t layer, ffi::Buffer<ffi::S32> block_tables,
                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
                int64_t num_queries, ffi::AnyBuffer::Dimensions kv_dims, int64_t head_dim,
-               float sm_scale, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+               Logits logits, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto qd = q.dimensions();
   Geometry g{qd[0], qd[1], qd[2], kv_dims[1], kv_dims[2], kv_dims[3],
              block_tables.dimensions()[1]};
@@ -681,7 +691,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, con
   one = ChunkKernel<F8, Rows>(g);
 #endif
   ParallelFor(pool, chunks.size(), [&](int64_t i) {
-    one(g, chunks[i], qp, k, v, layer, bt, lens, qlens, num_queries, sm_scale, pp, o);
+    one(g, chunks[i], qp, k, v, layer, bt, lens, qlens, num_queries, logits, pp, o);
   });
   if (num_partials) MergeChunks(g, chunks, pp, o);
   return ffi::Error::Success();
@@ -693,7 +703,7 @@ ffi::Error RunPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
                      ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> k_zero,
                      ffi::Buffer<ffi::F32> v_zero, int64_t layer,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
-                     ffi::Buffer<ffi::S32> q_lens, int64_t num_queries, float sm_scale,
+                     ffi::Buffer<ffi::S32> q_lens, int64_t num_queries, Logits logits,
                      int64_t group, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   const int64_t dim = k.dimensions()[4] * (8 / kBits);
   const int64_t rows = k.element_count() / k.dimensions()[4];
@@ -711,11 +721,11 @@ ffi::Error RunPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   if constexpr (kBits < 8) {
     if (shift >= 5 && dim % 32 == 0)
       return Run(pool, q, PackedBlockRows<kBits>{kr}, PackedBlockRows<kBits>{vr}, layer,
-                 block_tables, kv_lens, q_lens, num_queries, k.dimensions(), dim, sm_scale, out);
+                 block_tables, kv_lens, q_lens, num_queries, k.dimensions(), dim, logits, out);
   }
 #endif
   return Run(pool, q, kr, vr, layer, block_tables, kv_lens, q_lens, num_queries, k.dimensions(),
-             dim, sm_scale, out);
+             dim, logits, out);
 }
 
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
@@ -723,26 +733,27 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
                        ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> k_zero,
                        ffi::Buffer<ffi::F32> v_zero, ffi::Buffer<ffi::S32> layer,
                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
-                       ffi::Buffer<ffi::S32> q_lens, float sm_scale, int32_t bits,
-                       int32_t group, int32_t num_queries,
+                       ffi::Buffer<ffi::S32> q_lens, float sm_scale, float soft_cap,
+                       int32_t bits, int32_t group, int32_t num_queries,
                        ffi::Result<ffi::Buffer<ffi::F32>> out) {
   if (k.dimensions().size() != 5 || k.element_type() != v.element_type() ||
       k.element_count() != v.element_count())
     return ffi::Error::InvalidArgument("paged_decode: k and v must be [L, pages, P, K, D]");
   const int64_t lay = layer.typed_data()[0];
   const int64_t dim = k.dimensions()[4];
+  const Logits logits{sm_scale, soft_cap};
   switch (k.element_type()) {
     case ffi::F32: {
       FloatRows<float> kr{{}, static_cast<const float*>(k.untyped_data())};
       FloatRows<float> vr{{}, static_cast<const float*>(v.untyped_data())};
       return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
-                 k.dimensions(), dim, sm_scale, out);
+                 k.dimensions(), dim, logits, out);
     }
     case ffi::BF16: {
       FloatRows<uint16_t> kr{{}, static_cast<const uint16_t*>(k.untyped_data())};
       FloatRows<uint16_t> vr{{}, static_cast<const uint16_t*>(v.untyped_data())};
       return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
-                 k.dimensions(), dim, sm_scale, out);
+                 k.dimensions(), dim, logits, out);
     }
     case ffi::S8: {
       const int64_t rows = k.element_count() / dim;
@@ -751,21 +762,21 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
       Int8Rows kr{{}, static_cast<const int8_t*>(k.untyped_data()), k_scale.typed_data()};
       Int8Rows vr{{}, static_cast<const int8_t*>(v.untyped_data()), v_scale.typed_data()};
       return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
-                 k.dimensions(), dim, sm_scale, out);
+                 k.dimensions(), dim, logits, out);
     }
     case ffi::U8:
       switch (bits) {
         case 8:
           return RunPacked<8>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
-                              block_tables, kv_lens, q_lens, num_queries, sm_scale, group,
+                              block_tables, kv_lens, q_lens, num_queries, logits, group,
                               out);
         case 4:
           return RunPacked<4>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
-                              block_tables, kv_lens, q_lens, num_queries, sm_scale, group,
+                              block_tables, kv_lens, q_lens, num_queries, logits, group,
                               out);
         case 2:
           return RunPacked<2>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
-                              block_tables, kv_lens, q_lens, num_queries, sm_scale, group,
+                              block_tables, kv_lens, q_lens, num_queries, logits, group,
                               out);
         default:
           return ffi::Error::InvalidArgument("paged_decode: bits must be 8, 4 or 2");
@@ -792,6 +803,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedDecode, PagedDecode,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_lens
                                   .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("group")
                                   .Attr<int32_t>("num_queries")

@@ -9,6 +9,8 @@
 //   kv_lens  s32 [B]
 //   q_lens   s32 [B]
 //   out      f32 [B, C, N, D]
+// Attributes: sm_scale, soft_cap (logits -> soft_cap * tanh(logits / soft_cap) when > 0: Gemma
+// 2's attention logit cap).
 //
 // Two passes over XLA's intra-op threads. First, each row's keys of each kv head are copied
 // transposed into a scratch [D, S], so that the scores of sixteen keys against one query are
@@ -81,6 +83,12 @@ inline V ExpNonPositive(V x) {
 struct Geometry {
   int64_t rows, chunk, heads, kv_heads, page_size, num_pages, width;
   int64_t group() const { return heads / kv_heads; }
+};
+
+// How a query-key dot product becomes a softmax logit: times `scale`, then soft-capped at
+// `soft_cap` when it is > 0.
+struct Logits {
+  float scale, soft_cap;
 };
 
 // Token t's row of kv head h in layer `layer` of pages [L, num_pages, P, K, kD], by the row's
@@ -170,7 +178,7 @@ void AccumulateValuesOf(int rows, const float* p, int64_t n, VRow vrow, const fl
 template <int kD>
 void AttendTile(const Geometry& g, const float* q, const float* kt, const float* v,
                 int64_t layer, const int32_t* table, int64_t len, int64_t q_len, int64_t b,
-                int64_t h, int64_t q0, float sm_scale, float* out) {
+                int64_t h, int64_t q0, Logits logits, float* out) {
   const int64_t G = g.group(), N = g.heads;
   const int64_t queries = std::min<int64_t>(kTileQueries, g.chunk - q0);
   const int64_t valid = std::clamp<int64_t>(q_len - q0, 0, queries);
@@ -183,7 +191,7 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
   std::vector<V> l(M, V{});  // softmax denominators, summed across lanes at the end
   for (int64_t r = 0; r < M; ++r) {
     const float* src = q + ((b * g.chunk + q0 + r / G) * N + h * G + r % G) * kD;
-    for (int64_t d = 0; d < kD; ++d) qs[r * kD + d] = src[d] * sm_scale;
+    for (int64_t d = 0; d < kD; ++d) qs[r * kD + d] = src[d] * logits.scale;
   }
   const int64_t first = len - q_len + q0;  // position of the tile's first query
   const int64_t end = first + valid;       // keys [0, end) are seen by some query
@@ -194,6 +202,9 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
     const bool diagonal = key0 + kKeys - 1 > first;  // some key is past some query
     for (int64_t r = 0; r < M; ++r) {
       float* sr = s.data() + r * kKeys;
+      if (logits.soft_cap > 0.0f)  // keys past the row's end are masked below
+        for (int64_t t = 0; t < kKeys; ++t)
+          sr[t] = logits.soft_cap * std::tanh(sr[t] / logits.soft_cap);
       V x[kKeyVecs];
       for (int j = 0; j < kKeyVecs; ++j) x[j] = Load(sr + j * kLanes);
       IV seen[kKeyVecs];  // lanes of keys the query sees
@@ -239,7 +250,7 @@ using kvjax::ParallelFor;
 template <int kD>
 void Run(ffi::ThreadPool& pool, const Geometry& g, const float* q, const float* k,
          const float* v, int64_t layer, const int32_t* tables, const int32_t* lens,
-         const int32_t* q_lens, float sm_scale, float* out) {
+         const int32_t* q_lens, Logits logits, float* out) {
   const int64_t B = g.rows, K = g.kv_heads;
   std::vector<int64_t> offset(B + 1, 0);  // of row b's scratch: rows without queries have none
   for (int64_t b = 0; b < B; ++b)
@@ -259,7 +270,7 @@ void Run(ffi::ThreadPool& pool, const Geometry& g, const float* q, const float* 
     const int64_t b = i % (B * K) / K, h = i % K;
     AttendTile<kD>(g, q, scratch(b, h), v, layer,
                    tables + b * g.width, lens[b], q_lens[b], b, h, tile * kTileQueries,
-                   sm_scale, out);
+                   logits, out);
   });
 }
 
@@ -267,7 +278,8 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                         ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
                         ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
-                        float sm_scale, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                        float sm_scale, float soft_cap,
+                        ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || td[0] != qd[0] ||
       kd[4] != qd[3] || qd[2] % kd[3] != 0)
@@ -285,7 +297,7 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const Geometry g{qd[0], qd[1], qd[2], kd[3], kd[2], kd[1], td[1]};
   auto run = [&](auto fn) {
     fn(pool, g, q.typed_data(), k.typed_data(), v.typed_data(), l, tables.typed_data(), lens,
-       ql, sm_scale, out->typed_data());
+       ql, Logits{sm_scale, soft_cap}, out->typed_data());
     return ffi::Error::Success();
   };
   if (qd[3] == 64) return run(Run<64>);
@@ -306,4 +318,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedPrefill, PagedPrefill,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q lens
                                   .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
