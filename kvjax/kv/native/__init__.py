@@ -61,13 +61,34 @@ def unavailable_reason() -> str | None:
     return cpu_kernels.register(_TARGET, _SOURCE, "KvjaxPagedDecode")
 
 
+def targets_for(isa: cpu_kernels.Isa) -> tuple[str, str]:
+    """Registers the decode and prefill kernels built for `isa` as FFI targets of their own
+    (the AVX2 and generic branches on a CPU whose native build takes the AVX-512 ones);
+    returns their names for the `target` argument of the two attention functions.
+
+    Raises:
+      ValueError: a build is unavailable on this machine.
+    """
+    targets = []
+    for target, source, symbol in ((_TARGET, _SOURCE, "KvjaxPagedDecode"),
+                                   (_PREFILL_TARGET, _PREFILL_SOURCE, "KvjaxPagedPrefill")):
+        if isa is not cpu_kernels.Isa.NATIVE:
+            target = f"{target}_{isa.name.lower()}"
+        reason = cpu_kernels.register(target, source, symbol, isa)
+        if reason is not None:
+            raise ValueError(reason)
+        targets.append(target)
+    return targets[0], targets[1]
+
+
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            layer: jax.Array | int, block_tables: jax.Array,
                            kv_lens: jax.Array, *, q_lens: jax.Array | None = None,
                            k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
                            v_zero: jax.Array | None = None, bits: int = 8, group: int = 0,
-                           sm_scale: float | None = None) -> jax.Array:
+                           sm_scale: float | None = None, split_rows: bool = True,
+                           target: str = _TARGET) -> jax.Array:
     """Decode attention of one layer, read in place from all layers' pages.
 
     Args:
@@ -84,6 +105,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       k_zero, v_zero: float32 [L, num_pages, P, K, D / group], packed codes only.
       bits, group: the packed codes' width (8, 4 or 2) and channels per scale.
       sm_scale: softmax scale, 1/sqrt(D) by default.
+      split_rows: whether a long row may be cut into chunks merged at the end (spreading a
+        few rows over the threads); False: each row in one pass, so its result is bitwise
+        the same whatever other rows the call holds (batch-invariant numerics).
+      target: the FFI target to call (`targets_for`: a build for another ISA level).
     Returns:
       q's shape and dtype; equal to `paged_decode_attention_reference` (Q = 1) or
       `paged_prefill_attention_reference` on layer `layer` of the decoded pages.
@@ -105,13 +130,13 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     flat = q.reshape(b, num_queries, k_heads, n // k_heads, d).transpose(0, 2, 1, 3, 4)
     if q_lens is None:
         q_lens = jnp.full((b,), num_queries, jnp.int32)
-    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((b, num_queries * n, d),
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, num_queries * n, d),
                                                          jnp.float32))(
         flat.reshape(b, num_queries * n, d).astype(jnp.float32), k_pages, v_pages, *meta,
         jnp.asarray(layer, jnp.int32), block_tables.astype(jnp.int32),
         kv_lens.astype(jnp.int32), jnp.asarray(q_lens, jnp.int32),
         sm_scale=np.float32(scale), bits=np.int32(bits), group=np.int32(group),
-        num_queries=np.int32(num_queries))
+        num_queries=np.int32(num_queries), split_rows=split_rows)
     out = out.reshape(b, k_heads, num_queries, n // k_heads, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(q.shape).astype(q.dtype)
 
@@ -185,7 +210,8 @@ def prefill_unavailable_reason() -> str | None:
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                             layer: jax.Array | int, block_tables: jax.Array,
                             kv_lens: jax.Array, q_lens: jax.Array, *,
-                            sm_scale: float | None = None) -> jax.Array:
+                            sm_scale: float | None = None,
+                            target: str = _PREFILL_TARGET) -> jax.Array:
     """Causal prefill attention of one layer, read in place from all layers' float32 pages.
 
     Args:
@@ -196,6 +222,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       layer: the layer to read (a scalar, traced or not).
       block_tables: [B, W] int32; kv_lens, q_lens: [B] int32.
       sm_scale: softmax scale, 1/sqrt(D) by default.
+      target: the FFI target to call (`targets_for`: a build for another ISA level).
     Returns:
       q's shape and dtype: `paged_prefill_attention_reference` on layer `layer`.
     Raises:
@@ -205,7 +232,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     if reason is not None:
         raise ValueError(reason)
     scale = 1.0 / np.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    out = jax.ffi.ffi_call(_PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_pages, v_pages, jnp.asarray(layer, jnp.int32),
         block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
         jnp.asarray(q_lens, jnp.int32), sm_scale=np.float32(scale))
@@ -231,9 +258,10 @@ def prefill_reason_for(kv) -> str | None:
     return prefill_reason(pages)
 
 
-def kernels_for(kv):
+def kernels_for(kv, *, split_rows: bool = True):
     """(kv, layer) -> (decode_fn, prefill_fn): the native decode, and the native prefill
     where it reads the pages (`prefill_reason`), else the blockwise jnp prefill.
+    `split_rows`: as in `paged_decode_attention`, for the decode kernel.
 
     Same signatures as `paged_decode_attention_reference` / `..._prefill_..._reference` over
     the rows' own block tables (what `pallas_kernels.dispatch.kernels_for` returns), so the
@@ -249,7 +277,7 @@ def kernels_for(kv):
 
         def decode(q, block_tables, kv_lens):
             return paged_decode_attention(q, layer=layer, block_tables=block_tables,
-                                          kv_lens=kv_lens, **pages)
+                                          kv_lens=kv_lens, split_rows=split_rows, **pages)
 
         def prefill(q, block_tables, kv_lens, q_lens):
             queries = q.shape[1]
