@@ -43,12 +43,20 @@ Params = dict[str, Any]
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 # matmul(x [T, In], w) -> [T, Out]: a layer's matrix product (w as decoder_layer was given it).
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
+# row_sum(x [..., H]) -> [..., 1]: the sums RMSNorm takes (`kvjax.models.invariant.row_sum`
+# sums in a fixed order; None: XLA's reduction).
+RowSum = Callable[[jax.Array], jax.Array]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, row_sum: RowSum | None = None
+             ) -> jax.Array:
     """RMSNorm in float32, cast back to x's dtype. x: [..., H]."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if row_sum is None:
+        mean_square = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    else:
+        mean_square = row_sum(x32 * x32) / x.shape[-1]
+    x32 = x32 * jax.lax.rsqrt(mean_square + eps)
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -126,12 +134,13 @@ def check_params(params: Params, config: ModelConfig) -> None:
 
 
 def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array,
-        matmul: Matmul = jnp.matmul) -> tuple[jax.Array, jax.Array, jax.Array]:
+        matmul: Matmul = jnp.matmul, row_sum: RowSum | None = None
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H]."""
     c = config
     p = layer_params
     t = h.shape[0]
-    x = rms_norm(h, p["attn_norm"], c.rms_norm_eps)
+    x = rms_norm(h, p["attn_norm"], c.rms_norm_eps, row_sum)
     q = matmul(x, p["wq"])  # [T, N*D]
     k = matmul(x, p["wk"])  # [T, K*D]
     v = matmul(x, p["wv"])
@@ -140,32 +149,33 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
     q = q.reshape(t, c.num_heads, c.head_dim)  # [T, N, D]
     k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, K, D]
     if c.qk_norm:
-        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+        q = rms_norm(q, p["q_norm"], c.rms_norm_eps, row_sum)
+        k = rms_norm(k, p["k_norm"], c.rms_norm_eps, row_sum)
     q, k = c.rope.apply(q, positions), c.rope.apply(k, positions)
     return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
 
 
 def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
                   layer_params: Params, layer_index: jax.Array, cache: Any,
-                  matmul: Matmul = jnp.matmul) -> tuple[jax.Array, Any]:
+                  matmul: Matmul = jnp.matmul, row_sum: RowSum | None = None
+                  ) -> tuple[jax.Array, Any]:
     """One decoder block. h: [T, H]. `matmul(x, w)` multiplies by one of layer_params' matrices
-    (x @ w by default)."""
+    (x @ w by default); `row_sum` takes RMSNorm's sums (None: XLA's)."""
     c = config
     p = layer_params
     t = h.shape[0]
-    q, k, v = qkv(config, p, h, positions, matmul)
+    q, k, v = qkv(config, p, h, positions, matmul, row_sum)
     attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
     h = h + matmul(attn.reshape(t, -1).astype(h.dtype), p["wo"])
-    x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps)
+    x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps, row_sum)
     gate = jax.nn.silu(matmul(x, p["w_gate"]).astype(jnp.float32)).astype(x.dtype)  # [T, F]
     h = h + matmul(gate * matmul(x, p["w_up"]), p["w_down"])  # [T, H]
     return h, cache
 
 
 def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                attend: AttendFn, cache: Any, linear: LayerLinear | None = None
-                ) -> tuple[jax.Array, Any]:
+                attend: AttendFn, cache: Any, linear: LayerLinear | None = None,
+                row_sum: RowSum | None = None) -> tuple[jax.Array, Any]:
     """Runs the decoder over packed tokens and returns final hidden states [T, H] and the cache.
 
     Args:
@@ -175,6 +185,7 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
       cache: whatever `attend` threads through the layers (donated KV buffers).
       linear: multiplies by a layer of the stacked matrices, reading it where it lies
         (`kvjax.models.linear.native_linear`); None: XLA matmuls of the scan's layer slices.
+      row_sum: takes RMSNorm's sums (`kvjax.models.invariant.row_sum`); None: XLA's.
     """
     h = params["embed"][tokens]  # [T, H]
     layers = params["layers"]
@@ -184,7 +195,7 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
             h, cache = carry
             layer_params, layer_index = xs
             h, cache = decoder_layer(config, attend, h, positions, layer_params, layer_index,
-                                     cache)
+                                     cache, row_sum=row_sum)
             return (h, cache), None
 
         (h, cache), _ = jax.lax.scan(body, (h, cache), (layers, layer_ids))
@@ -196,11 +207,11 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
                             for name, w in layers.items()}
             h, cache = decoder_layer(
                 config, attend, h, positions, layer_params, layer_index, cache,
-                matmul=lambda x, w: linear(x, w, layer_index))
+                matmul=lambda x, w: linear(x, w, layer_index), row_sum=row_sum)
             return (h, cache), None
 
         (h, cache), _ = jax.lax.scan(body, (h, cache), layer_ids)
-    return rms_norm(h, params["final_norm"], config.rms_norm_eps), cache
+    return rms_norm(h, params["final_norm"], config.rms_norm_eps, row_sum), cache
 
 
 def lm_head(params: Params, config: ModelConfig, h: jax.Array,
