@@ -82,6 +82,19 @@ def test_probe_logprobs_are_bitwise_independent_of_the_batch(model, alone, scena
     print(f"default mode's largest logprob divergence so far: {DIVERGENCE['default']:.3g}")
 
 
+def test_probes_are_bitwise_the_same_through_preemption_and_prefix_hits(model, alone):
+    """A scenario that surely preempts (four long companions in 14 pages) and hits the prefix
+    cache (9 tokens of probe 0 cached), in 8-token chunks."""
+    engine = _engine(model, True, num_pages=14, chunk=8)
+    companions = [[(7 * i + j) % 120 + 1 for j in range(30)] for i in range(4)]
+    got = _probe_outputs(engine, [PROBES[0][:9] + [126]], companions)
+    assert engine.stats["preemptions"] > 0
+    assert engine.prefix_cache_stats()["prefix_hit_tokens"] > 0
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, alone[True], strict=True):
+        assert tokens == want_tokens
+        np.testing.assert_array_equal(logprobs, want_logprobs)
+
+
 def test_default_mode_diverges_where_the_invariant_mode_does_not(model, alone):
     """One batch where the default mode's logprobs move (a step past the native matmul's
     size, long companions sharing the step): what batch_invariant exists for."""
