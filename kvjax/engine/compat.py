@@ -200,6 +200,7 @@ class ModelTrait(enum.Enum):
     """A property of a model's architecture that some features cannot serve."""
 
     POSITION_DEPENDENT_ROPE = "position_dependent_rope"
+    LAYER_GROUPS = "layer_groups"
 
     @property
     def description(self) -> str:
@@ -209,7 +210,12 @@ class ModelTrait(enum.Enum):
 _TRAIT_DESCRIPTIONS = {
     ModelTrait.POSITION_DEPENDENT_ROPE: "RoPE whose frequencies depend on the position "
                                         "(rope_type dynamic or longrope, e.g. Phi-3 128k)",
+    ModelTrait.LAYER_GROUPS: "sliding-window layers (`ModelConfig.layer_windows`: Mistral, "
+                             "Qwen2/Qwen3 with windows, Gemma): KV layer groups with block "
+                             "tables of their own",
 }
+_ONE_TABLE = ("{} one block table of pages per sequence, while a model with sliding-window "
+              "layers keeps one per layer group, its windows' older pages already given back")
 _SHIFTED_KEYS = ("{} choose a key's frequencies by its position, so a key turned by a shift "
                  "is not the key at its new position")
 MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
@@ -217,21 +223,45 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         "dynamic NTK and LongRoPE") + ", which is what a reused chunk's keys need",
     (ModelTrait.POSITION_DEPENDENT_ROPE, Feature.STREAMING_ROTATED): _SHIFTED_KEYS.format(
         "dynamic NTK and LongRoPE") + ", which is what rotated attention sinks need",
+    **{(ModelTrait.LAYER_GROUPS, f): _ONE_TABLE.format(what) for f, what in (
+        (Feature.INT8, "quantized pools lay out codes and scales for"),
+        (Feature.KIVI, "KIVI's key groups and exact windows follow"),
+        (Feature.KIVI_RESIDUAL, "KIVI's key groups and exact windows follow"),
+        (Feature.STREAMING, "a retention policy compacts"),
+        (Feature.STREAMING_ROTATED, "a retention policy compacts"),
+        (Feature.H2O, "a retention policy compacts"),
+        (Feature.SNAPKV, "a retention policy compacts"),
+        (Feature.QUEST, "Quest's page summaries and selections index"),
+        (Feature.HOST_TIER, "the host and disk tiers move and index"),
+        (Feature.SWAP, "a swap copies out and back"),
+        (Feature.AUTO_PREEMPTION, "a swap copies out and back"),
+        (Feature.SNAPSHOT, "a snapshot saves and restores"),
+        (Feature.CONTEXT_REUSE, "a reused chunk is copied in through"),
+        (Feature.KV_ARENA, "an arena frame holds every layer of"),
+        (Feature.CONTROLLER, "the controller's swaps and demotions move"),
+        (Feature.CONTIGUOUS, "contiguous slots preallocate every layer of"),
+        (Feature.MESH, "the mesh's sharded programs are built for"))},
 }
 """Every feature a model trait refuses, with the reason."""
 
 
 def model_traits(model_config: Any) -> set[ModelTrait]:
     """The traits of a `ModelConfig` that `MODEL_REFUSED` knows."""
-    return set() if model_config.rope.is_shift_invariant else {
+    traits = set() if model_config.rope.is_shift_invariant else {
         ModelTrait.POSITION_DEPENDENT_ROPE}
+    if any(model_config.layer_windows):
+        traits.add(ModelTrait.LAYER_GROUPS)
+    return traits
 
 
-def check_model(config: Any, model_config: Any, *, on_mesh: bool = False) -> None:
-    """Raises ValueError when a feature of `config` (an `EngineConfig`) does not serve a model
-    of `model_config`, naming the setting, the model and the reason from `MODEL_REFUSED`."""
+def check_model(config: Any, model_config: Any, *, on_mesh: bool = False,
+                uses: Iterable[Feature] = ()) -> None:
+    """Raises ValueError when a feature of `config` (an `EngineConfig`), or one it is about to
+    be `uses`d for (snapshots), does not serve a model of `model_config`, naming the setting,
+    the model and the reason from `MODEL_REFUSED`."""
     traits = model_traits(model_config)
-    for present in _present(config, on_mesh):
+    used = [_Present(f, _USE_SETTINGS[f]) for f in uses]
+    for present in _present(config, on_mesh) + used:
         for trait in traits:
             reason = MODEL_REFUSED.get((trait, present.feature))
             if reason is not None:

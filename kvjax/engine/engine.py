@@ -137,7 +137,7 @@ class Engine:
         self.kv_spec = retention.policy.wrap_spec(pool.spec)
         kv = retention.policy.wrap_state(pool.kv)
         if config.batch_invariant:
-            invariant.check(model.dtype, self.kv_dtype)
+            invariant.check(mc, model.dtype, self.kv_dtype)
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
                                 retention=retention.step_hooks, matmul_impl=config.matmul_impl,
                                 batch_invariant=config.batch_invariant)
@@ -157,7 +157,8 @@ class Engine:
                               history_width=self.max_model_len, bias_width=_BIAS_WIDTH)
         self.runner = ModelRunner(programs, buckets, kv, model.params, model.weights_version,
                                   page_size=config.page_size,
-                                  kv_store=None if kv_pool is None else kv_pool.store())
+                                  kv_store=None if kv_pool is None else kv_pool.store(),
+                                  num_tables=len(pool.spec.table_groups()))
         self.stats: dict = {}
         tiers, swap_space = self._build_tiers(pool)
         self.runner.kv_programs[KVOpKind.SCRUB] = lambda kv, op: swap_space.scrub(
@@ -272,7 +273,10 @@ class Engine:
 
     @property
     def kv_bytes_per_page(self) -> int:
-        """Device bytes of one page's tokens over every layer (codes and metadata)."""
+        """Device bytes of one page's tokens over every layer (codes and metadata); with
+        several layer groups, of one page of the pool (one table group's layers)."""
+        if self.kv_spec.is_grouped:
+            return int(self.kv_spec.page_bytes)
         return int(self.kv_bytes_per_token * self.kv_spec.page_size)
 
     @property

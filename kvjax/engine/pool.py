@@ -16,6 +16,7 @@ from kvjax.engine.swap import HostSwapSpace
 from kvjax.kv.spec import KVCacheSpec
 from kvjax.kv.state import exact_cache_spec, init_contiguous_kv, init_paged_kv
 from kvjax.memory.block_manager import BlockManager
+from kvjax.memory.groups import GroupedBlockManager
 from kvjax.memory.slots import SlotAllocator
 
 
@@ -77,7 +78,7 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
     if config.kv_codec != "none":
         return _quantized_pool(mc, config, max_model_len=max_model_len)
     spec = exact_cache_spec(mc, config.page_size, kv_dtype)
-    spec.check_single_group()
+    spec.check_servable()
     per_token = spec.bytes_per_token
     if config.kv_layout is KVLayout.CONTIGUOUS:
         per_seq = per_token * max_model_len
@@ -91,9 +92,14 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
         return KVPool(kv, allocator, HostSwapSpace(), spec)
     num_pages = config.num_pages or spec.num_pages_for_budget(
         budget_bytes(config, per_token, max_model_len))
-    kv = init_paged_kv(mc, num_pages, config.page_size, kv_dtype)
-    allocator = BlockManager(num_pages, config.page_size,
-                             **allocator_options(config))
+    kv = init_paged_kv(mc, num_pages, config.page_size, kv_dtype,
+                       num_layers=spec.layers_per_table)
+    if spec.is_grouped:
+        allocator = GroupedBlockManager(num_pages, config.page_size,
+                                        [t.window for t in spec.table_groups()],
+                                        **allocator_options(config))
+    else:
+        allocator = BlockManager(num_pages, config.page_size, **allocator_options(config))
     return KVPool(kv, allocator, HostSwapSpace(), spec)
 
 

@@ -251,8 +251,10 @@ class ModelRunner:
     """
 
     def __init__(self, programs: StepPrograms, buckets: StepBuckets, kv: Any, params: Any,
-                 weights_version: str, *, page_size: int, kv_store: KVStore | None = None):
+                 weights_version: str, *, page_size: int, kv_store: KVStore | None = None,
+                 num_tables: int = 1):
         self.programs = programs
+        self.num_tables = num_tables
         self.buckets = buckets
         self._store = OwnKV() if kv_store is None else kv_store
         self.kv = kv
@@ -332,7 +334,7 @@ class ModelRunner:
         step's feed on the device, at that row's padded index.
         """
         shape = self.buckets.shape_for(so, logits_mode)
-        buf = empty_step_input(shape)
+        buf = empty_step_input(shape, self.num_tables)
         bd, num_decode, wd = shape.num_decode, len(so.decode), shape.decode_width
         row_index = []
         t0 = bd * wd  # the next prefill row's first token: prefill rows are packed
@@ -361,6 +363,12 @@ class ModelRunner:
         buf["positions"][t0:t0 + n] = np.arange(row.start, row.start + n, dtype=np.int32)
         buf["slot_mapping"][t0:t0 + n] = table[cpos // page_size] * page_size + \
             cpos % page_size
+        if row.group_tables is not None:  # the other layer groups' pages of the same tokens
+            groups = row.group_tables
+            buf["group_slots"][:, t0:t0 + n] = groups[:, cpos // page_size] * page_size + \
+                cpos % page_size
+            width = min(groups.shape[1], shape.max_pages)
+            buf["group_tables"][:, r, :width] = groups[:, :width]
         buf["score_weights"][t0:t0 + n] = row.score_weights
         reads, kv_len = (table, cpos[-1] + 1) if row.read_table is None else \
             (row.read_table, row.read_len)  # a draft row reads a subset of its pages
@@ -454,6 +462,6 @@ class ModelRunner:
         for greedy_shape in self.buckets.step_shapes():
             for variant in variants:
                 shape = dataclasses.replace(greedy_shape, **variant)
-                buf = empty_step_input(shape)
+                buf = empty_step_input(shape, self.num_tables)
                 buf["prev_tokens"] = self._zero_feed
                 _, self.kv = self.programs.step(params, self.kv, buf, shape)

@@ -28,6 +28,7 @@ from flax import struct
 from kvjax.config import ModelConfig
 from kvjax.kv import attention as attention_ref
 from kvjax.kv import layout, native
+from kvjax.kv.spec import layer_tables
 from kvjax.kv.state import KVState
 from kvjax.models import invariant, linear, llama
 from kvjax.sampling import LogitRules, sample_tokens, verify_drafts
@@ -136,6 +137,9 @@ class StepInput:
       prev_tokens: [F] int32, the previous step's `StepOutput.feed_tokens` (zeros if none).
       row_starts: [R] int32, the index in `tokens` of each row's first token.
       token_rows: [T] int32, the row of each token (`kvjax.kv.layout`).
+      group_tables: [G-1, R, Pmax] int32, the block tables of layer groups 1..G-1 of a model
+        with several (`kvjax.kv.spec.KVCacheSpec.table_groups`; `block_tables` is group 0's).
+      group_slots: [G-1, T] int32, those groups' slot mappings (`slot_mapping`: group 0's).
     """
 
     tokens: jax.Array
@@ -166,6 +170,14 @@ class StepInput:
     prev_tokens: jax.Array
     row_starts: jax.Array
     token_rows: jax.Array
+    group_tables: jax.Array
+    group_slots: jax.Array
+
+    def for_table(self, table: jax.Array) -> StepInput:
+        """This input as layer group `table` (traced) sees it: its block tables and slots."""
+        tables = jnp.concatenate([self.block_tables[None], self.group_tables])  # [G, R, W]
+        slots = jnp.concatenate([self.slot_mapping[None], self.group_slots])  # [G, T]
+        return self.replace(block_tables=tables[table], slot_mapping=slots[table])
 
 
 @struct.dataclass
@@ -192,8 +204,9 @@ class StepOutput:
     spec_logprobs: jax.Array | None = None
 
 
-def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
-    """Host buffers for one step, filled with padding values."""
+def empty_step_input(shape: StepShape, num_tables: int = 1) -> dict[str, np.ndarray]:
+    """Host buffers for one step, filled with padding values (num_tables: G, the block tables
+    of the model's layer groups)."""
     r, t, bd, w = shape.num_rows, shape.num_tokens, shape.num_decode, shape.decode_width
     h, kb = shape.history_width, shape.bias_width
     return dict(
@@ -225,6 +238,8 @@ def empty_step_input(shape: StepShape) -> dict[str, np.ndarray]:
         prev_tokens=np.zeros(max(shape.feed_rows, r), np.int32),
         row_starts=(np.minimum(np.arange(r), bd) * w).astype(np.int32),
         token_rows=np.minimum(np.arange(t) // w, bd).astype(np.int32),
+        group_tables=np.zeros((num_tables - 1, r, shape.max_pages), np.int32),
+        group_slots=np.full((num_tables - 1, t), -1, np.int32),
     )
 
 
@@ -260,12 +275,14 @@ def _resolve(impl: AttentionImpl, kv: KVState):
 
 
 def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, shape: StepShape,
-                 kernels, reads: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                 kernels, reads: tuple[jax.Array, jax.Array] | None = None,
+                 window: jax.Array | None = None) -> jax.Array:
     """Attention of a step's decode rows and prefill rows. q: [T, N, D] -> [T, N, D].
 
     kernels: `_resolve`'s Pallas kernel chooser, or None for the blockwise reference.
     reads: (indices [Bd, W], kv_lens [Bd]) of the block-table entries decode rows read (a
     retention policy's `select_reads`), or None: every page.
+    window: the layer's sliding window (int32 scalar, 0: global; blockwise only), or None.
     """
     bd, bp, wd = shape.num_decode, shape.num_prefill, shape.decode_width
     bt, kv_lens, q_lens = inp.block_tables, inp.kv_lens, inp.q_lens
@@ -292,7 +309,7 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
             outs.append(layout.unpack_prefill(out, inp, shape))
         return jnp.concatenate(outs, axis=0)
     blockwise = functools.partial(attention_ref.paged_attention_blockwise,
-                                  pages_per_block=PAGES_PER_BLOCK)
+                                  pages_per_block=PAGES_PER_BLOCK, window=window)
 
     def reader(rows: slice):
         """(block tables, page loader) of `rows`."""
@@ -341,19 +358,28 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     the step (`kvjax.models.invariant`; overrides attention_impl and matmul_impl).
     """
     q_lens = inp.q_lens
-    kernels = _resolve(attention_impl, kv)  # Once per program, for every layer.
+    # Sliding-window layers run the blockwise path, which masks and skips out-of-window pages.
+    kernels = None if any(config.layer_windows) else _resolve(attention_impl, kv)
     if kernels is not None and place_kernels is not None:
         kernels = place_kernels(kernels)
     scores_keys = retention is not None and retention.scores_keys
 
+    layer_map = layer_tables(config.kv_layer_groups())
+    grouped = max(layer_map[0]) > 0 or any(layer_map[2])
+    tables, slots, windows = (jnp.asarray(x, jnp.int32) for x in layer_map)
+
     def attend(layer, q, k, v, carry):
         kv, key_scores = carry
-        kv = kv.write_rows(layer, inp, shape, k, v)
-        reads = None if retention is None else retention.select_reads(kv, layer, q, inp, shape)
-        if batch_invariant:
-            out = _attend_per_query(kv, layer, q, inp)
+        if grouped:  # several layer groups, or windows: this layer's table and pool slot
+            layer_inp, layer, window = inp.for_table(tables[layer]), slots[layer], windows[layer]
         else:
-            out = _attend_rows(kv, layer, q, inp, shape, kernels, reads)
+            layer_inp, window = inp, None
+        kv = kv.write_rows(layer, layer_inp, shape, k, v)
+        reads = None if retention is None else retention.select_reads(kv, layer, q, inp, shape)
+        if batch_invariant:  # one layer group without windows (`invariant.check`)
+            out = _attend_per_query(kv, layer, q, layer_inp)
+        else:
+            out = _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads, window)
         if scores_keys:
             key_scores = key_scores + retention.key_scores(kv, layer, q, inp, shape,
                                                            pages_per_block=PAGES_PER_BLOCK)
@@ -478,7 +504,9 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         bias_until=jnp.zeros((n, 0), jnp.int32), score_weights=jnp.zeros(n, jnp.float32),
         seq_slots=zeros,
         kv_floors=zeros, token_src=jnp.full(n, -1, jnp.int32), prev_tokens=zeros,
-        row_starts=jnp.arange(n, dtype=jnp.int32), token_rows=jnp.arange(n, dtype=jnp.int32))
+        row_starts=jnp.arange(n, dtype=jnp.int32), token_rows=jnp.arange(n, dtype=jnp.int32),
+        group_tables=jnp.zeros((0, n, block_table.shape[0]), jnp.int32),
+        group_slots=jnp.zeros((0, n), jnp.int32))
 
 
 def blend_step(params, kv: KVState, tokens: jax.Array, positions: jax.Array, slots: jax.Array,

@@ -227,6 +227,7 @@ def paged_attention_blockwise(
     pages_per_block: int = 8,
     sm_scale: float | None = None,
     query_tile: int = 256,
+    window: jax.Array | int | None = None,
 ) -> jax.Array:
     """The engine's jnp fast path: `paged_prefill_attention_reference` computed block by block.
 
@@ -245,6 +246,9 @@ def paged_attention_blockwise(
       block_tables: [B, W] int32 (padded here with page 0, masked, to a multiple of
         pages_per_block).
       kv_lens, q_lens: [B] int32.
+      window: a sliding window (int32 scalar, traced or not; 0 or None: none): a query at
+        position t sees keys t - window + 1 .. t, and the walk starts at the first block any
+        of them needs, so pages before it (given back to the pool) are never read.
     Returns:
       [B, C, N, D] in q's dtype.
     """
@@ -265,6 +269,10 @@ def paged_attention_blockwise(
         ct = qt.shape[1]
         seen = jnp.minimum(jnp.max(jnp.where(valid, pos + 1, 0)), jnp.max(kv_lens))
         num_blocks = (seen + block - 1) // block
+        first_block = 0
+        if window is not None:
+            oldest = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max)) - window + 1
+            first_block = jnp.where(window > 0, jnp.clip(oldest, 0, seen) // block, 0)
 
         def body(i, carry):
             m, denom, acc = carry  # [B, K, G, Ct], [B, K, G, Ct], [B, K, G, Ct, D]
@@ -276,6 +284,8 @@ def paged_attention_blockwise(
             kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [S']
             mask = (kv_pos[None, None, :] <= pos[:, :, None]) & (
                 kv_pos[None, None, :] < kv_lens[:, None, None]) & valid[:, :, None]  # [B,Ct,S']
+            if window is not None:
+                mask &= (window <= 0) | (kv_pos[None, None, :] > pos[:, :, None] - window)
             v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, 0.0)
             s = jnp.einsum("bckgd,bskd->bkgcs", qt, k)  # [B, K, G, Ct, S']
             s = jnp.where(mask[:, None, None], s, -jnp.inf)
@@ -290,7 +300,7 @@ def paged_attention_blockwise(
         init = (jnp.full((b, k_heads, g, ct), -jnp.inf, jnp.float32),
                 jnp.zeros((b, k_heads, g, ct), jnp.float32),
                 jnp.zeros((b, k_heads, g, ct, d), jnp.float32))
-        _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+        _, denom, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
         out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [B, K, G, Ct, D]
         return jnp.einsum("bkgcd->bckgd", out).reshape(b, ct, n, d)
 

@@ -6,10 +6,15 @@ page size, and sizes everything from the resulting `KVCacheSpec`: pages for a by
 bytes per token and per page, the budget admission and the benchmarks count against. No other
 module multiplies layers by heads by head dim.
 
-Today every model declares one group of all its layers, keeping every token, K and V heads
-(G = 1), and every page holds that group's tokens in every layer. The enums already name what
-later groups need: a sliding window or a token budget for `TokenKeep`, an MLA latent for
-`TokenStore`. A pool built from a spec it cannot serve yet refuses it (`check_single_group`).
+Most models declare one group of all their layers keeping every token (G = 1): every page
+holds its tokens in every layer. A model with sliding-window layers declares one group per
+window (`ModelConfig.layer_windows`); the pool then keeps one block table per *table group*
+(`KVCacheSpec.table_groups`): every group is cut into runs of the same number of layers (the
+gcd of the group sizes), so every page of the pool holds the same bytes (that many layers of P
+tokens) whichever group owns it, and all groups draw pages from one free list and one byte
+budget (`kvjax.memory.groups`). A sliding-window group gives back the pages that fall out of
+its window. The enums also name what later groups need: a token budget for `TokenKeep`, an MLA
+latent for `TokenStore`; a pool refuses a spec it cannot serve yet (`check_servable`).
 
 Bytes, for a group of Lg layers and page size P (one tensor's codec bytes per token: c(K, D)):
 
@@ -215,6 +220,27 @@ class KVCacheSpec:
         return sum(len(g.layers) for g in self.groups)
 
     @property
+    def layers_per_table(self) -> int:
+        """Layers one page holds: the gcd of the group sizes (every layer when G = 1)."""
+        return math.gcd(*(len(g.layers) for g in self.groups))
+
+    def table_groups(self) -> tuple[TableGroup, ...]:
+        """The groups cut into runs of `layers_per_table` layers, each with a block table of
+        its own (group order, then layer order)."""
+        return table_groups([(g.layers, _window(g.spec.keep, g.spec.num_keep_tokens))
+                             for g in self.groups])
+
+    @property
+    def is_grouped(self) -> bool:
+        """Whether the pool needs more than one block table, or gives back window pages."""
+        return len(self.table_groups()) > 1 or any(t.window for t in self.table_groups())
+
+    def bytes_held(self, num_tokens: int) -> float:
+        """Bytes a sequence of `num_tokens` tokens holds at token granularity: each group's
+        layers times the tokens it keeps (a window keeps at most its window)."""
+        return sum(g.bytes_per_token * _keep_cap(g.spec, num_tokens) for g in self.groups)
+
+    @property
     def page_size(self) -> int:
         """P, shared by every group while pages span them all."""
         sizes = {g.spec.page_size for g in self.groups}
@@ -235,7 +261,13 @@ class KVCacheSpec:
 
     @property
     def page_bytes(self) -> float:
-        """Bytes one page takes over every layer (summaries included)."""
+        """Bytes one page takes. Groups whose layers' pages are alike (a sliding window beside
+        global layers) share one pool of pages of `layers_per_table` layers; groups that
+        differ in what a page holds (an MLA latent beside K and V heads, which no pool serves
+        yet) would span one page across every group's layers."""
+        per_layer = {g.spec.page_bytes for g in self.groups}
+        if len(self.groups) > 1 and len(per_layer) == 1:
+            return self.layers_per_table * per_layer.pop()
         return sum(g.page_bytes for g in self.groups)
 
     @property
@@ -260,13 +292,27 @@ class KVCacheSpec:
         return KVCacheSpec(tuple(dataclasses.replace(g, spec=fn(g.spec)) for g in self.groups))
 
     def check_single_group(self) -> None:
-        """ValueError unless this is one group of all layers keeping every token, K and V heads:
-        the only spec pools serve so far."""
+        """ValueError unless this is one group of all layers keeping every token, K and V heads
+        (what arenas and windowed KIVI pools serve)."""
         spec = self.groups[0].spec
         if len(self.groups) != 1 or spec.keep is not TokenKeep.ALL \
                 or spec.format.store is not TokenStore.KV_HEADS:
-            raise ValueError(f"KV pools hold one group of global-attention layers with K and V "
-                             f"heads so far; got groups {self.describe()}")
+            raise ValueError(f"this KV pool holds one group of global-attention layers with K "
+                             f"and V heads; got groups {self.describe()}")
+
+    def check_servable(self) -> None:
+        """ValueError unless paged pools serve this spec: K and V heads in every group, every
+        group keeping all tokens or a sliding window, and groups differing in nothing else
+        (one page format for the whole pool)."""
+        first = self.groups[0].spec
+        for g in self.groups:
+            if g.spec.format.store is not TokenStore.KV_HEADS or g.spec.keep is TokenKeep.BUDGET:
+                raise ValueError(f"paged pools hold K and V heads of global or sliding-window "
+                                 f"layers; got groups {self.describe()}")
+            if dataclasses.replace(g.spec, keep=first.keep,
+                                   num_keep_tokens=first.num_keep_tokens) != first:
+                raise ValueError(f"layer groups of one pool share a page format; got groups "
+                                 f"{self.describe()}")
 
     def describe(self) -> list[dict]:
         """The groups as plain data (reports, JSON)."""
@@ -275,6 +321,48 @@ class KVCacheSpec:
                      codec=g.spec.codec_name, page_size=g.spec.page_size,
                      token_bytes=g.spec.token_bytes, page_bytes=g.page_bytes,
                      seq_slot_bytes=g.seq_slot_bytes) for g in self.groups]
+
+
+@dataclasses.dataclass(frozen=True)
+class TableGroup:
+    """Layers that share one block table: their pages hold the same tokens.
+
+    Attributes:
+      layers: the layer indices (`KVCacheSpec.layers_per_table` of them).
+      window: the layers' sliding window in tokens, 0 when they keep every token.
+    """
+
+    layers: tuple[int, ...]
+    window: int = 0
+
+
+def table_groups(groups: Sequence[tuple[tuple[int, ...], int]]) -> tuple[TableGroup, ...]:
+    """(layers, window) groups cut into runs of the gcd of their sizes, in order."""
+    n = math.gcd(*(len(layers) for layers, _ in groups))
+    return tuple(TableGroup(layers[i:i + n], window)
+                 for layers, window in groups for i in range(0, len(layers), n))
+
+
+def layer_tables(groups: Sequence[LayerGroup]
+                 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per layer of a model declaring `groups`: its table group's index, its index among that
+    group's layers (the layer axis of the pool's arrays) and its window (0: global)."""
+    table, slot, window = {}, {}, {}
+    tables = table_groups([(g.layers, _window(g.keep, g.num_keep_tokens)) for g in groups])
+    for t, group in enumerate(tables):
+        for j, layer in enumerate(group.layers):
+            table[layer], slot[layer], window[layer] = t, j, group.window
+    layers = range(len(table))
+    return (tuple(table[i] for i in layers), tuple(slot[i] for i in layers),
+            tuple(window[i] for i in layers))
+
+
+def _window(keep: TokenKeep, num_keep_tokens: int) -> int:
+    return num_keep_tokens if keep is TokenKeep.SLIDING_WINDOW else 0
+
+
+def _keep_cap(spec: KVSpec, num_tokens: int) -> int:
+    return num_tokens if spec.keep is TokenKeep.ALL else min(num_tokens, spec.num_keep_tokens)
 
 
 TokenBytes = Callable[[int, int], float]  # (heads, width) -> bytes of one tensor per token

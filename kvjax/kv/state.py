@@ -408,12 +408,16 @@ class ContiguousKV(SlotAddressed):
         return self.k.nbytes + self.v.nbytes
 
 
-def init_paged_kv(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32
-                  ) -> PagedKV:
-    """A zeroed pool of `num_pages` pages of `page_size` tokens."""
+def init_paged_kv(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *,
+                  num_layers: int | None = None) -> PagedKV:
+    """A zeroed pool of `num_pages` pages of `page_size` tokens.
+
+    num_layers: layers a page holds (`KVCacheSpec.layers_per_table` for a model with several
+    layer groups); None: every layer of the model."""
     if num_pages <= 0 or page_size <= 0:
         raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be positive")
-    shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+    shape = (num_layers or config.num_layers, num_pages, page_size, config.num_kv_heads,
+             config.head_dim)
     return PagedKV(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
 
 

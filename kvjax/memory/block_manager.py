@@ -121,9 +121,14 @@ class BlockManagerStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens
 
 
+RELEASED = -1  # a block-table entry whose page a sliding-window manager gave back
+
+
 @dataclasses.dataclass
 class _Sequence:
-    block_table: list[int]  # [pages_per_seq] page ids, position p lives in block_table[p // P]
+    # [pages_per_seq] page ids, position p lives in block_table[p // P]; RELEASED entries (a
+    # sliding window's pages that fell out of it) hold no page.
+    block_table: list[int]
     cache_key: bytes
     page_hashes: list[bytes]  # hash chain of the leading full pages whose content is known
     num_tokens: int  # current length: the cached prefix, then the `end` of the last write
@@ -134,15 +139,24 @@ class _Sequence:
 class BlockManager:
     """Allocates pages of P tokens to sequences and shares full pages through a prefix cache.
 
+    With a `window` (the pages of a sliding-window layer group), a sequence needs only the
+    pages of its last `window` tokens before the position it computes next: `release_before`
+    gives the older ones back (their block-table entries become RELEASED), and a prefix hit
+    needs only the cached pages of the window before the hit's end (`best_hit`).
+
     Attributes:
         num_pages: pages in the device KV pool.
         page_size: P, tokens per page.
+        window: the sliding window in tokens, 0 when every token is kept.
         prefix_cache: the index of full pages, or None when prefix caching is disabled.
     """
 
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_cache: bool = True,
                  pages: PageSource | None = None,
-                 prefix_eviction: PrefixEviction = PrefixEviction.LRU):
+                 prefix_eviction: PrefixEviction = PrefixEviction.LRU, window: int = 0):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"window must be an int >= 0, got {window!r}")
+        self.window = window
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         if not isinstance(page_size, int) or page_size <= 0:
@@ -200,6 +214,10 @@ class BlockManager:
         """The page ids of `seq_id`, [pages_per_seq]; position p lives in page p // P."""
         return list(self._get(seq_id).block_table)
 
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """Every layer group's table: this manager's one."""
+        return [self.block_table(seq_id)]
+
     def num_tokens_cached(self, seq_id: Hashable) -> int:
         """Prompt tokens of `seq_id` attached from the prefix cache by add_sequence."""
         return self._get(seq_id).num_cached_tokens
@@ -208,12 +226,30 @@ class BlockManager:
         """What add_sequence would return now, without attaching pages or counting a query."""
         if self.prefix_cache is None or len(token_ids) == 0:
             return 0
-        pages = self.prefix_cache.lookup(token_ids[: len(token_ids) - 1], cache_key)
-        return len(pages) * self.page_size
+        return self.best_hit(token_ids, cache_key, len(token_ids) - 1)
+
+    def best_hit(self, token_ids: Sequence[int], cache_key: bytes, limit: int) -> int:
+        """The most leading tokens of `token_ids` (a multiple of P, at most `limit`) whose
+        pages this manager could attach from the prefix cache: every page of them, or with a
+        window the pages of the last `window` tokens before the end."""
+        if self.prefix_cache is None or limit <= 0:
+            return 0
+        p = self.page_size
+        if not self.window:
+            return len(self.prefix_cache.lookup(token_ids[:limit], cache_key)) * p
+        found = self.prefix_cache.lookup_each(token_ids[:limit], cache_key)
+        for end in range(len(found), 0, -1):  # the longest hit whose window is all cached
+            if all(page is not None for page in found[self._first_needed(end * p) // p:end]):
+                return end * p
+        return 0
+
+    def _first_needed(self, position: int) -> int:
+        """The first cached position a query at `position` reads (0 without a window)."""
+        return max(0, position - self.window + 1) if self.window else 0
 
     def add_sequence(
         self, seq_id: Hashable, token_ids: Sequence[int], *, cache_key: bytes = b"",
-        indexable: bool = True, record_stats: bool = True,
+        indexable: bool = True, record_stats: bool = True, num_cached: int | None = None,
     ) -> int:
         """Registers a sequence and attaches the cached pages of its prompt's longest prefix.
 
@@ -230,6 +266,9 @@ class BlockManager:
                 prefix cache.
             record_stats: count the lookup in the prefix-cache statistics (False for a
                 registration that only holds cached pages, such as a chunk being copied).
+            num_cached: attach exactly this many leading tokens (a multiple of P that
+                `best_hit` allows: the hit every layer group of a model can take), instead
+                of this manager's own best hit.
 
         Returns:
             The number of cached tokens: a multiple of P, and < len(token_ids).
@@ -242,21 +281,28 @@ class BlockManager:
             raise ValueError(f"cache_key must be bytes, got {type(cache_key).__name__}")
         pages, hashes = [], []
         if self.prefix_cache is not None and indexable:
-            pages = self.prefix_cache.lookup(token_ids[: len(token_ids) - 1], cache_key)
-            hashes = [self.prefix_cache.hash_of(page) for page in pages]
-            for page in pages:
+            if num_cached is None:
+                num_cached = self.best_hit(token_ids, cache_key, len(token_ids) - 1)
+            found = self.prefix_cache.lookup_each(token_ids[:num_cached], cache_key)
+            first = self._first_needed(num_cached) // self.page_size
+            if len(found) * self.page_size != num_cached or None in found[first:]:
+                raise ValueError(f"sequence {seq_id!r}: the prefix cache does not hold the "
+                                 f"pages of a {num_cached}-token hit")
+            hashes = self.prefix_cache.chain_hashes(token_ids[:num_cached], cache_key)
+            pages = [RELEASED] * first + found[first:]
+            for page in pages[first:]:
                 self._acquire(page)
                 if record_stats:
                     self.prefix_cache.record_hit(page)
+        num_cached = len(pages) * self.page_size
         if self.prefix_cache is not None and indexable and record_stats:
             self._stats = dataclasses.replace(
                 self._stats,
                 prefix_queries=self._stats.prefix_queries + 1,
                 prefix_query_tokens=self._stats.prefix_query_tokens + len(token_ids),
                 prefix_hits=self._stats.prefix_hits + len(pages),
-                prefix_hit_tokens=self._stats.prefix_hit_tokens + len(pages) * self.page_size,
+                prefix_hit_tokens=self._stats.prefix_hit_tokens + num_cached,
             )
-        num_cached = len(pages) * self.page_size
         self._seqs[seq_id] = _Sequence(
             block_table=pages,
             cache_key=cache_key,
@@ -279,6 +325,11 @@ class BlockManager:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         cow_indices, num_new = self._plan(seq, min(seq.num_tokens, num_tokens), num_tokens)
+        return len(cow_indices) + num_new
+
+    def pages_to_write(self, seq_id: Hashable, start: int, end: int) -> int:
+        """Pages (new ones plus copies) `ensure_writable(seq_id, start, end)` would take."""
+        cow_indices, num_new = self._plan(self._get(seq_id), start, end)
         return len(cow_indices) + num_new
 
     def ensure_writable(
@@ -320,7 +371,8 @@ class BlockManager:
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} is already registered")
         for page in parent.block_table:
-            self._ref_counts[page] += 1
+            if page != RELEASED:
+                self._ref_counts[page] += 1
         self._seqs[child_id] = dataclasses.replace(
             parent, block_table=list(parent.block_table), page_hashes=list(parent.page_hashes)
         )
@@ -349,7 +401,8 @@ class BlockManager:
             start = index * self.page_size
             parent = hash_page(parent, token_ids[start : start + self.page_size])
             seq.page_hashes.append(parent)
-            self.prefix_cache.insert(parent, seq.block_table[index], index, owner=root)
+            if seq.block_table[index] != RELEASED:
+                self.prefix_cache.insert(parent, seq.block_table[index], index, owner=root)
 
     def retain(
         self, seq_id: Hashable, keep: Sequence[int]
@@ -425,7 +478,31 @@ class BlockManager:
         tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
         del seq.page_hashes[num_tokens // self.page_size:]
         seq.num_tokens = num_tokens
-        return [page for page in reversed(tail) if self._release(page)]
+        return [page for page in reversed(tail) if page != RELEASED and self._release(page)]
+
+    def release_before(self, seq_id: Hashable, position: int) -> list[int]:
+        """With a window: gives back the sequence's pages that no query from `position` on
+        reads (every token older than the window before it); their entries become RELEASED.
+        A no-op without a window.
+
+        Returns:
+            The pages that went to the free list.
+        """
+        seq = self._get(seq_id)
+        if not self.window:
+            return []
+        freed = []
+        for index in range(self._first_needed(position) // self.page_size):
+            page = seq.block_table[index]
+            if page != RELEASED:
+                seq.block_table[index] = RELEASED
+                if self._release(page):
+                    freed.append(page)
+        return freed
+
+    def num_held_pages(self, seq_id: Hashable) -> int:
+        """Pages in the sequence's block table (RELEASED entries not counted)."""
+        return sum(page != RELEASED for page in self._get(seq_id).block_table)
 
     def free(self, seq_id: Hashable) -> list[int]:
         """Drops `seq_id` and releases its pages.
@@ -438,7 +515,8 @@ class BlockManager:
         """
         seq = self._get(seq_id)
         del self._seqs[seq_id]
-        return [page for page in reversed(seq.block_table) if self._release(page)]
+        return [page for page in reversed(seq.block_table)
+                if page != RELEASED and self._release(page)]
 
     def reset_prefix_cache(self) -> None:
         """Empties the prefix cache; its unreferenced pages return to the free list."""

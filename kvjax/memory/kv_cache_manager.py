@@ -20,6 +20,7 @@ import numpy as np
 from kvjax.kv.retention import RetentionManager, SeqLayout
 from kvjax.kv.state import pages_for
 from kvjax.memory.block_manager import AllocStatus, CopyOp
+from kvjax.memory.groups import GroupedBlockManager
 from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
 from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last
 from kvjax.trace import NULL_TRACER, Tracer
@@ -149,6 +150,13 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         return self.allocator.block_table(seq_id)
 
+    def row_tables(self, seq_id: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """A step row's tables: group 0's [n] int32 and the other layer groups' [G-1, n] (None
+        with one group). An entry a window gave back reads page 0, which the window's mask
+        hides."""
+        tables = np.maximum(np.asarray(self.allocator.block_tables(seq_id), np.int32), 0)
+        return tables[0], (tables[1:] if len(tables) > 1 else None)
+
     def seq_slot(self, seq_id: str) -> int:
         """The sequence's per-sequence state slot (KIVI windows), else 0."""
         return self.allocator.seq_slot(seq_id)
@@ -237,10 +245,18 @@ class KVCacheManager:
         """Makes cache positions [start, end) of a sequence writable (new pages, copy-on-write
         copies of shared ones, applied now); False when the pool has no room."""
         status, copies = self.allocator.ensure_writable(seq_id, start, end)
+        released = self.allocator.take_released() if self.gives_back_windows else []
+        if self.scrub_freed_pages and released:
+            self.scrub(released)
         if status is not AllocStatus.OK:
             return False
         self.copy(copies)
         return True
+
+    @property
+    def gives_back_windows(self) -> bool:
+        """Whether sliding-window layer groups give pages back as sequences advance."""
+        return isinstance(self.allocator, GroupedBlockManager)
 
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """Publishes the sequence's full computed pages to the prefix cache (with a window

@@ -106,6 +106,19 @@ class PrefixCache:
             pages.append(page)
         return pages
 
+    def chain_hashes(self, token_ids: Sequence[int], cache_key: bytes) -> list[bytes]:
+        """The hash chain of the full pages of `token_ids`, whether indexed or not."""
+        parent, hashes = hash_root(cache_key), []
+        for start in range(0, len(token_ids) - self.page_size + 1, self.page_size):
+            parent = hash_page(parent, token_ids[start : start + self.page_size])
+            hashes.append(parent)
+        return hashes
+
+    def lookup_each(self, token_ids: Sequence[int], cache_key: bytes) -> list[int | None]:
+        """For each full page of `token_ids`, the indexed page holding it, or None (a chain
+        whose older pages were evicted still finds its newer ones: a sliding window's hit)."""
+        return [self._page_by_hash.get(h) for h in self.chain_hashes(token_ids, cache_key)]
+
     def insert(self, page_hash: bytes, page: int, depth: int = 0, owner: bytes = b"") -> bool:
         """Indexes `page` (the `depth`-th page of its chain, whose root hash is `owner`) under
         `page_hash`; returns False (and changes nothing) when the hash already names another

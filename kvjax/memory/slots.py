@@ -88,6 +88,10 @@ class SlotAllocator:
         self._free.append(slot)
         return list(range(slot * self.pages_per_seq, (slot + 1) * self.pages_per_seq))
 
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """Every layer group's table: the slot's one."""
+        return [self.block_table(seq_id)]
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         slot = self._slot_of[seq_id]
         return list(range(slot * self.pages_per_seq, (slot + 1) * self.pages_per_seq))

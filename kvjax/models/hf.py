@@ -11,9 +11,10 @@ transposed to [in, out], and per-layer tensors are stacked on a leading L axis (
 
 What is rejected rather than silently computed wrong: mixture-of-experts configs, RoPE types
 `RoPE.from_hf` does not know, partial rotary embeddings, activations other than SiLU, biases
-beyond Qwen2's Q/K/V biases, and Qwen2/Qwen3 sliding-window layers. Mistral's and Phi-3's one
-`sliding_window` is honoured by capping `max_position_embeddings` at the window: within the
-window, sliding-window attention equals full causal attention, which is what kvjax computes.
+beyond Qwen2's Q/K/V biases. Sliding windows become `ModelConfig.layer_windows`
+(`layer_windows_from_hf`): Mistral's and Phi-3's one window on every layer, Qwen2/Qwen3's on the
+layers from `max_window_layers` on, or whatever `layer_types` names; each window is one KV
+layer group whose pages go back to the pool as they fall out of it.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from kvjax.models.tokenizer import Tokenizer
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # config.json keys that make a model a mixture of experts (Mixtral, Qwen MoE, DeepSeek, Phi-3.5).
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-# Architectures whose one sliding window kvjax honours by capping the context at it.
-_CAPPED_WINDOW_TYPES = ("mistral", "phi3")
+# Architectures whose one `sliding_window` applies to every layer.
+_EVERY_LAYER_WINDOW_TYPES = ("mistral", "phi3")
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
@@ -123,13 +124,6 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
             raise ValueError(f"unsupported {flag}=true for model_type {model_type!r}")
     rope = RoPE.from_hf(_phi3_rope_names(hf_config) if model_type == "phi3" else hf_config)
     max_positions = rope.context_length(hf_config.get("max_position_embeddings", 2048))
-    layer_types = hf_config.get("layer_types") or ()
-    if hf_config.get("use_sliding_window") or "sliding_attention" in layer_types:
-        raise ValueError(f"unsupported sliding-window layers in model_type {model_type!r} "
-                         f"(use_sliding_window={hf_config.get('use_sliding_window')!r}, "
-                         f"sliding_window={hf_config.get('sliding_window')!r})")
-    if model_type in _CAPPED_WINDOW_TYPES and hf_config.get("sliding_window"):
-        max_positions = min(max_positions, hf_config["sliding_window"])
     hidden = _required(hf_config, "hidden_size")
     num_heads = _required(hf_config, "num_attention_heads")
     return ModelConfig(
@@ -146,11 +140,43 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3",
+        layer_windows=layer_windows_from_hf(hf_config),
         bos_token_id=hf_config.get("bos_token_id"),
         eos_token_ids=(eos_token_ids if eos_token_ids is not None
                        else _token_ids(hf_config.get("eos_token_id"))),
         name=name,
     )
+
+
+def layer_windows_from_hf(hf_config: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window (0: global) as transformers applies them; () when every
+    layer is global.
+
+    `layer_types` ('sliding_attention' / 'full_attention'), when present, names the windowed
+    layers; otherwise Mistral and Phi-3 window every layer, and Qwen2/Qwen3 with
+    `use_sliding_window` the layers from `max_window_layers` on.
+    """
+    num_layers = _required(hf_config, "num_hidden_layers")
+    window = hf_config.get("sliding_window") or 0
+    model_type = hf_config.get("model_type")
+    layer_types = hf_config.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers or not set(layer_types) <= {
+                "sliding_attention", "full_attention"}:
+            raise ValueError(f"unsupported layer_types {layer_types!r} for {num_layers} layers")
+        sliding = [t == "sliding_attention" for t in layer_types]
+    elif model_type in _EVERY_LAYER_WINDOW_TYPES:  # a window of None: none
+        sliding = [bool(window)] * num_layers
+    elif hf_config.get("use_sliding_window"):
+        first = hf_config.get("max_window_layers", num_layers)
+        sliding = [i >= first for i in range(num_layers)]
+    else:
+        sliding = [False] * num_layers
+    if any(sliding) and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding-window layers need a positive sliding_window, got "
+                         f"{hf_config.get('sliding_window')!r}")
+    windows = tuple(window if s else 0 for s in sliding)
+    return windows if any(windows) else ()
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:

@@ -46,9 +46,14 @@ def unavailable_reason() -> str | None:
     return linear.unavailable_reason() or native.unavailable_reason()
 
 
-def check(param_dtype, kv_dtype) -> None:
-    """Raises ValueError unless an engine with these dtypes can run batch-invariant here."""
+def check(model_config: ModelConfig, param_dtype, kv_dtype) -> None:
+    """Raises ValueError unless an engine of this model and these dtypes can run
+    batch-invariant here."""
     reason = unavailable_reason()
+    if reason is None and (any(model_config.layer_windows)
+                           or len(model_config.kv_layer_groups()) > 1):
+        reason = (f"model {model_config.name!r} has sliding-window layers or several KV layer "
+                  f"groups, and the invariant attention reads every token of one block table")
     if reason is None and jnp.dtype(param_dtype) != jnp.float32:
         reason = f"batch-invariant numerics need float32 parameters, not {jnp.dtype(param_dtype)}"
     if reason is None and jnp.dtype(kv_dtype) != jnp.float32:

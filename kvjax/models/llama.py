@@ -239,13 +239,17 @@ def forward_dense(params: Params, config: ModelConfig, tokens: jax.Array) -> jax
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S=T]
+    windows = jnp.asarray([config.layer_window(i) for i in range(config.num_layers)], jnp.int32)
+    behind = positions[:, None] - positions[None, :]  # [T, S]: how far each key lies back
 
-    def attend(_, q, k, v, cache):
+    def attend(layer, q, k, v, cache):
+        window = windows[layer]
+        visible = causal & ((window <= 0) | (behind < window))  # [T, S]
         g = config.group_size
         qg = q.reshape(t, config.num_kv_heads, g, config.head_dim).astype(jnp.float32)
         scores = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32))
         scores = scores / np.sqrt(config.head_dim)
-        scores = jnp.where(causal[None, None], scores, -jnp.inf)
+        scores = jnp.where(visible[None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)  # [K, G, T, S]
         out = jnp.einsum("kgts,skd->tkgd", probs, v.astype(jnp.float32))  # [T, K, G, D]
         return out.reshape(t, config.num_heads, config.head_dim).astype(q.dtype), cache

@@ -26,7 +26,9 @@ class ScheduledRow:
       start: the logical (RoPE) position of token_ids[0].
       num_evicted: tokens before `start` a retention policy dropped from the cache; the row's
         cache slots are positions minus this.
-      block_table: [num_pages] int32, the pages holding the sequence's cached tokens.
+      block_table: [num_pages] int32, the pages holding the sequence's cached tokens (of
+        layer group 0 when the model has several).
+      group_tables: [G-1, num_pages] int32, the other layer groups' tables, or None (G = 1).
       score_weights: [n] float32, each query's weight in the retention policy's key scores.
       sampling, seed: how the row samples; counter: the index of the token it generates.
       seq_slot: the sequence's per-sequence state slot (KIVI windows), else 0.
@@ -68,6 +70,7 @@ class ScheduledRow:
     is_draft: bool = False
     read_table: np.ndarray | None = None
     read_len: int = 0
+    group_tables: np.ndarray | None = None
     history: np.ndarray | None = None
     num_prompt_tokens: int = 0
     stop_ids: tuple[int, ...] = ()

@@ -439,11 +439,14 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         """The row's snapshot; the sequence counts its tokens as computed from now on, and its
         pages are recorded as written by its weights version. A verify row's last
         `num_drafts` tokens are the sequence's draft tokens."""
-        table = np.asarray(self.kv_cache.block_table(seq.seq_id), np.int32)
+        table, group_tables = self.kv_cache.row_tables(seq.seq_id)
         evicted = self.kv_cache.retention.num_evicted(seq.seq_id)
         start = seq.num_computed
         pos = np.arange(start, start + n, dtype=np.int32)
         written = table[(pos - evicted) // self.config.page_size]
+        if group_tables is not None:
+            written = np.concatenate([written, group_tables[:, pos // self.config.page_size]
+                                      .ravel()])
         self.kv_cache.mark_written(set(written.tolist()), seq.weights_version)
         if seq.num_unresolved:  # Its one token comes from the previous step, on the device.
             token_ids, feed_index = np.zeros(n, np.int32), seq.inflight_index
@@ -454,7 +457,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         samples = n - num_drafts == seq.num_pending
         row = ScheduledRow(
             seq_id=seq.seq_id, token_ids=token_ids, start=start, num_evicted=evicted,
-            block_table=table,
+            block_table=table, group_tables=group_tables,
             score_weights=self.kv_cache.retention.score_weights(seq.seq_id, pos,
                                                                seq.num_tokens),
             sampling=seq.sampling, seed=seq.seed, counter=seq.num_tokens - seq.num_prompt_tokens,

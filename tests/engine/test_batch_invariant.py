@@ -133,3 +133,7 @@ def test_refused_where_it_cannot_hold(model):
     with pytest.raises(ValueError, match="float32 parameters"):
         kvjax.Engine(bf16, kvjax.EngineConfig(num_pages=16, page_size=PAGE,
                                               batch_invariant=True))
+    windowed = tiny_model(dataclasses.replace(model.config, layer_windows=(8, 0)))
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        kvjax.Engine(windowed, kvjax.EngineConfig(num_pages=16, page_size=PAGE,
+                                                  batch_invariant=True))

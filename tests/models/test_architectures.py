@@ -55,6 +55,13 @@ CASES = {
     # Llama with dynamic NTK scaling past max_position_embeddings (the length it starts from).
     "llama-dynamic": ("llama", dict(max_position_embeddings=ORIGINAL_LEN,
                                     rope_parameters=_DYNAMIC), RopeType.DYNAMIC),
+    # Qwen3 with a sliding-window layer beside a global one: two KV layer groups, the window's
+    # pages given back as the sequence moves past them (prompts and outputs span many windows).
+    "qwen3-sliding": ("qwen3", dict(head_dim=32, use_sliding_window=True, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"]),
+                      RopeType.DEFAULT),
+    # Mistral: one window on every layer (one layer group keeping its last 8 tokens).
+    "mistral-window": ("mistral", dict(sliding_window=8), RopeType.DEFAULT),
 }
 
 
@@ -137,8 +144,7 @@ def test_a_fused_matrix_of_the_wrong_size_is_refused(tmp_path):
 
 @pytest.mark.parametrize("model_type, overrides, message", [
     ("qwen3", dict(attention_bias=True), "attention_bias"),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
-     "sliding-window layers in model_type 'qwen3'"),
+    ("qwen3", dict(layer_types=["sliding_attention", "sliding"]), "unsupported layer_types"),
     ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
                                    "short_factor": [1.0], "long_factor": [1.0]}),
      "longrope factors have 1 entries, head dim 16 needs 8"),
@@ -149,3 +155,32 @@ def test_unsupported_architecture_configs_are_refused(tmp_path, model_type, over
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **overrides}))
     with pytest.raises(ValueError, match=message):
         load_hf(directory)
+
+
+def test_alternating_window_512_at_4k_matches_transformers(tmp_path):
+    """Window-512 layers alternating with global ones, a 4k-token context: the engine (two
+    layer groups, the window's old pages given back while the prompt is prefilled in chunks)
+    decodes transformers' greedy tokens, holding about half the KV of every layer global."""
+    window, layer_types = 512, ["sliding_attention", "full_attention"] * 2
+    directory = make_tiny_hf_checkpoint(
+        tmp_path, "qwen3", seed=4, num_hidden_layers=4, layer_types=layer_types,
+        use_sliding_window=True, sliding_window=window, max_position_embeddings=8192)
+    model = load_hf(directory)
+    assert model.config.layer_windows == (window, 0, window, 0)
+    prompt = np.random.default_rng(1).integers(3, model.config.vocab_size, 4080).tolist()
+    expected = hf_greedy(load_hf_model(directory), prompt, 16)
+    engine = kvjax.Engine(model, kvjax.EngineConfig(
+        page_size=16, max_model_len=4096 + 16, max_num_seqs=1, max_prefill_chunk=512,
+        max_num_batched_tokens=512))
+    greedy = kvjax.SamplingParams(max_new_tokens=16, ignore_eos=True)
+    engine.add_request("r", prompt, greedy)
+    held, done = 0, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            done = out.outputs[0].token_ids
+        if engine.allocator.has_sequence("r#0"):
+            held = engine.allocator.num_held_pages("r#0")
+    assert done == expected
+    spec = engine.kv_spec
+    assert 0.98 <= held * spec.page_bytes / spec.bytes_held(4096) <= 1.05
+    assert held * spec.page_bytes < 0.6 * 4096 * spec.bytes_per_token

@@ -234,7 +234,7 @@ def test_hf_unknown_tensor(tiny_llama):
      "sliding-window"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(attention_bias=True), "attention_bias"),
-    (dict(model_type="qwen2", use_sliding_window=True), "sliding-window"),
+    (dict(model_type="qwen2", use_sliding_window=True, max_window_layers=0), "sliding-window"),
 ])
 def test_hf_unsupported_features(tiny_llama, changes, message):
     _edit_config(tiny_llama, **changes)
@@ -242,9 +242,16 @@ def test_hf_unsupported_features(tiny_llama, changes, message):
         load_hf(tiny_llama)
 
 
-def test_mistral_sliding_window_caps_context(tmp_path):
-    directory = make_tiny_hf_checkpoint(tmp_path, "mistral", sliding_window=64)
-    assert load_hf(directory).config.max_position_embeddings == 64
+def test_sliding_windows_become_layer_windows(tmp_path):
+    """Mistral windows every layer; Qwen2/Qwen3 the layers from max_window_layers on; neither
+    caps the context at the window."""
+    mistral = load_hf(make_tiny_hf_checkpoint(tmp_path / "m", "mistral", sliding_window=64))
+    assert mistral.config.layer_windows == (64, 64)
+    assert mistral.config.max_position_embeddings > 64
+    qwen = load_hf(make_tiny_hf_checkpoint(tmp_path / "q", "qwen2", use_sliding_window=True,
+                                           sliding_window=16, max_window_layers=1))
+    assert qwen.config.layer_windows == (0, 16)
+    assert [g.num_keep_tokens for g in qwen.config.kv_layer_groups()] == [0, 16]
 
 
 def test_hf_without_weights(tiny_llama):

@@ -1,0 +1,158 @@
+"""KV layer groups at long context: what a sliding-window model holds, and what that buys.
+
+One random-weights model with alternating sliding-window and global layers, and the same model
+with every layer global, served at one KV byte budget:
+
+  * bytes held: one sequence of `context` tokens (prompt, then greedy decode) — the pages its
+    block tables hold times the bytes of a page, beside `KVCacheSpec.bytes_held` (the spec's
+    token-granular prediction) and beside every layer global;
+  * capacity: `num_requests` such sequences submitted at once — the most decoding together,
+    preemptions, tokens/s after warm-up (prefill and decode; on CPU the sliding-window model's
+    layers run the blockwise jnp attention, the global one the native kernel), and how many
+    completed.
+
+Memory numbers come from the allocator, not from a model of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+import kvjax
+from kvjax.config import ModelConfig
+from kvjax.testing import tiny_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The benchmark's model and load.
+
+    Attributes:
+      window: the sliding window of every other layer, in tokens.
+      num_layers, hidden_size, num_heads, num_kv_heads, head_dim: the random model's shape.
+      context: tokens per sequence (prompt + decoded).
+      new_tokens: decoded tokens per sequence.
+      num_requests: sequences of the capacity run.
+      budget_sequences: the KV budget, in whole sequences of `context` tokens of the
+        all-global model.
+      page_size, chunk: the engine's page size and prefill chunk.
+    """
+
+    window: int = 512
+    num_layers: int = 8
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    context: int = 4096
+    new_tokens: int = 32
+    num_requests: int = 8
+    budget_sequences: int = 2
+    page_size: int = 16
+    chunk: int = 512
+
+
+def models(setup: Setup) -> dict[str, kvjax.Model]:
+    """'sliding' (window on even layers) and 'global' (no window): the same weights."""
+    base = ModelConfig(vocab_size=512, hidden_size=setup.hidden_size,
+                       intermediate_size=2 * setup.hidden_size, num_layers=setup.num_layers,
+                       num_heads=setup.num_heads, num_kv_heads=setup.num_kv_heads,
+                       head_dim=setup.head_dim, max_position_embeddings=setup.context + 64,
+                       eos_token_ids=(511,), name="bench-groups")
+    windows = tuple(setup.window if i % 2 == 0 else 0 for i in range(setup.num_layers))
+    return {"sliding": tiny_model(dataclasses.replace(base, layer_windows=windows), seed=1),
+            "global": tiny_model(base, seed=1)}
+
+
+def _engine(model: kvjax.Model, setup: Setup, budget: int) -> kvjax.Engine:
+    return kvjax.Engine(model, kvjax.EngineConfig(
+        page_size=setup.page_size, max_model_len=setup.context + setup.page_size,
+        max_num_seqs=setup.num_requests, max_prefill_chunk=setup.chunk,
+        max_num_batched_tokens=setup.chunk + setup.num_requests, kv_budget_bytes=budget,
+        enable_prefix_cache=False))
+
+
+def _prompts(setup: Setup, n: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 500, setup.context - setup.new_tokens).tolist() for _ in range(n)]
+
+
+def bytes_held(model: kvjax.Model, setup: Setup, budget: int) -> dict:
+    """One sequence decoded to `context` tokens: bytes its tables hold at the end vs the
+    spec's prediction."""
+    engine = _engine(model, setup, budget)
+    greedy = kvjax.SamplingParams(max_new_tokens=setup.new_tokens, ignore_eos=True)
+    engine.add_request("r", _prompts(setup, 1)[0], greedy)
+    held_pages = 0
+    while engine.has_unfinished():
+        engine.step()
+        if engine.allocator.has_sequence("r#0"):
+            held_pages = _held_pages(engine, "r#0")
+    spec = engine.kv_spec
+    held = held_pages * spec.page_bytes
+    predicted = spec.bytes_held(setup.context)
+    return dict(held_bytes=held, predicted_bytes=predicted, held_over_predicted=held / predicted,
+                all_global_bytes=setup.context * spec.bytes_per_token,
+                held_over_all_global=held / (setup.context * spec.bytes_per_token),
+                groups=spec.describe(), num_table_groups=len(spec.table_groups()))
+
+
+def _held_pages(engine: kvjax.Engine, seq_id: str) -> int:
+    tables = engine.allocator.block_tables(seq_id)
+    return sum(page >= 0 for table in tables for page in table)
+
+
+def capacity(model: kvjax.Model, setup: Setup, budget: int) -> dict:
+    """`num_requests` sequences at once at `budget` bytes."""
+    engine = _engine(model, setup, budget)
+    engine.warmup()  # compiles every step shape first: the run's time is serving only
+    greedy = kvjax.SamplingParams(max_new_tokens=setup.new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(setup, setup.num_requests)):
+        engine.add_request(f"r{i}", prompt, greedy)
+    most, steps, done, t0 = 0, 0, 0, time.perf_counter()
+    while engine.has_unfinished():
+        done += sum(o.finished for o in engine.step())
+        steps += 1
+        most = max(most, sum(s.num_computed >= s.num_prompt_tokens
+                             for s in engine.scheduler.running))
+    seconds = time.perf_counter() - t0
+    return dict(num_pages=engine.num_pages, page_bytes=engine.kv_bytes_per_page,
+                most_decoding_together=most, preemptions=engine.stats["preemptions"],
+                completed=done, steps=steps, seconds=seconds,
+                tokens_per_s=setup.num_requests * setup.context / seconds)
+
+
+def run(setup: Setup) -> dict:
+    """Both models at one budget: `budget_sequences` whole sequences of the all-global model."""
+    built = models(setup)
+    budget = int(setup.budget_sequences * setup.context
+                 * built["global"].config.kv_bytes_per_token("float32"))
+    out = dict(setup=dataclasses.asdict(setup), budget_bytes=budget)
+    for name, model in built.items():
+        out[name] = dict(bytes_held=bytes_held(model, setup, budget),
+                         capacity=capacity(model, setup, budget))
+    return out
+
+
+COLUMNS = (("held_MiB", "KV held (MiB)", "{:.2f}"), ("held_vs_spec", "held / spec", "{:.3f}"),
+           ("held_vs_all_global", "held / all global", "{:.3f}"),
+           ("pool_pages", "pool pages", "{:d}"),
+           ("decoding_together", "decoding at once", "{:d}"),
+           ("preemptions", "preemptions", "{:d}"), ("completed", "completed", "{:d}"),
+           ("tok_per_s", "tokens/s", "{:.0f}"))
+
+
+def rows(result: dict) -> dict[str, dict]:
+    """One table row per model (`COLUMNS`)."""
+    return {name: dict(held_MiB=r["bytes_held"]["held_bytes"] / 2**20,
+                       held_vs_spec=r["bytes_held"]["held_over_predicted"],
+                       held_vs_all_global=r["bytes_held"]["held_over_all_global"],
+                       pool_pages=r["capacity"]["num_pages"],
+                       decoding_together=r["capacity"]["most_decoding_together"],
+                       preemptions=r["capacity"]["preemptions"],
+                       completed=r["capacity"]["completed"],
+                       tok_per_s=r["capacity"]["tokens_per_s"])
+            for name, r in result.items() if name in ("sliding", "global")}

@@ -1,0 +1,272 @@
+"""Pages of several KV layer groups drawn from one pool: one `BlockManager` per group, one
+free list.
+
+A model whose layers need different tokens (global layers every token, sliding-window layers
+the last `window`) keeps one block table per group (`kvjax.kv.spec.KVCacheSpec.table_groups`).
+Every page of the pool holds the same bytes (one group's `layers_per_group` layers of P tokens),
+so the groups share one free list of page ids and one byte budget: a page a window gives back
+is the next page any group allocates. Each group keeps its own prefix cache; when the free list
+is empty a group evicts the least recently released cached page of whichever group holds the
+oldest one.
+
+`GroupedBlockManager` presents the `BlockManager` surface the KV cache manager uses, over all
+groups at once: a registration attaches the longest prefix every group can take (a global group
+every page of it, a sliding-window group the pages of its last window), an allocation first
+gives back the pages that fell out of each window, then extends every group's table
+all-or-nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from kvjax.memory.block_manager import (
+    RELEASED,
+    AllocStatus,
+    BlockManager,
+    BlockManagerStats,
+    CopyOp,
+    FreeList,
+)
+from kvjax.memory.prefix_cache import CachedPage, PrefixEviction
+from kvjax.trace import NULL_TRACER, Tracer
+
+
+class _GroupPages:
+    """One group's view of the shared free list: when it runs dry, a page comes from another
+    group's prefix cache if that holds an older released page than this group's own."""
+
+    def __init__(self, free: FreeList, managers: list[BlockManager], index: int):
+        self._free, self._managers, self._index = free, managers, index
+
+    def _others(self) -> list[BlockManager]:
+        return [m for i, m in enumerate(self._managers) if i != self._index]
+
+    def num_free(self) -> int:
+        return self._free.num_free() + sum(_num_evictable(m) for m in self._others())
+
+    def take(self) -> int | None:
+        page = self._free.take()
+        if page is not None:
+            return page
+        own = _oldest_release(self._managers[self._index])
+        donors = [m for m in self._others() if _num_evictable(m)]
+        if not donors:
+            return None
+        donor = min(donors, key=_oldest_release)
+        if own is not None and own <= _oldest_release(donor):
+            return None  # this group's own cached page is the oldest: it evicts that one
+        donor.give_back_cached(1)
+        return self._free.take()
+
+    def give(self, page: int) -> None:
+        self._free.give(page)
+
+    def capacity(self) -> int:
+        return self._free.capacity()
+
+
+def _num_evictable(manager: BlockManager) -> int:
+    return 0 if manager.prefix_cache is None else manager.prefix_cache.num_evictable()
+
+
+def _oldest_release(manager: BlockManager) -> float | None:
+    cached = manager.cached_pages()
+    return min((c.released_at for c in cached), default=None)
+
+
+class GroupedBlockManager:
+    """Block tables of G layer groups over one pool of `num_pages` pages.
+
+    Attributes:
+      num_pages: pages in the pool (every group's pages together).
+      page_size: P.
+      windows: per group, its sliding window in tokens (0: every token).
+      groups: the per-group `BlockManager`s (group 0 first).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, windows: Sequence[int], *,
+                 enable_prefix_cache: bool = True,
+                 prefix_eviction: PrefixEviction = PrefixEviction.LRU):
+        if not windows:
+            raise ValueError("a grouped block manager needs at least one group")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.windows = tuple(windows)
+        self._free = FreeList(num_pages)
+        self.groups: list[BlockManager] = []
+        for index, window in enumerate(self.windows):
+            self.groups.append(BlockManager(
+                num_pages, page_size, enable_prefix_cache=enable_prefix_cache,
+                pages=_GroupPages(self._free, self.groups, index),
+                prefix_eviction=prefix_eviction, window=window))
+        self._released: list[int] = []
+        self._tracer: Tracer = NULL_TRACER
+
+    # ----------------------------------------------------------------------------- views
+
+    @property
+    def prefix_cache(self):
+        """Group 0's prefix cache (None when prefix caching is off): whether there is one."""
+        return self.groups[0].prefix_cache
+
+    @property
+    def stats(self) -> BlockManagerStats:
+        """Group 0's counters: a hit counts the tokens every group attached."""
+        return self.groups[0].stats
+
+    @property
+    def capacity(self) -> int:
+        return self._free.capacity()
+
+    @property
+    def tracer(self) -> Tracer:
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+        for m in self.groups:
+            m.tracer = tracer
+
+    @property
+    def clock(self):
+        return self.groups[0].clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        for m in self.groups:
+            m.clock = clock
+
+    def num_free_pages(self) -> int:
+        return self._free.num_free() + sum(_num_evictable(m) for m in self.groups)
+
+    def num_used_pages(self) -> int:
+        return sum(m.num_used_pages() for m in self.groups)
+
+    def has_sequence(self, seq_id: Hashable) -> bool:
+        return self.groups[0].has_sequence(seq_id)
+
+    def seq_slot(self, seq_id: Hashable) -> int:
+        return 0
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """Group 0's table."""
+        return self.groups[0].block_table(seq_id)
+
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """Every group's table, group 0 first (RELEASED entries hold no page)."""
+        return [m.block_table(seq_id) for m in self.groups]
+
+    def num_held_pages(self, seq_id: Hashable) -> int:
+        """Pages the sequence holds over every group."""
+        return sum(m.num_held_pages(seq_id) for m in self.groups)
+
+    def num_tokens_cached(self, seq_id: Hashable) -> int:
+        return self.groups[0].num_tokens_cached(seq_id)
+
+    def cache_key_of(self, seq_id: Hashable) -> bytes:
+        return self.groups[0].cache_key_of(seq_id)
+
+    # ----------------------------------------------------------------------------- prefix
+
+    def _common_hit(self, token_ids: Sequence[int], cache_key: bytes) -> int:
+        """The longest prefix (leaving the last token) that every group can attach."""
+        hit = len(token_ids) - 1
+        while True:  # each group's best hit within the others' shrinks it to a common one
+            new = min(m.best_hit(token_ids, cache_key, hit) for m in self.groups)
+            if new == hit:
+                return hit
+            hit = new
+
+    def peek_cached_tokens(self, token_ids: Sequence[int], *, cache_key: bytes = b"") -> int:
+        if self.prefix_cache is None or len(token_ids) == 0:
+            return 0
+        return self._common_hit(token_ids, cache_key)
+
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
+                     cache_key: bytes = b"", indexable: bool = True,
+                     record_stats: bool = True) -> int:
+        """Registers the sequence in every group with the prefix every group holds."""
+        if self.has_sequence(seq_id):
+            raise ValueError(f"sequence {seq_id!r} is already registered")
+        if len(token_ids) == 0:
+            raise ValueError(f"sequence {seq_id!r} has an empty prompt")
+        hit = (self._common_hit(token_ids, cache_key)
+               if self.prefix_cache is not None and indexable else None)
+        for m in self.groups:
+            m.add_sequence(seq_id, token_ids, cache_key=cache_key, indexable=indexable,
+                           record_stats=record_stats, num_cached=hit)
+        return self.groups[0].num_tokens_cached(seq_id)
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        for m in self.groups:
+            m.commit(seq_id, token_ids)
+
+    def cached_pages(self) -> list[CachedPage]:
+        return sorted((c for m in self.groups for c in m.cached_pages()),
+                      key=lambda c: c.released_at)
+
+    def keep_cached(self, pages: Sequence[int]) -> None:
+        for m in self.groups:
+            m.keep_cached(pages)
+
+    def reset_prefix_cache(self) -> None:
+        for m in self.groups:
+            m.reset_prefix_cache()
+
+    def num_givable_pages(self) -> int:
+        return sum(m.num_givable_pages() for m in self.groups)
+
+    def give_back_cached(self, num_pages: int) -> int:
+        given = 0
+        for m in self.groups:
+            given += m.give_back_cached(num_pages - given)
+        return given
+
+    def record_evictions(self) -> None:
+        raise ValueError("lower tiers hold the pages of one layer group; a model with several "
+                         "(sliding-window layers) keeps its KV on the device")
+
+    # ----------------------------------------------------------------------------- pages
+
+    def pages_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        return sum(m.pages_needed(seq_id, num_tokens) for m in self.groups)
+
+    def ensure_writable(self, seq_id: Hashable, start: int, end: int
+                        ) -> tuple[AllocStatus, list[CopyOp]]:
+        """Gives back each window's pages no query from `start` on reads, then makes [start,
+        end) writable in every group, all-or-nothing."""
+        for m in self.groups:
+            self._released += m.release_before(seq_id, start)
+        needed = sum(m.pages_to_write(seq_id, start, end) for m in self.groups)
+        if needed > self.num_free_pages():
+            return AllocStatus.NO_PAGES, []
+        copies = []
+        for m in self.groups:
+            status, group_copies = m.ensure_writable(seq_id, start, end)
+            assert status is AllocStatus.OK, "pages counted free above must be allocatable"
+            copies += group_copies
+        return AllocStatus.OK, copies
+
+    def take_released(self) -> list[int]:
+        """Pages windows gave back (to the free list) since the last call: to scrub."""
+        released, self._released = self._released, []
+        return released
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        for m in self.groups:
+            m.fork(parent_id, child_id)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        return [page for m in self.groups for page in m.truncate(seq_id, num_tokens)]
+
+    def free(self, seq_id: Hashable) -> list[int]:
+        return [page for m in self.groups for page in m.free(seq_id)]
+
+    def retain(self, seq_id: Hashable, keep: Sequence[int]):
+        raise ValueError("retention compacts one block table; a model with several layer "
+                         "groups keeps every group's tokens")
+
+
+__all__ = ["GroupedBlockManager", "RELEASED"]

@@ -1,0 +1,122 @@
+"""A model with sliding-window layers beside global ones: two KV layer groups in one pool.
+
+Oracles: the cache-free dense greedy reference (which masks each layer to its window), the
+same engine with async scheduling off, and the `KVCacheSpec`'s prediction of the bytes a
+sequence holds. Transformers parity on the same weights is in tests/models/test_architectures.py
+(qwen3-sliding, mistral-window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvjax import EngineConfig, SamplingParams
+from kvjax.engine.engine import Engine
+from kvjax.kv.state import pages_for
+from kvjax.testing import TINY, greedy_reference, tiny_model
+
+WINDOW, P = 8, 4
+NEW = 24
+BASE = dict(page_size=P, max_num_batched_tokens=32, max_prefill_chunk=16, max_num_seqs=4,
+            max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = dataclasses.replace(TINY, num_layers=4, layer_windows=(WINDOW, 0, WINDOW, 0),
+                                 name="tiny-sliding")
+    return tiny_model(config, seed=3)
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    rng = np.random.default_rng(5)
+    shared = [int(t) for t in rng.integers(0, 120, size=16)]
+    prompts = [shared + [int(t) for t in rng.integers(0, 120, size=n)] if i % 2 else
+               [int(t) for t in rng.integers(0, 120, size=n)] for i, n in enumerate((5, 19, 3, 9))]
+    return prompts, [greedy_reference(model, p, NEW) for p in prompts]
+
+
+def run(model, prompts, **overrides):
+    """Two batches (the second's shared prompt then hits the first's pages)."""
+    engine = Engine(model, EngineConfig(**{**BASE, **overrides}))
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    half = len(prompts) // 2
+    outs = engine.generate(prompts[:half], greedy) + engine.generate(prompts[half:], greedy)
+    return engine, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(num_pages=64),
+    # Too few pages for every sequence at once: preemption (recompute) with windows released.
+    dict(num_pages=24, scrub_freed_pages=True),
+])
+def test_async_and_sync_decode_the_dense_reference(model, workload, overrides):
+    prompts, refs = workload
+    engine, got_async = run(model, prompts, async_scheduling=True, **overrides)
+    _, got_sync = run(model, prompts, async_scheduling=False, **overrides)
+    assert got_async == refs and got_sync == refs
+    assert engine.prefix_cache_stats()["prefix_hit_tokens"] > 0
+    if overrides["num_pages"] == 24:
+        assert engine.stats["preemptions"] > 0, "the pool was meant to force preemption"
+        assert engine.stats["scrubbed_pages"] > 0
+
+
+def test_a_sequence_holds_its_window_and_the_spec_predicts_its_bytes(model):
+    """Decoding past the window, the global group holds every page and the sliding group at
+    most the pages its window spans; bytes held stay within two pages per group of what the
+    spec predicts at token granularity; the pages come back when the request ends."""
+    engine = Engine(model, EngineConfig(**BASE, num_pages=64))
+    spec = engine.kv_spec
+    assert [t.window for t in spec.table_groups()] == [0, WINDOW]
+    engine.add_request("r", list(range(1, 61)), SamplingParams(max_new_tokens=30,
+                                                               ignore_eos=True))
+    decoding = 0
+    while engine.has_unfinished():
+        engine.step()
+        if not engine.allocator.has_sequence(seq := "r#0"):  # the request's one sequence
+            continue
+        global_group, window_group = engine.allocator.groups
+        n = len(global_group.block_table(seq)) * P  # tokens the tables cover
+        assert global_group.num_held_pages(seq) == pages_for(n, P)
+        if n > 64:  # decoding: one token a step
+            decoding += 1
+            assert window_group.num_held_pages(seq) <= pages_for(WINDOW, P) + 1
+            held = engine.allocator.num_held_pages(seq) * spec.page_bytes
+            assert spec.bytes_held(n - P) <= held <= spec.bytes_held(n) + 4 * spec.page_bytes
+    assert decoding > 20
+    assert engine.allocator.num_free_pages() == 64  # cached or free: nothing leaked
+
+
+def test_the_same_budget_runs_more_sequences_at_once(model):
+    """At a byte budget that holds two whole sequences, the all-global model must preempt;
+    with the windows, the same budget runs all four together without preempting."""
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 120, 60)] for i in range(4)]
+    global_model = tiny_model(dataclasses.replace(model.config, layer_windows=()), seed=3)
+    budget = 2 * (60 + NEW) * global_model.config.kv_bytes_per_token("float32")
+
+    def most_running(m):
+        engine = Engine(m, EngineConfig(**{**BASE, "max_num_batched_tokens": 64,
+                                           "max_prefill_chunk": 64},
+                                        kv_budget_bytes=budget, enable_prefix_cache=False))
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        most = 0
+        while engine.has_unfinished():
+            engine.step()
+            most = max(most, len(engine.scheduler.running))
+        return most, engine.stats["preemptions"]
+
+    assert most_running(global_model)[1] > 0
+    assert most_running(model) == (4, 0)
+
+
+def test_windowed_models_refuse_features_that_move_one_table(model):
+    for overrides, setting in ((dict(kv_codec="int8"), "kv_codec"),
+                               (dict(preemption_mode="swap"), "preemption_mode"),
+                               (dict(retention="h2o", retention_budget=16), "retention")):
+        with pytest.raises(ValueError, match=f"{setting}.*layer_groups"):
+            Engine(model, EngineConfig(**BASE, **overrides))

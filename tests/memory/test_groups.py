@@ -1,0 +1,152 @@
+"""Two KV layer groups (global + sliding window) drawing pages from one pool, checked after
+every operation against a brute-force model of what each group must hold."""
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvjax.memory.block_manager import RELEASED, AllocStatus
+from kvjax.memory.groups import GroupedBlockManager
+
+P, NUM_PAGES, WINDOWS = 4, 28, (0, 6)
+BASES = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
+         [1, 2, 3, 4, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7])
+
+
+def first_needed(window: int, position: int) -> int:
+    return max(0, position - window + 1) if window else 0
+
+
+class TwoGroupMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.alloc = GroupedBlockManager(NUM_PAGES, P, WINDOWS)
+        self.tokens: dict[str, list[int]] = {}  # sequence -> tokens whose KV is written
+        self.start: dict[str, int] = {}  # sequence -> position its last write started at
+        self.content: dict[tuple[int, int], tuple] = {}  # (group, page) -> tokens up to its end
+        self.count = 0
+
+    def _expected_indices(self, seq: str, group: int) -> set[int]:
+        n = len(self.tokens[seq])
+        first = first_needed(WINDOWS[group], self.start[seq]) // P
+        return set(range(first, -(-n // P)))
+
+    @rule(base=st.sampled_from(BASES), length=st.integers(1, 18), cut=st.integers(0, 3))
+    def add(self, base, length, cut):
+        prompt = base[:length] + [20 + cut] * cut
+        seq = f"s{self.count}"
+        self.count += 1
+        # The brute-force longest hit: every group holds, indexed, a page with the right
+        # content for each page it needs.
+        def holds(group, end):
+            needed = range(first_needed(WINDOWS[group], end) // P, end // P)
+            indexed = {tuple(c) for (g, page), c in self.content.items()
+                       if g == group and self.alloc.groups[g].prefix_cache.is_indexed(page)}
+            return all(tuple(prompt[:(i + 1) * P]) in indexed for i in needed)
+        best = max((end for end in range(0, len(prompt), P)
+                    if all(holds(g, end) for g in range(len(WINDOWS)))), default=0)
+        hit = self.alloc.add_sequence(seq, prompt)
+        assert hit == best
+        self.tokens[seq] = prompt[:hit]
+        self.start[seq] = hit
+        for g, table in enumerate(self.alloc.block_tables(seq)):
+            for i, page in enumerate(table):
+                if page != RELEASED:  # an attached page holds the prompt's tokens
+                    assert self.content[(g, page)] == tuple(prompt[:(i + 1) * P])
+        self.pending = getattr(self, "pending", {})
+        self.pending[seq] = prompt[hit:]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), k=st.integers(1, 7))
+    def write(self, data, k):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        n = len(self.tokens[seq])
+        new = (self.pending.get(seq) or [])[:k] or [30 + n % 5] * k
+        status, copies = self.alloc.ensure_writable(seq, n, n + len(new))
+        self.start[seq] = n  # out-of-window pages go back even when the write must wait
+        if status is not AllocStatus.OK:
+            return
+        for c in copies:  # copy-on-write: the destination now holds the source's content
+            for g in range(len(WINDOWS)):
+                if (g, c.src) in self.content:
+                    self.content[(g, c.dst)] = self.content[(g, c.src)]
+        self.tokens[seq] += new
+        self.pending[seq] = (self.pending.get(seq) or [])[len(new):]
+        toks = self.tokens[seq]
+        for g, table in enumerate(self.alloc.block_tables(seq)):
+            for i in range(n // P, len(toks) // P):
+                self.content[(g, table[i])] = tuple(toks[:(i + 1) * P])
+        self.alloc.commit(seq, toks)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = f"s{self.count}"
+        self.count += 1
+        self.alloc.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.start[child] = self.start[parent]
+        self.pending[child] = list(self.pending.get(parent) or [])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.alloc.free(seq)
+        del self.tokens[seq], self.start[seq]
+
+    @invariant()
+    def each_group_holds_what_its_layers_read(self):
+        for seq in self.tokens:
+            for g, table in enumerate(self.alloc.block_tables(seq)):
+                held = {i for i, page in enumerate(table) if page != RELEASED}
+                assert held == self._expected_indices(seq, g), (seq, g, table)
+
+    @invariant()
+    def nothing_leaks_and_groups_never_share_a_page(self):
+        used = [set() for _ in WINDOWS]
+        for seq in self.tokens:
+            for g, table in enumerate(self.alloc.block_tables(seq)):
+                used[g] |= {page for page in table if page != RELEASED}
+        cached = [{c.page for c in m.cached_pages()} for m in self.alloc.groups]
+        held = [u | c for u, c in zip(used, cached, strict=True)]
+        assert not held[0] & held[1]
+        free = self.alloc.num_free_pages() - sum(len(c) for c in cached)
+        assert len(held[0]) + len(held[1]) + free == NUM_PAGES
+
+
+TwoGroupMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30,
+                                             deadline=None)
+TestTwoGroups = TwoGroupMachine.TestCase
+
+
+def test_a_window_group_takes_a_hit_whose_older_pages_were_evicted():
+    """A window's pages given back while its sequence ran are the oldest cached pages, so
+    memory pressure evicts them first; a later prefix hit still finds what each group needs
+    (the global group every page, the window group its last window's page)."""
+    alloc = GroupedBlockManager(12, P, (0, 4))
+    ticks = iter(range(1000))
+    alloc.clock = lambda: next(ticks)
+    prompt = list(range(1, 14))  # 13 tokens
+    alloc.add_sequence("a", prompt)
+    for start, end in ((0, 4), (4, 8), (8, 12), (12, 13)):
+        assert alloc.ensure_writable("a", start, end)[0] is AllocStatus.OK
+        alloc.commit("a", prompt[:end])
+    assert alloc.block_tables("a")[1][:2] == [RELEASED, RELEASED]
+    alloc.free("a")
+    alloc.add_sequence("b", [50 + i for i in range(13)])
+    assert alloc.ensure_writable("b", 0, 13)[0] is AllocStatus.OK  # evicts 2 cached pages
+    window_pages = alloc.groups[1].prefix_cache.lookup_each(prompt[:12], b"")
+    assert window_pages[:2] == [None, None] and window_pages[2] is not None
+    assert len(alloc.groups[0].prefix_cache.lookup(prompt[:12], b"")) == 3
+    assert alloc.add_sequence("c", prompt + [99]) == 12
+    global_table, window_table = alloc.block_tables("c")
+    assert RELEASED not in global_table and window_table[:2] == [RELEASED, RELEASED]
+
+
+def test_without_room_nothing_changes_in_any_group():
+    alloc = GroupedBlockManager(4, P, (0, 4))
+    alloc.add_sequence("a", list(range(1, 10)))
+    assert alloc.ensure_writable("a", 0, 9)[0] is AllocStatus.NO_PAGES  # 3 + 3 pages > 4
+    assert alloc.block_tables("a") == [[], []] and alloc.num_free_pages() == 4
