@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -276,7 +276,9 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, seeds: jax.Array, counters: jax.Array,
                   min_p: jax.Array | None = None, rules: LogitRules | None = None,
                   token_mask: jax.Array | None = None, *,
-                  all_greedy: bool, needs_filter: bool) -> tuple[jax.Array, jax.Array]:
+                  all_greedy: bool, needs_filter: bool,
+                  log_softmax: Callable[[jax.Array], jax.Array] | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """Picks one token per row.
 
     Args:
@@ -287,10 +289,13 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
       token_mask: [B, ceil(V / 32)] int32, the tokens each row may pick (`apply_token_mask`;
         -1 words: all), or None: all.
       all_greedy, needs_filter: static switches that skip unused work.
+      log_softmax: computes the logprobs from [B, V] logits (None: jax.nn.log_softmax; a
+        batch-invariant one, `kvjax.models.invariant.log_softmax`).
     Returns:
       tokens [B] int32 and their logprobs [B] float32 under the unmodified distribution.
     """
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+    logprobs_all = (jax.nn.log_softmax(logits, axis=-1) if log_softmax is None
+                    else log_softmax(logits))  # [B, V]
     processed = logits if rules is None else apply_rules(logits, rules, counters)
     if token_mask is not None:
         processed = apply_token_mask(processed, token_mask)

@@ -33,6 +33,8 @@ flags.DEFINE_list("context_sweep", ["512", "2048", "7680"], "Prompt lengths run 
 flags.DEFINE_integer("sweep_batch", 8, "Batch size of the context sweep.")
 flags.DEFINE_list("layouts", ["paged", "contiguous"], "kvjax KV layouts to run (exact KV).")
 flags.DEFINE_list("kv_codecs", ["int8", "int4"], "KV codecs the paged layout also runs with.")
+flags.DEFINE_bool("batch_invariant", False, "Also run the paged exact engine with "
+                  "EngineConfig.batch_invariant (decode and prefill), side by side.")
 flags.DEFINE_bool("skip_hf", False, "Do not run Hugging Face transformers.")
 flags.DEFINE_list("torch_threads", ["2"], "torch intra-op thread counts for transformers (one "
                   "run each; kvjax is compared with the fastest).")
@@ -61,7 +63,7 @@ def main(argv):
         settings = [(int(b), FLAGS.prompt_len) for b in FLAGS.batch_sizes]
         settings += [(FLAGS.sweep_batch, int(c)) for c in FLAGS.context_sweep
                      if (FLAGS.sweep_batch, int(c)) not in settings]
-        variants = decode.parse_variants(FLAGS.layouts, FLAGS.kv_codecs)
+        variants = decode.parse_variants(FLAGS.layouts, FLAGS.kv_codecs, FLAGS.batch_invariant)
         report = decode.run(
             model, settings=settings, new_tokens=FLAGS.new_tokens, variants=variants,
             torch_threads=threads, skip_hf=FLAGS.skip_hf, page_size=FLAGS.page_size,
@@ -70,7 +72,8 @@ def main(argv):
         report["prefill"] = prefill.run(
             model, prompt_lens=[int(n) for n in FLAGS.prefill_lens],
             chunks=[int(c) for c in FLAGS.prefill_chunks], threads=threads[0],
-            skip_hf=FLAGS.skip_hf, repeats=FLAGS.prefill_repeats, seed=FLAGS.seed)
+            skip_hf=FLAGS.skip_hf, repeats=FLAGS.prefill_repeats, seed=FLAGS.seed,
+            batch_invariant=FLAGS.batch_invariant)
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(flags=dict(settings=settings, new_tokens=FLAGS.new_tokens,

@@ -88,7 +88,7 @@ def _step(target: str, pool: dict, tables: np.ndarray, lens: np.ndarray, num_lay
                 q + 0 * acc[:, :, :1], k, v, *meta, i.astype(jnp.int32), tables, lens,
                 jnp.ones_like(lens), sm_scale=np.float32(head_dim ** -0.5),
                 bits=np.int32(pool["bits"]), group=np.int32(pool["group"]),
-                num_queries=np.int32(1))
+                num_queries=np.int32(1), split_rows=True)
             return acc + out  # [B, N, D]
 
         return jax.lax.fori_loop(0, num_layers, layer, jnp.zeros_like(q))

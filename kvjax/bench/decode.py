@@ -240,20 +240,26 @@ def profile_breakdown(engine: kvjax.Engine, batch: int, trace_dir: str, num_step
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One kvjax engine of the benchmark: a KV layout and, for pages, a KV codec."""
+    """One kvjax engine of the benchmark: a KV layout and, for pages, a KV codec; or the
+    paged exact engine with `EngineConfig.batch_invariant`."""
 
     layout: kvjax.KVLayout = kvjax.KVLayout.PAGED
     codec: str = "none"
+    batch_invariant: bool = False
 
     @property
     def name(self) -> str:
-        return self.layout.value + ("" if self.codec == "none" else f"-{self.codec}")
+        return (self.layout.value + ("" if self.codec == "none" else f"-{self.codec}")
+                + ("-invariant" if self.batch_invariant else ""))
 
 
-def parse_variants(layouts: Sequence[str], codecs: Sequence[str]) -> list[Variant]:
-    """Each layout with exact KV, then the paged layout with every other codec."""
+def parse_variants(layouts: Sequence[str], codecs: Sequence[str],
+                   batch_invariant: bool = False) -> list[Variant]:
+    """Each layout with exact KV, then the paged layout with every other codec, then (with
+    `batch_invariant`) the paged exact engine in batch-invariant mode."""
     variants = [Variant(kvjax.KVLayout(name)) for name in layouts]
-    return variants + [Variant(kvjax.KVLayout.PAGED, c) for c in codecs if c != "none"]
+    variants += [Variant(kvjax.KVLayout.PAGED, c) for c in codecs if c != "none"]
+    return variants + ([Variant(batch_invariant=True)] if batch_invariant else [])
 
 
 def bench_kvjax(model: kvjax.Model, variants: Sequence[Variant], prompts: list[list[int]],
@@ -282,7 +288,8 @@ def bench_kvjax(model: kvjax.Model, variants: Sequence[Variant], prompts: list[l
         engine = kvjax.Engine(model, kvjax.EngineConfig(
             kv_layout=variant.layout, kv_codec=variant.codec, kv_codec_options=options,
             page_size=page_size, max_num_seqs=batch,
-            max_model_len=len(prompts[0]) + timed_tokens, enable_prefix_cache=False))
+            max_model_len=len(prompts[0]) + timed_tokens, enable_prefix_cache=False,
+            batch_invariant=variant.batch_invariant))
         start = time.perf_counter()
         engine.generate([p[:64] for p in prompts], kvjax.SamplingParams(
             max_new_tokens=min(warm_tokens, new_tokens), ignore_eos=True))

@@ -50,20 +50,24 @@ def _kvjax_prefill_s(engine: kvjax.Engine, prompt: list[int], name: str) -> tupl
 
 
 def bench_prefill(model: kvjax.Model, hf_model, prompt: list[int], *, chunks: list[int],
-                  threads: int, repeats: int, rates: roofline.MachineRates) -> list[dict]:
-    """One result per kvjax chunk size and one for transformers (skipped if hf_model is None).
+                  threads: int, repeats: int, rates: roofline.MachineRates,
+                  batch_invariant: bool = False) -> list[dict]:
+    """One result per kvjax chunk size and one for transformers (skipped if hf_model is None);
+    with `batch_invariant`, one more per chunk size in that mode, timed side by side.
 
     Each result: system, prompt_len, prefill_s (summarize()'d), tokens_per_s (over the median),
     flops, floor_s, time_over_floor; kvjax results add chunk and first_token_matches_hf.
     """
     engines = {}
-    for chunk in chunks:
+    for chunk, invariant in [(c, i) for c in chunks for i in (False, True)
+                             if batch_invariant or not i]:
         engine = kvjax.Engine(model, kvjax.EngineConfig(
             max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_chunk=chunk,
-            max_model_len=len(prompt) + 1, enable_prefix_cache=False))
+            max_model_len=len(prompt) + 1, enable_prefix_cache=False,
+            batch_invariant=invariant))
         _kvjax_prefill_s(engine, prompt, "warm")
-        engines[chunk] = engine
-    times: dict[object, list[float]] = {chunk: [] for chunk in chunks}
+        engines[(chunk, invariant)] = engine
+    times: dict[object, list[float]] = {key: [] for key in engines}
     tokens = {}
     hf_token = None
     if hf_model is not None:
@@ -84,9 +88,9 @@ def bench_prefill(model: kvjax.Model, hf_model, prompt: list[int], *, chunks: li
         hf_forward()
         times["hf"] = []
     for i in range(repeats):
-        for chunk, engine in engines.items():
-            elapsed, tokens[chunk] = _kvjax_prefill_s(engine, prompt, f"timed-{i}")
-            times[chunk].append(elapsed)
+        for key, engine in engines.items():
+            elapsed, tokens[key] = _kvjax_prefill_s(engine, prompt, f"timed-{i}")
+            times[key].append(elapsed)
         if hf_model is not None:
             times["hf"].append(hf_forward())
     flops = prefill_flops(model.config, len(prompt))
@@ -95,11 +99,12 @@ def bench_prefill(model: kvjax.Model, hf_model, prompt: list[int], *, chunks: li
     for key, samples in times.items():
         stats = summarize(samples)
         result = dict(
-            system=f"transformers-{threads}t" if key == "hf" else "kvjax-paged",
+            system=f"transformers-{threads}t" if key == "hf"
+            else "kvjax-paged" + ("-invariant" if key[1] else ""),
             prompt_len=len(prompt), prefill_s=stats, tokens_per_s=len(prompt) / stats["median"],
             flops=flops, floor_s=floor_s, time_over_floor=stats["median"] / floor_s)
         if key != "hf":
-            result.update(chunk=key, attention=engines[key].attention_name,
+            result.update(chunk=key[0], attention=engines[key].attention_name,
                           first_token_matches_hf=None if hf_token is None
                           else tokens[key] == hf_token)
         results.append(result)
@@ -128,13 +133,14 @@ def speedups(results: list[dict]) -> dict:
             continue
         hf = [h for h in results if "chunk" not in h and h["prompt_len"] == r["prompt_len"]]
         if hf:
-            out[f"ctx={r['prompt_len']},chunk={r['chunk']}"] = float(
+            mode = ",invariant" if r["system"].endswith("-invariant") else ""
+            out[f"ctx={r['prompt_len']},chunk={r['chunk']}{mode}"] = float(
                 np.round(r["tokens_per_s"] / hf[0]["tokens_per_s"], 3))
     return out
 
 
 def run(model: kvjax.Model, *, prompt_lens: list[int], chunks: list[int], threads: int,
-        skip_hf: bool, repeats: int, seed: int) -> dict:
+        skip_hf: bool, repeats: int, seed: int, batch_invariant: bool = False) -> dict:
     """bench_prefill at every prompt length, printing the table; a JSON-ready dict."""
     rates = roofline.measure_machine()
     hf_model = None if skip_hf else load_hf_model()
@@ -142,7 +148,8 @@ def run(model: kvjax.Model, *, prompt_lens: list[int], chunks: list[int], thread
     for prompt_len in prompt_lens:
         prompt = make_prompts(model, 1, prompt_len, seed)[0]
         results += bench_prefill(model, hf_model, prompt, chunks=chunks, threads=threads,
-                                 repeats=repeats, rates=rates)
+                                 repeats=repeats, rates=rates,
+                                 batch_invariant=batch_invariant)
         print(format_prefill_table(results).splitlines()[-1], flush=True)
     print(format_prefill_table(results))
     ratios = speedups(results)

@@ -62,6 +62,7 @@ class Feature(enum.Enum):
     KV_ARENA = "kv_arena"
     PAUSE = "pause"
     CONTROLLER = "controller"
+    BATCH_INVARIANT = "batch_invariant"
 
     @property
     def group(self) -> str | None:
@@ -118,6 +119,8 @@ _DESCRIPTIONS = {
     Feature.CONTROLLER: "EngineConfig.controller (e.g. 'joint') serving the requests' SLOs: "
                         "it orders admission, preempts (swap, recompute, int8 host copies) "
                         "and sets per-sequence retention budgets",
+    Feature.BATCH_INVARIANT: "batch_invariant=True: a sequence's logprobs bitwise the same "
+                             "whatever the batch, and the same as the RL trainer's forward",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -176,6 +179,30 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.MESH], [Feature.KV_ARENA],
            "an arena frame packs every kv head of a token into one row of words, so there is "
            "no kv-head axis for a mesh to shard")
+    refuse(_CODECS, [Feature.BATCH_INVARIANT],
+           "a quantized cache holds other K/V than the trainer's forward computes, so rollout "
+           "logprobs could not equal the trainer's bit for bit")
+    refuse(_RETENTION, [Feature.BATCH_INVARIANT],
+           "retention drops or skips tokens that the trainer's full forward attends to, so "
+           "rollout logprobs could not equal the trainer's")
+    refuse([Feature.CONTIGUOUS], [Feature.BATCH_INVARIANT],
+           "the invariant attention reads each query's pages in place in a fixed order, and "
+           "the contiguous layout has no pages")
+    refuse([Feature.MESH], [Feature.BATCH_INVARIANT],
+           "a mesh splits each matmul's sum over devices and adds the parts in an order the "
+           "mesh sets, not the fixed order the mode promises")
+    refuse([Feature.SPECULATIVE], [Feature.BATCH_INVARIANT],
+           "a verify step accepts drafts by probability ratios whose softmax sums follow the "
+           "verify batch's shape, so the tokens a sequence keeps would follow the batch")
+    refuse([Feature.CONTEXT_REUSE], [Feature.BATCH_INVARIANT],
+           "a reused chunk's K/V were computed without the tokens before it, so a sequence's "
+           "logprobs would follow which chunks other requests left cached")
+    refuse([Feature.KV_ARENA], [Feature.BATCH_INVARIANT],
+           "arena frames store each token as words of the model's codec, not the float32 "
+           "pages the invariant attention reads in place")
+    refuse([Feature.CONTROLLER], [Feature.BATCH_INVARIANT],
+           "the controller degrades KV under load (int8 host copies, retention budgets), so a "
+           "sequence's logprobs would follow the load")
     return table
 
 
@@ -339,6 +366,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.KV_ARENA, "kv_arena=True"))
     if config.controlled:
         found.append(_Present(Feature.CONTROLLER, f"controller={config.controller!r}"))
+    if config.batch_invariant:
+        found.append(_Present(Feature.BATCH_INVARIANT, "batch_invariant=True"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:
         found.append(_Present(Feature.CONTIGUOUS, "kv_layout='contiguous'"))
     elif config.enable_prefix_cache:

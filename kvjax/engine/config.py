@@ -57,6 +57,12 @@ class EngineConfig:
       matmul_impl: AUTO, XLA or NATIVE: the decoder's matmuls (kvjax.engine.step.MatmulImpl;
         AUTO reads each layer's weights in place with the native CPU kernel in decode-sized
         steps on one CPU device).
+      batch_invariant: every sequence's logits and logprobs bitwise the same whatever the
+        batch, chunking, prefix-cache hits, preemption and mix of prefill and decode rows,
+        and the same as `kvjax.models.invariant.forward_invariant` (the RL trainer's forward):
+        fixed-order native matmuls at every step size, attention one query at a time
+        (kvjax.models.invariant). CPU backend, float32 parameters, float32 pages; overrides
+        attention_impl and matmul_impl.
       min_chunk_bucket: the smallest padded prefill-token total of a step (shape bucketing).
       chunk_bucket_factor: padded prefill-token totals are min_chunk_bucket times powers of
         this (and the largest chunk): smaller factors pad less and compile more step shapes.
@@ -120,6 +126,7 @@ class EngineConfig:
     scrub_freed_pages: bool = False
     attention_impl: AttentionImpl = AttentionImpl.AUTO
     matmul_impl: MatmulImpl = MatmulImpl.AUTO
+    batch_invariant: bool = False
     min_chunk_bucket: int = 16
     chunk_bucket_factor: int = 4
     prefill_padding_limit: float | None = None
@@ -171,6 +178,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.context_reuse={self.context_reuse!r} keeps chunks "
                              f"in the prefix cache: set enable_prefix_cache=True")
         self._check_kernel_reads_codec()
+        if self.batch_invariant and self.attention_impl is AttentionImpl.PALLAS:
+            raise ValueError("EngineConfig.batch_invariant runs its own fixed-order attention "
+                             "on the CPU's native kernels; the Pallas kernels' block sizes "
+                             "follow the batch: use attention_impl AUTO")
         compat.check(self, on_mesh=False)
 
     @property

@@ -52,7 +52,7 @@ from kvjax.memory.tiers import (
     TransferLayout,
     measure_transfer_bandwidth,
 )
-from kvjax.models import llama
+from kvjax.models import invariant, llama
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.context import Segment, clip_spans, make_strategy, split_segments
@@ -137,8 +137,11 @@ class Engine:
         self.kv_bytes_per_token = pool.kv_bytes_per_token
         self.kv_spec = retention.policy.wrap_spec(pool.spec)
         kv = retention.policy.wrap_state(pool.kv)
+        if config.batch_invariant:
+            invariant.check(mc, model.dtype, self.kv_dtype)
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
-                                retention=retention.step_hooks, matmul_impl=config.matmul_impl)
+                                retention=retention.step_hooks, matmul_impl=config.matmul_impl,
+                                batch_invariant=config.batch_invariant)
         if mesh is not None:
             kv, programs = sharding.shard_kv_and_programs(kv, programs, model, mesh)
         else:

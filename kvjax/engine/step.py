@@ -30,7 +30,7 @@ from kvjax.kv import attention as attention_ref
 from kvjax.kv import layout, native
 from kvjax.kv.spec import layer_tables
 from kvjax.kv.state import KVState
-from kvjax.models import linear, llama
+from kvjax.models import invariant, linear, llama
 from kvjax.sampling import LogitRules, sample_tokens, verify_drafts
 
 
@@ -340,10 +340,23 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
     return jnp.concatenate(outs, axis=0)
 
 
+def _attend_per_query(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput
+                      ) -> jax.Array:
+    """Batch-invariant attention (`kvjax.models.invariant`): every query token of the step is
+    a row of its own, reading its row's pages up to its position. q: [T, N, D] -> [T, N, D]."""
+    index = jnp.arange(q.shape[0], dtype=jnp.int32)  # [T]
+    starts, q_lens = inp.row_starts, inp.q_lens  # [R]
+    inside = (index[:, None] >= starts) & (index[:, None] < starts + q_lens)  # [T, R]
+    row = jnp.argmax(inside, axis=1)  # [T]
+    lens = inp.kv_lens[row] - q_lens[row] + index - starts[row] + 1  # [T]
+    decode, _ = native.kernels_for(kv, split_rows=False)(kv, layer)
+    return decode(q, inp.block_tables[row], jnp.where(inside.any(axis=1), lens, 0))
+
+
 def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shape: StepShape,
                attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
-               place_kernels=None, matmul_impl: MatmulImpl = MatmulImpl.XLA
-               ) -> tuple[StepOutput, KVState]:
+               place_kernels=None, matmul_impl: MatmulImpl = MatmulImpl.XLA,
+               batch_invariant: bool = False) -> tuple[StepOutput, KVState]:
     """Runs the model over one step's tokens, writing their K/V and sampling one token per row.
 
     `retention` (a kvjax.kv.retention policy, static) may narrow the pages decode rows read and
@@ -351,6 +364,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     `place_kernels` maps the Pallas kernel chooser to one that runs where the KV lives (on a
     mesh: per device over its kv heads, `kvjax.parallel.sharding.shard_kernels`); None runs
     the kernels as they are.
+    `batch_invariant`: every token's logits and logprobs bitwise independent of the rest of
+    the step (`kvjax.models.invariant`; overrides attention_impl and matmul_impl).
     """
     q_lens = inp.q_lens
     # Once per program, for every layer.
@@ -372,7 +387,9 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         kv = kv.write_rows(layer, layer_inp, shape, k, v)
         reads = None if retention is None else retention.select_reads(kv, layer, q, inp, shape)
         cap = config.attn_logit_softcap
-        if window is None or kernels is None:
+        if batch_invariant:  # one layer group without windows (`invariant.check`)
+            out = _attend_per_query(kv, layer, q, layer_inp)
+        elif window is None or kernels is None:
             out = _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads, window=window,
                                soft_cap=cap)
         else:  # the kernels read every page: sliding-window layers take the blockwise path,
@@ -393,9 +410,11 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                   if scores_keys else None)  # [R, W*P]
     token_ids = jnp.where(inp.token_src >= 0,
                           inp.prev_tokens[jnp.maximum(inp.token_src, 0)], inp.tokens)  # [T]
-    linear = layer_linear(matmul_impl, shape.num_tokens)
-    h, (kv, key_scores) = llama.decode_body(params, config, token_ids, inp.positions, attend,
-                                            (kv, key_scores), linear=linear)  # [T, H]
+    linear = (invariant.linear.invariant_linear if batch_invariant
+              else layer_linear(matmul_impl, shape.num_tokens))
+    h, (kv, key_scores) = llama.decode_body(
+        params, config, token_ids, inp.positions, attend, (kv, key_scores), linear=linear,
+        row_sum=invariant.row_sum if batch_invariant else None)  # [T, H]
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     rules = _logit_rules(inp, token_ids, shape, config.vocab_size) if shape.has_rules else None
     token_mask = inp.token_mask if shape.mask_width else None
@@ -411,12 +430,14 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         logits = llama.lm_head(params, config, h[last], linear)  # [R, V]
         tokens, logprobs = sample_tokens(
             logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, inp.min_p,
-            rules, token_mask, **sampling)
+            rules, token_mask, log_softmax=invariant.log_softmax if batch_invariant else None,
+            **sampling)
     out_logits = None
     if shape.logits_mode is LogitsMode.LAST:
         out_logits = logits
     elif shape.logits_mode is LogitsMode.ALL:
-        out_logits = llama.lm_head(params, config, h)  # [T, V]
+        out_logits = llama.lm_head(params, config, h, linear if batch_invariant else None
+                                   )  # [T, V]
     feed = jnp.zeros(inp.prev_tokens.shape, jnp.int32).at[:shape.num_rows].set(tokens)  # [F]
     return StepOutput(tokens=tokens, logprobs=logprobs, feed_tokens=feed, logits=out_logits,
                       key_scores=key_scores, num_accepted=num_accepted,
@@ -571,13 +592,14 @@ class StepPrograms:
 
     def __init__(self, config: ModelConfig, *,
                  attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
-                 matmul_impl: MatmulImpl = MatmulImpl.XLA):
+                 matmul_impl: MatmulImpl = MatmulImpl.XLA, batch_invariant: bool = False):
         self.config = config
         self.attention_impl = attention_impl
         self.retention = retention
         self._step = jax.jit(
             functools.partial(model_step, config=config, attention_impl=attention_impl,
-                              retention=retention, matmul_impl=matmul_impl),
+                              retention=retention, matmul_impl=matmul_impl,
+                              batch_invariant=batch_invariant),
             static_argnames=("shape",), donate_argnames=("kv",))
         self._copy = jax.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
         self._blend = jax.jit(

@@ -26,6 +26,10 @@
 // products, not the reads, set the time) a panel of kStrip weight rows is transposed in
 // 16 x 16 blocks into a buffer and the broadcast tiles of [L, In, Out] multiply it: no lane
 // sums, and x's rows are read kStrip outputs at a time instead of kDotRows.
+// With the attribute invariant, an output's sum never depends on T (batch-invariant
+// numerics): [L, In, Out] sums each output over ranges of kInvariantBlocks blocks of weight
+// rows (not ranges per thread, nor blocks sized by T) added in order; [L, Out, In] sums lanes
+// one by one for every tile and takes no panels.
 
 #include <algorithm>
 #include <cstdint>
@@ -66,6 +70,9 @@ constexpr int kItemsPerThread = 4;  // ranges per thread of the transposed produ
 // and runs the broadcast tiles on them (with AVX-512; while a panel fits in L2: K <= kPanelMaxK).
 constexpr int kPanelX = 24;
 constexpr int kPanelMaxK = 1024;
+// Blocks of weight rows per range under `invariant`: ranges (so the order of the sums) then
+// follow In alone, not T or the thread count.
+constexpr int64_t kInvariantBlocks = 8;
 constexpr int64_t kParallelSumFloats = 1 << 14;  // outputs from which partials sum in parallel
 
 constexpr int kStrip = kNV * kV;  // columns of a strip
@@ -170,7 +177,7 @@ inline void SumTiles4x4(const Vec (&acc)[4][4], float* out, int64_t ldo) {
 // each step also prefetches its columns of weight rows [ahead.lo, ahead.hi) of `next`.
 template <int MR, int NR>
 void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
-             int64_t ldo, const float* next, Part ahead) {
+             int64_t ldo, const float* next, Part ahead, bool invariant) {
   Vec acc[MR][NR] = {};
   const int64_t whole = K / kV * kV;
   for (int64_t k = 0; k < whole; k += kV) {
@@ -185,7 +192,7 @@ void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K
   }
 #ifdef __AVX512F__
   if constexpr (MR == 4 && NR == 4) {
-    if (whole == K) return SumTiles4x4(acc, out, ldo);
+    if (whole == K && !invariant) return SumTiles4x4(acc, out, ldo);
   }
 #endif
   for (int i = 0; i < MR; ++i)
@@ -200,7 +207,7 @@ void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K
 // are prefetched meanwhile (spread over x's first tiles).
 template <int NR>
 void DotRows(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
-             int64_t n0) {
+             int64_t n0, bool invariant) {
   const float* wn = w + n0 * K;
   const float* next = wn + kDotAheadTiles * NR * K;
   const bool room = n0 + (kDotAheadTiles + 1) * NR <= N;
@@ -210,10 +217,10 @@ void DotRows(const float* x, int64_t T, int64_t K, const float* w, int64_t N, fl
     float* ot = out + t * N + n0;
     const Part ahead = room ? PartOf(t / kMR, tiles, NR) : Part{};
     switch (std::min<int64_t>(kMR, T - t)) {
-      case 1: DotTile<1, NR>(xt, K, wn, K, K, ot, N, next, ahead); break;
-      case 2: DotTile<2, NR>(xt, K, wn, K, K, ot, N, next, ahead); break;
-      case 3: DotTile<3, NR>(xt, K, wn, K, K, ot, N, next, ahead); break;
-      default: DotTile<kMR, NR>(xt, K, wn, K, K, ot, N, next, ahead); break;
+      case 1: DotTile<1, NR>(xt, K, wn, K, K, ot, N, next, ahead, invariant); break;
+      case 2: DotTile<2, NR>(xt, K, wn, K, K, ot, N, next, ahead, invariant); break;
+      case 3: DotTile<3, NR>(xt, K, wn, K, K, ot, N, next, ahead, invariant); break;
+      default: DotTile<kMR, NR>(xt, K, wn, K, K, ot, N, next, ahead, invariant); break;
     }
   }
 }
@@ -298,12 +305,13 @@ void ParallelRanges(ffi::ThreadPool& pool, int64_t units, Fn fn) {
   });
 }
 
-// x [T, K] @ w[N, K]^T.
+// x [T, K] @ w[N, K]^T. `invariant`: every output by the same sequence of operations (lane
+// sums one by one, no panels) whatever T, so a row's result does not follow the batch.
 void LinearTransposed(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K,
-                      const float* wp, int64_t N, float* op) {
+                      const float* wp, int64_t N, float* op, bool invariant) {
   int64_t done = 0;  // rows of w
 #ifdef __AVX512F__
-  if (T >= kPanelX && K <= kPanelMaxK) {
+  if (T >= kPanelX && K <= kPanelMaxK && !invariant) {
     const int64_t panels = N / kStrip;
     ParallelRanges(pool, panels, [&](int64_t lo, int64_t hi) {
       std::unique_ptr<float[]> packed(new float[K * kStrip]);
@@ -314,21 +322,24 @@ void LinearTransposed(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t
 #endif
   const int64_t tiles = (N - done) / kDotRows;
   ParallelRanges(pool, tiles, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) DotRows<kDotRows>(xp, T, K, wp, N, op, done + r * kDotRows);
+    for (int64_t r = lo; r < hi; ++r)
+      DotRows<kDotRows>(xp, T, K, wp, N, op, done + r * kDotRows, invariant);
   });
-  for (int64_t n = done + tiles * kDotRows; n < N; ++n) DotRows<1>(xp, T, K, wp, N, op, n);
+  for (int64_t n = done + tiles * kDotRows; n < N; ++n)
+    DotRows<1>(xp, T, K, wp, N, op, n, invariant);
 }
 
 // x [T, K] @ w[K, N] (see the top of the file): range i of the rows sums into out (i = 0) or
 // a partial (every range is non-empty, and its first block writes all of its partial).
 void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K,
-                     const float* wp, int64_t N, float* op) {
+                     const float* wp, int64_t N, float* op, bool invariant) {
   const int64_t vectors = N / kV;
   const int64_t strips = (vectors + kNV - 1) / kNV;
-  const int64_t block = T <= kFewX ? kBlockRowsFewX : kBlockRows;
+  const int64_t block = T <= kFewX && !invariant ? kBlockRowsFewX : kBlockRows;
   const int64_t blocks = (K + block - 1) / block;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t blocks_per_item = (blocks + threads - 1) / threads;
+  const int64_t blocks_per_item =
+      invariant ? kInvariantBlocks : (blocks + threads - 1) / threads;
   const int64_t items = (blocks + blocks_per_item - 1) / blocks_per_item;
   const int64_t per = blocks_per_item * block;
   const int64_t size = T * N;
@@ -382,7 +393,7 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
 }
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::Buffer<ffi::S32> layer, bool transpose,
+                  ffi::Buffer<ffi::S32> layer, bool transpose, bool invariant,
                   ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
@@ -396,10 +407,10 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const float* wp = w.typed_data() + l * K * N;
   float* op = out->typed_data();
   if (transpose) {
-    LinearTransposed(pool, xp, T, K, wp, N, op);
+    LinearTransposed(pool, xp, T, K, wp, N, op, invariant);
     return ffi::Error::Success();
   }
-  LinearRowBlocks(pool, xp, T, K, wp, N, op);
+  LinearRowBlocks(pool, xp, T, K, wp, N, op, invariant);
   return ffi::Error::Success();
 }
 
@@ -412,4 +423,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLinear, Linear,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Attr<bool>("transpose")
+                                  .Attr<bool>("invariant")
                                   .Ret<ffi::Buffer<ffi::F32>>());

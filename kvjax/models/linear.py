@@ -10,11 +10,13 @@ packed matmul wins for prefill chunks (`NATIVE_MAX_TOKENS`).
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax import cpu_kernels
 
@@ -37,6 +39,24 @@ class LayerLinear(Protocol):
 def unavailable_reason() -> str | None:
     """None when the kernel is built and registered (building it on first call), else why not."""
     return cpu_kernels.register(_TARGET, _SOURCE, "KvjaxLinear")
+
+
+def target_for(isa: cpu_kernels.Isa) -> str:
+    """Registers `linear.cc` built for `isa` as an FFI target of its own (the AVX2 and generic
+    branches on a CPU whose native build takes the AVX-512 ones); returns its name for
+    `call_kernel`.
+
+    Raises:
+      ValueError: that build is unavailable on this machine.
+    """
+    if isa is cpu_kernels.Isa.NATIVE:
+        target = _TARGET
+    else:
+        target = f"{_TARGET}_{isa.name.lower()}"
+    reason = cpu_kernels.register(target, _SOURCE, "KvjaxLinear", isa)
+    if reason is not None:
+        raise ValueError(reason)
+    return target
 
 
 def xla_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
@@ -63,9 +83,45 @@ def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool 
 
 
 def call_kernel(target: str, x: jax.Array, w: jax.Array, layer: jax.Array,
-                transpose: bool = False) -> jax.Array:
+                transpose: bool = False, *, invariant: bool = False) -> jax.Array:
     """x @ w[layer] by the FFI target `target`, a registered build of `linear.cc` (float32
-    x [T, In] and w [L, In, Out], or [L, Out, In] with `transpose`)."""
+    x [T, In] and w [L, In, Out], or [L, Out, In] with `transpose`). `invariant`: each row's
+    result is the same whatever the other rows (`invariant_linear`)."""
     out = w.shape[1] if transpose else w.shape[2]
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))(
-        x, w, jnp.asarray(layer, jnp.int32), transpose=transpose)
+        x, w, jnp.asarray(layer, jnp.int32), transpose=transpose, invariant=invariant)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def invariant_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
+                     ) -> jax.Array:
+    """x @ w[layer] (x @ w[layer].T with `transpose`) whose every row is bitwise the same
+    whatever the other rows of x: the native kernel with its sums in an order fixed by In
+    alone (batch-invariant numerics; float32 only).
+
+    Differentiable: the backward pass is XLA's (gradients need no fixed order).
+
+    Raises:
+      ValueError: the kernel is unavailable on this machine, or x or w is not float32.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ValueError(reason)
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"invariant_linear multiplies float32 x [T, In] by w [L, In, Out], "
+                         f"got {x.dtype} {x.shape} and {w.dtype} {w.shape}")
+    return call_kernel(_TARGET, x, w, layer, transpose, invariant=True)
+
+
+def _invariant_fwd(x, w, layer, transpose):
+    return invariant_linear(x, w, layer, transpose), (x, w, layer)
+
+
+def _invariant_bwd(transpose, residuals, grad):
+    x, w, layer = residuals
+    _, pullback = jax.vjp(lambda x, w: xla_linear(x, w, layer, transpose), x, w)
+    grad_x, grad_w = pullback(grad)
+    return grad_x, grad_w, np.zeros(np.shape(layer), jax.dtypes.float0)
+
+
+invariant_linear.defvjp(_invariant_fwd, _invariant_bwd)

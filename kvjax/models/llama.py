@@ -51,21 +51,30 @@ Params = dict[str, Any]
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 # matmul(x [T, In], w) -> [T, Out]: a layer's matrix product (w as decoder_layer was given it).
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
+# row_sum(x [..., H]) -> [..., 1]: the sums RMSNorm takes (`kvjax.models.invariant.row_sum`
+# sums in a fixed order; None: XLA's reduction).
+RowSum = Callable[[jax.Array], jax.Array]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, unit_offset: bool = False
-             ) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, unit_offset: bool = False,
+             row_sum: RowSum | None = None) -> jax.Array:
     """RMSNorm in float32, cast back to x's dtype. x: [..., H]; scales by (1 + weight) with
-    `unit_offset` (Gemma), else by weight."""
+    `unit_offset` (Gemma), else by weight; `row_sum` takes the sum of squares (None: XLA's)."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if row_sum is None:
+        mean_square = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    else:
+        mean_square = row_sum(x32 * x32) / x.shape[-1]
+    x32 = x32 * jax.lax.rsqrt(mean_square + eps)
     w32 = weight.astype(jnp.float32)
     return (x32 * (1.0 + w32 if unit_offset else w32)).astype(x.dtype)
 
 
-def norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+def norm(config: ModelConfig, x: jax.Array, weight: jax.Array,
+         row_sum: RowSum | None = None) -> jax.Array:
     """The model's RMSNorm (its eps and weight convention). x: [..., H or D]."""
-    return rms_norm(x, weight, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
+    return rms_norm(x, weight, config.rms_norm_eps, unit_offset=config.norm_unit_offset,
+                    row_sum=row_sum)
 
 
 def cap_logits(x: jax.Array, cap: float | None) -> jax.Array:
@@ -82,9 +91,10 @@ def embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
     return h
 
 
-def final_norm(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
+def final_norm(params: Params, config: ModelConfig, h: jax.Array,
+               row_sum: RowSum | None = None) -> jax.Array:
     """The final RMSNorm before the output projection. h: [..., H]."""
-    return norm(config, h, params["final_norm"])
+    return norm(config, h, params["final_norm"], row_sum)
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02
@@ -184,7 +194,7 @@ def apply_rope(config: ModelConfig, x: jax.Array, positions: jax.Array,
 
 
 def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array,
-        layer_index: jax.Array, matmul: Matmul = jnp.matmul
+        layer_index: jax.Array, matmul: Matmul = jnp.matmul, row_sum: RowSum | None = None
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H].
 
@@ -194,7 +204,7 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
     c = config
     p = layer_params
     t = h.shape[0]
-    x = norm(c, h, p["attn_norm"])
+    x = norm(c, h, p["attn_norm"], row_sum)
     q = matmul(x, p["wq"])  # [T, N*D]
     k = matmul(x, p["wk"])  # [T, K*D]
     v = matmul(x, p["wv"])
@@ -203,8 +213,8 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
     q = q.reshape(t, c.num_heads, c.head_dim)  # [T, N, D]
     k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, K, D]
     if c.qk_norm:
-        q = norm(c, q, p["q_norm"])
-        k = norm(c, k, p["k_norm"])
+        q = norm(c, q, p["q_norm"], row_sum)
+        k = norm(c, k, p["k_norm"], row_sum)
     q, k = apply_rope(c, q, positions, layer_index), apply_rope(c, k, positions, layer_index)
     if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
         q = (q.astype(jnp.float32) * (c.attn_scale * np.sqrt(c.head_dim))).astype(q.dtype)
@@ -213,30 +223,31 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
 
 def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
                   layer_params: Params, layer_index: jax.Array, cache: Any,
-                  matmul: Matmul = jnp.matmul) -> tuple[jax.Array, Any]:
+                  matmul: Matmul = jnp.matmul, row_sum: RowSum | None = None
+                  ) -> tuple[jax.Array, Any]:
     """One decoder block. h: [T, H]. `matmul(x, w)` multiplies by one of layer_params' matrices
-    (x @ w by default)."""
+    (x @ w by default); `row_sum` takes RMSNorm's sums (None: XLA's)."""
     c = config
     p = layer_params
     t = h.shape[0]
-    q, k, v = qkv(config, p, h, positions, layer_index, matmul)
+    q, k, v = qkv(config, p, h, positions, layer_index, matmul, row_sum)
     attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
     out = matmul(attn.reshape(t, -1).astype(h.dtype), p["wo"])  # [T, H]
-    h = h + (norm(c, out, p["post_attn_norm"]) if c.sandwich_norms else out)
-    x = norm(c, h, p["mlp_norm"])
+    h = h + (norm(c, out, p["post_attn_norm"], row_sum) if c.sandwich_norms else out)
+    x = norm(c, h, p["mlp_norm"], row_sum)
     gate = matmul(x, p["w_gate"]).astype(jnp.float32)  # [T, F]
     if c.activation is MlpActivation.GELU_TANH:
         gate = jax.nn.gelu(gate, approximate=True)
     else:
         gate = jax.nn.silu(gate)
     out = matmul(gate.astype(x.dtype) * matmul(x, p["w_up"]), p["w_down"])  # [T, H]
-    h = h + (norm(c, out, p["post_mlp_norm"]) if c.sandwich_norms else out)
+    h = h + (norm(c, out, p["post_mlp_norm"], row_sum) if c.sandwich_norms else out)
     return h, cache
 
 
 def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                attend: AttendFn, cache: Any, linear: LayerLinear | None = None
-                ) -> tuple[jax.Array, Any]:
+                attend: AttendFn, cache: Any, linear: LayerLinear | None = None,
+                row_sum: RowSum | None = None) -> tuple[jax.Array, Any]:
     """Runs the decoder over packed tokens and returns final hidden states [T, H] and the cache.
 
     Args:
@@ -246,6 +257,7 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
       cache: whatever `attend` threads through the layers (donated KV buffers).
       linear: multiplies by a layer of the stacked matrices, reading it where it lies
         (`kvjax.models.linear.native_linear`); None: XLA matmuls of the scan's layer slices.
+      row_sum: takes RMSNorm's sums (`kvjax.models.invariant.row_sum`); None: XLA's.
     """
     h = embed(params, config, tokens)  # [T, H]
     layers = params["layers"]
@@ -255,7 +267,7 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
             h, cache = carry
             layer_params, layer_index = xs
             h, cache = decoder_layer(config, attend, h, positions, layer_params, layer_index,
-                                     cache)
+                                     cache, row_sum=row_sum)
             return (h, cache), None
 
         (h, cache), _ = jax.lax.scan(body, (h, cache), (layers, layer_ids))
@@ -267,11 +279,11 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
                             for name, w in layers.items()}
             h, cache = decoder_layer(
                 config, attend, h, positions, layer_params, layer_index, cache,
-                matmul=lambda x, w: linear(x, w, layer_index))
+                matmul=lambda x, w: linear(x, w, layer_index), row_sum=row_sum)
             return (h, cache), None
 
         (h, cache), _ = jax.lax.scan(body, (h, cache), layer_ids)
-    return final_norm(params, config, h), cache
+    return final_norm(params, config, h, row_sum), cache
 
 
 def lm_head(params: Params, config: ModelConfig, h: jax.Array,

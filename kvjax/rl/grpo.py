@@ -10,6 +10,10 @@ network. The loss is PPO's clipped surrogate over the generated tokens,
 with `logp_old` the logprobs the engine recorded while sampling (the behaviour policy, which
 may be older weights when updates land while rollouts are in flight) and `logp_new` recomputed
 by `forward_dense` under the current params. There is no KL penalty to a reference model.
+With rollouts from an engine with `EngineConfig.batch_invariant`, set
+`GRPOConfig.invariant_page_size` to its page size: `logp_new` is then computed by
+`kvjax.models.invariant.forward_invariant`, bitwise the engine's logprobs under the same
+weights, so the ratio of on-policy tokens is exactly 1 (no numerical off-policy drift).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 import optax
 
 from kvjax.config import ModelConfig
-from kvjax.models import llama
+from kvjax.models import invariant, llama
 from kvjax.rl.rollout import RolloutBatch
 
 Params = dict[str, Any]
@@ -42,6 +46,8 @@ class GRPOConfig:
       max_grad_norm: gradients are clipped to this global norm.
       trainable: param paths trained, e.g. ('layers',), ('layers/w_down', 'final_norm');
         a path names a subtree of the params pytree. (): every param.
+      invariant_page_size: the page size of a batch-invariant rollout engine: logprobs are
+        recomputed as it computes them (see the module docstring); None: `forward_dense`.
     """
 
     learning_rate: float = 3e-5
@@ -49,6 +55,7 @@ class GRPOConfig:
     advantage_eps: float = 1e-6
     max_grad_norm: float = 1.0
     trainable: tuple[str, ...] = ()
+    invariant_page_size: int | None = None
 
     def __post_init__(self):
         for name in ("learning_rate", "clip_eps", "advantage_eps", "max_grad_norm"):
@@ -56,6 +63,10 @@ class GRPOConfig:
             if not value > 0:
                 raise ValueError(f"GRPOConfig.{name} must be > 0, got {value!r}")
         object.__setattr__(self, "trainable", tuple(self.trainable))
+        if self.invariant_page_size is not None and not (
+                isinstance(self.invariant_page_size, int) and self.invariant_page_size > 0):
+            raise ValueError(f"GRPOConfig.invariant_page_size must be None or a positive int, "
+                             f"got {self.invariant_page_size!r}")
 
 
 def group_advantages(rewards: Sequence[float] | np.ndarray, group_size: int, *,
@@ -78,32 +89,44 @@ def group_advantages(rewards: Sequence[float] | np.ndarray, group_size: int, *,
     return adv.reshape(-1).astype(np.float32)
 
 
-def token_logprobs(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+def token_logprobs(params: Params, config: ModelConfig, tokens: jax.Array, *,
+                   page_size: int | None = None) -> jax.Array:
     """Log-likelihood of each token given the ones before it.
 
     Args:
       tokens: [B, T] int32 (right padding does not change earlier positions: attention is causal).
+      page_size: None: `llama.forward_dense`; else the page size of a batch-invariant engine,
+        whose logprobs `kvjax.models.invariant.forward_invariant` reproduces bit for bit.
     Returns:
       [B, T] float32; entry t is log p(tokens[t] | tokens[:t]), entry 0 is 0.
     """
-    logits = jax.vmap(lambda row: llama.forward_dense(params, config, row))(tokens)  # [B, T, V]
-    logits = logits[:, :-1]  # [B, T-1, V], position t predicts token t+1
-    picked = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
-    lp = picked - jax.nn.logsumexp(logits, axis=-1)  # [B, T-1]
+    if page_size is None:
+        logits = jax.vmap(lambda row: llama.forward_dense(params, config, row))(tokens)
+        logits = logits[:, :-1]  # [B, T-1, V], position t predicts token t+1
+        picked = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
+        lp = picked - jax.nn.logsumexp(logits, axis=-1)  # [B, T-1]
+    else:
+        def row(ids):  # one sequence at a time: the native kernels take no batch axis
+            logprobs = invariant.log_softmax(
+                invariant.forward_invariant(params, config, ids, page_size))[:-1]  # [T-1, V]
+            return jnp.take_along_axis(logprobs, ids[1:, None], axis=-1)[:, 0]  # [T-1]
+
+        lp = jax.lax.map(row, tokens)  # [B, T-1]
     return jnp.pad(lp, ((0, 0), (1, 0)))  # [B, T]
 
 
 def grpo_loss(params: Params, config: ModelConfig, tokens: jax.Array, loss_mask: jax.Array,
-              old_logprobs: jax.Array, advantages: jax.Array, *, clip_eps: float
-              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+              old_logprobs: jax.Array, advantages: jax.Array, *, clip_eps: float,
+              page_size: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped surrogate loss (see module docstring) and diagnostics.
 
     Args:
       tokens: [B, T] int32; loss_mask, old_logprobs: [B, T] float32; advantages: [B] float32.
+      page_size: as in `token_logprobs`.
     Returns:
       (loss scalar, {'ratio_mean', 'clip_fraction', 'logprob_mean'} over masked tokens).
     """
-    new = token_logprobs(params, config, tokens)  # [B, T]
+    new = token_logprobs(params, config, tokens, page_size=page_size)  # [B, T]
     ratio = jnp.exp(new - old_logprobs)  # [B, T]
     adv = advantages[:, None]  # [B, 1]
     clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
@@ -169,7 +192,7 @@ def grpo_update(trainable: Params, frozen: Params, opt_state: optax.OptState, to
 
     def loss_fn(train):
         return grpo_loss(merge_params(train, frozen), config, tokens, loss_mask, old_logprobs,
-                         advantages, clip_eps=grpo.clip_eps)
+                         advantages, clip_eps=grpo.clip_eps, page_size=grpo.invariant_page_size)
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
     updates, opt_state = make_optimizer(grpo).update(grads, opt_state, trainable)

@@ -120,6 +120,7 @@ def config_for(features) -> dict:
         # admission order, offloads and victims must keep the exact tokens.
         Feature.CONTROLLER: dict(controller="joint", controller_options=dict(
             retention_kl={"4": 0.3, "8": 0.1}, demote_kl=0.001)),
+        Feature.BATCH_INVARIANT: dict(batch_invariant=True),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),

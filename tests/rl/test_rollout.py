@@ -132,3 +132,27 @@ def test_invalid_requests_queue_nothing(models, prompts):
         run.result()
     with pytest.raises(ValueError, match="pad_to=4"):
         pad_batch([[1, 2, 3]], [[4, 5]], [np.zeros(2)], [FinishReason.LENGTH], pad_to=4)
+
+
+def test_batch_invariant_rollout_logprobs_equal_the_trainers_bit_for_bit(models, prompts):
+    """Sampled rollouts of a batch-invariant engine, scored again by the trainer's forward
+    (`token_logprobs(..., page_size=)`): every completion token's logprob is bitwise the one
+    the engine recorded, so GRPO's on-policy ratio is exactly 1 and its gradient flows."""
+    from kvjax.models import invariant
+    from kvjax.rl import GRPOConfig, GRPOTrainer
+
+    if invariant.unavailable_reason() is not None:
+        pytest.skip(invariant.unavailable_reason())
+    model = models[0]
+    engine = Engine(model, EngineConfig(**CONFIG, batch_invariant=True))
+    batch = rollout(engine, prompts, SAMPLING, group_size=GROUP, seed=3)
+    score = jax.jit(lambda params, tokens: token_logprobs(params, model.config, tokens,
+                                                         page_size=CONFIG["page_size"]))
+    trainer_side = np.asarray(score(model.params, batch.tokens))
+    mask = batch.loss_mask.astype(bool)
+    np.testing.assert_array_equal(trainer_side[mask], batch.old_logprobs[mask])
+    trainer = GRPOTrainer(model.config, model.params, GRPOConfig(
+        learning_rate=1e-3, invariant_page_size=CONFIG["page_size"]))
+    metrics = trainer.update(batch, [1.0, 0.0, 0.5] * len(prompts))
+    assert metrics["ratio_mean"] == 1.0 and metrics["clip_fraction"] == 0.0
+    assert metrics["grad_norm"] > 0

@@ -62,6 +62,26 @@ def unavailable_reason() -> str | None:
     return cpu_kernels.register(_TARGET, _SOURCE, "KvjaxPagedDecode")
 
 
+def targets_for(isa: cpu_kernels.Isa) -> tuple[str, str]:
+    """Registers the decode and prefill kernels built for `isa` as FFI targets of their own
+    (the AVX2 and generic branches on a CPU whose native build takes the AVX-512 ones);
+    returns their names for the `target` argument of the two attention functions.
+
+    Raises:
+      ValueError: a build is unavailable on this machine.
+    """
+    targets = []
+    for target, source, symbol in ((_TARGET, _SOURCE, "KvjaxPagedDecode"),
+                                   (_PREFILL_TARGET, _PREFILL_SOURCE, "KvjaxPagedPrefill")):
+        if isa is not cpu_kernels.Isa.NATIVE:
+            target = f"{target}_{isa.name.lower()}"
+        reason = cpu_kernels.register(target, source, symbol, isa)
+        if reason is not None:
+            raise ValueError(reason)
+        targets.append(target)
+    return targets[0], targets[1]
+
+
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            layer: jax.Array | int, block_tables: jax.Array,
                            kv_lens: jax.Array, *, q_lens: jax.Array | None = None,
@@ -69,7 +89,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
                            v_zero: jax.Array | None = None, bits: int = 8, group: int = 0,
                            sm_scale: float | None = None,
-                           soft_cap: float | None = None) -> jax.Array:
+                           soft_cap: float | None = None, split_rows: bool = True,
+                           target: str = _TARGET) -> jax.Array:
     """Decode attention of one layer, read in place from all layers' pages.
 
     Args:
@@ -87,6 +108,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       bits, group: the packed codes' width (8, 4 or 2) and channels per scale.
       sm_scale: softmax scale, 1/sqrt(D) by default.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
+      split_rows: whether a long row may be cut into chunks merged at the end (spreading a
+        few rows over the threads); False: each row in one pass, so its result is bitwise
+        the same whatever other rows the call holds (batch-invariant numerics).
+      target: the FFI target to call (`targets_for`: a build for another ISA level).
     Returns:
       q's shape and dtype; equal to `paged_decode_attention_reference` (Q = 1) or
       `paged_prefill_attention_reference` on layer `layer` of the decoded pages.
@@ -108,14 +133,13 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     flat = q.reshape(b, num_queries, k_heads, n // k_heads, d).transpose(0, 2, 1, 3, 4)
     if q_lens is None:
         q_lens = jnp.full((b,), num_queries, jnp.int32)
-    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((b, num_queries * n, d),
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, num_queries * n, d),
                                                          jnp.float32))(
         flat.reshape(b, num_queries * n, d).astype(jnp.float32), k_pages, v_pages, *meta,
         jnp.asarray(layer, jnp.int32), block_tables.astype(jnp.int32),
         kv_lens.astype(jnp.int32), jnp.asarray(q_lens, jnp.int32),
         sm_scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0), bits=np.int32(bits),
-        group=np.int32(group),
-        num_queries=np.int32(num_queries))
+        group=np.int32(group), num_queries=np.int32(num_queries), split_rows=split_rows)
     out = out.reshape(b, k_heads, num_queries, n // k_heads, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(q.shape).astype(q.dtype)
 
@@ -190,7 +214,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             layer: jax.Array | int, block_tables: jax.Array,
                             kv_lens: jax.Array, q_lens: jax.Array, *,
                             sm_scale: float | None = None,
-                            soft_cap: float | None = None) -> jax.Array:
+                            soft_cap: float | None = None,
+                            target: str = _PREFILL_TARGET) -> jax.Array:
     """Causal prefill attention of one layer, read in place from all layers' float32 pages.
 
     Args:
@@ -202,6 +227,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       block_tables: [B, W] int32; kv_lens, q_lens: [B] int32.
       sm_scale: softmax scale, 1/sqrt(D) by default.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
+      target: the FFI target to call (`targets_for`: a build for another ISA level).
     Returns:
       q's shape and dtype: `paged_prefill_attention_reference` on layer `layer`.
     Raises:
@@ -211,7 +237,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     if reason is not None:
         raise ValueError(reason)
     scale = 1.0 / np.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    out = jax.ffi.ffi_call(_PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_pages, v_pages, jnp.asarray(layer, jnp.int32),
         block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
         jnp.asarray(q_lens, jnp.int32), sm_scale=np.float32(scale),
@@ -238,11 +264,12 @@ def prefill_reason_for(kv) -> str | None:
     return prefill_reason(pages)
 
 
-def kernels_for(kv, *, soft_cap: float | None = None):
+def kernels_for(kv, *, soft_cap: float | None = None, split_rows: bool = True):
     """(kv, layer) -> (decode_fn, prefill_fn): the native decode, and the native prefill
     where it reads the pages (`prefill_reason`), else the blockwise jnp prefill, all with the
     attention logits soft-capped at `soft_cap` (None: not capped). ValueError for a state the
-    kernels do not read (`reason_for`).
+    kernels do not read (`reason_for`). `split_rows`: as in `paged_decode_attention`, for the
+    decode kernel.
 
     Same signatures as `paged_decode_attention_reference` / `..._prefill_..._reference` over
     the rows' own block tables (what `pallas_kernels.dispatch.kernels_for` returns), so the
@@ -258,7 +285,8 @@ def kernels_for(kv, *, soft_cap: float | None = None):
 
         def decode(q, block_tables, kv_lens):
             return paged_decode_attention(q, layer=layer, block_tables=block_tables,
-                                          kv_lens=kv_lens, soft_cap=soft_cap, **pages)
+                                          kv_lens=kv_lens, soft_cap=soft_cap,
+                                          split_rows=split_rows, **pages)
 
         def prefill(q, block_tables, kv_lens, q_lens):
             queries = q.shape[1]

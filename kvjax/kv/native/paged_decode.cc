@@ -23,7 +23,8 @@
 //   v_zero
 //   layer        s32  []
 // Attributes: sm_scale, soft_cap (logits -> soft_cap * tanh(logits / soft_cap) when > 0: Gemma
-// 2's attention logit cap), bits (8, 4 or 2: the u8 code width) and group (channels per scale).
+// 2's attention logit cap), bits (8, 4 or 2: the u8 code width), group (channels per scale),
+// num_queries, split_rows (whether long rows may be cut into chunks; see below).
 //   block_tables s32  [B, W]
 //   kv_lens      s32  [B]
 //   q_lens       s32  [B] (queries per row, <= num_queries)
@@ -38,7 +39,8 @@
 // Work is cut into chunks of a row's pages, all kv heads of a page together (a page of one
 // layer is one contiguous [P, K, D] block), spread over XLA's intra-op thread pool; a long row
 // is cut into several chunks so that few rows still keep every thread busy, and its chunks'
-// partial softmaxes are merged at the end (flash-decoding).
+// partial softmaxes are merged at the end (flash-decoding). How a row is cut follows the
+// call's total work, so with split_rows off (batch-invariant numerics) every row is one chunk.
 
 #include <algorithm>
 #include <cmath>
@@ -653,7 +655,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, con
                int64_t layer, ffi::Buffer<ffi::S32> block_tables,
                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
                int64_t num_queries, ffi::AnyBuffer::Dimensions kv_dims, int64_t head_dim,
-               Logits logits, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+               Logits logits, bool split_rows, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto qd = q.dimensions();
   Geometry g{qd[0], qd[1], qd[2], kv_dims[1], kv_dims[2], kv_dims[3],
              block_tables.dimensions()[1]};
@@ -667,15 +669,18 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, con
   const int32_t* lens = kv_lens.typed_data();
   const int32_t* qlens = q_lens.typed_data();
   float* o = out->typed_data();
-  // Chunks of at least kMinChunkTokens, and about kChunksPerThread per thread in all.
+  // Chunks of at least kMinChunkTokens, and about kChunksPerThread per thread in all; or,
+  // without split_rows, one chunk per row: a row's result then follows from its own query and
+  // pages alone, whatever other rows the call holds (batch-invariant numerics).
   int64_t total_blocks = 0;
   for (int64_t b = 0; b < g.num_rows; ++b)
     total_blocks += (std::max<int64_t>(lens[b], 0) + g.page_size - 1) / g.page_size;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t max_blocks = std::max<int64_t>(
+  int64_t max_blocks = std::max<int64_t>(
       {(kMinChunkTokens + g.page_size - 1) / g.page_size,
        (total_blocks + kChunksPerThread * threads - 1) / (kChunksPerThread * threads), 1});
   std::vector<Chunk> chunks;
+  if (!split_rows) max_blocks = std::max<int64_t>(total_blocks, 1);
   const int64_t num_partials = PlanChunks(g, lens, max_blocks, &chunks);
   std::vector<float> partials(num_partials * SoftmaxState::Floats(g));
   float* pp = partials.data();
@@ -704,7 +709,7 @@ ffi::Error RunPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
                      ffi::Buffer<ffi::F32> v_zero, int64_t layer,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> q_lens, int64_t num_queries, Logits logits,
-                     int64_t group, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                     int64_t group, bool split_rows, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   const int64_t dim = k.dimensions()[4] * (8 / kBits);
   const int64_t rows = k.element_count() / k.dimensions()[4];
   const int64_t metadata = rows * (dim / std::max<int64_t>(group, 1));
@@ -721,11 +726,12 @@ ffi::Error RunPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   if constexpr (kBits < 8) {
     if (shift >= 5 && dim % 32 == 0)
       return Run(pool, q, PackedBlockRows<kBits>{kr}, PackedBlockRows<kBits>{vr}, layer,
-                 block_tables, kv_lens, q_lens, num_queries, k.dimensions(), dim, logits, out);
+                 block_tables, kv_lens, q_lens, num_queries, k.dimensions(), dim, logits,
+                 split_rows, out);
   }
 #endif
   return Run(pool, q, kr, vr, layer, block_tables, kv_lens, q_lens, num_queries, k.dimensions(),
-             dim, logits, out);
+             dim, logits, split_rows, out);
 }
 
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
@@ -734,7 +740,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
                        ffi::Buffer<ffi::F32> v_zero, ffi::Buffer<ffi::S32> layer,
                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                        ffi::Buffer<ffi::S32> q_lens, float sm_scale, float soft_cap,
-                       int32_t bits, int32_t group, int32_t num_queries,
+                       int32_t bits, int32_t group, int32_t num_queries, bool split_rows,
                        ffi::Result<ffi::Buffer<ffi::F32>> out) {
   if (k.dimensions().size() != 5 || k.element_type() != v.element_type() ||
       k.element_count() != v.element_count())
@@ -747,13 +753,13 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
       FloatRows<float> kr{{}, static_cast<const float*>(k.untyped_data())};
       FloatRows<float> vr{{}, static_cast<const float*>(v.untyped_data())};
       return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
-                 k.dimensions(), dim, logits, out);
+                 k.dimensions(), dim, logits, split_rows, out);
     }
     case ffi::BF16: {
       FloatRows<uint16_t> kr{{}, static_cast<const uint16_t*>(k.untyped_data())};
       FloatRows<uint16_t> vr{{}, static_cast<const uint16_t*>(v.untyped_data())};
       return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
-                 k.dimensions(), dim, logits, out);
+                 k.dimensions(), dim, logits, split_rows, out);
     }
     case ffi::S8: {
       const int64_t rows = k.element_count() / dim;
@@ -762,22 +768,22 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
       Int8Rows kr{{}, static_cast<const int8_t*>(k.untyped_data()), k_scale.typed_data()};
       Int8Rows vr{{}, static_cast<const int8_t*>(v.untyped_data()), v_scale.typed_data()};
       return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
-                 k.dimensions(), dim, logits, out);
+                 k.dimensions(), dim, logits, split_rows, out);
     }
     case ffi::U8:
       switch (bits) {
         case 8:
           return RunPacked<8>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
                               block_tables, kv_lens, q_lens, num_queries, logits, group,
-                              out);
+                              split_rows, out);
         case 4:
           return RunPacked<4>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
                               block_tables, kv_lens, q_lens, num_queries, logits, group,
-                              out);
+                              split_rows, out);
         case 2:
           return RunPacked<2>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
                               block_tables, kv_lens, q_lens, num_queries, logits, group,
-                              out);
+                              split_rows, out);
         default:
           return ffi::Error::InvalidArgument("paged_decode: bits must be 8, 4 or 2");
       }
@@ -807,4 +813,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedDecode, PagedDecode,
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("group")
                                   .Attr<int32_t>("num_queries")
+                                  .Attr<bool>("split_rows")
                                   .Ret<ffi::Buffer<ffi::F32>>());
