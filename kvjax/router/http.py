@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -364,3 +365,9 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
         return Response(await router.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def serve_router(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 8000,
+                 log_level: str = "info") -> None:
+    """Serves the router over HTTP until SIGTERM or SIGINT."""
+    uvicorn.run(build_router_app(config), host=host, port=port, log_level=log_level)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from kvjax.router.replicas import Replica, ReplicaSet
+if TYPE_CHECKING:  # kvjax.bench.remote reads ALL_REPLICAS without needing httpx.
+    from kvjax.router.replicas import Replica, ReplicaSet
 
 ALL_REPLICAS = "all"
 
