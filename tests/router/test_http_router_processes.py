@@ -1,7 +1,8 @@
 """The HTTP router and two server replicas as processes on 127.0.0.1 (scripts/router.py,
 scripts/serve.py on the tiny chat model saved as a checkpoint). Replicas take tens of seconds
-to start, so these run in `make test-slow` (tests/slow_cases.txt); tests/router/test_http_router.py covers the same
-semantics over fake replicas in the fast suite.
+to start, so these run in `make test-slow` (tests/slow_cases.txt);
+tests/router/test_http_router.py covers the same semantics over fake replicas in the fast
+suite.
 
 Oracles: the replicas' own /metrics (prefix-cache hits and queries, finished requests by
 reason), the official `openai` client, and the request ids each answer carries.
