@@ -25,6 +25,7 @@ keeps no state beyond its flags: a restart loses nothing but the requests in fli
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -270,6 +271,9 @@ class HttpRouter:
             yield first
             async for event in events:
                 yield event
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "client_gone"  # Closing the upstream below makes the replica abort it.
+            raise
         except httpx.TransportError as e:
             outcome = "stream_broken"
             self.replicas.mark_down(replica, f"stream of {request_id!r} broke: {e!r}")
