@@ -135,10 +135,13 @@ class HttpRouter:
 
     # ----------------------------------------------------------------------------- choosing
 
-    async def _prompt_ids(self, path: str, body: Any) -> list[int] | None:
+    async def _prompt_ids(self, path: str, body: Any, raw: Request) -> list[int] | None:
         """The prompt's token ids when the policy reads prefixes (the first prompt of a
-        batch), from the body or a healthy replica's /tokenize; None if unknown."""
+        batch), from the body or a healthy replica's /tokenize; None if unknown, or if the
+        request names a tenant (its pages hash under a salt only the replica knows)."""
         if not self.policy.reads_prefix or not isinstance(body, dict):
+            return None
+        if raw.headers.get("x-tenant") or body.get("user"):
             return None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -192,7 +195,7 @@ class HttpRouter:
         headers = {k: v for k, v in raw.headers.items()
                    if k.lower() not in ("host", "content-length")}
         headers["x-request-id"] = request_id
-        prompt_ids = await self._prompt_ids(path, body)
+        prompt_ids = await self._prompt_ids(path, body, raw)
         max_new = body.get("max_tokens") if isinstance(body, dict) else None
         num_tokens = len(prompt_ids or ()) + (max_new if isinstance(max_new, int) else 0)
         tried: list[Replica] = []

@@ -53,6 +53,7 @@ class FakeReplica:
         self.completed: list[str] = []  # ... of those it answered in full
         self.cached_prompts: list[list[int]] = []
         self.metrics_hits = 0
+        self.tokenized: list[dict] = []
 
     def kv_state(self) -> dict:
         hashes = {h for p in self.cached_prompts for h in prompt_page_hashes(p, ROOT, PAGE)}
@@ -73,6 +74,10 @@ class FakeReplica:
                 "# HELP kvjax:prefix_cache_hits_total Hits.\n"
                 "# TYPE kvjax:prefix_cache_hits_total counter\n"
                 f'kvjax:prefix_cache_hits_total{{model_name="m"}} {self.metrics_hits}\n'))
+        if path == "/tokenize":  # one token per character, as a byte tokenizer would
+            self.tokenized.append(json.loads(request.content))
+            text = json.loads(request.content)["prompt"]
+            return httpx.Response(200, json=dict(tokens=[ord(c) for c in text]))
         if path == "/v1/models":
             return httpx.Response(200, json=dict(object="list", data=[dict(id="m")]))
         request_id = request.headers["x-request-id"]
@@ -272,6 +277,26 @@ def test_prefix_affinity_follows_the_replica_holding_the_prompt_pages():
         assert (state.prefix_tokens, state.num_seqs, state.num_tokens) == (20, 1, 30)
 
     run_router(3, scenario, policy="prefix_affinity")
+
+
+def test_prefix_affinity_tokenizes_text_prompts_and_skips_tenants():
+    text = "the same long system prompt, then a question"
+
+    async def scenario(client, router, fakes):
+        fakes[1].cached_prompts.append([ord(c) for c in text])
+        await router.replicas.poll_once()
+        body = dict(model="m", prompt=text + "?", max_tokens=4)
+        picks = [(await client.post("/v1/completions", json=body)).headers[REPLICA_HEADER]
+                 for _ in range(2)]
+        assert picks == [fakes[1].url] * 2
+        assert {"prompt": text + "?", "model": "m"} in fakes[0].tokenized + fakes[1].tokenized
+        # A tenant's pages hash under its salt: the default tenant's pages say nothing.
+        num_tokenized = len(fakes[0].tokenized + fakes[1].tokenized)
+        answer = await client.post("/v1/completions", json=dict(body, user="alice"))
+        assert answer.status_code == 200
+        assert len(fakes[0].tokenized + fakes[1].tokenized) == num_tokenized
+
+    run_router(2, scenario, policy="prefix_affinity")
 
 
 def test_metrics_label_each_replica_and_sum_counters():
