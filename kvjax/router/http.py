@@ -147,7 +147,8 @@ class HttpRouter:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # A batch: route by its first prompt.
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return prompt
+            # Out-of-range ids are the replica's to refuse; they name no cached page.
+            return prompt if all(0 <= t < 2**31 for t in prompt) else None
         if path.endswith("chat/completions"):
             query = dict(messages=body.get("messages"), add_generation_prompt=True)
         elif isinstance(prompt, str):
@@ -164,7 +165,12 @@ class HttpRouter:
                                             timeout=self._timeout)
         except httpx.HTTPError:
             return None
-        return answer.json()["tokens"] if answer.status_code == 200 else None
+        if answer.status_code != 200:
+            return None  # The replica will refuse the request itself, with its reason.
+        try:
+            return [int(t) for t in answer.json()["tokens"]]
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def _choose(self, prompt_ids: list[int] | None, tried: Sequence[Replica]) -> Replica:
         candidates = [r for r in self.replicas.healthy() if r not in tried]

@@ -295,6 +295,9 @@ def test_prefix_affinity_tokenizes_text_prompts_and_skips_tenants():
         answer = await client.post("/v1/completions", json=dict(body, user="alice"))
         assert answer.status_code == 200
         assert len(fakes[0].tokenized + fakes[1].tokenized) == num_tokenized
+        # Ids no tokenizer makes name no cached page; the replica refuses them, not the router.
+        answer = await client.post("/v1/completions", json=dict(body, prompt=[2**70, -1]))
+        assert answer.status_code == 200
 
     run_router(2, scenario, policy="prefix_affinity")
 
