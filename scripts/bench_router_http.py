@@ -13,6 +13,7 @@ them, not by the number of replicas.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from absl import app, flags
@@ -33,6 +34,7 @@ flags.DEFINE_string("output_dir", "/tmp/bench_router_http", "Where router_http.j
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health poll
     config = FLAGS.config
     config_path = config_flags.get_config_filename(FLAGS["config"])
     # The replicas read the same file with the same --config.* overrides.

@@ -112,10 +112,12 @@ def run_policies(config: ConfigDict, replica_urls: Sequence[str], policies: Sequ
         run_config.workload.seed = int(config.workload.seed) + i
         requests = build_workload(run_config, tokenizer)
         with router_process(replica_urls, policy) as url:
-            metrics = run_http_benchmark_detailed(run_config, url, requests=requests).metrics
+            result = run_http_benchmark_detailed(run_config, url, requests=requests)
+        metrics = result.metrics
         rows.append(dict(policy=policy, num_replicas=len(replica_urls),
                          num_requests=metrics["num_requests"],
                          num_failed=metrics["failed_requests"],
+                         errors=sorted({r.error for r in result.records if r.error}),
                          prefix_hit_rate=metrics["prefix_hit_rate"],
                          ttft_p50_s=metrics["ttft_p50_s"], ttft_p99_s=metrics["ttft_p99_s"],
                          throughput_tok_s=metrics["throughput_tok_s"]))

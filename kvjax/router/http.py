@@ -58,7 +58,9 @@ class RouterConfig:
       policy: a registered routing policy (round_robin, least_loaded, prefix_affinity,
         load_aware).
       poll_interval_s: seconds between polls of each replica's /health and /kv_state.
-      poll_timeout_s: a poll slower than this takes the replica out of the rotation.
+      poll_timeout_s: a health poll slower than this counts as missed; `max_missed_polls`
+        in a row take the replica out of the rotation.
+      max_missed_polls: see poll_timeout_s.
       connect_timeout_s: a replica not accepting a connection in this time counts as down.
       read_timeout_s: longest silence from a replica on a request (before its answer, or
         between two stream events); then the client gets 504.
@@ -69,7 +71,8 @@ class RouterConfig:
     replicas: tuple[str, ...]
     policy: str = "round_robin"
     poll_interval_s: float = 0.1
-    poll_timeout_s: float = 1.0
+    poll_timeout_s: float = 2.0
+    max_missed_polls: int = 3
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 300.0
     replica_api_key: str | None = None
@@ -128,7 +131,8 @@ class HttpRouter:
                    else {"authorization": f"Bearer {config.replica_api_key}"})
         self.replicas = ReplicaSet(config.replicas, client,
                                    poll_interval_s=config.poll_interval_s,
-                                   poll_timeout_s=config.poll_timeout_s, headers=headers)
+                                   poll_timeout_s=config.poll_timeout_s,
+                                   max_missed_polls=config.max_missed_polls, headers=headers)
         self.policy = make_policy(config.policy)
         self.metrics = RouterMetrics(self.replicas)
         self._timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)

@@ -2,11 +2,12 @@
 
 Each replica is a kvjax server (`scripts/serve.py`) given by its base URL. The router polls
 every replica's GET /health and GET /kv_state (`kvjax.server.kv_state`) every
-`poll_interval_s`; a replica that fails a poll, or a request's connection, leaves the rotation
-until a poll finds it healthy again. A policy sees one `InstanceState` per healthy replica:
-the load the replica last reported, or what the router itself has in flight there when that
-is more (requests sent since the poll), and how many leading pages of the prompt the
-replica's prefix cache holds or is computing for a request the router sent it.
+`poll_interval_s`; a replica whose /health fails (refused, non-200, or several timeouts in a
+row), or whose connection fails a request, leaves the rotation until a poll finds it healthy.
+A policy sees one `InstanceState` per healthy replica: the load the replica last reported,
+or what the router itself has in flight there when that is more (requests sent since the
+poll), and how many leading pages of the prompt the replica's prefix cache holds or is
+computing for a request the router sent it.
 
 Prefix pages are matched by hash: the prompt's page-hash chain (`kvjax.memory.prefix_cache`,
 seeded by the replica's root) tested against the hashes the replica reported. Only the
@@ -127,18 +128,22 @@ class ReplicaSet:
     """
 
     def __init__(self, urls: Sequence[str], client: httpx.AsyncClient, *,
-                 poll_interval_s: float = 0.1, poll_timeout_s: float = 1.0,
-                 headers: dict[str, str] | None = None):
+                 poll_interval_s: float = 0.1, poll_timeout_s: float = 2.0,
+                 max_missed_polls: int = 3, headers: dict[str, str] | None = None):
         if not urls:
             raise ValueError("a router needs at least one replica URL")
         if len(set(urls)) != len(urls):
             raise ValueError(f"replica URLs repeat: {list(urls)}")
+        if max_missed_polls < 1:
+            raise ValueError(f"max_missed_polls must be >= 1, got {max_missed_polls!r}")
         self.replicas = [Replica(url) for url in urls]
         self.poll_interval_s = poll_interval_s
+        self.max_missed_polls = max_missed_polls
         self._client = client
         self._timeout = httpx.Timeout(poll_timeout_s)
         self._headers = headers or {}
-        self._task: asyncio.Task | None = None
+        self._missed = {r.url: 0 for r in self.replicas}
+        self._tasks: list[asyncio.Task] = []
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.is_healthy]
@@ -150,18 +155,32 @@ class ReplicaSet:
         replica.is_healthy = False
 
     async def poll_replica(self, replica: Replica) -> None:
+        """Health first: a refused connection or a non-200 /health (draining, failed) takes
+        the replica out at once; `max_missed_polls` timeouts in a row (a process stopped,
+        not dead) too. Then its state: a slow /kv_state (it waits for the engine's step)
+        keeps the last one and says nothing of health."""
         try:
             health = await self._client.get(replica.url + "/health", timeout=self._timeout)
-            if health.status_code != 200:
-                self.mark_down(replica, f"/health answered {health.status_code}")
-                return
+        except httpx.TimeoutException:
+            self._missed[replica.url] += 1
+            if self._missed[replica.url] >= self.max_missed_polls:
+                self.mark_down(replica, f"{self._missed[replica.url]} health polls timed out")
+            return
+        except httpx.HTTPError as e:
+            self.mark_down(replica, f"health poll failed: {e!r}")
+            return
+        self._missed[replica.url] = 0
+        if health.status_code != 200:
+            self.mark_down(replica, f"/health answered {health.status_code}")
+            return
+        try:
             answer = await self._client.get(replica.url + "/kv_state", timeout=self._timeout,
                                             headers=self._headers)
             answer.raise_for_status()
             replica.state = ReplicaState.from_json(answer.json())
         except (httpx.HTTPError, ValueError, KeyError) as e:
-            self.mark_down(replica, f"poll failed: {e!r}")
-            return
+            logger.info("replica %s: /kv_state poll failed (%r); keeping its last state",
+                        replica.url, e)
         if not replica.is_healthy:
             logger.info("replica %s is in the rotation", replica.url)
         replica.is_healthy = True
@@ -170,20 +189,18 @@ class ReplicaSet:
         """Polls every replica once, concurrently."""
         await asyncio.gather(*(self.poll_replica(r) for r in self.replicas))
 
-    async def _poll_forever(self) -> None:
-        while True:
-            await self.poll_once()
+    async def _poll_forever(self, replica: Replica) -> None:
+        while True:  # One loop per replica: a slow one delays no other's polls.
+            await self.poll_replica(replica)
             await asyncio.sleep(self.poll_interval_s)
 
     def start(self) -> None:
         """Starts polling in the running event loop."""
-        self._task = asyncio.get_running_loop().create_task(self._poll_forever())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._poll_forever(r)) for r in self.replicas]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []

@@ -54,6 +54,8 @@ class FakeReplica:
         self.cached_prompts: list[list[int]] = []
         self.metrics_hits = 0
         self.tokenized: list[dict] = []
+        self.is_stalled = False  # the process stopped (SIGSTOP): nothing answers
+        self.is_stepping = False  # its engine is in a long step: /kv_state waits
 
     def kv_state(self) -> dict:
         hashes = {h for p in self.cached_prompts for h in prompt_page_hashes(p, ROOT, PAGE)}
@@ -66,8 +68,12 @@ class FakeReplica:
             raise httpx.ConnectError("connection refused")
         path = request.url.path
         if path == "/health":
+            if self.is_stalled:
+                raise httpx.ReadTimeout("timed out")
             return httpx.Response(200, json={})
         if path == "/kv_state":
+            if self.is_stepping:  # a long engine step holds the answer back
+                raise httpx.ReadTimeout("timed out")
             return httpx.Response(200, json=self.kv_state())
         if path == "/metrics":
             return httpx.Response(200, text=(
@@ -237,6 +243,28 @@ def test_a_silent_replica_gets_504_within_the_timeout_and_no_retry():
         assert fakes[1].received == []
 
     run_router(2, scenario, read_timeout_s=0.2)
+
+
+def test_a_busy_replica_stays_in_rotation_and_a_stalled_one_leaves_after_missed_polls():
+    async def scenario(client, router, fakes):
+        state = router.replicas.replicas[0].state
+        fakes[0].cached_prompts.append(list(range(40)))
+        fakes[0].is_stepping = True
+        await router.replicas.poll_once()
+        assert len(router.replicas.healthy()) == 2
+        assert router.replicas.replicas[0].state is state  # the last state, kept
+        fakes[0].is_stalled = True
+        for _ in range(router.replicas.max_missed_polls - 1):
+            await router.replicas.poll_once()
+            assert len(router.replicas.healthy()) == 2
+        await router.replicas.poll_once()
+        assert router.replicas.healthy() == [router.replicas.replicas[1]]
+        fakes[0].is_stalled = fakes[0].is_stepping = False
+        await router.replicas.poll_once()
+        assert len(router.replicas.healthy()) == 2
+        assert router.replicas.replicas[0].state.prefix_hashes  # fresh again
+
+    run_router(2, scenario)
 
 
 def test_no_healthy_replica_is_503_and_health_says_so():
