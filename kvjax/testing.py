@@ -190,6 +190,11 @@ def save_hf_checkpoint(model: Model, directory) -> None:
         eos_token_id=list(c.eos_token_ids), tie_word_embeddings=c.tie_word_embeddings)))
     tokenizer = model.tokenizer
     if tokenizer is not None:
+        from kvjax.models.tokenizer import Tokenizer
+
+        if not isinstance(tokenizer, Tokenizer):
+            raise ValueError(f"save_hf_checkpoint writes kvjax Tokenizers (tokenizer.json), "
+                             f"not {type(tokenizer).__name__}")
         tokenizer.backend.save(str(directory / "tokenizer.json"))
         special = {role: tokenizer.backend.id_to_token(token_id) for role, token_id in (
             ("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_ids[0]))
