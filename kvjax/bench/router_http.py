@@ -19,6 +19,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -40,7 +41,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+class ScriptProcess(subprocess.Popen):
+    """A `scripts/<script>` process whose output goes to a temporary file (a pipe nobody
+    reads would fill up and block it: a router logs every poll at INFO)."""
+
+    def __init__(self, script: str, args: Sequence[str]):
+        self.log = tempfile.TemporaryFile()
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        super().__init__([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT,
+                         env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output_tail(self, num_chars: int = 3000) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-num_chars:]
+
+    def stop(self) -> None:
+        """Kills it (if still running), reaps it and drops its output."""
+        if self.poll() is None:
+            self.kill()
+        self.wait()
+        self.log.close()
+
+
+def wait_healthy(url: str, process: ScriptProcess, timeout_s: float) -> None:
     """Waits for GET url/health to answer 200; RuntimeError if the process exits first or the
     time runs out (the process is killed then)."""
     deadline = time.monotonic() + timeout_s
@@ -50,42 +73,27 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
                 return
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            output = process.stdout.read()[-3000:] if process.stdout else ""
-            raise RuntimeError(f"{url} did not come up: {output}")
+            raise RuntimeError(f"{url} did not come up: {process.output_tail()}")
         time.sleep(0.25)
-
-
-def _start(script: str, args: Sequence[str]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.kill()
-    process.wait()
-    if process.stdout:
-        process.stdout.close()
 
 
 @contextlib.contextmanager
 def replica_processes(server_args: Sequence[str], num_replicas: int, *,
-                      timeout_s: float = 600.0) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+                      timeout_s: float = 600.0) -> Iterator[list[tuple[str, ScriptProcess]]]:
     """Starts `num_replicas` `scripts/serve.py` processes with `server_args` on free ports;
     yields (base URL, process) pairs once all are healthy; kills the survivors at exit."""
     started = []
     try:
         for _ in range(num_replicas):
             port = free_port()
-            started.append((f"http://127.0.0.1:{port}", _start(
+            started.append((f"http://127.0.0.1:{port}", ScriptProcess(
                 "serve.py", [f"--port={port}", "--log_level=warning", *server_args])))
         for url, process in started:
             wait_healthy(url, process, timeout_s)
         yield started
     finally:
         for _, process in started:
-            _stop(process)
+            process.stop()
 
 
 @contextlib.contextmanager
@@ -93,14 +101,15 @@ def router_process(replica_urls: Sequence[str], policy: str, *, args: Sequence[s
                    timeout_s: float = 120.0) -> Iterator[str]:
     """Starts `scripts/router.py` over the replicas; yields its base URL once healthy."""
     port = free_port()
-    process = _start("router.py", [f"--port={port}", f"--replica={','.join(replica_urls)}",
-                                   f"--policy={policy}", "--log_level=warning", *args])
+    process = ScriptProcess("router.py", [f"--port={port}",
+                                          f"--replica={','.join(replica_urls)}",
+                                          f"--policy={policy}", "--log_level=warning", *args])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout_s)
         yield url
     finally:
-        _stop(process)
+        process.stop()
 
 
 def run_policies(config: ConfigDict, replica_urls: Sequence[str], policies: Sequence[str],

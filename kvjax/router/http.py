@@ -14,10 +14,11 @@ the router's own `kvjax:router_*` series.
 
 Faults. Every request carries an X-Request-Id (the client's, or one the router makes), which
 the replica uses as the response id. When a replica's connection fails before it sent any
-output (for a stream: before its first event), or it answers 503 (not admitting), the request
+output (for a stream: before its first event with output; a chat stream's opening role event
+has none), or it answers 503 (not admitting), the request
 is sent once more, with the same id, to another replica, and the first leaves the rotation; a
 dying replica cannot finish what it never answered, so no request runs twice to completion.
-A stream that fails after its first event ends with an OpenAI error event and `[DONE]`: the
+A stream that fails after output ends with an OpenAI error event and `[DONE]`: the
 client saw output, so it is not run again. A replica silent for `read_timeout_s` gets 504
 (not retried: it may still be running; closing the connection makes it abort). The router
 keeps no state beyond its flags: a restart loses nothing but the requests in flight.
@@ -100,6 +101,20 @@ def _error(status: int, message: str, *, type: str = "server_error") -> JSONResp
 def _sse_error(message: str) -> bytes:
     body = protocol.error_body(message, type="server_error")
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+def _carries_output(event: bytes) -> bool:
+    """Whether an SSE event shows the client anything of the answer: all but a chunk whose
+    choices hold only an empty delta (the role event a chat stream opens with)."""
+    try:
+        chunk = json.loads(event.decode().removeprefix("data: "))
+        choices = chunk["choices"]
+    except (ValueError, KeyError, TypeError):
+        return True  # [DONE], an error event, or anything else: the client sees it.
+    if not choices or chunk.get("usage"):
+        return True
+    return any(c.get("text") or (c.get("delta") or {}).get("content") or c.get("finish_reason")
+               or c.get("logprobs") for c in choices)
 
 
 async def _events(response: httpx.Response) -> AsyncIterator[bytes]:
@@ -265,23 +280,31 @@ class HttpRouter:
                                 Response(data, status_code=upstream.status_code,
                                          headers=relayed))
         events = _events(upstream)
+        held: list[bytes] = []  # a chat stream's opening role event carries no output
         try:
-            first = await anext(events)
-        except (StopAsyncIteration, httpx.TransportError) as e:
+            while not held or not _carries_output(held[-1]):
+                held.append(await anext(events))
+        except StopAsyncIteration:
+            if not held:
+                await upstream.aclose()
+                raise _BeforeOutput(f"request {request_id!r}: stream ended before its first "
+                                    "event") from None
+        except httpx.TransportError as e:
             await upstream.aclose()
             if isinstance(e, httpx.TimeoutException):
                 return self._finish(replica, request_id, "timeout", _error(
                     504, f"request {request_id!r}: replica {replica.url} stalled"))
-            raise _BeforeOutput(f"request {request_id!r}: stream ended before its first "
-                                f"event: {e!r}") from None
-        return StreamingResponse(self._relay(replica, request_id, upstream, first, events),
+            raise _BeforeOutput(f"request {request_id!r}: stream failed before any output: "
+                                f"{e!r}") from None
+        return StreamingResponse(self._relay(replica, request_id, upstream, held, events),
                                  status_code=200, headers=relayed)
 
     async def _relay(self, replica: Replica, request_id: str, upstream: httpx.Response,
-                     first: bytes, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+                     held: list[bytes], events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         outcome = "200"
         try:
-            yield first
+            for event in held:
+                yield event
             async for event in events:
                 yield event
         except (GeneratorExit, asyncio.CancelledError):

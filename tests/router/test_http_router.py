@@ -54,6 +54,7 @@ class FakeReplica:
         self.cached_prompts: list[list[int]] = []
         self.metrics_hits = 0
         self.tokenized: list[dict] = []
+        self.opens_with_role = False
         self.is_stalled = False  # the process stopped (SIGSTOP): nothing answers
         self.is_stepping = False  # its engine is in a long step: /kv_state waits
 
@@ -98,6 +99,10 @@ class FakeReplica:
         if body.get("stream"):
             events = [f"data: {json.dumps(dict(id=request_id, n=i))}\n\n".encode()
                       for i in range(3)]
+            if self.opens_with_role:  # as a chat stream does, before any token
+                role = dict(id=request_id, choices=[dict(index=0, delta=dict(
+                    role="assistant", content=""), logprobs=None, finish_reason=None)])
+                events.insert(0, f"data: {json.dumps(role)}\n\n".encode())
             if self.mode == "die":
                 self.is_alive = False
                 return httpx.Response(200, headers={**headers, "content-type":
@@ -215,6 +220,21 @@ def test_a_stream_that_dies_before_its_first_event_is_retried():
         assert events[-1] == "data: [DONE]"
         assert [json.loads(e.removeprefix("data: "))["n"] for e in events[:-1]] == [0, 1, 2]
         assert fakes[1].completed == ["s-1"]
+
+    run_router(2, scenario)
+
+
+def test_a_chat_stream_that_dies_after_its_role_event_only_is_retried():
+    async def scenario(client, router, fakes):
+        for fake in fakes:
+            fake.opens_with_role = True
+        fakes[0].mode, fakes[0].events_before_death = "die", 1  # the role event, then death
+        answer = await completion(client, "c-1", stream=True)
+        events = [json.loads(e.removeprefix("data: ")) for e in answer.text.split("\n\n")
+                  if e and e != "data: [DONE]"]
+        assert "choices" in events[0]  # one role event: the second replica's
+        assert [e.get("n") for e in events[1:]] == [0, 1, 2]
+        assert fakes[1].completed == ["c-1"]
 
     run_router(2, scenario)
 

@@ -22,8 +22,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvjax.bench.router_http import _start as start_script
-from kvjax.bench.router_http import replica_processes, router_process, wait_healthy
+from kvjax.bench.router_http import (
+    ScriptProcess,
+    replica_processes,
+    router_process,
+    wait_healthy,
+)
 from kvjax.router.http import REPLICA_HEADER
 from kvjax.testing import save_hf_checkpoint, tiny_chat_model
 
@@ -78,6 +82,14 @@ def test_prefix_affinity_raises_the_hit_rate_over_round_robin(replicas):
             model = client.models.list().data[0].id
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 answers = list(pool.map(functools.partial(_complete, client, model), prompts))
+            # Chat, streamed and not, through the router: the same greedy text.
+            chat = dict(model=model, messages=[dict(role="user", content="hi there")],
+                        max_tokens=8, temperature=0)
+            whole = client.chat.completions.create(**chat).choices[0].message.content
+            streamed = "".join(c.choices[0].delta.content or "" for c in
+                               client.chat.completions.create(**chat, stream=True)
+                               if c.choices)
+            assert streamed == whole
         assert all(a.usage.completion_tokens == 4 for a in answers)
         rates[policy] = hit_rate(urls, before)
     assert rates["prefix_affinity"] > rates["round_robin"] + 0.1, rates
@@ -127,8 +139,8 @@ def test_sigkill_under_load_loses_no_request_and_runs_none_twice(replicas, check
         # The dead replica leaves the rotation; restarted on its port, it comes back.
         assert rotation(router) == {dead_url: False, live_url: True}
         port = dead_url.rsplit(":", 1)[1]
-        restarted = start_script("serve.py", [f"--port={port}", "--log_level=warning",
-                                              f"--model={checkpoint}", *SERVER_ARGS])
+        restarted = ScriptProcess("serve.py", [f"--port={port}", "--log_level=warning",
+                                               f"--model={checkpoint}", *SERVER_ARGS])
         try:
             wait_healthy(dead_url, restarted, 600)
             deadline = time.monotonic() + 60
@@ -136,8 +148,7 @@ def test_sigkill_under_load_loses_no_request_and_runs_none_twice(replicas, check
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
         finally:
-            restarted.kill()
-            restarted.wait()
+            restarted.stop()
     broken = 0
     on_live = 0
     for rid, got in results.items():
