@@ -108,6 +108,9 @@ def router_process(replica_urls: Sequence[str], policy: str, *, args: Sequence[s
     try:
         wait_healthy(url, process, timeout_s)
         yield url
+    except Exception as e:
+        e.add_note(f"router output: {process.output_tail()}")
+        raise
     finally:
         process.stop()
 

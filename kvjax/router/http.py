@@ -14,8 +14,8 @@ the router's own `kvjax:router_*` series.
 
 Faults. Every request carries an X-Request-Id (the client's, or one the router makes), which
 the replica uses as the response id. When a replica's connection fails before it sent any
-output (for a stream: before its first event with output; a chat stream's opening role event
-has none), or it answers 503 (not admitting), the request
+output (for a stream: before its first token event; a chat stream's opening role event is
+held back until one), or it answers 503 (not admitting), the request
 is sent once more, with the same id, to another replica, and the first leaves the rotation; a
 dying replica cannot finish what it never answered, so no request runs twice to completion.
 A stream that fails after output ends with an OpenAI error event and `[DONE]`: the
@@ -104,17 +104,15 @@ def _sse_error(message: str) -> bytes:
 
 
 def _carries_output(event: bytes) -> bool:
-    """Whether an SSE event shows the client anything of the answer: all but a chunk whose
-    choices hold only an empty delta (the role event a chat stream opens with)."""
+    """Whether an SSE event shows the client anything of the answer: all but the role event a
+    chat stream opens with (every choice's delta a role and no content). A token whose text is
+    empty (a special token, half a character) still counts: the replica computed it."""
     try:
-        chunk = json.loads(event.decode().removeprefix("data: "))
-        choices = chunk["choices"]
+        choices = json.loads(event.decode().removeprefix("data: "))["choices"]
+        return not choices or not all(
+            "role" in c["delta"] and not c["delta"].get("content") for c in choices)
     except (ValueError, KeyError, TypeError):
-        return True  # [DONE], an error event, or anything else: the client sees it.
-    if not choices or chunk.get("usage"):
-        return True
-    return any(c.get("text") or (c.get("delta") or {}).get("content") or c.get("finish_reason")
-               or c.get("logprobs") for c in choices)
+        return True  # [DONE], an error event, a completion chunk: the client sees it.
 
 
 async def _events(response: httpx.Response) -> AsyncIterator[bytes]:

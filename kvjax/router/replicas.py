@@ -191,7 +191,11 @@ class ReplicaSet:
 
     async def _poll_forever(self, replica: Replica) -> None:
         while True:  # One loop per replica: a slow one delays no other's polls.
-            await self.poll_replica(replica)
+            try:
+                await self.poll_replica(replica)
+            except Exception as e:  # The loop must outlive any failure, or it never returns.
+                logger.exception("polling replica %s failed", replica.url)
+                self.mark_down(replica, f"poll failed: {e!r}")
             await asyncio.sleep(self.poll_interval_s)
 
     def start(self) -> None:
