@@ -43,7 +43,7 @@ def free_port() -> int:
 
 class ScriptProcess(subprocess.Popen):
     """A `scripts/<script>` process whose output goes to a temporary file (a pipe nobody
-    reads would fill up and block it: a router logs every poll at INFO)."""
+    reads would block it once it has written the pipe's buffer full)."""
 
     def __init__(self, script: str, args: Sequence[str]):
         self.log = tempfile.TemporaryFile()
