@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -44,6 +45,8 @@ from kvjax.router.http_metrics import RouterMetrics, aggregate_replica_metrics
 from kvjax.router.policies import RouteRequest, make_policy
 from kvjax.router.replicas import InFlight, Replica, ReplicaSet
 from kvjax.server import protocol
+
+logger = logging.getLogger(__name__)
 
 # Headers a replica's answer keeps on its way to the client.
 _RELAYED_HEADERS = ("content-type", "retry-after", "cache-control", "x-request-id")
@@ -239,7 +242,14 @@ class HttpRouter:
                 self.metrics.count(replica, "failed_before_output")
                 if len(tried) < 2:
                     self.metrics.retries.inc()
-            except BaseException:
+            except Exception:  # Logged in full; the client gets OpenAI's error JSON.
+                replica.in_flight.pop(request_id, None)
+                logger.exception("request %r on replica %s failed in the router", request_id,
+                                 replica.url)
+                self.metrics.count(replica, "router_error")
+                return _error(502, f"request {request_id!r}: the router failed relaying "
+                              f"replica {replica.url}'s answer")
+            except BaseException:  # Cancelled: the client is gone.
                 replica.in_flight.pop(request_id, None)
                 raise
         self.metrics.count(None, "no_replica")

@@ -77,8 +77,8 @@ class RouterMetrics:
     Attributes:
       requests: kvjax:router_requests_total{replica, outcome}: one per try of a request on a
         replica (outcome: the replica's status, 'failed_before_output' (retried elsewhere if
-        it was the first try), 'stream_broken', 'client_gone', 'timeout', 'broken'; replica
-        '' and 'no_replica' when none could take it).
+        it was the first try), 'stream_broken', 'client_gone', 'timeout', 'broken',
+        'router_error' (logged); replica '' and 'no_replica' when none could take it).
       retries: kvjax:router_retries_total: requests sent again to another replica.
     """
 

@@ -123,7 +123,7 @@ def test_sigkill_under_load_loses_no_request_and_runs_none_twice(replicas, check
     (dead_url, dead), (live_url, _) = replicas
     done_before = counters(live_url, "kvjax:request_success_total", finished_reason="length")
     with router_process([dead_url, live_url], "round_robin",
-                        args=["--read_timeout_s=30"]) as router:
+                        args=["--read_timeout_s=30"]) as router:  # its output on a failure
         streaming_there = threading.Event()
         ids = [f"load-{i}" for i in range(16)]
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -136,7 +136,27 @@ def test_sigkill_under_load_loses_no_request_and_runs_none_twice(replicas, check
             results = {rid: f.result(timeout=120) for rid, f in futures.items()}
         metrics = httpx.get(router + "/metrics", timeout=60).text
         retries = counters_from(metrics, "kvjax:router_retries_total")
-        # The dead replica leaves the rotation; restarted on its port, it comes back.
+        broken = on_live = 0
+        for rid, got in results.items():
+            assert got["status"] == 200, (rid, got)
+            if "body" in got:  # Not streamed: never lost, whichever replica it ran on.
+                assert got["body"]["id"] == rid
+                assert got["body"]["usage"]["completion_tokens"] == MAX_TOKENS
+            else:  # Streamed: complete, or ended by an error event naming it.
+                assert got["events"][-1] == "[DONE]"
+                last = json.loads(got["events"][-2])
+                if "error" in last:
+                    assert rid in last["error"]["message"]
+                    broken += 1
+                    continue
+                assert last["choices"][-1]["finish_reason"] == "length"
+            on_live += got["replica"] == live_url
+        # Every request answered as run on the live replica ran there exactly once to its end.
+        done = counters(live_url, "kvjax:request_success_total", finished_reason="length")
+        assert done - done_before == on_live
+        # The kill hit a stream with output and requests without (the non-streamed ones).
+        assert broken >= 1 and retries >= 1
+        # The dead replica left the rotation; restarted on its port, it comes back.
         assert rotation(router) == {dead_url: False, live_url: True}
         port = dead_url.rsplit(":", 1)[1]
         restarted = ScriptProcess("serve.py", [f"--port={port}", "--log_level=warning",
@@ -149,27 +169,6 @@ def test_sigkill_under_load_loses_no_request_and_runs_none_twice(replicas, check
                 time.sleep(0.1)
         finally:
             restarted.stop()
-    broken = 0
-    on_live = 0
-    for rid, got in results.items():
-        assert got["status"] == 200, (rid, got)
-        if "body" in got:  # Not streamed: never lost, whichever replica it ran on.
-            assert got["body"]["id"] == rid
-            assert got["body"]["usage"]["completion_tokens"] == MAX_TOKENS
-        else:  # Streamed: complete, or ended by an error event naming it.
-            assert got["events"][-1] == "[DONE]"
-            last = json.loads(got["events"][-2])
-            if "error" in last:
-                assert rid in last["error"]["message"]
-                broken += 1
-                continue
-            assert last["choices"][-1]["finish_reason"] == "length"
-        on_live += got["replica"] == live_url
-    # Every request answered as run on the live replica ran there exactly once to its end.
-    done = counters(live_url, "kvjax:request_success_total", finished_reason="length")
-    assert done - done_before == on_live
-    # The kill hit a stream with output and requests without (the non-streamed ones there).
-    assert broken >= 1 and retries >= 1
 
 
 def rotation(router: str) -> dict[str, bool]:
