@@ -12,6 +12,8 @@ state beyond these flags: restart it freely.
 
 from __future__ import annotations
 
+import logging
+
 from absl import app, flags
 
 from kvjax.router.http import RouterConfig, serve_router
@@ -34,6 +36,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS.replica:
         raise app.UsageError("give at least one --replica URL")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per poll (20 a second)
     config = RouterConfig(replicas=tuple(FLAGS.replica), policy=FLAGS.policy,
                           poll_interval_s=FLAGS.poll_interval_s,
                           read_timeout_s=FLAGS.read_timeout_s,

@@ -265,7 +265,10 @@ class HttpRouter:
         except httpx.TimeoutException:
             return self._finish(replica, request_id, "timeout", _error(
                 504, f"request {request_id!r}: replica {replica.url} did not answer in time"))
-        except httpx.TransportError as e:
+        except Exception as e:
+            # Any failure before the replica answered (a transport error, or one the HTTP
+            # stack raises unmapped when a socket dies mid-connect) left the client nothing;
+            # the closed connection makes a live replica abort the request.
             raise _BeforeOutput(f"request {request_id!r}: {e!r}") from None
         if upstream.status_code == 503:  # Not admitting (draining, failed): nothing ran.
             await upstream.aclose()

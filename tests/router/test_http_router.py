@@ -114,6 +114,9 @@ class FakeReplica:
         if self.mode == "die":
             self.is_alive = False
             raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        if self.mode == "glitch":  # what the HTTP stack raised, unmapped, on a killed socket
+            self.is_alive = False
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
         self.completed.append(request_id)
         return httpx.Response(200, headers=headers, json=dict(id=request_id, text=self.url))
 
@@ -196,6 +199,16 @@ def test_a_request_whose_replica_dies_before_answering_runs_once_elsewhere_with_
         urls = {(await completion(client, f"back-{i}")).headers[REPLICA_HEADER]
                 for i in range(2)}
         assert urls == {fakes[0].url, fakes[1].url}
+
+    run_router(2, scenario)
+
+
+def test_an_unmapped_failure_before_any_answer_is_retried_like_a_dead_connection():
+    async def scenario(client, router, fakes):
+        fakes[0].mode = "glitch"
+        answer = await completion(client, "g-1")
+        assert answer.status_code == 200 and answer.json()["id"] == "g-1"
+        assert fakes[1].completed == ["g-1"]
 
     run_router(2, scenario)
 
