@@ -164,7 +164,9 @@ _NOT_LLAMA_FIELDS = ("qkv_bias", "qk_norm", "layer_windows", "activation", "norm
 def save_hf_checkpoint(model: Model, directory) -> None:
     """Writes `model` (a Llama without QKV biases, default RoPE, e.g. `tiny_model()`) as a HF
     directory (config.json + model.safetensors) that `kvjax.load_model` reads back to the same
-    params: what scripts taking `--model` run on in tests, without torch."""
+    params: what scripts taking `--model` run on in tests, without torch. A model with a
+    tokenizer (`tiny_chat_model()`) also gets tokenizer.json and tokenizer_config.json, so a
+    server started on the directory takes text and chat."""
     import json
     import pathlib
 
@@ -195,3 +197,16 @@ def save_hf_checkpoint(model: Model, directory) -> None:
         head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
         rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope.theta, bos_token_id=1,
         eos_token_id=list(c.eos_token_ids), tie_word_embeddings=c.tie_word_embeddings)))
+    tokenizer = model.tokenizer
+    if tokenizer is not None:
+        from kvjax.models.tokenizer import Tokenizer
+
+        if not isinstance(tokenizer, Tokenizer):
+            raise ValueError(f"save_hf_checkpoint writes kvjax Tokenizers (tokenizer.json), "
+                             f"not {type(tokenizer).__name__}")
+        tokenizer.backend.save(str(directory / "tokenizer.json"))
+        special = {role: tokenizer.backend.id_to_token(token_id) for role, token_id in (
+            ("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_ids[0]))
+            if token_id is not None}
+        (directory / "tokenizer_config.json").write_text(json.dumps(
+            dict(special, chat_template=tokenizer.chat_template)))

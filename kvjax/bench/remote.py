@@ -35,6 +35,7 @@ from kvjax.bench.metrics import RequestRecord, compute_metrics
 from kvjax.bench.runner import BenchResult, build_workload, check_supported, environment
 from kvjax.bench.workloads import BenchRequest, Tokenizer
 from kvjax.models.loading import load_model
+from kvjax.router.http_metrics import ALL_REPLICAS
 
 # /metrics sample -> serve_bench counter; summed over labels (e.g. the kv_bytes_moved tiers).
 _COUNTERS = {
@@ -85,6 +86,8 @@ class _Target:
         found: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
+                if s.labels.get("replica") == ALL_REPLICAS:
+                    continue  # A router's sum over its replicas, whose own series follow.
                 if s.name in _COUNTERS:
                     key = _COUNTERS[s.name]
                 elif s.name == "kvjax:kv_bytes_moved_total" and s.labels.get("tier") in _TIERS:

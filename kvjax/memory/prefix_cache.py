@@ -155,6 +155,10 @@ class PrefixCache:
             raise ValueError(f"page {page} is not in the prefix cache")
         return self._hash_by_page[page]
 
+    def page_hashes(self) -> list[bytes]:
+        """The hash of every indexed page (what a router tests a prompt's chain against)."""
+        return list(self._page_by_hash)
+
     def is_indexed(self, page: int) -> bool:
         return page in self._hash_by_page
 

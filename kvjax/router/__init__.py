@@ -1,4 +1,8 @@
-"""Routing requests over engine instances, and prefill/decode disaggregation."""
+"""Routing requests over engine instances, and prefill/decode disaggregation.
+
+The HTTP router over server processes is `kvjax.router.http` (imported on its own: it needs
+httpx, the `router` extra).
+"""
 
 from kvjax.router.disagg import DisaggregatedEngine, replay_disaggregated
 from kvjax.router.policies import (

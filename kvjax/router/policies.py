@@ -50,9 +50,16 @@ class InstanceState:
 
 
 class RoutingPolicy(Protocol):
-    """Chooses the instance for a request."""
+    """Chooses the instance for a request.
+
+    Attributes:
+      name: the registered name.
+      reads_prefix: whether `choose` reads `InstanceState.prefix_tokens` (an HTTP router
+        tokenizes the prompt only for such a policy).
+    """
 
     name: str
+    reads_prefix: bool
 
     def choose(self, request: RouteRequest, instances: Seq[InstanceState]) -> int:
         """The index in `instances` of the instance that serves `request`."""
@@ -68,6 +75,7 @@ class RoundRobin:
     """Instances in turn, blind to load and cache contents: the baseline."""
 
     name = "round_robin"
+    reads_prefix = False
 
     def __init__(self):
         self._next = 0
@@ -82,6 +90,7 @@ class LeastLoaded:
     """The instance with the fewest queued tokens (its running and waiting requests')."""
 
     name = "least_loaded"
+    reads_prefix = False
 
     def choose(self, request: RouteRequest, instances: Seq[InstanceState]) -> int:
         return _argmin(instances, lambda s: s.num_tokens)
@@ -91,6 +100,7 @@ class PrefixAffinity:
     """The instance holding the longest prefix of the prompt; ties go to the least loaded."""
 
     name = "prefix_affinity"
+    reads_prefix = True
 
     def choose(self, request: RouteRequest, instances: Seq[InstanceState]) -> int:
         return _argmin(instances, lambda s: -s.prefix_tokens)
@@ -105,6 +115,7 @@ class LoadAware:
     """
 
     name = "load_aware"
+    reads_prefix = True
 
     def choose(self, request: RouteRequest, instances: Seq[InstanceState]) -> int:
         return _argmin(instances, lambda s: (request.prompt_len - s.prefix_tokens)

@@ -4,15 +4,18 @@
     serve(engine, config, host="127.0.0.1", port=8000)            # blocks; SIGTERM drains
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, and vLLM's
-POST /tokenize, POST /detokenize, GET /version; GET /health and GET /metrics (kvjax: and
-vllm: names). With API keys (`ServerConfig.api_keys`) every route but /health, /metrics and
-/version needs one. The app's lifespan starts the engine thread and, at shutdown, stops it
-(live requests are aborted, their pages freed). Every error, a malformed body included, is
-OpenAI's error JSON.
+POST /tokenize, POST /detokenize, GET /version; GET /health, GET /metrics (kvjax: and
+vllm: names) and GET /kv_state (load and prefix-cache index for a router,
+`kvjax.server.kv_state`). With API keys (`ServerConfig.api_keys`) every route but /health,
+/metrics and /version needs one. An X-Request-Id header names the response (a router's retry
+on another replica keeps its id). The app's lifespan starts the engine thread and, at
+shutdown, stops it (live requests are aborted, their pages freed). Every error, a malformed
+body included, is OpenAI's error JSON.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -34,6 +37,7 @@ from kvjax.engine.engine import Engine
 from kvjax.engine.multi import MultiModelEngine
 from kvjax.server import protocol
 from kvjax.server.async_engine import AsyncEngine, RequestFailed
+from kvjax.server.kv_state import kv_state
 from kvjax.server.metrics import ServerMetrics
 from kvjax.server.serving import ApiError, OpenAIServing, ServerConfig
 
@@ -155,6 +159,11 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
             return JSONResponse(protocol.error_body("the server is draining",
                                                     type="server_error"), status_code=503)
         return JSONResponse({})
+
+    @app.get("/kv_state", dependencies=keyed)
+    async def replica_state(model: str | None = None) -> dict:
+        engine = async_engine.engine.models()[serving_for(model).route]
+        return await async_engine.call(lambda: kv_state(engine), asyncio.get_running_loop())
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -302,6 +303,13 @@ class AsyncEngine:
                             loop))
         return future
 
+    def call(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """A future of `fn()`, run on the engine thread between two steps (reads of engine
+        state that the engine thread mutates, e.g. the prefix cache's index)."""
+        future = loop.create_future()
+        self._commands.put(("call", fn, future, loop))
+        return future
+
     # ----------------------------------------------------------------------------- engine thread
 
     def _release_waiting(self, request: EngineRequest) -> None:
@@ -337,6 +345,8 @@ class AsyncEngine:
             elif command[0] == "score":
                 future, loop = command[5], command[6]
                 _resolve(loop, future, future.set_exception, error)
+            elif command[0] == "call":
+                _resolve(command[3], command[2], command[2].set_exception, error)
 
     def _take_commands(self, *, block: bool) -> bool:
         """Applies queued commands (waiting for one if `block`); False once told to stop."""
@@ -357,6 +367,14 @@ class AsyncEngine:
                 self._abort(command[1])
             elif kind == "score":
                 self._score(*command[1:])
+            elif kind == "call":
+                _, fn, future, loop = command
+                try:
+                    result = fn()
+                except Exception as e:  # The caller's to handle; the engine goes on.
+                    _resolve(loop, future, future.set_exception, e)
+                else:
+                    _resolve(loop, future, future.set_result, result)
             elif kind == "stop":
                 for request_id in list(self._tracked):
                     self._abort(request_id)

@@ -47,6 +47,8 @@ from kvjax.validation import name_problem
 
 TENANT_HEADER = "x-tenant"
 PRIORITY_HEADER = "x-priority"
+# A client-chosen response id (a router retrying a request on another replica keeps it).
+REQUEST_ID_HEADER = "x-request-id"
 # A request's SLO for the engine's KV controller (kvjax.scheduler.controller.SLO): seconds to
 # first token, seconds per output token, and the KL (nats per token) it accepts to lose.
 logger = logging.getLogger(__name__)
@@ -432,6 +434,17 @@ class OpenAIServing:
         return tenant, value
 
     @staticmethod
+    def _request_id(raw: Request) -> str | None:
+        """The X-Request-Id header (the response's id and the engine requests' prefix)."""
+        request_id = raw.headers.get(REQUEST_ID_HEADER)
+        if request_id is None:
+            return None
+        problem = name_problem(request_id)
+        if problem is not None:
+            raise ApiError(400, f"header X-Request-Id {problem}", param="X-Request-Id")
+        return request_id
+
+    @staticmethod
     def _slo(raw: Request) -> SLO | None:
         """The request's SLO from its X-SLO-TTFT-S / X-SLO-TPOT-S / X-KL-Budget headers; None
         without them (the engine's default SLO)."""
@@ -478,7 +491,7 @@ class OpenAIServing:
         field, grammar = _constraint(body, tools)
         tenant, priority = self._identity(body, raw)
         slo = self._slo(raw)
-        api_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        api_id = self._request_id(raw) or protocol.new_id("chatcmpl" if chat else "cmpl")
         arrival = self.engine.clock()
         requests = []
         for i, ids in enumerate(prompts):

@@ -28,6 +28,7 @@ import kvjax
 from kvjax import Engine, EngineConfig
 from kvjax.engine.runner import StepObserver
 from kvjax.engine.snapshot import provenance_parts
+from kvjax.memory.prefix_cache import hash_page, hash_root
 from kvjax.server import BackgroundServer, ServerConfig
 from kvjax.server.metrics import VLLM_NAMES
 from kvjax.testing import dense_logprobs, greedy_reference, tiny_chat_model
@@ -495,6 +496,27 @@ def test_tenants_salt_the_prefix_cache(client, http):
     after = scrape(http)
     assert after["kvjax:prefix_cache_hits_total"] - before["kvjax:prefix_cache_hits_total"] == 72
     assert 0 < after["kvjax:prefix_cache_hit_rate"] <= 1
+
+
+def test_kv_state_reports_the_prompt_page_chain_a_router_computes(server, http):
+    prompt = list(range(80, 105))  # 3 full pages and one token
+    r = http.post("/v1/completions", json=dict(prompt=prompt, max_tokens=2, temperature=0),
+                  headers={"X-Request-Id": "router-chosen-1"})
+    assert r.status_code == 200 and r.json()["id"] == "router-chosen-1"
+    state = http.get("/kv_state").json()
+    root = hash_root(server.engine.provenance(None))
+    assert state["prefix_root"] == root.hex() and state["page_size"] == CONFIG.page_size
+    parent, chain = root, []
+    for start in (0, 8, 16):  # the prefix cache's own hash, page by page
+        parent = hash_page(parent, prompt[start:start + 8])
+        chain.append(parent[:8].hex())
+    assert set(chain) <= set(state["prefix_hashes"])
+    assert state["num_pages"] == CONFIG.num_pages and 0 < state["num_free_pages"] <= 64
+    assert (state["num_running"], state["num_waiting"], state["queued_prefill_tokens"]) == \
+        (0, 0, 0)
+    bad = http.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=1),
+                    headers={"X-Request-Id": "x" * 1000})
+    assert bad.status_code == 400 and "X-Request-Id" in bad.json()["error"]["message"]
 
 
 def test_models_health_and_priority_header(server, client, http):

@@ -1,0 +1,48 @@
+"""Route OpenAI requests over several kvjax server replicas (kvjax.router.http).
+
+  python scripts/serve.py --port 8001 &  python scripts/serve.py --port 8002 &
+  python scripts/router.py --replica http://127.0.0.1:8001,http://127.0.0.1:8002 \
+      --policy prefix_affinity --port 8000
+
+Each request goes to the healthy replica the policy picks from the replicas' polled GET
+/kv_state; a request whose replica dies before any output runs once more on another (same
+X-Request-Id); a stream that breaks after output ends with an error event. The router keeps no
+state beyond these flags: restart it freely.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from absl import app, flags
+
+from kvjax.router.http import RouterConfig, serve_router
+from kvjax.router.policies import POLICIES
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("replica", [], "Base URLs of the replicas (http://host:port), in order.")
+flags.DEFINE_enum("policy", "round_robin", sorted(POLICIES), "Routing policy.")
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+flags.DEFINE_integer("port", 8000, "Port to listen on.")
+flags.DEFINE_float("poll_interval_s", 0.1, "Seconds between polls of each replica.")
+flags.DEFINE_float("read_timeout_s", 300.0, "Longest silence from a replica on a request "
+                   "(before its answer or between stream events); then 504.")
+flags.DEFINE_string("replica_api_key", None, "Key for replicas that need one (/kv_state).")
+flags.DEFINE_string("log_level", "info", "uvicorn's log level.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS.replica:
+        raise app.UsageError("give at least one --replica URL")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per poll (20 a second)
+    config = RouterConfig(replicas=tuple(FLAGS.replica), policy=FLAGS.policy,
+                          poll_interval_s=FLAGS.poll_interval_s,
+                          read_timeout_s=FLAGS.read_timeout_s,
+                          replica_api_key=FLAGS.replica_api_key)
+    serve_router(config, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
+
+
+if __name__ == "__main__":
+    app.run(main)
