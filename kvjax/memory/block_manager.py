@@ -500,6 +500,11 @@ class BlockManager:
                     freed.append(page)
         return freed
 
+    def take_released(self) -> list[int]:
+        """Pages windows gave back since the last call: none here (`release_before` returns
+        its own; `kvjax.memory.groups.GroupedBlockManager` collects them)."""
+        return []
+
     def num_held_pages(self, seq_id: Hashable) -> int:
         """Pages in the sequence's block table (RELEASED entries not counted)."""
         return sum(page != RELEASED for page in self._get(seq_id).block_table)

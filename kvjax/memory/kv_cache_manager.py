@@ -20,7 +20,6 @@ import numpy as np
 from kvjax.kv.retention import RetentionManager, SeqLayout
 from kvjax.kv.state import pages_for
 from kvjax.memory.block_manager import AllocStatus, CopyOp
-from kvjax.memory.groups import GroupedBlockManager
 from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
 from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last
 from kvjax.trace import NULL_TRACER, Tracer
@@ -245,18 +244,13 @@ class KVCacheManager:
         """Makes cache positions [start, end) of a sequence writable (new pages, copy-on-write
         copies of shared ones, applied now); False when the pool has no room."""
         status, copies = self.allocator.ensure_writable(seq_id, start, end)
-        released = self.allocator.take_released() if self.gives_back_windows else []
+        released = self.allocator.take_released()  # pages sliding windows gave back
         if self.scrub_freed_pages and released:
             self.scrub(released)
         if status is not AllocStatus.OK:
             return False
         self.copy(copies)
         return True
-
-    @property
-    def gives_back_windows(self) -> bool:
-        """Whether sliding-window layer groups give pages back as sequences advance."""
-        return isinstance(self.allocator, GroupedBlockManager)
 
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """Publishes the sequence's full computed pages to the prefix cache (with a window

@@ -88,6 +88,10 @@ class SlotAllocator:
         self._free.append(slot)
         return list(range(slot * self.pages_per_seq, (slot + 1) * self.pages_per_seq))
 
+    def take_released(self) -> list[int]:
+        """Pages windows gave back since the last call: none (slots keep every token)."""
+        return []
+
     def block_tables(self, seq_id: Hashable) -> list[list[int]]:
         """Every layer group's table: the slot's one."""
         return [self.block_table(seq_id)]
