@@ -90,7 +90,7 @@ def bytes_held(model: kvjax.Model, setup: Setup, budget: int) -> dict:
     while engine.has_unfinished():
         engine.step()
         if engine.allocator.has_sequence("r#0"):
-            held_pages = _held_pages(engine, "r#0")
+            held_pages = engine.allocator.num_held_pages("r#0")
     spec = engine.kv_spec
     held = held_pages * spec.page_bytes
     predicted = spec.bytes_held(setup.context)
@@ -98,11 +98,6 @@ def bytes_held(model: kvjax.Model, setup: Setup, budget: int) -> dict:
                 all_global_bytes=setup.context * spec.bytes_per_token,
                 held_over_all_global=held / (setup.context * spec.bytes_per_token),
                 groups=spec.describe(), num_table_groups=len(spec.table_groups()))
-
-
-def _held_pages(engine: kvjax.Engine, seq_id: str) -> int:
-    tables = engine.allocator.block_tables(seq_id)
-    return sum(page >= 0 for table in tables for page in table)
 
 
 def capacity(model: kvjax.Model, setup: Setup, budget: int) -> dict:

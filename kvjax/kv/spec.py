@@ -127,9 +127,7 @@ class LayerGroup:
     def max_tokens_held(self, num_tokens: int) -> int:
         """Tokens of a sequence of `num_tokens` tokens these layers keep (a window or budget
         bounds it)."""
-        if self.keep is TokenKeep.ALL:
-            return num_tokens
-        return min(num_tokens, self.num_keep_tokens)
+        return _tokens_kept(self.keep, self.num_keep_tokens, num_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +236,8 @@ class KVCacheSpec:
     def bytes_held(self, num_tokens: int) -> float:
         """Bytes a sequence of `num_tokens` tokens holds at token granularity: each group's
         layers times the tokens it keeps (a window keeps at most its window)."""
-        return sum(g.bytes_per_token * _keep_cap(g.spec, num_tokens) for g in self.groups)
+        return sum(g.bytes_per_token * _tokens_kept(g.spec.keep, g.spec.num_keep_tokens,
+                                                    num_tokens) for g in self.groups)
 
     @property
     def page_size(self) -> int:
@@ -361,8 +360,9 @@ def _window(keep: TokenKeep, num_keep_tokens: int) -> int:
     return num_keep_tokens if keep is TokenKeep.SLIDING_WINDOW else 0
 
 
-def _keep_cap(spec: KVSpec, num_tokens: int) -> int:
-    return num_tokens if spec.keep is TokenKeep.ALL else min(num_tokens, spec.num_keep_tokens)
+def _tokens_kept(keep: TokenKeep, num_keep_tokens: int, num_tokens: int) -> int:
+    """Of a sequence's `num_tokens` tokens, how many a layer keeping `keep` holds."""
+    return num_tokens if keep is TokenKeep.ALL else min(num_tokens, num_keep_tokens)
 
 
 TokenBytes = Callable[[int, int], float]  # (heads, width) -> bytes of one tensor per token

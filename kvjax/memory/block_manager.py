@@ -321,11 +321,10 @@ class BlockManager:
         last successful ensure_writable (a rewrite from an earlier position, such as a rejected
         speculative draft, shortens it).
         """
-        seq = self._get(seq_id)
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        cow_indices, num_new = self._plan(seq, min(seq.num_tokens, num_tokens), num_tokens)
-        return len(cow_indices) + num_new
+        start = min(self._get(seq_id).num_tokens, num_tokens)
+        return self.pages_to_write(seq_id, start, num_tokens)
 
     def pages_to_write(self, seq_id: Hashable, start: int, end: int) -> int:
         """Pages (new ones plus copies) `ensure_writable(seq_id, start, end)` would take."""

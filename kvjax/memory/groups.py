@@ -187,11 +187,8 @@ class GroupedBlockManager:
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
                      cache_key: bytes = b"", indexable: bool = True,
                      record_stats: bool = True) -> int:
-        """Registers the sequence in every group with the prefix every group holds."""
-        if self.has_sequence(seq_id):
-            raise ValueError(f"sequence {seq_id!r} is already registered")
-        if len(token_ids) == 0:
-            raise ValueError(f"sequence {seq_id!r} has an empty prompt")
+        """Registers the sequence in every group with the prefix every group holds (group 0
+        validates the id and the prompt before any group registers it)."""
         hit = (self._common_hit(token_ids, cache_key)
                if self.prefix_cache is not None and indexable else None)
         for m in self.groups:

@@ -124,7 +124,8 @@ def _gemma3_ropes(hf_config: dict[str, Any]) -> tuple[RoPE, RoPE]:
     return global_rope, RoPE(theta=float(hf_config.get("rope_local_base_freq", 10000.0)))
 
 
-def _gemma_fields(hf_config: dict[str, Any], rope: RoPE) -> dict[str, Any]:
+def _gemma_fields(hf_config: dict[str, Any], rope: RoPE, windows: tuple[int, ...]
+                  ) -> dict[str, Any]:
     """The `ModelConfig` fields that make a Gemma 2 / Gemma 3 decoder."""
     model_type = hf_config["model_type"]
     if hf_config.get("use_bidirectional_attention"):
@@ -140,7 +141,7 @@ def _gemma_fields(hf_config: dict[str, Any], rope: RoPE) -> dict[str, Any]:
     if model_type == "gemma3_text":
         fields["rope"], local = _gemma3_ropes(hf_config)
         # Gemma 3's local layers are its sliding-window layers.
-        local_layers = tuple(i for i, w in enumerate(layer_windows_from_hf(hf_config)) if w)
+        local_layers = tuple(i for i, w in enumerate(windows) if w)
         if local != fields["rope"] and local_layers:
             fields.update(local_rope=local, local_rope_layers=local_layers)
     else:
@@ -181,7 +182,8 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
     max_positions = hf_config.get("max_position_embeddings", 2048)
     if rope is not None:
         max_positions = rope.context_length(max_positions)
-    extra = (_gemma_fields(hf_config, rope) if is_gemma
+    windows = layer_windows_from_hf(hf_config)
+    extra = (_gemma_fields(hf_config, rope, windows) if is_gemma
              else dict(rope=rope, qk_norm=model_type == "qwen3",
                        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False))))
     hidden = _required(hf_config, "hidden_size")
@@ -198,7 +200,7 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
         max_position_embeddings=max_positions,
         qkv_bias=model_type == "qwen2",
         **extra,
-        layer_windows=layer_windows_from_hf(hf_config),
+        layer_windows=windows,
         bos_token_id=hf_config.get("bos_token_id"),
         eos_token_ids=(eos_token_ids if eos_token_ids is not None
                        else _token_ids(hf_config.get("eos_token_id"))),

@@ -24,6 +24,7 @@ class TwoGroupMachine(RuleBasedStateMachine):
         self.tokens: dict[str, list[int]] = {}  # sequence -> tokens whose KV is written
         self.start: dict[str, int] = {}  # sequence -> position its last write started at
         self.content: dict[tuple[int, int], tuple] = {}  # (group, page) -> tokens up to its end
+        self.pending: dict[str, list[int]] = {}  # sequence -> prompt tokens not written yet
         self.count = 0
 
     def _expected_indices(self, seq: str, group: int) -> set[int]:
@@ -53,7 +54,6 @@ class TwoGroupMachine(RuleBasedStateMachine):
             for i, page in enumerate(table):
                 if page != RELEASED:  # an attached page holds the prompt's tokens
                     assert self.content[(g, page)] == tuple(prompt[:(i + 1) * P])
-        self.pending = getattr(self, "pending", {})
         self.pending[seq] = prompt[hit:]
 
     @precondition(lambda self: self.tokens)
@@ -61,7 +61,7 @@ class TwoGroupMachine(RuleBasedStateMachine):
     def write(self, data, k):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         n = len(self.tokens[seq])
-        new = (self.pending.get(seq) or [])[:k] or [30 + n % 5] * k
+        new = self.pending[seq][:k] or [30 + n % 5] * k
         status, copies = self.alloc.ensure_writable(seq, n, n + len(new))
         self.start[seq] = n  # out-of-window pages go back even when the write must wait
         if status is not AllocStatus.OK:
@@ -71,7 +71,7 @@ class TwoGroupMachine(RuleBasedStateMachine):
                 if (g, c.src) in self.content:
                     self.content[(g, c.dst)] = self.content[(g, c.src)]
         self.tokens[seq] += new
-        self.pending[seq] = (self.pending.get(seq) or [])[len(new):]
+        self.pending[seq] = self.pending[seq][len(new):]
         toks = self.tokens[seq]
         for g, table in enumerate(self.alloc.block_tables(seq)):
             for i in range(n // P, len(toks) // P):
@@ -87,7 +87,7 @@ class TwoGroupMachine(RuleBasedStateMachine):
         self.alloc.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
         self.start[child] = self.start[parent]
-        self.pending[child] = list(self.pending.get(parent) or [])
+        self.pending[child] = list(self.pending[parent])
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

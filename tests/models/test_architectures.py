@@ -89,13 +89,8 @@ def test_architecture_logits_and_engine_greedy_match_transformers(tmp_path, name
     expected = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
     engine = kvjax.Engine(model, kvjax.EngineConfig(**ENGINE))
     greedy = kvjax.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, greedy)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            done[out.request_id] = out.outputs[0].token_ids
-    assert [done[f"r{i}"] for i in range(len(prompts))] == expected
+    outs = engine.generate(prompts, greedy)  # all at once, at most two running
+    assert [o.outputs[0].token_ids for o in outs] == expected
     assert engine.prefix_cache_stats()["prefix_hit_tokens"] >= 12
 
 

@@ -47,14 +47,9 @@ CASES = {
 
 def _engine_tokens(model, prompts, **overrides):
     engine = kvjax.Engine(model, kvjax.EngineConfig(**{**ENGINE, **overrides}))
-    greedy = kvjax.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, greedy)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            done[out.request_id] = out.outputs[0].token_ids
-    return engine, [done[f"r{i}"] for i in range(len(prompts))]
+    outs = engine.generate(prompts, kvjax.SamplingParams(max_new_tokens=NEW_TOKENS,
+                                                          ignore_eos=True))
+    return engine, [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
