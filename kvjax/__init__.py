@@ -1,41 +1,52 @@
-"""kvjax: the KV cache of LLM serving as explicit, hackable state in JAX."""
+"""kvjax: the KV cache of LLM serving as explicit, hackable state in JAX.
 
-from kvjax.config import KVLayout, ModelConfig
-from kvjax.engine.config import EngineConfig, PreemptionMode
-from kvjax.engine.engine import Engine
-from kvjax.engine.multi import ModelSpec, MultiModelEngine, PoolConfig
-from kvjax.engine.request import FinishReason, RequestOutput
-from kvjax.engine.step import AttentionImpl, MatmulImpl
-from kvjax.generation import encode_prompt, generate
-from kvjax.grammar import Grammar, GrammarKind
-from kvjax.models.loading import load_model
-from kvjax.models.model import Model
-from kvjax.sampling import SamplingParams
-from kvjax.scheduler.context import Segment
-from kvjax.scheduler.controller import SLO
-from kvjax.scheduler.spec import SpecConfig
+The public names below load on first use (PEP 562), so a process that imports only the host-side
+packages (`kvjax.scheduler`, `kvjax.memory`'s block manager, prefix cache and KV cache manager)
+never imports jax: a router, a simulator or a replay of recorded decisions runs without an
+accelerator.
+"""
 
-__all__ = [
-    "AttentionImpl",
-    "Engine",
-    "EngineConfig",
-    "FinishReason",
-    "Grammar",
-    "GrammarKind",
-    "KVLayout",
-    "MatmulImpl",
-    "Model",
-    "ModelConfig",
-    "ModelSpec",
-    "MultiModelEngine",
-    "PoolConfig",
-    "PreemptionMode",
-    "RequestOutput",
-    "SLO",
-    "SamplingParams",
-    "Segment",
-    "SpecConfig",
-    "encode_prompt",
-    "generate",
-    "load_model",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> the module it is imported from (on first use).
+_EXPORTS = {
+    "AttentionImpl": "kvjax.engine.step",
+    "Engine": "kvjax.engine.engine",
+    "EngineConfig": "kvjax.engine.config",
+    "FinishReason": "kvjax.engine.request",
+    "Grammar": "kvjax.grammar",
+    "GrammarKind": "kvjax.grammar",
+    "KVLayout": "kvjax.config",
+    "MatmulImpl": "kvjax.engine.step",
+    "Model": "kvjax.models.model",
+    "ModelConfig": "kvjax.config",
+    "ModelSpec": "kvjax.engine.multi",
+    "MultiModelEngine": "kvjax.engine.multi",
+    "PoolConfig": "kvjax.engine.multi",
+    "PreemptionMode": "kvjax.engine.config",
+    "RequestOutput": "kvjax.engine.request",
+    "SLO": "kvjax.scheduler.controller",
+    "SamplingParams": "kvjax.sampling",
+    "Segment": "kvjax.scheduler.context",
+    "SpecConfig": "kvjax.scheduler.spec",
+    "encode_prompt": "kvjax.generation",
+    "generate": "kvjax.generation",
+    "load_model": "kvjax.models.loading",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

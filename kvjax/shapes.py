@@ -18,6 +18,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold num_tokens tokens."""
+    return -(-num_tokens // page_size)
+
+
 def bucket(n: int, minimum: int = 1, maximum: int = 1 << 30) -> int:
     """`next_power_of_2(n)` clipped to [minimum, maximum]."""
     return int(min(max(next_power_of_2(n), minimum), maximum))

@@ -32,6 +32,7 @@ from kvjax.config import ModelConfig
 from kvjax.kv.attention import PageLoader
 from kvjax.kv.codecs import IdentityCodec
 from kvjax.kv.spec import KVCacheSpec, cache_spec
+from kvjax.shapes import pages_for as pages_for  # defined without jax; importable here too
 
 
 @runtime_checkable
@@ -431,11 +432,6 @@ def init_contiguous_kv(config: ModelConfig, max_seqs: int, max_len: int, page_si
     shape = (config.num_layers, max_seqs, max_len, config.num_kv_heads, config.head_dim)
     return ContiguousKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                         page_size=page_size)
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    """Pages needed to hold num_tokens tokens."""
-    return -(-num_tokens // page_size)
 
 
 def exact_cache_spec(config: ModelConfig, page_size: int, dtype) -> KVCacheSpec:

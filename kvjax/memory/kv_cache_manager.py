@@ -17,11 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvjax.kv.retention import RetentionManager, SeqLayout
-from kvjax.kv.state import pages_for
+from kvjax.kv.retention_host import RetentionManager, SeqLayout
 from kvjax.memory.block_manager import AllocStatus, CopyOp
 from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
-from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last
+from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last, pages_for
 from kvjax.trace import NULL_TRACER, Tracer
 
 

@@ -47,6 +47,15 @@ def hash_page(parent_hash: bytes, page_tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
+def page_hash_chain(token_ids: Sequence[int], cache_key: bytes, page_size: int) -> list[bytes]:
+    """Prefix-cache hashes of every full page of `token_ids` (the block manager's chain)."""
+    parent, hashes = hash_root(cache_key), []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = hash_page(parent, token_ids[start:start + page_size])
+        hashes.append(parent)
+    return hashes
+
+
 class PrefixEviction(enum.Enum):
     """Which unreferenced page the prefix cache gives up first."""
 

@@ -7,11 +7,11 @@ import hashlib
 
 import numpy as np
 
-from kvjax.kv.state import pages_for
-from kvjax.sampling import SamplingParams
+from kvjax.sampling_params import SamplingParams
 from kvjax.scheduler.context import ChunkPlan, ReuseStrategy, blend_count, make_strategy
 from kvjax.scheduler.output import BlendRow
 from kvjax.scheduler.request import Sequence
+from kvjax.shapes import pages_for
 
 NO_LIMIT = 1 << 62  # tokens a sequence may compute before its next chunk copy: no copy ahead
 _FILL = SamplingParams(max_new_tokens=1)  # a fill's one sampled token is dropped

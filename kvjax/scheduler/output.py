@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from kvjax.memory.ops import KVOp
-from kvjax.sampling import SamplingParams
+from kvjax.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

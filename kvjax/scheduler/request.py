@@ -6,7 +6,7 @@ import dataclasses
 import enum
 
 from kvjax.grammar import GrammarMatcher
-from kvjax.sampling import SamplingParams
+from kvjax.sampling_params import SamplingParams
 from kvjax.scheduler.controller import SLO
 
 

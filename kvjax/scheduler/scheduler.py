@@ -15,10 +15,9 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from kvjax.kv.state import pages_for
 from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.ops import KVOp
-from kvjax.sampling import SamplingParams
+from kvjax.sampling_params import SamplingParams
 from kvjax.scheduler.chunks import ChunkReuse
 from kvjax.scheduler.context import ReuseStrategy
 from kvjax.scheduler.controller import (
@@ -36,6 +35,7 @@ from kvjax.scheduler.request import FinishReason, SeqStatus, Sequence, WeightUpd
 from kvjax.scheduler.requests import RequestRegistry
 from kvjax.scheduler.spec import Drafter, NoDrafts
 from kvjax.scheduler.tiered import TierAdmission
+from kvjax.shapes import pages_for
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,9 +3,9 @@ prefetches that overlap a step, and swap-ins that arrive as checked tier loads."
 
 from __future__ import annotations
 
-from kvjax.kv.state import pages_for
-from kvjax.memory.tiers import page_hash_chain
+from kvjax.memory.prefix_cache import page_hash_chain
 from kvjax.scheduler.request import SeqStatus, Sequence
+from kvjax.shapes import pages_for
 
 
 class TierAdmission:

@@ -1,0 +1,580 @@
+"""Retention's host side: the policies' choices of which tokens to keep, and the host record.
+
+Plain Python and numpy, no jax: the KV cache manager, the scheduler and a replay of recorded
+decisions import it without a device. Policies are described in `kvjax.kv.retention`, which
+holds the device side (key scores, slot moves, the compaction program, Quest's page
+selection) and re-exports every name defined here; the policies' device hooks import it when
+called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import numpy as np
+
+from kvjax.kv.spec import KVCacheSpec
+from kvjax.shapes import bucket, next_power_of_2, powers_of_2_up_to
+
+if TYPE_CHECKING:
+    import jax
+
+    from kvjax.models.rope import RoPE
+
+
+class Pooling(enum.Enum):
+    """How SnapKV smooths the window's attention over neighbouring tokens."""
+
+    MAX = "max"
+    AVG = "avg"  # the kernel's sum over in-range neighbours divided by the kernel size
+
+
+@dataclasses.dataclass
+class CacheView:
+    """Host record of one sequence's cached tokens, in cache order.
+
+    Attributes:
+      positions: [S] int32, the logical position of each cached token (increasing); S is the
+        cached length.
+      scores: [S] float32, the attention each cached token has accumulated (zeros for policies
+        that do not score keys).
+      num_evicted: tokens this sequence dropped (logical length = S + num_evicted).
+      is_prefill_done: the prefill of the sequence's tokens completed (SnapKV compressed then).
+      budget: the tokens this sequence keeps, set by a KV controller
+        (`RetentionManager.set_budget`; at most the policy's budget); None: the policy's.
+    """
+
+    positions: np.ndarray
+    scores: np.ndarray
+    num_evicted: int = 0
+    is_prefill_done: bool = False
+    budget: int | None = None
+
+
+class RetentionPolicy(Protocol):
+    """What the engine asks of a retention policy.
+
+    Host side: which queries score keys, and which cached tokens to keep. Device side (inside
+    the jitted step; the object is static there): the KV state it needs, the pages each decode
+    row reads, and the keys' attention scores.
+    """
+
+    name: ClassVar[str]
+    budget: int | None
+    evicts: bool  # frees pages (streaming, h2o, snapkv)
+    scores_keys: bool  # needs StepOutput.key_scores
+    narrows_reads: bool  # changes which pages attention reads (quest)
+    rotates_keys: bool  # rotary_shifts may shift kept keys (streaming, cache_positions)
+    accumulates_scores: bool  # a step's key scores add to the earlier ones (else replace them)
+    needs_rope: bool  # its device side reads the model's RoPE (`bind_rope`)
+
+    def fingerprint(self) -> str: ...
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray: ...
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None: ...
+
+    def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None: ...
+
+    def bind_rope(self, rope: RoPE) -> RetentionPolicy: ...
+
+    def wrap_state(self, kv: Any) -> Any: ...
+
+    def wrap_spec(self, spec: KVCacheSpec) -> KVCacheSpec: ...
+
+    def select_reads(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any
+                     ) -> tuple[jax.Array, jax.Array] | None: ...
+
+    def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
+                   pages_per_block: int, soft_cap: float | None = None) -> jax.Array: ...
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_retention(cls: type) -> type:
+    """Class decorator: makes a policy constructible by its `name`."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _register_device_policies() -> None:
+    """Registers the policies defined beside device code (quest, the scoring presses)."""
+    importlib.import_module("kvjax.kv.retention")
+
+
+def retention_names() -> list[str]:
+    _register_device_policies()
+    return sorted(_REGISTRY)
+
+
+def make_retention(name: str, budget: int | None, page_size: int, **options: Any
+                   ) -> RetentionPolicy:
+    """The registered policy `name` with a budget of `budget` tokens per sequence."""
+    if name not in _REGISTRY:
+        _register_device_policies()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown retention policy {name!r}; registered: {retention_names()}")
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    cls = _REGISTRY[name]
+    unknown = sorted(set(options) - set(cls.option_names))
+    if unknown:
+        raise ValueError(f"retention policy {name!r} has no option(s) {unknown}; it takes "
+                         f"{list(cls.option_names)}")
+    return cls(budget, page_size, **options)
+
+
+def _check_budget(name: str, budget: Any, minimum: int) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < minimum:
+        raise ValueError(f"retention {name!r} needs retention_budget an int >= {minimum}, "
+                         f"got {budget!r}")
+    return budget
+
+
+def _top(scores: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the `count` largest scores (earlier index first among ties), increasing."""
+    order = np.argsort(-scores, kind="stable")
+    return np.sort(order[:count])
+
+
+class _Policy:
+    """Defaults: exact attention, no eviction, no scores."""
+
+    name: ClassVar[str]
+    option_names: ClassVar[tuple[str, ...]] = ()
+    evicts: ClassVar[bool] = False
+    scores_keys: ClassVar[bool] = False
+    narrows_reads: ClassVar[bool] = False
+    accumulates_scores: ClassVar[bool] = True
+    needs_rope: ClassVar[bool] = False
+    rotates_keys: bool = False
+
+    def __init__(self, budget: int | None, page_size: int):
+        self.budget = budget
+        self.page_size = page_size
+
+    def options(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.option_names}
+
+    def budget_of(self, view: CacheView) -> int | None:
+        """The tokens this sequence keeps: its own budget, else the policy's."""
+        return self.budget if view.budget is None else view.budget
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.fingerprint()})"
+
+    def fingerprint(self) -> str:
+        """What the policy does to KV, for the provenance fingerprint."""
+        opts = ",".join(f"{k}={v.value if isinstance(v, enum.Enum) else v}"
+                        for k, v in self.options().items())
+        return f"{self.name}:B{self.budget}:{opts}"
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray:
+        """[n] float32 weight of each query at logical `positions` in the keys' scores."""
+        return np.zeros(len(positions), np.float32)
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        """Cache indices to keep (increasing), or None to keep everything."""
+        return None
+
+    def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None:
+        """[S'] rotary positions to add to each kept key once `keep` is compacted, or None."""
+        return None
+
+    def bind_rope(self, rope: RoPE) -> Any:
+        """The policy for a model of this RoPE (policies that read none: itself)."""
+        return self
+
+    def wrap_state(self, kv: Any) -> Any:
+        return kv
+
+    def wrap_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
+        """The spec of `wrap_state`'s state over a state of `spec`."""
+        return spec
+
+    def select_reads(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any
+                     ) -> tuple[jax.Array, jax.Array] | None:
+        """Which block-table entries the decode rows read (`quest.select_decode_pages`), or
+        None: every page."""
+        return None
+
+    def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
+                   pages_per_block: int, soft_cap: float | None = None) -> jax.Array:
+        from kvjax.kv import retention  # Imported lazily: the device side.
+
+        return retention.step_key_scores(kv, layer, q, inp, shape,
+                                         pages_per_block=pages_per_block, soft_cap=soft_cap)
+
+
+@register_retention
+class NoRetention(_Policy):
+    """Exact KV: every token kept, every page read."""
+
+    name = "none"
+
+    def __init__(self, budget: int | None, page_size: int):
+        if budget is not None:
+            raise ValueError(f"retention 'none' takes no retention_budget, got {budget!r}")
+        super().__init__(None, page_size)
+
+    def fingerprint(self) -> str:
+        return "none"
+
+
+class _Evicting(_Policy):
+    """Shared trigger of streaming and h2o: evict at B + P cached tokens, down to B."""
+
+    evicts = True
+
+    def _is_over(self, view: CacheView) -> bool:
+        return len(view.positions) >= self.budget_of(view) + self.page_size
+
+
+@register_retention
+class StreamingLLM(_Evicting):
+    """Attention sinks (the first tokens) plus a window of the most recent tokens."""
+
+    name = "streaming"
+    option_names = ("num_sinks", "cache_positions")
+
+    def __init__(self, budget: int | None, page_size: int, num_sinks: int = 4,
+                 cache_positions: bool = False):
+        if isinstance(num_sinks, bool) or not isinstance(num_sinks, int) or num_sinks < 0:
+            raise ValueError(f"streaming num_sinks must be an int >= 0, got {num_sinks!r}")
+        if not isinstance(cache_positions, bool):
+            raise ValueError(f"streaming cache_positions must be a bool, got "
+                             f"{cache_positions!r}")
+        if cache_positions and num_sinks >= page_size:
+            raise ValueError(f"streaming cache_positions needs num_sinks < page_size="
+                             f"{page_size} (the sinks' page is rotated), got {num_sinks}")
+        super().__init__(_check_budget(self.name, budget, num_sinks + 1), page_size)
+        self.num_sinks, self.cache_positions = num_sinks, cache_positions
+        self.min_budget = num_sinks + 1
+        self.rotates_keys = cache_positions and num_sinks > 0
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        if not self._is_over(view):
+            return None
+        size = len(view.positions)
+        recent = np.arange(size - (self.budget_of(view) - self.num_sinks), size)
+        return np.concatenate([np.arange(self.num_sinks), recent])
+
+    def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None:
+        if not self.rotates_keys:
+            return None
+        shifts = np.zeros(len(keep), np.int32)
+        shifts[:self.num_sinks] = len(view.positions) - len(keep)  # the tokens dropped
+        return shifts
+
+
+@register_retention
+class H2O(_Evicting):
+    """Heavy hitters (largest accumulated attention) plus the most recent tokens."""
+
+    name = "h2o"
+    option_names = ("num_recent",)
+    scores_keys = True
+
+    def __init__(self, budget: int | None, page_size: int, num_recent: int | None = None):
+        budget = _check_budget(self.name, budget, 1)
+        num_recent = budget // 2 if num_recent is None else num_recent
+        if (isinstance(num_recent, bool) or not isinstance(num_recent, int)
+                or not 1 <= num_recent <= budget):
+            raise ValueError(f"h2o num_recent must be an int in [1, budget={budget}], got "
+                             f"{num_recent!r}")
+        super().__init__(budget, page_size)
+        self.num_recent = self.min_budget = num_recent
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray:
+        return np.ones(len(positions), np.float32)
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        if not self._is_over(view):
+            return None
+        older = len(view.positions) - self.num_recent
+        heavy = _top(view.scores[:older], self.budget_of(view) - self.num_recent)
+        return np.concatenate([heavy, np.arange(older, len(view.positions))])
+
+
+def pool_scores(scores: np.ndarray, kernel: int, pooling: Pooling) -> np.ndarray:
+    """Each score replaced by the max (or kernel-normalized sum) of its `kernel` neighbours.
+
+    The window is centred (kernel // 2 on each side) and clipped at the ends. [S] -> [S].
+    """
+    half = kernel // 2
+    size = len(scores)
+    if size == 0:
+        return scores.astype(np.float32)
+    fill = -np.inf if pooling is Pooling.MAX else 0.0
+    padded = np.concatenate([np.full(half, fill), scores, np.full(half, fill)])  # [S + 2h]
+    windows = np.lib.stride_tricks.sliding_window_view(padded, kernel)  # [S, kernel]
+    if pooling is Pooling.MAX:
+        return windows.max(axis=-1).astype(np.float32)
+    return (windows.sum(axis=-1) / kernel).astype(np.float32)
+
+
+@register_retention
+class SnapKV(_Policy):
+    """At the end of prefill: the observation window plus the tokens it attends to most."""
+
+    name = "snapkv"
+    option_names = ("window", "kernel", "pooling")
+    evicts = True
+    scores_keys = True
+
+    def __init__(self, budget: int | None, page_size: int, window: int = 64, kernel: int = 5,
+                 pooling: str | Pooling = Pooling.MAX):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"snapkv window must be a positive int, got {window!r}")
+        if (isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1
+                or kernel % 2 == 0):
+            raise ValueError(f"snapkv kernel must be a positive odd int, got {kernel!r}")
+        try:
+            pooling = Pooling(pooling)
+        except ValueError:
+            raise ValueError(f"snapkv pooling must be one of {[p.value for p in Pooling]}, got "
+                             f"{pooling!r}") from None
+        super().__init__(_check_budget(self.name, budget, window + 1), page_size)
+        self.window, self.kernel, self.pooling = window, kernel, pooling
+        self.min_budget = window + 1
+
+    def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
+                      ) -> np.ndarray:
+        if view is not None and view.is_prefill_done:
+            return np.zeros(len(positions), np.float32)
+        return (positions >= num_tokens - self.window).astype(np.float32)
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        size = len(view.positions)
+        budget = self.budget_of(view)
+        if view.is_prefill_done or not is_prefill_done or size <= budget:
+            return None
+        prefix = size - self.window
+        pooled = pool_scores(view.scores[:prefix], self.kernel, self.pooling)
+        chosen = _top(pooled, budget - self.window)
+        return np.concatenate([chosen, np.arange(prefix, size)])
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqLayout:
+    """Where a sequence's KV sat before a compaction, and its pages after (host data).
+
+    Attributes:
+      old_table, new_table: its block table before and after `BlockManager.retain`.
+      kv_floor: its `KVCacheManager.kv_floor` before.
+      seq_slot: its slot in the sequence-slot leaves (`KVCacheManager.seq_slot`).
+    """
+
+    old_table: list[int]
+    new_table: list[int]
+    kv_floor: int = 0
+    seq_slot: int = 0
+
+
+class RetentionManager:
+    """The engine's host-side record of what each sequence keeps, and the device moves.
+
+    Attributes:
+      policy: the `RetentionPolicy`.
+      stats: evictions, evicted_tokens, moved_slots, freed_pages, rotated_slots.
+    """
+
+    def __init__(self, policy: RetentionPolicy, *, rope: RoPE | None = None):
+        """rope: the model's RoPE, needed by policies that rotate kept keys or read it."""
+        if (policy.rotates_keys or policy.needs_rope) and rope is None:
+            raise ValueError(f"{policy!r} rotates kept keys or reads RoPE: RetentionManager "
+                             f"needs rope")
+        self.policy = policy.bind_rope(rope) if policy.needs_rope else policy
+        self._views: dict[str, CacheView] = {}
+        self._budgets: dict[str, int | None] = {}  # a controller's per-sequence budgets
+        # The budget of a sequence no controller named: the policy's (None: keep all).
+        self.default_budget = policy.budget
+        self._compact = None  # the jitted compaction, built on first use (the device side)
+        self._rotate = rope.rotate if policy.rotates_keys else None
+        self.stats = dict(evictions=0, evicted_tokens=0, moved_slots=0, freed_pages=0,
+                          rotated_slots=0)
+
+    @property
+    def is_exact(self) -> bool:
+        return not (self.policy.evicts or self.policy.scores_keys or self.policy.narrows_reads)
+
+    @property
+    def step_hooks(self) -> RetentionPolicy | None:
+        """What the jitted step calls; None keeps the exact step program."""
+        return None if self.is_exact else self.policy
+
+    @property
+    def fingerprint(self) -> str:
+        return self.policy.fingerprint()
+
+    @property
+    def num_compiles(self) -> int:
+        return 0 if self._compact is None else self._compact._cache_size()
+
+    def _compactor(self):
+        """The jitted `KVState.compact` (`kvjax.kv.retention.compaction_program`)."""
+        if self._compact is None:
+            from kvjax.kv import retention  # Imported lazily: the host side runs without jax.
+
+            self._compact = retention.compaction_program()
+        return self._compact
+
+    def _sizes(self, page_size: int) -> tuple[int, list[int], int]:
+        """(N, the sizes M, M2) of a compaction's arrays (`plan_compaction`): a compaction
+        keeps `budget` tokens, moves at most that many (padded from P up) and rotates at most
+        the sinks."""
+        kept = -(-next_power_of_2(self.policy.budget) // page_size) * page_size
+        moves = [n for n in powers_of_2_up_to(kept) if n >= min(page_size, kept)]
+        rotations = next_power_of_2(self.policy.num_sinks) if self._rotate else 1
+        return kept, moves, rotations
+
+    def warmup(self, kv: Any) -> Any:
+        """Compiles the compaction program of every size a compaction can ask for.
+
+        Warm-up plans keep nothing and move slot 0 onto itself, which changes nothing. The
+        programs are compiled for `kv` as it is (exact or quantized pages), the state every
+        later compaction is given.
+        """
+        if not self.policy.evicts:
+            return kv
+        kept, moves, rotations = self._sizes(kv.page_size)
+        layout = SeqLayout(old_table=[0], new_table=[0])
+        for n in moves:
+            plan = _plan_compaction(np.zeros(0, np.int64), [], [], layout, kv.page_size,
+                                   old_len=0, shifts=None, kept_size=kept, moves_size=n,
+                                   rotations_size=rotations)
+            kv = self._compactor()(kv, plan, self._rotate)
+        return kv
+
+    def num_evicted(self, seq_id: str) -> int:
+        view = self._views.get(seq_id)
+        return 0 if view is None else view.num_evicted
+
+    def cached_positions(self, seq_id: str) -> np.ndarray:
+        """[S] logical positions of the tokens `seq_id` caches (empty when it holds none)."""
+        view = self._views.get(seq_id)
+        return np.zeros(0, np.int32) if view is None else view.positions.copy()
+
+    def score_weights(self, seq_id: str, positions: np.ndarray, num_tokens: int) -> np.ndarray:
+        """[n] weights of the queries at logical `positions` of a sequence of num_tokens."""
+        return self.policy.score_weights(self._views.get(seq_id), positions, num_tokens)
+
+    def observe(self, seq_id: str, start: int, num_new: int,
+                key_scores: np.ndarray | None) -> None:
+        """Records `num_new` tokens computed at logical positions start.. and their step's scores.
+
+        key_scores: [>= S] the row's StepOutput.key_scores (cache order), or None.
+        """
+        view = self._views.get(seq_id)
+        if view is None:  # Nothing evicted yet: the cache holds positions 0 .. start - 1.
+            view = self._views[seq_id] = CacheView(np.arange(start, dtype=np.int32),
+                                                   np.zeros(start, np.float32))
+        new = np.arange(start, start + num_new, dtype=np.int32)
+        view.positions = np.concatenate([view.positions, new])
+        view.scores = np.concatenate([view.scores, np.zeros(num_new, np.float32)])
+        if key_scores is not None and self.policy.accumulates_scores:
+            view.scores += key_scores[:len(view.scores)]
+        elif key_scores is not None:
+            view.scores = np.asarray(key_scores[:len(view.scores)], np.float32).copy()
+
+    def set_budget(self, seq_id: str, budget: int | None) -> None:
+        """The tokens `seq_id` keeps from its next step on (a KV controller's decision): an
+        int in [the policy's minimum, its budget], or None to keep every token."""
+        if not self.policy.evicts:
+            raise ValueError(f"retention {self.policy.name!r} evicts nothing: no per-sequence "
+                             f"budget to set")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or not self.policy.min_budget <= budget <= self.policy.budget):
+            raise ValueError(f"sequence {seq_id!r}: retention budget must be None or an int in "
+                             f"[{self.policy.min_budget}, {self.policy.budget}], got {budget!r}")
+        self._budgets[seq_id] = budget
+
+    def budget(self, seq_id: str) -> int | None:
+        """The tokens `seq_id` keeps (None: all of them; exact policies keep all)."""
+        if not self.policy.evicts:
+            return None
+        return self._budgets.get(seq_id, self.default_budget)
+
+    def forget(self, seq_id: str) -> None:
+        """The sequence finished: its budget goes too."""
+        self._budgets.pop(seq_id, None)
+        self.drop(seq_id)
+
+    def select(self, seq_id: str, *, is_prefill_done: bool) -> np.ndarray | None:
+        """The policy's choice of cache indices to keep after the sequence's latest step."""
+        view = self._views[seq_id]
+        view.budget = self._budgets.get(seq_id, self.default_budget)
+        keep = None if view.budget is None else self.policy.select(
+            view, is_prefill_done=is_prefill_done)
+        if keep is None:  # Else `evict` records it, once the eviction happened.
+            view.is_prefill_done = view.is_prefill_done or is_prefill_done
+        return keep
+
+    def evict(self, kv: Any, seq_id: str, keep: np.ndarray, src: np.ndarray,
+              dst: np.ndarray, num_freed: int, *, is_prefill_done: bool,
+              layout: SeqLayout) -> Any:
+        """Keeps cache indices `keep` of `seq_id`: the block manager moved it from
+        layout.old_table to layout.new_table with slot moves src -> dst; the device follows
+        (`KVState.compact`)."""
+        view = self._views[seq_id]
+        shifts = self.policy.rotary_shifts(view, keep)
+        kept, moves, rotations = self._sizes(kv.page_size)
+        plan = _plan_compaction(keep, src, dst, layout, kv.page_size,
+                               old_len=len(view.positions), shifts=shifts, kept_size=kept,
+                               moves_size=bucket(len(src), moves[0]),
+                               rotations_size=rotations)
+        kv = self._compactor()(kv, plan, self._rotate)
+        view.is_prefill_done = view.is_prefill_done or is_prefill_done
+        self.stats["evictions"] += 1
+        self.stats["evicted_tokens"] += len(view.positions) - len(keep)
+        self.stats["moved_slots"] += len(src)
+        self.stats["freed_pages"] += num_freed
+        self.stats["rotated_slots"] += 0 if shifts is None else int(np.count_nonzero(shifts))
+        view.num_evicted += len(view.positions) - len(keep)
+        view.positions = view.positions[keep]
+        view.scores = view.scores[keep]
+        return kv
+
+    def record(self, seq_id: str) -> dict | None:
+        """The sequence's record as plain data (for a snapshot), None when it has none."""
+        view = self._views.get(seq_id)
+        if view is None:
+            return None
+        budget = dict(budget=self._budgets[seq_id]) if seq_id in self._budgets else {}
+        return dict(positions=view.positions.tolist(), scores=view.scores.tolist(),
+                    num_evicted=view.num_evicted, is_prefill_done=view.is_prefill_done,
+                    **budget)
+
+    def restore(self, seq_id: str, record: dict | None) -> None:
+        """Gives a sequence the `record` another engine's manager saved (None: none)."""
+        if record is not None:
+            self._views[seq_id] = CacheView(
+                np.asarray(record["positions"], np.int32),
+                np.asarray(record["scores"], np.float32), record["num_evicted"],
+                record["is_prefill_done"])
+            if "budget" in record:  # a controller's budget for it
+                self._budgets[seq_id] = record["budget"]
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares the parent's cache: it starts from a copy of its record."""
+        view = self._views.get(parent_id)
+        if view is not None:
+            self._views[child_id] = dataclasses.replace(
+                view, positions=view.positions.copy(), scores=view.scores.copy())
+
+    def drop(self, seq_id: str) -> None:
+        """The sequence released its pages (finished, preempted or restarted)."""
+        self._views.pop(seq_id, None)
+
+
+def _plan_compaction(*args, **kwargs):
+    from kvjax.kv import retention  # Imported lazily: a compaction plan is the device's input.
+
+    return retention.plan_compaction(*args, **kwargs)
