@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import time
@@ -58,6 +59,7 @@ from kvjax.sampling import SamplingParams
 from kvjax.scheduler.context import Segment, clip_spans, make_strategy, split_segments
 from kvjax.scheduler.controller import SLO, make_controller
 from kvjax.scheduler.policies import make_policy
+from kvjax.scheduler.replay import DecisionRecorder, SchedulerRecipe
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvjax.scheduler.spec import make_drafter
 from kvjax.trace import NULL_TRACER, Tracer
@@ -327,6 +329,26 @@ class Engine:
         it (its K/V and every later token then follow the forced one)."""
         self.drain()
         self.scheduler.force_last_token(seq_id, int(token))
+
+    def record_decisions(self) -> DecisionRecorder:
+        """Starts recording every call into the scheduler, what it decided and the clock
+        readings it took (`kvjax.scheduler.replay`); the recorder's `stop()` returns the
+        `DecisionTrace`, which `kvjax.scheduler.replay.replay` decides again without a model.
+        Call it before the engine's first step."""
+        cfg = self.config
+        allocator = copy.deepcopy(self.kv_cache.allocator)
+        allocator.tracer = NULL_TRACER
+        allocator.clock = time.monotonic  # a replay gives it the replayed clock
+        recipe = SchedulerRecipe(
+            config=self.scheduler.config, allocator=allocator, policy=cfg.scheduler_policy,
+            retention=cfg.retention, retention_budget=cfg.retention_budget,
+            retention_options=dict(cfg.retention_options), drafter=cfg.spec.method,
+            drafter_options=dict(cfg.spec.options), controller=cfg.controller,
+            controller_options=dict(cfg.controller_options), context_reuse=cfg.context_reuse,
+            context_reuse_options=dict(cfg.context_reuse_options), watermark=cfg.watermark,
+            scrub_freed_pages=cfg.scrub_freed_pages,
+            weights_version=self.scheduler.weights_version)
+        return DecisionRecorder(self.scheduler, recipe, self.provenance)
 
     def export_trace(self, path) -> None:
         """Writes the recorded trace as Chrome/Perfetto JSON (needs EngineConfig.trace)."""

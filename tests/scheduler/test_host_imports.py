@@ -12,6 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 HOST_MODULES = (
     "kvjax.scheduler",
+    "kvjax.scheduler.replay",
     "kvjax.memory",
     "kvjax.memory.block_manager",
     "kvjax.memory.groups",

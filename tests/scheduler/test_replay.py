@@ -1,0 +1,123 @@
+"""Decision replay: a recorded engine run decides the same again on a fresh scheduler with no
+model and no device, and a changed scheduler replays the same requests to the same tokens.
+
+Oracles: the recorded SchedulerOutputs themselves (every field, KV operations included), and
+the cache-free dense greedy reference for the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvjax import EngineConfig, SamplingParams
+from kvjax.engine.engine import Engine
+from kvjax.memory.ops import KVOp, KVOpKind
+from kvjax.scheduler.replay import (
+    DecisionTrace,
+    ReplayDevice,
+    ReplayMismatch,
+    build_scheduler,
+    replay,
+)
+from kvjax.testing import greedy_reference, tiny_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NEW = 10
+# A pool of 14 pages of 4 tokens cannot hold the six sequences at once: the run preempts. (The
+# step programs are those of tests/engine/test_async_scheduling.py: compiled once per session.)
+CONFIG = dict(page_size=4, max_num_batched_tokens=32, max_prefill_chunk=16, max_num_seqs=6,
+              num_pages=14, scrub_freed_pages=True, async_scheduling=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    shared = [int(t) for t in rng.integers(0, 120, size=12)]
+    return [(shared if i % 2 else []) + [int(t) for t in rng.integers(0, 120, size=n)]
+            for i, n in enumerate((5, 9, 3, 14, 7, 11))]
+
+
+@pytest.fixture(scope="module")
+def recorded(model, prompts):
+    engine = Engine(model, EngineConfig(**CONFIG))
+    recorder = engine.record_decisions()
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    return engine, recorder.stop(), [o.outputs[0].token_ids for o in outs]
+
+
+def test_recorded_run_preempts_and_hits_the_prefix_cache(model, prompts, recorded):
+    engine, trace, tokens = recorded
+    assert tokens == [greedy_reference(model, p, NEW) for p in prompts]
+    assert engine.stats["preemptions"] > 0
+    assert engine.prefix_cache_stats()["prefix_hit_tokens"] > 0
+    kinds = {op.kind for so in trace.outputs for op in so.kv_plan}
+    assert KVOpKind.SCRUB in kinds
+    # Every step the engine ran was recorded, and what it committed.
+    assert sum(e.name == "update_from_output" for e in trace.events) == engine.stats["steps"]
+
+
+def test_replay_decides_every_step_again(model, prompts, recorded, tmp_path):
+    engine, trace, tokens = recorded
+    trace.save(tmp_path / "run.trace")
+    result = replay(DecisionTrace.load(tmp_path / "run.trace"))
+    assert len(result.outputs) == len(trace.outputs)
+    assert result.scheduler.stats["preemptions"] == engine.stats["preemptions"]
+    replayed = {o.request_id: o.outputs[0].token_ids for o in result.finished}
+    assert [replayed[f"gen-0-{i}"] for i in range(len(prompts))] == tokens
+    assert result.scheduler.kv_cache.allocator.num_used_pages() == 0
+
+
+def test_replay_reports_the_first_decision_that_differs(recorded):
+    _, trace, _ = recorded
+    fewer_rows = dataclasses.replace(trace.recipe.config, max_num_seqs=2)
+    changed = dataclasses.replace(trace, recipe=dataclasses.replace(trace.recipe,
+                                                                   config=fewer_rows))
+    with pytest.raises(ReplayMismatch, match=r"step \d+ \(event \d+\): replayed != recorded"):
+        replay(changed)
+
+
+def test_replay_runs_in_a_process_without_jax(recorded, tmp_path):
+    _, trace, _ = recorded
+    path = tmp_path / "run.trace"
+    trace.save(path)
+    script = ("import sys\n"
+              "from kvjax.scheduler.replay import DecisionTrace, replay\n"
+              f"result = replay(DecisionTrace.load({str(path)!r}))\n"
+              "print(len(result.outputs), sorted(m for m in ('jax', 'jaxlib', 'flax') "
+              "if m in sys.modules))\n")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, check=True, cwd=REPO).stdout.split(maxsplit=1)
+    assert out == [str(len(trace.outputs)), "[]\n"]
+
+
+def test_counterfactual_replay_serves_the_same_tokens_under_another_schedule(
+        model, prompts, recorded):
+    engine, trace, _ = recorded
+    # Room for every sequence at once: the changed scheduler never preempts.
+    roomy = build_scheduler(dataclasses.replace(
+        trace.recipe, allocator=type(trace.recipe.allocator)(64, 4)))
+    result = replay(trace, scheduler=roomy, counterfactual=True)
+    assert result.scheduler.stats["preemptions"] == 0 < engine.stats["preemptions"]
+    replayed = {o.request_id: o.outputs[0].token_ids for o in result.finished}
+    assert [replayed[f"gen-0-{i}"] for i in range(len(prompts))] == \
+        [greedy_reference(model, p, NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("kind", [KVOpKind.SWAP_OUT, KVOpKind.COMPACT, KVOpKind.POLL])
+def test_an_op_that_runs_a_device_program_does_not_replay(kind):
+    device = ReplayDevice()
+    device.apply_ops([KVOp(KVOpKind.COPY, (3,), src=(1,), dst=(3,))])  # data: accepted
+    with pytest.raises(ValueError, match=f"{kind.value!r} still runs a device program"):
+        device.apply(KVOp(kind, (3,)), lambda kv: kv)
