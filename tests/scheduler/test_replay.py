@@ -52,7 +52,10 @@ def prompts():
 def recorded(model, prompts):
     engine = Engine(model, EngineConfig(**CONFIG))
     recorder = engine.record_decisions()
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    # The third request's two samples fork after its prompt (copy-on-write of its last page).
+    sampling = [SamplingParams(max_new_tokens=NEW, n=2 if i == 2 else 1)
+                for i in range(len(prompts))]
+    outs = engine.generate(prompts, sampling)
     return engine, recorder.stop(), [o.outputs[0].token_ids for o in outs]
 
 
@@ -61,8 +64,10 @@ def test_recorded_run_preempts_and_hits_the_prefix_cache(model, prompts, recorde
     assert tokens == [greedy_reference(model, p, NEW) for p in prompts]
     assert engine.stats["preemptions"] > 0
     assert engine.prefix_cache_stats()["prefix_hit_tokens"] > 0
-    kinds = {op.kind for so in trace.outputs for op in so.kv_plan}
-    assert KVOpKind.SCRUB in kinds
+    planned = {op.kind for so in trace.outputs for op in so.kv_plan}
+    committed = {op.kind for e in trace.events if e.name == "update_from_output"
+                 for op in e.result}
+    assert KVOpKind.SCRUB in planned and KVOpKind.COPY in planned | committed
     # Every step the engine ran was recorded, and what it committed.
     assert sum(e.name == "update_from_output" for e in trace.events) == engine.stats["steps"]
 
