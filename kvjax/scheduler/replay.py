@@ -377,12 +377,12 @@ def replay(trace: DecisionTrace, *, scheduler: Scheduler | None = None,
     for index, event in enumerate(trace.events):
         clock.start(event.clock)
         scheduler.stats["step_time_s"] = event.step_time_s
-        args = event.args
-        if event.name == "update_from_output":
-            args = (by_event[args[0]], args[1])
+        # Copies: the scheduler changes what it is given (a request's sequences), and the
+        # trace may replay again.
+        args = copy.deepcopy(event.args) if event.name != "update_from_output" else (
+            by_event[event.args[0]], copy.deepcopy(event.args[1]))
         try:
-            result = getattr(scheduler, event.name)(*copy.deepcopy(args),
-                                                    **copy.deepcopy(event.kwargs))
+            result = getattr(scheduler, event.name)(*args, **copy.deepcopy(event.kwargs))
         except Exception as e:
             if type(e).__name__ != event.error:
                 raise
@@ -517,6 +517,8 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
 
 
 def _check_equal(replayed: Any, recorded: Any, where: str) -> None:
+    if replayed == recorded:
+        return
     found = _first_difference(replayed, recorded, "")
     if found:
         raise ReplayMismatch(f"{where}: replayed != recorded at {found}")
