@@ -126,3 +126,32 @@ def test_an_op_that_runs_a_device_program_does_not_replay(kind):
     device.apply_ops([KVOp(KVOpKind.COPY, (3,), src=(1,), dst=(3,))])  # data: accepted
     with pytest.raises(ValueError, match=f"{kind.value!r} still runs a device program"):
         device.apply(KVOp(kind, (3,)), lambda kv: kv)
+
+
+def test_replay_of_arrivals_aborts_tenants_and_a_weights_update(prompts):
+    engine = Engine(tiny_model(), EngineConfig(**{**CONFIG, "async_scheduling": False}))
+    recorder = engine.record_decisions()
+    finished = {}
+    for i, prompt in enumerate(prompts):  # a request arrives every other step
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=NEW),
+                           tenant="a" if i % 3 else "b")
+        for _ in range(2):
+            finished.update((o.request_id, o) for o in engine.step())
+        if i == 2:
+            engine.abort("r1")
+        if i == 3:
+            engine.update_weights(tiny_model(seed=1).params, "1")
+    while engine.has_unfinished():
+        finished.update((o.request_id, o) for o in engine.step())
+    finished.update((o.request_id, o) for o in engine.step())  # the abort's output, if late
+    trace = recorder.stop()
+    names = {e.name for e in trace.events}
+    assert {"add_request", "abort", "on_weights_update"} <= names
+    assert {v for _, v in trace.recipe.cache_keys} == {"0", "1"}
+    result = replay(trace)
+    assert len(result.outputs) == len(trace.outputs)
+    replayed = {o.request_id: o for o in result.finished}
+    assert sorted(replayed) == sorted(finished) == [f"r{i}" for i in range(len(prompts))]
+    assert {r: o.outputs[0].token_ids for r, o in replayed.items()} == \
+        {r: o.outputs[0].token_ids for r, o in finished.items()}
+    assert replayed["r1"].outputs[0].finish_reason.value == "abort"
