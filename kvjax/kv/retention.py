@@ -87,6 +87,11 @@ swap, through the host tier too (they come back with the pages they held and thi
 tier copy that comes back short restarts them), and snapshots carry the record.
 A request of streaming, h2o or tova may be longer than the pool (it never holds more than its
 budget plus a prefill chunk); others must fit the pool whole.
+
+Modules: the host side (the policies' choices, the registry, `RetentionManager`, `SeqLayout`)
+is defined without jax in `kvjax.kv.retention_host`, so the KV cache manager and the scheduler
+import none; this module holds the device side and Quest, registers the scoring presses, and
+re-exports the host side's names.
 """
 
 from __future__ import annotations
