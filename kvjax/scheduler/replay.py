@@ -27,7 +27,8 @@ scrubs, window copies) are plain data and replay as such; the other kinds (swaps
 traffic, retention compactions, chunk loads) still run a device program when issued, so a
 trace holding one does not replay (`ReplayDevice` raises a ValueError naming it). Warm-up
 records (`KVOpKind.WARMUP`) are compilations, not decisions, and are left out of the
-comparison. Snapshot restores are not recorded.
+comparison. Snapshot restores are not recorded, nor requests under a grammar (a ValueError
+names the request).
 """
 
 from __future__ import annotations
@@ -214,6 +215,9 @@ class DecisionRecorder:
         return recorded
 
     def _arguments(self, name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if name == "add_request" and any(s.grammar is not None for s in args[2]):
+            raise ValueError(f"request {args[0]!r}: a request under a grammar cannot be "
+                             f"recorded, its matcher being a native object a trace cannot copy")
         if name != "update_from_output":
             return copy.deepcopy(args), copy.deepcopy(kwargs)
         so, out = args

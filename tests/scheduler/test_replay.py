@@ -19,12 +19,14 @@ from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.scheduler.replay import (
+    DecisionRecorder,
     DecisionTrace,
     ReplayDevice,
     ReplayMismatch,
     build_scheduler,
     replay,
 )
+from kvjax.scheduler.request import Sequence
 from kvjax.testing import greedy_reference, tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,3 +157,15 @@ def test_replay_of_arrivals_aborts_tenants_and_a_weights_update(prompts):
     assert {r: o.outputs[0].token_ids for r, o in replayed.items()} == \
         {r: o.outputs[0].token_ids for r, o in finished.items()}
     assert replayed["r1"].outputs[0].finish_reason.value == "abort"
+
+
+def test_a_request_under_a_grammar_is_refused_by_name(recorded):
+    _, trace, _ = recorded
+    scheduler = build_scheduler(trace.recipe)
+    DecisionRecorder(scheduler, trace.recipe, lambda tenant, version: b"key")
+    seq = Sequence(seq_id="g#0", request_id="g", tokens=[1, 2, 3], num_prompt_tokens=3,
+                   sampling=SamplingParams(), seed=0, arrival_time=0.0, order=0,
+                   grammar=object())
+    with pytest.raises(ValueError, match="request 'g': a request under a grammar"):
+        scheduler.add_request("g", [1, 2, 3], [seq], arrival=0.0, tenant=None, n=1)
+    assert not scheduler.has_unfinished()
