@@ -48,8 +48,10 @@ def test_host_modules_import_no_jax():
 
 
 def test_public_names_still_load_on_use():
-    # The package's public names stay importable from the top: they load on first use.
-    script = ("import sys, kvjax; assert 'jax' not in sys.modules\n"
-              "from kvjax import Engine, SamplingParams\n"
-              "print(Engine.__name__, SamplingParams().max_new_tokens, 'jax' in sys.modules)")
-    assert _run(script).split() == ["Engine", "64", "True"]
+    # The package's public names stay importable from the top, each loading its module on
+    # first use (a host-side one loads no jax; the engine's tests import the rest).
+    script = ("import sys, kvjax\n"
+              "from kvjax import SLO, Segment\n"
+              "from kvjax.scheduler.controller import SLO as defined\n"
+              "print(SLO is defined, set(kvjax.__all__) <= set(dir(kvjax)), 'jax' in sys.modules)")
+    assert _run(script).split() == ["True", "True", "False"]
