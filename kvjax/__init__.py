@@ -1,6 +1,6 @@
 """kvjax: the KV cache of LLM serving as explicit, hackable state in JAX."""
 
-from kvjax.config import KVLayout, ModelConfig
+from kvjax.config import KVLayout, MlaConfig, ModelConfig
 from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.engine import Engine
 from kvjax.engine.multi import ModelSpec, MultiModelEngine, PoolConfig
@@ -24,6 +24,7 @@ __all__ = [
     "GrammarKind",
     "KVLayout",
     "MatmulImpl",
+    "MlaConfig",
     "Model",
     "ModelConfig",
     "ModelSpec",

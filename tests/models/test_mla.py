@@ -179,3 +179,32 @@ def test_unsupported_deepseek_configs_are_refused(overrides, message):
     config_from_hf(hf_config)  # dense everywhere: accepted
     with pytest.raises(ValueError, match=message):
         config_from_hf({**hf_config, **overrides})
+
+
+# Features that read and move a latent pool like any other page pool, run by the
+# compatibility table's own harness on the tiny MLA model (exact ones against the dense
+# greedy reference, retention within the table's regret bound; no page leaked).
+COMPOSING = [
+    (Feature.HOST_TIER, Feature.SNAPSHOT, Feature.PREFIX_CACHE, Feature.SWAP),
+    (Feature.SPECULATIVE, Feature.N_SAMPLES),
+    (Feature.PAUSE, Feature.AUTO_PREEMPTION),
+    (Feature.CONTROLLER,),
+    (Feature.H2O, Feature.SWAP),
+    (Feature.QUEST, Feature.PREFIX_CACHE),
+    (Feature.STREAMING,), (Feature.SNAPKV,), (Feature.TOVA,), (Feature.OBSERVED_ATTENTION,),
+]
+
+
+@pytest.mark.parametrize("features", COMPOSING, ids=lambda fs: "+".join(f.value for f in fs))
+def test_features_compose_with_a_latent_pool(features):
+    from engine.test_compatibility import check_outcome, run_pair
+
+    model = tiny_model(TINY_MLA)
+    cache = {}
+
+    def oracle(prompt):
+        if prompt not in cache:
+            cache[prompt] = greedy_reference(model, list(prompt), 6)
+        return cache[prompt]
+
+    check_outcome(features, run_pair(model, features, oracle))
