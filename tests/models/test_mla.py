@@ -75,16 +75,19 @@ def test_rope_permutation_is_what_matches(tmp_path):
     assert np.abs(got - ref).max() / np.abs(ref).max() > 100 * LOGITS_RTOL
 
 
-def test_engine_greedy_with_prefix_cache_and_preemption_matches_transformers(tmp_path):
-    directory = _checkpoint(tmp_path, "v2-q_lora-yarn", seed=2)
+@pytest.mark.parametrize("name,new_tokens", [("v2-q_lora-yarn", NEW_TOKENS), ("v3", 32)])
+def test_engine_greedy_with_prefix_cache_and_preemption_matches_transformers(
+        tmp_path, name, new_tokens):
+    directory = _checkpoint(tmp_path, name, seed=2)
     model = load_hf(directory)
     rs = np.random.RandomState(1)
     prefix = [int(t) for t in rs.randint(3, 300, 12)]
     prompts = [prefix + [int(t) for t in rs.randint(3, 300, n)] for n in (5, 9, 3)]
-    want = [hf_greedy(directory, p, NEW_TOKENS) for p in prompts]
-    # 12 pages of 4 tokens cannot hold three sequences of up to 37 tokens: preemption.
-    engine = kvjax.Engine(model, kvjax.EngineConfig(**ENGINE, num_pages=12))
-    outs = engine.generate(prompts, kvjax.SamplingParams(max_new_tokens=NEW_TOKENS,
+    want = [hf_greedy(directory, p, new_tokens) for p in prompts]
+    # 16 pages of 4 tokens cannot hold three sequences of 31 to 53 tokens at once:
+    # preemption, and the batch changes size.
+    engine = kvjax.Engine(model, kvjax.EngineConfig(**ENGINE, num_pages=16))
+    outs = engine.generate(prompts, kvjax.SamplingParams(max_new_tokens=new_tokens,
                                                          ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == want
     assert engine.attention_name == "reference"  # no kernel reads latent pages
