@@ -21,6 +21,7 @@ _EXPORTS = {
     "GrammarKind": "kvjax.grammar",
     "KVLayout": "kvjax.config",
     "MatmulImpl": "kvjax.engine.step",
+    "MlaConfig": "kvjax.config",
     "Model": "kvjax.models.model",
     "ModelConfig": "kvjax.config",
     "ModelSpec": "kvjax.engine.multi",

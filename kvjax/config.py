@@ -33,6 +33,63 @@ class MlpActivation(enum.Enum):
     GELU_TANH = "gelu_tanh"  # GeGLU with tanh-approximated GELU (Gemma's gelu_pytorch_tanh).
 
 
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one latent.
+
+    Per layer and token the cache holds the latent c = RMSNorm(x @ W_DKV) [d_c] and one RoPE
+    key part k_r [d_r] shared by every head. Head n's key is [c @ W_UK_n, k_r] and its value
+    c @ W_UV_n; attention runs in the absorbed form: each query's non-RoPE part is mapped
+    into the latent (q_n @ W_UK_n^T) and the attention output back out of it (@ W_UV_n), so
+    attention reads only the latent pages.
+
+    Attributes:
+      kv_lora_rank: d_c, the latent width.
+      qk_nope_head_dim: the per-head query/key width without RoPE.
+      qk_rope_head_dim: d_r, the per-head query/key width with RoPE (the shared key part).
+      v_head_dim: the per-head value width.
+      q_lora_rank: the rank of the query's low-rank projection (with its own RMSNorm), or
+        0: a full-rank query projection.
+      softmax_scale: what attention logits are multiplied by, or None: qk_head_dim**-0.5
+        (DeepSeek's YaRN configs multiply that by mscale squared).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0
+    softmax_scale: float | None = None
+
+    def __post_init__(self):
+        for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MlaConfig.{field} must be a positive int, got {value!r}")
+        if isinstance(self.q_lora_rank, bool) or not isinstance(self.q_lora_rank, int) \
+                or self.q_lora_rank < 0:
+            raise ValueError(f"MlaConfig.q_lora_rank must be an int >= 0, got "
+                             f"{self.q_lora_rank!r}")
+        if self.softmax_scale is not None and not self.softmax_scale > 0:
+            raise ValueError(f"MlaConfig.softmax_scale must be None or positive, got "
+                             f"{self.softmax_scale!r}")
+
+    @property
+    def attn_scale(self) -> float:
+        """What attention logits are multiplied by."""
+        return self.softmax_scale or self.qk_head_dim ** -0.5
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A head's query/key width, qk_nope_head_dim + qk_rope_head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """d_c + d_r: what one token stores per layer (the latent, then the RoPE key part)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -78,6 +135,9 @@ class ModelConfig:
         local_rope: the RoPE of the layers in `local_rope_layers` (Gemma 3's sliding-window
           layers: another base); None: every layer uses `rope`.
         local_rope_layers: the layers that use `local_rope`, ascending.
+        mla: multi-head latent attention (DeepSeek-V2/V3), or None. With it the cache holds
+          one latent "head" per token: num_kv_heads is 1 and head_dim is `mla.cache_dim`
+          (what attention reads), and the RoPE turns `mla.qk_rope_head_dim` columns.
         layer_windows: per layer, the sliding window in tokens a query attends (0: every
           earlier token); empty when every layer is global. Layers of one window form one KV
           layer group (`kv_layer_groups`).
@@ -108,6 +168,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     local_rope: RoPE | None = None
     local_rope_layers: tuple[int, ...] = ()
+    mla: MlaConfig | None = None
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = "llama"
@@ -121,7 +182,8 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
-        self.rope.inv_freq(self.head_dim)  # raises ValueError when the RoPE does not fit D
+        self.rope.inv_freq(self.rope_dim)  # raises ValueError when the RoPE does not fit D
+        self._check_mla()
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or any(
                 isinstance(w, bool) or not isinstance(w, int) or w < 0
                 for w in self.layer_windows)):
@@ -134,6 +196,26 @@ class ModelConfig:
                                  f"{value!r}")
         self._check_local_rope()
 
+    def _check_mla(self) -> None:
+        mla = self.mla
+        if mla is None:
+            return
+        if self.num_kv_heads != 1 or self.head_dim != mla.cache_dim:
+            raise ValueError(f"a model with MLA caches one latent head of width kv_lora_rank + "
+                             f"qk_rope_head_dim = {mla.cache_dim}: num_kv_heads must be 1 and "
+                             f"head_dim {mla.cache_dim}, got {self.num_kv_heads} and "
+                             f"{self.head_dim}")
+        for field in ("qkv_bias", "qk_norm", "layer_windows", "local_rope",
+                      "query_pre_attn_scalar", "attn_logit_softcap"):
+            if getattr(self, field):
+                raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} is not part of "
+                                 f"an MLA model")
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE turns per head: head_dim, or MLA's qk_rope_head_dim."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
     def _check_local_rope(self) -> None:
         layers = self.local_rope_layers
         if (self.local_rope is None) != (not layers):
@@ -144,7 +226,7 @@ class ModelConfig:
         if list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= self.num_layers:
             raise ValueError(f"ModelConfig.local_rope_layers must be ascending distinct layers "
                              f"< {self.num_layers}, got {layers!r}")
-        self.local_rope.inv_freq(self.head_dim)
+        self.local_rope.inv_freq(self.rope_dim)
         for name, rope in (("rope", self.rope), ("local_rope", self.local_rope)):
             # Each layer picks its frequencies from a stacked table inside the layer scan,
             # which holds fixed frequencies only.
@@ -169,8 +251,9 @@ class ModelConfig:
 
     def kv_layer_groups(self) -> tuple[LayerGroup, ...]:
         """The model's layers grouped by KV needs (`kvjax.kv.spec`): one group per distinct
-        window (global layers first), each storing K and V heads."""
-        fmt = TokenFormat.kv_heads(self.num_kv_heads, self.head_dim)
+        window (global layers first), each storing K and V heads, or an MLA latent."""
+        fmt = (TokenFormat.kv_heads(self.num_kv_heads, self.head_dim) if self.mla is None else
+               TokenFormat.mla_latent(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim))
         windows = sorted({self.layer_window(i) for i in range(self.num_layers)})
         return tuple(
             LayerGroup(tuple(i for i in range(self.num_layers) if self.layer_window(i) == w),
@@ -178,6 +261,7 @@ class ModelConfig:
             for w in windows)
 
     def kv_bytes_per_token(self, dtype) -> int:
-        """Bytes one token takes over all layers stored exactly at `dtype` (K and V)."""
+        """Bytes one token takes over all layers stored exactly at `dtype` (K and V, or an MLA
+        latent)."""
         values = sum(len(g.layers) * g.format.values_per_token for g in self.kv_layer_groups())
         return values * jnp.dtype(dtype).itemsize

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig
+from kvjax.config import MlaConfig, ModelConfig
 from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.models.rope import RoPE
@@ -28,6 +28,14 @@ TINY = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_lay
                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
                    eos_token_ids=(127,), name="tiny")
 """The tiny model's config: L=2, N=4, K=2, D=8, a 128-token vocabulary, EOS 127."""
+
+
+# Multi-head latent attention (DeepSeek-V2 form) at TINY's size: 4 heads read one latent head
+# of 16 + 4 columns per token, a low-rank query.
+TINY_MLA = dataclasses.replace(
+    TINY, num_kv_heads=1, head_dim=20, name="tiny-mla",
+    mla=MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                  q_lora_rank=12))
 
 
 def tiny_model(config: ModelConfig = TINY, seed: int = 0, scale: float = 0.5) -> Model:
@@ -158,7 +166,7 @@ def tiny_chat_model(seed: int = 0) -> Model:
 _NOT_LLAMA_FIELDS = ("qkv_bias", "qk_norm", "layer_windows", "activation", "norm_unit_offset",
                      "scale_embeddings", "sandwich_norms", "query_pre_attn_scalar",
                      "attn_logit_softcap", "final_logit_softcap", "local_rope",
-                     "local_rope_layers")
+                     "local_rope_layers", "mla")
 
 
 def save_hf_checkpoint(model: Model, directory) -> None:

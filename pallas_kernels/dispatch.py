@@ -11,6 +11,8 @@ read a KV state the engine holds, and `layer_attention_fns(kv, layer)` binds the
     int4 / int2 codecs                    (codes read in the kernel)  pages, blockwise reference
   QuantizedPagedKV, KIVI or calibrated    ValueError (no kernel reads them)
     fp8
+  LatentPagedKV (MLA latents)             ValueError (no kernel reads them; the step falls back
+                                          to the blockwise jnp attention under AUTO)
   QuestKV(base)                           as its base: the Quest step narrows decode rows' block
                                           tables first; `quest_sparse_decode` instead hands the
                                           selection to the sparse_decode kernel
@@ -36,7 +38,7 @@ import jax
 from kvjax.kv import attention as attention_ref
 from kvjax.kv import quest
 from kvjax.kv.quantized import QuantizedPagedKV
-from kvjax.kv.state import ContiguousKV, KVState, PagedKV
+from kvjax.kv.state import ContiguousKV, KVState, LatentPagedKV, PagedKV
 from pallas_kernels import targets
 from pallas_kernels.paged_decode.kernel import pad_block_tables, paged_decode_attention
 from pallas_kernels.quantized_decode.kernel import (
@@ -197,12 +199,22 @@ _QUEST = _StateKernels(reason=lambda kv: unsupported_reason(kv.base),
                        layer_fns=lambda kv, layer, soft_cap: layer_attention_fns(
                            kv.base, layer, soft_cap=soft_cap))
 
+_LATENT_REASON = ("the Pallas kernels read K and V pages of their own, while MLA latent pages "
+                  "hold one row per token that is both the key and (its first kv_lora_rank "
+                  "columns) the value")
+
+
+def _no_layer_fns(kv: Any, layer: jax.Array, soft_cap: float | None):
+    raise ValueError(_LATENT_REASON)
+
+
 # The module docstring's table, by state type.
 _KERNELS: dict[type, _StateKernels] = {
     PagedKV: _FLOAT_PAGES,
     ContiguousKV: _FLOAT_PAGES,
     QuantizedPagedKV: _StateKernels(reason=_quantized_reason, layer_fns=_quantized_fns),
     quest.QuestKV: _QUEST,
+    LatentPagedKV: _StateKernels(reason=lambda kv: _LATENT_REASON, layer_fns=_no_layer_fns),
 }
 
 

@@ -45,7 +45,9 @@ def _config_class(model_type: str):
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
-               "gemma3_text": transformers.Gemma3TextConfig}
+               "gemma3_text": transformers.Gemma3TextConfig,
+               "deepseek_v2": transformers.DeepseekV2Config,
+               "deepseek_v3": transformers.DeepseekV3Config}
     if model_type not in classes:
         raise ValueError(f"no tiny config for model_type {model_type!r}; known: {sorted(classes)}")
     return classes[model_type]
@@ -62,7 +64,8 @@ def make_tiny_hf_checkpoint(tmp_path: str | os.PathLike, model_type: str, *, see
 
     Args:
       tmp_path: the parent directory; the checkpoint goes into `<tmp_path>/<model_type>-<seed>`.
-      model_type: 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma2' or 'gemma3_text'.
+      model_type: 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma2', 'gemma3_text',
+        'deepseek_v2' or 'deepseek_v3' (pass the MLA dims and first_k_dense_replace).
       seed: torch seed of the random weights.
       torch_dtype: dtype the weights are stored in ('float32' or 'bfloat16').
       max_shard_size: e.g. '100KB' to write a sharded checkpoint with an index json.

@@ -216,6 +216,7 @@ class ModelTrait(enum.Enum):
     POSITION_DEPENDENT_ROPE = "position_dependent_rope"
     LAYER_GROUPS = "layer_groups"
     PER_LAYER_ROPE = "per_layer_rope"
+    MLA_LATENT = "mla_latent"
 
     @property
     def description(self) -> str:
@@ -230,7 +231,14 @@ _TRAIT_DESCRIPTIONS = {
                              "tables of their own",
     ModelTrait.PER_LAYER_ROPE: "layers turned by RoPEs of different bases (ModelConfig."
                                "local_rope, e.g. Gemma 3's local and global layers)",
+    ModelTrait.MLA_LATENT: "multi-head latent attention (ModelConfig.mla, DeepSeek-V2/V3): "
+                           "one latent row per token and layer in place of K and V heads",
 }
+_LATENT_CODEC = ("a KV codec quantizes K and V heads token by token, while an MLA page holds "
+                 "one latent row per token that is the key and, in its first kv_lora_rank "
+                 "columns, the value of every head, which no codec here stores")
+_LATENT_ROTATION = ("{} turns every column of a cached key by RoPE, while an MLA latent row "
+                    "carries RoPE only in its last qk_rope_head_dim columns")
 _ONE_TABLE = ("{} one block table of pages per sequence, while a model with sliding-window "
               "layers keeps one per layer group, its windows' older pages already given back")
 _SHIFTED_KEYS = ("{} choose a key's frequencies by its position, so a key turned by a shift "
@@ -272,6 +280,31 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     (ModelTrait.PER_LAYER_ROPE, Feature.STREAMING_ROTATED):
         "rotated attention sinks turn kept keys by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
+    **{(ModelTrait.MLA_LATENT, f): _LATENT_CODEC for f in _CODECS},
+    (ModelTrait.MLA_LATENT, Feature.STREAMING_ROTATED): _LATENT_ROTATION.format(
+        "re-rotating attention sinks"),
+    (ModelTrait.MLA_LATENT, Feature.CONTEXT_REUSE): _LATENT_ROTATION.format(
+        "re-rotating a reused chunk"),
+    (ModelTrait.MLA_LATENT, Feature.EXPECTED_ATTENTION): (
+        "ExpectedAttention turns its query statistics by RoPE across every column, while an "
+        "MLA query meets the latent in columns RoPE does not turn and only its last "
+        "qk_rope_head_dim columns rotate"),
+    (ModelTrait.MLA_LATENT, Feature.KNORM): (
+        "KNorm ranks tokens by the norm of their key, and an MLA latent row is no head's "
+        "key: each head's key is the latent through that head's own up-projection beside "
+        "the RoPE part"),
+    (ModelTrait.MLA_LATENT, Feature.MESH):
+        "a mesh shards the kv-head axis, while an MLA cache has one latent head that every "
+        "query head reads",
+    (ModelTrait.MLA_LATENT, Feature.KV_ARENA):
+        "an arena frame holds a token's K and V heads as words of the model's codec, not an "
+        "MLA latent row",
+    (ModelTrait.MLA_LATENT, Feature.CONTIGUOUS):
+        "contiguous slots hold separate K and V tensors, which an MLA latent row (the key and "
+        "the value at once) would fill twice",
+    (ModelTrait.MLA_LATENT, Feature.BATCH_INVARIANT):
+        "the batch-invariant attention is the native CPU kernel, which reads K and V pages of "
+        "their own, not MLA latent pages",
 }
 """Every feature a model trait refuses, with the reason."""
 
@@ -284,6 +317,8 @@ def model_traits(model_config: Any) -> set[ModelTrait]:
         traits.add(ModelTrait.LAYER_GROUPS)
     if model_config.local_rope is not None:
         traits.add(ModelTrait.PER_LAYER_ROPE)
+    if model_config.mla is not None:
+        traits.add(ModelTrait.MLA_LATENT)
     return traits
 
 

@@ -13,8 +13,10 @@ window (`ModelConfig.layer_windows`); the pool then keeps one block table per *t
 gcd of the group sizes), so every page of the pool holds the same bytes (that many layers of P
 tokens) whichever group owns it, and all groups draw pages from one free list and one byte
 budget (`kvjax.memory.groups`). A sliding-window group gives back the pages that fall out of
-its window. The enums also name what later groups need: a token budget for `TokenKeep`, an MLA
-latent for `TokenStore`; a pool refuses a spec it cannot serve yet (`check_servable`).
+its window. A model with multi-head latent attention declares one group storing an MLA latent
+(`TokenStore.MLA_LATENT`: d_c + d_r values per token and layer, no separate V), which a pool of
+`kvjax.kv.state.LatentPagedKV` pages holds. The enums also name what later groups need (a token
+budget for `TokenKeep`); a pool refuses a spec it cannot serve yet (`check_servable`).
 
 Bytes, for a group of Lg layers and page size P (one tensor's codec bytes per token: c(K, D)):
 
@@ -262,8 +264,8 @@ class KVCacheSpec:
     def page_bytes(self) -> float:
         """Bytes one page takes. Groups whose layers' pages are alike (a sliding window beside
         global layers) share one pool of pages of `layers_per_table` layers; groups that
-        differ in what a page holds (an MLA latent beside K and V heads, which no pool serves
-        yet) would span one page across every group's layers."""
+        differ in what a page holds (an MLA latent beside K and V heads, which no pool
+        serves yet) would span one page across every group's layers."""
         per_layer = {g.spec.page_bytes for g in self.groups}
         if len(self.groups) > 1 and len(per_layer) == 1:
             return self.layers_per_table * per_layer.pop()
@@ -300,14 +302,14 @@ class KVCacheSpec:
                              f"and V heads; got groups {self.describe()}")
 
     def check_servable(self) -> None:
-        """ValueError unless paged pools serve this spec: K and V heads in every group, every
-        group keeping all tokens or a sliding window, and groups differing in nothing else
-        (one page format for the whole pool)."""
+        """ValueError unless paged pools serve this spec: every group keeping all tokens or a
+        sliding window, and groups differing in nothing else (one page format for the whole
+        pool: K and V heads, or MLA latents)."""
         first = self.groups[0].spec
         for g in self.groups:
-            if g.spec.format.store is not TokenStore.KV_HEADS or g.spec.keep is TokenKeep.BUDGET:
-                raise ValueError(f"paged pools hold K and V heads of global or sliding-window "
-                                 f"layers; got groups {self.describe()}")
+            if g.spec.keep is TokenKeep.BUDGET:
+                raise ValueError(f"paged pools hold global or sliding-window layers; got "
+                                 f"groups {self.describe()}")
             if dataclasses.replace(g.spec, keep=first.keep,
                                    num_keep_tokens=first.num_keep_tokens) != first:
                 raise ValueError(f"layer groups of one pool share a page format; got groups "

@@ -5,6 +5,8 @@ the Pallas dispatch) asks of a KV state; it never probes which variant it holds.
 
   * `PagedKV`: a pool of pages shared by all sequences; block tables (host metadata, shipped
     per step) say which pages hold a sequence's tokens. Pages are allocated on demand.
+  * `LatentPagedKV`: a pool of pages of MLA latents (`kvjax.models.mla`): one row [c, k_r]
+    per token and layer, read as keys and as values (whose first d_c columns matter).
   * `ContiguousKV`: the naive baseline. Every sequence slot owns `max_len` tokens up front,
     stored contiguously `[L, max_seqs, max_len, K, D]`; viewed as pages, slot b owns pages
     b*pages_per_seq .. (b+1)*pages_per_seq - 1 and its block table is that fixed range.
@@ -337,6 +339,60 @@ class PagedKV(SlotAddressed):
 
 
 @struct.dataclass
+class LatentPagedKV(SlotAddressed):
+    """A pool of MLA latent pages shared by all sequences: one tensor, no separate values.
+
+    Attention reads each page as MQA keys and values both (K = 1, D = d_c + d_r); the model
+    keeps the first d_c columns of the output (`kvjax.models.mla`), so values cost no bytes.
+
+    Attributes:
+      latent_pages: [L, num_pages, P, 1, d_c + d_r] the normed latent c, then the RoPE'd
+        shared key part k_r.
+    """
+
+    latent_pages: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.latent_pages.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.latent_pages.shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def load_pages(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values of `pages` [B, n] of `layer`: the same latents [B, n, P, 1, D]."""
+        latents = self.latent_pages[layer, pages]
+        return latents, latents
+
+    def write(self, layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array
+              ) -> LatentPagedKV:
+        """Writes latents k [T, 1, D] of `layer` into flat slots [T] (-1: dropped); v is the
+        same latent, read back from k."""
+        return self.replace(latent_pages=scatter_rows(self.latent_pages, layer, slots, k))
+
+    def copy_pages(self, src: jax.Array, dst: jax.Array) -> LatentPagedKV:
+        """Copy-on-write: page dst[i] becomes a copy of page src[i] in all layers."""
+        x = self.latent_pages
+        return self.replace(latent_pages=x.at[:, dst].set(x[:, src]))
+
+    def page_leaves(self) -> list[jax.Array]:
+        """[latent_pages], [L, num_pages, P, 1, D]."""
+        return [self.latent_pages]
+
+    def with_page_leaves(self, leaves: Sequence[jax.Array]) -> LatentPagedKV:
+        (latent_pages,) = leaves
+        return self.replace(latent_pages=latent_pages)
+
+    def nbytes(self) -> int:
+        return self.latent_pages.nbytes
+
+
+@struct.dataclass
 class ContiguousKV(SlotAddressed):
     """Per-sequence preallocated KV, the baseline paged memory is measured against.
 
@@ -410,8 +466,9 @@ class ContiguousKV(SlotAddressed):
 
 
 def init_paged_kv(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *,
-                  num_layers: int | None = None) -> PagedKV:
-    """A zeroed pool of `num_pages` pages of `page_size` tokens.
+                  num_layers: int | None = None) -> PagedKV | LatentPagedKV:
+    """A zeroed pool of `num_pages` pages of `page_size` tokens: K and V heads, or MLA latents
+    for a model with `ModelConfig.mla`.
 
     num_layers: layers a page holds (`KVCacheSpec.layers_per_table` for a model with several
     layer groups); None: every layer of the model."""
@@ -419,12 +476,17 @@ def init_paged_kv(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp
         raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be positive")
     shape = (num_layers or config.num_layers, num_pages, page_size, config.num_kv_heads,
              config.head_dim)
+    if config.mla is not None:
+        return LatentPagedKV(latent_pages=jnp.zeros(shape, dtype))
     return PagedKV(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
 
 
 def init_contiguous_kv(config: ModelConfig, max_seqs: int, max_len: int, page_size: int = 16,
                        dtype=jnp.float32) -> ContiguousKV:
     """Zeroed storage of `max_len` tokens for each of `max_seqs` sequence slots."""
+    if config.mla is not None:
+        raise ValueError(f"model {config.name!r} caches MLA latents, which the contiguous "
+                         f"layout (separate K and V) does not store")
     if max_seqs <= 0 or max_len <= 0:
         raise ValueError(f"max_seqs={max_seqs} and max_len={max_len} must be positive")
     if max_len % page_size:

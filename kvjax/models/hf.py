@@ -5,12 +5,15 @@ mistral, qwen2 (Qwen2, Qwen2.5: Q/K/V biases), qwen3 (per-head Q/K RMSNorm, no b
 (fused `qkv_proj` and `gate_up_proj`, split on loading; LongRoPE), gemma2 and gemma3_text
 (GeGLU, (1 + w) RMSNorms before and after attention and MLP, scaled embeddings, the query
 scale `query_pre_attn_scalar`, Gemma 2's attention and final logit soft caps, Gemma 3's Q/K
-norms and its local layers' own RoPE base). The RoPE of every one is read by
-`kvjax.models.rope.RoPE.from_hf`.
+norms and its local layers' own RoPE base), deepseek_v2 and deepseek_v3 (multi-head latent
+attention, `kvjax.models.mla`, with dense MLPs: every layer below `first_k_dense_replace`). The
+RoPE of every one is read by `kvjax.models.rope.RoPE.from_hf`.
 
 Hugging Face stores linear weights as [out, in]; kvjax computes `x @ W`, so every matrix is
 transposed to [in, out], and per-layer tensors are stacked on a leading L axis (see
-`kvjax.models.llama`). Both use the rotate-half RoPE convention, so Q and K need no permutation.
+`kvjax.models.llama`). Both use the rotate-half RoPE convention, so Q and K need no permutation,
+except DeepSeek's, whose RoPE turns interleaved pairs: their RoPE columns are permuted on
+loading (`kvjax.models.mla.rope_permutation`).
 
 What is rejected rather than silently computed wrong: mixture-of-experts configs, RoPE types
 `RoPE.from_hf` does not know, partial rotary embeddings, activations other than SiLU, biases
@@ -33,13 +36,15 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import MlpActivation, ModelConfig, resolve_dtype
-from kvjax.models import llama
+from kvjax.config import MlaConfig, MlpActivation, ModelConfig, resolve_dtype
+from kvjax.models import llama, mla
 from kvjax.models.model import Model
-from kvjax.models.rope import RoPE
+from kvjax.models.rope import RoPE, RopeType, yarn_mscale
 from kvjax.models.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
+                         "deepseek_v2", "deepseek_v3")
+_MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 # config.json keys that make a model a mixture of experts (Mixtral, Qwen MoE, DeepSeek, Phi-3.5).
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
@@ -69,6 +74,17 @@ _GEMMA_LAYER_NORMS = {
     "post_attn_norm": "post_attention_layernorm.weight",
     "mlp_norm": "pre_feedforward_layernorm.weight",
     "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+# MLA's attention params (`kvjax.models.mla`) -> Hugging Face names inside `model.layers.N.`.
+_MLA_WEIGHTS = {
+    "wq": "self_attn.q_proj.weight",
+    "wq_a": "self_attn.q_a_proj.weight",
+    "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "wq_b": "self_attn.q_b_proj.weight",
+    "wkv_a": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+    "wkv_b": "self_attn.kv_b_proj.weight",
+    "wo": "self_attn.o_proj.weight",
 }
 _LAYER_BIASES = {
     "bq": "self_attn.q_proj.bias",
@@ -159,6 +175,8 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
       name: the model name recorded in the config.
     """
     model_type = hf_config.get("model_type")
+    if model_type in _MLA_TYPES:
+        return _mla_config_from_hf(hf_config, eos_token_ids=eos_token_ids, name=name)
     for key in _MOE_KEYS:
         if hf_config.get(key):
             raise ValueError(f"unsupported mixture-of-experts config ({key}={hf_config[key]!r}, "
@@ -206,6 +224,68 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
                        else _token_ids(hf_config.get("eos_token_id"))),
         name=name,
     )
+
+
+def _mla_config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] | None,
+                        name: str) -> ModelConfig:
+    """The `ModelConfig` of a DeepSeek-V2/V3 config.json: MLA attention, dense MLPs only.
+
+    DeepSeek configs always name their experts; the model is a mixture of experts when any
+    layer from `first_k_dense_replace` on exists, which is refused.
+    """
+    model_type = hf_config["model_type"]
+    num_layers = _required(hf_config, "num_hidden_layers")
+    first_moe = hf_config.get("first_k_dense_replace") or 0
+    if hf_config.get("n_routed_experts") and first_moe < num_layers:
+        raise ValueError(f"unsupported mixture-of-experts config (layers {first_moe}.."
+                         f"{num_layers - 1} of model_type {model_type!r} route "
+                         f"n_routed_experts={hf_config['n_routed_experts']}); kvjax runs dense "
+                         f"MLPs only: first_k_dense_replace must be >= num_hidden_layers")
+    if hf_config.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"unsupported moe_layer_freq {hf_config['moe_layer_freq']!r}")
+    act = hf_config.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {act!r} for model_type {model_type!r}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf_config.get(flag):
+            raise ValueError(f"unsupported {flag}=true for model_type {model_type!r}")
+    rope = RoPE.from_hf(hf_config)
+    dims = {key: _required(hf_config, key) for key in (
+        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    # As DeepSeek's reference: YaRN's mscale_all_dim scales the logits of every dimension.
+    params = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    scale = (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5
+    if rope.rope_type is not RopeType.DEFAULT and params.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(params["factor"]), params["mscale_all_dim"]) ** 2
+    config = MlaConfig(**dims, q_lora_rank=hf_config.get("q_lora_rank") or 0,
+                       softmax_scale=scale)
+    return ModelConfig(
+        vocab_size=_required(hf_config, "vocab_size"),
+        hidden_size=_required(hf_config, "hidden_size"),
+        intermediate_size=_required(hf_config, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=_required(hf_config, "num_attention_heads"),
+        num_kv_heads=1,
+        head_dim=config.cache_dim,
+        rope=rope,
+        mla=config,
+        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=rope.context_length(
+            hf_config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        bos_token_id=hf_config.get("bos_token_id"),
+        eos_token_ids=(eos_token_ids if eos_token_ids is not None
+                       else _token_ids(hf_config.get("eos_token_id"))),
+        name=name,
+    )
+
+
+def _rope_interleaved(hf_config: dict[str, Any]) -> bool:
+    """Whether a DeepSeek checkpoint's RoPE turns interleaved pairs (V2 always; V3 unless
+    `rope_interleave` is false)."""
+    model_type = hf_config.get("model_type")
+    return model_type == "deepseek_v2" or (model_type == "deepseek_v3" and bool(
+        hf_config.get("rope_interleave", True)))
 
 
 def layer_windows_from_hf(hf_config: dict[str, Any]) -> tuple[int, ...]:
@@ -315,10 +395,7 @@ def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     nd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes = {
         "attn_norm": (c.hidden_size,),
-        "wq": (nd, c.hidden_size),
-        "wk": (kd, c.hidden_size),
-        "wv": (kd, c.hidden_size),
-        "wo": (c.hidden_size, nd),
+        **{name: shape[::-1] for name, shape in llama._attention_shapes(c).items()},
         "mlp_norm": (c.hidden_size,),
         "w_gate": (c.intermediate_size, c.hidden_size),
         "w_up": (c.intermediate_size, c.hidden_size),
@@ -339,6 +416,8 @@ def _unfuse(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np
     Raises:
       ValueError: a fused matrix's rows are not the sum of its parts' rows.
     """
+    if config.mla is not None:
+        return tensors
     shapes = _expected_hf_shapes(config)
     rows = {name: shapes[key][0] for key, name in LAYER_WEIGHTS.items()}
     out = dict(tensors)
@@ -358,8 +437,11 @@ def _unfuse(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
-                   dtype: str = "float32") -> llama.Params:
+                   dtype: str = "float32", *, rope_interleaved: bool = False) -> llama.Params:
     """Maps Hugging Face tensor names to the kvjax params pytree (transposed, stacked, cast).
+
+    rope_interleaved: the checkpoint's RoPE turns interleaved pairs (DeepSeek's MLA): its
+    RoPE columns are permuted to the rotate-half order.
 
     Raises:
       ValueError: a tensor is missing, has the wrong shape, or is not part of the architecture.
@@ -381,11 +463,14 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
         per_layer = [take(f"model.layers.{i}.{suffix}", shape) for i in range(config.num_layers)]
         return jnp.asarray(np.stack(per_layer).astype(target))  # [L, ...]
 
-    names = {**LAYER_WEIGHTS, **(_LAYER_BIASES if config.qkv_bias else {}),
+    names = {**LAYER_WEIGHTS, **(_MLA_WEIGHTS if config.mla is not None else {}),
+             **(_LAYER_BIASES if config.qkv_bias else {}),
              **(_LAYER_QK_NORMS if config.qk_norm else {}),
              **(_GEMMA_LAYER_NORMS if config.sandwich_norms else {})}
     layers = {key: stacked(names[key], shape)
               for key, shape in _expected_hf_shapes(config).items()}
+    if rope_interleaved and config.mla is not None:
+        layers.update(_rope_columns_to_halves(layers, config))
     v, h = config.vocab_size, config.hidden_size
     params: dict[str, Any] = {
         "embed": jnp.asarray(take("model.embed_tokens.weight", (v, h)).T.astype(target)),
@@ -401,6 +486,20 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
         raise ValueError(f"checkpoint has tensor(s) kvjax does not support: {unexpected[:8]}")
     llama.check_params(params, config)
     return params
+
+
+def _rope_columns_to_halves(layers: dict[str, jnp.ndarray], config: ModelConfig
+                            ) -> dict[str, jnp.ndarray]:
+    """MLA's query and key matrices with their RoPE output columns in rotate-half order."""
+    m = config.mla
+    perm = mla.rope_permutation(m.qk_rope_head_dim)
+    wq_name = "wq_b" if m.q_lora_rank else "wq"
+    wq = layers[wq_name]  # [L, In, N * (d_nope + d_r)]
+    heads = wq.reshape(*wq.shape[:2], config.num_heads, m.qk_head_dim)
+    order = np.concatenate([np.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + perm])
+    wkv_a = layers["wkv_a"]  # [L, H, d_c + d_r]
+    key_order = np.concatenate([np.arange(m.kv_lora_rank), m.kv_lora_rank + perm])
+    return {wq_name: heads[..., order].reshape(wq.shape), "wkv_a": wkv_a[..., key_order]}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -440,9 +539,11 @@ def load_hf(directory: str | os.PathLike, dtype: str = "float32") -> Model:
     eos = None
     if generation_path.is_file():
         eos = _token_ids(_read_json(generation_path).get("eos_token_id")) or None
-    config = config_from_hf(_read_json(config_path), eos_token_ids=eos, name=directory.name)
+    hf_config = _read_json(config_path)
+    config = config_from_hf(hf_config, eos_token_ids=eos, name=directory.name)
     files = _checkpoint_files(directory)
-    params = params_from_hf(_read_checkpoint(files), config, dtype)
+    params = params_from_hf(_read_checkpoint(files), config, dtype,
+                            rope_interleaved=_rope_interleaved(hf_config))
     digest = hashlib.sha256()
     for file in files:
         with open(file, "rb") as f:

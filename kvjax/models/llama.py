@@ -23,6 +23,9 @@ the layer loop is one `lax.scan`):
     w_down:     [L, F, H]
     post_mlp_norm: [L, H]        only with sandwich_norms: on the MLP output
 
+A model with multi-head latent attention (`ModelConfig.mla`, DeepSeek-V2/V3) has other attention
+params in place of wq, wk, wv, wo (`kvjax.models.mla`); its cache holds one latent per token.
+
 Gemma's differences are static branches on `ModelConfig` fields (norms scaling by 1 + w, scaled
 embeddings, GeGLU, sandwich norms, the query scale, logit soft caps, a second RoPE for local
 layers), so the compiled programs of the other architectures are unchanged.
@@ -42,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import MlpActivation, ModelConfig
+from kvjax.models import mla
 from kvjax.models.linear import LayerLinear
 from kvjax.models.rope import apply_selected
 
@@ -102,15 +106,13 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     """Random params (normal * scale, norms at 1) for tests and synthetic benchmarks."""
     c = config
     nd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = {
-        "wq": (c.num_layers, c.hidden_size, nd),
-        "wk": (c.num_layers, c.hidden_size, kd),
-        "wv": (c.num_layers, c.hidden_size, kd),
-        "wo": (c.num_layers, nd, c.hidden_size),
+    shapes = {name: (c.num_layers, *shape) for name, shape in _attention_shapes(c).items()
+              if name not in mla.NORMS}
+    shapes.update({
         "w_gate": (c.num_layers, c.hidden_size, c.intermediate_size),
         "w_up": (c.num_layers, c.hidden_size, c.intermediate_size),
         "w_down": (c.num_layers, c.intermediate_size, c.hidden_size),
-    }
+    })
     if c.qkv_bias:
         shapes.update(bq=(c.num_layers, nd), bk=(c.num_layers, kd), bv=(c.num_layers, kd))
     keys = jax.random.split(key, len(shapes) + 2)
@@ -124,6 +126,9 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
                                          if c.sandwich_norms else [])
     for name in norms:
         layers[name] = unit((c.num_layers, c.hidden_size), dtype)
+    for name, shape in _attention_shapes(c).items():
+        if name in mla.NORMS:
+            layers[name] = unit((c.num_layers, *shape), dtype)
     if c.qk_norm:
         layers["q_norm"] = unit((c.num_layers, c.head_dim), dtype)
         layers["k_norm"] = unit((c.num_layers, c.head_dim), dtype)
@@ -138,6 +143,16 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return params
 
 
+def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer shapes (no L axis) of the attention's params: Q, K, V and O, or MLA's."""
+    c = config
+    if c.mla is not None:
+        return mla.attention_shapes(c)
+    nd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"wq": (c.hidden_size, nd), "wk": (c.hidden_size, kd), "wv": (c.hidden_size, kd),
+            "wo": (nd, c.hidden_size)}
+
+
 def check_params(params: Params, config: ModelConfig) -> None:
     """Raises ValueError naming the first tensor whose presence or shape does not fit `config`."""
     c = config
@@ -146,10 +161,7 @@ def check_params(params: Params, config: ModelConfig) -> None:
         ("embed",): (c.vocab_size, c.hidden_size),
         ("final_norm",): (c.hidden_size,),
         ("layers", "attn_norm"): (L, c.hidden_size),
-        ("layers", "wq"): (L, c.hidden_size, nd),
-        ("layers", "wk"): (L, c.hidden_size, kd),
-        ("layers", "wv"): (L, c.hidden_size, kd),
-        ("layers", "wo"): (L, nd, c.hidden_size),
+        **{("layers", name): (L, *shape) for name, shape in _attention_shapes(c).items()},
         ("layers", "mlp_norm"): (L, c.hidden_size),
         ("layers", "w_gate"): (L, c.hidden_size, c.intermediate_size),
         ("layers", "w_up"): (L, c.hidden_size, c.intermediate_size),
@@ -230,9 +242,14 @@ def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions
     c = config
     p = layer_params
     t = h.shape[0]
-    q, k, v = qkv(config, p, h, positions, layer_index, matmul, row_sum)
-    attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
-    out = matmul(attn.reshape(t, -1).astype(h.dtype), p["wo"])  # [T, H]
+    if c.mla is not None:
+        out, cache = mla.attention(c, attend, norm(c, h, p["attn_norm"], row_sum), positions, p,
+                                   layer_index, cache, matmul,
+                                   lambda x, w: norm(c, x, w, row_sum))  # [T, H]
+    else:
+        q, k, v = qkv(config, p, h, positions, layer_index, matmul, row_sum)
+        attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
+        out = matmul(attn.reshape(t, -1).astype(h.dtype), p["wo"])  # [T, H]
     h = h + (norm(c, out, p["post_attn_norm"], row_sum) if c.sandwich_norms else out)
     x = norm(c, h, p["mlp_norm"], row_sum)
     gate = matmul(x, p["w_gate"]).astype(jnp.float32)  # [T, F]

@@ -262,8 +262,8 @@ class RoPE:
             attention = params.get("attention_factor")
             if attention is None:
                 mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-                attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                             if mscale and mscale_all_dim else _yarn_mscale(factor))
+                attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                             if mscale and mscale_all_dim else yarn_mscale(factor))
             return cls(factor=factor, beta_fast=float(params.get("beta_fast") or 32),
                        beta_slow=float(params.get("beta_slow") or 1),
                        truncate=bool(params.get("truncate", True)),
@@ -299,7 +299,7 @@ def apply_selected(ropes: tuple[RoPE, ...], choice: jax.Array, x: jax.Array,
     return _turn(x, angles, factors[choice])
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature, 0.1 * mscale * ln(factor) + 1 (1 when not extending)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 

@@ -136,6 +136,23 @@ def test_pool_is_sized_from_its_spec(config):
     assert pool.kv_bytes_per_token == pool.spec.bytes_per_token
 
 
+def test_latent_pool_is_sized_from_its_spec():
+    """An MLA model's pool: one latent of d_c + d_r per token and layer fills the budget."""
+    from kvjax.testing import TINY_MLA
+
+    cfg = kvjax.EngineConfig(page_size=PAGE_SIZE, kv_budget_bytes=200_000, max_num_seqs=4)
+    pool = kv_pool.build_kv_pool(TINY_MLA, cfg, max_model_len=64, kv_dtype=jnp.float32)
+    (group,) = pool.spec.groups
+    assert group.spec.format.store is kv_spec.TokenStore.MLA_LATENT
+    m = TINY_MLA.mla
+    assert pool.spec.bytes_per_token == TINY_MLA.num_layers * (m.kv_lora_rank
+                                                               + m.qk_rope_head_dim) * 4
+    assert pool.spec.page_bytes == _page_bytes(pool.kv)
+    assert pool.spec.nbytes(pool.kv.num_pages) == sum(x.nbytes for x in jax.tree.leaves(pool.kv))
+    held = pool.spec.nbytes(pool.kv.num_pages)
+    assert held <= cfg.kv_budget_bytes < held + pool.spec.page_bytes
+
+
 def test_model_declares_one_global_group_of_every_layer():
     (group,) = CONFIG.kv_layer_groups()
     assert group.layers == tuple(range(CONFIG.num_layers))

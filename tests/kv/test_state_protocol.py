@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.config import ModelConfig
+from kvjax.config import MlaConfig, ModelConfig
 from kvjax.kv import pages as kv_pages
 from kvjax.kv import quest
 from kvjax.kv.quantized import init_quantized_kv
-from kvjax.kv.state import KVState, init_contiguous_kv, init_paged_kv
+from kvjax.kv.state import KVState, LatentPagedKV, init_contiguous_kv, init_paged_kv
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=64)
@@ -34,6 +34,13 @@ VARIANTS = {
     "quest_paged": lambda: quest.init_quest_kv(init_paged_kv(CONFIG, NUM_PAGES, 4)),
     "quest_int8": lambda: quest.init_quest_kv(init_quantized_kv(CONFIG, NUM_PAGES, 4, "int8")),
 }
+
+# MLA: one latent row of d_c + d_r = 24 + 8 per token and layer.
+MLA_CONFIG = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=1, head_dim=32,
+                         mla=MlaConfig(kv_lora_rank=24, qk_nope_head_dim=8,
+                                       qk_rope_head_dim=8, v_head_dim=8))
+MOVABLE = {**VARIANTS, "latent": lambda: init_paged_kv(MLA_CONFIG, NUM_PAGES, 4)}
 
 
 def _random_like(x, rng) -> jnp.ndarray:
@@ -86,30 +93,30 @@ def test_calibrated_fp8_is_not_ready_until_scaled():
         quest.init_quest_kv(kv).check_ready()
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", MOVABLE)
 def test_gather_then_scatter_round_trips_bit_exactly(name):
-    src = _filled(VARIANTS[name](), 0)
+    src = _filled(MOVABLE[name](), 0)
     pages = jnp.asarray([5, 2, 7], jnp.int32)
     blob = kv_pages.gather_pages(src, pages)
     assert [x.shape[1] for x in blob] == [3] * len(blob)
     dst_pages = jnp.asarray([0, 6, 3], jnp.int32)
-    dst = kv_pages.scatter_pages(_filled(VARIANTS[name](), 1), dst_pages, blob)
+    dst = kv_pages.scatter_pages(_filled(MOVABLE[name](), 1), dst_pages, blob)
     for got, want in zip(_bytes(kv_pages.gather_pages(dst, dst_pages)), _bytes(blob),
                          strict=True):
         np.testing.assert_array_equal(got, want)
     # Pages outside the scatter keep the destination's own bytes.
     untouched = jnp.asarray([1, 4], jnp.int32)
     for got, want in zip(_bytes(kv_pages.gather_pages(dst, untouched)),
-                         _bytes(kv_pages.gather_pages(_filled(VARIANTS[name](), 1), untouched)),
+                         _bytes(kv_pages.gather_pages(_filled(MOVABLE[name](), 1), untouched)),
                          strict=True):
         np.testing.assert_array_equal(got, want)
     assert [x.dtype for x in blob] == [x.dtype for x in src.page_leaves()]
     assert type(dst) is type(src)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", MOVABLE)
 def test_zero_pages_zeroes_only_those_pages(name):
-    kv = _filled(VARIANTS[name](), 2)
+    kv = _filled(MOVABLE[name](), 2)
     scrubbed = kv_pages.zero_pages(kv, jnp.asarray([3, 1], jnp.int32))
     for before, after in zip(kv.page_leaves(), scrubbed.page_leaves(), strict=True):
         after = np.asarray(after)
@@ -139,3 +146,21 @@ def test_slot_addressed_states_write_and_read_rows_by_slot(name):
     np.testing.assert_array_equal(got_tables, tables)
     for got, want in zip(load(tables), by_rows.load_pages(jnp.int32(1), tables), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_latent_pool_stores_one_row_read_as_keys_and_values():
+    """An MLA pool holds one tensor of d_c + d_r per token (no values beside it): a written
+    latent comes back as the keys and as the values, other slots stay zero, and the buffers
+    are the spec's bytes."""
+    kv = init_paged_kv(MLA_CONFIG, NUM_PAGES, 4)
+    assert isinstance(kv, KVState) and isinstance(kv, LatentPagedKV)
+    assert [x.shape for x in kv.page_leaves()] == [(2, NUM_PAGES, 4, 1, 32)]
+    assert kv.nbytes() == NUM_PAGES * 4 * 2 * 32 * 4
+    latent = jnp.asarray(np.random.default_rng(4).standard_normal((2, 1, 32)), jnp.float32)
+    kv = kv.write(jnp.int32(1), jnp.asarray([6, -1], jnp.int32), latent, latent * 0 + 99)
+    k, v = kv.load_pages(jnp.int32(1), jnp.asarray([[1]], jnp.int32))  # slots 4..7
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(v))
+    np.testing.assert_array_equal(np.asarray(k[0, 0, 2]), np.asarray(latent[0]))
+    assert not np.asarray(k[0, 0, [0, 1, 3]]).any()
+    assert not np.asarray(kv.load_pages(jnp.int32(0), jnp.asarray([[1]], jnp.int32))[0]).any()
+

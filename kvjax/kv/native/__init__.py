@@ -167,8 +167,11 @@ def _pages(kv) -> dict | str:
     from kvjax.kv import quest
     from kvjax.kv.codecs import IntCodec
     from kvjax.kv.quantized import QuantizedPagedKV
-    from kvjax.kv.state import PagedKV
+    from kvjax.kv.state import LatentPagedKV, PagedKV
 
+    if isinstance(kv, LatentPagedKV):
+        return ("MLA latent pages (one row per token that is both the key and, in its first "
+                "kv_lora_rank columns, the value; the kernel reads K and V pages of their own)")
     if isinstance(kv, quest.QuestKV):
         return _pages(kv.base)
     if isinstance(kv, PagedKV):
