@@ -276,11 +276,9 @@ class Engine:
 
     @property
     def kv_bytes_per_page(self) -> int:
-        """Device bytes of one page's tokens over every layer (codes and metadata); with
-        several layer groups, of one page of the pool (one table group's layers)."""
-        if self.kv_spec.is_grouped:
-            return int(self.kv_spec.page_bytes)
-        return int(self.kv_bytes_per_token * self.kv_spec.page_size)
+        """Device bytes of one page of the pool (`KVCacheSpec.page_bytes`: codes, metadata and
+        per-page summaries of the layers a page holds)."""
+        return int(self.kv_spec.page_bytes)
 
     @property
     def kv_samples(self) -> list[tuple[float, int, int]]:

@@ -71,8 +71,7 @@ def _num_evictable(manager: BlockManager) -> int:
 
 
 def _oldest_release(manager: BlockManager) -> float | None:
-    cached = manager.cached_pages()
-    return min((c.released_at for c in cached), default=None)
+    return None if manager.prefix_cache is None else manager.prefix_cache.oldest_release()
 
 
 class GroupedBlockManager:

@@ -144,6 +144,10 @@ class PrefixCache:
         return [CachedPage(page, self._hits[page], released_at, self._depth[page])
                 for page, released_at in self._evictable.items()]
 
+    def oldest_release(self) -> float | None:
+        """When the least recently released evictable page was released (None: none is)."""
+        return next(iter(self._evictable.values()), None)
+
     def keep(self, pages: Iterable[int]) -> None:
         """From now on the named pages are evicted only after every other evictable page, in
         the order named (replaces the previous call's pages; pages not indexed are ignored)."""

@@ -83,10 +83,13 @@ def test_evicts_least_recently_released_and_only_unreferenced_pages():
     cache = PrefixCache(1)
     _insert_chain(cache, [1, 2, 3, 4], b"", [10, 11, 12, 13])
     assert cache.evict_one() is None  # every page is still referenced
-    for page in (12, 11, 10):
-        cache.mark_evictable(page)
+    assert cache.oldest_release() is None
+    for now, page in enumerate((12, 11, 10)):
+        cache.mark_evictable(page, now=float(now))
+    assert cache.oldest_release() == 0.0  # page 12's
     cache.mark_in_use(12)  # a hit: 12 is referenced again
-    cache.mark_evictable(12)  # released again: now the most recent
+    assert cache.oldest_release() == 1.0  # page 11's
+    cache.mark_evictable(12, now=3.0)  # released again: now the most recent
     assert cache.num_evictable() == 3
     assert [cache.evict_one() for _ in range(4)] == [11, 10, 12, None]
     assert cache.is_indexed(13) and not cache.is_indexed(10)
