@@ -295,7 +295,7 @@ class AsyncEngine:
                      loop: asyncio.AbstractEventLoop, *, model: str | None = None
                      ) -> asyncio.Future:
         """A future of `PrefillOnlyScorer.prompt_logprobs(prompt_ids, num_top)`, computed on
-        the engine thread: per token None (the first) or (logprob, top {id: logprob})."""
+        the engine thread: per token None (the first) or (logprob, top {id: logprob}, rank)."""
         if not self.is_admitting:
             raise NotAdmitting("the server is not admitting requests")
         future = loop.create_future()

@@ -407,6 +407,40 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(model, server,
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+def test_prompt_logprobs_score_each_prompt_token_as_vllm_returns_them(model, server, client,
+                                                                      http):
+    """vLLM's `prompt_logprobs=k`: per prompt token (the first None) the token's logprob and
+    rank and the top k there, equal to the dense forward pass; on each completions choice
+    (n > 1 included), at the top of a chat response; refused with stream=true."""
+    prompt = [5, 9, 20, 33, 40]
+    rows = dense_logprobs(model, prompt)  # row i predicts token i + 1
+    done = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, n=2,
+                                     temperature=0, extra_body=dict(prompt_logprobs=2))
+    for choice in done.choices:
+        entries = choice.model_extra["prompt_logprobs"]
+        assert len(entries) == len(prompt) and entries[0] is None
+        for i, entry in enumerate(entries[1:]):
+            row, token = rows[i], prompt[i + 1]
+            order = np.argsort(-row)
+            want = {int(t) for t in order[:2]} | {token}
+            assert {int(t) for t in entry} == want
+            assert entry[str(token)]["rank"] == 1 + int(np.sum(row > row[token]))
+            for t, e in entry.items():
+                np.testing.assert_allclose(e["logprob"], row[int(t)], atol=2e-4)
+                assert e["decoded_token"] == model.tokenizer.decode(
+                    [int(t)], skip_special_tokens=False)
+            assert [entry[str(int(t))]["rank"] for t in order[:2]] == [1, 2]
+    chat = http.post("/v1/chat/completions", json=dict(
+        model=MODEL_NAME, messages=[dict(role="user", content="Hi")], max_tokens=1,
+        temperature=0, prompt_logprobs=0)).json()
+    lps = chat["prompt_logprobs"]
+    assert lps[0] is None and all(len(e) == 1 for e in lps[1:])  # k = 0: the token alone
+    assert len(lps) == chat["usage"]["prompt_tokens"]
+    r = http.post("/v1/completions", json=dict(prompt=prompt, max_tokens=1, stream=True,
+                                               prompt_logprobs=1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_vllm_bench_client_body_is_served(model, server, http):
     """The body vLLM's own benchmark client (`vllm bench serve`, openai backend) sends for
     every request, field for field: served, with the usage chunk it reads."""
