@@ -79,6 +79,9 @@ class ServerConfig:
       allow_client_tenant: whether a client may name its tenant (X-Tenant header, else the
         body's `user`); None: only without api_keys. With a key, a named tenant is nested in
         the key's ("key-tenant/named"), so no client reaches another key's prefix cache.
+      logprobs_after_temperature: report the logprobs (each token's and the top ones) of a
+        sampled request (temperature > 0) after its temperature, the distribution it was
+        drawn from before penalties and filters; False: the model's own (what trainers read).
     """
 
     model_name: str
@@ -88,6 +91,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     api_keys: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     allow_client_tenant: bool | None = None
+    logprobs_after_temperature: bool = False
 
     def __post_init__(self):
         for key, tenant in self.api_keys.items():
@@ -501,13 +505,17 @@ class OpenAIServing:
         api_id = self._request_id(raw) or protocol.new_id("chatcmpl" if chat else "cmpl")
         arrival = self.engine.clock()
         requests = []
+        temperature = 1.0 if body.temperature is None else body.temperature
+        after_temperature = (self.config.logprobs_after_temperature and body.wants_logprobs
+                             and temperature > 0)
         for i, ids in enumerate(prompts):
             max_new = self._check_prompt(ids, max_tokens, prompt_field)
             requests.append(EngineRequest(
                 request_id=f"{api_id}-{i}", prompt_ids=ids,
                 sampling=self._sampling(body, max_new, grammar) if max_new else None,
                 tenant=tenant, priority=priority, num_top_logprobs=body.num_top_logprobs,
-                arrival_time=arrival, model=self.route, slo=slo))
+                arrival_time=arrival, model=self.route, slo=slo,
+                logprobs_temperature=temperature if after_temperature else None))
         if body.prompt_logprobs is not None and body.stream:
             raise ApiError(400, "prompt_logprobs: not available with stream=true",
                            param="prompt_logprobs")

@@ -441,6 +441,31 @@ def test_prompt_logprobs_score_each_prompt_token_as_vllm_returns_them(model, ser
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_logprobs_after_temperature_are_of_the_distribution_sampled_from(model):
+    """With `logprobs_after_temperature`, a sampled request's token and top logprobs are
+    log-softmax(logits / T) of the dense pass at each position (the default reports the
+    model's own, T = 1)."""
+    prompt, temperature = [5, 9, 20, 33], 0.5
+    config = ServerConfig(model_name=MODEL_NAME, logprobs_after_temperature=True)
+    with BackgroundServer(Engine(model, CONFIG), config) as s:
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0)
+        got = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, seed=1,
+                                   temperature=temperature, logprobs=2, extra_body=dict(
+                                       return_tokens_as_token_ids=True)).choices[0].logprobs
+    tokens = [int(t.removeprefix("token_id:")) for t in got.tokens]
+    rows = dense_logprobs(model, prompt + tokens)[len(prompt) - 1:]  # row j predicts token j
+    scaled = rows / temperature
+    scaled -= np.log(np.exp(scaled - scaled.max(-1, keepdims=True)).sum(-1, keepdims=True)) + \
+        scaled.max(-1, keepdims=True)
+    for j, token in enumerate(tokens):
+        np.testing.assert_allclose(got.token_logprobs[j], scaled[j, token], atol=2e-4)
+        top = {int(t.removeprefix("token_id:")): v for t, v in got.top_logprobs[j].items()}
+        assert set(top) == {int(t) for t in np.argsort(-scaled[j])[:2]}
+        for t, v in top.items():
+            np.testing.assert_allclose(v, scaled[j, t], atol=2e-4)
+    assert not np.allclose(scaled[0, tokens[0]], rows[0, tokens[0]], atol=1e-3)
+
+
 def test_vllm_bench_client_body_is_served(model, server, http):
     """The body vLLM's own benchmark client (`vllm bench serve`, openai backend) sends for
     every request, field for field: served, with the usage chunk it reads."""
