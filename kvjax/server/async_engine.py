@@ -67,6 +67,7 @@ class EngineRequest:
       model: the model it runs on, for an engine of several models
         (`kvjax.engine.multi.MultiModelEngine`); None for a one-model engine.
       slo: its SLO for the engine's KV controller; None: the engine's default.
+      cache_salt: the shared prefix-cache salt it names (vLLM's field), or None.
       logprobs_temperature: when set, every logprob reported for it (each token's and the top
         ones) is of the distribution after dividing the logits by this (its sampling
         temperature; penalties, biases and filters are not applied); None: the model's own.
@@ -82,6 +83,7 @@ class EngineRequest:
     model: str | None = None
     slo: SLO | None = None
     logprobs_temperature: float | None = None
+    cache_salt: str | None = None
 
     @property
     def reads_logits(self) -> bool:
@@ -399,6 +401,8 @@ class AsyncEngine:
         with self._lock:
             self._num_in_commands -= 1
         routed = {} if request.model is None else dict(model=request.model)
+        if request.cache_salt is not None:
+            routed["cache_salt"] = request.cache_salt
         try:
             self.engine.add_request(request.request_id, request.prompt_ids, request.sampling,
                                     tenant=request.tenant, priority=request.priority,

@@ -515,7 +515,8 @@ class OpenAIServing:
                 sampling=self._sampling(body, max_new, grammar) if max_new else None,
                 tenant=tenant, priority=priority, num_top_logprobs=body.num_top_logprobs,
                 arrival_time=arrival, model=self.route, slo=slo,
-                logprobs_temperature=temperature if after_temperature else None))
+                logprobs_temperature=temperature if after_temperature else None,
+                cache_salt=body.cache_salt))
         if body.prompt_logprobs is not None and body.stream:
             raise ApiError(400, "prompt_logprobs: not available with stream=true",
                            param="prompt_logprobs")

@@ -621,7 +621,7 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(al
                     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 _FIELDS = ["model", "max_tokens", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids",
            "stream", "user", "echo", "max_completion_tokens", "stream_options",
-           "presence_penalty", "ignore_eos", "prompt", "messages"]
+           "presence_penalty", "ignore_eos", "prompt", "messages", "cache_salt"]
 # Values that are either greedy or invalid: a valid sampled or top-logprob request would
 # compile step programs of its own, which this fast test leaves to test_server_slow.py.
 _GREEDY_OR_INVALID = {

@@ -10,7 +10,6 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from kvjax.memory.prefix_cache import hash_page, hash_root
 from kvjax.memory.tiers.config import TierConfig, TransferLayout
 from kvjax.memory.tiers.disk import DiskTier
 from kvjax.memory.tiers.disk_queue import DiskQueue
@@ -456,12 +455,3 @@ class TierManager:
         if self.stats["device_transfer_s"] <= 0:
             return None
         return self.stats["device_transfer_bytes"] / self.stats["device_transfer_s"]
-
-
-def page_hash_chain(token_ids: Sequence[int], cache_key: bytes, page_size: int) -> list[bytes]:
-    """Prefix-cache hashes of every full page of `token_ids` (the block manager's chain)."""
-    parent, hashes = hash_root(cache_key), []
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = hash_page(parent, token_ids[start:start + page_size])
-        hashes.append(parent)
-    return hashes
