@@ -407,11 +407,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
 
     def _max_drafts(self, seq: Sequence) -> int:
         """Draft tokens the sequence may verify next: gamma, less near its length limits (the
-        verify step emits one token beyond its drafts). None under a grammar: the mask of draft
-        j depends on drafts[:j] and a step ships one mask per row, so a constrained sequence
-        decodes one token at a time."""
-        if seq.grammar is not None:
-            return 0
+        verify step emits one token beyond its drafts). Under a grammar, the row ships a mask
+        per draft (`GrammarMatcher.masks`)."""
         left = min(seq.sampling.max_new_tokens - len(seq.output_ids),
                    self.config.max_model_len - seq.num_tokens)
         gamma = self.config.num_draft_tokens
@@ -489,6 +486,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                                    + seq.draft_tokens[:num_drafts], np.int32)
             feed_index = -1
         samples = n - num_drafts == seq.num_pending
+        masks = (seq.grammar.masks(seq.draft_tokens[:num_drafts])
+                 if samples and seq.grammar is not None else None)
         row = ScheduledRow(
             seq_id=seq.seq_id, token_ids=token_ids, start=start, num_evicted=evicted,
             block_table=table, group_tables=group_tables,
@@ -503,7 +502,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             num_prompt_tokens=seq.num_prompt_tokens,
             stop_ids=seq.sampling.stop_ids(self.config.eos_token_ids)
             if seq.sampling.min_tokens else (),
-            token_mask=seq.grammar.mask() if samples and seq.grammar is not None else None)
+            token_mask=None if masks is None else masks[0],
+            draft_masks=masks[1:] if masks is not None and num_drafts else None)
         seq.draft_tokens = []  # Checked by this row (verified or not, they are spent).
         seq.num_computed += n
         if num_drafts:
