@@ -42,6 +42,9 @@ def get_config() -> ConfigDict:
     # A tenant whose running sequences hold this fraction of the pool admits no more while
     # another tenant's requests wait; None: no limit.
     config.engine.max_tenant_page_share = config_dict.placeholder(float)
+    # Requests naming a cache_salt share pages across tenants; with this, a tenant hits such a
+    # page only once it computed it itself (no hit's speed reveals another tenant's prompt).
+    config.engine.hide_shared_prefix_hits = False
     # recompute, swap (to host memory: the host tier when tiers are on) or auto (per sequence,
     # whichever a cost model estimates cheaper)
     config.engine.preemption_mode = "recompute"

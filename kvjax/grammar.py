@@ -108,6 +108,23 @@ class GrammarMatcher:
         fill_next_token_bitmask(self._matcher, words)
         return words[0]
 
+    def masks(self, drafts: Sequence[int]) -> np.ndarray:
+        """[1 + len(drafts), ceil(V / 32)] int32: the mask before each draft token and after
+        the last (what a verify step checks draft j and samples its own token against). The
+        drafts are consumed on the matcher and rolled back; past a draft the grammar forbids,
+        masks are all zero (verification rejects that draft, so none of them is read)."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        words = np.zeros((1 + len(drafts), mask_width(self._vocab_size)), np.int32)
+        fill_next_token_bitmask(self._matcher, words, 0)
+        valid = self._matcher.validate_tokens([int(t) for t in drafts])
+        for j in range(valid):
+            self._matcher.consume_token(int(drafts[j]))
+            fill_next_token_bitmask(self._matcher, words, j + 1)
+        if valid:
+            self._matcher.rollback(valid)
+        return words
+
     def accept(self, token: int) -> None:
         """Advances past a committed token. A token the grammar forbids (the mask was built
         before it, so only a caller's bug produces one) stops the matcher."""

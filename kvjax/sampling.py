@@ -193,7 +193,7 @@ def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
                   temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   seeds: jax.Array, counters: jax.Array, min_p: jax.Array | None = None,
                   rules: LogitRules | None = None, token_mask: jax.Array | None = None, *,
-                  all_greedy: bool, needs_filter: bool
+                  all_greedy: bool, needs_filter: bool, draft_mask: jax.Array | None = None
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Speculative verification of deterministic drafts, one row per sequence.
 
@@ -213,8 +213,10 @@ def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
       temperature, top_k, top_p, min_p, seeds, counters: per row as in `sample_tokens`;
         position j of row b draws with counter counters[b] + j.
       rules: per row as in `sample_tokens`, counting the output up to the row's last token.
-      token_mask: [B, ceil(V / 32)] int32 or None, applied at every position of its row: the
-        scheduler drafts nothing for a row with a grammar, so it matters at position 0 only.
+      token_mask: [B, ceil(V / 32)] int32 or None: the tokens a row may emit at position 0.
+      draft_mask: [B, W - 1, ceil(V / 32)] int32 or None: those it may emit after each draft
+        (a grammar's mask after drafts[b, :j + 1]); None: token_mask at every position. A
+        draft the mask forbids is rejected, so the output follows the grammar exactly.
     Returns:
       num_accepted [B] int32, the token emitted after them [B] int32, and the logprobs
       (unmodified distribution) of the emitted tokens [B, W]: drafts first, then that token.
@@ -228,7 +230,9 @@ def verify_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
     if rules is not None:
         flat = apply_rules(flat, draft_rules(rules, drafts, num_drafts), flat_counters)
     if token_mask is not None:
-        flat = apply_token_mask(flat, jnp.repeat(token_mask, w, axis=0))
+        per_position = (jnp.repeat(token_mask[:, None], w, axis=1) if draft_mask is None
+                        else jnp.concatenate([token_mask[:, None], draft_mask], axis=1))
+        flat = apply_token_mask(flat, per_position.reshape(b * w, -1))
     target = jnp.argmax(flat, axis=-1).astype(jnp.int32).reshape(b, w)  # [B, W]
     if all_greedy:
         accept, final = padded == target, target

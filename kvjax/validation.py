@@ -54,13 +54,13 @@ def check_request_id(request_id: object) -> str:
 
 
 def check_identity(request_id: object, *, tenant: object = None, priority: object = 0,
-                   arrival_time: object = None) -> None:
+                   arrival_time: object = None, cache_salt: object = None) -> None:
     """Checks who sent a request and how it is ordered; raises ValueError naming the value."""
     check_request_id(request_id)
-    if tenant is not None:
-        problem = name_problem(tenant)
+    for field, name in (("tenant", tenant), ("cache_salt", cache_salt)):
+        problem = None if name is None else name_problem(name)
         if problem is not None:
-            raise ValueError(f"request {request_id!r}: tenant {_shown(tenant)} {problem}")
+            raise ValueError(f"request {request_id!r}: {field} {_shown(name)} {problem}")
     if (isinstance(priority, bool | np.bool_) or not isinstance(priority, int | np.integer)
             or not INT32_MIN <= priority <= INT32_MAX):
         raise ValueError(f"request {request_id!r}: priority must be an int32, got "

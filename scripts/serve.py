@@ -50,6 +50,8 @@ flags.DEFINE_string("api_key_file", None, "A file of lines 'KEY TENANT' (# comme
                     "defaults to 'fair'.")
 flags.DEFINE_bool("allow_client_tenant", None, "Let clients name a tenant (X-Tenant, or the "
                   "body's user), nested in their key's; default: only without API keys.")
+flags.DEFINE_bool("logprobs_after_temperature", False, "Report a sampled request's logprobs "
+                  "after its temperature (default: the model's own distribution).")
 flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, how long in-flight requests may run.")
 flags.DEFINE_bool("warmup", True, "Compile every greedy step shape before serving.")
 flags.DEFINE_bool("warmup_sampling", False, "Also compile the sampled variants (temperature "
@@ -155,7 +157,8 @@ def main(argv):
                                max_waiting_tokens=FLAGS.max_waiting_tokens,
                                drain_timeout_s=FLAGS.drain_timeout_s,
                                api_keys=api_keys_from_flags(),
-                               allow_client_tenant=FLAGS.allow_client_tenant),
+                               allow_client_tenant=FLAGS.allow_client_tenant,
+                               logprobs_after_temperature=FLAGS.logprobs_after_temperature),
           host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
     if FLAGS.trace_path:  # serve returns once drained: the trace is complete.
         engine.export_trace(FLAGS.trace_path)

@@ -292,6 +292,7 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
         enable_prefix_cache=e.enable_prefix_cache,
         prefix_cache_eviction=e.prefix_cache_eviction,
         max_tenant_page_share=e.max_tenant_page_share,
+        hide_shared_prefix_hits=e.hide_shared_prefix_hits,
         scheduler_policy=e.scheduler_policy,
         preemption_mode=e.preemption_mode, watermark=e.watermark,
         scrub_freed_pages=e.scrub_freed_pages, attention_impl=e.attention_impl,

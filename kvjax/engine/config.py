@@ -43,6 +43,11 @@ class EngineConfig:
         the cache with distinct prefixes evicts its own pages first).
       max_tenant_page_share: a tenant whose running sequences hold this fraction of the pool
         admits no more while another tenant's requests wait (None: no limit).
+      hide_shared_prefix_hits: requests naming a `cache_salt` share prefix-cache pages across
+        tenants; with this on, a tenant hits such a page only once it has computed the page's
+        tokens itself (`kvjax.memory.prefix_cache.HitLedger`), so a hit's speed never tells
+        it what another tenant sent. The price: each tenant's first request with a prefix runs
+        as a miss.
       scheduler_policy: a name registered in kvjax.scheduler.policies.
       preemption_mode: RECOMPUTE, SWAP or AUTO (swap when moving the sequence's KV out and back
         is estimated cheaper than recomputing it; each decision lands in
@@ -119,6 +124,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     prefix_cache_eviction: PrefixEviction = PrefixEviction.LRU
     max_tenant_page_share: float | None = None
+    hide_shared_prefix_hits: bool = False
     scheduler_policy: str = "fcfs"
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     tiers: TierConfig = TierConfig()

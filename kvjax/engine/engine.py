@@ -231,7 +231,8 @@ class Engine:
             prefill_padding_limit=cfg.prefill_padding_limit,
             num_draft_tokens=cfg.spec.num_draft_tokens if cfg.spec.enabled else 0,
             adaptive_drafts=cfg.spec.adaptive,
-            max_tenant_page_share=cfg.max_tenant_page_share, **self._demotion())
+            max_tenant_page_share=cfg.max_tenant_page_share,
+            hide_shared_hits=cfg.hide_shared_prefix_hits, **self._demotion())
 
     def _demotion(self) -> dict:
         """The precisions swapped copies can be demoted to, each with the byte ratio it saves:
@@ -278,11 +279,9 @@ class Engine:
 
     @property
     def kv_bytes_per_page(self) -> int:
-        """Device bytes of one page's tokens over every layer (codes and metadata); with
-        several layer groups, of one page of the pool (one table group's layers)."""
-        if self.kv_spec.is_grouped:
-            return int(self.kv_spec.page_bytes)
-        return int(self.kv_bytes_per_token * self.kv_spec.page_size)
+        """Device bytes of one page of the pool (`KVCacheSpec.page_bytes`: codes, metadata and
+        per-page summaries of the layers a page holds)."""
+        return int(self.kv_spec.page_bytes)
 
     @property
     def kv_samples(self) -> list[tuple[float, int, int]]:
@@ -508,8 +507,15 @@ class Engine:
     def add_request(self, request_id: str, prompt_ids: Seq[int] | Seq[Segment],
                     sampling: SamplingParams | None = None, *, tenant: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    context_reuse: str | None = None, slo: SLO | None = None) -> None:
+                    context_reuse: str | None = None, slo: SLO | None = None,
+                    cache_salt: str | None = None) -> None:
         """Queues a request. Invalid requests raise ValueError and change nothing.
+
+        tenant: who sent it: its prefix-cache pages are its own, and fair admission and
+          eviction count by it. cache_salt (vLLM's field): the request's pages are cached
+          under this salt instead, shared by every request naming it whichever its tenant
+          (`EngineConfig.hide_shared_prefix_hits` hides from each tenant the hits others
+          paid for).
 
         slo: its TTFT / TPOT targets and KL budget (`kvjax.scheduler.controller.SLO`), which
           the engine's KV controller serves; None: EngineConfig.slo.
@@ -520,7 +526,8 @@ class Engine:
           programs on first use.
         """
         sampling = sampling or SamplingParams()
-        check_identity(request_id, tenant=tenant, priority=priority, arrival_time=arrival_time)
+        check_identity(request_id, tenant=tenant, priority=priority, arrival_time=arrival_time,
+                       cache_salt=cache_salt)
         prompt = self.validate_request(request_id, prompt_ids, sampling)
         _, spans = _segments(request_id, prompt_ids)
         reuse = self.config.context_reuse if context_reuse is None else context_reuse
@@ -552,7 +559,7 @@ class Engine:
             for seq in seqs:
                 seq.grammar = self.grammar_matcher(request_id, sampling.grammar)
         self.scheduler.add_request(request_id, prompt, seqs, arrival=arrival, tenant=tenant,
-                                   n=sampling.n)
+                                   n=sampling.n, cache_salt=cache_salt)
 
     def grammar_matcher(self, request_id: str, grammar: grammar_lib.Grammar,
                         output_ids: Seq[int] = ()) -> grammar_lib.GrammarMatcher:

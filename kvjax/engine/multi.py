@@ -281,8 +281,8 @@ class MultiModelEngine:
         engine validates the rest when the request is admitted (a refused one finishes with
         its `error`).
         """
-        check_identity(request_id, **{k: kwargs[k] for k in ("tenant", "priority",
-                                                             "arrival_time") if k in kwargs})
+        check_identity(request_id, **{k: kwargs[k] for k in (
+            "tenant", "priority", "arrival_time", "cache_salt") if k in kwargs})
         if model not in self.engines:
             raise ValueError(f"request {request_id!r}: unknown model {model!r}; expected one "
                              f"of {sorted(self.engines)}")

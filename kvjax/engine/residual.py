@@ -46,9 +46,10 @@ class WindowBlockManager(BlockManager):
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
                      cache_key: bytes = b"", indexable: bool = True,
-                     record_stats: bool = True) -> int:
+                     record_stats: bool = True, max_hit: int | None = None) -> int:
         cached = super().add_sequence(seq_id, token_ids, cache_key=cache_key,
-                                      indexable=indexable, record_stats=record_stats)
+                                      indexable=indexable, record_stats=record_stats,
+                                      max_hit=max_hit)
         self._take_slot(seq_id)
         return cached
 

@@ -390,6 +390,8 @@ class ModelRunner:
             _fill_rules(buf, r, row)
         if row.token_mask is not None:
             buf["token_mask"][r] = row.token_mask
+        if row.draft_masks is not None:
+            buf["draft_mask"][r, :len(row.draft_masks)] = row.draft_masks
         buf["seq_slots"][r] = row.seq_slot
         buf["kv_floors"][r] = row.kv_floor
         if row.feed_index >= 0:

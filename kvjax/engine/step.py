@@ -127,6 +127,8 @@ class StepInput:
       bias_ids, bias_until: [R, Kb] int32; bias_values: [R, Kb] float32: the rows' logit
         bias and min_tokens masks (`kvjax.sampling.LogitRules`). Kb = 0 when rules are off.
       token_mask: [R, Wm] int32, the tokens each row may sample (`kvjax.grammar`; -1: all).
+      draft_mask: [R, Wd - 1, Wm] int32 in a verify step with masks: the tokens a decode row
+        may emit after each of its drafts (-1: all); [R, 0, Wm] otherwise.
       score_weights: [T] float32, each query's weight in the key scores a retention policy
         accumulates (kvjax.kv.retention); 0 for padding and for policies that score nothing.
       seq_slots: [R] int32, each row's sequence slot in the KV state's sequence-slot leaves
@@ -169,6 +171,7 @@ class StepInput:
     bias_values: jax.Array
     bias_until: jax.Array
     token_mask: jax.Array
+    draft_mask: jax.Array
     score_weights: jax.Array
     seq_slots: jax.Array
     kv_floors: jax.Array
@@ -238,6 +241,8 @@ def empty_step_input(shape: StepShape, num_tables: int = 1) -> dict[str, np.ndar
         bias_values=np.zeros((r, kb), np.float32),
         bias_until=np.zeros((r, kb), np.int32),
         token_mask=np.full((r, shape.mask_width), -1, np.int32),
+        draft_mask=np.full((r, shape.decode_width - 1 if shape.mask_width else 0,
+                            shape.mask_width), -1, np.int32),
         score_weights=np.zeros(t, np.float32),
         seq_slots=np.zeros(r, np.int32),
         kv_floors=np.zeros(r, np.int32),
@@ -487,11 +492,12 @@ def _verify_step_tokens(params, config: ModelConfig, h, token_ids, inp: StepInpu
     def mask_of(part: slice) -> jax.Array | None:
         return None if token_mask is None else token_mask[part]
 
+    draft_mask = None if token_mask is None else inp.draft_mask[dec]
     accepted, tokens, spec_logprobs = verify_drafts(
         logits, token_ids[:bd * wd].reshape(bd, wd)[:, 1:],
         jnp.maximum(inp.q_lens[dec] - 1, 0), inp.temperature[dec], inp.top_k[dec],
         inp.top_p[dec], inp.seeds[dec], inp.counters[dec], inp.min_p[dec], rows_of(dec),
-        mask_of(dec), **sampling)
+        mask_of(dec), draft_mask=draft_mask, **sampling)
     logprobs = jnp.take_along_axis(spec_logprobs, accepted[:, None], axis=1)[:, 0]
     if bp:
         pre = slice(bd, None)
@@ -529,6 +535,7 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         history=jnp.zeros((n, 0), jnp.int32), history_lens=zeros, num_prompt=zeros,
         bias_ids=jnp.zeros((n, 0), jnp.int32), bias_values=jnp.zeros((n, 0), jnp.float32),
         bias_until=jnp.zeros((n, 0), jnp.int32), token_mask=jnp.zeros((n, 0), jnp.int32),
+        draft_mask=jnp.zeros((n, 0, 0), jnp.int32),
         score_weights=jnp.zeros(n, jnp.float32),
         seq_slots=zeros,
         kv_floors=zeros, token_src=jnp.full(n, -1, jnp.int32), prev_tokens=zeros,

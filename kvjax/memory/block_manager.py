@@ -95,6 +95,13 @@ class CopyOp:
     dst: int
 
 
+def hit_limit(token_ids: Sequence[int], max_hit: int | None) -> int:
+    """The most leading tokens a prefix hit may cover: all but the last (whose logits the
+    model must produce), and at most `max_hit` when given."""
+    limit = len(token_ids) - 1
+    return limit if max_hit is None else max(0, min(limit, max_hit))
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockManagerStats:
     """Counters since construction.
@@ -222,11 +229,12 @@ class BlockManager:
         """Prompt tokens of `seq_id` attached from the prefix cache by add_sequence."""
         return self._get(seq_id).num_cached_tokens
 
-    def peek_cached_tokens(self, token_ids: Sequence[int], *, cache_key: bytes = b"") -> int:
+    def peek_cached_tokens(self, token_ids: Sequence[int], *, cache_key: bytes = b"",
+                           max_hit: int | None = None) -> int:
         """What add_sequence would return now, without attaching pages or counting a query."""
         if self.prefix_cache is None or len(token_ids) == 0:
             return 0
-        return self.best_hit(token_ids, cache_key, len(token_ids) - 1)
+        return self.best_hit(token_ids, cache_key, hit_limit(token_ids, max_hit))
 
     def best_hit(self, token_ids: Sequence[int], cache_key: bytes, limit: int) -> int:
         """The most leading tokens of `token_ids` (a multiple of P, at most `limit`) whose
@@ -250,6 +258,7 @@ class BlockManager:
     def add_sequence(
         self, seq_id: Hashable, token_ids: Sequence[int], *, cache_key: bytes = b"",
         indexable: bool = True, record_stats: bool = True, num_cached: int | None = None,
+        max_hit: int | None = None,
     ) -> int:
         """Registers a sequence and attaches the cached pages of its prompt's longest prefix.
 
@@ -269,6 +278,8 @@ class BlockManager:
             num_cached: attach exactly this many leading tokens (a multiple of P that
                 `best_hit` allows: the hit every layer group of a model can take), instead
                 of this manager's own best hit.
+            max_hit: attach at most this many leading tokens (None: no bound but the last
+                token's).
 
         Returns:
             The number of cached tokens: a multiple of P, and < len(token_ids).
@@ -282,7 +293,7 @@ class BlockManager:
         pages, hashes = [], []
         if self.prefix_cache is not None and indexable:
             if num_cached is None:
-                num_cached = self.best_hit(token_ids, cache_key, len(token_ids) - 1)
+                num_cached = self.best_hit(token_ids, cache_key, hit_limit(token_ids, max_hit))
             found = self.prefix_cache.lookup_each(token_ids[:num_cached], cache_key)
             first = self._first_needed(num_cached) // self.page_size
             if len(found) * self.page_size != num_cached or None in found[first:]:

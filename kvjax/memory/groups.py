@@ -27,6 +27,7 @@ from kvjax.memory.block_manager import (
     BlockManagerStats,
     CopyOp,
     FreeList,
+    hit_limit,
 )
 from kvjax.memory.prefix_cache import CachedPage, PrefixEviction
 from kvjax.trace import NULL_TRACER, Tracer
@@ -71,8 +72,7 @@ def _num_evictable(manager: BlockManager) -> int:
 
 
 def _oldest_release(manager: BlockManager) -> float | None:
-    cached = manager.cached_pages()
-    return min((c.released_at for c in cached), default=None)
+    return None if manager.prefix_cache is None else manager.prefix_cache.oldest_release()
 
 
 class GroupedBlockManager:
@@ -170,26 +170,29 @@ class GroupedBlockManager:
 
     # ----------------------------------------------------------------------------- prefix
 
-    def _common_hit(self, token_ids: Sequence[int], cache_key: bytes) -> int:
-        """The longest prefix (leaving the last token) that every group can attach."""
-        hit = len(token_ids) - 1
+    def _common_hit(self, token_ids: Sequence[int], cache_key: bytes,
+                    max_hit: int | None = None) -> int:
+        """The longest prefix (leaving the last token; at most `max_hit`) that every group can
+        attach."""
+        hit = hit_limit(token_ids, max_hit)
         while True:  # each group's best hit within the others' shrinks it to a common one
             new = min(m.best_hit(token_ids, cache_key, hit) for m in self.groups)
             if new == hit:
                 return hit
             hit = new
 
-    def peek_cached_tokens(self, token_ids: Sequence[int], *, cache_key: bytes = b"") -> int:
+    def peek_cached_tokens(self, token_ids: Sequence[int], *, cache_key: bytes = b"",
+                           max_hit: int | None = None) -> int:
         if self.prefix_cache is None or len(token_ids) == 0:
             return 0
-        return self._common_hit(token_ids, cache_key)
+        return self._common_hit(token_ids, cache_key, max_hit)
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
                      cache_key: bytes = b"", indexable: bool = True,
-                     record_stats: bool = True) -> int:
+                     record_stats: bool = True, max_hit: int | None = None) -> int:
         """Registers the sequence in every group with the prefix every group holds (group 0
         validates the id and the prompt before any group registers it)."""
-        hit = (self._common_hit(token_ids, cache_key)
+        hit = (self._common_hit(token_ids, cache_key, max_hit)
                if self.prefix_cache is not None and indexable else None)
         for m in self.groups:
             m.add_sequence(seq_id, token_ids, cache_key=cache_key, indexable=indexable,

@@ -176,11 +176,14 @@ class KVCacheManager:
     def pages_needed(self, seq_id: str, num_tokens: int) -> int:
         return self.allocator.pages_needed(seq_id, num_tokens)
 
-    def peek_cached_tokens(self, token_ids: Sequence[int], cache_key: bytes) -> int:
-        """Tokens a new sequence would find in the prefix cache (0 without one)."""
+    def peek_cached_tokens(self, token_ids: Sequence[int], cache_key: bytes,
+                           max_hit: int | None = None) -> int:
+        """Tokens a new sequence would find in the prefix cache (0 without one; at most
+        `max_hit`)."""
         if not self.has_prefix_cache:
             return 0
-        return self.allocator.peek_cached_tokens(token_ids, cache_key=cache_key)
+        return self.allocator.peek_cached_tokens(token_ids, cache_key=cache_key,
+                                                 max_hit=max_hit)
 
     def cache_key_of(self, seq_id: str) -> bytes:
         return self.allocator.cache_key_of(seq_id)
@@ -217,13 +220,14 @@ class KVCacheManager:
     # ----------------------------------------------------------------------------- pages
 
     def lookup(self, seq_id: str, token_ids: Sequence[int], cache_key: bytes, *,
-               indexable: bool = True) -> int:
+               indexable: bool = True, max_hit: int | None = None) -> int:
         """Registers a sequence; returns how many of its tokens the prefix cache holds.
 
         indexable: False when the sequence's pages hold a subset of its tokens (retention
-        evicted some): it then neither reads nor feeds the prefix cache."""
+        evicted some): it then neither reads nor feeds the prefix cache.
+        max_hit: attach at most this many leading tokens (None: every cached one)."""
         cached = self.allocator.add_sequence(seq_id, token_ids, cache_key=cache_key,
-                                             indexable=indexable)
+                                             indexable=indexable, max_hit=max_hit)
         self.attach_loaded(seq_id, cached)
         return cached
 

@@ -48,7 +48,8 @@ def hash_page(parent_hash: bytes, page_tokens: Sequence[int]) -> bytes:
 
 
 def page_hash_chain(token_ids: Sequence[int], cache_key: bytes, page_size: int) -> list[bytes]:
-    """Prefix-cache hashes of every full page of `token_ids` (the block manager's chain)."""
+    """The prefix-cache hash of every full page of `token_ids` (the chain a prefix cache
+    indexes them under)."""
     parent, hashes = hash_root(cache_key), []
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         parent = hash_page(parent, token_ids[start:start + page_size])
@@ -117,11 +118,7 @@ class PrefixCache:
 
     def chain_hashes(self, token_ids: Sequence[int], cache_key: bytes) -> list[bytes]:
         """The hash chain of the full pages of `token_ids`, whether indexed or not."""
-        parent, hashes = hash_root(cache_key), []
-        for start in range(0, len(token_ids) - self.page_size + 1, self.page_size):
-            parent = hash_page(parent, token_ids[start : start + self.page_size])
-            hashes.append(parent)
-        return hashes
+        return page_hash_chain(token_ids, cache_key, self.page_size)
 
     def lookup_each(self, token_ids: Sequence[int], cache_key: bytes) -> list[int | None]:
         """For each full page of `token_ids`, the indexed page holding it, or None (a chain
@@ -152,6 +149,10 @@ class PrefixCache:
         """The evictable pages, least recently released first."""
         return [CachedPage(page, self._hits[page], released_at, self._depth[page])
                 for page, released_at in self._evictable.items()]
+
+    def oldest_release(self) -> float | None:
+        """When the least recently released evictable page was released (None: none is)."""
+        return next(iter(self._evictable.values()), None)
 
     def keep(self, pages: Iterable[int]) -> None:
         """From now on the named pages are evicted only after every other evictable page, in
@@ -228,3 +229,42 @@ class PrefixCache:
                       self._depth, self._keep, self._owner, self._owned):
             index.clear()
         return released
+
+
+class HitLedger:
+    """Which tenants have paid for which cached pages, for prefix caches shared across tenants.
+
+    Where several tenants share a prefix-cache salt, a hit on a page another tenant computed
+    tells the reader (by its speed) that the other sent that prefix. With the ledger, a tenant
+    hits a shared page only once it has computed that page's tokens itself: its first request
+    with a prefix runs as a miss, so every tenant sees its own timing only. Pages stay shared
+    (one copy in the pool) and later requests of each tenant hit them. Entries are kept for the
+    `capacity` most recently used (tenant, page hash) pairs; a forgotten pair costs one more
+    recompute, never a leak.
+    """
+
+    def __init__(self, capacity: int = 1 << 16):
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity!r}")
+        self.capacity = capacity
+        self._paid: collections.OrderedDict[tuple[str | None, bytes], None] = (
+            collections.OrderedDict())
+
+    def allowed_pages(self, tenant: str | None, hashes: Sequence[bytes]) -> int:
+        """How many leading pages of a chain (`hashes`) the tenant may hit."""
+        for n, h in enumerate(hashes):
+            if (tenant, h) not in self._paid:
+                return n
+            self._paid.move_to_end((tenant, h))
+        return len(hashes)
+
+    def record(self, tenant: str | None, hashes: Sequence[bytes]) -> None:
+        """The tenant has computed (or was allowed to hit) these pages."""
+        for h in hashes:
+            self._paid[(tenant, h)] = None
+            self._paid.move_to_end((tenant, h))
+        while len(self._paid) > self.capacity:
+            self._paid.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._paid)

@@ -48,7 +48,7 @@ class SlotAllocator:
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
                      cache_key: bytes = b"", indexable: bool = True,
-                     record_stats: bool = True) -> int:
+                     record_stats: bool = True, max_hit: int | None = None) -> int:
         if seq_id in self._slot_of:
             raise ValueError(f"sequence {seq_id!r} is already registered")
         self._slot_of[seq_id] = -1  # A slot is taken on the first write.

@@ -69,7 +69,8 @@ def _next_logprobs(config: ModelConfig, chunk: int, params, h: jax.Array, target
     """[S] float32: log p(targets[i] | tokens[:i + 1]) from final hidden states h [S, H];
     the vocabulary projection runs a chunk at a time so [S, V] never exists. With
     `num_top`, also the most likely next tokens at each position: logprobs [S, num_top] and
-    ids [S, num_top] (int32), most likely first."""
+    ids [S, num_top] (int32), most likely first, and each target's rank [S] (int32, 1: the
+    most likely; one more than the tokens more likely than it)."""
     def rows(args):
         h_chunk, t_chunk = args  # [T, H], [T]
         logits = llama.lm_head(params, config, llama.final_norm(params, config, h_chunk))
@@ -78,7 +79,8 @@ def _next_logprobs(config: ModelConfig, chunk: int, params, h: jax.Array, target
         if not num_top:
             return target
         top_logp, top_ids = jax.lax.top_k(logp, num_top)  # [T, num_top] each
-        return target, top_logp, top_ids.astype(jnp.int32)
+        rank = 1 + jnp.sum(logp > target[:, None], axis=-1, dtype=jnp.int32)  # [T]
+        return target, top_logp, top_ids.astype(jnp.int32), rank
 
     s, hidden = h.shape
     out = jax.lax.map(rows, (h.reshape(s // chunk, chunk, hidden), targets.reshape(-1, chunk)))
@@ -144,22 +146,23 @@ class PrefillOnlyScorer:
         return logp[len(prompt) - 1:len(tokens) - 1].tolist()
 
     def prompt_logprobs(self, request_id: str, prompt: list[int], k: int
-                        ) -> list[tuple[float, dict[int, float]] | None]:
+                        ) -> list[tuple[float, dict[int, float], int] | None]:
         """Per prompt token: None for the first, then (log p(token | tokens before it), the
-        k most likely tokens there {id: logprob}), k <= MAX_TOP_LOGPROBS. One program serves
-        every k (the top MAX_TOP_LOGPROBS are computed and cut)."""
+        k most likely tokens there {id: logprob}, the token's rank there (1: the most
+        likely)), k <= MAX_TOP_LOGPROBS. One program serves every k (the top
+        MAX_TOP_LOGPROBS are computed and cut)."""
         if not 0 <= k <= MAX_TOP_LOGPROBS:
             raise ValueError(f"request {request_id!r}: k must be in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {k!r}")
         h = self.hidden(request_id, prompt)
         targets = np.zeros(h.shape[0], np.int32)
         targets[:len(prompt) - 1] = prompt[1:]
-        logp, top_logp, top_ids = (np.asarray(x) for x in _next_logprobs(
+        logp, top_logp, top_ids, rank = (np.asarray(x) for x in _next_logprobs(
             self.model.config, self.chunk, self.model.params, h, jnp.asarray(targets),
             num_top=MAX_TOP_LOGPROBS))
         return [None] + [
             (float(logp[i]), {int(t): float(v) for t, v in zip(top_ids[i, :k], top_logp[i, :k],
-                                                                strict=True)})
+                                                                strict=True)}, int(rank[i]))
             for i in range(len(prompt) - 1)]
 
     def top_next(self, request_id: str, prompt: list[int], k: int) -> list[tuple[int, float]]:

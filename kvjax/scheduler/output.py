@@ -53,6 +53,8 @@ class ScheduledRow:
       token_mask: [ceil(V / 32)] int32, the tokens a row with a grammar may sample
         (`kvjax.grammar`), built from the sequence's matcher after its last committed token;
         None: unconstrained.
+      draft_masks: a constrained verify row's [num_drafts, ceil(V / 32)] int32: the mask after
+        each draft token (`GrammarMatcher.masks`); None otherwise.
     """
 
     seq_id: str
@@ -78,6 +80,7 @@ class ScheduledRow:
     num_prompt_tokens: int = 0
     stop_ids: tuple[int, ...] = ()
     token_mask: np.ndarray | None = None
+    draft_masks: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

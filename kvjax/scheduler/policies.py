@@ -81,21 +81,30 @@ class LongestPrefixMatch:
 class FairShare:
     """Per-tenant fair share: the tenant with the fewest tokens served so far goes first.
 
-    A virtual token counter per tenant grows with every token computed for it; a tenant that
-    arrives late starts at the current minimum, so it cannot claim credit for idle time. A
+    A virtual token counter per tenant grows with every token computed for it. A tenant seen
+    for the first time starts `new_tenant_credit` tokens below the current minimum: its first
+    prompt (up to that many tokens) is prefilled without taking turns, chunk by chunk, with a
+    backlogged tenant, while the credit is too small to claim the time it was absent. A
     tenant's waiting request goes before another tenant's unfinished prefill when it has been
     served less, so a flood of long prompts cannot hold the prefill slots.
+    Trade-off: every new tenant name is worth the credit once, so where clients may name
+    tenants freely (`--allow_client_tenant`) a client can buy priority by inventing names.
+
+    Attributes:
+      new_tenant_credit: tokens of head start a tenant gets when first seen.
     """
 
     name = "fair"
     ranks_prefills_together = True
+    new_tenant_credit = 512.0
 
     def __init__(self):
         self.served: dict[str | None, float] = collections.defaultdict(float)
 
     def priority_key(self, seq: Sequence) -> tuple:
         if seq.tenant not in self.served:
-            self.served[seq.tenant] = min(self.served.values(), default=0.0)
+            floor = min(self.served.values(), default=0.0)
+            self.served[seq.tenant] = floor - self.new_tenant_credit
         return (self.served[seq.tenant], seq.arrival_time, seq.order)
 
     def on_tokens(self, seq: Sequence, num_tokens: int) -> None:

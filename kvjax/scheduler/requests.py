@@ -83,12 +83,14 @@ class RequestRegistry:
     # ----------------------------------------------------------------------------- records
 
     def add_request(self, request_id: str, prompt: list[int], seqs: list[Sequence], *,
-                    arrival: float, tenant: str | None, n: int, internal: bool = False) -> None:
+                    arrival: float, tenant: str | None, n: int, internal: bool = False,
+                    cache_salt: str | None = None) -> None:
         """Registers a request and queues its sequences as waiting (`internal`: a chunk fill,
-        which emits no output)."""
+        which emits no output; `cache_salt`: the shared prefix-cache salt it names)."""
         self._requests[request_id] = []
         self._request_meta[request_id] = dict(prompt=prompt, arrival=arrival, tenant=tenant,
-                                              n=n, samples={}, internal=internal)
+                                              n=n, samples={}, internal=internal,
+                                              cache_salt=cache_salt)
         for seq in seqs:
             self._register(seq)
         self.tracer.emit("arrive", "request", f"request/{request_id}", tenant=str(tenant),

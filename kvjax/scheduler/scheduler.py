@@ -17,6 +17,7 @@ import numpy as np
 
 from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.ops import KVOp
+from kvjax.memory.prefix_cache import HitLedger, page_hash_chain
 from kvjax.sampling_params import SamplingParams
 from kvjax.scheduler.chunks import ChunkReuse
 from kvjax.scheduler.context import ReuseStrategy
@@ -63,6 +64,8 @@ class SchedulerConfig:
       demote_ratios: {bits: a page's bytes over its copy's at bits} for each precision a
         swapped copy may be demoted to (float pages, the plain swap space); empty: none.
       max_tenant_page_share: as in EngineConfig.
+      hide_shared_hits: as EngineConfig.hide_shared_prefix_hits (a `HitLedger` caps what a
+        tenant hits under a shared cache salt).
     """
 
     max_num_seqs: int
@@ -84,6 +87,7 @@ class SchedulerConfig:
     adaptive_drafts: bool = False
     demote_ratios: Mapping[int, float] = dataclasses.field(default_factory=dict)
     max_tenant_page_share: float | None = None
+    hide_shared_hits: bool = False
 
 
 # A controller's estimate of the swap rate when the engine measured none.
@@ -120,6 +124,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self.kv_cache = kv_cache
         self.policy = policy
         self._cache_key = cache_key
+        self._ledger = HitLedger() if config.hide_shared_hits else None
         self.clock = clock
         self.stats = stats
         self.tokenizer = tokenizer
@@ -146,17 +151,42 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         chunks in holds KV that depends on the strategy and the spans, which its key names."""
         if seq.is_chunk_fill:
             return self._chunk_key(seq)
-        key = self._cache_key(seq.tenant, seq.weights_version)
+        salt = self._cache_salt(seq)
+        if salt is None:
+            key = self._cache_key(seq.tenant, seq.weights_version)
+        else:  # shared by every tenant naming the salt
+            key = self._cache_key(None, seq.weights_version) + b"|salt=" + salt.encode()
         strategy = self.strategy(seq.context_reuse)
         if seq.chunk_spans and strategy.reuses:
             spans = ",".join(f"{a}-{b}" for a, b in seq.chunk_spans)
             key += f"|reuse={strategy.fingerprint}|spans={spans}".encode()
         return key
 
+    def _cache_salt(self, seq: Sequence) -> str | None:
+        meta = self._request_meta.get(seq.request_id)
+        return None if meta is None else meta.get("cache_salt")
+
+    def _hit_cap(self, seq: Sequence, key: bytes) -> int | None:
+        """At most how many leading tokens the sequence may hit (None: any): under a shared
+        salt with `hide_shared_hits`, the pages its tenant has paid for (`HitLedger`)."""
+        if self._ledger is None or self._cache_salt(seq) is None:
+            return None
+        hashes = page_hash_chain(seq.tokens[:-1], key, self.config.page_size)
+        return self._ledger.allowed_pages(seq.tenant, hashes) * self.config.page_size
+
+    def _pay_for_pages(self, seq: Sequence) -> None:
+        """Records the full prompt pages a sequence computed as paid for by its tenant."""
+        if self._ledger is None or seq.is_chunk_fill or self._cache_salt(seq) is None:
+            return
+        done = seq.tokens[:min(seq.num_computed, seq.num_prompt_tokens)]
+        self._ledger.record(seq.tenant,
+                            page_hash_chain(done, self.cache_key(seq), self.config.page_size))
+
     def _peek_cached_tokens(self, seq: Sequence) -> int:
         if seq.status is not SeqStatus.WAITING:
             return 0
-        return self.kv_cache.peek_cached_tokens(seq.tokens, self.cache_key(seq))
+        key = self.cache_key(seq)
+        return self.kv_cache.peek_cached_tokens(seq.tokens, key, self._hit_cap(seq, key))
 
     def _ranked(self, seqs: list[Sequence], first: tuple[str, ...] = ()) -> list[Sequence]:
         """The policy's order; sequences named in `first` (a controller's order) before it."""
@@ -377,11 +407,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
 
     def _max_drafts(self, seq: Sequence) -> int:
         """Draft tokens the sequence may verify next: gamma, less near its length limits (the
-        verify step emits one token beyond its drafts). None under a grammar: the mask of draft
-        j depends on drafts[:j] and a step ships one mask per row, so a constrained sequence
-        decodes one token at a time."""
-        if seq.grammar is not None:
-            return 0
+        verify step emits one token beyond its drafts). Under a grammar, the row ships a mask
+        per draft (`GrammarMatcher.masks`)."""
         left = min(seq.sampling.max_new_tokens - len(seq.output_ids),
                    self.config.max_model_len - seq.num_tokens)
         gamma = self.config.num_draft_tokens
@@ -459,6 +486,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                                    + seq.draft_tokens[:num_drafts], np.int32)
             feed_index = -1
         samples = n - num_drafts == seq.num_pending
+        masks = (seq.grammar.masks(seq.draft_tokens[:num_drafts])
+                 if samples and seq.grammar is not None else None)
         row = ScheduledRow(
             seq_id=seq.seq_id, token_ids=token_ids, start=start, num_evicted=evicted,
             block_table=table, group_tables=group_tables,
@@ -473,7 +502,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             num_prompt_tokens=seq.num_prompt_tokens,
             stop_ids=seq.sampling.stop_ids(self.config.eos_token_ids)
             if seq.sampling.min_tokens else (),
-            token_mask=seq.grammar.mask() if samples and seq.grammar is not None else None)
+            token_mask=None if masks is None else masks[0],
+            draft_masks=masks[1:] if masks is not None and num_drafts else None)
         seq.draft_tokens = []  # Checked by this row (verified or not, they are spent).
         seq.num_computed += n
         if num_drafts:
@@ -504,7 +534,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         """
         if self._tiers is not None and self.kv_cache.has_sequence(seq.seq_id):
             return not self._tiers.is_loading(seq.seq_id)
-        cached = self.kv_cache.lookup(seq.seq_id, seq.tokens, self.cache_key(seq))
+        key = self.cache_key(seq)
+        cached = self.kv_cache.lookup(seq.seq_id, seq.tokens, key,
+                                      max_hit=self._hit_cap(seq, key))
         seq.num_computed = cached
         if self.kv_cache.has_prefix_cache:
             self.tracer.emit("prefix_hit" if cached else "prefix_miss", "page",
@@ -772,6 +804,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         n = row.num_tokens if num_new is None else num_new
         tokens = seq.tokens if tokens is None else tokens
         self.kv_cache.commit(seq.seq_id, tokens[:min(seq.num_computed, len(tokens))])
+        if row.start < seq.num_prompt_tokens:  # a prefill chunk
+            self._pay_for_pages(seq)
         self.policy.on_tokens(seq, n)
         self.kv_cache.retain(seq.seq_id, row.start, n, key_scores, is_prefill_done=row.samples,
                              version=seq.weights_version)

@@ -45,10 +45,14 @@ class TierAdmission:
                     seq.num_cached_prompt_tokens = min(seq.num_computed, seq.num_prompt_tokens)
 
     def _tier_hit(self, seq: Sequence, cache_key: bytes, first_page: int) -> list[bytes]:
-        """Hashes of the pages after `first_page` that the tiers hold, in chain order."""
+        """Hashes of the pages after `first_page` that the tiers hold, in chain order (within
+        what the sequence may hit, `_hit_cap`)."""
         hashes = page_hash_chain(seq.tokens[:len(seq.tokens) - 1], cache_key,
                                  self.config.page_size)[first_page:]
-        return hashes[:self._tiers.lookup(hashes)]
+        hashes = hashes[:self._tiers.lookup(hashes)]
+        cap = self._hit_cap(seq, cache_key)
+        return hashes if cap is None else hashes[:max(0, cap // self.config.page_size
+                                                      - first_page)]
 
     def _load_from_tiers(self, seq: Sequence, *, is_due: bool) -> bool:
         """Issues loads of the pages continuing an admitted sequence's device prefix hit.

@@ -67,6 +67,10 @@ class EngineRequest:
       model: the model it runs on, for an engine of several models
         (`kvjax.engine.multi.MultiModelEngine`); None for a one-model engine.
       slo: its SLO for the engine's KV controller; None: the engine's default.
+      cache_salt: the shared prefix-cache salt it names (vLLM's field), or None.
+      logprobs_temperature: when set, every logprob reported for it (each token's and the top
+        ones) is of the distribution after dividing the logits by this (its sampling
+        temperature; penalties, biases and filters are not applied); None: the model's own.
     """
 
     request_id: str
@@ -78,6 +82,13 @@ class EngineRequest:
     arrival_time: float | None = None
     model: str | None = None
     slo: SLO | None = None
+    logprobs_temperature: float | None = None
+    cache_salt: str | None = None
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether its logprobs are computed here from the step's logits."""
+        return bool(self.num_top_logprobs) or self.logprobs_temperature is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +176,10 @@ class _Tracked:
     request: EngineRequest
     stream: RequestStream
     top: list[list[dict[int, float]]]
+    # With logprobs_temperature: per sample, each token's logprob, and the last step's
+    # logprob row per sample whose token is not read yet.
+    token_logprobs: list[list[float]] = dataclasses.field(default_factory=list)
+    pending: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     num_tokens: int = 0  # generated so far, all samples
     is_started: bool = False
     is_aborted: bool = False
@@ -295,7 +310,7 @@ class AsyncEngine:
                      loop: asyncio.AbstractEventLoop, *, model: str | None = None
                      ) -> asyncio.Future:
         """A future of `PrefillOnlyScorer.prompt_logprobs(prompt_ids, num_top)`, computed on
-        the engine thread: per token None (the first) or (logprob, top {id: logprob})."""
+        the engine thread: per token None (the first) or (logprob, top {id: logprob}, rank)."""
         if not self.is_admitting:
             raise NotAdmitting("the server is not admitting requests")
         future = loop.create_future()
@@ -386,6 +401,8 @@ class AsyncEngine:
         with self._lock:
             self._num_in_commands -= 1
         routed = {} if request.model is None else dict(model=request.model)
+        if request.cache_salt is not None:
+            routed["cache_salt"] = request.cache_salt
         try:
             self.engine.add_request(request.request_id, request.prompt_ids, request.sampling,
                                     tenant=request.tenant, priority=request.priority,
@@ -402,7 +419,8 @@ class AsyncEngine:
                 f"request {request.request_id!r}: internal error while adding it"))
             return
         self._tracked[request.request_id] = _Tracked(
-            request, stream, top=[[] for _ in range(request.sampling.n)])
+            request, stream, top=[[] for _ in range(request.sampling.n)],
+            token_logprobs=[[] for _ in range(request.sampling.n)])
         stream._post_accepted(None)
 
     def _score(self, request_id: str, prompt_ids: list[int], num_top: int, model: str | None,
@@ -436,12 +454,12 @@ class AsyncEngine:
         self._needs_step = True  # The output comes out of the next step.
 
     def _step(self) -> None:
-        wants_top = any(t.request.num_top_logprobs for t in self._tracked.values())
-        finished = self.engine.step(logits_mode=LogitsMode.LAST if wants_top else
+        wants_logits = any(t.request.reads_logits for t in self._tracked.values())
+        finished = self.engine.step(logits_mode=LogitsMode.LAST if wants_logits else
                                     LogitsMode.NONE)
         self._needs_step = False
-        if wants_top:
-            self._take_top_logprobs()
+        if wants_logits:
+            self._take_logprobs()
         # Counters first, then the outputs: a client that has its answer sees them counted.
         self._metrics = self.engine.metrics()
         for out in finished:
@@ -470,26 +488,45 @@ class AsyncEngine:
 
     @staticmethod
     def _update(tracked: _Tracked, out: RequestOutput) -> Update:
-        if not tracked.request.num_top_logprobs:
+        request = tracked.request
+        if request.logprobs_temperature is not None:  # each new token's logprob, from its row
+            for sample in out.outputs:
+                mine = tracked.token_logprobs[sample.index]
+                row = tracked.pending.pop(sample.index, None)
+                if row is not None and len(sample.token_ids) == len(mine) + 1:
+                    mine.append(float(row[sample.token_ids[-1]]))
+            out = dataclasses.replace(out, outputs=[
+                dataclasses.replace(sample, logprobs=list(
+                    tracked.token_logprobs[sample.index][:len(sample.token_ids)]))
+                for sample in out.outputs])
+        if not request.num_top_logprobs:
             return Update(out)
         return Update(out, tuple(list(sample) for sample in tracked.top))
 
-    def _take_top_logprobs(self) -> None:
-        """The top k of each sampled row's logits, for the requests that asked."""
+    def _take_logprobs(self) -> None:
+        """From each sampled row's logits, for the requests that asked: the top k, and with
+        `logprobs_temperature` the row (after temperature) its new token is read from."""
         rows = []
         for seq_id, row in self.engine.last_sampled_rows:
             request_id, _, sample = seq_id.rpartition("#")
             tracked = self._tracked.get(request_id)
-            if tracked is not None and tracked.request.num_top_logprobs and sample.isdigit():
+            if tracked is not None and tracked.request.reads_logits and sample.isdigit():
                 rows.append((tracked, int(sample), row))
         if not rows:
             return
         logits = np.asarray(self.engine.last_logits, np.float32)  # [R, V]
         picked = logits[[row for _, _, row in rows]]  # [r, V]
+        scale = np.asarray([t.request.logprobs_temperature or 1.0 for t, _, _ in rows],
+                           np.float32)
+        picked = picked / scale[:, None]
         shifted = picked - picked.max(axis=-1, keepdims=True)
         logprobs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # [r, V]
         for (tracked, sample, _), row_logprobs in zip(rows, logprobs, strict=True):
+            if tracked.request.logprobs_temperature is not None:
+                tracked.pending[sample] = row_logprobs
             k = tracked.request.num_top_logprobs
+            if not k:
+                continue
             top = np.argpartition(-row_logprobs, k - 1)[:k]
             top = top[np.argsort(-row_logprobs[top], kind="stable")]
             tracked.top[sample].append({int(t): float(row_logprobs[t]) for t in top})

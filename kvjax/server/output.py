@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 
 from kvjax.engine.request import CompletionOutput, FinishReason
 
@@ -177,6 +178,25 @@ def echo_delta(tokenizer, index: int, prompt_ids: list[int], text: str | None,
         logprobs=[None if s is None else s[0] for s in scored] if scored else [],
         top_logprobs=[None if s is None else s[1] for s in scored] if scored else None,
         text_offsets=offsets)
+
+
+def prompt_logprobs_entries(prompt_ids: Sequence[int],
+                            scored: list[tuple[float, dict[int, float], int] | None],
+                            spell: Callable[[int], str]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} over the top tokens there and the prompt's own token (`scored` from
+    `PrefillOnlyScorer.prompt_logprobs`; `spell` gives a token's text)."""
+    entries: list[dict | None] = []
+    for token, score in zip(prompt_ids, scored, strict=True):
+        if score is None:
+            entries.append(None)
+            continue
+        logprob, top, rank = score
+        entry = {str(t): dict(logprob=v, rank=i + 1, decoded_token=spell(t))
+                 for i, (t, v) in enumerate(top.items())}
+        entry[str(token)] = dict(logprob=logprob, rank=rank, decoded_token=spell(token))
+        entries.append(entry)
+    return entries
 
 
 @functools.lru_cache(maxsize=8)

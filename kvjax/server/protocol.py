@@ -117,6 +117,9 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's
     min_tokens: int = Field(0, ge=0)  # vLLM's: EOS and stop tokens masked until then
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: per prompt
+    # token its logprob and rank, with the top-N there
+    cache_salt: str | None = None  # vLLM's: pages shared by the requests naming this salt
     return_tokens_as_token_ids: bool = False  # logprob tokens spelled "token_id:<id>"
     skip_special_tokens: bool = True  # leave special tokens out of the output text
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
@@ -127,7 +130,7 @@ class _SamplingFields(_Strict):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
 
-    @pydantic.field_validator("user")
+    @pydantic.field_validator("user", "cache_salt")
     @classmethod
     def _user_is_a_name(cls, value):
         problem = None if value is None else name_problem(value)

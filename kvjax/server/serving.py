@@ -15,7 +15,7 @@ import dataclasses
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -35,7 +35,13 @@ from kvjax.server.async_engine import (
     RequestStream,
 )
 from kvjax.server.metrics import ServerMetrics
-from kvjax.server.output import SampleDecoder, SampleDelta, echo_delta, token_strings
+from kvjax.server.output import (
+    SampleDecoder,
+    SampleDelta,
+    echo_delta,
+    prompt_logprobs_entries,
+    token_strings,
+)
 from kvjax.server.structured import (
     GRAMMAR_ERRORS,
     ToolCallStream,
@@ -73,6 +79,9 @@ class ServerConfig:
       allow_client_tenant: whether a client may name its tenant (X-Tenant header, else the
         body's `user`); None: only without api_keys. With a key, a named tenant is nested in
         the key's ("key-tenant/named"), so no client reaches another key's prefix cache.
+      logprobs_after_temperature: report the logprobs (each token's and the top ones) of a
+        sampled request (temperature > 0) after its temperature, the distribution it was
+        drawn from before penalties and filters; False: the model's own (what trainers read).
     """
 
     model_name: str
@@ -82,6 +91,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     api_keys: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     allow_client_tenant: bool | None = None
+    logprobs_after_temperature: bool = False
 
     def __post_init__(self):
         for key, tenant in self.api_keys.items():
@@ -173,6 +183,7 @@ class _Generation:
         self.decoders = decoders
         self.choice_offset = choice_offset
         self.echo = echo
+        self.prompt_logprobs: list[dict | None] | None = None  # vLLM's, when asked for
         self.last: RequestOutput | None = None
         self.is_finished = stream is None
 
@@ -494,15 +505,31 @@ class OpenAIServing:
         api_id = self._request_id(raw) or protocol.new_id("chatcmpl" if chat else "cmpl")
         arrival = self.engine.clock()
         requests = []
+        temperature = 1.0 if body.temperature is None else body.temperature
+        after_temperature = (self.config.logprobs_after_temperature and body.wants_logprobs
+                             and temperature > 0)
         for i, ids in enumerate(prompts):
             max_new = self._check_prompt(ids, max_tokens, prompt_field)
             requests.append(EngineRequest(
                 request_id=f"{api_id}-{i}", prompt_ids=ids,
                 sampling=self._sampling(body, max_new, grammar) if max_new else None,
                 tenant=tenant, priority=priority, num_top_logprobs=body.num_top_logprobs,
-                arrival_time=arrival, model=self.route, slo=slo))
+                arrival_time=arrival, model=self.route, slo=slo,
+                logprobs_temperature=temperature if after_temperature else None,
+                cache_salt=body.cache_salt))
+        if body.prompt_logprobs is not None and body.stream:
+            raise ApiError(400, "prompt_logprobs: not available with stream=true",
+                           param="prompt_logprobs")
         echoes = None if echo_texts is None else await self._echoes(requests, echo_texts, body)
+        prompt_lps = None
+        if body.prompt_logprobs is not None:
+            spell = self._spelling(body)
+            prompt_lps = [prompt_logprobs_entries(
+                r.prompt_ids, await self._score(r, body.prompt_logprobs), spell)
+                for r in requests]
         generations = await self._submit(requests, body, echoes, field)
+        for i, generation in enumerate(generations if prompt_lps else ()):
+            generation.prompt_logprobs = prompt_lps[i]
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
@@ -516,22 +543,26 @@ class OpenAIServing:
         asked for."""
         echoes = []
         for request, text in zip(requests, texts, strict=True):
-            scored = None
-            if body.wants_logprobs:
-                try:
-                    scored = await self.engine.score_prompt(
-                        request.request_id, request.prompt_ids, body.num_top_logprobs,
-                        asyncio.get_running_loop(), model=self.route)
-                except NotAdmitting as e:
-                    raise ApiError(503, str(e), type="server_error",
-                                   code="service_unavailable") from None
-                except ValueError as e:
-                    raise ApiError(400, f"prompt: {e}", param="prompt") from None
-                except RequestFailed as e:
-                    raise ApiError(500, str(e), type="server_error") from None
+            scored = (await self._score(request, body.num_top_logprobs)
+                      if body.wants_logprobs else None)
             echoes.append(await asyncio.to_thread(
                 echo_delta, self.tokenizer, 0, request.prompt_ids, text, scored))
         return echoes
+
+    async def _score(self, request: EngineRequest, num_top: int
+                     ) -> list[tuple[float, dict[int, float], int] | None]:
+        """The request's prompt scored on the engine thread (`AsyncEngine.score_prompt`)."""
+        try:
+            return await self.engine.score_prompt(
+                request.request_id, request.prompt_ids, num_top, asyncio.get_running_loop(),
+                model=self.route)
+        except NotAdmitting as e:
+            raise ApiError(503, str(e), type="server_error",
+                           code="service_unavailable") from None
+        except ValueError as e:
+            raise ApiError(400, f"prompt: {e}", param="prompt") from None
+        except RequestFailed as e:
+            raise ApiError(500, str(e), type="server_error") from None
 
     async def _submit(self, requests: list[EngineRequest], body,
                       echoes: list[SampleDelta] | None = None,
@@ -579,12 +610,16 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------------------- responses
 
+    def _spelling(self, body) -> Callable[[int], str]:
+        """How logprob objects spell a token: its text, or "token_id:<id>" when asked."""
+        return (lambda t: f"token_id:{t}") if body.return_tokens_as_token_ids else \
+            self._token_text
+
     def _logprobs(self, body, chat: bool, deltas: Sequence[SampleDelta]) -> dict | None:
         """The logprobs object of one choice over `deltas` (one sample's, in order)."""
         if not body.wants_logprobs:
             return None
-        spell = (lambda t: f"token_id:{t}") if body.return_tokens_as_token_ids else \
-            self._token_text
+        spell = self._spelling(body)
         ids = [t for d in deltas for t in d.token_ids]
         lps = [lp for d in deltas for lp in d.logprobs]
         tops = [t for d in deltas for t in (d.top_logprobs or [{}] * len(d.token_ids))]
@@ -641,11 +676,16 @@ class OpenAIServing:
                 choice["message"] = dict(role="assistant", content=text)
             else:
                 choice["text"] = text
+                if body.prompt_logprobs is not None:  # vLLM's place: each choice
+                    choice["prompt_logprobs"] = generations[index // body.n].prompt_logprobs
             choices.append(choice)
+        extra = {}
+        if chat and body.prompt_logprobs is not None:  # vLLM's place: the response
+            extra["prompt_logprobs"] = generations[0].prompt_logprobs
         return JSONResponse(dict(
             id=api_id, object="chat.completion" if chat else "text_completion",
             created=protocol.now(), model=self.config.model_name, choices=choices,
-            usage=self._usage(generations)))
+            usage=self._usage(generations), **extra))
 
     async def _sse(self, api_id: str, generations: list[_Generation], chat: bool, body,
                    include_usage: bool, tools: ToolPlan | None) -> AsyncIterator[str]:

@@ -123,6 +123,39 @@ def test_greedy_composes(model, prompts, references, overrides):
     assert engine.metrics()["prefix_hit_tokens"] > 0
     if engine.config.spec.enabled:
         assert engine.stats["spec_proposed"] > 0, "the unconstrained row drafted nothing"
+        # Constrained rows alone: they draft too, each draft checked against the grammar's
+        # mask after the drafts before it; sampled outputs still follow the grammar.
+        accepted = engine.stats["spec_accepted"]
+        outs = engine.generate(prompts, [SamplingParams(max_new_tokens=MAX_NEW, grammar=g)
+                                         for g in GRAMMARS])
+        assert [o.outputs[0].token_ids for o in outs] == references
+        assert engine.stats["spec_accepted"] > accepted, "no constrained draft was accepted"
+        outs = engine.generate(prompts, [SamplingParams(max_new_tokens=MAX_NEW, grammar=g,
+                                                        temperature=1.0, seed=7)
+                                         for g in GRAMMARS])
+        for out, grammar in zip(outs, GRAMMARS, strict=True):
+            check_matches(grammar, model.tokenizer.decode(out.outputs[0].token_ids))
+
+
+def test_masks_after_drafts_equal_the_matcher_stepped_token_by_token(engine, prompts,
+                                                                     references):
+    """`GrammarMatcher.masks(drafts)`: row j is the mask after drafts[:j] (a fork stepped
+    one token at a time), rows past a forbidden draft are empty, and the matcher is where
+    it was."""
+    matcher = engine.grammar_matcher("m", GRAMMARS[0])
+    drafts = references[0][:4]
+    before = matcher.mask()
+    masks = matcher.masks(drafts)
+    step = matcher.fork()
+    for j in range(len(drafts) + 1):
+        np.testing.assert_array_equal(masks[j], step.mask())
+        if j < len(drafts):
+            step.accept(drafts[j])
+    np.testing.assert_array_equal(matcher.mask(), before)
+    forbidden = next(t for t in range(128) if not (before[t // 32] >> (t % 32)) & 1)
+    masks = matcher.masks([forbidden, drafts[0]])
+    np.testing.assert_array_equal(masks[0], before)
+    assert not masks[1:].any()
 
 
 def test_swapped_out_mid_output_and_back(model, prompts, references):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax.memory import prefix_cache
-from kvjax.memory.prefix_cache import PrefixCache, hash_page, hash_root
+from kvjax.memory.prefix_cache import HitLedger, PrefixCache, hash_page, hash_root
 
 
 def _insert_chain(cache: PrefixCache, token_ids, cache_key: bytes, pages) -> list[bool]:
@@ -83,10 +83,13 @@ def test_evicts_least_recently_released_and_only_unreferenced_pages():
     cache = PrefixCache(1)
     _insert_chain(cache, [1, 2, 3, 4], b"", [10, 11, 12, 13])
     assert cache.evict_one() is None  # every page is still referenced
-    for page in (12, 11, 10):
-        cache.mark_evictable(page)
+    assert cache.oldest_release() is None
+    for now, page in enumerate((12, 11, 10)):
+        cache.mark_evictable(page, now=float(now))
+    assert cache.oldest_release() == 0.0  # page 12's
     cache.mark_in_use(12)  # a hit: 12 is referenced again
-    cache.mark_evictable(12)  # released again: now the most recent
+    assert cache.oldest_release() == 1.0  # page 11's
+    cache.mark_evictable(12, now=3.0)  # released again: now the most recent
     assert cache.num_evictable() == 3
     assert [cache.evict_one() for _ in range(4)] == [11, 10, 12, None]
     assert cache.is_indexed(13) and not cache.is_indexed(10)
@@ -179,3 +182,18 @@ def test_invalid_arguments_raise_value_error():
     cache.mark_evictable(3)
     with pytest.raises(ValueError, match="already evictable"):
         cache.mark_evictable(3)
+
+
+def test_hit_ledger_allows_the_leading_pages_a_tenant_paid_for_and_forgets_the_oldest():
+    ledger = HitLedger(capacity=3)
+    chain = [b"p0", b"p1", b"p2"]
+    assert ledger.allowed_pages("a", chain) == 0
+    ledger.record("a", chain[:2])
+    assert ledger.allowed_pages("a", chain) == 2 and ledger.allowed_pages("b", chain) == 0
+    assert ledger.allowed_pages("a", [b"p1"]) == 1  # pages count, not positions
+    ledger.record("b", [b"p0"])
+    ledger.record("b", [b"p1"])  # over capacity: a's least recently used pair goes
+    assert len(ledger) == 3 and ledger.allowed_pages("b", chain) == 2
+    assert ledger.allowed_pages("a", chain) == 0  # its chain stops at the forgotten page
+    with pytest.raises(ValueError):
+        HitLedger(capacity=0)

@@ -19,7 +19,7 @@ from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.ops import HostKV, KVOpKind
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.output import RunnerOutput
-from kvjax.scheduler.policies import make_policy
+from kvjax.scheduler.policies import FairShare, make_policy
 from kvjax.scheduler.preemption import PreemptionMode
 from kvjax.scheduler.request import FinishReason, SeqStatus, Sequence, WeightUpdatePolicy
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -290,8 +290,25 @@ def test_fair_share_lets_a_waiting_tenant_go_before_another_tenants_long_prefill
         while "chat#0" not in {r.seq_id for r in fake_step(scheduler)[0].prefill}:
             steps += 1
         order[policy] = steps
-    # (b starts level with a's count, so a's next chunk wins the tie; then b is served less)
-    assert order == {"fcfs": 6, "fair": 2}, order
+    assert order == {"fcfs": 6, "fair": 1}, order
+
+
+@pytest.mark.parametrize("credit, chat_steps", [(0.0, [2, 4, 6]), (12.0, [1, 2, 3])])
+def test_a_new_tenants_first_prompt_runs_its_credit_without_taking_turns(
+        monkeypatch, credit, chat_steps):
+    """A new tenant's first prompt is prefilled chunk after chunk, ahead of a backlogged
+    tenant, for `new_tenant_credit` tokens; without credit the two take turns."""
+    monkeypatch.setattr(FairShare, "new_tenant_credit", credit)
+    scheduler, _ = make_scheduler(policy="fair", max_prefill_seqs=1, max_prefill_chunk=4,
+                                  max_num_batched_tokens=8)
+    add(scheduler, "flood", list(range(1, 41)), tenant="a")  # 10 chunks of 4
+    fake_step(scheduler)
+    add(scheduler, "chat", list(range(50, 62)), tenant="b")  # 3 chunks of 4
+    steps = []
+    for step in range(1, 10):
+        if "chat#0" in {r.seq_id for r in fake_step(scheduler)[0].prefill}:
+            steps.append(step)
+    assert steps == chat_steps
 
 
 def test_a_tenant_over_its_page_share_waits_while_another_tenant_waits():

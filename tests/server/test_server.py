@@ -407,6 +407,65 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(model, server,
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+def test_prompt_logprobs_score_each_prompt_token_as_vllm_returns_them(model, server, client,
+                                                                      http):
+    """vLLM's `prompt_logprobs=k`: per prompt token (the first None) the token's logprob and
+    rank and the top k there, equal to the dense forward pass; on each completions choice
+    (n > 1 included), at the top of a chat response; refused with stream=true."""
+    prompt = [5, 9, 20, 33, 40]
+    rows = dense_logprobs(model, prompt)  # row i predicts token i + 1
+    done = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, n=2,
+                                     temperature=0, extra_body=dict(prompt_logprobs=2))
+    for choice in done.choices:
+        entries = choice.model_extra["prompt_logprobs"]
+        assert len(entries) == len(prompt) and entries[0] is None
+        for i, entry in enumerate(entries[1:]):
+            row, token = rows[i], prompt[i + 1]
+            order = np.argsort(-row)
+            want = {int(t) for t in order[:2]} | {token}
+            assert {int(t) for t in entry} == want
+            assert entry[str(token)]["rank"] == 1 + int(np.sum(row > row[token]))
+            for t, e in entry.items():
+                np.testing.assert_allclose(e["logprob"], row[int(t)], atol=2e-4)
+                assert e["decoded_token"] == model.tokenizer.decode(
+                    [int(t)], skip_special_tokens=False)
+            assert [entry[str(int(t))]["rank"] for t in order[:2]] == [1, 2]
+    chat = http.post("/v1/chat/completions", json=dict(
+        model=MODEL_NAME, messages=[dict(role="user", content="Hi")], max_tokens=1,
+        temperature=0, prompt_logprobs=0)).json()
+    lps = chat["prompt_logprobs"]
+    assert lps[0] is None and all(len(e) == 1 for e in lps[1:])  # k = 0: the token alone
+    assert len(lps) == chat["usage"]["prompt_tokens"]
+    r = http.post("/v1/completions", json=dict(prompt=prompt, max_tokens=1, stream=True,
+                                               prompt_logprobs=1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_logprobs_after_temperature_are_of_the_distribution_sampled_from(model):
+    """With `logprobs_after_temperature`, a sampled request's token and top logprobs are
+    log-softmax(logits / T) of the dense pass at each position (the default reports the
+    model's own, T = 1)."""
+    prompt, temperature = [5, 9, 20, 33], 0.5
+    config = ServerConfig(model_name=MODEL_NAME, logprobs_after_temperature=True)
+    with BackgroundServer(Engine(model, CONFIG), config) as s:
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0)
+        got = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, seed=1,
+                                   temperature=temperature, logprobs=2, extra_body=dict(
+                                       return_tokens_as_token_ids=True)).choices[0].logprobs
+    tokens = [int(t.removeprefix("token_id:")) for t in got.tokens]
+    rows = dense_logprobs(model, prompt + tokens)[len(prompt) - 1:]  # row j predicts token j
+    scaled = rows / temperature
+    scaled -= np.log(np.exp(scaled - scaled.max(-1, keepdims=True)).sum(-1, keepdims=True)) + \
+        scaled.max(-1, keepdims=True)
+    for j, token in enumerate(tokens):
+        np.testing.assert_allclose(got.token_logprobs[j], scaled[j, token], atol=2e-4)
+        top = {int(t.removeprefix("token_id:")): v for t, v in got.top_logprobs[j].items()}
+        assert set(top) == {int(t) for t in np.argsort(-scaled[j])[:2]}
+        for t, v in top.items():
+            np.testing.assert_allclose(v, scaled[j, t], atol=2e-4)
+    assert not np.allclose(scaled[0, tokens[0]], rows[0, tokens[0]], atol=1e-3)
+
+
 def test_vllm_bench_client_body_is_served(model, server, http):
     """The body vLLM's own benchmark client (`vllm bench serve`, openai backend) sends for
     every request, field for field: served, with the usage chunk it reads."""
@@ -562,7 +621,7 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(al
                     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 _FIELDS = ["model", "max_tokens", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids",
            "stream", "user", "echo", "max_completion_tokens", "stream_options",
-           "presence_penalty", "ignore_eos", "prompt", "messages"]
+           "presence_penalty", "ignore_eos", "prompt", "messages", "cache_salt"]
 # Values that are either greedy or invalid: a valid sampled or top-logprob request would
 # compile step programs of its own, which this fast test leaves to test_server_slow.py.
 _GREEDY_OR_INVALID = {

@@ -36,11 +36,12 @@ device and the host, `disk_queue.DiskQueue` the host tier's traffic with the dis
 (measure_transfer_bandwidth).
 """
 
+from kvjax.memory.prefix_cache import page_hash_chain
 from kvjax.memory.tiers.bandwidth import measure_transfer_bandwidth
 from kvjax.memory.tiers.config import TierConfig, TransferLayout
 from kvjax.memory.tiers.disk import DiskTier
 from kvjax.memory.tiers.host import HostTier, host_memory_kind
-from kvjax.memory.tiers.manager import LoadResult, TierManager, page_hash_chain
+from kvjax.memory.tiers.manager import LoadResult, TierManager
 from kvjax.memory.tiers.swap import TieredSwapSpace
 
 __all__ = [
