@@ -24,7 +24,7 @@ import numpy as np
 from kvjax.config import ModelConfig, resolve_dtype
 from kvjax.models import llama
 from kvjax.models.model import Model
-from kvjax.models.rope import RoPE
+from kvjax.models.rope import RoPE, RopeType
 from kvjax.models.tokenizer import Tokenizer
 
 _ARCH = "llama"
@@ -66,19 +66,34 @@ def _required(metadata: dict[str, Any], key: str) -> Any:
 
 
 def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
-                         name: str = "gguf") -> ModelConfig:
+                         name: str = "gguf", rope_freqs: np.ndarray | None = None
+                         ) -> ModelConfig:
     """The `ModelConfig` of a llama-architecture GGUF, from its `llama.*` and tokenizer keys.
 
     The vocabulary size is the length of `tokenizer.ggml.tokens`. Whether the embedding is tied
-    is not metadata: a file without an `output.weight` tensor ties it.
+    is not metadata: a file without an `output.weight` tensor ties it. `rope_freqs` (the
+    `rope_freqs.weight` tensor llama.cpp writes for Llama 3.x) divides the RoPE frequencies;
+    `rope.scaling.type` "linear" stretches positions by `rope.scaling.factor`.
     """
     arch = metadata.get("general.architecture")
     if arch != _ARCH:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: [{_ARCH!r}]")
     prefix = f"{_ARCH}."
     scaling = metadata.get(prefix + "rope.scaling.type", "none")
-    if scaling != "none":
+    if scaling not in ("none", "linear"):
         raise ValueError(f"unsupported GGUF rope scaling type {scaling!r}")
+    theta = float(metadata.get(prefix + "rope.freq_base", 10000.0))
+    if rope_freqs is not None:
+        if scaling != "none":
+            raise ValueError("a GGUF with rope_freqs and rope scaling type "
+                             f"{scaling!r}: kvjax applies one or the other")
+        rope = RoPE(RopeType.FREQ_FACTORS, theta=theta,
+                    freq_factors=tuple(float(f) for f in rope_freqs))
+    elif scaling == "linear":
+        rope = RoPE(RopeType.LINEAR, theta=theta,
+                    factor=float(_required(metadata, prefix + "rope.scaling.factor")))
+    else:
+        rope = RoPE(theta=theta)
     hidden = _required(metadata, prefix + "embedding_length")
     num_heads = _required(metadata, prefix + "attention.head_count")
     head_dim = metadata.get(prefix + "attention.key_length", hidden // num_heads)
@@ -98,7 +113,7 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
         num_heads=num_heads,
         num_kv_heads=metadata.get(prefix + "attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        rope=RoPE(theta=float(metadata.get(prefix + "rope.freq_base", 10000.0))),
+        rope=rope,
         rms_norm_eps=float(_required(metadata, prefix + "attention.layer_norm_rms_epsilon")),
         max_position_embeddings=_required(metadata, prefix + "context_length"),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
@@ -172,10 +187,16 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
     reader = _open(path)
     metadata = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
+    rope_freqs = tensors.get("rope_freqs.weight")
+    if rope_freqs is not None:
+        rope_freqs = _dequantize(rope_freqs, tuple(int(n) for n in rope_freqs.data.shape))
     config = config_from_metadata(
-        metadata, tie_word_embeddings="output.weight" not in tensors, name=path.stem)
+        metadata, tie_word_embeddings="output.weight" not in tensors, name=path.stem,
+        rope_freqs=rope_freqs)
     expected = _expected_shapes(config)
     wanted = {"token_embd.weight", "output_norm.weight"}
+    if rope_freqs is not None:
+        wanted.add("rope_freqs.weight")
     if not config.tie_word_embeddings:
         wanted.add("output.weight")
     wanted |= {f"blk.{i}.{n}.weight" for i in range(config.num_layers) for n in expected}

@@ -38,9 +38,11 @@ class RopeType(enum.Enum):
     LLAMA3 = "llama3"  # low frequencies divided by `factor`, a smooth band between
     YARN = "yarn"  # NTK-by-parts ramp between interpolation and extrapolation, scaled cos/sin
     LONGROPE = "longrope"  # per-frequency factors, short or long by the sequence length
+    FREQ_FACTORS = "freq_factors"  # fixed per-frequency divisors (a GGUF's rope_freqs tensor)
 
 
-_SHIFT_INVARIANT = (RopeType.DEFAULT, RopeType.LINEAR, RopeType.LLAMA3, RopeType.YARN)
+_SHIFT_INVARIANT = (RopeType.DEFAULT, RopeType.LINEAR, RopeType.LLAMA3, RopeType.YARN,
+                    RopeType.FREQ_FACTORS)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -57,6 +59,8 @@ class RoPE:
       beta_fast, beta_slow, truncate: YARN's ramp.
       attention_factor: what cos and sin are multiplied by (YARN, LONGROPE; 1 otherwise).
       short_factor, long_factor: LONGROPE's per-frequency factors, D/2 each.
+      freq_factors: FREQ_FACTORS' divisors of the D/2 base frequencies (llama.cpp writes
+        Llama 3.x's frequency bands into a GGUF this way, without the parameters behind them).
     """
 
     rope_type: RopeType = RopeType.DEFAULT
@@ -71,6 +75,7 @@ class RoPE:
     attention_factor: float = 1.0
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.theta <= 0:
@@ -78,7 +83,8 @@ class RoPE:
         if self.rope_type is not RopeType.DEFAULT and self.factor <= 0:
             raise ValueError(f"RoPE {self.rope_type.value} factor must be positive, got "
                              f"{self.factor!r}")
-        needs_length = self.rope_type not in (RopeType.DEFAULT, RopeType.LINEAR)
+        needs_length = self.rope_type not in (RopeType.DEFAULT, RopeType.LINEAR,
+                                              RopeType.FREQ_FACTORS)
         if needs_length and self.original_max_position_embeddings <= 0:
             raise ValueError(f"RoPE {self.rope_type.value} needs a positive "
                              f"original_max_position_embeddings, got "
@@ -87,6 +93,10 @@ class RoPE:
                 not self.short_factor or len(self.short_factor) != len(self.long_factor)):
             raise ValueError("RoPE longrope needs short_factor and long_factor of one length, "
                              f"got {len(self.short_factor)} and {len(self.long_factor)}")
+        if self.rope_type is RopeType.FREQ_FACTORS and not (
+                self.freq_factors and all(f > 0 for f in self.freq_factors)):
+            raise ValueError(f"RoPE freq_factors needs positive factors, got "
+                             f"{self.freq_factors!r}")
 
     def __repr__(self) -> str:
         """Only the fields set apart from their defaults (configs print whole in docs)."""
@@ -147,6 +157,11 @@ class RoPE:
             long = seq_len is not None and seq_len > self.original_max_position_embeddings
             factors = np.asarray(self.long_factor if long else self.short_factor, np.float64)
             return (base / factors).astype(np.float32)
+        if kind is RopeType.FREQ_FACTORS:
+            if len(self.freq_factors) != dim // 2:
+                raise ValueError(f"RoPE freq_factors has {len(self.freq_factors)} entries, head "
+                                 f"dim {dim} needs {dim // 2}")
+            return (base / np.asarray(self.freq_factors, np.float64)).astype(np.float32)
         return base.astype(np.float32)
 
     def _llama3(self, base: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers
 
 # GGUF token types (llama.cpp's `llama_token_type`): control tokens are special (skipped when
 # decoding), user-defined ones are matched whole but decoded as text.
@@ -28,7 +28,11 @@ _GGUF_TOKEN_USER_DEFINED = 4
 # llama.cpp's `tokenizer.ggml.pre` names whose pre-tokenizer splits every digit on its own before
 # the GPT-2 regex (SmolLM's and StarCoder's vocabularies were trained that way).
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder")
-_SUPPORTED_GGUF_PRE = (*_DIGIT_SPLIT_PRE, "gpt-2")
+# Llama 3's split ("llama-bpe"): contractions, letter runs, digits in groups of up to three,
+# punctuation runs, newlines and spaces, before the byte-level mapping.
+_LLAMA_BPE_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SUPPORTED_GGUF_PRE = (*_DIGIT_SPLIT_PRE, "gpt-2", "llama-bpe")
 
 
 def _byte_level_alphabet() -> dict[int, str]:
@@ -48,6 +52,10 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_SPLIT_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre == "llama-bpe":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA_BPE_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return byte_level
 
 
@@ -153,7 +161,8 @@ class Tokenizer:
         """Builds the tokenizer a GGUF file describes in its `tokenizer.*` metadata.
 
         Supports llama.cpp's byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with the
-        pre-tokenizers named by `tokenizer.ggml.pre` in ('smollm', 'starcoder', 'gpt-2').
+        pre-tokenizers named by `tokenizer.ggml.pre` in ('smollm', 'starcoder', 'gpt-2',
+        'llama-bpe').
 
         Args:
           metadata: GGUF key -> decoded value (strings, ints, lists), e.g. from

@@ -16,7 +16,7 @@ from kvjax.models import llama
 from kvjax.models.gguf import load_gguf
 from kvjax.models.hf import load_hf
 from kvjax.models.loading import EMBEDDED_MODEL, embedded_model_path, load_model
-from kvjax.models.rope import RoPE
+from kvjax.models.rope import RoPE, RopeType
 
 TINY_LOGITS_RTOL = 1e-5
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -39,7 +39,7 @@ def _tiny_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
 
 
 def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", drop: str | None = None,
-                    replace: dict[str, np.ndarray] | None = None) -> Path:
+                    replace: dict[str, np.ndarray] | None = None, pre: str = "smollm") -> Path:
     """Converts a tiny HF llama checkpoint to GGUF the way llama.cpp lays it out (F32 tensors)."""
     config = json.loads((hf_dir / "config.json").read_text())
     hf = load_file(hf_dir / "model.safetensors")
@@ -72,7 +72,7 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", drop: str 
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
     writer.add_token_merges(merges)
@@ -299,3 +299,38 @@ def test_load_model_directory_without_config(tmp_path):
 def test_load_model_unknown_dtype(tiny_llama):
     with pytest.raises(ValueError, match="'int8'"):
         load_model(tiny_llama, dtype="int8")
+
+
+def test_llama3_gguf_rope_freqs_give_the_hf_llama3_logits(tmp_path):
+    """A Llama 3.x GGUF carries its RoPE frequency bands as the `rope_freqs` tensor (divisors
+    of the base frequencies), not as parameters: loaded, the logits equal transformers' on the
+    source checkpoint with rope_type llama3; the Llama 3 pre-tokenizer ('llama-bpe') splits
+    text as transformers' conversion of the same GGUF does."""
+    import torch  # noqa: F401  (transformers' model below)
+    import transformers
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "llama", seed=5, rope_parameters=rope,
+                                     max_position_embeddings=128)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    head_dim = hf_model.config.hidden_size // hf_model.config.num_attention_heads
+    base = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    factors = (base / hf_model.model.rotary_emb.inv_freq.double().numpy()).astype(np.float32)
+    assert factors.max() > 1.5  # the bands do divide some frequencies
+    path = write_tiny_gguf(tmp_path / "llama3.gguf", hf_dir, pre="llama-bpe",
+                           replace={"rope_freqs.weight": factors})
+    model = load_gguf(path)
+    assert model.config.rope.rope_type is RopeType.FREQ_FACTORS
+    tokens = np.random.default_rng(2).integers(0, model.config.vocab_size, 60).tolist()
+    assert _rel_max_diff(_logits(model, tokens), hf_logits(hf_model, tokens)) <= 1e-4
+    plain = write_tiny_gguf(tmp_path / "plain.gguf", hf_dir)  # no rope_freqs: other logits
+    assert _rel_max_diff(_logits(load_gguf(plain), tokens), hf_logits(hf_model, tokens)) > 1e-3
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="llama3.gguf")
+    gpt2 = load_gguf(write_tiny_gguf(tmp_path / "gpt2.gguf", hf_dir, pre="gpt-2")).tokenizer
+    for text in ("the other'S 12345 tea!!\n\n  then", "it'll   rest\tend 7 88 999 1000"):
+        splits = model.tokenizer.backend.pre_tokenizer.pre_tokenize_str(text)
+        assert splits == reference.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+        assert splits != gpt2.backend.pre_tokenizer.pre_tokenize_str(text)
+        assert model.tokenizer.encode(text) == reference.encode(text, add_special_tokens=False)
