@@ -150,3 +150,65 @@ def _probe(device) -> str | None:
     if not np.allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5):
         return "compute_on('device_host') disagrees with the device computation"
     return None
+
+
+class HostPool:
+    """The runner's host pool: a KV state like the device pool's, of `num_pages` pages, in
+    host memory, and the programs that move pages between the pools (`KVOpKind.HOST_OUT`,
+    `HOST_IN`; index arrays padded to powers of two, so each count compiles once).
+
+    Attributes:
+      kv: the host pool's KV state.
+      memory_kind: where its leaves live (`pinned_host`, else `unpinned_host`; None: device
+        memory, on a backend with no host memory kind).
+    """
+
+    def __init__(self, device_kv: KVState, num_pages: int):
+        from kvjax.memory.tiers.host import host_memory_kind
+
+        leaves = device_kv.page_leaves()
+        kv = device_kv.with_page_leaves(
+            [jnp.zeros((x.shape[0], num_pages, *x.shape[2:]), x.dtype) for x in leaves])
+        sharding = leaves[0].sharding
+        self.memory_kind = host_memory_kind(next(iter(sharding.device_set)),
+                                            user="host-resident rows")
+        self._sharding = (sharding if self.memory_kind is None
+                          else sharding.with_memory_kind(self.memory_kind))
+        self.kv = jax.device_put(kv, self._sharding)
+        self._out = jax.jit(_move_out, donate_argnums=1, out_shardings=self._sharding)
+        self._in = jax.jit(_move_in, donate_argnums=0)
+
+    @property
+    def num_compiles(self) -> int:
+        return self._out._cache_size() + self._in._cache_size()
+
+    def move_out(self, device_kv: KVState, src, dst) -> None:
+        """Host page dst[i] becomes a copy of device page src[i]."""
+        self.kv = self._out(device_kv, self.kv, np.asarray(src, np.int32),
+                            np.asarray(dst, np.int32))
+
+    def move_in(self, device_kv: KVState, src, dst) -> KVState:
+        """The device pool with page dst[i] a copy of host page src[i]."""
+        return self._in(device_kv, self.kv, np.asarray(src, np.int32), np.asarray(dst, np.int32))
+
+    def warmup(self, device_kv: KVState, max_pages: int) -> KVState:
+        """Compiles both moves for every padded count up to `max_pages`; they write past both
+        pools (scatters drop such indices), so neither changes."""
+        from kvjax.shapes import powers_of_2_up_to
+
+        for n in powers_of_2_up_to(max_pages):
+            self.move_out(device_kv, np.zeros(n), np.full(n, self.kv.num_pages))
+            device_kv = self.move_in(device_kv, np.zeros(n), np.full(n, device_kv.num_pages))
+        return device_kv
+
+
+def _move_out(device_kv: KVState, host_kv: KVState, src, dst) -> KVState:
+    from kvjax.kv import pages
+
+    return pages.scatter_pages(device_view(host_kv), dst, pages.gather_pages(device_kv, src))
+
+
+def _move_in(device_kv: KVState, host_kv: KVState, src, dst) -> KVState:
+    from kvjax.kv import pages
+
+    return pages.scatter_pages(device_kv, dst, pages.gather_pages(device_view(host_kv), src))

@@ -20,6 +20,7 @@ import numpy as np
 from kvjax.kv.retention import RetentionManager, SeqLayout
 from kvjax.kv.state import pages_for
 from kvjax.memory.block_manager import AllocStatus, CopyOp
+from kvjax.memory.host_pool import HostPagePool
 from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
 from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last
 from kvjax.trace import NULL_TRACER, Tracer
@@ -35,6 +36,7 @@ class KVCacheManager:
       retention: the retention manager (which tokens each sequence keeps).
       page_versions: pool page -> the weights version that last wrote it.
       stats: the engine's counters (shared dict) this manager adds to.
+      host_pool: the host pool's bookkeeping (host-resident rows: `to_host`), or None.
 
     Args:
       quantized_len: for a state whose newest tokens live beside the pages (KIVI with an
@@ -44,8 +46,10 @@ class KVCacheManager:
 
     def __init__(self, device: KVDevice, allocator, swap_space, retention: RetentionManager, *,
                  page_size: int, watermark: float, scrub_freed_pages: bool, stats: dict,
-                 tiers=None, quantized_len=None, chunk_copier=None, clock=None):
+                 tiers=None, quantized_len=None, chunk_copier=None, clock=None,
+                 host_pool: HostPagePool | None = None):
         self.device = device
+        self.host_pool = host_pool
         self.allocator = allocator
         self.swap_space = swap_space
         self.retention = retention
@@ -65,7 +69,8 @@ class KVCacheManager:
         self.tracer: Tracer = NULL_TRACER
         self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
                           stale_kv_reads=0, bytes_device_to_host=0, bytes_host_to_device=0,
-                          bytes_host_to_disk=0, bytes_disk_to_host=0)
+                          bytes_host_to_disk=0, bytes_disk_to_host=0, host_pages_out=0,
+                          host_pages_in=0)
 
     # ----------------------------------------------------------------------------- KV ops
 
@@ -310,10 +315,13 @@ class KVCacheManager:
 
     def free(self, seq_id: str, *, keep_retention: bool = False) -> None:
         """Releases a sequence's pages (cached ones stay in the prefix cache) and policy state
-        (kept with keep_retention: a swapped sequence comes back with the same tokens)."""
+        (kept with keep_retention: a swapped sequence comes back with the same tokens, and its
+        host-resident pages stay in the host pool for it)."""
         if not keep_retention:
             self.retention.drop(seq_id)
             self._floors.pop(seq_id, None)
+        if self.host_pool is not None and not keep_retention:
+            self.host_pool.free(seq_id)
         freed = self.allocator.free(seq_id)
         if self.scrub_freed_pages:
             if freed:
@@ -340,7 +348,10 @@ class KVCacheManager:
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         """Shares the parent's pages (and copies its window) with a new child sequence; False
-        when the allocator cannot share (the child is then prefilled afresh)."""
+        when the allocator cannot share (the child is then prefilled afresh). A parent forks
+        before it decodes, so it has no host-resident pages."""
+        if self.num_host_pages(parent_id):
+            raise ValueError(f"sequence {parent_id!r} forks with host-resident pages")
         try:
             copies = self.allocator.fork(parent_id, child_id) or []
         except ValueError:
@@ -354,6 +365,55 @@ class KVCacheManager:
                              dst=(self.seq_slot(child_id),)))
         return True
 
+    # ----------------------------------------------------------------------------- host rows
+
+    def num_host_pages(self, seq_id: str) -> int:
+        """How many of the sequence's first pages live in the host pool (0 without one)."""
+        return 0 if self.host_pool is None else self.host_pool.num_held(seq_id)
+
+    def host_table(self, seq_id: str) -> np.ndarray:
+        """[h] int32, the host-pool pages of the sequence's first h pages."""
+        return np.asarray([] if self.host_pool is None else self.host_pool.table(seq_id),
+                          np.int32)
+
+    def num_free_host_pages(self) -> int:
+        return 0 if self.host_pool is None else self.host_pool.num_free()
+
+    def to_host(self, seq_id: str, num: int) -> bool:
+        """Moves the sequence's next `num` device pages after its host-resident ones to the
+        host pool (full pages only: the caller checks) and gives the device pages back;
+        False, with nothing changed, when the host pool lacks room."""
+        if num <= 0:
+            return True
+        if self.host_pool is None or self.host_pool.num_free() < num:
+            return False
+        first = self.host_pool.num_held(seq_id)
+        src, freed = self.allocator.release_pages(seq_id, first, num)
+        dst = self.host_pool.take(seq_id, num)
+        self._issue(KVOp(KVOpKind.HOST_OUT, tuple(src), src=_padded(src), dst=_padded(dst)))
+        self.stats["host_pages_out"] += num
+        if self.scrub_freed_pages and freed:
+            self.spill_evictions()
+            self.scrub(freed)
+        return True
+
+    def to_device(self, seq_id: str, num: int) -> bool:
+        """Brings the sequence's last `num` host-resident pages back into fresh device pages;
+        False, with nothing changed, when the device pool lacks room."""
+        if num <= 0:
+            return True
+        first = self.num_host_pages(seq_id) - num
+        if first < 0:
+            raise ValueError(f"sequence {seq_id!r} holds {first + num} host pages, not {num}")
+        dst = self.allocator.fill_pages(seq_id, first, num)
+        if dst is None:
+            return False
+        self.spill_evictions()  # Before the copy overwrites pages evicted for it.
+        src = self.host_pool.give_last(seq_id, num)
+        self._issue(KVOp(KVOpKind.HOST_IN, tuple(dst), src=_padded(src), dst=_padded(dst)))
+        self.stats["host_pages_in"] += num
+        return True
+
     # ----------------------------------------------------------------------------- swap
 
     def swap_out(self, seq_id: str, num_computed: int, *, demote_bits: int = 0) -> None:
@@ -362,7 +422,9 @@ class KVCacheManager:
 
         A sequence retention compacted keeps its record of which tokens its pages hold."""
         held = self.cached_len(seq_id, num_computed)
-        pages = self.block_table(seq_id)[:pages_for(held, self.page_size)]
+        # Host-resident pages are host memory already: they wait in the host pool.
+        pages = self.block_table(seq_id)[self.num_host_pages(seq_id):pages_for(held,
+                                                                              self.page_size)]
         nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
             self.swap_space.swap_out(kv, seq_id, pages, demote_bits=demote_bits)))
         self.stats["swaps_out"] += 1
@@ -379,9 +441,20 @@ class KVCacheManager:
         pages = self.block_table(seq_id)
         first = cached // self.page_size
         nbytes = []
+        num_host = self.num_host_pages(seq_id)
+        if num_host:  # its host-resident pages come back too (those the prefix cache lacks)
+            host = self.host_table(seq_id)
+            if first < num_host:
+                self.spill_evictions()
+                self._issue(KVOp(KVOpKind.HOST_IN, tuple(pages[first:num_host]),
+                                 src=_padded(host[first:num_host].tolist()),
+                                 dst=_padded(pages[first:num_host])))
+                self.stats["host_pages_in"] += num_host - first
+            self.host_pool.free(seq_id)
 
         def swap_in(kv):
-            kv, n = self.swap_space.swap_in(kv, seq_id, pages, first)
+            kv, n = self.swap_space.swap_in(kv, seq_id, pages[num_host:],
+                                            max(first - num_host, 0))
             nbytes.append(n)
             return kv
 
@@ -457,6 +530,8 @@ class KVCacheManager:
         self.swap_space.drop(seq_id)
         self.retention.drop(seq_id)
         self._floors.pop(seq_id, None)
+        if self.host_pool is not None:
+            self.host_pool.free(seq_id)
 
     # ----------------------------------------------------------------------------- retention
 
@@ -560,3 +635,8 @@ class KVCacheManager:
         self._apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
             kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages,
             demote_bits=demote_bits))
+
+
+def _padded(pages: Sequence[int]) -> tuple[int, ...]:
+    """Pages padded to a power of two by repeating the last (a repeated copy is harmless)."""
+    return tuple(pad_repeat_last(list(pages)).tolist())

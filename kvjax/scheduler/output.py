@@ -53,6 +53,9 @@ class ScheduledRow:
       token_mask: [ceil(V / 32)] int32, the tokens a row with a grammar may sample
         (`kvjax.grammar`), built from the sequence's matcher after its last committed token;
         None: unconstrained.
+      host_table, host_len: a decode row's host-resident positions [0, host_len) and the
+        host-pool pages holding them ([host_len / P] int32; `kvjax.engine.host_rows`); None
+        and 0: all on the device.
     """
 
     seq_id: str
@@ -78,6 +81,8 @@ class ScheduledRow:
     num_prompt_tokens: int = 0
     stop_ids: tuple[int, ...] = ()
     token_mask: np.ndarray | None = None
+    host_table: np.ndarray | None = None
+    host_len: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kvjax.engine.step import LogitsMode, StepPrograms, StepShape, empty_step_input
 from kvjax.kv import pages as kv_pages
@@ -84,3 +85,71 @@ def test_every_split_gives_the_device_only_logits_and_compiles_once():
         np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
         compiles.append(programs.num_compiles)
     assert compiles[0] == compiles[-1], compiles
+
+
+# ----------------------------------------------------------------------------- the engine
+
+ENGINE = dict(page_size=P, num_pages=14, max_num_seqs=3, max_num_batched_tokens=32,
+              max_prefill_chunk=16, min_chunk_bucket=16, max_prefill_seqs=1, max_model_len=48,
+              enable_prefix_cache=False)
+PROMPTS = [[7, 21, 3, 90, 14, 60, 33, 8, 5, 41, 77], [2, 99, 64, 18, 30, 11, 45, 70, 6],
+           [7, 21, 3, 90, 14, 60, 33, 8, 12, 50, 3, 9, 9]]
+NUM_NEW = 12
+
+
+def _serve(model, sampling=None, **config):
+    from kvjax import EngineConfig, SamplingParams
+    from kvjax.engine.engine import Engine
+
+    engine = Engine(model, EngineConfig(**{**ENGINE, **config}))
+    sampling = sampling or SamplingParams(max_new_tokens=NUM_NEW, ignore_eos=True)
+    outs = engine.generate(PROMPTS, sampling)
+    assert engine.allocator.num_used_pages() == 0, "pages leaked"
+    host = engine.kv_cache.host_pool
+    assert host is None or host.num_free() == host.num_pages, "host pages leaked"
+    return [[c.token_ids for c in o.outputs] for o in outs], engine
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def device_only(model):
+    return {key: _serve(model, **config)[0] for key, config in (
+        ("exact", {}), ("int8", dict(kv_codec="int8")))}
+
+
+@pytest.mark.parametrize("split,config", [
+    ("always", {}),
+    ("random", dict(enable_prefix_cache=True)),
+    ("random", dict(kv_codec="int8", preemption_mode="swap", num_pages=9)),
+    ("when_full", dict(num_pages=9)),
+    ("never", {}),
+])
+def test_greedy_tokens_match_the_device_only_engine(model, device_only, split, config):
+    tokens, engine = _serve(model, host_split=split, num_host_pages=24, **config)
+    assert tokens == device_only["int8" if config.get("kv_codec") else "exact"]
+    moved = engine.stats["host_pages_out"]
+    assert moved > 0 if split != "never" else engine.kv_cache.host_pool is None
+
+
+def test_features_that_cannot_compose_are_refused(model):
+    import dataclasses
+    import re
+
+    from kvjax import EngineConfig
+    from kvjax.engine import compat
+    from kvjax.engine.compat import Feature
+    from kvjax.engine.engine import Engine
+
+    windowed = tiny_model(dataclasses.replace(model.config, layer_windows=(8, 0)))
+    reason = compat.MODEL_REFUSED[(compat.ModelTrait.LAYER_GROUPS, Feature.HOST_ROWS)]
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        Engine(windowed, EngineConfig(**ENGINE, host_split="always", num_host_pages=8))
+    with pytest.raises(ValueError, match="retention='h2o' and host_split='neo'"):
+        EngineConfig(**ENGINE, host_split="neo", num_host_pages=8, retention="h2o",
+                     retention_budget=16)
+    with pytest.raises(ValueError, match="unknown host split policy 'sometimes'"):
+        EngineConfig(host_split="sometimes")
