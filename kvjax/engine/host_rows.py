@@ -55,7 +55,7 @@ class HostAttention:
     on_host: bool
 
 
-def _host_part(host_kv: KVState, layer: jax.Array, q: jax.Array, tables: jax.Array,
+def host_decode_attention(host_kv: KVState, layer: jax.Array, q: jax.Array, tables: jax.Array,
                lens: jax.Array, q_lens: jax.Array, *, soft_cap: float | None,
                pages_per_block: int) -> tuple[jax.Array, jax.Array]:
     """Decode attention of q [B, N, D] over positions [0, lens) of the host pool's pages
@@ -97,7 +97,8 @@ def attend_split(kv: KVState, host: HostAttention, layer: jax.Array, q: jax.Arra
     dev_out, dev_lse = attention.paged_attention_blockwise(
         q[:, None], load, tables, lens, q_lens, pages_per_block=pages_per_block,
         soft_cap=soft_cap, kv_starts=host_lens, return_lse=True)  # [Bd, 1, N, D], [Bd, 1, N]
-    part = functools.partial(_host_part, soft_cap=soft_cap, pages_per_block=pages_per_block)
+    part = functools.partial(host_decode_attention, soft_cap=soft_cap,
+                             pages_per_block=pages_per_block)
     if host.on_host:
         part = _on_host(part)
     host_out, host_lse = part(host.kv, layer, q, inp.host_tables, host_lens, q_lens)
@@ -141,7 +142,7 @@ def _probe(device) -> str | None:
     args = (jnp.int32(0), jnp.asarray(rng.normal(size=(1, 2, 8)), jnp.float32),
             jnp.asarray([[2, 0, 1, 3]], jnp.int32), jnp.asarray([12], jnp.int32),
             jnp.ones(1, jnp.int32))
-    part = functools.partial(_host_part, soft_cap=None, pages_per_block=2)
+    part = functools.partial(host_decode_attention, soft_cap=None, pages_per_block=2)
     try:
         got = jax.jit(_on_host(part))(host_kv, *args)
     except Exception as e:  # noqa: BLE001 - any failure to lower or run means "fall back"
