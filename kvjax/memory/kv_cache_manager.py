@@ -59,6 +59,7 @@ class KVCacheManager:
         self.scrub_freed_pages = scrub_freed_pages
         self.stats = stats
         self.page_versions: dict[int, str] = {}
+        self._host_versions: dict[int, str] = {}  # host-pool page -> the version that wrote it
         self._quantized_len = quantized_len
         self._chunk_copier = chunk_copier
         if clock is not None and self.has_prefix_cache:
@@ -390,6 +391,8 @@ class KVCacheManager:
         first = self.host_pool.num_held(seq_id)
         src, freed = self.allocator.release_pages(seq_id, first, num)
         dst = self.host_pool.take(seq_id, num)
+        for d, s in zip(dst, src, strict=True):
+            self._host_versions[d] = self.page_versions.get(s, "")
         self._issue(KVOp(KVOpKind.HOST_OUT, tuple(src), src=_padded(src), dst=_padded(dst)))
         self.stats["host_pages_out"] += num
         if self.scrub_freed_pages and freed:
@@ -410,6 +413,8 @@ class KVCacheManager:
             return False
         self.spill_evictions()  # Before the copy overwrites pages evicted for it.
         src = self.host_pool.give_last(seq_id, num)
+        for d, s in zip(dst, src, strict=True):
+            self.page_versions[d] = self._host_versions.get(s, "")
         self._issue(KVOp(KVOpKind.HOST_IN, tuple(dst), src=_padded(src), dst=_padded(dst)))
         self.stats["host_pages_in"] += num
         return True
@@ -445,6 +450,8 @@ class KVCacheManager:
         if num_host:  # its host-resident pages come back too (those the prefix cache lacks)
             host = self.host_table(seq_id)
             if first < num_host:
+                for d, s in zip(pages[first:num_host], host[first:num_host], strict=True):
+                    self.page_versions[d] = self._host_versions.get(int(s), "")
                 self.spill_evictions()
                 self._issue(KVOp(KVOpKind.HOST_IN, tuple(pages[first:num_host]),
                                  src=_padded(host[first:num_host].tolist()),
@@ -567,10 +574,14 @@ class KVCacheManager:
         for page in pages:
             self.page_versions[int(page)] = version
 
-    def stale_pages(self, seq_id: str, kv_len: int, version: str) -> list[int]:
-        """Pages among a sequence's first `kv_len` cached tokens written by other weights."""
-        table = self.block_table(seq_id)[:pages_for(kv_len, self.page_size)]
-        return [p for p in table if self.page_versions.get(p) != version]
+    def stale_pages(self, seq_id: str, kv_len: int, version: str) -> list:
+        """Pages among a sequence's first `kv_len` cached tokens written by other weights (its
+        host-pool pages as 'host:<page>')."""
+        num_host = self.num_host_pages(seq_id)
+        table = self.block_table(seq_id)[num_host:pages_for(kv_len, self.page_size)]
+        stale = [p for p in table if self.page_versions.get(p) != version]
+        return stale + [f"host:{p}" for p in self.host_table(seq_id).tolist()
+                        if self._host_versions.get(p) != version]
 
     def check_fresh(self, seq_id: str, kv_len: int, version: str) -> None:
         """Raises (and counts) if the sequence would read a page written under other weights."""

@@ -5,14 +5,15 @@ runner owns the device KV pytree. Each device consequence of a memory decision (
 copy, a swap, a tier load, a scrub, a compaction) is one `KVOp`, in the order the decisions
 were made.
 
-Ops of the kinds in `DATA_KINDS` (copy-on-write copies, scrubs, window copies) are plain
-data: their index arrays say everything, so the ops the scheduler issues while it forms a step
-travel in the step's `SchedulerOutput.kv_plan` and the runner applies them in the step's
-dispatch, before the model (`KVDevice.apply_ops`); those of committing a step are what
-`Scheduler.update_from_output` returns, applied by the engine core right after. The other
-kinds still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`);
-before one does, the manager hands over the data ops issued ahead of it, so the pool sees
-every op in issuing order (a spill of an evicted page before the copy that overwrites it).
+Ops of the kinds in `DATA_KINDS` (copy-on-write copies, scrubs, window copies, and the moves of
+host-resident rows' pages between the device pool and the host pool) are plain data: their
+index arrays say everything, so the ops the scheduler issues while it forms a step travel in
+the step's `SchedulerOutput.kv_plan` and the runner applies them in the step's dispatch, before
+the model (`KVDevice.apply_ops`); those of committing a step are what
+`Scheduler.update_from_output` returns, applied by the engine core right after. The other kinds
+still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`); before one
+does, the manager hands over the data ops issued ahead of it, so the pool sees every op in
+issuing order (a spill of an evicted page before the copy that overwrites it).
 """
 
 from __future__ import annotations

@@ -146,7 +146,8 @@ def test_random_splits_with_int8_prefix_cache_swap_and_n2_match_the_device_only_
 @pytest.mark.parametrize("split,config", [
     ("when_full", dict(num_pages=9)),
     ("always", dict()),
-    ("random", dict(enable_prefix_cache=True)),
+    # debug_provenance: every page a row reads, host-resident ones too, has its weights version
+    ("random", dict(enable_prefix_cache=True, debug_provenance=True)),
     ("never", dict()),
 ])
 def test_greedy_tokens_match_the_dense_oracle_for_every_split(model, oracle, split, config):
