@@ -149,6 +149,10 @@ def test_random_splits_with_int8_prefix_cache_swap_and_n2_match_the_device_only_
     # debug_provenance: every page a row reads, host-resident ones too, has its weights version
     ("random", dict(enable_prefix_cache=True, debug_provenance=True)),
     ("never", dict()),
+    # rates at which the host takes the longest rows: 1e6 tokens/s beside a 10 ms step
+    ("neo", dict(num_pages=9, host_split_options=dict(host_tokens_per_s=1e6,
+                                                       device_tokens_per_s=1e7,
+                                                       device_step_s=1e-2))),
 ])
 def test_greedy_tokens_match_the_dense_oracle_for_every_split(model, oracle, split, config):
     tokens, engine = _serve(model, host_split=split, num_host_pages=24, **config)
