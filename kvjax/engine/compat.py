@@ -63,6 +63,7 @@ class Feature(enum.Enum):
     PAUSE = "pause"
     CONTROLLER = "controller"
     BATCH_INVARIANT = "batch_invariant"
+    HOST_ROWS = "host_rows"
 
     @property
     def group(self) -> str | None:
@@ -121,6 +122,9 @@ _DESCRIPTIONS = {
                         "and sets per-sequence retention budgets",
     Feature.BATCH_INVARIANT: "batch_invariant=True: a sequence's logprobs bitwise the same "
                              "whatever the batch, and the same as the RL trainer's forward",
+    Feature.HOST_ROWS: "host_split other than 'never' with num_host_pages > 0: decode rows "
+                       "keep older pages in a host pool, where their attention reads them, "
+                       "merged exactly with the device's part",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -203,6 +207,35 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.CONTROLLER], [Feature.BATCH_INVARIANT],
            "the controller degrades KV under load (int8 host copies, retention budgets), so a "
            "sequence's logprobs would follow the load")
+    refuse(_KIVI, [Feature.HOST_ROWS],
+           "KIVI's row reader joins a sequence's quantized pages with its exact window by "
+           "length, while a host-resident row splits its positions between two pools")
+    refuse(_RETENTION, [Feature.HOST_ROWS],
+           "retention compacts, evicts or selects a row's pages in the device pool, while "
+           "host-resident pages are read whole and never rewritten")
+    refuse([Feature.SPECULATIVE], [Feature.HOST_ROWS],
+           "a verify step's decode rows attend several queries through the prefill path, "
+           "while host-resident rows are one-query decode rows")
+    refuse([Feature.CONTIGUOUS], [Feature.HOST_ROWS],
+           "the contiguous layout has no pages to move to a host pool")
+    refuse([Feature.MESH], [Feature.HOST_ROWS],
+           "the host pool and its attention are built for one device's pool, not for a "
+           "mesh's kv heads sharded over devices")
+    refuse([Feature.KV_ARENA], [Feature.HOST_ROWS],
+           "arena frames are words shared between models, which a host pool of one model's "
+           "page format does not mirror")
+    refuse([Feature.BATCH_INVARIANT], [Feature.HOST_ROWS],
+           "splitting a row's attention between two pools changes the order its sums are "
+           "added in, so its logprobs would follow the split")
+    refuse([Feature.HOST_TIER], [Feature.HOST_ROWS],
+           "the tiers' checked swaps copy a sequence's pages from its first one, while a "
+           "host-resident row's first pages are already in the host pool")
+    refuse([Feature.CONTROLLER], [Feature.HOST_ROWS],
+           "the controller prices swaps, recomputes and demotions with a model of the device "
+           "pool that does not count host-resident rows")
+    refuse([Feature.SNAPSHOT], [Feature.HOST_ROWS],
+           "a snapshot saves a sequence's pages through its device block table, whose "
+           "host-resident entries hold no page")
     return table
 
 
@@ -273,7 +306,8 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         (Feature.KV_ARENA, "an arena frame holds every layer of"),
         (Feature.CONTROLLER, "the controller's swaps and demotions move"),
         (Feature.CONTIGUOUS, "contiguous slots preallocate every layer of"),
-        (Feature.MESH, "the mesh's sharded programs are built for"))},
+        (Feature.MESH, "the mesh's sharded programs are built for"),
+        (Feature.HOST_ROWS, "the host pool's moves and split attention follow"))},
     (ModelTrait.PER_LAYER_ROPE, Feature.CONTEXT_REUSE):
         "a reused chunk's keys are re-rotated by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
@@ -403,6 +437,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.CONTROLLER, f"controller={config.controller!r}"))
     if config.batch_invariant:
         found.append(_Present(Feature.BATCH_INVARIANT, "batch_invariant=True"))
+    if config.host_split != "never" and config.num_host_pages > 0:
+        found.append(_Present(Feature.HOST_ROWS, f"host_split={config.host_split!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:
         found.append(_Present(Feature.CONTIGUOUS, "kv_layout='contiguous'"))
     elif config.enable_prefix_cache:

@@ -12,6 +12,7 @@ from kvjax.memory.prefix_cache import PrefixEviction
 from kvjax.memory.tiers import TierConfig
 from kvjax.scheduler.context import make_strategy
 from kvjax.scheduler.controller import SLO, FixedController, make_controller
+from kvjax.scheduler.host_split import make_host_split
 from kvjax.scheduler.preemption import PreemptionMode
 from kvjax.scheduler.spec import SpecConfig
 
@@ -107,6 +108,12 @@ class EngineConfig:
       controller_options: keyword options of the controller (e.g. its measured KL tables).
       slo: the SLO of a request that names none (`kvjax.scheduler.controller.SLO`: TTFT and
         TPOT targets, KL budget); by default no targets and exact KV only.
+      host_split: how many pages of each decode row live in a host pool, where its decode
+        attention reads them (`kvjax.scheduler.host_split`: 'never', 'when_full', 'always',
+        'random', 'neo'; `kvjax.engine.host_rows`); exact.
+      host_split_options: keyword options of that policy (neo: its rates; random: seed).
+      num_host_pages: pages in the host pool (the engine holds one when host_split is not
+        'never' and this is > 0).
     """
 
     kv_layout: KVLayout = KVLayout.PAGED
@@ -149,6 +156,9 @@ class EngineConfig:
     controller: str = "fixed"
     controller_options: dict = dataclasses.field(default_factory=dict)
     slo: SLO = SLO()
+    host_split: str = "never"
+    host_split_options: dict = dataclasses.field(default_factory=dict)
+    num_host_pages: int = 0
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
@@ -172,6 +182,11 @@ class EngineConfig:
         if isinstance(self.slo, dict):
             object.__setattr__(self, "slo", SLO(**self.slo))
         make_controller(self.controller, **self.controller_options)
+        make_host_split(self.host_split, **self.host_split_options)
+        if isinstance(self.num_host_pages, bool) or not isinstance(self.num_host_pages, int) \
+                or self.num_host_pages < 0:
+            raise ValueError(f"EngineConfig.num_host_pages must be an int >= 0, got "
+                             f"{self.num_host_pages!r}")
         for name, enum_type in (("kv_layout", KVLayout), ("preemption_mode", PreemptionMode),
                                 ("attention_impl", AttentionImpl),
                                 ("matmul_impl", MatmulImpl),

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvjax import grammar as grammar_lib
 from kvjax.config import KVLayout, resolve_dtype
-from kvjax.engine import compat
+from kvjax.engine import compat, host_rows
 from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.core import EngineCore
 from kvjax.engine.pool import KVPoolSource, build_kv_pool
@@ -45,6 +45,7 @@ from kvjax.engine.swap import DEMOTION_BITS, demoted_nbytes, demotes
 from kvjax.kv.retention import RetentionManager, make_retention
 from kvjax.kv.reuse import ChunkCopier
 from kvjax.kv.state import pages_for
+from kvjax.memory.host_pool import HostPagePool
 from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.ops import KVOpKind
 from kvjax.memory.tiers import (
@@ -58,6 +59,7 @@ from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.context import Segment, clip_spans, make_strategy, split_segments
 from kvjax.scheduler.controller import SLO, make_controller
+from kvjax.scheduler.host_split import make_host_split
 from kvjax.scheduler.policies import make_policy
 from kvjax.scheduler.replay import DecisionRecorder, SchedulerRecipe
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -141,9 +143,12 @@ class Engine:
         kv = retention.policy.wrap_state(pool.kv)
         if config.batch_invariant:
             invariant.check(mc, model.dtype, self.kv_dtype)
+        host_split = make_host_split(config.host_split, **config.host_split_options)
+        uses_host = host_split.uses_host and config.num_host_pages > 0
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
                                 retention=retention.step_hooks, matmul_impl=config.matmul_impl,
-                                batch_invariant=config.batch_invariant)
+                                batch_invariant=config.batch_invariant,
+                                host_compute=uses_host and host_rows.host_compute_reason() is None)
         if mesh is not None:
             kv, programs = sharding.shard_kv_and_programs(kv, programs, model, mesh)
         else:
@@ -163,6 +168,8 @@ class Engine:
                                   page_size=config.page_size,
                                   kv_store=None if kv_pool is None else kv_pool.store(),
                                   num_tables=len(pool.spec.table_groups()))
+        if uses_host:
+            self.runner.host_pool = host_rows.HostPool(kv, config.num_host_pages)
         self.stats: dict = {}
         self._grammars: grammar_lib.GrammarCompiler | None = None  # built on the first grammar
         tiers, swap_space = self._build_tiers(pool)
@@ -175,7 +182,8 @@ class Engine:
             self.runner, pool.allocator, swap_space, retention, page_size=config.page_size,
             watermark=config.watermark, scrub_freed_pages=config.scrub_freed_pages,
             stats=self.stats, tiers=tiers, quantized_len=pool.quantized_len,
-            chunk_copier=ChunkCopier(mc.rope, config.page_size), clock=clock)
+            chunk_copier=ChunkCopier(mc.rope, config.page_size), clock=clock,
+            host_pool=HostPagePool(config.num_host_pages) if uses_host else None)
         self.context_reuse = make_strategy(config.context_reuse, **config.context_reuse_options)
         self.scheduler = Scheduler(
             self._scheduler_config(), self.kv_cache, make_policy(config.scheduler_policy),
@@ -183,7 +191,8 @@ class Engine:
             weights_version=model.weights_version, tokenizer=model.tokenizer,
             drafter=make_drafter(config.spec.method, **config.spec.options),
             reuse_strategies={config.context_reuse: self.context_reuse},
-            controller=make_controller(config.controller, **config.controller_options))
+            controller=make_controller(config.controller, **config.controller_options),
+            host_split=host_split if uses_host else None)
         self.stats.update(weight_updates=0)
         # An evicting policy decides from step t's key scores before step t+1's block tables
         # can exist, and a verify step's kept drafts decide step t+1's positions: such

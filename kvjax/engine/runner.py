@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from kvjax.engine.host_rows import HostPool
 from kvjax.engine.step import (
     BlendShape,
     LogitsMode,
@@ -251,6 +252,8 @@ class ModelRunner:
       kv_programs: `KVOpKind` -> program(state, op) -> state, for each kind of
         `kvjax.memory.ops.DATA_KINDS`: how the runner applies ops given as data (the engine
         registers the scrub and window-copy programs of its swap space).
+      host_pool: the host pool of host-resident rows (`kvjax.engine.host_rows.HostPool`; it
+        applies `KVOpKind.HOST_OUT` and `HOST_IN`), or None.
     """
 
     def __init__(self, programs: StepPrograms, buckets: StepBuckets, kv: Any, params: Any,
@@ -272,9 +275,12 @@ class ModelRunner:
                                          jax.sharding.SingleDeviceSharding(device))
         self._feed = self._zero_feed
         self._last_row_index: list[int] = []
+        self.host_pool: HostPool | None = None
         self.kv_programs: dict[KVOpKind, Callable[[Any, KVOp], Any]] = {
             KVOpKind.COPY: lambda kv, op: programs.copy_pages(
-                kv, np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32))}
+                kv, np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32)),
+            KVOpKind.HOST_OUT: self._host_out,
+            KVOpKind.HOST_IN: lambda kv, op: self.host_pool.move_in(kv, op.src, op.dst)}
 
     @property
     def kv(self) -> Any:
@@ -286,7 +292,17 @@ class ModelRunner:
 
     @property
     def num_compiles(self) -> int:
-        return self.programs.num_compiles
+        host = 0 if self.host_pool is None else self.host_pool.num_compiles
+        return self.programs.num_compiles + host
+
+    @property
+    def host_kv(self) -> Any:
+        """The host pool's KV state, or None without one."""
+        return None if self.host_pool is None else self.host_pool.kv
+
+    def _host_out(self, kv: Any, op: KVOp) -> Any:
+        self.host_pool.move_out(kv, op.src, op.dst)
+        return kv
 
     # ----------------------------------------------------------------------------- KV ops
 
@@ -337,7 +353,7 @@ class ModelRunner:
         step's feed on the device, at that row's padded index.
         """
         shape = self.buckets.shape_for(so, logits_mode)
-        buf = empty_step_input(shape, self.num_tables)
+        buf = empty_step_input(shape, self.num_tables, host_rows=self.host_pool is not None)
         bd, num_decode, wd = shape.num_decode, len(so.decode), shape.decode_width
         row_index = []
         t0 = bd * wd  # the next prefill row's first token: prefill rows are packed
@@ -396,6 +412,12 @@ class ModelRunner:
         buf["kv_floors"][r] = row.kv_floor
         if row.feed_index >= 0:
             buf["token_src"][t0] = self._last_row_index[row.feed_index]
+        if row.host_len:
+            if r >= shape.num_decode or self.host_pool is None:
+                raise ValueError(f"row {row.seq_id!r} has host-resident pages but is not a "
+                                 f"decode row of an engine with a host pool")
+            buf["host_tables"][r, :len(row.host_table)] = row.host_table
+            buf["host_lens"][r] = row.host_len
 
     def blend_input(self, blend: BlendRow) -> tuple[BlendShape, dict[str, np.ndarray]]:
         """The padded host inputs of a CacheBlend recompute (chunk tokens to a power of two,
@@ -427,7 +449,8 @@ class ModelRunner:
         shape, buf, row_index = self.build_input(so, logits_mode)
         for observer in self.observers:
             observer.before_step(shape, buf)
-        out, self.kv = self.programs.step(self.params[so.weights_version], self.kv, buf, shape)
+        out, self.kv = self.programs.step(self.params[so.weights_version], self.kv, buf, shape,
+                                          self.host_kv)
         for observer in self.observers:
             observer.after_step(shape, buf, out)
         self._feed, self._last_row_index = out.feed_tokens, row_index
@@ -469,6 +492,9 @@ class ModelRunner:
         for greedy_shape in self.buckets.step_shapes():
             for variant in variants:
                 shape = dataclasses.replace(greedy_shape, **variant)
-                buf = empty_step_input(shape, self.num_tables)
+                buf = empty_step_input(shape, self.num_tables,
+                                       host_rows=self.host_pool is not None)
                 buf["prev_tokens"] = self._zero_feed
-                _, self.kv = self.programs.step(params, self.kv, buf, shape)
+                _, self.kv = self.programs.step(params, self.kv, buf, shape, self.host_kv)
+        if self.host_pool is not None:
+            self.kv = self.host_pool.warmup(self.kv, self.buckets.block_table_width)

@@ -26,6 +26,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.config import ModelConfig
+from kvjax.engine import host_rows
 from kvjax.kv import attention as attention_ref
 from kvjax.kv import layout, native
 from kvjax.kv.spec import layer_tables
@@ -147,6 +148,11 @@ class StepInput:
       group_tables: [G-1, R, Pmax] int32, the block tables of layer groups 1..G-1 of a model
         with several (`kvjax.kv.spec.KVCacheSpec.table_groups`; `block_tables` is group 0's).
       group_slots: [G-1, T] int32, those groups' slot mappings (`slot_mapping`: group 0's).
+      host_tables: [Bh, Pmax] int32, Bh = Bd with a host pool (else 0): the host-pool pages
+        holding cache positions [0, host_lens) of each decode row (`kvjax.engine.host_rows`).
+      host_lens: [Bh] int32, how many of each decode row's first positions live in the host
+        pool (a multiple of the page size; 0: all on the device). Its device block table's
+        entries for them are ignored.
     """
 
     tokens: jax.Array
@@ -181,6 +187,8 @@ class StepInput:
     token_rows: jax.Array
     group_tables: jax.Array
     group_slots: jax.Array
+    host_tables: jax.Array
+    host_lens: jax.Array
 
     def for_table(self, table: jax.Array) -> StepInput:
         """This input as layer group `table` (traced) sees it: its block tables and slots."""
@@ -213,9 +221,12 @@ class StepOutput:
     spec_logprobs: jax.Array | None = None
 
 
-def empty_step_input(shape: StepShape, num_tables: int = 1) -> dict[str, np.ndarray]:
+def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool = False
+                     ) -> dict[str, np.ndarray]:
     """Host buffers for one step, filled with padding values (num_tables: G, the block tables
-    of the model's layer groups)."""
+    of the model's layer groups; host_rows: the engine has a host pool, so decode rows ship
+    host tables)."""
+    num_host = shape.num_decode if host_rows else 0
     r, t, bd, w = shape.num_rows, shape.num_tokens, shape.num_decode, shape.decode_width
     h, kb = shape.history_width, shape.bias_width
     return dict(
@@ -252,6 +263,8 @@ def empty_step_input(shape: StepShape, num_tables: int = 1) -> dict[str, np.ndar
         token_rows=np.minimum(np.arange(t) // w, bd).astype(np.int32),
         group_tables=np.zeros((num_tables - 1, r, shape.max_pages), np.int32),
         group_slots=np.full((num_tables - 1, t), -1, np.int32),
+        host_tables=np.zeros((num_host, shape.max_pages), np.int32),
+        host_lens=np.zeros(num_host, np.int32),
     )
 
 
@@ -289,7 +302,8 @@ def _resolve(impl: AttentionImpl, kv: KVState, soft_cap: float | None):
 
 def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, shape: StepShape,
                  kernels, reads: tuple[jax.Array, jax.Array] | None = None, *,
-                 window: jax.Array | None = None, soft_cap: float | None = None) -> jax.Array:
+                 window: jax.Array | None = None, soft_cap: float | None = None,
+                 host: host_rows.HostAttention | None = None) -> jax.Array:
     """Attention of a step's decode rows and prefill rows. q: [T, N, D] -> [T, N, D].
 
     kernels: `_resolve`'s kernel chooser, or None for the blockwise reference (which applies
@@ -297,8 +311,13 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
     reads: (indices [Bd, W], kv_lens [Bd]) of the block-table entries decode rows read (a
     retention policy's `select_reads`), or None: every page.
     window: the layer's sliding window (int32 scalar, 0: global; blockwise only), or None.
+    host: with a host pool, decode rows attend over their host-resident positions there and
+    over the rest on the device, merged (`kvjax.engine.host_rows`); None: no host pool.
     """
     bd, bp, wd = shape.num_decode, shape.num_prefill, shape.decode_width
+    if host is not None and (wd > 1 or reads is not None or window is not None):
+        raise ValueError("host-resident rows are one-token decode rows reading every page "
+                         "(kvjax.engine.compat refuses the rest)")
     bt, kv_lens, q_lens = inp.block_tables, inp.kv_lens, inp.q_lens
     if wd > 1 and reads is not None:
         raise ValueError("a verify step's decode rows read every page of their block tables")
@@ -309,13 +328,17 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
         return tables if reads is None else jnp.take_along_axis(tables, reads[0], axis=1)
 
     outs = []
+    if host is not None and bd:
+        outs.append(host_rows.attend_split(kv, host, layer, q[:bd], inp, bd, soft_cap=soft_cap,
+                                           pages_per_block=PAGES_PER_BLOCK))  # [Bd, N, D]
     if kernels is not None:
         decode_attn, prefill_attn = kernels(kv, layer)
-        if bd and wd > 1:
+        on_device = bd if host is None else 0  # decode rows the kernels attend
+        if on_device and wd > 1:
             out = prefill_attn(q[:num_dec].reshape(bd, wd, n, d), bt[:bd], kv_lens[:bd],
                                q_lens[:bd])
             outs.append(out.reshape(num_dec, n, d))
-        elif bd:
+        elif on_device:
             outs.append(decode_attn(q[:bd], decode_tables(bt[:bd]), decode_lens))
         if bp:
             out = prefill_attn(layout.prefill_view(q, inp, shape), bt[bd:], kv_lens[bd:],
@@ -331,7 +354,7 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
         return kv.row_loader(layer, bt[rows], kv_lens[rows], inp.seq_slots[rows],
                              inp.kv_floors[rows])
 
-    if bd:
+    if bd and host is None:
         tables, load = reader(slice(0, bd))  # the loader sees every row's full length
         out = blockwise(q[:num_dec].reshape(bd, wd, n, d), load, decode_tables(tables),
                         decode_lens, q_lens[:bd])  # [Bd, Wd, N, D]
@@ -361,7 +384,8 @@ def _attend_per_query(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInpu
 def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shape: StepShape,
                attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
                place_kernels=None, matmul_impl: MatmulImpl = MatmulImpl.XLA,
-               batch_invariant: bool = False) -> tuple[StepOutput, KVState]:
+               batch_invariant: bool = False, host_kv: KVState | None = None,
+               host_compute: bool = False) -> tuple[StepOutput, KVState]:
     """Runs the model over one step's tokens, writing their K/V and sampling one token per row.
 
     `retention` (a kvjax.kv.retention policy, static) may narrow the pages decode rows read and
@@ -371,8 +395,15 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     the kernels as they are.
     `batch_invariant`: every token's logits and logprobs bitwise independent of the rest of
     the step (`kvjax.models.invariant`; overrides attention_impl and matmul_impl).
+    `host_kv`: the host pool, where decode rows keep positions [0, inp.host_lens) (read, never
+    written: `kvjax.engine.host_rows`); `host_compute`: its part of their attention runs under
+    compute_on("device_host") (else in device memory space). None: no host pool.
     """
     q_lens = inp.q_lens
+    host = None
+    if host_kv is not None:
+        host = host_rows.HostAttention(
+            host_kv if host_compute else host_rows.device_view(host_kv), host_compute)
     # Once per program, for every layer.
     kernels = _resolve(attention_impl, kv, config.attn_logit_softcap)
     if kernels is not None and place_kernels is not None:
@@ -396,7 +427,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
             out = _attend_per_query(kv, layer, q, layer_inp)
         elif window is None or kernels is None:
             out = _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads, window=window,
-                               soft_cap=cap)
+                               soft_cap=cap, host=host)
         else:  # the kernels read every page: sliding-window layers take the blockwise path,
             # which masks the window and skips the pages before it
             out = jax.lax.cond(
@@ -541,7 +572,9 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         kv_floors=zeros, token_src=jnp.full(n, -1, jnp.int32), prev_tokens=zeros,
         row_starts=jnp.arange(n, dtype=jnp.int32), token_rows=jnp.arange(n, dtype=jnp.int32),
         group_tables=jnp.zeros((0, n, block_table.shape[0]), jnp.int32),
-        group_slots=jnp.zeros((0, n), jnp.int32))
+        group_slots=jnp.zeros((0, n), jnp.int32),
+        host_tables=jnp.zeros((0, block_table.shape[0]), jnp.int32),
+        host_lens=jnp.zeros(0, jnp.int32))
 
 
 def blend_step(params, kv: KVState, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
@@ -599,14 +632,15 @@ class StepPrograms:
 
     def __init__(self, config: ModelConfig, *,
                  attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
-                 matmul_impl: MatmulImpl = MatmulImpl.XLA, batch_invariant: bool = False):
+                 matmul_impl: MatmulImpl = MatmulImpl.XLA, batch_invariant: bool = False,
+                 host_compute: bool = False):
         self.config = config
         self.attention_impl = attention_impl
         self.retention = retention
         self._step = jax.jit(
             functools.partial(model_step, config=config, attention_impl=attention_impl,
                               retention=retention, matmul_impl=matmul_impl,
-                              batch_invariant=batch_invariant),
+                              batch_invariant=batch_invariant, host_compute=host_compute),
             static_argnames=("shape",), donate_argnames=("kv",))
         self._copy = jax.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
         self._blend = jax.jit(
@@ -618,10 +652,11 @@ class StepPrograms:
         """Programs compiled so far (one per distinct step shape and KV layout)."""
         return self._step._cache_size() + self._copy._cache_size() + self._blend._cache_size()
 
-    def step(self, params, kv: KVState, host_input: dict[str, np.ndarray], shape: StepShape
-             ) -> tuple[StepOutput, KVState]:
-        """Dispatches one step asynchronously; returns device arrays."""
-        return self._step(params, kv, StepInput(**host_input), shape=shape)
+    def step(self, params, kv: KVState, host_input: dict[str, np.ndarray], shape: StepShape,
+             host_kv: KVState | None = None) -> tuple[StepOutput, KVState]:
+        """Dispatches one step asynchronously; returns device arrays (host_kv: the host pool,
+        or None)."""
+        return self._step(params, kv, StepInput(**host_input), shape=shape, host_kv=host_kv)
 
     def copy_pages(self, kv: KVState, src: np.ndarray, dst: np.ndarray) -> KVState:
         """Applies copy-on-write page copies (src[i] -> dst[i])."""

@@ -229,7 +229,9 @@ def paged_attention_blockwise(
     soft_cap: float | None = None,
     query_tile: int = 256,
     window: jax.Array | int | None = None,
-) -> jax.Array:
+    kv_starts: jax.Array | None = None,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The engine's jnp fast path: `paged_prefill_attention_reference` computed block by block.
 
     Walks the block tables `pages_per_block` pages at a time with an online softmax, for only as
@@ -251,8 +253,12 @@ def paged_attention_blockwise(
         position t sees keys t - window + 1 .. t, and the walk starts at the first block any
         of them needs, so pages before it (given back to the pool) are never read.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap) (Gemma 2).
+      kv_starts: [B] int32 or None: row b reads only cache positions >= kv_starts[b] (the
+        earlier ones live elsewhere, `merge_partials` joins the parts); None: from 0.
+      return_lse: also return the log-sum-exp of each query's (capped, scaled) logits over
+        the keys it read, [B, C, N] float32 (-inf where it read none).
     Returns:
-      [B, C, N, D] in q's dtype.
+      [B, C, N, D] in q's dtype, and with return_lse the log-sum-exp.
     """
     b, c, n, d = q.shape
     block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % pages_per_block)))
@@ -275,6 +281,8 @@ def paged_attention_blockwise(
         if window is not None:
             oldest = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max)) - window + 1
             first_block = jnp.where(window > 0, jnp.clip(oldest, 0, seen) // block, 0)
+        if kv_starts is not None:
+            first_block = jnp.maximum(first_block, jnp.min(kv_starts) // block)
 
         def body(i, carry):
             m, denom, acc = carry  # [B, K, G, Ct], [B, K, G, Ct], [B, K, G, Ct, D]
@@ -288,6 +296,8 @@ def paged_attention_blockwise(
                 kv_pos[None, None, :] < kv_lens[:, None, None]) & valid[:, :, None]  # [B,Ct,S']
             if window is not None:
                 mask &= (window <= 0) | (kv_pos[None, None, :] > pos[:, :, None] - window)
+            if kv_starts is not None:
+                mask &= kv_pos[None, None, :] >= kv_starts[:, None, None]
             v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, 0.0)
             s = jnp.einsum("bckgd,bskd->bkgcs", qt, k)  # [B, K, G, Ct, S']
             if soft_cap is not None:
@@ -304,15 +314,45 @@ def paged_attention_blockwise(
         init = (jnp.full((b, k_heads, g, ct), -jnp.inf, jnp.float32),
                 jnp.zeros((b, k_heads, g, ct), jnp.float32),
                 jnp.zeros((b, k_heads, g, ct, d), jnp.float32))
-        _, denom, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
+        m, denom, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
         out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [B, K, G, Ct, D]
-        return jnp.einsum("bkgcd->bckgd", out).reshape(b, ct, n, d)
+        lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+        return (jnp.einsum("bkgcd->bckgd", out).reshape(b, ct, n, d),
+                jnp.einsum("bkgc->bckg", lse).reshape(b, ct, n))  # [B, Ct, N, D], [B, Ct, N]
 
     if tile == c:
-        return attend(qg, q_pos, q_valid).astype(q.dtype)
+        out, lse = attend(qg, q_pos, q_valid)
+    else:
+        def split(x):  # [B, C, ...] -> [C / tile, B, tile, ...]
+            return jnp.moveaxis(x.reshape(b, c // tile, tile, *x.shape[2:]), 1, 0)
 
-    def split(x):  # [B, C, ...] -> [C / tile, B, tile, ...]
-        return jnp.moveaxis(x.reshape(b, c // tile, tile, *x.shape[2:]), 1, 0)
+        out, lse = jax.lax.map(lambda xs: attend(*xs), (split(qg), split(q_pos), split(q_valid)))
+        out = jnp.moveaxis(out, 0, 1).reshape(b, c, n, d)
+        lse = jnp.moveaxis(lse, 0, 1).reshape(b, c, n)
+    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
 
-    out = jax.lax.map(lambda xs: attend(*xs), (split(qg), split(q_pos), split(q_valid)))
-    return jnp.moveaxis(out, 0, 1).reshape(b, c, n, d).astype(q.dtype)
+
+def merge_partials(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Attention over a union of disjoint key sets, from each set's attention: exact.
+
+    Part s attended over its keys alone, giving out[s] = sum_j p_sj v_j with p_sj =
+    exp(l_j - lse[s]) and lse[s] = log sum_j exp(l_j). The union's attention weighs each part by
+    exp(lse[s] - lse), lse = log sum_s exp(lse[s]). A part that read no key has lse -inf and
+    weight 0 (its output is ignored, so zeros or anything finite); with one non-empty part the
+    result is that part's output unchanged.
+
+    Args:
+      outs: [S, ..., D] the parts' outputs (any float dtype; the sum is float32).
+      lses: [S, ...] float32, their log-sum-exps (-inf: the part read no key).
+    Returns:
+      ([..., D] in outs' dtype, [...] float32 lse of the union; -inf where no part read a key).
+    """
+    m = jnp.max(lses, axis=0)  # [...]
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    weights = jnp.exp(lses - m_safe)  # [S, ...]; -inf parts give 0
+    denom = jnp.sum(weights, axis=0)  # [...]
+    outs32 = jnp.where(weights[..., None] > 0, outs.astype(jnp.float32), 0.0)
+    out = jnp.sum(weights[..., None] * outs32, axis=0) / jnp.where(denom > 0, denom, 1.0)[
+        ..., None]  # [..., D]
+    lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out.astype(outs.dtype), lse

@@ -510,6 +510,34 @@ class BlockManager:
                     freed.append(page)
         return freed
 
+    def release_pages(self, seq_id: Hashable, first: int, num: int) -> tuple[list[int], list[int]]:
+        """Gives back the device pages of block-table entries [first, first + num) (their
+        content now lives elsewhere: a host pool); the entries become RELEASED.
+
+        Returns:
+            (the pages the entries held, in order; those that went to the free list).
+        """
+        seq = self._get(seq_id)
+        entries = seq.block_table[first:first + num]
+        if len(entries) != num or RELEASED in entries:
+            raise ValueError(f"sequence {seq_id!r} holds no pages at entries "
+                             f"[{first}, {first + num})")
+        seq.block_table[first:first + num] = [RELEASED] * num
+        return entries, [page for page in entries if self._release(page)]
+
+    def fill_pages(self, seq_id: Hashable, first: int, num: int) -> list[int] | None:
+        """Fresh private pages for RELEASED entries [first, first + num) (content coming back
+        from elsewhere); None, with nothing changed, when the pool lacks them."""
+        seq = self._get(seq_id)
+        if seq.block_table[first:first + num] != [RELEASED] * num:
+            raise ValueError(f"entries [{first}, {first + num}) of sequence {seq_id!r} are not "
+                             "all released")
+        if self.num_free_pages() < num:
+            return None
+        pages = [self._allocate() for _ in range(num)]
+        seq.block_table[first:first + num] = pages
+        return pages
+
     def take_released(self) -> list[int]:
         """Pages windows gave back since the last call: none here (`release_before` returns
         its own; `kvjax.memory.groups.GroupedBlockManager` collects them)."""

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvjax.kv.retention_host import RetentionManager, SeqLayout
 from kvjax.memory.block_manager import AllocStatus, CopyOp
+from kvjax.memory.host_pool import HostPagePool
 from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
 from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last, pages_for
 from kvjax.trace import NULL_TRACER, Tracer
@@ -34,6 +35,7 @@ class KVCacheManager:
       retention: the retention manager (which tokens each sequence keeps).
       page_versions: pool page -> the weights version that last wrote it.
       stats: the engine's counters (shared dict) this manager adds to.
+      host_pool: the host pool's bookkeeping (host-resident rows: `to_host`), or None.
 
     Args:
       quantized_len: for a state whose newest tokens live beside the pages (KIVI with an
@@ -43,8 +45,10 @@ class KVCacheManager:
 
     def __init__(self, device: KVDevice, allocator, swap_space, retention: RetentionManager, *,
                  page_size: int, watermark: float, scrub_freed_pages: bool, stats: dict,
-                 tiers=None, quantized_len=None, chunk_copier=None, clock=None):
+                 tiers=None, quantized_len=None, chunk_copier=None, clock=None,
+                 host_pool: HostPagePool | None = None):
         self.device = device
+        self.host_pool = host_pool
         self.allocator = allocator
         self.swap_space = swap_space
         self.retention = retention
@@ -54,6 +58,7 @@ class KVCacheManager:
         self.scrub_freed_pages = scrub_freed_pages
         self.stats = stats
         self.page_versions: dict[int, str] = {}
+        self._host_versions: dict[int, str] = {}  # host-pool page -> the version that wrote it
         self._quantized_len = quantized_len
         self._chunk_copier = chunk_copier
         if clock is not None and self.has_prefix_cache:
@@ -64,7 +69,8 @@ class KVCacheManager:
         self.tracer: Tracer = NULL_TRACER
         self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
                           stale_kv_reads=0, bytes_device_to_host=0, bytes_host_to_device=0,
-                          bytes_host_to_disk=0, bytes_disk_to_host=0)
+                          bytes_host_to_disk=0, bytes_disk_to_host=0, host_pages_out=0,
+                          host_pages_in=0)
 
     # ----------------------------------------------------------------------------- KV ops
 
@@ -313,10 +319,13 @@ class KVCacheManager:
 
     def free(self, seq_id: str, *, keep_retention: bool = False) -> None:
         """Releases a sequence's pages (cached ones stay in the prefix cache) and policy state
-        (kept with keep_retention: a swapped sequence comes back with the same tokens)."""
+        (kept with keep_retention: a swapped sequence comes back with the same tokens, and its
+        host-resident pages stay in the host pool for it)."""
         if not keep_retention:
             self.retention.drop(seq_id)
             self._floors.pop(seq_id, None)
+        if self.host_pool is not None and not keep_retention:
+            self.host_pool.free(seq_id)
         freed = self.allocator.free(seq_id)
         if self.scrub_freed_pages:
             if freed:
@@ -343,7 +352,10 @@ class KVCacheManager:
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         """Shares the parent's pages (and copies its window) with a new child sequence; False
-        when the allocator cannot share (the child is then prefilled afresh)."""
+        when the allocator cannot share (the child is then prefilled afresh). A parent forks
+        before it decodes, so it has no host-resident pages."""
+        if self.num_host_pages(parent_id):
+            raise ValueError(f"sequence {parent_id!r} forks with host-resident pages")
         try:
             copies = self.allocator.fork(parent_id, child_id) or []
         except ValueError:
@@ -357,6 +369,59 @@ class KVCacheManager:
                              dst=(self.seq_slot(child_id),)))
         return True
 
+    # ----------------------------------------------------------------------------- host rows
+
+    def num_host_pages(self, seq_id: str) -> int:
+        """How many of the sequence's first pages live in the host pool (0 without one)."""
+        return 0 if self.host_pool is None else self.host_pool.num_held(seq_id)
+
+    def host_table(self, seq_id: str) -> np.ndarray:
+        """[h] int32, the host-pool pages of the sequence's first h pages."""
+        return np.asarray([] if self.host_pool is None else self.host_pool.table(seq_id),
+                          np.int32)
+
+    def num_free_host_pages(self) -> int:
+        return 0 if self.host_pool is None else self.host_pool.num_free()
+
+    def to_host(self, seq_id: str, num: int) -> bool:
+        """Moves the sequence's next `num` device pages after its host-resident ones to the
+        host pool (full pages only: the caller checks) and gives the device pages back;
+        False, with nothing changed, when the host pool lacks room."""
+        if num <= 0:
+            return True
+        if self.host_pool is None or self.host_pool.num_free() < num:
+            return False
+        first = self.host_pool.num_held(seq_id)
+        src, freed = self.allocator.release_pages(seq_id, first, num)
+        dst = self.host_pool.take(seq_id, num)
+        for d, s in zip(dst, src, strict=True):
+            self._host_versions[d] = self.page_versions.get(s, "")
+        self._issue(KVOp(KVOpKind.HOST_OUT, tuple(src), src=_padded(src), dst=_padded(dst)))
+        self.stats["host_pages_out"] += num
+        if self.scrub_freed_pages and freed:
+            self.spill_evictions()
+            self.scrub(freed)
+        return True
+
+    def to_device(self, seq_id: str, num: int) -> bool:
+        """Brings the sequence's last `num` host-resident pages back into fresh device pages;
+        False, with nothing changed, when the device pool lacks room."""
+        if num <= 0:
+            return True
+        first = self.num_host_pages(seq_id) - num
+        if first < 0:
+            raise ValueError(f"sequence {seq_id!r} holds {first + num} host pages, not {num}")
+        dst = self.allocator.fill_pages(seq_id, first, num)
+        if dst is None:
+            return False
+        self.spill_evictions()  # Before the copy overwrites pages evicted for it.
+        src = self.host_pool.give_last(seq_id, num)
+        for d, s in zip(dst, src, strict=True):
+            self.page_versions[d] = self._host_versions.get(s, "")
+        self._issue(KVOp(KVOpKind.HOST_IN, tuple(dst), src=_padded(src), dst=_padded(dst)))
+        self.stats["host_pages_in"] += num
+        return True
+
     # ----------------------------------------------------------------------------- swap
 
     def swap_out(self, seq_id: str, num_computed: int, *, demote_bits: int = 0) -> None:
@@ -365,7 +430,9 @@ class KVCacheManager:
 
         A sequence retention compacted keeps its record of which tokens its pages hold."""
         held = self.cached_len(seq_id, num_computed)
-        pages = self.block_table(seq_id)[:pages_for(held, self.page_size)]
+        # Host-resident pages are host memory already: they wait in the host pool.
+        pages = self.block_table(seq_id)[self.num_host_pages(seq_id):pages_for(held,
+                                                                              self.page_size)]
         nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
             self.swap_space.swap_out(kv, seq_id, pages, demote_bits=demote_bits)))
         self.stats["swaps_out"] += 1
@@ -382,9 +449,22 @@ class KVCacheManager:
         pages = self.block_table(seq_id)
         first = cached // self.page_size
         nbytes = []
+        num_host = self.num_host_pages(seq_id)
+        if num_host:  # its host-resident pages come back too (those the prefix cache lacks)
+            host = self.host_table(seq_id)
+            if first < num_host:
+                for d, s in zip(pages[first:num_host], host[first:num_host], strict=True):
+                    self.page_versions[d] = self._host_versions.get(int(s), "")
+                self.spill_evictions()
+                self._issue(KVOp(KVOpKind.HOST_IN, tuple(pages[first:num_host]),
+                                 src=_padded(host[first:num_host].tolist()),
+                                 dst=_padded(pages[first:num_host])))
+                self.stats["host_pages_in"] += num_host - first
+            self.host_pool.free(seq_id)
 
         def swap_in(kv):
-            kv, n = self.swap_space.swap_in(kv, seq_id, pages, first)
+            kv, n = self.swap_space.swap_in(kv, seq_id, pages[num_host:],
+                                            max(first - num_host, 0))
             nbytes.append(n)
             return kv
 
@@ -460,6 +540,8 @@ class KVCacheManager:
         self.swap_space.drop(seq_id)
         self.retention.drop(seq_id)
         self._floors.pop(seq_id, None)
+        if self.host_pool is not None:
+            self.host_pool.free(seq_id)
 
     # ----------------------------------------------------------------------------- retention
 
@@ -495,10 +577,14 @@ class KVCacheManager:
         for page in pages:
             self.page_versions[int(page)] = version
 
-    def stale_pages(self, seq_id: str, kv_len: int, version: str) -> list[int]:
-        """Pages among a sequence's first `kv_len` cached tokens written by other weights."""
-        table = self.block_table(seq_id)[:pages_for(kv_len, self.page_size)]
-        return [p for p in table if self.page_versions.get(p) != version]
+    def stale_pages(self, seq_id: str, kv_len: int, version: str) -> list:
+        """Pages among a sequence's first `kv_len` cached tokens written by other weights (its
+        host-pool pages as 'host:<page>')."""
+        num_host = self.num_host_pages(seq_id)
+        table = self.block_table(seq_id)[num_host:pages_for(kv_len, self.page_size)]
+        stale = [p for p in table if self.page_versions.get(p) != version]
+        return stale + [f"host:{p}" for p in self.host_table(seq_id).tolist()
+                        if self._host_versions.get(p) != version]
 
     def check_fresh(self, seq_id: str, kv_len: int, version: str) -> None:
         """Raises (and counts) if the sequence would read a page written under other weights."""
@@ -563,3 +649,8 @@ class KVCacheManager:
         self._apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
             kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages,
             demote_bits=demote_bits))
+
+
+def _padded(pages: Sequence[int]) -> tuple[int, ...]:
+    """Pages padded to a power of two by repeating the last (a repeated copy is harmless)."""
+    return tuple(pad_repeat_last(list(pages)).tolist())

@@ -5,14 +5,15 @@ runner owns the device KV pytree. Each device consequence of a memory decision (
 copy, a swap, a tier load, a scrub, a compaction) is one `KVOp`, in the order the decisions
 were made.
 
-Ops of the kinds in `DATA_KINDS` (copy-on-write copies, scrubs, window copies) are plain
-data: their index arrays say everything, so the ops the scheduler issues while it forms a step
-travel in the step's `SchedulerOutput.kv_plan` and the runner applies them in the step's
-dispatch, before the model (`KVDevice.apply_ops`); those of committing a step are what
-`Scheduler.update_from_output` returns, applied by the engine core right after. The other
-kinds still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`);
-before one does, the manager hands over the data ops issued ahead of it, so the pool sees
-every op in issuing order (a spill of an evicted page before the copy that overwrites it).
+Ops of the kinds in `DATA_KINDS` (copy-on-write copies, scrubs, window copies, and the moves of
+host-resident rows' pages between the device pool and the host pool) are plain data: their
+index arrays say everything, so the ops the scheduler issues while it forms a step travel in
+the step's `SchedulerOutput.kv_plan` and the runner applies them in the step's dispatch, before
+the model (`KVDevice.apply_ops`); those of committing a step are what
+`Scheduler.update_from_output` returns, applied by the engine core right after. The other kinds
+still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`); before one
+does, the manager hands over the data ops issued ahead of it, so the pool sees every op in
+issuing order (a spill of an evicted page before the copy that overwrites it).
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ class KVOpKind(enum.StrEnum):
     PLACE = "place"  # the pool moved to other devices or shardings
     CALIBRATE = "calibrate"  # static codec scales set
     WARMUP = "warmup"  # programs compiled on padding inputs; the pool is unchanged
+    HOST_OUT = "host_out"  # a row's pages to the host pool, where its decode attention reads them
+    HOST_IN = "host_in"  # host-pool pages back into device pages
 
 
 # Kinds whose ops carry all they do as index arrays (the runner applies them from the data).
-DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB, KVOpKind.COPY_WINDOW})
+DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB, KVOpKind.COPY_WINDOW,
+                        KVOpKind.HOST_OUT, KVOpKind.HOST_IN})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,8 @@ class KVOp:
       pages: the pool pages it writes (or reads, for SWAP_OUT and SPILL), unpadded.
       src, dst: COPY: page dst[i] becomes a copy of page src[i]. COPY_WINDOW: sequence slot
         dst[0] becomes a copy of slot src[0]. SCRUB: dst are the pages zeroed (empty: none).
+        HOST_OUT: host-pool page dst[i] becomes a copy of device page src[i]. HOST_IN: device
+        page dst[i] becomes a copy of host-pool page src[i].
       seq_slots: SCRUB: the sequence slots zeroed (KIVI windows of freed sequences; empty:
         none).
     """
@@ -90,10 +96,12 @@ class KVDevice(Protocol):
 
 
 class HostKV:
-    """A KVDevice over a KV state held in a plain attribute (tests, tools)."""
+    """A KVDevice over a KV state held in a plain attribute (tests, tools); `host_kv`: its
+    host pool (`KVOpKind.HOST_OUT` / `HOST_IN`), or None."""
 
-    def __init__(self, kv: Any):
+    def __init__(self, kv: Any, host_kv: Any = None):
         self.kv = kv
+        self.host_kv = host_kv
         self.ops: list[KVOp] = []
 
     def apply(self, op: KVOp, fn: Callable[[Any], Any]) -> None:
@@ -111,6 +119,14 @@ class HostKV:
                 src, dst = np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32)
                 self.kv = pages.scatter_seq_slots(self.kv, dst,
                                                   pages.gather_seq_slots(self.kv, src))
+            elif op.kind is KVOpKind.HOST_OUT:
+                self.host_kv = pages.scatter_pages(
+                    self.host_kv, np.asarray(op.dst, np.int32),
+                    pages.gather_pages(self.kv, np.asarray(op.src, np.int32)))
+            elif op.kind is KVOpKind.HOST_IN:
+                self.kv = pages.scatter_pages(
+                    self.kv, np.asarray(op.dst, np.int32),
+                    pages.gather_pages(self.host_kv, np.asarray(op.src, np.int32)))
             else:
                 self.kv = pages.scrub(self.kv, np.asarray(op.dst, np.int32),
                                       np.asarray(op.seq_slots, np.int32))

@@ -55,6 +55,9 @@ class ScheduledRow:
         None: unconstrained.
       draft_masks: a constrained verify row's [num_drafts, ceil(V / 32)] int32: the mask after
         each draft token (`GrammarMatcher.masks`); None otherwise.
+      host_table, host_len: a decode row's host-resident positions [0, host_len) and the
+        host-pool pages holding them ([host_len / P] int32; `kvjax.engine.host_rows`); None
+        and 0: all on the device.
     """
 
     seq_id: str
@@ -81,6 +84,8 @@ class ScheduledRow:
     stop_ids: tuple[int, ...] = ()
     token_mask: np.ndarray | None = None
     draft_masks: np.ndarray | None = None
+    host_table: np.ndarray | None = None
+    host_len: int = 0
 
     @property
     def num_tokens(self) -> int:

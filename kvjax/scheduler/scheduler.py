@@ -19,6 +19,7 @@ from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.ops import KVOp
 from kvjax.memory.prefix_cache import HitLedger, page_hash_chain
 from kvjax.sampling_params import SamplingParams
+from kvjax.scheduler import host_split as host_split_lib
 from kvjax.scheduler.chunks import ChunkReuse
 from kvjax.scheduler.context import ReuseStrategy
 from kvjax.scheduler.controller import (
@@ -29,6 +30,7 @@ from kvjax.scheduler.controller import (
     KVController,
     SeqState,
 )
+from kvjax.scheduler.host_split import HostSplitPolicy, RowPlacement
 from kvjax.scheduler.output import RunnerOutput, ScheduledRow, SchedulerOutput
 from kvjax.scheduler.policies import LongestPrefixMatch, SchedulingPolicy
 from kvjax.scheduler.preemption import PreemptionMode, decide_preemption
@@ -112,6 +114,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         name not in it is made with its default options.
       controller: the KV controller consulted at the start of every `schedule()`
         (`kvjax.scheduler.controller`); its last decisions are `decisions`.
+      host_split: how many pages of each decode row live in the host pool
+        (`kvjax.scheduler.host_split`).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
@@ -119,8 +123,10 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                  clock: Callable[[], float], stats: dict, weights_version: str, tokenizer=None,
                  drafter: Drafter | None = None,
                  reuse_strategies: dict[str, ReuseStrategy] | None = None,
-                 controller: KVController | None = None):
+                 controller: KVController | None = None,
+                 host_split: HostSplitPolicy | None = None):
         self.config = config
+        self.host_split = host_split or host_split_lib.Never()
         self.kv_cache = kv_cache
         self.policy = policy
         self._cache_key = cache_key
@@ -138,7 +144,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self._init_chunks(reuse_strategies)
         self.stats.update(steps=0, preemptions=0, prefill_tokens=0, decode_tokens=0,
                           preemption_decisions=[], step_time_s=0.0, spec_draft_steps=0,
-                          spec_verify_rows=0, spec_proposed=0, spec_accepted=0, demoted_swaps=0)
+                          spec_verify_rows=0, spec_proposed=0, spec_accepted=0, demoted_swaps=0,
+                          host_offloads=0)
         if isinstance(policy, LongestPrefixMatch):
             policy.cached_tokens = self._peek_cached_tokens
         self._init_registry()
@@ -305,11 +312,14 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                         drafting.add(seq.seq_id)
                     budget -= width
                     break
+                if self.host_split.offloads_when_full and self._offload_a_row():
+                    continue  # its pages went to the host pool instead of a preemption
                 victim = self._victim([s for s in self.running if s.seq_id not in scheduled])
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
                 if victim is seq:
                     break
+        self._place_rows([s for s, _ in decode])
         # 2. Prefill chunks: running partial prefills, then swapped, then waiting sequences.
         partial = [s for s in self._ranked(self.running)
                    if s.num_pending > 1 and s.seq_id not in scheduled]
@@ -405,6 +415,41 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                                kv_ops=self.kv_cache.take_ops(), weights_version=active,
                                blends=self._take_blends())
 
+    def _placement(self, seq: Sequence) -> RowPlacement:
+        cached = self._cached_len(seq)  # the position the row writes: its page stays
+        return RowPlacement(seq.seq_id, cached + 1, cached // self.config.page_size,
+                            self.kv_cache.num_host_pages(seq.seq_id))
+
+    def _place_rows(self, decoding: list[Sequence]) -> None:
+        """Moves pages between the pools to the split policy's targets for this step's
+        decode rows (a move that finds no room leaves the row as it is)."""
+        if not self.host_split.uses_host or not decoding:
+            return
+        rows = [self._placement(s) for s in decoding]
+        targets = self.host_split.targets(rows, self.kv_cache.allocator.num_free_pages(),
+                                          self.kv_cache.num_free_host_pages())
+        for row in rows:
+            if row.seq_id not in targets:
+                continue
+            target = min(max(targets[row.seq_id], 0), row.num_full_pages)
+            if target > row.num_host_pages:
+                self.kv_cache.to_host(row.seq_id, target - row.num_host_pages)
+            elif target < row.num_host_pages:
+                self.kv_cache.to_device(row.seq_id, row.num_host_pages - target)
+
+    def _offload_a_row(self) -> bool:
+        """The device pool is full: moves the full device pages of the lowest-ranked decoding
+        sequence that has some, and room in the host pool, there; False if none does."""
+        for seq in reversed(self._ranked(self.running)):
+            if seq.status is not SeqStatus.RUNNING or seq.num_pending != 1:
+                continue  # prefill rows read device pages only
+            row = self._placement(seq)
+            extra = row.num_full_pages - row.num_host_pages
+            if extra > 0 and self.kv_cache.to_host(seq.seq_id, extra):
+                self.stats["host_offloads"] += 1
+                return True
+        return False
+
     def _max_drafts(self, seq: Sequence) -> int:
         """Draft tokens the sequence may verify next: gamma, less near its length limits (the
         verify step emits one token beyond its drafts). Under a grammar, the row ships a mask
@@ -488,8 +533,11 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         samples = n - num_drafts == seq.num_pending
         masks = (seq.grammar.masks(seq.draft_tokens[:num_drafts])
                  if samples and seq.grammar is not None else None)
+        host_table = self.kv_cache.host_table(seq.seq_id)
         row = ScheduledRow(
             seq_id=seq.seq_id, token_ids=token_ids, start=start, num_evicted=evicted,
+            host_table=host_table if len(host_table) else None,
+            host_len=len(host_table) * self.config.page_size,
             block_table=table, group_tables=group_tables,
             score_weights=self.kv_cache.retention.score_weights(seq.seq_id, pos,
                                                                seq.num_tokens),

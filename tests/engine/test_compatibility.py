@@ -68,6 +68,7 @@ FAST = {
         (Feature.PAUSE, Feature.SWAP),
         (Feature.CONTROLLER, Feature.SWAP), (Feature.CONTROLLER, Feature.STREAMING),
         (Feature.EXPECTED_ATTENTION, Feature.INT8), (Feature.TOVA, Feature.SWAP),
+        (Feature.HOST_ROWS, Feature.SWAP),
     )
 }
 
@@ -121,6 +122,7 @@ def config_for(features) -> dict:
         Feature.CONTROLLER: dict(controller="joint", controller_options=dict(
             retention_kl={"4": 0.3, "8": 0.1}, demote_kl=0.001)),
         Feature.BATCH_INVARIANT: dict(batch_invariant=True),
+        Feature.HOST_ROWS: dict(host_split="random", num_host_pages=16),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),
