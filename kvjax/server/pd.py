@@ -41,9 +41,8 @@ from typing import Any
 
 import numpy as np
 import pydantic
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from kvjax.engine import kv_transfer
 from kvjax.engine.engine import Engine
@@ -128,8 +127,12 @@ class PDEndpoints:
     async def prefill(self, serving: OpenAIServing, body, raw: Request, *, chat: bool
                       ) -> Response:
         """Runs the prompt for one token and answers with its KV frame."""
-        request, out = await serving.prefill_only(body, raw, chat=chat)
         engine = self._model_engine(serving)
+        try:
+            kv_transfer.check_transferable(engine, "prefill")
+        except ValueError as e:
+            raise ApiError(400, f"this replica cannot prefill for another: {e}") from None
+        request, out = await serving.prefill_only(body, raw, chat=chat)
 
         def export() -> tuple[list[np.ndarray], bytes]:
             staged, num = kv_transfer.export_prefix(engine, request.prompt_ids, request.tenant)
@@ -200,5 +203,18 @@ class PDEndpoints:
             release()
             raise
         response.headers[IMPORTED_TOKENS_HEADER] = str(result.transferred_tokens)
-        response.background = BackgroundTask(release)
+        if not isinstance(response, StreamingResponse):
+            release()  # the request has finished: its answer is whole
+            return response
+        inner = response.body_iterator
+
+        async def then_release():
+            # The generator's end runs on a finished stream and on a client gone alike.
+            try:
+                async for chunk in inner:
+                    yield chunk
+            finally:
+                release()
+
+        response.body_iterator = then_release()
         return response

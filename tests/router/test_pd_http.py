@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import httpx
 import numpy as np
@@ -101,6 +102,12 @@ def test_pd_answers_as_colocated_and_the_decode_replica_hits_the_imported_pages(
         return answers, stream, metrics
 
     answers, stream, metrics = run_router([prefill.base_url], [decode.base_url], scenario)
+    # Each import's pin is released once its request ended (the pages stay cached, evictable).
+    pins = [f"pd-{i}#import" for i in range(len(prompts))]
+    deadline = time.monotonic() + 10
+    while any(decode.engine.allocator.has_sequence(p) for p in pins):
+        assert time.monotonic() < deadline, "an imported prefix stayed pinned"
+        time.sleep(0.02)
     for prompt, answer in zip(prompts, answers, strict=True):
         assert answer.status_code == 200, answer.text
         assert answer.headers[REPLICA_HEADER] == decode.base_url
