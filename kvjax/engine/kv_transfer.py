@@ -30,7 +30,7 @@ from kvjax.engine.engine import Engine
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.block_manager import AllocStatus
 from kvjax.memory.ops import KVOp, KVOpKind
-from kvjax.shapes import pad_repeat_last
+from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
 gather = jax.jit(kv_pages.gather_pages)  # pages [n] of a KV state -> a PageBlob
 take = jax.jit(kv_pages.take)  # pages [n'] of a staged PageBlob
@@ -54,6 +54,18 @@ def export_prefix(engine: Engine, prompt: Sequence[int], tenant: str | None
     if not pages:
         return None, 0
     return gather(engine.kv, pad_repeat_last(pages)), len(pages)
+
+
+def _padded_sizes(engine: Engine) -> list[tuple[int, np.ndarray]]:
+    """Every padded page count of one prompt, each with as many valid page ids."""
+    sizes = powers_of_2_up_to(engine.max_pages_per_seq)
+    return [(n, np.arange(n, dtype=np.int32) % engine.num_pages) for n in sizes]
+
+
+def warm_export(engine: Engine) -> None:
+    """Compiles `export_prefix`'s gather for every padded page count (reads only)."""
+    for _, pages in _padded_sizes(engine):
+        gather(engine.kv, pages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +125,11 @@ class PageImporter:
             raise ValueError(f"num_pages {num_staged} is outside the {staged[0].shape[1]} "
                              f"staged pages")
 
+    def warmup(self) -> None:
+        """Compiles the scatter for every padded page count; the KV is unchanged."""
+        for _, pages in _padded_sizes(self.engine):
+            self.warm(pages)
+
     def warm(self, pages: np.ndarray) -> None:
         """Compiles the scatter for `len(pages)` pages by writing their own content back."""
         own = jax.device_put(gather(self.engine.kv, pages), self.target)
@@ -139,7 +156,11 @@ class PageImporter:
         start = time.perf_counter()
         targets = alloc.block_table(pin)[first_page:num_staged]
         index = pad_repeat_last(range(first_page, num_staged))
-        part = jax.device_put(take(list(staged), index), self.target)
+        # Staged pages on a device are sliced there; pages that came as host arrays (over
+        # the network) are sliced on the host, which compiles nothing.
+        part = (take(list(staged), index) if isinstance(staged[0], jax.Array)
+                else [x[:, index] for x in staged])
+        part = jax.device_put(part, self.target)
         self.engine.runner.apply(KVOp(KVOpKind.SCATTER, tuple(targets)),
                                  lambda kv: self._scatter(kv, pad_repeat_last(targets), part))
         jax.block_until_ready(self.engine.kv)

@@ -54,8 +54,9 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
     picks it; `config.model_name` is the one a request without `model` goes to, or the first
     model if it names none of them).
 
-    `app.state` holds `async_engine` (the AsyncEngine), `metrics` (ServerMetrics) and
-    `servings` (model name -> OpenAIServing).
+    `app.state` holds `async_engine` (the AsyncEngine), `metrics` (ServerMetrics),
+    `servings` (model name -> OpenAIServing) and `pd` (the prefill/decode endpoints,
+    `kvjax.server.pd.PDEndpoints`).
     """
     async_engine = AsyncEngine(engine, max_waiting=config.max_waiting,
                                max_waiting_tokens=config.max_waiting_tokens)
@@ -148,7 +149,7 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
     async def detokenize(body: protocol.DetokenizeRequest) -> dict:
         return await serving_for(body.model).detokenize(body)
 
-    pd = PDEndpoints(async_engine)
+    pd = app.state.pd = PDEndpoints(async_engine)
 
     @app.post("/pd/prefill/completions", dependencies=keyed)
     async def prefill_completions(body: protocol.CompletionRequest, raw: Request) -> Response:

@@ -49,7 +49,6 @@ from kvjax.engine.engine import Engine
 from kvjax.server import protocol
 from kvjax.server.async_engine import AsyncEngine
 from kvjax.server.serving import ApiError, OpenAIServing
-from kvjax.shapes import pad_repeat_last
 
 FRAME_MAGIC = b"KVPD"
 FRAME_VERSION = 1
@@ -115,11 +114,15 @@ class PDEndpoints:
     Attributes:
       engine: the AsyncEngine; engine state is touched only through its `call`.
       importers: per served route, the PageImporter (made on the engine thread at first use).
+
+    A route's first prefill (first import) compiles the transfer programs for every padded
+    page count on the engine thread, so later requests compile nothing.
     """
 
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
         self.importers: dict[str | None, kv_transfer.PageImporter] = {}
+        self._warm_exports: set[str | None] = set()
 
     def _model_engine(self, serving: OpenAIServing) -> Engine:
         return self.engine.engine.models()[serving.route]
@@ -135,6 +138,9 @@ class PDEndpoints:
         request, out = await serving.prefill_only(body, raw, chat=chat)
 
         def export() -> tuple[list[np.ndarray], bytes]:
+            if serving.route not in self._warm_exports:
+                kv_transfer.warm_export(engine)
+                self._warm_exports.add(serving.route)
             staged, num = kv_transfer.export_prefix(engine, request.prompt_ids, request.tenant)
             arrays = [] if staged is None else [np.asarray(a[:, :num]) for a in staged]
             return arrays, engine.provenance(request.tenant)
@@ -175,15 +181,12 @@ class PDEndpoints:
             importer = self.importers.get(serving.route)
             if importer is None:
                 importer = self.importers[serving.route] = kv_transfer.PageImporter(engine)
+                importer.warmup()
             importer.check_blob(arrays, num_pages)
             if num_pages * engine.config.page_size > len(prompt_ids):
                 raise ValueError(f"{num_pages} pages hold more than the prompt's "
                                  f"{len(prompt_ids)} tokens")
-            staged = None
-            if num_pages:
-                index = pad_repeat_last(range(num_pages))
-                staged = [a[:, index] for a in arrays]
-            return importer.import_prefix(pin, prompt_ids, staged, num_pages, tenant)
+            return importer.import_prefix(pin, prompt_ids, arrays, num_pages, tenant)
 
         loop = asyncio.get_running_loop()
         try:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvjax import Engine, EngineConfig
+from kvjax.engine import kv_transfer
 from kvjax.router.http import REPLICA_HEADER, RouterConfig, build_router_app
 from kvjax.server import BackgroundServer, ServerConfig
 from kvjax.server.pd import IMPORTED_TOKENS_HEADER, decode_frame
@@ -81,6 +82,28 @@ def run_router(prefill: list[str], decode: list[str], scenario, *, dead_first: b
 
 def _tokens(model, text: str) -> list[int]:
     return model.tokenizer.encode(text)
+
+
+def test_transfers_compile_nothing_after_the_first_request(servers, model):
+    prefill, decode = servers
+
+    def num_compiles() -> int:
+        importer = decode.app.state.pd.importers[None]
+        return kv_transfer.gather._cache_size() + importer.num_compiles
+
+    async def scenario(client, router):
+        counts = []
+        for n in (9, 17, 33, 45):  # 1, 2, 4 and 5 full pages: every padded count to 8
+            prompt = [(5 * n + 7 * j) % 120 + 3 for j in range(n)]
+            answer = await client.post("/v1/completions", json=dict(
+                model="tiny", prompt=prompt, max_tokens=2, temperature=0))
+            assert answer.status_code == 200, answer.text
+            counts.append(num_compiles())
+        return counts
+
+    # First in the module: no request has compiled a transfer program before it.
+    counts = run_router([prefill.base_url], [decode.base_url], scenario)
+    assert counts == [counts[0]] * 4
 
 
 def test_pd_answers_as_colocated_and_the_decode_replica_hits_the_imported_pages(servers,
