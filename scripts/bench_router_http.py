@@ -28,6 +28,9 @@ config_flags.DEFINE_config_file("config", "configs/router_shared_prefix.py",
 flags.DEFINE_integer("num_replicas", 2, "Server processes behind the router.")
 flags.DEFINE_list("policies", ["round_robin", "least_loaded", "prefix_affinity", "load_aware"],
                   "Routing policies, each run through its own router process.")
+flags.DEFINE_bool("disaggregate", False, "Instead of comparing policies: the first policy "
+                  "colocated (every replica serves) vs disaggregated (replica 0 prefills, the "
+                  "others decode), with KV bytes moved per request (router_http_pd.json).")
 flags.DEFINE_string("output_dir", "/tmp/bench_router_http", "Where router_http.json goes.")
 
 
@@ -42,10 +45,17 @@ def main(argv):
                    *(arg for arg in sys.argv[1:] if arg.startswith("--config."))]
     tokenizer = load_model(config.model.name, dtype=config.model.dtype).tokenizer
     with router_http.replica_processes(server_args, FLAGS.num_replicas) as replicas:
-        rows = router_http.run_policies(config, [url for url, _ in replicas], FLAGS.policies,
-                                        tokenizer)
-    print(router_http.table(rows))
-    print(f"wrote {router_http.write(rows, FLAGS.output_dir)}")
+        urls = [url for url, _ in replicas]
+        if FLAGS.disaggregate:
+            rows = router_http.run_disaggregation(config, urls, FLAGS.policies[0], tokenizer)
+        else:
+            rows = router_http.run_policies(config, urls, FLAGS.policies, tokenizer)
+    if FLAGS.disaggregate:
+        print(router_http.disaggregation_table(rows))
+        print(f"wrote {router_http.write(rows, FLAGS.output_dir, 'router_http_pd.json')}")
+    else:
+        print(router_http.table(rows))
+        print(f"wrote {router_http.write(rows, FLAGS.output_dir)}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@
   python scripts/router.py --replica http://127.0.0.1:8001,http://127.0.0.1:8002 \
       --policy prefix_affinity --port 8000
 
+Prefill/decode disaggregation: `--prefill_replica` names replicas that only prefill; each
+request's prompt runs there for one token, its KV pages move to one of the `--replica`
+(decode) replicas, which answers the client (kvjax.server.pd).
+
 Each request goes to the healthy replica the policy picks from the replicas' polled GET
 /kv_state; a request whose replica dies before any output runs once more on another (same
 X-Request-Id); a stream that breaks after output ends with an error event. The router keeps no
@@ -21,6 +25,8 @@ from kvjax.router.policies import POLICIES
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("replica", [], "Base URLs of the replicas (http://host:port), in order.")
+flags.DEFINE_list("prefill_replica", [], "Base URLs of prefill replicas: with them, requests "
+                  "are prefilled there and decoded on the --replica replicas.")
 flags.DEFINE_enum("policy", "round_robin", sorted(POLICIES), "Routing policy.")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
@@ -40,7 +46,8 @@ def main(argv):
     config = RouterConfig(replicas=tuple(FLAGS.replica), policy=FLAGS.policy,
                           poll_interval_s=FLAGS.poll_interval_s,
                           read_timeout_s=FLAGS.read_timeout_s,
-                          replica_api_key=FLAGS.replica_api_key)
+                          replica_api_key=FLAGS.replica_api_key,
+                          prefill_replicas=tuple(FLAGS.prefill_replica))
     serve_router(config, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
 
 

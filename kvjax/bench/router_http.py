@@ -8,6 +8,10 @@ gets a router process of its own (`scripts/router.py`) in front of the same repl
 replays the config's workload through it with `kvjax.bench.remote` (serve_bench --target).
 Each policy's workload uses its own seed, so no policy reads pages another one cached; prefix
 hits are the replicas' counters (summed by the router's /metrics) over that policy's run.
+
+`run_disaggregation` replays the workload colocated (the router over every replica) and
+disaggregated (the first replica prefills, the others decode: `--prefill_replica`), each with
+its own seed, and reads the KV bytes the router moved per request from its /metrics.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import httpx
 from ml_collections import ConfigDict
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvjax.bench.remote import run_http_benchmark_detailed
 from kvjax.bench.runner import build_workload
@@ -136,6 +141,51 @@ def run_policies(config: ConfigDict, replica_urls: Sequence[str], policies: Sequ
     return rows
 
 
+def _router_counter(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == name)
+
+
+def run_disaggregation(config: ConfigDict, replica_urls: Sequence[str], policy: str,
+                       tokenizer: Tokenizer) -> list[dict[str, Any]]:
+    """The config's workload colocated, then disaggregated (replica 0 prefills, the rest
+    decode), through router processes; one row per mode."""
+    if len(replica_urls) < 2:
+        raise ValueError(f"disaggregation needs 2 or more replicas, got {len(replica_urls)}")
+    modes = (("colocated", list(replica_urls), []),
+             ("disaggregated", list(replica_urls[1:]), [f"--prefill_replica={replica_urls[0]}"]))
+    rows = []
+    for i, (mode, decode_urls, args) in enumerate(modes):
+        run_config = ConfigDict(config.to_dict())
+        run_config.workload.seed = int(config.workload.seed) + 100 + i
+        requests = build_workload(run_config, tokenizer)
+        with router_process(decode_urls, policy, args=args) as url:
+            result = run_http_benchmark_detailed(run_config, url, requests=requests)
+            moved = _router_counter(url, "kvjax:router_kv_transfer_bytes_total")
+        metrics = result.metrics
+        rows.append(dict(mode=mode, policy=policy, num_replicas=len(replica_urls),
+                         num_requests=metrics["num_requests"],
+                         num_failed=metrics["failed_requests"],
+                         errors=sorted({r.error for r in result.records if r.error}),
+                         prefix_hit_rate=metrics["prefix_hit_rate"],
+                         ttft_p50_s=metrics["ttft_p50_s"], ttft_p99_s=metrics["ttft_p99_s"],
+                         throughput_tok_s=metrics["throughput_tok_s"],
+                         kv_bytes_per_request=moved / max(metrics["num_requests"], 1)))
+    return rows
+
+
+def disaggregation_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows of `run_disaggregation` as a markdown table."""
+    lines = ["| mode | requests (failed) | TTFT p50 / p99 (s) | tokens/s | KV MiB moved per "
+             "request |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['num_requests']} ({r['num_failed']}) | "
+                     f"{r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} | "
+                     f"{r['throughput_tok_s']:.1f} | {r['kv_bytes_per_request'] / 2**20:.2f} |")
+    return "\n".join(lines)
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
     lines = ["| policy | replicas | requests (failed) | prefix hit rate | TTFT p50 / p99 (s) | "
@@ -148,9 +198,10 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write(rows: Sequence[dict[str, Any]], workdir: str | os.PathLike) -> pathlib.Path:
-    """Writes the rows as router_http.json under `workdir`; returns its path."""
-    path = pathlib.Path(workdir) / "router_http.json"
+def write(rows: Sequence[dict[str, Any]], workdir: str | os.PathLike,
+          name: str = "router_http.json") -> pathlib.Path:
+    """Writes the rows as `name` under `workdir`; returns its path."""
+    path = pathlib.Path(workdir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(list(rows), indent=2))
     return path

@@ -33,24 +33,19 @@ import collections
 import dataclasses
 import itertools
 import math
-import time
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from kvjax.config import KVLayout
+from kvjax.engine import kv_transfer
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import CompletionOutput, FinishReason, RequestOutput, submit_all
 from kvjax.kv import pages as kv_pages
-from kvjax.memory.block_manager import AllocStatus
-from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.router.router import Arrival, SimClock
 from kvjax.sampling import SamplingParams
-from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
+from kvjax.shapes import powers_of_2_up_to
 
-_gather = jax.jit(kv_pages.gather_pages)  # pages [n] of a KV state -> a PageBlob
-_take = jax.jit(kv_pages.take)  # pages [n'] of a staged PageBlob
 
 @dataclasses.dataclass
 class _Handoff:
@@ -82,23 +77,15 @@ class DisaggregatedEngine:
     """
 
     def __init__(self, prefill: Engine, decode: Engine):
-        for name, engine in (("prefill", prefill), ("decode", decode)):
-            if (engine.config.kv_layout is not KVLayout.PAGED
-                    or engine.allocator.prefix_cache is None):
-                raise ValueError(f"the {name} engine needs the paged layout with the prefix "
-                                 f"cache enabled")
+        kv_transfer.check_transferable(prefill, "prefill")
+        kv_transfer.check_transferable(decode, "decode")
         if prefill.provenance() != decode.provenance():
             raise ValueError("prefill and decode engines produce KV of different provenance "
                              "(model, weights, codec, dtype or page size differ)")
         self.prefill = prefill
         self.decode = decode
         self.page_size = prefill.config.page_size
-        target = jax.tree.map(lambda x: x.sharding, decode.kv)
-        self._target = [x.sharding for x in decode.kv.page_leaves()]  # where a PageBlob goes
-        self._scatter = jax.jit(kv_pages.scatter_pages, donate_argnums=0, out_shardings=target)
-        # Imports return KV committed to the decode devices; committing it now means the
-        # decode engine's steps see one placement (and compile once per shape) from here on.
-        decode.runner.apply(KVOp(KVOpKind.PLACE), lambda kv: jax.device_put(kv, target))
+        self._importer = kv_transfer.PageImporter(decode)
         self._handoffs: collections.deque[_Handoff] = collections.deque()
         self._requests: dict[str, dict] = {}  # request id -> its prompt, sampling, first output
         self._pinned: dict[str, str] = {}  # request id -> decode allocator's pinning sequence
@@ -143,7 +130,8 @@ class DisaggregatedEngine:
     @property
     def num_compiles(self) -> int:
         """Transfer programs compiled so far (gathers are shared by every instance)."""
-        return _gather._cache_size() + _take._cache_size() + self._scatter._cache_size()
+        return (kv_transfer.gather._cache_size() + kv_transfer.take._cache_size()
+                + self._importer.num_compiles)
 
     def warmup(self, max_prompt_len: int | None = None, *, engines: bool = True) -> None:
         """Compiles the transfer programs for every padded page count; the KV is unchanged.
@@ -158,15 +146,12 @@ class DisaggregatedEngine:
         max_pages = max(max_len // self.page_size, 1)
         sizes = powers_of_2_up_to(max_pages)  # every size pad_repeat_last gives
         for n, size in enumerate(sizes):
-            staged = _gather(self.prefill.kv, np.arange(size, dtype=np.int32))
+            staged = kv_transfer.gather(self.prefill.kv, np.arange(size, dtype=np.int32))
             for part_size in sizes[:n + 1]:
-                jax.device_put(_take(staged, np.arange(part_size, dtype=np.int32)),
-                               self._target)
+                jax.device_put(kv_transfer.take(staged, np.arange(part_size, dtype=np.int32)),
+                               self._importer.target)
             # Writing pages' own content back leaves the decode KV as it was.
-            pages = np.arange(size, dtype=np.int32)
-            own = jax.device_put(_gather(self.decode.kv, pages), self._target)
-            self.decode.runner.apply(KVOp(KVOpKind.WARMUP),
-                                     lambda kv, pages=pages, own=own: self._scatter(kv, pages, own))
+            self._importer.warm(np.arange(size, dtype=np.int32))
         jax.block_until_ready(self.decode.kv)
 
     # ----------------------------------------------------------------------------- stepping
@@ -186,21 +171,13 @@ class DisaggregatedEngine:
                 done.append(out)
                 continue
             meta["first"] = out
-            staged, num_staged = self._export(meta["prompt"], meta["tenant"])
+            staged, num_staged = kv_transfer.export_prefix(self.prefill, meta["prompt"],
+                                                           meta["tenant"])
             self._handoffs.append(_Handoff(
                 first=out, prompt=meta["prompt"], sampling=sampling, tenant=meta["tenant"],
                 priority=meta["priority"], staged=staged, num_staged=num_staged,
                 ready_time=out.first_token_time))
         return done
-
-    def _export(self, prompt: list[int], tenant: str | None
-                ) -> tuple[kv_pages.PageBlob | None, int]:
-        """Gathers the prompt's full pages from the prefill engine: (staged, their count)."""
-        cache = self.prefill.allocator.prefix_cache
-        pages = cache.lookup(prompt, self.prefill.provenance(tenant))
-        if not pages:
-            return None, 0
-        return _gather(self.prefill.kv, pad_repeat_last(pages)), len(pages)
 
     def transfer_ready(self, now: float | None = None) -> int:
         """Moves the KV of every handoff ready by `now` (all if None) into the decode engine.
@@ -214,43 +191,22 @@ class DisaggregatedEngine:
 
     def _import(self, h: _Handoff) -> int:
         request_id = h.first.request_id
-        first = h.first.outputs[0]
-        tokens = h.prompt + first.token_ids
-        alloc = self.decode.allocator
+        tokens = h.prompt + h.first.outputs[0].token_ids
         pin = f"{request_id}#import"
-        reused = alloc.add_sequence(pin, tokens, cache_key=self.decode.provenance(h.tenant))
+        result = self._importer.import_prefix(pin, tokens, h.staged, h.num_staged, h.tenant)
         self._pinned[request_id] = pin
-        first_page, end = reused // self.page_size, h.num_staged * self.page_size
-        moved = 0
-        if h.num_staged > first_page:
-            # Copy-on-write copies are not needed: every page from first_page on is overwritten.
-            status, _ = alloc.ensure_writable(pin, reused, end)
-            if status is AllocStatus.OK:
-                moved = self._move(h.staged, first_page, alloc.block_table(pin)[first_page:])
-                alloc.commit(pin, h.prompt[:end])
-                self.stats["transferred_tokens"] += end - reused
-            else:  # No room now: the decode engine recomputes the prompt instead.
-                self.stats["recompute_fallbacks"] += 1
-        self.stats["reused_tokens"] += reused
+        if result.moved_bytes:
+            self.stats["transfers"] += 1
+            self.stats["transfer_bytes"] += result.moved_bytes
+            self.stats["transfer_time_s"] += result.seconds
+        self.stats["transferred_tokens"] += result.transferred_tokens
+        self.stats["reused_tokens"] += result.reused_tokens
+        self.stats["recompute_fallbacks"] += int(result.is_fallback)
         remaining = dataclasses.replace(h.sampling,
                                         max_new_tokens=h.sampling.max_new_tokens - 1)
         self.decode.add_request(request_id, tokens, remaining, tenant=h.tenant,
                                 priority=h.priority, arrival_time=h.first.arrival_time)
-        return moved
-
-    def _move(self, staged: kv_pages.PageBlob, first_page: int, targets: list[int]) -> int:
-        """Device-puts staged pages [first_page:] next to the decode KV and scatters them."""
-        start = time.perf_counter()
-        index = pad_repeat_last(range(first_page, first_page + len(targets)))
-        part = jax.device_put(_take(staged, index), self._target)
-        self.decode.runner.apply(KVOp(KVOpKind.SCATTER, tuple(targets)),
-                                 lambda kv: self._scatter(kv, pad_repeat_last(targets), part))
-        jax.block_until_ready(self.decode.kv)
-        nbytes = kv_pages.blob_bytes_per_page(part) * len(targets)
-        self.stats["transfers"] += 1
-        self.stats["transfer_bytes"] += nbytes
-        self.stats["transfer_time_s"] += time.perf_counter() - start
-        return nbytes
+        return result.moved_bytes
 
     def step_decode(self) -> list[RequestOutput]:
         """One decode-engine iteration; returns the requests that finished, whole."""
@@ -258,7 +214,7 @@ class DisaggregatedEngine:
         for out in self.decode.step():
             pin = self._pinned.pop(out.request_id, None)
             if pin is not None:
-                self.decode.allocator.free(pin)
+                self._importer.release(pin)
             done.append(self._merge(out))
         return done
 

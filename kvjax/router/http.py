@@ -22,6 +22,15 @@ A stream that fails after output ends with an OpenAI error event and `[DONE]`: t
 client saw output, so it is not run again. A replica silent for `read_timeout_s` gets 504
 (not retried: it may still be running; closing the connection makes it abort). The router
 keeps no state beyond its flags: a restart loses nothing but the requests in flight.
+
+Prefill/decode disaggregation (`RouterConfig.prefill_replicas`): a completion or chat request
+first goes to a prefill replica's POST /pd/prefill/... (`kvjax.server.pd`), which runs the
+prompt for one token and answers with its KV pages in a frame; the frame goes to a decode
+replica (`replicas`, chosen by the policy) as POST /pd/decode, whose answer (streamed or not)
+is the client's, as a colocated server would give it. A prefill replica that fails (connection,
+timeout, 503) leaves the rotation and the prefill runs once more on another, else the client
+gets 503; a prefill replica's refusal (400, 429, ...) comes back as it is. The frames' KV bytes
+are counted in `kvjax:router_kv_transfer_bytes_total`.
 """
 
 from __future__ import annotations
@@ -45,11 +54,14 @@ from kvjax.router.http_metrics import RouterMetrics, aggregate_replica_metrics
 from kvjax.router.policies import RouteRequest, make_policy
 from kvjax.router.replicas import InFlight, Replica, ReplicaSet
 from kvjax.server import protocol
+from kvjax.server.pd import CONTENT_TYPE as KV_FRAME_TYPE
+from kvjax.server.pd import IMPORTED_TOKENS_HEADER, decode_header
 
 logger = logging.getLogger(__name__)
 
 # Headers a replica's answer keeps on its way to the client.
-_RELAYED_HEADERS = ("content-type", "retry-after", "cache-control", "x-request-id")
+_RELAYED_HEADERS = ("content-type", "retry-after", "cache-control", "x-request-id",
+                    IMPORTED_TOKENS_HEADER)
 REPLICA_HEADER = "x-kvjax-replica"  # which replica answered (for clients and tests)
 
 
@@ -70,6 +82,8 @@ class RouterConfig:
         between two stream events); then the client gets 504.
       replica_api_key: sent to replicas that need one for /kv_state (clients' own keys are
         passed through on their requests).
+      prefill_replicas: base URLs of prefill replicas; when given, requests are
+        disaggregated: prefilled there, decoded on `replicas` (see the module docstring).
     """
 
     replicas: tuple[str, ...]
@@ -80,8 +94,12 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 300.0
     replica_api_key: str | None = None
+    prefill_replicas: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if set(self.prefill_replicas) & set(self.replicas):
+            raise ValueError(f"a replica cannot be both a prefill and a decode replica: "
+                             f"{sorted(set(self.prefill_replicas) & set(self.replicas))}")
         for name in ("poll_interval_s", "poll_timeout_s", "connect_timeout_s",
                      "read_timeout_s"):
             if not getattr(self, name) > 0:
@@ -150,6 +168,13 @@ class HttpRouter:
                                    poll_timeout_s=config.poll_timeout_s,
                                    max_missed_polls=config.max_missed_polls, headers=headers)
         self.policy = make_policy(config.policy)
+        self.prefill_replicas = None
+        if config.prefill_replicas:
+            self.prefill_replicas = ReplicaSet(
+                config.prefill_replicas, client, poll_interval_s=config.poll_interval_s,
+                poll_timeout_s=config.poll_timeout_s, max_missed_polls=config.max_missed_polls,
+                headers=headers)
+            self.prefill_policy = make_policy(config.policy)
         self.metrics = RouterMetrics(self.replicas)
         self._timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
 
@@ -192,16 +217,24 @@ class HttpRouter:
         except (ValueError, KeyError, TypeError):
             return None
 
-    def _choose(self, prompt_ids: list[int] | None, tried: Sequence[Replica]) -> Replica:
-        candidates = [r for r in self.replicas.healthy() if r not in tried]
+    def replica_sets(self) -> list[ReplicaSet]:
+        """The decode (or only) replicas, then the prefill replicas if any."""
+        return [self.replicas] + ([] if self.prefill_replicas is None
+                                  else [self.prefill_replicas])
+
+    def _choose(self, prompt_ids: list[int] | None, tried: Sequence[Replica], *,
+                prefill: bool = False) -> Replica:
+        replicas, policy = ((self.prefill_replicas, self.prefill_policy) if prefill
+                            else (self.replicas, self.policy))
+        candidates = [r for r in replicas.healthy() if r not in tried]
         if not candidates:
             raise _NoReplica
         hashes = [r.prompt_hashes(prompt_ids) for r in candidates]
         states = [r.instance_state(h) for r, h in zip(candidates, hashes, strict=True)]
         request = RouteRequest(prompt_len=len(prompt_ids or ()))
-        index = self.policy.choose(request, states)
+        index = policy.choose(request, states)
         if not 0 <= index < len(candidates):
-            raise ValueError(f"policy {self.policy.name!r} chose replica {index} of "
+            raise ValueError(f"policy {policy.name!r} chose replica {index} of "
                              f"{len(candidates)}")
         return candidates[index]
 
@@ -222,6 +255,17 @@ class HttpRouter:
                    if k.lower() not in ("host", "content-length")}
         headers["x-request-id"] = request_id
         prompt_ids = await self._prompt_ids(path, body, raw)
+        if self.prefill_replicas is not None:
+            frame = await self._prefill(path, content, headers, request_id, prompt_ids)
+            if isinstance(frame, Response):
+                return frame
+            header = decode_header(frame)
+            self.metrics.kv_transfer_bytes.inc(int(header["kv_bytes"]))
+            self.metrics.kv_transfers.inc()
+            if self.policy.reads_prefix and not (raw.headers.get("x-tenant") or body.get("user")):
+                prompt_ids = [int(t) for t in header["prompt_ids"]]
+            path, content = "/pd/decode", frame
+            headers["content-type"] = KV_FRAME_TYPE
         max_new = body.get("max_tokens") if isinstance(body, dict) else None
         num_tokens = len(prompt_ids or ()) + (max_new if isinstance(max_new, int) else 0)
         tried: list[Replica] = []
@@ -254,6 +298,44 @@ class HttpRouter:
                 raise
         self.metrics.count(None, "no_replica")
         return _error(503, f"request {request_id!r}: no healthy replica could serve it")
+
+    async def _prefill(self, path: str, content: bytes, headers: dict[str, str],
+                       request_id: str, prompt_ids: list[int] | None) -> bytes | Response:
+        """The request's KV frame from a prefill replica (tried once more on another if the
+        first fails), or the response the client gets instead (a refusal, or 503)."""
+        tried: list[Replica] = []
+        while len(tried) < 2:
+            try:
+                replica = self._choose(prompt_ids, tried, prefill=True)
+            except _NoReplica:
+                break
+            tried.append(replica)
+            try:
+                answer = await self.client.post(
+                    replica.url + "/pd/prefill" + path.removeprefix("/v1"), content=content,
+                    headers=headers, timeout=self._timeout)
+                failure = None if answer.status_code != 503 else "it answered 503"
+            except Exception as e:  # Nothing reached the client: the prefill may run again.
+                failure = repr(e)
+            if failure is None and answer.status_code == 200:
+                self.metrics.count(replica, "prefill_200")
+                return answer.content
+            if failure is None:  # The replica's refusal of the request is the client's answer.
+                self.metrics.count(replica, f"prefill_{answer.status_code}")
+                relayed = {k: v for k, v in answer.headers.items() if k in _RELAYED_HEADERS}
+                relayed[REPLICA_HEADER] = replica.url
+                return Response(answer.content, status_code=answer.status_code,
+                                headers=relayed)
+            self.replicas_of(replica).mark_down(replica, f"prefill of {request_id!r}: {failure}")
+            self.metrics.count(replica, "prefill_failed")
+            if len(tried) < 2:
+                self.metrics.retries.inc()
+        self.metrics.count(None, "no_prefill_replica")
+        return _error(503, f"request {request_id!r}: no healthy prefill replica could "
+                      f"prefill it")
+
+    def replicas_of(self, replica: Replica) -> ReplicaSet:
+        return next(s for s in self.replica_sets() if replica in s.replicas)
 
     async def _attempt(self, replica: Replica, path: str, content: bytes,
                        headers: dict[str, str], request_id: str, is_stream: bool) -> Response:
@@ -355,7 +437,7 @@ class HttpRouter:
     async def render_metrics(self) -> bytes:
         """The replicas' /metrics (labelled by replica, counters summed) and the router's."""
         texts = {}
-        for replica in self.replicas.healthy():
+        for replica in [r for replicas in self.replica_sets() for r in replicas.healthy()]:
             try:
                 answer = await self.client.get(replica.url + "/metrics", timeout=self._timeout)
                 texts[replica.url] = answer.text
@@ -372,12 +454,14 @@ def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = No
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        await router.replicas.poll_once()
-        router.replicas.start()
+        for replicas in router.replica_sets():
+            await replicas.poll_once()
+            replicas.start()
         try:
             yield
         finally:
-            await router.replicas.stop()
+            for replicas in router.replica_sets():
+                await replicas.stop()
             if client is None:
                 await router.client.aclose()
 

@@ -80,6 +80,9 @@ class RouterMetrics:
         it was the first try), 'stream_broken', 'client_gone', 'timeout', 'broken',
         'router_error' (logged); replica '' and 'no_replica' when none could take it).
       retries: kvjax:router_retries_total: requests sent again to another replica.
+      kv_transfers, kv_transfer_bytes: kvjax:router_kv_transfers_total and
+        kvjax:router_kv_transfer_bytes_total: prefill/decode handoffs and the KV bytes their
+        frames carried from a prefill replica to a decode one (bytes per request: their ratio).
     """
 
     def __init__(self, replicas: ReplicaSet):
@@ -88,6 +91,12 @@ class RouterMetrics:
                                 "outcome.", ["replica", "outcome"], registry=self.registry)
         self.retries = Counter("kvjax:router_retries", "Requests sent again to another replica "
                                "after theirs failed before any output.", registry=self.registry)
+        self.kv_transfers = Counter("kvjax:router_kv_transfers", "Requests whose KV pages "
+                                    "moved from a prefill replica to a decode replica.",
+                                    registry=self.registry)
+        self.kv_transfer_bytes = Counter("kvjax:router_kv_transfer_bytes", "KV bytes moved "
+                                         "from prefill replicas to decode replicas.",
+                                         registry=self.registry)
         self.registry.register(_ReplicaGauges(replicas))
 
     def count(self, replica: Replica | None, outcome: str) -> None:

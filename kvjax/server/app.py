@@ -6,8 +6,10 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, and vLLM's
 POST /tokenize, POST /detokenize, GET /version; GET /health, GET /metrics (kvjax: and
 vllm: names) and GET /kv_state (load and prefix-cache index for a router,
-`kvjax.server.kv_state`). With API keys (`ServerConfig.api_keys`) every route but /health,
-/metrics and /version needs one. An X-Request-Id header names the response (a router's retry
+`kvjax.server.kv_state`); for a router's prefill/decode disaggregation, POST
+/pd/prefill/completions, /pd/prefill/chat/completions and /pd/decode (`kvjax.server.pd`).
+With API keys (`ServerConfig.api_keys`) every route but /health, /metrics and /version needs
+one. An X-Request-Id header names the response (a router's retry
 on another replica keeps its id). The app's lifespan starts the engine thread and, at
 shutdown, stops it (live requests are aborted, their pages freed). Every error, a malformed
 body included, is OpenAI's error JSON.
@@ -39,6 +41,7 @@ from kvjax.server import protocol
 from kvjax.server.async_engine import AsyncEngine, RequestFailed
 from kvjax.server.kv_state import kv_state
 from kvjax.server.metrics import ServerMetrics
+from kvjax.server.pd import PDEndpoints
 from kvjax.server.serving import ApiError, OpenAIServing, ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -51,8 +54,9 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
     picks it; `config.model_name` is the one a request without `model` goes to, or the first
     model if it names none of them).
 
-    `app.state` holds `async_engine` (the AsyncEngine), `metrics` (ServerMetrics) and
-    `servings` (model name -> OpenAIServing).
+    `app.state` holds `async_engine` (the AsyncEngine), `metrics` (ServerMetrics),
+    `servings` (model name -> OpenAIServing) and `pd` (the prefill/decode endpoints,
+    `kvjax.server.pd.PDEndpoints`).
     """
     async_engine = AsyncEngine(engine, max_waiting=config.max_waiting,
                                max_waiting_tokens=config.max_waiting_tokens)
@@ -144,6 +148,22 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
     @app.post("/detokenize", dependencies=keyed)
     async def detokenize(body: protocol.DetokenizeRequest) -> dict:
         return await serving_for(body.model).detokenize(body)
+
+    pd = app.state.pd = PDEndpoints(async_engine)
+
+    @app.post("/pd/prefill/completions", dependencies=keyed)
+    async def prefill_completions(body: protocol.CompletionRequest, raw: Request) -> Response:
+        return await _counted(metrics, pd.prefill(serving_for(body.model), body, raw,
+                                                  chat=False))
+
+    @app.post("/pd/prefill/chat/completions", dependencies=keyed)
+    async def prefill_chat(body: protocol.ChatCompletionRequest, raw: Request) -> Response:
+        return await _counted(metrics, pd.prefill(serving_for(body.model), body, raw,
+                                                  chat=True))
+
+    @app.post("/pd/decode", dependencies=keyed)
+    async def decode(raw: Request) -> Response:
+        return await _counted(metrics, pd.decode(serving_for, raw))
 
     @app.get("/version")
     async def version() -> dict:

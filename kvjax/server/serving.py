@@ -564,14 +564,61 @@ class OpenAIServing:
         except RequestFailed as e:
             raise ApiError(500, str(e), type="server_error") from None
 
-    async def _submit(self, requests: list[EngineRequest], body,
-                      echoes: list[SampleDelta] | None = None,
-                      grammar_field: str | None = None) -> list[_Generation]:
-        if echoes is not None and requests[0].sampling is None:  # max_tokens=0: echo only
-            return [_Generation(self.engine, r, None, [None] * body.n, i * body.n, echo)
-                    for i, (r, echo) in enumerate(zip(requests, echoes, strict=True))]
+    def tenant_of(self, body, raw: Request) -> str | None:
+        """The tenant a request runs as (its API key's, and the one it names if allowed)."""
+        return self._tenant(body, raw)
+
+    async def prefill_only(self, body, raw: Request, *, chat: bool
+                           ) -> tuple[EngineRequest, RequestOutput]:
+        """Runs a request's prompt for one token (the prefill of prefill/decode
+        disaggregation, `kvjax.server.pd`): its engine request and final output.
+
+        The body is checked as its endpoint would check it; it must ask for one prompt and
+        n=1, and name no cache_salt (its pages travel under the tenant's provenance).
+        """
+        self._check_model(body.model)
+        for field, refused in (("n", body.n != 1), ("cache_salt", body.cache_salt is not None),
+                               ("prompt", not chat and len(body.prompts) != 1)):
+            if refused:
+                raise ApiError(400, f"{field}: prefill/decode disaggregation serves one "
+                               f"prompt, n=1 and no cache_salt", param=field)
+        tools = None
+        if chat:
+            try:
+                tools = ToolPlan.of(body)
+            except ValueError as e:
+                raise ApiError(400, str(e), param=str(e).split(":", 1)[0]) from None
+            ids = await self._encode_chat(body.messages, body.add_generation_prompt, tools)
+            max_tokens, field = body.max_new_tokens, "messages"
+        else:
+            prompt = body.prompts[0]
+            ids = await self._encode_text(prompt, "prompt") if isinstance(prompt, str) else \
+                list(prompt)
+            max_tokens, field = body.max_tokens, "prompt"
+        max_new = self._check_prompt(ids, max_tokens, field)
+        _, grammar = _constraint(body, tools)
+        sampling = dataclasses.replace(self._sampling(body, max_new, grammar),
+                                       max_new_tokens=1, min_tokens=0, grammar=None)
+        tenant, priority = self._identity(body, raw)
+        api_id = self._request_id(raw) or protocol.new_id("prefill")
+        request = EngineRequest(request_id=f"{api_id}-prefill", prompt_ids=ids,
+                                sampling=sampling, tenant=tenant, priority=priority,
+                                arrival_time=self.engine.clock(), model=self.route)
+        [stream] = self._enqueue([request])
         try:
-            streams = self.engine.submit(requests, asyncio.get_running_loop())
+            await stream.accepted
+        except ValueError as e:
+            raise ApiError(400, str(e), param=field) from None
+        except RequestFailed as e:
+            raise ApiError(500, str(e), type="server_error") from None
+        while not (update := await stream.next()).output.finished:
+            pass
+        return request, update.output
+
+    def _enqueue(self, requests: list[EngineRequest]) -> list[RequestStream]:
+        """Submits requests to the engine; a full queue is a 429, a draining server a 503."""
+        try:
+            return self.engine.submit(requests, asyncio.get_running_loop())
         except QueueFull as e:
             self.metrics.reject("queue_full")
             raise ApiError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
@@ -580,6 +627,14 @@ class OpenAIServing:
         except NotAdmitting as e:
             self.metrics.reject("not_admitting")
             raise ApiError(503, str(e), type="server_error", code="service_unavailable") from None
+
+    async def _submit(self, requests: list[EngineRequest], body,
+                      echoes: list[SampleDelta] | None = None,
+                      grammar_field: str | None = None) -> list[_Generation]:
+        if echoes is not None and requests[0].sampling is None:  # max_tokens=0: echo only
+            return [_Generation(self.engine, r, None, [None] * body.n, i * body.n, echo)
+                    for i, (r, echo) in enumerate(zip(requests, echoes, strict=True))]
+        streams = self._enqueue(requests)
         generations = []
         for i, (request, stream) in enumerate(zip(requests, streams, strict=True)):
             echo = None if echoes is None else echoes[i]

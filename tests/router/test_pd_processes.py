@@ -1,0 +1,77 @@
+"""Prefill/decode disaggregation through processes: scripts/serve.py twice (a prefill and a
+decode replica, the tiny chat model saved as a checkpoint) and scripts/router.py with
+--prefill_replica, on 127.0.0.1. Replicas take tens of seconds to start, so this runs in
+`make test-slow`; tests/router/test_pd_http.py covers the same semantics in-process.
+
+Oracles: the dense greedy reference, the prefill replica's own colocated answer, page
+arithmetic for the decode replica's prefix hits, and the router's /metrics for bytes moved.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvjax.bench.router_http import replica_processes, router_process
+from kvjax.router.http import REPLICA_HEADER
+from kvjax.testing import greedy_reference, save_hf_checkpoint, tiny_chat_model
+
+PAGE = 8
+SERVER_ARGS = (f"--page_size={PAGE}", "--max_num_seqs=4", "--max_num_batched_tokens=64",
+               "--max_prefill_chunk=32", "--max_model_len=128", "--config.engine.num_pages=96",
+               "--config.engine.min_chunk_bucket=32", "--drain_timeout_s=5")
+EOS = 127
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny")
+    save_hf_checkpoint(tiny_chat_model(), directory)
+    return directory
+
+
+def _router_counter(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == name)
+
+
+def test_pd_across_processes_gives_the_colocated_greedy_tokens(checkpoint):
+    model = tiny_chat_model()
+    prompts = [[(7 * i + 3 * j) % 120 + 3 for j in range(n)]
+               for i, n in enumerate((30, 17, 6, 41))]
+    with replica_processes([f"--model={checkpoint}", *SERVER_ARGS], 2) as started:
+        (prefill, _), (decode, _) = started
+        with router_process([decode], "round_robin",
+                            args=[f"--prefill_replica={prefill}"]) as router:
+            client = openai.OpenAI(base_url=router + "/v1", api_key="-", max_retries=0,
+                                   timeout=120)
+            colocated = openai.OpenAI(base_url=prefill + "/v1", api_key="-", max_retries=0,
+                                      timeout=120)
+            name = client.models.list().data[0].id
+            for prompt in prompts:
+                raw = client.completions.with_raw_response.create(
+                    model=name, prompt=prompt, max_tokens=8, temperature=0)
+                answer = raw.parse()
+                assert raw.headers[REPLICA_HEADER] == decode
+                same = colocated.completions.create(model=name, prompt=prompt, max_tokens=8,
+                                                    temperature=0)
+                tokens = greedy_reference(model, prompt, 8, stop=(EOS,))
+                assert answer.choices[0].text == model.tokenizer.decode(tokens)
+                assert answer.choices[0].text == same.choices[0].text
+                assert answer.usage.prompt_tokens_details.cached_tokens == \
+                    (len(prompt) - 1) // PAGE * PAGE
+            chat = dict(model=name, messages=[dict(role="user", content="hello, processes")],
+                        max_tokens=8, temperature=0)
+            whole = client.chat.completions.create(**chat).choices[0].message.content
+            streamed = "".join(c.choices[0].delta.content or "" for c in
+                               client.chat.completions.create(**chat, stream=True) if c.choices)
+            assert streamed == whole == colocated.chat.completions.create(
+                **chat).choices[0].message.content
+            c = model.config
+            page_bytes = 2 * c.num_layers * PAGE * c.num_kv_heads * c.head_dim * 4
+            moved = _router_counter(router, "kvjax:router_kv_transfer_bytes_total")
+            assert moved >= sum(len(p) // PAGE for p in prompts) * page_bytes
+            assert _router_counter(router, "kvjax:router_kv_transfers_total") == len(prompts) + 2
