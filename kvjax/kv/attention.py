@@ -52,11 +52,12 @@ def _softmax_attend(scores: jax.Array, mask: jax.Array, v: jax.Array, soft_cap: 
 
 
 def _visible(kv_pos: jax.Array, q_pos: jax.Array, kv_len: jax.Array,
-             sliding_window: int | None) -> jax.Array:
-    """Which kv positions a query at q_pos sees (broadcasting)."""
+             sliding_window: int | jax.Array | None) -> jax.Array:
+    """Which kv positions a query at q_pos sees (broadcasting). A sliding window W keeps keys
+    q_pos - W + 1 .. q_pos (Mistral / Gemma); an int32 scalar window <= 0 is none."""
     mask = (kv_pos <= q_pos) & (kv_pos < kv_len)
     if sliding_window is not None:
-        mask &= kv_pos > q_pos - sliding_window
+        mask &= (sliding_window <= 0) | (kv_pos > q_pos - sliding_window)
     return mask
 
 
@@ -69,7 +70,7 @@ def paged_decode_attention_reference(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention: query b sits at position kv_lens[b] - 1 of its sequence.
 
@@ -106,7 +107,7 @@ def paged_prefill_attention_reference(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Chunked-prefill attention: row b holds the last q_lens[b] tokens of its sequence.
 
@@ -149,7 +150,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Ragged attention: the queries of B sequences packed along one token axis.
 
