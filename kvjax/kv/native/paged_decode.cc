@@ -740,9 +740,9 @@ ffi::Error RunPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
 #ifdef __AVX512F__
   if constexpr (kBits < 8) {
     if (shift >= 5 && dim % 32 == 0)
-      return Run(pool, q, PackedBlockRows<kBits>{kr}, PackedBlockRows<kBits>{vr}, layer, window,
-                 block_tables, kv_lens, q_lens, num_queries, k.dimensions(), dim, logits,
-                 split_rows, out);
+      return Run(pool, q, PackedBlockRows<kBits>{kr}, PackedBlockRows<kBits>{vr}, layer,
+                 window, block_tables, kv_lens, q_lens, num_queries, k.dimensions(), dim,
+                 logits, split_rows, out);
   }
 #endif
   return Run(pool, q, kr, vr, layer, window, block_tables, kv_lens, q_lens, num_queries,
@@ -753,7 +753,8 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
                        ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
                        ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> k_zero,
                        ffi::Buffer<ffi::F32> v_zero, ffi::Buffer<ffi::S32> layer,
-                       ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
+                       ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::S32> block_tables,
+                       ffi::Buffer<ffi::S32> kv_lens,
                        ffi::Buffer<ffi::S32> q_lens, float sm_scale, float soft_cap,
                        int32_t bits, int32_t group, int32_t num_queries, bool split_rows,
                        ffi::Result<ffi::Buffer<ffi::F32>> out) {

@@ -22,9 +22,9 @@
 // read), computing the block's scores kScoreRows query heads at a time in registers, an
 // online softmax on whole vectors (a vectorized exp; a mask only on the blocks that cross the
 // tile's diagonal, or, with a window, the window's lower edge; keys before the window of the
-// row's first query are neither transposed nor read), and the values' sum PVRows() query heads at a time (24 accumulators),
-// each value row read once from its page. Items are claimed longest first (the last tiles
-// see the most keys). GCC vector extensions (g++ builds it; another compiler failing leaves
+// row's first query are neither transposed nor read), and the values' sum PVRows() query
+// heads at a time (24 accumulators), each value row read once from its page. Items are
+// claimed longest first (the last tiles see the most keys). GCC vector extensions (g++ builds it; another compiler failing leaves
 // the engine on the jnp path).
 
 #include <algorithm>
@@ -121,7 +121,8 @@ template <int kD>
 void TransposeKeys(const Geometry& g, const float* k, int64_t layer, const int32_t* table,
                    int64_t base, int64_t readable, int64_t len, int64_t h, float* kt) {
   const int64_t stride = Stride(len - base);
-  for (int64_t d = 0; d < kD; ++d) std::fill(kt + d * stride, kt + d * stride + readable - base, 0.0f);
+  for (int64_t d = 0; d < kD; ++d)
+    std::fill(kt + d * stride, kt + d * stride + readable - base, 0.0f);
   for (int64_t t = readable; t < len; ++t) {
     const float* row = TokenRow<kD>(g, k, layer, table, t, h);
     for (int64_t d = 0; d < kD; ++d) kt[d * stride + t - base] = row[d];
@@ -194,8 +195,9 @@ void AccumulateValuesOf(int rows, const float* p, int64_t n, VRow vrow, const fl
 // read (their weights are 0).
 template <int kD>
 void AttendTile(const Geometry& g, const float* q, const float* kt, int64_t base,
-                int64_t readable, const float* v, int64_t layer, const int32_t* table, int64_t len,
-                int64_t q_len, int64_t b, int64_t h, int64_t q0, Logits logits, float* out) {
+                int64_t readable, const float* v, int64_t layer, const int32_t* table,
+                int64_t len, int64_t q_len, int64_t b, int64_t h, int64_t q0, Logits logits,
+                float* out) {
   const int64_t G = g.group(), N = g.heads;
   const int64_t queries = std::min<int64_t>(kTileQueries, g.chunk - q0);
   const int64_t valid = std::clamp<int64_t>(q_len - q0, 0, queries);
