@@ -249,8 +249,8 @@ def paged_attention_blockwise(
         pages_per_block).
       kv_lens, q_lens: [B] int32.
       window: a sliding window (int32 scalar, traced or not; 0 or None: none): a query at
-        position t sees keys t - window + 1 .. t, and the walk starts at the first block any
-        of them needs, so pages before it (given back to the pool) are never read.
+        position t sees keys t - window + 1 .. t, and each row's walk starts at the first
+        block its queries need, so pages before it (given back to the pool) are never read.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap) (Gemma 2).
     Returns:
       [B, C, N, D] in q's dtype.
@@ -270,25 +270,33 @@ def paged_attention_blockwise(
     def attend(qt, pos, valid):
         """Queries qt [B, Ct, K, G, D] at positions pos [B, Ct] (valid [B, Ct])."""
         ct = qt.shape[1]
-        seen = jnp.minimum(jnp.max(jnp.where(valid, pos + 1, 0)), jnp.max(kv_lens))
-        num_blocks = (seen + block - 1) // block
-        first_block = 0
-        if window is not None:
-            oldest = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max)) - window + 1
-            first_block = jnp.where(window > 0, jnp.clip(oldest, 0, seen) // block, 0)
+        seen = jnp.minimum(jnp.where(valid, pos + 1, 0).max(axis=1), kv_lens)  # [B]
+        end_blocks = (seen + block - 1) // block  # [B]
+        first_blocks = jnp.zeros((b,), jnp.int32)
+        if window is not None:  # each row from the block holding its oldest visible key
+            oldest = jnp.where(valid, pos, jnp.iinfo(jnp.int32).max).min(axis=1) - window + 1
+            first_blocks = jnp.where(window > 0, jnp.clip(oldest, 0, seen) // block, 0)
+        num_steps = jnp.max(end_blocks - first_blocks)
 
         def body(i, carry):
             m, denom, acc = carry  # [B, K, G, Ct], [B, K, G, Ct], [B, K, G, Ct, D]
-            pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
-                                                 pages_per_block, axis=1)  # [B, ppb]
+            blocks = first_blocks + i  # [B]; a row past its end reads masked pages
+            if window is None:
+                pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
+                                                     pages_per_block, axis=1)  # [B, ppb]
+            else:
+                entry = blocks[:, None] * pages_per_block + jnp.arange(pages_per_block)
+                pages = jnp.take_along_axis(block_tables, jnp.minimum(
+                    entry, block_tables.shape[1] - 1), axis=1)  # [B, ppb]
             k, v = load_pages(pages)  # [B, ppb, P, K, D] each
             k = k.reshape(b, block, k_heads, d).astype(jnp.float32)  # [B, S', K, D]
             v = v.reshape(b, block, k_heads, d).astype(jnp.float32)
-            kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [S']
-            mask = (kv_pos[None, None, :] <= pos[:, :, None]) & (
-                kv_pos[None, None, :] < kv_lens[:, None, None]) & valid[:, :, None]  # [B,Ct,S']
+            kv_pos = (blocks[:, None] * block
+                      + jnp.arange(block, dtype=jnp.int32))[:, None, :]  # [B, 1, S']
+            mask = (kv_pos <= pos[:, :, None]) & (kv_pos < kv_lens[:, None, None]) & valid[
+                :, :, None]  # [B, Ct, S']
             if window is not None:
-                mask &= (window <= 0) | (kv_pos[None, None, :] > pos[:, :, None] - window)
+                mask &= (window <= 0) | (kv_pos > pos[:, :, None] - window)
             v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, 0.0)
             s = jnp.einsum("bckgd,bskd->bkgcs", qt, k)  # [B, K, G, Ct, S']
             if soft_cap is not None:
@@ -305,7 +313,7 @@ def paged_attention_blockwise(
         init = (jnp.full((b, k_heads, g, ct), -jnp.inf, jnp.float32),
                 jnp.zeros((b, k_heads, g, ct), jnp.float32),
                 jnp.zeros((b, k_heads, g, ct, d), jnp.float32))
-        _, denom, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
+        _, denom, acc = jax.lax.fori_loop(0, num_steps, body, init)
         out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [B, K, G, Ct, D]
         return jnp.einsum("bkgcd->bckgd", out).reshape(b, ct, n, d)
 
