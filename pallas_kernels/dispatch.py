@@ -73,7 +73,7 @@ def attention_fns() -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]
         *,
         sm_scale: float | None = None,
         soft_cap: float | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | jax.Array | None = None,
     ) -> jax.Array:
         """q [B, N, D], pages [num_pages, P, K, D], block_tables [B, Pmax] -> [B, N, D]."""
         return paged_decode_attention(
@@ -90,7 +90,7 @@ def attention_fns() -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]
         *,
         sm_scale: float | None = None,
         soft_cap: float | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | jax.Array | None = None,
     ) -> jax.Array:
         """q [B, C, N, D], pages [num_pages, P, K, D], block_tables [B, Pmax] -> [B, C, N, D]."""
         return ragged_prefill_attention(
@@ -132,13 +132,14 @@ def _quantized_codecs(kv: QuantizedPagedKV) -> tuple[Any, Any]:
     return k_codec, v_codec
 
 
-def _float_pages_fns(kv: PagedKV | ContiguousKV, layer: jax.Array, soft_cap: float | None
-                     ) -> tuple[DecodeFn, PrefillFn]:
+def _float_pages_fns(kv: PagedKV | ContiguousKV, layer: jax.Array, soft_cap: float | None,
+                     window: jax.Array | None) -> tuple[DecodeFn, PrefillFn]:
     decode_fn, prefill_fn = attention_fns()
     k_pages, v_pages = kv.layer_pages(layer)  # [num_pages, P, K, D] each
-    return (lambda q, bt, lens: decode_fn(q, k_pages, v_pages, bt, lens, soft_cap=soft_cap),
+    return (lambda q, bt, lens: decode_fn(q, k_pages, v_pages, bt, lens, soft_cap=soft_cap,
+                                          sliding_window=window),
             lambda q, bt, lens, q_lens: prefill_fn(q, k_pages, v_pages, bt, lens, q_lens,
-                                                   soft_cap=soft_cap))
+                                                   soft_cap=soft_cap, sliding_window=window))
 
 
 def _quantized_reason(kv: QuantizedPagedKV) -> str | None:
@@ -160,21 +161,21 @@ def fp8_gpu_reason(codec: Any) -> str | None:
     return None if reason is None else f"attention_impl=pallas: {reason}"
 
 
-def _quantized_fns(kv: QuantizedPagedKV, layer: jax.Array, soft_cap: float | None
-                   ) -> tuple[DecodeFn, PrefillFn]:
+def _quantized_fns(kv: QuantizedPagedKV, layer: jax.Array, soft_cap: float | None,
+                   window: jax.Array | None) -> tuple[DecodeFn, PrefillFn]:
     codec, _ = _quantized_codecs(kv)
     k_stored = {name: x[layer] for name, x in kv.k_stored.items()}  # [num_pages, P, ...]
     v_stored = {name: x[layer] for name, x in kv.v_stored.items()}
     decode = functools.partial(quantized_decode_attention, k_stored=k_stored,
                                v_stored=v_stored, codec=codec, soft_cap=soft_cap,
-                               interpret=_interpret())
+                               sliding_window=window, interpret=_interpret())
 
     def prefill(q, bt, lens, q_lens):
         # No quantized prefill kernel: the rows' pages are dequantized in jnp, block by block.
         return attention_ref.paged_attention_blockwise(
             q, functools.partial(kv.load_pages, layer),
             pad_block_tables(bt, _FALLBACK_PAGES_PER_BLOCK), lens, q_lens,
-            pages_per_block=_FALLBACK_PAGES_PER_BLOCK, soft_cap=soft_cap)
+            pages_per_block=_FALLBACK_PAGES_PER_BLOCK, soft_cap=soft_cap, window=window)
 
     return (lambda q, bt, lens: decode(q, block_tables=bt, kv_lens=lens)), prefill
 
@@ -185,19 +186,21 @@ class _StateKernels:
 
     Attributes:
       reason: state -> why no kernel reads it on this backend, or None.
-      layer_fns: (state, layer, soft_cap) -> (decode_fn, prefill_fn) over that layer, with
-        the attention logits soft-capped at soft_cap (None: not capped).
+      layer_fns: (state, layer, soft_cap, window) -> (decode_fn, prefill_fn) over that layer,
+        with the attention logits soft-capped at soft_cap (None: not capped) and the layer's
+        sliding window (an int32 scalar, traced or not, 0: none; or None).
     """
 
     reason: Callable[[Any], str | None]
-    layer_fns: Callable[[Any, jax.Array, float | None], tuple[DecodeFn, PrefillFn]]
+    layer_fns: Callable[[Any, jax.Array, float | None, jax.Array | None],
+                        tuple[DecodeFn, PrefillFn]]
 
 
 _FLOAT_PAGES = _StateKernels(reason=lambda kv: None, layer_fns=_float_pages_fns)
 # Quest narrows the block tables before attention; its base's kernels read the pages.
 _QUEST = _StateKernels(reason=lambda kv: unsupported_reason(kv.base),
-                       layer_fns=lambda kv, layer, soft_cap: layer_attention_fns(
-                           kv.base, layer, soft_cap=soft_cap))
+                       layer_fns=lambda kv, layer, soft_cap, window: layer_attention_fns(
+                           kv.base, layer, soft_cap=soft_cap, window=window))
 
 _LATENT_REASON = ("the Pallas kernels read K and V pages of their own, while MLA latent pages "
                   "hold one row per token that is both the key and (its first kv_lora_rank "
@@ -234,9 +237,10 @@ def unsupported_reason(kv: Any) -> str | None:
 
 
 def kernels_for(kv: KVState, *, soft_cap: float | None = None
-                ) -> Callable[[KVState, jax.Array], tuple[DecodeFn, PrefillFn]]:
-    """The kernel chooser for states like `kv` (same type and codecs): (state, layer) -> fns,
-    soft-capping attention logits at `soft_cap` (None: not capped).
+                ) -> Callable[..., tuple[DecodeFn, PrefillFn]]:
+    """The kernel chooser for states like `kv` (same type and codecs): (state, layer,
+    window=None) -> fns, soft-capping attention logits at `soft_cap` (None: not capped) and
+    applying the layer's sliding window (an int32 scalar, traced or not, 0: none).
 
     Chosen once per engine step program; raises ValueError for a state no kernel reads,
     before anything is traced.
@@ -245,18 +249,18 @@ def kernels_for(kv: KVState, *, soft_cap: float | None = None
     if reason is not None:
         raise ValueError(reason)
     layer_fns = _kernels_of(kv).layer_fns
-    return lambda state, layer: layer_fns(state, layer, soft_cap)
+    return lambda state, layer, window=None: layer_fns(state, layer, soft_cap, window)
 
 
-def layer_attention_fns(kv: Any, layer: jax.Array, *, soft_cap: float | None = None
-                        ) -> tuple[DecodeFn, PrefillFn]:
+def layer_attention_fns(kv: Any, layer: jax.Array, *, soft_cap: float | None = None,
+                        window: jax.Array | None = None) -> tuple[DecodeFn, PrefillFn]:
     """(decode_fn, prefill_fn) over one layer of `kv`, for the state's layout (module table).
 
     decode_fn(q [B, N, D], block_tables [B, W], kv_lens [B]) -> [B, N, D];
     prefill_fn(q [B, C, N, D], block_tables, kv_lens, q_lens [B]) -> [B, C, N, D].
     Raises ValueError for a state no kernel reads, before anything is traced.
     """
-    return kernels_for(kv, soft_cap=soft_cap)(kv, layer)
+    return kernels_for(kv, soft_cap=soft_cap)(kv, layer, window)
 
 
 def quest_sparse_decode(kv: quest.QuestKV, layer: jax.Array, q: jax.Array,

@@ -158,6 +158,9 @@ SHAPES: dict[str, ModelShape] = {
 QUANT_CODECS = ("int8", "fp8_e4m3", "int4", "int2")
 KERNELS = ("paged_decode", "ragged_prefill", *(f"quantized_decode_{c}" for c in QUANT_CODECS),
            "sparse_decode")
+# The float-page kernels with a traced sliding window (the engine's per-layer value, 0 for a
+# global layer): compiled by their own test, not the full matrix.
+WINDOWED = ("paged_decode_window", "ragged_prefill_window")
 # The engine's jitted step with attention_impl=pallas over exact paged KV.
 STEPS = ("step_decode", "step_mixed")
 PROGRAMS = KERNELS + STEPS
@@ -215,6 +218,11 @@ def _kernel_fn_and_args(case: Case) -> tuple[Any, list]:
     k, d = m.num_kv_heads, m.head_dim
     pages = jax.ShapeDtypeStruct((NUM_PAGES, PAGE_SIZE, k, d), dtype)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    if case.program in WINDOWED:
+        fn, args = _kernel_fn_and_args(
+            dataclasses.replace(case, program=case.program.removesuffix("_window")))
+        windowed = lambda *a: fn(*a[:-1], sliding_window=a[-1])  # noqa: E731
+        return jax.jit(windowed), [*args, i32()]
     if case.program == "ragged_prefill":
         q = jax.ShapeDtypeStruct((PREFILL_ROWS, CHUNK, m.num_heads, d), dtype)
         return (jax.jit(ragged_prefill_attention),

@@ -7,8 +7,8 @@ with every layer global, served at one KV byte budget:
     block tables hold times the bytes of a page, beside `KVCacheSpec.bytes_held` (the spec's
     token-granular prediction) and beside every layer global;
   * capacity: `num_requests` such sequences submitted at once — the most decoding together,
-    preemptions, tokens/s after warm-up (prefill and decode; on CPU sliding-window layers run the
-    blockwise jnp attention, global layers the native kernels), and how many
+    preemptions, tokens/s after warm-up (prefill and decode; on CPU every layer runs the native
+    kernels, a sliding-window layer's reading only its window's pages), and how many
     completed.
 
 Memory numbers come from the allocator, not from a model of it.

@@ -288,8 +288,9 @@ def attention_name(impl: AttentionImpl, kv: KVState) -> str:
 
 
 def _resolve(impl: AttentionImpl, kv: KVState, soft_cap: float | None):
-    """The kernel chooser (state, layer) -> (decode_fn, prefill_fn) applying the attention
-    logit `soft_cap`, or None: the reference."""
+    """The kernel chooser (state, layer, window) -> (decode_fn, prefill_fn) applying the
+    attention logit `soft_cap` and the layer's sliding window (a traced int32 scalar, 0: none),
+    or None: the reference."""
     name = attention_name(impl, kv)
     if name == "native":
         return native.kernels_for(kv, soft_cap=soft_cap)
@@ -310,7 +311,7 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
     the attention logit `soft_cap` itself).
     reads: (indices [Bd, W], kv_lens [Bd]) of the block-table entries decode rows read (a
     retention policy's `select_reads`), or None: every page.
-    window: the layer's sliding window (int32 scalar, 0: global; blockwise only), or None.
+    window: the layer's sliding window (int32 scalar, traced or not; 0: global), or None.
     host: with a host pool, decode rows attend over their host-resident positions there and
     over the rest on the device, merged (`kvjax.engine.host_rows`); None: no host pool.
     """
@@ -332,7 +333,7 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
         outs.append(host_rows.attend_split(kv, host, layer, q[:bd], inp, bd, soft_cap=soft_cap,
                                            pages_per_block=PAGES_PER_BLOCK))  # [Bd, N, D]
     if kernels is not None:
-        decode_attn, prefill_attn = kernels(kv, layer)
+        decode_attn, prefill_attn = kernels(kv, layer, window)
         on_device = bd if host is None else 0  # decode rows the kernels attend
         if on_device and wd > 1:
             out = prefill_attn(q[:num_dec].reshape(bd, wd, n, d), bt[:bd], kv_lens[:bd],
@@ -425,17 +426,9 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         cap = config.attn_logit_softcap
         if batch_invariant:  # one layer group without windows (`invariant.check`)
             out = _attend_per_query(kv, layer, q, layer_inp)
-        elif window is None or kernels is None:
+        else:  # kernels and the reference alike take the window as a traced per-layer value
             out = _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads, window=window,
                                soft_cap=cap, host=host)
-        else:  # the kernels read every page: sliding-window layers take the blockwise path,
-            # which masks the window and skips the pages before it
-            out = jax.lax.cond(
-                window > 0,
-                lambda: _attend_rows(kv, layer, q, layer_inp, shape, None, reads,
-                                     window=window, soft_cap=cap),
-                lambda: _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads,
-                                     soft_cap=cap))
         if scores_keys:
             key_scores = key_scores + retention.key_scores(
                 kv, layer, q, inp, shape, pages_per_block=PAGES_PER_BLOCK,

@@ -52,11 +52,12 @@ def _softmax_attend(scores: jax.Array, mask: jax.Array, v: jax.Array, soft_cap: 
 
 
 def _visible(kv_pos: jax.Array, q_pos: jax.Array, kv_len: jax.Array,
-             sliding_window: int | None) -> jax.Array:
-    """Which kv positions a query at q_pos sees (broadcasting)."""
+             sliding_window: int | jax.Array | None) -> jax.Array:
+    """Which kv positions a query at q_pos sees (broadcasting). A sliding window W keeps keys
+    q_pos - W + 1 .. q_pos (Mistral / Gemma); an int32 scalar window <= 0 is none."""
     mask = (kv_pos <= q_pos) & (kv_pos < kv_len)
     if sliding_window is not None:
-        mask &= kv_pos > q_pos - sliding_window
+        mask &= (sliding_window <= 0) | (kv_pos > q_pos - sliding_window)
     return mask
 
 
@@ -69,7 +70,7 @@ def paged_decode_attention_reference(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention: query b sits at position kv_lens[b] - 1 of its sequence.
 
@@ -106,7 +107,7 @@ def paged_prefill_attention_reference(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Chunked-prefill attention: row b holds the last q_lens[b] tokens of its sequence.
 
@@ -149,7 +150,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Ragged attention: the queries of B sequences packed along one token axis.
 
@@ -250,8 +251,8 @@ def paged_attention_blockwise(
         pages_per_block).
       kv_lens, q_lens: [B] int32.
       window: a sliding window (int32 scalar, traced or not; 0 or None: none): a query at
-        position t sees keys t - window + 1 .. t, and the walk starts at the first block any
-        of them needs, so pages before it (given back to the pool) are never read.
+        position t sees keys t - window + 1 .. t, and each row's walk starts at the first
+        block its queries need, so pages before it (given back to the pool) are never read.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap) (Gemma 2).
       kv_starts: [B] int32 or None: row b reads only cache positions >= kv_starts[b] (the
         earlier ones live elsewhere, `merge_partials` joins the parts); None: from 0.
@@ -275,29 +276,37 @@ def paged_attention_blockwise(
     def attend(qt, pos, valid):
         """Queries qt [B, Ct, K, G, D] at positions pos [B, Ct] (valid [B, Ct])."""
         ct = qt.shape[1]
-        seen = jnp.minimum(jnp.max(jnp.where(valid, pos + 1, 0)), jnp.max(kv_lens))
-        num_blocks = (seen + block - 1) // block
-        first_block = 0
-        if window is not None:
-            oldest = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max)) - window + 1
-            first_block = jnp.where(window > 0, jnp.clip(oldest, 0, seen) // block, 0)
-        if kv_starts is not None:
-            first_block = jnp.maximum(first_block, jnp.min(kv_starts) // block)
+        seen = jnp.minimum(jnp.where(valid, pos + 1, 0).max(axis=1), kv_lens)  # [B]
+        end_blocks = (seen + block - 1) // block  # [B]
+        first_blocks = jnp.zeros((b,), jnp.int32)
+        if window is not None:  # each row from the block holding its oldest visible key
+            oldest = jnp.where(valid, pos, jnp.iinfo(jnp.int32).max).min(axis=1) - window + 1
+            first_blocks = jnp.where(window > 0, jnp.clip(oldest, 0, seen) // block, 0)
+        if kv_starts is not None:  # and from the block holding its first position here
+            first_blocks = jnp.maximum(first_blocks, kv_starts // block)
+        num_steps = jnp.max(end_blocks - first_blocks)
 
         def body(i, carry):
             m, denom, acc = carry  # [B, K, G, Ct], [B, K, G, Ct], [B, K, G, Ct, D]
-            pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
-                                                 pages_per_block, axis=1)  # [B, ppb]
+            blocks = first_blocks + i  # [B]; a row past its end reads masked pages
+            if window is None and kv_starts is None:
+                pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
+                                                     pages_per_block, axis=1)  # [B, ppb]
+            else:
+                entry = blocks[:, None] * pages_per_block + jnp.arange(pages_per_block)
+                pages = jnp.take_along_axis(block_tables, jnp.minimum(
+                    entry, block_tables.shape[1] - 1), axis=1)  # [B, ppb]
             k, v = load_pages(pages)  # [B, ppb, P, K, D] each
             k = k.reshape(b, block, k_heads, d).astype(jnp.float32)  # [B, S', K, D]
             v = v.reshape(b, block, k_heads, d).astype(jnp.float32)
-            kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)  # [S']
-            mask = (kv_pos[None, None, :] <= pos[:, :, None]) & (
-                kv_pos[None, None, :] < kv_lens[:, None, None]) & valid[:, :, None]  # [B,Ct,S']
+            kv_pos = (blocks[:, None] * block
+                      + jnp.arange(block, dtype=jnp.int32))[:, None, :]  # [B, 1, S']
+            mask = (kv_pos <= pos[:, :, None]) & (kv_pos < kv_lens[:, None, None]) & valid[
+                :, :, None]  # [B, Ct, S']
             if window is not None:
-                mask &= (window <= 0) | (kv_pos[None, None, :] > pos[:, :, None] - window)
+                mask &= (window <= 0) | (kv_pos > pos[:, :, None] - window)
             if kv_starts is not None:
-                mask &= kv_pos[None, None, :] >= kv_starts[:, None, None]
+                mask &= kv_pos >= kv_starts[:, None, None]
             v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, 0.0)
             s = jnp.einsum("bckgd,bskd->bkgcs", qt, k)  # [B, K, G, Ct, S']
             if soft_cap is not None:
@@ -314,7 +323,7 @@ def paged_attention_blockwise(
         init = (jnp.full((b, k_heads, g, ct), -jnp.inf, jnp.float32),
                 jnp.zeros((b, k_heads, g, ct), jnp.float32),
                 jnp.zeros((b, k_heads, g, ct, d), jnp.float32))
-        m, denom, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
+        m, denom, acc = jax.lax.fori_loop(0, num_steps, body, init)
         out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [B, K, G, Ct, D]
         lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
         return (jnp.einsum("bkgcd->bckgd", out).reshape(b, ct, n, d),

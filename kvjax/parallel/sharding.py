@@ -173,20 +173,24 @@ def shard_kernels(kernels: Callable, mesh: Mesh, config: ModelConfig) -> Callabl
     which stay split on the head axis as the model's q and output projections expect.
 
     Args:
-      kernels: (kv, layer) -> (decode_fn, prefill_fn), `pallas_kernels.dispatch.kernels_for`.
+      kernels: (kv, layer, window) -> (decode_fn, prefill_fn),
+        `pallas_kernels.dispatch.kernels_for`.
       mesh: the engine's tp mesh.
       config: the model (which KV leaves carry a kv-head axis).
     """
-    def sharded(kv: Any, layer: jax.Array):
+    def sharded(kv: Any, layer: jax.Array, window: jax.Array | None = None):
         kv_spec = kv_specs(kv, config)
+        windows = () if window is None else (window,)  # replicated, like the layer
 
         def run(index: int, q_spec: P, q: jax.Array, *tables: jax.Array) -> jax.Array:
-            def local(kv, layer, q, *tables):
-                return kernels(kv, layer)[index](q, *tables)
+            def local(kv, layer, *args):
+                window, (q, *tables) = (args[0], args[1:]) if windows else (None, args)
+                return kernels(kv, layer, window)[index](q, *tables)
 
-            return jax.shard_map(local, mesh=mesh, out_specs=q_spec, check_vma=False,
-                                 in_specs=(kv_spec, P(), q_spec, *[P()] * len(tables)))(
-                kv, layer, q, *tables)
+            return jax.shard_map(
+                local, mesh=mesh, out_specs=q_spec, check_vma=False,
+                in_specs=(kv_spec, P(), *[P()] * len(windows), q_spec, *[P()] * len(tables)))(
+                kv, layer, *windows, q, *tables)
 
         def decode(q, block_tables, kv_lens):  # q [B, N, D]
             return run(0, P(None, TP_AXIS, None), q, block_tables, kv_lens)

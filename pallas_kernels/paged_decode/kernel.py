@@ -10,6 +10,10 @@ the G query heads of one kv head at once (GQA: a [G, D] x [D, S_blk] matmul per 
 writes an unnormalised partial output with its running max and sum. A small jnp step combines
 the splits. A split with an empty range (short sequence, padded row) reads no page.
 
+The sliding window may be a Python int or a traced int32 scalar (the engine's per-layer value,
+0 for a global layer, so one program serves both): a traced window reaches the kernel as a
+per-row input, [B] int32, beside the lengths.
+
 Two schedules express the same computation (see pallas_kernels/README.md):
 
   * `Schedule.PIPELINED` (TPU, Mosaic): `PrefetchScalarGridSpec` puts the block tables and
@@ -135,7 +139,7 @@ def check_paged_args(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          "must be integer")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be positive, got {soft_cap}")
-    if sliding_window is not None and sliding_window <= 0:
+    if isinstance(sliding_window, int) and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     if pages_per_compute_block is not None and pages_per_compute_block <= 0:
         raise ValueError(f"pages_per_compute_block must be positive, got {pages_per_compute_block}")
@@ -225,11 +229,19 @@ def online_softmax_step(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.A
     return fold_logits(s, visible, carry, lambda p: matmul_nn(p.astype(v.dtype), v))
 
 
+def window_rows(sliding_window: int | jax.Array | None, batch: int) -> jax.Array | None:
+    """The window as a per-row kernel input [B] int32 (<= 0: none), or None: no window."""
+    if sliding_window is None:
+        return None
+    return jnp.broadcast_to(jnp.asarray(sliding_window, jnp.int32), (batch,))
+
+
 def split_block_range(kv_len: jax.Array, split: jax.Array, *, block_tokens: int,
-                       num_splits: int, sliding_window: int | None
-                       ) -> tuple[jax.Array, jax.Array]:
+                      num_splits: int, sliding_window: jax.Array | int | None
+                      ) -> tuple[jax.Array, jax.Array]:
     """Compute blocks [lo, hi) that `split` covers for a decode query at kv_len - 1."""
-    first_token = 0 if sliding_window is None else jnp.maximum(kv_len - sliding_window, 0)
+    first_token = (0 if sliding_window is None else jnp.where(
+        sliding_window > 0, jnp.maximum(kv_len - sliding_window, 0), 0))
     first = first_token // block_tokens
     end = (kv_len + block_tokens - 1) // block_tokens
     per_split = (end - first + num_splits - 1) // num_splits
@@ -237,11 +249,12 @@ def split_block_range(kv_len: jax.Array, split: jax.Array, *, block_tokens: int,
     return lo, jnp.minimum(lo + per_split, end)
 
 
-def decode_visible(pos: jax.Array, kv_len: jax.Array, sliding_window: int | None
-                    ) -> tuple[jax.Array, jax.Array]:
+def decode_visible(pos: jax.Array, kv_len: jax.Array, sliding_window: jax.Array | int | None
+                   ) -> tuple[jax.Array, jax.Array]:
     """(key slot holds a token, key visible to the query at kv_len - 1) for positions `pos`."""
     in_seq = pos < kv_len
-    visible = in_seq if sliding_window is None else in_seq & (pos >= kv_len - sliding_window)
+    visible = in_seq if sliding_window is None else in_seq & (
+        (sliding_window <= 0) | (pos >= kv_len - sliding_window))
     return in_seq, visible
 
 
@@ -256,13 +269,18 @@ def token_column_mask(block: jax.Array, block_tokens: int, kv_len: jax.Array) ->
     return pos < kv_len
 
 
-def _pipelined_decode_kernel(bt_ref, lens_ref, q_ref, *refs, pages_per_block: int,
+def _pipelined_decode_kernel(bt_ref, lens_ref, *refs, pages_per_block: int,
                              page_size: int, num_splits: int, sm_scale: float,
-                             soft_cap: float | None, sliding_window: int | None):
+                             soft_cap: float | None, windowed: bool):
     """One (row, split, step) grid point: fold a block of pages for all K kv heads."""
+    b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    sliding_window = None
+    if windowed:  # the per-row windows, scalar-prefetched beside the lengths
+        win_ref, *refs = refs
+        sliding_window = win_ref[b]
+    q_ref, *refs = refs
     k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block:2 * pages_per_block]
     o_ref, m_ref, l_ref, m_sc, l_sc, acc_sc = refs[2 * pages_per_block:]
-    b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_tokens = pages_per_block * page_size
     kv_len = lens_ref[b]
     lo, hi = split_block_range(kv_len, split, block_tokens=block_tokens,
@@ -302,7 +320,7 @@ def _pipelined_decode_kernel(bt_ref, lens_ref, q_ref, *refs, pages_per_block: in
 
 def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_block: int,
                       num_splits: int, sm_scale: float, soft_cap: float | None,
-                      sliding_window: int | None, interpret: bool):
+                      windows: jax.Array | None, interpret: bool):
     """Partials [B, splits, K, G, D] (and max, sum [B, splits, K, G, 1]) on the TPU schedule."""
     b, n, d = q.shape
     _, p, k_heads, _ = k_pages.shape
@@ -314,10 +332,11 @@ def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_b
     bt_flat = block_tables.reshape(-1)
 
     def page_map(i):
-        def index_map(row, split, step, bt_ref, lens_ref):
+        def index_map(row, split, step, bt_ref, lens_ref, *win_ref):
             kv_len = lens_ref[row]
             lo, hi = split_block_range(kv_len, split, block_tokens=block_tokens,
-                                        num_splits=num_splits, sliding_window=sliding_window)
+                                       num_splits=num_splits,
+                                       sliding_window=win_ref[0][row] if win_ref else None)
             block = jnp.minimum(lo + step, jnp.maximum(hi - 1, 0))
             slot = jnp.minimum(block * pages_per_block + i, jnp.maximum((kv_len - 1) // p, 0))
             return bt_ref[row * pmax + slot], 0, 0, 0
@@ -325,9 +344,10 @@ def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_b
 
     page_specs = [pl.BlockSpec((pl.squeezed, p, k_heads, d), page_map(i))
                   for i in range(pages_per_block)]
-    part_map = lambda row, split, step, bt_ref, lens_ref: (row, split, 0, 0, 0)
+    part_map = lambda row, split, step, *_: (row, split, 0, 0, 0)
+    scalars = [bt_flat, kv_lens.astype(jnp.int32)] + ([] if windows is None else [windows])
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=len(scalars),
         grid=(b, num_splits, steps),
         in_specs=[pl.BlockSpec((pl.squeezed, n, d), lambda row, *_: (row, 0, 0)),
                   *page_specs, *page_specs],
@@ -341,7 +361,7 @@ def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_b
     kernel = functools.partial(
         _pipelined_decode_kernel, pages_per_block=pages_per_block, page_size=p,
         num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window)
+        windowed=windows is not None)
     stat_shape = jax.ShapeDtypeStruct((b, num_splits, k_heads, g, 1), jnp.float32)
     return pl.pallas_call(
         kernel,
@@ -352,7 +372,7 @@ def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_b
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="paged_decode_pipelined",
-    )(bt_flat, kv_lens.astype(jnp.int32), q,
+    )(*scalars, q,
       *([k_pages] * pages_per_block), *([v_pages] * pages_per_block))
 
 
@@ -377,10 +397,15 @@ def fold_split(o_ref, m_ref, l_ref, *, lo: jax.Array, hi: jax.Array, fold: Calla
     l_ref[...] = row_sum
 
 
-def _looped_decode_kernel(bt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-                          pages_per_block: int, page_size: int, num_splits: int,
-                          sm_scale: float, soft_cap: float | None, sliding_window: int | None):
+def _looped_decode_kernel(bt_ref, len_ref, *refs, pages_per_block: int, page_size: int,
+                          num_splits: int, sm_scale: float, soft_cap: float | None,
+                          windowed: bool):
     """One (row, kv head, split) program: loop over the split's blocks of pages."""
+    sliding_window = None
+    if windowed:  # this row's window [1]
+        win_ref, *refs = refs
+        sliding_window = win_ref[0]
+    q_ref, k_ref, v_ref, o_ref, m_ref, l_ref = refs
     block_tokens = pages_per_block * page_size
     kv_len = len_ref[0]
     lo, hi = split_block_range(kv_len, pl.program_id(2), block_tokens=block_tokens,
@@ -417,16 +442,19 @@ def grouped_queries(q: jax.Array, num_kv_heads: int, rows: int) -> jax.Array:
 
 def looped_decode_call(kernel: Callable, *, tables: list[jax.Array], kv_lens: jax.Array,
                        queries: list[jax.Array], pools: list[jax.Array], out_dim: int,
-                       num_splits: int, interpret: bool, name: str
+                       num_splits: int, interpret: bool, name: str,
+                       windows: jax.Array | None = None
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode kernel on the LOOPED (GPU) schedule: grid (B, K, splits), all parallel.
 
     Args:
-      kernel: called with refs (*tables [W_i], kv_len [1], *queries [Gp, D_i], *pools (their
-        kv head's view, `head_view_spec`), out [Gp, out_dim], max [Gp, 1], sum [Gp, 1]).
+      kernel: called with refs (*tables [W_i], kv_len [1], window [1] (only with `windows`),
+        *queries [Gp, D_i], *pools (their kv head's view, `head_view_spec`), out
+        [Gp, out_dim], max [Gp, 1], sum [Gp, 1]).
       tables: per-row int32 arrays [B, W_i] (block tables, page selections).
       queries: [B, K, Gp, D_i] each.
       pools: page pools [num_pages, P, K, ...] (codes, scales, pages).
+      windows: [B] int32 per-row sliding windows (`window_rows`), or None.
     Returns:
       Partials [B, splits, K, Gp, out_dim] and softmax max, sum [B, splits, K, Gp, 1].
     """
@@ -438,10 +466,12 @@ def looped_decode_call(kernel: Callable, *, tables: list[jax.Array], kv_lens: ja
                    for t in tables]
     query_specs = [pl.BlockSpec((pl.squeezed, pl.squeezed, gp, x.shape[3]),
                                 lambda row, h, split: (row, h, 0, 0)) for x in queries]
+    row_spec = pl.BlockSpec((1,), lambda row, h, split: (row,))
+    windows = [] if windows is None else [windows]
     return pl.pallas_call(
         kernel,
         grid=(b, k_heads, num_splits),
-        in_specs=[*table_specs, pl.BlockSpec((1,), lambda row, h, split: (row,)),
+        in_specs=[*table_specs, row_spec, *[row_spec] * len(windows),
                   *query_specs, *[head_view_spec(x) for x in pools]],
         out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, gp, out_dim),
                                 part_map), stat_spec, stat_spec],
@@ -450,12 +480,12 @@ def looped_decode_call(kernel: Callable, *, tables: list[jax.Array], kv_lens: ja
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=TRITON_STAGES),
         interpret=interpret,
         name=name,
-    )(*tables, kv_lens.astype(jnp.int32), *queries, *pools)
+    )(*tables, kv_lens.astype(jnp.int32), *windows, *queries, *pools)
 
 
 def _looped_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_block: int,
                    num_splits: int, sm_scale: float, soft_cap: float | None,
-                   sliding_window: int | None, interpret: bool):
+                   windows: jax.Array | None, interpret: bool):
     """Partials [B, splits, K, Gp, D] (and max, sum [B, splits, K, Gp, 1]) on the GPU schedule."""
     d = q.shape[2]
     p, k_heads = k_pages.shape[1:3]
@@ -465,11 +495,12 @@ def _looped_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_bloc
     kernel = functools.partial(
         _looped_decode_kernel, pages_per_block=pages_per_block, page_size=p,
         num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window)
+        windowed=windows is not None)
     return looped_decode_call(
         kernel, tables=[block_tables], kv_lens=kv_lens,
         queries=[grouped_queries(q, k_heads, gp)], pools=[k_pages, v_pages], out_dim=d,
-        num_splits=num_splits, interpret=interpret, name="paged_decode_looped")
+        num_splits=num_splits, interpret=interpret, name="paged_decode_looped",
+        windows=windows)
 
 
 def combine_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.Array:
@@ -508,7 +539,7 @@ def paged_decode_attention(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
     schedule: Schedule | None = None,
@@ -523,7 +554,9 @@ def paged_decode_attention(
       kv_lens: [B] int32; 0 marks a padded row (its output is zeros).
       sm_scale: logit scale, 1 / sqrt(D) by default.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
-      sliding_window: if set, the query sees only its last `sliding_window` tokens.
+      sliding_window: if set, the query sees only its last `sliding_window` tokens (a Python
+        int > 0, or an int32 scalar, traced or not, where <= 0 means no window); blocks wholly
+        before the window are not read.
       pages_per_compute_block: pages folded per online-softmax step (about 128 tokens default).
       num_splits: split-K partitions of each sequence's live blocks (default per backend).
       schedule: PIPELINED (TPU) or LOOPED (GPU); default per backend.
@@ -549,7 +582,8 @@ def paged_decode_attention(
     partials = impl(q, k_pages, v_pages, block_tables, kv_lens,
                     pages_per_block=pages_per_block, num_splits=num_splits,
                     sm_scale=1.0 / np.sqrt(d) if sm_scale is None else sm_scale,
-                    soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
+                    soft_cap=soft_cap, windows=window_rows(sliding_window, b),
+                    interpret=interpret)
     return finish_decode(*partials, q=q, num_kv_heads=k_heads)
 
 

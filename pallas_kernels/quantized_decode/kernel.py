@@ -67,6 +67,7 @@ from pallas_kernels.paged_decode.kernel import (
     max_block_tokens,
     padded_group,
     split_block_range,
+    window_rows,
 )
 
 
@@ -152,8 +153,12 @@ def _unpack_phases(packed: jax.Array, scale: jax.Array, zero: jax.Array, *, bits
 def _quantized_decode_kernel(bt_ref, len_ref, *refs, fmt: CodeFormat, phases: int,
                              bits: int, group: int, fp8_dtype, pages_per_block: int,
                              page_size: int, num_splits: int, sm_scale: float,
-                             soft_cap: float | None, sliding_window: int | None):
+                             soft_cap: float | None, windowed: bool):
     """One (row, kv head, split) program over quantized pages: dequantize, fold, repeat."""
+    sliding_window = None
+    if windowed:  # this row's window [1]
+        win_ref, *refs = refs
+        sliding_window = win_ref[0]
     q_refs, refs = refs[:phases], refs[phases:]
     num_meta = len(storage_names(fmt))
     k_refs, v_refs = refs[:num_meta], refs[num_meta:2 * num_meta]
@@ -214,7 +219,7 @@ def quantized_decode_attention(
     codec: codecs.KVCodec,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
     interpret: bool = False,
@@ -277,11 +282,12 @@ def quantized_decode_attention(
         fp8_dtype=codec.fmt.dtype if fmt is CodeFormat.FP8 else None,
         pages_per_block=pages_per_block, page_size=p, num_splits=num_splits,
         sm_scale=1.0 / np.sqrt(d) if sm_scale is None else sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window)
+        windowed=sliding_window is not None)
     acc, row_max, row_sum = looped_decode_call(
         kernel, tables=[block_tables], kv_lens=kv_lens, queries=queries,
         pools=[k_stored[x] for x in names] + [v_stored[x] for x in names], out_dim=d,
-        num_splits=num_splits, interpret=interpret, name=f"quantized_decode_{fmt.value}")
+        num_splits=num_splits, interpret=interpret, name=f"quantized_decode_{fmt.value}",
+        windows=window_rows(sliding_window, b))
     # Phase-major [.., c, D/c] back to channel order [.., D / c, c].
     acc = acc.reshape(*acc.shape[:-1], phases, d // phases)
     acc = jnp.swapaxes(acc, -1, -2).reshape(*acc.shape[:-2], d)

@@ -9,6 +9,8 @@ are padding whose output is zeros.
 The chunk is cut into query blocks of `block_q` tokens; a (row, query block) pair folds, with an
 online softmax, only the compute blocks of pages its queries can see: from the sliding window's
 start (or token 0) to its last query's position. A query block made only of padding reads no page.
+The window is a Python int or a traced int32 scalar (<= 0: none), which reaches the kernel as a
+per-row input [B] beside the lengths (`paged_decode.window_rows`).
 GQA: the G query heads of one kv head and the block_q queries form the rows of one matmul.
 
 The two schedules mirror paged_decode (see pallas_kernels/README.md):
@@ -48,6 +50,7 @@ from pallas_kernels.paged_decode.kernel import (
     online_softmax_step,
     pad_block_tables,
     token_column_mask,
+    window_rows,
 )
 
 # Queries per block when block_q is not given (fewer if the chunk is shorter).
@@ -65,36 +68,41 @@ def _gpu_group(group: int, block_q: int) -> int:
 
 
 def _query_block_range(kv_len: jax.Array, q_len: jax.Array, q_block: jax.Array, *,
-                       block_q: int, block_tokens: int, sliding_window: int | None
-                       ) -> tuple[jax.Array, jax.Array]:
+                       block_q: int, block_tokens: int,
+                       sliding_window: jax.Array | int | None) -> tuple[jax.Array, jax.Array]:
     """Compute blocks [lo, hi) that the queries of `q_block` see; empty for a padding block."""
     start = kv_len - q_len  # Position of query 0.
     first_q = q_block * block_q
     last_q = jnp.minimum(first_q + block_q, q_len) - 1
-    first_token = (0 if sliding_window is None
-                   else jnp.maximum(start + first_q - sliding_window + 1, 0))
+    first_token = (0 if sliding_window is None else jnp.where(
+        sliding_window > 0, jnp.maximum(start + first_q - sliding_window + 1, 0), 0))
     lo = first_token // block_tokens
     hi = (start + last_q + block_tokens) // block_tokens  # ceil((start + last_q + 1) / tokens)
     return lo, jnp.where(first_q < q_len, hi, lo)
 
 
 def _prefill_visible(query: jax.Array, pos: jax.Array, kv_len: jax.Array, q_len: jax.Array,
-                     sliding_window: int | None) -> jax.Array:
+                     sliding_window: jax.Array | int | None) -> jax.Array:
     """Which keys at `pos` the chunk queries with indices `query` see (broadcasting)."""
     q_pos = kv_len - q_len + query
     visible = (query < q_len) & (pos <= q_pos)
     if sliding_window is not None:
-        visible &= pos > q_pos - sliding_window
+        visible &= (sliding_window <= 0) | (pos > q_pos - sliding_window)
     return visible
 
 
-def _pipelined_prefill_kernel(bt_ref, lens_ref, qlens_ref, q_ref, *refs, pages_per_block: int,
+def _pipelined_prefill_kernel(bt_ref, lens_ref, qlens_ref, *refs, pages_per_block: int,
                               page_size: int, block_q: int, sm_scale: float,
-                              soft_cap: float | None, sliding_window: int | None):
+                              soft_cap: float | None, windowed: bool):
     """One (row, query block, kv step) grid point: fold a block of pages for all K kv heads."""
+    b, q_block, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    sliding_window = None
+    if windowed:  # the per-row windows, scalar-prefetched beside the lengths
+        win_ref, *refs = refs
+        sliding_window = win_ref[b]
+    q_ref, *refs = refs
     k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block:2 * pages_per_block]
     o_ref, m_sc, l_sc, acc_sc = refs[2 * pages_per_block:]
-    b, q_block, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_tokens = pages_per_block * page_size
     kv_len, q_len = lens_ref[b], qlens_ref[b]
     lo, hi = _query_block_range(kv_len, q_len, q_block, block_q=block_q,
@@ -137,7 +145,7 @@ def _pipelined_prefill_kernel(bt_ref, lens_ref, qlens_ref, q_ref, *refs, pages_p
 
 def _pipelined_prefill(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, block_q: int,
                        pages_per_block: int, sm_scale: float, soft_cap: float | None,
-                       sliding_window: int | None, interpret: bool) -> jax.Array:
+                       windows: jax.Array | None, interpret: bool) -> jax.Array:
     """[B, C_pad, N, D] (C_pad a multiple of block_q) on the TPU schedule."""
     b, c, n, d = q.shape
     _, p, k_heads, _ = k_pages.shape
@@ -148,10 +156,11 @@ def _pipelined_prefill(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, bl
     bt_flat = block_tables.reshape(-1)
 
     def page_map(i):
-        def index_map(row, q_block, step, bt_ref, lens_ref, qlens_ref):
+        def index_map(row, q_block, step, bt_ref, lens_ref, qlens_ref, *win_ref):
             kv_len = lens_ref[row]
-            lo, hi = _query_block_range(kv_len, qlens_ref[row], q_block, block_q=block_q,
-                                        block_tokens=block_tokens, sliding_window=sliding_window)
+            lo, hi = _query_block_range(
+                kv_len, qlens_ref[row], q_block, block_q=block_q, block_tokens=block_tokens,
+                sliding_window=win_ref[0][row] if win_ref else None)
             block = jnp.minimum(lo + step, jnp.maximum(hi - 1, 0))
             slot = jnp.minimum(block * pages_per_block + i, jnp.maximum((kv_len - 1) // p, 0))
             return bt_ref[row * pmax + slot], 0, 0, 0
@@ -161,8 +170,10 @@ def _pipelined_prefill(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, bl
                   for i in range(pages_per_block)]
     q_spec = pl.BlockSpec((pl.squeezed, k_heads, g, block_q, d),
                           lambda row, q_block, *_: (row, 0, 0, q_block, 0))
+    scalars = [bt_flat, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32)]
+    scalars += [] if windows is None else [windows]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=len(scalars),
         grid=(b, c // block_q, pl.cdiv(pmax, pages_per_block)),
         in_specs=[q_spec, *page_specs, *page_specs],
         out_specs=q_spec,
@@ -172,7 +183,7 @@ def _pipelined_prefill(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, bl
     )
     kernel = functools.partial(
         _pipelined_prefill_kernel, pages_per_block=pages_per_block, page_size=p,
-        block_q=block_q, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        block_q=block_q, sm_scale=sm_scale, soft_cap=soft_cap, windowed=windows is not None)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -181,15 +192,20 @@ def _pipelined_prefill(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, bl
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="ragged_prefill_pipelined",
-    )(bt_flat, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32), qt,
+    )(*scalars, qt,
       *([k_pages] * pages_per_block), *([v_pages] * pages_per_block))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, c, n, d)  # [B, C_pad, N, D]
 
 
-def _looped_prefill_kernel(bt_ref, len_ref, qlen_ref, q_ref, k_ref, v_ref, o_ref, *,
-                           pages_per_block: int, page_size: int, sm_scale: float,
-                           soft_cap: float | None, sliding_window: int | None):
+def _looped_prefill_kernel(bt_ref, len_ref, qlen_ref, *refs, pages_per_block: int,
+                           page_size: int, sm_scale: float, soft_cap: float | None,
+                           windowed: bool):
     """One (row, kv head, query block) program: loop over the blocks its queries see."""
+    sliding_window = None
+    if windowed:  # this row's window [1]
+        win_ref, *refs = refs
+        sliding_window = win_ref[0]
+    q_ref, k_ref, v_ref, o_ref = refs
     block_q, gp, d = q_ref.shape
     rows = block_q * gp
     block_tokens = pages_per_block * page_size
@@ -219,7 +235,7 @@ def _looped_prefill_kernel(bt_ref, len_ref, qlen_ref, q_ref, k_ref, v_ref, o_ref
 
 def _looped_prefill(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, block_q: int,
                     pages_per_block: int, sm_scale: float, soft_cap: float | None,
-                    sliding_window: int | None, interpret: bool) -> jax.Array:
+                    windows: jax.Array | None, interpret: bool) -> jax.Array:
     """[B, C_pad, N, D] (C_pad a multiple of block_q) on the GPU schedule."""
     b, c, n, d = q.shape
     num_pages, p, k_heads, _ = k_pages.shape
@@ -239,19 +255,22 @@ def _looped_prefill(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, block
     len_spec = pl.BlockSpec((1,), lambda row, h, q_block: (row,))
     kernel = functools.partial(
         _looped_prefill_kernel, pages_per_block=pages_per_block, page_size=p,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        sm_scale=sm_scale, soft_cap=soft_cap, windowed=windows is not None)
+    windows = [] if windows is None else [windows]
     out = pl.pallas_call(
         kernel,
         grid=(b, k_heads, c // block_q),
         in_specs=[pl.BlockSpec((pl.squeezed, pmax), lambda row, h, q_block: (row, 0)),
-                  len_spec, len_spec, q_spec, page_spec, page_spec],
+                  len_spec, len_spec, *[len_spec] * len(windows), q_spec, page_spec,
+                  page_spec],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=_GPU_PREFILL_WARPS,
                                                 num_stages=TRITON_STAGES),
         interpret=interpret,
         name="ragged_prefill_looped",
-    )(block_tables, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32), qg, k_pages, v_pages)
+    )(block_tables, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32), *windows, qg, k_pages,
+      v_pages)
     return out[:, :, :, :g].reshape(b, c, n, d)
 
 
@@ -265,7 +284,7 @@ def ragged_prefill_attention(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     block_q: int | None = None,
     pages_per_compute_block: int | None = None,
     schedule: Schedule | None = None,
@@ -281,7 +300,9 @@ def ragged_prefill_attention(
       q_lens: [B] int32, 0 <= q_lens <= min(C, kv_lens).
       sm_scale: logit scale, 1 / sqrt(D) by default.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
-      sliding_window: if set, a query sees only its last `sliding_window` tokens.
+      sliding_window: if set, a query sees only its last `sliding_window` tokens (a Python
+        int > 0, or an int32 scalar, traced or not, where <= 0 means no window); blocks wholly
+        before a query block's window are not read.
       block_q: queries per block (the chunk is padded to a multiple; default min(C, 64)).
       pages_per_compute_block: pages folded per online-softmax step (about 128 tokens default).
       schedule: PIPELINED (TPU) or LOOPED (GPU); default per backend.
@@ -322,5 +343,5 @@ def ragged_prefill_attention(
     out = impl(q_padded, k_pages, v_pages, block_tables, kv_lens, q_lens, block_q=block_q,
                pages_per_block=pages_per_block,
                sm_scale=1.0 / np.sqrt(d) if sm_scale is None else sm_scale,
-               soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
+               soft_cap=soft_cap, windows=window_rows(sliding_window, b), interpret=interpret)
     return out[:, :c]

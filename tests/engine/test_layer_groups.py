@@ -15,6 +15,8 @@ import pytest
 
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
+from kvjax.engine.step import AttentionImpl, attention_name
+from kvjax.kv import native
 from kvjax.kv.state import pages_for
 from kvjax.testing import TINY, greedy_reference, tiny_model
 
@@ -120,3 +122,22 @@ def test_windowed_models_refuse_features_that_move_one_table(model):
                                (dict(retention="h2o", retention_budget=16), "retention")):
         with pytest.raises(ValueError, match=f"{setting}.*layer_groups"):
             Engine(model, EngineConfig(**BASE, **overrides))
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None,
+                    reason=str(native.unavailable_reason()))
+def test_window_layers_run_the_native_kernels_like_the_dense_reference():
+    """Head dim 64: windowed and global layers alike prefill (chunks past the window) and
+    decode through the native kernels, each layer's window a traced value of one program;
+    greedy tokens equal the dense reference's."""
+    config = dataclasses.replace(TINY, num_layers=4, head_dim=64, layer_windows=(WINDOW, 0) * 2,
+                                 name="tiny-sliding-64")
+    model = tiny_model(config, seed=4)
+    rng = np.random.default_rng(6)
+    prompts = [[int(t) for t in rng.integers(0, 120, size=n)] for n in (37, 6)]
+    engine = Engine(model, EngineConfig(**BASE, num_pages=64, attention_impl=AttentionImpl.NATIVE))
+    assert attention_name(AttentionImpl.NATIVE, engine.kv) == "native"
+    assert native.prefill_reason_for(engine.kv) is None
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [greedy_reference(model, p, NEW)
+                                                      for p in prompts]

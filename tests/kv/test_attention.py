@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -208,3 +209,35 @@ def test_blockwise_soft_cap_matches_numpy(query_tile):
         last = q_lens[b] - 1  # sees several keys, so the cap changes its weights
         uncapped = numpy_attention(q[b, last], ks[b], vs[b], kv_lens[b] - 1)
         assert not np.allclose(got[b, last], uncapped, **F32_TOL)
+
+
+def test_blockwise_window_reads_each_rows_window_pages_only():
+    """Rows of very different lengths under one traced window: each row's walk starts at the
+    block of its own oldest visible key, so no row reads a block of pages wholly before its
+    window (pages a sliding-window group gives back); results equal the windowed oracle."""
+    rng = np.random.default_rng(8)
+    page_size, window, ppb = 4, 6, 3  # 15-page tables: whole blocks, no padding entries
+    kv_lens, tables, kp, vp, _, _ = make_case(rng, num_seqs=3, page_size=page_size,
+                                              num_kv_heads=2, group=2, head_dim=8, max_len=60)
+    kv_lens[:] = [60, 21, 33]  # every row past its window; slots past make_case's lengths
+    kp, vp = np.nan_to_num(kp), np.nan_to_num(vp)  # become zero tokens
+    q_lens = np.array([1, 3, 2], np.int32)
+    q = rng.standard_normal((3, 3, 4, 8)).astype(np.float32)
+    read = []  # (row, page) of every page the walk loads
+
+    def load(pages):
+        jax.debug.callback(lambda p: read.extend(
+            (b, int(x)) for b in range(p.shape[0]) for x in p[b]), pages)
+        return jnp.asarray(kp)[pages], jnp.asarray(vp)[pages]
+
+    got = jax.jit(lambda w: attention.paged_attention_blockwise(
+        q, load, tables, kv_lens, q_lens, pages_per_block=ppb, window=w))(jnp.int32(window))
+    jax.effects_barrier()
+    want = attention.paged_prefill_attention_reference(q, kp, vp, tables, kv_lens, q_lens,
+                                                       sliding_window=window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
+    for b in range(3):
+        oldest = kv_lens[b] - q_lens[b] + 1 - window
+        released = set(tables[b, :max(oldest, 0) // (ppb * page_size) * ppb].tolist())
+        assert released, "the case must give back some pages"
+        assert not released & {page for row, page in read if row == b}, b

@@ -302,3 +302,61 @@ def test_kernels_soft_cap_logits_like_numpy(case):
             want = numpy_attention(qc[b, i], ks[b], vs[b], kv_lens[b] - q_lens[b] + i,
                                    soft_cap=cap)
             np.testing.assert_allclose(got[b, i], want, **F32_TOL)
+
+
+def _released_before_window(kp, vp, tables, kv_lens, q_lens, page_size, window):
+    """NaN in every page wholly before the window of each row's first query (pages a
+    sliding-window group gives back to the pool): a read of one shows in the output."""
+    kp, vp = kp.copy(), vp.copy()
+    for b in range(len(kv_lens)):
+        oldest = max(kv_lens[b] - max(q_lens[b], 1) + 1 - window, 0)
+        for page in tables[b, :oldest // page_size]:
+            kp[page], vp[page] = np.nan, np.nan
+    return kp, vp
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 23])
+@pytest.mark.parametrize("case", [(4, 2, 3, 64), (16, 1, 4, 128), (1, 1, 1, 64)],
+                         ids=lambda c: "P{}-K{}-G{}-D{}".format(*c))
+def test_windowed_decode_and_prefill_see_the_last_window_tokens_like_numpy(case, window):
+    """A traced window (the layer scan's per-layer value): decode rows, verify rows of 3
+    queries and prefill chunks see only their last `window` tokens, as the numpy oracle with
+    `sliding_window` (Mistral / Gemma: keys t - window + 1 .. t); pages wholly before a row's
+    window are NaN and never read; window 0 is global."""
+    page_size, k_heads, group, head_dim = case
+    rng = np.random.default_rng(7)
+    kv_lens, tables, kp, vp, ks, vs = make_case(
+        rng, num_seqs=4, max_len=70, page_size=page_size, num_kv_heads=k_heads, group=group,
+        head_dim=head_dim)
+    kv_lens[2] = min(kv_lens[2], 3)  # shorter than most windows
+    kv_lens[3] = 0  # a padded row
+    n = k_heads * group
+    decode = jax.jit(native.paged_decode_attention)
+    prefill = jax.jit(native.paged_prefill_attention)
+
+    q = rng.standard_normal((4, n, head_dim)).astype(np.float32)
+    ones = np.ones(4, np.int32)
+    wk, wv = _released_before_window(kp, vp, tables, kv_lens, ones, page_size, window)
+    got = np.asarray(decode(q, _layered(wk, 1), _layered(wv, 1), 1, tables, kv_lens,
+                            window=jnp.int32(window)))
+    for b in range(4):
+        want = (np.zeros_like(q[b]) if kv_lens[b] == 0 else numpy_attention(
+            q[b], ks[b], vs[b], kv_lens[b] - 1, sliding_window=window))
+        np.testing.assert_allclose(got[b], want, **F32_TOL)
+    got = np.asarray(decode(q, _layered(kp, 1), _layered(vp, 1), 1, tables, kv_lens,
+                            window=jnp.int32(0)))
+    np.testing.assert_allclose(got[0], numpy_attention(q[0], ks[0], vs[0], kv_lens[0] - 1),
+                               **F32_TOL)
+
+    for num_queries, run in ((3, decode), (40, prefill)):
+        q_lens = np.minimum([num_queries, 2, 3, 0], kv_lens).astype(np.int32)
+        qc = rng.standard_normal((4, num_queries, n, head_dim)).astype(np.float32)
+        wk, wv = _released_before_window(kp, vp, tables, kv_lens, q_lens, page_size, window)
+        got = np.asarray(run(qc, _layered(wk, 0), _layered(wv, 0), 0, tables, kv_lens,
+                             q_lens=q_lens, window=jnp.int32(window)))
+        for b in range(4):
+            for i in range(num_queries):
+                want = (numpy_attention(qc[b, i], ks[b], vs[b], kv_lens[b] - q_lens[b] + i,
+                                        sliding_window=window)
+                        if i < q_lens[b] else np.zeros_like(qc[b, i]))
+                np.testing.assert_allclose(got[b, i], want, **F32_TOL)

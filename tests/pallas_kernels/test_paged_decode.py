@@ -155,3 +155,18 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="power-of-2"):
         paged_decode_attention(**case, pages_per_compute_block=3, schedule=Schedule.LOOPED)
 
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
+def test_traced_window_serves_windowed_and_global_layers(schedule):
+    """The engine's per-layer window is a traced int32 scalar: one compiled call gives the
+    windowed oracle for a window > 0 and the global one for 0."""
+    case = make_case(6, [1, 29, 6, 0, 17], page_size=4, num_kv_heads=2, group=2, head_dim=64,
+                     dtype=jnp.float32)
+    run = jax.jit(lambda window: paged_decode_attention(
+        **case, sliding_window=window, schedule=runnable(schedule),
+        pages_per_compute_block=block_pages(4, 2), num_splits=2, interpret=INTERPRET))
+    for window, options in ((9, dict(sliding_window=9)), (0, {})):
+        want = paged_decode_attention_reference(**case, **options)
+        np.testing.assert_allclose(run(jnp.int32(window)), want, **TOLERANCES[jnp.float32])

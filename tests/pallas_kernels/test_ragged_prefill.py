@@ -172,3 +172,18 @@ def test_engine_pallas_gives_the_reference_greedy_tokens():
         assert got[codec, AttentionImpl.PALLAS] == got[codec, AttentionImpl.REFERENCE], codec
     assert got["none", AttentionImpl.PALLAS] == [greedy_reference(model, p, max_new)
                                                  for p in prompts]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
+def test_traced_window_serves_windowed_and_global_layers(schedule):
+    """The engine's per-layer window is a traced int32 scalar: one compiled call gives the
+    windowed oracle for a window > 0 and the global one for 0."""
+    case = make_case(8, [1, 29, 12, 0], [1, 8, 3, 0], 8, page_size=4, num_kv_heads=2, group=2,
+                     head_dim=64, dtype=jnp.float32)
+    run = jax.jit(lambda window: ragged_prefill_attention(
+        **case, sliding_window=window, schedule=runnable(schedule), block_q=2,
+        pages_per_compute_block=block_pages(4, 1), interpret=INTERPRET))
+    for window, options in ((6, dict(sliding_window=6)), (0, {})):
+        want = paged_prefill_attention_reference(**case, **options)
+        np.testing.assert_allclose(run(jnp.int32(window)), want, **TOLERANCES[jnp.float32])

@@ -9,7 +9,8 @@ together, in chunks of rows' pages spread over XLA's intra-op threads (a long ro
 several chunks whose partial softmaxes are merged, so a few rows still keep every thread busy).
 Codes are decoded eight channels at a time in registers, so the head dim must be a multiple of
 8. It computes what `paged_decode_attention_reference` computes, a soft cap on the logits
-(Gemma 2) included.
+(Gemma 2) and a sliding window included (a window is a traced int32 scalar, 0 for none, so one
+program serves windowed and global layers; pages wholly before a row's window are not read).
 
 The source is built once per machine and registered as the FFI target `kvjax_paged_decode`
 (`kvjax.cpu_kernels`); `unavailable_reason()` says why it cannot be used (no compiler, a
@@ -89,8 +90,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
                            v_zero: jax.Array | None = None, bits: int = 8, group: int = 0,
                            sm_scale: float | None = None,
-                           soft_cap: float | None = None, split_rows: bool = True,
-                           target: str = _TARGET) -> jax.Array:
+                           soft_cap: float | None = None, window: jax.Array | int = 0,
+                           split_rows: bool = True, target: str = _TARGET) -> jax.Array:
     """Decode attention of one layer, read in place from all layers' pages.
 
     Args:
@@ -108,13 +109,16 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       bits, group: the packed codes' width (8, 4 or 2) and channels per scale.
       sm_scale: softmax scale, 1/sqrt(D) by default.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
+      window: a sliding window (int32 scalar, traced or not; <= 0: none): a query at position
+        t sees keys t - window + 1 .. t, and pages wholly before that are not read.
       split_rows: whether a long row may be cut into chunks merged at the end (spreading a
         few rows over the threads); False: each row in one pass, so its result is bitwise
         the same whatever other rows the call holds (batch-invariant numerics).
       target: the FFI target to call (`targets_for`: a build for another ISA level).
     Returns:
       q's shape and dtype; equal to `paged_decode_attention_reference` (Q = 1) or
-      `paged_prefill_attention_reference` on layer `layer` of the decoded pages.
+      `paged_prefill_attention_reference` on layer `layer` of the decoded pages (with
+      `sliding_window=window` where window > 0).
     """
     reason = unavailable_reason()
     if reason is not None:
@@ -136,8 +140,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, num_queries * n, d),
                                                          jnp.float32))(
         flat.reshape(b, num_queries * n, d).astype(jnp.float32), k_pages, v_pages, *meta,
-        jnp.asarray(layer, jnp.int32), block_tables.astype(jnp.int32),
-        kv_lens.astype(jnp.int32), jnp.asarray(q_lens, jnp.int32),
+        jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32),
+        block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32), jnp.asarray(q_lens, jnp.int32),
         sm_scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0), bits=np.int32(bits),
         group=np.int32(group), num_queries=np.int32(num_queries), split_rows=split_rows)
     out = out.reshape(b, k_heads, num_queries, n // k_heads, d).transpose(0, 2, 1, 3, 4)
@@ -217,7 +221,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             layer: jax.Array | int, block_tables: jax.Array,
                             kv_lens: jax.Array, q_lens: jax.Array, *,
                             sm_scale: float | None = None,
-                            soft_cap: float | None = None,
+                            soft_cap: float | None = None, window: jax.Array | int = 0,
                             target: str = _PREFILL_TARGET) -> jax.Array:
     """Causal prefill attention of one layer, read in place from all layers' float32 pages.
 
@@ -230,9 +234,12 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       block_tables: [B, W] int32; kv_lens, q_lens: [B] int32.
       sm_scale: softmax scale, 1/sqrt(D) by default.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
+      window: as in `paged_decode_attention` (keys before a row's first query's window are
+        neither copied nor read).
       target: the FFI target to call (`targets_for`: a build for another ISA level).
     Returns:
-      q's shape and dtype: `paged_prefill_attention_reference` on layer `layer`.
+      q's shape and dtype: `paged_prefill_attention_reference` on layer `layer` (with
+      `sliding_window=window` where window > 0).
     Raises:
       ValueError: the kernel is unavailable, or pages or head dim it does not read.
     """
@@ -242,7 +249,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     scale = 1.0 / np.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_pages, v_pages, jnp.asarray(layer, jnp.int32),
-        block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
+        jnp.asarray(window, jnp.int32), block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
         jnp.asarray(q_lens, jnp.int32), sm_scale=np.float32(scale),
         soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)
@@ -268,11 +275,12 @@ def prefill_reason_for(kv) -> str | None:
 
 
 def kernels_for(kv, *, soft_cap: float | None = None, split_rows: bool = True):
-    """(kv, layer) -> (decode_fn, prefill_fn): the native decode, and the native prefill
-    where it reads the pages (`prefill_reason`), else the blockwise jnp prefill, all with the
-    attention logits soft-capped at `soft_cap` (None: not capped). ValueError for a state the
-    kernels do not read (`reason_for`). `split_rows`: as in `paged_decode_attention`, for the
-    decode kernel.
+    """(kv, layer, window=None) -> (decode_fn, prefill_fn): the native decode, and the native
+    prefill where it reads the pages (`prefill_reason`), else the blockwise jnp prefill, all
+    with the attention logits soft-capped at `soft_cap` (None: not capped) and the layer's
+    sliding `window` (an int32 scalar, traced or not; 0 or None: none). ValueError for a state
+    the kernels do not read (`reason_for`). `split_rows`: as in `paged_decode_attention`, for
+    the decode kernel.
 
     Same signatures as `paged_decode_attention_reference` / `..._prefill_..._reference` over
     the rows' own block tables (what `pallas_kernels.dispatch.kernels_for` returns), so the
@@ -282,13 +290,14 @@ def kernels_for(kv, *, soft_cap: float | None = None, split_rows: bool = True):
     if reason is not None:
         raise ValueError(reason)
 
-    def chooser(kv, layer):
+    def chooser(kv, layer, window=None):
         pages = _pages(kv)
         native_prefill = prefill_reason(pages) is None
+        window = 0 if window is None else window
 
         def decode(q, block_tables, kv_lens):
             return paged_decode_attention(q, layer=layer, block_tables=block_tables,
-                                          kv_lens=kv_lens, soft_cap=soft_cap,
+                                          kv_lens=kv_lens, soft_cap=soft_cap, window=window,
                                           split_rows=split_rows, **pages)
 
         def prefill(q, block_tables, kv_lens, q_lens):
@@ -297,15 +306,16 @@ def kernels_for(kv, *, soft_cap: float | None = None, split_rows: bool = True):
                 # A few queries per row (speculative verify rows): each KV byte read once.
                 return paged_decode_attention(q, layer=layer, block_tables=block_tables,
                                               kv_lens=kv_lens, q_lens=q_lens,
-                                              soft_cap=soft_cap, **pages)
+                                              soft_cap=soft_cap, window=window, **pages)
             if native_prefill:
                 return paged_prefill_attention(q, layer=layer, block_tables=block_tables,
                                                kv_lens=kv_lens, q_lens=q_lens,
-                                               soft_cap=soft_cap, **pages)
+                                               soft_cap=soft_cap, window=window, **pages)
             load = functools.partial(kv.load_pages, layer)
             return attention_ref.paged_attention_blockwise(
                 q, load, block_tables, kv_lens, q_lens,
-                pages_per_block=attention_ref.PREFILL_PAGES_PER_BLOCK, soft_cap=soft_cap)
+                pages_per_block=attention_ref.PREFILL_PAGES_PER_BLOCK, soft_cap=soft_cap,
+                window=window)
 
         return decode, prefill
 

@@ -3,10 +3,10 @@
 // The engine's jnp path gathers each block of pages into a fresh buffer and transposes it for
 // the matmuls; this kernel walks each row's block table and reads every key and value straight
 // from the pool (all layers' pages, one buffer), so a decode step reads each KV byte once.
-// Semantics are those of kvjax.kv.attention.paged_decode_attention_reference (no sliding
-// window, no soft cap): query b sits at position kv_lens[b] - 1 and sees tokens
-// [0, kv_lens[b]); a row with kv_lens[b] == 0 gets zeros. Online softmax in float32, one page
-// at a time.
+// Semantics are those of kvjax.kv.attention.paged_decode_attention_reference: query b sits at
+// position kv_lens[b] - 1 and sees tokens [0, kv_lens[b]), or with a sliding window W > 0 only
+// tokens (kv_lens[b] - 1 - W, kv_lens[b] - 1]; a row with kv_lens[b] == 0 gets zeros. Online
+// softmax in float32, one page at a time; pages wholly before the window are never read.
 //
 // A row may hold Q queries (attribute num_queries: a speculative verify row's last token and
 // drafts): its q_lens[b] <= Q queries sit at positions kv_lens[b] - q_lens[b] + i and see the
@@ -22,6 +22,7 @@
 //   k_zero,      f32  u8: [L, num_pages, P, K, D / group]; else [1]
 //   v_zero
 //   layer        s32  []
+//   window       s32  []  (the sliding window in tokens; <= 0: none)
 // Attributes: sm_scale, soft_cap (logits -> soft_cap * tanh(logits / soft_cap) when > 0: Gemma
 // 2's attention logit cap), bits (8, 4 or 2: the u8 code width), group (channels per scale),
 // num_queries, split_rows (whether long rows may be cut into chunks; see below).
@@ -394,7 +395,16 @@ inline float ExpNonPositive(float x) {
 
 struct Geometry {
   int64_t num_rows, num_heads, head_dim, num_pages, page_size, num_kv_heads, width;
+  int64_t window;  // the sliding window in tokens (<= 0: none)
   int64_t group() const { return num_heads / num_kv_heads; }
+  // Blocks [first, end) row b reads: from the page holding its first query's oldest visible
+  // token (0 without a window) to its last token's.
+  int64_t FirstBlock(int64_t len, int64_t q_len) const {
+    return window > 0 ? std::max<int64_t>(len - q_len + 1 - window, 0) / page_size : 0;
+  }
+  int64_t EndBlock(int64_t len) const {
+    return (std::max<int64_t>(len, 0) + page_size - 1) / page_size;
+  }
 };
 
 // How a query-key dot product becomes a softmax logit: times `scale`, then soft-capped at
@@ -452,11 +462,13 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
   std::fill(st.l, st.l + N, 0.0f);
   std::fill(st.acc, st.acc + N * D, 0.0f);
   // Tokens [0, lim[j]) are visible to head j of a kv head: query i = j / (G / Q) of the row.
-  int64_t lim[kMaxGroup];
+  // With a window, tokens [lo[j], lim[j]) (the query's last `window` tokens).
+  int64_t lim[kMaxGroup], lo[kMaxGroup];
   const int64_t per_query = G / num_queries, first = len - q_lens[b];
   for (int64_t j = 0; j < G; ++j) {
     const int64_t i = j / per_query;
     lim[j] = i < q_lens[b] ? first + i + 1 : 0;
+    lo[j] = g.window > 0 ? std::max<int64_t>(lim[j] - g.window, 0) : 0;
   }
   std::vector<float> qs(N * D);  // scaled
   for (int64_t i = 0; i < N * D; ++i) qs[i] = q[b * N * D + i] * logits.scale;
@@ -538,17 +550,19 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
           v.Prefetch(next_row + p * K + h, 1, D);
         }
       for (int64_t j = 0; j < G; ++j) {
-        const int64_t nv = std::clamp<int64_t>(lim[j] - blk * P, 0, n);  // visible tokens
+        const int64_t nv = std::clamp<int64_t>(lim[j] - blk * P, 0, n);  // visible: [v0, nv)
+        const int64_t v0 = std::clamp<int64_t>(lo[j] - blk * P, 0, nv);
+        for (int64_t p = 0; p < v0; ++p) s[j][p] = 0.0f;
         for (int64_t p = nv; p < n; ++p) s[j][p] = 0.0f;
-        if (nv == 0) continue;
+        if (nv == v0) continue;
         if (logits.soft_cap > 0.0f)
-          for (int64_t p = 0; p < nv; ++p)
+          for (int64_t p = v0; p < nv; ++p)
             s[j][p] = logits.soft_cap * std::tanh(s[j][p] / logits.soft_cap);
         float mx = m[j];
-        for (int64_t p = 0; p < nv; ++p) mx = std::max(mx, s[j][p]);
+        for (int64_t p = v0; p < nv; ++p) mx = std::max(mx, s[j][p]);
         const float alpha = std::exp(m[j] - mx);  // exp(-inf) = 0 on the first page
         float sum = 0.0f;
-        for (int64_t p = 0; p < nv; ++p) {
+        for (int64_t p = v0; p < nv; ++p) {
           s[j][p] = ExpNonPositive(s[j][p] - mx);
           sum += s[j][p];
         }
@@ -616,15 +630,16 @@ void MergeChunks(const Geometry& g, const std::vector<Chunk>& chunks, float* par
 // Cuts the rows into chunks of at most `max_blocks` blocks, of near-equal size per row, so
 // that a few long rows (or one) still give every thread work; a row of one chunk keeps the
 // direct path. Returns the number of partial slots used.
-int64_t PlanChunks(const Geometry& g, const int32_t* kv_lens, int64_t max_blocks,
-                   std::vector<Chunk>* chunks) {
+int64_t PlanChunks(const Geometry& g, const int32_t* kv_lens, const int32_t* q_lens,
+                   int64_t max_blocks, std::vector<Chunk>* chunks) {
   int64_t partials = 0;
   for (int64_t b = 0; b < g.num_rows; ++b) {
-    const int64_t blocks = std::max<int64_t>(kv_lens[b], 0) / g.page_size +
-                           (std::max<int64_t>(kv_lens[b], 0) % g.page_size != 0);
+    const int64_t first = g.FirstBlock(kv_lens[b], q_lens[b]);
+    const int64_t blocks = std::max<int64_t>(g.EndBlock(kv_lens[b]) - first, 0);
     const int64_t num = std::max<int64_t>(1, (blocks + max_blocks - 1) / max_blocks);
     for (int64_t c = 0; c < num; ++c)
-      chunks->push_back({b, blocks * c / num, blocks * (c + 1) / num, num > 1 ? partials++ : -1});
+      chunks->push_back({b, first + blocks * c / num, first + blocks * (c + 1) / num,
+                         num > 1 ? partials++ : -1});
   }
   return partials;
 }
@@ -652,13 +667,13 @@ ChunkFn<Rows> ChunkKernel(const Geometry& g) {
 
 template <typename Rows>
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, const Rows& v,
-               int64_t layer, ffi::Buffer<ffi::S32> block_tables,
+               int64_t layer, int64_t window, ffi::Buffer<ffi::S32> block_tables,
                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
                int64_t num_queries, ffi::AnyBuffer::Dimensions kv_dims, int64_t head_dim,
                Logits logits, bool split_rows, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto qd = q.dimensions();
   Geometry g{qd[0], qd[1], qd[2], kv_dims[1], kv_dims[2], kv_dims[3],
-             block_tables.dimensions()[1]};
+             block_tables.dimensions()[1], window};
   if (head_dim != g.head_dim || g.num_heads % g.num_kv_heads || g.group() > kMaxGroup ||
       num_queries < 1 || g.group() % num_queries || q_lens.element_count() != g.num_rows ||
       g.head_dim > kMaxHeadDim || g.head_dim % 8 || g.page_size > kMaxPage || layer < 0 ||
@@ -674,14 +689,14 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const Rows& k, con
   // pages alone, whatever other rows the call holds (batch-invariant numerics).
   int64_t total_blocks = 0;
   for (int64_t b = 0; b < g.num_rows; ++b)
-    total_blocks += (std::max<int64_t>(lens[b], 0) + g.page_size - 1) / g.page_size;
+    total_blocks += std::max<int64_t>(g.EndBlock(lens[b]) - g.FirstBlock(lens[b], qlens[b]), 0);
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   int64_t max_blocks = std::max<int64_t>(
       {(kMinChunkTokens + g.page_size - 1) / g.page_size,
        (total_blocks + kChunksPerThread * threads - 1) / (kChunksPerThread * threads), 1});
   std::vector<Chunk> chunks;
   if (!split_rows) max_blocks = std::max<int64_t>(total_blocks, 1);
-  const int64_t num_partials = PlanChunks(g, lens, max_blocks, &chunks);
+  const int64_t num_partials = PlanChunks(g, lens, qlens, max_blocks, &chunks);
   std::vector<float> partials(num_partials * SoftmaxState::Floats(g));
   float* pp = partials.data();
   ChunkFn<Rows> one;
@@ -706,7 +721,7 @@ template <int kBits>
 ffi::Error RunPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                      ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
                      ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> k_zero,
-                     ffi::Buffer<ffi::F32> v_zero, int64_t layer,
+                     ffi::Buffer<ffi::F32> v_zero, int64_t layer, int64_t window,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> q_lens, int64_t num_queries, Logits logits,
                      int64_t group, bool split_rows, ffi::Result<ffi::Buffer<ffi::F32>> out) {
@@ -726,19 +741,20 @@ ffi::Error RunPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   if constexpr (kBits < 8) {
     if (shift >= 5 && dim % 32 == 0)
       return Run(pool, q, PackedBlockRows<kBits>{kr}, PackedBlockRows<kBits>{vr}, layer,
-                 block_tables, kv_lens, q_lens, num_queries, k.dimensions(), dim, logits,
-                 split_rows, out);
+                 window, block_tables, kv_lens, q_lens, num_queries, k.dimensions(), dim,
+                 logits, split_rows, out);
   }
 #endif
-  return Run(pool, q, kr, vr, layer, block_tables, kv_lens, q_lens, num_queries, k.dimensions(),
-             dim, logits, split_rows, out);
+  return Run(pool, q, kr, vr, layer, window, block_tables, kv_lens, q_lens, num_queries,
+             k.dimensions(), dim, logits, split_rows, out);
 }
 
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
                        ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> k_zero,
                        ffi::Buffer<ffi::F32> v_zero, ffi::Buffer<ffi::S32> layer,
-                       ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
+                       ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::S32> block_tables,
+                       ffi::Buffer<ffi::S32> kv_lens,
                        ffi::Buffer<ffi::S32> q_lens, float sm_scale, float soft_cap,
                        int32_t bits, int32_t group, int32_t num_queries, bool split_rows,
                        ffi::Result<ffi::Buffer<ffi::F32>> out) {
@@ -746,19 +762,20 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
       k.element_count() != v.element_count())
     return ffi::Error::InvalidArgument("paged_decode: k and v must be [L, pages, P, K, D]");
   const int64_t lay = layer.typed_data()[0];
+  const int64_t win = window.typed_data()[0];
   const int64_t dim = k.dimensions()[4];
   const Logits logits{sm_scale, soft_cap};
   switch (k.element_type()) {
     case ffi::F32: {
       FloatRows<float> kr{{}, static_cast<const float*>(k.untyped_data())};
       FloatRows<float> vr{{}, static_cast<const float*>(v.untyped_data())};
-      return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
+      return Run(pool, q, kr, vr, lay, win, block_tables, kv_lens, q_lens, num_queries,
                  k.dimensions(), dim, logits, split_rows, out);
     }
     case ffi::BF16: {
       FloatRows<uint16_t> kr{{}, static_cast<const uint16_t*>(k.untyped_data())};
       FloatRows<uint16_t> vr{{}, static_cast<const uint16_t*>(v.untyped_data())};
-      return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
+      return Run(pool, q, kr, vr, lay, win, block_tables, kv_lens, q_lens, num_queries,
                  k.dimensions(), dim, logits, split_rows, out);
     }
     case ffi::S8: {
@@ -767,21 +784,21 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
         return ffi::Error::InvalidArgument("paged_decode: int8 scales must be [L, pages, P, K]");
       Int8Rows kr{{}, static_cast<const int8_t*>(k.untyped_data()), k_scale.typed_data()};
       Int8Rows vr{{}, static_cast<const int8_t*>(v.untyped_data()), v_scale.typed_data()};
-      return Run(pool, q, kr, vr, lay, block_tables, kv_lens, q_lens, num_queries,
+      return Run(pool, q, kr, vr, lay, win, block_tables, kv_lens, q_lens, num_queries,
                  k.dimensions(), dim, logits, split_rows, out);
     }
     case ffi::U8:
       switch (bits) {
         case 8:
-          return RunPacked<8>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
+          return RunPacked<8>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay, win,
                               block_tables, kv_lens, q_lens, num_queries, logits, group,
                               split_rows, out);
         case 4:
-          return RunPacked<4>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
+          return RunPacked<4>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay, win,
                               block_tables, kv_lens, q_lens, num_queries, logits, group,
                               split_rows, out);
         case 2:
-          return RunPacked<2>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay,
+          return RunPacked<2>(pool, q, k, v, k_scale, v_scale, k_zero, v_zero, lay, win,
                               block_tables, kv_lens, q_lens, num_queries, logits, group,
                               split_rows, out);
         default:
@@ -805,6 +822,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedDecode, PagedDecode,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_zero
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_zero
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_lens

@@ -5,6 +5,8 @@
 //                              keys up to it; queries i >= q_lens[b] get zeros
 //   k, v     f32 [L, num_pages, P, K, D]
 //   layer    s32 []
+//   window   s32 []             a sliding window W > 0: query at t sees keys (t - W, t] only;
+//                              <= 0: none
 //   tables   s32 [B, W]         block tables
 //   kv_lens  s32 [B]
 //   q_lens   s32 [B]
@@ -19,9 +21,10 @@
 // key blocks of kKeys up to its last query's position (causal: blocks past it are never
 // read), computing the block's scores kScoreRows query heads at a time in registers, an
 // online softmax on whole vectors (a vectorized exp; a mask only on the blocks that cross the
-// tile's diagonal), and the values' sum PVRows() query heads at a time (24 accumulators),
-// each value row read once from its page. Items are claimed longest first (the last tiles
-// see the most keys). GCC vector extensions (g++ builds it; another compiler failing leaves
+// tile's diagonal, or, with a window, the window's lower edge; keys before the window of the
+// row's first query are neither transposed nor read), and the values' sum PVRows() query
+// heads at a time (24 accumulators), each value row read once from its page. Items are
+// claimed longest first (the last tiles see the most keys). GCC vector extensions (g++ builds it; another compiler failing leaves
 // the engine on the jnp path).
 
 #include <algorithm>
@@ -82,8 +85,18 @@ inline V ExpNonPositive(V x) {
 
 struct Geometry {
   int64_t rows, chunk, heads, kv_heads, page_size, num_pages, width;
+  int64_t window;  // sliding window in tokens (<= 0: none)
   int64_t group() const { return heads / kv_heads; }
+  // The first token of the page holding the oldest key a query at `pos` sees: pages before
+  // it may have gone back to the pool, so they are never read.
+  int64_t FirstToken(int64_t pos) const {
+    return window > 0 ? std::max<int64_t>(pos - window + 1, 0) / page_size * page_size : 0;
+  }
+  // The key block (a multiple of kKeys) holding FirstToken(pos).
+  int64_t FirstKey(int64_t pos) const { return FirstToken(pos) / kKeys * kKeys; }
 };
+
+alignas(64) constexpr float kZeros[256] = {};  // a value row for keys that are not read
 
 // How a query-key dot product becomes a softmax logit: times `scale`, then soft-capped at
 // `soft_cap` when it is > 0.
@@ -100,19 +113,22 @@ inline const float* TokenRow(const Geometry& g, const float* pages, int64_t laye
   return pages + (((layer * g.num_pages + table[t / P]) * P + t % P) * g.kv_heads + h) * kD;
 }
 
-// Row b's keys [0, len) of kv head h in layer `layer`, into kt [D, Stride(len)] (zero past
-// len).
 inline int64_t Stride(int64_t len) { return (len + kKeys - 1) / kKeys * kKeys; }
 
+// Row b's keys [readable, len) of kv head h in layer `layer`, into kt [D, Stride(len - base)]
+// (base <= readable; zero before readable and past len): key t at column t - base.
 template <int kD>
 void TransposeKeys(const Geometry& g, const float* k, int64_t layer, const int32_t* table,
-                   int64_t len, int64_t h, float* kt) {
-  const int64_t stride = Stride(len);
-  for (int64_t t = 0; t < len; ++t) {
+                   int64_t base, int64_t readable, int64_t len, int64_t h, float* kt) {
+  const int64_t stride = Stride(len - base);
+  for (int64_t d = 0; d < kD; ++d)
+    std::fill(kt + d * stride, kt + d * stride + readable - base, 0.0f);
+  for (int64_t t = readable; t < len; ++t) {
     const float* row = TokenRow<kD>(g, k, layer, table, t, h);
-    for (int64_t d = 0; d < kD; ++d) kt[d * stride + t] = row[d];
+    for (int64_t d = 0; d < kD; ++d) kt[d * stride + t - base] = row[d];
   }
-  for (int64_t d = 0; d < kD; ++d) std::fill(kt + d * stride + len, kt + (d + 1) * stride, 0.0f);
+  for (int64_t d = 0; d < kD; ++d)
+    std::fill(kt + d * stride + len - base, kt + (d + 1) * stride, 0.0f);
 }
 
 // Scores of query heads qs[0:R] (scaled, [R, kD]) against keys [key0, key0 + kKeys) of kt.
@@ -175,10 +191,13 @@ void AccumulateValuesOf(int rows, const float* p, int64_t n, VRow vrow, const fl
 }
 
 // One item: row b, kv head h, queries [q0, q0 + kTileQueries).
+// kt holds the row's keys from `base` on (TransposeKeys); values before `readable` are not
+// read (their weights are 0).
 template <int kD>
-void AttendTile(const Geometry& g, const float* q, const float* kt, const float* v,
-                int64_t layer, const int32_t* table, int64_t len, int64_t q_len, int64_t b,
-                int64_t h, int64_t q0, Logits logits, float* out) {
+void AttendTile(const Geometry& g, const float* q, const float* kt, int64_t base,
+                int64_t readable, const float* v, int64_t layer, const int32_t* table,
+                int64_t len, int64_t q_len, int64_t b, int64_t h, int64_t q0, Logits logits,
+                float* out) {
   const int64_t G = g.group(), N = g.heads;
   const int64_t queries = std::min<int64_t>(kTileQueries, g.chunk - q0);
   const int64_t valid = std::clamp<int64_t>(q_len - q0, 0, queries);
@@ -195,11 +214,16 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
   }
   const int64_t first = len - q_len + q0;  // position of the tile's first query
   const int64_t end = first + valid;       // keys [0, end) are seen by some query
-  for (int64_t key0 = 0; key0 < end; key0 += kKeys) {
+  // With a window, keys before FirstKey(first) are seen by none; the blocks up to the last
+  // query's window edge hide some keys from some queries.
+  const int64_t stride = Stride(len - base);
+  const bool windowed = g.window > 0;
+  for (int64_t key0 = g.FirstKey(first); key0 < end; key0 += kKeys) {
     for (int64_t r = 0; r < M; r += kScoreRows)
       ScoresOf<kD>(static_cast<int>(std::min<int64_t>(kScoreRows, M - r)), qs.data() + r * kD,
-                   kt, Stride(len), key0, s.data() + r * kKeys);
-    const bool diagonal = key0 + kKeys - 1 > first;  // some key is past some query
+                   kt, stride, key0 - base, s.data() + r * kKeys);
+    const bool diagonal = key0 + kKeys - 1 > first ||  // some key is past some query
+                          (windowed && key0 <= end - 1 - g.window);  // or before its window
     for (int64_t r = 0; r < M; ++r) {
       float* sr = s.data() + r * kKeys;
       if (logits.soft_cap > 0.0f)  // keys past the row's end are masked below
@@ -210,15 +234,20 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
       IV seen[kKeyVecs];  // lanes of keys the query sees
       if (diagonal) {
         const int32_t last = static_cast<int32_t>(first + r / G - key0);
+        // Lanes above `oldest` - 1 are inside the window (all lanes without one).
+        const int32_t oldest = static_cast<int32_t>(
+            windowed ? std::max<int64_t>(last - g.window + 1, -1) : -1);
         for (int j = 0; j < kKeyVecs; ++j) {
           IV lane;
           for (int i = 0; i < kLanes; ++i) lane[i] = j * kLanes + i;
-          seen[j] = lane <= last;
+          seen[j] = (lane <= last) & (lane >= oldest);
           x[j] = seen[j] ? x[j] : Splat(-INFINITY);
         }
       }
       V top = x[0];
       for (int j = 1; j < kKeyVecs; ++j) top = top > x[j] ? top : x[j];
+      // A query whose window starts past this block sees none of it: mx stays -inf, alpha 1,
+      // and every weight is masked to 0 below.
       const float mx = std::max(m[r], MaxLanes(top));
       alpha[r] = m[r] == mx ? 1.0f : std::exp(m[r] - mx);  // m = -inf first: 0
       V sum = l[r] * alpha[r];
@@ -232,7 +261,9 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, const float*
       m[r] = mx;
     }
     const int64_t n = std::min<int64_t>(kKeys, end - key0);
-    auto vrow = [&](int64_t t) { return TokenRow<kD>(g, v, layer, table, key0 + t, h); };
+    auto vrow = [&](int64_t t) {
+      return key0 + t < readable ? kZeros : TokenRow<kD>(g, v, layer, table, key0 + t, h);
+    };
     for (int64_t r = 0; r < M; r += PVRows<kD>())
       AccumulateValuesOf<kD>(static_cast<int>(std::min<int64_t>(PVRows<kD>(), M - r)),
                              s.data() + r * kKeys, n, vrow, alpha.data() + r,
@@ -252,23 +283,29 @@ void Run(ffi::ThreadPool& pool, const Geometry& g, const float* q, const float* 
          const float* v, int64_t layer, const int32_t* tables, const int32_t* lens,
          const int32_t* q_lens, Logits logits, float* out) {
   const int64_t B = g.rows, K = g.kv_heads;
-  std::vector<int64_t> offset(B + 1, 0);  // of row b's scratch: rows without queries have none
-  for (int64_t b = 0; b < B; ++b)
-    offset[b + 1] = offset[b] + (q_lens[b] > 0 ? K * kD * Stride(lens[b]) : 0);
+  // Row b's scratch holds its keys from base[b] on (the window of its first query); rows
+  // without queries have none.
+  std::vector<int64_t> offset(B + 1, 0), base(B, 0), readable(B, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    readable[b] = q_lens[b] > 0 ? g.FirstToken(lens[b] - q_lens[b]) : 0;
+    base[b] = readable[b] / kKeys * kKeys;
+    offset[b + 1] = offset[b] + (q_lens[b] > 0 ? K * kD * Stride(lens[b] - base[b]) : 0);
+  }
   std::vector<float> kt(offset[B]);
   auto scratch = [&](int64_t b, int64_t h) {
-    return kt.data() + offset[b] + h * kD * Stride(lens[b]);
+    return kt.data() + offset[b] + h * kD * Stride(lens[b] - base[b]);
   };
   ParallelFor(pool, B * K, [&](int64_t i) {
     const int64_t b = i / K;
     if (q_lens[b] > 0)
-      TransposeKeys<kD>(g, k, layer, tables + b * g.width, lens[b], i % K, scratch(b, i % K));
+      TransposeKeys<kD>(g, k, layer, tables + b * g.width, base[b], readable[b], lens[b], i % K,
+                        scratch(b, i % K));
   });
   const int64_t tiles = (g.chunk + kTileQueries - 1) / kTileQueries;
   ParallelFor(pool, B * K * tiles, [&](int64_t i) {
     const int64_t tile = tiles - 1 - i / (B * K);  // the longest (last) tiles first
     const int64_t b = i % (B * K) / K, h = i % K;
-    AttendTile<kD>(g, q, scratch(b, h), v, layer,
+    AttendTile<kD>(g, q, scratch(b, h), base[b], readable[b], v, layer,
                    tables + b * g.width, lens[b], q_lens[b], b, h, tile * kTileQueries,
                    logits, out);
   });
@@ -276,7 +313,8 @@ void Run(ffi::ThreadPool& pool, const Geometry& g, const float* q, const float* 
 
 ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                         ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
+                        ffi::Buffer<ffi::S32> tables,
                         ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
                         float sm_scale, float soft_cap,
                         ffi::Result<ffi::Buffer<ffi::F32>> out) {
@@ -294,7 +332,7 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     if (lens[b] < 0 || lens[b] > td[1] * kd[2] || ql[b] < 0 ||
         ql[b] > std::min<int64_t>(lens[b], qd[1]))
       return ffi::Error::InvalidArgument("paged_prefill: a row's kv_len or q_len is out of range");
-  const Geometry g{qd[0], qd[1], qd[2], kd[3], kd[2], kd[1], td[1]};
+  const Geometry g{qd[0], qd[1], qd[2], kd[3], kd[2], kd[1], td[1], window.typed_data()[0]};
   auto run = [&](auto fn) {
     fn(pool, g, q.typed_data(), k.typed_data(), v.typed_data(), l, tables.typed_data(), lens,
        ql, Logits{sm_scale, soft_cap}, out->typed_data());
@@ -314,6 +352,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedPrefill, PagedPrefill,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k pages
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v pages
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q lens
