@@ -623,7 +623,11 @@ class Engine:
         prompt and output) before it compresses, so it gets no bound below its full length.
         """
         p, policy = self.config.page_size, self.retention.policy
-        full = pages_for(num_tokens, p)
+        # Every block table's pages; a window's table holds its window and one step's writes (a
+        # prefill chunk, or a verify row of 1 + gamma tokens).
+        drafts = self.config.spec.num_draft_tokens if self.config.spec.enabled else 0
+        full = self.kv_spec.max_pages_held(num_tokens, max(self.config.max_prefill_chunk,
+                                                           1 + drafts))
         if policy.name not in _ROLLING_EVICTION or self.retention.default_budget is None:
             return full  # (a controller keeps every token until it sets a budget)
         uncompacted = pages_for(policy.budget + p - 1 + self.config.max_prefill_chunk, p)

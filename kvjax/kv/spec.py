@@ -241,6 +241,23 @@ class KVCacheSpec:
         return sum(g.bytes_per_token * _tokens_kept(g.spec.keep, g.spec.num_keep_tokens,
                                                     num_tokens) for g in self.groups)
 
+    def pages_held(self, num_tokens: int) -> int:
+        """Pages a sequence's block tables hold once it has decoded to `num_tokens` tokens (its
+        last token written alone): every page of a global table; a window's table the pages
+        from the one holding the first token its last query reads."""
+        return sum(_table_pages(t.window, num_tokens - 1, num_tokens, self.page_size)
+                   for t in self.table_groups())
+
+    def max_pages_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most pages a sequence of at most `num_tokens` tokens holds at once over its block
+        tables, when a step writes at most `max_step_tokens` of its tokens (a prefill chunk, a
+        verify row): a window's table then holds the pages from the first token the step's first
+        query reads to the step's last token, never more than a global table's."""
+        p = self.page_size
+        full = _ceil_div(num_tokens, p)
+        return sum(min(full, (max_step_tokens + t.window - 2) // p + 2) if t.window else full
+                   for t in self.table_groups())
+
     @property
     def page_size(self) -> int:
         """P, shared by every group while pages span them all."""
@@ -360,6 +377,17 @@ def layer_tables(groups: Sequence[LayerGroup]
 
 def _window(keep: TokenKeep, num_keep_tokens: int) -> int:
     return num_keep_tokens if keep is TokenKeep.SLIDING_WINDOW else 0
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _table_pages(window: int, start: int, end: int, page_size: int) -> int:
+    """Pages one block table holds right after a step wrote tokens [start, end): all of them
+    up to `end`, or with a window those from the first token the query at `start` reads."""
+    first = max(0, start - window + 1) // page_size if window else 0
+    return _ceil_div(end, page_size) - first
 
 
 def _tokens_kept(keep: TokenKeep, num_keep_tokens: int, num_tokens: int) -> int:

@@ -141,3 +141,16 @@ def test_window_layers_run_the_native_kernels_like_the_dense_reference():
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [greedy_reference(model, p, NEW)
                                                       for p in prompts]
+
+
+def test_admission_counts_every_block_table_and_only_a_windows_pages(model):
+    """A request is sized by the pages its two block tables hold at once: the global table every
+    page, the window's its 8 tokens plus a 16-token prefill chunk (at most 7 pages of 4). In 20
+    pages a 52-token request (13 + 7) is admitted, though its full length on both tables (26
+    pages) is not, and runs to the end; a 56-token one (14 + 7) is refused."""
+    engine = Engine(model, EngineConfig(**BASE, num_pages=20, enable_prefix_cache=False))
+    with pytest.raises(ValueError, match="request 'long' needs 21 KV pages but the pool has 20"):
+        engine.add_request("long", list(range(1, 33)), SamplingParams(max_new_tokens=24))
+    (out,) = engine.generate([list(range(1, 29))], SamplingParams(max_new_tokens=24,
+                                                                  ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 24 and engine.stats["preemptions"] == 0

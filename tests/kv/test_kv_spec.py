@@ -17,6 +17,8 @@ from kvjax.kv import arena, quantized, quest
 from kvjax.kv import spec as kv_spec
 from kvjax.kv.codecs import IdentityCodec
 from kvjax.kv.state import exact_cache_spec, init_contiguous_kv, init_paged_kv
+from kvjax.memory.block_manager import AllocStatus
+from kvjax.memory.groups import GroupedBlockManager
 
 CONFIG = ModelConfig(vocab_size=16, hidden_size=48, intermediate_size=32, num_layers=3,
                      num_heads=6, num_kv_heads=3, head_dim=16, name="spec-test")
@@ -205,3 +207,29 @@ def test_budget_with_no_page_is_refused():
     spec = exact_cache_spec(CONFIG, PAGE_SIZE, "float32")
     with pytest.raises(ValueError, match="holds no page"):
         spec.num_pages_for_budget(math.floor(spec.page_bytes) - 1)
+
+
+@pytest.mark.parametrize("windows,chunk", [((0, 6), 4), ((0, 6, 6, 6), 7), ((13,), 5),
+                                           ((3, 0), 1), ((0, 0), 8)])
+def test_pages_held_match_the_block_tables_of_a_sequence_written_in_chunks(windows, chunk):
+    """A grouped block manager writes a 40-token prompt in chunks, then decodes to 60: at each
+    decode step every table together holds `pages_held` pages, and at no point more than
+    `max_pages_held`, which is what admission sizes a request by."""
+    fmt = kv_spec.TokenFormat.kv_heads(1, 4)
+    groups = [kv_spec.LayerGroup((i,), fmt, *((kv_spec.TokenKeep.SLIDING_WINDOW, w) if w
+                                              else ())) for i, w in enumerate(windows)]
+    spec = kv_spec.cache_spec(groups, codec_name="none", page_size=4,
+                              tensor_bytes=lambda h, w: h * w * 4.0)
+    alloc = GroupedBlockManager(200, 4, [t.window for t in spec.table_groups()],
+                                enable_prefix_cache=False)
+    alloc.add_sequence("s", list(range(40)))
+    steps = [(s, min(s + chunk, 40)) for s in range(0, 40, chunk)] + [(n, n + 1)
+                                                                      for n in range(40, 60)]
+    most = 0
+    for start, end in steps:
+        assert alloc.ensure_writable("s", start, end)[0] is AllocStatus.OK
+        most = max(most, alloc.num_held_pages("s"))
+        if end - start == 1:
+            assert alloc.num_held_pages("s") == spec.pages_held(end)
+    assert most <= spec.max_pages_held(60, chunk)
+    assert spec.max_pages_held(60, chunk) <= len(spec.table_groups()) * 15
