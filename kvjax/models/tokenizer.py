@@ -28,11 +28,16 @@ _GGUF_TOKEN_USER_DEFINED = 4
 # llama.cpp's `tokenizer.ggml.pre` names whose pre-tokenizer splits every digit on its own before
 # the GPT-2 regex (SmolLM's and StarCoder's vocabularies were trained that way).
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder")
-# Llama 3's split ("llama-bpe"): contractions, letter runs, digits in groups of up to three,
-# punctuation runs, newlines and spaces, before the byte-level mapping.
-_LLAMA_BPE_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SUPPORTED_GGUF_PRE = (*_DIGIT_SPLIT_PRE, "gpt-2", "llama-bpe")
+# `tokenizer.ggml.pre` -> the regex splitting text before the byte-level mapping: contractions,
+# letter runs, digits (Llama 3: in groups of up to three; Qwen2: one by one), punctuation runs,
+# newlines and spaces.
+_SPLIT_PRE = {
+    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+              r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+_SUPPORTED_GGUF_PRE = (*_DIGIT_SPLIT_PRE, "gpt-2", *_SPLIT_PRE)
 
 
 def _byte_level_alphabet() -> dict[int, str]:
@@ -52,9 +57,9 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_SPLIT_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre == "llama-bpe":
+    if pre in _SPLIT_PRE:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA_BPE_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return byte_level
 
@@ -162,7 +167,7 @@ class Tokenizer:
 
         Supports llama.cpp's byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with the
         pre-tokenizers named by `tokenizer.ggml.pre` in ('smollm', 'starcoder', 'gpt-2',
-        'llama-bpe').
+        'llama-bpe', 'qwen2').
 
         Args:
           metadata: GGUF key -> decoded value (strings, ints, lists), e.g. from
