@@ -38,6 +38,24 @@ def _tiny_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
     return letters + SPECIAL_TOKENS + [m.replace(" ", "") for m in merges], merges
 
 
+SPM_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+
+
+def _tiny_spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary as llama.cpp's converter writes Gemma's: control and unknown
+    tokens, the 256 <0xXX> byte tokens, then pieces scored by rank (-index)."""
+    letters = "etaoinsrhld"
+    words = ["\u2581t", "\u2581r", "he", "th", "re", "st", "en", "ea", "\u2581re", "\u2581the",
+             "\u2581then", "\u2581tea", "\u2581rest"]
+    pieces = ["\u2581", *letters, *words]
+    pieces += [a + b for a in letters for b in letters if a + b not in pieces]
+    tokens = [*SPM_SPECIAL_TOKENS, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    tokens = tokens[:vocab_size]
+    types = [3, 3, 3, 2, *[6] * 256, *[1] * (len(tokens) - 260)]
+    scores = [0.0] * 260 + [-float(i) for i in range(len(tokens) - 260)]
+    return tokens, scores, types
+
+
 # config.json model_type -> llama.cpp architecture.
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
               "gemma3_text": "gemma3"}
@@ -68,11 +86,12 @@ def _rope_theta(config: dict) -> float:
 
 def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: str | None = None,
                     replace: dict[str, np.ndarray] | None = None, pre: str = "smollm",
-                    metadata: dict[str, object] | None = None) -> Path:
+                    metadata: dict[str, object] | None = None, spm: bool = False) -> Path:
     """Converts a tiny HF checkpoint to GGUF the way llama.cpp lays it out (F32 tensors): llama's
     Q/K rows permuted for its pairwise RoPE (Qwen's and Gemma's rotate halves, unpermuted),
     Gemma's RMSNorm weights stored as (1 + w), no output.weight when the embedding is tied.
-    `metadata` adds or replaces `<arch>.<key>` values."""
+    `metadata` adds or replaces `<arch>.<key>` values; `spm` writes a SentencePiece tokenizer
+    without a prefix space (Gemma's) instead of byte-level BPE."""
     config = json.loads((hf_dir / "config.json").read_text())
     hf = load_file(hf_dir / "model.safetensors")
     model_type = config["model_type"]
@@ -120,13 +139,24 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
             writer.add_float32(f"{arch}.{key}", config[hf_key])
     for key, value in (metadata or {}).items():
         writer.add_key_value(f"{arch}.{key}", value, _gguf_value_type(value))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    if spm:
+        tokens, scores, types = _tiny_spm_vocab(config["vocab_size"])
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_add_space_prefix(False)
+        writer.add_bos_token_id(tokens.index("<bos>"))
+        writer.add_eos_token_id(tokens.index("<eos>"))
+        writer.add_unk_token_id(tokens.index("<unk>"))
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(tokens.index("<|im_start|>"))
+        writer.add_eos_token_id(tokens.index("<|im_end|>"))
     for name, w in tensors.items():
         writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     writer.write_header_to_file()
@@ -447,7 +477,7 @@ def test_gemma_gguf_logits_match_hf_and_transformers_gguf(tmp_path, model_type):
     soft caps, which its GGUF loader does not read)."""
     overrides = _GEMMA_OVERRIDES[model_type]
     hf_dir = make_tiny_hf_checkpoint(tmp_path, model_type, seed=6, **overrides)
-    path = write_tiny_gguf(tmp_path / f"{model_type}.gguf", hf_dir)
+    path = write_tiny_gguf(tmp_path / f"{model_type}.gguf", hf_dir, spm=True)
     model = load_gguf(path)
     c = model.config
     assert c.tie_word_embeddings and c.norm_unit_offset and c.sandwich_norms
@@ -462,6 +492,27 @@ def test_gemma_gguf_logits_match_hf_and_transformers_gguf(tmp_path, model_type):
     assert _rel_max_diff(got, hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
     caps = {k: v for k, v in overrides.items() if k.endswith("softcapping")}
     assert _rel_max_diff(got, _transformers_gguf_logits(path, tokens, **caps)) <= TINY_LOGITS_RTOL
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers_gguf_tokenizer(tmp_path):
+    """Gemma's GGUF tokenizer (`tokenizer.ggml.model` 'llama': SentencePiece pieces merged by
+    score, spaces as U+2581 with no prefix space, <0xXX> byte fallback, control tokens whole):
+    ids and decoded text as transformers' tokenizer built from the same file."""
+    import transformers
+
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "gemma2", seed=0)
+    path = write_tiny_gguf(tmp_path / "spm.gguf", hf_dir, spm=True)
+    tokenizer = load_gguf(path).tokenizer
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = ("the rest then tea", " then  the\nrest é!", "<bos>tea<eos> rest", "thththe  ")
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert ids == reference.encode(text, add_special_tokens=False), text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    ids = tokenizer.encode("the rest é")  # 'he' scores above 'th'; 'é' is not a piece
+    assert [tokenizer.backend.id_to_token(i) for i in ids] == [
+        "t", "he", "\u2581rest", "\u2581", "<0xC3>", "<0xA9>"]
+    assert tokenizer.encode("<bos>", add_bos=True) == [2, 2]
 
 
 @pytest.mark.parametrize("model_type, metadata, message", [
