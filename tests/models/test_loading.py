@@ -130,6 +130,10 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(_rope_theta(config))
+    rope = config["rope_parameters"].get("full_attention", config["rope_parameters"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if is_gemma:
         writer.add_sliding_window(config["sliding_window"])
@@ -460,21 +464,29 @@ def test_qwen_gguf_logits_match_hf_and_transformers_gguf(tmp_path, model_type, o
     assert [piece for piece, _ in splits[-5:]] == list("12345")  # llama-bpe: '123', '45'
 
 
-# Gemma soft caps small enough to bite on a tiny random model; windows shorter than the test.
+# Gemma soft caps small enough to bite on a tiny random model; windows shorter than the test;
+# Gemma 3's global layers with linear RoPE scaling (as its 4B to 27B models), local ones without.
 _GEMMA_OVERRIDES = {
     "gemma2": dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                    tie_word_embeddings=True),
-    "gemma3_text": dict(num_hidden_layers=6, sliding_window=8, tie_word_embeddings=True),
+    "gemma3_text": dict(
+        num_hidden_layers=6, sliding_window=8, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
+# What transformers' GGUF loader does not read from the file, told to it by the test.
+_UNREAD_BY_TRANSFORMERS = ("attn_logit_softcapping", "final_logit_softcapping", "rope_parameters")
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
 def test_gemma_gguf_logits_match_hf_and_transformers_gguf(tmp_path, model_type):
     """Gemma 2 / Gemma 3 GGUF files (norms stored as 1 + w, no Q/K permutation, tied
     embedding): the soft caps and the window come from the metadata, the windowed layers and
-    Gemma 3's local RoPE base follow llama.cpp's fixed patterns; the logits equal transformers'
-    on the source checkpoint and transformers' own loading of the same GGUF file (told the
-    soft caps, which its GGUF loader does not read)."""
+    Gemma 3's local RoPE base follow llama.cpp's fixed patterns, its linear RoPE scaling applies
+    to the global layers only; the logits equal transformers' on the source checkpoint and
+    transformers' own loading of the same GGUF file (told the soft caps and the RoPE, which its
+    GGUF loader does not read)."""
     overrides = _GEMMA_OVERRIDES[model_type]
     hf_dir = make_tiny_hf_checkpoint(tmp_path, model_type, seed=6, **overrides)
     path = write_tiny_gguf(tmp_path / f"{model_type}.gguf", hf_dir, spm=True)
@@ -486,12 +498,13 @@ def test_gemma_gguf_logits_match_hf_and_transformers_gguf(tmp_path, model_type):
         assert c.layer_windows == (8, 0)
     else:
         assert c.layer_windows == (8, 8, 8, 8, 8, 0)
-        assert c.local_rope == RoPE(theta=10000.0) and c.rope == RoPE(theta=1e6)
+        assert c.local_rope == RoPE(theta=10000.0)
+        assert c.rope == RoPE(RopeType.LINEAR, theta=1e6, factor=4.0)
     tokens = np.random.default_rng(7).integers(0, c.vocab_size, 24).tolist()
     got = _logits(model, tokens)
     assert _rel_max_diff(got, hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
-    caps = {k: v for k, v in overrides.items() if k.endswith("softcapping")}
-    assert _rel_max_diff(got, _transformers_gguf_logits(path, tokens, **caps)) <= TINY_LOGITS_RTOL
+    told = {k: v for k, v in overrides.items() if k in _UNREAD_BY_TRANSFORMERS}
+    assert _rel_max_diff(got, _transformers_gguf_logits(path, tokens, **told)) <= TINY_LOGITS_RTOL
 
 
 def test_sentencepiece_gguf_tokenizer_matches_transformers_gguf_tokenizer(tmp_path):
