@@ -2,7 +2,8 @@
 
 Architectures (`general.architecture`): llama, qwen2 (Q/K/V biases), qwen3 (per-head Q/K
 RMSNorms), gemma2 and gemma3 (GeGLU, pre and post norms, scaled embeddings, Gemma 2's soft caps,
-alternating sliding-window layers, Gemma 3's Q/K norms and its local layers' own RoPE base).
+alternating sliding-window layers, Gemma 3's Q/K norms and its local layers' own RoPE base),
+phi3 (fused attn_qkv and gate-up ffn_up, split on loading; default RoPE only).
 
 Every tensor is dequantized to float32 on the host (any type `gguf.dequantize` knows: F32, F16,
 Q8_0, Q4_0, Q4_1, K-quants, ...), mapped into the params pytree of `kvjax.models.llama`, then cast
@@ -19,7 +20,9 @@ the Hugging Face checkpoint.
 What llama.cpp fixes in code rather than metadata is applied as it does: Gemma 2 windows every
 other layer (from the first), Gemma 3 five layers in six, whose RoPE base is 10000 unless
 `rope.freq_base_swa` says otherwise; Gemma's queries are scaled by 1/sqrt(key_length), except
-the 27B models' (46 layers for Gemma 2, 62 for Gemma 3) by 1/sqrt(hidden / heads).
+the 27B models' (46 layers for Gemma 2, 62 for Gemma 3) by 1/sqrt(hidden / heads); Gemma 2's soft
+caps default to 50 (attention) and 30 (final), Gemma 3 has no attention cap; Phi-3's
+`attention.sliding_window` is ignored (llama.cpp disables Phi-3's window).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from kvjax.models.model import Model
 from kvjax.models.rope import RoPE, RopeType
 from kvjax.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 _GEMMA_ARCHS = ("gemma2", "gemma3")
 # llama.cpp's one global layer every `pattern` layers (the last of each run), per architecture.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -63,6 +66,11 @@ _BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
 _QK_NORM_TENSORS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
 _SANDWICH_TENSORS = {"post_attn_norm": "post_attention_norm.weight",
                      "post_mlp_norm": "post_ffw_norm.weight"}
+# Phi-3's fused matrices: GGUF name -> the kvjax params stacked along its rows, in order.
+_FUSED_TENSORS = {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}
+# LongRoPE's per-frequency factors, which llama.cpp picks by the context size it is given
+# rather than by the sequence length as Phi-3's reference does.
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -111,18 +119,22 @@ def _gemma_fields(metadata: dict[str, Any], arch: str, *, num_layers: int, hidde
     if prefix + "attention.sliding_window_pattern" in metadata:
         raise ValueError(f"unsupported GGUF key {prefix}attention.sliding_window_pattern: "
                          f"kvjax applies llama.cpp's fixed {arch} pattern only")
-    window = int(_required(metadata, prefix + "attention.sliding_window"))
+    # gemma2 requires its window; gemma3 without one (or 0) has no windowed layers.
+    window = int(_required(metadata, prefix + "attention.sliding_window") if arch == "gemma2"
+                 else metadata.get(prefix + "attention.sliding_window") or 0)
     pattern = _GEMMA_WINDOW_PATTERN[arch]
     windows = tuple(window if (i + 1) % pattern else 0 for i in range(num_layers))
     scalar = (hidden / num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim)
-    caps = {key: metadata.get(prefix + key) for key in ("attn_logit_softcapping",
-                                                       "final_logit_softcapping")}
+    # llama.cpp's soft caps: Gemma 2 50 and 30 unless stated; Gemma 3 only a final cap, if any.
+    attn_cap = (float(metadata.get(prefix + "attn_logit_softcapping", 50.0)) or None
+                if arch == "gemma2" else None)
+    final_cap = float(metadata.get(prefix + "final_logit_softcapping",
+                                   30.0 if arch == "gemma2" else 0.0)) or None
     fields: dict[str, Any] = dict(
         rope=rope, norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
         activation=MlpActivation.GELU_TANH, qk_norm=arch == "gemma3",
         query_pre_attn_scalar=float(scalar),
-        attn_logit_softcap=caps["attn_logit_softcapping"],
-        final_logit_softcap=caps["final_logit_softcapping"],
+        attn_logit_softcap=attn_cap, final_logit_softcap=final_cap,
         layer_windows=windows if any(windows) else ())
     if arch == "gemma3":
         local = RoPE(theta=float(metadata.get(prefix + "rope.freq_base_swa",
@@ -197,8 +209,10 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(rows, *w.shape[3:])
 
 
-def _layer_tensors(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """kvjax layer param -> (GGUF name inside block N, shape as numpy sees it: [out, in])."""
+def _layer_tensors(config: ModelConfig, arch: str
+                   ) -> dict[str, tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]]:
+    """GGUF name inside block N -> (the kvjax layer params it holds, stacked along its rows;
+    their shapes as numpy sees them: [out, in])."""
     c = config
     nd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes = {
@@ -222,7 +236,12 @@ def _layer_tensors(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]
     if c.sandwich_norms:
         shapes.update(post_attn_norm=(c.hidden_size,), post_mlp_norm=(c.hidden_size,))
         names.update(_SANDWICH_TENSORS)
-    return {key: (names[key], shape) for key, shape in shapes.items()}
+    fused = _FUSED_TENSORS if arch == "phi3" else {}
+    in_fused = {key for keys in fused.values() for key in keys}
+    layout = {names[key]: ((key,), (shape,)) for key, shape in shapes.items()
+              if key not in in_fused}
+    layout.update({name: (keys, tuple(shapes[k] for k in keys)) for name, keys in fused.items()})
+    return layout
 
 
 def _dequantize(tensor: Any, expected: tuple[int, ...]) -> np.ndarray:
@@ -269,37 +288,46 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
     config = config_from_metadata(
         metadata, tie_word_embeddings="output.weight" not in tensors, name=path.stem,
         rope_freqs=rope_freqs)
-    per_layer = _layer_tensors(config)
+    arch = metadata["general.architecture"]
+    longrope = sorted(_LONGROPE_TENSORS & tensors.keys())
+    if longrope:
+        raise ValueError(f"unsupported GGUF tensor(s) {longrope}: LongRoPE factors, which "
+                         "llama.cpp selects by its context size, not by position")
+    per_layer = _layer_tensors(config, arch)
     wanted = {"token_embd.weight", "output_norm.weight"}
     if rope_freqs is not None:
         wanted.add("rope_freqs.weight")
     if not config.tie_word_embeddings:
         wanted.add("output.weight")
-    wanted |= {f"blk.{i}.{n}" for i in range(config.num_layers) for n, _ in per_layer.values()}
+    wanted |= {f"blk.{i}.{n}" for i in range(config.num_layers) for n in per_layer}
     missing = sorted(wanted - tensors.keys())
     if missing:
         raise ValueError(f"GGUF file {path} is missing tensor(s) {missing[:8]}")
     unexpected = sorted(tensors.keys() - wanted)
     if unexpected:
         raise ValueError(f"GGUF file {path} has tensor(s) kvjax does not support: {unexpected[:8]}")
-    permute_qk = metadata["general.architecture"] == "llama"
+    permute_qk = arch == "llama"
 
-    def block(i: int, key: str) -> np.ndarray:
-        name, shape = per_layer[key]
-        w = _dequantize(tensors[f"blk.{i}.{name}"], shape)
-        if permute_qk and key in ("wq", "bq"):
-            w = _unpermute_rows(w, config.num_heads)
-        elif permute_qk and key in ("wk", "bk"):
-            w = _unpermute_rows(w, config.num_kv_heads)
-        elif config.norm_unit_offset and key.endswith("norm"):
-            w = w - 1.0  # llama.cpp stores Gemma's (1 + w)
-        return w if w.ndim == 1 else w.T  # [in, out]: kvjax computes x @ W
+    def params_of(name: str) -> dict[str, jnp.ndarray]:
+        """The params GGUF tensor blk.N.<name> holds, stacked over N ([L, in, out] for
+        matrices: kvjax computes x @ W); one tensor name at a time bounds the host memory."""
+        keys, shapes = per_layer[name]
+        rows = [shape[0] for shape in shapes]
+        parts: dict[str, list[np.ndarray]] = {key: [] for key in keys}
+        for i in range(config.num_layers):
+            w = _dequantize(tensors[f"blk.{i}.{name}"], (sum(rows), *shapes[0][1:]))
+            for key, part in zip(keys, np.split(w, np.cumsum(rows)[:-1]), strict=True):
+                if permute_qk and key in ("wq", "bq"):
+                    part = _unpermute_rows(part, config.num_heads)
+                elif permute_qk and key in ("wk", "bk"):
+                    part = _unpermute_rows(part, config.num_kv_heads)
+                elif config.norm_unit_offset and key.endswith("norm"):
+                    part = part - 1.0  # llama.cpp stores Gemma's (1 + w)
+                parts[key].append(part if part.ndim == 1 else part.T)
+        return {key: jnp.asarray(np.stack(p), target) for key, p in parts.items()}
 
     h, v = config.hidden_size, config.vocab_size
-    layers = {
-        key: jnp.asarray(np.stack([block(i, key) for i in range(config.num_layers)]), target)
-        for key in per_layer
-    }
+    layers = {key: w for name in per_layer for key, w in params_of(name).items()}
     final_norm = _dequantize(tensors["output_norm.weight"], (h,))
     params: dict[str, Any] = {
         "embed": jnp.asarray(_dequantize(tensors["token_embd.weight"], (v, h)), target),

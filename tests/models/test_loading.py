@@ -13,7 +13,7 @@ from hf_utils import hf_logits, make_tiny_hf_checkpoint
 from safetensors.numpy import load_file, save_file
 
 from kvjax.models import llama
-from kvjax.models.gguf import load_gguf
+from kvjax.models.gguf import config_from_metadata, load_gguf
 from kvjax.models.hf import load_hf
 from kvjax.models.loading import EMBEDDED_MODEL, embedded_model_path, load_model
 from kvjax.models.rope import RoPE, RopeType
@@ -58,7 +58,7 @@ def _tiny_spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]
 
 # config.json model_type -> llama.cpp architecture.
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-              "gemma3_text": "gemma3"}
+              "gemma3_text": "gemma3", "phi3": "phi3"}
 _HF_TO_GGUF_LAYER = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -68,6 +68,7 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
 }
 # Gemma's four norms: its post_attention_layernorm is on the attention output.
@@ -161,6 +162,7 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
         writer.add_token_merges(merges)
         writer.add_bos_token_id(tokens.index("<|im_start|>"))
         writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(0)  # transformers' Phi-3 default (32000) lies outside the vocabulary
     for name, w in tensors.items():
         writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     writer.write_header_to_file()
@@ -538,3 +540,55 @@ def test_gguf_refuses_metadata_it_cannot_apply(tmp_path, model_type, metadata, m
     path = write_tiny_gguf(tmp_path / "bad.gguf", hf_dir, metadata=metadata)
     with pytest.raises(ValueError, match=message):
         load_gguf(path)
+
+
+def test_phi3_gguf_logits_match_hf_and_transformers_gguf(tmp_path):
+    """A Phi-3 GGUF keeps the fused attn_qkv and gate-up ffn_up matrices (NEOX rotation: rows
+    unpermuted): split on loading, the logits equal transformers' on the source checkpoint and
+    transformers' own loading of the same file; LongRoPE factor tensors are refused by name."""
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "phi3", seed=8)
+    path = write_tiny_gguf(tmp_path / "phi3.gguf", hf_dir)
+    assert {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"} <= {
+        t.name for t in gguf.GGUFReader(path).tensors}
+    model = load_gguf(path)
+    tokens = np.random.default_rng(9).integers(0, model.config.vocab_size, 24).tolist()
+    got = _logits(model, tokens)
+    assert _rel_max_diff(got, hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
+    assert _rel_max_diff(got, _transformers_gguf_logits(path, tokens)) <= TINY_LOGITS_RTOL
+    factors = {"rope_factors_long.weight": np.ones((8,), np.float32)}
+    longrope = write_tiny_gguf(tmp_path / "longrope.gguf", hf_dir, replace=factors)
+    with pytest.raises(ValueError, match=r"rope_factors_long\.weight"):
+        load_gguf(longrope)
+
+
+def _metadata(arch: str, **keys) -> dict:
+    """GGUF metadata of a Gemma-27B-shaped or small model: `keys` are `<arch>.<key>` values."""
+    base = {"embedding_length": 64, "attention.head_count": 4, "attention.key_length": 32,
+            "block_count": 6, "feed_forward_length": 128, "context_length": 256,
+            "attention.layer_norm_rms_epsilon": 1e-6}
+    return {"general.architecture": arch, "tokenizer.ggml.tokens": ["a", "b"],
+            **{f"{arch}.{k}": v for k, v in {**base, **keys}.items()}}
+
+
+def test_gguf_applies_what_llama_cpp_fixes_in_code():
+    """What llama.cpp's loader sets by architecture rather than reading from the file: Gemma 2's
+    soft caps default to 50 / 30 and its window is required; Gemma 3 without a window has only
+    global layers; the 27B block counts scale queries by hidden / heads instead of the head dim;
+    Phi-3's window is disabled."""
+    gemma2 = config_from_metadata(_metadata("gemma2", **{"attention.sliding_window": 4}),
+                                  tie_word_embeddings=True)
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)
+    assert gemma2.layer_windows == (4, 0, 4, 0, 4, 0) and gemma2.query_pre_attn_scalar == 32
+    with pytest.raises(ValueError, match="gemma2.attention.sliding_window"):
+        config_from_metadata(_metadata("gemma2"), tie_word_embeddings=True)
+    big = config_from_metadata(_metadata("gemma2", block_count=46, **{
+        "attention.sliding_window": 4}), tie_word_embeddings=True)
+    assert big.query_pre_attn_scalar == 64 / 4
+    gemma3 = config_from_metadata(_metadata("gemma3"), tie_word_embeddings=True)
+    assert gemma3.layer_windows == () and gemma3.local_rope is None
+    assert (gemma3.attn_logit_softcap, gemma3.final_logit_softcap) == (None, None)
+    big3 = config_from_metadata(_metadata("gemma3", block_count=62), tie_word_embeddings=True)
+    assert big3.query_pre_attn_scalar == 64 / 4
+    phi3 = config_from_metadata(_metadata("phi3", **{"attention.sliding_window": 8}),
+                                tie_word_embeddings=False)
+    assert phi3.layer_windows == ()
