@@ -12,10 +12,10 @@ quantized storage itself is not kept.
 
 llama.cpp's converter permutes the rows of attn_q and attn_k of llama within each head so that its
 RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ...; kvjax rotates halves (x_i, x_{i+D/2})
-like Hugging Face, so the loader undoes that permutation. Qwen and Gemma use llama.cpp's NEOX
-rotation, which rotates halves: their rows are stored unpermuted. llama.cpp stores Gemma's RMSNorm
-weights with the 1 of (1 + w) added; the loader subtracts it, so the params equal those loaded from
-the Hugging Face checkpoint.
+like Hugging Face, so the loader undoes that permutation. Qwen, Gemma and Phi-3 use llama.cpp's
+NEOX rotation, which rotates halves: their rows are stored unpermuted. llama.cpp stores Gemma's
+RMSNorm weights with the 1 of (1 + w) added; the loader subtracts it, so the params equal those
+loaded from the Hugging Face checkpoint.
 
 What llama.cpp fixes in code rather than metadata is applied as it does: Gemma 2 windows every
 other layer (from the first), Gemma 3 five layers in six, whose RoPE base is 10000 unless
@@ -124,7 +124,7 @@ def _gemma_fields(metadata: dict[str, Any], arch: str, *, num_layers: int, hidde
                  else metadata.get(prefix + "attention.sliding_window") or 0)
     pattern = _GEMMA_WINDOW_PATTERN[arch]
     windows = tuple(window if (i + 1) % pattern else 0 for i in range(num_layers))
-    scalar = (hidden / num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim)
+    scalar = (hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim)
     # llama.cpp's soft caps: Gemma 2 50 and 30 unless stated; Gemma 3 only a final cap, if any.
     attn_cap = (float(metadata.get(prefix + "attn_logit_softcapping", 50.0)) or None
                 if arch == "gemma2" else None)
