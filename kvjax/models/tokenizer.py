@@ -88,13 +88,13 @@ def _spm_backend(metadata: Mapping[str, Any], tokens: list[str], token_types: li
     """llama.cpp's SentencePiece tokenizer (`tokenizer.ggml.model == "llama"`): spaces become
     U+2581 (one prepended unless `tokenizer.ggml.add_space_prefix` is false), pieces merge by
     score over the whole text, and what no piece covers falls back to <0xXX> byte tokens.
+    User-defined tokens keep their spelling (Gemma's runs of real spaces, tabs, newlines): added
+    to the tokenizer, they match whole in the raw text first, as in llama.cpp.
     Returns it and the tokens as it spells them."""
     scores = list(metadata.get("tokenizer.ggml.scores") or [])
     if len(scores) != len(tokens):
         raise ValueError(f"GGUF tokenizer.ggml.scores has {len(scores)} entries for "
                          f"{len(tokens)} tokens")
-    # A token of spaces only is stored with real spaces; the text it matches has U+2581.
-    tokens = [_SPM_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError("GGUF tokenizer.ggml.tokens has duplicate tokens")

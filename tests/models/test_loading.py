@@ -43,16 +43,18 @@ SPM_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
 def _tiny_spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
     """A SentencePiece vocabulary as llama.cpp's converter writes Gemma's: control and unknown
-    tokens, the 256 <0xXX> byte tokens, then pieces scored by rank (-index)."""
+    tokens, the 256 <0xXX> byte tokens, user-defined runs of real spaces, then pieces scored by
+    rank (-index)."""
     letters = "etaoinsrhld"
     words = ["\u2581t", "\u2581r", "he", "th", "re", "st", "en", "ea", "\u2581re", "\u2581the",
              "\u2581then", "\u2581tea", "\u2581rest"]
     pieces = ["\u2581", *letters, *words]
     pieces += [a + b for a in letters for b in letters if a + b not in pieces]
-    tokens = [*SPM_SPECIAL_TOKENS, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    spaces = ["  ", "   ", "    "]
+    tokens = [*SPM_SPECIAL_TOKENS, *(f"<0x{b:02X}>" for b in range(256)), *spaces, *pieces]
     tokens = tokens[:vocab_size]
-    types = [3, 3, 3, 2, *[6] * 256, *[1] * (len(tokens) - 260)]
-    scores = [0.0] * 260 + [-float(i) for i in range(len(tokens) - 260)]
+    types = [3, 3, 3, 2, *[6] * 256, 4, 4, 4, *[1] * (len(tokens) - 263)]
+    scores = [0.0] * 260 + [-1000.0] * 3 + [-float(i) for i in range(len(tokens) - 263)]
     return tokens, scores, types
 
 
@@ -519,7 +521,8 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers_gguf_tokenizer(tmp_pa
     path = write_tiny_gguf(tmp_path / "spm.gguf", hf_dir, spm=True)
     tokenizer = load_gguf(path).tokenizer
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
-    texts = ("the rest then tea", " then  the\nrest é!", "<bos>tea<eos> rest", "thththe  ")
+    texts = ("the rest then tea", " then  the\nrest é!", "<bos>tea<eos> rest", "thththe  ",
+             "tea   the    rest")
     for text in texts:
         ids = tokenizer.encode(text)
         assert ids == reference.encode(text, add_special_tokens=False), text
@@ -528,6 +531,7 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers_gguf_tokenizer(tmp_pa
     assert [tokenizer.backend.id_to_token(i) for i in ids] == [
         "t", "he", "\u2581rest", "\u2581", "<0xC3>", "<0xA9>"]
     assert tokenizer.encode("<bos>", add_bos=True) == [2, 2]
+    assert tokenizer.token_to_id("   ") in tokenizer.encode("tea   rest")  # stored as spaces
 
 
 @pytest.mark.parametrize("model_type, metadata, message", [
