@@ -1,13 +1,28 @@
-"""Loads llama-architecture GGUF files (llama.cpp's format) into a kvjax `Model`.
+"""Loads GGUF files (llama.cpp's format) into a kvjax `Model`.
+
+Architectures (`general.architecture`): llama, qwen2 (Q/K/V biases), qwen3 (per-head Q/K
+RMSNorms), gemma2 and gemma3 (GeGLU, pre and post norms, scaled embeddings, Gemma 2's soft caps,
+alternating sliding-window layers, Gemma 3's Q/K norms and its local layers' own RoPE base),
+phi3 (fused attn_qkv and gate-up ffn_up, split on loading; default RoPE only).
 
 Every tensor is dequantized to float32 on the host (any type `gguf.dequantize` knows: F32, F16,
 Q8_0, Q4_0, Q4_1, K-quants, ...), mapped into the params pytree of `kvjax.models.llama`, then cast
 to the requested dtype. The model therefore computes with the dequantized weights exactly; the
 quantized storage itself is not kept.
 
-llama.cpp's converter permutes the rows of attn_q and attn_k within each head so that its RoPE can
-rotate adjacent pairs (x0, x1), (x2, x3), ...; kvjax rotates halves (x_i, x_{i+D/2}) like Hugging
-Face, so the loader undoes that permutation.
+llama.cpp's converter permutes the rows of attn_q and attn_k of llama within each head so that its
+RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ...; kvjax rotates halves (x_i, x_{i+D/2})
+like Hugging Face, so the loader undoes that permutation. Qwen, Gemma and Phi-3 use llama.cpp's
+NEOX rotation, which rotates halves: their rows are stored unpermuted. llama.cpp stores Gemma's
+RMSNorm weights with the 1 of (1 + w) added; the loader subtracts it, so the params equal those
+loaded from the Hugging Face checkpoint.
+
+What llama.cpp fixes in code rather than metadata is applied as it does: Gemma 2 windows every
+other layer (from the first), Gemma 3 five layers in six, whose RoPE base is 10000 unless
+`rope.freq_base_swa` says otherwise; Gemma's queries are scaled by 1/sqrt(key_length), except
+the 27B models' (46 layers for Gemma 2, 62 for Gemma 3) by 1/sqrt(hidden / heads); Gemma 2's soft
+caps default to 50 (attention) and 30 (final), Gemma 3 has no attention cap; Phi-3's
+`attention.sliding_window` is ignored (llama.cpp disables Phi-3's window).
 """
 
 from __future__ import annotations
@@ -21,26 +36,41 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig, resolve_dtype
+from kvjax.config import MlpActivation, ModelConfig, resolve_dtype
 from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.models.rope import RoPE, RopeType
 from kvjax.models.tokenizer import Tokenizer
 
-_ARCH = "llama"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+_GEMMA_ARCHS = ("gemma2", "gemma3")
+# llama.cpp's one global layer every `pattern` layers (the last of each run), per architecture.
+_GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+# llama.cpp's block counts of the 27B Gemmas, whose query scale is 1/sqrt(hidden / heads).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA_LOCAL_ROPE_BASE = 10000.0
 
-# kvjax layer param -> GGUF tensor name inside block N (blk.N.<name>.weight).
+# kvjax layer param -> GGUF tensor name inside block N (blk.N.<name>), per optional feature.
 _LAYER_TENSORS = {
-    "attn_norm": "attn_norm",
-    "wq": "attn_q",
-    "wk": "attn_k",
-    "wv": "attn_v",
-    "wo": "attn_output",
-    "mlp_norm": "ffn_norm",
-    "w_gate": "ffn_gate",
-    "w_up": "ffn_up",
-    "w_down": "ffn_down",
+    "attn_norm": "attn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "mlp_norm": "ffn_norm.weight",
+    "w_gate": "ffn_gate.weight",
+    "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
 }
+_BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
+_QK_NORM_TENSORS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+_SANDWICH_TENSORS = {"post_attn_norm": "post_attention_norm.weight",
+                     "post_mlp_norm": "post_ffw_norm.weight"}
+# Phi-3's fused matrices: GGUF name -> the kvjax params stacked along its rows, in order.
+_FUSED_TENSORS = {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}
+# LongRoPE's per-frequency factors, which llama.cpp picks by the context size it is given
+# rather than by the sequence length as Phi-3's reference does.
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -65,37 +95,79 @@ def _required(metadata: dict[str, Any], key: str) -> Any:
     return metadata[key]
 
 
-def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
-                         name: str = "gguf", rope_freqs: np.ndarray | None = None
-                         ) -> ModelConfig:
-    """The `ModelConfig` of a llama-architecture GGUF, from its `llama.*` and tokenizer keys.
-
-    The vocabulary size is the length of `tokenizer.ggml.tokens`. Whether the embedding is tied
-    is not metadata: a file without an `output.weight` tensor ties it. `rope_freqs` (the
-    `rope_freqs.weight` tensor llama.cpp writes for Llama 3.x) divides the RoPE frequencies;
-    `rope.scaling.type` "linear" stretches positions by `rope.scaling.factor`.
-    """
-    arch = metadata.get("general.architecture")
-    if arch != _ARCH:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: [{_ARCH!r}]")
-    prefix = f"{_ARCH}."
+def _rope(metadata: dict[str, Any], prefix: str, rope_freqs: np.ndarray | None) -> RoPE:
     scaling = metadata.get(prefix + "rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
-        raise ValueError(f"unsupported GGUF rope scaling type {scaling!r}")
+        raise ValueError(f"unsupported GGUF {prefix}rope.scaling.type {scaling!r}")
     theta = float(metadata.get(prefix + "rope.freq_base", 10000.0))
     if rope_freqs is not None:
         if scaling != "none":
             raise ValueError("a GGUF with rope_freqs and rope scaling type "
                              f"{scaling!r}: kvjax applies one or the other")
-        rope = RoPE(RopeType.FREQ_FACTORS, theta=theta,
+        return RoPE(RopeType.FREQ_FACTORS, theta=theta,
                     freq_factors=tuple(float(f) for f in rope_freqs))
-    elif scaling == "linear":
-        rope = RoPE(RopeType.LINEAR, theta=theta,
+    if scaling == "linear":
+        return RoPE(RopeType.LINEAR, theta=theta,
                     factor=float(_required(metadata, prefix + "rope.scaling.factor")))
-    else:
-        rope = RoPE(theta=theta)
+    return RoPE(theta=theta)
+
+
+def _gemma_fields(metadata: dict[str, Any], arch: str, *, num_layers: int, hidden: int,
+                  num_heads: int, head_dim: int, rope: RoPE) -> dict[str, Any]:
+    """The `ModelConfig` fields of a gemma2 / gemma3 GGUF (see the module docstring)."""
+    prefix = f"{arch}."
+    if prefix + "attention.sliding_window_pattern" in metadata:
+        raise ValueError(f"unsupported GGUF key {prefix}attention.sliding_window_pattern: "
+                         f"kvjax applies llama.cpp's fixed {arch} pattern only")
+    # gemma2 requires its window; gemma3 without one (or 0) has no windowed layers.
+    window = int(_required(metadata, prefix + "attention.sliding_window") if arch == "gemma2"
+                 else metadata.get(prefix + "attention.sliding_window") or 0)
+    pattern = _GEMMA_WINDOW_PATTERN[arch]
+    windows = tuple(window if (i + 1) % pattern else 0 for i in range(num_layers))
+    scalar = (hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim)
+    # llama.cpp's soft caps: Gemma 2 50 and 30 unless stated; Gemma 3 only a final cap, if any.
+    attn_cap = (float(metadata.get(prefix + "attn_logit_softcapping", 50.0)) or None
+                if arch == "gemma2" else None)
+    final_cap = float(metadata.get(prefix + "final_logit_softcapping",
+                                   30.0 if arch == "gemma2" else 0.0)) or None
+    fields: dict[str, Any] = dict(
+        rope=rope, norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
+        activation=MlpActivation.GELU_TANH, qk_norm=arch == "gemma3",
+        query_pre_attn_scalar=float(scalar),
+        attn_logit_softcap=attn_cap, final_logit_softcap=final_cap,
+        layer_windows=windows if any(windows) else ())
+    if arch == "gemma3":
+        local = RoPE(theta=float(metadata.get(prefix + "rope.freq_base_swa",
+                                              _GEMMA_LOCAL_ROPE_BASE)))
+        local_layers = tuple(i for i, w in enumerate(windows) if w)
+        if local != rope and local_layers:
+            fields.update(local_rope=local, local_rope_layers=local_layers)
+    return fields
+
+
+def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
+                         name: str = "gguf", rope_freqs: np.ndarray | None = None
+                         ) -> ModelConfig:
+    """The `ModelConfig` of a GGUF, from its `<arch>.*` and tokenizer keys.
+
+    The vocabulary size is the length of `tokenizer.ggml.tokens`. Whether the embedding is tied
+    is not metadata: a file without an `output.weight` tensor ties it. `rope_freqs` (the
+    `rope_freqs.weight` tensor llama.cpp writes for Llama 3.x) divides the RoPE frequencies;
+    `rope.scaling.type` "linear" stretches positions by `rope.scaling.factor` (Gemma 3: on its
+    global layers only).
+    """
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; "
+                         f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    prefix = f"{arch}."
+    for key in ("expert_count", "rope.dimension_sections"):
+        if metadata.get(prefix + key):
+            raise ValueError(f"unsupported GGUF key {prefix}{key}={metadata[prefix + key]!r}")
+    rope = _rope(metadata, prefix, rope_freqs)
     hidden = _required(metadata, prefix + "embedding_length")
     num_heads = _required(metadata, prefix + "attention.head_count")
+    num_layers = _required(metadata, prefix + "block_count")
     head_dim = metadata.get(prefix + "attention.key_length", hidden // num_heads)
     value_dim = metadata.get(prefix + "attention.value_length", head_dim)
     rotary_dim = metadata.get(prefix + "rope.dimension_count", head_dim)
@@ -103,23 +175,28 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
         raise ValueError(f"unsupported GGUF head layout: key_length={head_dim}, "
                          f"value_length={value_dim}, rope.dimension_count={rotary_dim} "
                          "(kvjax needs them equal)")
+    if arch in _GEMMA_ARCHS:
+        extra = _gemma_fields(metadata, arch, num_layers=num_layers, hidden=hidden,
+                              num_heads=num_heads, head_dim=head_dim, rope=rope)
+    else:
+        extra = dict(rope=rope, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
     eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in metadata]
     return ModelConfig(
         vocab_size=len(_required(metadata, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
         intermediate_size=_required(metadata, prefix + "feed_forward_length"),
-        num_layers=_required(metadata, prefix + "block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=metadata.get(prefix + "attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        rope=rope,
         rms_norm_eps=float(_required(metadata, prefix + "attention.layer_norm_rms_epsilon")),
         max_position_embeddings=_required(metadata, prefix + "context_length"),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         tie_word_embeddings=tie_word_embeddings,
         eos_token_ids=tuple(dict.fromkeys(eos)),
         name=name,
+        **extra,
     )
 
 
@@ -132,21 +209,39 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(rows, *w.shape[3:])
 
 
-def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """GGUF tensor shapes as numpy sees them ([out, in] for matrices), per block-local name."""
+def _layer_tensors(config: ModelConfig, arch: str
+                   ) -> dict[str, tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]]:
+    """GGUF name inside block N -> (the kvjax layer params it holds, stacked along its rows;
+    their shapes as numpy sees them: [out, in])."""
     c = config
     nd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return {
+    shapes = {
         "attn_norm": (c.hidden_size,),
-        "attn_q": (nd, c.hidden_size),
-        "attn_k": (kd, c.hidden_size),
-        "attn_v": (kd, c.hidden_size),
-        "attn_output": (c.hidden_size, nd),
-        "ffn_norm": (c.hidden_size,),
-        "ffn_gate": (c.intermediate_size, c.hidden_size),
-        "ffn_up": (c.intermediate_size, c.hidden_size),
-        "ffn_down": (c.hidden_size, c.intermediate_size),
+        "wq": (nd, c.hidden_size),
+        "wk": (kd, c.hidden_size),
+        "wv": (kd, c.hidden_size),
+        "wo": (c.hidden_size, nd),
+        "mlp_norm": (c.hidden_size,),
+        "w_gate": (c.intermediate_size, c.hidden_size),
+        "w_up": (c.intermediate_size, c.hidden_size),
+        "w_down": (c.hidden_size, c.intermediate_size),
     }
+    names = dict(_LAYER_TENSORS)
+    if c.qkv_bias:
+        shapes.update(bq=(nd,), bk=(kd,), bv=(kd,))
+        names.update(_BIAS_TENSORS)
+    if c.qk_norm:
+        shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+        names.update(_QK_NORM_TENSORS)
+    if c.sandwich_norms:
+        shapes.update(post_attn_norm=(c.hidden_size,), post_mlp_norm=(c.hidden_size,))
+        names.update(_SANDWICH_TENSORS)
+    fused = _FUSED_TENSORS if arch == "phi3" else {}
+    in_fused = {key for keys in fused.values() for key in keys}
+    layout = {names[key]: ((key,), (shape,)) for key, shape in shapes.items()
+              if key not in in_fused}
+    layout.update({name: (keys, tuple(shapes[k] for k in keys)) for name, keys in fused.items()})
+    return layout
 
 
 def _dequantize(tensor: Any, expected: tuple[int, ...]) -> np.ndarray:
@@ -167,7 +262,7 @@ def _file_digest(path: Path) -> str:
 
 
 def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
-    """Loads a llama-architecture GGUF file.
+    """Loads a GGUF file of a `SUPPORTED_ARCHITECTURES` architecture.
 
     Args:
       path: the .gguf file.
@@ -179,8 +274,8 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
 
     Raises:
       FileNotFoundError: no file at `path`.
-      ValueError: not a GGUF file, an architecture other than llama, unsupported rope scaling or
-        tensor types, or tensors missing, unexpected or of the wrong shape (the message names it).
+      ValueError: not a GGUF file, an unsupported architecture, metadata key, rope scaling or
+        tensor type, or tensors missing, unexpected or of the wrong shape (the message names it).
     """
     target = resolve_dtype(dtype)
     path = Path(path)
@@ -193,36 +288,51 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
     config = config_from_metadata(
         metadata, tie_word_embeddings="output.weight" not in tensors, name=path.stem,
         rope_freqs=rope_freqs)
-    expected = _expected_shapes(config)
+    arch = metadata["general.architecture"]
+    longrope = sorted(_LONGROPE_TENSORS & tensors.keys())
+    if longrope:
+        raise ValueError(f"unsupported GGUF tensor(s) {longrope}: LongRoPE factors, which "
+                         "llama.cpp selects by its context size, not by position")
+    per_layer = _layer_tensors(config, arch)
     wanted = {"token_embd.weight", "output_norm.weight"}
     if rope_freqs is not None:
         wanted.add("rope_freqs.weight")
     if not config.tie_word_embeddings:
         wanted.add("output.weight")
-    wanted |= {f"blk.{i}.{n}.weight" for i in range(config.num_layers) for n in expected}
+    wanted |= {f"blk.{i}.{n}" for i in range(config.num_layers) for n in per_layer}
     missing = sorted(wanted - tensors.keys())
     if missing:
         raise ValueError(f"GGUF file {path} is missing tensor(s) {missing[:8]}")
     unexpected = sorted(tensors.keys() - wanted)
     if unexpected:
         raise ValueError(f"GGUF file {path} has tensor(s) kvjax does not support: {unexpected[:8]}")
+    permute_qk = arch == "llama"
 
-    def block(i: int, name: str) -> np.ndarray:
-        w = _dequantize(tensors[f"blk.{i}.{name}.weight"], expected[name])
-        if name == "attn_q":
-            w = _unpermute_rows(w, config.num_heads)
-        elif name == "attn_k":
-            w = _unpermute_rows(w, config.num_kv_heads)
-        return w if w.ndim == 1 else w.T  # [in, out]: kvjax computes x @ W
+    def params_of(name: str) -> dict[str, jnp.ndarray]:
+        """The params GGUF tensor blk.N.<name> holds, stacked over N ([L, in, out] for
+        matrices: kvjax computes x @ W); one tensor name at a time bounds the host memory."""
+        keys, shapes = per_layer[name]
+        rows = [shape[0] for shape in shapes]
+        parts: dict[str, list[np.ndarray]] = {key: [] for key in keys}
+        for i in range(config.num_layers):
+            w = _dequantize(tensors[f"blk.{i}.{name}"], (sum(rows), *shapes[0][1:]))
+            for key, part in zip(keys, np.split(w, np.cumsum(rows)[:-1]), strict=True):
+                if permute_qk and key in ("wq", "bq"):
+                    part = _unpermute_rows(part, config.num_heads)
+                elif permute_qk and key in ("wk", "bk"):
+                    part = _unpermute_rows(part, config.num_kv_heads)
+                elif config.norm_unit_offset and key.endswith("norm"):
+                    part = part - 1.0  # llama.cpp stores Gemma's (1 + w)
+                parts[key].append(part if part.ndim == 1 else part.T)
+        return {key: jnp.asarray(np.stack(p), target) for key, p in parts.items()}
 
     h, v = config.hidden_size, config.vocab_size
-    layers = {
-        key: jnp.asarray(np.stack([block(i, name) for i in range(config.num_layers)]), target)
-        for key, name in _LAYER_TENSORS.items()
-    }
+    layers = {key: w for name in per_layer for key, w in params_of(name).items()}
+    final_norm = _dequantize(tensors["output_norm.weight"], (h,))
     params: dict[str, Any] = {
         "embed": jnp.asarray(_dequantize(tensors["token_embd.weight"], (v, h)), target),
-        "final_norm": jnp.asarray(_dequantize(tensors["output_norm.weight"], (h,)), target),
+        "final_norm": jnp.asarray(final_norm - 1.0 if config.norm_unit_offset else final_norm,
+                                  target),
         "layers": layers,
     }
     if not config.tie_word_embeddings:

@@ -18,21 +18,29 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
 # GGUF token types (llama.cpp's `llama_token_type`): control tokens are special (skipped when
 # decoding), user-defined ones are matched whole but decoded as text.
+_GGUF_TOKEN_UNKNOWN = 2
 _GGUF_TOKEN_CONTROL = 3
 _GGUF_TOKEN_USER_DEFINED = 4
+_GGUF_TOKEN_BYTE = 6
+_SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
 # llama.cpp's `tokenizer.ggml.pre` names whose pre-tokenizer splits every digit on its own before
 # the GPT-2 regex (SmolLM's and StarCoder's vocabularies were trained that way).
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder")
-# Llama 3's split ("llama-bpe"): contractions, letter runs, digits in groups of up to three,
-# punctuation runs, newlines and spaces, before the byte-level mapping.
-_LLAMA_BPE_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SUPPORTED_GGUF_PRE = (*_DIGIT_SPLIT_PRE, "gpt-2", "llama-bpe")
+# `tokenizer.ggml.pre` -> the regex splitting text before the byte-level mapping: contractions,
+# letter runs, digits (Llama 3: in groups of up to three; Qwen2: one by one), punctuation runs,
+# newlines and spaces.
+_SPLIT_PRE = {
+    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+              r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+_SUPPORTED_GGUF_PRE = (*_DIGIT_SPLIT_PRE, "gpt-2", *_SPLIT_PRE)
 
 
 def _byte_level_alphabet() -> dict[int, str]:
@@ -52,11 +60,87 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_SPLIT_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre == "llama-bpe":
+    if pre in _SPLIT_PRE:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA_BPE_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return byte_level
+
+
+def _spm_merges(tokens: list[str], scores: list[float], merge_types: set[int],
+                token_types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to llama.cpp's SentencePiece tokenizer: a pair of adjacent pieces
+    may merge when their concatenation is a token, the one of highest score first (ties: the
+    earlier token, then the longer left piece)."""
+    vocab = {t: i for i, t in enumerate(tokens) if token_types[i] in merge_types}
+    ranked = []
+    for token, index in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[index], index, -len(left), left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_backend(metadata: Mapping[str, Any], tokens: list[str], token_types: list[int]
+                 ) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """llama.cpp's SentencePiece tokenizer (`tokenizer.ggml.model == "llama"`): spaces become
+    U+2581 (one prepended unless `tokenizer.ggml.add_space_prefix` is false), pieces merge by
+    score over the whole text, and what no piece covers falls back to <0xXX> byte tokens.
+    User-defined tokens keep their spelling (Gemma's runs of real spaces, tabs, newlines): added
+    to the tokenizer, they match whole in the raw text first, as in llama.cpp.
+    Returns it and the tokens as it spells them."""
+    scores = list(metadata.get("tokenizer.ggml.scores") or [])
+    if len(scores) != len(tokens):
+        raise ValueError(f"GGUF tokenizer.ggml.scores has {len(scores)} entries for "
+                         f"{len(tokens)} tokens")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("GGUF tokenizer.ggml.tokens has duplicate tokens")
+    unknown = [t for t, kind in zip(tokens, token_types, strict=True)
+               if kind == _GGUF_TOKEN_UNKNOWN]
+    merges = _spm_merges(tokens, scores, {1, _GGUF_TOKEN_USER_DEFINED}, token_types)
+    backend = tokenizers.Tokenizer(models.BPE(
+        vocab=vocab, merges=merges, unk_token=unknown[0] if unknown else None,
+        byte_fallback=True, fuse_unk=True))
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    replace = normalizers.Replace(" ", _SPM_SPACE)
+    backend.normalizer = (normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), replace])
+                          if prefix else replace)
+    steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    return backend, tokens
+
+
+def _bpe_backend(metadata: Mapping[str, Any], tokens: list[str]
+                 ) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """llama.cpp's byte-level BPE (`tokenizer.ggml.model == "gpt2"`) and the tokens spelled in
+    its byte alphabet."""
+    pre = metadata.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in _SUPPORTED_GGUF_PRE:
+        raise ValueError(f"unsupported GGUF tokenizer.ggml.pre {pre!r}; "
+                         f"supported: {list(_SUPPORTED_GGUF_PRE)}")
+    if "tokenizer.ggml.merges" not in metadata:
+        raise ValueError("GGUF metadata is missing tokenizer.ggml.merges")
+    alphabet = _byte_level_alphabet()
+    letters = set(alphabet.values())
+    # A token outside the byte alphabet is stored as raw text; BPE needs its byte spelling.
+    spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))
+               for t in tokens]
+    vocab = {token: index for index, token in enumerate(spelled)}
+    if len(vocab) != len(spelled):
+        raise ValueError("GGUF tokenizer.ggml.tokens has duplicate tokens")
+    merges = []
+    for merge in metadata["tokenizer.ggml.merges"]:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ValueError(f"malformed GGUF merge {merge!r}")
+        merges.append((left, right))
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend, spelled
 
 
 def _token_content(token: Any) -> str | None:
@@ -162,45 +246,28 @@ class Tokenizer:
 
         Supports llama.cpp's byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with the
         pre-tokenizers named by `tokenizer.ggml.pre` in ('smollm', 'starcoder', 'gpt-2',
-        'llama-bpe').
+        'llama-bpe', 'qwen2'), and its SentencePiece tokenizer (`"llama"`: Llama 2, Gemma),
+        whose merges follow `tokenizer.ggml.scores`.
 
         Args:
           metadata: GGUF key -> decoded value (strings, ints, lists), e.g. from
             `kvjax.models.gguf.read_metadata`.
         """
         model_type = metadata.get("tokenizer.ggml.model")
-        if model_type != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer.ggml.model {model_type!r}; "
-                             "only byte-level BPE ('gpt2') is supported")
-        pre = metadata.get("tokenizer.ggml.pre", "gpt-2")
-        if pre not in _SUPPORTED_GGUF_PRE:
-            raise ValueError(f"unsupported GGUF tokenizer.ggml.pre {pre!r}; "
-                             f"supported: {list(_SUPPORTED_GGUF_PRE)}")
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            if key not in metadata:
-                raise ValueError(f"GGUF metadata is missing {key}")
+        if model_type not in ("gpt2", "llama"):
+            raise ValueError(f"unsupported GGUF tokenizer.ggml.model {model_type!r}; supported: "
+                             "'gpt2' (byte-level BPE), 'llama' (SentencePiece)")
+        if "tokenizer.ggml.tokens" not in metadata:
+            raise ValueError("GGUF metadata is missing tokenizer.ggml.tokens")
         tokens = list(metadata["tokenizer.ggml.tokens"])
         token_types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
         if len(token_types) != len(tokens):
             raise ValueError(f"GGUF tokenizer.ggml.token_type has {len(token_types)} entries "
                              f"for {len(tokens)} tokens")
-        alphabet = _byte_level_alphabet()
-        letters = set(alphabet.values())
-        # A token outside the byte alphabet is stored as raw text; BPE needs its byte spelling.
-        spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))
-                   for t in tokens]
-        vocab = {token: index for index, token in enumerate(spelled)}
-        if len(vocab) != len(spelled):
-            raise ValueError("GGUF tokenizer.ggml.tokens has duplicate tokens")
-        merges = []
-        for merge in metadata["tokenizer.ggml.merges"]:
-            left, sep, right = merge.partition(" ")
-            if not sep:
-                raise ValueError(f"malformed GGUF merge {merge!r}")
-            merges.append((left, right))
-        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
+        if model_type == "gpt2":
+            backend, spelled = _bpe_backend(metadata, tokens)
+        else:
+            backend, spelled = _spm_backend(metadata, tokens, token_types)
         backend.add_special_tokens([
             tokenizers.AddedToken(tok, special=True, normalized=False)
             for tok, kind in zip(spelled, token_types, strict=True)

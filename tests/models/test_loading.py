@@ -13,7 +13,7 @@ from hf_utils import hf_logits, make_tiny_hf_checkpoint
 from safetensors.numpy import load_file, save_file
 
 from kvjax.models import llama
-from kvjax.models.gguf import load_gguf
+from kvjax.models.gguf import config_from_metadata, load_gguf
 from kvjax.models.hf import load_hf
 from kvjax.models.loading import EMBEDDED_MODEL, embedded_model_path, load_model
 from kvjax.models.rope import RoPE, RopeType
@@ -38,27 +38,87 @@ def _tiny_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
     return letters + SPECIAL_TOKENS + [m.replace(" ", "") for m in merges], merges
 
 
-def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", drop: str | None = None,
-                    replace: dict[str, np.ndarray] | None = None, pre: str = "smollm") -> Path:
-    """Converts a tiny HF llama checkpoint to GGUF the way llama.cpp lays it out (F32 tensors)."""
+SPM_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+
+
+def _tiny_spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary as llama.cpp's converter writes Gemma's: control and unknown
+    tokens, the 256 <0xXX> byte tokens, user-defined runs of real spaces, then pieces scored by
+    rank (-index)."""
+    letters = "etaoinsrhld"
+    words = ["\u2581t", "\u2581r", "he", "th", "re", "st", "en", "ea", "\u2581re", "\u2581the",
+             "\u2581then", "\u2581tea", "\u2581rest"]
+    pieces = ["\u2581", *letters, *words]
+    pieces += [a + b for a in letters for b in letters if a + b not in pieces]
+    spaces = ["  ", "   ", "    "]
+    tokens = [*SPM_SPECIAL_TOKENS, *(f"<0x{b:02X}>" for b in range(256)), *spaces, *pieces]
+    tokens = tokens[:vocab_size]
+    types = [3, 3, 3, 2, *[6] * 256, 4, 4, 4, *[1] * (len(tokens) - 263)]
+    scores = [0.0] * 260 + [-1000.0] * 3 + [-float(i) for i in range(len(tokens) - 263)]
+    return tokens, scores, types
+
+
+# config.json model_type -> llama.cpp architecture.
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+              "gemma3_text": "gemma3", "phi3": "phi3"}
+_HF_TO_GGUF_LAYER = {
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+# Gemma's four norms: its post_attention_layernorm is on the attention output.
+_HF_TO_GGUF_GEMMA_NORMS = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def _rope_theta(config: dict) -> float:
+    """The RoPE base of the global layers (Gemma 3 keeps one per layer type)."""
+    params = config["rope_parameters"]
+    return params.get("full_attention", params)["rope_theta"]
+
+
+def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: str | None = None,
+                    replace: dict[str, np.ndarray] | None = None, pre: str = "smollm",
+                    metadata: dict[str, object] | None = None, spm: bool = False) -> Path:
+    """Converts a tiny HF checkpoint to GGUF the way llama.cpp lays it out (F32 tensors): llama's
+    Q/K rows permuted for its pairwise RoPE (Qwen's and Gemma's rotate halves, unpermuted),
+    Gemma's RMSNorm weights stored as (1 + w), no output.weight when the embedding is tied.
+    `metadata` adds or replaces `<arch>.<key>` values; `spm` writes a SentencePiece tokenizer
+    without a prefix space (Gemma's) instead of byte-level BPE."""
     config = json.loads((hf_dir / "config.json").read_text())
     hf = load_file(hf_dir / "model.safetensors")
+    model_type = config["model_type"]
+    arch = arch or _GGUF_ARCH[model_type]
+    is_gemma = model_type.startswith("gemma")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {**_HF_TO_GGUF_LAYER, **(_HF_TO_GGUF_GEMMA_NORMS if is_gemma else {})}
+    shift = 1.0 if is_gemma else 0.0
     tensors = {"token_embd.weight": hf["model.embed_tokens.weight"],
-               "output_norm.weight": hf["model.norm.weight"],
-               "output.weight": hf["lm_head.weight"]}
+               "output_norm.weight": hf["model.norm.weight"] + shift}
+    if not config.get("tie_word_embeddings"):
+        tensors["output.weight"] = hf["lm_head.weight"]
     for i in range(config["num_hidden_layers"]):
         for hf_name, gguf_name in names.items():
-            w = hf[f"model.layers.{i}.{hf_name}.weight"]
-            if gguf_name == "attn_q":
+            if f"model.layers.{i}.{hf_name}" not in hf:
+                continue
+            w = hf[f"model.layers.{i}.{hf_name}"]
+            if model_type == "llama" and gguf_name == "attn_q.weight":
                 w = _llama_cpp_permute(w, heads)
-            elif gguf_name == "attn_k":
+            elif model_type == "llama" and gguf_name == "attn_k.weight":
                 w = _llama_cpp_permute(w, kv_heads)
-            tensors[f"blk.{i}.{gguf_name}.weight"] = w
+            elif gguf_name.endswith("norm.weight"):
+                w = w + shift
+            tensors[f"blk.{i}.{gguf_name}"] = w
     tensors.update(replace or {})
     tensors.pop(drop, None)
     tokens, merges = _tiny_vocab(config["vocab_size"])
@@ -69,15 +129,42 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", drop: str 
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(_rope_theta(config))
+    rope = config["rope_parameters"].get("full_attention", config["rope_parameters"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    if is_gemma:
+        writer.add_sliding_window(config["sliding_window"])
+    for key, hf_key in (("attn_logit_softcapping", "attn_logit_softcapping"),
+                        ("final_logit_softcapping", "final_logit_softcapping")):
+        if config.get(hf_key) is not None:
+            writer.add_float32(f"{arch}.{key}", config[hf_key])
+    for key, value in (metadata or {}).items():
+        writer.add_key_value(f"{arch}.{key}", value, _gguf_value_type(value))
+    if spm:
+        tokens, scores, types = _tiny_spm_vocab(config["vocab_size"])
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_add_space_prefix(False)
+        writer.add_bos_token_id(tokens.index("<bos>"))
+        writer.add_eos_token_id(tokens.index("<eos>"))
+        writer.add_unk_token_id(tokens.index("<unk>"))
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(tokens.index("<|im_start|>"))
+        writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(0)  # transformers' Phi-3 default (32000) lies outside the vocabulary
     for name, w in tensors.items():
         writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     writer.write_header_to_file()
@@ -85,6 +172,12 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", drop: str 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _gguf_value_type(value: object) -> gguf.GGUFValueType:
+    if isinstance(value, str):
+        return gguf.GGUFValueType.STRING
+    return gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
 
 
 @pytest.fixture
@@ -334,3 +427,172 @@ def test_llama3_gguf_rope_freqs_give_the_hf_llama3_logits(tmp_path):
         assert splits == reference.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
         assert splits != gpt2.backend.pre_tokenizer.pre_tokenize_str(text)
         assert model.tokenizer.encode(text) == reference.encode(text, add_special_tokens=False)
+
+
+def _transformers_gguf_logits(path: Path, tokens: list[int], **config_overrides) -> np.ndarray:
+    """Logits of transformers' own GGUF loader (which knows llama.cpp's layout) on `path`."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, **config_overrides).eval()
+    return hf_logits(model, tokens)
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("qwen2", dict(tie_word_embeddings=True)),
+    ("qwen3", dict(head_dim=128)),  # != hidden / heads: read from attention.key_length
+])
+def test_qwen_gguf_logits_match_hf_and_transformers_gguf(tmp_path, model_type, overrides):
+    """Qwen2 (Q/K/V biases) and Qwen3 (per-head Q/K norms) GGUF files, laid out as llama.cpp's
+    converter writes them (NEOX rotation: Q/K rows unpermuted): the logits equal transformers'
+    on the source checkpoint and transformers' own loading of the same GGUF file; the 'qwen2'
+    pre-tokenizer splits and encodes text as transformers' GGUF tokenizer does."""
+    import transformers
+
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, model_type, seed=3, **overrides)
+    path = write_tiny_gguf(tmp_path / f"{model_type}.gguf", hf_dir, pre="qwen2")
+    model = load_gguf(path)
+    assert model.config.qkv_bias == (model_type == "qwen2")
+    assert model.config.qk_norm == (model_type == "qwen3")
+    tokens = np.random.default_rng(4).integers(0, model.config.vocab_size, 24).tolist()
+    got = _logits(model, tokens)
+    assert _rel_max_diff(got, hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
+    assert _rel_max_diff(got, _transformers_gguf_logits(path, tokens)) <= TINY_LOGITS_RTOL
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ("the other'S 12345 tea!!\n\n  then", "it'll   rest\tend 7 88 999 1000"):
+        splits = model.tokenizer.backend.pre_tokenizer.pre_tokenize_str(text)
+        assert splits == reference.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+        assert model.tokenizer.encode(text) == reference.encode(text, add_special_tokens=False)
+    splits = model.tokenizer.backend.pre_tokenizer.pre_tokenize_str("rest 12345")
+    assert [piece for piece, _ in splits[-5:]] == list("12345")  # llama-bpe: '123', '45'
+
+
+# Gemma soft caps small enough to bite on a tiny random model; windows shorter than the test;
+# Gemma 3's global layers with linear RoPE scaling (as its 4B to 27B models), local ones without.
+_GEMMA_OVERRIDES = {
+    "gemma2": dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(
+        num_hidden_layers=6, sliding_window=8, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+}
+# What transformers' GGUF loader does not read from the file, told to it by the test.
+_UNREAD_BY_TRANSFORMERS = ("attn_logit_softcapping", "final_logit_softcapping", "rope_parameters")
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_gemma_gguf_logits_match_hf_and_transformers_gguf(tmp_path, model_type):
+    """Gemma 2 / Gemma 3 GGUF files (norms stored as 1 + w, no Q/K permutation, tied
+    embedding): the soft caps and the window come from the metadata, the windowed layers and
+    Gemma 3's local RoPE base follow llama.cpp's fixed patterns, its linear RoPE scaling applies
+    to the global layers only; the logits equal transformers' on the source checkpoint and
+    transformers' own loading of the same GGUF file (told the soft caps and the RoPE, which its
+    GGUF loader does not read)."""
+    overrides = _GEMMA_OVERRIDES[model_type]
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, model_type, seed=6, **overrides)
+    path = write_tiny_gguf(tmp_path / f"{model_type}.gguf", hf_dir, spm=True)
+    model = load_gguf(path)
+    c = model.config
+    assert c.tie_word_embeddings and c.norm_unit_offset and c.sandwich_norms
+    if model_type == "gemma2":
+        assert (c.attn_logit_softcap, c.final_logit_softcap) == (5.0, 3.0)
+        assert c.layer_windows == (8, 0)
+    else:
+        assert c.layer_windows == (8, 8, 8, 8, 8, 0)
+        assert c.local_rope == RoPE(theta=10000.0)
+        assert c.rope == RoPE(RopeType.LINEAR, theta=1e6, factor=4.0)
+    tokens = np.random.default_rng(7).integers(0, c.vocab_size, 24).tolist()
+    got = _logits(model, tokens)
+    assert _rel_max_diff(got, hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
+    told = {k: v for k, v in overrides.items() if k in _UNREAD_BY_TRANSFORMERS}
+    assert _rel_max_diff(got, _transformers_gguf_logits(path, tokens, **told)) <= TINY_LOGITS_RTOL
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers_gguf_tokenizer(tmp_path):
+    """Gemma's GGUF tokenizer (`tokenizer.ggml.model` 'llama': SentencePiece pieces merged by
+    score, spaces as U+2581 with no prefix space, <0xXX> byte fallback, control tokens whole):
+    ids and decoded text as transformers' tokenizer built from the same file."""
+    import transformers
+
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "gemma2", seed=0)
+    path = write_tiny_gguf(tmp_path / "spm.gguf", hf_dir, spm=True)
+    tokenizer = load_gguf(path).tokenizer
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = ("the rest then tea", " then  the\nrest é!", "<bos>tea<eos> rest", "thththe  ",
+             "tea   the    rest")
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert ids == reference.encode(text, add_special_tokens=False), text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    ids = tokenizer.encode("the rest é")  # 'he' scores above 'th'; 'é' is not a piece
+    assert [tokenizer.backend.id_to_token(i) for i in ids] == [
+        "t", "he", "\u2581rest", "\u2581", "<0xC3>", "<0xA9>"]
+    assert tokenizer.encode("<bos>", add_bos=True) == [2, 2]
+    assert tokenizer.token_to_id("   ") in tokenizer.encode("tea   rest")  # stored as spaces
+
+
+@pytest.mark.parametrize("model_type, metadata, message", [
+    ("llama", {"rope.scaling.type": "yarn"}, "llama.rope.scaling.type 'yarn'"),
+    ("llama", {"expert_count": 8}, "llama.expert_count"),
+    ("gemma2", {"attention.sliding_window_pattern": 3}, "gemma2.attention.sliding_window_pattern"),
+])
+def test_gguf_refuses_metadata_it_cannot_apply(tmp_path, model_type, metadata, message):
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, model_type, seed=0)
+    path = write_tiny_gguf(tmp_path / "bad.gguf", hf_dir, metadata=metadata)
+    with pytest.raises(ValueError, match=message):
+        load_gguf(path)
+
+
+def test_phi3_gguf_logits_match_hf_and_transformers_gguf(tmp_path):
+    """A Phi-3 GGUF keeps the fused attn_qkv and gate-up ffn_up matrices (NEOX rotation: rows
+    unpermuted): split on loading, the logits equal transformers' on the source checkpoint and
+    transformers' own loading of the same file; LongRoPE factor tensors are refused by name."""
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "phi3", seed=8)
+    path = write_tiny_gguf(tmp_path / "phi3.gguf", hf_dir)
+    assert {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"} <= {
+        t.name for t in gguf.GGUFReader(path).tensors}
+    model = load_gguf(path)
+    tokens = np.random.default_rng(9).integers(0, model.config.vocab_size, 24).tolist()
+    got = _logits(model, tokens)
+    assert _rel_max_diff(got, hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
+    assert _rel_max_diff(got, _transformers_gguf_logits(path, tokens)) <= TINY_LOGITS_RTOL
+    factors = {"rope_factors_long.weight": np.ones((8,), np.float32)}
+    longrope = write_tiny_gguf(tmp_path / "longrope.gguf", hf_dir, replace=factors)
+    with pytest.raises(ValueError, match=r"rope_factors_long\.weight"):
+        load_gguf(longrope)
+
+
+def _metadata(arch: str, **keys) -> dict:
+    """GGUF metadata of a Gemma-27B-shaped or small model: `keys` are `<arch>.<key>` values."""
+    base = {"embedding_length": 64, "attention.head_count": 4, "attention.key_length": 32,
+            "block_count": 6, "feed_forward_length": 128, "context_length": 256,
+            "attention.layer_norm_rms_epsilon": 1e-6}
+    return {"general.architecture": arch, "tokenizer.ggml.tokens": ["a", "b"],
+            **{f"{arch}.{k}": v for k, v in {**base, **keys}.items()}}
+
+
+def test_gguf_applies_what_llama_cpp_fixes_in_code():
+    """What llama.cpp's loader sets by architecture rather than reading from the file: Gemma 2's
+    soft caps default to 50 / 30 and its window is required; Gemma 3 without a window has only
+    global layers; the 27B block counts scale queries by hidden / heads instead of the head dim;
+    Phi-3's window is disabled."""
+    gemma2 = config_from_metadata(_metadata("gemma2", **{"attention.sliding_window": 4}),
+                                  tie_word_embeddings=True)
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)
+    assert gemma2.layer_windows == (4, 0, 4, 0, 4, 0) and gemma2.query_pre_attn_scalar == 32
+    with pytest.raises(ValueError, match="gemma2.attention.sliding_window"):
+        config_from_metadata(_metadata("gemma2"), tie_word_embeddings=True)
+    big = config_from_metadata(_metadata("gemma2", block_count=46, **{
+        "attention.sliding_window": 4}), tie_word_embeddings=True)
+    assert big.query_pre_attn_scalar == 64 / 4
+    gemma3 = config_from_metadata(_metadata("gemma3"), tie_word_embeddings=True)
+    assert gemma3.layer_windows == () and gemma3.local_rope is None
+    assert (gemma3.attn_logit_softcap, gemma3.final_logit_softcap) == (None, None)
+    big3 = config_from_metadata(_metadata("gemma3", block_count=62), tie_word_embeddings=True)
+    assert big3.query_pre_attn_scalar == 64 / 4
+    phi3 = config_from_metadata(_metadata("phi3", **{"attention.sliding_window": 8}),
+                                tie_word_embeddings=False)
+    assert phi3.layer_windows == ()
