@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax import jit as kvjax_jit
 from kvjax.config import ModelConfig
 from kvjax.kv import attention as attention_ref
 from kvjax.kv import layout, native
@@ -596,13 +597,13 @@ class StepPrograms:
         self.config = config
         self.attention_impl = attention_impl
         self.retention = retention
-        self._step = jax.jit(
+        self._step = kvjax_jit.jit(
             functools.partial(model_step, config=config, attention_impl=attention_impl,
                               retention=retention, matmul_impl=matmul_impl,
                               batch_invariant=batch_invariant),
             static_argnames=("shape",), donate_argnames=("kv",))
-        self._copy = jax.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
-        self._blend = jax.jit(
+        self._copy = kvjax_jit.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
+        self._blend = kvjax_jit.jit(
             functools.partial(blend_step, config=config, attention_impl=attention_impl),
             static_argnames=("shape",), donate_argnames=("kv",))
 

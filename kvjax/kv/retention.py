@@ -99,6 +99,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import jit as kvjax_jit
 from kvjax.kv import layout, quest
 from kvjax.kv import state as kv_state
 from kvjax.kv.attention import PageLoader
@@ -709,7 +710,7 @@ class RetentionManager:
         self._budgets: dict[str, int | None] = {}  # a controller's per-sequence budgets
         # The budget of a sequence no controller named: the policy's (None: keep all).
         self.default_budget = policy.budget
-        self._compact = jax.jit(_compact, donate_argnums=0, static_argnums=2)
+        self._compact = kvjax_jit.jit(_compact, donate_argnums=0, static_argnums=2)
         self._rotate = rope.rotate if policy.rotates_keys else None
         self.stats = dict(evictions=0, evicted_tokens=0, moved_slots=0, freed_pages=0,
                           rotated_slots=0)

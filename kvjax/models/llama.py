@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import MlpActivation, ModelConfig
+from kvjax.models import linear as linear_lib
 from kvjax.models.linear import LayerLinear
 from kvjax.models.rope import apply_selected
 
@@ -194,7 +195,7 @@ def apply_rope(config: ModelConfig, x: jax.Array, positions: jax.Array,
 
 
 def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array,
-        layer_index: jax.Array, matmul: Matmul = jnp.matmul, row_sum: RowSum | None = None
+        layer_index: jax.Array, matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H].
 
@@ -223,10 +224,10 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
 
 def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
                   layer_params: Params, layer_index: jax.Array, cache: Any,
-                  matmul: Matmul = jnp.matmul, row_sum: RowSum | None = None
+                  matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None
                   ) -> tuple[jax.Array, Any]:
     """One decoder block. h: [T, H]. `matmul(x, w)` multiplies by one of layer_params' matrices
-    (x @ w by default); `row_sum` takes RMSNorm's sums (None: XLA's)."""
+    (x @ w accumulated in float32 by default); `row_sum` takes RMSNorm's sums (None: XLA's)."""
     c = config
     p = layer_params
     t = h.shape[0]

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from kvjax import jit as kvjax_jit
 from kvjax.config import KVLayout
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import CompletionOutput, FinishReason, RequestOutput, submit_all
@@ -49,8 +50,8 @@ from kvjax.router.router import Arrival, SimClock
 from kvjax.sampling import SamplingParams
 from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
-_gather = jax.jit(kv_pages.gather_pages)  # pages [n] of a KV state -> a PageBlob
-_take = jax.jit(kv_pages.take)  # pages [n'] of a staged PageBlob
+_gather = kvjax_jit.jit(kv_pages.gather_pages)  # pages [n] of a KV state -> a PageBlob
+_take = kvjax_jit.jit(kv_pages.take)  # pages [n'] of a staged PageBlob
 
 @dataclasses.dataclass
 class _Handoff:
@@ -95,7 +96,8 @@ class DisaggregatedEngine:
         self.page_size = prefill.config.page_size
         target = jax.tree.map(lambda x: x.sharding, decode.kv)
         self._target = [x.sharding for x in decode.kv.page_leaves()]  # where a PageBlob goes
-        self._scatter = jax.jit(kv_pages.scatter_pages, donate_argnums=0, out_shardings=target)
+        self._scatter = kvjax_jit.jit(kv_pages.scatter_pages, donate_argnums=0,
+                                      out_shardings=target)
         # Imports return KV committed to the decode devices; committing it now means the
         # decode engine's steps see one placement (and compile once per shape) from here on.
         decode.runner.apply(KVOp(KVOpKind.PLACE), lambda kv: jax.device_put(kv, target))

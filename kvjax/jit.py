@@ -1,0 +1,36 @@
+"""`jax.jit` with the XLA options every kvjax program compiles with.
+
+On the CPU backend, XLA's `float-normalization-bf16` pass rewrites each bfloat16 operation
+it does not list as native (dynamic slices, gathers, scatters, dynamic-update-slices,
+elementwise ops) into float32: converts around the operation. Loop-invariant code motion then
+hoists the convert of a loop-invariant operand out of the layer scan, so a bfloat16 step
+converts every stacked weight matrix ([L, In, Out]), the embedding ([V, H]) and the whole KV
+page pool ([L, num_pages, P, K, D], and back) to float32 on every call: a decode step of the
+embedded model took 40x its float32 time and the pool's float32 copies multiplied the
+memory. The CPU emitters compile those operations in bfloat16 directly (the arithmetic that
+needs range, RMSNorm, softmax and the dots' accumulation, is float32 in the model code: dots
+take `preferred_element_type=float32`), so kvjax programs skip the pass on the CPU. Float32
+programs are unchanged (the pass touches only bfloat16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+# Disabled on the CPU backend only: GPU and TPU compilers rely on their normalization passes.
+CPU_DISABLED_PASSES = ("float-normalization-bf16",)
+
+
+def compiler_options(backend: str | None = None) -> dict[str, str] | None:
+    """The XLA options of kvjax programs on `backend` (None: the default backend)."""
+    if (backend or jax.default_backend()) != "cpu":
+        return None
+    return {"xla_disable_hlo_passes": ",".join(CPU_DISABLED_PASSES)}
+
+
+def jit(fun: Callable, **kwargs: Any) -> Any:
+    """`jax.jit(fun, **kwargs)` compiled with `compiler_options()`."""
+    return jax.jit(fun, compiler_options=compiler_options(), **kwargs)
