@@ -50,8 +50,8 @@ from kvjax.router.router import Arrival, SimClock
 from kvjax.sampling import SamplingParams
 from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
-_gather = kvjax_jit.jit(kv_pages.gather_pages)  # pages [n] of a KV state -> a PageBlob
-_take = kvjax_jit.jit(kv_pages.take)  # pages [n'] of a staged PageBlob
+_gather = jax.jit(kv_pages.gather_pages)  # pages [n] of a KV state -> a PageBlob
+_take = jax.jit(kv_pages.take)  # pages [n'] of a staged PageBlob
 
 @dataclasses.dataclass
 class _Handoff:
