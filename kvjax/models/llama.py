@@ -299,8 +299,19 @@ def lm_head(params: Params, config: ModelConfig, h: jax.Array,
             logits = linear(x, params["lm_head"][None], jnp.int32(0))
         logits = logits.reshape(*h.shape[:-1], -1)
     else:
-        w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
-        logits = jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+        # Several rows of bfloat16 against embed [V, H] as it lies: through a transpose, XLA's
+        # CPU pipeline widened the embedding to a float32 copy in every step (YNNPACK takes it
+        # as it is). A single row goes to XLA's matrix-vector product, faster through the
+        # transpose.
+        if config.tie_word_embeddings and h.size == h.shape[-1]:
+            logits = jnp.einsum("...h,hv->...v", h, params["embed"].T,
+                                preferred_element_type=jnp.float32)
+        elif config.tie_word_embeddings:
+            logits = jnp.einsum("...h,vh->...v", h, params["embed"],
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("...h,hv->...v", h, params["lm_head"],
+                                preferred_element_type=jnp.float32)
     return cap_logits(logits, config.final_logit_softcap)
 
 
