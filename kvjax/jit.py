@@ -19,24 +19,28 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 # Disabled on the CPU backend only: GPU and TPU compilers rely on their normalization passes.
 CPU_DISABLED_PASSES = ("float-normalization-bf16",)
-# YNNPACK takes dot fusions only: its standalone ("individual") dots, which it also takes by
-# default, gave wrong bfloat16 results once the pass above is off (a 37-token chat prompt of
-# the embedded model decoded to other tokens than float32 and the dense forward pass);
-# fused dots agree.
-CPU_YNN_FUSION_TYPE = "LIBRARY_FUSION_TYPE_DOT"
+# In bfloat16 programs YNNPACK takes dot fusions only: its standalone ("individual") dots,
+# which it also takes by default, gave wrong bfloat16 results once the pass above is off (a
+# 37-token chat prompt of the embedded model decoded to other tokens than float32 and the
+# dense forward pass); fused dots agree. Float32 programs keep XLA's default.
+CPU_BF16_YNN_FUSION_TYPE = "LIBRARY_FUSION_TYPE_DOT"
 
 
-def compiler_options(backend: str | None = None) -> dict[str, str] | None:
-    """The XLA options of kvjax programs on `backend` (None: the default backend)."""
+def compiler_options(backend: str | None = None, *, dtype=None) -> dict[str, str] | None:
+    """The XLA options of kvjax programs on `backend` (None: the default backend) whose model
+    computes in `dtype` (None: programs without matmuls)."""
     if (backend or jax.default_backend()) != "cpu":
         return None
-    return {"xla_disable_hlo_passes": ",".join(CPU_DISABLED_PASSES),
-            "xla_cpu_experimental_ynn_fusion_type": CPU_YNN_FUSION_TYPE}
+    options = {"xla_disable_hlo_passes": ",".join(CPU_DISABLED_PASSES)}
+    if dtype is not None and jnp.dtype(dtype) == jnp.bfloat16:
+        options["xla_cpu_experimental_ynn_fusion_type"] = CPU_BF16_YNN_FUSION_TYPE
+    return options
 
 
-def jit(fun: Callable, **kwargs: Any) -> Any:
-    """`jax.jit(fun, **kwargs)` compiled with `compiler_options()`."""
-    return jax.jit(fun, compiler_options=compiler_options(), **kwargs)
+def jit(fun: Callable, *, dtype=None, **kwargs: Any) -> Any:
+    """`jax.jit(fun, **kwargs)` compiled with `compiler_options(dtype=dtype)`."""
+    return jax.jit(fun, compiler_options=compiler_options(dtype=dtype), **kwargs)

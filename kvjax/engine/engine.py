@@ -141,7 +141,7 @@ class Engine:
             invariant.check(mc, model.dtype, self.kv_dtype)
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
                                 retention=retention.step_hooks, matmul_impl=config.matmul_impl,
-                                batch_invariant=config.batch_invariant)
+                                batch_invariant=config.batch_invariant, dtype=model.dtype)
         if mesh is not None:
             kv, programs = sharding.shard_kv_and_programs(kv, programs, model, mesh)
         else:

@@ -221,7 +221,8 @@ class ShardedStepPrograms(StepPrograms):
         step = functools.partial(programs._step.__wrapped__, place_kernels=functools.partial(
             shard_kernels, mesh=mesh, config=programs.config), matmul_impl=MatmulImpl.XLA)
         self._step = kvjax_jit.jit(step, static_argnames=("shape",), donate_argnames=("kv",),
-                             out_shardings=(self._replicated, kv_shardings))
+                                   out_shardings=(self._replicated, kv_shardings),
+                                   dtype=programs.dtype)
         self._copy = kvjax_jit.jit(programs._copy.__wrapped__, donate_argnums=0,
                              out_shardings=kv_shardings)
 
