@@ -148,7 +148,8 @@ class Engine:
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
                                 retention=retention.step_hooks, matmul_impl=config.matmul_impl,
                                 batch_invariant=config.batch_invariant,
-                                host_compute=uses_host and host_rows.host_compute_reason() is None)
+                                host_compute=uses_host and host_rows.host_compute_reason() is None,
+                                dtype=model.dtype)
         if mesh is not None:
             kv, programs = sharding.shard_kv_and_programs(kv, programs, model, mesh)
         else:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from kvjax import jit as kvjax_jit
 from kvjax.config import KVLayout
 from kvjax.engine.engine import Engine
 from kvjax.kv import pages as kv_pages
@@ -101,7 +102,8 @@ class PageImporter:
         self.page_size = engine.config.page_size
         target = jax.tree.map(lambda x: x.sharding, engine.kv)
         self.target = [x.sharding for x in engine.kv.page_leaves()]  # where a PageBlob goes
-        self._scatter = jax.jit(kv_pages.scatter_pages, donate_argnums=0, out_shardings=target)
+        self._scatter = kvjax_jit.jit(kv_pages.scatter_pages, donate_argnums=0,
+                                      out_shardings=target)
         engine.runner.apply(KVOp(KVOpKind.PLACE), lambda kv: jax.device_put(kv, target))
 
     @property

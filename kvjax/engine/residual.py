@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import jit as kvjax_jit
 from kvjax.engine.swap import HostSwapSpace
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.block_manager import BlockManager
@@ -99,10 +100,10 @@ class WindowSwapSpace(HostSwapSpace):
         super().__init__()
         self.allocator = allocator
         self._windows: dict[str, list[object]] = {}
-        self._window = jax.jit(_window)
-        self._set_window = jax.jit(_set_window, donate_argnums=0)
-        self._zero_windows = jax.jit(_zero_windows, donate_argnums=0)
-        self._copy_window = jax.jit(_copy_window, donate_argnums=0)
+        self._window = kvjax_jit.jit(_window)
+        self._set_window = kvjax_jit.jit(_set_window, donate_argnums=0)
+        self._zero_windows = kvjax_jit.jit(_zero_windows, donate_argnums=0)
+        self._copy_window = kvjax_jit.jit(_copy_window, donate_argnums=0)
 
     @property
     def num_compiles(self) -> int:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax import jit as kvjax_jit
 from kvjax.config import ModelConfig
 from kvjax.engine import host_rows
 from kvjax.kv import attention as attention_ref
@@ -626,19 +627,20 @@ class StepPrograms:
     def __init__(self, config: ModelConfig, *,
                  attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
                  matmul_impl: MatmulImpl = MatmulImpl.XLA, batch_invariant: bool = False,
-                 host_compute: bool = False):
+                 host_compute: bool = False, dtype=jnp.float32):
         self.config = config
+        self.dtype = dtype  # the params' dtype: it picks XLA options (`kvjax.jit`)
         self.attention_impl = attention_impl
         self.retention = retention
-        self._step = jax.jit(
+        self._step = kvjax_jit.jit(
             functools.partial(model_step, config=config, attention_impl=attention_impl,
                               retention=retention, matmul_impl=matmul_impl,
                               batch_invariant=batch_invariant, host_compute=host_compute),
-            static_argnames=("shape",), donate_argnames=("kv",))
-        self._copy = jax.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
-        self._blend = jax.jit(
+            static_argnames=("shape",), donate_argnames=("kv",), dtype=dtype)
+        self._copy = kvjax_jit.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
+        self._blend = kvjax_jit.jit(
             functools.partial(blend_step, config=config, attention_impl=attention_impl),
-            static_argnames=("shape",), donate_argnames=("kv",))
+            static_argnames=("shape",), donate_argnames=("kv",), dtype=dtype)
 
     @property
     def num_compiles(self) -> int:

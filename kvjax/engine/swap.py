@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import jit as kvjax_jit
 from kvjax.kv import codecs
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.tiers.host import host_memory_kind
@@ -104,11 +105,11 @@ class HostSwapSpace:
     def __init__(self):
         self._stored: dict[str, tuple[object, int]] = {}
         # Per-instance programs, so each engine counts its own compilations.
-        self._gather = jax.jit(kv_pages.gather_pages)
-        self._scatter = jax.jit(kv_pages.scatter_pages, donate_argnums=0)
-        self._zero = jax.jit(kv_pages.zero_pages, donate_argnums=0)
-        self._demote = jax.jit(demote_blob, static_argnums=1)
-        self._restore = jax.jit(restore_blob, static_argnums=(1, 2))
+        self._gather = kvjax_jit.jit(kv_pages.gather_pages)
+        self._scatter = kvjax_jit.jit(kv_pages.scatter_pages, donate_argnums=0)
+        self._zero = kvjax_jit.jit(kv_pages.zero_pages, donate_argnums=0)
+        self._demote = kvjax_jit.jit(demote_blob, static_argnums=1)
+        self._restore = kvjax_jit.jit(restore_blob, static_argnums=(1, 2))
         self.memory_kind = host_memory_kind(jax.devices()[0], user="swapping")
 
     @property

@@ -102,6 +102,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import jit as kvjax_jit
 from kvjax.kv import layout, quest
 from kvjax.kv import state as kv_state
 from kvjax.kv.attention import PageLoader
@@ -327,7 +328,7 @@ def _compact(kv: Any, plan: kv_state.Compaction, rotate: kv_state.Rotate | None)
 def compaction_program():
     """The jitted compaction `RetentionManager` runs: (kv, plan, rotate) -> kv, the state
     donated, one program per plan size and rotation."""
-    return jax.jit(_compact, donate_argnums=0, static_argnums=2)
+    return kvjax_jit.jit(_compact, donate_argnums=0, static_argnums=2)
 
 
 # ----------------------------------------------------------------------------- host: plans

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import jit as kvjax_jit
 from kvjax.models.rope import RoPE
 from kvjax.shapes import next_power_of_2
 
@@ -50,7 +51,7 @@ class ChunkCopier:
 
     def __init__(self, rope: RoPE, page_size: int):
         self.page_size = page_size
-        self._copy = jax.jit(functools.partial(copy_rotated, rope=rope),
+        self._copy = kvjax_jit.jit(functools.partial(copy_rotated, rope=rope),
                              donate_argnums=0)
 
     @property

@@ -59,10 +59,20 @@ def target_for(isa: cpu_kernels.Isa) -> str:
     return target
 
 
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, In] @ w [In, Out] by XLA, accumulated in float32 and returned in x's dtype.
+
+    XLA's own CPU dot emitter multiplies no bfloat16 into a bfloat16 result (YNNPACK, which
+    takes the larger dots, does); a float32 accumulator is what bfloat16 weights want anyway.
+    """
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def xla_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
                ) -> jax.Array:
-    """x @ w[layer] (x @ w[layer].T with `transpose`) by XLA (the slice is a dynamic slice)."""
-    return x @ (w[layer].T if transpose else w[layer])
+    """x @ w[layer] (x @ w[layer].T with `transpose`) by XLA (the slice is a dynamic slice),
+    accumulated in float32 (`matmul`)."""
+    return matmul(x, w[layer].T if transpose else w[layer])
 
 
 def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False

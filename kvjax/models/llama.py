@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import MlpActivation, ModelConfig
+from kvjax.models import linear as linear_lib
 from kvjax.models import mla
 from kvjax.models.linear import LayerLinear
 from kvjax.models.rope import apply_selected
@@ -206,7 +207,7 @@ def apply_rope(config: ModelConfig, x: jax.Array, positions: jax.Array,
 
 
 def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array,
-        layer_index: jax.Array, matmul: Matmul = jnp.matmul, row_sum: RowSum | None = None
+        layer_index: jax.Array, matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H].
 
@@ -235,10 +236,10 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
 
 def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
                   layer_params: Params, layer_index: jax.Array, cache: Any,
-                  matmul: Matmul = jnp.matmul, row_sum: RowSum | None = None
+                  matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None
                   ) -> tuple[jax.Array, Any]:
     """One decoder block. h: [T, H]. `matmul(x, w)` multiplies by one of layer_params' matrices
-    (x @ w by default); `row_sum` takes RMSNorm's sums (None: XLA's)."""
+    (x @ w accumulated in float32 by default); `row_sum` takes RMSNorm's sums (None: XLA's)."""
     c = config
     p = layer_params
     t = h.shape[0]
@@ -315,8 +316,19 @@ def lm_head(params: Params, config: ModelConfig, h: jax.Array,
             logits = linear(x, params["lm_head"][None], jnp.int32(0))
         logits = logits.reshape(*h.shape[:-1], -1)
     else:
-        w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
-        logits = jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+        # Several rows of bfloat16 against embed [V, H] as it lies: through a transpose, XLA's
+        # CPU pipeline widened the embedding to a float32 copy in every step (YNNPACK takes it
+        # as it is). A single row goes to XLA's matrix-vector product, faster through the
+        # transpose.
+        if config.tie_word_embeddings and h.size == h.shape[-1]:
+            logits = jnp.einsum("...h,hv->...v", h, params["embed"].T,
+                                preferred_element_type=jnp.float32)
+        elif config.tie_word_embeddings:
+            logits = jnp.einsum("...h,vh->...v", h, params["embed"],
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("...h,hv->...v", h, params["lm_head"],
+                                preferred_element_type=jnp.float32)
     return cap_logits(logits, config.final_logit_softcap)
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kvjax import jit as kvjax_jit
 from kvjax.config import ModelConfig
 from kvjax.engine import compat
 from kvjax.engine.config import EngineConfig
@@ -223,9 +224,10 @@ class ShardedStepPrograms(StepPrograms):
         # call over whole weights).
         step = functools.partial(programs._step.__wrapped__, place_kernels=functools.partial(
             shard_kernels, mesh=mesh, config=programs.config), matmul_impl=MatmulImpl.XLA)
-        self._step = jax.jit(step, static_argnames=("shape",), donate_argnames=("kv",),
-                             out_shardings=(self._replicated, kv_shardings))
-        self._copy = jax.jit(programs._copy.__wrapped__, donate_argnums=0,
+        self._step = kvjax_jit.jit(step, static_argnames=("shape",), donate_argnames=("kv",),
+                                   out_shardings=(self._replicated, kv_shardings),
+                                   dtype=programs.dtype)
+        self._copy = kvjax_jit.jit(programs._copy.__wrapped__, donate_argnums=0,
                              out_shardings=kv_shardings)
 
     def _replicate(self, host: Any) -> Any:

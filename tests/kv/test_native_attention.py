@@ -203,13 +203,15 @@ def test_long_rows_split_over_threads_merge_like_numpy(name):
             np.testing.assert_allclose(got[b, i], want, **F32_TOL)
 
 
-@pytest.mark.parametrize("case", [(16, 3, 3, 64), (4, 2, 4, 128), (1, 1, 1, 64)],
-                         ids=lambda c: "P{}-K{}-G{}-D{}".format(*c))
+@pytest.mark.parametrize("case", [(16, 3, 3, 64, "float32"), (4, 2, 4, 128, "float32"),
+                                  (1, 1, 1, 64, "float32"), (16, 3, 3, 64, "bfloat16")],
+                         ids=lambda c: "P{}-K{}-G{}-D{}-{}".format(*c))
 def test_prefill_kernel_attends_causally_like_numpy(case):
     """Chunks of a ragged batch: a chunk after earlier context, a whole prompt, a short chunk
     (queries past q_len get zeros) and a padded row; chunks span several key blocks and query
-    tiles; other layers and unused pages are NaN, so a stray read shows."""
-    page_size, k_heads, group, head_dim = case
+    tiles; other layers and unused pages are NaN, so a stray read shows. bfloat16 pages are
+    read exactly: numpy attends over the same bfloat16 values in float32."""
+    page_size, k_heads, group, head_dim, dtype = case
     rng = np.random.default_rng(6)
     kv_lens, tables, kp, vp, ks, vs = make_case(
         rng, num_seqs=4, max_len=90, page_size=page_size, num_kv_heads=k_heads, group=group,
@@ -223,8 +225,13 @@ def test_prefill_kernel_attends_causally_like_numpy(case):
             vp[tables[b, t // page_size], t % page_size] = vs[b][t]
     q_lens = np.array([50, 37, 9, 0], np.int32)
     q = rng.standard_normal((4, 50, k_heads * group, head_dim)).astype(np.float32)
+    if dtype == "bfloat16":
+        bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+        kp, vp = bf16(kp), bf16(vp)
+        ks, vs = [bf16(x) for x in ks], [bf16(x) for x in vs]
     run = jax.jit(native.paged_prefill_attention)
-    got = np.asarray(run(q, _layered(kp, 2), _layered(vp, 2), 2, tables, kv_lens, q_lens))
+    got = np.asarray(run(q, _layered(kp, 2).astype(dtype), _layered(vp, 2).astype(dtype), 2,
+                         tables, kv_lens, q_lens))
     for b in range(4):
         for i in range(50):
             want = (numpy_attention(q[b, i], ks[b], vs[b], kv_lens[b] - q_lens[b] + i)
@@ -236,10 +243,11 @@ def test_prefill_kernel_says_which_pages_it_does_not_read():
     pages = lambda dtype, d: dict(k_pages=jnp.zeros((1, 2, 4, 1, d), dtype),  # noqa: E731
                                   v_pages=jnp.zeros((1, 2, 4, 1, d), dtype))
     assert native.prefill_reason(pages(jnp.float32, 64)) is None
-    assert "float32 pages only" in native.prefill_reason(pages(jnp.bfloat16, 64))
+    assert native.prefill_reason(pages(jnp.bfloat16, 64)) is None
+    assert "float32 or bfloat16 pages only" in native.prefill_reason(pages(jnp.float16, 64))
     assert "head_dim in (64, 128), not 32" in native.prefill_reason(pages(jnp.float32, 32))
     int8 = dict(pages(jnp.int8, 64), k_scale=jnp.ones((1, 2, 4, 1)))
-    assert "float32 pages only" in native.prefill_reason(int8)
+    assert "float32 or bfloat16 pages only" in native.prefill_reason(int8)
 
 
 def test_engine_prefills_chunks_with_the_native_kernel_like_the_jnp_path():

@@ -28,13 +28,14 @@ Which states it reads (`kernels_for(kv)`, the same chooser signature as
                                                 copy of the context)
   QuestKV over one of the above                 its base (Quest narrows the block tables first)
 
-Prefill chunks over float32 pages go to `paged_prefill.cc` (`paged_prefill_attention`): each
-row's keys are transposed once per layer into a scratch, then tiles of 16 queries walk
-32-key blocks up to their last position (causal blocks past it are skipped, masks only on the
-diagonal) with an online softmax in registers and a vectorized exp, reading values in place;
-it computes what `paged_prefill_attention_reference` computes. Other pages (bfloat16, codes),
-and head dims other than 64 and 128, keep the blockwise jnp path (`prefill_reason`); rows of
-at most 8 queries (speculative verify) use the decode kernel.
+Prefill chunks over float32 or bfloat16 pages go to `paged_prefill.cc`
+(`paged_prefill_attention`): each row's keys are transposed once per layer into a float32
+scratch, then tiles of 16 queries walk 32-key blocks up to their last position (causal blocks
+past it are skipped, masks only on the diagonal) with an online softmax in registers and a
+vectorized exp, reading values in place (bfloat16 widened in registers); it computes what
+`paged_prefill_attention_reference` computes. Other pages (codes), and head dims other than
+64 and 128, keep the blockwise jnp path (`prefill_reason`); rows of at most 8 queries
+(speculative verify) use the decode kernel.
 """
 
 from __future__ import annotations
@@ -223,13 +224,14 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             sm_scale: float | None = None,
                             soft_cap: float | None = None, window: jax.Array | int = 0,
                             target: str = _PREFILL_TARGET) -> jax.Array:
-    """Causal prefill attention of one layer, read in place from all layers' float32 pages.
+    """Causal prefill attention of one layer, read in place from all layers' float32 or
+    bfloat16 pages (float32 math).
 
     Args:
       q: [B, C, N, D], D in PREFILL_HEAD_DIMS; query i of row b sits at position
         kv_lens[b] - q_lens[b] + i and sees the keys up to it; queries past q_lens[b] get
         zeros.
-      k_pages, v_pages: [L, num_pages, P, K, D] float32.
+      k_pages, v_pages: [L, num_pages, P, K, D] float32 or bfloat16 (both the same).
       layer: the layer to read (a scalar, traced or not).
       block_tables: [B, W] int32; kv_lens, q_lens: [B] int32.
       sm_scale: softmax scale, 1/sqrt(D) by default.
@@ -258,8 +260,9 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
 def prefill_reason(pages: dict) -> str | None:
     """None when `paged_prefill_attention` reads these `_pages` arguments, else why not (the
     engine then prefills with the blockwise jnp path)."""
-    if set(pages) != {"k_pages", "v_pages"} or pages["k_pages"].dtype != jnp.float32:
-        return "the native prefill kernel reads float32 pages only"
+    if (set(pages) != {"k_pages", "v_pages"} or pages["k_pages"].dtype not in _FLOAT_PAGES
+            or pages["v_pages"].dtype != pages["k_pages"].dtype):
+        return "the native prefill kernel reads float32 or bfloat16 pages only"
     if pages["k_pages"].shape[-1] not in PREFILL_HEAD_DIMS:
         return (f"the native prefill kernel reads head_dim in {PREFILL_HEAD_DIMS}, not "
                 f"{pages['k_pages'].shape[-1]}")

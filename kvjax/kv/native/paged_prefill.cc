@@ -1,9 +1,10 @@
-// Causal prefill attention over float32 KV pages read in place: an XLA FFI handler for the CPU.
+// Causal prefill attention over float32 or bfloat16 KV pages read in place: an XLA FFI handler
+// for the CPU (bfloat16 pages are widened to float32 as they are read; all math is float32).
 //
 // Buffers (row-major):
 //   q        f32 [B, C, N, D]  query i of row b sits at kv_lens[b] - q_lens[b] + i and sees the
 //                              keys up to it; queries i >= q_lens[b] get zeros
-//   k, v     f32 [L, num_pages, P, K, D]
+//   k, v     f32 | bf16 [L, num_pages, P, K, D] (both the same)
 //   layer    s32 []
 //   window   s32 []             a sliding window W > 0: query at t sees keys (t - W, t] only;
 //                              <= 0: none
@@ -53,6 +54,27 @@ inline V Load(const float* p) { return kvjax::LoadVec<V>(p); }
 inline void Store(float* p, V x) { kvjax::StoreVec<V>(p, x); }
 inline V Splat(float x) { return V{} + x; }
 
+// A page element as float32: bfloat16 (stored as its bits) is the top half of a float32.
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// kLanes page elements from p as one float32 vector.
+inline V LoadRow(const float* p) { return Load(p); }
+inline V LoadRow(const uint16_t* p) {
+  typedef uint16_t HV __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  HV h;
+  std::memcpy(&h, p, sizeof(h));
+  const IV bits = __builtin_convertvector(h, IV) << 16;
+  V x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
 // Lane-wise max and sum of a vector, by halving shuffles (a tree, not a chain of 15).
 template <typename Op>
 inline float ReduceLanes(V x, Op op) {
@@ -96,7 +118,11 @@ struct Geometry {
   int64_t FirstKey(int64_t pos) const { return FirstToken(pos) / kKeys * kKeys; }
 };
 
-alignas(64) constexpr float kZeros[256] = {};  // a value row for keys that are not read
+// A value row for keys that are not read (zero bits are 0.0 in float32 and bfloat16).
+alignas(64) constexpr float kZeros[256] = {};
+alignas(64) constexpr uint16_t kZerosBf16[256] = {};
+inline const float* Zeros(const float*) { return kZeros; }
+inline const uint16_t* Zeros(const uint16_t*) { return kZerosBf16; }
 
 // How a query-key dot product becomes a softmax logit: times `scale`, then soft-capped at
 // `soft_cap` when it is > 0.
@@ -106,9 +132,9 @@ struct Logits {
 
 // Token t's row of kv head h in layer `layer` of pages [L, num_pages, P, K, kD], by the row's
 // block table.
-template <int kD>
-inline const float* TokenRow(const Geometry& g, const float* pages, int64_t layer,
-                             const int32_t* table, int64_t t, int64_t h) {
+template <int kD, typename T>
+inline const T* TokenRow(const Geometry& g, const T* pages, int64_t layer,
+                         const int32_t* table, int64_t t, int64_t h) {
   const int64_t P = g.page_size;
   return pages + (((layer * g.num_pages + table[t / P]) * P + t % P) * g.kv_heads + h) * kD;
 }
@@ -117,15 +143,15 @@ inline int64_t Stride(int64_t len) { return (len + kKeys - 1) / kKeys * kKeys; }
 
 // Row b's keys [readable, len) of kv head h in layer `layer`, into kt [D, Stride(len - base)]
 // (base <= readable; zero before readable and past len): key t at column t - base.
-template <int kD>
-void TransposeKeys(const Geometry& g, const float* k, int64_t layer, const int32_t* table,
+template <int kD, typename T>
+void TransposeKeys(const Geometry& g, const T* k, int64_t layer, const int32_t* table,
                    int64_t base, int64_t readable, int64_t len, int64_t h, float* kt) {
   const int64_t stride = Stride(len - base);
   for (int64_t d = 0; d < kD; ++d)
     std::fill(kt + d * stride, kt + d * stride + readable - base, 0.0f);
   for (int64_t t = readable; t < len; ++t) {
-    const float* row = TokenRow<kD>(g, k, layer, table, t, h);
-    for (int64_t d = 0; d < kD; ++d) kt[d * stride + t - base] = row[d];
+    const T* row = TokenRow<kD>(g, k, layer, table, t, h);
+    for (int64_t d = 0; d < kD; ++d) kt[d * stride + t - base] = ToFloat(row[d]);
   }
   for (int64_t d = 0; d < kD; ++d)
     std::fill(kt + d * stride + len - base, kt + (d + 1) * stride, 0.0f);
@@ -164,9 +190,9 @@ void AccumulateValues(const float* p, int64_t n, VRow vrow, const float* alpha, 
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kDV; ++j) acc[r][j] = Load(o + r * kD + j * kLanes) * alpha[r];
   for (int64_t t = 0; t < n; ++t) {
-    const float* row = vrow(t);
+    const auto* row = vrow(t);
     V vv[kDV];
-    for (int j = 0; j < kDV; ++j) vv[j] = Load(row + j * kLanes);
+    for (int j = 0; j < kDV; ++j) vv[j] = LoadRow(row + j * kLanes);
     for (int r = 0; r < R; ++r) {
       const V w = Splat(p[r * kKeys + t]);
       for (int j = 0; j < kDV; ++j) acc[r][j] += w * vv[j];
@@ -193,9 +219,9 @@ void AccumulateValuesOf(int rows, const float* p, int64_t n, VRow vrow, const fl
 // One item: row b, kv head h, queries [q0, q0 + kTileQueries).
 // kt holds the row's keys from `base` on (TransposeKeys); values before `readable` are not
 // read (their weights are 0).
-template <int kD>
+template <int kD, typename T>
 void AttendTile(const Geometry& g, const float* q, const float* kt, int64_t base,
-                int64_t readable, const float* v, int64_t layer, const int32_t* table,
+                int64_t readable, const T* v, int64_t layer, const int32_t* table,
                 int64_t len, int64_t q_len, int64_t b, int64_t h, int64_t q0, Logits logits,
                 float* out) {
   const int64_t G = g.group(), N = g.heads;
@@ -262,7 +288,7 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, int64_t base
     }
     const int64_t n = std::min<int64_t>(kKeys, end - key0);
     auto vrow = [&](int64_t t) {
-      return key0 + t < readable ? kZeros : TokenRow<kD>(g, v, layer, table, key0 + t, h);
+      return key0 + t < readable ? Zeros(v) : TokenRow<kD>(g, v, layer, table, key0 + t, h);
     };
     for (int64_t r = 0; r < M; r += PVRows<kD>())
       AccumulateValuesOf<kD>(static_cast<int>(std::min<int64_t>(PVRows<kD>(), M - r)),
@@ -278,9 +304,9 @@ void AttendTile(const Geometry& g, const float* q, const float* kt, int64_t base
 
 using kvjax::ParallelFor;
 
-template <int kD>
-void Run(ffi::ThreadPool& pool, const Geometry& g, const float* q, const float* k,
-         const float* v, int64_t layer, const int32_t* tables, const int32_t* lens,
+template <int kD, typename T>
+void Run(ffi::ThreadPool& pool, const Geometry& g, const float* q, const T* k,
+         const T* v, int64_t layer, const int32_t* tables, const int32_t* lens,
          const int32_t* q_lens, Logits logits, float* out) {
   const int64_t B = g.rows, K = g.kv_heads;
   // Row b's scratch holds its keys from base[b] on (the window of its first query); rows
@@ -311,8 +337,8 @@ void Run(ffi::ThreadPool& pool, const Geometry& g, const float* q, const float* 
   });
 }
 
-ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                        ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v,
                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
                         ffi::Buffer<ffi::S32> tables,
                         ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
@@ -320,10 +346,11 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                         ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || td[0] != qd[0] ||
-      kd[4] != qd[3] || qd[2] % kd[3] != 0)
+      kd[4] != qd[3] || qd[2] % kd[3] != 0 || k.element_type() != v.element_type() ||
+      k.element_count() != v.element_count())
     return ffi::Error::InvalidArgument(
-        "paged_prefill: q must be [B, C, N, D], pages [L, num_pages, P, K, D] with K dividing "
-        "N, block tables [B, W]");
+        "paged_prefill: q must be [B, C, N, D], k and v pages [L, num_pages, P, K, D] of one "
+        "dtype with K dividing N, block tables [B, W]");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument("paged_prefill: bad layer");
   const int32_t* lens = kv_lens.typed_data();
@@ -333,14 +360,24 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         ql[b] > std::min<int64_t>(lens[b], qd[1]))
       return ffi::Error::InvalidArgument("paged_prefill: a row's kv_len or q_len is out of range");
   const Geometry g{qd[0], qd[1], qd[2], kd[3], kd[2], kd[1], td[1], window.typed_data()[0]};
-  auto run = [&](auto fn) {
-    fn(pool, g, q.typed_data(), k.typed_data(), v.typed_data(), l, tables.typed_data(), lens,
-       ql, Logits{sm_scale, soft_cap}, out->typed_data());
+  auto run = [&](auto page) {
+    using T = decltype(page);
+    const T* kp = static_cast<const T*>(k.untyped_data());
+    const T* vp = static_cast<const T*>(v.untyped_data());
+    const Logits logits{sm_scale, soft_cap};
+    if (qd[3] == 64)
+      Run<64>(pool, g, q.typed_data(), kp, vp, l, tables.typed_data(), lens, ql, logits,
+              out->typed_data());
+    else if (qd[3] == 128)
+      Run<128>(pool, g, q.typed_data(), kp, vp, l, tables.typed_data(), lens, ql, logits,
+               out->typed_data());
+    else
+      return ffi::Error::InvalidArgument("paged_prefill: head_dim must be 64 or 128");
     return ffi::Error::Success();
   };
-  if (qd[3] == 64) return run(Run<64>);
-  if (qd[3] == 128) return run(Run<128>);
-  return ffi::Error::InvalidArgument("paged_prefill: head_dim must be 64 or 128");
+  if (k.element_type() == ffi::F32) return run(float{});
+  if (k.element_type() == ffi::BF16) return run(uint16_t{});
+  return ffi::Error::InvalidArgument("paged_prefill: pages must be f32 or bf16");
 }
 
 }  // namespace
@@ -349,8 +386,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedPrefill, PagedPrefill,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pages
+                                  .Arg<ffi::AnyBuffer>()  // k pages (f32 or bf16)
+                                  .Arg<ffi::AnyBuffer>()  // v pages (the same dtype)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block tables

@@ -8,6 +8,7 @@ import time
 import jax
 import numpy as np
 
+from kvjax import jit as kvjax_jit
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.tiers.config import TransferLayout
 from kvjax.memory.tiers.host import host_memory_kind
@@ -25,7 +26,7 @@ def measure_transfer_bandwidth(kv, num_pages: int, layout: TransferLayout, *,
     pages = np.arange(min(num_pages, leaves[0].shape[1]), dtype=np.int32)
     groups = [pages] if layout is TransferLayout.PAGE_FIRST else [pages[i:i + 1] for i in pages]
 
-    gather = jax.jit(kv_pages.take)
+    gather = kvjax_jit.jit(kv_pages.take)
 
     def to_host(x):
         return np.asarray(x) if kind is None else jax.device_put(

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from kvjax import jit as kvjax_jit
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.tiers.ledger import TransferLedger
 from kvjax.memory.transfer import (
@@ -54,10 +55,10 @@ class DeviceStaging:
         self._committed = leaves[0].committed
         # Device programs over page-major leaves [L, num_pages, ...]; one compile per chunk
         # size. Each staging jits its own, so its compile count is its own engine's.
-        self._gather = jax.jit(kv_pages.take)
-        self._scatter = jax.jit(kv_pages.put, donate_argnums=0)
+        self._gather = kvjax_jit.jit(kv_pages.take)
+        self._scatter = kvjax_jit.jit(kv_pages.put, donate_argnums=0)
         # Kept apart from the gather: XLA:CPU fused the two into a program twice as slow.
-        self._checksums = jax.jit(page_checksums)  # [n] uint32
+        self._checksums = kvjax_jit.jit(page_checksums)  # [n] uint32
 
     @property
     def num_compiles(self) -> int:
