@@ -62,13 +62,13 @@ def main(argv):
     if _MEASURE.value:
         measure(batches, contexts)
         return
-    steps = []
+    steps, peers = [], []
     for point in pr.all_points(_TARGETS.value, _SHAPES.value, _KVS.value, batches, contexts):
         steps.append(pr.predict(point))
         logging.info("%s: %s", point.id, steps[-1]["status"])
+        write(steps, peers)  # after each point: a long run that is stopped keeps what it did
     print("Predicted decode step (every figure predicted, none measured):")
     print(pr.format_table(steps))
-    peers = []
     if _PEER_TARGET.value:
         points = pr.all_points((_PEER_TARGET.value,), _SHAPES.value, ("exact",), batches,
                                contexts)
@@ -76,6 +76,10 @@ def main(argv):
         print()
         print("Attention kernels alone, exact bf16 pages, per layer (predicted):")
         print(pr.format_peer_table(peers))
+    write(steps, peers)
+
+
+def write(steps: list[dict], peers: list[dict]) -> None:
     if _OUTPUT.value:
         path = pathlib.Path(_OUTPUT.value)
         path.parent.mkdir(parents=True, exist_ok=True)
