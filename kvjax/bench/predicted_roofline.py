@@ -272,6 +272,8 @@ def predict(point: Point) -> dict:
 
 
 PEERS = ("kvjax_paged_decode", "jax_ragged_paged_attention")
+RPA_KV_PAGES_PER_BLOCK = 8  # 128 tokens of 16-token pages per step of JAX's kernel
+RPA_QUERIES_PER_BLOCK = 8
 
 
 def _peer_fn_and_args(peer: str, point: Point) -> tuple:
@@ -290,8 +292,11 @@ def _peer_fn_and_args(peer: str, point: Point) -> tuple:
         return jax.jit(paged_decode_attention), [q, kv, kv, i32(b, w), i32(b)]
     # K and V heads interleaved in one pool: [pages, P, 2K, D].
     kv = jax.ShapeDtypeStruct((pages, dl.PAGE_SIZE, 2 * m.num_kv_heads, m.head_dim), DTYPE)
-    fn = jax.jit(functools.partial(rpa.ragged_paged_attention,
-                                   sm_scale=m.head_dim ** -0.5))
+    # Block sizes given: its tuned table reads the TPU generation from jax.devices() (this
+    # machine's CPU), not from the target, and refuses ("TPU version must be 4 or higher").
+    fn = jax.jit(functools.partial(rpa.ragged_paged_attention, sm_scale=m.head_dim ** -0.5,
+                                   num_kv_pages_per_block=RPA_KV_PAGES_PER_BLOCK,
+                                   num_queries_per_block=RPA_QUERIES_PER_BLOCK))
     return fn, [q, kv, i32(b), i32(b, w), i32(b + 1), i32(1)]
 
 
