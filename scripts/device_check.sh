@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: the Pallas kernel tests compiled on the GPU (not
-# interpreted), then scripts/kernel_bench.py at 32k context. Bounded to about 8 minutes.
+# interpreted), then scripts/kernel_bench.py at 32k context, then the engine's decode step timed
+# beside its predicted roofline (scripts/bench_roofline_predicted.py --measure). Bounded to about
+# 9 minutes. Without a GPU it stops at once, saying so.
 #
 #   scripts/device_check.sh            # from any directory
 #
 # Results go to $OUT, or ./device_results when OUT is unset: env.txt (GPU, versions),
-# tests_fast.log/.xml, tests_slow.log/.xml, kernel_bench.log, kernel_bench.json, summary.txt.
+# tests_fast.log/.xml, tests_slow.log/.xml, kernel_bench.log, kernel_bench.json,
+# roofline.log, roofline_measured.json, summary.txt.
 # The exit status is non-zero if any step failed; every step runs regardless.
 #
 # Offline by design: it never touches the network. It runs the machine's own Python ($PYTHON,
@@ -28,6 +31,12 @@ SUMMARY="$OUT_DIR/summary.txt"
 : >"$SUMMARY"
 
 note() { echo "[device_check] $*" | tee -a "$SUMMARY"; }
+
+# Fail fast: everything below needs an NVIDIA GPU.
+if ! gpus="$(nvidia-smi -L 2>&1)" || ! grep -q '^GPU ' <<<"$gpus"; then
+  note "FAILED: no NVIDIA GPU found (nvidia-smi -L: ${gpus:-no output}); this check needs one"
+  exit 2
+fi
 
 shopt -s nullglob
 wheels=("$ROOT"/.whl/*.whl)
@@ -87,5 +96,10 @@ step tests_slow 100 "${PYTEST[@]}" -m slow --junitxml="$OUT_DIR/tests_slow.xml"
 step kernel_bench 150 "$PY" scripts/kernel_bench.py --context_lens=32768 --batch=8 \
   --dtype=bfloat16 --output_json="$OUT_DIR/kernel_bench.json"
 cat "$OUT_DIR/kernel_bench.log"
+# The decode step measured on this GPU beside its prediction (published bandwidth and peak).
+step roofline 120 env JAX_PLATFORMS=cuda "$PY" scripts/bench_roofline_predicted.py --measure \
+  --shapes=smollm2,8b --kvs=exact,int8 --batches=32 --contexts=2048 \
+  --output_json="$OUT_DIR/roofline_measured.json"
+cat "$OUT_DIR/roofline.log"
 note "results in $OUT_DIR"
 exit "$status"
