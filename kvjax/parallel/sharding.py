@@ -241,9 +241,12 @@ class ShardedStepPrograms(StepPrograms):
             return params
         return place(params, self.param_shardings)
 
-    def step(self, params: Any, kv: Any, host_input: dict[str, np.ndarray], shape: StepShape
-             ) -> tuple[StepOutput, Any]:
-        """Dispatches one step; host inputs are replicated over the mesh first."""
+    def step(self, params: Any, kv: Any, host_input: dict[str, np.ndarray], shape: StepShape,
+             host_kv: Any = None) -> tuple[StepOutput, Any]:
+        """Dispatches one step; host inputs are replicated over the mesh first (a mesh has no
+        host pool: `kvjax.engine.compat` refuses host-resident rows on one)."""
+        if host_kv is not None:
+            raise ValueError("host-resident rows do not run on a mesh")
         return super().step(self._placed_params(params), kv, self._replicate(host_input), shape)
 
     def copy_pages(self, kv: Any, src: np.ndarray, dst: np.ndarray) -> Any:
