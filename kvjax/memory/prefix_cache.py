@@ -47,11 +47,14 @@ def hash_page(parent_hash: bytes, page_tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def page_hash_chain(token_ids: Sequence[int], cache_key: bytes, page_size: int) -> list[bytes]:
+def page_hash_chain(token_ids: Sequence[int], cache_key: bytes, page_size: int,
+                    known: Sequence[bytes] = ()) -> list[bytes]:
     """The prefix-cache hash of every full page of `token_ids` (the chain a prefix cache
-    indexes them under)."""
-    parent, hashes = hash_root(cache_key), []
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
+    indexes them under); `known`: the chain's first hashes, already computed by an earlier
+    call on a prefix of the same tokens and key, which are not hashed again."""
+    hashes = list(known)
+    parent = hashes[-1] if hashes else hash_root(cache_key)
+    for start in range(len(hashes) * page_size, len(token_ids) - page_size + 1, page_size):
         parent = hash_page(parent, token_ids[start:start + page_size])
         hashes.append(parent)
     return hashes

@@ -87,6 +87,7 @@ class Sequence:
     kl_spent: float = 0.0  # estimated KL of the degradations a controller applied
     demoted_bits: int = 0  # its KV went through a host copy of this many bits (0: exact)
     grammar: GrammarMatcher | None = None
+    paid_chain: tuple[bytes, list[bytes]] = (b"", [])  # (cache key, hashes) a tenant paid for
 
     @property
     def is_prefill_only(self) -> bool:

@@ -185,9 +185,14 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         """Records the full prompt pages a sequence computed as paid for by its tenant."""
         if self._ledger is None or seq.is_chunk_fill or self._cache_salt(seq) is None:
             return
+        # Each chunk hashes only its new full pages: the chain so far is kept on the sequence
+        # (until its cache key changes with the weights).
+        key, (paid_key, known) = self.cache_key(seq), seq.paid_chain
+        known = known if paid_key == key else []
         done = seq.tokens[:min(seq.num_computed, seq.num_prompt_tokens)]
-        self._ledger.record(seq.tenant,
-                            page_hash_chain(done, self.cache_key(seq), self.config.page_size))
+        hashes = page_hash_chain(done, key, self.config.page_size, known)
+        self._ledger.record(seq.tenant, hashes[len(known):])
+        seq.paid_chain = (key, hashes)
 
     def _peek_cached_tokens(self, seq: Sequence) -> int:
         if seq.status is not SeqStatus.WAITING:

@@ -197,3 +197,16 @@ def test_hit_ledger_allows_the_leading_pages_a_tenant_paid_for_and_forgets_the_o
     assert ledger.allowed_pages("a", chain) == 0  # its chain stops at the forgotten page
     with pytest.raises(ValueError):
         HitLedger(capacity=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 50_000), max_size=40), st.integers(0, 40), st.integers(1, 8))
+def test_a_chain_extended_from_known_hashes_equals_the_chain_hashed_whole(tokens, cut, page):
+    """A prefill's chunks extend the chain they hashed before (`known`): the result is the
+    chain of the whole token list, hashed page by page from the root."""
+    key = b"model|tok"
+    known = prefix_cache.page_hash_chain(tokens[:cut], key, page)
+    whole = [hash_root(key)]
+    for start in range(0, len(tokens) - page + 1, page):
+        whole.append(hash_page(whole[-1], tokens[start:start + page]))
+    assert prefix_cache.page_hash_chain(tokens, key, page, known) == whole[1:]
