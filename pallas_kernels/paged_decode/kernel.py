@@ -229,6 +229,15 @@ def online_softmax_step(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.A
     return fold_logits(s, visible, carry, lambda p: matmul_nn(p.astype(v.dtype), v))
 
 
+def pop_window(refs, windowed: bool, row) -> tuple[jax.Array | None, list]:
+    """(the row's window, the other refs) of a kernel whose refs after the lengths start with
+    the windows (`window_rows`, scalar-prefetched [B], or this row's [1]) when `windowed`."""
+    if not windowed:
+        return None, list(refs)
+    win_ref, *refs = refs
+    return win_ref[row], refs
+
+
 def window_rows(sliding_window: int | jax.Array | None, batch: int) -> jax.Array | None:
     """The window as a per-row kernel input [B] int32 (<= 0: none), or None: no window."""
     if sliding_window is None:
@@ -274,10 +283,7 @@ def _pipelined_decode_kernel(bt_ref, lens_ref, *refs, pages_per_block: int,
                              soft_cap: float | None, windowed: bool):
     """One (row, split, step) grid point: fold a block of pages for all K kv heads."""
     b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    sliding_window = None
-    if windowed:  # the per-row windows, scalar-prefetched beside the lengths
-        win_ref, *refs = refs
-        sliding_window = win_ref[b]
+    sliding_window, refs = pop_window(refs, windowed, b)
     q_ref, *refs = refs
     k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block:2 * pages_per_block]
     o_ref, m_ref, l_ref, m_sc, l_sc, acc_sc = refs[2 * pages_per_block:]
@@ -401,10 +407,7 @@ def _looped_decode_kernel(bt_ref, len_ref, *refs, pages_per_block: int, page_siz
                           num_splits: int, sm_scale: float, soft_cap: float | None,
                           windowed: bool):
     """One (row, kv head, split) program: loop over the split's blocks of pages."""
-    sliding_window = None
-    if windowed:  # this row's window [1]
-        win_ref, *refs = refs
-        sliding_window = win_ref[0]
+    sliding_window, refs = pop_window(refs, windowed, 0)
     q_ref, k_ref, v_ref, o_ref, m_ref, l_ref = refs
     block_tokens = pages_per_block * page_size
     kv_len = len_ref[0]

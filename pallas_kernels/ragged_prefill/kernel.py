@@ -49,6 +49,7 @@ from pallas_kernels.paged_decode.kernel import (
     gpu_block_tokens,
     online_softmax_step,
     pad_block_tables,
+    pop_window,
     token_column_mask,
     window_rows,
 )
@@ -96,10 +97,7 @@ def _pipelined_prefill_kernel(bt_ref, lens_ref, qlens_ref, *refs, pages_per_bloc
                               soft_cap: float | None, windowed: bool):
     """One (row, query block, kv step) grid point: fold a block of pages for all K kv heads."""
     b, q_block, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    sliding_window = None
-    if windowed:  # the per-row windows, scalar-prefetched beside the lengths
-        win_ref, *refs = refs
-        sliding_window = win_ref[b]
+    sliding_window, refs = pop_window(refs, windowed, b)
     q_ref, *refs = refs
     k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block:2 * pages_per_block]
     o_ref, m_sc, l_sc, acc_sc = refs[2 * pages_per_block:]
@@ -201,10 +199,7 @@ def _looped_prefill_kernel(bt_ref, len_ref, qlen_ref, *refs, pages_per_block: in
                            page_size: int, sm_scale: float, soft_cap: float | None,
                            windowed: bool):
     """One (row, kv head, query block) program: loop over the blocks its queries see."""
-    sliding_window = None
-    if windowed:  # this row's window [1]
-        win_ref, *refs = refs
-        sliding_window = win_ref[0]
+    sliding_window, refs = pop_window(refs, windowed, 0)
     q_ref, k_ref, v_ref, o_ref = refs
     block_q, gp, d = q_ref.shape
     rows = block_q * gp
