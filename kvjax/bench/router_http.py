@@ -141,10 +141,12 @@ def run_policies(config: ConfigDict, replica_urls: Sequence[str], policies: Sequ
     return rows
 
 
-def _router_counter(url: str, name: str) -> float:
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples `name` matching `labels` on a server's /metrics."""
     text = httpx.get(url + "/metrics", timeout=60).text
     return sum(s.value for family in text_string_to_metric_families(text)
-               for s in family.samples if s.name == name)
+               for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def run_disaggregation(config: ConfigDict, replica_urls: Sequence[str], policy: str,
@@ -162,7 +164,7 @@ def run_disaggregation(config: ConfigDict, replica_urls: Sequence[str], policy: 
         requests = build_workload(run_config, tokenizer)
         with router_process(decode_urls, policy, args=args) as url:
             result = run_http_benchmark_detailed(run_config, url, requests=requests)
-            moved = _router_counter(url, "kvjax:router_kv_transfer_bytes_total")
+            moved = metric_sum(url, "kvjax:router_kv_transfer_bytes_total")
         metrics = result.metrics
         rows.append(dict(mode=mode, policy=policy, num_replicas=len(replica_urls),
                          num_requests=metrics["num_requests"],

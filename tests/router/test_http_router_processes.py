@@ -24,43 +24,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvjax.bench.router_http import (
     ScriptProcess,
+    metric_sum,
     replica_processes,
     router_process,
     wait_healthy,
 )
 from kvjax.router.http import REPLICA_HEADER
-from kvjax.testing import save_hf_checkpoint, tiny_chat_model
 
-SERVER_ARGS = ("--page_size=8", "--max_num_seqs=4", "--max_num_batched_tokens=64",
-               "--max_prefill_chunk=32", "--max_model_len=128", "--config.engine.num_pages=96",
-               "--config.engine.min_chunk_bucket=32", "--drain_timeout_s=5")
 MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny")
-    save_hf_checkpoint(tiny_chat_model(), directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def replicas(checkpoint):
-    with replica_processes([f"--model={checkpoint}", *SERVER_ARGS], 2) as started:
+def replicas(replica_args):
+    with replica_processes(replica_args, 2) as started:
         yield started
 
 
-def counters(url: str, name: str, **labels: str) -> float:
-    """The sum of a replica's samples `name` matching `labels`."""
-    text = httpx.get(url + "/metrics", timeout=60).text
-    return sum(s.value for family in text_string_to_metric_families(text)
-               for s in family.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
 def hit_rate(urls, before):
-    hits = sum(counters(u, "kvjax:prefix_cache_hits_total") for u in urls) - before[0]
-    queries = sum(counters(u, "kvjax:prefix_cache_queries_total") for u in urls) - before[1]
+    hits = sum(metric_sum(u, "kvjax:prefix_cache_hits_total") for u in urls) - before[0]
+    queries = sum(metric_sum(u, "kvjax:prefix_cache_queries_total") for u in urls) - before[1]
     return hits / queries
 
 
@@ -75,8 +57,8 @@ def test_prefix_affinity_raises_the_hit_rate_over_round_robin(replicas):
         # 4 bursts of 6 requests, each burst opening with its own 4-page block.
         prompts = [[3 + offset + g] * 32 + [60 + g, 61 + i, 62, 63, 64]
                    for g in range(4) for i in range(6)]
-        before = (sum(counters(u, "kvjax:prefix_cache_hits_total") for u in urls),
-                  sum(counters(u, "kvjax:prefix_cache_queries_total") for u in urls))
+        before = (sum(metric_sum(u, "kvjax:prefix_cache_hits_total") for u in urls),
+                  sum(metric_sum(u, "kvjax:prefix_cache_queries_total") for u in urls))
         with router_process(urls, policy) as router:
             client = openai.OpenAI(base_url=router + "/v1", api_key="-", max_retries=0)
             model = client.models.list().data[0].id
@@ -119,9 +101,9 @@ def _send(router: str, request_id: str, stream: bool, watched: str,
                         replica=r.headers.get(REPLICA_HEADER))
 
 
-def test_sigkill_under_load_loses_no_request_and_runs_none_twice(replicas, checkpoint):
+def test_sigkill_under_load_loses_no_request_and_runs_none_twice(replicas, replica_args):
     (dead_url, dead), (live_url, _) = replicas
-    done_before = counters(live_url, "kvjax:request_success_total", finished_reason="length")
+    done_before = metric_sum(live_url, "kvjax:request_success_total", finished_reason="length")
     with router_process([dead_url, live_url], "round_robin",
                         args=["--read_timeout_s=30"]) as router:  # its output on a failure
         streaming_there = threading.Event()
@@ -152,7 +134,7 @@ def test_sigkill_under_load_loses_no_request_and_runs_none_twice(replicas, check
                 assert last["choices"][-1]["finish_reason"] == "length"
             on_live += got["replica"] == live_url
         # Every request answered as run on the live replica ran there exactly once to its end.
-        done = counters(live_url, "kvjax:request_success_total", finished_reason="length")
+        done = metric_sum(live_url, "kvjax:request_success_total", finished_reason="length")
         assert done - done_before == on_live
         # The kill hit a stream with output and requests without (the non-streamed ones).
         assert broken >= 1 and retries >= 1
@@ -160,7 +142,7 @@ def test_sigkill_under_load_loses_no_request_and_runs_none_twice(replicas, check
         assert rotation(router) == {dead_url: False, live_url: True}
         port = dead_url.rsplit(":", 1)[1]
         restarted = ScriptProcess("serve.py", [f"--port={port}", "--log_level=warning",
-                                               f"--model={checkpoint}", *SERVER_ARGS])
+                                               *replica_args])
         try:
             wait_healthy(dead_url, restarted, 600)
             deadline = time.monotonic() + 60

@@ -9,40 +9,21 @@ arithmetic for the decode replica's prefix hits, and the router's /metrics for b
 
 from __future__ import annotations
 
-import httpx
 import openai
-import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvjax.bench.router_http import replica_processes, router_process
+from kvjax.bench.router_http import metric_sum, replica_processes, router_process
 from kvjax.router.http import REPLICA_HEADER
-from kvjax.testing import greedy_reference, save_hf_checkpoint, tiny_chat_model
+from kvjax.testing import greedy_reference, tiny_chat_model
 
-PAGE = 8
-SERVER_ARGS = (f"--page_size={PAGE}", "--max_num_seqs=4", "--max_num_batched_tokens=64",
-               "--max_prefill_chunk=32", "--max_model_len=128", "--config.engine.num_pages=96",
-               "--config.engine.min_chunk_bucket=32", "--drain_timeout_s=5")
 EOS = 127
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny")
-    save_hf_checkpoint(tiny_chat_model(), directory)
-    return directory
-
-
-def _router_counter(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=60).text
-    return sum(s.value for family in text_string_to_metric_families(text)
-               for s in family.samples if s.name == name)
-
-
-def test_pd_across_processes_gives_the_colocated_greedy_tokens(checkpoint):
+def test_pd_across_processes_gives_the_colocated_greedy_tokens(replica_args, replica_page_size):
+    page = replica_page_size
     model = tiny_chat_model()
     prompts = [[(7 * i + 3 * j) % 120 + 3 for j in range(n)]
                for i, n in enumerate((30, 17, 6, 41))]
-    with replica_processes([f"--model={checkpoint}", *SERVER_ARGS], 2) as started:
+    with replica_processes(replica_args, 2) as started:
         (prefill, _), (decode, _) = started
         with router_process([decode], "round_robin",
                             args=[f"--prefill_replica={prefill}"]) as router:
@@ -62,7 +43,7 @@ def test_pd_across_processes_gives_the_colocated_greedy_tokens(checkpoint):
                 assert answer.choices[0].text == model.tokenizer.decode(tokens)
                 assert answer.choices[0].text == same.choices[0].text
                 assert answer.usage.prompt_tokens_details.cached_tokens == \
-                    (len(prompt) - 1) // PAGE * PAGE
+                    (len(prompt) - 1) // page * page
             chat = dict(model=name, messages=[dict(role="user", content="hello, processes")],
                         max_tokens=8, temperature=0)
             whole = client.chat.completions.create(**chat).choices[0].message.content
@@ -71,7 +52,7 @@ def test_pd_across_processes_gives_the_colocated_greedy_tokens(checkpoint):
             assert streamed == whole == colocated.chat.completions.create(
                 **chat).choices[0].message.content
             c = model.config
-            page_bytes = 2 * c.num_layers * PAGE * c.num_kv_heads * c.head_dim * 4
-            moved = _router_counter(router, "kvjax:router_kv_transfer_bytes_total")
-            assert moved >= sum(len(p) // PAGE for p in prompts) * page_bytes
-            assert _router_counter(router, "kvjax:router_kv_transfers_total") == len(prompts) + 2
+            page_bytes = 2 * c.num_layers * page * c.num_kv_heads * c.head_dim * 4
+            moved = metric_sum(router, "kvjax:router_kv_transfer_bytes_total")
+            assert moved >= sum(len(p) // page for p in prompts) * page_bytes
+            assert metric_sum(router, "kvjax:router_kv_transfers_total") == len(prompts) + 2
