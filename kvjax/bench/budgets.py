@@ -16,7 +16,9 @@ cache, for each needle probe (`kvjax.bench.retention.make_probe`):
   * pages held: a `GroupedBlockManager` with one block table per layer (pages of one layer)
     allocates the prompt and keeps each layer's slots (`GroupedBlockManager.retain_groups`);
     the count is read back from the allocator, in pages of all layers for comparison with
-    exact KV (`pages_held_exact`).
+    exact KV. Heads share a layer's slots, so a per-head scheme holds its longest head's
+    tokens; `pages_fraction_head_tables` is what one block table per (layer, kv head), pages
+    of one head, would hold instead (the same allocator, L * K tables).
 A uniform row of the engine (its real retention, `kvjax.bench.retention.run_variant`) beside
 the simulated uniform row checks the simulation.
 """
@@ -245,7 +247,8 @@ class SchemeBench:
 COLUMNS = (("kl_mean", "KL mean", "{:.3f}"), ("kl_p99", "KL p99", "{:.3f}"),
            ("kl_max", "KL worst", "{:.3f}"), ("top1_agreement", "top-1", "{:.3f}"),
            ("retrieval_pass", "retrieval", "{:.2f}"), ("pages_held", "pages held", "{:.1f}"),
-           ("pages_fraction", "pages vs exact", "{:.3f}"))
+           ("pages_fraction", "pages vs exact", "{:.3f}"),
+           ("pages_fraction_head_tables", "per-head tables vs exact", "{:.3f}"))
 
 
 def run(model: kvjax.Model, settings: SchemeBench) -> dict:
@@ -279,7 +282,7 @@ def run(model: kvjax.Model, settings: SchemeBench) -> dict:
         scores = [layer_head_scores(q, k, v, press, config.rope) for q, k, v in captured]
         for scheme_name in settings.schemes:
             scheme = BudgetScheme.named(scheme_name)
-            refs, tests, passed, pages, exact_pages = [], [], [], [], []
+            refs, tests, passed, pages, head_pages, exact_pages = [], [], [], [], [], []
             for (prompt, answer), (_, k, v), ex, sc in zip(probes, captured, exact, scores,
                                                            strict=True):
                 kept = scheme.select(sc, budget, first=first, last=last, rank=press.rank)
@@ -289,11 +292,16 @@ def run(model: kvjax.Model, settings: SchemeBench) -> dict:
                 tests.append(logits)
                 passed.append(bool(np.all(logits[:len(answer)].argmax(-1) == answer)))
                 pages.append(allocator_pages(kept, settings.page_size) / config.num_layers)
+                head_pages.append(allocator_pages(kept.reshape(-1, 1, kept.shape[2]),
+                                                  settings.page_size) / kept.shape[0]
+                                  / kept.shape[1])
                 exact_pages.append(-(-len(prompt) // settings.page_size))
             rows[f"{name}/{scheme_name}"] = dict(
                 quality_stats(np.concatenate(refs), np.concatenate(tests)),
                 retrieval_pass=float(np.mean(passed)), pages_held=float(np.mean(pages)),
-                pages_fraction=float(np.mean(pages) / np.mean(exact_pages)), simulated=True)
+                pages_fraction=float(np.mean(pages) / np.mean(exact_pages)),
+                pages_fraction_head_tables=float(np.mean(head_pages) / np.mean(exact_pages)),
+                simulated=True)
             print(f"{name}/{scheme_name}: {rows[f'{name}/{scheme_name}']} "
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
         if name in settings.engine_presses:

@@ -172,6 +172,9 @@ def test_the_grouped_allocator_holds_exactly_the_budget_sum(captured, scheme):
     assert len(freed) == len(tables) * -(-size // P) - want
     if scheme == "uniform":
         assert want == len(tables) * -(-BUDGET // P)
+    per_head = kept.reshape(-1, 1, size)  # one table per (layer, kv head), pages of one head
+    assert bench_budgets.allocator_pages(per_head, P) == sum(
+        -(-int(n) // P) for n in kept.sum(axis=2).ravel())
     with pytest.raises(ValueError, match="kept-token lists"):
         manager.retain_groups("s", [np.arange(2)] * (len(tables) + 1))
 
