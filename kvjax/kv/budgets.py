@@ -40,7 +40,17 @@ sum over table groups of ceil(B_g / P) pages (`pages_held`). Per head, each head
 are compacted into the same slots of its layer's pages (slot i holds head h's i-th kept token,
 read through a per-head gather), so a layer holds ceil(max_h B_lh / P) pages: AdaKV frees no
 more than its largest head allows, and at the same token budget holds at least the pages of the
-uniform allocation (`pages_held` counts it so).
+uniform allocation (`pages_held` counts it so). The alternative, one block table per (layer, kv
+head) with pages of one head's P tokens, holds sum over heads of ceil(B_lh / P) pages of a K-th
+of the size, about the budget itself, at K times the tables and a page gather per head;
+`kvjax.bench.budgets` reports both.
+
+What is served. The engine's paged step reads one cached length and one block table per row
+for every layer of a table group, and its key scores sum over layers and heads, so it serves
+the uniform scheme (every press's own selection). Serving the others needs a cached length per
+table group in the step input, key scores per table group, and a compaction per group
+(`GroupedBlockManager.retain_groups` plans the page side); until then they are measured on a
+simulated cache (`kvjax.bench.budgets`) whose uniform rows equal the engine's.
 
 Plain numpy, no jax: the host side of retention and the KV cache manager import it freely.
 """

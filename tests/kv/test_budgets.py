@@ -180,8 +180,11 @@ def test_the_grouped_allocator_holds_exactly_the_budget_sum(captured, scheme):
 
 
 def test_the_simulated_cache_keeping_everything_is_the_dense_forward(model, captured):
-    tokens, (_, k, v, last) = captured
-    every = np.ones((CONFIG.num_layers, CONFIG.num_kv_heads, len(tokens)), bool)
+    tokens, (q, k, v, last) = captured
+    scores = bench_budgets.layer_head_scores(q, k, v, press_of("snapkv"), CONFIG.rope)
+    for scheme in SCHEMES:  # a budget covering the prompt keeps all of it, in every scheme
+        every = BudgetScheme.named(scheme).select(scores, len(tokens), last=4)
+        assert every.all(), scheme
     cont = [5, 9, 17, 2]
     got = bench_budgets.continuation_logits(model, k, v, every, cont)
     compiles = bench_budgets._continuation._cache_size()
