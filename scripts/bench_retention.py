@@ -7,6 +7,16 @@ Each policy and budget (--variants, `name:budget` tokens, then any policy option
 --depths entry, --context tokens each): KV bytes per sequence, decode tokens/s, teacher-forced
 KL and top-1 agreement against exact KV, retrieval, and for quest the recall of the exact
 top-k attention pages; what each number is: `kvjax.bench.retention`.
+
+With --schemes, the budget schemes instead (uniform, pyramid: PyramidKV per layer, adakv: AdaKV
+per head, `kvjax.kv.budgets`) for each of --scheme_presses at --budget_fraction of the prompt,
+on a simulated cache (the engine serves the uniform scheme only; --engine_presses adds its
+uniform rows beside the simulated ones), with the pages a per-layer allocator holds:
+
+  python scripts/bench_retention.py --schemes=uniform,pyramid,adakv --context=2048 \
+      --depths=0.25,0.5,0.75 --num_tokens=16 --chunk=2048 --output_json /tmp/schemes.json
+
+what each number is: `kvjax.bench.budgets`.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ import time
 from absl import app, flags
 
 import kvjax
-from kvjax.bench import retention
+from kvjax.bench import budgets, retention
 from kvjax.bench.metrics import format_rows
 
 FLAGS = flags.FLAGS
@@ -34,13 +44,41 @@ flags.DEFINE_integer("chunk", 512, "Prefill chunk.")
 flags.DEFINE_integer("seed", 0, "Probe seed.")
 flags.DEFINE_list("recall_groups", ["2", "10", "20"],
                   "First layers of the layer groups Quest's page recall is reported for.")
+flags.DEFINE_list("schemes", [], "Budget schemes to compare (uniform, pyramid, adakv, "
+                  "pyramid+adakv); when given, runs them instead of --variants.")
+flags.DEFINE_list("scheme_presses", ["snapkv", "expected_attention", "knorm"],
+                  "Presses the budget schemes score with.")
+flags.DEFINE_float("budget_fraction", 0.25, "Budget schemes: tokens kept, fraction of the prompt.")
+flags.DEFINE_list("engine_presses", ["snapkv"],
+                  "Budget schemes: presses whose uniform scheme also runs in the engine.")
 flags.DEFINE_string("output_json", None, "Write every number here.")
+
+
+def run_schemes(model) -> None:
+    settings = budgets.SchemeBench(
+        presses=tuple(FLAGS.scheme_presses), schemes=tuple(FLAGS.schemes),
+        budget_fraction=FLAGS.budget_fraction, depths=tuple(float(x) for x in FLAGS.depths),
+        context=FLAGS.context, num_tokens=FLAGS.num_tokens, page_size=FLAGS.page_size,
+        chunk=FLAGS.chunk, seed=FLAGS.seed, engine_presses=tuple(FLAGS.engine_presses))
+    report = budgets.run(model, settings)
+    print(format_rows(report["rows"], budgets.COLUMNS, "press/scheme"))
+    print(f"budget {report['budget']} tokens; prompt tokens: {report['prompt_tokens']} "
+          f"(rows but '(engine)' simulated)")
+    if FLAGS.output_json:
+        with open(FLAGS.output_json, "w") as f:
+            json.dump(dict(flags={k: FLAGS[k].value for k in (
+                "schemes", "scheme_presses", "budget_fraction", "engine_presses", "context",
+                "depths", "num_tokens", "page_size", "chunk", "seed")}, **report), f, indent=1)
 
 
 def main(argv):
     del argv
     t0 = time.perf_counter()
     model = kvjax.load_model()
+    if FLAGS.schemes:
+        run_schemes(model)
+        print(f"total {time.perf_counter() - t0:.0f}s")
+        return
     settings = retention.RetentionBench(
         variants=tuple(FLAGS.variants), depths=tuple(float(x) for x in FLAGS.depths),
         context=FLAGS.context, num_tokens=FLAGS.num_tokens, page_size=FLAGS.page_size,

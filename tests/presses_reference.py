@@ -86,3 +86,52 @@ def expected_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, inv_freq: np
             probs *= np.linalg.norm(v[num_sinks:, h // g].astype(np.float64), axis=-1)
         scores[num_sinks:] += probs
     return scores
+
+
+# ----------------------------------------------------------------------------- per kv head
+
+
+def head_attention(q: np.ndarray, k: np.ndarray, first_query: int) -> np.ndarray:
+    """[K, S]: the causal attention of queries first_query..S-1 (q [S, N, D]) to each key (k
+    [S, K, D]), summed over those queries and the query heads of each kv head."""
+    s, n, d = q.shape
+    k_heads = k.shape[1]
+    g = n // k_heads
+    out = np.zeros((k_heads, s))
+    for t in range(first_query, s):
+        for h in range(n):
+            out[h // g, :t + 1] += softmax_rows(k[:t + 1, h // g].astype(np.float64)
+                                                @ q[t, h].astype(np.float64) / np.sqrt(d))
+    return out
+
+
+def head_knorm(k: np.ndarray) -> np.ndarray:
+    """[K, S]: -||k|| of each kv head's key."""
+    return -np.sqrt((k.astype(np.float64) ** 2).sum(-1)).T
+
+
+def head_expected_attention(q, k, v, inv_freq, *, num_future: int, num_sinks: int,
+                            covariance: bool, vnorm: bool) -> np.ndarray:
+    """[K, S]: `expected_attention`'s score per kv head (each kv head's sum over its query
+    heads), computed one kv head at a time from its own query heads."""
+    n, k_heads = q.shape[1], k.shape[1]
+    g = n // k_heads
+    return np.stack([expected_attention(q[:, j * g:(j + 1) * g], k[:, j:j + 1], v[:, j:j + 1],
+                                        inv_freq, num_future=num_future, num_sinks=num_sinks,
+                                        covariance=covariance, vnorm=vnorm)
+                     for j in range(k_heads)])
+
+
+def adakv_keep(scores: np.ndarray, count: int, floor_fraction: float) -> list[list[int]]:
+    """AdaKV over one layer's heads: scores [K, S'] -> each head's kept indices. Each head takes
+    its floor(floor_fraction * count) best first, then the best (score, head, index) pairs
+    left take the other K * count slots."""
+    k_heads, size = scores.shape
+    floor = int(np.floor(floor_fraction * count))
+    chosen = [set(sorted(range(size), key=lambda i, h=h: (-scores[h, i], i))[:floor])
+              for h in range(k_heads)]
+    rest = sorted((-scores[h, i], h, i) for h in range(k_heads) for i in range(size)
+                  if i not in chosen[h])
+    for _, h, i in rest[:k_heads * count - k_heads * floor]:
+        chosen[h].add(i)
+    return [sorted(c) for c in chosen]

@@ -41,8 +41,8 @@ of the step that completes the prefill: the whole prompt when it is prefilled in
 kvpress does), else the last chunk's. Queries are turned back by the model's RoPE, so a RoPE
 whose frequencies depend on the position cannot serve it (`kvjax.engine.compat`).
 
-Per-layer budgets. `pyramid_budgets` is PyramidKV's schedule (more tokens in lower layers) as
-a pure function; pages hold every layer of a token, so no policy frees by it yet.
+Per-layer and per-head budgets (PyramidKV, AdaKV) over any of these scores: `kvjax.kv.budgets`
+(`pyramid_budgets` is re-exported here).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.kv.attention import PageLoader
+from kvjax.kv.budgets import pyramid_budgets  # noqa: F401
 from kvjax.kv.retention import (
     CacheView,
     _check_budget,
@@ -369,45 +370,3 @@ def expected_attention_blockwise(q: jax.Array, q_pos: jax.Array, load_pages: Pag
         return jax.lax.dynamic_update_slice_in_dim(out, block_scores, i * block, axis=1)
 
     return jax.lax.fori_loop(0, num_blocks, accumulate, jnp.zeros((b, width * p), jnp.float32))
-
-
-# ----------------------------------------------------------------------------- budget schedules
-
-
-def pyramid_budgets(num_layers: int, budget: int, num_tokens: int, *, window: int = 64,
-                    beta: float = 20.0) -> np.ndarray:
-    """PyramidKV's per-layer token budgets: more tokens in lower layers, fewer in upper ones.
-
-    Each layer keeps the `window` most recent tokens plus a share of the B - window others
-    that falls linearly from the first layer to the last, the last layer's being 1 / beta of
-    the mean share (B = budget). Shares are rounded so the layers keep L * B tokens in all,
-    exactly as uniform budgets would; no layer keeps more than num_tokens (the rest goes to
-    the layers above, in order). A budget of at least num_tokens, or one whose window leaves
-    no share, is uniform.
-
-    Returns:
-      [L] int64 budgets, non-increasing, summing to L * min(budget, num_tokens).
-    """
-    for option, value, minimum in (("num_layers", num_layers, 1), ("budget", budget, 1),
-                                   ("num_tokens", num_tokens, 1), ("window", window, 0)):
-        _check_int("pyramid_budgets", option, value, minimum)
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta < 1:
-        raise ValueError(f"pyramid_budgets beta must be a number >= 1, got {beta!r}")
-    budget = min(budget, num_tokens)
-    share = budget - window
-    if share <= 0 or budget == num_tokens or num_layers == 1:
-        return np.full(num_layers, budget, np.int64)
-    low = share / beta
-    high = 2 * share - low
-    shares = high - np.arange(num_layers) * (high - low) / (num_layers - 1)  # [L], mean share
-    floors = np.floor(shares).astype(np.int64)
-    # Largest remainders take the tokens rounding left over, so the total is exact.
-    extra = num_layers * share - int(floors.sum())
-    floors[np.argsort(-(shares - floors), kind="stable")[:extra]] += 1
-    budgets = np.sort(floors)[::-1] + window
-    overflow = 0
-    for i in range(num_layers):  # A layer cannot keep more tokens than there are.
-        budgets[i] += overflow
-        overflow = max(int(budgets[i]) - num_tokens, 0)
-        budgets[i] -= overflow
-    return budgets

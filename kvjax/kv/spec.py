@@ -227,7 +227,8 @@ class KVCacheSpec:
     def table_groups(self) -> tuple[TableGroup, ...]:
         """The groups cut into runs of `layers_per_table` layers, each with a block table of
         its own (group order, then layer order)."""
-        return table_groups([(g.layers, _window(g.spec.keep, g.spec.num_keep_tokens))
+        return table_groups([(g.layers, _window(g.spec.keep, g.spec.num_keep_tokens),
+                              _budget(g.spec.keep, g.spec.num_keep_tokens))
                              for g in self.groups])
 
     @property
@@ -244,8 +245,10 @@ class KVCacheSpec:
     def pages_held(self, num_tokens: int) -> int:
         """Pages a sequence's block tables hold once it has decoded to `num_tokens` tokens (its
         last token written alone): every page of a global table; a window's table the pages
-        from the one holding the first token its last query reads."""
-        return sum(_table_pages(t.window, num_tokens - 1, num_tokens, self.page_size)
+        from the one holding the first token its last query reads; a budget's table the pages
+        of its budget, right after a compaction to it."""
+        return sum(_ceil_div(min(num_tokens, t.budget), self.page_size) if t.budget else
+                   _table_pages(t.window, num_tokens - 1, num_tokens, self.page_size)
                    for t in self.table_groups())
 
     def max_pages_held(self, num_tokens: int, max_step_tokens: int) -> int:
@@ -348,17 +351,20 @@ class TableGroup:
     Attributes:
       layers: the layer indices (`KVCacheSpec.layers_per_table` of them).
       window: the layers' sliding window in tokens, 0 when they keep every token.
+      budget: the tokens the layers keep (per-layer retention budgets), 0 when unbounded.
     """
 
     layers: tuple[int, ...]
     window: int = 0
+    budget: int = 0
 
 
-def table_groups(groups: Sequence[tuple[tuple[int, ...], int]]) -> tuple[TableGroup, ...]:
-    """(layers, window) groups cut into runs of the gcd of their sizes, in order."""
-    n = math.gcd(*(len(layers) for layers, _ in groups))
-    return tuple(TableGroup(layers[i:i + n], window)
-                 for layers, window in groups for i in range(0, len(layers), n))
+def table_groups(groups: Sequence[tuple[tuple[int, ...], int] | tuple[tuple[int, ...], int, int]]
+                 ) -> tuple[TableGroup, ...]:
+    """(layers, window[, budget]) groups cut into runs of the gcd of their sizes, in order."""
+    n = math.gcd(*(len(g[0]) for g in groups))
+    return tuple(TableGroup(g[0][i:i + n], *g[1:])
+                 for g in groups for i in range(0, len(g[0]), n))
 
 
 def layer_tables(groups: Sequence[LayerGroup]
@@ -377,6 +383,10 @@ def layer_tables(groups: Sequence[LayerGroup]
 
 def _window(keep: TokenKeep, num_keep_tokens: int) -> int:
     return num_keep_tokens if keep is TokenKeep.SLIDING_WINDOW else 0
+
+
+def _budget(keep: TokenKeep, num_keep_tokens: int) -> int:
+    return num_keep_tokens if keep is TokenKeep.BUDGET else 0
 
 
 def _ceil_div(a: int, b: int) -> int:

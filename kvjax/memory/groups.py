@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import numpy as np
+
 from kvjax.memory.block_manager import (
     RELEASED,
     AllocStatus,
@@ -267,6 +269,30 @@ class GroupedBlockManager:
     def retain(self, seq_id: Hashable, keep: Sequence[int]):
         raise ValueError("retention compacts one block table; a model with several layer "
                          "groups keeps every group's tokens")
+
+    def retain_groups(self, seq_id: Hashable, keeps: Sequence[Sequence[int]]
+                      ) -> tuple[AllocStatus, list[tuple[np.ndarray, np.ndarray]], list[int]]:
+        """Keeps positions keeps[g] of `seq_id` in group g's table, compacted in order
+        (`BlockManager.retain` per group): groups with budgets of their own (per-layer budgets,
+        `kvjax.kv.budgets`) keep different tokens and give back different pages.
+
+        All-or-nothing: before any group changes, the free pages must cover every page of
+        every new layout (as if none were reused), so no group's retain can run short.
+        Returns (status, per group its slot moves (src, dst), the freed pages).
+        """
+        if len(keeps) != len(self.groups):
+            raise ValueError(f"sequence {seq_id!r}: {len(keeps)} kept-token lists for "
+                             f"{len(self.groups)} layer groups")
+        needed = sum(-(-len(keep) // self.page_size) for keep in keeps)
+        if needed > self.num_free_pages():
+            return AllocStatus.NO_PAGES, [], []
+        moves, freed = [], []
+        for m, keep in zip(self.groups, keeps, strict=True):
+            status, src, dst, group_freed = m.retain(seq_id, keep)
+            assert status is AllocStatus.OK, "pages counted free above must be allocatable"
+            moves.append((src, dst))
+            freed += group_freed
+        return AllocStatus.OK, moves, freed
 
 
 __all__ = ["GroupedBlockManager", "RELEASED"]

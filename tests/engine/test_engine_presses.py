@@ -139,3 +139,23 @@ def test_tova_holds_the_pages_of_its_budget_plus_at_most_one(model):
     assert [used for _, used in steps[:-1]] == [2, 3, 3, 3, 2, 3]
     # 24 tokens (6 pages) down to 8 (2 pages), then 12 (3 pages) down to 8.
     assert engine.retention.stats["freed_pages"] == 4 + 1
+
+
+def test_the_uniform_budget_scheme_keeps_what_the_engine_keeps(model):
+    """`kvjax.kv.budgets`' uniform scheme over the per-layer, per-head scores of the simulated
+    cache (`kvjax.bench.budgets`) is what the engine's SnapKV caches after the prefill, so the
+    per-layer and per-head schemes are measured beside the engine's own selection."""
+    from kvjax.bench import budgets as bench_budgets
+    from kvjax.kv.budgets import BudgetScheme
+
+    engine = Engine(model, EngineConfig(**BASE, retention="snapkv", retention_budget=BUDGET,
+                                        retention_options=dict(window=4)))
+    prompt = prompt_of(2)
+    _, steps = serve(engine, "a", prompt)
+    q, k, v, _ = bench_budgets.capture_qkv(model, prompt)
+    press = bench_budgets.PressSpec("snapkv", window=4)
+    scores = bench_budgets.layer_head_scores(q, k, v, press, model.config.rope)
+    kept = BudgetScheme().select(scores, BUDGET, last=4, rank=press.rank)
+    assert (kept == kept[:1, :1]).all(), "the uniform scheme keeps one set everywhere"
+    assert steps[0][0] == np.flatnonzero(kept[0, 0]).tolist()
+    assert steps[0][1] == -(-BUDGET // P)

@@ -1,6 +1,7 @@
 """Two KV layer groups (global + sliding window) drawing pages from one pool, checked after
 every operation against a brute-force model of what each group must hold."""
 
+import hypothesis
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -150,3 +151,49 @@ def test_without_room_nothing_changes_in_any_group():
     alloc.add_sequence("a", list(range(1, 10)))
     assert alloc.ensure_writable("a", 0, 9)[0] is AllocStatus.NO_PAGES  # 3 + 3 pages > 4
     assert alloc.block_tables("a") == [[], []] and alloc.num_free_pages() == 4
+
+
+@settings(max_examples=40, deadline=None)
+@hypothesis.given(data=st.data(), num_groups=st.integers(2, 4), length=st.integers(1, 30),
+                  shared=st.integers(0, 30))
+def test_each_group_keeps_its_own_tokens_and_holds_the_pages_of_its_budget(data, num_groups,
+                                                                          length, shared):
+    """`retain_groups` against a brute force: slot contents moved by the returned copies hold
+    each group's kept tokens in order, every group holds ceil(kept / P) pages, a page another
+    sequence shares is never written, and the pool loses no page."""
+    num_pages = 2 * num_groups * (2 * -(-30 // P) + 1)
+    alloc = GroupedBlockManager(num_pages, P, [0] * num_groups)
+    tokens = list(range(100, 100 + length))
+    other = tokens[:min(shared, length)] + [7] * max(0, length - shared)
+    slots: dict[int, tuple] = {}  # device slot -> (group, token) written there
+    for seq, toks in (("a", tokens), ("b", other)):
+        alloc.add_sequence(seq, toks)
+        status, copies = alloc.ensure_writable(seq, alloc.num_tokens_cached(seq), len(toks))
+        assert status is AllocStatus.OK and not copies
+        for g, table in enumerate(alloc.block_tables(seq)):
+            for i, tok in enumerate(toks):
+                slots.setdefault(table[i // P] * P + i % P, (g, tok))
+        alloc.commit(seq, toks)
+    b_pages = {p for table in alloc.block_tables("b") for p in table}
+    before = dict(slots)
+    keeps = [sorted(data.draw(st.sets(st.integers(0, length - 1), min_size=1)))
+             for _ in range(num_groups)]
+    status, moves, freed = alloc.retain_groups("a", keeps)
+    assert status is AllocStatus.OK
+    for src, dst in moves:
+        values = [slots[int(s)] for s in src]  # every read before any write
+        for d, value in zip(dst, values, strict=True):
+            assert int(d) // P not in b_pages, "a shared page was written"
+            slots[int(d)] = value
+    for g, (table, keep) in enumerate(zip(alloc.block_tables("a"), keeps, strict=True)):
+        assert len(table) == -(-len(keep) // P)
+        assert [slots[table[i // P] * P + i % P] for i in range(len(keep))] == \
+            [(g, tokens[i]) for i in keep]
+    assert alloc.num_held_pages("a") == sum(-(-len(k) // P) for k in keeps)
+    assert all(slots[s] == before[s] for s in before if s // P in b_pages)
+    assert not set(freed) & b_pages
+    held = {p for seq in ("a", "b") for table in alloc.block_tables(seq) for p in table}
+    assert alloc.num_free_pages() == num_pages - len(held)
+    alloc.free("a")
+    alloc.free("b")
+    assert alloc.num_free_pages() == num_pages
