@@ -460,7 +460,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         logits = llama.lm_head(params, config, h[last], linear)  # [R, V]
         tokens, logprobs = sample_tokens(
             logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, inp.min_p,
-            rules, token_mask, log_softmax=invariant.log_softmax if batch_invariant else None,
+            rules, token_mask, row_sums=invariant.ROW_SUMS if batch_invariant else None,
             **sampling)
     out_logits = None
     if shape.logits_mode is LogitsMode.LAST:
