@@ -69,6 +69,10 @@ class EngineConfig:
         fixed-order native matmuls at every step size, attention one query at a time
         (kvjax.models.invariant). CPU backend, float32 parameters, float32 pages; overrides
         attention_impl and matmul_impl.
+      fused_kv_write: each layer's K/V projection writes its rows into the pages itself (one
+        native CPU kernel: matmul, RoPE on K, rows stored into the donated pool;
+        `kvjax.kv.fused_write`) instead of K and V materialized, then scattered. Exact
+        float32 pages of a float32 model on the CPU backend.
       min_chunk_bucket: the smallest padded prefill-token total of a step (shape bucketing).
       chunk_bucket_factor: padded prefill-token totals are min_chunk_bucket times powers of
         this (and the largest chunk): smaller factors pad less and compile more step shapes.
@@ -140,6 +144,7 @@ class EngineConfig:
     attention_impl: AttentionImpl = AttentionImpl.AUTO
     matmul_impl: MatmulImpl = MatmulImpl.AUTO
     batch_invariant: bool = False
+    fused_kv_write: bool = False
     min_chunk_bucket: int = 16
     chunk_bucket_factor: int = 4
     prefill_padding_limit: float | None = None
