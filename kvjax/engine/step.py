@@ -401,9 +401,10 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     `host_kv`: the host pool, where decode rows keep positions [0, inp.host_lens) (read, never
     written: `kvjax.engine.host_rows`); `host_compute`: its part of their attention runs under
     compute_on("device_host") (else in device memory space). None: no host pool.
-    `fused_kv_write`: each layer's K/V projection writes its rows into the pages itself
-    (`kvjax.kv.fused_write`; the state must be one it serves) instead of K and V computed,
-    then written.
+    `fused_kv_write`: in steps whose matmuls are native (`layer_linear`, or batch_invariant),
+    each layer's K/V projection writes its rows into the pages itself (`kvjax.kv.fused_write`;
+    the state must be one it serves) instead of K and V computed, then written; steps on
+    XLA's matmuls (larger prefill chunks under AUTO) keep XLA's projection and the scatter.
     """
     q_lens = inp.q_lens
     host = None
@@ -449,13 +450,9 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         kv, key_scores = carry
         layer_inp, pool_layer = (inp.for_table(tables[layer]), slots[layer]) if grouped else (
             inp, layer)
-        if p["wk"].ndim == 3:  # stacked [L, In, K*D], read in place
-            wk, wv, weights_layer = p["wk"], p["wv"], layer
-        else:  # the scan's slices [In, K*D]
-            wk, wv, weights_layer = p["wk"][None], p["wv"][None], jnp.int32(0)
         bk, bv = (p["bk"], p["bv"]) if config.qkv_bias else (None, None)
-        kv = fused_write.write_projected(
-            kv, pool_layer, layer_inp.slot_mapping, x, wk, wv, weights_layer, bk, bv,
+        kv = fused_write.write_projected(  # wk, wv: stacked [L, In, K*D], read in place
+            kv, pool_layer, layer_inp.slot_mapping, x, p["wk"], p["wv"], layer, bk, bv,
             *llama.rope_tables(config, positions, layer), invariant=batch_invariant)
         return kv, key_scores
 
@@ -464,7 +461,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     h, (kv, key_scores) = llama.decode_body(
         params, config, token_ids, inp.positions, attend, (kv, key_scores), linear=linear,
         row_sum=invariant.row_sum if batch_invariant else None,
-        write_kv=write_kv if fused_kv_write else None)  # [T, H]
+        write_kv=write_kv if fused_kv_write and linear is not None else None)  # [T, H]
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     rules = _logit_rules(inp, token_ids, shape, config.vocab_size) if shape.has_rules else None
     token_mask = inp.token_mask if shape.mask_width else None

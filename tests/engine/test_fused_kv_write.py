@@ -51,13 +51,20 @@ def test_greedy_tokens_equal_the_dense_reference_and_compiles_stay_flat(config):
     assert engine.num_compiles == compiled
 
 
-def test_compile_count_flat_after_warmup():
-    engine = _engine(tiny_model(), True, num_pages=64)
+def test_compile_count_flat_after_warmup_with_steps_past_the_native_matmul():
+    """Steps of more than NATIVE_MAX_TOKENS tokens (XLA's matmuls and the scatter under AUTO)
+    beside fused decode steps: the long prompt's tokens are the dense reference's, and nothing
+    compiles after warm-up."""
+    model = tiny_model()
+    engine = _engine(model, True, num_pages=96, max_prefill_chunk=256,
+                     max_num_batched_tokens=256)
     warm = engine.warmup()
     rng = np.random.default_rng(3)
-    prompts = [[int(t) for t in rng.integers(0, 120, int(n))] for n in rng.integers(1, 30, 12)]
-    engine.generate(prompts, kvjax.SamplingParams(max_new_tokens=5))
+    prompts = [[int(t) for t in rng.integers(0, 120, int(n))] for n in rng.integers(1, 30, 8)]
+    prompts.append([int(t) for t in rng.integers(0, 120, linear.NATIVE_MAX_TOKENS + 40)])
+    outs = engine.generate(prompts, kvjax.SamplingParams(max_new_tokens=5, ignore_eos=True))
     assert engine.num_compiles == warm
+    assert outs[-1].outputs[0].token_ids == greedy_reference(model, prompts[-1], 5)
 
 
 def test_batch_invariant_logprobs_are_bitwise_the_unfused_modes():
@@ -89,3 +96,5 @@ def test_refused_where_it_cannot_write():
     with pytest.raises(ValueError, match=compat.refusal(compat.Feature.INT8,
                                                         compat.Feature.FUSED_KV_WRITE)):
         _engine(model, True, kv_codec="int8")
+    with pytest.raises(ValueError, match="matmul_impl='xla'"):
+        kvjax.EngineConfig(fused_kv_write=True, matmul_impl="xla")
