@@ -30,6 +30,9 @@ def reason_for(kv) -> str | None:
                 f"which a {type(kv).__name__} does not hold")
     if kv.k_pages.dtype != jnp.float32:
         return f"the fused KV write stores float32 rows, not {kv.k_pages.dtype} pages"
+    if jax.default_backend() != "cpu":
+        return (f"the engine's fused KV write is the native CPU kernel, and the backend is "
+                f"{jax.default_backend()!r} (pallas_kernels.fused_kv_write is not wired in)")
     return linear.kv_write_unavailable_reason()
 
 

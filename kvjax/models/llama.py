@@ -63,7 +63,7 @@ RowSum = Callable[[jax.Array], jax.Array]
 # normed input x to its keys and values and writes them into the cache itself (the fused KV
 # write, `kvjax.kv.fused_write`); the block then computes only its queries, and `attend` gets
 # None for k and v.
-KVWriter = Callable[[jax.Array, jax.Array, "Params", jax.Array, Any], Any]
+KVWriter = Callable[[jax.Array, jax.Array, Params, jax.Array, Any], Any]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, unit_offset: bool = False,
