@@ -23,10 +23,16 @@ at all (`LogitRules` or None) are static.
 
 Reported logprobs are of the model's own distribution (log-softmax of the raw logits, before
 every rule above), which is what policy-gradient trainers consume.
+
+Every sum over a row's vocabulary (log-softmax, top-p's softmax and its running mass) goes
+through `RowSums`: XLA's reductions by default, or ones in an order fixed by the vocabulary
+size alone (`kvjax.models.invariant.ROW_SUMS`, batch-invariant mode), so a row's filtered set
+and its draw do not depend on the rows beside it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -88,10 +94,34 @@ def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
     return jnp.where(allowed > 0, logits, -jnp.inf)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowSums:
+    """The sums over each row of [B, V] the sampler takes.
+
+    Attributes:
+      row_sum: [B, V] -> [B, 1], each row's sum.
+      cumsum: [B, V] -> [B, V], each row's inclusive running sum.
+    """
+
+    row_sum: Callable[[jax.Array], jax.Array]
+    cumsum: Callable[[jax.Array], jax.Array]
+
+    def softmax(self, logits: jax.Array) -> jax.Array:
+        """[B, V] -> [B, V]."""
+        exp = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+        return exp / self.row_sum(exp)
+
+    def log_softmax(self, logits: jax.Array) -> jax.Array:
+        """[B, V] -> [B, V]."""
+        shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+        return shifted - jnp.log(self.row_sum(jnp.exp(shifted)))
+
+
 def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                   min_p: jax.Array) -> jax.Array:
+                   min_p: jax.Array, row_sums: RowSums | None = None) -> jax.Array:
     """Masks tempered logits [B, V] outside each row's min-p, then top-k, then top-p set
-    (top-p over the top-k set renormalized) to -inf; ties with the last kept token stay."""
+    (top-p over the top-k set renormalized) to -inf; ties with the last kept token stay.
+    `row_sums`: how top-p sums (None: XLA's softmax and cumsum)."""
     vocab = logits.shape[-1]
     # min-p: p >= min_p * p_max, in logits (log 0 = -inf keeps every token).
     floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]  # [B, 1]
@@ -99,10 +129,15 @@ def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # [B, V] descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)  # [B]
     sorted_logits = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_logits, -jnp.inf)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    if row_sums is None:
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass = jnp.cumsum(probs, axis=-1)  # [B, V]
+    else:
+        probs = row_sums.softmax(sorted_logits)
+        mass = row_sums.cumsum(probs)  # [B, V]
     # Keep a sorted token while the mass strictly before it is below top_p (top_p = 1 keeps
     # all: rounding must not drop the tail).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V]
+    mass_before = mass - probs  # [B, V]
     keep_sorted = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)) & (
         sorted_logits > -jnp.inf)
     num_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)  # [B]
@@ -111,12 +146,14 @@ def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
 
 
 def _filter_if_any(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                   top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+                   top_p: jax.Array, min_p: jax.Array, row_sums: RowSums | None = None
+                   ) -> jax.Array:
     """`_filter_logits` when a sampled row filters, else the logits as they are: the step
     variant with rules is compiled filtered, and its sort over the vocabulary must not slow
     the steps whose rows only penalize. All rows [B]."""
     active = (temperature > 0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))  # [B]
-    return jax.lax.cond(jnp.any(active), lambda x: _filter_logits(x, top_k, top_p, min_p),
+    return jax.lax.cond(jnp.any(active),
+                        lambda x: _filter_logits(x, top_k, top_p, min_p, row_sums),
                         lambda x: x, logits)
 
 
@@ -124,8 +161,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, seeds: jax.Array, counters: jax.Array,
                   min_p: jax.Array | None = None, rules: LogitRules | None = None,
                   token_mask: jax.Array | None = None, *,
-                  all_greedy: bool, needs_filter: bool,
-                  log_softmax: Callable[[jax.Array], jax.Array] | None = None
+                  all_greedy: bool, needs_filter: bool, row_sums: RowSums | None = None
                   ) -> tuple[jax.Array, jax.Array]:
     """Picks one token per row.
 
@@ -137,13 +173,13 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
       token_mask: [B, ceil(V / 32)] int32, the tokens each row may pick (`apply_token_mask`;
         -1 words: all), or None: all.
       all_greedy, needs_filter: static switches that skip unused work.
-      log_softmax: computes the logprobs from [B, V] logits (None: jax.nn.log_softmax; a
-        batch-invariant one, `kvjax.models.invariant.log_softmax`).
+      row_sums: the sums of the logprobs' log-softmax and of top-p (None: XLA's; fixed-order
+        ones, `kvjax.models.invariant.ROW_SUMS`, make each row's result batch-invariant).
     Returns:
       tokens [B] int32 and their logprobs [B] float32 under the unmodified distribution.
     """
-    logprobs_all = (jax.nn.log_softmax(logits, axis=-1) if log_softmax is None
-                    else log_softmax(logits))  # [B, V]
+    logprobs_all = (jax.nn.log_softmax(logits, axis=-1) if row_sums is None
+                    else row_sums.log_softmax(logits))  # [B, V]
     processed = logits if rules is None else apply_rules(logits, rules, counters)
     if token_mask is not None:
         processed = apply_token_mask(processed, token_mask)
@@ -155,7 +191,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
             scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
             if needs_filter:
                 scaled = _filter_if_any(scaled, temperature, top_k, top_p,
-                                        _or_zeros(min_p, temperature))
+                                        _or_zeros(min_p, temperature), row_sums)
 
             def draw(seed, counter, row):
                 key = jax.random.fold_in(jax.random.key(seed), counter)

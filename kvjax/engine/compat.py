@@ -64,6 +64,7 @@ class Feature(enum.Enum):
     CONTROLLER = "controller"
     BATCH_INVARIANT = "batch_invariant"
     HOST_ROWS = "host_rows"
+    FUSED_KV_WRITE = "fused_kv_write"
 
     @property
     def group(self) -> str | None:
@@ -125,6 +126,8 @@ _DESCRIPTIONS = {
     Feature.HOST_ROWS: "host_split other than 'never' with num_host_pages > 0: decode rows "
                        "keep older pages in a host pool, where their attention reads them, "
                        "merged exactly with the device's part",
+    Feature.FUSED_KV_WRITE: "fused_kv_write=True: each layer's K/V projection writes its "
+                            "rows into the pages itself (native CPU kernel)",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -236,6 +239,21 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.SNAPSHOT], [Feature.HOST_ROWS],
            "a snapshot saves a sequence's pages through its device block table, whose "
            "host-resident entries hold no page")
+    refuse(_CODECS, [Feature.FUSED_KV_WRITE],
+           "a quantized pool stores codes and scales made from a whole group of values, while "
+           "the fused write stores each projected float32 row as it comes out of the matmul")
+    refuse([Feature.QUEST], [Feature.FUSED_KV_WRITE],
+           "Quest updates each written page's key summaries from the new keys, which the "
+           "fused write stores straight into the pages without handing them back")
+    refuse([Feature.CONTIGUOUS], [Feature.FUSED_KV_WRITE],
+           "the fused write stores rows into a pool of pages, and the contiguous layout has "
+           "no pages")
+    refuse([Feature.KV_ARENA], [Feature.FUSED_KV_WRITE],
+           "arena frames store each token as words of the model's codec, not the float32 "
+           "rows the fused write stores")
+    refuse([Feature.MESH], [Feature.FUSED_KV_WRITE],
+           "the fused write is one CPU kernel over the whole pool, which a mesh shards by kv "
+           "head over devices")
     return table
 
 
@@ -250,6 +268,7 @@ class ModelTrait(enum.Enum):
     LAYER_GROUPS = "layer_groups"
     PER_LAYER_ROPE = "per_layer_rope"
     MLA_LATENT = "mla_latent"
+    QK_NORM = "qk_norm"
 
     @property
     def description(self) -> str:
@@ -266,6 +285,8 @@ _TRAIT_DESCRIPTIONS = {
                                "local_rope, e.g. Gemma 3's local and global layers)",
     ModelTrait.MLA_LATENT: "multi-head latent attention (ModelConfig.mla, DeepSeek-V2/V3): "
                            "one latent row per token and layer in place of K and V heads",
+    ModelTrait.QK_NORM: "per-head RMSNorm of queries and keys before RoPE (ModelConfig."
+                        "qk_norm: Qwen3, Gemma 3)",
 }
 _LATENT_CODEC = ("a KV codec quantizes K and V heads token by token, while an MLA page holds "
                  "one latent row per token that is the key and, in its first kv_lora_rank "
@@ -339,6 +360,12 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     (ModelTrait.MLA_LATENT, Feature.BATCH_INVARIANT):
         "the batch-invariant attention is the native CPU kernel, which reads K and V pages of "
         "their own, not MLA latent pages",
+    (ModelTrait.MLA_LATENT, Feature.FUSED_KV_WRITE):
+        "the fused write projects K and V heads into pages of their own, while an MLA cache "
+        "holds one latent row per token made by other projections",
+    (ModelTrait.QK_NORM, Feature.FUSED_KV_WRITE):
+        "the fused write turns the projected keys by RoPE as they leave the matmul, while "
+        "this model normalizes each key head over its whole row first",
 }
 """Every feature a model trait refuses, with the reason."""
 
@@ -353,6 +380,8 @@ def model_traits(model_config: Any) -> set[ModelTrait]:
         traits.add(ModelTrait.PER_LAYER_ROPE)
     if model_config.mla is not None:
         traits.add(ModelTrait.MLA_LATENT)
+    if model_config.qk_norm:
+        traits.add(ModelTrait.QK_NORM)
     return traits
 
 
@@ -437,6 +466,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.CONTROLLER, f"controller={config.controller!r}"))
     if config.batch_invariant:
         found.append(_Present(Feature.BATCH_INVARIANT, "batch_invariant=True"))
+    if config.fused_kv_write:
+        found.append(_Present(Feature.FUSED_KV_WRITE, "fused_kv_write=True"))
     if config.host_split != "never" and config.num_host_pages > 0:
         found.append(_Present(Feature.HOST_ROWS, f"host_split={config.host_split!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:

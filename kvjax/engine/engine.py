@@ -42,6 +42,7 @@ from kvjax.engine.step import (
     attention_name,
 )
 from kvjax.engine.swap import DEMOTION_BITS, demoted_nbytes, demotes
+from kvjax.kv import fused_write
 from kvjax.kv.retention import RetentionManager, make_retention
 from kvjax.kv.reuse import ChunkCopier
 from kvjax.kv.state import pages_for
@@ -143,11 +144,18 @@ class Engine:
         kv = retention.policy.wrap_state(pool.kv)
         if config.batch_invariant:
             invariant.check(mc, model.dtype, self.kv_dtype)
+        if config.fused_kv_write:
+            reason = fused_write.reason_for(kv) or (
+                None if jnp.dtype(model.dtype) == jnp.float32 else
+                f"the kernel multiplies float32 parameters, not {jnp.dtype(model.dtype)}")
+            if reason is not None:
+                raise ValueError(f"EngineConfig.fused_kv_write for model {mc.name!r}: {reason}")
         host_split = make_host_split(config.host_split, **config.host_split_options)
         uses_host = host_split.uses_host and config.num_host_pages > 0
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
                                 retention=retention.step_hooks, matmul_impl=config.matmul_impl,
                                 batch_invariant=config.batch_invariant,
+                                fused_kv_write=config.fused_kv_write,
                                 host_compute=uses_host and host_rows.host_compute_reason() is None,
                                 dtype=model.dtype)
         if mesh is not None:

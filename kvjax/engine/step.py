@@ -29,7 +29,7 @@ from kvjax import jit as kvjax_jit
 from kvjax.config import ModelConfig
 from kvjax.engine import host_rows
 from kvjax.kv import attention as attention_ref
-from kvjax.kv import layout, native
+from kvjax.kv import fused_write, layout, native
 from kvjax.kv.spec import layer_tables
 from kvjax.kv.state import KVState
 from kvjax.models import invariant, linear, llama
@@ -387,7 +387,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
                place_kernels=None, matmul_impl: MatmulImpl = MatmulImpl.XLA,
                batch_invariant: bool = False, host_kv: KVState | None = None,
-               host_compute: bool = False) -> tuple[StepOutput, KVState]:
+               host_compute: bool = False, fused_kv_write: bool = False
+               ) -> tuple[StepOutput, KVState]:
     """Runs the model over one step's tokens, writing their K/V and sampling one token per row.
 
     `retention` (a kvjax.kv.retention policy, static) may narrow the pages decode rows read and
@@ -400,6 +401,10 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     `host_kv`: the host pool, where decode rows keep positions [0, inp.host_lens) (read, never
     written: `kvjax.engine.host_rows`); `host_compute`: its part of their attention runs under
     compute_on("device_host") (else in device memory space). None: no host pool.
+    `fused_kv_write`: in steps whose matmuls are native (`layer_linear`, or batch_invariant),
+    each layer's K/V projection writes its rows into the pages itself (`kvjax.kv.fused_write`;
+    the state must be one it serves) instead of K and V computed, then written; steps on
+    XLA's matmuls (larger prefill chunks under AUTO) keep XLA's projection and the scatter.
     """
     q_lens = inp.q_lens
     host = None
@@ -422,7 +427,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
             layer_inp, layer, window = inp.for_table(tables[layer]), slots[layer], windows[layer]
         else:
             layer_inp, window = inp, None
-        kv = kv.write_rows(layer, layer_inp, shape, k, v)
+        if k is not None:  # else the projection wrote them (`write_kv`)
+            kv = kv.write_rows(layer, layer_inp, shape, k, v)
         reads = None if retention is None else retention.select_reads(kv, layer, q, inp, shape)
         cap = config.attn_logit_softcap
         if batch_invariant:  # one layer group without windows (`invariant.check`)
@@ -440,11 +446,22 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                   if scores_keys else None)  # [R, W*P]
     token_ids = jnp.where(inp.token_src >= 0,
                           inp.prev_tokens[jnp.maximum(inp.token_src, 0)], inp.tokens)  # [T]
+    def write_kv(layer, x, p, positions, carry):
+        kv, key_scores = carry
+        layer_inp, pool_layer = (inp.for_table(tables[layer]), slots[layer]) if grouped else (
+            inp, layer)
+        bk, bv = (p["bk"], p["bv"]) if config.qkv_bias else (None, None)
+        kv = fused_write.write_projected(  # wk, wv: stacked [L, In, K*D], read in place
+            kv, pool_layer, layer_inp.slot_mapping, x, p["wk"], p["wv"], layer, bk, bv,
+            *llama.rope_tables(config, positions, layer), invariant=batch_invariant)
+        return kv, key_scores
+
     linear = (invariant.linear.invariant_linear if batch_invariant
               else layer_linear(matmul_impl, shape.num_tokens))
     h, (kv, key_scores) = llama.decode_body(
         params, config, token_ids, inp.positions, attend, (kv, key_scores), linear=linear,
-        row_sum=invariant.row_sum if batch_invariant else None)  # [T, H]
+        row_sum=invariant.row_sum if batch_invariant else None,
+        write_kv=write_kv if fused_kv_write and linear is not None else None)  # [T, H]
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     rules = _logit_rules(inp, token_ids, shape, config.vocab_size) if shape.has_rules else None
     token_mask = inp.token_mask if shape.mask_width else None
@@ -460,7 +477,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         logits = llama.lm_head(params, config, h[last], linear)  # [R, V]
         tokens, logprobs = sample_tokens(
             logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.counters, inp.min_p,
-            rules, token_mask, log_softmax=invariant.log_softmax if batch_invariant else None,
+            rules, token_mask, row_sums=invariant.ROW_SUMS if batch_invariant else None,
             **sampling)
     out_logits = None
     if shape.logits_mode is LogitsMode.LAST:
@@ -627,7 +644,7 @@ class StepPrograms:
     def __init__(self, config: ModelConfig, *,
                  attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
                  matmul_impl: MatmulImpl = MatmulImpl.XLA, batch_invariant: bool = False,
-                 host_compute: bool = False, dtype=jnp.float32):
+                 host_compute: bool = False, fused_kv_write: bool = False, dtype=jnp.float32):
         self.config = config
         self.dtype = dtype  # the params' dtype: it picks XLA options (`kvjax.jit`)
         self.attention_impl = attention_impl
@@ -635,7 +652,8 @@ class StepPrograms:
         self._step = kvjax_jit.jit(
             functools.partial(model_step, config=config, attention_impl=attention_impl,
                               retention=retention, matmul_impl=matmul_impl,
-                              batch_invariant=batch_invariant, host_compute=host_compute),
+                              batch_invariant=batch_invariant, host_compute=host_compute,
+                              fused_kv_write=fused_kv_write),
             static_argnames=("shape",), donate_argnames=("kv",), dtype=dtype)
         self._copy = kvjax_jit.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
         self._blend = kvjax_jit.jit(

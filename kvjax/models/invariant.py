@@ -15,6 +15,9 @@ model's dimensions alone:
   row sums       `row_sum`, the invariant matmul against ones: RMSNorm's mean square and
                  log-softmax's sum of exponentials (XLA's CPU reduction of the same rows
                  changes its order from 128 rows on)
+  running sums   `row_cumsum`, invariant matmuls against triangular ones: top-p's mass
+                 (XLA's CPU cumsum is a reduce-window whose tree XLA picks); with `row_sum`
+                 it makes `ROW_SUMS`, the sampler's sums
   elementwise    XLA (RoPE, SiLU, exp and log give each element the same bits whatever the
                  shape, within jitted programs; run eagerly, op by op, they may differ in
                  the last bit)
@@ -36,6 +39,10 @@ import numpy as np
 from kvjax.config import ModelConfig
 from kvjax.kv import native
 from kvjax.models import linear, llama
+from kvjax.sampling import RowSums
+
+# Running sums take blocks of this many entries, then the blocks' totals (`row_cumsum`).
+_CUMSUM_BLOCK = 128
 
 
 def unavailable_reason() -> str | None:
@@ -69,11 +76,35 @@ def row_sum(x: jax.Array) -> jax.Array:
     return sums.reshape(*x.shape[:-1], 1)
 
 
+def _triangle(n: int, strict: bool) -> jax.Array:
+    """[1, n, n] float32 ones where row j <= column i (j < i with `strict`)."""
+    return jnp.asarray(np.triu(np.ones((n, n), np.float32), k=int(strict))[None])
+
+
+def row_cumsum(x: jax.Array) -> jax.Array:
+    """Inclusive running sums over the last axis in an order fixed by its length.
+    [R, V] float32 -> [R, V].
+
+    Within blocks of `_CUMSUM_BLOCK` entries by the invariant matmul against upper-triangular
+    ones, then each block's total plus the totals of the blocks before it (another such
+    matmul, strict): O(V * block) work instead of a [V, V] matrix."""
+    r, v = x.shape
+    c = min(_CUMSUM_BLOCK, v)
+    nb = -(-v // c)
+    blocks = jnp.pad(x, ((0, 0), (0, nb * c - v))).reshape(r * nb, c)  # [R*nb, C]
+    within = linear.invariant_linear(blocks, _triangle(c, False), jnp.int32(0))  # [R*nb, C]
+    within = within.reshape(r, nb, c)
+    before = linear.invariant_linear(within[:, :, -1], _triangle(nb, True),
+                                     jnp.int32(0))  # [R, nb]
+    return (within + before[:, :, None]).reshape(r, nb * c)[:, :v]
+
+
+ROW_SUMS = RowSums(row_sum=row_sum, cumsum=row_cumsum)
+
+
 def log_softmax(logits: jax.Array) -> jax.Array:
     """log-softmax over the last axis with each row's sum in a fixed order. [R, V] -> [R, V]."""
-    top = jnp.max(logits, axis=-1, keepdims=True)  # [R, 1]: exact in any order
-    shifted = logits - jax.lax.stop_gradient(top)
-    return shifted - jnp.log(row_sum(jnp.exp(shifted)))
+    return ROW_SUMS.log_softmax(logits)
 
 
 def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,

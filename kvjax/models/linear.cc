@@ -32,6 +32,7 @@
 // one by one for every tile and takes no panels.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -414,7 +415,122 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+template <typename A, typename B>
+bool SameDims(const A& a, const B& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+// Row t of y (+ bias) turned by RoPE's rotate-half pairs of cos, sin [D/2] in each of its
+// heads, stored at dst. Each element rounds as XLA's CPU backend computes `kvjax.models.rope.
+// turn` (x1 * cos - x2 * sin as fma(x1, cos, -(x2 * sin)), x2 * cos + x1 * sin as
+// fma(x2, cos, x1 * sin)); no other contraction (tests/kv/test_fused_write.py holds it to
+// XLA's bits, which the batch-invariant mode needs).
+[[gnu::optimize("fp-contract=off")]] void TurnRow(const float* y, const float* bias,
+                                                  const float* cos, const float* sin,
+                                                  int64_t heads, int64_t D, float* dst) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* yh = y + h * D;
+    const float* bh = bias == nullptr ? nullptr : bias + h * D;
+    float* dh = dst + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = bh == nullptr ? yh[i] : yh[i] + bh[i];
+      const float b = bh == nullptr ? yh[i + half] : yh[i + half] + bh[i + half];
+      dh[i] = std::fma(a, cos[i], -(b * sin[i]));
+      dh[i + half] = std::fma(b, cos[i], a * sin[i]);
+    }
+  }
+}
+
+// The fused KV write: K = RoPE(x @ wk[layer] + bk) and V = x @ wv[layer] + bv, row t written
+// into flat slot slots[t] of layer pool_layer of the pools (slots < 0 or past the pool are
+// dropped). The pools are the outputs, aliased to the inputs (XLA donates them), so only the
+// written rows change. K and V pass through a scratch of T rows, one at a time, which stays in
+// cache for a step's few rows instead of two [T, K, D] arrays written, then read by a scatter.
+//   x      f32 [T, In]           wk, wv  f32 [L, In, K*D]      layer, pool_layer  s32 []
+//   bk, bv f32 [K*D], the layer's biases (read with the attribute has_bias; else any shape)
+//   cos, sin f32 [T, D/2]        slots   s32 [T]
+//   k_pages, v_pages f32 [Lp, num_pages, P, K, D] -> the same, rows written
+ffi::Error LinearKVWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wk,
+                         ffi::Buffer<ffi::F32> wv, ffi::Buffer<ffi::F32> bk,
+                         ffi::Buffer<ffi::F32> bv, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pool_layer,
+                         ffi::Buffer<ffi::F32> k_in, ffi::Buffer<ffi::F32> v_in, bool has_bias,
+                         bool invariant, ffi::Result<ffi::Buffer<ffi::F32>> k_out,
+                         ffi::Result<ffi::Buffer<ffi::F32>> v_out) {
+  auto xd = x.dimensions();
+  auto wd = wk.dimensions();
+  auto pd = k_in.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || pd.size() != 5 ||
+      !SameDims(wv.dimensions(), wd) || !SameDims(v_in.dimensions(), pd) ||
+      wd[2] != pd[3] * pd[4] ||
+      pd[4] % 2 != 0 || slots.dimensions().size() != 1 || slots.dimensions()[0] != xd[0])
+    return ffi::Error::InvalidArgument(
+        "linear_kv_write: x [T, In], wk, wv [L, In, K*D], pages [Lp, num_pages, P, K, D] "
+        "and slots [T] expected");
+  const int64_t T = xd[0], In = xd[1], N = wd[2], heads = pd[3], D = pd[4];
+  const int64_t num_slots = pd[1] * pd[2];
+  const int64_t l = layer.typed_data()[0], pl = pool_layer.typed_data()[0];
+  if (l < 0 || l >= wd[0] || pl < 0 || pl >= pd[0])
+    return ffi::Error::InvalidArgument("linear_kv_write: layer out of range");
+  if (has_bias && (bk.element_count() != N || bv.element_count() != N))
+    return ffi::Error::InvalidArgument("linear_kv_write: bk, bv must be [K*D]");
+  float* kp = k_out->typed_data();
+  float* vp = v_out->typed_data();
+  // Aliased: the outputs are the inputs' buffers. Were XLA to hand a copy instead, it copies.
+  if (kp != k_in.typed_data()) std::memcpy(kp, k_in.typed_data(), k_in.size_bytes());
+  if (vp != v_in.typed_data()) std::memcpy(vp, v_in.typed_data(), v_in.size_bytes());
+  const int32_t* sp = slots.typed_data();
+  const float* cp = cos.typed_data();
+  const float* snp = sin.typed_data();
+  std::unique_ptr<float[]> y(new float[T * N]);
+  const int64_t layer_floats = num_slots * N;
+  LinearRowBlocks(pool, x.typed_data(), T, In, wk.typed_data() + l * In * N, N, y.get(),
+                  invariant);
+  const float* bkp = has_bias ? bk.typed_data() : nullptr;
+  for (int64_t t = 0; t < T; ++t) {
+    if (sp[t] < 0 || sp[t] >= num_slots) continue;
+    TurnRow(y.get() + t * N, bkp, cp + t * (D / 2), snp + t * (D / 2), heads, D,
+            kp + pl * layer_floats + sp[t] * N);
+  }
+  LinearRowBlocks(pool, x.typed_data(), T, In, wv.typed_data() + l * In * N, N, y.get(),
+                  invariant);
+  const float* bvp = has_bias ? bv.typed_data() : nullptr;
+  for (int64_t t = 0; t < T; ++t) {
+    if (sp[t] < 0 || sp[t] >= num_slots) continue;
+    float* dst = vp + pl * layer_floats + sp[t] * N;
+    const float* row = y.get() + t * N;
+    if (bvp == nullptr) {
+      std::memcpy(dst, row, N * sizeof(float));
+    } else {
+      for (int64_t n = 0; n < N; ++n) dst[n] = row[n] + bvp[n];
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLinearKVWrite, LinearKVWrite,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // wk
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // wv
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bk
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bv
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pool_layer
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("invariant")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_pages
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // v_pages
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLinear, Linear,
                               ffi::Ffi::Bind()

@@ -22,6 +22,7 @@ from kvjax import cpu_kernels
 
 _SOURCE = pathlib.Path(__file__).with_name("linear.cc")
 _TARGET = "kvjax_linear"
+_KV_WRITE_TARGET = "kvjax_linear_kv_write"
 # Steps of at most this many tokens use the native kernel under AUTO: up to here it is at least
 # as fast as XLA on the 2-core CPU host, beyond it XLA's packed matmul wins
 # (scripts/bench_linear.py, docs/benchmarks.md "Native matmuls").
@@ -100,6 +101,49 @@ def call_kernel(target: str, x: jax.Array, w: jax.Array, layer: jax.Array,
     out = w.shape[1] if transpose else w.shape[2]
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))(
         x, w, jnp.asarray(layer, jnp.int32), transpose=transpose, invariant=invariant)
+
+
+def kv_write_unavailable_reason() -> str | None:
+    """None when the fused KV write kernel (`linear_kv_write`) is built and registered, else
+    why not."""
+    return cpu_kernels.register(_KV_WRITE_TARGET, _SOURCE, "KvjaxLinearKVWrite")
+
+
+def linear_kv_write(x: jax.Array, wk: jax.Array, wv: jax.Array, layer: jax.Array,
+                    bk: jax.Array | None, bv: jax.Array | None, cos: jax.Array, sin: jax.Array,
+                    slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    pool_layer: jax.Array, *, invariant: bool = False
+                    ) -> tuple[jax.Array, jax.Array]:
+    """K = RoPE(x @ wk[layer] + bk) and V = x @ wv[layer] + bv written by the projection
+    itself into flat slots of layer `pool_layer` of the pages (the native kernel; the pages
+    are aliased to its outputs, so with the pools donated XLA updates them in place).
+
+    Args:
+      x: [T, In] float32; wk, wv: [L, In, K*D] float32; layer: int32 scalar.
+      bk, bv: [K*D] float32, the layer's biases, or None: none.
+      cos, sin: [T, D/2] float32, RoPE's tables at each token's position (`RoPE.tables`).
+      slots: [T] int32 flat slots (page * P + offset; -1: not written).
+      k_pages, v_pages: [Lp, num_pages, P, K, D] float32; pool_layer: int32 scalar.
+      invariant: the products in `invariant_linear`'s fixed order.
+    Returns:
+      (k_pages, v_pages) with the rows written.
+
+    Raises:
+      ValueError: the kernel is unavailable on this machine.
+    """
+    reason = kv_write_unavailable_reason()
+    if reason is not None:
+        raise ValueError(reason)
+    has_bias = bk is not None
+    empty = jnp.zeros((0,), jnp.float32)
+    return jax.ffi.ffi_call(
+        _KV_WRITE_TARGET,
+        (jax.ShapeDtypeStruct(k_pages.shape, jnp.float32),
+         jax.ShapeDtypeStruct(v_pages.shape, jnp.float32)),
+        input_output_aliases={10: 0, 11: 1})(
+        x, wk, wv, bk if has_bias else empty, bv if has_bias else empty,
+        jnp.asarray(layer, jnp.int32), cos, sin, slots, jnp.asarray(pool_layer, jnp.int32),
+        k_pages, v_pages, has_bias=has_bias, invariant=invariant)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

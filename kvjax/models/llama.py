@@ -48,7 +48,7 @@ from kvjax.config import MlpActivation, ModelConfig
 from kvjax.models import linear as linear_lib
 from kvjax.models import mla
 from kvjax.models.linear import LayerLinear
-from kvjax.models.rope import apply_selected
+from kvjax.models.rope import apply_selected, selected_tables
 
 Params = dict[str, Any]
 
@@ -59,6 +59,11 @@ Matmul = Callable[[jax.Array, jax.Array], jax.Array]
 # row_sum(x [..., H]) -> [..., 1]: the sums RMSNorm takes (`kvjax.models.invariant.row_sum`
 # sums in a fixed order; None: XLA's reduction).
 RowSum = Callable[[jax.Array], jax.Array]
+# write_kv(layer_index, x [T, H], layer_params, positions [T], cache) -> cache: projects a block's
+# normed input x to its keys and values and writes them into the cache itself (the fused KV
+# write, `kvjax.kv.fused_write`); the block then computes only its queries, and `attend` gets
+# None for k and v.
+KVWriter = Callable[[jax.Array, jax.Array, Params, jax.Array, Any], Any]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, unit_offset: bool = False,
@@ -206,40 +211,66 @@ def apply_rope(config: ModelConfig, x: jax.Array, positions: jax.Array,
     return apply_selected((config.rope, config.local_rope), choice, x, positions)
 
 
-def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array,
-        layer_index: jax.Array, matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None
-        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H].
+def rope_tables(config: ModelConfig, positions: jax.Array, layer_index: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, D/2] that `apply_rope` turns layer `layer_index`'s heads by."""
+    if config.local_rope is None:
+        return config.rope.tables(positions, config.head_dim)
+    choice = jnp.asarray(_local_rope_index(config))[layer_index]
+    return selected_tables((config.rope, config.local_rope), choice, positions,
+                           config.head_dim)
+
+
+def queries(config: ModelConfig, layer_params: Params, x: jax.Array, positions: jax.Array,
+            layer_index: jax.Array, matmul: Matmul = linear_lib.matmul,
+            row_sum: RowSum | None = None) -> jax.Array:
+    """A block's queries [T, N, D] (RoPE applied) from its normed input x [T, H].
 
     Attention everywhere scales logits by D**-0.5, so a model's other query scale
     (`query_pre_attn_scalar`) is folded into the queries here: every attention path, kernel
     and retention score then sees the model's logits unchanged."""
     c = config
     p = layer_params
+    q = matmul(x, p["wq"])  # [T, N*D]
+    if c.qkv_bias:
+        q = q + p["bq"]
+    q = q.reshape(x.shape[0], c.num_heads, c.head_dim)  # [T, N, D]
+    if c.qk_norm:
+        q = norm(c, q, p["q_norm"], row_sum)
+    q = apply_rope(c, q, positions, layer_index)
+    if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
+        q = (q.astype(jnp.float32) * (c.attn_scale * np.sqrt(c.head_dim))).astype(q.dtype)
+    return q
+
+
+def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.Array,
+        layer_index: jax.Array, matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A block's queries [T, N, D], keys and values [T, K, D] (RoPE applied) from h [T, H]
+    (the queries as `queries` makes them)."""
+    c = config
+    p = layer_params
     t = h.shape[0]
     x = norm(c, h, p["attn_norm"], row_sum)
-    q = matmul(x, p["wq"])  # [T, N*D]
+    q = queries(c, p, x, positions, layer_index, matmul, row_sum)  # [T, N, D]
     k = matmul(x, p["wk"])  # [T, K*D]
     v = matmul(x, p["wv"])
     if c.qkv_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = q.reshape(t, c.num_heads, c.head_dim)  # [T, N, D]
+        k, v = k + p["bk"], v + p["bv"]
     k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, K, D]
     if c.qk_norm:
-        q = norm(c, q, p["q_norm"], row_sum)
         k = norm(c, k, p["k_norm"], row_sum)
-    q, k = apply_rope(c, q, positions, layer_index), apply_rope(c, k, positions, layer_index)
-    if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
-        q = (q.astype(jnp.float32) * (c.attn_scale * np.sqrt(c.head_dim))).astype(q.dtype)
+    k = apply_rope(c, k, positions, layer_index)
     return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
 
 
 def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
                   layer_params: Params, layer_index: jax.Array, cache: Any,
-                  matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None
-                  ) -> tuple[jax.Array, Any]:
+                  matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None,
+                  write_kv: KVWriter | None = None) -> tuple[jax.Array, Any]:
     """One decoder block. h: [T, H]. `matmul(x, w)` multiplies by one of layer_params' matrices
-    (x @ w accumulated in float32 by default); `row_sum` takes RMSNorm's sums (None: XLA's)."""
+    (x @ w accumulated in float32 by default); `row_sum` takes RMSNorm's sums (None: XLA's);
+    `write_kv` writes the block's K and V into the cache itself (None: `attend` gets them)."""
     c = config
     p = layer_params
     t = h.shape[0]
@@ -247,6 +278,12 @@ def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions
         out, cache = mla.attention(c, attend, norm(c, h, p["attn_norm"], row_sum), positions, p,
                                    layer_index, cache, matmul,
                                    lambda x, w: norm(c, x, w, row_sum))  # [T, H]
+    elif write_kv is not None:
+        x = norm(c, h, p["attn_norm"], row_sum)
+        q = queries(config, p, x, positions, layer_index, matmul, row_sum)  # [T, N, D]
+        cache = write_kv(layer_index, x, p, positions, cache)
+        attn, cache = attend(layer_index, q, None, None, cache)  # [T, N, D]
+        out = matmul(attn.reshape(t, -1).astype(h.dtype), p["wo"])  # [T, H]
     else:
         q, k, v = qkv(config, p, h, positions, layer_index, matmul, row_sum)
         attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
@@ -265,7 +302,8 @@ def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions
 
 def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
                 attend: AttendFn, cache: Any, linear: LayerLinear | None = None,
-                row_sum: RowSum | None = None) -> tuple[jax.Array, Any]:
+                row_sum: RowSum | None = None, write_kv: KVWriter | None = None
+                ) -> tuple[jax.Array, Any]:
     """Runs the decoder over packed tokens and returns final hidden states [T, H] and the cache.
 
     Args:
@@ -276,6 +314,9 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
       linear: multiplies by a layer of the stacked matrices, reading it where it lies
         (`kvjax.models.linear.native_linear`); None: XLA matmuls of the scan's layer slices.
       row_sum: takes RMSNorm's sums (`kvjax.models.invariant.row_sum`); None: XLA's.
+      write_kv: writes each block's K and V into the cache itself (`KVWriter`; the layer's
+        matrices come to it as the scan's slices [In, Out], or stacked [L, In, Out] with
+        `linear`); None: `attend` gets them.
     """
     h = embed(params, config, tokens)  # [T, H]
     layers = params["layers"]
@@ -285,7 +326,7 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
             h, cache = carry
             layer_params, layer_index = xs
             h, cache = decoder_layer(config, attend, h, positions, layer_params, layer_index,
-                                     cache, row_sum=row_sum)
+                                     cache, row_sum=row_sum, write_kv=write_kv)
             return (h, cache), None
 
         (h, cache), _ = jax.lax.scan(body, (h, cache), (layers, layer_ids))
@@ -297,7 +338,8 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
                             for name, w in layers.items()}
             h, cache = decoder_layer(
                 config, attend, h, positions, layer_params, layer_index, cache,
-                matmul=lambda x, w: linear(x, w, layer_index), row_sum=row_sum)
+                matmul=lambda x, w: linear(x, w, layer_index), row_sum=row_sum,
+                write_kv=write_kv)
             return (h, cache), None
 
         (h, cache), _ = jax.lax.scan(body, (h, cache), layer_ids)

@@ -213,8 +213,11 @@ class RoPE:
     def apply(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x [T, heads, D] embedded at positions [T] (cos and sin scaled by
         `attention_factor`), in x's dtype."""
-        angles = self.angles(positions, x.shape[-1])  # [T, D/2]
-        return _turn(x, angles, self.attention_factor)
+        return turn(x, *self.tables(positions, x.shape[-1]))
+
+    def tables(self, positions: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
+        """cos and sin [T, dim / 2] (scaled by `attention_factor`) that `apply` turns by."""
+        return _tables(self.angles(positions, dim), self.attention_factor)
 
     def rotate(self, x: jax.Array, shifts: jax.Array) -> jax.Array:
         """Keys x [T, heads, D] (already embedded) turned forward by shifts [T] positions, no
@@ -303,15 +306,24 @@ def apply_selected(ropes: tuple[RoPE, ...], choice: jax.Array, x: jax.Array,
     Raises:
       ValueError: a RoPE whose frequencies depend on the position (no fixed row to stack).
     """
+    return turn(x, *selected_tables(ropes, choice, positions, x.shape[-1]))
+
+
+def selected_tables(ropes: tuple[RoPE, ...], choice: jax.Array, positions: jax.Array,
+                    dim: int) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, dim / 2] of ropes[choice] at positions [T] (`apply_selected`).
+
+    Raises:
+      ValueError: a RoPE whose frequencies depend on the position.
+    """
     for rope in ropes:
         if not rope.is_shift_invariant:
             raise ValueError(f"{rope!r} chooses frequencies by position; only fixed-frequency "
                              f"RoPEs can be selected per layer")
-    d = x.shape[-1]
-    inv_freq = jnp.asarray(np.stack([rope.inv_freq(d) for rope in ropes]))  # [R, D/2]
+    inv_freq = jnp.asarray(np.stack([rope.inv_freq(dim) for rope in ropes]))  # [R, D/2]
     factors = jnp.asarray([rope.attention_factor for rope in ropes], jnp.float32)  # [R]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[choice][None]  # [T, D/2]
-    return _turn(x, angles, factors[choice])
+    return _tables(angles, factors[choice])
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -319,11 +331,20 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _tables(angles: jax.Array, scale: float | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of angles [T, D/2], times scale."""
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
 def _turn(x: jax.Array, angles: jax.Array, scale: float) -> jax.Array:
     """x [T, heads, D] turned by angles [T, D/2] (rotate-half pairs), cos/sin times scale."""
+    return turn(x, *_tables(angles, scale))
+
+
+def turn(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, D] turned by the rotate-half pairs of cos, sin [T, D/2], in x's dtype."""
     d = x.shape[-1]
-    cos = (jnp.cos(angles) * scale)[:, None, :]  # [T, 1, D/2]
-    sin = (jnp.sin(angles) * scale)[:, None, :]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
     x32 = x.astype(jnp.float32)
     x1, x2 = x32[..., : d // 2], x32[..., d // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [T, heads, D]

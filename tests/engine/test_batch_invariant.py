@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from sampling_reference import keep_reference
 
 import kvjax
 from kvjax.models import invariant, llama
+from kvjax.sampling import _filter_logits, sample_tokens
 from kvjax.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(invariant.unavailable_reason() is not None,
@@ -137,3 +139,67 @@ def test_refused_where_it_cannot_hold(model):
     with pytest.raises(ValueError, match="sliding-window layers"):
         kvjax.Engine(windowed, kvjax.EngineConfig(num_pages=16, page_size=PAGE,
                                                   batch_invariant=True))
+
+
+def test_row_cumsum_is_the_running_sum_whatever_the_rows_beside():
+    """`invariant.row_cumsum` against NumPy's float64 running sum, over a length that is not a
+    multiple of its block; a row's bits are the same alone and among 160 rows."""
+    x = np.random.default_rng(0).random((160, 300), np.float32)
+    many = np.asarray(jax.jit(invariant.row_cumsum)(x))
+    np.testing.assert_allclose(many, np.cumsum(x.astype(np.float64), axis=-1), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(jax.jit(invariant.row_cumsum)(x[7:8])), many[7:8])
+
+
+SAMPLED = kvjax.SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.3, top_p=0.8,
+                               min_p=0.05, top_k=0, seed=5)
+
+
+def test_top_p_and_min_p_sampler_rows_are_bitwise_independent_of_the_batch():
+    """The sampler with the fixed-order sums: each row keeps exactly the reference's min-p and
+    top-p set, and a row's token and logprob are the same bits alone and among 160 rows
+    (past the 128 rows from which XLA's CPU reductions change their order)."""
+    vocab, rows = 300, 160
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    top_p = rng.uniform(0.3, 1.0, rows).astype(np.float32)
+    min_p = rng.uniform(0.0, 0.2, rows).astype(np.float32)
+    temperature = rng.uniform(0.5, 2.0, rows).astype(np.float32)
+    seeds, counters = np.arange(rows, dtype=np.uint32), np.arange(rows, dtype=np.int32)
+    top_k = np.zeros(rows, np.int32)
+
+    @jax.jit
+    def sample(logits, temperature, top_p, min_p, seeds, counters, top_k):
+        return sample_tokens(logits, temperature, top_k, top_p, seeds, counters, min_p,
+                             all_greedy=False, needs_filter=True, row_sums=invariant.ROW_SUMS)
+
+    args = (logits, temperature, top_p, min_p, seeds, counters, top_k)
+    tokens, logprobs = (np.asarray(a) for a in sample(*args))
+    support = np.isfinite(np.asarray(jax.jit(
+        lambda x, k, p, m: _filter_logits(x, k, p, m, invariant.ROW_SUMS))(
+            logits / temperature[:, None], top_k, top_p, min_p)))
+    for i in (0, 7, 100, 159):
+        keep = keep_reference((logits[i] / temperature[i]).astype(np.float64), 0,
+                              float(top_p[i]), float(min_p[i]))
+        np.testing.assert_array_equal(support[i], keep)
+        assert keep[tokens[i]]
+        alone = [np.asarray(a) for a in sample(*(a[i:i + 1] for a in args))]
+        assert alone[0][0] == tokens[i]
+        assert alone[1].tobytes() == logprobs[i:i + 1].tobytes()
+
+
+def test_sampled_top_p_min_p_probes_are_bitwise_the_same_in_any_batch(model):
+    """Seeded probes under temperature, top-p and min-p: tokens and logprobs bitwise equal
+    alone and beside long companions in 8-token chunks with preemption."""
+    def run(companions, num_pages, chunk):
+        engine = _engine(model, True, num_pages=num_pages, chunk=chunk)
+        outs = engine.generate(PROBES + companions, SAMPLED)
+        return engine, [(o.outputs[0].token_ids, np.asarray(o.outputs[0].logprobs))
+                        for o in outs[:2]]
+
+    _, alone = run([], 64, 32)
+    companions = [[(5 * i + j) % 120 + 1 for j in range(30)] for i in range(4)]
+    engine, got = run(companions, 14, 8)
+    assert engine.stats["preemptions"] > 0
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, alone, strict=True):
+        assert tokens == want_tokens
+        np.testing.assert_array_equal(logprobs, want_logprobs)

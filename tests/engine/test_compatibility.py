@@ -123,6 +123,7 @@ def config_for(features) -> dict:
             retention_kl={"4": 0.3, "8": 0.1}, demote_kl=0.001)),
         Feature.BATCH_INVARIANT: dict(batch_invariant=True),
         Feature.HOST_ROWS: dict(host_split="random", num_host_pages=16),
+        Feature.FUSED_KV_WRITE: dict(fused_kv_write=True),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),

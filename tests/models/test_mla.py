@@ -138,6 +138,7 @@ _SETTINGS = {
     Feature.KV_ARENA: dict(kv_arena=True),
     Feature.CONTIGUOUS: dict(kv_layout="contiguous"),
     Feature.BATCH_INVARIANT: dict(batch_invariant=True),
+    Feature.FUSED_KV_WRITE: dict(fused_kv_write=True),
 }
 
 
