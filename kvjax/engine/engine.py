@@ -678,7 +678,8 @@ class Engine:
         # Copy-on-write (n > 1 samples, shared partial pages): at most one copy per row.
         is_paged = self.config.kv_layout is KVLayout.PAGED
         controlled = self.config.controlled
-        self.kv_cache.warmup(self.block_table_width,
+        # A swap or a scrub moves the pages of every layer group's table at once.
+        self.kv_cache.warmup(self.block_table_width * len(self.kv_spec.table_groups()),
                              swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE
                              or controlled,
                              demote_bits=tuple(self.scheduler.config.demote_ratios)

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 from kvjax import EngineConfig, SamplingParams
+from kvjax.engine.config import PreemptionMode
 from kvjax.engine.engine import Engine
+from kvjax.engine.snapshot import restore_snapshot, save_snapshot
 from kvjax.engine.step import AttentionImpl, attention_name
 from kvjax.kv import native
 from kvjax.kv.state import pages_for
+from kvjax.memory.tiers.config import TierConfig
 from kvjax.testing import TINY, greedy_reference, tiny_model
 
 WINDOW, P = 8, 4
@@ -65,6 +68,112 @@ def test_async_and_sync_decode_the_dense_reference(model, workload, overrides):
     if overrides["num_pages"] == 24:
         assert engine.stats["preemptions"] > 0, "the pool was meant to force preemption"
         assert engine.stats["scrubbed_pages"] > 0
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(preemption_mode=PreemptionMode.SWAP),
+    # The cost model at a link this fast picks swapping for every preemption.
+    dict(preemption_mode=PreemptionMode.AUTO, tiers=TierConfig(
+        swap_bandwidth_bytes_per_s=1e15, recompute_tokens_per_s=1.0)),
+], ids=["swap", "auto"])
+def test_preemption_by_swap_decodes_the_dense_reference(model, workload, overrides):
+    """Too few pages for every sequence at once: preempted sequences swap every group's held
+    pages to host memory and back into fresh pages of each group; greedy tokens equal the
+    dense reference's (and so the unpreempted engine's above), and every page comes back."""
+    prompts, refs = workload
+    engine, got = run(model, prompts, num_pages=24, scrub_freed_pages=True, **overrides)
+    assert got == refs
+    assert engine.stats["preemptions"] > 0, "the pool was meant to force preemption"
+    assert engine.stats["swaps_out"] == engine.stats["swaps_in"] == engine.stats["preemptions"]
+    assert engine.allocator.num_free_pages() == 24  # cached or free: nothing leaked
+
+
+def test_swapping_both_tables_compiles_nothing_after_warmup(model):
+    """A swap gathers and a scrub zeroes the pages of both tables at once, more than one
+    table's width for a sequence near max_model_len: warm-up compiles their programs for that
+    many pages, so swapping such a sequence out and back compiles nothing new."""
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, 120, 120)]
+    engine = Engine(model, EngineConfig(**BASE, num_pages=64, scrub_freed_pages=True,
+                                        preemption_mode=PreemptionMode.SWAP,
+                                        enable_prefix_cache=False))
+    compiled = engine.warmup()
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    while len(engine.sequence("r#0").output_ids) < 2:
+        engine.step()
+    engine.pause("r", to_host=True)
+    num_pages = engine.stats["swap_bytes"] // engine.kv_spec.page_bytes
+    assert num_pages > engine.block_table_width  # both tables: past one table's buckets
+    engine.resume("r")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].token_ids == greedy_reference(model, prompt, 6)
+    assert engine.stats["swaps_in"] == 1
+    assert engine.num_compiles == compiled
+
+
+def test_a_swapped_window_moves_only_the_pages_it_holds(model):
+    """Paused to host memory while decoding past the window, a sequence moves every page of
+    its global table but only its window's pages, and comes back holding just those; its
+    tokens equal the dense reference's."""
+    prompt = list(range(1, 41))
+    engine = Engine(model, EngineConfig(**BASE, num_pages=64, enable_prefix_cache=False))
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    seq = "r#0"
+    while len(engine.sequence(seq).output_ids) < 6:
+        engine.step()
+    engine.drain()
+    num_computed = engine.sequence(seq).num_computed
+    global_group, window_group = engine.allocator.groups
+    held = [pages_for(num_computed, P), sum(
+        p >= 0 for p in window_group.block_table(seq)[:pages_for(num_computed, P)])]
+    assert global_group.num_held_pages(seq) >= held[0] > pages_for(WINDOW, P) + 1 >= held[1]
+    page_bytes = engine.kv_spec.page_bytes
+    engine.pause("r", to_host=True)
+    assert engine.stats["swap_bytes"] == sum(held) * page_bytes
+    assert engine.allocator.num_free_pages() == 64
+    engine.resume("r")
+    engine.step()
+    assert engine.stats["swaps_in"] == 1
+    assert engine.stats["swap_bytes"] == 2 * sum(held) * page_bytes
+    assert window_group.num_held_pages(seq) <= pages_for(WINDOW, P) + 1
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].token_ids == greedy_reference(model, prompt, NEW)
+    assert engine.allocator.num_free_pages() == 64
+
+
+@pytest.mark.parametrize("warm_target", [False, True], ids=["cold", "prefix_hit"])
+def test_a_windowed_sequence_migrates_through_a_snapshot(model, tmp_path, warm_target):
+    """Saved while decoding past the window, a sequence restores into another engine (from the
+    snapshot alone, or sharing the prompt pages the target's prefix cache holds) with only
+    its window's pages in the sliding group, and continues with the dense reference's
+    tokens; every page comes back when it ends."""
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, 120, 40)]
+    ref = greedy_reference(model, prompt, NEW)
+    config = EngineConfig(**BASE, num_pages=64)
+    source, target = Engine(model, config), Engine(model, config)
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    if warm_target:
+        target.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    source.add_request("r", prompt, greedy)
+    while len(source.sequence("r#0").output_ids) < 6:
+        source.step()
+    save_snapshot(source, tmp_path / "snap")
+    source.abort("r")
+    hits = target.prefix_cache_stats()["prefix_hit_tokens"]
+    restore_snapshot(target, tmp_path / "snap")
+    assert (target.prefix_cache_stats()["prefix_hit_tokens"] > hits) == warm_target
+    global_group, window_group = target.allocator.groups
+    n = target.sequence("r#0").num_computed
+    assert global_group.num_held_pages("r#0") == pages_for(n, P)
+    assert window_group.num_held_pages("r#0") <= pages_for(WINDOW, P) + 1
+    outputs = []
+    while target.has_unfinished():
+        outputs += target.step()
+    assert outputs[-1].outputs[0].token_ids == ref
+    assert target.allocator.num_free_pages() == 64
 
 
 def test_a_sequence_holds_its_window_and_the_spec_predicts_its_bytes(model):
@@ -118,7 +227,6 @@ def test_the_same_budget_runs_more_sequences_at_once(model):
 
 def test_windowed_models_refuse_features_that_move_one_table(model):
     for overrides, setting in ((dict(kv_codec="int8"), "kv_codec"),
-                               (dict(preemption_mode="swap"), "preemption_mode"),
                                (dict(retention="h2o", retention_budget=16), "retention")):
         with pytest.raises(ValueError, match=f"{setting}.*layer_groups"):
             Engine(model, EngineConfig(**BASE, **overrides))
