@@ -286,7 +286,6 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         "prompt's queries cannot be turned back by a shift to one Gaussian, nor forward to "
         "the future positions ExpectedAttention averages over"),
     **{(ModelTrait.LAYER_GROUPS, f): _ONE_TABLE.format(what) for f, what in (
-        (Feature.INT8, "quantized pools lay out codes and scales for"),
         (Feature.KIVI, "KIVI's key groups and exact windows follow"),
         (Feature.KIVI_RESIDUAL, "KIVI's key groups and exact windows follow"),
         (Feature.STREAMING, "a retention policy compacts"),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,14 +19,16 @@ from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.config import PreemptionMode
 from kvjax.engine.engine import Engine
 from kvjax.engine.snapshot import restore_snapshot, save_snapshot
-from kvjax.engine.step import AttentionImpl, attention_name
-from kvjax.kv import native
+from kvjax.engine.step import AttentionImpl, LogitsMode, attention_name
+from kvjax.kv import codecs, native
 from kvjax.kv.state import pages_for
 from kvjax.memory.tiers.config import TierConfig
+from kvjax.models import llama
 from kvjax.testing import TINY, greedy_reference, tiny_model
 
 WINDOW, P = 8, 4
 NEW = 24
+FLOAT32_REL_TOL = 1e-4  # of the largest |logit|: float32 summation order, nothing else
 BASE = dict(page_size=P, max_num_batched_tokens=32, max_prefill_chunk=16, max_num_seqs=4,
             max_model_len=128)
 
@@ -225,11 +229,73 @@ def test_the_same_budget_runs_more_sequences_at_once(model):
     assert most_running(model) == (4, 0)
 
 
+def int8_dense_reference(model, tokens: list[int]) -> np.ndarray:
+    """[T, V] logits of a cache-free dense forward whose every layer attends over its keys and
+    values rounded through the int8 codec (one scale per token and head), each layer masked
+    to its window: what an int8 pool computes, without pages, tables or groups."""
+    config, codec = model.config, codecs.get_codec("int8")
+    t = len(tokens)
+    positions = jnp.arange(t, dtype=jnp.int32)
+    behind = positions[:, None] - positions[None, :]  # [T, S]
+    windows = jnp.asarray([config.layer_window(i) for i in range(config.num_layers)], jnp.int32)
+
+    def attend(layer, q, k, v, cache):
+        k, v = (codec.decode(codec.encode(x)).astype(jnp.float32) for x in (k, v))  # [S, K, D]
+        visible = (behind >= 0) & ((windows[layer] <= 0) | (behind < windows[layer]))
+        qg = q.reshape(t, config.num_kv_heads, config.group_size, config.head_dim)
+        scores = jnp.einsum("tkgd,skd->kgts", qg.astype(jnp.float32), k) / np.sqrt(
+            config.head_dim)  # [K, G, T, S]
+        probs = jax.nn.softmax(jnp.where(visible[None, None], scores, -jnp.inf), axis=-1)
+        out = jnp.einsum("kgts,skd->tkgd", probs, v)  # [T, K, G, D]
+        return out.reshape(t, config.num_heads, config.head_dim).astype(q.dtype), cache
+
+    h, _ = llama.decode_body(model.params, config, jnp.asarray(tokens, jnp.int32), positions,
+                             attend, None)
+    return np.asarray(llama.lm_head(model.params, config, h))
+
+
+def test_int8_pools_per_table_group_compute_int8_windowed_attention(model):
+    """int8 codes and scales laid out per table group (pages of one group's two layers): a
+    48-token prompt's teacher-forced logits (windows of 8 binding) equal the int8-rounded
+    dense forward's to float32 rounding, while exact KV's differ from it by int8's error."""
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 120, size=48)]
+    engine = Engine(model, EngineConfig(**{**BASE, "max_num_batched_tokens": 64,
+                                           "max_prefill_chunk": 64},
+                                        num_pages=64, kv_codec="int8"))
+    assert engine.kv.page_leaves()[0].shape[0] == 2  # each page: one group's two layers
+    engine.add_request("scored", prompt, SamplingParams(max_new_tokens=1))
+    engine.step(logits_mode=LogitsMode.ALL)  # one prefill chunk: row i is token i
+    got = np.asarray(engine.last_logits)[:len(prompt)]  # [T, V]
+    ref = int8_dense_reference(model, prompt)
+    exact = np.asarray(llama.forward_dense(model.params, model.config,
+                                           np.asarray(prompt, np.int32)))
+    scale = np.max(np.abs(ref))
+    assert np.max(np.abs(got - ref)) <= FLOAT32_REL_TOL * scale
+    assert np.max(np.abs(exact - ref)) > 100 * FLOAT32_REL_TOL * scale  # int8 rounding shows
+
+
+def test_int8_windowed_tokens_survive_swap_preemption(model, workload):
+    """Swapped int8 pages come back as the same codes and scales: greedy tokens under forced
+    swap preemption (and prefix hits) equal the same engine's with room for everyone."""
+    prompts, _ = workload
+    roomy, expected = run(model, prompts, num_pages=64, kv_codec="int8")
+    engine, got = run(model, prompts, num_pages=24, kv_codec="int8",
+                      preemption_mode=PreemptionMode.SWAP)
+    assert engine.stats["swaps_in"] > 0 and roomy.stats["preemptions"] == 0
+    assert engine.prefix_cache_stats()["prefix_hit_tokens"] > 0
+    assert got == expected
+    assert engine.allocator.num_free_pages() == 24
+
+
 def test_windowed_models_refuse_features_that_move_one_table(model):
-    for overrides, setting in ((dict(kv_codec="int8"), "kv_codec"),
+    for overrides, setting in ((dict(kv_codec="kivi4"), "kv_codec"),
                                (dict(retention="h2o", retention_budget=16), "retention")):
         with pytest.raises(ValueError, match=f"{setting}.*layer_groups"):
             Engine(model, EngineConfig(**BASE, **overrides))
+    # Calibrated fp8 scales are per model layer; a grouped page indexes layers within a group.
+    with pytest.raises(ValueError, match="calibrated scales does not serve model 'tiny-sliding'"):
+        Engine(model, EngineConfig(**BASE, kv_codec="fp8_e4m3",
+                                   kv_codec_options=dict(scaling="calibrated")))
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None,
