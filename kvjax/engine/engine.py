@@ -233,6 +233,7 @@ class Engine:
             page_size=cfg.page_size, max_model_len=self.max_model_len,
             is_paged=cfg.kv_layout is KVLayout.PAGED, preemption_mode=cfg.preemption_mode,
             kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_bytes_held=self.kv_spec.bytes_held if self.kv_spec.is_grouped else None,
             swap_bandwidth_bytes_per_s=self._swap_bandwidth,
             recompute_tokens_per_s=cfg.tiers.recompute_tokens_per_s,
             max_inflight_loads=cfg.tiers.max_inflight_loads,

@@ -90,6 +90,14 @@ def test_preemption_by_swap_decodes_the_dense_reference(model, workload, overrid
     assert engine.stats["preemptions"] > 0, "the pool was meant to force preemption"
     assert engine.stats["swaps_out"] == engine.stats["swaps_in"] == engine.stats["preemptions"]
     assert engine.allocator.num_free_pages() == 24  # cached or free: nothing leaked
+    decisions = engine.stats["preemption_decisions"]  # auto's: priced at the bytes held
+    is_auto = overrides["preemption_mode"] is PreemptionMode.AUTO
+    assert len(decisions) == (engine.stats["preemptions"] if is_auto else 0)
+    for d in decisions:
+        n = d["num_tokens"]
+        assert d["swap_cost_s"] == pytest.approx(2 * engine.kv_spec.bytes_held(n) / 1e15)
+        if n > WINDOW:
+            assert d["swap_cost_s"] < 2 * n * engine.kv_bytes_per_token / 1e15
 
 
 def test_swapping_both_tables_compiles_nothing_after_warmup(model):
