@@ -478,7 +478,8 @@ class KVCacheManager:
             nbytes.append(n)
             return kv
 
-        written = [p for p in targets[skipped:] if p != RELEASED]
+        written = [p for table in self.allocator.block_tables(seq_id) for p in table[first:]
+                   if p != RELEASED]
         self._apply(KVOp(KVOpKind.SWAP_IN, tuple(written)), swap_in)
         self.mark_written(written, version)
         self.stats["swaps_in"] += 1
