@@ -237,11 +237,12 @@ def test_the_same_budget_runs_more_sequences_at_once(model):
     assert most_running(model) == (4, 0)
 
 
-def int8_dense_reference(model, tokens: list[int]) -> np.ndarray:
+def codec_dense_reference(model, tokens: list[int], codec_name: str, **options
+                          ) -> np.ndarray:
     """[T, V] logits of a cache-free dense forward whose every layer attends over its keys and
-    values rounded through the int8 codec (one scale per token and head), each layer masked
-    to its window: what an int8 pool computes, without pages, tables or groups."""
-    config, codec = model.config, codecs.get_codec("int8")
+    values rounded through the codec (int8: one scale per token and head), each layer masked
+    to its window: what a pool of that codec computes, without pages, tables or groups."""
+    config, codec = model.config, codecs.get_codec(codec_name, **options)
     t = len(tokens)
     positions = jnp.arange(t, dtype=jnp.int32)
     behind = positions[:, None] - positions[None, :]  # [T, S]
@@ -262,24 +263,27 @@ def int8_dense_reference(model, tokens: list[int]) -> np.ndarray:
     return np.asarray(llama.lm_head(model.params, config, h))
 
 
-def test_int8_pools_per_table_group_compute_int8_windowed_attention(model):
-    """int8 codes and scales laid out per table group (pages of one group's two layers): a
-    48-token prompt's teacher-forced logits (windows of 8 binding) equal the int8-rounded
-    dense forward's to float32 rounding, while exact KV's differ from it by int8's error."""
+@pytest.mark.parametrize("codec", [("int8", {}), ("int4", {"group": 8})], ids=lambda c: c[0])
+def test_quantized_pools_per_table_group_compute_windowed_attention(model, codec):
+    """Codes and scales laid out per table group (pages of one group's two layers): a 48-token
+    prompt's teacher-forced logits (windows of 8 binding) equal the dense forward's over keys
+    and values rounded through the same codec to float32 rounding, while exact KV's differ
+    from it by the codec's error."""
+    name, options = codec
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 120, size=48)]
     engine = Engine(model, EngineConfig(**{**BASE, "max_num_batched_tokens": 64,
                                            "max_prefill_chunk": 64},
-                                        num_pages=64, kv_codec="int8"))
+                                        num_pages=64, kv_codec=name, kv_codec_options=options))
     assert engine.kv.page_leaves()[0].shape[0] == 2  # each page: one group's two layers
     engine.add_request("scored", prompt, SamplingParams(max_new_tokens=1))
     engine.step(logits_mode=LogitsMode.ALL)  # one prefill chunk: row i is token i
     got = np.asarray(engine.last_logits)[:len(prompt)]  # [T, V]
-    ref = int8_dense_reference(model, prompt)
+    ref = codec_dense_reference(model, prompt, name, **options)
     exact = np.asarray(llama.forward_dense(model.params, model.config,
                                            np.asarray(prompt, np.int32)))
     scale = np.max(np.abs(ref))
     assert np.max(np.abs(got - ref)) <= FLOAT32_REL_TOL * scale
-    assert np.max(np.abs(exact - ref)) > 100 * FLOAT32_REL_TOL * scale  # int8 rounding shows
+    assert np.max(np.abs(exact - ref)) > 100 * FLOAT32_REL_TOL * scale  # the rounding shows
 
 
 def test_int8_windowed_tokens_survive_swap_preemption(model, workload):
