@@ -1,8 +1,9 @@
 """A model with sliding-window layers beside global ones: two KV layer groups in one pool.
 
 Oracles: the cache-free dense greedy reference (which masks each layer to its window), the
-same engine with async scheduling off, and the `KVCacheSpec`'s prediction of the bytes a
-sequence holds. Transformers parity on the same weights is in tests/models/test_architectures.py
+same engine with async scheduling off or room for every sequence, the `KVCacheSpec`'s
+prediction of the bytes a sequence holds, and for quantized pools a dense forward over keys and
+values rounded through the same codec. Transformers parity on the same weights is in tests/models/test_architectures.py
 (qwen3-sliding, mistral-window).
 """
 
