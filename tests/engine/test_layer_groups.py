@@ -3,8 +3,8 @@
 Oracles: the cache-free dense greedy reference (which masks each layer to its window), the
 same engine with async scheduling off or room for every sequence, the `KVCacheSpec`'s
 prediction of the bytes a sequence holds, and for quantized pools a dense forward over keys and
-values rounded through the same codec. Transformers parity on the same weights is in tests/models/test_architectures.py
-(qwen3-sliding, mistral-window).
+values rounded through the same codec. Transformers parity on the same weights is in
+tests/models/test_architectures.py (qwen3-sliding, mistral-window).
 """
 
 from __future__ import annotations
