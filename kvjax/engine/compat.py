@@ -307,7 +307,6 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         "prompt's queries cannot be turned back by a shift to one Gaussian, nor forward to "
         "the future positions ExpectedAttention averages over"),
     **{(ModelTrait.LAYER_GROUPS, f): _ONE_TABLE.format(what) for f, what in (
-        (Feature.INT8, "quantized pools lay out codes and scales for"),
         (Feature.KIVI, "KIVI's key groups and exact windows follow"),
         (Feature.KIVI_RESIDUAL, "KIVI's key groups and exact windows follow"),
         (Feature.STREAMING, "a retention policy compacts"),
@@ -320,9 +319,6 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         (Feature.OBSERVED_ATTENTION, "a retention policy compacts"),
         (Feature.QUEST, "Quest's page summaries and selections index"),
         (Feature.HOST_TIER, "the host and disk tiers move and index"),
-        (Feature.SWAP, "a swap copies out and back"),
-        (Feature.AUTO_PREEMPTION, "a swap copies out and back"),
-        (Feature.SNAPSHOT, "a snapshot saves and restores"),
         (Feature.CONTEXT_REUSE, "a reused chunk is copied in through"),
         (Feature.KV_ARENA, "an arena frame holds every layer of"),
         (Feature.CONTROLLER, "the controller's swaps and demotions move"),

@@ -241,6 +241,7 @@ class Engine:
             page_size=cfg.page_size, max_model_len=self.max_model_len,
             is_paged=cfg.kv_layout is KVLayout.PAGED, preemption_mode=cfg.preemption_mode,
             kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_bytes_held=self.kv_spec.bytes_held if self.kv_spec.is_grouped else None,
             swap_bandwidth_bytes_per_s=self._swap_bandwidth,
             recompute_tokens_per_s=cfg.tiers.recompute_tokens_per_s,
             max_inflight_loads=cfg.tiers.max_inflight_loads,
@@ -686,7 +687,8 @@ class Engine:
         # Copy-on-write (n > 1 samples, shared partial pages): at most one copy per row.
         is_paged = self.config.kv_layout is KVLayout.PAGED
         controlled = self.config.controlled
-        self.kv_cache.warmup(self.block_table_width,
+        # A swap or a scrub moves the pages of every layer group's table at once.
+        self.kv_cache.warmup(self.block_table_width * len(self.kv_spec.table_groups()),
                              swap=self.config.preemption_mode is not PreemptionMode.RECOMPUTE
                              or controlled,
                              demote_bits=tuple(self.scheduler.config.demote_ratios)

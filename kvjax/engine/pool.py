@@ -94,13 +94,17 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
         budget_bytes(config, per_token, max_model_len))
     kv = init_paged_kv(mc, num_pages, config.page_size, kv_dtype,
                        num_layers=spec.layers_per_table)
+    return KVPool(kv, _paged_allocator(spec, num_pages, config), HostSwapSpace(), spec)
+
+
+def _paged_allocator(spec: KVCacheSpec, num_pages: int, config: EngineConfig):
+    """The block manager of a paged pool: one per layer group over one free list when the
+    spec has several block tables."""
     if spec.is_grouped:
-        allocator = GroupedBlockManager(num_pages, config.page_size,
-                                        [t.window for t in spec.table_groups()],
-                                        **allocator_options(config))
-    else:
-        allocator = BlockManager(num_pages, config.page_size, **allocator_options(config))
-    return KVPool(kv, allocator, HostSwapSpace(), spec)
+        return GroupedBlockManager(num_pages, config.page_size,
+                                   [t.window for t in spec.table_groups()],
+                                   **allocator_options(config))
+    return BlockManager(num_pages, config.page_size, **allocator_options(config))
 
 
 def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int) -> KVPool:
@@ -109,7 +113,14 @@ def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int
     options = dict(config.kv_codec_options)
     options.pop("page_size", None)  # checked against the pool's by init_quantized_kv
     spec = quantized.cache_spec(mc, config.page_size, config.kv_codec, **options)
-    spec.check_single_group()
+    codec = quantized.make_codec(config.kv_codec, **options)
+    if quantized.is_kivi(codec):  # KIVI's windows: kvjax.engine.compat refuses layer groups
+        spec.check_single_group()
+    spec.check_servable()
+    if spec.is_grouped and quantized.is_layered(codec):
+        raise ValueError(f"kv_codec={config.kv_codec!r} with calibrated scales does not serve "
+                         f"model {mc.name!r}: its scales are per model layer, while a pool of "
+                         f"several layer groups indexes layers within a group's page")
     per_token = spec.bytes_per_token
     # KIVI's per-sequence exact windows come out of an explicit byte budget first.
     num_seq_slots = quantized.num_seq_slots_for(config.kv_codec, config.max_num_seqs, **options)
@@ -121,11 +132,10 @@ def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int
                          f"beside {windows} bytes of KIVI windows")
     num_pages = config.num_pages or max(int(budget // spec.page_bytes), 1)
     kv = quantized.init_quantized_kv(mc, num_pages, config.page_size, config.kv_codec,
-                                     num_seq_slots=num_seq_slots, **config.kv_codec_options)
+                                     num_seq_slots=num_seq_slots,
+                                     num_layers=spec.layers_per_table, **config.kv_codec_options)
     if not num_seq_slots:
-        allocator = BlockManager(num_pages, config.page_size,
-                                 **allocator_options(config))
-        return KVPool(kv, allocator, HostSwapSpace(), spec)
+        return KVPool(kv, _paged_allocator(spec, num_pages, config), HostSwapSpace(), spec)
     allocator = residual.WindowBlockManager(
         num_pages, config.page_size, num_seq_slots=num_seq_slots,
         **allocator_options(config), scrub_windows=config.scrub_freed_pages)

@@ -49,6 +49,7 @@ from kvjax.engine.request import FinishReason, SeqStatus, Sequence
 from kvjax.grammar import Grammar, GrammarKind
 from kvjax.kv import pages as kv_pages
 from kvjax.kv.state import pages_for
+from kvjax.memory.block_manager import RELEASED
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.controller import SLO
 
@@ -180,17 +181,21 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
             seq_ids=[s.seq_id for s in seqs])
         for seq in seqs:
             seq_id = seq.seq_id
-            pages, window, retention, kv_floor = [], None, None, 0
+            pages, group_pages, window, retention, kv_floor = [], [], None, None, 0
             if _has_device_kv(engine, seq):
                 kv_floor = engine.kv_cache.kv_floor(seq_id)
                 held = engine.kv_cache.cached_len(seq_id, seq.num_computed)
-                table = engine.allocator.block_table(seq_id)[:pages_for(held, page_size)]
-                pages = [saved_pages.setdefault(p, len(saved_pages)) for p in table]
+                tables = [t[:pages_for(held, page_size)]
+                          for t in engine.allocator.block_tables(seq_id)]
+                pages, *group_pages = [[saved_pages.setdefault(p, len(saved_pages))
+                                        if p != RELEASED else RELEASED for p in t]
+                                       for t in tables]
                 retention = engine.retention.record(seq_id)
                 if has_windows:
                     window = len(window_slots)
                     window_slots.append(engine.kv_cache.seq_slot(seq_id))
-            sequences.append(dict(record=_seq_record(seq), pages=pages, window=window,
+            sequences.append(dict(record=_seq_record(seq), pages=pages,
+                                  group_pages=group_pages, window=window,
                                   retention=retention, kv_floor=kv_floor,
                                   fingerprint=engine.provenance(seq.tenant,
                                                                 seq.weights_version).hex()))
@@ -245,17 +250,29 @@ def _check_compatible(engine: Engine, meta: dict) -> None:
             raise ValueError(f"request {request_id!r} already exists in the engine")
 
 
+def _scatter_indices(seq_id: str, saved_tables: list[list[int]], tables: list[list[int]],
+                     first: int) -> tuple[np.ndarray, np.ndarray]:
+    """(saved page indices [n], pool pages [n]) for the pages a restored sequence's tables
+    take from entry `first` on, every layer group's (a window's released entries skipped)."""
+    pairs = [(saved[first + i], page) for saved, table in zip(saved_tables, tables, strict=True)
+             for i, page in enumerate(table) if page != RELEASED]
+    if any(src == RELEASED for src, _ in pairs):
+        raise ValueError(f"sequence {seq_id!r}: the snapshot lacks pages its windows read")
+    src, dst = zip(*pairs, strict=True) if pairs else ((), ())
+    return np.asarray(src, np.int32), np.asarray(dst, np.int32)
+
+
 def _place(engine: Engine, seq: Sequence, saved: dict, stored: list[jax.Array] | None,
            windows: list[jax.Array] | None) -> None:
     """Gives a restored sequence its KV (pages from the prefix cache or saved, its window and
     retention record), else waits it."""
     has_kv = False
     pages, window = saved["pages"], saved.get("window")
+    saved_tables = [pages, *saved.get("group_pages", [])]
     if pages and seq.status is SeqStatus.RUNNING:
-        def scatter(kv, table, first):
-            src = np.asarray(pages[first:], np.int32)
-            kv = kv_pages.scatter_pages(kv, np.asarray(table, np.int32),
-                                        kv_pages.take(stored, src))
+        def scatter(kv, tables, first):
+            src, dst = _scatter_indices(seq.seq_id, saved_tables, tables, first)
+            kv = kv_pages.scatter_pages(kv, dst, kv_pages.take(stored, src))
             if window is None:
                 return kv
             slot = np.asarray([engine.kv_cache.seq_slot(seq.seq_id)], np.int32)

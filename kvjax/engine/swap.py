@@ -143,12 +143,14 @@ class HostSwapSpace:
         return kv_pages.blob_bytes_per_page(flat) * len(pages)
 
     def swap_in(self, kv, seq_id: str, pages: list[int], first: int) -> tuple[object, int]:
-        """Writes stored pages [first:] into the sequence's new `pages[first:]`; frees the copy."""
+        """Writes stored pages [first:] into the sequence's new `pages[first:]` (skipping the
+        negative ones: a window's pages that no query reads any more); frees the copy."""
         stored, n, sizes, dtypes, bits = self._stored.pop(seq_id)
-        targets = pages[first:n]
+        kept = [i for i in range(first, n) if pages[i] >= 0]
+        targets = [pages[i] for i in kept]
         if not targets:
             return kv, 0
-        idx = pad_repeat_last(list(range(first, n)))
+        idx = pad_repeat_last(kept)
         flat = kv_pages.take([self._to_device(x) for x in stored], idx)
         parts = [tuple(flat[i - k:i]) for i, k in zip(itertools.accumulate(sizes), sizes,
                                                             strict=True)]

@@ -109,18 +109,18 @@ def is_kivi(codec: codecs.KVCodec) -> bool:
     return isinstance(codec, codecs.KiviCodec)
 
 
-def _is_layered(codec: codecs.KVCodec) -> bool:
+def is_layered(codec: codecs.KVCodec) -> bool:
     """Whether the codec's encode and decode take the layer (per-layer static fp8 scales)."""
     return isinstance(codec, codecs.Fp8Codec) and codec.scaling is codecs.Fp8Scaling.CALIBRATED
 
 
 def _encode(codec: codecs.KVCodec, x: jax.Array, layer: jax.Array) -> dict[str, jax.Array]:
-    return codec.encode(x, layer=layer) if _is_layered(codec) else codec.encode(x)
+    return codec.encode(x, layer=layer) if is_layered(codec) else codec.encode(x)
 
 
 def _decode(codec: codecs.KVCodec, stored: dict[str, jax.Array], layer: jax.Array
             ) -> jax.Array:
-    return codec.decode(stored, layer=layer) if _is_layered(codec) else codec.decode(stored)
+    return codec.decode(stored, layer=layer) if is_layered(codec) else codec.decode(stored)
 
 
 def _check_page_size(codec: codecs.KVCodec, page_size: int) -> None:
@@ -316,7 +316,7 @@ class QuantizedPagedKV:
     def check_ready(self) -> None:
         """Raises ValueError when the state cannot encode yet (calibrated fp8 without scales)."""
         for codec in (self.codec, self.value_codec):
-            if _is_layered(codec) and codec.scale is None:
+            if is_layered(codec) and codec.scale is None:
                 raise ValueError(f"kv codec {codec.name!r} runs in calibrated mode and has no "
                                  f"scales: call Engine.calibrate_kv(prompts) (or "
                                  f"quantized.calibrate_fp8) first, or pass scaling='dynamic'")
@@ -601,7 +601,8 @@ class QuantizedPagedKV:
 
 
 def init_quantized_kv(config: ModelConfig, num_pages: int, page_size: int, codec_name: str, /,
-                      *, num_seq_slots: int = 1, **options: Any) -> QuantizedPagedKV:
+                      *, num_seq_slots: int = 1, num_layers: int | None = None,
+                      **options: Any) -> QuantizedPagedKV:
     """A zeroed quantized pool of `num_pages` pages of `page_size` tokens.
 
     Args:
@@ -610,6 +611,8 @@ def init_quantized_kv(config: ModelConfig, num_pages: int, page_size: int, codec
         page_size: P; a multiple of the group for KIVI.
         codec_name: a registered codec name.
         num_seq_slots: KIVI only: sequences whose exact windows the state holds.
+        num_layers: layers a page holds (`KVCacheSpec.layers_per_table` for a model with
+            several layer groups; None: every layer of the model).
         **options: the codec's options (as for `make_codec`); a `page_size` option, which
             `kv_bytes_per_token` takes, must equal `page_size`.
     """
@@ -620,7 +623,8 @@ def init_quantized_kv(config: ModelConfig, num_pages: int, page_size: int, codec
                          f"pool's page_size={page_size}")
     codec = make_codec(codec_name, **options)
     _check_page_size(codec, page_size)
-    num_layers, heads, head_dim = config.num_layers, config.num_kv_heads, config.head_dim
+    heads, head_dim = config.num_kv_heads, config.head_dim
+    num_layers = config.num_layers if num_layers is None else num_layers
     num_slots = num_pages * page_size
     spec = codec.storage_spec(num_slots, heads, head_dim)
     v_stored = _page_major(spec, num_layers, num_pages)
@@ -646,7 +650,7 @@ def calibrate_fp8(kv: QuantizedPagedKV, k_scale: np.ndarray, v_scale: np.ndarray
     would decode wrongly); the codec names, and with them the provenance, change with the
     scales.
     """
-    if not _is_layered(kv.codec):
+    if not is_layered(kv.codec):
         raise ValueError(f"calibrate_fp8 needs a calibrated-mode fp8 codec, got "
                          f"{kv.codec.name!r} (pass scaling='calibrated')")
     num_layers, heads = kv.v_stored["codes"].shape[0], kv.v_stored["codes"].shape[3]

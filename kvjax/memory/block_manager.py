@@ -375,6 +375,37 @@ class BlockManager:
         seq.num_tokens = end
         return AllocStatus.OK, copies
 
+    def ensure_restored(
+        self, seq_id: Hashable, start: int, end: int
+    ) -> tuple[AllocStatus, list[CopyOp]]:
+        """Makes positions [start, end) of a returning sequence (registered again with its
+        cached prefix, its KV coming back from host memory or a snapshot) writable, its next
+        query at `end`: with a window only the pages that query reads (`release_returning`,
+        `restored_start`), else `ensure_writable(seq_id, start, end)`."""
+        self.release_returning(seq_id, end)
+        return self.ensure_writable(seq_id, self.restored_start(start, end), end)
+
+    def restored_start(self, start: int, end: int) -> int:
+        """Where a returning sequence's pages begin to be written: `start`, or with a window
+        the first page a query at `end` reads when that is later."""
+        if not self.window:
+            return start
+        return max(start, self._first_needed(end) // self.page_size * self.page_size)
+
+    def release_returning(self, seq_id: Hashable, end: int) -> list[int]:
+        """With a window: a returning sequence's entries before the first page a query at
+        `end` reads become RELEASED (its table padded with RELEASED up to there, attached prefix
+        pages among them given back). A no-op without a window.
+
+        Returns:
+            The pages that went to the free list.
+        """
+        if not self.window:
+            return []
+        table = self._get(seq_id).block_table
+        table.extend([RELEASED] * (self._first_needed(end) // self.page_size - len(table)))
+        return self.release_before(seq_id, end)
+
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Registers `child_id` sharing every page of `parent_id` (e.g. n > 1 samples)."""
         parent = self._get(parent_id)

@@ -251,6 +251,26 @@ class GroupedBlockManager:
             copies += group_copies
         return AllocStatus.OK, copies
 
+    def ensure_restored(self, seq_id: Hashable, start: int, end: int
+                        ) -> tuple[AllocStatus, list[CopyOp]]:
+        """Makes a returning sequence's positions [start, end) writable, its next query at
+        `end` (its KV comes back from host memory or a snapshot): every group's pages from
+        `start`, a window's only from the first page that query reads, all-or-nothing but for
+        the window pages before it, which are given back either way."""
+        for m in self.groups:
+            self._released += m.release_returning(seq_id, end)
+        starts = [m.restored_start(start, end) for m in self.groups]
+        needed = sum(m.pages_to_write(seq_id, s, end)
+                     for m, s in zip(self.groups, starts, strict=True))
+        if needed > self.num_free_pages():
+            return AllocStatus.NO_PAGES, []
+        copies = []
+        for m, s in zip(self.groups, starts, strict=True):
+            status, group_copies = m.ensure_writable(seq_id, s, end)
+            assert status is AllocStatus.OK, "pages counted free above must be allocatable"
+            copies += group_copies
+        return AllocStatus.OK, copies
+
     def take_released(self) -> list[int]:
         """Pages windows gave back (to the free list) since the last call: to scrub."""
         released, self._released = self._released, []

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvjax.kv.retention_host import RetentionManager, SeqLayout
-from kvjax.memory.block_manager import AllocStatus, CopyOp
+from kvjax.memory.block_manager import RELEASED, AllocStatus, CopyOp
 from kvjax.memory.host_pool import HostPagePool
 from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
 from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last, pages_for
@@ -65,6 +65,8 @@ class KVCacheManager:
             allocator.clock = clock  # when cached pages are released (CachedPage.released_at)
         self._floors: dict[str, int] = {}  # sequence -> tokens its pages hold from the start
         self._ops: list[KVOp] = []
+        # swapped sequence -> (block-table entry, layer group) of each page its host copy holds
+        self._swapped_entries: dict[str, list[tuple[int, int]]] = {}
         self._plan: list[KVOp] | None = None  # data ops deferred to the step; None: apply now
         self.tracer: Tracer = NULL_TRACER
         self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
@@ -249,10 +251,14 @@ class KVCacheManager:
         self.allocator.free(seq_id)
         self._floors.pop(seq_id, None)
 
-    def allocate(self, seq_id: str, start: int, end: int) -> bool:
+    def allocate(self, seq_id: str, start: int, end: int, *, returning: bool = False) -> bool:
         """Makes cache positions [start, end) of a sequence writable (new pages, copy-on-write
-        copies of shared ones, applied now); False when the pool has no room."""
-        status, copies = self.allocator.ensure_writable(seq_id, start, end)
+        copies of shared ones, applied now); False when the pool has no room.
+
+        returning: the positions' KV comes back from host memory or a snapshot and the next
+        query is at `end`, so a sliding-window layer group takes pages only for its window."""
+        ensure = self.allocator.ensure_restored if returning else self.allocator.ensure_writable
+        status, copies = ensure(seq_id, start, end)
         released = self.allocator.take_released()  # pages sliding windows gave back
         if self.scrub_freed_pages and released:
             self.scrub(released)
@@ -431,8 +437,12 @@ class KVCacheManager:
         A sequence retention compacted keeps its record of which tokens its pages hold."""
         held = self.cached_len(seq_id, num_computed)
         # Host-resident pages are host memory already: they wait in the host pool.
-        pages = self.block_table(seq_id)[self.num_host_pages(seq_id):pages_for(held,
-                                                                              self.page_size)]
+        entries = self._held_entries(seq_id, self.num_host_pages(seq_id),
+                                     pages_for(held, self.page_size))
+        tables = self.allocator.block_tables(seq_id)
+        pages = [tables[group][index] for index, group in entries]
+        if self.tiers is None:  # a copy in the tiers comes back as tier loads, by its keys
+            self._swapped_entries[seq_id] = entries
         nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
             self.swap_space.swap_out(kv, seq_id, pages, demote_bits=demote_bits)))
         self.stats["swaps_out"] += 1
@@ -450,6 +460,7 @@ class KVCacheManager:
         first = cached // self.page_size
         nbytes = []
         num_host = self.num_host_pages(seq_id)
+        targets, skipped = self._swap_targets(seq_id, first)
         if num_host:  # its host-resident pages come back too (those the prefix cache lacks)
             host = self.host_table(seq_id)
             if first < num_host:
@@ -463,24 +474,50 @@ class KVCacheManager:
             self.host_pool.free(seq_id)
 
         def swap_in(kv):
-            kv, n = self.swap_space.swap_in(kv, seq_id, pages[num_host:],
-                                            max(first - num_host, 0))
+            kv, n = self.swap_space.swap_in(kv, seq_id, targets, skipped)
             nbytes.append(n)
             return kv
 
-        self._apply(KVOp(KVOpKind.SWAP_IN, tuple(pages[first:])), swap_in)
-        self.mark_written(pages[first:], version)
+        written = [p for table in self.allocator.block_tables(seq_id) for p in table[first:]
+                   if p != RELEASED]
+        self._apply(KVOp(KVOpKind.SWAP_IN, tuple(written)), swap_in)
+        self.mark_written(written, version)
         self.stats["swaps_in"] += 1
         self.stats["swap_bytes"] += nbytes[0]
         return True
 
+    def _held_entries(self, seq_id: str, start: int, stop: int) -> list[tuple[int, int]]:
+        """(block-table entry, layer group) of every page the sequence holds in entries
+        [start, stop) of its tables, entry by entry (a window's released entries left out)."""
+        tables = self.allocator.block_tables(seq_id)
+        return [(index, group) for index in range(start, stop)
+                for group, table in enumerate(tables) if table[index] != RELEASED]
+
+    def _swap_targets(self, seq_id: str, first: int) -> tuple[list[int], int]:
+        """Where a returning sequence's swapped pages go: the page of each one's entry in its
+        group's new table (RELEASED where a window no longer reads it), and how many lead
+        entries before `first` the prefix cache supplied (skipped)."""
+        entries = self._swapped_entries.pop(seq_id)
+        tables = self.allocator.block_tables(seq_id)
+        targets = [tables[group][index] for index, group in entries]
+        skipped = sum(index < first for index, _ in entries)
+        stored = set(entries)
+        lost = [(index, group) for group, table in enumerate(tables)
+                for index in range(max(first, self.num_host_pages(seq_id)), len(table))
+                if table[index] != RELEASED and (index, group) not in stored]
+        if lost:
+            raise RuntimeError(f"sequence {seq_id!r} came back with pages at (entry, group) "
+                               f"{lost[:4]} that its swapped copy does not hold")
+        return targets, skipped
+
     def place(self, seq_id: str, token_ids: Sequence[int], num_computed: int, cache_key: bytes,
               version: str, num_pages: int, scatter, retention: dict | None = None,
               kv_floor: int = 0) -> bool:
-        """Registers a sequence whose first `num_pages` pages of KV come from outside the pool
-        (a snapshot): prefix-cache hits are shared, the rest written by
-        `scatter(kv, pages, first) -> kv` (pages: the pool pages for saved pages first..;
-        the sequence's slot is `seq_slot(seq_id)` by then). `retention`: the retention record
+        """Registers a sequence whose first `num_pages` block-table entries of KV come from
+        outside the pool (a snapshot): prefix-cache hits are shared, the rest written by
+        `scatter(kv, tables, first) -> kv` (tables: [G][num_pages - first], every layer group's
+        pool pages for entries first.., RELEASED where a window no longer reads the entry; the
+        sequence's slot is `seq_slot(seq_id)` by then). `retention`: the retention record
         saved with the pages (`RetentionManager.record`), if any; `kv_floor`: the sequence's
         `kv_floor` when it was saved. False, with nothing changed, when the pool has no room."""
         self.retention.restore(seq_id, retention)
@@ -491,10 +528,11 @@ class KVCacheManager:
             self._floors.pop(seq_id, None)
             return False
         first = cached // self.page_size
-        table = self.block_table(seq_id)[first:num_pages]
-        self._apply(KVOp(KVOpKind.SCATTER, tuple(table)),
-                          lambda kv: scatter(kv, table, first))
-        self.mark_written(table, version)
+        tables = [t[first:num_pages] for t in self.allocator.block_tables(seq_id)]
+        written = [p for t in tables for p in t if p != RELEASED]
+        self._apply(KVOp(KVOpKind.SCATTER, tuple(written)),
+                    lambda kv: scatter(kv, tables, first))
+        self.mark_written(written, version)
         self.commit(seq_id, token_ids[:num_computed])
         return True
 
@@ -508,7 +546,7 @@ class KVCacheManager:
         floor = self._floors.get(seq_id)
         cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
                              indexable=held == num_computed)
-        if not self.allocate(seq_id, cached, held):
+        if not self.allocate(seq_id, cached, held, returning=True):
             self.unregister(seq_id)
             if floor is not None:  # It stays swapped out, with the floor it had.
                 self._floors[seq_id] = floor
@@ -538,6 +576,7 @@ class KVCacheManager:
     def drop_swapped(self, seq_id: str) -> None:
         """Forgets a sequence's host copy (it finished or restarts)."""
         self.swap_space.drop(seq_id)
+        self._swapped_entries.pop(seq_id, None)
         self.retention.drop(seq_id)
         self._floors.pop(seq_id, None)
         if self.host_pool is not None:

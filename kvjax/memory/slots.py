@@ -64,6 +64,11 @@ class SlotAllocator:
             self._slot_of[seq_id] = self._free.pop()
         return AllocStatus.OK, []
 
+    def ensure_restored(self, seq_id: Hashable, start: int, end: int
+                        ) -> tuple[AllocStatus, list[CopyOp]]:
+        """A returning sequence's slot (`ensure_writable`: a slot holds every position)."""
+        return self.ensure_writable(seq_id, start, end)
+
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[CopyOp]:
         """Gives the child its own slot holding a copy of the parent's pages."""
         if not self._free:

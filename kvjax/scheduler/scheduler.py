@@ -52,6 +52,9 @@ class SchedulerConfig:
       is_paged: the pool is paged (swapping and page-level admission apply).
       preemption_mode: RECOMPUTE, SWAP or AUTO.
       kv_bytes_per_token: device bytes one cached token takes (the swap cost model's input).
+      kv_bytes_held: bytes a sequence of n cached tokens holds (`KVCacheSpec.bytes_held`: a
+        sliding-window layer keeps only its window), which the swap cost model prices; None:
+        n * kv_bytes_per_token.
       swap_bandwidth_bytes_per_s: measured or configured device<->host rate (AUTO).
       recompute_tokens_per_s: configured recompute rate (AUTO); None: measured from the steps.
       max_inflight_loads: tier loads in flight at once.
@@ -79,6 +82,7 @@ class SchedulerConfig:
     is_paged: bool
     preemption_mode: PreemptionMode
     kv_bytes_per_token: float
+    kv_bytes_held: Callable[[int], float] | None = None
     swap_bandwidth_bytes_per_s: float | None = None
     recompute_tokens_per_s: float | None = None
     max_inflight_loads: int = 1
@@ -756,8 +760,10 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         mode = self.config.preemption_mode
         if mode is not PreemptionMode.AUTO:
             return mode is PreemptionMode.SWAP
-        decision = decide_preemption(seq.seq_id, seq.num_computed,
-                                     bytes_per_token=self.config.kv_bytes_per_token,
+        n, held = seq.num_computed, self.config.kv_bytes_held
+        decision = decide_preemption(seq.seq_id, n,
+                                     bytes_per_token=held(n) / n if held and n
+                                     else self.config.kv_bytes_per_token,
                                      bandwidth_bytes_per_s=self.config.swap_bandwidth_bytes_per_s,
                                      recompute_tokens_per_s=self._recompute_rate())
         self.stats["preemption_decisions"].append(dataclasses.asdict(decision))

@@ -1,27 +1,35 @@
 """A model with sliding-window layers beside global ones: two KV layer groups in one pool.
 
 Oracles: the cache-free dense greedy reference (which masks each layer to its window), the
-same engine with async scheduling off, and the `KVCacheSpec`'s prediction of the bytes a
-sequence holds. Transformers parity on the same weights is in tests/models/test_architectures.py
-(qwen3-sliding, mistral-window).
+same engine with async scheduling off or room for every sequence, the `KVCacheSpec`'s
+prediction of the bytes a sequence holds, and for quantized pools a dense forward over keys and
+values rounded through the same codec. Transformers parity on the same weights is in
+tests/models/test_architectures.py (qwen3-sliding, mistral-window).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kvjax import EngineConfig, SamplingParams
+from kvjax.engine.config import PreemptionMode
 from kvjax.engine.engine import Engine
-from kvjax.engine.step import AttentionImpl, attention_name
-from kvjax.kv import native
+from kvjax.engine.snapshot import restore_snapshot, save_snapshot
+from kvjax.engine.step import AttentionImpl, LogitsMode, attention_name
+from kvjax.kv import codecs, native
 from kvjax.kv.state import pages_for
+from kvjax.memory.tiers.config import TierConfig
+from kvjax.models import llama
 from kvjax.testing import TINY, greedy_reference, tiny_model
 
 WINDOW, P = 8, 4
 NEW = 24
+FLOAT32_REL_TOL = 1e-4  # of the largest |logit|: float32 summation order, nothing else
 BASE = dict(page_size=P, max_num_batched_tokens=32, max_prefill_chunk=16, max_num_seqs=4,
             max_model_len=128)
 
@@ -65,6 +73,120 @@ def test_async_and_sync_decode_the_dense_reference(model, workload, overrides):
     if overrides["num_pages"] == 24:
         assert engine.stats["preemptions"] > 0, "the pool was meant to force preemption"
         assert engine.stats["scrubbed_pages"] > 0
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(preemption_mode=PreemptionMode.SWAP),
+    # The cost model at a link this fast picks swapping for every preemption.
+    dict(preemption_mode=PreemptionMode.AUTO, tiers=TierConfig(
+        swap_bandwidth_bytes_per_s=1e15, recompute_tokens_per_s=1.0)),
+], ids=["swap", "auto"])
+def test_preemption_by_swap_decodes_the_dense_reference(model, workload, overrides):
+    """Too few pages for every sequence at once: preempted sequences swap every group's held
+    pages to host memory and back into fresh pages of each group; greedy tokens equal the
+    dense reference's (and so the unpreempted engine's above), and every page comes back."""
+    prompts, refs = workload
+    engine, got = run(model, prompts, num_pages=24, scrub_freed_pages=True, **overrides)
+    assert got == refs
+    assert engine.stats["preemptions"] > 0, "the pool was meant to force preemption"
+    assert engine.stats["swaps_out"] == engine.stats["swaps_in"] == engine.stats["preemptions"]
+    assert engine.allocator.num_free_pages() == 24  # cached or free: nothing leaked
+    decisions = engine.stats["preemption_decisions"]  # auto's: priced at the bytes held
+    is_auto = overrides["preemption_mode"] is PreemptionMode.AUTO
+    assert len(decisions) == (engine.stats["preemptions"] if is_auto else 0)
+    for d in decisions:
+        n = d["num_tokens"]
+        assert d["swap_cost_s"] == pytest.approx(2 * engine.kv_spec.bytes_held(n) / 1e15)
+        if n > WINDOW:
+            assert d["swap_cost_s"] < 2 * n * engine.kv_bytes_per_token / 1e15
+
+
+def test_swapping_both_tables_compiles_nothing_after_warmup(model):
+    """A swap gathers and a scrub zeroes the pages of both tables at once, more than one
+    table's width for a sequence near max_model_len: warm-up compiles their programs for that
+    many pages, so swapping such a sequence out and back compiles nothing new."""
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, 120, 120)]
+    engine = Engine(model, EngineConfig(**BASE, num_pages=64, scrub_freed_pages=True,
+                                        preemption_mode=PreemptionMode.SWAP,
+                                        enable_prefix_cache=False))
+    compiled = engine.warmup()
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    while len(engine.sequence("r#0").output_ids) < 2:
+        engine.step()
+    engine.pause("r", to_host=True)
+    num_pages = engine.stats["swap_bytes"] // engine.kv_spec.page_bytes
+    assert num_pages > engine.block_table_width  # both tables: past one table's buckets
+    engine.resume("r")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].token_ids == greedy_reference(model, prompt, 6)
+    assert engine.stats["swaps_in"] == 1
+    assert engine.num_compiles == compiled
+
+
+def test_a_swapped_window_moves_only_the_pages_it_holds(model):
+    """Paused to host memory while decoding past the window, a sequence moves every page of
+    its global table but only its window's pages, and comes back holding just those; its
+    tokens equal the dense reference's."""
+    prompt = list(range(1, 41))
+    engine = Engine(model, EngineConfig(**BASE, num_pages=64, enable_prefix_cache=False))
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    seq = "r#0"
+    while len(engine.sequence(seq).output_ids) < 6:
+        engine.step()
+    engine.drain()
+    num_computed = engine.sequence(seq).num_computed
+    global_group, window_group = engine.allocator.groups
+    held = [pages_for(num_computed, P), sum(
+        p >= 0 for p in window_group.block_table(seq)[:pages_for(num_computed, P)])]
+    assert global_group.num_held_pages(seq) >= held[0] > pages_for(WINDOW, P) + 1 >= held[1]
+    page_bytes = engine.kv_spec.page_bytes
+    engine.pause("r", to_host=True)
+    assert engine.stats["swap_bytes"] == sum(held) * page_bytes
+    assert engine.allocator.num_free_pages() == 64
+    engine.resume("r")
+    engine.step()
+    assert engine.stats["swaps_in"] == 1
+    assert engine.stats["swap_bytes"] == 2 * sum(held) * page_bytes
+    assert window_group.num_held_pages(seq) <= pages_for(WINDOW, P) + 1
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].token_ids == greedy_reference(model, prompt, NEW)
+    assert engine.allocator.num_free_pages() == 64
+
+
+@pytest.mark.parametrize("warm_target", [False, True], ids=["cold", "prefix_hit"])
+def test_a_windowed_sequence_migrates_through_a_snapshot(model, tmp_path, warm_target):
+    """Saved while decoding past the window, a sequence restores into another engine (from the
+    snapshot alone, or sharing the prompt pages the target's prefix cache holds) with only
+    its window's pages in the sliding group, and continues with the dense reference's
+    tokens; every page comes back when it ends."""
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, 120, 40)]
+    ref = greedy_reference(model, prompt, NEW)
+    config = EngineConfig(**BASE, num_pages=64)
+    source, target = Engine(model, config), Engine(model, config)
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    if warm_target:
+        target.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    source.add_request("r", prompt, greedy)
+    while len(source.sequence("r#0").output_ids) < 6:
+        source.step()
+    save_snapshot(source, tmp_path / "snap")
+    source.abort("r")
+    hits = target.prefix_cache_stats()["prefix_hit_tokens"]
+    restore_snapshot(target, tmp_path / "snap")
+    assert (target.prefix_cache_stats()["prefix_hit_tokens"] > hits) == warm_target
+    global_group, window_group = target.allocator.groups
+    n = target.sequence("r#0").num_computed
+    assert global_group.num_held_pages("r#0") == pages_for(n, P)
+    assert window_group.num_held_pages("r#0") <= pages_for(WINDOW, P) + 1
+    outputs = []
+    while target.has_unfinished():
+        outputs += target.step()
+    assert outputs[-1].outputs[0].token_ids == ref
+    assert target.allocator.num_free_pages() == 64
 
 
 def test_a_sequence_holds_its_window_and_the_spec_predicts_its_bytes(model):
@@ -116,12 +238,77 @@ def test_the_same_budget_runs_more_sequences_at_once(model):
     assert most_running(model) == (4, 0)
 
 
+def codec_dense_reference(model, tokens: list[int], codec_name: str, **options
+                          ) -> np.ndarray:
+    """[T, V] logits of a cache-free dense forward whose every layer attends over its keys and
+    values rounded through the codec (int8: one scale per token and head), each layer masked
+    to its window: what a pool of that codec computes, without pages, tables or groups."""
+    config, codec = model.config, codecs.get_codec(codec_name, **options)
+    t = len(tokens)
+    positions = jnp.arange(t, dtype=jnp.int32)
+    behind = positions[:, None] - positions[None, :]  # [T, S]
+    windows = jnp.asarray([config.layer_window(i) for i in range(config.num_layers)], jnp.int32)
+
+    def attend(layer, q, k, v, cache):
+        k, v = (codec.decode(codec.encode(x)).astype(jnp.float32) for x in (k, v))  # [S, K, D]
+        visible = (behind >= 0) & ((windows[layer] <= 0) | (behind < windows[layer]))
+        qg = q.reshape(t, config.num_kv_heads, config.group_size, config.head_dim)
+        scores = jnp.einsum("tkgd,skd->kgts", qg.astype(jnp.float32), k) / np.sqrt(
+            config.head_dim)  # [K, G, T, S]
+        probs = jax.nn.softmax(jnp.where(visible[None, None], scores, -jnp.inf), axis=-1)
+        out = jnp.einsum("kgts,skd->tkgd", probs, v)  # [T, K, G, D]
+        return out.reshape(t, config.num_heads, config.head_dim).astype(q.dtype), cache
+
+    h, _ = llama.decode_body(model.params, config, jnp.asarray(tokens, jnp.int32), positions,
+                             attend, None)
+    return np.asarray(llama.lm_head(model.params, config, h))
+
+
+@pytest.mark.parametrize("codec", [("int8", {}), ("int4", {"group": 8})], ids=lambda c: c[0])
+def test_quantized_pools_per_table_group_compute_windowed_attention(model, codec):
+    """Codes and scales laid out per table group (pages of one group's two layers): a 48-token
+    prompt's teacher-forced logits (windows of 8 binding) equal the dense forward's over keys
+    and values rounded through the same codec to float32 rounding, while exact KV's differ
+    from it by the codec's error."""
+    name, options = codec
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 120, size=48)]
+    engine = Engine(model, EngineConfig(**{**BASE, "max_num_batched_tokens": 64,
+                                           "max_prefill_chunk": 64},
+                                        num_pages=64, kv_codec=name, kv_codec_options=options))
+    assert engine.kv.page_leaves()[0].shape[0] == 2  # each page: one group's two layers
+    engine.add_request("scored", prompt, SamplingParams(max_new_tokens=1))
+    engine.step(logits_mode=LogitsMode.ALL)  # one prefill chunk: row i is token i
+    got = np.asarray(engine.last_logits)[:len(prompt)]  # [T, V]
+    ref = codec_dense_reference(model, prompt, name, **options)
+    exact = np.asarray(llama.forward_dense(model.params, model.config,
+                                           np.asarray(prompt, np.int32)))
+    scale = np.max(np.abs(ref))
+    assert np.max(np.abs(got - ref)) <= FLOAT32_REL_TOL * scale
+    assert np.max(np.abs(exact - ref)) > 100 * FLOAT32_REL_TOL * scale  # the rounding shows
+
+
+def test_int8_windowed_tokens_survive_swap_preemption(model, workload):
+    """Swapped int8 pages come back as the same codes and scales: greedy tokens under forced
+    swap preemption (and prefix hits) equal the same engine's with room for everyone."""
+    prompts, _ = workload
+    roomy, expected = run(model, prompts, num_pages=64, kv_codec="int8")
+    engine, got = run(model, prompts, num_pages=24, kv_codec="int8",
+                      preemption_mode=PreemptionMode.SWAP)
+    assert engine.stats["swaps_in"] > 0 and roomy.stats["preemptions"] == 0
+    assert engine.prefix_cache_stats()["prefix_hit_tokens"] > 0
+    assert got == expected
+    assert engine.allocator.num_free_pages() == 24
+
+
 def test_windowed_models_refuse_features_that_move_one_table(model):
-    for overrides, setting in ((dict(kv_codec="int8"), "kv_codec"),
-                               (dict(preemption_mode="swap"), "preemption_mode"),
+    for overrides, setting in ((dict(kv_codec="kivi4"), "kv_codec"),
                                (dict(retention="h2o", retention_budget=16), "retention")):
         with pytest.raises(ValueError, match=f"{setting}.*layer_groups"):
             Engine(model, EngineConfig(**BASE, **overrides))
+    # Calibrated fp8 scales are per model layer; a grouped page indexes layers within a group.
+    with pytest.raises(ValueError, match="calibrated scales does not serve model 'tiny-sliding'"):
+        Engine(model, EngineConfig(**BASE, kv_codec="fp8_e4m3",
+                                   kv_codec_options=dict(scaling="calibrated")))
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None,

@@ -197,3 +197,44 @@ def test_each_group_keeps_its_own_tokens_and_holds_the_pages_of_its_budget(data,
     alloc.free("a")
     alloc.free("b")
     assert alloc.num_free_pages() == num_pages
+def test_a_returning_sequence_takes_only_the_pages_its_windows_read():
+    """A sequence coming back from host memory with 20 computed tokens needs every global page
+    but only the window page its next query reads: 6 pages fit in 9 where writing all 20
+    tokens in both groups (10 pages) does not; in 5 nothing changes."""
+    alloc = GroupedBlockManager(9, P, (0, 4), enable_prefix_cache=False)
+    alloc.add_sequence("a", list(range(1, 21)))
+    assert alloc.ensure_writable("a", 0, 20)[0] is AllocStatus.NO_PAGES
+    assert alloc.ensure_restored("a", 0, 20)[0] is AllocStatus.OK
+    global_table, window_table = alloc.block_tables("a")
+    assert RELEASED not in global_table and len(global_table) == 5
+    assert window_table[:4] == [RELEASED] * 4 and window_table[4] != RELEASED
+    assert alloc.num_free_pages() == 3
+    alloc.free("a")
+    assert alloc.num_free_pages() == 9
+    small = GroupedBlockManager(5, P, (0, 4), enable_prefix_cache=False)
+    small.add_sequence("a", list(range(1, 21)))
+    assert small.ensure_restored("a", 0, 20)[0] is AllocStatus.NO_PAGES
+    assert small.block_tables("a")[0] == [] and small.num_free_pages() == 5
+
+
+def test_a_returning_sequence_gives_back_prefix_pages_behind_its_window():
+    """Returning with 24 tokens on a 16-token prefix hit, the window group attaches the hit's
+    last page, which its next query (at 24) no longer reads: it goes back to the cache and
+    only the page of tokens 20..23 is new; the global group takes the two pages after the
+    hit."""
+    alloc = GroupedBlockManager(16, P, (0, 4))
+    prompt = list(range(1, 17))
+    alloc.add_sequence("a", prompt)
+    assert alloc.ensure_writable("a", 0, 16)[0] is AllocStatus.OK
+    alloc.commit("a", prompt)
+    alloc.free("a")
+    tokens = prompt + list(range(30, 39))
+    assert alloc.add_sequence("b", tokens) == 16
+    assert alloc.block_tables("b")[1][3] != RELEASED  # the hit's window page
+    assert alloc.ensure_restored("b", 16, 24)[0] is AllocStatus.OK
+    global_table, window_table = alloc.block_tables("b")
+    assert RELEASED not in global_table and len(global_table) == 6
+    assert window_table[:5] == [RELEASED] * 5 and window_table[5] != RELEASED
+    assert alloc.num_held_pages("b") == 7
+    alloc.free("b")
+    assert alloc.num_free_pages() == 16
