@@ -250,6 +250,7 @@ class ModelTrait(enum.Enum):
     LAYER_GROUPS = "layer_groups"
     PER_LAYER_ROPE = "per_layer_rope"
     MLA_LATENT = "mla_latent"
+    MOE = "moe"
 
     @property
     def description(self) -> str:
@@ -266,6 +267,8 @@ _TRAIT_DESCRIPTIONS = {
                                "local_rope, e.g. Gemma 3's local and global layers)",
     ModelTrait.MLA_LATENT: "multi-head latent attention (ModelConfig.mla, DeepSeek-V2/V3): "
                            "one latent row per token and layer in place of K and V heads",
+    ModelTrait.MOE: "a mixture-of-experts MLP (ModelConfig.moe: Mixtral, Qwen2/Qwen3-MoE, "
+                    "DeepSeek-V2/V3)",
 }
 _LATENT_CODEC = ("a KV codec quantizes K and V heads token by token, while an MLA page holds "
                  "one latent row per token that is the key and, in its first kv_lora_rank "
@@ -339,6 +342,9 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     (ModelTrait.MLA_LATENT, Feature.BATCH_INVARIANT):
         "the batch-invariant attention is the native CPU kernel, which reads K and V pages of "
         "their own, not MLA latent pages",
+    (ModelTrait.MOE, Feature.BATCH_INVARIANT):
+        "the routed experts run as XLA einsums whose summation order, and whether each token "
+        "gathers its experts or every expert runs, change with the step's token count",
 }
 """Every feature a model trait refuses, with the reason."""
 
@@ -353,6 +359,8 @@ def model_traits(model_config: Any) -> set[ModelTrait]:
         traits.add(ModelTrait.PER_LAYER_ROPE)
     if model_config.mla is not None:
         traits.add(ModelTrait.MLA_LATENT)
+    if model_config.moe is not None:
+        traits.add(ModelTrait.MOE)
     return traits
 
 

@@ -322,7 +322,7 @@ def test_hf_unknown_tensor(tiny_llama):
     (dict(rope_scaling={"type": "linear", "factor": 2.0}, partial_rotary_factor=0.5),
      "partial_rotary_factor"),
     (dict(num_local_experts=8), "mixture-of-experts"),
-    (dict(model_type="qwen3_moe", num_experts=4), "mixture-of-experts"),
+    (dict(model_type="qwen2", num_experts=4), "mixture-of-experts"),
     (dict(model_type="qwen3", layer_types=["sliding_attention", "full_attention"]),
      "sliding-window"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
