@@ -6,8 +6,10 @@ mistral, qwen2 (Qwen2, Qwen2.5: Q/K/V biases), qwen3 (per-head Q/K RMSNorm, no b
 (GeGLU, (1 + w) RMSNorms before and after attention and MLP, scaled embeddings, the query
 scale `query_pre_attn_scalar`, Gemma 2's attention and final logit soft caps, Gemma 3's Q/K
 norms and its local layers' own RoPE base), deepseek_v2 and deepseek_v3 (multi-head latent
-attention, `kvjax.models.mla`, with dense MLPs: every layer below `first_k_dense_replace`). The
-RoPE of every one is read by `kvjax.models.rope.RoPE.from_hf`.
+attention, `kvjax.models.mla`), and the mixtures of experts mixtral, qwen2_moe (a shared expert
+behind a sigmoid gate, Q/K/V biases), qwen3_moe (Q/K norms) and DeepSeek's MoE layers
+(`kvjax.models.moe`; `moe_config_from_hf` reads the routing). The RoPE of every one is read by
+`kvjax.models.rope.RoPE.from_hf`.
 
 Hugging Face stores linear weights as [out, in]; kvjax computes `x @ W`, so every matrix is
 transposed to [in, out], and per-layer tensors are stacked on a leading L axis (see
@@ -15,7 +17,8 @@ transposed to [in, out], and per-layer tensors are stacked on a leading L axis (
 except DeepSeek's, whose RoPE turns interleaved pairs: their RoPE columns are permuted on
 loading (`kvjax.models.mla.rope_permutation`).
 
-What is rejected rather than silently computed wrong: mixture-of-experts configs, RoPE types
+What is rejected rather than silently computed wrong: experts on other architectures,
+DeepSeek routing methods other than greedy, group-limited greedy and V3's sigmoid, RoPE types
 `RoPE.from_hf` does not know, partial rotary embeddings, activations other than SiLU, biases
 beyond Qwen2's Q/K/V biases. Sliding windows become `ModelConfig.layer_windows`
 (`layer_windows_from_hf`): Mistral's and Phi-3's one window on every layer, Qwen2/Qwen3's on the
