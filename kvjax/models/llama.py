@@ -254,22 +254,23 @@ def dense_mlp(config: ModelConfig, p: Params, x: jax.Array, matmul: Matmul = lin
 
 
 def mlp(config: ModelConfig, p: Params, x: jax.Array, layer_index: jax.Array,
-        matmul: Matmul = linear_lib.matmul) -> jax.Array:
-    """Layer `layer_index`'s MLP (dense, or mixture of experts: `kvjax.models.moe`).
-    x: [T, H], already through mlp_norm -> [T, H]."""
+        matmul: Matmul = linear_lib.matmul, linear: LayerLinear | None = None) -> jax.Array:
+    """Layer `layer_index`'s MLP (dense, or mixture of experts: `kvjax.models.moe`, whose
+    experts `linear` reads in place when given). x: [T, H], already through mlp_norm -> [T, H].
+    """
     if config.moe is None:
         return dense_mlp(config, p, x, matmul)
     if not config.moe.dense_layers:
-        return moe.moe_mlp(config, p, x, matmul)
+        return moe.moe_mlp(config, p, x, matmul, layer_index, linear)
     is_dense = jnp.asarray(moe.dense_layer_flags(config))[layer_index]
     return jax.lax.cond(is_dense, lambda: dense_mlp(config, p, x, matmul),
-                        lambda: moe.moe_mlp(config, p, x, matmul))
+                        lambda: moe.moe_mlp(config, p, x, matmul, layer_index, linear))
 
 
 def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
                   layer_params: Params, layer_index: jax.Array, cache: Any,
-                  matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None
-                  ) -> tuple[jax.Array, Any]:
+                  matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None,
+                  linear: LayerLinear | None = None) -> tuple[jax.Array, Any]:
     """One decoder block. h: [T, H]. `matmul(x, w)` multiplies by one of layer_params' matrices
     (x @ w accumulated in float32 by default); `row_sum` takes RMSNorm's sums (None: XLA's)."""
     c = config
@@ -284,7 +285,7 @@ def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions
         attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
         out = matmul(attn.reshape(t, -1).astype(h.dtype), p["wo"])  # [T, H]
     h = h + (norm(c, out, p["post_attn_norm"], row_sum) if c.sandwich_norms else out)
-    out = mlp(c, p, norm(c, h, p["mlp_norm"], row_sum), layer_index, matmul)  # [T, H]
+    out = mlp(c, p, norm(c, h, p["mlp_norm"], row_sum), layer_index, matmul, linear)  # [T, H]
     h = h + (norm(c, out, p["post_mlp_norm"], row_sum) if c.sandwich_norms else out)
     return h, cache
 
@@ -318,12 +319,14 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
     else:
         def body(carry, layer_index):
             h, cache = carry
-            # Matrices ([L, In, Out]) stay whole for `linear`; norms and biases are sliced.
-            layer_params = {name: w if w.ndim == 3 else w[layer_index]
+            # Matrices ([L, In, Out]) stay whole for `linear`, and expert stacks ([L, ...],
+            # 4-D) for `kvjax.models.moe` to read only the chosen experts; norms and biases
+            # are sliced.
+            layer_params = {name: w if w.ndim >= 3 else w[layer_index]
                             for name, w in layers.items()}
             h, cache = decoder_layer(
                 config, attend, h, positions, layer_params, layer_index, cache,
-                matmul=lambda x, w: linear(x, w, layer_index), row_sum=row_sum)
+                matmul=lambda x, w: linear(x, w, layer_index), row_sum=row_sum, linear=linear)
             return (h, cache), None
 
         (h, cache), _ = jax.lax.scan(body, (h, cache), layer_ids)

@@ -5,7 +5,7 @@ A MoE layer's params (`x @ W` orientation, stacked on a leading L axis like the 
 
   router:         [L, H, E]
   router_bias:    [L, E]        only with `MoeConfig.score_bias` (DeepSeek-V3's choice bias)
-  w_gate_exps:    [L, E, H, Fe]
+  w_gate_exps:    [L, E, H, Fe]  expert-major: each expert's matrix is one contiguous block
   w_up_exps:      [L, E, H, Fe]
   w_down_exps:    [L, E, Fe, H]
   w_gate_shared:  [L, H, Fs]    only with a shared expert
@@ -21,11 +21,19 @@ layer), not time.
 
 Static shapes, no token dropping. The routed experts run one of two exact ways, chosen by the
 step's static token count T:
-- T * k <= E (decode steps): each token gathers the weights of its own k experts and
-  multiplies by them: the step reads at most T * k experts' weights, the active params.
-- otherwise (prefill chunks): every expert runs on every token and the k chosen outputs are
-  summed with their weights: E / k times the active FLOPs, but one large matmul per weight and
-  no gather of T * k weight copies; with many tokens nearly every expert is chosen anyway.
+- T * k <= E (decode steps): one vector-matrix product per (token, chosen expert) pair, each
+  reading its expert's block through a dynamic slice (at most E unrolled pairs): the step reads
+  at most T * k experts' weights, the active params. (A batched einsum over gathered weights
+  was several times slower on the CPU: XLA materializes the gathered [T, k, H, Fe] copy.)
+- otherwise (prefill chunks, large decode batches): every expert runs on every token, one
+  [T, H] @ [H, Fe] matmul per expert and weight (E unrolled), its activations scaled by each
+  token's routing weight (0 where the expert was not chosen) before the down projection: E / k
+  times the active FLOPs, no gather; with many tokens nearly every expert is chosen anyway.
+
+Under a native linear (`kvjax.models.linear`, steps of few tokens on the CPU) the scan hands
+over the expert stacks whole ([L, E, ...], seen as [L * E, ...]) and each expert's matrix is
+multiplied where it lies, as the dense layers' are; under XLA the scan hands over the layer's
+slice and the experts are dynamic slices of it.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig, MoeConfig, MoeScoring
+from kvjax.models.linear import LayerLinear
 
 Params = dict[str, Any]
 # matmul(x [T, In], w [In, Out]) -> [T, Out]: a matrix of the layer's params (3-D stacks).
@@ -118,35 +127,62 @@ def _swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
 
 
 def routed_experts(moe: MoeConfig, p: Params, x: jax.Array, weights: jax.Array,
-                   experts: jax.Array) -> jax.Array:
+                   experts: jax.Array, layer_index: jax.Array | None = None,
+                   linear: LayerLinear | None = None) -> jax.Array:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]): [T, H] from x [T, H], exact (see the
-    module docstring for the two ways, picked by T)."""
+    module docstring for the two ways, picked by T). The expert params are one layer's
+    ([E, ...]), or whole stacks ([L, E, ...]) read at `layer_index`, by `linear` when given."""
     f32 = jnp.float32
-    t = x.shape[0]
-    wg, wu, wd = p["w_gate_exps"], p["w_up_exps"], p["w_down_exps"]  # [E, H, Fe], [E, Fe, H]
-    if t * moe.num_experts_per_tok <= moe.num_experts:
-        gate = jnp.einsum("th,tkhf->tkf", x, wg[experts], preferred_element_type=f32)
-        up = jnp.einsum("th,tkhf->tkf", x, wu[experts], preferred_element_type=f32)
-        act = (jax.nn.silu(gate).astype(x.dtype) * up.astype(x.dtype))  # [T, k, Fe]
-        out = jnp.einsum("tkf,tkfh->tkh", act, wd[experts], preferred_element_type=f32)
-        return jnp.einsum("tk,tkh->th", weights, out).astype(x.dtype)  # [T, H]
-    gate = jnp.einsum("th,ehf->tef", x, wg, preferred_element_type=f32)  # [T, E, Fe]
-    up = jnp.einsum("th,ehf->tef", x, wu, preferred_element_type=f32)
-    act = jax.nn.silu(gate).astype(x.dtype) * up.astype(x.dtype)
-    out = jnp.einsum("tef,efh->teh", act, wd, preferred_element_type=f32)  # [T, E, H]
-    combine = jnp.zeros((t, moe.num_experts), f32).at[
-        jnp.arange(t)[:, None], experts].add(weights)  # [T, E]: 0 for the experts not chosen
-    return jnp.einsum("te,teh->th", combine, out).astype(x.dtype)
+    t, k, e = x.shape[0], moe.num_experts_per_tok, moe.num_experts
+    stacks = [p["w_gate_exps"], p["w_up_exps"], p["w_down_exps"]]
+    if stacks[0].ndim == 4 and linear is not None:
+        flat = [w.reshape(-1, *w.shape[2:]) for w in stacks]  # [L * E, In, Out]
+
+        def times(rows, which, i):
+            return linear(rows, flat[which], layer_index * e + i).astype(f32)
+    else:
+        if stacks[0].ndim == 4:  # whole stacks under XLA: this layer's
+            stacks = [jax.lax.dynamic_index_in_dim(w, layer_index, 0, keepdims=False)
+                      for w in stacks]
+
+        def times(rows, which, i):
+            w = jax.lax.dynamic_index_in_dim(stacks[which], i, 0, keepdims=False)
+            return jnp.matmul(rows, w, preferred_element_type=f32)
+
+    def expert(rows: jax.Array, i: jax.Array | int) -> jax.Array:
+        """Expert i's SwiGLU hidden activations [R, Fe] (float32) on rows [R, H]."""
+        return jax.nn.silu(times(rows, 0, i)) * times(rows, 1, i)
+
+    if t * k <= e:
+        out = []
+        for row in range(t):
+            acc = jnp.zeros((1, x.shape[1]), f32)
+            for j in range(k):
+                ex = experts[row, j]
+                act = expert(x[row][None], ex).astype(x.dtype)  # [1, Fe]
+                acc = acc + weights[row, j] * times(act, 2, ex)
+            out.append(acc)
+        return jnp.concatenate(out).astype(x.dtype)  # [T, H]
+    combine = jnp.zeros((t, e), f32).at[jnp.arange(t)[:, None], experts].add(
+        weights)  # [T, E]: 0 for the experts not chosen
+    acc = jnp.zeros(x.shape, f32)
+    for i in range(e):
+        act = (expert(x, i) * combine[:, i, None]).astype(x.dtype)  # [T, Fe]
+        acc = acc + times(act, 2, i)
+    return acc.astype(x.dtype)  # [T, H]
 
 
-def moe_mlp(config: ModelConfig, p: Params, x: jax.Array, matmul: Matmul) -> jax.Array:
+def moe_mlp(config: ModelConfig, p: Params, x: jax.Array, matmul: Matmul,
+            layer_index: jax.Array | None = None, linear: LayerLinear | None = None
+            ) -> jax.Array:
     """One layer's MoE MLP. x: [T, H], already through the layer's mlp_norm. Returns [T, H].
 
     `matmul(x, w)` multiplies by the router and shared-expert matrices (3-D stacks under a
-    native linear); the experts ([E, ...] per layer) are multiplied by XLA."""
+    native linear); the experts (one layer's, or whole stacks read at `layer_index`) are
+    multiplied by XLA."""
     m = config.moe
     weights, experts = route(m, matmul(x, p["router"]), p.get("router_bias"))
-    out = routed_experts(m, p, x, weights, experts)
+    out = routed_experts(m, p, x, weights, experts, layer_index, linear)
     if m.shared_size:
         shared = _swiglu(x, p["w_gate_shared"], p["w_up_shared"], p["w_down_shared"], matmul)
         if m.shared_gate:
