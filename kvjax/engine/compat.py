@@ -343,8 +343,9 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         "the batch-invariant attention is the native CPU kernel, which reads K and V pages of "
         "their own, not MLA latent pages",
     (ModelTrait.MOE, Feature.BATCH_INVARIANT):
-        "the routed experts run as XLA einsums whose summation order, and whether each token "
-        "gathers its experts or every expert runs, change with the step's token count",
+        "whether each token's chosen experts run alone or every expert runs on every token "
+        "(each summed in its own order) depends on the step's token count, so a sequence's "
+        "logits change with the batch it shares",
 }
 """Every feature a model trait refuses, with the reason."""
 
