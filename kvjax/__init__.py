@@ -25,6 +25,8 @@ _EXPORTS = {
     "Model": "kvjax.models.model",
     "ModelConfig": "kvjax.config",
     "ModelSpec": "kvjax.engine.multi",
+    "MoeConfig": "kvjax.config",
+    "MoeScoring": "kvjax.config",
     "MultiModelEngine": "kvjax.engine.multi",
     "PoolConfig": "kvjax.engine.multi",
     "PreemptionMode": "kvjax.engine.config",

@@ -33,6 +33,93 @@ class MlpActivation(enum.Enum):
     GELU_TANH = "gelu_tanh"  # GeGLU with tanh-approximated GELU (Gemma's gelu_pytorch_tanh).
 
 
+class MoeScoring(enum.Enum):
+    """How a mixture-of-experts router turns its logits into expert scores."""
+
+    SOFTMAX = "softmax"  # softmax over every expert (Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V2).
+    SIGMOID = "sigmoid"  # per-expert sigmoid, chosen with a bias (DeepSeek-V3).
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: each token runs through `num_experts_per_tok` of `num_experts`
+    SwiGLU experts picked by a linear router, plus optional always-on shared experts.
+
+    Routing (Fe = expert_size): scores = softmax(logits) or sigmoid(logits); with groups, only
+    the experts of the `topk_groups` best of `num_groups` groups compete (a group's score is its
+    best expert's with softmax, the sum of its two best with sigmoid, whose choice adds the
+    per-expert correction bias); the top-k scores become the weights, renormalized to sum 1
+    when `norm_topk_prob`, times `routed_scaling`. Mixtral is softmax with renormalization
+    (a softmax over the top-k logits).
+
+    Attributes:
+      num_experts: E, routed experts per layer.
+      num_experts_per_tok: k, experts each token runs through.
+      expert_size: Fe, each routed expert's SwiGLU hidden size.
+      shared_size: the always-on shared expert's hidden size (DeepSeek's n_shared_experts
+        times Fe; Qwen2-MoE's shared_expert_intermediate_size), or 0: none.
+      shared_gate: the shared expert's output is scaled by sigmoid(x @ w) (Qwen2-MoE).
+      scoring: softmax or sigmoid scores.
+      norm_topk_prob: the k weights are renormalized to sum 1.
+      routed_scaling: the routed experts' weights are multiplied by this (DeepSeek).
+      num_groups / topk_groups: group-limited routing (DeepSeek); 1 / 1: none.
+      score_bias: the sigmoid choice adds a learned per-expert bias (DeepSeek-V3's
+        e_score_correction_bias, param `router_bias`).
+      dense_layers: the layers that run a dense MLP of `ModelConfig.intermediate_size` instead
+        (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers), ascending.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    expert_size: int
+    shared_size: int = 0
+    shared_gate: bool = False
+    scoring: MoeScoring = MoeScoring.SOFTMAX
+    norm_topk_prob: bool = True
+    routed_scaling: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    score_bias: bool = False
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for field in ("num_experts", "num_experts_per_tok", "expert_size", "num_groups",
+                      "topk_groups"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MoeConfig.{field} must be a positive int, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"MoeConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                             f"num_experts={self.num_experts}")
+        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
+            raise ValueError(f"MoeConfig: {self.num_experts} experts do not split into "
+                             f"num_groups={self.num_groups} with topk_groups={self.topk_groups}")
+        per_group = self.num_experts // self.num_groups
+        if self.topk_groups * per_group < self.num_experts_per_tok:
+            raise ValueError(f"MoeConfig: topk_groups={self.topk_groups} groups of {per_group} "
+                             f"experts hold fewer than num_experts_per_tok="
+                             f"{self.num_experts_per_tok}")
+        if self.scoring is MoeScoring.SIGMOID and self.num_groups > 1 and per_group < 2:
+            raise ValueError("MoeConfig: sigmoid group scores sum a group's two best experts; "
+                             f"groups of {per_group} expert are too small")
+        if isinstance(self.shared_size, bool) or not isinstance(self.shared_size, int) \
+                or self.shared_size < 0:
+            raise ValueError(f"MoeConfig.shared_size must be an int >= 0, got "
+                             f"{self.shared_size!r}")
+        if self.shared_gate and not self.shared_size:
+            raise ValueError("MoeConfig.shared_gate needs a shared expert (shared_size > 0)")
+        if self.score_bias and self.scoring is not MoeScoring.SIGMOID:
+            raise ValueError("MoeConfig.score_bias applies to sigmoid scoring only")
+        if not self.routed_scaling > 0:
+            raise ValueError(f"MoeConfig.routed_scaling must be positive, got "
+                             f"{self.routed_scaling!r}")
+        if list(self.dense_layers) != sorted(set(self.dense_layers)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0
+                for i in self.dense_layers):
+            raise ValueError(f"MoeConfig.dense_layers must be ascending distinct layer indices, "
+                             f"got {self.dense_layers!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class MlaConfig:
     """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one latent.
@@ -138,6 +225,8 @@ class ModelConfig:
         mla: multi-head latent attention (DeepSeek-V2/V3), or None. With it the cache holds
           one latent "head" per token: num_kv_heads is 1 and head_dim is `mla.cache_dim`
           (what attention reads), and the RoPE turns `mla.qk_rope_head_dim` columns.
+        moe: the mixture-of-experts MLP (Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V2/V3), or None:
+          every layer's MLP is dense. Experts change the weights, not the KV cache.
         layer_windows: per layer, the sliding window in tokens a query attends (0: every
           earlier token); empty when every layer is global. Layers of one window form one KV
           layer group (`kv_layer_groups`).
@@ -169,6 +258,7 @@ class ModelConfig:
     local_rope: RoPE | None = None
     local_rope_layers: tuple[int, ...] = ()
     mla: MlaConfig | None = None
+    moe: MoeConfig | None = None
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = "llama"
@@ -184,6 +274,12 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads}")
         self.rope.inv_freq(self.rope_dim)  # raises ValueError when the RoPE does not fit D
         self._check_mla()
+        if self.moe is not None and (self.moe.dense_layers and self.moe.dense_layers[-1]
+                                     >= self.num_layers or self.activation
+                                     is not MlpActivation.SILU):
+            raise ValueError(f"ModelConfig.moe needs SiLU experts and dense_layers below "
+                             f"num_layers={self.num_layers}, got {self.moe} with "
+                             f"{self.activation}")
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or any(
                 isinstance(w, bool) or not isinstance(w, int) or w < 0
                 for w in self.layer_windows)):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import MlaConfig, ModelConfig
+from kvjax.config import MlaConfig, ModelConfig, MoeConfig
 from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.models.rope import RoPE
@@ -36,6 +36,12 @@ TINY_MLA = dataclasses.replace(
     TINY, num_kv_heads=1, head_dim=20, name="tiny-mla",
     mla=MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                   q_lora_rank=12))
+
+# A mixture of experts (Mixtral's routing) at TINY's size: 8 experts of 16, 2 per token, so a
+# step of up to 4 tokens gathers its experts and a longer one runs them all.
+TINY_MOE = dataclasses.replace(
+    TINY, name="tiny-moe",
+    moe=MoeConfig(num_experts=8, num_experts_per_tok=2, expert_size=16))
 
 
 def tiny_model(config: ModelConfig = TINY, seed: int = 0, scale: float = 0.5) -> Model:

@@ -47,7 +47,9 @@ def _config_class(model_type: str):
                "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
                "gemma3_text": transformers.Gemma3TextConfig,
                "deepseek_v2": transformers.DeepseekV2Config,
-               "deepseek_v3": transformers.DeepseekV3Config}
+               "deepseek_v3": transformers.DeepseekV3Config,
+               "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+               "qwen3_moe": transformers.Qwen3MoeConfig}
     if model_type not in classes:
         raise ValueError(f"no tiny config for model_type {model_type!r}; known: {sorted(classes)}")
     return classes[model_type]
@@ -58,14 +60,15 @@ def make_tiny_hf_checkpoint(tmp_path: str | os.PathLike, model_type: str, *, see
                             **overrides: Any) -> Path:
     """Writes a small random `model_type` checkpoint with `save_pretrained` (safetensors).
 
-    Every parameter is random, including RMSNorm weights (Qwen3's per-head Q/K norms too) and
-    Qwen2's Q/K/V biases (which Hugging Face initializes to constants), so a mix-up of any two
-    tensors changes the logits.
+    Every parameter is random, including RMSNorm weights (Qwen3's per-head Q/K norms too),
+    Qwen2's Q/K/V biases and DeepSeek-V3's expert-choice bias (which Hugging Face initializes
+    to constants), so a mix-up of any two tensors changes the logits.
 
     Args:
       tmp_path: the parent directory; the checkpoint goes into `<tmp_path>/<model_type>-<seed>`.
       model_type: 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma2', 'gemma3_text',
-        'deepseek_v2' or 'deepseek_v3' (pass the MLA dims and first_k_dense_replace).
+        'deepseek_v2' or 'deepseek_v3' (pass the MLA dims and first_k_dense_replace), or the
+        mixtures of experts 'mixtral', 'qwen2_moe', 'qwen3_moe' (pass the expert counts).
       seed: torch seed of the random weights.
       torch_dtype: dtype the weights are stored in ('float32' or 'bfloat16').
       max_shard_size: e.g. '100KB' to write a sharded checkpoint with an index json.
@@ -92,6 +95,9 @@ def make_tiny_hf_checkpoint(tmp_path: str | os.PathLike, model_type: str, *, see
                 param.copy_(torch.randn_like(param))
             else:
                 param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias
+                buffer.copy_(0.2 * torch.randn_like(buffer))
     model = model.to(getattr(torch, torch_dtype))
     directory = Path(tmp_path) / f"{model_type}-{seed}"
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}

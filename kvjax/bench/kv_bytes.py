@@ -68,8 +68,7 @@ class Setup:
 
 # The fields of each model's config.json (Hugging Face Hub, main branch) that shape its KV cache
 # and that `config_from_hf` requires. DeepSeek's expert-routing fields (n_routed_experts,
-# first_k_dense_replace, ...) are left out: experts change no KV byte, and kvjax refuses a
-# mixture-of-experts model to run.
+# first_k_dense_replace, ...) are left out: experts change no KV byte.
 HF_CONFIGS: dict[str, tuple[str, dict]] = {
     "Llama-3.2-1B": ("meta-llama/Llama-3.2-1B", dict(
         model_type="llama", num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,

@@ -269,6 +269,7 @@ class ModelTrait(enum.Enum):
     PER_LAYER_ROPE = "per_layer_rope"
     MLA_LATENT = "mla_latent"
     QK_NORM = "qk_norm"
+    MOE = "moe"
 
     @property
     def description(self) -> str:
@@ -287,6 +288,8 @@ _TRAIT_DESCRIPTIONS = {
                            "one latent row per token and layer in place of K and V heads",
     ModelTrait.QK_NORM: "per-head RMSNorm of queries and keys before RoPE (ModelConfig."
                         "qk_norm: Qwen3, Gemma 3)",
+    ModelTrait.MOE: "a mixture-of-experts MLP (ModelConfig.moe: Mixtral, Qwen2/Qwen3-MoE, "
+                    "DeepSeek-V2/V3)",
 }
 _LATENT_CODEC = ("a KV codec quantizes K and V heads token by token, while an MLA page holds "
                  "one latent row per token that is the key and, in its first kv_lora_rank "
@@ -362,6 +365,10 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     (ModelTrait.QK_NORM, Feature.FUSED_KV_WRITE):
         "the fused write turns the projected keys by RoPE as they leave the matmul, while "
         "this model normalizes each key head over its whole row first",
+    (ModelTrait.MOE, Feature.BATCH_INVARIANT):
+        "whether each token's chosen experts run alone or every expert runs on every token "
+        "(each summed in its own order) depends on the step's token count, so a sequence's "
+        "logits change with the batch it shares",
 }
 """Every feature a model trait refuses, with the reason."""
 
@@ -378,6 +385,8 @@ def model_traits(model_config: Any) -> set[ModelTrait]:
         traits.add(ModelTrait.MLA_LATENT)
     if model_config.qk_norm:
         traits.add(ModelTrait.QK_NORM)
+    if model_config.moe is not None:
+        traits.add(ModelTrait.MOE)
     return traits
 
 

@@ -3,7 +3,9 @@
 Architectures (`general.architecture`): llama, qwen2 (Q/K/V biases), qwen3 (per-head Q/K
 RMSNorms), gemma2 and gemma3 (GeGLU, pre and post norms, scaled embeddings, Gemma 2's soft caps,
 alternating sliding-window layers, Gemma 3's Q/K norms and its local layers' own RoPE base),
-phi3 (fused attn_qkv and gate-up ffn_up, split on loading; default RoPE only).
+phi3 (fused attn_qkv and gate-up ffn_up, split on loading; default RoPE only); llama with
+`expert_count` is Mixtral (a router `ffn_gate_inp` and stacked experts `ffn_gate_exps`,
+`ffn_up_exps`, `ffn_down_exps`; softmax over the top-k logits, as llama.cpp routes it).
 
 Every tensor is dequantized to float32 on the host (any type `gguf.dequantize` knows: F32, F16,
 Q8_0, Q4_0, Q4_1, K-quants, ...), mapped into the params pytree of `kvjax.models.llama`, then cast
@@ -36,7 +38,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import MlpActivation, ModelConfig, resolve_dtype
+from kvjax.config import MlpActivation, ModelConfig, MoeConfig, resolve_dtype
 from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.models.rope import RoPE, RopeType
@@ -66,6 +68,9 @@ _BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
 _QK_NORM_TENSORS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
 _SANDWICH_TENSORS = {"post_attn_norm": "post_attention_norm.weight",
                      "post_mlp_norm": "post_ffw_norm.weight"}
+# Mixtral's MoE tensors: kvjax param -> GGUF name inside block N (experts stacked [E, out, in]).
+_MOE_TENSORS = {"router": "ffn_gate_inp.weight", "w_gate_exps": "ffn_gate_exps.weight",
+                "w_up_exps": "ffn_up_exps.weight", "w_down_exps": "ffn_down_exps.weight"}
 # Phi-3's fused matrices: GGUF name -> the kvjax params stacked along its rows, in order.
 _FUSED_TENSORS = {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}
 # LongRoPE's per-frequency factors, which llama.cpp picks by the context size it is given
@@ -161,7 +166,16 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
         raise ValueError(f"unsupported GGUF architecture {arch!r}; "
                          f"supported: {list(SUPPORTED_ARCHITECTURES)}")
     prefix = f"{arch}."
-    for key in ("expert_count", "rope.dimension_sections"):
+    moe = None
+    if metadata.get(prefix + "expert_count"):
+        if arch != "llama":
+            raise ValueError(f"unsupported GGUF key {prefix}expert_count="
+                             f"{metadata[prefix + 'expert_count']!r}: experts are read for "
+                             f"llama (Mixtral) only")
+        moe = MoeConfig(num_experts=metadata[prefix + "expert_count"],
+                        num_experts_per_tok=_required(metadata, prefix + "expert_used_count"),
+                        expert_size=_required(metadata, prefix + "feed_forward_length"))
+    for key in ("rope.dimension_sections",):
         if metadata.get(prefix + key):
             raise ValueError(f"unsupported GGUF key {prefix}{key}={metadata[prefix + key]!r}")
     rope = _rope(metadata, prefix, rope_freqs)
@@ -194,6 +208,7 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
         max_position_embeddings=_required(metadata, prefix + "context_length"),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         tie_word_embeddings=tie_word_embeddings,
+        moe=moe,
         eos_token_ids=tuple(dict.fromkeys(eos)),
         name=name,
         **extra,
@@ -222,11 +237,17 @@ def _layer_tensors(config: ModelConfig, arch: str
         "wv": (kd, c.hidden_size),
         "wo": (c.hidden_size, nd),
         "mlp_norm": (c.hidden_size,),
-        "w_gate": (c.intermediate_size, c.hidden_size),
-        "w_up": (c.intermediate_size, c.hidden_size),
-        "w_down": (c.hidden_size, c.intermediate_size),
     }
     names = dict(_LAYER_TENSORS)
+    if c.moe is None:
+        shapes.update(w_gate=(c.intermediate_size, c.hidden_size),
+                      w_up=(c.intermediate_size, c.hidden_size),
+                      w_down=(c.hidden_size, c.intermediate_size))
+    else:
+        e, fe = c.moe.num_experts, c.moe.expert_size
+        shapes.update(router=(e, c.hidden_size), w_gate_exps=(e, fe, c.hidden_size),
+                      w_up_exps=(e, fe, c.hidden_size), w_down_exps=(e, c.hidden_size, fe))
+        names.update(_MOE_TENSORS)
     if c.qkv_bias:
         shapes.update(bq=(nd,), bk=(kd,), bv=(kd,))
         names.update(_BIAS_TENSORS)
@@ -323,7 +344,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
                     part = _unpermute_rows(part, config.num_kv_heads)
                 elif config.norm_unit_offset and key.endswith("norm"):
                     part = part - 1.0  # llama.cpp stores Gemma's (1 + w)
-                parts[key].append(part if part.ndim == 1 else part.T)
+                parts[key].append(part if part.ndim == 1 else np.swapaxes(part, -1, -2))
         return {key: jnp.asarray(np.stack(p), target) for key, p in parts.items()}
 
     h, v = config.hidden_size, config.vocab_size

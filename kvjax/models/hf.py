@@ -6,8 +6,10 @@ mistral, qwen2 (Qwen2, Qwen2.5: Q/K/V biases), qwen3 (per-head Q/K RMSNorm, no b
 (GeGLU, (1 + w) RMSNorms before and after attention and MLP, scaled embeddings, the query
 scale `query_pre_attn_scalar`, Gemma 2's attention and final logit soft caps, Gemma 3's Q/K
 norms and its local layers' own RoPE base), deepseek_v2 and deepseek_v3 (multi-head latent
-attention, `kvjax.models.mla`, with dense MLPs: every layer below `first_k_dense_replace`). The
-RoPE of every one is read by `kvjax.models.rope.RoPE.from_hf`.
+attention, `kvjax.models.mla`), and the mixtures of experts mixtral, qwen2_moe (a shared expert
+behind a sigmoid gate, Q/K/V biases), qwen3_moe (Q/K norms) and DeepSeek's MoE layers
+(`kvjax.models.moe`; `moe_config_from_hf` reads the routing). The RoPE of every one is read by
+`kvjax.models.rope.RoPE.from_hf`.
 
 Hugging Face stores linear weights as [out, in]; kvjax computes `x @ W`, so every matrix is
 transposed to [in, out], and per-layer tensors are stacked on a leading L axis (see
@@ -15,7 +17,8 @@ transposed to [in, out], and per-layer tensors are stacked on a leading L axis (
 except DeepSeek's, whose RoPE turns interleaved pairs: their RoPE columns are permuted on
 loading (`kvjax.models.mla.rope_permutation`).
 
-What is rejected rather than silently computed wrong: mixture-of-experts configs, RoPE types
+What is rejected rather than silently computed wrong: experts on other architectures,
+DeepSeek routing methods other than greedy, group-limited greedy and V3's sigmoid, RoPE types
 `RoPE.from_hf` does not know, partial rotary embeddings, activations other than SiLU, biases
 beyond Qwen2's Q/K/V biases. Sliding windows become `ModelConfig.layer_windows`
 (`layer_windows_from_hf`): Mistral's and Phi-3's one window on every layer, Qwen2/Qwen3's on the
@@ -36,20 +39,21 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import MlaConfig, MlpActivation, ModelConfig, resolve_dtype
-from kvjax.models import llama, mla
+from kvjax.config import MlaConfig, MlpActivation, ModelConfig, MoeConfig, MoeScoring, resolve_dtype
+from kvjax.models import llama, mla, moe
 from kvjax.models.model import Model
 from kvjax.models.rope import RoPE, RopeType, yarn_mscale
 from kvjax.models.tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
-                         "deepseek_v2", "deepseek_v3")
+                         "deepseek_v2", "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
-# config.json keys that make a model a mixture of experts (Mixtral, Qwen MoE, DeepSeek, Phi-3.5).
+_QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")
+# config.json keys that make a model of another architecture a mixture of experts (Phi-3.5).
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 # Architectures whose one `sliding_window` applies to every layer.
-_EVERY_LAYER_WINDOW_TYPES = ("mistral", "phi3")
+_EVERY_LAYER_WINDOW_TYPES = ("mistral", "phi3", "mixtral")
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
@@ -86,6 +90,38 @@ _MLA_WEIGHTS = {
     "wkv_b": "self_attn.kv_b_proj.weight",
     "wo": "self_attn.o_proj.weight",
 }
+# A MoE layer's params (`kvjax.models.moe`) -> Hugging Face names inside `model.layers.N.`,
+# per architecture; "{e}" stands for the expert's index.
+_MOE_WEIGHTS = {
+    "mixtral": {
+        "router": "block_sparse_moe.gate.weight",
+        "w_gate_exps": "block_sparse_moe.experts.{e}.w1.weight",
+        "w_up_exps": "block_sparse_moe.experts.{e}.w3.weight",
+        "w_down_exps": "block_sparse_moe.experts.{e}.w2.weight",
+    },
+    "qwen": {
+        "router": "mlp.gate.weight",
+        "w_gate_exps": "mlp.experts.{e}.gate_proj.weight",
+        "w_up_exps": "mlp.experts.{e}.up_proj.weight",
+        "w_down_exps": "mlp.experts.{e}.down_proj.weight",
+        "w_gate_shared": "mlp.shared_expert.gate_proj.weight",
+        "w_up_shared": "mlp.shared_expert.up_proj.weight",
+        "w_down_shared": "mlp.shared_expert.down_proj.weight",
+        "shared_gate": "mlp.shared_expert_gate.weight",
+    },
+    "deepseek": {
+        "router": "mlp.gate.weight",
+        "router_bias": "mlp.gate.e_score_correction_bias",
+        "w_gate_exps": "mlp.experts.{e}.gate_proj.weight",
+        "w_up_exps": "mlp.experts.{e}.up_proj.weight",
+        "w_down_exps": "mlp.experts.{e}.down_proj.weight",
+        "w_gate_shared": "mlp.shared_experts.gate_proj.weight",
+        "w_up_shared": "mlp.shared_experts.up_proj.weight",
+        "w_down_shared": "mlp.shared_experts.down_proj.weight",
+    },
+}
+_MOE_FAMILY = {"mixtral": "mixtral", "qwen2_moe": "qwen", "qwen3_moe": "qwen",
+               "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}
 _LAYER_BIASES = {
     "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias",
@@ -178,7 +214,7 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
     if model_type in _MLA_TYPES:
         return _mla_config_from_hf(hf_config, eos_token_ids=eos_token_ids, name=name)
     for key in _MOE_KEYS:
-        if hf_config.get(key):
+        if hf_config.get(key) and model_type not in ("mixtral", *_QWEN_MOE_TYPES):
             raise ValueError(f"unsupported mixture-of-experts config ({key}={hf_config[key]!r}, "
                              f"model_type {model_type!r}); kvjax runs dense MLPs only")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -202,7 +238,7 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
         max_positions = rope.context_length(max_positions)
     windows = layer_windows_from_hf(hf_config)
     extra = (_gemma_fields(hf_config, rope, windows) if is_gemma
-             else dict(rope=rope, qk_norm=model_type == "qwen3",
+             else dict(rope=rope, qk_norm=model_type in ("qwen3", "qwen3_moe"),
                        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False))))
     hidden = _required(hf_config, "hidden_size")
     num_heads = _required(hf_config, "num_attention_heads")
@@ -216,7 +252,9 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
         head_dim=hf_config.get("head_dim") or hidden // num_heads,
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe"
+                                           and bool(hf_config.get("qkv_bias", True))),
+        moe=moe_config_from_hf(hf_config),
         **extra,
         layer_windows=windows,
         bos_token_id=hf_config.get("bos_token_id"),
@@ -228,21 +266,10 @@ def config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] 
 
 def _mla_config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, ...] | None,
                         name: str) -> ModelConfig:
-    """The `ModelConfig` of a DeepSeek-V2/V3 config.json: MLA attention, dense MLPs only.
-
-    DeepSeek configs always name their experts; the model is a mixture of experts when any
-    layer from `first_k_dense_replace` on exists, which is refused.
-    """
+    """The `ModelConfig` of a DeepSeek-V2/V3 config.json: MLA attention; dense MLPs, or a
+    mixture of experts from layer `first_k_dense_replace` on (`moe_config_from_hf`)."""
     model_type = hf_config["model_type"]
     num_layers = _required(hf_config, "num_hidden_layers")
-    first_moe = hf_config.get("first_k_dense_replace") or 0
-    if hf_config.get("n_routed_experts") and first_moe < num_layers:
-        raise ValueError(f"unsupported mixture-of-experts config (layers {first_moe}.."
-                         f"{num_layers - 1} of model_type {model_type!r} route "
-                         f"n_routed_experts={hf_config['n_routed_experts']}); kvjax runs dense "
-                         f"MLPs only: first_k_dense_replace must be >= num_hidden_layers")
-    if hf_config.get("moe_layer_freq", 1) != 1:
-        raise ValueError(f"unsupported moe_layer_freq {hf_config['moe_layer_freq']!r}")
     act = hf_config.get("hidden_act") or "silu"
     if act not in ("silu", "swish"):
         raise ValueError(f"unsupported hidden_act {act!r} for model_type {model_type!r}")
@@ -269,6 +296,7 @@ def _mla_config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, 
         head_dim=config.cache_dim,
         rope=rope,
         mla=config,
+        moe=moe_config_from_hf(hf_config),
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=rope.context_length(
             hf_config.get("max_position_embeddings", 2048)),
@@ -278,6 +306,82 @@ def _mla_config_from_hf(hf_config: dict[str, Any], *, eos_token_ids: tuple[int, 
                        else _token_ids(hf_config.get("eos_token_id"))),
         name=name,
     )
+
+
+def _moe_dense_layers(hf_config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers of a MoE config that run a dense MLP: DeepSeek's below
+    `first_k_dense_replace` and off the `moe_layer_freq` stride, Qwen's `mlp_only_layers` and
+    those off the `decoder_sparse_step` stride."""
+    if hf_config["model_type"] in _MLA_TYPES:
+        first = hf_config.get("first_k_dense_replace") or 0
+        freq = hf_config.get("moe_layer_freq") or 1
+        return tuple(i for i in range(num_layers) if i < first or i % freq)
+    if hf_config["model_type"] in _QWEN_MOE_TYPES:
+        only = set(hf_config.get("mlp_only_layers") or ())
+        step = hf_config.get("decoder_sparse_step") or 1
+        return tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    return ()
+
+
+def moe_config_from_hf(hf_config: dict[str, Any]) -> MoeConfig | None:
+    """The `MoeConfig` of a Mixtral, Qwen2/Qwen3-MoE or DeepSeek-V2/V3 config.json, or None when
+    every layer is dense (routing as transformers computes it; see `MoeConfig`).
+
+    Raises:
+      ValueError: a routing method or scoring function kvjax does not compute.
+    """
+    model_type = hf_config.get("model_type")
+    num_layers = _required(hf_config, "num_hidden_layers")
+    if model_type == "mixtral":
+        num_experts, expert_size = hf_config.get("num_local_experts"), hf_config.get(
+            "intermediate_size")
+        fields: dict[str, Any] = {}
+    elif model_type in _QWEN_MOE_TYPES:
+        # Qwen's own configs say num_experts; transformers 5 writes num_local_experts.
+        num_experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+        expert_size = hf_config.get("moe_intermediate_size")
+        shared = hf_config.get("shared_expert_intermediate_size") or 0
+        fields = dict(norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+                      shared_size=shared if model_type == "qwen2_moe" else 0,
+                      shared_gate=bool(shared) and model_type == "qwen2_moe")
+    elif model_type in _MLA_TYPES:
+        num_experts, expert_size = hf_config.get("n_routed_experts"), hf_config.get(
+            "moe_intermediate_size")
+        fields = _deepseek_routing(hf_config)
+        fields.update(shared_size=(hf_config.get("n_shared_experts") or 0) * (expert_size or 0),
+                      routed_scaling=float(hf_config.get("routed_scaling_factor", 1.0)))
+    else:
+        return None
+    if not num_experts:
+        return None
+    dense = _moe_dense_layers(hf_config, num_layers)
+    if len(dense) == num_layers:
+        return None
+    return MoeConfig(num_experts=num_experts,
+                     num_experts_per_tok=_required(hf_config, "num_experts_per_tok"),
+                     expert_size=expert_size, dense_layers=dense, **fields)
+
+
+def _deepseek_routing(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """`MoeConfig` routing fields of a DeepSeek config: V2 softmax, greedy or group-limited
+    greedy (`topk_method`); V3 sigmoid with the choice bias and group-limited top-k."""
+    if hf_config["model_type"] == "deepseek_v3":
+        scoring = hf_config.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ValueError(f"unsupported scoring_func {scoring!r} for model_type "
+                             f"'deepseek_v3'; supported: ['sigmoid']")
+        return dict(scoring=MoeScoring.SIGMOID, score_bias=True,
+                    norm_topk_prob=bool(hf_config.get("norm_topk_prob", True)),
+                    num_groups=hf_config.get("n_group") or 1,
+                    topk_groups=hf_config.get("topk_group") or 1)
+    method = hf_config.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"unsupported topk_method {method!r} for model_type 'deepseek_v2'; "
+                         f"supported: ['greedy', 'group_limited_greedy']")
+    grouped = method == "group_limited_greedy"
+    return dict(norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+                num_groups=(hf_config.get("n_group") or 1) if grouped else 1,
+                topk_groups=(hf_config.get("topk_group") or 1) if grouped else 1)
 
 
 def _rope_interleaved(hf_config: dict[str, Any]) -> bool:
@@ -397,10 +501,11 @@ def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "attn_norm": (c.hidden_size,),
         **{name: shape[::-1] for name, shape in llama._attention_shapes(c).items()},
         "mlp_norm": (c.hidden_size,),
-        "w_gate": (c.intermediate_size, c.hidden_size),
-        "w_up": (c.intermediate_size, c.hidden_size),
-        "w_down": (c.hidden_size, c.intermediate_size),
     }
+    if c.moe is None or c.moe.dense_layers:
+        shapes.update(w_gate=(c.intermediate_size, c.hidden_size),
+                      w_up=(c.intermediate_size, c.hidden_size),
+                      w_down=(c.hidden_size, c.intermediate_size))
     if c.qkv_bias:
         shapes.update(bq=(nd,), bk=(kd,), bv=(kd,))
     if c.qk_norm:
@@ -416,7 +521,7 @@ def _unfuse(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np
     Raises:
       ValueError: a fused matrix's rows are not the sum of its parts' rows.
     """
-    if config.mla is not None:
+    if config.mla is not None or config.moe is not None:
         return tensors
     shapes = _expected_hf_shapes(config)
     rows = {name: shapes[key][0] for key, name in LAYER_WEIGHTS.items()}
@@ -437,11 +542,15 @@ def _unfuse(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
-                   dtype: str = "float32", *, rope_interleaved: bool = False) -> llama.Params:
+                   dtype: str = "float32", *, rope_interleaved: bool = False,
+                   model_type: str | None = None) -> llama.Params:
     """Maps Hugging Face tensor names to the kvjax params pytree (transposed, stacked, cast).
 
     rope_interleaved: the checkpoint's RoPE turns interleaved pairs (DeepSeek's MLA): its
     RoPE columns are permuted to the rotate-half order.
+    model_type: config.json's, which names a mixture of experts' tensors (needed with
+    `config.moe`). The dense layers of a MoE model get zero expert params and its MoE layers
+    zero dense-MLP params (`kvjax.models.moe`).
 
     Raises:
       ValueError: a tensor is missing, has the wrong shape, or is not part of the architecture.
@@ -459,8 +568,14 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
         used.add(name)
         return w.T  # [in, out]: kvjax computes x @ W (a no-op on vectors)
 
+    dense_layers = set(range(config.num_layers) if config.moe is None
+                       else config.moe.dense_layers)
+
     def stacked(suffix: str, shape: tuple[int, ...]) -> jnp.ndarray:
-        per_layer = [take(f"model.layers.{i}.{suffix}", shape) for i in range(config.num_layers)]
+        absent = suffix in LAYER_WEIGHTS.values() and suffix.startswith("mlp.")
+        per_layer = [take(f"model.layers.{i}.{suffix}", shape)
+                     if i in dense_layers or not absent else np.zeros(shape[::-1], target)
+                     for i in range(config.num_layers)]
         return jnp.asarray(np.stack(per_layer).astype(target))  # [L, ...]
 
     names = {**LAYER_WEIGHTS, **(_MLA_WEIGHTS if config.mla is not None else {}),
@@ -469,6 +584,11 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
              **(_GEMMA_LAYER_NORMS if config.sandwich_norms else {})}
     layers = {key: stacked(names[key], shape)
               for key, shape in _expected_hf_shapes(config).items()}
+    if config.moe is not None:
+        if model_type not in _MOE_FAMILY:
+            raise ValueError(f"model_type {model_type!r} names no mixture-of-experts tensors; "
+                             f"known: {sorted(_MOE_FAMILY)}")
+        layers.update(_moe_params(take, config, _MOE_WEIGHTS[_MOE_FAMILY[model_type]], target))
     if rope_interleaved and config.mla is not None:
         layers.update(_rope_columns_to_halves(layers, config))
     v, h = config.vocab_size, config.hidden_size
@@ -486,6 +606,27 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: ModelConfig,
         raise ValueError(f"checkpoint has tensor(s) kvjax does not support: {unexpected[:8]}")
     llama.check_params(params, config)
     return params
+
+
+def _moe_params(take: Any, config: ModelConfig, names: dict[str, str], target: np.dtype
+                ) -> dict[str, jnp.ndarray]:
+    """The MoE params [L, ...] (`kvjax.models.moe`) read by `take(name, hf_shape)` (which
+    returns the tensor transposed); zeros on the dense layers."""
+    dense = set(config.moe.dense_layers)
+    out = {}
+    for key, shape in moe.param_shapes(config).items():
+        per_layer = []
+        for i in range(config.num_layers):
+            name = f"model.layers.{i}.{names[key]}"
+            if i in dense:
+                per_layer.append(np.zeros(shape, target))
+            elif "{e}" in name:  # [E, in, out] from E tensors [out, in]
+                per_layer.append(np.stack([take(name.format(e=e), shape[1:][::-1])
+                                           for e in range(shape[0])]))
+            else:
+                per_layer.append(take(name, shape[::-1]))
+        out[key] = jnp.asarray(np.stack(per_layer).astype(target))
+    return out
 
 
 def _rope_columns_to_halves(layers: dict[str, jnp.ndarray], config: ModelConfig
@@ -543,7 +684,8 @@ def load_hf(directory: str | os.PathLike, dtype: str = "float32") -> Model:
     config = config_from_hf(hf_config, eos_token_ids=eos, name=directory.name)
     files = _checkpoint_files(directory)
     params = params_from_hf(_read_checkpoint(files), config, dtype,
-                            rope_interleaved=_rope_interleaved(hf_config))
+                            rope_interleaved=_rope_interleaved(hf_config),
+                            model_type=hf_config.get("model_type"))
     digest = hashlib.sha256()
     for file in files:
         with open(file, "rb") as f:

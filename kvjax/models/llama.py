@@ -20,7 +20,9 @@ the layer loop is one `lax.scan`):
     mlp_norm:   [L, H]
     w_gate:     [L, H, F]
     w_up:       [L, H, F]
-    w_down:     [L, F, H]
+    w_down:     [L, F, H]        a mixture-of-experts model (`ModelConfig.moe`) has its experts'
+                                 params instead (`kvjax.models.moe`), and these only when some
+                                 of its layers are dense
     post_mlp_norm: [L, H]        only with sandwich_norms: on the MLP output
 
 A model with multi-head latent attention (`ModelConfig.mla`, DeepSeek-V2/V3) has other attention
@@ -46,7 +48,7 @@ import numpy as np
 
 from kvjax.config import MlpActivation, ModelConfig
 from kvjax.models import linear as linear_lib
-from kvjax.models import mla
+from kvjax.models import mla, moe
 from kvjax.models.linear import LayerLinear
 from kvjax.models.rope import apply_selected, selected_tables
 
@@ -114,11 +116,7 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     nd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes = {name: (c.num_layers, *shape) for name, shape in _attention_shapes(c).items()
               if name not in mla.NORMS}
-    shapes.update({
-        "w_gate": (c.num_layers, c.hidden_size, c.intermediate_size),
-        "w_up": (c.num_layers, c.hidden_size, c.intermediate_size),
-        "w_down": (c.num_layers, c.intermediate_size, c.hidden_size),
-    })
+    shapes.update({name: (c.num_layers, *shape) for name, shape in _mlp_shapes(c).items()})
     if c.qkv_bias:
         shapes.update(bq=(c.num_layers, nd), bk=(c.num_layers, kd), bv=(c.num_layers, kd))
     keys = jax.random.split(key, len(shapes) + 2)
@@ -159,6 +157,18 @@ def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             "wo": (nd, c.hidden_size)}
 
 
+def _mlp_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer shapes (no L axis) of the MLP's params: the dense MLP's, a mixture of experts'
+    (`kvjax.models.moe`), or both where some layers of a MoE model are dense."""
+    c = config
+    dense = {"w_gate": (c.hidden_size, c.intermediate_size),
+             "w_up": (c.hidden_size, c.intermediate_size),
+             "w_down": (c.intermediate_size, c.hidden_size)}
+    if c.moe is None:
+        return dense
+    return {**(dense if c.moe.dense_layers else {}), **moe.param_shapes(c)}
+
+
 def check_params(params: Params, config: ModelConfig) -> None:
     """Raises ValueError naming the first tensor whose presence or shape does not fit `config`."""
     c = config
@@ -169,9 +179,7 @@ def check_params(params: Params, config: ModelConfig) -> None:
         ("layers", "attn_norm"): (L, c.hidden_size),
         **{("layers", name): (L, *shape) for name, shape in _attention_shapes(c).items()},
         ("layers", "mlp_norm"): (L, c.hidden_size),
-        ("layers", "w_gate"): (L, c.hidden_size, c.intermediate_size),
-        ("layers", "w_up"): (L, c.hidden_size, c.intermediate_size),
-        ("layers", "w_down"): (L, c.intermediate_size, c.hidden_size),
+        **{("layers", name): (L, *shape) for name, shape in _mlp_shapes(c).items()},
     }
     if not c.tie_word_embeddings:
         expected[("lm_head",)] = (c.hidden_size, c.vocab_size)
@@ -264,10 +272,36 @@ def qkv(config: ModelConfig, layer_params: Params, h: jax.Array, positions: jax.
     return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
 
 
+def dense_mlp(config: ModelConfig, p: Params, x: jax.Array, matmul: Matmul = linear_lib.matmul
+              ) -> jax.Array:
+    """The gated MLP down(act(x @ w_gate) * (x @ w_up)). x: [T, H] -> [T, H]."""
+    gate = matmul(x, p["w_gate"]).astype(jnp.float32)  # [T, F]
+    if config.activation is MlpActivation.GELU_TANH:
+        gate = jax.nn.gelu(gate, approximate=True)
+    else:
+        gate = jax.nn.silu(gate)
+    return matmul(gate.astype(x.dtype) * matmul(x, p["w_up"]), p["w_down"])  # [T, H]
+
+
+def mlp(config: ModelConfig, p: Params, x: jax.Array, layer_index: jax.Array,
+        matmul: Matmul = linear_lib.matmul, linear: LayerLinear | None = None) -> jax.Array:
+    """Layer `layer_index`'s MLP (dense, or mixture of experts: `kvjax.models.moe`, whose
+    experts `linear` reads in place when given). x: [T, H], already through mlp_norm -> [T, H].
+    """
+    if config.moe is None:
+        return dense_mlp(config, p, x, matmul)
+    if not config.moe.dense_layers:
+        return moe.moe_mlp(config, p, x, matmul, layer_index, linear)
+    is_dense = jnp.asarray(moe.dense_layer_flags(config))[layer_index]
+    return jax.lax.cond(is_dense, lambda: dense_mlp(config, p, x, matmul),
+                        lambda: moe.moe_mlp(config, p, x, matmul, layer_index, linear))
+
+
 def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions: jax.Array,
                   layer_params: Params, layer_index: jax.Array, cache: Any,
                   matmul: Matmul = linear_lib.matmul, row_sum: RowSum | None = None,
-                  write_kv: KVWriter | None = None) -> tuple[jax.Array, Any]:
+                  write_kv: KVWriter | None = None,
+                  linear: LayerLinear | None = None) -> tuple[jax.Array, Any]:
     """One decoder block. h: [T, H]. `matmul(x, w)` multiplies by one of layer_params' matrices
     (x @ w accumulated in float32 by default); `row_sum` takes RMSNorm's sums (None: XLA's);
     `write_kv` writes the block's K and V into the cache itself (None: `attend` gets them)."""
@@ -289,13 +323,7 @@ def decoder_layer(config: ModelConfig, attend: AttendFn, h: jax.Array, positions
         attn, cache = attend(layer_index, q, k, v, cache)  # [T, N, D]
         out = matmul(attn.reshape(t, -1).astype(h.dtype), p["wo"])  # [T, H]
     h = h + (norm(c, out, p["post_attn_norm"], row_sum) if c.sandwich_norms else out)
-    x = norm(c, h, p["mlp_norm"], row_sum)
-    gate = matmul(x, p["w_gate"]).astype(jnp.float32)  # [T, F]
-    if c.activation is MlpActivation.GELU_TANH:
-        gate = jax.nn.gelu(gate, approximate=True)
-    else:
-        gate = jax.nn.silu(gate)
-    out = matmul(gate.astype(x.dtype) * matmul(x, p["w_up"]), p["w_down"])  # [T, H]
+    out = mlp(c, p, norm(c, h, p["mlp_norm"], row_sum), layer_index, matmul, linear)  # [T, H]
     h = h + (norm(c, out, p["post_mlp_norm"], row_sum) if c.sandwich_norms else out)
     return h, cache
 
@@ -333,13 +361,15 @@ def decode_body(params: Params, config: ModelConfig, tokens: jax.Array, position
     else:
         def body(carry, layer_index):
             h, cache = carry
-            # Matrices ([L, In, Out]) stay whole for `linear`; norms and biases are sliced.
-            layer_params = {name: w if w.ndim == 3 else w[layer_index]
+            # Matrices ([L, In, Out]) stay whole for `linear`, and expert stacks ([L, ...],
+            # 4-D) for `kvjax.models.moe` to read only the chosen experts; norms and biases
+            # are sliced.
+            layer_params = {name: w if w.ndim >= 3 else w[layer_index]
                             for name, w in layers.items()}
             h, cache = decoder_layer(
                 config, attend, h, positions, layer_params, layer_index, cache,
                 matmul=lambda x, w: linear(x, w, layer_index), row_sum=row_sum,
-                write_kv=write_kv)
+                write_kv=write_kv, linear=linear)
             return (h, cache), None
 
         (h, cache), _ = jax.lax.scan(body, (h, cache), layer_ids)

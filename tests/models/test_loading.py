@@ -112,9 +112,9 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
             if f"model.layers.{i}.{hf_name}" not in hf:
                 continue
             w = hf[f"model.layers.{i}.{hf_name}"]
-            if model_type == "llama" and gguf_name == "attn_q.weight":
+            if model_type in ("llama", "mixtral") and gguf_name == "attn_q.weight":
                 w = _llama_cpp_permute(w, heads)
-            elif model_type == "llama" and gguf_name == "attn_k.weight":
+            elif model_type in ("llama", "mixtral") and gguf_name == "attn_k.weight":
                 w = _llama_cpp_permute(w, kv_heads)
             elif gguf_name.endswith("norm.weight"):
                 w = w + shift
@@ -322,7 +322,7 @@ def test_hf_unknown_tensor(tiny_llama):
     (dict(rope_scaling={"type": "linear", "factor": 2.0}, partial_rotary_factor=0.5),
      "partial_rotary_factor"),
     (dict(num_local_experts=8), "mixture-of-experts"),
-    (dict(model_type="qwen3_moe", num_experts=4), "mixture-of-experts"),
+    (dict(model_type="qwen2", num_experts=4), "mixture-of-experts"),
     (dict(model_type="qwen3", layer_types=["sliding_attention", "full_attention"]),
      "sliding-window"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
@@ -536,7 +536,7 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers_gguf_tokenizer(tmp_pa
 
 @pytest.mark.parametrize("model_type, metadata, message", [
     ("llama", {"rope.scaling.type": "yarn"}, "llama.rope.scaling.type 'yarn'"),
-    ("llama", {"expert_count": 8}, "llama.expert_count"),
+    ("qwen2", {"expert_count": 8}, "qwen2.expert_count"),
     ("gemma2", {"attention.sliding_window_pattern": 3}, "gemma2.attention.sliding_window_pattern"),
 ])
 def test_gguf_refuses_metadata_it_cannot_apply(tmp_path, model_type, metadata, message):
@@ -563,6 +563,28 @@ def test_phi3_gguf_logits_match_hf_and_transformers_gguf(tmp_path):
     longrope = write_tiny_gguf(tmp_path / "longrope.gguf", hf_dir, replace=factors)
     with pytest.raises(ValueError, match=r"rope_factors_long\.weight"):
         load_gguf(longrope)
+
+
+def test_mixtral_gguf_logits_match_hf(tmp_path):
+    """Mixtral as llama.cpp writes it (arch llama with expert_count; the router ffn_gate_inp,
+    experts stacked in ffn_gate_exps / ffn_up_exps / ffn_down_exps): the logits equal
+    transformers' on the source checkpoint."""
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "mixtral", seed=8, num_local_experts=4,
+                                     num_experts_per_tok=2, intermediate_size=48)
+    hf = load_file(hf_dir / "model.safetensors")
+    experts = {}
+    for i in range(2):
+        moe = f"model.layers.{i}.block_sparse_moe"
+        experts[f"blk.{i}.ffn_gate_inp.weight"] = hf[f"{moe}.gate.weight"]  # [E, H]
+        for gguf_name, hf_name in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            experts[f"blk.{i}.ffn_{gguf_name}_exps.weight"] = np.stack(
+                [hf[f"{moe}.experts.{e}.{hf_name}.weight"] for e in range(4)])
+    path = write_tiny_gguf(tmp_path / "mixtral.gguf", hf_dir, arch="llama", replace=experts,
+                           metadata={"expert_count": 4, "expert_used_count": 2})
+    model = load_gguf(path)
+    assert model.config.moe.num_experts == 4 and model.config.moe.expert_size == 48
+    tokens = np.random.default_rng(9).integers(0, model.config.vocab_size, 24).tolist()
+    assert _rel_max_diff(_logits(model, tokens), hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
 
 
 def _metadata(arch: str, **keys) -> dict:

@@ -171,7 +171,8 @@ def test_kernels_refuse_latent_pages_with_their_reason():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(first_k_dense_replace=1, n_routed_experts=8), "mixture-of-experts"),
+    (dict(first_k_dense_replace=1, topk_method="noaux_tc", num_experts_per_tok=2,
+          moe_intermediate_size=32), "topk_method 'noaux_tc'"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(attention_bias=True), "attention_bias"),
 ])

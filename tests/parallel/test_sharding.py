@@ -62,6 +62,15 @@ def _gemma_config():
                        eos_token_ids=(127,), name="tiny-gemma")
 
 
+def _moe_config():
+    """A mixture of experts with a dense first layer and a gated shared expert, at test size:
+    the dense MLP splits over tp, the experts are replicated."""
+    from kvjax.testing import TINY_MOE
+
+    return dataclasses.replace(TINY_MOE, moe=dataclasses.replace(
+        TINY_MOE.moe, dense_layers=(0,), shared_size=16, shared_gate=True))
+
+
 def _prompts(seed: int = 0, count: int = 6) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     shared = [int(t) for t in rng.integers(0, 120, size=9)]
@@ -91,7 +100,8 @@ def _run_fast_cases() -> dict:
     results = {}
     for name, model, tp in (("gqa3", tiny_model(_gqa3_config()), 3), ("tiny", tiny_model(), 2),
                             ("qwen3", tiny_model(_qwen3_config()), 2),
-                            ("gemma", tiny_model(_gemma_config()), 2)):
+                            ("gemma", tiny_model(_gemma_config()), 2),
+                            ("moe", tiny_model(_moe_config()), 2)):
         single = Engine(model, config)
         results[f"{name}_single"] = _tokens(single.generate(prompts, sampling))
         mesh = sharding.replica_meshes(sharding.make_mesh(tp))[0]
@@ -193,7 +203,8 @@ def sharded():
     return _child("fast")
 
 
-@pytest.mark.parametrize("name,tp", [("gqa3", 3), ("tiny", 2), ("qwen3", 2), ("gemma", 2)])
+@pytest.mark.parametrize("name,tp", [("gqa3", 3), ("tiny", 2), ("qwen3", 2), ("gemma", 2),
+                                     ("moe", 2)])
 def test_tensor_parallel_greedy_tokens_match_single_device(sharded, name, tp):
     assert sharded[f"{name}_tp{tp}"] == sharded[f"{name}_single"]
     assert sharded[f"{name}_tp{tp}_kv"]["used_pages"] == 0
