@@ -104,6 +104,7 @@ def _seq_record(seq: Sequence) -> dict:
             value = dataclasses.asdict(value)
         record[field.name] = value
     record["draft_tokens"] = []  # Unverified, and their K/V is not saved: drafted again.
+    del record["paid_chain"]  # Hashes of its own tokens, computed again when needed.
     # A grammar is saved as data; the matcher is host state, rebuilt on restore.
     grammar = seq.sampling.grammar
     record["sampling"]["grammar"] = None if grammar is None else dict(
