@@ -574,8 +574,10 @@ class KVCacheManager:
         token `num_computed` may hold so that each of its queries reads what a plain decode
         step would: the retention policy decides nothing before its last token
         (`RetentionManager.max_verify_tokens`), and with an exact window beside the pages
-        (KIVI) no key group ages after its first token, so all its queries read the same
-        groups quantized as their own decode steps would."""
+        (KIVI) no key group ages inside it (a row that must age one has no drafts), so all its
+        queries read the groups quantized that their own decode steps would, and no draft,
+        nor a draft step's key, ever enters an aged group or overwrites a window row that a
+        later aging reads."""
         limit = self.retention.max_verify_tokens(seq_id)
         most = most if limit is None else max(1, min(most, limit))
         if self._quantized_len is None:
@@ -586,7 +588,7 @@ class KVCacheManager:
             return max(self._quantized_len(length), floor)
 
         n = 1
-        while n < most and aged(cached + n + 1) == aged(cached + 1):
+        while n < most and aged(cached + n + 1) == aged(cached):
             n += 1
         return n
 

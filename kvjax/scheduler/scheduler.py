@@ -475,7 +475,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
 
     def _draft_row(self, seq: Sequence, index: int) -> ScheduledRow:
         """A draft step's row: the sequence's next unverified token at its position, reading
-        the page subset the drafter chooses; it counts nothing as computed."""
+        the page subset the drafter chooses (every page under KIVI, whose exact window and key
+        groups are addressed by cache position); it counts nothing as computed."""
         table = np.asarray(self.kv_cache.block_table(seq.seq_id), np.int32)
         evicted = self.kv_cache.retention.num_evicted(seq.seq_id)
         start = seq.num_computed + len(seq.draft_tokens)
@@ -484,6 +485,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self.kv_cache.mark_written({int(table[cache_pos // self.config.page_size])},
                                    seq.weights_version)
         reads, read_len = self.drafter.draft_reads(table, cache_pos + 1, self.config.page_size)
+        if self.kv_cache.keeps_windows:  # KIVI addresses its window and groups by position
+            reads, read_len = table, cache_pos + 1
         return ScheduledRow(
             seq_id=seq.seq_id, token_ids=np.asarray([token], np.int32), start=start,
             num_evicted=evicted, block_table=table, score_weights=np.zeros(1, np.float32),

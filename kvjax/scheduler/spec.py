@@ -22,14 +22,15 @@ a sequence caches B + P tokens; the prefill presses while their one compression 
 KIVI ages a key group into codes once newer tokens push it out of the exact window: either inside
 a row would leave its later queries reading another cache than plain decoding's. So a row is cut
 (`KVCacheManager.max_verify_tokens`) to end at the first token after which the policy may
-decide, and to age at most one key group, at its first token (which is always kept). After the
-step the policy observes the kept tokens one at a time, each with the key scores its query gave
+decide, and to age no key group (a row that must age one verifies no drafts). After the step
+the policy observes the kept tokens one at a time, each with the key scores its query gave
 alone (`StepOutput.query_key_scores`, the scores its decode step would have), and decides once,
 after the last: plain decoding's decisions after the earlier ones keep everything. Rejected
-drafts never reach the policy and no group they entered was aged. Greedy tokens and logprobs
-are plain decoding's; the price is a shorter row at most once per P tokens (retention) or per g
-tokens (KIVI). Quest stays refused (`kvjax.engine.compat`): it picks pages per query, from
-per-page key bounds that a rejected draft's key would widen for good.
+drafts never reach the policy and never enter an aged group; under KIVI the sparse draft reads
+every page (KIVI addresses its exact window and key groups by cache position). Greedy tokens
+and logprobs are plain decoding's; the price is a shorter row (retention) or one without
+drafts (KIVI), at most once per P or g tokens. Quest stays refused (`kvjax.engine.compat`): it
+picks pages per query, from per-page key bounds that a rejected draft's key would widen for good.
 
 Drafts are deterministic (the draft's argmax), so verification with temperature uses the
 point-mass form of speculative sampling: a draft d is kept with probability p(d), and a
