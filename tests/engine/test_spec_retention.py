@@ -4,9 +4,10 @@ logprobs equal the same engine's without drafts.
 Oracle: the same engine configuration with speculation off (plain decoding, whose retention
 decisions and KIVI group aging run after every token). A verify row reads what each of its
 tokens' decode steps would read only if no eviction and no key group's aging falls inside it,
-so the drafts come from a drafter that replays the plain run's own tokens (most drafts are
+so the drafts come from a drafter that replays the plain run's own tokens (drafts are
 accepted, rows run into eviction and aging boundaries) with some drafts corrupted (so rows
-are also rolled back), besides prompt-lookup drafts. Logprobs are compared too: a query that
+are also rolled back), besides prompt-lookup drafts and self-drafts (whose draft steps write
+the sequence's slots before the verify). Logprobs are compared too: a query that
 read one token more or less than its plain decode step would, or a group quantized one step
 early, moves them by far more than the tolerance, even where the greedy token survives.
 """
