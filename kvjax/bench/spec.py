@@ -98,8 +98,12 @@ def _result(name: str, run: _Run, stats_before: dict) -> dict:
 
 
 def bench_setting(model: kvjax.Model, variants: Sequence[Variant], prompts: list[list[int]],
-                  new_tokens: int, *, page_size: int, options: dict) -> list[dict]:
-    """One (B, L) setting: every variant's decode throughput, run side by side."""
+                  new_tokens: int, *, page_size: int, options: dict,
+                  engine_overrides: dict | None = None) -> list[dict]:
+    """One (B, L) setting: every variant's decode throughput, run side by side.
+
+    engine_overrides: EngineConfig fields every variant shares (a retention policy, a codec).
+    """
     batch, prompt_len = len(prompts), len(prompts[0])
     gamma = max(v.gamma for v in variants)
     engines = {}
@@ -108,7 +112,7 @@ def bench_setting(model: kvjax.Model, variants: Sequence[Variant], prompts: list
         engine = kvjax.Engine(model, kvjax.EngineConfig(
             page_size=page_size, max_num_seqs=batch, enable_prefix_cache=True,
             max_model_len=prompt_len + new_tokens + gamma + 1, spec=variant.spec(options),
-            async_scheduling=False))
+            async_scheduling=False, **(engine_overrides or {})))
         engine.generate(prompts, sampling)  # compiles, caches the prompts (untimed)
         engines[variant.name] = engine
     before = {name: dict(e.stats) for name, e in engines.items()}
@@ -134,13 +138,14 @@ def bench_setting(model: kvjax.Model, variants: Sequence[Variant], prompts: list
 
 def run(model: kvjax.Model, *, settings: Sequence[tuple[int, int]], variants: Sequence[Variant],
         new_tokens: int, page_size: int = 16, options: dict | None = None, seed: int = 0,
-        log=print) -> dict:
-    """Every setting (B, L) with every variant; returns the JSON report."""
+        engine_overrides: dict | None = None, log=print) -> dict:
+    """Every setting (B, L) with every variant; returns the JSON report. engine_overrides:
+    EngineConfig fields of every engine (`bench_setting`)."""
     results = []
     for batch, prompt_len in settings:
         prompts = make_prompts(model, batch, prompt_len, seed + prompt_len)
         rows = bench_setting(model, variants, prompts, new_tokens, page_size=page_size,
-                             options=options or {})
+                             options=options or {}, engine_overrides=engine_overrides)
         log(format_table(rows))
         results += rows
     return dict(env=environment(), results=results)

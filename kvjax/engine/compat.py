@@ -111,7 +111,8 @@ _DESCRIPTIONS = {
     Feature.PREFIX_CACHE: "enable_prefix_cache=True",
     Feature.CONTIGUOUS: "kv_layout=CONTIGUOUS (a max_model_len slot per sequence)",
     Feature.SPECULATIVE: "EngineConfig.spec with a draft method (ngram, sparse_self): "
-                         "drafts verified against the full KV, rejected ones rolled back",
+                         "drafts verified against the KV plain decoding would read, rejected "
+                         "ones rolled back",
     Feature.CONTEXT_REUSE: "EngineConfig.context_reuse with a strategy that reuses cached "
                            "chunks (none, ape, epic, cacheblend): non-prefix KV reuse",
     Feature.PAUSE: "Engine.pause / resume: requests leave scheduling mid-run, their pages kept "
@@ -152,17 +153,11 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "retention frees and selects whole pages, so it needs the paged layout")
     refuse([Feature.HOST_TIER], [Feature.CONTIGUOUS],
            "tiers move whole pages, so they need the paged layout")
-    refuse(_KIVI, [Feature.SPECULATIVE],
-           "KIVI quantizes a token's key group once newer tokens push it out of the exact "
-           "window, so a verify step's rejected drafts would already have pushed verified "
-           "tokens into quantized groups that rolling back cannot restore")
-    refuse(_EVICTING, [Feature.SPECULATIVE],
-           "an evicting retention policy decides after every decode step which tokens the "
-           "next one reads, so no verify step covering several tokens reads the cache that "
-           "plain decoding would, and the drafts would be checked against another model")
     refuse([Feature.QUEST], [Feature.SPECULATIVE],
-           "Quest picks the pages each decode query reads from that query alone, so the "
-           "target a verify step checks drafts against is not one fixed cache")
+           "Quest picks the pages each decode query reads from that query alone and from "
+           "per-page key bounds, while a verify step attends a row's queries over one set of "
+           "pages and its rejected drafts' keys would stay in the bounds, so drafts would be "
+           "checked against other attention than plain decoding's")
     refuse(_KIVI, [Feature.CONTEXT_REUSE],
            "KIVI quantizes keys in groups along a sequence's own tokens beside an exact "
            "window, so a chunk's keys cannot be re-rotated and placed token by token into "

@@ -463,14 +463,16 @@ class ModelRunner:
         if out is None:
             return RunnerOutput(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32))
         key_scores = None if out.key_scores is None else np.asarray(out.key_scores)[rows]
-        num_accepted = spec_logprobs = None
+        num_accepted = spec_logprobs = query_key_scores = None
         if out.num_accepted is not None:
             num_accepted = np.asarray(out.num_accepted)[rows]
             spec_logprobs = np.asarray(out.spec_logprobs)[rows]
+        if out.query_key_scores is not None:
+            query_key_scores = np.asarray(out.query_key_scores)[rows]
         return RunnerOutput(tokens=np.asarray(out.tokens)[rows],  # The host sync.
                             logprobs=np.asarray(out.logprobs)[rows], key_scores=key_scores,
                             logits=out.logits, num_accepted=num_accepted,
-                            spec_logprobs=spec_logprobs)
+                            spec_logprobs=spec_logprobs, query_key_scores=query_key_scores)
 
     def warmup(self, weights_version: str, *, sampling: bool = False,
                blend_ratio: float | None = None, max_blend_tokens: int = 0) -> None:

@@ -210,6 +210,10 @@ class StepOutput:
     key_scores: [R, W*P] float32 or None: with a retention policy that scores keys, the
     attention each row's cached tokens received in this step (summed over layers, query heads
     and the row's queries weighted by score_weights), in cache order.
+    query_key_scores: [R, Wd, W*P] float32 in a verify step with key scores, else None: each
+    decode row's queries scored alone, query c as the one query of the decode step plain
+    decoding runs for its token (`kvjax.kv.retention.step_key_scores`); key_scores is its sum
+    over queries.
     feed_tokens: [F] int32, `tokens` padded to the feed width: the next step's `prev_tokens`.
     """
 
@@ -220,6 +224,7 @@ class StepOutput:
     key_scores: jax.Array | None = None
     num_accepted: jax.Array | None = None
     spec_logprobs: jax.Array | None = None
+    query_key_scores: jax.Array | None = None
 
 
 def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool = False
@@ -442,8 +447,10 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                 soft_cap=config.attn_logit_softcap)
         return out, (kv, key_scores)
 
-    key_scores = (jnp.zeros((shape.num_rows, shape.max_pages * kv.page_size), jnp.float32)
-                  if scores_keys else None)  # [R, W*P]
+    per_query = (shape.decode_width,) if shape.decode_width > 1 else ()
+    key_scores = (jnp.zeros((shape.num_rows, *per_query, shape.max_pages * kv.page_size),
+                            jnp.float32)
+                  if scores_keys else None)  # [R, W*P], or [R, Wd, W*P] in a verify step
     token_ids = jnp.where(inp.token_src >= 0,
                           inp.prev_tokens[jnp.maximum(inp.token_src, 0)], inp.tokens)  # [T]
     def write_kv(layer, x, p, positions, carry):
@@ -486,9 +493,12 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         out_logits = llama.lm_head(params, config, h, linear if batch_invariant else None
                                    )  # [T, V]
     feed = jnp.zeros(inp.prev_tokens.shape, jnp.int32).at[:shape.num_rows].set(tokens)  # [F]
+    query_key_scores = None
+    if scores_keys and per_query:
+        query_key_scores, key_scores = key_scores, key_scores.sum(axis=1)  # [R, W*P]
     return StepOutput(tokens=tokens, logprobs=logprobs, feed_tokens=feed, logits=out_logits,
                       key_scores=key_scores, num_accepted=num_accepted,
-                      spec_logprobs=spec_logprobs), kv
+                      spec_logprobs=spec_logprobs, query_key_scores=query_key_scores), kv
 
 
 def _logit_rules(inp: StepInput, token_ids: jax.Array, shape: StepShape, vocab: int

@@ -61,6 +61,7 @@ from kvjax.kv.retention import (
     _Evicting,
     _Policy,
     _top,
+    compresses_once_undecided,
     register_retention,
     step_key_scores,
 )
@@ -134,6 +135,9 @@ class _PrefillPress(_Policy):
         sinks = self.num_sinks
         chosen = _top(self.token_scores(view)[sinks:], budget - sinks) + sinks
         return np.concatenate([np.arange(sinks), chosen])
+
+    def max_undecided_tokens(self, view: CacheView) -> int | None:
+        return compresses_once_undecided(view)
 
 
 @register_retention

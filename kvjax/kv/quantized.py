@@ -38,6 +38,11 @@ so W rows never collide. Within one step the new tokens are written before they 
 every query of a prefill chunk reads the state at the chunk's end (causally masked): groups
 the chunk ages are read quantized even by its earlier queries.
 
+A speculative verify row is a decode row of several tokens; the scheduler cuts it so that it
+ages no group (a row that must age one verifies no drafts: `KVCacheManager.max_verify_tokens`),
+so each of its queries reads the groups quantized that its own decode step would, and a rejected
+draft never enters an aged group.
+
 The window is per sequence, not per page, so the engine keeps it beside the pages
 (`kvjax.engine.residual`): it assigns slots, copies a slot on fork, saves and restores it on
 swap, and zeroes it on scrub. With R > 0 a full page's newest tokens may still be exact only:

@@ -89,6 +89,8 @@ paged layout. Policies run on
 a mesh (the kv-head axis is sharded; token selection is per sequence), compacted sequences
 swap, through the host tier too (they come back with the pages they held and this record; a
 tier copy that comes back short restarts them), and snapshots carry the record.
+Speculative decoding verifies drafts against the cache the policy keeps and lets it decide
+over the accepted tokens only (`kvjax.scheduler.spec`, `RetentionPolicy.max_undecided_tokens`).
 A request of streaming, h2o or tova may be longer than the pool (it never holds more than its
 budget plus a prefill chunk); others must fit the pool whole.
 
@@ -127,6 +129,7 @@ from kvjax.kv.retention_host import (  # noqa: F401
     _Evicting,
     _Policy,
     _top,
+    compresses_once_undecided,
     make_retention,
     pool_scores,
     register_retention,
@@ -268,42 +271,57 @@ class RowScorer(Protocol):
 def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
                     pages_per_block: int, score_rows: RowScorer | None = None,
                     soft_cap: float | None = None) -> jax.Array:
-    """Key scores of a step's rows (decode rows, then prefill rows). q: [T, N, D] -> [R, W*P].
+    """Key scores of a step's rows (decode rows, then prefill rows). q: [T, N, D] -> [R, W*P],
+    or in a verify step (decode width Wd > 1) [R, Wd, W*P]: each decode row's queries scored
+    one at a time, query c as the one query of a decode step at its kv length (what plain
+    decoding would score for its token), a prefill row's sum at index 0.
 
     score_rows: what a row's keys score; None: the attention its weighted queries pay them
     (`key_scores_blockwise`). A group of rows whose queries all have weight 0 skips the
     computation.
     """
-    bd, bp = shape.num_decode, shape.num_prefill
+    bd, bp, wd = shape.num_decode, shape.num_prefill, shape.decode_width
     width = inp.block_tables.shape[1] * kv.page_size
 
-    def scored(q_rows, pos_rows, weights, rows):
-        q_lens = inp.q_lens[rows]
+    def scored(q_rows, pos_rows, weights, tables, kv_lens, q_lens, seq_slots, kv_floors):
         # A prefill view pads a row with the tokens after it: their weights are not its own.
         weights = jnp.where(jnp.arange(weights.shape[1])[None] < q_lens[:, None], weights, 0.0)
 
         def compute():
-            tables, load = kv.row_loader(layer, inp.block_tables[rows], inp.kv_lens[rows],
-                                         inp.seq_slots[rows], inp.kv_floors[rows])
+            row_tables, load = kv.row_loader(layer, tables, kv_lens, seq_slots, kv_floors)
             if score_rows is None:
-                return key_scores_blockwise(q_rows, load, tables, inp.kv_lens[rows], q_lens,
+                return key_scores_blockwise(q_rows, load, row_tables, kv_lens, q_lens,
                                             weights, pages_per_block=pages_per_block,
                                             soft_cap=soft_cap)
-            return score_rows(q_rows, pos_rows, load, tables, inp.kv_lens[rows], q_lens,
-                              weights)
+            return score_rows(q_rows, pos_rows, load, row_tables, kv_lens, q_lens, weights)
 
         zeros = jnp.zeros((q_rows.shape[0], width), jnp.float32)
         return jax.lax.cond(jnp.any(weights > 0), compute, lambda: zeros)
 
+    def rows_of(rows: slice, repeat: int = 1) -> tuple[jax.Array, ...]:
+        return tuple(jnp.repeat(x[rows], repeat, axis=0) for x in (
+            inp.block_tables, inp.kv_lens, inp.q_lens, inp.seq_slots, inp.kv_floors))
+
     w, pos = inp.score_weights, inp.positions
     parts = []
-    if bd:
-        parts.append(scored(q[:bd, None], pos[:bd, None], w[:bd, None], slice(0, bd)))
+    if bd and wd == 1:
+        parts.append(scored(q[:bd, None], pos[:bd, None], w[:bd, None], *rows_of(slice(0, bd))))
+    elif bd:  # Bd * Wd one-query rows: query c of a row sees its first kv_len - q_len + c + 1
+        tables, kv_lens, q_lens, slots, floors = rows_of(slice(0, bd), wd)  # [Bd * Wd, ...]
+        c = jnp.tile(jnp.arange(wd, dtype=jnp.int32), bd)  # [Bd * Wd]
+        is_query = c < q_lens
+        one_lens = jnp.where(is_query, kv_lens - q_lens + c + 1, 0)
+        num = bd * wd
+        out = scored(q[:num, None], pos[:num, None], w[:num, None], tables, one_lens,
+                     is_query.astype(jnp.int32), slots, floors)  # [Bd * Wd, W*P]
+        parts.append(out.reshape(bd, wd, width))
     if bp:
-        parts.append(scored(layout.prefill_view(q, inp, shape),
-                            layout.prefill_view(pos, inp, shape),
-                            layout.prefill_view(w, inp, shape), slice(bd, bd + bp)))
-    return jnp.concatenate(parts, axis=0)  # [R, W*P]
+        out = scored(layout.prefill_view(q, inp, shape), layout.prefill_view(pos, inp, shape),
+                     layout.prefill_view(w, inp, shape), *rows_of(slice(bd, bd + bp)))
+        if wd > 1:  # [Bp, W*P] -> [Bp, Wd, W*P], the sum at query 0
+            out = jnp.zeros((bp, wd, width), jnp.float32).at[:, 0].set(out)
+        parts.append(out)
+    return jnp.concatenate(parts, axis=0)  # [R, W*P] or [R, Wd, W*P]
 
 
 # ----------------------------------------------------------------------------- device: moves

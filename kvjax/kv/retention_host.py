@@ -78,6 +78,8 @@ class RetentionPolicy(Protocol):
 
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None: ...
 
+    def max_undecided_tokens(self, view: CacheView) -> int | None: ...
+
     def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None: ...
 
     def bind_rope(self, rope: RoPE) -> RetentionPolicy: ...
@@ -183,6 +185,12 @@ class _Policy:
         """Cache indices to keep (increasing), or None to keep everything."""
         return None
 
+    def max_undecided_tokens(self, view: CacheView) -> int | None:
+        """The most decode tokens n the sequence may add such that `select` keeps everything
+        after each of the first n - 1 (the n-th may evict); None: no limit. A verify step of
+        at most n tokens then reads exactly what n plain decode steps would."""
+        return None
+
     def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None:
         """[S'] rotary positions to add to each kept key once `keep` is compacted, or None."""
         return None
@@ -234,6 +242,13 @@ class _Evicting(_Policy):
 
     def _is_over(self, view: CacheView) -> bool:
         return len(view.positions) >= self.budget_of(view) + self.page_size
+
+    def max_undecided_tokens(self, view: CacheView) -> int | None:
+        # The token that brings the cache to B + P evicts; every one before it keeps all.
+        budget = self.budget_of(view)
+        if budget is None:
+            return None
+        return max(1, budget + self.page_size - len(view.positions))
 
 
 @register_retention
@@ -303,6 +318,13 @@ class H2O(_Evicting):
         return np.concatenate([heavy, np.arange(older, len(view.positions))])
 
 
+def compresses_once_undecided(view: CacheView) -> int | None:
+    """`max_undecided_tokens` of a policy that compresses once, when the prefill completes:
+    one token while that decision is still to be made (a compaction that found no page is
+    retried after the next step), else no limit."""
+    return None if view.is_prefill_done else 1
+
+
 def pool_scores(scores: np.ndarray, kernel: int, pooling: Pooling) -> np.ndarray:
     """Each score replaced by the max (or kernel-normalized sum) of its `kernel` neighbours.
 
@@ -360,6 +382,9 @@ class SnapKV(_Policy):
         pooled = pool_scores(view.scores[:prefix], self.kernel, self.pooling)
         chosen = _top(pooled, budget - self.window)
         return np.concatenate([chosen, np.arange(prefix, size)])
+
+    def max_undecided_tokens(self, view: CacheView) -> int | None:
+        return compresses_once_undecided(view)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,6 +508,33 @@ class RetentionManager:
             view.scores += key_scores[:len(view.scores)]
         elif key_scores is not None:
             view.scores = np.asarray(key_scores[:len(view.scores)], np.float32).copy()
+
+    def observe_each(self, seq_id: str, start: int, query_scores: np.ndarray | None) -> None:
+        """Records the tokens of a verify row's accepted queries one at a time, each with its
+        own query's scores, as the decode steps that plain decoding runs for them would.
+
+        query_scores: [n, >= S + n], the row's first n queries' own key scores
+        (`StepOutput.query_key_scores`), S the cached length before the row.
+        """
+        for j, scores in enumerate(query_scores):
+            self.observe(seq_id, start + j, 1, scores)
+
+    def verify_score_weights(self, seq_id: str, positions: np.ndarray) -> np.ndarray:
+        """[n] weights of a verify row's queries at logical `positions`: each weighted as the
+        one query of the decode step that plain decoding would run for it."""
+        view = self._views.get(seq_id)
+        return np.concatenate([self.policy.score_weights(view, positions[j:j + 1],
+                                                         int(positions[j]) + 1)
+                               for j in range(len(positions))]).astype(np.float32)
+
+    def max_verify_tokens(self, seq_id: str) -> int | None:
+        """The most tokens a verify row of `seq_id` may compute so that the policy decides
+        nothing before its last one (`RetentionPolicy.max_undecided_tokens`); None: any."""
+        view = self._views.get(seq_id)
+        if view is None or self.is_exact:
+            return None
+        view.budget = self._budgets.get(seq_id, self.default_budget)
+        return self.policy.max_undecided_tokens(view)
 
     def set_budget(self, seq_id: str, budget: int | None) -> None:
         """The tokens `seq_id` keeps from its next step on (a KV controller's decision): an

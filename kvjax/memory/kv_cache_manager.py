@@ -591,6 +591,47 @@ class KVCacheManager:
         if self.retention.is_exact:
             return
         self.retention.observe(seq_id, start, num_new, key_scores)
+        self._retain_selected(seq_id, is_prefill_done=is_prefill_done, version=version)
+
+    def retain_verified(self, seq_id: str, start: int, num_new: int,
+                        query_scores: np.ndarray | None, *, version: str) -> None:
+        """A verify row's accepted tokens (its first `num_new`), observed one at a time with
+        their own queries' key scores (query_scores [>= num_new, W*P], or None when the policy
+        scores nothing), then the policy's decision. The row was no longer than
+        `max_verify_tokens`, so plain decoding's decisions after its earlier tokens keep
+        everything, and this one decision is the one plain decoding makes after its last."""
+        if self.retention.is_exact:
+            return
+        if query_scores is None:
+            self.retention.observe(seq_id, start, num_new, None)
+        else:
+            self.retention.observe_each(seq_id, start, query_scores[:num_new])
+        self._retain_selected(seq_id, is_prefill_done=True, version=version)
+
+    def max_verify_tokens(self, seq_id: str, num_computed: int, most: int) -> int:
+        """The most tokens (at most `most`, at least 1) a verify row of `seq_id` starting at
+        token `num_computed` may hold so that each of its queries reads what a plain decode
+        step would: the retention policy decides nothing before its last token
+        (`RetentionManager.max_verify_tokens`), and with an exact window beside the pages
+        (KIVI) no key group ages inside it (a row that must age one has no drafts), so all its
+        queries read the groups quantized that their own decode steps would, and no draft,
+        nor a draft step's key, ever enters an aged group or overwrites a window row that a
+        later aging reads."""
+        limit = self.retention.max_verify_tokens(seq_id)
+        most = most if limit is None else max(1, min(most, limit))
+        if self._quantized_len is None:
+            return most
+        cached, floor = self.cached_len(seq_id, num_computed), self.kv_floor(seq_id)
+
+        def aged(length: int) -> int:
+            return max(self._quantized_len(length), floor)
+
+        n = 1
+        while n < most and aged(cached + n + 1) == aged(cached):
+            n += 1
+        return n
+
+    def _retain_selected(self, seq_id: str, *, is_prefill_done: bool, version: str) -> None:
         keep = self.retention.select(seq_id, is_prefill_done=is_prefill_done)
         if keep is None:
             return

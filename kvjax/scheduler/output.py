@@ -173,6 +173,9 @@ class RunnerOutput:
         follows them); None for other steps (no row kept a draft).
       spec_logprobs: [R, 1 + gamma] float32 after a verify step: logprobs of the kept drafts,
         then of `tokens`; else None.
+      query_key_scores: [R, 1 + gamma, W*P] float32 after a verify step with key scores: the
+        scores each decode row's query gave alone, as its own decode step would (zeros for
+        prefill rows); else None.
     """
 
     tokens: np.ndarray
@@ -181,3 +184,4 @@ class RunnerOutput:
     logits: object | None = None
     num_accepted: np.ndarray | None = None
     spec_logprobs: np.ndarray | None = None
+    query_key_scores: np.ndarray | None = None

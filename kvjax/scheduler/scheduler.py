@@ -461,14 +461,19 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
 
     def _max_drafts(self, seq: Sequence) -> int:
         """Draft tokens the sequence may verify next: gamma, less near its length limits (the
-        verify step emits one token beyond its drafts). Under a grammar, the row ships a mask
-        per draft (`GrammarMatcher.masks`)."""
+        verify step emits one token beyond its drafts) and before a retention decision or a
+        KIVI key group's aging. Under a grammar, the row ships a mask per draft
+        (`GrammarMatcher.masks`)."""
         left = min(seq.sampling.max_new_tokens - len(seq.output_ids),
                    self.config.max_model_len - seq.num_tokens)
         gamma = self.config.num_draft_tokens
         if self.config.adaptive_drafts and seq.draft_len:
             gamma = min(gamma, seq.draft_len)
-        return max(0, min(gamma, left - 1))
+        num = max(0, min(gamma, left - 1))
+        # A verify row reads what plain decoding would only while retention and KIVI's key
+        # groups decide nothing before its last token (`KVCacheManager.max_verify_tokens`).
+        return num and self.kv_cache.max_verify_tokens(seq.seq_id, seq.num_computed,
+                                                       num + 1) - 1
 
     def _propose(self, seq: Sequence, budget: int) -> None:
         """The drafts a verify row checks: a host drafter's proposals, or the draft steps'."""
@@ -479,7 +484,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
 
     def _draft_row(self, seq: Sequence, index: int) -> ScheduledRow:
         """A draft step's row: the sequence's next unverified token at its position, reading
-        the page subset the drafter chooses; it counts nothing as computed."""
+        the page subset the drafter chooses (every page under KIVI, whose exact window and key
+        groups are addressed by cache position); it counts nothing as computed."""
         table = np.asarray(self.kv_cache.block_table(seq.seq_id), np.int32)
         evicted = self.kv_cache.retention.num_evicted(seq.seq_id)
         start = seq.num_computed + len(seq.draft_tokens)
@@ -488,6 +494,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self.kv_cache.mark_written({int(table[cache_pos // self.config.page_size])},
                                    seq.weights_version)
         reads, read_len = self.drafter.draft_reads(table, cache_pos + 1, self.config.page_size)
+        if self.kv_cache.keeps_windows:  # KIVI addresses its window and groups by position
+            reads, read_len = table, cache_pos + 1
         return ScheduledRow(
             seq_id=seq.seq_id, token_ids=np.asarray([token], np.int32), start=start,
             num_evicted=evicted, block_table=table, score_weights=np.zeros(1, np.float32),
@@ -548,8 +556,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             host_table=host_table if len(host_table) else None,
             host_len=len(host_table) * self.config.page_size,
             block_table=table, group_tables=group_tables,
-            score_weights=self.kv_cache.retention.score_weights(seq.seq_id, pos,
-                                                               seq.num_tokens),
+            score_weights=self.kv_cache.retention.verify_score_weights(seq.seq_id, pos)
+            if num_drafts else self.kv_cache.retention.score_weights(seq.seq_id, pos,
+                                                                     seq.num_tokens),
             sampling=seq.sampling, seed=seq.seed, counter=seq.num_tokens - seq.num_prompt_tokens,
             seq_slot=self.kv_cache.seq_slot(seq.seq_id),
             kv_floor=self.kv_cache.kv_floor(seq.seq_id), samples=samples,
@@ -843,7 +852,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         if is_current:
             seq.num_computed = row.start + 1 + k
             self.kv_cache.truncate(seq.seq_id, self._cached_len(seq))
-            self._commit_kv(seq, row, None, tokens=seq.tokens + kept, num_new=1 + k)
+            self._commit_kv(seq, row, None, tokens=seq.tokens + kept, num_new=1 + k,
+                            query_scores=None if out.query_key_scores is None
+                            else out.query_key_scores[i])
         seq.num_unresolved -= 1
         for token, logprob in zip([*kept, int(out.tokens[i])], logprobs, strict=True):
             seq.tokens.append(token)
@@ -855,17 +866,23 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 break
 
     def _commit_kv(self, seq: Sequence, row: ScheduledRow, key_scores: np.ndarray | None, *,
-                   tokens: list[int] | None = None, num_new: int | None = None) -> None:
+                   tokens: list[int] | None = None, num_new: int | None = None,
+                   query_scores: np.ndarray | None = None) -> None:
         """A row's tokens are computed: full pages to the prefix cache, retention decisions.
 
         tokens: the sequence's tokens the KV holds (default seq.tokens); num_new: tokens of
-        the row that stay computed (default all of them)."""
+        the row that stay computed (default all of them); query_scores: a verify row's
+        [1 + gamma, W*P] key scores of each of its queries alone (`retain_verified`)."""
         n = row.num_tokens if num_new is None else num_new
         tokens = seq.tokens if tokens is None else tokens
         self.kv_cache.commit(seq.seq_id, tokens[:min(seq.num_computed, len(tokens))])
         if row.start < seq.num_prompt_tokens:  # a prefill chunk
             self._pay_for_pages(seq)
         self.policy.on_tokens(seq, n)
+        if row.num_drafts:
+            self.kv_cache.retain_verified(seq.seq_id, row.start, n, query_scores,
+                                          version=seq.weights_version)
+            return
         self.kv_cache.retain(seq.seq_id, row.start, n, key_scores, is_prefill_done=row.samples,
                              version=seq.weights_version)
 

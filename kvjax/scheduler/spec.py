@@ -1,7 +1,7 @@
 """Speculative decoding: where draft tokens come from, and how many a sequence verifies at once.
 
 A decoding sequence proposes up to gamma tokens; one verify step scores them all against the
-full KV in a single multi-token row, keeps the longest prefix the model agrees with plus the
+KV in a single multi-token row, keeps the longest prefix the model agrees with plus the
 model's own next token (`kvjax.sampling.verify_drafts`), and the scheduler rolls the rejected
 tokens' KV slots back. The output is the model's: token-identical to plain decoding with greedy
 sampling, and the same distribution with temperature.
@@ -15,6 +15,22 @@ A `Drafter` is a small policy registered by name (`EngineConfig.spec.method`):
     decode steps that read only a StreamingLLM subset of the sequence's own pages (the first
     `num_sinks` tokens' pages and the pages of the last `window` tokens). The draft writes its
     K/V into the sequence's own slots, which the verify step overwrites: no second copy of KV.
+
+Retention and KIVI. A verify row must read, for each of its tokens, what that token's own decode
+step would. An evicting retention policy may decide after any step (streaming, h2o and tova once
+a sequence caches B + P tokens; the prefill presses while their one compression is pending), and
+KIVI ages a key group into codes once newer tokens push it out of the exact window: either inside
+a row would leave its later queries reading another cache than plain decoding's. So a row is cut
+(`KVCacheManager.max_verify_tokens`) to end at the first token after which the policy may
+decide, and to age no key group (a row that must age one verifies no drafts). After the step
+the policy observes the kept tokens one at a time, each with the key scores its query gave
+alone (`StepOutput.query_key_scores`, the scores its decode step would have), and decides once,
+after the last: plain decoding's decisions after the earlier ones keep everything. Rejected
+drafts never reach the policy and never enter an aged group; under KIVI the sparse draft reads
+every page (KIVI addresses its exact window and key groups by cache position). Greedy tokens
+and logprobs are plain decoding's; the price is a shorter row (retention) or one without
+drafts (KIVI), at most once per P or g tokens. Quest stays refused (`kvjax.engine.compat`): it
+picks pages per query, from per-page key bounds that a rejected draft's key would widen for good.
 
 Drafts are deterministic (the draft's argmax), so verification with temperature uses the
 point-mass form of speculative sampling: a draft d is kept with probability p(d), and a

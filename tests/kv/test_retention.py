@@ -457,3 +457,37 @@ def test_move_slots_reads_before_writing():
         np.testing.assert_array_equal(np.asarray(moved.k_pages[layer]).reshape(-1), want)
         np.testing.assert_array_equal(np.asarray(moved.v_pages[layer]).reshape(-1), -want)
     assert jax.tree.structure(moved) == jax.tree.structure(kv)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("streaming", dict(num_sinks=2)), ("h2o", dict(num_recent=3)), ("tova", {}),
+    ("snapkv", dict(window=3, kernel=3)), ("knorm", {}), ("observed_attention", {})])
+@settings(max_examples=30, deadline=None)
+@given(cached=st.integers(1, 30), budget=st.integers(8, 14), is_prefill_done=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_max_undecided_tokens_is_where_token_by_token_decoding_first_decides(
+        name, options, cached, budget, is_prefill_done, seed):
+    """Brute force: decode tokens one at a time, asking the policy after each; the first one
+    after which it would keep less than everything is `max_undecided_tokens` (None: never
+    within a horizon longer than any budget). A policy that compresses once, at the end of
+    prefill, settles that decision after the next token whether it compresses or not (the
+    manager records it), so it allows one token while the decision is pending."""
+    from kvjax.kv.retention import CacheView, make_retention
+
+    policy = make_retention(name, budget, 4, **options)
+    rng = np.random.default_rng(seed)
+    view = CacheView(np.arange(cached, dtype=np.int32), rng.random(cached).astype(np.float32),
+                     is_prefill_done=is_prefill_done)
+    limit = policy.max_undecided_tokens(view)
+    first = None
+    for n in range(1, 4 * budget):
+        grown = CacheView(np.arange(cached + n, dtype=np.int32),
+                          np.concatenate([view.scores, rng.random(n).astype(np.float32)]),
+                          is_prefill_done=is_prefill_done)
+        if policy.select(grown, is_prefill_done=True) is not None:
+            first = n
+            break
+    if name in ("snapkv", "knorm", "observed_attention") and not is_prefill_done:
+        assert limit == 1
+    else:
+        assert limit == first
