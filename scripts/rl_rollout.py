@@ -11,7 +11,9 @@ batch, while its samples are still being generated, the trainer takes one GRPO s
 previous (finished) batch and the engine swaps in the new weights under `--in_flight`
 (recompute, finish_old or abort). With `--ray_workers=N` the batch's prompts are split over N
 rollout workers, Ray actors with one engine each, stepped in lockstep; the update is put once
-into Ray's object store and every worker swaps it in between the same two steps. The engine runs
+into Ray's object store and every worker swaps it in between the same two steps; `--placement`
+keeps each problem's samples on one worker (group) or deals them out locality-blind (spread),
+and the report counts the prompt tokens prefilled and served by prefix caches. The engine runs
 with debug_provenance, so reading a KV page written by other weights would raise; the
 stale-read count is reported and must be 0.
 
@@ -42,6 +44,7 @@ from kvjax.rl import (
     GRPOTrainer,
     LocalRolloutPool,
     RayRolloutPool,
+    SamplePlacement,
     arithmetic_problems,
     arithmetic_reward,
 )
@@ -65,6 +68,8 @@ flags.DEFINE_string("system_prompt", "You are a calculator.", "System message of
 flags.DEFINE_integer("seed", 0, "Problems and sampling seeds.")
 flags.DEFINE_integer("ray_workers", 0, "Rollout workers as Ray actors (one engine each) on a "
                      "local Ray instance; 0: one engine in this process.")
+flags.DEFINE_enum("placement", "group", [p.value for p in SamplePlacement],
+                  "Which rollout worker runs which samples (with several workers).")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -76,7 +81,7 @@ def encode(model: kvjax.Model, system: str, question: str) -> list[int]:
 def run(*, iterations: int, num_prompts: int, group_size: int, max_new_tokens: int,
         temperature: float, update_every: int, in_flight: WeightUpdatePolicy,
         grpo: GRPOConfig, system_prompt: str, seed: int, model_spec: str | None,
-        ray_workers: int = 0) -> dict:
+        ray_workers: int = 0, placement: SamplePlacement = SamplePlacement.GROUP) -> dict:
     """Runs the loop; returns the report written to rl_rollout.json."""
     t_start = time.perf_counter()
     model = kvjax.load_model(model_spec, "float32")
@@ -93,7 +98,8 @@ def run(*, iterations: int, num_prompts: int, group_size: int, max_new_tokens: i
 
         ray.init(num_cpus=ray_workers, include_dashboard=False, log_to_driver=False)
         pool = RayRolloutPool(ray_workers, functools.partial(kvjax.load_model, model_spec,
-                                                             "float32"), engine_config)
+                                                             "float32"), engine_config,
+                              placement=placement)
     else:
         pool = LocalRolloutPool(1, lambda: model, engine_config)
     trainer = GRPOTrainer(model.config, model.params, grpo)
@@ -142,11 +148,12 @@ def run(*, iterations: int, num_prompts: int, group_size: int, max_new_tokens: i
                     update_every=update_every, in_flight=in_flight.value,
                     learning_rate=grpo.learning_rate, trainable=list(grpo.trainable),
                     system_prompt=system_prompt, seed=seed, model=model.source,
-                    ray_workers=ray_workers),
+                    ray_workers=ray_workers, placement=placement.value),
         rewards=[h["mean_reward"] for h in history], history=history,
-        weight_updates=stats["weight_updates"],
+        weight_updates=stats["weight_updates"] // pool.num_workers,  # Each reaches every worker.
         updates_while_in_flight=sum(u["in_flight_samples"] > 0 for u in updates),
         stale_kv_reads=stats["stale_kv_reads"], engine_steps=stats["steps"],
+        prefill_tokens=stats["prefill_tokens"], prefix_hit_tokens=stats["prefix_hit_tokens"],
         setup_seconds=t_ready - t_start, wall_seconds=time.perf_counter() - t_start)
 
 
@@ -177,7 +184,7 @@ def main(argv):
     report = run(**size, temperature=FLAGS.temperature,
                  in_flight=WeightUpdatePolicy(FLAGS.in_flight), grpo=grpo,
                  system_prompt=FLAGS.system_prompt, seed=FLAGS.seed, model_spec=FLAGS.model,
-                 ray_workers=FLAGS.ray_workers)
+                 ray_workers=FLAGS.ray_workers, placement=SamplePlacement(FLAGS.placement))
     report["command"] = shlex.join(["python", "scripts/rl_rollout.py", *sys.argv[1:]])
     workdir = Path(FLAGS.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -186,7 +193,9 @@ def main(argv):
     print(f"rewards per iteration: {[round(r, 3) for r in report['rewards']]}")
     print(f"{report['weight_updates']} weight updates, {report['updates_while_in_flight']} while "
           f"samples were in flight; stale KV reads: {report['stale_kv_reads']}; "
-          f"wall {report['wall_seconds']:.0f}s (setup {report['setup_seconds']:.0f}s)")
+          f"wall {report['wall_seconds']:.0f}s (setup {report['setup_seconds']:.0f}s); prefill "
+          f"tokens {report['prefill_tokens']}, prefix-cache hit tokens "
+          f"{report['prefix_hit_tokens']}")
     print(f"wrote {workdir / 'rl_rollout.json'} and {workdir / 'rl_rollout.png'}")
     if report["stale_kv_reads"]:
         raise SystemExit("stale KV pages were read")

@@ -16,7 +16,7 @@ from kvjax.rl.workers import (
     RayRolloutPool,
     RolloutPool,
     RolloutWorker,
-    merge_batches,
+    SamplePlacement,
 )
 
 __all__ = [
@@ -29,12 +29,12 @@ __all__ = [
     "RolloutBatch",
     "RolloutPool",
     "RolloutWorker",
+    "SamplePlacement",
     "arithmetic_problems",
     "arithmetic_reward",
     "group_advantages",
     "grpo_loss",
     "grpo_update",
-    "merge_batches",
     "pad_batch",
     "rollout",
     "token_logprobs",

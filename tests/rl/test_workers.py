@@ -18,7 +18,7 @@ from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import WeightUpdatePolicy
 from kvjax.rl import Rollout, RolloutBatch, token_logprobs
-from kvjax.rl.workers import LocalRolloutPool, shard_bounds
+from kvjax.rl.workers import LocalRolloutPool, SamplePlacement, place_samples, shard_bounds
 from kvjax.testing import tiny_model
 
 CONFIG = EngineConfig(page_size=4, num_pages=128, max_num_batched_tokens=64,
@@ -62,12 +62,25 @@ def test_shard_bounds_cover_prompts_in_order():
         assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
 
 
-def test_two_workers_sample_what_one_engine_samples(models, prompts):
+@pytest.mark.parametrize("placement", list(SamplePlacement), ids=lambda p: p.value)
+def test_placement_puts_every_sample_on_one_worker(placement):
+    placed = place_samples(5, 3, 2, placement)
+    samples = sorted((p, first + i) for part in placed for p, first, n in part for i in range(n))
+    assert samples == [(p, i) for p in range(5) for i in range(3)]
+    prompts_per_worker = [{p for p, _, _ in part} for part in placed]
+    if placement is SamplePlacement.GROUP:
+        assert not prompts_per_worker[0] & prompts_per_worker[1]
+    else:
+        assert prompts_per_worker[0] == prompts_per_worker[1] == set(range(5))
+
+
+@pytest.mark.parametrize("placement", list(SamplePlacement), ids=lambda p: p.value)
+def test_two_workers_sample_what_one_engine_samples(models, prompts, placement):
     model = models[0]
     run = Rollout(Engine(model, CONFIG), prompts, SAMPLING, group_size=GROUP, seed=7)
     run.run()
     expected = run.result()
-    pool = LocalRolloutPool(2, lambda: model, CONFIG)
+    pool = LocalRolloutPool(2, lambda: model, CONFIG, placement=placement)
     pool.start(prompts, SAMPLING, group_size=GROUP, seed=7)
     while not pool.step():
         pass
@@ -76,7 +89,18 @@ def test_two_workers_sample_what_one_engine_samples(models, prompts):
     assert got.finish_reasons == expected.finish_reasons
     np.testing.assert_array_equal(got.tokens, expected.tokens)
     np.testing.assert_array_equal(got.loss_mask, expected.loss_mask)
-    np.testing.assert_allclose(got.old_logprobs, expected.old_logprobs, atol=1e-5)
+    # Other batch compositions sum float32 in another order: ~1e-5 on a logprob.
+    np.testing.assert_allclose(got.old_logprobs, expected.old_logprobs, atol=1e-4)
+    stats = pool.stats()
+    # A group request prefills its prompt but the last token once, then each sample's last
+    # token; single-sample requests prefill their whole prompt or hit the prefix cache.
+    once = sum(len(p) - 1 + GROUP for p in prompts)
+    if placement is SamplePlacement.GROUP:
+        assert stats["prefill_tokens"] == once
+    else:
+        assert stats["prefill_tokens"] + stats["prefix_hit_tokens"] == GROUP * sum(
+            map(len, prompts))
+        assert stats["prefill_tokens"] > once
 
 
 def test_broadcast_update_tags_each_token_with_the_weights_that_sampled_it(models, prompts):
