@@ -3,8 +3,9 @@
   python scripts/batch_infer.py --input requests.jsonl --output outputs.jsonl --order prefix
   python scripts/batch_infer.py --input requests.jsonl --output outputs.jsonl --ray_workers 2
 
-With `--ray_workers=N` the job runs over Ray Data on a local Ray instance (N actors, one engine
-each, batches of `--ray_batch_size` lines ordered within each batch); needs the `ray` extra.
+With `--ray_workers=N` the job runs over Ray Data on a local Ray instance on 127.0.0.1 (N
+actors, one engine each, batches of `--ray_batch_size` lines ordered within each batch); needs
+the `ray` extra.
 
 Each input line: {"id", one of "prompt" / "messages" / "prompt_ids" / "record", sampling
 fields ("max_tokens", "temperature", "seed", "top_p", "top_k"), optional "score"}. Each id
@@ -19,6 +20,7 @@ from absl import app, flags
 
 import kvjax
 from kvjax.batch import ORDERINGS, run_batch, run_batch_ray
+from kvjax.parallel.ray_local import init_local_ray
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", None, "Input JSONL, one request per line.", required=True)
@@ -41,9 +43,7 @@ def main(argv):
     config = kvjax.EngineConfig(page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
                                 max_num_seqs=FLAGS.max_num_seqs)
     if FLAGS.ray_workers:
-        import ray
-
-        ray.init(num_cpus=FLAGS.ray_workers, include_dashboard=False, log_to_driver=False)
+        init_local_ray(FLAGS.ray_workers)
         stats = run_batch_ray(functools.partial(kvjax.load_model, FLAGS.model, FLAGS.dtype),
                               FLAGS.input, FLAGS.output, num_workers=FLAGS.ray_workers,
                               batch_size=FLAGS.ray_batch_size, order=FLAGS.order,

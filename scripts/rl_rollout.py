@@ -39,6 +39,7 @@ from matplotlib.figure import Figure
 import kvjax
 from kvjax.engine.request import WeightUpdatePolicy
 from kvjax.kv.state import pages_for
+from kvjax.parallel.ray_local import init_local_ray
 from kvjax.rl import (
     GRPOConfig,
     GRPOTrainer,
@@ -94,9 +95,7 @@ def run(*, iterations: int, num_prompts: int, group_size: int, max_new_tokens: i
         max_num_batched_tokens=256, max_prefill_chunk=64, min_chunk_bucket=64,
         max_prefill_seqs=num_prompts, debug_provenance=True)
     if ray_workers:
-        import ray
-
-        ray.init(num_cpus=ray_workers, include_dashboard=False, log_to_driver=False)
+        init_local_ray(ray_workers)
         pool = RayRolloutPool(ray_workers, functools.partial(kvjax.load_model, model_spec,
                                                              "float32"), engine_config,
                               placement=placement)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from kvjax.batch import BatchStats, run_batch, run_batch_ray
 from kvjax.engine.config import EngineConfig
 from kvjax.models.model import Model
+from kvjax.parallel.ray_local import init_local_ray
 
 
 def _row(stats: BatchStats, wall: float, tokens: dict, baseline: dict | None) -> dict:
@@ -54,7 +55,7 @@ def compare_workers(model_factory: Callable[[], Model], lines: Sequence[dict],
         results["single_process"] = _row(stats, time.perf_counter() - t0, baseline, None)
         for n in worker_counts:
             out = os.path.join(tmp, f"ray_{n}.jsonl")
-            ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False)
+            init_local_ray(n)
             try:
                 t0 = time.perf_counter()
                 stats = run_batch_ray(model_factory, input_path, out, num_workers=n,

@@ -54,20 +54,22 @@ def _factory_recording_pid(directory: str):
 
 @pytest.fixture
 def ray_cluster():
+    from kvjax.parallel.ray_local import init_local_ray
+
+    init_local_ray(2)
     import ray
     import ray.cloudpickle
 
     # Actors cannot import this test module: its functions travel by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}, "loopback only"
     yield ray
     ray.shutdown()
 
 
 def test_worker_batches_give_the_single_process_output(model, single_process, tmp_path):
     """The actor's callable, called here on batches of 5 lines."""
-    input_path, expected = single_process
+    input_path, expected = single_process[0], dict(single_process[1])
     items = [i for i in pending_lines(input_path, set()) if isinstance(i, tuple)]
     worker = EngineBatchWorker(functools.partial(tiny_chat_model),
                                dict(order="prefix", engine_config=CONFIG))
@@ -86,7 +88,7 @@ def test_worker_batches_give_the_single_process_output(model, single_process, tm
 def test_ray_job_output_equals_the_single_process_job(ray_cluster, single_process, tmp_path):
     from kvjax.batch.ray_job import run_batch_ray
 
-    input_path, expected = single_process
+    input_path, expected = single_process[0], dict(single_process[1])
     stats = run_batch_ray(tiny_chat_model, input_path, tmp_path / "out.jsonl", num_workers=2,
                           batch_size=4, order="prefix", engine_config=CONFIG)
     got = read_output(tmp_path / "out.jsonl")
@@ -103,7 +105,7 @@ def test_ray_job_writes_each_id_once_after_a_worker_is_killed(ray_cluster, singl
                                                               tmp_path):
     from kvjax.batch.ray_job import run_batch_ray
 
-    input_path, expected = single_process
+    input_path, expected = single_process[0], dict(single_process[1])
     pids, output = tmp_path / "pids", tmp_path / "out.jsonl"
     pids.mkdir()
     killed = []

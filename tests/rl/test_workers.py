@@ -123,19 +123,20 @@ def test_broadcast_update_tags_each_token_with_the_weights_that_sampled_it(model
 
 
 def test_ray_actors_give_the_in_process_pool_batch(models, prompts):
-    import ray
-
+    from kvjax.parallel.ray_local import init_local_ray
     from kvjax.rl.workers import RayRolloutPool
 
     old, new = models
     expected, expected_stats = run_pool(LocalRolloutPool(2, lambda: old, CONFIG), prompts,
                                         new.params)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2)
     try:
         pool = RayRolloutPool(2, functools.partial(tiny_model, seed=0), CONFIG)
         got, stats = run_pool(pool, prompts, new.params)
         pool.shutdown()
     finally:
+        import ray
+
         ray.shutdown()
     assert got.completion_ids == expected.completion_ids
     assert got.token_versions == expected.token_versions
