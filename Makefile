@@ -30,7 +30,15 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --durations=15
 
-test-slow: $(STAMP)
+# The slow set includes the Ray cases (tests/slow_cases.txt): the optional `ray` extra is
+# installed for it, not for `make test`, whose set-up it would slow.
+RAY_STAMP := $(VENV)/.installed-ray
+
+$(RAY_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[ray]'
+	touch $(RAY_STAMP)
+
+test-slow: $(RAY_STAMP)
 	$(PY) -m pytest -q -m slow
 
 test-notebooks: $(STAMP)

@@ -3,13 +3,19 @@
   python scripts/rl_rollout.py --workdir=runs/rl
   python scripts/rl_rollout.py --short --workdir=runs/rl_short      # CI: one update, < 1 minute
   python scripts/rl_rollout.py --in_flight=finish_old --workdir=runs/rl_finish_old
+  python scripts/rl_rollout.py --ray_workers=2 --workdir=runs/rl_ray    # needs the ray extra
 
 Each iteration submits a batch of arithmetic problems (`--num_prompts` groups of
 `--group_size` samples) to the engine and steps it. `--update_every` engine steps into the
 batch, while its samples are still being generated, the trainer takes one GRPO step on the
 previous (finished) batch and the engine swaps in the new weights under `--in_flight`
-(recompute, finish_old or abort). The engine runs with debug_provenance, so reading a KV page
-written by other weights would raise; the stale-read count is reported and must be 0.
+(recompute, finish_old or abort). With `--ray_workers=N` the batch's prompts are split over N
+rollout workers, Ray actors with one engine each, stepped in lockstep; the update is put once
+into Ray's object store and every worker swaps it in between the same two steps; `--placement`
+keeps each problem's samples on one worker (group) or deals them out locality-blind (spread),
+and the report counts the prompt tokens prefilled and served by prefix caches. The engine runs
+with debug_provenance, so reading a KV page written by other weights would raise; the
+stale-read count is reported and must be 0.
 
 Only the params under `--trainable` are trained (default: the final norm, whose gradient
 needs no backward pass through the decoder layers, so an update costs about one forward pass
@@ -19,6 +25,7 @@ and update metrics) and rl_rollout.png (the reward curve) into --workdir.
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import sys
@@ -32,10 +39,13 @@ from matplotlib.figure import Figure
 import kvjax
 from kvjax.engine.request import WeightUpdatePolicy
 from kvjax.kv.state import pages_for
+from kvjax.parallel.ray_local import init_local_ray
 from kvjax.rl import (
     GRPOConfig,
     GRPOTrainer,
-    Rollout,
+    LocalRolloutPool,
+    RayRolloutPool,
+    SamplePlacement,
     arithmetic_problems,
     arithmetic_reward,
 )
@@ -57,6 +67,10 @@ flags.DEFINE_float("learning_rate", 3e-2, "Adam step size (3e-2 suits the final 
 flags.DEFINE_list("trainable", ["final_norm"], "Param paths trained ('' for all).")
 flags.DEFINE_string("system_prompt", "You are a calculator.", "System message of every prompt.")
 flags.DEFINE_integer("seed", 0, "Problems and sampling seeds.")
+flags.DEFINE_integer("ray_workers", 0, "Rollout workers as Ray actors (one engine each) on a "
+                     "local Ray instance; 0: one engine in this process.")
+flags.DEFINE_enum("placement", "group", [p.value for p in SamplePlacement],
+                  "Which rollout worker runs which samples (with several workers).")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -65,15 +79,10 @@ def encode(model: kvjax.Model, system: str, question: str) -> list[int]:
     return model.tokenizer.encode(model.tokenizer.apply_chat_template(messages))
 
 
-def num_in_flight(engine: kvjax.Engine) -> int:
-    """Samples that have generated tokens but not finished."""
-    return sum(1 for out in engine.snapshot_outputs() for s in out.outputs
-               if s.token_ids and s.finish_reason is None)
-
-
 def run(*, iterations: int, num_prompts: int, group_size: int, max_new_tokens: int,
         temperature: float, update_every: int, in_flight: WeightUpdatePolicy,
-        grpo: GRPOConfig, system_prompt: str, seed: int, model_spec: str | None) -> dict:
+        grpo: GRPOConfig, system_prompt: str, seed: int, model_spec: str | None,
+        ray_workers: int = 0, placement: SamplePlacement = SamplePlacement.GROUP) -> dict:
     """Runs the loop; returns the report written to rl_rollout.json."""
     t_start = time.perf_counter()
     model = kvjax.load_model(model_spec, "float32")
@@ -81,10 +90,17 @@ def run(*, iterations: int, num_prompts: int, group_size: int, max_new_tokens: i
     prompts = [encode(model, system_prompt, p.question) for p in problems]
     pad_to = pages_for(max(map(len, prompts)) + max_new_tokens, 8) * 8
     batch_size = num_prompts * group_size
-    engine = kvjax.Engine(model, kvjax.EngineConfig(
+    engine_config = kvjax.EngineConfig(
         page_size=16, max_num_seqs=batch_size, max_model_len=pages_for(pad_to, 16) * 16,
         max_num_batched_tokens=256, max_prefill_chunk=64, min_chunk_bucket=64,
-        max_prefill_seqs=num_prompts, debug_provenance=True))
+        max_prefill_seqs=num_prompts, debug_provenance=True)
+    if ray_workers:
+        init_local_ray(ray_workers)
+        pool = RayRolloutPool(ray_workers, functools.partial(kvjax.load_model, model_spec,
+                                                             "float32"), engine_config,
+                              placement=placement)
+    else:
+        pool = LocalRolloutPool(1, lambda: model, engine_config)
     trainer = GRPOTrainer(model.config, model.params, grpo)
     sampling = kvjax.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     t_ready = time.perf_counter()
@@ -92,21 +108,21 @@ def run(*, iterations: int, num_prompts: int, group_size: int, max_new_tokens: i
     for it in range(iterations):
         t_it = time.perf_counter()
         chunk = slice(it * num_prompts, (it + 1) * num_prompts)
-        rollout = Rollout(engine, prompts[chunk], sampling, group_size=group_size,
-                          seed=seed + it * batch_size, name=f"it{it}")
-        update, steps = None, 0
-        while not rollout.done:
-            rollout.step()
+        pool.start(prompts[chunk], sampling, group_size=group_size,
+                   seed=seed + it * batch_size, name=f"it{it}")
+        update, steps, done = None, 0, False
+        while not done:
+            done = pool.step()
             steps += 1
             if previous is not None and steps == update_every:
-                update = dict(trainer.update(*previous), in_flight_samples=num_in_flight(engine))
-                engine.update_weights(trainer.params, f"v{trainer.num_updates}",
-                                      in_flight=in_flight)
+                update = dict(trainer.update(*previous), in_flight_samples=pool.num_in_flight())
+                pool.update_weights(trainer.params, f"v{trainer.num_updates}",
+                                    in_flight=in_flight)
                 previous = None
         if previous is not None:  # The batch finished before the update's step: update now.
             update = dict(trainer.update(*previous), in_flight_samples=0)
-            engine.update_weights(trainer.params, f"v{trainer.num_updates}", in_flight=in_flight)
-        batch = rollout.result(pad_to=pad_to)
+            pool.update_weights(trainer.params, f"v{trainer.num_updates}", in_flight=in_flight)
+        batch = pool.result(pad_to=pad_to)
         rewards = [arithmetic_reward(text, problems[chunk][b // group_size].answer)
                    for b, text in enumerate(batch.texts)]
         previous = (batch, rewards)
@@ -124,16 +140,19 @@ def run(*, iterations: int, num_prompts: int, group_size: int, max_new_tokens: i
               + (f", update in flight over {update['in_flight_samples']} samples, loss "
                  f"{update['loss']:.4f}" if update else ""), flush=True)
     updates = [h["update"] for h in history if h["update"]]
+    stats = pool.stats()
     return dict(
         config=dict(iterations=iterations, num_prompts=num_prompts, group_size=group_size,
                     max_new_tokens=max_new_tokens, temperature=temperature,
                     update_every=update_every, in_flight=in_flight.value,
                     learning_rate=grpo.learning_rate, trainable=list(grpo.trainable),
-                    system_prompt=system_prompt, seed=seed, model=model.source),
+                    system_prompt=system_prompt, seed=seed, model=model.source,
+                    ray_workers=ray_workers, placement=placement.value),
         rewards=[h["mean_reward"] for h in history], history=history,
-        weight_updates=engine.stats["weight_updates"],
+        weight_updates=stats["weight_updates"] // pool.num_workers,  # Each reaches every worker.
         updates_while_in_flight=sum(u["in_flight_samples"] > 0 for u in updates),
-        stale_kv_reads=engine.stats["stale_kv_reads"], engine_steps=engine.stats["steps"],
+        stale_kv_reads=stats["stale_kv_reads"], engine_steps=stats["steps"],
+        prefill_tokens=stats["prefill_tokens"], prefix_hit_tokens=stats["prefix_hit_tokens"],
         setup_seconds=t_ready - t_start, wall_seconds=time.perf_counter() - t_start)
 
 
@@ -163,7 +182,8 @@ def main(argv):
                       trainable=tuple(p for p in FLAGS.trainable if p))
     report = run(**size, temperature=FLAGS.temperature,
                  in_flight=WeightUpdatePolicy(FLAGS.in_flight), grpo=grpo,
-                 system_prompt=FLAGS.system_prompt, seed=FLAGS.seed, model_spec=FLAGS.model)
+                 system_prompt=FLAGS.system_prompt, seed=FLAGS.seed, model_spec=FLAGS.model,
+                 ray_workers=FLAGS.ray_workers, placement=SamplePlacement(FLAGS.placement))
     report["command"] = shlex.join(["python", "scripts/rl_rollout.py", *sys.argv[1:]])
     workdir = Path(FLAGS.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +192,9 @@ def main(argv):
     print(f"rewards per iteration: {[round(r, 3) for r in report['rewards']]}")
     print(f"{report['weight_updates']} weight updates, {report['updates_while_in_flight']} while "
           f"samples were in flight; stale KV reads: {report['stale_kv_reads']}; "
-          f"wall {report['wall_seconds']:.0f}s (setup {report['setup_seconds']:.0f}s)")
+          f"wall {report['wall_seconds']:.0f}s (setup {report['setup_seconds']:.0f}s); prefill "
+          f"tokens {report['prefill_tokens']}, prefix-cache hit tokens "
+          f"{report['prefix_hit_tokens']}")
     print(f"wrote {workdir / 'rl_rollout.json'} and {workdir / 'rl_rollout.png'}")
     if report["stale_kv_reads"]:
         raise SystemExit("stale KV pages were read")

@@ -4,11 +4,12 @@
     stats = run_batch(model, "requests.jsonl", "outputs.jsonl", order="prefix")
 
 Modules: `requests` (input lines), `output` (durable JSONL output), `ordering` (input,
-prefix, fields, blend behind a registry), `job` (the job loop); scoring requests run on
+prefix, fields, blend behind a registry), `job` (the job loop), `ray_job` (the same job over
+Ray Data, one engine per actor; Ray is an optional extra); scoring requests run on
 `kvjax.models.scoring` (layer-by-layer prefill-only scoring).
 """
 
-from kvjax.batch.job import BatchStats, run_batch
+from kvjax.batch.job import BatchRunner, BatchStats, run_batch
 from kvjax.batch.ordering import (
     ORDERINGS,
     Ordering,
@@ -18,6 +19,7 @@ from kvjax.batch.ordering import (
     shared_field_order,
 )
 from kvjax.batch.output import OutputLog, done_ids
+from kvjax.batch.ray_job import run_batch_ray
 from kvjax.batch.requests import BadLine, BatchRequest, parse_line, render_record
 from kvjax.models.scoring import PrefillOnlyScorer
 
@@ -25,6 +27,7 @@ __all__ = [
     "ORDERINGS",
     "BadLine",
     "BatchRequest",
+    "BatchRunner",
     "BatchStats",
     "Ordering",
     "OutputLog",
@@ -36,5 +39,6 @@ __all__ = [
     "register_ordering",
     "render_record",
     "run_batch",
+    "run_batch_ray",
     "shared_field_order",
 ]

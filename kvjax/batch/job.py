@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvjax.batch.ordering import make_ordering
 from kvjax.batch.output import OutputLog
@@ -54,10 +54,28 @@ class BatchStats:
         return self.prefix_hit_tokens / max(self.prompt_tokens, 1)
 
 
-def read_requests(model: Model, path: str, skip: set[str]
-                  ) -> Iterator[BatchRequest | BadLine]:
-    """The input's requests in file order, a `BadLine` in place of each bad one; ids in
-    `skip` (already done) and repeats of an id are left out or reported."""
+def pending_lines(path: str, skip: set[str]) -> Iterator[tuple[str, int] | BadLine]:
+    """The input's lines not yet done, as (line, line number) in file order; a repeat of an
+    earlier line's id becomes a `BadLine` (reported under `<id>@line:<n>`, so a re-run skips the
+    report too). Ids in `skip` are left out."""
+    seen: set[str] = set()
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rid = line_id(line, n)
+            if rid in seen:
+                if f"{rid}@line:{n}" not in skip:
+                    yield BadLine(f"{rid}@line:{n}", "id", f"repeats id {rid!r} of an earlier "
+                                  f"line")
+                continue
+            seen.add(rid)
+            if rid not in skip:
+                yield line, n
+
+
+def parse_request(model: Model, line: str, line_number: int) -> BatchRequest | BadLine:
+    """One input line parsed with `model`'s tokenizer, or the `BadLine` it raised."""
     tokenizer = model.tokenizer
 
     def chat(messages):
@@ -65,24 +83,18 @@ def read_requests(model: Model, path: str, skip: set[str]
             raise ValueError("chat messages need a model with a tokenizer")
         return tokenizer.encode(tokenizer.apply_chat_template(messages))
 
-    seen: set[str] = set()
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rid = line_id(line, n)
-            if rid in seen:  # Reported under its own id, so a re-run skips the report too.
-                if f"{rid}@line:{n}" not in skip:
-                    yield BadLine(f"{rid}@line:{n}", "id", f"repeats id {rid!r} of an earlier "
-                                  f"line")
-                continue
-            seen.add(rid)
-            if rid in skip:
-                continue
-            try:
-                yield parse_line(line, n, lambda t: encode_prompt(model, t), chat)
-            except BadLine as e:
-                yield e
+    try:
+        return parse_line(line, line_number, lambda t: encode_prompt(model, t), chat)
+    except BadLine as e:
+        return e
+
+
+def read_requests(model: Model, path: str, skip: set[str]
+                  ) -> Iterator[BatchRequest | BadLine]:
+    """The input's requests in file order, a `BadLine` in place of each bad one; ids in
+    `skip` (already done) and repeats of an id are left out or reported."""
+    for item in pending_lines(path, skip):
+        yield item if isinstance(item, BadLine) else parse_request(model, *item)
 
 
 def output_record(out: RequestOutput) -> dict:
@@ -110,7 +122,7 @@ def score_record(scorer: PrefillOnlyScorer, request: BatchRequest) -> dict:
     return {"id": request.request_id, "scores": scores}
 
 
-class _Progress:
+class ProgressBar:
     """A tqdm bar over ids (throughput and ETA from tqdm), or nothing when disabled."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
@@ -130,6 +142,53 @@ class _Progress:
             self._bar.close()
 
 
+class BatchRunner:
+    """One engine and one prefill-only scorer that run lists of parsed requests: what the
+    single-process job holds, and what each Ray Data actor holds (`kvjax.batch.ray_job`).
+
+    Attributes:
+      model: the model served.
+      engine: the engine generation requests run on.
+    """
+
+    def __init__(self, model: Model, *, order: str = "input",
+                 engine_config: EngineConfig | None = None, window: int | None = None,
+                 score_kv_budget_bytes: int | None = None):
+        self.model = model
+        self._ordering = make_ordering(order)
+        self.engine = Engine(model, engine_config)
+        self._window = window or 2 * self.engine.config.max_num_seqs
+        self._scorer = PrefillOnlyScorer(model, kv_budget_bytes=score_kv_budget_bytes
+                                         or self.engine.num_pages * self.engine.kv_bytes_per_page)
+
+    def run(self, items: list[BatchRequest | BadLine], write: Callable[[dict], None]) -> None:
+        """Writes one output record per item: bad lines first, then the requests in the
+        ordering's order, each as it finishes."""
+        good = self._ordering.arrange([i for i in items if not isinstance(i, BadLine)],
+                                      lambda t: encode_prompt(self.model, t))
+        for e in items:
+            if isinstance(e, BadLine):
+                write({"id": e.request_id, "error": str(e), "field": e.field})
+        _feed(self.engine, self._scorer, good, self._window, write)
+
+
+class StatsWriter:
+    """Appends records to an `OutputLog` and counts them into `stats` (and a progress bar)."""
+
+    def __init__(self, log: OutputLog, stats: BatchStats, bar: ProgressBar):
+        self._log, self._stats, self._bar = log, stats, bar
+
+    def __call__(self, record: dict) -> None:
+        stats = self._stats
+        self._log.write(record)
+        stats.num_done += 1
+        stats.num_errors += "error" in record
+        stats.generated_tokens += len(record.get("tokens", ()))
+        stats.prompt_tokens += record.get("num_prompt_tokens", 0)
+        stats.prefix_hit_tokens += record.get("num_cached_prompt_tokens", 0)
+        self._bar.update(stats.generated_tokens)
+
+
 def run_batch(model: Model, input_path: str, output_path: str, *, order: str = "input",
               engine_config: EngineConfig | None = None, window: int | None = None,
               score_kv_budget_bytes: int | None = None, progress: bool = False
@@ -144,35 +203,17 @@ def run_batch(model: Model, input_path: str, output_path: str, *, order: str = "
       score_kv_budget_bytes: KV bytes prefill-only scoring may hold (default: the engine's).
       progress: show a tqdm bar.
     """
-    ordering = make_ordering(order)
-    engine = Engine(model, engine_config)
-    window = window or 2 * engine.config.max_num_seqs
-    scorer = PrefillOnlyScorer(model, kv_budget_bytes=score_kv_budget_bytes
-                               or engine.num_pages * engine.kv_bytes_per_page)
+    runner = BatchRunner(model, order=order, engine_config=engine_config, window=window,
+                         score_kv_budget_bytes=score_kv_budget_bytes)
     with OutputLog(output_path) as log:
         items = list(read_requests(model, input_path, log.done))
         stats = BatchStats(num_skipped=len(log.done))
-        bar = _Progress(len(items) + len(log.done), len(log.done), progress)
-        bad = [i for i in items if isinstance(i, BadLine)]
-        good = ordering.arrange([i for i in items if not isinstance(i, BadLine)],
-                                lambda t: encode_prompt(model, t))
+        bar = ProgressBar(len(items) + len(log.done), len(log.done), progress)
         t0 = time.perf_counter()
-
-        def write(record: dict) -> None:
-            log.write(record)
-            stats.num_done += 1
-            stats.num_errors += "error" in record
-            stats.generated_tokens += len(record.get("tokens", ()))
-            stats.prompt_tokens += record.get("num_prompt_tokens", 0)
-            stats.prefix_hit_tokens += record.get("num_cached_prompt_tokens", 0)
-            bar.update(stats.generated_tokens)
-
-        for e in bad:
-            write({"id": e.request_id, "error": str(e), "field": e.field})
-        _feed(engine, scorer, good, window, write)
+        runner.run(items, StatsWriter(log, stats, bar))
         stats.seconds = time.perf_counter() - t0
         bar.close()
-    stats.prefill_tokens = engine.metrics()["prefill_tokens"]
+    stats.prefill_tokens = runner.engine.metrics()["prefill_tokens"]
     return stats
 
 

@@ -1,4 +1,5 @@
-"""RL rollouts on the kvjax engine: grouped sampling, GRPO updates, programmatic rewards."""
+"""RL rollouts on the kvjax engine: grouped sampling, GRPO updates, programmatic rewards, and
+rollout workers over several engines (in this process or as Ray actors)."""
 
 from kvjax.rl.grpo import (
     GRPOConfig,
@@ -10,13 +11,25 @@ from kvjax.rl.grpo import (
 )
 from kvjax.rl.rewards import ArithmeticProblem, arithmetic_problems, arithmetic_reward
 from kvjax.rl.rollout import Rollout, RolloutBatch, pad_batch, rollout
+from kvjax.rl.workers import (
+    LocalRolloutPool,
+    RayRolloutPool,
+    RolloutPool,
+    RolloutWorker,
+    SamplePlacement,
+)
 
 __all__ = [
     "ArithmeticProblem",
     "GRPOConfig",
     "GRPOTrainer",
+    "LocalRolloutPool",
+    "RayRolloutPool",
     "Rollout",
     "RolloutBatch",
+    "RolloutPool",
+    "RolloutWorker",
+    "SamplePlacement",
     "arithmetic_problems",
     "arithmetic_reward",
     "group_advantages",

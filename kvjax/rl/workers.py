@@ -1,0 +1,336 @@
+"""Rollouts over several engines: rollout workers in this process or as Ray actors.
+
+    pool = RayRolloutPool(2, functools.partial(kvjax.load_model, None, "float32"), config)
+    pool.start(prompts, sampling, group_size=4, seed=0)
+    while not pool.step():
+        if time_to_update:
+            pool.update_weights(trainer.params, "v1")
+    batch = pool.result()
+
+A `RolloutWorker` holds one engine and runs its part of a rollout: one request per slice of a
+prompt's samples, each sample seeded as in one engine's `Rollout` (sample i of prompt p with
+`seed + p * group_size + i`), so where a sample runs does not change it. `SamplePlacement` says
+which worker runs which samples: GROUP keeps a prompt's samples together (its prompt prefilled
+once, its pages shared), SPREAD deals them out locality-blind. A pool steps its workers in
+lockstep (one engine step each per `step()`), so a weight update lands on every worker between
+the same two steps; `update_weights` ships the params once (on Ray: one `ray.put`, every actor
+reads the same object) and each engine tags the tokens it samples afterwards with the new
+version. `result()` merges the samples, prompt-major, into one `RolloutBatch`.
+
+`LocalRolloutPool` keeps its workers in this process (taking turns on the host);
+`RayRolloutPool` makes each a Ray actor with one CPU. Ray is an optional extra
+(`pip install 'kvjax[ray]'`), imported only when a `RayRolloutPool` is built.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from kvjax.engine.config import EngineConfig
+from kvjax.engine.engine import Engine
+from kvjax.engine.request import FinishReason, RequestOutput, WeightUpdatePolicy
+from kvjax.models.model import Model
+from kvjax.rl.rollout import RolloutBatch, pad_batch
+from kvjax.sampling import SamplingParams
+
+_COUNTED_STATS = ("steps", "weight_updates", "stale_kv_reads")
+
+
+class SamplePlacement(enum.Enum):
+    """Which worker runs which samples of a rollout.
+
+    GROUP: a prompt's samples stay together on one worker, as one request of `group_size`
+      samples sharing the prompt's KV pages (contiguous shards of prompts): each prompt is
+      prefilled once.
+    SPREAD: locality-blind, sample b of the rollout (prompt-major) on worker
+      `b % num_workers`, one request each: a prompt is prefilled on every worker holding one
+      of its samples, and its samples on one worker share its pages only through the prefix
+      cache.
+    """
+
+    GROUP = "group"
+    SPREAD = "spread"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleSlice:
+    """Samples [first, first + n) of prompt `prompt_index`: one engine request."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    first: int
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One finished sample, as a worker hands it back.
+
+    Attributes:
+      prompt_index, sample_index: which prompt, which of its `group_size` samples.
+      completion_ids, logprobs, token_versions, finish_reason, text: as in `RolloutBatch`.
+    """
+
+    prompt_index: int
+    sample_index: int
+    completion_ids: list[int]
+    logprobs: np.ndarray
+    token_versions: list[str]
+    finish_reason: FinishReason
+    text: str | None
+
+
+def place_samples(num_prompts: int, group_size: int, num_workers: int,
+                  placement: SamplePlacement) -> list[list[tuple[int, int, int]]]:
+    """Per worker, its (prompt index, first sample, number of samples) requests."""
+    workers: list[list[tuple[int, int, int]]] = [[] for _ in range(num_workers)]
+    if placement is SamplePlacement.GROUP:
+        for w, (a, b) in enumerate(shard_bounds(num_prompts, num_workers)):
+            workers[w] = [(p, 0, group_size) for p in range(a, b)]
+    else:
+        for b in range(num_prompts * group_size):
+            workers[b % num_workers].append((b // group_size, b % group_size, 1))
+    return workers
+
+
+class RolloutWorker:
+    """One engine running its part of each rollout.
+
+    Sample i of prompt p is sampled with seed `seed + p * group_size + i` (mod 2**32)
+    whichever worker runs it and however its prompt's samples are split into requests (the
+    engine seeds sample i of a request with the request's seed + i), so placement does not
+    change a sample.
+
+    Attributes:
+      engine: the worker's engine.
+    """
+
+    def __init__(self, model_factory: Callable[[], Model],
+                 engine_config: EngineConfig | None = None):
+        self.engine = Engine(model_factory(), engine_config)
+        self._slices: dict[str, SampleSlice] = {}
+        self._outputs: dict[str, RequestOutput] = {}
+
+    def start(self, slices: Sequence[SampleSlice], sampling: SamplingParams, *,
+              group_size: int, seed: int, name: str) -> None:
+        """Queues one request per slice (all or none: each is validated first)."""
+        self._slices = {f"{name}/{s.prompt_index}.{s.first}": s for s in slices}
+        self._outputs = {}
+        requests = [(rid, s.prompt_ids, dataclasses.replace(
+            sampling, n=s.n, seed=(seed + s.prompt_index * group_size + s.first) % 2**32))
+            for rid, s in self._slices.items()]
+        for request in requests:
+            self.engine.validate_request(*request)
+        for request in requests:
+            self.engine.add_request(*request)
+
+    @property
+    def done(self) -> bool:
+        return len(self._outputs) == len(self._slices)
+
+    def step(self) -> bool:
+        """One engine step unless its part is done; returns whether it is done."""
+        if not self.done:
+            for out in self.engine.step():
+                if out.request_id in self._slices:
+                    self._outputs[out.request_id] = out
+        return self.done
+
+    def update_weights(self, params: Any, version: str, in_flight: WeightUpdatePolicy) -> None:
+        """Swaps in `params` (host arrays, as shipped) under `version`."""
+        self.engine.update_weights(jax.device_put(params), version, in_flight=in_flight)
+
+    def num_in_flight(self) -> int:
+        """Samples that have generated tokens but not finished."""
+        return sum(1 for out in self.engine.snapshot_outputs() for s in out.outputs
+                   if s.token_ids and s.finish_reason is None)
+
+    def result(self) -> list[Sample]:
+        """The finished samples of this worker's part."""
+        if not self.done:
+            raise ValueError(f"{len(self._slices) - len(self._outputs)} requests of the "
+                             "rollout are unfinished; step until done")
+        samples = []
+        for rid, out in self._outputs.items():
+            if out.error:
+                raise ValueError(f"request {rid!r} failed: {out.error}")
+            first = self._slices[rid].first
+            samples += [Sample(self._slices[rid].prompt_index, first + s.index,
+                               list(s.token_ids), np.asarray(s.logprobs, np.float32),
+                               list(s.weights_versions), s.finish_reason, s.text)
+                        for s in out.outputs]
+        return samples
+
+    def stats(self) -> dict[str, int]:
+        """Engine steps, weight updates, stale KV reads, prefill and prefix-hit tokens."""
+        stats = {k: int(self.engine.stats[k]) for k in _COUNTED_STATS}
+        return dict(stats, **{k: int(v) for k, v in self.engine.metrics().items()
+                              if k in ("prefill_tokens", "prefix_hit_tokens")})
+
+
+def shard_bounds(num_prompts: int, num_workers: int) -> list[tuple[int, int]]:
+    """[start, end) of each non-empty contiguous shard, sizes differing by at most one."""
+    edges = np.linspace(0, num_prompts, num_workers + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
+
+
+def assemble_batch(prompts: Sequence[Sequence[int]], group_size: int, samples: list[Sample],
+                   *, pad_to: int | None = None, pad_multiple: int = 16) -> RolloutBatch:
+    """Workers' samples as one prompt-major `RolloutBatch`."""
+    samples = sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+    keys = [(s.prompt_index, s.sample_index) for s in samples]
+    if keys != [(b // group_size, b % group_size) for b in range(len(prompts) * group_size)]:
+        raise ValueError(f"the samples do not cover {len(prompts)} prompts x {group_size} "
+                         "samples once each")
+    rows = [list(prompts[s.prompt_index]) for s in samples]
+    completions = [s.completion_ids for s in samples]
+    logprobs = [s.logprobs for s in samples]
+    reasons = [s.finish_reason for s in samples]
+    tokens, loss_mask, old_logprobs = pad_batch(rows, completions, logprobs, reasons,
+                                                pad_to=pad_to, pad_multiple=pad_multiple)
+    return RolloutBatch(prompt_ids=[list(p) for p in prompts], group_size=group_size,
+                        completion_ids=completions, logprobs=logprobs,
+                        token_versions=[s.token_versions for s in samples],
+                        finish_reasons=reasons, texts=[s.text for s in samples], tokens=tokens,
+                        loss_mask=loss_mask, old_logprobs=old_logprobs)
+
+
+class RolloutPool(Protocol):
+    """Workers driven in lockstep through one rollout at a time."""
+
+    num_workers: int
+    placement: SamplePlacement
+
+    def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+              group_size: int, seed: int = 0, name: str = "rollout") -> None: ...
+
+    def step(self) -> bool: ...
+
+    def update_weights(self, params: Any, version: str, *,
+                       in_flight: WeightUpdatePolicy = WeightUpdatePolicy.RECOMPUTE) -> None: ...
+
+    def num_in_flight(self) -> int: ...
+
+    def result(self, *, pad_to: int | None = None) -> RolloutBatch: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+
+class _Pool(abc.ABC):
+    """What both pools share; `_call` is where they differ."""
+
+    def __init__(self, num_workers: int, placement: SamplePlacement):
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+        self.num_workers = num_workers
+        self.placement = SamplePlacement(placement)
+        self._active: list[int] = []
+
+    @abc.abstractmethod
+    def _call(self, method: str, calls: dict[int, tuple]) -> list:
+        """Runs `method` on the workers `calls` names, with their (args, kwargs), all at once
+        where they are actors; returns the results in `calls` order."""
+
+    def _ship(self, params: Any) -> Any:
+        return jax.device_get(params)
+
+    def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+              group_size: int, seed: int = 0, name: str = "rollout") -> None:
+        """Queues `group_size` samples of every prompt on the workers, as `placement` says.
+
+        `sampling`'s `n` (1 or `group_size`) and `seed` are replaced: sample i of prompt p
+        gets seed `seed + p * group_size + i`, as in one engine's `Rollout`.
+        """
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        if sampling.n not in (1, group_size):
+            raise ValueError(f"sampling.n={sampling.n} conflicts with group_size={group_size}")
+        if not prompts:
+            raise ValueError("prompts is empty")
+        self._prompts = [[int(t) for t in p] for p in prompts]
+        self._group_size = group_size
+        placed = place_samples(len(prompts), group_size, self.num_workers, self.placement)
+        self._active = [w for w, part in enumerate(placed) if part]
+        self._call("start", {w: (([SampleSlice(p, self._prompts[p], first, n)
+                                   for p, first, n in placed[w]], sampling),
+                                 dict(group_size=group_size, seed=seed, name=name))
+                             for w in self._active})
+        self._done = dict.fromkeys(self._active, False)
+
+    def step(self) -> bool:
+        """One engine step on every unfinished worker; returns whether all are done."""
+        running = [w for w in self._active if not self._done[w]]
+        for w, done in zip(running, self._call("step", {w: ((), {}) for w in running}),
+                           strict=True):
+            self._done[w] = done
+        return all(self._done.values())
+
+    def update_weights(self, params: Any, version: str, *,
+                       in_flight: WeightUpdatePolicy = WeightUpdatePolicy.RECOMPUTE) -> None:
+        """Every worker swaps in `params` under `version` before its next step."""
+        shipped = self._ship(params)
+        self._call("update_weights", {w: ((shipped, version, WeightUpdatePolicy(in_flight)), {})
+                                      for w in range(self.num_workers)})
+
+    def num_in_flight(self) -> int:
+        return sum(self._call("num_in_flight", {w: ((), {}) for w in self._active}))
+
+    def result(self, *, pad_to: int | None = None) -> RolloutBatch:
+        """The finished rollout, the workers' samples merged prompt-major."""
+        parts = self._call("result", {w: ((), {}) for w in self._active})
+        return assemble_batch(self._prompts, self._group_size,
+                              [s for part in parts for s in part], pad_to=pad_to)
+
+    def stats(self) -> dict[str, int]:
+        """Every worker's counters summed."""
+        per_worker = self._call("stats", {w: ((), {}) for w in range(self.num_workers)})
+        return {k: sum(s[k] for s in per_worker) for k in per_worker[0]}
+
+
+class LocalRolloutPool(_Pool):
+    """Rollout workers in this process, stepped one after another."""
+
+    def __init__(self, num_workers: int, model_factory: Callable[[], Model],
+                 engine_config: EngineConfig | None = None, *,
+                 placement: SamplePlacement = SamplePlacement.GROUP):
+        super().__init__(num_workers, placement)
+        self.workers = [RolloutWorker(model_factory, engine_config) for _ in range(num_workers)]
+
+    def _call(self, method: str, calls: dict[int, tuple]) -> list:
+        return [getattr(self.workers[w], method)(*args, **kwargs)
+                for w, (args, kwargs) in calls.items()]
+
+
+class RayRolloutPool(_Pool):
+    """Rollout workers as Ray actors (one CPU each), each building its model with
+    `model_factory` (a picklable callable); weights travel through the object store once per
+    update."""
+
+    def __init__(self, num_workers: int, model_factory: Callable[[], Model],
+                 engine_config: EngineConfig | None = None, *,
+                 placement: SamplePlacement = SamplePlacement.GROUP):
+        super().__init__(num_workers, placement)
+        import ray  # An optional extra: imported only when actors are made.
+
+        self._ray = ray
+        actor = ray.remote(num_cpus=1)(RolloutWorker)
+        self.actors = [actor.remote(model_factory, engine_config) for _ in range(num_workers)]
+
+    def _ship(self, params: Any) -> Any:
+        return self._ray.put(jax.device_get(params))
+
+    def _call(self, method: str, calls: dict[int, tuple]) -> list:
+        return self._ray.get([getattr(self.actors[w], method).remote(*args, **kwargs)
+                              for w, (args, kwargs) in calls.items()])
+
+    def shutdown(self) -> None:
+        """Ends the actors."""
+        for actor in self.actors:
+            self._ray.kill(actor)
