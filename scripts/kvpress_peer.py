@@ -21,8 +21,8 @@ each layer's K/V as its kvpress forward hook would at the end of that prefill
 token per forward pass, at the tokens' true positions (as kvpress's pipeline passes them). Each
 variant's next-token distributions are compared with this framework's own exact run (the
 uncompressed cache), as kvjax's rows are with kvjax's exact KV run: KL(exact || press) mean,
-p99 and worst over every token of every probe, top-1 agreement, and retrieval (the greedy prediction at every
-answer position is the answer's token). Variants are kvjax's names, `name:budget[:opt=value]`;
+p99 and worst over every token of every probe, top-1 agreement, and retrieval (the greedy
+prediction at every answer position is the answer's token). Variants are kvjax's names, `name:budget[:opt=value]`;
 the budget in tokens becomes the compression ratio that keeps exactly that many prompt tokens
 per layer and kv head. Options take kvjax's names (`OPTIONS`).
 
