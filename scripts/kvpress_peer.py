@@ -22,9 +22,9 @@ token per forward pass, at the tokens' true positions (as kvpress's pipeline pas
 variant's next-token distributions are compared with this framework's own exact run (the
 uncompressed cache), as kvjax's rows are with kvjax's exact KV run: KL(exact || press) mean,
 p99 and worst over every token of every probe, top-1 agreement, and retrieval (the greedy
-prediction at every answer position is the answer's token). Variants are kvjax's names, `name:budget[:opt=value]`;
-the budget in tokens becomes the compression ratio that keeps exactly that many prompt tokens
-per layer and kv head. Options take kvjax's names (`OPTIONS`).
+prediction at every answer position is the answer's token). Variants are kvjax's names,
+`name:budget[:opt=value]`; the budget in tokens becomes the compression ratio that keeps exactly
+that many prompt tokens per layer and kv head. Options take kvjax's names (`OPTIONS`).
 
 Each row's greedy agreement with kvjax's exact continuation (the positions after the answer),
 `kvjax_continuation_agreement`, is 1 for the exact row when both frameworks run the same weights.
