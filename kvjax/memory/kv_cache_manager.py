@@ -5,9 +5,9 @@ The scheduler decides *which* sequence gets, keeps, shares or loses KV; this man
 bookkeeping and issues every device consequence (copy-on-write copies, swaps, scrubs, spills,
 tier loads, compactions) as a `KVOp` for the `KVDevice` that owns the pool (the model runner).
 Between `defer_ops()` and `take_plan()` (while the scheduler forms or commits a step) the ops
-of `DATA_KINDS` (copy-on-write copies, scrubs, window copies, compactions) are collected as
-data for the runner to apply; otherwise, and for the other kinds, the device applies them when
-issued (`kvjax.memory.ops`).
+of `DATA_KINDS` (copy-on-write copies, scrubs, window copies, compactions, chunk loads) are
+collected as data for the runner to apply; otherwise, and for the other kinds, the device
+applies them when issued (`kvjax.memory.ops`).
 It knows sequences by id only: token lists, versions and cache keys come in as arguments.
 """
 

@@ -39,11 +39,11 @@ CONFIG = dict(page_size=4, max_num_batched_tokens=32, max_prefill_chunk=16, max_
               num_pages=14, scrub_freed_pages=True, async_scheduling=True)
 
 
-# Under h2o with a budget of 12 tokens, longer sequences compact every page of tokens (the
-# configuration of tests/engine/test_engine_retention.py, whose programs it shares).
+# Under h2o with a budget of 10 tokens, longer sequences compact every page of tokens (the
+# configuration of tests/engine/test_engine_retention.py's h2o case, whose programs it shares).
 RETAINED = dict(page_size=4, max_num_batched_tokens=8, max_prefill_chunk=8, min_chunk_bucket=8,
                 max_num_seqs=4, max_prefill_seqs=1, num_pages=64, max_model_len=64,
-                retention="h2o", retention_budget=12)
+                retention="h2o", retention_budget=10, retention_options=dict(num_recent=3))
 
 
 class _AppliedOps(StepObserver):
