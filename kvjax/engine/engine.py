@@ -43,7 +43,7 @@ from kvjax.engine.step import (
 )
 from kvjax.engine.swap import DEMOTION_BITS, demoted_nbytes, demotes
 from kvjax.kv import fused_write
-from kvjax.kv.retention import RetentionManager, make_retention
+from kvjax.kv.retention import Compactor, RetentionManager, make_retention
 from kvjax.kv.reuse import ChunkCopier
 from kvjax.kv.state import pages_for
 from kvjax.memory.host_pool import HostPagePool
@@ -187,11 +187,17 @@ class Engine:
         # Only a swap space that keeps windows is ever asked for a window copy.
         self.runner.kv_programs[KVOpKind.COPY_WINDOW] = lambda kv, op: swap_space.copy_window(
             kv, op.src[0], op.dst[0])
+        self._compactor = Compactor(mc.rope.rotate if retention.policy.rotates_keys else None)
+        self.runner.kv_programs[KVOpKind.COMPACT] = lambda kv, op: self._compactor(kv, op.plan)
+        self._chunk_copier = ChunkCopier(mc.rope)
+        self.runner.kv_programs[KVOpKind.CHUNK_LOAD] = lambda kv, op: self._chunk_copier.copy(
+            kv, op.plan.src_pages, op.plan.offset, op.plan.dst_slots, op.plan.shift,
+            op.plan.key_scale)
         self.kv_cache = KVCacheManager(
             self.runner, pool.allocator, swap_space, retention, page_size=config.page_size,
             watermark=config.watermark, scrub_freed_pages=config.scrub_freed_pages,
             stats=self.stats, tiers=tiers, quantized_len=pool.quantized_len,
-            chunk_copier=ChunkCopier(mc.rope, config.page_size), clock=clock,
+            clock=clock,
             host_pool=HostPagePool(config.num_host_pages) if uses_host else None)
         self.context_reuse = make_strategy(config.context_reuse, **config.context_reuse_options)
         self.scheduler = Scheduler(
@@ -326,7 +332,8 @@ class Engine:
     @property
     def num_compiles(self) -> int:
         """Programs compiled so far; flat once every step shape has been seen."""
-        return self.runner.num_compiles + self.kv_cache.num_compiles
+        return (self.runner.num_compiles + self.kv_cache.num_compiles
+                + self._compactor.num_compiles + self._chunk_copier.num_compiles)
 
     @property
     def num_running(self) -> int:

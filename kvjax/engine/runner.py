@@ -3,10 +3,11 @@
 It turns a `SchedulerOutput` into one padded `StepInput` (shapes bucketed so each bucket
 compiles once), runs the step under the weights version the scheduler chose, and returns the
 sampled tokens as a `RunnerOutput` in row order. The step's plan of KV operations
-(`SchedulerOutput.kv_plan`: copy-on-write copies, scrubs, window copies) is applied first,
-from its index arrays (`apply_ops`); every other change to the pool arrives as a `KVOp`
-through `apply` (it is the `KVDevice` of the KV cache manager). Observers see each step and
-each KV op (metering, logits taps, tracing) without replacing any part.
+(`SchedulerOutput.kv_plan`: copy-on-write copies, scrubs, window copies, chunk loads) is
+applied first, from its index arrays (`apply_ops`), and so are the compactions a commit plans;
+every other change to the pool arrives as a `KVOp` through `apply` (it is the `KVDevice` of the
+KV cache manager). Observers see each step and each KV op (metering, logits taps, tracing)
+without replacing any part.
 """
 
 from __future__ import annotations
@@ -251,7 +252,8 @@ class ModelRunner:
       params: weights version -> params.
       kv_programs: `KVOpKind` -> program(state, op) -> state, for each kind of
         `kvjax.memory.ops.DATA_KINDS`: how the runner applies ops given as data (the engine
-        registers the scrub and window-copy programs of its swap space).
+        registers the scrub and window-copy programs of its swap space, the compaction program
+        of its retention policy and the chunk copy of context reuse).
       host_pool: the host pool of host-resident rows (`kvjax.engine.host_rows.HostPool`; it
         applies `KVOpKind.HOST_OUT` and `HOST_IN`), or None.
     """
@@ -318,8 +320,8 @@ class ModelRunner:
             for observer in self.observers:
                 observer.on_kv_op(op)
 
-    def copy_pages(self, kv: Any, src: np.ndarray, dst: np.ndarray) -> Any:
-        return self.programs.copy_pages(kv, src, dst)
+    def run_op(self, kv: Any, op: KVOp) -> Any:
+        return self.kv_programs[op.kind](kv, op)
 
     def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
         result = fn(self.kv)

@@ -73,7 +73,9 @@ and the policy and budget are part of the provenance fingerprint, so no page is 
 to a request that expects another retention.
 
 Codecs. The device side of a compaction is `KVState.compact` with a `kv_state.Compaction`
-(`plan_compaction` builds it from the block manager's new layout). A state that stores each
+(`plan_compaction` builds it on the host from the block manager's new layout, as the
+`CompactionPlan` a `KVOpKind.COMPACT` op carries; the runner applies it with a `Compactor`
+in the step's dispatch). A state that stores each
 token alone moves every page leaf's token rows, so exact K/V and a per-token codec's codes
 and scales move alike (int8, int4, int2, fp8: each token is encoded alone; calibrated fp8's
 static scales live in the codec) and a moved token decodes to exactly what it did;
@@ -118,6 +120,7 @@ from kvjax.kv.attention import PageLoader
 from kvjax.kv.retention_host import (  # noqa: F401
     H2O,
     CacheView,
+    CompactionPlan,
     NoRetention,
     Pooling,
     RetentionManager,
@@ -131,13 +134,13 @@ from kvjax.kv.retention_host import (  # noqa: F401
     _top,
     compresses_once_undecided,
     make_retention,
+    plan_compaction,
     pool_scores,
     register_retention,
     retention_names,
 )
 from kvjax.kv.spec import KVCacheSpec
 from kvjax.models.rope import RoPE
-from kvjax.shapes import pad_repeat_last
 
 
 @register_retention
@@ -347,56 +350,30 @@ def _compact(kv: Any, plan: kv_state.Compaction, rotate: kv_state.Rotate | None)
     return kv.compact(plan, rotate)
 
 
-def compaction_program():
-    """The jitted compaction `RetentionManager` runs: (kv, plan, rotate) -> kv, the state
-    donated, one program per plan size and rotation."""
-    return kvjax_jit.jit(_compact, donate_argnums=0, static_argnums=2)
+def compaction_of(plan: CompactionPlan) -> kv_state.Compaction:
+    """The device's `kv_state.Compaction` of a host `CompactionPlan` (int32 arrays)."""
+    return kv_state.Compaction(**plan.arrays())
 
 
-# ----------------------------------------------------------------------------- host: plans
-
-
-def plan_compaction(keep: np.ndarray, src: np.ndarray, dst: np.ndarray, layout: SeqLayout,
-                    page_size: int, *, old_len: int, shifts: np.ndarray | None,
-                    kept_size: int, moves_size: int, rotations_size: int = 1
-                    ) -> kv_state.Compaction:
-    """The `kv_state.Compaction` of one sequence keeping cache indices `keep` [S'].
+class Compactor:
+    """The device side of `KVOpKind.COMPACT` ops: the jitted `KVState.compact`, the state
+    donated, one program per plan size.
 
     Args:
-      keep: [S'] increasing old cache indices.
-      src, dst: the block manager's slot moves (`BlockManager.retain`).
-      layout: the sequence's tables, floor and slot.
-      page_size: P.
-      old_len: S, its cached tokens before.
-      shifts: [S'] rotary positions to add to each kept key, or None.
-      kept_size, moves_size, rotations_size: the padded sizes N >= S', M >= len(src) and
-        M2 >= the number of rotated keys (static: one program per size).
+      rotate: how kept keys turn (the model's `RoPE.rotate`) for a policy that rotates
+        them, else None.
     """
-    keep = np.asarray(keep, np.int64)
-    new_index = np.arange(len(keep))
-    kept_src = np.asarray(layout.old_table, np.int64)[keep // page_size] * page_size
-    kept_src += keep % page_size
-    kept_dst = np.asarray(layout.new_table, np.int64)[new_index // page_size] * page_size
-    kept_dst += new_index % page_size
-    shifts = np.zeros(len(keep), np.int32) if shifts is None else np.asarray(shifts, np.int32)
-    rotated = np.flatnonzero(shifts)
 
-    def padded(x, size, fill):
-        out = np.full(size, fill, np.int32)
-        out[:len(x)] = x
-        return out
+    def __init__(self, rotate: kv_state.Rotate | None = None):
+        self._rotate = rotate
+        self._program = kvjax_jit.jit(_compact, donate_argnums=0, static_argnums=2)
 
-    def moves(x, size):  # pad_repeat_last, or slot 0 onto itself when there is nothing
-        return pad_repeat_last(x, size) if len(x) else np.zeros(size, np.int32)
+    def __call__(self, kv: Any, plan: CompactionPlan) -> Any:
+        return self._program(kv, compaction_of(plan), self._rotate)
 
-    return kv_state.Compaction(
-        src=moves(src, moves_size), dst=moves(dst, moves_size),
-        rot_slots=moves(kept_dst[rotated], rotations_size),
-        rot_shifts=moves(shifts[rotated], rotations_size),
-        keep=padded(keep, kept_size, -1), kept_src=padded(kept_src, kept_size, -1),
-        kept_dst=padded(kept_dst, kept_size, -1), shifts=padded(shifts, kept_size, 0),
-        old_len=np.int32(old_len), new_len=np.int32(len(keep)),
-        old_floor=np.int32(layout.kv_floor), seq_slot=np.int32(layout.seq_slot))
+    @property
+    def num_compiles(self) -> int:
+        return self._program._cache_size()
 
 
 # The scoring presses register themselves beside the policies; importing them here makes

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 
 from kvjax.kv.spec import KVCacheSpec
-from kvjax.shapes import bucket, next_power_of_2, powers_of_2_up_to
+from kvjax.shapes import bucket, next_power_of_2, pad_repeat_last, powers_of_2_up_to
 
 if TYPE_CHECKING:
     import jax
@@ -403,6 +403,78 @@ class SeqLayout:
     seq_slot: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class CompactionPlan:
+    """One sequence's retention compaction as host data: the fields of the device's
+    `kvjax.kv.state.Compaction` (read there for their meaning), each array an int32 tuple
+    padded to a bucketed size, each scalar an int.
+
+    `plan_compaction` builds it from the block manager's new layout.
+    """
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    rot_slots: tuple[int, ...]
+    rot_shifts: tuple[int, ...]
+    keep: tuple[int, ...]
+    kept_src: tuple[int, ...]
+    kept_dst: tuple[int, ...]
+    shifts: tuple[int, ...]
+    old_len: int
+    new_len: int
+    old_floor: int
+    seq_slot: int
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every field as an int32 numpy array (scalars as 0-d arrays)."""
+        return {f.name: np.asarray(getattr(self, f.name), np.int32)
+                for f in dataclasses.fields(self)}
+
+
+def plan_compaction(keep: np.ndarray, src: np.ndarray, dst: np.ndarray, layout: SeqLayout,
+                    page_size: int, *, old_len: int, shifts: np.ndarray | None,
+                    kept_size: int, moves_size: int, rotations_size: int = 1
+                    ) -> CompactionPlan:
+    """The `CompactionPlan` of one sequence keeping cache indices `keep` [S'].
+
+    Args:
+      keep: [S'] increasing old cache indices.
+      src, dst: the block manager's slot moves (`BlockManager.retain`).
+      layout: the sequence's tables, floor and slot.
+      page_size: P.
+      old_len: S, its cached tokens before.
+      shifts: [S'] rotary positions to add to each kept key, or None.
+      kept_size, moves_size, rotations_size: the padded sizes N >= S', M >= len(src) and
+        M2 >= the number of rotated keys (static: one program per size).
+    """
+    keep = np.asarray(keep, np.int64)
+    new_index = np.arange(len(keep))
+    kept_src = np.asarray(layout.old_table, np.int64)[keep // page_size] * page_size
+    kept_src += keep % page_size
+    kept_dst = np.asarray(layout.new_table, np.int64)[new_index // page_size] * page_size
+    kept_dst += new_index % page_size
+    shifts = np.zeros(len(keep), np.int32) if shifts is None else np.asarray(shifts, np.int32)
+    rotated = np.flatnonzero(shifts)
+
+    def padded(x, size, fill):
+        out = np.full(size, fill, np.int32)
+        out[:len(x)] = x
+        return tuple(out.tolist())
+
+    def moves(x, size):  # pad_repeat_last, or slot 0 onto itself when there is nothing
+        out = pad_repeat_last(x, size) if len(x) else np.zeros(size, np.int32)
+        return tuple(np.asarray(out).tolist())
+
+    return CompactionPlan(
+        src=moves(src, moves_size), dst=moves(dst, moves_size),
+        rot_slots=moves(kept_dst[rotated], rotations_size),
+        rot_shifts=moves(shifts[rotated], rotations_size),
+        keep=padded(keep, kept_size, -1), kept_src=padded(kept_src, kept_size, -1),
+        kept_dst=padded(kept_dst, kept_size, -1), shifts=padded(shifts, kept_size, 0),
+        old_len=int(old_len), new_len=len(keep), old_floor=int(layout.kv_floor),
+        seq_slot=int(layout.seq_slot))
+
+
 class RetentionManager:
     """The engine's host-side record of what each sequence keeps, and the device moves.
 
@@ -421,8 +493,6 @@ class RetentionManager:
         self._budgets: dict[str, int | None] = {}  # a controller's per-sequence budgets
         # The budget of a sequence no controller named: the policy's (None: keep all).
         self.default_budget = policy.budget
-        self._compact = None  # the jitted compaction, built on first use (the device side)
-        self._rotate = rope.rotate if policy.rotates_keys else None
         self.stats = dict(evictions=0, evicted_tokens=0, moved_slots=0, freed_pages=0,
                           rotated_slots=0)
 
@@ -439,44 +509,27 @@ class RetentionManager:
     def fingerprint(self) -> str:
         return self.policy.fingerprint()
 
-    @property
-    def num_compiles(self) -> int:
-        return 0 if self._compact is None else self._compact._cache_size()
-
-    def _compactor(self):
-        """The jitted `KVState.compact` (`kvjax.kv.retention.compaction_program`)."""
-        if self._compact is None:
-            from kvjax.kv import retention  # Imported lazily: the host side runs without jax.
-
-            self._compact = retention.compaction_program()
-        return self._compact
-
-    def _sizes(self, page_size: int) -> tuple[int, list[int], int]:
+    def _sizes(self) -> tuple[int, list[int], int]:
         """(N, the sizes M, M2) of a compaction's arrays (`plan_compaction`): a compaction
         keeps `budget` tokens, moves at most that many (padded from P up) and rotates at most
         the sinks."""
+        page_size = self.policy.page_size
         kept = -(-next_power_of_2(self.policy.budget) // page_size) * page_size
         moves = [n for n in powers_of_2_up_to(kept) if n >= min(page_size, kept)]
-        rotations = next_power_of_2(self.policy.num_sinks) if self._rotate else 1
+        rotations = next_power_of_2(self.policy.num_sinks) if self.policy.rotates_keys else 1
         return kept, moves, rotations
 
-    def warmup(self, kv: Any) -> Any:
-        """Compiles the compaction program of every size a compaction can ask for.
-
-        Warm-up plans keep nothing and move slot 0 onto itself, which changes nothing. The
-        programs are compiled for `kv` as it is (exact or quantized pages), the state every
-        later compaction is given.
-        """
+    def warmup_plans(self) -> list[CompactionPlan]:
+        """A plan of every size a compaction can take (one compiled program each), keeping
+        nothing and moving slot 0 onto itself, which changes nothing; [] when the policy
+        never compacts."""
         if not self.policy.evicts:
-            return kv
-        kept, moves, rotations = self._sizes(kv.page_size)
+            return []
+        kept, moves, rotations = self._sizes()
         layout = SeqLayout(old_table=[0], new_table=[0])
-        for n in moves:
-            plan = _plan_compaction(np.zeros(0, np.int64), [], [], layout, kv.page_size,
-                                   old_len=0, shifts=None, kept_size=kept, moves_size=n,
-                                   rotations_size=rotations)
-            kv = self._compactor()(kv, plan, self._rotate)
-        return kv
+        return [plan_compaction(np.zeros(0, np.int64), [], [], layout, self.policy.page_size,
+                                old_len=0, shifts=None, kept_size=kept, moves_size=n,
+                                rotations_size=rotations) for n in moves]
 
     def num_evicted(self, seq_id: str) -> int:
         view = self._views.get(seq_id)
@@ -569,20 +622,18 @@ class RetentionManager:
             view.is_prefill_done = view.is_prefill_done or is_prefill_done
         return keep
 
-    def evict(self, kv: Any, seq_id: str, keep: np.ndarray, src: np.ndarray,
-              dst: np.ndarray, num_freed: int, *, is_prefill_done: bool,
-              layout: SeqLayout) -> Any:
+    def evict(self, seq_id: str, keep: np.ndarray, src: np.ndarray, dst: np.ndarray,
+              num_freed: int, *, is_prefill_done: bool, layout: SeqLayout) -> CompactionPlan:
         """Keeps cache indices `keep` of `seq_id`: the block manager moved it from
-        layout.old_table to layout.new_table with slot moves src -> dst; the device follows
-        (`KVState.compact`)."""
+        layout.old_table to layout.new_table with slot moves src -> dst. Updates the record
+        and returns the plan the device follows (`KVState.compact`)."""
         view = self._views[seq_id]
         shifts = self.policy.rotary_shifts(view, keep)
-        kept, moves, rotations = self._sizes(kv.page_size)
-        plan = _plan_compaction(keep, src, dst, layout, kv.page_size,
+        kept, moves, rotations = self._sizes()
+        plan = plan_compaction(keep, src, dst, layout, self.policy.page_size,
                                old_len=len(view.positions), shifts=shifts, kept_size=kept,
                                moves_size=bucket(len(src), moves[0]),
                                rotations_size=rotations)
-        kv = self._compactor()(kv, plan, self._rotate)
         view.is_prefill_done = view.is_prefill_done or is_prefill_done
         self.stats["evictions"] += 1
         self.stats["evicted_tokens"] += len(view.positions) - len(keep)
@@ -592,7 +643,7 @@ class RetentionManager:
         view.num_evicted += len(view.positions) - len(keep)
         view.positions = view.positions[keep]
         view.scores = view.scores[keep]
-        return kv
+        return plan
 
     def record(self, seq_id: str) -> dict | None:
         """The sequence's record as plain data (for a snapshot), None when it has none."""
@@ -625,8 +676,3 @@ class RetentionManager:
         """The sequence released its pages (finished, preempted or restarted)."""
         self._views.pop(seq_id, None)
 
-
-def _plan_compaction(*args, **kwargs):
-    from kvjax.kv import retention  # Imported lazily: a compaction plan is the device's input.
-
-    return retention.plan_compaction(*args, **kwargs)

@@ -19,7 +19,6 @@ import numpy as np
 
 from kvjax import jit as kvjax_jit
 from kvjax.models.rope import RoPE
-from kvjax.shapes import next_power_of_2
 
 
 def copy_rotated(kv, src_pages: jax.Array, offset: jax.Array, dst: jax.Array, shift: jax.Array,
@@ -49,8 +48,7 @@ class ChunkCopier:
     A chunk's tokens first.. sit in its pages from page first // P on, at offset first % P,
     so the copy reads the pages it spans and nothing more."""
 
-    def __init__(self, rope: RoPE, page_size: int):
-        self.page_size = page_size
+    def __init__(self, rope: RoPE):
         self._copy = kvjax_jit.jit(functools.partial(copy_rotated, rope=rope),
                              donate_argnums=0)
 
@@ -58,30 +56,9 @@ class ChunkCopier:
     def num_compiles(self) -> int:
         return self._copy._cache_size()
 
-    def _padded(self, pages, dst) -> tuple[np.ndarray, np.ndarray]:
-        """Source pages and destination slots padded to sizes set by the token count alone
-        (a power of two, and the pages it can span from any offset inside a page)."""
-        n = next_power_of_2(len(dst))
-        src_p = np.zeros(max(n // self.page_size, 1) + 1, np.int32)
-        src_p[:len(pages)] = pages
-        dst_p = np.full(n, -1, np.int32)
-        dst_p[:len(dst)] = dst
-        return src_p, dst_p
-
-    def copy(self, kv, src_pages, offset: int, dst, shift: int, key_scale: float):
-        """Copies tokens offset.. of src_pages (offset < page size) into dst slots (host
-        lists)."""
-        if not 0 <= offset < self.page_size:
-            raise ValueError(f"offset {offset} must be inside the first page")
-        src_p, dst_p = self._padded(src_pages, dst)
-        return self._copy(kv, src_p, np.int32(offset), dst_p, np.int32(shift),
-                          np.float32(key_scale))
-
-    def warmup(self, kv, max_tokens: int):
-        """Compiles the copies of up to `max_tokens` tokens (writing nothing)."""
-        n = 1
-        while n <= next_power_of_2(max_tokens):
-            src_p, dst_p = self._padded([], [-1] * n)
-            kv = self._copy(kv, src_p, np.int32(0), dst_p, np.int32(0), np.float32(1.0))
-            n *= 2
-        return kv
+    def copy(self, kv, src_pages: np.ndarray, offset: int, dst: np.ndarray, shift: int,
+             key_scale: float):
+        """Copies tokens offset.. of src_pages [n // P + 1] (offset < page size) into dst
+        slots [n] (-1: nothing), n a power of two (`kvjax.memory.ops.ChunkLoadPlan`)."""
+        return self._copy(kv, np.asarray(src_pages, np.int32), np.int32(offset),
+                          np.asarray(dst, np.int32), np.int32(shift), np.float32(key_scale))

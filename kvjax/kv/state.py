@@ -188,7 +188,7 @@ class Compaction:
     """One sequence's compaction (retention), as index arrays padded to static sizes.
 
     The sequence keeps cache indices `keep` of its S cached tokens, in order, as its new
-    cache indices 0..S'-1 (`kvjax.kv.retention.plan_compaction` builds it on the host from
+    cache indices 0..S'-1 (`kvjax.kv.retention_host.plan_compaction` builds it on the host from
     the block manager's new layout). It describes the change twice, once per kind of state:
 
       * as slot moves and key rotations, for states that store each token alone (exact K/V,

@@ -5,9 +5,9 @@ The scheduler decides *which* sequence gets, keeps, shares or loses KV; this man
 bookkeeping and issues every device consequence (copy-on-write copies, swaps, scrubs, spills,
 tier loads, compactions) as a `KVOp` for the `KVDevice` that owns the pool (the model runner).
 Between `defer_ops()` and `take_plan()` (while the scheduler forms or commits a step) the ops
-of `DATA_KINDS` (copy-on-write copies, scrubs, window copies) are collected as data for the
-runner to apply; otherwise, and for the other kinds, the device applies them when issued
-(`kvjax.memory.ops`).
+of `DATA_KINDS` (copy-on-write copies, scrubs, window copies, compactions, chunk loads) are
+collected as data for the runner to apply; otherwise, and for the other kinds, the device
+applies them when issued (`kvjax.memory.ops`).
 It knows sequences by id only: token lists, versions and cache keys come in as arguments.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 from kvjax.kv.retention_host import RetentionManager, SeqLayout
 from kvjax.memory.block_manager import RELEASED, AllocStatus, CopyOp
 from kvjax.memory.host_pool import HostPagePool
-from kvjax.memory.ops import KVDevice, KVOp, KVOpKind
+from kvjax.memory.ops import ChunkLoadPlan, KVDevice, KVOp, KVOpKind
 from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last, pages_for
 from kvjax.trace import NULL_TRACER, Tracer
 
@@ -45,7 +45,7 @@ class KVCacheManager:
 
     def __init__(self, device: KVDevice, allocator, swap_space, retention: RetentionManager, *,
                  page_size: int, watermark: float, scrub_freed_pages: bool, stats: dict,
-                 tiers=None, quantized_len=None, chunk_copier=None, clock=None,
+                 tiers=None, quantized_len=None, clock=None,
                  host_pool: HostPagePool | None = None):
         self.device = device
         self.host_pool = host_pool
@@ -60,7 +60,6 @@ class KVCacheManager:
         self.page_versions: dict[int, str] = {}
         self._host_versions: dict[int, str] = {}  # host-pool page -> the version that wrote it
         self._quantized_len = quantized_len
-        self._chunk_copier = chunk_copier
         if clock is not None and self.has_prefix_cache:
             allocator.clock = clock  # when cached pages are released (CachedPage.released_at)
         self._floors: dict[str, int] = {}  # sequence -> tokens its pages hold from the start
@@ -222,8 +221,7 @@ class KVCacheManager:
 
     @property
     def num_compiles(self) -> int:
-        chunks = 0 if self._chunk_copier is None else self._chunk_copier.num_compiles
-        return self.swap_space.num_compiles + self.retention.num_compiles + chunks
+        return self.swap_space.num_compiles
 
     # ----------------------------------------------------------------------------- pages
 
@@ -301,9 +299,9 @@ class KVCacheManager:
             dst_pos = np.arange(start, start + count)
             dst = dst_table[dst_pos // p] * p + dst_pos % p
             written = sorted(set(dst_table[dst_pos // p].tolist()))
-            self._apply(KVOp(KVOpKind.CHUNK_LOAD, tuple(written)),
-                        lambda kv: self._chunk_copier.copy(kv, src_pages, first % p, dst, shift,
-                                                           key_scale))
+            plan = ChunkLoadPlan.padded(src_pages, first % p, dst.tolist(), shift, key_scale,
+                                        page_size=p)
+            self._issue(KVOp(KVOpKind.CHUNK_LOAD, tuple(written), plan=plan))
             self.mark_written(written, version)
             return "loaded"
         finally:
@@ -643,9 +641,9 @@ class KVCacheManager:
         layout = SeqLayout(old_table=old_table, new_table=list(table),
                            kv_floor=self._floors.pop(seq_id, 0),
                            seq_slot=self.seq_slot(seq_id))
-        self._apply(KVOp(KVOpKind.COMPACT, tuple(table)), lambda kv: self.retention.evict(
-            kv, seq_id, keep, src, dst, len(freed), is_prefill_done=is_prefill_done,
-            layout=layout))
+        plan = self.retention.evict(seq_id, keep, src, dst, len(freed),
+                                    is_prefill_done=is_prefill_done, layout=layout)
+        self._issue(KVOp(KVOpKind.COMPACT, tuple(table), plan=plan))
         self.mark_written(table, version)
         if freed and self.scrub_freed_pages:
             self.scrub(freed)
@@ -716,16 +714,19 @@ class KVCacheManager:
         """Compiles the tier, retention, swap and scrub programs on padding inputs, the
         copy-on-write programs for up to `max_copies` copies in one step (page 0 onto itself,
         which changes nothing) and the chunk copies of up to `max_chunk_tokens` tokens."""
-        for n in geometric_buckets(1, next_power_of_2(max_copies), 2) if max_copies else ():
-            pages = np.zeros(n, np.int32)
-            self._apply(KVOp(KVOpKind.WARMUP),
-                        lambda kv, pages=pages: self.device.copy_pages(kv, pages, pages))
+        idle = [KVOp(KVOpKind.COPY, src=(0,) * n, dst=(0,) * n)
+                for n in (geometric_buckets(1, next_power_of_2(max_copies), 2)
+                          if max_copies else ())]
+        idle += [KVOp(KVOpKind.COMPACT, plan=plan) for plan in self.retention.warmup_plans()]
+        n = 1
+        while max_chunk_tokens and n <= next_power_of_2(max_chunk_tokens):  # writing nothing
+            idle.append(KVOp(KVOpKind.CHUNK_LOAD, plan=ChunkLoadPlan.padded(
+                [], 0, [-1] * n, 0, 1.0, page_size=self.page_size)))
+            n *= 2
+        for op in idle:
+            self._apply(KVOp(KVOpKind.WARMUP), lambda kv, op=op: self.device.run_op(kv, op))
         if self.tiers is not None:
             self._apply(KVOp(KVOpKind.WARMUP), self.tiers.warmup)
-        self._apply(KVOp(KVOpKind.WARMUP), self.retention.warmup)
-        if self._chunk_copier is not None and max_chunk_tokens:
-            self._apply(KVOp(KVOpKind.WARMUP),
-                        lambda kv: self._chunk_copier.warmup(kv, max_chunk_tokens))
         self._apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
             kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages,
             demote_bits=demote_bits))

@@ -5,14 +5,14 @@ runner owns the device KV pytree. Each device consequence of a memory decision (
 copy, a swap, a tier load, a scrub, a compaction) is one `KVOp`, in the order the decisions
 were made.
 
-Ops of the kinds in `DATA_KINDS` (copy-on-write copies, scrubs, window copies, and the moves of
-host-resident rows' pages between the device pool and the host pool) are plain data: their
-index arrays say everything, so the ops the scheduler issues while it forms a step travel in
-the step's `SchedulerOutput.kv_plan` and the runner applies them in the step's dispatch, before
-the model (`KVDevice.apply_ops`); those of committing a step are what
-`Scheduler.update_from_output` returns, applied by the engine core right after. The other kinds
-still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`); before one
-does, the manager hands over the data ops issued ahead of it, so the pool sees every op in
+Ops of the kinds in `DATA_KINDS` (copy-on-write copies, scrubs, window copies, retention
+compactions, and the moves of host-resident rows' pages between the device pool and the host
+pool) are plain data: their index arrays say everything, so the ops the scheduler issues while
+it forms a step travel in the step's `SchedulerOutput.kv_plan` and the runner applies them in
+the step's dispatch, before the model (`KVDevice.apply_ops`); those of committing a step are
+what `Scheduler.update_from_output` returns, applied by the engine core right after. The other
+kinds still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`); before
+one does, the manager hands over the data ops issued ahead of it, so the pool sees every op in
 issuing order (a spill of an evicted page before the copy that overwrites it).
 """
 
@@ -24,6 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+
+from kvjax.kv.retention_host import CompactionPlan
+from kvjax.shapes import next_power_of_2
 
 
 class KVOpKind(enum.StrEnum):
@@ -46,7 +49,44 @@ class KVOpKind(enum.StrEnum):
 
 # Kinds whose ops carry all they do as index arrays (the runner applies them from the data).
 DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB, KVOpKind.COPY_WINDOW,
-                        KVOpKind.HOST_OUT, KVOpKind.HOST_IN})
+                        KVOpKind.COMPACT, KVOpKind.CHUNK_LOAD, KVOpKind.HOST_OUT,
+                        KVOpKind.HOST_IN})
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLoadPlan:
+    """Tokens of a cached chunk copied into a sequence's slots, keys re-rotated
+    (`kvjax.kv.reuse.copy_rotated`), as host data padded to sizes set by the token count
+    alone (one program per padded count).
+
+    Attributes:
+      src_pages: [n // P + 1] the chunk's pages the tokens span (0 past them).
+      offset: where the first token sits in src_pages[0] (< P).
+      dst_slots: [n] the slot each token is written to (-1 past the tokens: nothing).
+      shift: rotary positions each key turns forward.
+      key_scale: what each key is multiplied by.
+    """
+
+    src_pages: tuple[int, ...]
+    offset: int
+    dst_slots: tuple[int, ...]
+    shift: int
+    key_scale: float
+
+    @staticmethod
+    def padded(src_pages: Sequence[int], offset: int, dst_slots: Sequence[int], shift: int,
+               key_scale: float, *, page_size: int) -> ChunkLoadPlan:
+        """The plan of len(dst_slots) tokens, padded to a power of two n."""
+        if not 0 <= offset < page_size:
+            raise ValueError(f"chunk load offset {offset} must be inside the first page "
+                             f"(page size {page_size})")
+        n = next_power_of_2(len(dst_slots))
+        src = np.zeros(max(n // page_size, 1) + 1, np.int32)
+        src[:len(src_pages)] = src_pages
+        dst = np.full(n, -1, np.int32)
+        dst[:len(dst_slots)] = dst_slots
+        return ChunkLoadPlan(tuple(src.tolist()), int(offset), tuple(dst.tolist()),
+                             int(shift), float(key_scale))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +106,8 @@ class KVOp:
         page dst[i] becomes a copy of host-pool page src[i].
       seq_slots: SCRUB: the sequence slots zeroed (KIVI windows of freed sequences; empty:
         none).
+      plan: COMPACT: the sequence's `CompactionPlan` (`pages`: its block table after it).
+        CHUNK_LOAD: the `ChunkLoadPlan` (`pages`: the pages it writes).
     """
 
     kind: KVOpKind
@@ -73,6 +115,7 @@ class KVOp:
     src: tuple[int, ...] = ()
     dst: tuple[int, ...] = ()
     seq_slots: tuple[int, ...] = ()
+    plan: CompactionPlan | ChunkLoadPlan | None = None
 
 
 class KVDevice(Protocol):
@@ -88,8 +131,9 @@ class KVDevice(Protocol):
     def apply_ops(self, ops: Sequence[KVOp]) -> None:
         """Applies ops of `DATA_KINDS`, in order, from their index arrays."""
 
-    def copy_pages(self, kv: Any, src, dst) -> Any:
-        """The pool's copy program: page dst[i] becomes a copy of page src[i]."""
+    def run_op(self, kv: Any, op: KVOp) -> Any:
+        """The program of an op of `DATA_KINDS` applied to `kv`, unrecorded (warm-up runs
+        it on padding ops that change nothing)."""
 
     def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
         """Records `op` and returns fn(state); the state is unchanged (gathers to host)."""
@@ -97,11 +141,13 @@ class KVDevice(Protocol):
 
 class HostKV:
     """A KVDevice over a KV state held in a plain attribute (tests, tools); `host_kv`: its
-    host pool (`KVOpKind.HOST_OUT` / `HOST_IN`), or None."""
+    host pool (`KVOpKind.HOST_OUT` / `HOST_IN`), or None; `rotate`: how compactions turn
+    kept keys (`kvjax.kv.state.Rotate`), or None."""
 
-    def __init__(self, kv: Any, host_kv: Any = None):
+    def __init__(self, kv: Any, host_kv: Any = None, rotate: Any = None):
         self.kv = kv
         self.host_kv = host_kv
+        self.rotate = rotate
         self.ops: list[KVOp] = []
 
     def apply(self, op: KVOp, fn: Callable[[Any], Any]) -> None:
@@ -109,31 +155,29 @@ class HostKV:
         self.ops.append(op)
 
     def apply_ops(self, ops: Sequence[KVOp]) -> None:
-        from kvjax.kv import pages  # Imported lazily: the host side runs without jax.
-
         for op in ops:
-            if op.kind is KVOpKind.COPY:
-                self.kv = self.kv.copy_pages(np.asarray(op.src, np.int32),
-                                             np.asarray(op.dst, np.int32))
-            elif op.kind is KVOpKind.COPY_WINDOW:
-                src, dst = np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32)
-                self.kv = pages.scatter_seq_slots(self.kv, dst,
-                                                  pages.gather_seq_slots(self.kv, src))
-            elif op.kind is KVOpKind.HOST_OUT:
-                self.host_kv = pages.scatter_pages(
-                    self.host_kv, np.asarray(op.dst, np.int32),
-                    pages.gather_pages(self.kv, np.asarray(op.src, np.int32)))
-            elif op.kind is KVOpKind.HOST_IN:
-                self.kv = pages.scatter_pages(
-                    self.kv, np.asarray(op.dst, np.int32),
-                    pages.gather_pages(self.host_kv, np.asarray(op.src, np.int32)))
-            else:
-                self.kv = pages.scrub(self.kv, np.asarray(op.dst, np.int32),
-                                      np.asarray(op.seq_slots, np.int32))
+            self.kv = self.run_op(self.kv, op)
             self.ops.append(op)
 
-    def copy_pages(self, kv: Any, src, dst) -> Any:
-        return kv.copy_pages(src, dst)
+    def run_op(self, kv: Any, op: KVOp) -> Any:
+        # Imported lazily: the host side runs without jax.
+        from kvjax.kv import pages, retention
+
+        src, dst = np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32)
+        if op.kind is KVOpKind.COPY:
+            return kv.copy_pages(src, dst)
+        if op.kind is KVOpKind.COPY_WINDOW:
+            return pages.scatter_seq_slots(kv, dst, pages.gather_seq_slots(kv, src))
+        if op.kind is KVOpKind.COMPACT:
+            return kv.compact(retention.compaction_of(op.plan), self.rotate)
+        if op.kind is KVOpKind.HOST_OUT:
+            self.host_kv = pages.scatter_pages(self.host_kv, dst, pages.gather_pages(kv, src))
+            return kv
+        if op.kind is KVOpKind.HOST_IN:
+            return pages.scatter_pages(kv, dst, pages.gather_pages(self.host_kv, src))
+        if op.kind is KVOpKind.SCRUB:
+            return pages.scrub(kv, dst, np.asarray(op.seq_slots, np.int32))
+        raise ValueError(f"HostKV has no program for KV operation {op.kind.value!r}")
 
     def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
         self.ops.append(op)

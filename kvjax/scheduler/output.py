@@ -131,8 +131,9 @@ class SchedulerOutput:
         since the previous step was formed (the last step's compactions and frees, then this
         step's copies, swaps and loads), in order; records for metering and tracing.
       kv_plan: the KV operations the runner applies, in order, before this step's model:
-        the copy-on-write copies and scrubs issued while the step was formed, as index arrays
-        (`kvjax.memory.ops.DATA_KINDS`); the other ops of `kv_ops` were applied when issued.
+        the copy-on-write copies, scrubs and chunk loads issued while the step was formed, as
+        index arrays (`kvjax.memory.ops.DATA_KINDS`); the other ops of `kv_ops` were applied
+        when issued.
       weights_version: the weights this step runs under (versions in flight take turns).
       blends: CacheBlend recomputes of chunks copied in this step, run before the step's rows.
     """

@@ -22,13 +22,14 @@ sequence and token index (what a seeded or greedy request samples does not depen
 step or batch computes it), requests arrive before the same step as they did, and the run
 goes on until every request finishes. The new decisions come back for comparison.
 
-Limits: KV operations of the kinds `kvjax.memory.ops.DATA_KINDS` (copy-on-write copies,
-scrubs, window copies) are plain data and replay as such; the other kinds (swaps, tier
-traffic, retention compactions, chunk loads) still run a device program when issued, so a
-trace holding one does not replay (`ReplayDevice` raises a ValueError naming it). Warm-up
-records (`KVOpKind.WARMUP`) are compilations, not decisions, and are left out of the
-comparison. Snapshot restores are not recorded, nor requests under a grammar (a ValueError
-names the request).
+Limits: KV operations of the kinds `kvjax.memory.ops.DATA_KINDS` (copy-on-write copies, scrubs,
+window copies, retention compactions, chunk loads) are plain data and replay as such, so runs
+under an evicting retention policy or context reuse replay (not those whose retention policy
+rotates kept keys or reads RoPE: the host record is built without a model); the other kinds
+(swaps, tier traffic) still run a device program when issued, so a trace holding one does not
+replay (`ReplayDevice` raises a ValueError naming it). Warm-up records (`KVOpKind.WARMUP`) are
+compilations, not decisions, and are left out of the comparison. Snapshot restores are not
+recorded, nor requests under a grammar (a ValueError names the request).
 """
 
 from __future__ import annotations
@@ -266,7 +267,8 @@ class ReplayDevice:
     def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
         self._check(op)
 
-    def copy_pages(self, kv: Any, src, dst) -> Any:
+    def run_op(self, kv: Any, op: KVOp) -> Any:
+        self._check(op)
         return kv
 
     @staticmethod

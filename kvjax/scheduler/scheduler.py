@@ -272,8 +272,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         drafts; False plans one token per decode row (steps that return logits, so each
         logits row is the distribution of the one token its row emits).
 
-        The copy-on-write copies and scrubs of forming the step come back as data in
-        `SchedulerOutput.kv_plan`, for the runner to apply before the step's model."""
+        The copy-on-write copies, scrubs and chunk loads of forming the step come back as data
+        in `SchedulerOutput.kv_plan`, for the runner to apply before the step's model."""
         self.kv_cache.defer_ops()
         try:
             return self._form_step(speculate)
@@ -788,8 +788,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         after a stop is never emitted. One preempted or restarted since (a newer KV epoch)
         skips the KV bookkeeping but still takes its sampled token, which is valid.
 
-        Returns the KV operations it planned as data (the copies of forked samples, scrubs of
-        freed pages), in order, for the runner to apply before anything reads the pool again.
+        Returns the KV operations it planned as data (the copies of forked samples, retention
+        compactions, scrubs of freed pages), in order, for the runner to apply before anything
+        reads the pool again.
         """
         self.kv_cache.defer_ops()
         try:

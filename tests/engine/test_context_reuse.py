@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from kvjax import Engine, EngineConfig, SamplingParams, Segment
+from kvjax.memory.ops import KVOpKind
 from kvjax.models import llama
 from kvjax.models.rope import RoPE, RopeType
+from kvjax.scheduler.replay import replay
 from kvjax.testing import greedy_reference, tiny_model
 
 P = 4
@@ -263,12 +265,31 @@ def test_n_samples_share_the_reused_prompt(model):
     assert [c.token_ids for c in out.outputs] == [expected, expected]
 
 
-def test_compile_count_stays_flat_after_warmup(model):
+def test_chunk_loads_travel_as_data_replay_and_compile_nothing_new(model):
+    """Each chunk copied into a prompt is a CHUNK_LOAD op in its step's plan, its index arrays
+    padded to a power of two; the recorded run replays to the same decisions without a
+    device, and no program compiles after warm-up."""
     engine = _engine(model, "cacheblend")
     compiles = engine.warmup()
+    recorder = engine.record_decisions()
     short, long_doc = DOC_B[:3], DOC_A + DOC_B
-    _tokens(engine, [_rag(DOC_A), _rag(short, long_doc), _rag(long_doc)])
+    prompts = [_rag(DOC_A), _rag(short, long_doc), _rag(long_doc)]
+    tokens = _tokens(engine, prompts)
     assert engine.num_compiles == compiles
+    trace = recorder.stop()
+    loads = [op for so in trace.outputs for op in so.kv_plan if op.kind is KVOpKind.CHUNK_LOAD]
+    assert len(loads) >= len(prompts)  # every prompt copies at least one chunk in
+    for op in loads:
+        plan = op.plan
+        n = len(plan.dst_slots)
+        assert n & (n - 1) == 0 and len(plan.src_pages) == max(n // P, 1) + 1
+        written = [s for s in plan.dst_slots if s >= 0]
+        assert sorted({s // P for s in written}) == list(op.pages)
+        assert 0 <= plan.offset < P
+    result = replay(trace)
+    assert len(result.outputs) == len(trace.outputs)
+    replayed = {o.request_id: o.outputs[0].token_ids for o in result.finished}
+    assert [replayed[f"gen-0-{i}"] for i in range(len(prompts))] == tokens
 
 
 def test_bad_segments_and_strategies_fail_alone(model):

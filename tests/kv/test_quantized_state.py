@@ -360,9 +360,9 @@ def test_kivi_compaction_reads_back_the_kept_tokens_laid_out_again(name, options
     dst = np.asarray(new_table)[np.arange(len(keep)) // PAGE_SIZE] * PAGE_SIZE
     dst += np.arange(len(keep)) % PAGE_SIZE
     moved = src != dst
-    plan = retention.plan_compaction(keep, src[moved], dst[moved], layout, PAGE_SIZE,
-                                     old_len=old_len, shifts=shifts, kept_size=32,
-                                     moves_size=16, rotations_size=2)
+    plan = retention.compaction_of(retention.plan_compaction(
+        keep, src[moved], dst[moved], layout, PAGE_SIZE, old_len=old_len, shifts=shifts,
+        kept_size=32, moves_size=16, rotations_size=2))
     rope = RoPE(theta=10000.0)
     rotate = rope.rotate if rotated else None
     after = jax.jit(lambda kv, plan: kv.compact(plan, rotate))(kv, plan)

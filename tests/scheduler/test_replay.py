@@ -17,6 +17,8 @@ import pytest
 
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
+from kvjax.engine.runner import StepObserver
+from kvjax.kv.retention_host import CompactionPlan
 from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.scheduler.replay import (
     DecisionRecorder,
@@ -35,6 +37,21 @@ NEW = 10
 # step programs are those of tests/engine/test_async_scheduling.py: compiled once per session.)
 CONFIG = dict(page_size=4, max_num_batched_tokens=32, max_prefill_chunk=16, max_num_seqs=6,
               num_pages=14, scrub_freed_pages=True, async_scheduling=True)
+
+
+# Under h2o with a budget of 10 tokens, longer sequences compact every page of tokens (the
+# configuration of tests/engine/test_engine_retention.py's h2o case, whose programs it shares).
+RETAINED = dict(page_size=4, max_num_batched_tokens=8, max_prefill_chunk=8, min_chunk_bucket=8,
+                max_num_seqs=4, max_prefill_seqs=1, num_pages=64, max_model_len=64,
+                retention="h2o", retention_budget=10, retention_options=dict(num_recent=3))
+
+
+class _AppliedOps(StepObserver):
+    def __init__(self):
+        self.ops: list[KVOp] = []
+
+    def on_kv_op(self, op: KVOp) -> None:
+        self.ops.append(op)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +76,22 @@ def recorded(model, prompts):
                 for i in range(len(prompts))]
     outs = engine.generate(prompts, sampling)
     return engine, recorder.stop(), [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def retained(model):
+    """A recorded run under h2o: (engine, trace, tokens, compiles after warm-up, the KV ops
+    the runner applied)."""
+    engine = Engine(model, EngineConfig(**RETAINED))
+    compiles = engine.warmup()
+    applied = _AppliedOps()
+    engine.add_step_observer(applied)
+    recorder = engine.record_decisions()
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 120, size=n)] for n in (21, 30, 9)]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    return (engine, recorder.stop(), [o.outputs[0].token_ids for o in outs], compiles,
+            applied.ops)
 
 
 def test_recorded_run_preempts_and_hits_the_prefix_cache(model, prompts, recorded):
@@ -94,19 +127,54 @@ def test_replay_reports_the_first_decision_that_differs(recorded):
         replay(changed)
 
 
-def test_replay_runs_in_a_process_without_jax(recorded, tmp_path):
-    _, trace, _ = recorded
-    path = tmp_path / "run.trace"
-    trace.save(path)
+def test_replay_runs_in_a_process_without_jax(recorded, retained, tmp_path):
+    """A plain run and one under retention (its compactions are data) replay without jax."""
+    traces = [recorded[1], retained[1]]
+    paths = [tmp_path / f"run{i}.trace" for i in range(len(traces))]
+    for trace, path in zip(traces, paths, strict=True):
+        trace.save(path)
     script = ("import sys\n"
               "from kvjax.scheduler.replay import DecisionTrace, replay\n"
-              f"result = replay(DecisionTrace.load({str(path)!r}))\n"
-              "print(len(result.outputs), sorted(m for m in ('jax', 'jaxlib', 'flax') "
-              "if m in sys.modules))\n")
+              f"results = [replay(DecisionTrace.load(p)) for p in {[str(p) for p in paths]!r}]\n"
+              "print(*[len(r.outputs) for r in results], sorted(m for m in "
+              "('jax', 'jaxlib', 'flax') if m in sys.modules))\n")
     env = {**os.environ, "PYTHONPATH": REPO}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, check=True, cwd=REPO).stdout.split(maxsplit=1)
-    assert out == [str(len(trace.outputs)), "[]\n"]
+                         text=True, check=True, cwd=REPO).stdout.split()
+    assert out == [*(str(len(t.outputs)) for t in traces), "[]"]
+
+
+def test_compactions_come_back_as_data_and_compile_nothing_new(retained):
+    """Each retention compaction is a COMPACT op carrying its plan's index arrays, returned by
+    the commit that decided it; the runner applies exactly those ops, in order, and runs no
+    program it had not compiled in warm-up."""
+    engine, trace, _, compiles, applied = retained
+    committed = [op for e in trace.events if e.name == "update_from_output" for op in e.result]
+    compactions = [op for op in committed if op.kind is KVOpKind.COMPACT]
+    assert len(compactions) == engine.retention.stats["evictions"] > 0
+    budget = RETAINED["retention_budget"]
+    for op in compactions:
+        plan = op.plan
+        assert isinstance(plan, CompactionPlan)
+        kept = plan.keep[:plan.new_len]
+        assert plan.new_len == budget and list(kept) == sorted(set(kept))
+        assert all(k == -1 for k in plan.keep[plan.new_len:])
+        # The kept tokens land in the new table's first slots, in order.
+        table = np.asarray(op.pages)
+        slots = table[np.arange(budget) // 4] * 4 + np.arange(budget) % 4
+        assert list(plan.kept_dst[:budget]) == slots.tolist()
+    assert [op for op in applied if op.kind is KVOpKind.COMPACT] == compactions
+    assert engine.num_compiles == compiles
+
+
+def test_a_run_under_retention_replays_to_the_same_decisions_and_tokens(retained):
+    engine, trace, tokens, _, _ = retained
+    result = replay(trace)
+    assert len(result.outputs) == len(trace.outputs)
+    stats = result.scheduler.kv_cache.retention.stats
+    assert stats == engine.retention.stats and stats["evictions"] > 0
+    replayed = {o.request_id: o.outputs[0].token_ids for o in result.finished}
+    assert [replayed[f"gen-0-{i}"] for i in range(len(tokens))] == tokens
 
 
 def test_counterfactual_replay_serves_the_same_tokens_under_another_schedule(
@@ -122,7 +190,7 @@ def test_counterfactual_replay_serves_the_same_tokens_under_another_schedule(
         [greedy_reference(model, p, NEW) for p in prompts]
 
 
-@pytest.mark.parametrize("kind", [KVOpKind.SWAP_OUT, KVOpKind.COMPACT, KVOpKind.POLL])
+@pytest.mark.parametrize("kind", [KVOpKind.SWAP_OUT, KVOpKind.POLL])
 def test_an_op_that_runs_a_device_program_does_not_replay(kind):
     device = ReplayDevice()
     device.apply_ops([KVOp(KVOpKind.COPY, (3,), src=(1,), dst=(3,))])  # data: accepted
