@@ -128,8 +128,8 @@ def test_place_shares_cached_pages_and_scatters_the_rest():
     a_table = manager.block_table("a")
     saved = np.full((CONFIG.num_layers, 3, P, 1, CONFIG.head_dim), 42.0, np.float32)
 
-    def scatter(kv, pages, first):
-        pages = np.asarray(pages, np.int32)
+    def scatter(kv, tables, first):
+        (pages,) = np.asarray(tables, np.int32)  # One layer group: one table.
         return kv.replace(k_pages=kv.k_pages.at[:, pages].set(saved[:, first:]))
 
     assert manager.place("b", tokens, 9, b"k", "v0", 3, scatter)
