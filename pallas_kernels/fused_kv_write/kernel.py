@@ -8,7 +8,7 @@ the row of the step's first written token instead (the same values to the same p
 program writes outside the tokens' own slots; a step with no slot to write runs no kernel.
 
 Checked against `fused_kv_write_reference` in interpret mode on the CPU
-(tests/pallas_kernels/test_fused_kv_write.py); the engine's fused write on the CPU is the
+(tests/pallas_kernels/test_fused_kv_write_kernel.py); the engine's fused write on the CPU is the
 native kernel (`kvjax.kv.fused_write`).
 """
 

@@ -72,8 +72,7 @@ CONFIGS = {
 
 
 # Every behaviour keeps a fast case; the other combinations run in `make test-slow`.
-FAST = {("plenty", False), ("recompute", True), ("async-recompute", False),
-        ("async-recompute", True)}
+FAST = {("recompute", True), ("async-recompute", False)}
 
 
 @pytest.mark.parametrize("name,sampled", [

@@ -57,7 +57,7 @@ class ReplayDrafts(NoDrafts):
     """Proposes the tokens a plain run produced after the same tokens, corrupting one draft
     in two proposals out of three (so rows keep 0 .. gamma drafts)."""
 
-    name = "replay"
+    name = "replay_plain"
 
     def __init__(self, runs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] = ()):
         self.runs = [(list(prompt), list(out)) for prompt, out in runs]
@@ -75,7 +75,7 @@ class ReplayDrafts(NoDrafts):
         return []
 
 
-register_drafter("replay", ReplayDrafts)
+register_drafter("replay_plain", ReplayDrafts)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def serve(model, prompts, overrides, spec, *, warm=False):
 
 def _replay(want, prompts) -> SpecConfig:
     runs = tuple((tuple(p), tuple(o.token_ids)) for p, o in zip(prompts, want, strict=True))
-    return SpecConfig("replay", GAMMA, options=dict(runs=runs))
+    return SpecConfig("replay_plain", GAMMA, options=dict(runs=runs))
 
 
 # Self-drafts write their own K/V into the sequence's slots in draft steps before the verify.
