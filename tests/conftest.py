@@ -68,11 +68,3 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"tests/slow_cases.txt lists {case}, which is not a test")
         for item in matched:
             item.add_marker(pytest.mark.slow)
-    # Expensive shared fixtures run once per test process: `make test` (--dist loadgroup)
-    # sends every test that uses one to the same process.
-    for item in items:
-        for fixture in _GROUPED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group(fixture))
-
-
-_GROUPED_FIXTURES = frozenset({"hf_embedded", "sharded"})
