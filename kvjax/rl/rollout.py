@@ -28,6 +28,17 @@ from kvjax.engine.request import FinishReason, RequestOutput
 from kvjax.sampling import SamplingParams
 
 
+def check_groups(prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                 group_size: int) -> None:
+    """ValueError unless `group_size` samples of every prompt can be drawn with `sampling`."""
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if sampling.n not in (1, group_size):
+        raise ValueError(f"sampling.n={sampling.n} conflicts with group_size={group_size}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutBatch:
     """Everything a policy-gradient trainer needs from one rollout.
@@ -95,12 +106,7 @@ class Rollout:
     def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams, *, group_size: int, seed: int = 0,
                  name: str = "rollout"):
-        if not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-        if sampling.n not in (1, group_size):
-            raise ValueError(f"sampling.n={sampling.n} conflicts with group_size={group_size}")
-        if not prompts:
-            raise ValueError("prompts is empty")
+        check_groups(prompts, sampling, group_size)
         self.engine = engine
         self.group_size = group_size
         self.request_ids = [f"{name}/{p}" for p in range(len(prompts))]

@@ -37,7 +37,7 @@ from kvjax.engine.config import EngineConfig
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, RequestOutput, WeightUpdatePolicy
 from kvjax.models.model import Model
-from kvjax.rl.rollout import RolloutBatch, pad_batch
+from kvjax.rl.rollout import RolloutBatch, check_groups, pad_batch
 from kvjax.sampling import SamplingParams
 
 _COUNTED_STATS = ("steps", "weight_updates", "stale_kv_reads")
@@ -248,12 +248,7 @@ class _Pool(abc.ABC):
         `sampling`'s `n` (1 or `group_size`) and `seed` are replaced: sample i of prompt p
         gets seed `seed + p * group_size + i`, as in one engine's `Rollout`.
         """
-        if not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-        if sampling.n not in (1, group_size):
-            raise ValueError(f"sampling.n={sampling.n} conflicts with group_size={group_size}")
-        if not prompts:
-            raise ValueError("prompts is empty")
+        check_groups(prompts, sampling, group_size)
         self._prompts = [[int(t) for t in p] for p in prompts]
         self._group_size = group_size
         placed = place_samples(len(prompts), group_size, self.num_workers, self.placement)
