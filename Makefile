@@ -28,7 +28,7 @@ serve: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --durations=15
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 # The slow set includes the Ray cases (tests/slow_cases.txt): the optional `ray` extra is
 # installed for it, not for `make test`, whose set-up it would slow.
