@@ -33,6 +33,11 @@ is the client's, as a colocated server would give it. A prefill replica that fai
 timeout, 503) leaves the rotation and the prefill runs once more on another, else the client
 gets 503; a prefill replica's refusal (400, 429, ...) comes back as it is. The frames' KV bytes
 are counted in `kvjax:router_kv_transfer_bytes_total`.
+
+Alternating phases (`RouterConfig.phase_period_s`, `kvjax.router.phases`): the alternative to
+disaggregation that moves no KV. Each replica in turn, for its window of every period, is the
+only one new requests go to (the policy still picks, among that one); a retry, or a window
+whose replica is down, falls back to every healthy replica.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -53,6 +59,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvjax.router.http_metrics import RouterMetrics, aggregate_replica_metrics
+from kvjax.router.phases import PhaseSchedule
 from kvjax.router.policies import RouteRequest, make_policy
 from kvjax.router.replicas import InFlight, Replica, ReplicaSet
 from kvjax.server import protocol
@@ -88,6 +95,9 @@ class RouterConfig:
         passed through on their requests).
       prefill_replicas: base URLs of prefill replicas; when given, requests are
         disaggregated: prefilled there, decoded on `replicas` (see the module docstring).
+      phase_period_s: when given, replicas alternate prefill and decode phases
+        (`kvjax.router.phases`): in each period of this many seconds, each replica in turn is
+        the only one new requests go to.
     """
 
     replicas: tuple[str, ...]
@@ -99,8 +109,15 @@ class RouterConfig:
     read_timeout_s: float = 300.0
     replica_api_key: str | None = None
     prefill_replicas: tuple[str, ...] = ()
+    phase_period_s: float | None = None
 
     def __post_init__(self):
+        if self.phase_period_s is not None and self.prefill_replicas:
+            raise ValueError("phase_period_s and prefill_replicas exclude each other: with "
+                             "alternating phases every replica prefills in its own window, "
+                             "so none is a prefill replica")
+        if self.phase_period_s is not None and not self.phase_period_s > 0:
+            raise ValueError(f"phase_period_s must be > 0, got {self.phase_period_s!r}")
         if set(self.prefill_replicas) & set(self.replicas):
             raise ValueError(f"a replica cannot be both a prefill and a decode replica: "
                              f"{sorted(set(self.prefill_replicas) & set(self.replicas))}")
@@ -172,7 +189,8 @@ class HttpRouter:
       metrics: the router's own counters (RouterMetrics).
     """
 
-    def __init__(self, config: RouterConfig, client: httpx.AsyncClient):
+    def __init__(self, config: RouterConfig, client: httpx.AsyncClient, *,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.client = client
         headers = ({} if config.replica_api_key is None
@@ -189,6 +207,8 @@ class HttpRouter:
                 poll_timeout_s=config.poll_timeout_s, max_missed_polls=config.max_missed_polls,
                 headers=headers)
             self.prefill_policy = make_policy(config.policy)
+        self.phases = (None if config.phase_period_s is None else
+                       PhaseSchedule(config.phase_period_s, len(config.replicas), clock=clock))
         self.metrics = RouterMetrics(self.replicas)
         self._timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
 
@@ -240,6 +260,8 @@ class HttpRouter:
         candidates = [r for r in replicas.healthy() if r not in tried]
         if not candidates:
             raise _NoReplica
+        if self.phases is not None and not prefill:
+            candidates = self.phases.admitting(candidates, replicas.replicas)
         hashes = [r.prompt_hashes(prompt_ids, affinity) for r in candidates]
         states = [r.instance_state(h) for r, h in zip(candidates, hashes, strict=True)]
         request = RouteRequest(prompt_len=len(prompt_ids or ()))
@@ -460,11 +482,13 @@ class HttpRouter:
         return aggregate_replica_metrics(texts) + self.metrics.render()
 
 
-def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = None) -> FastAPI:
+def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = None, *,
+                     clock: Callable[[], float] = time.monotonic) -> FastAPI:
     """The router's FastAPI app; its lifespan polls the replicas (`app.state.router` holds
-    the HttpRouter). `client` (tests: one over fake replicas) defaults to a fresh one."""
+    the HttpRouter). `client` (tests: one over fake replicas) defaults to a fresh one;
+    `clock` times the phase windows (`RouterConfig.phase_period_s`)."""
     router = HttpRouter(config, client or httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)))
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)), clock=clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -160,15 +160,16 @@ class Fakes(httpx.AsyncBaseTransport):
 
 
 def run_router(num_replicas: int, scenario, *, policy: str = "round_robin",
-               read_timeout_s: float = 5.0):
+               read_timeout_s: float = 5.0, clock=None, **config):
     """Runs `scenario(client, router, fakes)` against a router over fresh fakes."""
     fakes = Fakes(num_replicas)
 
     async def main():
         async with httpx.AsyncClient(transport=fakes) as upstream:
-            config = RouterConfig(replicas=tuple(r.url for r in fakes.replicas), policy=policy,
-                                  read_timeout_s=read_timeout_s)
-            app = build_router_app(config, client=upstream)
+            router_config = RouterConfig(replicas=tuple(r.url for r in fakes.replicas),
+                                         policy=policy, read_timeout_s=read_timeout_s, **config)
+            app = build_router_app(router_config, client=upstream,
+                                   **({} if clock is None else dict(clock=clock)))
             router = app.state.router
             await router.replicas.poll_once()
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
@@ -449,6 +450,31 @@ def test_tenant_aware_affinity_raises_the_hit_rate_over_round_robin(policy):
     assert hits(policy) == 24 - 4
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "prefix_affinity"])
+def test_alternating_phases_send_new_requests_to_the_replica_in_its_window(policy):
+    now = [0.0]
+    shared = list(range(10, 30))
+
+    async def scenario(client, router, fakes):
+        fakes[2].cached_prompts.append(shared + [1])  # affinity alone would pick replica 2
+        await router.replicas.poll_once()
+        picks = []
+        for t in (0.5, 0.9, 1.5, 2.5, 3.2, 8.9):  # windows of 1 s, replicas 0, 1, 2 in turn
+            now[0] = t
+            picks.append((await completion(client, f"r{t}", prompt=shared + [2])).headers[
+                REPLICA_HEADER])
+        assert picks == [fakes[i].url for i in (0, 0, 1, 2, 0, 2)]
+        # A window whose replica is down falls back to the others, as the policy picks.
+        fakes[1].is_alive = False
+        await router.replicas.poll_once()
+        now[0] = 1.5
+        answer = await completion(client, "in-a-dead-window", prompt=shared + [3])
+        assert answer.status_code == 200
+        assert answer.headers[REPLICA_HEADER] != fakes[1].url
+
+    run_router(3, scenario, policy=policy, phase_period_s=3.0, clock=lambda: now[0])
+
+
 def test_metrics_label_each_replica_and_sum_counters():
     async def scenario(client, router, fakes):
         fakes[0].metrics_hits, fakes[1].metrics_hits = 3, 4
@@ -483,3 +509,8 @@ def test_bad_config_is_refused(field):
         RouterConfig(replicas=("http://a:1",), **{field: 0})
     with pytest.raises(ValueError, match="routing policy"):
         RouterConfig(replicas=("http://a:1",), policy="nope")
+    with pytest.raises(ValueError, match="phase_period_s"):
+        RouterConfig(replicas=("http://a:1",), phase_period_s=0.0)
+    with pytest.raises(ValueError, match="exclude each other"):
+        RouterConfig(replicas=("http://a:1",), prefill_replicas=("http://b:1",),
+                     phase_period_s=2.0)
