@@ -184,10 +184,11 @@ def run_disaggregation(config: ConfigDict, replica_urls: Sequence[str], policy: 
 
 def disaggregation_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows of `run_disaggregation` as a markdown table."""
-    lines = ["| mode | requests (failed) | TTFT p50 / p99 (s) | tokens/s | KV MiB moved per "
-             "request |", "|---|---|---|---|---|"]
+    lines = ["| mode | requests (failed) | prefix hit rate | TTFT p50 / p99 (s) | tokens/s | "
+             "KV MiB moved per request |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['num_requests']} ({r['num_failed']}) | "
+        hit = "-" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate']:.3f}"
+        lines.append(f"| {r['mode']} | {r['num_requests']} ({r['num_failed']}) | {hit} | "
                      f"{r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} | "
                      f"{r['throughput_tok_s']:.1f} | {r['kv_bytes_per_request'] / 2**20:.2f} |")
     return "\n".join(lines)
