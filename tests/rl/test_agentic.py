@@ -17,8 +17,10 @@ from kvjax.rl.workers import LocalRolloutPool
 from kvjax.testing import dense_logprobs, tiny_model
 
 PAGE = 4
+# One prefill chunk size and at most 2 rows (2 of the 3 trajectories share a worker): few
+# step shapes to compile.
 CONFIG = EngineConfig(page_size=PAGE, num_pages=256, max_num_batched_tokens=64,
-                      max_prefill_chunk=32, max_num_seqs=4)
+                      max_prefill_chunk=32, min_chunk_bucket=32, max_num_seqs=2)
 SAMPLING = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
 NUM_TURNS = 4
 
