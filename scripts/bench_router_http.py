@@ -2,6 +2,7 @@
 
   python scripts/bench_router_http.py --output_dir /tmp/bench_router_http
   python scripts/bench_router_http.py --num_replicas 3 --policies round_robin,load_aware
+  python scripts/bench_router_http.py --disaggregate --policies round_robin
 
 Starts --num_replicas `scripts/serve.py --config=<--config>` processes, then, per policy, a
 `scripts/router.py` process in front of them, and replays the config's workload through it
@@ -30,7 +31,10 @@ flags.DEFINE_list("policies", ["round_robin", "least_loaded", "prefix_affinity",
                   "Routing policies, each run through its own router process.")
 flags.DEFINE_bool("disaggregate", False, "Instead of comparing policies: the first policy "
                   "colocated (every replica serves) vs disaggregated (replica 0 prefills, the "
-                  "others decode), with KV bytes moved per request (router_http_pd.json).")
+                  "others decode) vs alternating phases (each replica in turn takes the new "
+                  "requests), with KV bytes moved per request (router_http_pd.json).")
+flags.DEFINE_float("phase_period_s", 4.0, "With --disaggregate: the alternating mode's period "
+                   "(each of N replicas takes new requests for 1/N of it).")
 flags.DEFINE_string("output_dir", "/tmp/bench_router_http", "Where router_http.json goes.")
 
 
@@ -47,7 +51,8 @@ def main(argv):
     with router_http.replica_processes(server_args, FLAGS.num_replicas) as replicas:
         urls = [url for url, _ in replicas]
         if FLAGS.disaggregate:
-            rows = router_http.run_disaggregation(config, urls, FLAGS.policies[0], tokenizer)
+            rows = router_http.run_disaggregation(config, urls, FLAGS.policies[0], tokenizer,
+                                                  phase_period_s=FLAGS.phase_period_s)
         else:
             rows = router_http.run_policies(config, urls, FLAGS.policies, tokenizer)
     if FLAGS.disaggregate:

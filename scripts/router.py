@@ -6,7 +6,9 @@
 
 Prefill/decode disaggregation: `--prefill_replica` names replicas that only prefill; each
 request's prompt runs there for one token, its KV pages move to one of the `--replica`
-(decode) replicas, which answers the client (kvjax.server.pd).
+(decode) replicas, which answers the client (kvjax.server.pd). Alternating phases instead
+(`--phase_period_s`): every replica prefills and decodes, taking new prompts only in its own
+window of each period (kvjax.router.phases); no KV moves.
 
 Each request goes to the healthy replica the policy picks from the replicas' polled GET
 /kv_state; a request whose replica dies before any output runs once more on another (same
@@ -28,6 +30,9 @@ flags.DEFINE_list("replica", [], "Base URLs of the replicas (http://host:port), 
 flags.DEFINE_list("prefill_replica", [], "Base URLs of prefill replicas: with them, requests "
                   "are prefilled there and decoded on the --replica replicas.")
 flags.DEFINE_enum("policy", "round_robin", sorted(POLICIES), "Routing policy.")
+flags.DEFINE_float("phase_period_s", None, "Alternate prefill and decode phases: in each "
+                   "period of this many seconds, each --replica in turn gets every new request "
+                   "for its 1/N of it (kvjax.router.phases).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
 flags.DEFINE_float("poll_interval_s", 0.1, "Seconds between polls of each replica.")
@@ -47,7 +52,8 @@ def main(argv):
                           poll_interval_s=FLAGS.poll_interval_s,
                           read_timeout_s=FLAGS.read_timeout_s,
                           replica_api_key=FLAGS.replica_api_key,
-                          prefill_replicas=tuple(FLAGS.prefill_replica))
+                          prefill_replicas=tuple(FLAGS.prefill_replica),
+                          phase_period_s=FLAGS.phase_period_s)
     serve_router(config, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
 
 

@@ -9,9 +9,11 @@ replays the config's workload through it with `kvjax.bench.remote` (serve_bench 
 Each policy's workload uses its own seed, so no policy reads pages another one cached; prefix
 hits are the replicas' counters (summed by the router's /metrics) over that policy's run.
 
-`run_disaggregation` replays the workload colocated (the router over every replica) and
-disaggregated (the first replica prefills, the others decode: `--prefill_replica`), each with
-its own seed, and reads the KV bytes the router moved per request from its /metrics.
+`run_disaggregation` replays the workload colocated (the router over every replica),
+disaggregated (the first replica prefills, the others decode: `--prefill_replica`) and with
+alternating phases (every replica prefills in its own window of each period:
+`--phase_period_s`, `kvjax.router.phases`), each with its own seed, and reads the KV bytes the
+router moved per request from its /metrics.
 """
 
 from __future__ import annotations
@@ -150,13 +152,16 @@ def metric_sum(url: str, name: str, **labels: str) -> float:
 
 
 def run_disaggregation(config: ConfigDict, replica_urls: Sequence[str], policy: str,
-                       tokenizer: Tokenizer) -> list[dict[str, Any]]:
+                       tokenizer: Tokenizer, *, phase_period_s: float = 4.0
+                       ) -> list[dict[str, Any]]:
     """The config's workload colocated, then disaggregated (replica 0 prefills, the rest
-    decode), through router processes; one row per mode."""
+    decode), then with alternating phases (`phase_period_s`), through router processes; one
+    row per mode."""
     if len(replica_urls) < 2:
         raise ValueError(f"disaggregation needs 2 or more replicas, got {len(replica_urls)}")
     modes = (("colocated", list(replica_urls), []),
-             ("disaggregated", list(replica_urls[1:]), [f"--prefill_replica={replica_urls[0]}"]))
+             ("disaggregated", list(replica_urls[1:]), [f"--prefill_replica={replica_urls[0]}"]),
+             ("alternating", list(replica_urls), [f"--phase_period_s={phase_period_s}"]))
     rows = []
     for i, (mode, decode_urls, args) in enumerate(modes):
         run_config = ConfigDict(config.to_dict())
@@ -179,10 +184,11 @@ def run_disaggregation(config: ConfigDict, replica_urls: Sequence[str], policy: 
 
 def disaggregation_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows of `run_disaggregation` as a markdown table."""
-    lines = ["| mode | requests (failed) | TTFT p50 / p99 (s) | tokens/s | KV MiB moved per "
-             "request |", "|---|---|---|---|---|"]
+    lines = ["| mode | requests (failed) | prefix hit rate | TTFT p50 / p99 (s) | tokens/s | "
+             "KV MiB moved per request |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['num_requests']} ({r['num_failed']}) | "
+        hit = "-" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate']:.3f}"
+        lines.append(f"| {r['mode']} | {r['num_requests']} ({r['num_failed']}) | {hit} | "
                      f"{r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} | "
                      f"{r['throughput_tok_s']:.1f} | {r['kv_bytes_per_request'] / 2**20:.2f} |")
     return "\n".join(lines)

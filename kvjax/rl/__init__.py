@@ -1,6 +1,8 @@
 """RL rollouts on the kvjax engine: grouped sampling, GRPO updates, programmatic rewards, and
-rollout workers over several engines (in this process or as Ray actors)."""
+rollout workers over several engines (in this process or as Ray actors), and multi-turn
+(agentic) trajectories placed on the worker holding their pages."""
 
+from kvjax.rl.agentic import TrajectoryRun, TurnPlacement, run_trajectories
 from kvjax.rl.grpo import (
     GRPOConfig,
     GRPOTrainer,
@@ -30,6 +32,8 @@ __all__ = [
     "RolloutPool",
     "RolloutWorker",
     "SamplePlacement",
+    "TrajectoryRun",
+    "TurnPlacement",
     "arithmetic_problems",
     "arithmetic_reward",
     "group_advantages",
@@ -37,5 +41,6 @@ __all__ = [
     "grpo_update",
     "pad_batch",
     "rollout",
+    "run_trajectories",
     "token_logprobs",
 ]

@@ -218,6 +218,11 @@ class RolloutPool(Protocol):
 
     def num_in_flight(self) -> int: ...
 
+    def start_slices(self, parts: Sequence[Sequence[SampleSlice]], sampling: SamplingParams,
+                     *, group_size: int, seed: int, name: str) -> None: ...
+
+    def samples(self) -> list[Sample]: ...
+
     def result(self, *, pad_to: int | None = None) -> RolloutBatch: ...
 
     def stats(self) -> dict[str, int]: ...
@@ -252,9 +257,18 @@ class _Pool(abc.ABC):
         self._prompts = [[int(t) for t in p] for p in prompts]
         self._group_size = group_size
         placed = place_samples(len(prompts), group_size, self.num_workers, self.placement)
-        self._active = [w for w, part in enumerate(placed) if part]
-        self._call("start", {w: (([SampleSlice(p, self._prompts[p], first, n)
-                                   for p, first, n in placed[w]], sampling),
+        self.start_slices([[SampleSlice(p, self._prompts[p], first, n) for p, first, n in part]
+                           for part in placed], sampling, group_size=group_size, seed=seed,
+                          name=name)
+
+    def start_slices(self, parts: Sequence[Sequence[SampleSlice]], sampling: SamplingParams, *,
+                     group_size: int, seed: int, name: str) -> None:
+        """Queues each worker's slices (`parts[w]`, placed by the caller), seeded as `start`
+        says; `samples()` then gives their samples."""
+        if len(parts) != self.num_workers:
+            raise ValueError(f"{len(parts)} parts of slices for {self.num_workers} workers")
+        self._active = [w for w, part in enumerate(parts) if part]
+        self._call("start", {w: ((list(parts[w]), sampling),
                                  dict(group_size=group_size, seed=seed, name=name))
                              for w in self._active})
         self._done = dict.fromkeys(self._active, False)
@@ -277,11 +291,14 @@ class _Pool(abc.ABC):
     def num_in_flight(self) -> int:
         return sum(self._call("num_in_flight", {w: ((), {}) for w in self._active}))
 
+    def samples(self) -> list[Sample]:
+        """The finished samples of every worker, worker by worker."""
+        parts = self._call("result", {w: ((), {}) for w in self._active})
+        return [s for part in parts for s in part]
+
     def result(self, *, pad_to: int | None = None) -> RolloutBatch:
         """The finished rollout, the workers' samples merged prompt-major."""
-        parts = self._call("result", {w: ((), {}) for w in self._active})
-        return assemble_batch(self._prompts, self._group_size,
-                              [s for part in parts for s in part], pad_to=pad_to)
+        return assemble_batch(self._prompts, self._group_size, self.samples(), pad_to=pad_to)
 
     def stats(self) -> dict[str, int]:
         """Every worker's counters summed."""

@@ -8,9 +8,11 @@ The OpenAI API is passed through: POST /v1/completions and /v1/chat/completions 
 responses relayed event by event), GET /v1/models, POST /tokenize and /detokenize; a replica's
 error comes back with its status and body. Each request goes to the healthy replica a routing
 policy (`kvjax.router.policies`) picks from the replicas' polled state
-(`kvjax.router.replicas`). GET /health is 200 while a replica is in the rotation; GET /metrics
-holds every replica's series labelled `replica`, counters also summed (`replica="all"`), and
-the router's own `kvjax:router_*` series.
+(`kvjax.router.replicas`); a prefix-reading policy matches the prompt's pages under the
+chain root the replica reports for the request's affinity key (its API key, named tenant and
+cache_salt, digested), so a tenant's requests follow its pages. GET /health is 200 while a
+replica is in the rotation; GET /metrics holds every replica's series labelled `replica`,
+counters also summed (`replica="all"`), and the router's own `kvjax:router_*` series.
 
 Faults. Every request carries an X-Request-Id (the client's, or one the router makes), which
 the replica uses as the response id. When a replica's connection fails before it sent any
@@ -31,6 +33,11 @@ is the client's, as a colocated server would give it. A prefill replica that fai
 timeout, 503) leaves the rotation and the prefill runs once more on another, else the client
 gets 503; a prefill replica's refusal (400, 429, ...) comes back as it is. The frames' KV bytes
 are counted in `kvjax:router_kv_transfer_bytes_total`.
+
+Alternating phases (`RouterConfig.phase_period_s`, `kvjax.router.phases`): the alternative to
+disaggregation that moves no KV. Each replica in turn, for its window of every period, is the
+only one new requests go to (the policy still picks, among that one); a retry, or a window
+whose replica is down, falls back to every healthy replica.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -51,11 +59,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvjax.router.http_metrics import RouterMetrics, aggregate_replica_metrics
+from kvjax.router.phases import PhaseSchedule
 from kvjax.router.policies import RouteRequest, make_policy
 from kvjax.router.replicas import InFlight, Replica, ReplicaSet
 from kvjax.server import protocol
+from kvjax.server.kv_state import affinity_key
 from kvjax.server.pd import CONTENT_TYPE as KV_FRAME_TYPE
 from kvjax.server.pd import IMPORTED_TOKENS_HEADER, decode_header
+from kvjax.server.serving import TENANT_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +95,9 @@ class RouterConfig:
         passed through on their requests).
       prefill_replicas: base URLs of prefill replicas; when given, requests are
         disaggregated: prefilled there, decoded on `replicas` (see the module docstring).
+      phase_period_s: when given, replicas alternate prefill and decode phases
+        (`kvjax.router.phases`): in each period of this many seconds, each replica in turn is
+        the only one new requests go to.
     """
 
     replicas: tuple[str, ...]
@@ -95,8 +109,15 @@ class RouterConfig:
     read_timeout_s: float = 300.0
     replica_api_key: str | None = None
     prefill_replicas: tuple[str, ...] = ()
+    phase_period_s: float | None = None
 
     def __post_init__(self):
+        if self.phase_period_s is not None and self.prefill_replicas:
+            raise ValueError("phase_period_s and prefill_replicas exclude each other: with "
+                             "alternating phases every replica prefills in its own window, "
+                             "so none is a prefill replica")
+        if self.phase_period_s is not None and not self.phase_period_s > 0:
+            raise ValueError(f"phase_period_s must be > 0, got {self.phase_period_s!r}")
         if set(self.prefill_replicas) & set(self.replicas):
             raise ValueError(f"a replica cannot be both a prefill and a decode replica: "
                              f"{sorted(set(self.prefill_replicas) & set(self.replicas))}")
@@ -136,6 +157,16 @@ def _carries_output(event: bytes) -> bool:
         return True  # [DONE], an error event, a completion chunk: the client sees it.
 
 
+def _affinity(body: Any, raw: Request) -> str:
+    """The request's affinity key (`kvjax.server.kv_state.affinity_key`), from what the replica
+    reads to choose its pages' cache key: the API key, the named tenant and the cache_salt."""
+    fields = body if isinstance(body, dict) else {}
+    salt = fields.get("cache_salt")
+    return affinity_key(raw.headers.get("authorization"),
+                        raw.headers.get(TENANT_HEADER) or fields.get("user") or None,
+                        salt if isinstance(salt, str) else None)
+
+
 async def _events(response: httpx.Response) -> AsyncIterator[bytes]:
     """The response's SSE events, each whole (ending in a blank line), as they arrive."""
     buffer = b""
@@ -158,7 +189,8 @@ class HttpRouter:
       metrics: the router's own counters (RouterMetrics).
     """
 
-    def __init__(self, config: RouterConfig, client: httpx.AsyncClient):
+    def __init__(self, config: RouterConfig, client: httpx.AsyncClient, *,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.client = client
         headers = ({} if config.replica_api_key is None
@@ -175,18 +207,17 @@ class HttpRouter:
                 poll_timeout_s=config.poll_timeout_s, max_missed_polls=config.max_missed_polls,
                 headers=headers)
             self.prefill_policy = make_policy(config.policy)
+        self.phases = (None if config.phase_period_s is None else
+                       PhaseSchedule(config.phase_period_s, len(config.replicas), clock=clock))
         self.metrics = RouterMetrics(self.replicas)
         self._timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
 
     # ----------------------------------------------------------------------------- choosing
 
-    async def _prompt_ids(self, path: str, body: Any, raw: Request) -> list[int] | None:
+    async def _prompt_ids(self, path: str, body: Any) -> list[int] | None:
         """The prompt's token ids when the policy reads prefixes (the first prompt of a
-        batch), from the body or a healthy replica's /tokenize; None if unknown, or if the
-        request names a tenant (its pages hash under a salt only the replica knows)."""
+        batch), from the body or a healthy replica's /tokenize; None if unknown."""
         if not self.policy.reads_prefix or not isinstance(body, dict):
-            return None
-        if raw.headers.get("x-tenant") or body.get("user"):
             return None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -222,14 +253,16 @@ class HttpRouter:
         return [self.replicas] + ([] if self.prefill_replicas is None
                                   else [self.prefill_replicas])
 
-    def _choose(self, prompt_ids: list[int] | None, tried: Sequence[Replica], *,
-                prefill: bool = False) -> Replica:
+    def _choose(self, prompt_ids: list[int] | None, affinity: str, tried: Sequence[Replica],
+                *, prefill: bool = False) -> Replica:
         replicas, policy = ((self.prefill_replicas, self.prefill_policy) if prefill
                             else (self.replicas, self.policy))
         candidates = [r for r in replicas.healthy() if r not in tried]
         if not candidates:
             raise _NoReplica
-        hashes = [r.prompt_hashes(prompt_ids) for r in candidates]
+        if self.phases is not None and not prefill:
+            candidates = self.phases.admitting(candidates, replicas.replicas)
+        hashes = [r.prompt_hashes(prompt_ids, affinity) for r in candidates]
         states = [r.instance_state(h) for r, h in zip(candidates, hashes, strict=True)]
         request = RouteRequest(prompt_len=len(prompt_ids or ()))
         index = policy.choose(request, states)
@@ -254,15 +287,17 @@ class HttpRouter:
         headers = {k: v for k, v in raw.headers.items()
                    if k.lower() not in ("host", "content-length")}
         headers["x-request-id"] = request_id
-        prompt_ids = await self._prompt_ids(path, body, raw)
+        prompt_ids = await self._prompt_ids(path, body)
+        affinity = _affinity(body, raw)
         if self.prefill_replicas is not None:
-            frame = await self._prefill(path, content, headers, request_id, prompt_ids)
+            frame = await self._prefill(path, content, headers, request_id, prompt_ids,
+                                        affinity)
             if isinstance(frame, Response):
                 return frame
             header = decode_header(frame)
             self.metrics.kv_transfer_bytes.inc(int(header["kv_bytes"]))
             self.metrics.kv_transfers.inc()
-            if self.policy.reads_prefix and not (raw.headers.get("x-tenant") or body.get("user")):
+            if self.policy.reads_prefix:
                 prompt_ids = [int(t) for t in header["prompt_ids"]]
             path, content = "/pd/decode", frame
             headers["content-type"] = KV_FRAME_TYPE
@@ -271,12 +306,12 @@ class HttpRouter:
         tried: list[Replica] = []
         while len(tried) < 2:
             try:
-                replica = self._choose(prompt_ids, tried)
+                replica = self._choose(prompt_ids, affinity, tried)
             except _NoReplica:
                 break
             tried.append(replica)
-            replica.in_flight[request_id] = InFlight(num_tokens,
-                                                     replica.prompt_hashes(prompt_ids))
+            replica.in_flight[request_id] = InFlight(
+                num_tokens, replica.prompt_hashes(prompt_ids, affinity))
             try:
                 return await self._attempt(replica, path, content, headers, request_id,
                                            is_stream)
@@ -300,13 +335,14 @@ class HttpRouter:
         return _error(503, f"request {request_id!r}: no healthy replica could serve it")
 
     async def _prefill(self, path: str, content: bytes, headers: dict[str, str],
-                       request_id: str, prompt_ids: list[int] | None) -> bytes | Response:
+                       request_id: str, prompt_ids: list[int] | None,
+                       affinity: str) -> bytes | Response:
         """The request's KV frame from a prefill replica (tried once more on another if the
         first fails), or the response the client gets instead (a refusal, or 503)."""
         tried: list[Replica] = []
         while len(tried) < 2:
             try:
-                replica = self._choose(prompt_ids, tried, prefill=True)
+                replica = self._choose(prompt_ids, affinity, tried, prefill=True)
             except _NoReplica:
                 break
             tried.append(replica)
@@ -446,11 +482,13 @@ class HttpRouter:
         return aggregate_replica_metrics(texts) + self.metrics.render()
 
 
-def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = None) -> FastAPI:
+def build_router_app(config: RouterConfig, client: httpx.AsyncClient | None = None, *,
+                     clock: Callable[[], float] = time.monotonic) -> FastAPI:
     """The router's FastAPI app; its lifespan polls the replicas (`app.state.router` holds
-    the HttpRouter). `client` (tests: one over fake replicas) defaults to a fresh one."""
+    the HttpRouter). `client` (tests: one over fake replicas) defaults to a fresh one;
+    `clock` times the phase windows (`RouterConfig.phase_period_s`)."""
     router = HttpRouter(config, client or httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)))
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)), clock=clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

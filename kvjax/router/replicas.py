@@ -10,8 +10,14 @@ poll), and how many leading pages of the prompt the replica's prefix cache holds
 computing for a request the router sent it.
 
 Prefix pages are matched by hash: the prompt's page-hash chain (`kvjax.memory.prefix_cache`,
-seeded by the replica's root) tested against the hashes the replica reported. Only the
-default tenant's chain is matched (a tenant's salt is the replica's secret).
+seeded by the replica's root for the request's tenant) tested against the hashes the replica
+reported. A tenant's root (its provenance, or its cache_salt's key) is the replica's to compute,
+since only it knows which tenant an API key runs as and what a salt names; it reports the root
+of each affinity key it served lately (`kvjax.server.kv_state.affinity_key`: a digest of the
+Authorization header, the named tenant and the cache_salt, which the router computes from the
+same request). Before a replica has reported a key's root, the router chains that key's prompts
+from a root of its own: they match no cached page there, but do match the key's requests the
+router sent there and that have not ended, so a tenant's burst still lands together.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ from collections.abc import Sequence
 
 import httpx
 
-from kvjax.memory.prefix_cache import hash_page
+from kvjax.memory.prefix_cache import hash_page, hash_root
 from kvjax.router.policies import InstanceState
-from kvjax.server.kv_state import HASH_PREFIX_BYTES
+from kvjax.server.kv_state import HASH_PREFIX_BYTES, affinity_key
+
+# The affinity key of a request naming no tenant, salt or API key (the replica's prefix_root).
+DEFAULT_AFFINITY = affinity_key(None, None, None)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +51,7 @@ class ReplicaState:
     queued_prefill_tokens: int
     prefix_root: bytes
     prefix_hashes: frozenset[str]
+    prefix_roots: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict) -> ReplicaState:
@@ -50,7 +60,17 @@ class ReplicaState:
                    num_running=int(data["num_running"]), num_waiting=int(data["num_waiting"]),
                    queued_prefill_tokens=int(data["queued_prefill_tokens"]),
                    prefix_root=bytes.fromhex(data["prefix_root"]),
-                   prefix_hashes=frozenset(data["prefix_hashes"]))
+                   prefix_hashes=frozenset(data["prefix_hashes"]),
+                   prefix_roots={str(k): bytes.fromhex(v)
+                                 for k, v in data.get("prefix_roots", {}).items()})
+
+    def root(self, affinity: str) -> bytes:
+        """The chain root of the affinity key's prompts here (see the module docstring)."""
+        if affinity in self.prefix_roots:
+            return self.prefix_roots[affinity]
+        if affinity == DEFAULT_AFFINITY:
+            return self.prefix_root
+        return hash_root(b"kvjax-router-unreported|" + affinity.encode())
 
 
 def prompt_page_hashes(prompt_ids: Sequence[int], root: bytes, page_size: int) -> list[str]:
@@ -94,10 +114,13 @@ class Replica:
         self.state: ReplicaState | None = None
         self.in_flight: dict[str, InFlight] = {}
 
-    def prompt_hashes(self, prompt_ids: Sequence[int] | None) -> tuple[str, ...]:
+    def prompt_hashes(self, prompt_ids: Sequence[int] | None,
+                      affinity: str = DEFAULT_AFFINITY) -> tuple[str, ...]:
+        """The prompt's page hashes as this replica would index them for requests with this
+        affinity key (`kvjax.server.kv_state.affinity_key`)."""
         if not prompt_ids or self.state is None:
             return ()
-        return tuple(prompt_page_hashes(prompt_ids, self.state.prefix_root,
+        return tuple(prompt_page_hashes(prompt_ids, self.state.root(affinity),
                                         self.state.page_size))
 
     def instance_state(self, page_hashes: Sequence[str]) -> InstanceState:

@@ -162,16 +162,20 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         chunks in holds KV that depends on the strategy and the spans, which its key names."""
         if seq.is_chunk_fill:
             return self._chunk_key(seq)
-        salt = self._cache_salt(seq)
-        if salt is None:
-            key = self._cache_key(seq.tenant, seq.weights_version)
-        else:  # shared by every tenant naming the salt
-            key = self._cache_key(None, seq.weights_version) + b"|salt=" + salt.encode()
+        key = self.prefix_cache_key(seq.tenant, self._cache_salt(seq), seq.weights_version)
         strategy = self.strategy(seq.context_reuse)
         if seq.chunk_spans and strategy.reuses:
             spans = ",".join(f"{a}-{b}" for a, b in seq.chunk_spans)
             key += f"|reuse={strategy.fingerprint}|spans={spans}".encode()
         return key
+
+    def prefix_cache_key(self, tenant: str | None, cache_salt: str | None,
+                         weights_version: str) -> bytes:
+        """The cache key of a plain prompt's pages: its tenant's provenance, or under a shared
+        `cache_salt`, the default tenant's with the salt (shared by every tenant naming it)."""
+        if cache_salt is None:
+            return self._cache_key(tenant, weights_version)
+        return self._cache_key(None, weights_version) + b"|salt=" + cache_salt.encode()
 
     def _cache_salt(self, seq: Sequence) -> str | None:
         meta = self._request_meta.get(seq.request_id)

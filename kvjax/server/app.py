@@ -182,8 +182,11 @@ def build_app(engine: Engine | MultiModelEngine, config: ServerConfig) -> FastAP
 
     @app.get("/kv_state", dependencies=keyed)
     async def replica_state(model: str | None = None) -> dict:
-        engine = async_engine.engine.models()[serving_for(model).route]
-        return await async_engine.call(lambda: kv_state(engine), asyncio.get_running_loop())
+        serving = serving_for(model)
+        engine = async_engine.engine.models()[serving.route]
+        affinities = serving.affinities.entries()  # a copy: the book changes on this thread
+        return await async_engine.call(lambda: kv_state(engine, affinities),
+                                       asyncio.get_running_loop())
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -6,10 +6,21 @@ still to prefill), free KV pages, and the prefix cache's index. Prefix-cache pag
 BLAKE2b hash chains (`kvjax.memory.prefix_cache`), equal across processes, so a router that
 knows the chain's root and the page size tests a prompt's pages against the set without asking
 the replica again.
+
+A tenant's chain has its own root (its provenance, or a shared `cache_salt`'s key), which only
+the replica can compute: it knows which tenant an API key runs as, and a salt is the tenants'
+secret. So the replica reports the roots by *affinity key* (`affinity_key`): a digest of what a
+request carries that decides its cache key (the Authorization header, the tenant it names, its
+cache_salt), which a router in front computes from the same request without learning any of it.
+The replica remembers the affinity keys of the requests it served last (`AffinityBook`) and
+reports each one's root, recomputed at every poll (a weights update changes them all).
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 from kvjax.engine.engine import Engine
@@ -20,14 +31,51 @@ from kvjax.memory.prefix_cache import hash_root
 HASH_PREFIX_BYTES = 8
 
 
-def kv_state(engine: Engine) -> dict[str, Any]:
+def affinity_key(authorization: str | None, tenant: str | None, cache_salt: str | None) -> str:
+    """The hex digest under which a replica reports the prefix-chain root of requests carrying
+    this Authorization header, naming this tenant (X-Tenant, else the body's `user`) and this
+    cache_salt. Requests with equal keys have their pages cached under one root on a replica."""
+    digest = hashlib.blake2b(digest_size=HASH_PREFIX_BYTES, person=b"kvjax-affinity")
+    for part in (authorization, tenant, cache_salt):  # None and "" differ; lengths delimit
+        data = b"" if part is None else part.encode()
+        digest.update(bytes([part is not None]) + len(data).to_bytes(4, "little") + data)
+    return digest.hexdigest()
+
+
+class AffinityBook:
+    """The (tenant, cache_salt) of the `capacity` affinity keys a replica served last.
+
+    Written by the server as it admits requests, read (as a copy) by `kv_state`."""
+
+    def __init__(self, capacity: int = 1024):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._entries: collections.OrderedDict[str, tuple[str | None, str | None]] = (
+            collections.OrderedDict())
+
+    def record(self, key: str, tenant: str | None, cache_salt: str | None) -> None:
+        self._entries[key] = (tenant, cache_salt)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def entries(self) -> list[tuple[str, str | None, str | None]]:
+        """(affinity key, tenant, cache_salt), least recently served first."""
+        return [(key, tenant, salt) for key, (tenant, salt) in self._entries.items()]
+
+
+def kv_state(engine: Engine,
+             affinities: Iterable[tuple[str, str | None, str | None]] = ()) -> dict[str, Any]:
     """The engine's load and prefix-cache index as JSON (call it on the engine thread).
 
     Keys: page_size; num_pages, num_free_pages (allocatable: free, or cached and
     unreferenced); num_running, num_waiting (sequences); queued_prefill_tokens (prompt tokens
     of running and waiting sequences not computed yet); prefix_root (hex hash of the default
     tenant's chain root); prefix_hashes (hex of the first `HASH_PREFIX_BYTES` bytes of every
-    indexed page's hash; empty without a prefix cache).
+    indexed page's hash; empty without a prefix cache); prefix_roots (affinity key -> hex of
+    the chain root its requests' pages hash under, for each of `affinities`: (affinity key,
+    tenant, cache_salt) triples, `AffinityBook.entries`).
     """
     scheduler = engine.scheduler
     queued = sum(max(0, s.num_prompt_tokens - s.num_computed)
@@ -39,4 +87,7 @@ def kv_state(engine: Engine) -> dict[str, Any]:
         num_free_pages=engine.allocator.num_free_pages(), num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting), queued_prefill_tokens=queued,
         prefix_root=hash_root(engine.provenance(None)).hex(),
-        prefix_hashes=[h[:HASH_PREFIX_BYTES].hex() for h in hashes])
+        prefix_hashes=[h[:HASH_PREFIX_BYTES].hex() for h in hashes],
+        prefix_roots={key: hash_root(scheduler.prefix_cache_key(
+            tenant, salt, engine.model.weights_version)).hex()
+            for key, tenant, salt in affinities})

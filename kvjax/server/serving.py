@@ -34,6 +34,7 @@ from kvjax.server.async_engine import (
     RequestFailed,
     RequestStream,
 )
+from kvjax.server.kv_state import AffinityBook, affinity_key
 from kvjax.server.metrics import ServerMetrics
 from kvjax.server.output import (
     SampleDecoder,
@@ -299,6 +300,7 @@ class OpenAIServing:
         self.vocab_size = vocab_size
         self.config = config
         self.metrics = metrics
+        self.affinities = AffinityBook()
         self._token_text = token_strings(tokenizer)
 
     # ----------------------------------------------------------------------------- endpoints
@@ -432,6 +434,11 @@ class OpenAIServing:
 
     def _identity(self, body, raw: Request) -> tuple[str | None, int]:
         tenant = self._tenant(body, raw)
+        # What a router needs to find this tenant's pages here (GET /kv_state's prefix_roots).
+        salt = getattr(body, "cache_salt", None)
+        self.affinities.record(affinity_key(raw.headers.get("authorization"),
+                                            raw.headers.get(TENANT_HEADER) or body.user or None,
+                                            salt), tenant, salt)
         priority = raw.headers.get(PRIORITY_HEADER)
         if priority is None:
             return tenant, 0

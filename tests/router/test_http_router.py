@@ -18,8 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvjax.memory.prefix_cache import hash_page, hash_root
 from kvjax.router.http import REPLICA_HEADER, RouterConfig, build_router_app
-from kvjax.router.replicas import InFlight, prompt_page_hashes
+from kvjax.router.replicas import DEFAULT_AFFINITY, InFlight, prompt_page_hashes
 from kvjax.server import protocol
+from kvjax.server.kv_state import affinity_key
 
 PAGE = 4
 ROOT = hash_root(b"fake-provenance")
@@ -51,18 +52,45 @@ class FakeReplica:
         self.events_before_death = 0
         self.received: list[str] = []  # X-Request-Id of every completion request
         self.completed: list[str] = []  # ... of those it answered in full
-        self.cached_prompts: list[list[int]] = []
+        self.cached_prompts: list[list[int]] = []  # the default tenant's
+        self.tenant_prompts: list[tuple[str, list[int]]] = []  # (affinity key, prompt)
+        self.caches_served = False  # completed prompts join tenant_prompts
+        self.num_served_with_pages = 0  # completions whose prompt pages it held on arrival
         self.metrics_hits = 0
         self.tokenized: list[dict] = []
         self.opens_with_role = False
         self.is_stalled = False  # the process stopped (SIGSTOP): nothing answers
         self.is_stepping = False  # its engine is in a long step: /kv_state waits
 
+    def root(self, affinity: str) -> bytes:
+        """Its chain root for an affinity key: a secret of this replica (salted by its URL)."""
+        if affinity == DEFAULT_AFFINITY:
+            return ROOT
+        return hash_root(f"{self.url}|{affinity}".encode())
+
+    def page_hashes(self, affinity: str, prompt: list[int]) -> list[str]:
+        return prompt_page_hashes(prompt, self.root(affinity), PAGE)
+
     def kv_state(self) -> dict:
-        hashes = {h for p in self.cached_prompts for h in prompt_page_hashes(p, ROOT, PAGE)}
-        return dict(page_size=PAGE, num_pages=64, num_free_pages=64, num_running=0,
-                    num_waiting=0, queued_prefill_tokens=0, prefix_root=ROOT.hex(),
-                    prefix_hashes=sorted(hashes))
+        cached = [(DEFAULT_AFFINITY, p) for p in self.cached_prompts] + self.tenant_prompts
+        hashes = {h for a, p in cached for h in self.page_hashes(a, p)}
+        # Each prompt served holds a page: the load a policy balances when no prefix decides.
+        return dict(page_size=PAGE, num_pages=64, num_free_pages=64 - len(self.tenant_prompts),
+                    num_running=0, num_waiting=0, queued_prefill_tokens=0,
+                    prefix_root=ROOT.hex(), prefix_hashes=sorted(hashes),
+                    prefix_roots={a: self.root(a).hex() for a, _ in self.tenant_prompts})
+
+    def serve_prompt(self, request: httpx.Request, body: dict) -> None:
+        """Counts whether it held the prompt's pages, then caches them (`caches_served`)."""
+        if not self.caches_served:
+            return
+        affinity = affinity_key(request.headers.get("authorization"),
+                                request.headers.get("x-tenant") or body.get("user"),
+                                body.get("cache_salt"))
+        held = set(self.kv_state()["prefix_hashes"])
+        wanted = self.page_hashes(affinity, body["prompt"])
+        self.num_served_with_pages += bool(wanted) and set(wanted) <= held
+        self.tenant_prompts.append((affinity, body["prompt"]))
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if not self.is_alive:
@@ -118,6 +146,7 @@ class FakeReplica:
             self.is_alive = False
             raise AttributeError("'NoneType' object has no attribute 'getpeername'")
         self.completed.append(request_id)
+        self.serve_prompt(request, body)
         return httpx.Response(200, headers=headers, json=dict(id=request_id, text=self.url))
 
 
@@ -131,15 +160,16 @@ class Fakes(httpx.AsyncBaseTransport):
 
 
 def run_router(num_replicas: int, scenario, *, policy: str = "round_robin",
-               read_timeout_s: float = 5.0):
+               read_timeout_s: float = 5.0, clock=None, **config):
     """Runs `scenario(client, router, fakes)` against a router over fresh fakes."""
     fakes = Fakes(num_replicas)
 
     async def main():
         async with httpx.AsyncClient(transport=fakes) as upstream:
-            config = RouterConfig(replicas=tuple(r.url for r in fakes.replicas), policy=policy,
-                                  read_timeout_s=read_timeout_s)
-            app = build_router_app(config, client=upstream)
+            router_config = RouterConfig(replicas=tuple(r.url for r in fakes.replicas),
+                                         policy=policy, read_timeout_s=read_timeout_s, **config)
+            app = build_router_app(router_config, client=upstream,
+                                   **({} if clock is None else dict(clock=clock)))
             router = app.state.router
             await router.replicas.poll_once()
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
@@ -340,7 +370,7 @@ def test_prefix_affinity_follows_the_replica_holding_the_prompt_pages():
     run_router(3, scenario, policy="prefix_affinity")
 
 
-def test_prefix_affinity_tokenizes_text_prompts_and_skips_tenants():
+def test_prefix_affinity_tokenizes_text_prompts():
     text = "the same long system prompt, then a question"
 
     async def scenario(client, router, fakes):
@@ -351,16 +381,98 @@ def test_prefix_affinity_tokenizes_text_prompts_and_skips_tenants():
                  for _ in range(2)]
         assert picks == [fakes[1].url] * 2
         assert {"prompt": text + "?", "model": "m"} in fakes[0].tokenized + fakes[1].tokenized
-        # A tenant's pages hash under its salt: the default tenant's pages say nothing.
-        num_tokenized = len(fakes[0].tokenized + fakes[1].tokenized)
-        answer = await client.post("/v1/completions", json=dict(body, user="alice"))
-        assert answer.status_code == 200
-        assert len(fakes[0].tokenized + fakes[1].tokenized) == num_tokenized
         # Ids no tokenizer makes name no cached page; the replica refuses them, not the router.
         answer = await client.post("/v1/completions", json=dict(body, prompt=[2**70, -1]))
         assert answer.status_code == 200
 
     run_router(2, scenario, policy="prefix_affinity")
+
+
+def test_a_tenants_requests_follow_its_pages_not_another_tenants_equal_tokens():
+    system = list(range(10, 30))  # 5 full pages
+
+    async def scenario(client, router, fakes):
+        alice = affinity_key(None, "alice", None)
+        salted = affinity_key("Bearer k1", None, "team")
+        fakes[0].cached_prompts.append(system + [1])  # the default tenant's: not alice's
+        fakes[1].tenant_prompts.append((alice, system + [1]))
+        fakes[2].tenant_prompts.append((salted, system + [1]))
+        await router.replicas.poll_once()
+
+        async def pick(i, **kwargs):
+            body = dict(model="m", prompt=system + [i], max_tokens=4)
+            answer = await client.post("/v1/completions", json={**body, **kwargs.pop("body", {})},
+                                       **kwargs)
+            return answer.headers[REPLICA_HEADER]
+
+        assert [await pick(i, body=dict(user="alice")) for i in range(2)] == [fakes[1].url] * 2
+        assert await pick(2, headers={"x-tenant": "alice"}) == fakes[1].url
+        assert await pick(3, headers={"authorization": "Bearer k1"},
+                          body=dict(cache_salt="team")) == fakes[2].url
+        assert await pick(4) == fakes[0].url
+        # A tenant no replica has reported: its requests in flight attract its next ones.
+        replica = router.replicas.replicas[1]
+        bob, carol = affinity_key(None, "bob", None), affinity_key(None, "carol", None)
+        assert replica.instance_state(replica.prompt_hashes(system + [5], bob)).prefix_tokens \
+            == 0
+        replica.in_flight["bob-running"] = InFlight(30, replica.prompt_hashes(system + [6], bob))
+        assert replica.instance_state(replica.prompt_hashes(system + [5], bob)).prefix_tokens \
+            == 20
+        assert replica.instance_state(
+            replica.prompt_hashes(system + [5], carol)).prefix_tokens == 0
+
+    run_router(3, scenario, policy="prefix_affinity")
+
+
+@pytest.mark.parametrize("policy", ["prefix_affinity", "load_aware"])
+def test_tenant_aware_affinity_raises_the_hit_rate_over_round_robin(policy):
+    """4 tenants, each opening every prompt with its own 4-page system prompt, over 3 replicas
+    that cache what they serve under their own secret roots. Oracle: each fake's count of
+    requests whose prompt pages it held on arrival (brute force over what it served)."""
+    systems = [[20 + 5 * t + j for j in range(5)] * 4 for t in range(4)]
+    requests = [(f"tenant-{i % 4}", systems[i % 4] + [100 + i]) for i in range(24)]
+
+    def hits(policy_name):
+        async def scenario(client, router, fakes):
+            for fake in fakes:
+                fake.caches_served = True
+            for tenant, prompt in requests:
+                answer = await client.post("/v1/completions", headers={"x-tenant": tenant},
+                                           json=dict(model="m", prompt=prompt, max_tokens=4))
+                assert answer.status_code == 200, answer.text
+                await router.replicas.poll_once()
+            return sum(f.num_served_with_pages for f in fakes)
+
+        return run_router(3, scenario, policy=policy_name)
+
+    # Round robin: 3 replicas hold no copy of a tenant's pages until each served it once.
+    assert hits("round_robin") == 24 - 4 * 3
+    assert hits(policy) == 24 - 4
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "prefix_affinity"])
+def test_alternating_phases_send_new_requests_to_the_replica_in_its_window(policy):
+    now = [0.0]
+    shared = list(range(10, 30))
+
+    async def scenario(client, router, fakes):
+        fakes[2].cached_prompts.append(shared + [1])  # affinity alone would pick replica 2
+        await router.replicas.poll_once()
+        picks = []
+        for t in (0.5, 0.9, 1.5, 2.5, 3.2, 8.9):  # windows of 1 s, replicas 0, 1, 2 in turn
+            now[0] = t
+            picks.append((await completion(client, f"r{t}", prompt=shared + [2])).headers[
+                REPLICA_HEADER])
+        assert picks == [fakes[i].url for i in (0, 0, 1, 2, 0, 2)]
+        # A window whose replica is down falls back to the others, as the policy picks.
+        fakes[1].is_alive = False
+        await router.replicas.poll_once()
+        now[0] = 1.5
+        answer = await completion(client, "in-a-dead-window", prompt=shared + [3])
+        assert answer.status_code == 200
+        assert answer.headers[REPLICA_HEADER] != fakes[1].url
+
+    run_router(3, scenario, policy=policy, phase_period_s=3.0, clock=lambda: now[0])
 
 
 def test_metrics_label_each_replica_and_sum_counters():
@@ -397,3 +509,8 @@ def test_bad_config_is_refused(field):
         RouterConfig(replicas=("http://a:1",), **{field: 0})
     with pytest.raises(ValueError, match="routing policy"):
         RouterConfig(replicas=("http://a:1",), policy="nope")
+    with pytest.raises(ValueError, match="phase_period_s"):
+        RouterConfig(replicas=("http://a:1",), phase_period_s=0.0)
+    with pytest.raises(ValueError, match="exclude each other"):
+        RouterConfig(replicas=("http://a:1",), prefill_replicas=("http://b:1",),
+                     phase_period_s=2.0)

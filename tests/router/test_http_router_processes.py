@@ -77,6 +77,34 @@ def test_prefix_affinity_raises_the_hit_rate_over_round_robin(replicas):
     assert rates["prefix_affinity"] > rates["round_robin"] + 0.1, rates
 
 
+def test_tenant_affinity_raises_the_hit_rate_over_round_robin(replicas):
+    """3 tenants (each its own 4-page system prompt, sent as `user`) take turns, one request at
+    a time: round robin over 2 replicas puts each tenant on both, prefix affinity finds the
+    tenant's pages through the roots the replicas report per affinity key."""
+    urls = [url for url, _ in replicas]
+    rates, served = {}, {}
+    for offset, policy in ((0, "round_robin"), (50, "prefix_affinity")):
+        before = (sum(metric_sum(u, "kvjax:prefix_cache_hits_total") for u in urls),
+                  sum(metric_sum(u, "kvjax:prefix_cache_queries_total") for u in urls))
+        with router_process(urls, policy) as router:
+            client = openai.OpenAI(base_url=router + "/v1", api_key="-", max_retries=0)
+            model = client.models.list().data[0].id
+            picks = []
+            for i in range(18):
+                tenant = i % 3
+                prompt = [3 + offset + tenant] * 32 + [70 + i, 71, 72]
+                raw = client.completions.with_raw_response.create(
+                    model=model, prompt=prompt, max_tokens=2, temperature=0,
+                    user=f"tenant-{tenant}")
+                picks.append((tenant, raw.headers[REPLICA_HEADER]))
+                time.sleep(0.3)  # a poll reports the pages before the tenant's next request
+        rates[policy] = hit_rate(urls, before)
+        served[policy] = {t: {r for u, r in picks if u == t} for t in range(3)}
+    assert all(len(where) == 2 for where in served["round_robin"].values()), served
+    assert all(len(where) == 1 for where in served["prefix_affinity"].values()), served
+    assert rates["prefix_affinity"] > rates["round_robin"] + 0.05, rates
+
+
 def _send(router: str, request_id: str, stream: bool, watched: str,
           streaming_there: threading.Event) -> dict:
     """One completion through the router; what the client saw. Sets `streaming_there` once a

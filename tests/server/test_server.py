@@ -30,6 +30,7 @@ from kvjax.engine.runner import StepObserver
 from kvjax.engine.snapshot import provenance_parts
 from kvjax.memory.prefix_cache import hash_page, hash_root
 from kvjax.server import BackgroundServer, ServerConfig
+from kvjax.server.kv_state import affinity_key
 from kvjax.server.metrics import VLLM_NAMES
 from kvjax.testing import dense_logprobs, greedy_reference, tiny_chat_model
 
@@ -576,6 +577,32 @@ def test_kv_state_reports_the_prompt_page_chain_a_router_computes(server, http):
     bad = http.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=1),
                     headers={"X-Request-Id": "x" * 1000})
     assert bad.status_code == 400 and "X-Request-Id" in bad.json()["error"]["message"]
+
+
+def test_kv_state_reports_each_tenants_chain_root_by_affinity_key(server, http):
+    prompt = list(range(90, 115))  # 3 full pages and one token
+    asks = {  # affinity key -> what the engine keys that request's pages by
+        affinity_key(None, "carol", None): server.engine.provenance("carol"),
+        affinity_key(None, "carol", "team-salt"): server.engine.provenance(None)
+        + b"|salt=team-salt",
+    }
+    for tenant, salt in (("carol", None), ("carol", "team-salt")):
+        body = dict(prompt=prompt, max_tokens=2, temperature=0, user=tenant)
+        if salt is not None:
+            body["cache_salt"] = salt
+        assert http.post("/v1/completions", json=body).status_code == 200
+    state = http.get("/kv_state").json()
+    for key, cache_key in asks.items():
+        root = bytes.fromhex(state["prefix_roots"][key])
+        assert root == hash_root(cache_key)
+        parent, chain = root, []
+        for start in (0, 8, 16):  # the prefix cache's own hash, page by page
+            parent = hash_page(parent, prompt[start:start + 8])
+            chain.append(parent[:8].hex())
+        assert set(chain) <= set(state["prefix_hashes"])
+    # No key names the pages of a tenant that sent nothing; the default root is its own.
+    assert affinity_key(None, "dave", None) not in state["prefix_roots"]
+    assert state["prefix_root"] not in {state["prefix_roots"][k] for k in asks}
 
 
 def test_models_health_and_priority_header(server, client, http):
