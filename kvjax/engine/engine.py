@@ -184,7 +184,9 @@ class Engine:
                                   kv_store=None if kv_pool is None else kv_pool.store(),
                                   num_tables=len(pool.spec.table_groups()))
         if uses_host or is_echo:
-            self.runner.host_pool = host_rows.HostPool(kv, config.num_host_pages)
+            self.runner.host_pool = host_rows.HostPool(
+                kv, config.num_host_pages,
+                num_device_leaves=retention.policy.num_index_leaves if is_echo else 0)
         self.stats: dict = {}
         self._grammars: grammar_lib.GrammarCompiler | None = None  # built on the first grammar
         tiers, swap_space = self._build_tiers(pool)

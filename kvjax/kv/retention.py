@@ -153,6 +153,7 @@ class Quest(_Policy):
     name = "quest"
     option_names = ("dense_layers", "heads", "echo_prefetch")
     narrows_reads = True
+    num_index_leaves = 2  # key_min, key_max (`QuestKV.page_leaves`)
 
     def __init__(self, budget: int | None, page_size: int, dense_layers: int = 2,
                  heads: str | quest.HeadReduction = quest.HeadReduction.MAX,

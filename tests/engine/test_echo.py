@@ -32,9 +32,9 @@ class _Selections(StepObserver):
             self.steps.append(np.asarray(out.page_reads))
 
 
-def _serve(model, prompts, *, warm=False, **options):
-    engine = Engine(model, EngineConfig(**ENGINE, retention_options=dict(dense_layers=1,
-                                                                          **options),
+def _serve(model, prompts, *, warm=False, config=(), **options):
+    engine = Engine(model, EngineConfig(**{**ENGINE, **dict(config)},
+                                        retention_options=dict(dense_layers=1, **options),
                                         num_host_pages=32 if options else 0))
     compiles = engine.warmup() if warm else None
     seen = _Selections()
@@ -74,3 +74,23 @@ def test_residency_keeps_the_most_read_pages_newest_first():
     assert plan_residency(votes, 5, 2) == {4, 2}
     assert plan_residency(votes, 5, 3) == {4, 2, 0}
     assert plan_residency(None, 3, 1) == {0, 1, 2}  # nothing seen yet: every page stays
+
+
+@pytest.mark.parametrize("config", [
+    dict(kv_codec="int8", enable_prefix_cache=True),
+    dict(async_scheduling=False, max_num_seqs=3),
+])
+def test_echo_with_more_behaviours_matches_plain_quest(model, config):
+    """Prefetch margins 0 and 3 over int8 pages with the prefix cache (prompts sharing pages),
+    and synchronous scheduling with three rows; plain Quest of the same settings is the
+    oracle, step by step."""
+    shared = [int(t) for t in np.random.default_rng(1).integers(0, 120, size=16)]
+    prompts = [shared + [5, 41, 77, 3, 9], shared + [12, 50], [7, 3] * 12]
+    want, want_reads, _ = _serve(model, prompts, config=config)
+    for prefetch in (0, 3):
+        got, got_reads, engine = _serve(model, prompts, config=config, echo_prefetch=prefetch)
+        assert got == want
+        assert len(got_reads) == len(want_reads)
+        for a, b in zip(got_reads, want_reads, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert engine.stats["echo_pages_mirrored"] > 0
