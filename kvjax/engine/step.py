@@ -150,7 +150,9 @@ class StepInput:
         with several (`kvjax.kv.spec.KVCacheSpec.table_groups`; `block_tables` is group 0's).
       group_slots: [G-1, T] int32, those groups' slot mappings (`slot_mapping`: group 0's).
       host_tables: [Bh, Pmax] int32, Bh = Bd with a host pool (else 0): the host-pool pages
-        holding cache positions [0, host_lens) of each decode row (`kvjax.engine.host_rows`).
+        holding cache positions [0, host_lens) of each decode row (`kvjax.engine.host_rows`);
+        under ECHO, per block-table entry, the host page read in place of a released device
+        page, or -1 where the entry is resident (`kvjax.engine.echo`).
       host_lens: [Bh] int32, how many of each decode row's first positions live in the host
         pool (a multiple of the page size; 0: all on the device). Its device block table's
         entries for them are ignored.

@@ -57,7 +57,9 @@ class ScheduledRow:
         each draft token (`GrammarMatcher.masks`); None otherwise.
       host_table, host_len: a decode row's host-resident positions [0, host_len) and the
         host-pool pages holding them ([host_len / P] int32; `kvjax.engine.host_rows`); None
-        and 0: all on the device.
+        and 0: all on the device. Under ECHO (`kvjax.engine.echo`) host_len is 0 and
+        host_table has one entry per block-table entry: the host page read in place of a
+        released device page, or -1 (resident).
     """
 
     seq_id: str

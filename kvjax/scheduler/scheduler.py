@@ -426,8 +426,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 else self._row(s, n, i, n - 1 if verifies else 0)
                 for i, (s, n) in enumerate(decode)]
         if self.echo is not None:
-            rows = [dataclasses.replace(r, host_table=self.echo.host_table(r.seq_id))
-                    for r in rows]
+            rows = [dataclasses.replace(r, host_table=self.echo.host_table(r.seq_id),
+                                        host_len=0) for r in rows]
         rows += [self._row(s, n, len(decode) + i) for i, (s, n) in enumerate(prefill)]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
                                preempted=tuple(preempted), kv_plan=self.kv_cache.take_plan(),
