@@ -94,3 +94,12 @@ def test_echo_with_more_behaviours_matches_plain_quest(model, config):
         for a, b in zip(got_reads, want_reads, strict=True):
             np.testing.assert_array_equal(a, b)
         assert engine.stats["echo_pages_mirrored"] > 0
+
+
+def test_echo_settings_are_checked(model):
+    from kvjax.kv.retention import make_retention
+
+    with pytest.raises(ValueError, match="echo_prefetch must be None or an int >= 0, got -1"):
+        make_retention("quest", 2 * P, P, echo_prefetch=-1)
+    with pytest.raises(ValueError, match="num_host_pages must be > 0, got 0"):
+        Engine(model, EngineConfig(**ENGINE, retention_options=dict(echo_prefetch=2)))
