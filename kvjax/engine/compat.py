@@ -49,6 +49,7 @@ class Feature(enum.Enum):
     EXPECTED_ATTENTION = "expected_attention"
     OBSERVED_ATTENTION = "observed_attention"
     QUEST = "quest"
+    ECHO = "echo"
     HOST_TIER = "host_tier"
     SWAP = "swap"
     AUTO_PREEMPTION = "auto_preemption"
@@ -79,6 +80,7 @@ _GROUPS = {
     Feature.INT8: "codec", Feature.KIVI: "codec", Feature.KIVI_RESIDUAL: "codec",
     Feature.STREAMING: "retention", Feature.STREAMING_ROTATED: "retention",
     Feature.H2O: "retention", Feature.SNAPKV: "retention", Feature.QUEST: "retention",
+    Feature.ECHO: "retention",
     Feature.TOVA: "retention", Feature.KNORM: "retention",
     Feature.EXPECTED_ATTENTION: "retention", Feature.OBSERVED_ATTENTION: "retention",
     Feature.SWAP: "preemption", Feature.AUTO_PREEMPTION: "preemption",
@@ -102,6 +104,9 @@ _DESCRIPTIONS = {
     Feature.OBSERVED_ATTENTION: "retention='observed_attention' (compresses the prompt once "
                                 "by its mean attention during prefill)",
     Feature.QUEST: "retention='quest' (keeps every page, reads the query's top pages)",
+    Feature.ECHO: "retention='quest' with echo_prefetch (ECHO: the host pool holds every "
+                  "full page, the device the pages the last selection ranked first; a "
+                  "selected page not on the device is read from the host)",
     Feature.HOST_TIER: "EngineConfig.tiers with a host budget (spills and swaps through it)",
     Feature.SWAP: "preemption_mode=SWAP",
     Feature.AUTO_PREEMPTION: "preemption_mode=AUTO (swap or recompute by a cost model)",
@@ -136,7 +141,8 @@ _CODECS = (Feature.INT8, *_KIVI)
 _EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
              Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION,
              Feature.OBSERVED_ATTENTION)
-_RETENTION = (*_EVICTING, Feature.QUEST)
+_QUEST = (Feature.QUEST, Feature.ECHO)
+_RETENTION = (*_EVICTING, *_QUEST)
 
 
 def _refusals() -> dict[frozenset[Feature], str]:
@@ -153,7 +159,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "retention frees and selects whole pages, so it needs the paged layout")
     refuse([Feature.HOST_TIER], [Feature.CONTIGUOUS],
            "tiers move whole pages, so they need the paged layout")
-    refuse([Feature.QUEST], [Feature.SPECULATIVE],
+    refuse(_QUEST, [Feature.SPECULATIVE],
            "Quest picks the pages each decode query reads from that query alone and from "
            "per-page key bounds, while a verify step attends a row's queries over one set of "
            "pages and its rejected drafts' keys would stay in the bounds, so drafts would be "
@@ -172,7 +178,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_KIVI, [Feature.KV_ARENA],
            "KIVI stores keys per channel group across a sequence's tokens, while an arena "
            "frame, shared by models of any shape, stores each token's row on its own")
-    refuse([Feature.QUEST], [Feature.KV_ARENA],
+    refuse(_QUEST, [Feature.KV_ARENA],
            "Quest keeps per-page key summaries in arrays of one model's shape beside the "
            "pages, which frames that pass between models of other shapes cannot carry")
     refuse([Feature.CONTIGUOUS], [Feature.KV_ARENA],
@@ -237,7 +243,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_CODECS, [Feature.FUSED_KV_WRITE],
            "a quantized pool stores codes and scales made from a whole group of values, while "
            "the fused write stores each projected float32 row as it comes out of the matmul")
-    refuse([Feature.QUEST], [Feature.FUSED_KV_WRITE],
+    refuse(_QUEST, [Feature.FUSED_KV_WRITE],
            "Quest updates each written page's key summaries from the new keys, which the "
            "fused write stores straight into the pages without handing them back")
     refuse([Feature.CONTIGUOUS], [Feature.FUSED_KV_WRITE],
@@ -249,6 +255,22 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.MESH], [Feature.FUSED_KV_WRITE],
            "the fused write is one CPU kernel over the whole pool, which a mesh shards by kv "
            "head over devices")
+    refuse(_KIVI, [Feature.ECHO],
+           "KIVI's row reader joins a sequence's quantized pages with its exact window in the "
+           "device pool's sequence slot, which the host pool's copies of full pages do not "
+           "carry")
+    refuse([Feature.MESH], [Feature.ECHO],
+           "the host pool and its reads are built for one device's pool, not for a mesh's kv "
+           "heads sharded over devices")
+    refuse([Feature.SNAPSHOT], [Feature.ECHO],
+           "a snapshot saves a sequence's pages through its device block table, whose "
+           "released entries hold no page")
+    refuse([Feature.HOST_TIER], [Feature.ECHO],
+           "the tiers' checked swaps copy a sequence's pages through its device block table, "
+           "whose released entries hold no page")
+    refuse([Feature.CONTROLLER], [Feature.ECHO],
+           "the controller prices swaps, recomputes and demotions with a model of the device "
+           "pool that does not count pages whose only copy is in the host pool")
     return table
 
 
@@ -316,6 +338,7 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         (Feature.EXPECTED_ATTENTION, "a retention policy compacts"),
         (Feature.OBSERVED_ATTENTION, "a retention policy compacts"),
         (Feature.QUEST, "Quest's page summaries and selections index"),
+        (Feature.ECHO, "ECHO's residency and host-pool reads index"),
         (Feature.HOST_TIER, "the host and disk tiers move and index"),
         (Feature.CONTEXT_REUSE, "a reused chunk is copied in through"),
         (Feature.KV_ARENA, "an arena frame holds every layer of"),
@@ -437,6 +460,9 @@ def _retention(config: Any) -> list[_Present]:
     if policy.rotates_keys:
         return [_Present(Feature.STREAMING_ROTATED, f"retention={config.retention!r} with "
                          f"retention_options={config.retention_options!r}")]
+    if policy.echo_prefetch is not None:
+        return [_Present(Feature.ECHO, f"retention={config.retention!r} with echo_prefetch="
+                         f"{policy.echo_prefetch!r}")]
     feature = next((f for f in _RETENTION if f.value == policy.name), None)
     if feature is None:  # A registered policy of its own: the built-in one that acts alike.
         feature = Feature.STREAMING if policy.evicts else Feature.QUEST

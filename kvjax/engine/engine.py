@@ -151,6 +151,12 @@ class Engine:
             if reason is not None:
                 raise ValueError(f"EngineConfig.fused_kv_write for model {mc.name!r}: {reason}")
         host_split = make_host_split(config.host_split, **config.host_split_options)
+        is_echo = retention.policy.echo_prefetch is not None  # host-authoritative pages
+        if is_echo and config.num_host_pages <= 0:
+            raise ValueError(f"retention_options echo_prefetch="
+                             f"{retention.policy.echo_prefetch!r} keeps every page in the host "
+                             f"pool: EngineConfig.num_host_pages must be > 0, got "
+                             f"{config.num_host_pages!r}")
         uses_host = host_split.uses_host and config.num_host_pages > 0
         programs = StepPrograms(mc, attention_impl=config.attention_impl,
                                 retention=retention.step_hooks, matmul_impl=config.matmul_impl,
@@ -177,8 +183,10 @@ class Engine:
                                   page_size=config.page_size,
                                   kv_store=None if kv_pool is None else kv_pool.store(),
                                   num_tables=len(pool.spec.table_groups()))
-        if uses_host:
-            self.runner.host_pool = host_rows.HostPool(kv, config.num_host_pages)
+        if uses_host or is_echo:
+            self.runner.host_pool = host_rows.HostPool(
+                kv, config.num_host_pages,
+                num_device_leaves=retention.policy.num_index_leaves if is_echo else 0)
         self.stats: dict = {}
         self._grammars: grammar_lib.GrammarCompiler | None = None  # built on the first grammar
         tiers, swap_space = self._build_tiers(pool)
@@ -198,7 +206,7 @@ class Engine:
             watermark=config.watermark, scrub_freed_pages=config.scrub_freed_pages,
             stats=self.stats, tiers=tiers, quantized_len=pool.quantized_len,
             clock=clock,
-            host_pool=HostPagePool(config.num_host_pages) if uses_host else None)
+            host_pool=HostPagePool(config.num_host_pages) if uses_host or is_echo else None)
         self.context_reuse = make_strategy(config.context_reuse, **config.context_reuse_options)
         self.scheduler = Scheduler(
             self._scheduler_config(), self.kv_cache, make_policy(config.scheduler_policy),

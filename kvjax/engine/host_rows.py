@@ -164,7 +164,9 @@ class HostPool:
         memory, on a backend with no host memory kind).
     """
 
-    def __init__(self, device_kv: KVState, num_pages: int):
+    def __init__(self, device_kv: KVState, num_pages: int, *, num_device_leaves: int = 0):
+        """num_device_leaves: the last page leaves stay in device memory (small per-page
+        indexes a step reads for every page, such as Quest's key summaries under ECHO)."""
         from kvjax.memory.tiers.host import host_memory_kind
 
         leaves = device_kv.page_leaves()
@@ -173,8 +175,11 @@ class HostPool:
         sharding = leaves[0].sharding
         self.memory_kind = host_memory_kind(next(iter(sharding.device_set)),
                                             user="host-resident rows")
-        self._sharding = (sharding if self.memory_kind is None
-                          else sharding.with_memory_kind(self.memory_kind))
+        host = (sharding if self.memory_kind is None
+                else sharding.with_memory_kind(self.memory_kind))
+        n = len(leaves) - num_device_leaves
+        self._sharding = jax.tree.map(lambda _: host, kv).with_page_leaves(
+            [host] * n + [sharding] * num_device_leaves)
         self.kv = jax.device_put(kv, self._sharding)
         self._out = jax.jit(_move_out, donate_argnums=1, out_shardings=self._sharding)
         self._in = jax.jit(_move_in, donate_argnums=0)

@@ -414,7 +414,7 @@ class ModelRunner:
         buf["kv_floors"][r] = row.kv_floor
         if row.feed_index >= 0:
             buf["token_src"][t0] = self._last_row_index[row.feed_index]
-        if row.host_len:
+        if row.host_table is not None:
             if r >= shape.num_decode or self.host_pool is None:
                 raise ValueError(f"row {row.seq_id!r} has host-resident pages but is not a "
                                  f"decode row of an engine with a host pool")
@@ -471,10 +471,14 @@ class ModelRunner:
             spec_logprobs = np.asarray(out.spec_logprobs)[rows]
         if out.query_key_scores is not None:
             query_key_scores = np.asarray(out.query_key_scores)[rows]
+        page_reads = None
+        if out.page_reads is not None:  # decode rows come first
+            page_reads = np.asarray(out.page_reads)[rows[:len(step.so.decode)]]
         return RunnerOutput(tokens=np.asarray(out.tokens)[rows],  # The host sync.
                             logprobs=np.asarray(out.logprobs)[rows], key_scores=key_scores,
                             logits=out.logits, num_accepted=num_accepted,
-                            spec_logprobs=spec_logprobs, query_key_scores=query_key_scores)
+                            spec_logprobs=spec_logprobs, query_key_scores=query_key_scores,
+                            page_reads=page_reads)
 
     def warmup(self, weights_version: str, *, sampling: bool = False,
                blend_ratio: float | None = None, max_blend_tokens: int = 0) -> None:

@@ -27,7 +27,7 @@ from flax import struct
 
 from kvjax import jit as kvjax_jit
 from kvjax.config import ModelConfig
-from kvjax.engine import host_rows
+from kvjax.engine import echo, host_rows
 from kvjax.kv import attention as attention_ref
 from kvjax.kv import fused_write, layout, native
 from kvjax.kv.spec import layer_tables
@@ -150,7 +150,9 @@ class StepInput:
         with several (`kvjax.kv.spec.KVCacheSpec.table_groups`; `block_tables` is group 0's).
       group_slots: [G-1, T] int32, those groups' slot mappings (`slot_mapping`: group 0's).
       host_tables: [Bh, Pmax] int32, Bh = Bd with a host pool (else 0): the host-pool pages
-        holding cache positions [0, host_lens) of each decode row (`kvjax.engine.host_rows`).
+        holding cache positions [0, host_lens) of each decode row (`kvjax.engine.host_rows`);
+        under ECHO, per block-table entry, the host page read in place of a released device
+        page, or -1 where the entry is resident (`kvjax.engine.echo`).
       host_lens: [Bh] int32, how many of each decode row's first positions live in the host
         pool (a multiple of the page size; 0: all on the device). Its device block table's
         entries for them are ignored.
@@ -215,6 +217,8 @@ class StepOutput:
     decoding runs for its token (`kvjax.kv.retention.step_key_scores`); key_scores is its sum
     over queries.
     feed_tokens: [F] int32, `tokens` padded to the feed width: the next step's `prev_tokens`.
+    page_reads: [Bd, L, W] bool with a policy that narrows reads (Quest) in a one-token decode
+    step: the block-table entries each decode row read in each layer; else None.
     """
 
     tokens: jax.Array
@@ -225,6 +229,7 @@ class StepOutput:
     num_accepted: jax.Array | None = None
     spec_logprobs: jax.Array | None = None
     query_key_scores: jax.Array | None = None
+    page_reads: jax.Array | None = None
 
 
 def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool = False
@@ -310,7 +315,8 @@ def _resolve(impl: AttentionImpl, kv: KVState, soft_cap: float | None):
 def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, shape: StepShape,
                  kernels, reads: tuple[jax.Array, jax.Array] | None = None, *,
                  window: jax.Array | None = None, soft_cap: float | None = None,
-                 host: host_rows.HostAttention | None = None) -> jax.Array:
+                 host: host_rows.HostAttention | None = None,
+                 echo_kv: KVState | None = None) -> jax.Array:
     """Attention of a step's decode rows and prefill rows. q: [T, N, D] -> [T, N, D].
 
     kernels: `_resolve`'s kernel chooser, or None for the blockwise reference (which applies
@@ -320,6 +326,8 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
     window: the layer's sliding window (int32 scalar, traced or not; 0: global), or None.
     host: with a host pool, decode rows attend over their host-resident positions there and
     over the rest on the device, merged (`kvjax.engine.host_rows`); None: no host pool.
+    echo_kv: the host pool of host-authoritative rows (ECHO): decode rows read each selected
+    page from the device pool where resident, else from it (`kvjax.engine.echo`); None: none.
     """
     bd, bp, wd = shape.num_decode, shape.num_prefill, shape.decode_width
     if host is not None and (wd > 1 or reads is not None or window is not None):
@@ -338,9 +346,18 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
     if host is not None and bd:
         outs.append(host_rows.attend_split(kv, host, layer, q[:bd], inp, bd, soft_cap=soft_cap,
                                            pages_per_block=PAGES_PER_BLOCK))  # [Bd, N, D]
+    if echo_kv is not None and bd:
+        if wd > 1 or window is not None:
+            raise ValueError("host-authoritative rows are one-token decode rows of one layer "
+                             "group (kvjax.engine.compat refuses the rest)")
+        outs.append(echo.attend_echo(
+            kv, echo_kv, layer, q[:bd], inp, bd,
+            echo.every_page(bt[:bd], kv_lens[:bd]) if reads is None else reads,
+            soft_cap=soft_cap, pages_per_block=PAGES_PER_BLOCK))  # [Bd, N, D]
+    decode_elsewhere = host is not None or echo_kv is not None
     if kernels is not None:
         decode_attn, prefill_attn = kernels(kv, layer, window)
-        on_device = bd if host is None else 0  # decode rows the kernels attend
+        on_device = 0 if decode_elsewhere else bd  # decode rows the kernels attend
         if on_device and wd > 1:
             out = prefill_attn(q[:num_dec].reshape(bd, wd, n, d), bt[:bd], kv_lens[:bd],
                                q_lens[:bd])
@@ -361,7 +378,7 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
         return kv.row_loader(layer, bt[rows], kv_lens[rows], inp.seq_slots[rows],
                              inp.kv_floors[rows])
 
-    if bd and host is None:
+    if bd and not decode_elsewhere:
         tables, load = reader(slice(0, bd))  # the loader sees every row's full length
         out = blockwise(q[:num_dec].reshape(bd, wd, n, d), load, decode_tables(tables),
                         decode_lens, q_lens[:bd])  # [Bd, Wd, N, D]
@@ -412,8 +429,11 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     XLA's matmuls (larger prefill chunks under AUTO) keep XLA's projection and the scatter.
     """
     q_lens = inp.q_lens
-    host = None
-    if host_kv is not None:
+    host = echo_kv = None
+    is_echo = retention is not None and retention.echo_prefetch is not None
+    if host_kv is not None and is_echo:
+        echo_kv = host_rows.device_view(host_kv)
+    elif host_kv is not None:
         host = host_rows.HostAttention(
             host_kv if host_compute else host_rows.device_view(host_kv), host_compute)
     # Once per program, for every layer.
@@ -426,26 +446,38 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     grouped = max(layer_map[0]) > 0 or any(layer_map[2])
     tables, slots, windows = (jnp.asarray(x, jnp.int32) for x in layer_map)
 
+    records_reads = (retention is not None and retention.narrows_reads
+                     and shape.num_decode > 0 and shape.decode_width == 1)
+
     def attend(layer, q, k, v, carry):
-        kv, key_scores = carry
+        kv, key_scores, page_reads = carry
         if grouped:  # several layer groups, or windows: this layer's table and pool slot
             layer_inp, layer, window = inp.for_table(tables[layer]), slots[layer], windows[layer]
         else:
             layer_inp, window = inp, None
         if k is not None:  # else the projection wrote them (`write_kv`)
             kv = kv.write_rows(layer, layer_inp, shape, k, v)
-        reads = None if retention is None else retention.select_reads(kv, layer, q, inp, shape)
+        if echo_kv is not None:
+            reads = retention.select_reads(kv, layer, q, inp, shape, host_kv=echo_kv)
+        else:
+            reads = None if retention is None else retention.select_reads(kv, layer, q, inp,
+                                                                          shape)
+        if records_reads:
+            bd = shape.num_decode
+            mask = echo.read_mask(echo.every_page(inp.block_tables[:bd], inp.kv_lens[:bd])
+                                  if reads is None else reads, kv.page_size, shape.max_pages)
+            page_reads = page_reads.at[:, layer].set(mask)  # [Bd, L, W]
         cap = config.attn_logit_softcap
         if batch_invariant:  # one layer group without windows (`invariant.check`)
             out = _attend_per_query(kv, layer, q, layer_inp)
         else:  # kernels and the reference alike take the window as a traced per-layer value
             out = _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads, window=window,
-                               soft_cap=cap, host=host)
+                               soft_cap=cap, host=host, echo_kv=echo_kv)
         if scores_keys:
             key_scores = key_scores + retention.key_scores(
                 kv, layer, q, inp, shape, pages_per_block=PAGES_PER_BLOCK,
                 soft_cap=config.attn_logit_softcap)
-        return out, (kv, key_scores)
+        return out, (kv, key_scores, page_reads)
 
     per_query = (shape.decode_width,) if shape.decode_width > 1 else ()
     key_scores = (jnp.zeros((shape.num_rows, *per_query, shape.max_pages * kv.page_size),
@@ -453,20 +485,24 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                   if scores_keys else None)  # [R, W*P], or [R, Wd, W*P] in a verify step
     token_ids = jnp.where(inp.token_src >= 0,
                           inp.prev_tokens[jnp.maximum(inp.token_src, 0)], inp.tokens)  # [T]
+    page_reads = (jnp.zeros((shape.num_decode, config.num_layers, shape.max_pages), bool)
+                  if records_reads else None)  # [Bd, L, W]
+
     def write_kv(layer, x, p, positions, carry):
-        kv, key_scores = carry
+        kv, key_scores, page_reads = carry
         layer_inp, pool_layer = (inp.for_table(tables[layer]), slots[layer]) if grouped else (
             inp, layer)
         bk, bv = (p["bk"], p["bv"]) if config.qkv_bias else (None, None)
         kv = fused_write.write_projected(  # wk, wv: stacked [L, In, K*D], read in place
             kv, pool_layer, layer_inp.slot_mapping, x, p["wk"], p["wv"], layer, bk, bv,
             *llama.rope_tables(config, positions, layer), invariant=batch_invariant)
-        return kv, key_scores
+        return kv, key_scores, page_reads
 
     linear = (invariant.linear.invariant_linear if batch_invariant
               else layer_linear(matmul_impl, shape.num_tokens))
-    h, (kv, key_scores) = llama.decode_body(
-        params, config, token_ids, inp.positions, attend, (kv, key_scores), linear=linear,
+    h, (kv, key_scores, page_reads) = llama.decode_body(
+        params, config, token_ids, inp.positions, attend, (kv, key_scores, page_reads),
+        linear=linear,
         row_sum=invariant.row_sum if batch_invariant else None,
         write_kv=write_kv if fused_kv_write and linear is not None else None)  # [T, H]
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
@@ -498,7 +534,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         query_key_scores, key_scores = key_scores, key_scores.sum(axis=1)  # [R, W*P]
     return StepOutput(tokens=tokens, logprobs=logprobs, feed_tokens=feed, logits=out_logits,
                       key_scores=key_scores, num_accepted=num_accepted,
-                      spec_logprobs=spec_logprobs, query_key_scores=query_key_scores), kv
+                      spec_logprobs=spec_logprobs, query_key_scores=query_key_scores,
+                      page_reads=page_reads), kv
 
 
 def _logit_rules(inp: StepInput, token_ids: jax.Array, shape: StepShape, vocab: int

@@ -223,8 +223,8 @@ def select_pages(scores: jax.Array, kv_lens: jax.Array, page_size: int, num_read
 
 def select_decode_pages(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables: jax.Array,
                         kv_lens: jax.Array, num_read: int, *, num_dense_layers: int = 0,
-                        head_reduction: HeadReduction = HeadReduction.MAX
-                        ) -> tuple[jax.Array, jax.Array] | None:
+                        head_reduction: HeadReduction = HeadReduction.MAX,
+                        summaries: Any = None) -> tuple[jax.Array, jax.Array] | None:
     """Which block-table entries decode rows read: their Quest-selected pages.
 
     Args:
@@ -233,6 +233,8 @@ def select_decode_pages(kv: QuestKV, layer: jax.Array, q: jax.Array, block_table
       num_read: pages each row reads (static).
       num_dense_layers: layers below this index read every page, unchanged (static).
       head_reduction: how the per-head bounds of a page make its score (static).
+      summaries: fn(layer) -> (key_min, key_max) [B, W, K, D] of each entry's page, where the
+        pages do not all lie in `kv` (`echo_summaries`); None: `kv`'s pages of block_tables.
     Returns:
       None when every row reads every page (num_read >= W), else (indices [B, W] int32: the
       selected entries in table order first, then 0 as padding; kv_lens [B] of the selection).
@@ -245,8 +247,11 @@ def select_decode_pages(kv: QuestKV, layer: jax.Array, q: jax.Array, block_table
         return None
 
     def narrowed():
-        key_min = kv.key_min[layer][block_tables]  # [B, W, K, D]
-        key_max = kv.key_max[layer][block_tables]
+        if summaries is None:
+            key_min = kv.key_min[layer][block_tables]  # [B, W, K, D]
+            key_max = kv.key_max[layer][block_tables]
+        else:
+            key_min, key_max = summaries(layer)
         bounds = page_bounds(q, key_min, key_max)  # [B, W, N]
         reduce = jnp.max if head_reduction is HeadReduction.MAX else jnp.sum
         scores = reduce(bounds, axis=-1)  # [B, W]
@@ -272,3 +277,21 @@ def narrow_decode_rows(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables
         return block_tables, kv_lens
     indices, lens = selected
     return jnp.take_along_axis(block_tables, indices, axis=1), lens
+
+
+def echo_summaries(kv: QuestKV, host_kv: QuestKV, block_tables: jax.Array,
+                   host_tables: jax.Array):
+    """fn(layer) -> (key_min, key_max) [B, W, K, D] of each row's pages where a host-
+    authoritative row keeps them (ECHO, `kvjax.engine.echo`): an entry whose host_tables
+    [B, W] value is -1 is resident, read from the device pool's page block_tables [B, W];
+    any other from that host-pool page (the same values: the host copy was taken from the
+    full page)."""
+    resident = (host_tables < 0)[:, :, None, None]  # [B, W, 1, 1]
+    host = jnp.maximum(host_tables, 0)
+
+    def at(layer):
+        return tuple(jnp.where(resident, d[layer][block_tables], h[layer][host])
+                     for d, h in ((kv.key_min, host_kv.key_min),
+                                  (kv.key_max, host_kv.key_max)))  # [B, W, K, D] each
+
+    return at

@@ -18,11 +18,14 @@ picks one, `retention_budget` sizes it and `retention_options` tunes it:
               `kernel` neighbouring tokens (SnapKV); generated
               tokens are all kept
   quest       everything in memory; each decode query reads only  dense_layers=2,
-              its B // P pages of highest key bound (the max or   heads='max'
-              sum over query heads), the newest page always
+              its B // P pages of highest key bound (the max or   heads='max',
+              sum over query heads), the newest page always       echo_prefetch=None
               among them, except in the first dense_layers
               layers, which read every page (Quest,
-              kvjax.kv.quest)
+              kvjax.kv.quest); with echo_prefetch=m the host
+              pool holds every full page and the device only
+              the B // P + m pages the previous selection ranked
+              first (ECHO, kvjax.engine.echo)
   ==========  ==================================================  ===========================
 
 The scoring presses tova, knorm, expected_attention and observed_attention (kvjax.kv.presses)
@@ -148,11 +151,17 @@ class Quest(_Policy):
     """Query-aware page reads: every page stays, each decode query reads its top pages."""
 
     name = "quest"
-    option_names = ("dense_layers", "heads")
+    option_names = ("dense_layers", "heads", "echo_prefetch")
     narrows_reads = True
+    num_index_leaves = 2  # key_min, key_max (`QuestKV.page_leaves`)
 
     def __init__(self, budget: int | None, page_size: int, dense_layers: int = 2,
-                 heads: str | quest.HeadReduction = quest.HeadReduction.MAX):
+                 heads: str | quest.HeadReduction = quest.HeadReduction.MAX,
+                 echo_prefetch: int | None = None):
+        if echo_prefetch is not None and (isinstance(echo_prefetch, bool) or not isinstance(
+                echo_prefetch, int) or echo_prefetch < 0):
+            raise ValueError(f"quest echo_prefetch must be None or an int >= 0, got "
+                             f"{echo_prefetch!r}")
         if (isinstance(dense_layers, bool) or not isinstance(dense_layers, int)
                 or dense_layers < 0):
             raise ValueError(f"quest dense_layers must be an int >= 0, got {dense_layers!r}")
@@ -164,6 +173,12 @@ class Quest(_Policy):
         super().__init__(_check_budget(self.name, budget, page_size), page_size)
         self.num_read_pages = self.budget // page_size
         self.dense_layers, self.heads = dense_layers, heads
+        self.echo_prefetch = echo_prefetch
+
+    def fingerprint(self) -> str:
+        # Where pages live (ECHO) changes no value attention reads.
+        return (f"{self.name}:B{self.budget}:dense_layers={self.dense_layers},"
+                f"heads={self.heads.value}")
 
     def wrap_state(self, kv: Any) -> quest.QuestKV:
         return quest.init_quest_kv(kv)
@@ -172,14 +187,19 @@ class Quest(_Policy):
         return quest.summarized_spec(spec)
 
     def select_reads(self, kv: quest.QuestKV, layer: jax.Array, q: jax.Array, inp: Any,
-                     shape: Any) -> tuple[jax.Array, jax.Array] | None:
+                     shape: Any, host_kv: quest.QuestKV | None = None
+                     ) -> tuple[jax.Array, jax.Array] | None:
+        """The decode rows' selected entries; with `host_kv` (ECHO), from the summaries of
+        every page where it lies (`quest.echo_summaries`)."""
         bd = shape.num_decode
         if bd == 0:
             return None
+        summaries = None if host_kv is None else quest.echo_summaries(
+            kv, host_kv, inp.block_tables[:bd], inp.host_tables)
         return quest.select_decode_pages(kv, layer, q[:bd], inp.block_tables[:bd],
                                          inp.kv_lens[:bd], self.num_read_pages,
                                          num_dense_layers=self.dense_layers,
-                                         head_reduction=self.heads)
+                                         head_reduction=self.heads, summaries=summaries)
 
 
 # ----------------------------------------------------------------------------- device: scores

@@ -68,6 +68,12 @@ class RetentionPolicy(Protocol):
     scores_keys: bool  # needs StepOutput.key_scores
     narrows_reads: bool  # changes which pages attention reads (quest)
     rotates_keys: bool  # rotary_shifts may shift kept keys (streaming, cache_positions)
+    # Host-authoritative pages (ECHO, `kvjax.engine.echo`): the pages a decode row keeps on the
+    # device beyond the ones its previous selection ranked first; None: every page stays there.
+    echo_prefetch: int | None
+    # The last page leaves of `wrap_state`'s state that index pages (Quest's key summaries):
+    # under ECHO the host pool keeps them in device memory, where the selection reads them.
+    num_index_leaves: int
     accumulates_scores: bool  # a step's key scores add to the earlier ones (else replace them)
     needs_rope: bool  # its device side reads the model's RoPE (`bind_rope`)
 
@@ -155,6 +161,8 @@ class _Policy:
     accumulates_scores: ClassVar[bool] = True
     needs_rope: ClassVar[bool] = False
     rotates_keys: bool = False
+    echo_prefetch: int | None = None
+    num_index_leaves: ClassVar[int] = 0
 
     def __init__(self, budget: int | None, page_size: int):
         self.budget = budget

@@ -57,7 +57,9 @@ class ScheduledRow:
         each draft token (`GrammarMatcher.masks`); None otherwise.
       host_table, host_len: a decode row's host-resident positions [0, host_len) and the
         host-pool pages holding them ([host_len / P] int32; `kvjax.engine.host_rows`); None
-        and 0: all on the device.
+        and 0: all on the device. Under ECHO (`kvjax.engine.echo`) host_len is 0 and
+        host_table has one entry per block-table entry: the host page read in place of a
+        released device page, or -1 (resident).
     """
 
     seq_id: str
@@ -177,6 +179,9 @@ class RunnerOutput:
       query_key_scores: [R, 1 + gamma, W*P] float32 after a verify step with key scores: the
         scores each decode row's query gave alone, as its own decode step would (zeros for
         prefill rows); else None.
+      page_reads: [Rd, L, W] bool after a one-token decode step of a policy that narrows reads
+        (Quest): the block-table entries each decode row (`SchedulerOutput.decode`) read in
+        each layer; else None.
     """
 
     tokens: np.ndarray
@@ -186,3 +191,4 @@ class RunnerOutput:
     num_accepted: np.ndarray | None = None
     spec_logprobs: np.ndarray | None = None
     query_key_scores: np.ndarray | None = None
+    page_reads: np.ndarray | None = None

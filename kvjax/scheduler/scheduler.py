@@ -30,6 +30,7 @@ from kvjax.scheduler.controller import (
     KVController,
     SeqState,
 )
+from kvjax.scheduler.echo import EchoPlanner
 from kvjax.scheduler.host_split import HostSplitPolicy, RowPlacement
 from kvjax.scheduler.output import RunnerOutput, ScheduledRow, SchedulerOutput
 from kvjax.scheduler.policies import LongestPrefixMatch, SchedulingPolicy
@@ -131,6 +132,10 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                  host_split: HostSplitPolicy | None = None):
         self.config = config
         self.host_split = host_split or host_split_lib.Never()
+        retention = kv_cache.retention.policy
+        self.echo = None if retention.echo_prefetch is None else EchoPlanner(
+            kv_cache, config.page_size, retention.num_read_pages, retention.echo_prefetch,
+            stats)
         self.kv_cache = kv_cache
         self.policy = policy
         self._cache_key = cache_key
@@ -333,6 +338,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                 if victim is seq:
                     break
         self._place_rows([s for s, _ in decode])
+        if self.echo is not None:
+            self.echo.place([(s.seq_id, self._cached_len(s)) for s, _ in decode], self._seqs)
         # 2. Prefill chunks: running partial prefills, then swapped, then waiting sequences.
         partial = [s for s in self._ranked(self.running)
                    if s.num_pending > 1 and s.seq_id not in scheduled]
@@ -422,6 +429,9 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         rows = [self._draft_row(s, i) if s.seq_id in drafting
                 else self._row(s, n, i, n - 1 if verifies else 0)
                 for i, (s, n) in enumerate(decode)]
+        if self.echo is not None:
+            rows = [dataclasses.replace(r, host_table=self.echo.host_table(r.seq_id),
+                                        host_len=0) for r in rows]
         rows += [self._row(s, n, len(decode) + i) for i, (s, n) in enumerate(prefill)]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
                                preempted=tuple(preempted), kv_plan=self.kv_cache.take_plan(),
@@ -798,6 +808,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         """
         self.kv_cache.defer_ops()
         try:
+            if self.echo is not None:
+                self.echo.observe(so.decode, out.page_reads)
             self._commit_step(so, out)
             return self.kv_cache.take_plan()
         finally:

@@ -46,7 +46,7 @@ BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16
 # A quantized codec or a retention policy changes the tokens: only their count is checked.
 PRESSES = {Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION}
 RETAINED = {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
-            Feature.QUEST, *PRESSES}
+            Feature.QUEST, Feature.ECHO, *PRESSES}
 APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, *RETAINED,
                Feature.CONTEXT_REUSE}
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
@@ -68,7 +68,7 @@ FAST = {
         (Feature.PAUSE, Feature.SWAP),
         (Feature.CONTROLLER, Feature.SWAP), (Feature.CONTROLLER, Feature.STREAMING),
         (Feature.EXPECTED_ATTENTION, Feature.INT8), (Feature.TOVA, Feature.SWAP),
-        (Feature.HOST_ROWS, Feature.SWAP),
+        (Feature.HOST_ROWS, Feature.SWAP), (Feature.ECHO, Feature.SWAP),
     )
 }
 
@@ -101,6 +101,8 @@ def config_for(features) -> dict:
         Feature.SNAPKV: dict(retention="snapkv", retention_budget=10,
                              retention_options=dict(window=3, kernel=3)),
         Feature.QUEST: dict(retention="quest", retention_budget=2 * P),
+        Feature.ECHO: dict(retention="quest", retention_budget=2 * P,
+                           retention_options=dict(echo_prefetch=0), num_host_pages=16),
         Feature.TOVA: dict(retention="tova", retention_budget=10),
         Feature.KNORM: dict(retention="knorm", retention_budget=10),
         Feature.EXPECTED_ATTENTION: dict(retention="expected_attention", retention_budget=10,

@@ -1,0 +1,174 @@
+"""Host-authoritative sparse KV (ECHO) on needle probes: prefetch recall and bytes moved per
+decode step, and the link time of those bytes on a simulated clock (`scripts/bench_echo.py`).
+
+For each probe (`kvjax.bench.retention.make_probe`: a needle prompt of `context` tokens) the
+plain Quest engine decodes `num_tokens` greedy tokens; then an ECHO engine per prefetch margin
+m (`retention_options echo_prefetch=m`, `kvjax.engine.echo`) decodes the same prompt. Every run
+records each decode step's exact selection (`StepOutput.page_reads`, every layer); ECHO's must
+equal plain Quest's at every step, and its tokens too (`selection_equal`, `tokens_equal`).
+
+Per ECHO run, means per decode step:
+  * recall: of the (layer, page) reads of full pages, the share whose page was already on the
+    device (the newest, partial page is always there and is not counted);
+  * device pages per sequence: Quest's budget plus m plus the page being written, against all
+    of the sequence's pages for plain Quest;
+  * bytes host -> device: misses (one layer of one page per miss, K and V) and prefetched
+    pages (every layer); the key summaries of every page stay in device memory (the host
+    pool's summary leaves live there: `summary_bytes_per_page` beside `kv_bytes_per_page`),
+    so the selection reads nothing over the link; bytes device -> host: pages copied to the host
+    pool as they fill during decoding (the prompt's pages, copied once at the first decode
+    step, are reported apart: `mirror_bytes_once`);
+  * on demand: the bytes if the device kept no page but the one being written and fetched
+    every selected full page's layer each step (plain Quest's reads, no residency);
+  * link ms (simulated): those bytes over each link of `kvjax.bench.host_attention.LINKS`
+    (per direction; the device -> host copy runs on the other direction, so the step waits
+    for the larger of the two), on a simulated clock: the bytes are counted here, the time is
+    the link model's, not a measurement (on this CPU host and device are one memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import kvjax
+from kvjax.bench import host_attention
+from kvjax.bench.retention import make_probe
+from kvjax.engine.runner import StepObserver
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoBench:
+    """Attributes:
+      context: prompt tokens per probe; depths: the needle's depth in each probe.
+      num_tokens: greedy tokens decoded per probe.
+      budget: Quest's read budget in tokens (budget / page_size pages per query).
+      dense_layers: Quest's dense layers (they read every page).
+      prefetch: the ECHO prefetch margins m compared.
+      page_size, chunk: pages and prefill chunk; seed: probe seed.
+    """
+
+    context: int = 2048
+    depths: tuple[float, ...] = (0.25, 0.75)
+    num_tokens: int = 32
+    budget: int = 256
+    dense_layers: int = 0
+    prefetch: tuple[int, ...] = (0, 4, 16)
+    page_size: int = 16
+    chunk: int = 512
+    seed: int = 0
+
+
+class _Reads(StepObserver):
+    """Each decode step's selection [L, W] of the one sequence, and how many of its table
+    entries were released (read from the host pool if selected)."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.steps: list[np.ndarray] = []
+        self.released: list[int] = []
+
+    def after_step(self, shape, host_input, out) -> None:
+        if out.page_reads is None:
+            return
+        self.steps.append(np.asarray(out.page_reads)[0])
+        host = host_input["host_tables"]
+        num_pages = -(-int(host_input["kv_lens"][0]) // self.page_size)
+        self.released.append(int((host[0, :num_pages] >= 0).sum()) if host.shape[0] else 0)
+
+
+def _engine(model, settings: EchoBench, max_len: int, prefetch: int | None) -> kvjax.Engine:
+    options = dict(dense_layers=settings.dense_layers)
+    if prefetch is not None:
+        options["echo_prefetch"] = prefetch
+    p = settings.page_size
+    config = kvjax.EngineConfig(
+        page_size=p, num_pages=-(-max_len // p) + 2, max_model_len=max_len + p,
+        max_num_seqs=1, max_prefill_seqs=1, max_prefill_chunk=settings.chunk,
+        min_chunk_bucket=settings.chunk, max_num_batched_tokens=settings.chunk,
+        enable_prefix_cache=False, retention="quest", retention_budget=settings.budget,
+        retention_options=options, attention_impl="reference",
+        num_host_pages=-(-max_len // p) + 2 if prefetch is not None else 0)
+    return kvjax.Engine(model, config)
+
+
+def _decode(engine: kvjax.Engine, prompt: list[int], num_tokens: int) -> dict:
+    reads = _Reads(engine.config.page_size)
+    engine.runner.observers.append(reads)
+    out = engine.generate([prompt], kvjax.SamplingParams(max_new_tokens=num_tokens,
+                                                         ignore_eos=True))[0]
+    keys = ("echo_selected_pages", "echo_resident_reads", "echo_pages_mirrored",
+            "echo_pages_prefetched", "echo_pages_released")
+    return dict(tokens=list(out.outputs[0].token_ids), reads=reads.steps,
+                released=reads.released, stats={k: engine.stats.get(k, 0) for k in keys})
+
+
+def _page_bytes(engine: kvjax.Engine, model) -> tuple[float, float]:
+    """(K and V bytes of one layer of one page, key-summary bytes of one layer of a page)."""
+    c = model.config
+    p = engine.config.page_size
+    layer_kv = engine.kv_bytes_per_token * p / c.num_layers
+    summary = 2 * c.num_kv_heads * c.head_dim * 4  # key_min, key_max float32
+    return layer_kv, summary
+
+
+def _full_page_reads(reads: list[np.ndarray], prompt_len: int, page_size: int) -> int:
+    """(layer, page) reads of full pages over the decode steps (step i writes token
+    prompt_len + i, whose page is not full)."""
+    return sum(int(r[:, :(prompt_len + i) // page_size].sum()) for i, r in enumerate(reads))
+
+
+def echo_row(run: dict, plain: dict, engine, model, settings: EchoBench, prefetch: int,
+             prompt_len: int) -> dict:
+    """One ECHO run's means per decode step against the plain Quest run of the same probe."""
+    c = model.config
+    p = settings.page_size
+    layer_kv, summary = _page_bytes(engine, model)
+    s = run["stats"]
+    steps = max(len(run["reads"]), 1)
+    misses = s["echo_selected_pages"] - s["echo_resident_reads"]
+    kept = settings.budget // p - 1 + prefetch
+    mirrored_once = prompt_len // p  # the prompt's full pages, copied at the first decode step
+    parts = dict(miss=misses * layer_kv,
+                 prefetch=s["echo_pages_prefetched"] * c.num_layers * layer_kv)
+    h2d = sum(parts.values()) / steps
+    d2h = (s["echo_pages_mirrored"] - mirrored_once) * c.num_layers * layer_kv / steps
+    row = dict(
+        prefetch=prefetch, decode_steps=len(run["reads"]),
+        selection_equal=len(run["reads"]) == len(plain["reads"]) and all(
+            np.array_equal(a, b) for a, b in zip(run["reads"], plain["reads"], strict=True)),
+        tokens_equal=run["tokens"] == plain["tokens"],
+        recall=s["echo_resident_reads"] / max(s["echo_selected_pages"], 1),
+        device_pages=kept + 2, all_pages=-(-(prompt_len + settings.num_tokens) // p),
+        released_per_step=sum(run["released"]) / steps,
+        misses_per_step=misses / steps,
+        prefetched_per_step=s["echo_pages_prefetched"] / steps,
+        **{f"h2d_{k}_bytes_per_step": v / steps for k, v in parts.items()},
+        h2d_bytes_per_step=h2d, d2h_bytes_per_step=d2h,
+        mirror_bytes_once=mirrored_once * c.num_layers * layer_kv,
+        summary_bytes_per_page=c.num_layers * summary, kv_bytes_per_page=c.num_layers * layer_kv,
+        on_demand_bytes_per_step=_full_page_reads(plain["reads"], prompt_len, p) * layer_kv
+        / steps)
+    for link, bandwidth in host_attention.LINKS.items():
+        row[f"link_ms_{link}"] = 1e3 * max(h2d, d2h) / bandwidth
+        row[f"on_demand_link_ms_{link}"] = 1e3 * row["on_demand_bytes_per_step"] / bandwidth
+    return row
+
+
+def run(model, settings: EchoBench, on_row=None) -> dict:
+    """Every probe: plain Quest, then ECHO per prefetch margin; rows keyed 'depth/m'."""
+    rows = {}
+    max_len = settings.context + settings.context // 10 + settings.num_tokens
+    for i, depth in enumerate(settings.depths):
+        prompt, _ = make_probe(model, settings.context, depth, settings.seed + i)
+        plain = _decode(_engine(model, settings, max_len, None), prompt, settings.num_tokens)
+        for m in settings.prefetch:
+            engine = _engine(model, settings, max_len, m)
+            row = echo_row(_decode(engine, prompt, settings.num_tokens), plain, engine, model,
+                           settings, m, len(prompt))
+            row.update(depth=depth, prompt_tokens=len(prompt))
+            rows[f"depth={depth} m={m}"] = row
+            if on_row is not None:
+                on_row(f"depth={depth} m={m}", row)
+    return dict(settings=dataclasses.asdict(settings), links=host_attention.LINKS, rows=rows)

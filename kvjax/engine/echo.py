@@ -1,0 +1,82 @@
+"""Host-authoritative sparse KV (ECHO): the device side of one step.
+
+With Quest's `echo_prefetch` option (`kvjax.kv.retention.Quest`) a decode row's every full page
+has a copy in the runner's host pool (`kvjax.engine.host_rows.HostPool`), and the device pool
+holds only the pages the scheduler keeps there: the ones the row's previous selection ranked
+highest (`kvjax.scheduler.echo`). Its device block table's other entries are RELEASED, and
+`StepInput.host_tables` [Bd, W] names, per entry, the host page to read (-1: the entry is
+resident, read the device page).
+
+In the step, each layer's exact Quest selection is computed on the summaries of all the
+row's pages, each read where it lies (`kvjax.kv.quest.echo_summaries`), and attention reads
+each selected page from the device pool when resident and from the host pool otherwise: a
+page that was not prefetched is fetched for this step, never skipped. The values are the
+same either way (the host copy was taken from the full page), so the selection and the
+tokens equal plain Quest's at every step. The selection of every layer goes back to the
+host (`StepOutput.page_reads`), where the scheduler plans the next step's residency from it
+and counts how many selected pages were already on the device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.kv import attention
+from kvjax.kv.state import KVState
+
+
+def echo_loader(kv: KVState, host_kv: KVState, layer: jax.Array, block_tables: jax.Array,
+                host_tables: jax.Array, kv_lens: jax.Array, seq_slots: jax.Array,
+                kv_floors: jax.Array):
+    """A page loader over table entries: entry j of row b from device page block_tables[b, j]
+    where host_tables[b, j] is -1 (resident), else from host page host_tables[b, j].
+
+    Returns fn(index [B, n] int32 table entries) -> K, V [B, n, P, K, D].
+    """
+    resident = host_tables < 0  # [B, W]
+    dev_tables, dev_load = kv.row_loader(layer, block_tables, kv_lens, seq_slots, kv_floors)
+    zeros = kv_lens * 0
+    host_tables, host_load = host_kv.row_loader(layer, jnp.maximum(host_tables, 0), kv_lens,
+                                                zeros, zeros)
+
+    def load(index):
+        on_device = jnp.take_along_axis(resident, index, axis=1)[:, :, None, None, None]
+        k_dev, v_dev = dev_load(jnp.take_along_axis(dev_tables, index, axis=1))
+        k_host, v_host = host_load(jnp.take_along_axis(host_tables, index, axis=1))
+        return (jnp.where(on_device, k_dev, k_host.astype(k_dev.dtype)),
+                jnp.where(on_device, v_dev, v_host.astype(v_dev.dtype)))  # [B, n, P, K, D]
+
+    return load
+
+
+def attend_echo(kv: KVState, host_kv: KVState, layer: jax.Array, q: jax.Array, inp,
+                num_decode: int, reads: tuple[jax.Array, jax.Array], *,
+                soft_cap: float | None, pages_per_block: int) -> jax.Array:
+    """Decode attention of host-authoritative rows over their selected pages.
+
+    q: [Bd, N, D] -> [Bd, N, D]; inp: the StepInput; reads: (indices [Bd, W] of the selected
+    table entries, their kv_lens [Bd]).
+    """
+    bd = num_decode
+    load = echo_loader(kv, host_kv, layer, inp.block_tables[:bd], inp.host_tables,
+                       inp.kv_lens[:bd], inp.seq_slots[:bd], inp.kv_floors[:bd])
+    out = attention.paged_attention_blockwise(
+        q[:, None], load, reads[0], reads[1], inp.q_lens[:bd],
+        pages_per_block=pages_per_block, soft_cap=soft_cap)  # [Bd, 1, N, D]
+    return out[:, 0]
+
+
+def every_page(block_tables: jax.Array, kv_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The reads of a row that reads every page: (indices [B, W] in table order, kv_lens)."""
+    b, w = block_tables.shape
+    return jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)), kv_lens
+
+
+def read_mask(reads: tuple[jax.Array, jax.Array], page_size: int, width: int) -> jax.Array:
+    """[B, W] bool: which table entries the reads (indices [B, W], kv_lens [B]) select."""
+    indices, lens = reads
+    num_selected = (lens + page_size - 1) // page_size  # [B]
+    valid = jnp.arange(indices.shape[1])[None, :] < num_selected[:, None]  # [B, W]
+    rows = jnp.arange(indices.shape[0])[:, None]
+    return jnp.zeros((indices.shape[0], width), bool).at[rows, indices].max(valid)

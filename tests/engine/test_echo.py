@@ -1,0 +1,105 @@
+"""Host-authoritative sparse KV (ECHO): the device keeps a budget of each decode row's pages,
+the host pool all of them; the exact Quest selection and the greedy tokens equal plain Quest's
+at every step, whatever the prefetch guessed, and the residency compiles nothing new."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvjax import EngineConfig, SamplingParams
+from kvjax.engine.engine import Engine
+from kvjax.engine.runner import StepObserver
+from kvjax.engine.step import AttentionImpl
+from kvjax.scheduler.echo import plan_residency
+from kvjax.testing import tiny_model
+
+P = 4
+ENGINE = dict(page_size=P, num_pages=40, max_num_seqs=2, max_num_batched_tokens=32,
+              max_prefill_chunk=32, min_chunk_bucket=32, max_prefill_seqs=1, max_model_len=64,
+              retention="quest", retention_budget=2 * P, attention_impl=AttentionImpl.REFERENCE)
+NUM_NEW = 10
+
+
+class _Selections(StepObserver):
+    """Each decode step's exact selection (`StepOutput.page_reads`), as the step made it."""
+
+    def __init__(self):
+        self.steps: list[np.ndarray] = []
+
+    def after_step(self, shape, buf, out) -> None:
+        if out.page_reads is not None:
+            self.steps.append(np.asarray(out.page_reads))
+
+
+def _serve(model, prompts, *, warm=False, config=(), **options):
+    engine = Engine(model, EngineConfig(**{**ENGINE, **dict(config)},
+                                        retention_options=dict(dense_layers=1, **options),
+                                        num_host_pages=32 if options else 0))
+    compiles = engine.warmup() if warm else None
+    seen = _Selections()
+    engine.runner.observers.append(seen)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NUM_NEW, ignore_eos=True))
+    assert not [o.error for o in outs if o.error]
+    if warm:
+        assert engine.num_compiles == compiles
+    assert engine.allocator.num_used_pages() == 0, "pages leaked"
+    host = engine.kv_cache.host_pool
+    assert host is None or host.num_free() == host.num_pages, "host pages leaked"
+    return [o.outputs[0].token_ids for o in outs], seen.steps, engine
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_echo_selection_and_tokens_equal_plain_quest_at_every_step(model):
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 120, size=n)] for n in (29, 22)]
+    want, want_reads, _ = _serve(model, prompts)
+    got, got_reads, engine = _serve(model, prompts, warm=True, echo_prefetch=0)
+    assert got == want
+    assert len(got_reads) == len(want_reads) >= NUM_NEW - 1
+    for step, (a, b) in enumerate(zip(got_reads, want_reads, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
+    stats = engine.stats
+    # The device kept a budget: pages left it, and the step read some from the host pool.
+    assert stats["echo_pages_released"] > 0 and stats["echo_pages_prefetched"] >= 0
+    assert 0 < stats["echo_resident_reads"] < stats["echo_selected_pages"]
+
+
+def test_residency_keeps_the_most_read_pages_newest_first():
+    votes = np.array([3, 0, 3, 1, 5, 9])
+    assert plan_residency(votes, 5, 2) == {4, 2}
+    assert plan_residency(votes, 5, 3) == {4, 2, 0}
+    assert plan_residency(None, 3, 1) == {0, 1, 2}  # nothing seen yet: every page stays
+
+
+@pytest.mark.parametrize("config", [
+    dict(kv_codec="int8", enable_prefix_cache=True),
+    dict(async_scheduling=False, max_num_seqs=3),
+])
+def test_echo_with_more_behaviours_matches_plain_quest(model, config):
+    """Prefetch margins 0 and 3 over int8 pages with the prefix cache (prompts sharing pages),
+    and synchronous scheduling with three rows; plain Quest of the same settings is the
+    oracle, step by step."""
+    shared = [int(t) for t in np.random.default_rng(1).integers(0, 120, size=16)]
+    prompts = [shared + [5, 41, 77, 3, 9], shared + [12, 50], [7, 3] * 12]
+    want, want_reads, _ = _serve(model, prompts, config=config)
+    for prefetch in (0, 3):
+        got, got_reads, engine = _serve(model, prompts, config=config, echo_prefetch=prefetch)
+        assert got == want
+        assert len(got_reads) == len(want_reads)
+        for a, b in zip(got_reads, want_reads, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert engine.stats["echo_pages_mirrored"] > 0
+
+
+def test_echo_settings_are_checked(model):
+    from kvjax.kv.retention import make_retention
+
+    with pytest.raises(ValueError, match="echo_prefetch must be None or an int >= 0, got -1"):
+        make_retention("quest", 2 * P, P, echo_prefetch=-1)
+    with pytest.raises(ValueError, match="num_host_pages must be > 0, got 0"):
+        Engine(model, EngineConfig(**ENGINE, retention_options=dict(echo_prefetch=2)))
