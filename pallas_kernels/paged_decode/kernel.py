@@ -429,6 +429,24 @@ def table_block_masks(row, block, scalar_refs, block_tokens: int
     return visible, token_column_mask(block, block_tokens, kv_len)
 
 
+def pages_head_fold(k: jax.Array, v: jax.Array, visible: jax.Array, in_seq_col: jax.Array, *,
+                    sm_scale: float, soft_cap: float | None) -> Callable:
+    """The `pipelined_decode_call` head fold over a block of float pages.
+
+    Args:
+      k, v: [S_blk, K, D] the block's pages; visible: [1, S_blk] keys the query sees;
+        in_seq_col: [S_blk, 1] slots holding a token (the values elsewhere are zeroed).
+    """
+    def head_fold(h, q_rows, carry):
+        row_max, row_sum, (acc,) = carry
+        v_h = jnp.where(in_seq_col, v[:, h], jnp.zeros((), v.dtype))  # [S_blk, D]
+        row_max, row_sum, acc = online_softmax_step(
+            q_rows[0], k[:, h], v_h, visible, (row_max, row_sum, acc), sm_scale=sm_scale,
+            soft_cap=soft_cap)
+        return row_max, row_sum, (acc,)
+    return head_fold
+
+
 def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_block: int,
                       num_splits: int, sm_scale: float, soft_cap: float | None,
                       windows: jax.Array | None, interpret: bool):
@@ -437,17 +455,9 @@ def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_b
     pmax = block_tables.shape[1]
 
     def fold_block(row, block, scalar_refs, blocks):
-        k, v = blocks  # [S_blk, K, D]
         visible, in_seq_col = table_block_masks(row, block, scalar_refs, pages_per_block * p)
-
-        def head_fold(h, q_rows, carry):
-            row_max, row_sum, (acc,) = carry
-            v_h = jnp.where(in_seq_col, v[:, h], jnp.zeros((), v.dtype))  # [S_blk, D]
-            row_max, row_sum, acc = online_softmax_step(
-                q_rows[0], k[:, h], v_h, visible, (row_max, row_sum, acc), sm_scale=sm_scale,
-                soft_cap=soft_cap)
-            return row_max, row_sum, (acc,)
-        return head_fold
+        return pages_head_fold(*blocks, visible, in_seq_col, sm_scale=sm_scale,
+                               soft_cap=soft_cap)
 
     block_range, page_of = table_walk(page_size=p, pages_per_block=pages_per_block,
                                       num_splits=num_splits, width=pmax)

@@ -45,6 +45,7 @@ from pallas_kernels.paged_decode.kernel import (
     max_block_tokens,
     online_softmax_step,
     padded_group,
+    pages_head_fold,
     pipelined_decode_call,
     split_block_range,
 )
@@ -126,19 +127,10 @@ def _pipelined_sparse(q, k_pages, v_pages, block_tables, kv_lens, page_indices, 
 
     def fold_block(row, block, scalar_refs, blocks):
         sel_ref, _, lens_ref = scalar_refs
-        k, v = blocks  # [S_blk, K, D]
         kv_len = lens_ref[row]
         live = positions(row, block, sel_ref, lens_ref, (1, block_tokens), 1) < kv_len
         live_col = positions(row, block, sel_ref, lens_ref, (block_tokens, 1), 0) < kv_len
-
-        def head_fold(h, q_rows, carry):
-            row_max, row_sum, (acc,) = carry
-            v_h = jnp.where(live_col, v[:, h], jnp.zeros((), v.dtype))  # [S_blk, D]
-            row_max, row_sum, acc = online_softmax_step(
-                q_rows[0], k[:, h], v_h, live, (row_max, row_sum, acc), sm_scale=sm_scale,
-                soft_cap=soft_cap)
-            return row_max, row_sum, (acc,)
-        return head_fold
+        return pages_head_fold(*blocks, live, live_col, sm_scale=sm_scale, soft_cap=soft_cap)
 
     scalars = [page_indices.astype(jnp.int32).reshape(-1), block_tables.reshape(-1),
                kv_lens.astype(jnp.int32)]

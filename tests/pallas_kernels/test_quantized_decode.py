@@ -104,12 +104,16 @@ def test_other_codecs_page_16(codec_name):
 
 
 @pytest.mark.timeout(120)
-def test_soft_cap_sliding_window_and_split_k():
-    codec = CODECS["int8"]
+@pytest.mark.parametrize("schedule,codec_name", [(Schedule.LOOPED, "int8"),
+                                                 (Schedule.PIPELINED, "int4")],
+                         ids=["looped-int8", "pipelined-int4"])
+def test_soft_cap_sliding_window_and_split_k(schedule, codec_name):
+    codec = CODECS[codec_name]
     case, _ = make_case(5, [1, 29, 6, 0, 97], codec, page_size=4, num_kv_heads=2, group=2,
                         head_dim=64, dtype=jnp.float32)
     check_against_reference(case, codec, jnp.float32, soft_cap=3.0, sliding_window=9,
-                            pages_per_compute_block=block_pages(4, 2), num_splits=3)
+                            pages_per_compute_block=block_pages(4, 2), num_splits=3,
+                            schedule=runnable(schedule))
 
 
 @pytest.mark.timeout(120)
@@ -136,16 +140,6 @@ def test_pipelined_matches_dequantized_reference(codec_name, dtype):
     case, _ = make_case(len(codec_name), lengths(4), codec, page_size=4, num_kv_heads=2,
                         group=3, head_dim=64, dtype=dtype)
     check_against_reference(case, codec, dtype, pages_per_compute_block=2, num_splits=2,
-                            schedule=runnable(Schedule.PIPELINED))
-
-
-@pytest.mark.timeout(120)
-def test_pipelined_soft_cap_and_sliding_window():
-    codec = CODECS["int4"]
-    case, _ = make_case(5, [1, 29, 6, 0, 97], codec, page_size=4, num_kv_heads=2, group=2,
-                        head_dim=64, dtype=jnp.float32)
-    check_against_reference(case, codec, jnp.float32, soft_cap=3.0, sliding_window=9,
-                            pages_per_compute_block=2, num_splits=3,
                             schedule=runnable(Schedule.PIPELINED))
 
 
