@@ -18,12 +18,11 @@ read a KV state the engine holds, and `layer_attention_fns(kv, layer)` binds the
                                           selection to the sparse_decode kernel
 
 Each kernel runs compiled on GPU (Triton schedule), except fp8 codes on GPUs below sm_89 (no
-float8 conversions: ValueError); the paged and prefill kernels also on TPU (Mosaic schedule),
-while the quantized and sparse kernels have no TPU schedule and raise ValueError there. "GPU"
-and "TPU" are the target being compiled for (`targets.current_platform`): the abstract mesh's
-device in a deviceless compile, else the backend. On a CPU backend every kernel runs through
-the Pallas interpreter, which is slow but computes the same values, so `attention_impl=pallas`
-works everywhere.
+float8 conversions: ValueError), and on TPU (Mosaic schedule), every codec of the table
+included (the TPU kernel decodes float8 from its bytes). "GPU" and "TPU" are the target being
+compiled for (`targets.current_platform`): the abstract mesh's device in a deviceless compile,
+else the backend. On a CPU backend every kernel runs through the Pallas interpreter, which is
+slow but computes the same values, so `attention_impl=pallas` works everywhere.
 """
 
 from __future__ import annotations
@@ -100,24 +99,6 @@ def attention_fns() -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]
     return decode_fn, prefill_fn
 
 
-def _gpu_only_reason(what: str) -> str | None:
-    if targets.current_platform() == "tpu":
-        return (f"attention_impl=pallas: the {what} kernel has a GPU (Triton) schedule only, "
-                "none for TPU; use attention_impl=reference there")
-    return None
-
-
-def _check_gpu_only(what: str) -> None:
-    reason = _gpu_only_reason(what)
-    if reason is not None:
-        raise ValueError(reason)
-
-
-def sparse_unsupported_reason() -> str | None:
-    """Why `quest_sparse_decode` cannot run on this target, or None."""
-    return _gpu_only_reason("sparse decode")
-
-
 def _quantized_codecs(kv: QuantizedPagedKV) -> tuple[Any, Any]:
     """(key codec, value codec) of a quantized state; ValueError when no kernel reads them."""
     k_codec, v_codec = kv.codec, kv.value_codec  # Separate only for calibrated fp8.
@@ -147,10 +128,7 @@ def _quantized_reason(kv: QuantizedPagedKV) -> str | None:
         codec, _ = _quantized_codecs(kv)
     except ValueError as e:
         return str(e)
-    reason = _gpu_only_reason("quantized decode")
-    if reason is None and targets.current_platform() == "gpu":
-        reason = fp8_gpu_reason(codec)
-    return reason
+    return fp8_gpu_reason(codec) if targets.current_platform() == "gpu" else None
 
 
 def fp8_gpu_reason(codec: Any) -> str | None:
@@ -280,7 +258,6 @@ def quest_sparse_decode(kv: quest.QuestKV, layer: jax.Array, q: jax.Array,
     if _kernels_of(kv.base) is not _FLOAT_PAGES:
         raise ValueError(f"quest_sparse_decode reads float pages; the base state is a "
                          f"{type(kv.base).__name__} (use narrowed tables with its decode kernel)")
-    _check_gpu_only("sparse decode")
     num_read = min(num_read, block_tables.shape[1])
     key_min = kv.key_min[layer][block_tables]  # [B, W, K, D]
     key_max = kv.key_max[layer][block_tables]

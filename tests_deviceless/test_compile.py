@@ -21,10 +21,6 @@ from pallas_kernels.quantized_decode.kernel import quantized_decode_attention
 
 # (program prefix, target) -> a phrase of the refusal the dispatch gives.
 EXPECTED_REFUSALS = {
-    ("quantized_decode", "v5e"): "GPU (Triton) schedule only",
-    ("quantized_decode", "v6e"): "GPU (Triton) schedule only",
-    ("sparse_decode", "v5e"): "GPU (Triton) schedule only",
-    ("sparse_decode", "v6e"): "GPU (Triton) schedule only",
     ("quantized_decode_fp8", "a100"): "compute capability 8.9",
 }
 

@@ -250,8 +250,6 @@ def _kernel_refusal(case: Case) -> str | None:
             _quantized_state, codec_name=case.program.removeprefix("quantized_decode_"),
             shape=SHAPES[case.shape]))
         return dispatch.unsupported_reason(kv)
-    if case.program == "sparse_decode":
-        return dispatch.sparse_unsupported_reason()
     return None
 
 

@@ -23,9 +23,9 @@ Where the bytes and FLOPs come from, and what XLA's `compiled.cost_analysis()` d
 
     bytes = xla(1 layer) + (L - 1) * xla(1 layer, vocab 128) + L * kernel K/V bytes
 
-  The quantized kernels have no TPU schedule (the dispatch refuses them), so quantized points
-  on TPU compile the step with the blockwise jnp attention (`attention_impl=reference`),
-  whose page reads XLA does count; no kernel bytes are added there.
+  A point whose KV state the dispatch refuses on the target compiles the step with the
+  blockwise jnp attention (`attention_impl=reference`), whose page reads XLA does count; no
+  kernel bytes are added there.
 - GPU (the CUDA plugin's compile-only client): `cost_analysis()` returns nothing in this
   jax. The step still compiles (proving the shapes build), but its bytes and FLOPs are the
   independent arithmetic of `roofline.decode_step_cost` (every weight once, every live

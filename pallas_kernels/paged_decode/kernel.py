@@ -278,108 +278,197 @@ def token_column_mask(block: jax.Array, block_tokens: int, kv_len: jax.Array) ->
     return pos < kv_len
 
 
-def _pipelined_decode_kernel(bt_ref, lens_ref, *refs, pages_per_block: int,
-                             page_size: int, num_splits: int, sm_scale: float,
-                             soft_cap: float | None, windowed: bool):
-    """One (row, split, step) grid point: fold a block of pages for all K kv heads."""
-    b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    sliding_window, refs = pop_window(refs, windowed, b)
-    q_ref, *refs = refs
-    k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block:2 * pages_per_block]
-    o_ref, m_ref, l_ref, m_sc, l_sc, acc_sc = refs[2 * pages_per_block:]
-    block_tokens = pages_per_block * page_size
-    kv_len = lens_ref[b]
-    lo, hi = split_block_range(kv_len, split, block_tokens=block_tokens,
-                                num_splits=num_splits, sliding_window=sliding_window)
+def pipelined_decode_call(fold_block: Callable, *, scalars: list[jax.Array],
+                          queries: list[jax.Array], pools: list[jax.Array],
+                          block_range: Callable, page_of: Callable, pages_per_block: int,
+                          widths: tuple[int, ...], num_splits: int, steps: int,
+                          interpret: bool, name: str) -> tuple[jax.Array, ...]:
+    """A decode kernel on the PIPELINED (TPU) schedule: grid (B, splits, steps), the last axis
+    sequential, the softmax state of all K kv heads in VMEM scratch.
+
+    Each page of a compute block is one BlockSpec per pool whose index map reads the page
+    number from SMEM, so the pipeline DMAs exactly the block's pages (all K kv heads of a page:
+    a single-head block would have a second-minor dim of 1, which Mosaic does not tile) and
+    double-buffers them; past a split's end it repeats the last live block's pages, which the
+    pipeline does not fetch again.
+
+    Args:
+      fold_block: (row, block, scalar_refs, blocks) -> head_fold, where blocks holds each
+        pool's pages of the block concatenated, [S_blk, K, ...], and head_fold(h, q_rows,
+        carry) -> carry folds them into kv head h's softmax state: q_rows one [G, D_i] per
+        query, carry (max [G, 1], sum [G, 1], a tuple of unnormalised outputs [G, w]).
+      scalars: int32 arrays scalar-prefetched into SMEM (flat block tables, lengths, ...).
+      queries: [B, N, D_i] each.
+      pools: [num_pages, P, K, ...] each (pages, codes, scales).
+      block_range: (row, split, *scalar_refs) -> compute blocks [lo, hi) of the split.
+      page_of: (row, block, i, *scalar_refs) -> page number of page i of a live block.
+      widths: the width of each unnormalised output.
+    Returns:
+      One partial output [B, splits, K, G, w] per width, then softmax max and sum
+      [B, splits, K, G, 1].
+    """
+    b, n = queries[0].shape[:2]
+    k_heads = pools[0].shape[2]
+    g = n // k_heads
+
+    def page_map(i, ndim):
+        def index_map(row, split, step, *scalar_refs):
+            lo, hi = block_range(row, split, *scalar_refs)
+            block = jnp.minimum(lo + step, jnp.maximum(hi - 1, 0))
+            return (page_of(row, block, i, *scalar_refs),) + (0,) * (ndim - 1)
+        return index_map
+
+    page_specs = []
+    for pool in pools:
+        page_specs += [pl.BlockSpec((pl.squeezed, *pool.shape[1:]), page_map(i, pool.ndim))
+                       for i in range(pages_per_block)]
+    part_map = lambda row, split, step, *_: (row, split, 0, 0, 0)
+    part_specs = [pl.BlockSpec((pl.squeezed, pl.squeezed, k_heads, g, w), part_map)
+                  for w in (*widths, 1, 1)]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars),
+        grid=(b, num_splits, steps),
+        in_specs=[*[pl.BlockSpec((pl.squeezed, n, x.shape[2]), lambda row, *_: (row, 0, 0))
+                    for x in queries], *page_specs],
+        out_specs=part_specs,
+        scratch_shapes=[pltpu.VMEM((k_heads, g, w), jnp.float32) for w in (1, 1, *widths)],
+    )
+    kernel = functools.partial(
+        _pipelined_decode_kernel, fold_block=fold_block, block_range=block_range,
+        num_scalars=len(scalars), num_queries=len(queries), num_pools=len(pools),
+        pages_per_block=pages_per_block, num_outputs=len(widths))
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((b, num_splits, k_heads, g, w), jnp.float32)
+                   for w in (*widths, 1, 1)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name=name,
+    )(*scalars, *queries, *[pool for pool in pools for _ in range(pages_per_block)])
+
+
+def _pipelined_decode_kernel(*refs, fold_block: Callable, block_range: Callable,
+                             num_scalars: int, num_queries: int, num_pools: int,
+                             pages_per_block: int, num_outputs: int):
+    """One (row, split, step) grid point of `pipelined_decode_call`: fold a block of pages
+    for all K kv heads."""
+    row, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    scalar_refs, refs = refs[:num_scalars], refs[num_scalars:]
+    q_refs, refs = refs[:num_queries], refs[num_queries:]
+    num_pages = num_pools * pages_per_block
+    page_refs, refs = refs[:num_pages], refs[num_pages:]
+    o_refs, (m_ref, l_ref), refs = refs[:num_outputs], refs[num_outputs:num_outputs + 2], \
+        refs[num_outputs + 2:]
+    m_sc, l_sc, *acc_scs = refs
+    num_kv_heads, group = m_sc.shape[:2]
+    lo, hi = block_range(row, split, *scalar_refs)
     block = lo + step
-    num_kv_heads = m_sc.shape[0]
-    group = m_sc.shape[1]
 
     @pl.when(step == 0)
     def _init():
         m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        for acc_sc in acc_scs:
+            acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
     @pl.when(block < hi)
     def _fold():
-        k = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [S_blk, K, D]
-        v = jnp.concatenate([r[...] for r in v_refs], axis=0)
-        pos = block * block_tokens + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-        _, visible = decode_visible(pos, kv_len, sliding_window)  # [1, S_blk]
-        in_seq_col = token_column_mask(block, block_tokens, kv_len)  # [S_blk, 1]
-        q = q_ref[...]  # [N, D]
+        blocks = [jnp.concatenate([r[...] for r in page_refs[j:j + pages_per_block]], axis=0)
+                  for j in range(0, num_pages, pages_per_block)]  # each [S_blk, K, ...]
+        head_fold = fold_block(row, block, scalar_refs, blocks)
+        qs = [r[...] for r in q_refs]  # each [N, D_i]
         for h in range(num_kv_heads):
-            carry = (m_sc[h], l_sc[h], acc_sc[h])
-            v_h = jnp.where(in_seq_col, v[:, h], jnp.zeros((), v.dtype))  # [S_blk, D]
-            row_max, row_sum, acc = online_softmax_step(
-                q[h * group:(h + 1) * group], k[:, h], v_h, visible, carry,
-                sm_scale=sm_scale, soft_cap=soft_cap)
-            m_sc[h], l_sc[h], acc_sc[h] = row_max, row_sum, acc
+            carry = (m_sc[h], l_sc[h], tuple(acc_sc[h] for acc_sc in acc_scs))
+            row_max, row_sum, accs = head_fold(
+                h, [q[h * group:(h + 1) * group] for q in qs], carry)
+            m_sc[h], l_sc[h] = row_max, row_sum
+            for acc_sc, acc in zip(acc_scs, accs, strict=True):
+                acc_sc[h] = acc
 
     @pl.when(step == pl.num_programs(2) - 1)
     def _emit():
-        o_ref[...] = acc_sc[...]
+        for o_ref, acc_sc in zip(o_refs, acc_scs, strict=True):
+            o_ref[...] = acc_sc[...]
         m_ref[...] = m_sc[...]
         l_ref[...] = l_sc[...]
+
+
+def table_walk(*, page_size: int, pages_per_block: int, num_splits: int, width: int
+               ) -> tuple[Callable, Callable]:
+    """(block_range, page_of) of `pipelined_decode_call` walking a row's block table.
+
+    The scalars are (block_tables flattened [B * width], kv_lens [B], and optionally the
+    per-row windows [B]); past the row's last page, page_of repeats it, so the pipeline does
+    not fetch it again.
+    """
+    block_tokens = pages_per_block * page_size
+
+    def block_range(row, split, bt_ref, lens_ref, *win_ref):
+        return split_block_range(lens_ref[row], split, block_tokens=block_tokens,
+                                 num_splits=num_splits,
+                                 sliding_window=win_ref[0][row] if win_ref else None)
+
+    def page_of(row, block, i, bt_ref, lens_ref, *_):
+        last = jnp.maximum((lens_ref[row] - 1) // page_size, 0)
+        return bt_ref[row * width + jnp.minimum(block * pages_per_block + i, last)]
+
+    return block_range, page_of
+
+
+def table_block_masks(row, block, scalar_refs, block_tokens: int
+                      ) -> tuple[jax.Array, jax.Array]:
+    """(visible [1, S_blk], in_seq [S_blk, 1]) of a compute block under `table_walk`'s
+    scalars: which keys the row's query sees (lane-major, for the logits), which slots hold a
+    token (sublane-major, to zero the values)."""
+    _, lens_ref, *win_ref = scalar_refs
+    kv_len = lens_ref[row]
+    pos = block * block_tokens + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+    _, visible = decode_visible(pos, kv_len, win_ref[0][row] if win_ref else None)
+    return visible, token_column_mask(block, block_tokens, kv_len)
+
+
+def pages_head_fold(k: jax.Array, v: jax.Array, visible: jax.Array, in_seq_col: jax.Array, *,
+                    sm_scale: float, soft_cap: float | None) -> Callable:
+    """The `pipelined_decode_call` head fold over a block of float pages.
+
+    Args:
+      k, v: [S_blk, K, D] the block's pages; visible: [1, S_blk] keys the query sees;
+        in_seq_col: [S_blk, 1] slots holding a token (the values elsewhere are zeroed).
+    """
+    def head_fold(h, q_rows, carry):
+        row_max, row_sum, (acc,) = carry
+        v_h = jnp.where(in_seq_col, v[:, h], jnp.zeros((), v.dtype))  # [S_blk, D]
+        row_max, row_sum, acc = online_softmax_step(
+            q_rows[0], k[:, h], v_h, visible, (row_max, row_sum, acc), sm_scale=sm_scale,
+            soft_cap=soft_cap)
+        return row_max, row_sum, (acc,)
+    return head_fold
 
 
 def _pipelined_decode(q, k_pages, v_pages, block_tables, kv_lens, *, pages_per_block: int,
                       num_splits: int, sm_scale: float, soft_cap: float | None,
                       windows: jax.Array | None, interpret: bool):
     """Partials [B, splits, K, G, D] (and max, sum [B, splits, K, G, 1]) on the TPU schedule."""
-    b, n, d = q.shape
-    _, p, k_heads, _ = k_pages.shape
-    g = n // k_heads
+    p = k_pages.shape[1]
     pmax = block_tables.shape[1]
-    block_tokens = pages_per_block * p
-    steps = pl.cdiv(pl.cdiv(pmax, pages_per_block), num_splits)
+
+    def fold_block(row, block, scalar_refs, blocks):
+        visible, in_seq_col = table_block_masks(row, block, scalar_refs, pages_per_block * p)
+        return pages_head_fold(*blocks, visible, in_seq_col, sm_scale=sm_scale,
+                               soft_cap=soft_cap)
+
+    block_range, page_of = table_walk(page_size=p, pages_per_block=pages_per_block,
+                                      num_splits=num_splits, width=pmax)
     # SMEM pads 2D arrays to (8, 128) words per row group; a flat table packs densely.
-    bt_flat = block_tables.reshape(-1)
-
-    def page_map(i):
-        def index_map(row, split, step, bt_ref, lens_ref, *win_ref):
-            kv_len = lens_ref[row]
-            lo, hi = split_block_range(kv_len, split, block_tokens=block_tokens,
-                                       num_splits=num_splits,
-                                       sliding_window=win_ref[0][row] if win_ref else None)
-            block = jnp.minimum(lo + step, jnp.maximum(hi - 1, 0))
-            slot = jnp.minimum(block * pages_per_block + i, jnp.maximum((kv_len - 1) // p, 0))
-            return bt_ref[row * pmax + slot], 0, 0, 0
-        return index_map
-
-    page_specs = [pl.BlockSpec((pl.squeezed, p, k_heads, d), page_map(i))
-                  for i in range(pages_per_block)]
-    part_map = lambda row, split, step, *_: (row, split, 0, 0, 0)
-    scalars = [bt_flat, kv_lens.astype(jnp.int32)] + ([] if windows is None else [windows])
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(scalars),
-        grid=(b, num_splits, steps),
-        in_specs=[pl.BlockSpec((pl.squeezed, n, d), lambda row, *_: (row, 0, 0)),
-                  *page_specs, *page_specs],
-        out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, k_heads, g, d), part_map),
-                   pl.BlockSpec((pl.squeezed, pl.squeezed, k_heads, g, 1), part_map),
-                   pl.BlockSpec((pl.squeezed, pl.squeezed, k_heads, g, 1), part_map)],
-        scratch_shapes=[pltpu.VMEM((k_heads, g, 1), jnp.float32),
-                        pltpu.VMEM((k_heads, g, 1), jnp.float32),
-                        pltpu.VMEM((k_heads, g, d), jnp.float32)],
-    )
-    kernel = functools.partial(
-        _pipelined_decode_kernel, pages_per_block=pages_per_block, page_size=p,
-        num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap,
-        windowed=windows is not None)
-    stat_shape = jax.ShapeDtypeStruct((b, num_splits, k_heads, g, 1), jnp.float32)
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((b, num_splits, k_heads, g, d), jnp.float32),
-                   stat_shape, stat_shape],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-        name="paged_decode_pipelined",
-    )(*scalars, q,
-      *([k_pages] * pages_per_block), *([v_pages] * pages_per_block))
+    scalars = [block_tables.reshape(-1), kv_lens.astype(jnp.int32)]
+    return pipelined_decode_call(
+        fold_block, scalars=scalars + ([] if windows is None else [windows]), queries=[q],
+        pools=[k_pages, v_pages], block_range=block_range, page_of=page_of,
+        pages_per_block=pages_per_block, widths=(q.shape[2],), num_splits=num_splits,
+        steps=pl.cdiv(pl.cdiv(pmax, pages_per_block), num_splits), interpret=interpret,
+        name="paged_decode_pipelined")
 
 
 def fold_split(o_ref, m_ref, l_ref, *, lo: jax.Array, hi: jax.Array, fold: Callable,

@@ -32,15 +32,15 @@ Softmax state and accumulation are float32 (`paged_decode.kernel.fold_logits`). 
 past kv_lens, whose codes or metadata may hold anything (NaN scales included), are masked in
 the logits and zeroed (codes and scales) before the value matmul.
 
-Schedule: the LOOPED (GPU, Pallas Triton) schedule of `paged_decode`: grid (B, K, splits), each
-program gathers a compute block's pages through the block table. It also runs in interpret
-mode. There is no TPU (Mosaic) variant yet: on TPU `dispatch` refuses quantized pools with a
-ValueError rather than running a schedule that has never lowered there.
+Schedules (`paged_decode.Schedule`, default per backend): LOOPED (GPU, Pallas Triton), grid
+(B, K, splits), each program gathering a compute block's pages through the block table, with
+the scales factored out of the matmuls as above; PIPELINED (TPU, Mosaic), `pipelined.py`:
+`paged_decode`'s scalar-prefetch pipeline over code and metadata pages, dequantizing in VMEM
+in the layouts Mosaic tiles. Both also run in interpret mode.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 
 import jax
@@ -52,11 +52,13 @@ from jax.experimental import pallas as pl
 from kvjax.kv import codecs
 from pallas_kernels import targets
 from pallas_kernels.paged_decode.kernel import (
+    Schedule,
     cap_logits,
     check_paged_args,
     check_triton_block,
     decode_blocking,
     decode_visible,
+    default_schedule,
     finish_decode,
     fold_logits,
     fold_split,
@@ -69,14 +71,8 @@ from pallas_kernels.paged_decode.kernel import (
     split_block_range,
     window_rows,
 )
-
-
-class CodeFormat(enum.Enum):
-    """How the kernel reads a codec's storage."""
-
-    INT8 = "int8"  # int8 codes, one scale per token per kv head.
-    FP8 = "fp8"  # float8 codes, one scale per token per kv head (dynamic scaling).
-    PACKED = "packed"  # 4- or 2-bit codes packed in bytes, scale and zero per channel group.
+from pallas_kernels.quantized_decode import pipelined
+from pallas_kernels.quantized_decode.formats import CodeFormat
 
 
 def code_format(codec: codecs.KVCodec) -> CodeFormat:
@@ -209,6 +205,35 @@ def _quantized_decode_kernel(bt_ref, len_ref, *refs, fmt: CodeFormat, phases: in
                widths=(width,) * phases)
 
 
+
+def _looped_partials(q, pools, block_tables, kv_lens, *, fmt: CodeFormat, codec, gp: int,
+                     phases: int, bits: int, group: int, fp8_dtype, pages_per_block: int,
+                     num_splits: int, sm_scale: float, soft_cap: float | None,
+                     windows: jax.Array | None, interpret: bool):
+    """Partials [B, splits, K, Gp, D] (phase-major) and max, sum on the GPU schedule."""
+    d = q.shape[2]
+    p, k_heads = pools[0].shape[1:3]
+    if not interpret and fmt is CodeFormat.FP8 and targets.current_platform() == "gpu":
+        # Refused here: below sm_89 the compiler aborts the process instead of failing.
+        reason = targets.fp8_unsupported_reason(targets.current_gpu())
+        if reason is not None:
+            raise ValueError(f"codec {codec.name!r}: {reason}")
+    if not interpret:
+        check_triton_block(rows=gp, head_dim=d // phases, pages_per_block=pages_per_block,
+                           page_size=p)
+    qg = grouped_queries(q, k_heads, gp)  # [B, K, Gp, D]
+    kernel = functools.partial(
+        _quantized_decode_kernel, fmt=fmt, phases=phases, bits=bits, group=group,
+        fp8_dtype=fp8_dtype, pages_per_block=pages_per_block, page_size=p,
+        num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap,
+        windowed=windows is not None)
+    return looped_decode_call(
+        kernel, tables=[block_tables], kv_lens=kv_lens,
+        queries=[qg[..., i::phases] for i in range(phases)],  # channel phases, [B, K, Gp, D/c]
+        pools=pools, out_dim=d, num_splits=num_splits, interpret=interpret,
+        name=f"quantized_decode_{fmt.value}", windows=windows)
+
+
 def quantized_decode_attention(
     q: jax.Array,
     k_stored: dict[str, jax.Array],
@@ -222,6 +247,7 @@ def quantized_decode_attention(
     sliding_window: int | jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
+    schedule: Schedule | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention over quantized pages: query b sits at position kv_lens[b] - 1.
@@ -235,6 +261,7 @@ def quantized_decode_attention(
       sm_scale, soft_cap, sliding_window: as `paged_decode.paged_decode_attention`.
       pages_per_compute_block: pages dequantized and folded per step (about 128 tokens).
       num_splits: split-K partitions of each sequence's live blocks (default per backend).
+      schedule: PIPELINED (TPU) or LOOPED (GPU); default per backend.
       interpret: run through the Pallas interpreter (any backend, CPU included).
     Returns:
       [B, N, D] in q's dtype.
@@ -253,41 +280,39 @@ def quantized_decode_attention(
     b, n, d = q.shape
     _, p, k_heads, _ = shape
     phases = _phases(fmt, codec)
+    if fmt is CodeFormat.PACKED and codec.group % phases:
+        raise ValueError(f"codec {codec.name!r}: group {codec.group} is not a multiple of the "
+                         f"{phases} codes per byte")
+    schedule = default_schedule() if schedule is None else schedule
+    pipelined_schedule = schedule is Schedule.PIPELINED
+    gp = n // k_heads if pipelined_schedule else padded_group(n // k_heads, interpret)
     # The codes are dequantized to the compute dtype in shared memory: size blocks by it.
     block_tables, pages_per_block, num_splits = decode_blocking(
         block_tables, batch=b, num_kv_heads=k_heads, page_size=p,
         pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
         max_block_tokens=max_block_tokens(
-            rows=padded_group(n // k_heads, interpret), head_dim=d,
-            dtype=jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32,
-            interpret=interpret))
-    gp = padded_group(n // k_heads, interpret)
-    if not interpret and fmt is CodeFormat.FP8 and targets.current_platform() == "gpu":
-        # Refused here: below sm_89 the compiler aborts the process instead of failing.
-        reason = targets.fp8_unsupported_reason(targets.current_gpu())
-        if reason is not None:
-            raise ValueError(f"codec {codec.name!r}: {reason}")
-    if not interpret:
-        check_triton_block(rows=gp, head_dim=d // phases, pages_per_block=pages_per_block,
-                           page_size=p)
-    if fmt is CodeFormat.PACKED and codec.group % phases:
-        raise ValueError(f"codec {codec.name!r}: group {codec.group} is not a multiple of the "
-                         f"{phases} codes per byte")
-    qg = grouped_queries(q, k_heads, gp)  # [B, K, Gp, D]
-    queries = [qg[..., i::phases] for i in range(phases)]  # channel phases, [B, K, Gp, D/c]
+            rows=gp, head_dim=d, dtype=jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32,
+            interpret=interpret or pipelined_schedule))
     names = storage_names(fmt)
-    kernel = functools.partial(
-        _quantized_decode_kernel, fmt=fmt, phases=phases,
-        bits=getattr(codec, "bits", 8), group=getattr(codec, "group", d),
-        fp8_dtype=codec.fmt.dtype if fmt is CodeFormat.FP8 else None,
-        pages_per_block=pages_per_block, page_size=p, num_splits=num_splits,
-        sm_scale=1.0 / np.sqrt(d) if sm_scale is None else sm_scale, soft_cap=soft_cap,
-        windowed=sliding_window is not None)
-    acc, row_max, row_sum = looped_decode_call(
-        kernel, tables=[block_tables], kv_lens=kv_lens, queries=queries,
-        pools=[k_stored[x] for x in names] + [v_stored[x] for x in names], out_dim=d,
-        num_splits=num_splits, interpret=interpret, name=f"quantized_decode_{fmt.value}",
-        windows=window_rows(sliding_window, b))
+    pools = [k_stored[x] for x in names] + [v_stored[x] for x in names]
+    options = dict(bits=getattr(codec, "bits", 8), group=getattr(codec, "group", d),
+                   fp8_dtype=codec.fmt.dtype if fmt is CodeFormat.FP8 else None,
+                   pages_per_block=pages_per_block, num_splits=num_splits,
+                   sm_scale=1.0 / np.sqrt(d) if sm_scale is None else sm_scale,
+                   soft_cap=soft_cap)
+    if pipelined_schedule:
+        if fmt is CodeFormat.FP8:  # The TPU kernel decodes float8 from its bytes.
+            pools = [lax.bitcast_convert_type(x, jnp.uint8) if x.dtype == options["fp8_dtype"]
+                     else x for x in pools]
+        *accs, row_max, row_sum = pipelined.pipelined_partials(
+            [q[..., i::phases] for i in range(phases)], pools[:len(names)],
+            pools[len(names):], block_tables, kv_lens, fmt=fmt,
+            windows=window_rows(sliding_window, b), interpret=interpret, **options)
+        acc = jnp.concatenate(accs, axis=-1)  # [B, splits, K, G, D], phase-major
+    else:
+        acc, row_max, row_sum = _looped_partials(
+            q, pools, block_tables, kv_lens, fmt=fmt, codec=codec, gp=gp, phases=phases,
+            windows=window_rows(sliding_window, b), interpret=interpret, **options)
     # Phase-major [.., c, D/c] back to channel order [.., D / c, c].
     acc = acc.reshape(*acc.shape[:-1], phases, d // phases)
     acc = jnp.swapaxes(acc, -1, -2).reshape(*acc.shape[:-2], d)

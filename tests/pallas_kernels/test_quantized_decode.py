@@ -12,16 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kv_cases import INTERPRET, TOLERANCES, block_pages, max_abs_error, paged_layout
+from kv_cases import INTERPRET, TOLERANCES, block_pages, max_abs_error, paged_layout, runnable
 
 from kvjax.kv import codecs
 from kvjax.kv.attention import paged_decode_attention_reference
+from pallas_kernels.paged_decode import Schedule
 from pallas_kernels.quantized_decode import (
     CodeFormat,
     code_format,
     quantized_decode_attention,
     quantized_decode_attention_reference,
 )
+from pallas_kernels.quantized_decode.pipelined import float8_bytes_to_float32
 
 _DYNAMIC = codecs.Fp8Scaling.DYNAMIC
 CODECS = {
@@ -102,12 +104,16 @@ def test_other_codecs_page_16(codec_name):
 
 
 @pytest.mark.timeout(120)
-def test_soft_cap_sliding_window_and_split_k():
-    codec = CODECS["int8"]
+@pytest.mark.parametrize("schedule,codec_name", [(Schedule.LOOPED, "int8"),
+                                                 (Schedule.PIPELINED, "int4")],
+                         ids=["looped-int8", "pipelined-int4"])
+def test_soft_cap_sliding_window_and_split_k(schedule, codec_name):
+    codec = CODECS[codec_name]
     case, _ = make_case(5, [1, 29, 6, 0, 97], codec, page_size=4, num_kv_heads=2, group=2,
                         head_dim=64, dtype=jnp.float32)
     check_against_reference(case, codec, jnp.float32, soft_cap=3.0, sliding_window=9,
-                            pages_per_compute_block=block_pages(4, 2), num_splits=3)
+                            pages_per_compute_block=block_pages(4, 2), num_splits=3,
+                            schedule=runnable(schedule))
 
 
 @pytest.mark.timeout(120)
@@ -121,6 +127,32 @@ def test_close_to_exact_kv(codec_name):
     want = paged_decode_attention_reference(case["q"], exact["k_pages"], exact["v_pages"],
                                             case["block_tables"], case["kv_lens"])
     assert max_abs_error(got, want) <= EXACT_KV_BOUNDS[codec_name]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec_name,dtype", [("int8", jnp.float32), ("fp8_e4m3", jnp.bfloat16),
+                                              ("fp8_e5m2", jnp.float32), ("int4", jnp.bfloat16),
+                                              ("int2", jnp.float32)],
+                         ids=["int8-f32", "fp8_e4m3-bf16", "fp8_e5m2-f32", "int4-bf16", "int2-f32"])
+def test_pipelined_matches_dequantized_reference(codec_name, dtype):
+    """The TPU schedule (dequantizing in VMEM, float8 decoded from its bytes) per format."""
+    codec = CODECS[codec_name]
+    case, _ = make_case(len(codec_name), lengths(4), codec, page_size=4, num_kv_heads=2,
+                        group=3, head_dim=64, dtype=dtype)
+    check_against_reference(case, codec, dtype, pages_per_compute_block=2, num_splits=2,
+                            schedule=runnable(Schedule.PIPELINED))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_float8_bytes_decode_like_the_float8_type(name):
+    """Every finite byte of the format decodes to its float8 value (ml_dtypes' conversion)."""
+    dtype = CODECS[name].fmt.dtype
+    raw = np.arange(256, dtype=np.uint8)
+    want = raw.view(dtype).astype(np.float32)
+    got = np.asarray(float8_bytes_to_float32(jnp.asarray(raw, jnp.int32), dtype))
+    finite = np.isfinite(want)
+    assert finite.sum() >= 240
+    np.testing.assert_array_equal(got[finite], want[finite])
 
 
 @pytest.mark.slow

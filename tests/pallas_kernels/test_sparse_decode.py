@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kv_cases import INTERPRET, TOLERANCES, block_pages, paged_layout
+from kv_cases import INTERPRET, TOLERANCES, block_pages, paged_layout, runnable
 
 from kvjax.kv import quest
 from kvjax.kv.attention import paged_decode_attention_reference
+from pallas_kernels.paged_decode import Schedule
 from pallas_kernels.sparse_decode import (
     selected_token_mask,
     sparse_decode_attention,
@@ -80,6 +81,16 @@ def test_soft_cap_and_split_k():
     for splits in (1, 3):
         check_against_reference(case, jnp.float32, soft_cap=3.0, num_splits=splits,
                                 pages_per_compute_block=block_pages(4, 2))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_pipelined_matches_reference(dtype):
+    """The TPU schedule: pages DMA'd through selection and table, positions built per page."""
+    case = make_case(11, lengths(4), 3, page_size=4, num_kv_heads=2, group=3, head_dim=64,
+                     dtype=dtype)
+    check_against_reference(case, dtype, soft_cap=30.0, pages_per_compute_block=2,
+                            num_splits=2, schedule=runnable(Schedule.PIPELINED))
 
 
 @pytest.mark.timeout(120)
