@@ -75,7 +75,8 @@ def models(setup: Setup) -> dict[str, kvjax.Model]:
                        intermediate_size=s.num_experts_per_tok * s.expert_size,
                        num_layers=s.num_layers, num_heads=s.num_heads,
                        num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                       max_position_embeddings=s.prompt_len + s.new_tokens + 64,
+                       max_position_embeddings=max(s.prompt_len + s.new_tokens,
+                                                   *s.prefill_tokens) + 64,
                        eos_token_ids=(s.vocab_size - 1,), name="bench-moe")
     moe = MoeConfig(num_experts=s.num_experts, num_experts_per_tok=s.num_experts_per_tok,
                     expert_size=s.expert_size)
