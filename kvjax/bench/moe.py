@@ -168,22 +168,25 @@ def run(setup: Setup) -> dict:
         engines = {name: _engine(m, setup, batch) for name, m in built.items()}
         out[f"batch{batch}"] = _medians(engines, lambda e, seed, b=batch: _decode_step_times(
             e, setup, b, seed), setup.repeats)
-        for name, r in out[f"batch{batch}"].items():
-            r["experts"] = (moe_lib.default_method(built[name].config.moe, batch).value
-                            if name == "moe" else "")
+        _name_methods(out[f"batch{batch}"], built["moe"], batch)
     layer_fns = _layer_mlps(built)
     for num_tokens in setup.prefill_tokens:
         engines = {name: _prefill_engine(m, setup, num_tokens) for name, m in built.items()}
         out[f"prefill{num_tokens}"] = _medians(engines, lambda e, seed, n=num_tokens: (
             _prefill_times(e, setup, n, seed)), setup.repeats)
-        for name, r in out[f"prefill{num_tokens}"].items():
-            r["experts"] = (moe_lib.default_method(built[name].config.moe, num_tokens).value
-                            if name == "moe" else "")
+        _name_methods(out[f"prefill{num_tokens}"], built["moe"], num_tokens)
         x = jnp.asarray(np.random.default_rng(0).standard_normal(
             (num_tokens, setup.hidden_size)), jnp.float32)
         out[f"layer{num_tokens}"] = _medians(layer_fns, lambda fn, seed, x=x: [
             _layer_times(fn, x)], 5 * setup.repeats)
     return out
+
+
+def _name_methods(per_model: dict[str, dict], moe_model: kvjax.Model, num_tokens: int) -> None:
+    """Adds each row's experts method: the MoE's for steps of `num_tokens` tokens, '' else."""
+    method = moe_lib.default_method(moe_model.config.moe, num_tokens).value
+    for name, r in per_model.items():
+        r["experts"] = method if name == "moe" else ""
 
 
 def _medians(runners: dict, measure, repeats: int) -> dict[str, dict]:
