@@ -38,7 +38,8 @@ TINY_MLA = dataclasses.replace(
                   q_lora_rank=12))
 
 # A mixture of experts (Mixtral's routing) at TINY's size: 8 experts of 16, 2 per token, so a
-# step of up to 4 tokens gathers its experts and a longer one runs them all.
+# step of up to 4 tokens gathers its experts, a longer one runs them all, and one of 47 tokens
+# or more groups its rows by expert (`kvjax.models.moe.default_method`).
 TINY_MOE = dataclasses.replace(
     TINY, name="tiny-moe",
     moe=MoeConfig(num_experts=8, num_experts_per_tok=2, expert_size=16))

@@ -1,5 +1,5 @@
-"""Decode step time of a mixture-of-experts model against dense models of its active and of its
-total MLP size.
+"""Decode and prefill step time of a mixture-of-experts model against dense models of its active
+and of its total MLP size.
 
 Three random-weights models share attention, embeddings and layer count; they differ in the MLP:
 
@@ -13,7 +13,14 @@ Each serves `batch` sequences through the engine; once every sequence is decodin
 step's wall time is recorded. The models take turns, `repeats` rounds each, so a noisy machine
 slows them alike; the table gives median step times and their ratio to `dense_active`. A step of
 `batch * num_experts_per_tok <= num_experts` tokens gathers each token's experts (it reads the
-active experts' weights); a larger one runs every expert (`kvjax.models.moe`).
+active experts' weights); a larger one runs every expert or groups the rows by expert
+(`kvjax.models.moe.default_method`).
+
+Prefill: each model's engine prefills one prompt of `prefill_tokens` tokens in one chunk (the
+MoE's experts run grouped), timed from submission to its first token; and one layer's
+MLP alone, jitted, on as many random rows: the MoE grouped, the MoE running every expert
+(`ExpertsMethod.ALL`, the method large steps ran before the grouped one) and the dense SwiGLU
+of the active size.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import kvjax
 from kvjax.config import ModelConfig, MoeConfig
+from kvjax.models import llama
+from kvjax.models import moe as moe_lib
 from kvjax.testing import tiny_model
 
 
@@ -37,6 +48,7 @@ class Setup:
       num_experts, num_experts_per_tok, expert_size: the MoE's MLP.
       batches: sequences decoding together, one measurement each.
       prompt_len, new_tokens: tokens per sequence.
+      prefill_tokens: prompt lengths prefilled in one chunk, one measurement each.
       repeats: rounds per model and batch (the models take turns).
     """
 
@@ -52,6 +64,7 @@ class Setup:
     batches: tuple[int, ...] = (1, 4, 16)
     prompt_len: int = 16
     new_tokens: int = 32
+    prefill_tokens: tuple[int, ...] = (256, 1024)
     repeats: int = 3
 
 
@@ -62,7 +75,8 @@ def models(setup: Setup) -> dict[str, kvjax.Model]:
                        intermediate_size=s.num_experts_per_tok * s.expert_size,
                        num_layers=s.num_layers, num_heads=s.num_heads,
                        num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                       max_position_embeddings=s.prompt_len + s.new_tokens + 64,
+                       max_position_embeddings=max(s.prompt_len + s.new_tokens,
+                                                   *s.prefill_tokens) + 64,
                        eos_token_ids=(s.vocab_size - 1,), name="bench-moe")
     moe = MoeConfig(num_experts=s.num_experts, num_experts_per_tok=s.num_experts_per_tok,
                     expert_size=s.expert_size)
@@ -99,27 +113,95 @@ def _decode_step_times(engine: kvjax.Engine, setup: Setup, batch: int, seed: int
     return times
 
 
+def _prefill_engine(model: kvjax.Model, setup: Setup, num_tokens: int) -> kvjax.Engine:
+    return kvjax.Engine(model, kvjax.EngineConfig(
+        page_size=16, max_model_len=num_tokens + 16, max_num_seqs=1,
+        max_prefill_chunk=num_tokens, max_num_batched_tokens=num_tokens,
+        enable_prefix_cache=False))
+
+
+def _prefill_times(engine: kvjax.Engine, setup: Setup, num_tokens: int, seed: int
+                   ) -> list[float]:
+    """Wall seconds from submitting a `num_tokens` prompt to its first token: the prefill
+    chunk's step (the engine's steps return before the device finishes, so steps are not timed
+    one by one here)."""
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    engine.add_request(f"p{seed}", rng.integers(0, setup.vocab_size - 1, num_tokens).tolist(),
+                       kvjax.SamplingParams(max_new_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    return [time.perf_counter() - t0]
+
+
+def _layer_mlps(built: dict[str, kvjax.Model]) -> dict[str, object]:
+    """name -> jitted f(x [T, H]) -> [T, H]: layer 0's MLP of the MoE (grouped, every expert)
+    and of `dense_active`."""
+    moe_model, dense = built["moe"], built["dense_active"]
+    moe_p = {name: w[0] for name, w in moe_model.params["layers"].items()}
+    dense_p = {name: w[0] for name, w in dense.params["layers"].items()}
+    m = moe_model.config.moe
+
+    def routed(method):
+        def f(x):
+            weights, experts = moe_lib.route(m, x @ moe_p["router"])
+            return moe_lib.routed_experts(m, moe_p, x, weights, experts, method=method)
+        return jax.jit(f)
+
+    return {"moe grouped": routed(moe_lib.ExpertsMethod.GROUPED),
+            "moe all experts": routed(moe_lib.ExpertsMethod.ALL),
+            "dense_active": jax.jit(lambda x: llama.dense_mlp(dense.config, dense_p, x))}
+
+
+def _layer_times(fn, x: jax.Array) -> float:
+    t0 = time.perf_counter()
+    fn(x).block_until_ready()
+    return time.perf_counter() - t0
+
+
 def run(setup: Setup) -> dict:
-    """Median decode step seconds per model and batch, the models taking turns."""
+    """Median decode and prefill step seconds per model and batch, the models taking turns."""
     built = models(setup)
     out: dict = dict(setup=dataclasses.asdict(setup), params={
         name: sum(int(np.prod(w.shape)) for w in _mlp_leaves(m)) for name, m in built.items()})
     for batch in setup.batches:
         engines = {name: _engine(m, setup, batch) for name, m in built.items()}
-        for engine in engines.values():  # warm-up: every step shape compiles here
-            _decode_step_times(engine, setup, batch, seed=0)
-        times: dict[str, list[float]] = {name: [] for name in built}
-        for rep in range(setup.repeats):
-            for name, engine in engines.items():
-                times[name] += _decode_step_times(engine, setup, batch, seed=rep + 1)
-        medians = {name: float(np.median(t)) for name, t in times.items()}
-        out[f"batch{batch}"] = {name: dict(
-            median_step_s=medians[name], steps=len(times[name]),
-            vs_dense_active=medians[name] / medians["dense_active"],
-            gathers_experts=(name == "moe"
-                             and batch * setup.num_experts_per_tok <= setup.num_experts))
-            for name in built}
+        out[f"batch{batch}"] = _medians(engines, lambda e, seed, b=batch: _decode_step_times(
+            e, setup, b, seed), setup.repeats)
+        _name_methods(out[f"batch{batch}"], built["moe"], batch)
+    layer_fns = _layer_mlps(built)
+    for num_tokens in setup.prefill_tokens:
+        engines = {name: _prefill_engine(m, setup, num_tokens) for name, m in built.items()}
+        out[f"prefill{num_tokens}"] = _medians(engines, lambda e, seed, n=num_tokens: (
+            _prefill_times(e, setup, n, seed)), setup.repeats)
+        _name_methods(out[f"prefill{num_tokens}"], built["moe"], num_tokens)
+        x = jnp.asarray(np.random.default_rng(0).standard_normal(
+            (num_tokens, setup.hidden_size)), jnp.float32)
+        out[f"layer{num_tokens}"] = _medians(layer_fns, lambda fn, seed, x=x: [
+            _layer_times(fn, x)], 5 * setup.repeats)
     return out
+
+
+def _name_methods(per_model: dict[str, dict], moe_model: kvjax.Model, num_tokens: int) -> None:
+    """Adds each row's experts method: the MoE's for steps of `num_tokens` tokens, '' else."""
+    method = moe_lib.default_method(moe_model.config.moe, num_tokens).value
+    for name, r in per_model.items():
+        r["experts"] = method if name == "moe" else ""
+
+
+def _medians(runners: dict, measure, repeats: int) -> dict[str, dict]:
+    """name -> median seconds of `measure(runner, seed)` over `repeats` turns after a warm-up
+    turn (every shape compiles there), with the ratio to 'dense_active'."""
+    for runner in runners.values():
+        measure(runner, 0)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for rep in range(repeats):
+        for name, runner in runners.items():
+            times[name] += measure(runner, rep + 1)
+    medians = {name: float(np.median(t)) for name, t in times.items()}
+    return {name: dict(median_step_s=medians[name], steps=len(times[name]),
+                       vs_dense_active=medians[name] / medians["dense_active"])
+            for name in runners}
 
 
 def _mlp_leaves(model: kvjax.Model) -> list:
@@ -127,18 +209,24 @@ def _mlp_leaves(model: kvjax.Model) -> list:
     return [w for name, w in layers.items() if name.startswith("w_") or name == "router"]
 
 
-COLUMNS = (("mlp_params", "MLP params (M)", "{:.2f}"), ("step_ms", "decode step (ms)", "{:.2f}"),
+COLUMNS = (("mlp_params", "MLP params (M)", "{:.2f}"), ("step_ms", "step (ms)", "{:.2f}"),
            ("ratio", "vs dense_active", "{:.2f}"))
+
+_ROW_KINDS = (("batch", "decode step, batch"), ("prefill", "prefill to first token, tokens"),
+              ("layer", "one layer's MLP, tokens"))
 
 
 def rows(result: dict) -> dict[str, dict]:
-    """One table row per (batch, model)."""
+    """One table row per (measurement, model)."""
     out = {}
     for key, per_model in result.items():
-        if not key.startswith("batch"):
+        kind = next(((p, label) for p, label in _ROW_KINDS if key.startswith(p)
+                     and key[len(p):].isdigit()), None)
+        if kind is None:
             continue
         for name, r in per_model.items():
-            label = f"{name}, batch {key[5:]}" + (" (gathered)" if r["gathers_experts"] else "")
-            out[label] = dict(mlp_params=result["params"][name] / 1e6,
+            experts = f" ({r['experts']})" if r.get("experts") else ""
+            label = f"{kind[1]} {key[len(kind[0]):]}: {name}{experts}"
+            out[label] = dict(mlp_params=result["params"].get(name.split()[0], 0.0) / 1e6,
                               step_ms=1e3 * r["median_step_s"], ratio=r["vs_dense_active"])
     return out

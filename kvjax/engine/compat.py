@@ -384,9 +384,9 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         "the fused write turns the projected keys by RoPE as they leave the matmul, while "
         "this model normalizes each key head over its whole row first",
     (ModelTrait.MOE, Feature.BATCH_INVARIANT):
-        "whether each token's chosen experts run alone or every expert runs on every token "
-        "(each summed in its own order) depends on the step's token count, so a sequence's "
-        "logits change with the batch it shares",
+        "whether each token's chosen experts run alone, grouped with other tokens' rows by "
+        "expert, or every expert runs on every token (each summed in its own order) depends "
+        "on the step's token count, so a sequence's logits change with the batch it shares",
 }
 """Every feature a model trait refuses, with the reason."""
 

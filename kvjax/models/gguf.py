@@ -5,7 +5,14 @@ RMSNorms), gemma2 and gemma3 (GeGLU, pre and post norms, scaled embeddings, Gemm
 alternating sliding-window layers, Gemma 3's Q/K norms and its local layers' own RoPE base),
 phi3 (fused attn_qkv and gate-up ffn_up, split on loading; default RoPE only); llama with
 `expert_count` is Mixtral (a router `ffn_gate_inp` and stacked experts `ffn_gate_exps`,
-`ffn_up_exps`, `ffn_down_exps`; softmax over the top-k logits, as llama.cpp routes it).
+`ffn_up_exps`, `ffn_down_exps`; softmax over the top-k logits, as llama.cpp routes it);
+qwen2moe (Qwen2's attention; on every layer the experts, `expert_feed_forward_length` each, with
+the top-k softmax weights not renormalized, and a shared expert `ffn_*_shexp` of
+`expert_shared_feed_forward_length` behind a sigmoid gate `ffn_gate_inp_shexp`) and qwen3moe
+(Qwen3's attention; experts only, the top-k weights renormalized), routed as llama.cpp's graphs
+for these architectures route them. deepseek2 is not read: its MLA tensors (a split
+attn_k_b / attn_v_b in newer files) and its interleaved rotary half do not map onto the Hugging
+Face layout the model follows without a conversion of their own; load its HF directory.
 
 Every tensor is dequantized to float32 on the host (any type `gguf.dequantize` knows: F32, F16,
 Q8_0, Q4_0, Q4_1, K-quants, ...), mapped into the params pytree of `kvjax.models.llama`, then cast
@@ -44,7 +51,10 @@ from kvjax.models.model import Model
 from kvjax.models.rope import RoPE, RopeType
 from kvjax.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe",
+                           "qwen3moe")
+# Architectures whose every layer is a mixture of experts, with or without the shared expert.
+_QWEN_MOE_ARCHS = ("qwen2moe", "qwen3moe")
 _GEMMA_ARCHS = ("gemma2", "gemma3")
 # llama.cpp's one global layer every `pattern` layers (the last of each run), per architecture.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -68,9 +78,19 @@ _BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
 _QK_NORM_TENSORS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
 _SANDWICH_TENSORS = {"post_attn_norm": "post_attention_norm.weight",
                      "post_mlp_norm": "post_ffw_norm.weight"}
-# Mixtral's MoE tensors: kvjax param -> GGUF name inside block N (experts stacked [E, out, in]).
+# The MoE tensors: kvjax param -> GGUF name inside block N (experts stacked [E, out, in]).
 _MOE_TENSORS = {"router": "ffn_gate_inp.weight", "w_gate_exps": "ffn_gate_exps.weight",
                 "w_up_exps": "ffn_up_exps.weight", "w_down_exps": "ffn_down_exps.weight"}
+# Qwen2-MoE's shared expert and its gate (a vector [H] in the file, the param [H, 1]).
+_SHARED_EXPERT_TENSORS = {"w_gate_shared": "ffn_gate_shexp.weight",
+                          "w_up_shared": "ffn_up_shexp.weight",
+                          "w_down_shared": "ffn_down_shexp.weight",
+                          "shared_gate": "ffn_gate_inp_shexp.weight"}
+# Routing keys llama.cpp reads where present -> the values that route as kvjax reads these
+# architectures (softmax gating: llama.cpp's enum value 1; no weight scale; one expert group;
+# no leading dense layers); a file with another value is refused.
+_MOE_ROUTING_KEYS = {"expert_gating_func": (1,), "expert_weights_scale": (0.0, 1.0),
+                     "expert_group_count": (0, 1), "leading_dense_block_count": (0,)}
 # Phi-3's fused matrices: GGUF name -> the kvjax params stacked along its rows, in order.
 _FUSED_TENSORS = {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}
 # LongRoPE's per-frequency factors, which llama.cpp picks by the context size it is given
@@ -166,15 +186,7 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
         raise ValueError(f"unsupported GGUF architecture {arch!r}; "
                          f"supported: {list(SUPPORTED_ARCHITECTURES)}")
     prefix = f"{arch}."
-    moe = None
-    if metadata.get(prefix + "expert_count"):
-        if arch != "llama":
-            raise ValueError(f"unsupported GGUF key {prefix}expert_count="
-                             f"{metadata[prefix + 'expert_count']!r}: experts are read for "
-                             f"llama (Mixtral) only")
-        moe = MoeConfig(num_experts=metadata[prefix + "expert_count"],
-                        num_experts_per_tok=_required(metadata, prefix + "expert_used_count"),
-                        expert_size=_required(metadata, prefix + "feed_forward_length"))
+    moe = _moe_config(metadata, arch)
     for key in ("rope.dimension_sections",):
         if metadata.get(prefix + key):
             raise ValueError(f"unsupported GGUF key {prefix}{key}={metadata[prefix + key]!r}")
@@ -193,7 +205,8 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
         extra = _gemma_fields(metadata, arch, num_layers=num_layers, hidden=hidden,
                               num_heads=num_heads, head_dim=head_dim, rope=rope)
     else:
-        extra = dict(rope=rope, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+        extra = dict(rope=rope, qkv_bias=arch in ("qwen2", "qwen2moe"),
+                     qk_norm=arch in ("qwen3", "qwen3moe"))
     eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in metadata]
     return ModelConfig(
@@ -213,6 +226,38 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
         name=name,
         **extra,
     )
+
+
+def _moe_config(metadata: dict[str, Any], arch: str) -> MoeConfig | None:
+    """The experts of a Mixtral (llama with `expert_count`), qwen2moe or qwen3moe GGUF, else
+    None. llama.cpp's expert size defaults to feed_forward_length / expert_used_count, the
+    shared expert's to feed_forward_length; the top-k weights are renormalized for qwen3moe
+    and not for qwen2moe (as llama.cpp's graphs fix it) unless `expert_weights_norm` says."""
+    prefix = f"{arch}."
+    count = metadata.get(prefix + "expert_count")
+    if arch in _QWEN_MOE_ARCHS and not count:
+        raise ValueError(f"GGUF metadata is missing {prefix}expert_count (required by {arch})")
+    if not count:
+        return None
+    if arch not in ("llama", *_QWEN_MOE_ARCHS):
+        raise ValueError(f"unsupported GGUF key {prefix}expert_count={count!r}: experts are "
+                         f"read for llama (Mixtral), qwen2moe and qwen3moe only")
+    for key, values in _MOE_ROUTING_KEYS.items():
+        if metadata.get(prefix + key, values[0]) not in values:
+            raise ValueError(f"unsupported GGUF key {prefix}{key}={metadata[prefix + key]!r}: "
+                             f"kvjax reads {arch} with {key} in {values}")
+    used = _required(metadata, prefix + "expert_used_count")
+    ffn = _required(metadata, prefix + "feed_forward_length")
+    if arch == "llama":
+        return MoeConfig(num_experts=count, num_experts_per_tok=used, expert_size=ffn)
+    is_qwen2 = arch == "qwen2moe"
+    return MoeConfig(
+        num_experts=count, num_experts_per_tok=used,
+        expert_size=metadata.get(prefix + "expert_feed_forward_length") or ffn // used,
+        shared_size=(metadata.get(prefix + "expert_shared_feed_forward_length") or ffn
+                     if is_qwen2 else 0),
+        shared_gate=is_qwen2,
+        norm_topk_prob=bool(metadata.get(prefix + "expert_weights_norm", not is_qwen2)))
 
 
 def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -248,6 +293,15 @@ def _layer_tensors(config: ModelConfig, arch: str
         shapes.update(router=(e, c.hidden_size), w_gate_exps=(e, fe, c.hidden_size),
                       w_up_exps=(e, fe, c.hidden_size), w_down_exps=(e, c.hidden_size, fe))
         names.update(_MOE_TENSORS)
+        fs = c.moe.shared_size
+        if fs:
+            shapes.update(w_gate_shared=(fs, c.hidden_size), w_up_shared=(fs, c.hidden_size),
+                          w_down_shared=(c.hidden_size, fs))
+            names.update({k: _SHARED_EXPERT_TENSORS[k] for k in
+                          ("w_gate_shared", "w_up_shared", "w_down_shared")})
+        if c.moe.shared_gate:
+            shapes["shared_gate"] = (c.hidden_size,)
+            names["shared_gate"] = _SHARED_EXPERT_TENSORS["shared_gate"]
     if c.qkv_bias:
         shapes.update(bq=(nd,), bk=(kd,), bv=(kd,))
         names.update(_BIAS_TENSORS)
@@ -344,6 +398,8 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
                     part = _unpermute_rows(part, config.num_kv_heads)
                 elif config.norm_unit_offset and key.endswith("norm"):
                     part = part - 1.0  # llama.cpp stores Gemma's (1 + w)
+                elif key == "shared_gate":
+                    part = part[None]  # [H] -> one output row [1, H]
                 parts[key].append(part if part.ndim == 1 else np.swapaxes(part, -1, -2))
         return {key: jnp.asarray(np.stack(p), target) for key, p in parts.items()}
 

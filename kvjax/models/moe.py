@@ -19,16 +19,24 @@ layer runs one of the two MLPs (`lax.cond`), and the params of the other are zer
 into the result. That costs memory (a dense MLP per MoE layer, the experts of each dense
 layer), not time.
 
-Static shapes, no token dropping. The routed experts run one of two exact ways, chosen by the
-step's static token count T:
-- T * k <= E (decode steps): one vector-matrix product per (token, chosen expert) pair, each
-  reading its expert's block through a dynamic slice (at most E unrolled pairs): the step reads
-  at most T * k experts' weights, the active params. (A batched einsum over gathered weights
-  was several times slower on the CPU: XLA materializes the gathered [T, k, H, Fe] copy.)
-- otherwise (prefill chunks, large decode batches): every expert runs on every token, one
-  [T, H] @ [H, Fe] matmul per expert and weight (E unrolled), its activations scaled by each
-  token's routing weight (0 where the expert was not chosen) before the down projection: E / k
-  times the active FLOPs, no gather; with many tokens nearly every expert is chosen anyway.
+Static shapes, no token dropping. The routed experts run one of three exact ways, chosen by
+the step's static token count T (`ExpertsMethod`, `default_method`):
+- GATHER, while T * k <= E (decode steps): one vector-matrix product per (token, chosen expert)
+  pair, each reading its expert's block through a dynamic slice (at most E unrolled pairs): the
+  step reads at most T * k experts' weights, the active params. (A batched einsum over gathered
+  weights was several times slower on the CPU: XLA materializes the gathered [T, k, H, Fe]
+  copy.)
+- GROUPED, for prefill chunks and large decode batches: the T * k (token, expert) rows are
+  sorted by expert and each expert's run is padded to whole tiles of `_tile_rows` rows; a scan
+  over a static number of tiles (enough for any split of the rows among the experts) multiplies
+  each tile by its one expert's matrices and skips the tiles left over: about the active FLOPs
+  (T * k rows plus under a tile per expert), the group sizes traced, the shapes static.
+  `jax.lax.ragged_dot` states the same product, but XLA's CPU backend lowers it to a dense
+  product over every group, as slow as ALL (docs/benchmarks.md, bench_moe), so it is not used.
+- ALL, between the two (a few tokens, where the padding would cost more than it saves) and as
+  the benchmark's baseline: every expert on every token, one [T, H] @ [H, Fe] matmul per expert
+  and weight, its activations scaled by each token's routing weight (0 where the expert was not
+  chosen): E / k times the active FLOPs, each expert's weights read once.
 
 Under a native linear (`kvjax.models.linear`, steps of few tokens on the CPU) the scan hands
 over the expert stacks whole ([L, E, ...], seen as [L * E, ...]) and each expert's matrix is
@@ -38,6 +46,7 @@ slice and the experts are dynamic slices of it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +60,37 @@ from kvjax.models.linear import LayerLinear
 Params = dict[str, Any]
 # matmul(x [T, In], w [In, Out]) -> [T, Out]: a matrix of the layer's params (3-D stacks).
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
+
+# A grouped step's tiles hold up to an expert's average share of the rows (a power of two),
+# between these bounds: smaller tiles waste fewer padding rows (under one tile per expert),
+# larger ones pay the per-tile overhead (a weight slice, a loop iteration) fewer times. Best of
+# a sweep of 8 to 256 on the CPU host at E = 8, H = Fe = 512 and 64 to 1024 tokens.
+_MIN_TILE_ROWS = 32
+_MAX_TILE_ROWS = 256
+
+
+class ExpertsMethod(enum.Enum):
+    """How a step's routed experts run (module docstring); all exact, static-shaped."""
+
+    GATHER = "gather"  # one product per (token, chosen expert): steps with T * k <= E
+    GROUPED = "grouped"  # rows sorted by expert, tiles of one expert each: large steps
+    ALL = "all"  # every expert on every token: a few tokens past GATHER; the baseline
+
+
+def default_method(moe: MoeConfig, num_tokens: int) -> ExpertsMethod:
+    """The method a step of `num_tokens` tokens runs: GATHER while T * k <= E; then ALL while
+    the grouped step's padded rows (T * k plus under a tile per expert) are at least the E * T
+    of running every expert (a few tokens past the gathered steps: each expert's weights are
+    read once either way); GROUPED beyond."""
+    m, t = moe, num_tokens
+    rows = t * m.num_experts_per_tok
+    if rows <= m.num_experts:
+        return ExpertsMethod.GATHER
+    tile = _tile_rows(rows, m.num_experts)
+    if _num_tiles(rows, m.num_experts, tile) * tile >= m.num_experts * t:
+        return ExpertsMethod.ALL
+    return ExpertsMethod.GROUPED
+
 
 # Grouped routing of sigmoid scores ranks a group by the sum of its best two (DeepSeek-V3).
 _SIGMOID_GROUP_TOP = 2
@@ -128,10 +168,12 @@ def _swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
 
 def routed_experts(moe: MoeConfig, p: Params, x: jax.Array, weights: jax.Array,
                    experts: jax.Array, layer_index: jax.Array | None = None,
-                   linear: LayerLinear | None = None) -> jax.Array:
+                   linear: LayerLinear | None = None, method: ExpertsMethod | None = None
+                   ) -> jax.Array:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]): [T, H] from x [T, H], exact (see the
-    module docstring for the two ways, picked by T). The expert params are one layer's
-    ([E, ...]), or whole stacks ([L, E, ...]) read at `layer_index`, by `linear` when given."""
+    module docstring for the ways; `method` None: `default_method`). The expert params are one
+    layer's ([E, ...]), or whole stacks ([L, E, ...]) read at `layer_index`, by `linear` when
+    given."""
     f32 = jnp.float32
     t, k, e = x.shape[0], moe.num_experts_per_tok, moe.num_experts
     stacks = [p["w_gate_exps"], p["w_up_exps"], p["w_down_exps"]]
@@ -153,7 +195,8 @@ def routed_experts(moe: MoeConfig, p: Params, x: jax.Array, weights: jax.Array,
         """Expert i's SwiGLU hidden activations [R, Fe] (float32) on rows [R, H]."""
         return jax.nn.silu(times(rows, 0, i)) * times(rows, 1, i)
 
-    if t * k <= e:
+    method = default_method(moe, t) if method is None else method
+    if method is ExpertsMethod.GATHER:
         out = []
         for row in range(t):
             acc = jnp.zeros((1, x.shape[1]), f32)
@@ -163,6 +206,8 @@ def routed_experts(moe: MoeConfig, p: Params, x: jax.Array, weights: jax.Array,
                 acc = acc + weights[row, j] * times(act, 2, ex)
             out.append(acc)
         return jnp.concatenate(out).astype(x.dtype)  # [T, H]
+    if method is ExpertsMethod.GROUPED:
+        return _grouped(x, weights, experts, e, expert, times)
     combine = jnp.zeros((t, e), f32).at[jnp.arange(t)[:, None], experts].add(
         weights)  # [T, E]: 0 for the experts not chosen
     acc = jnp.zeros(x.shape, f32)
@@ -170,6 +215,80 @@ def routed_experts(moe: MoeConfig, p: Params, x: jax.Array, weights: jax.Array,
         act = (expert(x, i) * combine[:, i, None]).astype(x.dtype)  # [T, Fe]
         acc = acc + times(act, 2, i)
     return acc.astype(x.dtype)  # [T, H]
+
+
+def _tile_rows(num_rows: int, num_experts: int) -> int:
+    """Rows per tile of a grouped step of `num_rows` (token, expert) rows: a power of two."""
+    share = max(1, num_rows // num_experts)
+    return int(np.clip(1 << (share.bit_length() - 1), _MIN_TILE_ROWS, _MAX_TILE_ROWS))
+
+
+def _num_tiles(num_rows: int, num_experts: int, tile: int) -> int:
+    """Tiles enough for any split of `num_rows` rows among the experts, each expert's run
+    padded to whole tiles."""
+    return (num_rows + num_experts * (tile - 1)) // tile
+
+
+def grouped_layout(experts: jax.Array, num_experts: int, tile: int
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Where each (token, chosen expert) row goes in a grouped step.
+
+    Rows are sorted by expert; each expert's run starts on a tile boundary, in
+    `_num_tiles(T * k, E, tile)` tiles.
+
+    Args:
+      experts: [T, k] int32 chosen experts.
+    Returns:
+      (tile_expert [num_tiles] int32: each tile's expert, E for a tile left over,
+       slot_row [num_tiles * tile] int32: the flat row (token * k + j) in each slot, R where
+       the slot is padding).
+    """
+    t, k = experts.shape
+    num_rows = t * k
+    num_tiles = _num_tiles(num_rows, num_experts, tile)
+    flat = experts.reshape(-1)  # [R]
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [R] flat rows by expert
+    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1)  # [E]
+    starts = jnp.cumsum(sizes) - sizes  # [E] each expert's first row in sorted order
+    padded = (sizes + tile - 1) // tile * tile  # [E]
+    padded_ends = jnp.cumsum(padded)  # [E]
+    sorted_experts = flat[order]  # [R]
+    slot = (padded_ends - padded)[sorted_experts] + (
+        jnp.arange(num_rows, dtype=jnp.int32) - starts[sorted_experts])  # [R]
+    slot_row = jnp.full(num_tiles * tile, num_rows, jnp.int32).at[slot].set(order)
+    tile_expert = jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * tile, side="right")
+    return tile_expert.astype(jnp.int32), slot_row
+
+
+def _grouped(x: jax.Array, weights: jax.Array, experts: jax.Array, num_experts: int,
+             expert: Callable[[jax.Array, jax.Array], jax.Array],
+             times: Callable[[jax.Array, int, jax.Array], jax.Array]) -> jax.Array:
+    """The grouped method: [T, H]. `expert(rows, i)` gives expert i's hidden activations,
+    `times(act, 2, i)` its down projection."""
+    t, k = experts.shape
+    tile = _tile_rows(t * k, num_experts)
+    tile_expert, slot_row = grouped_layout(experts, num_experts, tile)
+    num_tiles = tile_expert.shape[0]
+    slot_token = jnp.where(slot_row < t * k, slot_row // k, t)  # [num_tiles * tile]; T: padding
+    slot_weight = jnp.concatenate([weights.reshape(-1), jnp.zeros(1, weights.dtype)])[
+        slot_row]  # [num_tiles * tile]; 0 for padding
+    rows = jnp.take(x, slot_token, axis=0, mode="fill", fill_value=0)  # [num_tiles * tile, H]
+
+    def run_tile(_, xs):
+        tile_rows, tile_weights, i = xs  # [tile, H], [tile], scalar
+
+        def multiply():
+            act = (expert(tile_rows, i) * tile_weights[:, None]).astype(x.dtype)  # [tile, Fe]
+            return times(act, 2, i)  # [tile, H] float32
+
+        return None, jax.lax.cond(i < num_experts, multiply,
+                                  lambda: jnp.zeros(tile_rows.shape, jnp.float32))
+
+    _, out_rows = jax.lax.scan(run_tile, None, (
+        rows.reshape(num_tiles, tile, -1), slot_weight.reshape(num_tiles, tile), tile_expert))
+    out = jnp.zeros(x.shape, jnp.float32).at[slot_token].add(
+        out_rows.reshape(num_tiles * tile, -1), mode="drop")  # [T, H]
+    return out.astype(x.dtype)
 
 
 def moe_mlp(config: ModelConfig, p: Params, x: jax.Array, matmul: Matmul,

@@ -60,7 +60,8 @@ def _tiny_spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]
 
 # config.json model_type -> llama.cpp architecture.
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-              "gemma3_text": "gemma3", "phi3": "phi3"}
+              "gemma3_text": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
+              "qwen3_moe": "qwen3moe"}
 _HF_TO_GGUF_LAYER = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -585,6 +586,72 @@ def test_mixtral_gguf_logits_match_hf(tmp_path):
     assert model.config.moe.num_experts == 4 and model.config.moe.expert_size == 48
     tokens = np.random.default_rng(9).integers(0, model.config.vocab_size, 24).tolist()
     assert _rel_max_diff(_logits(model, tokens), hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
+
+
+def _qwen_moe_gguf(tmp_path: Path, hf_dir: Path, **metadata) -> Path:
+    """A qwen2moe / qwen3moe GGUF of `hf_dir` as llama.cpp's converter lays it out: the router
+    ffn_gate_inp, the experts stacked [E, out, in], Qwen2-MoE's shared expert ffn_*_shexp and
+    its gate ffn_gate_inp_shexp as a vector [H], the expert sizes as metadata."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    hf = load_file(hf_dir / "model.safetensors")
+    num_experts = config.get("num_experts") or config["num_local_experts"]  # Qwen3-MoE: the latter
+    tensors = {}
+    for i in range(config["num_hidden_layers"]):
+        mlp = f"model.layers.{i}.mlp"
+        tensors[f"blk.{i}.ffn_gate_inp.weight"] = hf[f"{mlp}.gate.weight"]  # [E, H]
+        for name in ("gate", "up", "down"):
+            tensors[f"blk.{i}.ffn_{name}_exps.weight"] = np.stack(
+                [hf[f"{mlp}.experts.{e}.{name}_proj.weight"] for e in range(num_experts)])
+            if f"{mlp}.shared_expert.{name}_proj.weight" in hf:
+                tensors[f"blk.{i}.ffn_{name}_shexp.weight"] = hf[
+                    f"{mlp}.shared_expert.{name}_proj.weight"]
+        if f"{mlp}.shared_expert_gate.weight" in hf:
+            tensors[f"blk.{i}.ffn_gate_inp_shexp.weight"] = hf[
+                f"{mlp}.shared_expert_gate.weight"][0]
+    sizes = {"expert_count": num_experts, "expert_used_count": config["num_experts_per_tok"],
+             "expert_feed_forward_length": config["moe_intermediate_size"]}
+    if config.get("shared_expert_intermediate_size"):
+        sizes["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
+    return write_tiny_gguf(tmp_path / f"{config['model_type']}.gguf", hf_dir, pre="qwen2",
+                           replace=tensors, metadata={**sizes, **metadata})
+
+
+# model_type -> (HF overrides, transformers' GGUF config overrides: its qwen2moe / qwen3moe
+# mapping reads neither expert size, and llama.cpp renormalizes Qwen3-MoE's top-k weights).
+_QWEN_MOE = {
+    "qwen2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, norm_topk_prob=False),
+                  dict(moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       norm_topk_prob=True, head_dim=16),
+                  dict(moe_intermediate_size=32, norm_topk_prob=True)),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(_QWEN_MOE))
+def test_qwen_moe_gguf_logits_match_hf_and_transformers_gguf(tmp_path, model_type):
+    """qwen2moe (a gated shared expert, top-k weights as they are) and qwen3moe (Q/K norms,
+    renormalized top-k weights) GGUF files: over 64 tokens (the experts run grouped) the logits
+    equal transformers' on the source checkpoint and transformers' own loading of the file."""
+    hf_overrides, gguf_overrides = _QWEN_MOE[model_type]
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, model_type, seed=5, **hf_overrides)
+    path = _qwen_moe_gguf(tmp_path, hf_dir)
+    model = load_gguf(path)
+    m = model.config.moe
+    assert (m.num_experts, m.num_experts_per_tok, m.expert_size) == (4, 2, 32)
+    assert (m.shared_size, m.shared_gate, m.norm_topk_prob) == (
+        (48, True, False) if model_type == "qwen2_moe" else (0, False, True))
+    tokens = np.random.default_rng(4).integers(0, model.config.vocab_size, 64).tolist()
+    got = _logits(model, tokens)
+    assert _rel_max_diff(got, hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
+    assert _rel_max_diff(got, _transformers_gguf_logits(path, tokens, **gguf_overrides)
+                         ) <= TINY_LOGITS_RTOL
+
+
+def test_qwen_moe_gguf_refuses_routing_it_does_not_read(tmp_path):
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "qwen3_moe", seed=5, **_QWEN_MOE["qwen3_moe"][0])
+    with pytest.raises(ValueError, match="qwen3moe.expert_gating_func=2"):
+        load_gguf(_qwen_moe_gguf(tmp_path, hf_dir, expert_gating_func=2))
 
 
 def _metadata(arch: str, **keys) -> dict:

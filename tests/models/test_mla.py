@@ -202,14 +202,7 @@ COMPOSING = [
 
 @pytest.mark.parametrize("features", COMPOSING, ids=lambda fs: "+".join(f.value for f in fs))
 def test_features_compose_with_a_latent_pool(features):
-    from engine.test_compatibility import check_outcome, run_pair
+    from engine.test_compatibility import check_outcome, greedy_oracle, run_pair
 
     model = tiny_model(TINY_MLA)
-    cache = {}
-
-    def oracle(prompt):
-        if prompt not in cache:
-            cache[prompt] = greedy_reference(model, list(prompt), 6)
-        return cache[prompt]
-
-    check_outcome(features, run_pair(model, features, oracle))
+    check_outcome(features, run_pair(model, features, greedy_oracle(model)))
