@@ -65,6 +65,7 @@ class Feature(enum.Enum):
     BATCH_INVARIANT = "batch_invariant"
     HOST_ROWS = "host_rows"
     FUSED_KV_WRITE = "fused_kv_write"
+    PYRAMID = "pyramid"
 
     @property
     def group(self) -> str | None:
@@ -129,6 +130,9 @@ _DESCRIPTIONS = {
                        "merged exactly with the device's part",
     Feature.FUSED_KV_WRITE: "fused_kv_write=True: each layer's K/V projection writes its "
                             "rows into the pages itself (native CPU kernel)",
+    Feature.PYRAMID: "retention_schedule='pyramid' (PyramidKV: snapkv's budget shared over "
+                     "layers, each run of equal budgets in a block table of its own that "
+                     "gives back the pages past its budget)",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -249,7 +253,54 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.MESH], [Feature.FUSED_KV_WRITE],
            "the fused write is one CPU kernel over the whole pool, which a mesh shards by kv "
            "head over devices")
+    _refuse_pyramid(refuse)
     return table
+
+
+def _refuse_pyramid(refuse) -> None:
+    """The per-layer schedule's refusals: each table group holds its own tokens at its own
+    cached length (`kvjax.kv.layer_retention`)."""
+    pyramid = [Feature.PYRAMID]
+    refuse(pyramid, [Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.TOVA],
+           "this policy evicts as a sequence decodes, while the per-layer schedule shares a "
+           "budget once, over the prompt's scores when its prefill completes")
+    refuse(pyramid, [Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION],
+           "PyramidKV's schedule keeps SnapKV's observation window in every layer and shares "
+           "out the rest, and this press has no observation window")
+    refuse(pyramid, [Feature.QUEST],
+           "Quest keeps every page and narrows what each query reads, so it has no budget of "
+           "kept tokens to share over layers")
+    refuse(pyramid, _KIVI,
+           "KIVI's exact window and key groups follow one cached length per sequence, while "
+           "the per-layer schedule's table groups each hold a different number of tokens")
+    refuse(pyramid, [Feature.HOST_TIER, Feature.SWAP, Feature.AUTO_PREEMPTION,
+                     Feature.SNAPSHOT],
+           "a sequence leaves the device and comes back through one retention record and one "
+           "cached length, while the per-layer schedule keeps one per table group")
+    refuse(pyramid, [Feature.CONTIGUOUS],
+           "the per-layer schedule gives back pages per table group, so it needs the paged "
+           "layout")
+    refuse(pyramid, [Feature.SPECULATIVE],
+           "a verify step scores each draft query's keys summed over every layer, while the "
+           "per-layer schedule ranks each table group by its own layers' scores")
+    refuse(pyramid, [Feature.CONTEXT_REUSE],
+           "a reused chunk is copied in at one cached position for every layer, while the "
+           "per-layer schedule's table groups each keep their own tokens")
+    refuse(pyramid, [Feature.KV_ARENA],
+           "an arena frame holds every layer of a token, so layers cannot give back pages "
+           "apart")
+    refuse(pyramid, [Feature.MESH],
+           "the mesh's sharded programs are built for the model's own layer groups, not a "
+           "pool regrouped by retention budget")
+    refuse(pyramid, [Feature.CONTROLLER],
+           "the controller sets one token budget per sequence, priced by KL measured with every "
+           "layer keeping the same tokens")
+    refuse(pyramid, [Feature.BATCH_INVARIANT],
+           "retention drops tokens that the trainer's full forward attends to, so rollout "
+           "logprobs could not equal the trainer's")
+    refuse(pyramid, [Feature.HOST_ROWS],
+           "host-resident pages are read whole and never rewritten, while the per-layer "
+           "schedule compacts each table group's pages")
 
 
 REFUSED: dict[frozenset[Feature], str] = _refusals()
@@ -323,6 +374,9 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         (Feature.CONTIGUOUS, "contiguous slots preallocate every layer of"),
         (Feature.MESH, "the mesh's sharded programs are built for"),
         (Feature.HOST_ROWS, "the host pool's moves and split attention follow"))},
+    (ModelTrait.LAYER_GROUPS, Feature.PYRAMID):
+        "the per-layer schedule regroups layers into block tables of equal retention budget, "
+        "while a model with sliding-window layers already keeps one per window group",
     (ModelTrait.PER_LAYER_ROPE, Feature.CONTEXT_REUSE):
         "a reused chunk's keys are re-rotated by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
@@ -468,6 +522,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.BATCH_INVARIANT, "batch_invariant=True"))
     if config.fused_kv_write:
         found.append(_Present(Feature.FUSED_KV_WRITE, "fused_kv_write=True"))
+    if config.retention_schedule == Feature.PYRAMID.value:
+        found.append(_Present(Feature.PYRAMID, "retention_schedule='pyramid'"))
     if config.host_split != "never" and config.num_host_pages > 0:
         found.append(_Present(Feature.HOST_ROWS, f"host_split={config.host_split!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:

@@ -46,7 +46,7 @@ BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16
 # A quantized codec or a retention policy changes the tokens: only their count is checked.
 PRESSES = {Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION}
 RETAINED = {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
-            Feature.QUEST, *PRESSES}
+            Feature.QUEST, Feature.PYRAMID, *PRESSES}
 APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, *RETAINED,
                Feature.CONTEXT_REUSE}
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
@@ -124,6 +124,8 @@ def config_for(features) -> dict:
         Feature.BATCH_INVARIANT: dict(batch_invariant=True),
         Feature.HOST_ROWS: dict(host_split="random", num_host_pages=16),
         Feature.FUSED_KV_WRITE: dict(fused_kv_write=True),
+        # With snapkv unless the pair names another retention policy (set below).
+        Feature.PYRAMID: dict(retention_schedule="pyramid"),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),
@@ -131,6 +133,8 @@ def config_for(features) -> dict:
     config = dict(BASE)
     for feature in features:
         config.update(settings.get(feature, {}))
+    if Feature.PYRAMID in features and "retention" not in config:
+        config.update(settings[Feature.SNAPKV])
     return config
 
 
