@@ -1,7 +1,8 @@
 """Budget schemes (uniform, PyramidKV per layer, AdaKV per head) at long context: quality and
 pages held, what `scripts/bench_retention.py --schemes` runs; `run` is the whole benchmark.
 
-The engine serves the uniform scheme and SnapKV's pyramid schedule (`kvjax.kv.budgets`,
+The engine serves the uniform scheme and the pyramid schedule of the presses that compress
+once (`kvjax.kv.budgets`,
 `kvjax.kv.layer_retention`), not the per-head ones. The schemes are therefore measured on a
 simulated cache, for each needle probe (`kvjax.bench.retention.make_probe`):
   * one dense forward pass over the prompt captures every layer's queries, keys and values;
@@ -20,8 +21,8 @@ simulated cache, for each needle probe (`kvjax.bench.retention.make_probe`):
     tokens; `pages_fraction_head_tables` is what one block table per (layer, kv head), pages
     of one head, would hold instead (the same allocator, L * K tables).
 A uniform row of the engine (its real retention, `kvjax.bench.retention.run_variant`) beside
-the simulated uniform row checks the simulation, and for snapkv a pyramid row of the engine
-(`engine_pyramid_row`) beside the simulated pyramid row.
+the simulated uniform row checks the simulation, and for the presses that compress once a
+pyramid row of the engine (`engine_pyramid_row`) beside the simulated pyramid row.
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ class SchemeBench:
       depths, context, num_tokens, page_size, chunk, seed: the probes and the engine rows
         (`kvjax.bench.retention.RetentionBench`).
       engine_presses: presses whose uniform scheme (and pyramid, where the engine serves it:
-        snapkv) also runs in the engine, beside the simulated row.
+        `ENGINE_PYRAMID`) also runs in the engine, beside the simulated row.
     """
 
     presses: tuple[str, ...]
@@ -245,8 +246,9 @@ class SchemeBench:
     engine_presses: tuple[str, ...] = ()
 
 
-# Presses whose pyramid schedule the engine serves (`kvjax.kv.layer_retention`).
-ENGINE_PYRAMID = ("snapkv",)
+# Presses whose pyramid schedule the engine serves (`kvjax.kv.layer_retention`): those that
+# compress the prompt once.
+ENGINE_PYRAMID = ("snapkv", "knorm", "expected_attention", "observed_attention")
 
 
 def engine_pyramid_row(model: kvjax.Model, name: str, budget: int, probes, exact, max_len: int,

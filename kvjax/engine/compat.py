@@ -130,9 +130,10 @@ _DESCRIPTIONS = {
                        "merged exactly with the device's part",
     Feature.FUSED_KV_WRITE: "fused_kv_write=True: each layer's K/V projection writes its "
                             "rows into the pages itself (native CPU kernel)",
-    Feature.PYRAMID: "retention_schedule='pyramid' (PyramidKV: snapkv's budget shared over "
-                     "layers, each run of equal budgets in a block table of its own that "
-                     "gives back the pages past its budget)",
+    Feature.PYRAMID: "retention_schedule='pyramid' (PyramidKV: the budget of a press that "
+                     "compresses the prompt once shared over layers, each run of equal "
+                     "budgets in a block table of its own that gives back the pages past "
+                     "its budget)",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -153,7 +154,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_CODECS, [Feature.CONTIGUOUS],
            "quantized codes and scales are stored per page, so a kv_codec needs the paged "
            "layout")
-    refuse(_RETENTION, [Feature.CONTIGUOUS],
+    refuse([*_RETENTION, Feature.PYRAMID], [Feature.CONTIGUOUS],
            "retention frees and selects whole pages, so it needs the paged layout")
     refuse([Feature.HOST_TIER], [Feature.CONTIGUOUS],
            "tiers move whole pages, so they need the paged layout")
@@ -166,7 +167,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "KIVI quantizes keys in groups along a sequence's own tokens beside an exact "
            "window, so a chunk's keys cannot be re-rotated and placed token by token into "
            "another sequence's groups")
-    refuse(_EVICTING, [Feature.CONTEXT_REUSE],
+    refuse([*_EVICTING, Feature.PYRAMID], [Feature.CONTEXT_REUSE],
            "an evicting policy keeps the tokens a sequence's own attention chose, so a chunk "
            "computed alone would be cut to what it attended to, not to what the request that "
            "reuses it would keep")
@@ -188,7 +189,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_CODECS, [Feature.BATCH_INVARIANT],
            "a quantized cache holds other K/V than the trainer's forward computes, so rollout "
            "logprobs could not equal the trainer's bit for bit")
-    refuse(_RETENTION, [Feature.BATCH_INVARIANT],
+    refuse([*_RETENTION, Feature.PYRAMID], [Feature.BATCH_INVARIANT],
            "retention drops or skips tokens that the trainer's full forward attends to, so "
            "rollout logprobs could not equal the trainer's")
     refuse([Feature.CONTIGUOUS], [Feature.BATCH_INVARIANT],
@@ -212,7 +213,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_KIVI, [Feature.HOST_ROWS],
            "KIVI's row reader joins a sequence's quantized pages with its exact window by "
            "length, while a host-resident row splits its positions between two pools")
-    refuse(_RETENTION, [Feature.HOST_ROWS],
+    refuse([*_RETENTION, Feature.PYRAMID], [Feature.HOST_ROWS],
            "retention compacts, evicts or selects a row's pages in the device pool, while "
            "host-resident pages are read whole and never rewritten")
     refuse([Feature.SPECULATIVE], [Feature.HOST_ROWS],
@@ -259,14 +260,13 @@ def _refusals() -> dict[frozenset[Feature], str]:
 
 def _refuse_pyramid(refuse) -> None:
     """The per-layer schedule's refusals: each table group holds its own tokens at its own
-    cached length (`kvjax.kv.layer_retention`)."""
+    cached length (`kvjax.kv.layer_retention`). It runs with an evicting press, so where every
+    press is refused (the contiguous layout, context reuse, batch invariance, host-resident
+    rows) it is refused beside them, for the same reason, in `_refusals`."""
     pyramid = [Feature.PYRAMID]
     refuse(pyramid, [Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.TOVA],
            "this policy evicts as a sequence decodes, while the per-layer schedule shares a "
            "budget once, over the prompt's scores when its prefill completes")
-    refuse(pyramid, [Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION],
-           "PyramidKV's schedule keeps SnapKV's observation window in every layer and shares "
-           "out the rest, and this press has no observation window")
     refuse(pyramid, [Feature.QUEST],
            "Quest keeps every page and narrows what each query reads, so it has no budget of "
            "kept tokens to share over layers")
@@ -277,15 +277,9 @@ def _refuse_pyramid(refuse) -> None:
                      Feature.SNAPSHOT],
            "a sequence leaves the device and comes back through one retention record and one "
            "cached length, while the per-layer schedule keeps one per table group")
-    refuse(pyramid, [Feature.CONTIGUOUS],
-           "the per-layer schedule gives back pages per table group, so it needs the paged "
-           "layout")
     refuse(pyramid, [Feature.SPECULATIVE],
            "a verify step scores each draft query's keys summed over every layer, while the "
            "per-layer schedule ranks each table group by its own layers' scores")
-    refuse(pyramid, [Feature.CONTEXT_REUSE],
-           "a reused chunk is copied in at one cached position for every layer, while the "
-           "per-layer schedule's table groups each keep their own tokens")
     refuse(pyramid, [Feature.KV_ARENA],
            "an arena frame holds every layer of a token, so layers cannot give back pages "
            "apart")
@@ -295,12 +289,6 @@ def _refuse_pyramid(refuse) -> None:
     refuse(pyramid, [Feature.CONTROLLER],
            "the controller sets one token budget per sequence, priced by KL measured with every "
            "layer keeping the same tokens")
-    refuse(pyramid, [Feature.BATCH_INVARIANT],
-           "retention drops tokens that the trainer's full forward attends to, so rollout "
-           "logprobs could not equal the trainer's")
-    refuse(pyramid, [Feature.HOST_ROWS],
-           "host-resident pages are read whole and never rewritten, while the per-layer "
-           "schedule compacts each table group's pages")
 
 
 REFUSED: dict[frozenset[Feature], str] = _refusals()

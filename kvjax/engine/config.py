@@ -98,7 +98,8 @@ class EngineConfig:
       retention_schedule: how the budget is shared over layers: 'uniform' (every layer keeps
         the same tokens) or 'pyramid' (PyramidKV: lower layers keep more, upper ones fewer, the
         same tokens in all; each run of layers with equal budgets gets a block table of its own
-        and gives back the pages past its budget; `kvjax.kv.layer_retention`; snapkv).
+        and gives back the pages past its budget; `kvjax.kv.layer_retention`; presses that
+        compress the prompt once: snapkv, knorm, expected_attention, observed_attention).
       async_scheduling: schedule and dispatch step t+1 while the device runs step t (sampled
         tokens feed the next step on the device; the host reads them one step later). Greedy
         outputs are identical either way. Steps that return logits, engines whose

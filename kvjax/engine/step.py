@@ -438,9 +438,10 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     layer_groups = config.kv_layer_groups() if layer_groups is None else layer_groups
     layer_map = layer_tables(layer_groups)
     grouped = max(layer_map[0]) > 0 or any(layer_map[2])
-    # [R, G, W*P] scores, one row per table group, where groups keep budgets of their own.
-    score_tables = (max(layer_map[0]) + 1 if any(g.keep is TokenKeep.BUDGET
-                                                 for g in layer_groups) else 0)
+    # [R, G, W*P] scores, one row per table group, where G > 1 groups keep budgets of their own.
+    num_tables = max(layer_map[0]) + 1
+    score_tables = num_tables if num_tables > 1 and any(
+        g.keep is TokenKeep.BUDGET for g in layer_groups) else 0
     tables, slots, windows = (jnp.asarray(x, jnp.int32) for x in layer_map)
 
     def attend(layer, q, k, v, carry):

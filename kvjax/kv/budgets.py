@@ -46,7 +46,8 @@ of the size, about the budget itself, at K times the tables and a page gather pe
 `kvjax.bench.budgets` reports both.
 
 What is served. The engine serves the uniform scheme (every press's own selection) and, for
-SnapKV, the pyramid schedule (`EngineConfig.retention_schedule='pyramid'`,
+the presses that compress the prompt once (snapkv, knorm, expected_attention,
+observed_attention), the pyramid schedule (`EngineConfig.retention_schedule='pyramid'`,
 `kvjax.kv.layer_retention`): one table group per run of equal budgets, a cached length per table
 group in the step input, key scores per table group and a compaction per group, whose freed
 pages go back to the pool. Per-head allocations (AdaKV) are measured on a simulated cache

@@ -9,8 +9,8 @@ all) and frees the pages each layer no longer needs:
     block table of its own and its own cached length per sequence (`StepInput.group_kv_lens`);
   * the step scores keys per table group (`StepOutput.key_scores` [R, G, W*P]: each group's
     attention summed over its layers, query heads and weighted queries);
-  * when the press decides (SnapKV: when the prefill completes), each table group keeps its
-    own top tokens: the press's own choice (the same window and pooling as the uniform path)
+  * when the press decides (when the prefill completes), each table group keeps its own top
+    tokens: the press's own choice (SnapKV's window and pooling, as on the uniform path)
     over the group's scores, with the group's budget for a prompt of S tokens (the largest of
     its layers' `pyramid_budgets(L, B, S, window)`); each group is compacted by a COMPACT op of
     its own and the pages beyond its budget go back to the pool
@@ -18,9 +18,12 @@ all) and frees the pages each layer no longer needs:
     sum over groups of ceil(B_g / P) pages;
   * decode appends to every group at its own cached length.
 
-Only a press that decides once, when the prefill completes, from the step's attention scores
-(SnapKV) has a per-layer schedule here; `kvjax.engine.compat` refuses the others and the
-features that address a sequence's pages through one cached length.
+Every layer keeps the press's protected tokens (SnapKV's observation window,
+ExpectedAttention's sinks: `RetentionPolicy.protected_tokens`) inside its budget, as
+PyramidKV keeps its window. Only presses that compress the prompt once, from the step's key
+scores, when its prefill completes (snapkv, knorm, expected_attention, observed_attention:
+`compresses_once`) have a per-layer schedule here; `kvjax.engine.compat` refuses the others
+and the features that address a sequence's pages through one cached length.
 
 Plain numpy, no jax: the KV cache manager and the scheduler import it.
 """
@@ -51,23 +54,18 @@ def check_schedule(schedule: str, policy: RetentionPolicy) -> BudgetScheme:
         raise ValueError(f"EngineConfig.retention_schedule must be one of {list(SCHEDULES)}, "
                          f"got {schedule!r}")
     scheme = BudgetScheme(BudgetSchedule(schedule))
-    if scheme.schedule is not BudgetSchedule.UNIFORM and not (policy.evicts
-                                                              and policy.scores_keys):
-        raise ValueError(f"EngineConfig.retention_schedule={schedule!r} shares a scoring "
-                         f"press's budget over layers; retention={policy.name!r} is none")
+    if scheme.schedule is not BudgetSchedule.UNIFORM and not policy.compresses_once:
+        raise ValueError(f"EngineConfig.retention_schedule={schedule!r} shares the budget of "
+                         f"a press that compresses the prompt once, from its scores; "
+                         f"retention={policy.name!r} is none")
     return scheme
-
-
-def protected(policy: RetentionPolicy) -> tuple[int, int]:
-    """(first, last) tokens every layer keeps inside its budget (SnapKV's window)."""
-    return 0, int(getattr(policy, "window", 0))
 
 
 def schedule_layer_groups(policy: RetentionPolicy, scheme: BudgetScheme, num_layers: int,
                           token_format: TokenFormat, max_len: int) -> tuple[LayerGroup, ...]:
     """The pool's layer groups: one per run of layers with equal budgets at `max_len` tokens,
     each keeping its budget (`budget_layer_groups`)."""
-    first, last = protected(policy)
+    first, last = policy.protected_tokens()
     budgets = scheme.layer_budgets(num_layers, policy.budget, max_len, window=first + last)
     return budget_layer_groups(budgets, token_format)
 
@@ -102,7 +100,7 @@ class GroupedRetention(RetentionManager):
     def table_budgets(self, budget: int, num_tokens: int) -> list[int]:
         """Tokens each table group keeps of a prompt of `num_tokens` tokens: the most any of
         its layers keeps (`BudgetScheme.layer_budgets`)."""
-        first, last = protected(self.policy)
+        first, last = self.policy.protected_tokens()
         layers = self.scheme.layer_budgets(self.num_layers, budget, num_tokens,
                                            window=first + last)
         return [int(max(layers[i] for i in t)) for t in self.tables]

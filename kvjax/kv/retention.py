@@ -63,7 +63,7 @@ pages are shared by every layer and head; H2O and SnapKV choose per layer and he
 paged memory cannot free. SnapKV pools the layer-and-head sum, not each head's scores.
 `kvjax.kv.budgets` shares a budget per layer (PyramidKV) and per head (AdaKV) over per-layer,
 per-head scores and declares the layer groups whose own block tables free those pages; the
-engine serves PyramidKV's per-layer schedule over SnapKV that way
+engine serves PyramidKV's per-layer schedule over the presses that compress once that way
 (`EngineConfig.retention_schedule`, `kvjax.kv.layer_retention`: a cached length, key scores
 and a compaction per table group), and the per-head schemes are measured on a simulated cache
 (`kvjax.bench.budgets`).

@@ -70,8 +70,11 @@ class RetentionPolicy(Protocol):
     rotates_keys: bool  # rotary_shifts may shift kept keys (streaming, cache_positions)
     accumulates_scores: bool  # a step's key scores add to the earlier ones (else replace them)
     needs_rope: bool  # its device side reads the model's RoPE (`bind_rope`)
+    compresses_once: bool  # decides once, from scores, when the prefill completes
 
     def fingerprint(self) -> str: ...
+
+    def protected_tokens(self) -> tuple[int, int]: ...
 
     def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
                       ) -> np.ndarray: ...
@@ -155,10 +158,18 @@ class _Policy:
     accumulates_scores: ClassVar[bool] = True
     needs_rope: ClassVar[bool] = False
     rotates_keys: bool = False
+    # Decides once, from scores, when the prefill completes (a per-layer schedule can share
+    # its budget: `kvjax.kv.layer_retention`).
+    compresses_once: ClassVar[bool] = False
 
     def __init__(self, budget: int | None, page_size: int):
         self.budget = budget
         self.page_size = page_size
+
+    def protected_tokens(self) -> tuple[int, int]:
+        """(first, last): the tokens of a prompt it always keeps inside its budget (sinks, an
+        observation window)."""
+        return 0, 0
 
     def options(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.option_names}
@@ -350,6 +361,7 @@ class SnapKV(_Policy):
     option_names = ("window", "kernel", "pooling")
     evicts = True
     scores_keys = True
+    compresses_once = True
 
     def __init__(self, budget: int | None, page_size: int, window: int = 64, kernel: int = 5,
                  pooling: str | Pooling = Pooling.MAX):
@@ -372,6 +384,9 @@ class SnapKV(_Policy):
         if view is not None and view.is_prefill_done:
             return np.zeros(len(positions), np.float32)
         return (positions >= num_tokens - self.window).astype(np.float32)
+
+    def protected_tokens(self) -> tuple[int, int]:
+        return 0, self.window
 
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
         size = len(view.positions)

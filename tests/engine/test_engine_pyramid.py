@@ -24,20 +24,28 @@ BASE = dict(page_size=P, max_num_batched_tokens=64, max_prefill_chunk=64, min_ch
             enable_prefix_cache=False)
 
 
-def pyramid_config(budget: int, window: int, kernel: int, **extra) -> EngineConfig:
-    return EngineConfig(**{**BASE, **extra}, retention="snapkv", retention_budget=budget,
-                        retention_options=dict(window=window, kernel=kernel),
-                        retention_schedule="pyramid")
+# Each press's engine options and the simulated cache's `PressSpec` of the same scores.
+PRESSES = dict(
+    snapkv=(dict(window=4, kernel=3), dict(window=4, kernel=3)),
+    knorm=({}, {}),
+    observed_attention=({}, {}),
+    expected_attention=(dict(num_sinks=2, num_future=16), dict(num_sinks=2, num_future=16)),
+)
+
+
+def pyramid_config(press: str, budget: int, **extra) -> EngineConfig:
+    return EngineConfig(**{**BASE, **extra}, retention=press, retention_budget=budget,
+                        retention_options=PRESSES[press][0], retention_schedule="pyramid")
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 120, size=length)]
 
 
-def simulated_kept(model, prompt, budget, window, kernel):
+def simulated_kept(model, prompt, name, budget):
     """[L, K, S] the tokens each layer keeps in the simulated cache, and its captured K/V."""
     q, k, v, last = sim.capture_qkv(model, prompt)
-    press = sim.PressSpec("snapkv", window=window, kernel=kernel)
+    press = sim.PressSpec(name, **PRESSES[name][1])
     scores = sim.layer_head_scores(q, k, v, press, model.config.rope)
     first, last_kept = press.protected(budget)
     kept = budgets.BudgetScheme.named("pyramid").select(scores, budget, first=first,
@@ -60,12 +68,12 @@ def engine_run(engine, prompt, num_new, logits_mode=LogitsMode.NONE):
     return tokens, logits, held
 
 
-def check_against_simulation(model, engine, prompt, budget, window, kernel, num_new=6):
+def check_against_simulation(model, engine, prompt, name, budget, num_new=6):
     """The engine's greedy tokens and logits are the simulated cache's; its pages after the
     prompt's compaction are the per-layer budgets'; a second run of the same shapes compiles
     nothing."""
     tokens, logits, held = engine_run(engine, prompt, num_new, LogitsMode.LAST)
-    kept, k, v, last = simulated_kept(model, prompt, budget, window, kernel)
+    kept, k, v, last = simulated_kept(model, prompt, name, budget)
     layer_budgets = kept.sum(axis=2).max(axis=1)
     assert len(set(layer_budgets.tolist())) > 1, "the case must give layers different budgets"
     assert held == budgets.pages_held(kept, P) == sum(-(-int(b) // P) for b in layer_budgets)
@@ -81,17 +89,18 @@ def check_against_simulation(model, engine, prompt, budget, window, kernel, num_
     return tokens
 
 
-@pytest.mark.parametrize("length,budget,window,kernel", [(40, 16, 4, 3), (61, 24, 8, 5)])
-def test_pyramid_matches_simulated_cache_and_frees_pages(length, budget, window, kernel):
+@pytest.mark.parametrize("press,length,budget", [
+    ("snapkv", 40, 16), ("snapkv", 61, 24), ("knorm", 40, 16), ("observed_attention", 40, 16),
+    ("expected_attention", 40, 16)])
+def test_pyramid_matches_simulated_cache_and_frees_pages(press, length, budget):
     model = tiny_model()
-    engine = Engine(model, pyramid_config(budget, window, kernel))
-    check_against_simulation(model, engine, prompt_of(length, seed=length), budget, window,
-                             kernel)
+    engine = Engine(model, pyramid_config(press, budget))
+    check_against_simulation(model, engine, prompt_of(length, seed=length), press, budget)
 
 
 def test_pyramid_compiles_nothing_after_warmup():
     model = tiny_model()
-    engine = Engine(model, pyramid_config(16, 4, 3))
+    engine = Engine(model, pyramid_config("snapkv", 16))
     warm = engine.warmup()
     tokens, _, _ = engine_run(engine, prompt_of(40, seed=40), 6)
     assert engine.num_compiles == warm, "a step or a compaction compiled after warm-up"
@@ -112,4 +121,4 @@ def test_invalid_schedule_is_refused(extra, match):
 def test_sliding_window_model_refuses_pyramid():
     model = tiny_model(dataclasses.replace(TINY, layer_windows=(8, 0), name="tiny-sw"))
     with pytest.raises(ValueError, match="sliding-window"):
-        Engine(model, pyramid_config(16, 4, 3))
+        Engine(model, pyramid_config("snapkv", 16))
