@@ -336,6 +336,11 @@ def run(model: kvjax.Model, settings: SchemeBench) -> dict:
                 simulated=True)
             print(f"{name}/{scheme_name}: {rows[f'{name}/{scheme_name}']} "
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
+        if name in settings.engine_presses and name in ENGINE_PYRAMID and \
+                "pyramid" in settings.schemes:
+            rows[f"{name}/pyramid (engine)"] = engine_pyramid_row(
+                model, name, budget, probes, exact, max_len, settings)
+            print(f"{name}/pyramid (engine): {rows[f'{name}/pyramid (engine)']}", flush=True)
         if name in settings.engine_presses:
             row = retention_bench.run_variant(model, f"{name}:{budget}", probes, exact, max_len,
                                               retention_bench.RetentionBench(
@@ -348,9 +353,4 @@ def run(model: kvjax.Model, settings: SchemeBench) -> dict:
                 {key: row[key] for key in ("kl_mean", "kl_p99", "kl_max", "top1_agreement",
                                            "retrieval_pass")}, simulated=False)
             print(f"{name}/uniform (engine): {rows[f'{name}/uniform (engine)']}", flush=True)
-        if name in settings.engine_presses and name in ENGINE_PYRAMID and \
-                "pyramid" in settings.schemes:
-            rows[f"{name}/pyramid (engine)"] = engine_pyramid_row(
-                model, name, budget, probes, exact, max_len, settings)
-            print(f"{name}/pyramid (engine): {rows[f'{name}/pyramid (engine)']}", flush=True)
     return dict(rows=rows, budget=budget, prompt_tokens=[len(p) for p, _ in probes])

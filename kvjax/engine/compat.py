@@ -263,32 +263,35 @@ def _refuse_pyramid(refuse) -> None:
     cached length (`kvjax.kv.layer_retention`). It runs with an evicting press, so where every
     press is refused (the contiguous layout, context reuse, batch invariance, host-resident
     rows) it is refused beside them, for the same reason, in `_refusals`."""
-    pyramid = [Feature.PYRAMID]
-    refuse(pyramid, [Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.TOVA],
-           "this policy evicts as a sequence decodes, while the per-layer schedule shares a "
-           "budget once, over the prompt's scores when its prefill completes")
-    refuse(pyramid, [Feature.QUEST],
-           "Quest keeps every page and narrows what each query reads, so it has no budget of "
-           "kept tokens to share over layers")
-    refuse(pyramid, _KIVI,
-           "KIVI's exact window and key groups follow one cached length per sequence, while "
-           "the per-layer schedule's table groups each hold a different number of tokens")
-    refuse(pyramid, [Feature.HOST_TIER, Feature.SWAP, Feature.AUTO_PREEMPTION,
-                     Feature.SNAPSHOT],
-           "a sequence leaves the device and comes back through one retention record and one "
-           "cached length, while the per-layer schedule keeps one per table group")
-    refuse(pyramid, [Feature.SPECULATIVE],
-           "a verify step scores each draft query's keys summed over every layer, while the "
-           "per-layer schedule ranks each table group by its own layers' scores")
-    refuse(pyramid, [Feature.KV_ARENA],
-           "an arena frame holds every layer of a token, so layers cannot give back pages "
-           "apart")
-    refuse(pyramid, [Feature.MESH],
-           "the mesh's sharded programs are built for the model's own layer groups, not a "
-           "pool regrouped by retention budget")
-    refuse(pyramid, [Feature.CONTROLLER],
-           "the controller sets one token budget per sequence, priced by KL measured with every "
-           "layer keeping the same tokens")
+    for features, reason in _PYRAMID_REFUSED:
+        refuse([Feature.PYRAMID], features, reason)
+
+
+_PYRAMID_REFUSED = (
+    ((Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.TOVA),
+     "this policy evicts as a sequence decodes, while the per-layer schedule shares a budget "
+     "once, over the prompt's scores when its prefill completes"),
+    ((Feature.QUEST,),
+     "Quest keeps every page and narrows what each query reads, so it has no budget of kept "
+     "tokens to share over layers"),
+    (_KIVI,
+     "KIVI's exact window and key groups follow one cached length per sequence, while the "
+     "per-layer schedule's table groups each hold a different number of tokens"),
+    ((Feature.HOST_TIER, Feature.SWAP, Feature.AUTO_PREEMPTION, Feature.SNAPSHOT),
+     "a sequence leaves the device and comes back through one retention record and one "
+     "cached length, while the per-layer schedule keeps one per table group"),
+    ((Feature.SPECULATIVE,),
+     "a verify step scores each draft query's keys summed over every layer, while the "
+     "per-layer schedule ranks each table group by its own layers' scores"),
+    ((Feature.KV_ARENA,),
+     "an arena frame holds every layer of a token, so layers cannot give back pages apart"),
+    ((Feature.MESH,),
+     "the mesh's sharded programs are built for the model's own layer groups, not a pool "
+     "regrouped by retention budget"),
+    ((Feature.CONTROLLER,),
+     "the controller sets one token budget per sequence, priced by KL measured with every "
+     "layer keeping the same tokens"),
+)
 
 
 REFUSED: dict[frozenset[Feature], str] = _refusals()
