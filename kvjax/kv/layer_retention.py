@@ -12,10 +12,10 @@ all) and frees the pages each layer no longer needs:
   * when the press decides (when the prefill completes), each table group keeps its own top
     tokens: the press's own choice (SnapKV's window and pooling, as on the uniform path)
     over the group's scores, with the group's budget for a prompt of S tokens (the largest of
-    its layers' `pyramid_budgets(L, B, S, window)`); each group is compacted by a COMPACT op of
-    its own and the pages beyond its budget go back to the pool
-    (`GroupedBlockManager.retain_groups`), so a sequence then holds
-    sum over groups of ceil(B_g / P) pages;
+    its layers' `pyramid_budgets(L, B, S, window)`, at least one token); each group is
+    compacted by a COMPACT op of its own and the pages beyond its budget go back to the pool
+    (`GroupedBlockManager.retain_groups`), so a sequence then holds sum over groups of
+    ceil(B_g / P) pages;
   * decode appends to every group at its own cached length.
 
 Every layer keeps the press's protected tokens (SnapKV's observation window,
@@ -49,7 +49,7 @@ SCHEDULES = tuple(s.value for s in BudgetSchedule)
 
 def check_schedule(schedule: str, policy: RetentionPolicy) -> BudgetScheme:
     """The `BudgetScheme` of `EngineConfig.retention_schedule` for `policy` (ValueError: an
-    unknown schedule, or a per-layer one without a policy that scores and evicts)."""
+    unknown schedule, or a per-layer one over a policy that does not compress once)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"EngineConfig.retention_schedule must be one of {list(SCHEDULES)}, "
                          f"got {schedule!r}")
@@ -67,7 +67,7 @@ def schedule_layer_groups(policy: RetentionPolicy, scheme: BudgetScheme, num_lay
     each keeping its budget (`budget_layer_groups`)."""
     first, last = policy.protected_tokens()
     budgets = scheme.layer_budgets(num_layers, policy.budget, max_len, window=first + last)
-    return budget_layer_groups(budgets, token_format)
+    return budget_layer_groups(np.maximum(budgets, 1), token_format)
 
 
 class GroupedRetention(RetentionManager):
@@ -99,11 +99,12 @@ class GroupedRetention(RetentionManager):
 
     def table_budgets(self, budget: int, num_tokens: int) -> list[int]:
         """Tokens each table group keeps of a prompt of `num_tokens` tokens: the most any of
-        its layers keeps (`BudgetScheme.layer_budgets`)."""
+        its layers keeps (`BudgetScheme.layer_budgets`), at least one (a layer whose share
+        rounds to nothing, B - protected < beta, would leave its table empty)."""
         first, last = self.policy.protected_tokens()
         layers = self.scheme.layer_budgets(self.num_layers, budget, num_tokens,
                                            window=first + last)
-        return [int(max(layers[i] for i in t)) for t in self.tables]
+        return [max(1, int(max(layers[i] for i in t))) for t in self.tables]
 
     def observe(self, seq_id: str, start: int, num_new: int,
                 key_scores: np.ndarray | None) -> None:

@@ -133,8 +133,11 @@ def config_for(features) -> dict:
     config = dict(BASE)
     for feature in features:
         config.update(settings.get(feature, {}))
-    if Feature.PYRAMID in features and "retention" not in config:
-        config.update(settings[Feature.SNAPKV])
+    if Feature.PYRAMID in features:
+        if "retention" not in config:
+            config.update(settings[Feature.SNAPKV])
+        if config["num_pages"] is not None:  # a table per layer, each page one layer: the
+            config["num_pages"] = 2 * BASE["num_pages"]  # same bytes as BASE's pages of two
     return config
 
 

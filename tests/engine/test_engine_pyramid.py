@@ -122,3 +122,16 @@ def test_sliding_window_model_refuses_pyramid():
     model = tiny_model(dataclasses.replace(TINY, layer_windows=(8, 0), name="tiny-sw"))
     with pytest.raises(ValueError, match="sliding-window"):
         Engine(model, pyramid_config("snapkv", 16))
+
+
+def test_admission_counts_the_whole_prompt_in_every_table():
+    """Before the press decides, every table group holds the whole prompt: a request whose
+    prompt and output need more pages over the tables than the pool has is refused alone."""
+    model = tiny_model()
+    length, num_new = 40, 6
+    need = model.config.num_layers * -(-(length + num_new) // P)  # one-layer tables here
+    engine = Engine(model, pyramid_config("snapkv", 16, num_pages=need - 1))
+    with pytest.raises(ValueError, match=f"request 'r' needs {need} KV pages"):
+        engine.add_request("r", prompt_of(length, seed=0), SamplingParams(max_new_tokens=num_new))
+    fits = Engine(model, pyramid_config("snapkv", 16, num_pages=need))
+    fits.add_request("r", prompt_of(length, seed=0), SamplingParams(max_new_tokens=num_new))
