@@ -10,8 +10,9 @@ top-k attention pages; what each number is: `kvjax.bench.retention`.
 
 With --schemes, the budget schemes instead (uniform, pyramid: PyramidKV per layer, adakv: AdaKV
 per head, `kvjax.kv.budgets`) for each of --scheme_presses at --budget_fraction of the prompt,
-on a simulated cache (the engine serves the uniform scheme only; --engine_presses adds its
-uniform rows beside the simulated ones), with the pages a per-layer allocator holds:
+on a simulated cache (--engine_presses adds the engine's uniform rows beside the simulated
+ones, and for the presses that compress once its pyramid rows,
+`retention_schedule='pyramid'`), with the pages a per-layer allocator holds:
 
   python scripts/bench_retention.py --schemes=uniform,pyramid,adakv --context=2048 \
       --depths=0.25,0.5,0.75 --num_tokens=16 --chunk=2048 --output_json /tmp/schemes.json
@@ -50,7 +51,8 @@ flags.DEFINE_list("scheme_presses", ["snapkv", "expected_attention", "knorm"],
                   "Presses the budget schemes score with.")
 flags.DEFINE_float("budget_fraction", 0.25, "Budget schemes: tokens kept, fraction of the prompt.")
 flags.DEFINE_list("engine_presses", ["snapkv"],
-                  "Budget schemes: presses whose uniform scheme also runs in the engine.")
+                  "Budget schemes: presses whose uniform scheme (and pyramid) "
+                  "also runs in the engine.")
 flags.DEFINE_string("output_json", None, "Write every number here (rewritten after each row).")
 flags.DEFINE_string("probes_json", None,
                     "Write the probes here (prompt, answer and forced continuation token ids, "

@@ -1,9 +1,10 @@
 """Budget schemes (uniform, PyramidKV per layer, AdaKV per head) at long context: quality and
 pages held, what `scripts/bench_retention.py --schemes` runs; `run` is the whole benchmark.
 
-The engine's paged step reads one cached length per row for every layer, so it serves the
-uniform scheme only (`kvjax.kv.budgets`). The schemes are therefore measured on a simulated
-cache, for each needle probe (`kvjax.bench.retention.make_probe`):
+The engine serves the uniform scheme and the pyramid schedule of the presses that compress
+once (`kvjax.kv.budgets`,
+`kvjax.kv.layer_retention`), not the per-head ones. The schemes are therefore measured on a
+simulated cache, for each needle probe (`kvjax.bench.retention.make_probe`):
   * one dense forward pass over the prompt captures every layer's queries, keys and values;
   * each press scores every prompt token per layer and kv head from them
     (`layer_head_scores`, the scores the engine's presses sum over layers and heads), and the
@@ -20,7 +21,8 @@ cache, for each needle probe (`kvjax.bench.retention.make_probe`):
     tokens; `pages_fraction_head_tables` is what one block table per (layer, kv head), pages
     of one head, would hold instead (the same allocator, L * K tables).
 A uniform row of the engine (its real retention, `kvjax.bench.retention.run_variant`) beside
-the simulated uniform row checks the simulation.
+the simulated uniform row checks the simulation, and for the presses that compress once a
+pyramid row of the engine (`engine_pyramid_row`) beside the simulated pyramid row.
 """
 
 from __future__ import annotations
@@ -228,8 +230,8 @@ class SchemeBench:
       budget_fraction: tokens kept per layer and head on average, as a fraction of the prompt.
       depths, context, num_tokens, page_size, chunk, seed: the probes and the engine rows
         (`kvjax.bench.retention.RetentionBench`).
-      engine_presses: presses whose uniform scheme also runs in the engine, beside the
-        simulated row.
+      engine_presses: presses whose uniform scheme (and pyramid, where the engine serves it:
+        `ENGINE_PYRAMID`) also runs in the engine, beside the simulated row.
     """
 
     presses: tuple[str, ...]
@@ -244,11 +246,41 @@ class SchemeBench:
     engine_presses: tuple[str, ...] = ()
 
 
+# Presses whose pyramid schedule the engine serves (`kvjax.kv.layer_retention`): those that
+# compress the prompt once.
+ENGINE_PYRAMID = ("snapkv", "knorm", "expected_attention", "observed_attention")
+
+
+def engine_pyramid_row(model: kvjax.Model, name: str, budget: int, probes, exact, max_len: int,
+                       settings: SchemeBench) -> dict:
+    """The engine's own pyramid row (`retention_schedule='pyramid'`): quality against the
+    exact engine runs, and the most pages its sequence held in a decode step (read from the
+    allocator at dispatch: the compacted prompt and the decoded tokens, every table group) as
+    a fraction of exact KV's pages of every layer for the same tokens."""
+    engine = retention_bench.make_engine(model, f"{name}:{budget}:schedule=pyramid", max_len,
+                                         page_size=settings.page_size, chunk=settings.chunk)
+    layers_per_page = engine.kv_spec.layers_per_table
+    refs, tests, passed, fractions = [], [], [], []
+    for i, ((prompt, answer), ex) in enumerate(zip(probes, exact, strict=True)):
+        run_ = retention_bench.forced_run(engine, prompt, ex["tokens"], settings.num_tokens,
+                                          f"pyramid-{i}")
+        refs.append(ex["logits"])
+        tests.append(run_["logits"])
+        passed.append(bool(np.all(run_["logits"][:len(answer)].argmax(-1) == answer)))
+        exact_pages = -(-(len(prompt) + settings.num_tokens) // settings.page_size)
+        fractions.append(run_["decode_peak_pages"] * layers_per_page
+                         / (exact_pages * model.config.num_layers))
+    return dict(quality_stats(np.concatenate(refs), np.concatenate(tests)),
+                retrieval_pass=float(np.mean(passed)),
+                decode_pages_fraction=float(np.mean(fractions)), simulated=False)
+
+
 COLUMNS = (("kl_mean", "KL mean", "{:.3f}"), ("kl_p99", "KL p99", "{:.3f}"),
            ("kl_max", "KL worst", "{:.3f}"), ("top1_agreement", "top-1", "{:.3f}"),
            ("retrieval_pass", "retrieval", "{:.2f}"), ("pages_held", "pages held", "{:.1f}"),
            ("pages_fraction", "pages vs exact", "{:.3f}"),
-           ("pages_fraction_head_tables", "per-head tables vs exact", "{:.3f}"))
+           ("pages_fraction_head_tables", "per-head tables vs exact", "{:.3f}"),
+           ("decode_pages_fraction", "decode peak pages vs exact", "{:.3f}"))
 
 
 def run(model: kvjax.Model, settings: SchemeBench) -> dict:
@@ -304,6 +336,11 @@ def run(model: kvjax.Model, settings: SchemeBench) -> dict:
                 simulated=True)
             print(f"{name}/{scheme_name}: {rows[f'{name}/{scheme_name}']} "
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
+        if name in settings.engine_presses and name in ENGINE_PYRAMID and \
+                "pyramid" in settings.schemes:
+            rows[f"{name}/pyramid (engine)"] = engine_pyramid_row(
+                model, name, budget, probes, exact, max_len, settings)
+            print(f"{name}/pyramid (engine): {rows[f'{name}/pyramid (engine)']}", flush=True)
         if name in settings.engine_presses:
             row = retention_bench.run_variant(model, f"{name}:{budget}", probes, exact, max_len,
                                               retention_bench.RetentionBench(

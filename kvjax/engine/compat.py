@@ -66,6 +66,7 @@ class Feature(enum.Enum):
     BATCH_INVARIANT = "batch_invariant"
     HOST_ROWS = "host_rows"
     FUSED_KV_WRITE = "fused_kv_write"
+    PYRAMID = "pyramid"
 
     @property
     def group(self) -> str | None:
@@ -134,6 +135,10 @@ _DESCRIPTIONS = {
                        "merged exactly with the device's part",
     Feature.FUSED_KV_WRITE: "fused_kv_write=True: each layer's K/V projection writes its "
                             "rows into the pages itself (native CPU kernel)",
+    Feature.PYRAMID: "retention_schedule='pyramid' (PyramidKV: the budget of a press that "
+                     "compresses the prompt once shared over layers, each run of equal "
+                     "budgets in a block table of its own that gives back the pages past "
+                     "its budget)",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -155,7 +160,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_CODECS, [Feature.CONTIGUOUS],
            "quantized codes and scales are stored per page, so a kv_codec needs the paged "
            "layout")
-    refuse(_RETENTION, [Feature.CONTIGUOUS],
+    refuse([*_RETENTION, Feature.PYRAMID], [Feature.CONTIGUOUS],
            "retention frees and selects whole pages, so it needs the paged layout")
     refuse([Feature.HOST_TIER], [Feature.CONTIGUOUS],
            "tiers move whole pages, so they need the paged layout")
@@ -168,7 +173,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "KIVI quantizes keys in groups along a sequence's own tokens beside an exact "
            "window, so a chunk's keys cannot be re-rotated and placed token by token into "
            "another sequence's groups")
-    refuse(_EVICTING, [Feature.CONTEXT_REUSE],
+    refuse([*_EVICTING, Feature.PYRAMID], [Feature.CONTEXT_REUSE],
            "an evicting policy keeps the tokens a sequence's own attention chose, so a chunk "
            "computed alone would be cut to what it attended to, not to what the request that "
            "reuses it would keep")
@@ -190,7 +195,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_CODECS, [Feature.BATCH_INVARIANT],
            "a quantized cache holds other K/V than the trainer's forward computes, so rollout "
            "logprobs could not equal the trainer's bit for bit")
-    refuse(_RETENTION, [Feature.BATCH_INVARIANT],
+    refuse([*_RETENTION, Feature.PYRAMID], [Feature.BATCH_INVARIANT],
            "retention drops or skips tokens that the trainer's full forward attends to, so "
            "rollout logprobs could not equal the trainer's")
     refuse([Feature.CONTIGUOUS], [Feature.BATCH_INVARIANT],
@@ -214,7 +219,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_KIVI, [Feature.HOST_ROWS],
            "KIVI's row reader joins a sequence's quantized pages with its exact window by "
            "length, while a host-resident row splits its positions between two pools")
-    refuse(_RETENTION, [Feature.HOST_ROWS],
+    refuse([*_RETENTION, Feature.PYRAMID], [Feature.HOST_ROWS],
            "retention compacts, evicts or selects a row's pages in the device pool, while "
            "host-resident pages are read whole and never rewritten")
     refuse([Feature.SPECULATIVE], [Feature.HOST_ROWS],
@@ -271,7 +276,44 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.CONTROLLER], [Feature.ECHO],
            "the controller prices swaps, recomputes and demotions with a model of the device "
            "pool that does not count pages whose only copy is in the host pool")
+    _refuse_pyramid(refuse)
     return table
+
+
+def _refuse_pyramid(refuse) -> None:
+    """The per-layer schedule's refusals: each table group holds its own tokens at its own
+    cached length (`kvjax.kv.layer_retention`). It runs with an evicting press, so where every
+    press is refused (the contiguous layout, context reuse, batch invariance, host-resident
+    rows) it is refused beside them, for the same reason, in `_refusals`."""
+    for features, reason in _PYRAMID_REFUSED:
+        refuse([Feature.PYRAMID], features, reason)
+
+
+_PYRAMID_REFUSED = (
+    ((Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.TOVA),
+     "this policy evicts as a sequence decodes, while the per-layer schedule shares a budget "
+     "once, over the prompt's scores when its prefill completes"),
+    (_QUEST,
+     "Quest keeps every page and narrows what each query reads, so it has no budget of kept "
+     "tokens to share over layers"),
+    (_KIVI,
+     "KIVI's exact window and key groups follow one cached length per sequence, while the "
+     "per-layer schedule's table groups each hold a different number of tokens"),
+    ((Feature.HOST_TIER, Feature.SWAP, Feature.AUTO_PREEMPTION, Feature.SNAPSHOT),
+     "a sequence leaves the device and comes back through one retention record and one "
+     "cached length, while the per-layer schedule keeps one per table group"),
+    ((Feature.SPECULATIVE,),
+     "a verify step scores each draft query's keys summed over every layer, while the "
+     "per-layer schedule ranks each table group by its own layers' scores"),
+    ((Feature.KV_ARENA,),
+     "an arena frame holds every layer of a token, so layers cannot give back pages apart"),
+    ((Feature.MESH,),
+     "the mesh's sharded programs are built for the model's own layer groups, not a pool "
+     "regrouped by retention budget"),
+    ((Feature.CONTROLLER,),
+     "the controller sets one token budget per sequence, priced by KL measured with every "
+     "layer keeping the same tokens"),
+)
 
 
 REFUSED: dict[frozenset[Feature], str] = _refusals()
@@ -346,6 +388,9 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         (Feature.CONTIGUOUS, "contiguous slots preallocate every layer of"),
         (Feature.MESH, "the mesh's sharded programs are built for"),
         (Feature.HOST_ROWS, "the host pool's moves and split attention follow"))},
+    (ModelTrait.LAYER_GROUPS, Feature.PYRAMID):
+        "the per-layer schedule regroups layers into block tables of equal retention budget, "
+        "while a model with sliding-window layers already keeps one per window group",
     (ModelTrait.PER_LAYER_ROPE, Feature.CONTEXT_REUSE):
         "a reused chunk's keys are re-rotated by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
@@ -494,6 +539,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.BATCH_INVARIANT, "batch_invariant=True"))
     if config.fused_kv_write:
         found.append(_Present(Feature.FUSED_KV_WRITE, "fused_kv_write=True"))
+    if config.retention_schedule == Feature.PYRAMID.value:
+        found.append(_Present(Feature.PYRAMID, "retention_schedule='pyramid'"))
     if config.host_split != "never" and config.num_host_pages > 0:
         found.append(_Present(Feature.HOST_ROWS, f"host_split={config.host_split!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:

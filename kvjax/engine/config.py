@@ -8,6 +8,8 @@ from kvjax.config import KVLayout
 from kvjax.engine import compat
 from kvjax.engine.step import AttentionImpl, MatmulImpl
 from kvjax.kv import quantized
+from kvjax.kv.layer_retention import check_schedule
+from kvjax.kv.retention import make_retention
 from kvjax.memory.prefix_cache import PrefixEviction
 from kvjax.memory.tiers import TierConfig
 from kvjax.scheduler.context import make_strategy
@@ -93,6 +95,11 @@ class EngineConfig:
       retention_budget: tokens per sequence the policy keeps (quest: reads per decode query);
         None for 'none'.
       retention_options: keyword options of the policy (e.g. {'num_sinks': 4}).
+      retention_schedule: how the budget is shared over layers: 'uniform' (every layer keeps
+        the same tokens) or 'pyramid' (PyramidKV: lower layers keep more, upper ones fewer, the
+        same tokens in all; each run of layers with equal budgets gets a block table of its own
+        and gives back the pages past its budget; `kvjax.kv.layer_retention`; presses that
+        compress the prompt once: snapkv, knorm, expected_attention, observed_attention).
       async_scheduling: schedule and dispatch step t+1 while the device runs step t (sampled
         tokens feed the next step on the device; the host reads them one step later). Greedy
         outputs are identical either way. Steps that return logits, engines whose
@@ -156,6 +163,7 @@ class EngineConfig:
     retention: str = "none"
     retention_budget: int | None = None
     retention_options: dict = dataclasses.field(default_factory=dict)
+    retention_schedule: str = "uniform"
     async_scheduling: bool = True
     spec: SpecConfig = SpecConfig()
     context_reuse: str = "full"
@@ -216,6 +224,8 @@ class EngineConfig:
                              "on the CPU's native kernels; the Pallas kernels' block sizes "
                              "follow the batch: use attention_impl AUTO")
         compat.check(self, on_mesh=False)
+        check_schedule(self.retention_schedule, make_retention(
+            self.retention, self.retention_budget, self.page_size, **self.retention_options))
 
     @property
     def controlled(self) -> bool:

@@ -26,6 +26,7 @@ from kvjax.config import KVLayout, resolve_dtype
 from kvjax.engine import compat, host_rows
 from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.core import EngineCore
+from kvjax.engine.layer_budgets import pool_layer_groups, retention_manager
 from kvjax.engine.pool import KVPoolSource, build_kv_pool
 from kvjax.engine.request import (
     RequestOutput,
@@ -43,7 +44,7 @@ from kvjax.engine.step import (
 )
 from kvjax.engine.swap import DEMOTION_BITS, demoted_nbytes, demotes
 from kvjax.kv import fused_write
-from kvjax.kv.retention import Compactor, RetentionManager, make_retention
+from kvjax.kv.retention import Compactor, RetentionManager
 from kvjax.kv.reuse import ChunkCopier
 from kvjax.kv.state import pages_for
 from kvjax.memory.host_pool import HostPagePool
@@ -130,9 +131,8 @@ class Engine:
                       mc.max_position_embeddings)
         self.max_model_len = pages_for(max_len, config.page_size) * config.page_size
         self.kv_dtype = resolve_dtype(config.kv_dtype) if config.kv_dtype else model.dtype
-        retention = RetentionManager(make_retention(
-            config.retention, config.retention_budget, config.page_size,
-            **config.retention_options), rope=mc.rope)
+        layer_groups = pool_layer_groups(mc, config, self.max_model_len)
+        retention = retention_manager(mc, config, layer_groups)
         self.max_pages_per_seq = self.max_model_len // config.page_size
         # Block tables keep one width, so context growth never changes a step's shape.
         self.block_table_width = pages_for(self.max_pages_per_seq, PAGES_PER_BLOCK) * \
@@ -163,7 +163,7 @@ class Engine:
                                 batch_invariant=config.batch_invariant,
                                 fused_kv_write=config.fused_kv_write,
                                 host_compute=uses_host and host_rows.host_compute_reason() is None,
-                                dtype=model.dtype)
+                                dtype=model.dtype, layer_groups=layer_groups)
         if mesh is not None:
             kv, programs = sharding.shard_kv_and_programs(kv, programs, model, mesh)
         else:
@@ -369,6 +369,10 @@ class Engine:
         `DecisionTrace`, which `kvjax.scheduler.replay.replay` decides again without a model.
         Call it before the engine's first step."""
         cfg = self.config
+        if self.kv_cache.retention.num_tables > 1:
+            raise ValueError("record_decisions: a replay rebuilds one retention record per "
+                             "sequence, while retention_schedule="
+                             f"{cfg.retention_schedule!r} keeps one per table group")
         allocator = copy.deepcopy(self.kv_cache.allocator)
         allocator.tracer = NULL_TRACER
         allocator.clock = time.monotonic  # a replay gives it the replayed clock

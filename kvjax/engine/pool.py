@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from kvjax.config import KVLayout, ModelConfig
 from kvjax.engine import residual
 from kvjax.engine.config import EngineConfig
+from kvjax.engine.layer_budgets import pool_layer_groups
 from kvjax.engine.runner import KVStore
 from kvjax.engine.swap import HostSwapSpace
 from kvjax.kv.spec import KVCacheSpec
@@ -77,7 +78,8 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
         return _arena_pool(mc, config, max_model_len=max_model_len, kv_dtype=kv_dtype)
     if config.kv_codec != "none":
         return _quantized_pool(mc, config, max_model_len=max_model_len)
-    spec = exact_cache_spec(mc, config.page_size, kv_dtype)
+    spec = exact_cache_spec(mc, config.page_size, kv_dtype,
+                            pool_layer_groups(mc, config, max_model_len))
     spec.check_servable()
     per_token = spec.bytes_per_token
     if config.kv_layout is KVLayout.CONTIGUOUS:
@@ -112,7 +114,8 @@ def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int
 
     options = dict(config.kv_codec_options)
     options.pop("page_size", None)  # checked against the pool's by init_quantized_kv
-    spec = quantized.cache_spec(mc, config.page_size, config.kv_codec, **options)
+    spec = quantized.cache_spec(mc, config.page_size, config.kv_codec,
+                                pool_layer_groups(mc, config, max_model_len), **options)
     codec = quantized.make_codec(config.kv_codec, **options)
     if quantized.is_kivi(codec):  # KIVI's windows: kvjax.engine.compat refuses layer groups
         spec.check_single_group()

@@ -385,9 +385,9 @@ class ModelRunner:
         buf["slot_mapping"][t0:t0 + n] = table[cpos // page_size] * page_size + \
             cpos % page_size
         if row.group_tables is not None:  # the other layer groups' pages of the same tokens
-            groups = row.group_tables
-            buf["group_slots"][:, t0:t0 + n] = groups[:, cpos // page_size] * page_size + \
-                cpos % page_size
+            groups, gpos = row.group_tables, row.group_cache_positions  # gpos: [G-1, n]
+            buf["group_slots"][:, t0:t0 + n] = np.take_along_axis(
+                groups, gpos // page_size, axis=1) * page_size + gpos % page_size
             width = min(groups.shape[1], shape.max_pages)
             buf["group_tables"][:, r, :width] = groups[:, :width]
         buf["score_weights"][t0:t0 + n] = row.score_weights
@@ -396,6 +396,9 @@ class ModelRunner:
         width = min(len(reads), shape.max_pages)
         buf["block_tables"][r, :width] = reads[:width]
         buf["kv_lens"][r] = kv_len
+        # A group's length differs only where table groups keep budgets of their own.
+        buf["group_kv_lens"][:, r] = kv_len if row.group_tables is None or \
+            row.read_table is not None else row.group_cache_positions[:, -1] + 1
         buf["q_lens"][r] = n
         p = row.sampling
         buf["temperature"][r] = p.temperature

@@ -30,7 +30,7 @@ from kvjax.config import ModelConfig
 from kvjax.engine import echo, host_rows
 from kvjax.kv import attention as attention_ref
 from kvjax.kv import fused_write, layout, native
-from kvjax.kv.spec import layer_tables
+from kvjax.kv.spec import LayerGroup, TokenKeep, layer_tables
 from kvjax.kv.state import KVState
 from kvjax.models import invariant, linear, llama
 from kvjax.sampling import LogitRules, sample_tokens, verify_drafts
@@ -149,6 +149,9 @@ class StepInput:
       group_tables: [G-1, R, Pmax] int32, the block tables of layer groups 1..G-1 of a model
         with several (`kvjax.kv.spec.KVCacheSpec.table_groups`; `block_tables` is group 0's).
       group_slots: [G-1, T] int32, those groups' slot mappings (`slot_mapping`: group 0's).
+      group_kv_lens: [G-1, R] int32, those groups' kv lengths (`kv_lens`: group 0's); they
+        differ from group 0's when table groups keep retention budgets of their own
+        (`kvjax.kv.layer_retention`).
       host_tables: [Bh, Pmax] int32, Bh = Bd with a host pool (else 0): the host-pool pages
         holding cache positions [0, host_lens) of each decode row (`kvjax.engine.host_rows`);
         under ECHO, per block-table entry, the host page read in place of a released device
@@ -190,14 +193,18 @@ class StepInput:
     token_rows: jax.Array
     group_tables: jax.Array
     group_slots: jax.Array
+    group_kv_lens: jax.Array
     host_tables: jax.Array
     host_lens: jax.Array
 
     def for_table(self, table: jax.Array) -> StepInput:
-        """This input as layer group `table` (traced) sees it: its block tables and slots."""
+        """This input as layer group `table` (traced) sees it: its block tables, slots and kv
+        lengths."""
         tables = jnp.concatenate([self.block_tables[None], self.group_tables])  # [G, R, W]
         slots = jnp.concatenate([self.slot_mapping[None], self.group_slots])  # [G, T]
-        return self.replace(block_tables=tables[table], slot_mapping=slots[table])
+        lens = jnp.concatenate([self.kv_lens[None], self.group_kv_lens])  # [G, R]
+        return self.replace(block_tables=tables[table], slot_mapping=slots[table],
+                            kv_lens=lens[table])
 
 
 @struct.dataclass
@@ -211,7 +218,8 @@ class StepOutput:
 
     key_scores: [R, W*P] float32 or None: with a retention policy that scores keys, the
     attention each row's cached tokens received in this step (summed over layers, query heads
-    and the row's queries weighted by score_weights), in cache order.
+    and the row's queries weighted by score_weights), in cache order; [R, G, W*P] where table
+    groups keep retention budgets of their own (each group's layers summed, in its cache order).
     query_key_scores: [R, Wd, W*P] float32 in a verify step with key scores, else None: each
     decode row's queries scored alone, query c as the one query of the decode step plain
     decoding runs for its token (`kvjax.kv.retention.step_key_scores`); key_scores is its sum
@@ -274,6 +282,7 @@ def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool =
         token_rows=np.minimum(np.arange(t) // w, bd).astype(np.int32),
         group_tables=np.zeros((num_tables - 1, r, shape.max_pages), np.int32),
         group_slots=np.full((num_tables - 1, t), -1, np.int32),
+        group_kv_lens=np.zeros((num_tables - 1, r), np.int32),
         host_tables=np.zeros((num_host, shape.max_pages), np.int32),
         host_lens=np.zeros(num_host, np.int32),
     )
@@ -409,7 +418,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
                place_kernels=None, matmul_impl: MatmulImpl = MatmulImpl.XLA,
                batch_invariant: bool = False, host_kv: KVState | None = None,
-               host_compute: bool = False, fused_kv_write: bool = False
+               host_compute: bool = False, fused_kv_write: bool = False,
+               layer_groups: tuple[LayerGroup, ...] | None = None
                ) -> tuple[StepOutput, KVState]:
     """Runs the model over one step's tokens, writing their K/V and sampling one token per row.
 
@@ -427,6 +437,9 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     each layer's K/V projection writes its rows into the pages itself (`kvjax.kv.fused_write`;
     the state must be one it serves) instead of K and V computed, then written; steps on
     XLA's matmuls (larger prefill chunks under AUTO) keep XLA's projection and the scatter.
+    `layer_groups`: the pool's layer groups (`kvjax.kv.spec`), None: the model's
+    (`ModelConfig.kv_layer_groups`). Where groups keep retention budgets of their own
+    (`kvjax.kv.layer_retention`), key scores are per table group: [R, G, W*P].
     """
     q_lens = inp.q_lens
     host = echo_kv = None
@@ -442,8 +455,13 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         kernels = place_kernels(kernels)
     scores_keys = retention is not None and retention.scores_keys
 
-    layer_map = layer_tables(config.kv_layer_groups())
+    layer_groups = config.kv_layer_groups() if layer_groups is None else layer_groups
+    layer_map = layer_tables(layer_groups)
     grouped = max(layer_map[0]) > 0 or any(layer_map[2])
+    # [R, G, W*P] scores, one row per table group, where G > 1 groups keep budgets of their own.
+    num_tables = max(layer_map[0]) + 1
+    score_tables = num_tables if num_tables > 1 and any(
+        g.keep is TokenKeep.BUDGET for g in layer_groups) else 0
     tables, slots, windows = (jnp.asarray(x, jnp.int32) for x in layer_map)
 
     records_reads = (retention is not None and retention.narrows_reads
@@ -451,6 +469,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
 
     def attend(layer, q, k, v, carry):
         kv, key_scores, page_reads = carry
+        table = tables[layer]
         if grouped:  # several layer groups, or windows: this layer's table and pool slot
             layer_inp, layer, window = inp.for_table(tables[layer]), slots[layer], windows[layer]
         else:
@@ -473,16 +492,22 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         else:  # kernels and the reference alike take the window as a traced per-layer value
             out = _attend_rows(kv, layer, q, layer_inp, shape, kernels, reads, window=window,
                                soft_cap=cap, host=host, echo_kv=echo_kv)
-        if scores_keys:
-            key_scores = key_scores + retention.key_scores(
-                kv, layer, q, inp, shape, pages_per_block=PAGES_PER_BLOCK,
-                soft_cap=config.attn_logit_softcap)
+        if scores_keys:  # over the layer's own table and lengths
+            scores = retention.key_scores(kv, layer, q, layer_inp, shape,
+                                          pages_per_block=PAGES_PER_BLOCK,
+                                          soft_cap=config.attn_logit_softcap)
+            key_scores = (key_scores.at[:, table].add(scores) if score_tables
+                          else key_scores + scores)
         return out, (kv, key_scores, page_reads)
 
     per_query = (shape.decode_width,) if shape.decode_width > 1 else ()
-    key_scores = (jnp.zeros((shape.num_rows, *per_query, shape.max_pages * kv.page_size),
-                            jnp.float32)
-                  if scores_keys else None)  # [R, W*P], or [R, Wd, W*P] in a verify step
+    per_table = (score_tables,) if score_tables else ()
+    if per_query and per_table:
+        raise ValueError("a verify step scores keys per query, not per table group "
+                         "(kvjax.engine.compat refuses the pair)")
+    key_scores = (jnp.zeros((shape.num_rows, *per_query, *per_table,
+                             shape.max_pages * kv.page_size), jnp.float32)
+                  if scores_keys else None)  # [R, W*P]; [R, Wd, W*P] verify; [R, G, W*P]
     token_ids = jnp.where(inp.token_src >= 0,
                           inp.prev_tokens[jnp.maximum(inp.token_src, 0)], inp.tokens)  # [T]
     page_reads = (jnp.zeros((shape.num_decode, config.num_layers, shape.max_pages), bool)
@@ -631,6 +656,7 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         row_starts=jnp.arange(n, dtype=jnp.int32), token_rows=jnp.arange(n, dtype=jnp.int32),
         group_tables=jnp.zeros((0, n, block_table.shape[0]), jnp.int32),
         group_slots=jnp.zeros((0, n), jnp.int32),
+        group_kv_lens=jnp.zeros((0, n), jnp.int32),
         host_tables=jnp.zeros((0, block_table.shape[0]), jnp.int32),
         host_lens=jnp.zeros(0, jnp.int32))
 
@@ -691,7 +717,8 @@ class StepPrograms:
     def __init__(self, config: ModelConfig, *,
                  attention_impl: AttentionImpl = AttentionImpl.REFERENCE, retention=None,
                  matmul_impl: MatmulImpl = MatmulImpl.XLA, batch_invariant: bool = False,
-                 host_compute: bool = False, fused_kv_write: bool = False, dtype=jnp.float32):
+                 host_compute: bool = False, fused_kv_write: bool = False, dtype=jnp.float32,
+                 layer_groups: tuple[LayerGroup, ...] | None = None):
         self.config = config
         self.dtype = dtype  # the params' dtype: it picks XLA options (`kvjax.jit`)
         self.attention_impl = attention_impl
@@ -700,7 +727,7 @@ class StepPrograms:
             functools.partial(model_step, config=config, attention_impl=attention_impl,
                               retention=retention, matmul_impl=matmul_impl,
                               batch_invariant=batch_invariant, host_compute=host_compute,
-                              fused_kv_write=fused_kv_write),
+                              fused_kv_write=fused_kv_write, layer_groups=layer_groups),
             static_argnames=("shape",), donate_argnames=("kv",), dtype=dtype)
         self._copy = kvjax_jit.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
         self._blend = kvjax_jit.jit(

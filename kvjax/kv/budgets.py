@@ -45,12 +45,13 @@ head) with pages of one head's P tokens, holds sum over heads of ceil(B_lh / P) 
 of the size, about the budget itself, at K times the tables and a page gather per head;
 `kvjax.bench.budgets` reports both.
 
-What is served. The engine's paged step reads one cached length and one block table per row
-for every layer of a table group, and its key scores sum over layers and heads, so it serves
-the uniform scheme (every press's own selection). Serving the others needs a cached length per
-table group in the step input, key scores per table group, and a compaction per group
-(`GroupedBlockManager.retain_groups` plans the page side); until then they are measured on a
-simulated cache (`kvjax.bench.budgets`) whose uniform rows equal the engine's.
+What is served. The engine serves the uniform scheme (every press's own selection) and, for
+the presses that compress the prompt once (snapkv, knorm, expected_attention,
+observed_attention), the pyramid schedule (`EngineConfig.retention_schedule='pyramid'`,
+`kvjax.kv.layer_retention`): one table group per run of equal budgets, a cached length per table
+group in the step input, key scores per table group and a compaction per group, whose freed
+pages go back to the pool. Per-head allocations (AdaKV) are measured on a simulated cache
+(`kvjax.bench.budgets`) whose uniform and pyramid rows equal the engine's.
 
 Plain numpy, no jax: the host side of retention and the KV cache manager import it freely.
 """

@@ -118,11 +118,15 @@ class _PrefillPress(_Policy):
 
     evicts = True
     scores_keys = True
+    compresses_once = True
     num_sinks: int = 0
 
     def __init__(self, budget: int | None, page_size: int):
         super().__init__(_check_budget(self.name, budget, self.num_sinks + 1), page_size)
         self.min_budget = self.num_sinks + 1
+
+    def protected_tokens(self) -> tuple[int, int]:
+        return self.num_sinks, 0
 
     def token_scores(self, view: CacheView) -> np.ndarray:
         """[S] the score of each cached token (larger: kept first)."""

@@ -135,20 +135,21 @@ def _check_page_size(codec: codecs.KVCodec, page_size: int) -> None:
                          f"{codec.group}: a token group must not straddle pages")
 
 
-def cache_spec(config: ModelConfig, page_size: int, codec_name: str, /, **options: Any
-               ) -> kv_spec.KVCacheSpec:
+def cache_spec(config: ModelConfig, page_size: int, codec_name: str, /, groups=None,
+               **options: Any) -> kv_spec.KVCacheSpec:
     """The spec of `config`'s layer groups in a quantized pool of pages of `page_size` tokens.
 
     Bytes per token are the codec's codes and metadata, keys and values alike (KIVI's keys
     cost what its values do: 2 D / g metadata per token); a KIVI sequence slot holds the
-    exact window, W rows of float32 keys and values per layer.
+    exact window, W rows of float32 keys and values per layer. `groups`: the pool's layer
+    groups (`kvjax.kv.spec.LayerGroup`s), None: the model's.
     """
     codec = make_codec(codec_name, **options)
     _check_page_size(codec, page_size)
-    return _cache_spec(config, codec, page_size)
+    return _cache_spec(config, codec, page_size, groups)
 
 
-def _cache_spec(config: ModelConfig, codec: codecs.KVCodec, page_size: int
+def _cache_spec(config: ModelConfig, codec: codecs.KVCodec, page_size: int, groups=None
                 ) -> kv_spec.KVCacheSpec:
     window_itemsize = jnp.dtype(_WINDOW_DTYPE).itemsize
     return kv_spec.KVCacheSpec(tuple(
@@ -156,7 +157,7 @@ def _cache_spec(config: ModelConfig, codec: codecs.KVCodec, page_size: int
                            tensor_bytes=codec.bytes_per_token,
                            seq_slot_bytes=window_size(codec) * group.format.values_per_token
                            * window_itemsize)
-        for group in config.kv_layer_groups()))
+        for group in (config.kv_layer_groups() if groups is None else groups)))
 
 
 def kv_bytes_per_token(config: ModelConfig, codec_name: str, /, *,

@@ -65,9 +65,11 @@ sequences never mix their scores. Eviction is per token for all layers and heads
 pages are shared by every layer and head; H2O and SnapKV choose per layer and head, which
 paged memory cannot free. SnapKV pools the layer-and-head sum, not each head's scores.
 `kvjax.kv.budgets` shares a budget per layer (PyramidKV) and per head (AdaKV) over per-layer,
-per-head scores and declares the layer groups whose own block tables would free those pages;
-the step serves the uniform scheme only (one cached length per row for every layer), and the
-others are measured on a simulated cache (`kvjax.bench.budgets`).
+per-head scores and declares the layer groups whose own block tables free those pages; the
+engine serves PyramidKV's per-layer schedule over the presses that compress once that way
+(`EngineConfig.retention_schedule`, `kvjax.kv.layer_retention`: a cached length, key scores
+and a compaction per table group), and the per-head schemes are measured on a simulated cache
+(`kvjax.bench.budgets`).
 
 Prefix cache. A page indexed before a sequence's first eviction holds exact K/V (nothing was
 evicted when it was computed) and stays indexed: compaction copies it on write rather than

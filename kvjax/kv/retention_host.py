@@ -76,8 +76,11 @@ class RetentionPolicy(Protocol):
     num_index_leaves: int
     accumulates_scores: bool  # a step's key scores add to the earlier ones (else replace them)
     needs_rope: bool  # its device side reads the model's RoPE (`bind_rope`)
+    compresses_once: bool  # decides once, from scores, when the prefill completes
 
     def fingerprint(self) -> str: ...
+
+    def protected_tokens(self) -> tuple[int, int]: ...
 
     def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
                       ) -> np.ndarray: ...
@@ -163,10 +166,18 @@ class _Policy:
     rotates_keys: bool = False
     echo_prefetch: int | None = None
     num_index_leaves: ClassVar[int] = 0
+    # Decides once, from scores, when the prefill completes (a per-layer schedule can share
+    # its budget: `kvjax.kv.layer_retention`).
+    compresses_once: ClassVar[bool] = False
 
     def __init__(self, budget: int | None, page_size: int):
         self.budget = budget
         self.page_size = page_size
+
+    def protected_tokens(self) -> tuple[int, int]:
+        """(first, last): the tokens of a prompt it always keeps inside its budget (sinks, an
+        observation window)."""
+        return 0, 0
 
     def options(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.option_names}
@@ -358,6 +369,7 @@ class SnapKV(_Policy):
     option_names = ("window", "kernel", "pooling")
     evicts = True
     scores_keys = True
+    compresses_once = True
 
     def __init__(self, budget: int | None, page_size: int, window: int = 64, kernel: int = 5,
                  pooling: str | Pooling = Pooling.MAX):
@@ -380,6 +392,9 @@ class SnapKV(_Policy):
         if view is not None and view.is_prefill_done:
             return np.zeros(len(positions), np.float32)
         return (positions >= num_tokens - self.window).astype(np.float32)
+
+    def protected_tokens(self) -> tuple[int, int]:
+        return 0, self.window
 
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
         size = len(view.positions)
@@ -504,6 +519,18 @@ class RetentionManager:
         self.stats = dict(evictions=0, evicted_tokens=0, moved_slots=0, freed_pages=0,
                           rotated_slots=0)
 
+    num_tables = 1  # block tables a sequence keeps its own tokens in (`GroupedRetention`)
+
+    @property
+    def max_kept_tokens(self) -> int:
+        """The most tokens one compaction keeps in a block table."""
+        return self.policy.budget
+
+    def group_evicted(self, seq_id: str) -> tuple[int, ...]:
+        """Tokens each block table after the first dropped (`num_evicted` is the first's);
+        () when every table keeps the same tokens."""
+        return ()
+
     @property
     def is_exact(self) -> bool:
         return not (self.policy.evicts or self.policy.scores_keys or self.policy.narrows_reads)
@@ -522,7 +549,7 @@ class RetentionManager:
         keeps `budget` tokens, moves at most that many (padded from P up) and rotates at most
         the sinks."""
         page_size = self.policy.page_size
-        kept = -(-next_power_of_2(self.policy.budget) // page_size) * page_size
+        kept = -(-next_power_of_2(self.max_kept_tokens) // page_size) * page_size
         moves = [n for n in powers_of_2_up_to(kept) if n >= min(page_size, kept)]
         rotations = next_power_of_2(self.policy.num_sinks) if self.policy.rotates_keys else 1
         return kept, moves, rotations
@@ -558,10 +585,15 @@ class RetentionManager:
 
         key_scores: [>= S] the row's StepOutput.key_scores (cache order), or None.
         """
-        view = self._views.get(seq_id)
+        self._views[seq_id] = self._extended(self._views.get(seq_id), start, num_new,
+                                             key_scores)
+
+    def _extended(self, view: CacheView | None, start: int, num_new: int,
+                  key_scores: np.ndarray | None) -> CacheView:
+        """`view` (None: a new one) with `num_new` tokens at logical positions start.. and
+        their step's scores [>= S] added (or in place of the earlier ones)."""
         if view is None:  # Nothing evicted yet: the cache holds positions 0 .. start - 1.
-            view = self._views[seq_id] = CacheView(np.arange(start, dtype=np.int32),
-                                                   np.zeros(start, np.float32))
+            view = CacheView(np.arange(start, dtype=np.int32), np.zeros(start, np.float32))
         new = np.arange(start, start + num_new, dtype=np.int32)
         view.positions = np.concatenate([view.positions, new])
         view.scores = np.concatenate([view.scores, np.zeros(num_new, np.float32)])
@@ -569,6 +601,7 @@ class RetentionManager:
             view.scores += key_scores[:len(view.scores)]
         elif key_scores is not None:
             view.scores = np.asarray(key_scores[:len(view.scores)], np.float32).copy()
+        return view
 
     def observe_each(self, seq_id: str, start: int, query_scores: np.ndarray | None) -> None:
         """Records the tokens of a verify row's accepted queries one at a time, each with its
@@ -635,7 +668,15 @@ class RetentionManager:
         """Keeps cache indices `keep` of `seq_id`: the block manager moved it from
         layout.old_table to layout.new_table with slot moves src -> dst. Updates the record
         and returns the plan the device follows (`KVState.compact`)."""
-        view = self._views[seq_id]
+        self.stats["evictions"] += 1
+        self.stats["freed_pages"] += num_freed
+        return self._compact_view(self._views[seq_id], keep, src, dst,
+                                  is_prefill_done=is_prefill_done, layout=layout)
+
+    def _compact_view(self, view: CacheView, keep: np.ndarray, src: np.ndarray,
+                      dst: np.ndarray, *, is_prefill_done: bool, layout: SeqLayout
+                      ) -> CompactionPlan:
+        """Keeps cache indices `keep` of one block table's `view`: its record and plan."""
         shifts = self.policy.rotary_shifts(view, keep)
         kept, moves, rotations = self._sizes()
         plan = plan_compaction(keep, src, dst, layout, self.policy.page_size,
@@ -643,10 +684,8 @@ class RetentionManager:
                                moves_size=bucket(len(src), moves[0]),
                                rotations_size=rotations)
         view.is_prefill_done = view.is_prefill_done or is_prefill_done
-        self.stats["evictions"] += 1
         self.stats["evicted_tokens"] += len(view.positions) - len(keep)
         self.stats["moved_slots"] += len(src)
-        self.stats["freed_pages"] += num_freed
         self.stats["rotated_slots"] += 0 if shifts is None else int(np.count_nonzero(shifts))
         view.num_evicted += len(view.positions) - len(keep)
         view.positions = view.positions[keep]

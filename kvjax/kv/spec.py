@@ -322,14 +322,16 @@ class KVCacheSpec:
                              f"and V heads; got groups {self.describe()}")
 
     def check_servable(self) -> None:
-        """ValueError unless paged pools serve this spec: every group keeping all tokens or a
-        sliding window, and groups differing in nothing else (one page format for the whole
+        """ValueError unless paged pools serve this spec: every group keeping all tokens, a
+        sliding window, or a retention budget (`kvjax.kv.layer_retention`), but not windows
+        beside budgets, and groups differing in nothing else (one page format for the whole
         pool: K and V heads, or MLA latents)."""
         first = self.groups[0].spec
+        keeps = {g.spec.keep for g in self.groups}
+        if {TokenKeep.BUDGET, TokenKeep.SLIDING_WINDOW} <= keeps:
+            raise ValueError(f"paged pools hold sliding-window layers or layers with retention "
+                             f"budgets, not both; got groups {self.describe()}")
         for g in self.groups:
-            if g.spec.keep is TokenKeep.BUDGET:
-                raise ValueError(f"paged pools hold global or sliding-window layers; got "
-                                 f"groups {self.describe()}")
             if dataclasses.replace(g.spec, keep=first.keep,
                                    num_keep_tokens=first.num_keep_tokens) != first:
                 raise ValueError(f"layer groups of one pool share a page format; got groups "

@@ -496,11 +496,12 @@ def init_contiguous_kv(config: ModelConfig, max_seqs: int, max_len: int, page_si
                         page_size=page_size)
 
 
-def exact_cache_spec(config: ModelConfig, page_size: int, dtype) -> KVCacheSpec:
-    """The spec of `config`'s layer groups stored exactly at `dtype` in pages of `page_size`
-    (`PagedKV`; `ContiguousKV` viewed as pages)."""
+def exact_cache_spec(config: ModelConfig, page_size: int, dtype, groups=None) -> KVCacheSpec:
+    """The spec of `config`'s layer groups (or `groups`, `kvjax.kv.spec.LayerGroup`s) stored
+    exactly at `dtype` in pages of `page_size` (`PagedKV`; `ContiguousKV` viewed as pages)."""
     codec = IdentityCodec(jnp.dtype(dtype).name)
-    return cache_spec(config.kv_layer_groups(), codec_name="none", page_size=page_size,
+    groups = config.kv_layer_groups() if groups is None else groups
+    return cache_spec(groups, codec_name="none", page_size=page_size,
                       tensor_bytes=codec.bytes_per_token)
 
 

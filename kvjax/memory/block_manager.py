@@ -469,23 +469,11 @@ class BlockManager:
         """
         seq = self._get(seq_id)
         keep = np.asarray(keep, np.int64)  # [S']
-        if keep.ndim != 1 or len(keep) == 0:
-            raise ValueError(f"keep must be a non-empty 1-D list of positions, got {keep!r}")
-        if keep[0] < 0 or keep[-1] >= seq.num_tokens or np.any(np.diff(keep) <= 0):
-            raise ValueError(f"keep must be strictly increasing positions in "
-                             f"[0, {seq.num_tokens}), got {keep.tolist()}")
+        reused, own, num_alloc = self._retain_layout(seq, keep)
         p = self.page_size
         old = seq.block_table
         num_new_pages = -(-len(keep) // p)
-        reused = {}  # new page index -> old page index holding its tokens at the same offsets
-        for j in range(num_new_pages):
-            segment = keep[j * p : (j + 1) * p]
-            if segment[0] % p == 0 and segment[-1] - segment[0] == len(segment) - 1:
-                reused[j] = int(segment[0] // p)
         taken = set(reused.values())
-        own = {j for j in range(min(num_new_pages, len(old)))
-               if j not in reused and j not in taken and not self._is_shared(old[j])}
-        num_alloc = num_new_pages - len(reused) - len(own)
         if num_alloc > self.num_free_pages():
             return AllocStatus.NO_PAGES, np.zeros(0, np.int64), np.zeros(0, np.int64), []
         table = [old[reused[j]] if j in reused else old[j] if j in own else self._allocate()
@@ -503,6 +491,32 @@ class BlockManager:
         seq.page_hashes = []
         seq.is_indexable = False
         return AllocStatus.OK, src[changed], dst[changed], freed
+
+    def pages_to_retain(self, seq_id: Hashable, keep: Sequence[int]) -> int:
+        """New pages `retain(seq_id, keep)` would take from the free list."""
+        return self._retain_layout(self._get(seq_id), np.asarray(keep, np.int64))[2]
+
+    def _retain_layout(self, seq, keep: np.ndarray) -> tuple[dict[int, int], set[int], int]:
+        """`retain`'s new layout of `keep` [S']: (new page index -> the old page index it
+        reuses unmoved, new page indices that rewrite the sequence's own old page there,
+        pages to allocate)."""
+        if keep.ndim != 1 or len(keep) == 0:
+            raise ValueError(f"keep must be a non-empty 1-D list of positions, got {keep!r}")
+        if keep[0] < 0 or keep[-1] >= seq.num_tokens or np.any(np.diff(keep) <= 0):
+            raise ValueError(f"keep must be strictly increasing positions in "
+                             f"[0, {seq.num_tokens}), got {keep.tolist()}")
+        p = self.page_size
+        old = seq.block_table
+        num_new_pages = -(-len(keep) // p)
+        reused = {}  # new page index -> old page index holding its tokens at the same offsets
+        for j in range(num_new_pages):
+            segment = keep[j * p : (j + 1) * p]
+            if segment[0] % p == 0 and segment[-1] - segment[0] == len(segment) - 1:
+                reused[j] = int(segment[0] // p)
+        taken = set(reused.values())
+        own = {j for j in range(min(num_new_pages, len(old)))
+               if j not in reused and j not in taken and not self._is_shared(old[j])}
+        return reused, own, num_new_pages - len(reused) - len(own)
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Shortens a sequence to its first `num_tokens` tokens (rejected speculative drafts):

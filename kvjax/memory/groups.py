@@ -104,6 +104,10 @@ class GroupedBlockManager:
                 prefix_eviction=prefix_eviction, window=window))
         self._released: list[int] = []
         self._tracer: Tracer = NULL_TRACER
+        # Per sequence that `retain_groups` compacted: each group's cached length less group
+        # 0's (groups keeping budgets of their own hold different numbers of tokens). Callers
+        # address a sequence by group 0's cache positions; group g's are these plus its offset.
+        self._offsets: dict[Hashable, list[int]] = {}
 
     # ----------------------------------------------------------------------------- views
 
@@ -232,21 +236,28 @@ class GroupedBlockManager:
 
     # ----------------------------------------------------------------------------- pages
 
+    def _shifts(self, seq_id: Hashable) -> list[int]:
+        """Each group's cache position of group 0's position 0 (`_offsets`)."""
+        return self._offsets.get(seq_id, [0] * len(self.groups))
+
     def pages_needed(self, seq_id: Hashable, num_tokens: int) -> int:
-        return sum(m.pages_needed(seq_id, num_tokens) for m in self.groups)
+        return sum(m.pages_needed(seq_id, num_tokens + d)
+                   for m, d in zip(self.groups, self._shifts(seq_id), strict=True))
 
     def ensure_writable(self, seq_id: Hashable, start: int, end: int
                         ) -> tuple[AllocStatus, list[CopyOp]]:
         """Gives back each window's pages no query from `start` on reads, then makes [start,
         end) writable in every group, all-or-nothing."""
-        for m in self.groups:
-            self._released += m.release_before(seq_id, start)
-        needed = sum(m.pages_to_write(seq_id, start, end) for m in self.groups)
+        shifts = self._shifts(seq_id)
+        for m, d in zip(self.groups, shifts, strict=True):
+            self._released += m.release_before(seq_id, start + d)
+        needed = sum(m.pages_to_write(seq_id, start + d, end + d)
+                     for m, d in zip(self.groups, shifts, strict=True))
         if needed > self.num_free_pages():
             return AllocStatus.NO_PAGES, []
         copies = []
-        for m in self.groups:
-            status, group_copies = m.ensure_writable(seq_id, start, end)
+        for m, d in zip(self.groups, shifts, strict=True):
+            status, group_copies = m.ensure_writable(seq_id, start + d, end + d)
             assert status is AllocStatus.OK, "pages counted free above must be allocatable"
             copies += group_copies
         return AllocStatus.OK, copies
@@ -279,11 +290,15 @@ class GroupedBlockManager:
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         for m in self.groups:
             m.fork(parent_id, child_id)
+        if parent_id in self._offsets:
+            self._offsets[child_id] = list(self._offsets[parent_id])
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
-        return [page for m in self.groups for page in m.truncate(seq_id, num_tokens)]
+        return [page for m, d in zip(self.groups, self._shifts(seq_id), strict=True)
+                for page in m.truncate(seq_id, num_tokens + d)]
 
     def free(self, seq_id: Hashable) -> list[int]:
+        self._offsets.pop(seq_id, None)
         return [page for m in self.groups for page in m.free(seq_id)]
 
     def retain(self, seq_id: Hashable, keep: Sequence[int]):
@@ -296,14 +311,16 @@ class GroupedBlockManager:
         (`BlockManager.retain` per group): groups with budgets of their own (per-layer budgets,
         `kvjax.kv.budgets`) keep different tokens and give back different pages.
 
-        All-or-nothing: before any group changes, the free pages must cover every page of
-        every new layout (as if none were reused), so no group's retain can run short.
+        All-or-nothing: before any group changes, the free pages must cover the new pages of
+        every group's retain (`BlockManager.pages_to_retain`, counting none that an earlier
+        group's retain gives back), so no group's retain can run short.
         Returns (status, per group its slot moves (src, dst), the freed pages).
         """
         if len(keeps) != len(self.groups):
             raise ValueError(f"sequence {seq_id!r}: {len(keeps)} kept-token lists for "
                              f"{len(self.groups)} layer groups")
-        needed = sum(-(-len(keep) // self.page_size) for keep in keeps)
+        needed = sum(m.pages_to_retain(seq_id, keep)
+                     for m, keep in zip(self.groups, keeps, strict=True))
         if needed > self.num_free_pages():
             return AllocStatus.NO_PAGES, [], []
         moves, freed = [], []
@@ -312,6 +329,7 @@ class GroupedBlockManager:
             assert status is AllocStatus.OK, "pages counted free above must be allocatable"
             moves.append((src, dst))
             freed += group_freed
+        self._offsets[seq_id] = [len(keep) - len(keeps[0]) for keep in keeps]
         return AllocStatus.OK, moves, freed
 
 

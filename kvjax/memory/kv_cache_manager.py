@@ -159,8 +159,12 @@ class KVCacheManager:
     def row_tables(self, seq_id: str) -> tuple[np.ndarray, np.ndarray | None]:
         """A step row's tables: group 0's [n] int32 and the other layer groups' [G-1, n] (None
         with one group). An entry a window gave back reads page 0, which the window's mask
-        hides."""
-        tables = np.maximum(np.asarray(self.allocator.block_tables(seq_id), np.int32), 0)
+        hides; so does one past the end of a table shorter than the others (groups that keep
+        retention budgets of their own hold different numbers of pages)."""
+        rows = self.allocator.block_tables(seq_id)
+        tables = np.zeros((len(rows), max(map(len, rows))), np.int32)
+        for g, row in enumerate(rows):
+            tables[g, :len(row)] = np.maximum(row, 0)
         return tables[0], (tables[1:] if len(tables) > 1 else None)
 
     def seq_slot(self, seq_id: str) -> int:
@@ -485,6 +489,10 @@ class KVCacheManager:
         see `kvjax.engine.swap`), then frees them.
 
         A sequence retention compacted keeps its record of which tokens its pages hold."""
+        if self.retention.group_evicted(seq_id):
+            raise ValueError(f"sequence {seq_id!r}: its table groups keep retention budgets of "
+                             f"their own, each at its own cached length, which a swap does not "
+                             f"restore (kvjax.engine.compat refuses swaps with them)")
         held = self.cached_len(seq_id, num_computed)
         # Host-resident pages are host memory already: they wait in the host pool.
         entries = self._held_entries(seq_id, self.num_host_pages(seq_id),
@@ -685,6 +693,9 @@ class KVCacheManager:
         keep = self.retention.select(seq_id, is_prefill_done=is_prefill_done)
         if keep is None:
             return
+        if self.retention.num_tables > 1:
+            self._retain_groups(seq_id, keep, is_prefill_done=is_prefill_done, version=version)
+            return
         old_table = list(self.block_table(seq_id))
         status, src, dst, freed = self.allocator.retain(seq_id, keep)
         if status is not AllocStatus.OK:  # No page for a copy now: evict after a later step.
@@ -697,6 +708,25 @@ class KVCacheManager:
                                     is_prefill_done=is_prefill_done, layout=layout)
         self._issue(KVOp(KVOpKind.COMPACT, tuple(table), plan=plan))
         self.mark_written(table, version)
+        if freed and self.scrub_freed_pages:
+            self.scrub(freed)
+
+    def _retain_groups(self, seq_id: str, keeps: list[np.ndarray], *, is_prefill_done: bool,
+                       version: str) -> None:
+        """Table groups with budgets of their own (`kvjax.kv.layer_retention`): each keeps
+        keeps[g], compacted by a COMPACT op of its own."""
+        old_tables = [list(t) for t in self.allocator.block_tables(seq_id)]
+        status, moves, freed = self.allocator.retain_groups(seq_id, keeps)
+        if status is not AllocStatus.OK:  # No page for a copy now: evict after a later step.
+            return
+        tables = self.allocator.block_tables(seq_id)
+        layouts = [SeqLayout(old_table=old, new_table=list(new), seq_slot=self.seq_slot(seq_id))
+                   for old, new in zip(old_tables, tables, strict=True)]
+        plans = self.retention.evict_groups(seq_id, keeps, moves, len(freed),
+                                            is_prefill_done=is_prefill_done, layouts=layouts)
+        for table, plan in zip(tables, plans, strict=True):
+            self._issue(KVOp(KVOpKind.COMPACT, tuple(table), plan=plan))
+            self.mark_written(table, version)
         if freed and self.scrub_freed_pages:
             self.scrub(freed)
 

@@ -29,6 +29,8 @@ class ScheduledRow:
       block_table: [num_pages] int32, the pages holding the sequence's cached tokens (of
         layer group 0 when the model has several).
       group_tables: [G-1, num_pages] int32, the other layer groups' tables, or None (G = 1).
+      group_evicted: tokens before `start` each of those groups dropped, when table groups
+        keep budgets of their own (`kvjax.kv.layer_retention`); (): num_evicted for each.
       score_weights: [n] float32, each query's weight in the retention policy's key scores.
       sampling, seed: how the row samples; counter: the index of the token it generates.
       seq_slot: the sequence's per-sequence state slot (KIVI windows), else 0.
@@ -88,10 +90,18 @@ class ScheduledRow:
     draft_masks: np.ndarray | None = None
     host_table: np.ndarray | None = None
     host_len: int = 0
+    group_evicted: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def group_cache_positions(self) -> np.ndarray:
+        """[G-1, n] int32, where the row's tokens land in the other groups' caches."""
+        evicted = self.group_evicted or (self.num_evicted,) * len(self.group_tables)
+        return self.cache_positions[None] + self.num_evicted - np.asarray(
+            evicted, np.int32)[:, None]
 
     @property
     def cache_positions(self) -> np.ndarray:

@@ -551,9 +551,12 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         start = seq.num_computed
         pos = np.arange(start, start + n, dtype=np.int32)
         written = table[(pos - evicted) // self.config.page_size]
+        group_evicted = self.kv_cache.retention.group_evicted(seq.seq_id)
         if group_tables is not None:
-            written = np.concatenate([written, group_tables[:, pos // self.config.page_size]
-                                      .ravel()])
+            gpos = pos[None] - np.asarray(group_evicted or (evicted,) * len(group_tables),
+                                          np.int32)[:, None]  # [G-1, n]
+            written = np.concatenate([written, np.take_along_axis(
+                group_tables, gpos // self.config.page_size, axis=1).ravel()])
         self.kv_cache.mark_written(set(written.tolist()), seq.weights_version)
         if seq.num_unresolved:  # Its one token comes from the previous step, on the device.
             token_ids, feed_index = np.zeros(n, np.int32), seq.inflight_index
@@ -569,7 +572,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             seq_id=seq.seq_id, token_ids=token_ids, start=start, num_evicted=evicted,
             host_table=host_table if len(host_table) else None,
             host_len=len(host_table) * self.config.page_size,
-            block_table=table, group_tables=group_tables,
+            block_table=table, group_tables=group_tables, group_evicted=group_evicted,
             score_weights=self.kv_cache.retention.verify_score_weights(seq.seq_id, pos)
             if num_drafts else self.kv_cache.retention.score_weights(seq.seq_id, pos,
                                                                      seq.num_tokens),

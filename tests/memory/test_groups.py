@@ -3,6 +3,7 @@ every operation against a brute-force model of what each group must hold."""
 
 import hypothesis
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -238,3 +239,26 @@ def test_a_returning_sequence_gives_back_prefix_pages_behind_its_window():
     assert alloc.num_held_pages("b") == 7
     alloc.free("b")
     assert alloc.num_free_pages() == 16
+
+
+def test_groups_of_own_budgets_grow_each_at_its_own_length_in_a_full_pool():
+    """In a pool the prompt fills, `retain_groups` compacts in place (a group's own pages take
+    its kept tokens: no page more is needed); decode then appends to each group after its own
+    kept tokens, addressed by group 0's positions, and pages_needed counts per group."""
+    alloc = GroupedBlockManager(12, P, (0, 0, 0), enable_prefix_cache=False)
+    alloc.add_sequence("a", list(range(1, 17)))
+    assert alloc.ensure_writable("a", 0, 16)[0] is AllocStatus.OK
+    assert alloc.num_free_pages() == 0
+    keeps = [np.arange(16), np.array([0, 3, 5, 6, 9, 12, 13]), np.array([1, 15])]
+    status, _, freed = alloc.retain_groups("a", keeps)
+    assert status is AllocStatus.OK and len(freed) == 0 + 2 + 3
+    assert [len(t) for t in alloc.block_tables("a")] == [4, 2, 1]
+    # Group 0's 17th token opens a page; group 1's 8th and group 2's 3rd fit their last page.
+    assert alloc.pages_needed("a", 17) == 1 + 0 + 0
+    assert alloc.ensure_writable("a", 16, 17)[0] is AllocStatus.OK
+    assert [len(t) for t in alloc.block_tables("a")] == [5, 2, 1]
+    assert alloc.pages_needed("a", 19) == 0 + 1 + 1  # group 1 at 9 tokens, group 2 at 4
+    assert alloc.ensure_writable("a", 17, 19)[0] is AllocStatus.OK
+    assert [len(t) for t in alloc.block_tables("a")] == [5, 3, 2]
+    alloc.free("a")
+    assert alloc.num_free_pages() == 12

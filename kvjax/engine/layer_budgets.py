@@ -1,0 +1,37 @@
+"""An engine's layer groups and retention record under a per-layer retention schedule
+(`EngineConfig.retention_schedule`, `kvjax.kv.layer_retention`)."""
+
+from __future__ import annotations
+
+from kvjax.config import ModelConfig
+from kvjax.engine.config import EngineConfig
+from kvjax.kv.budgets import BudgetSchedule
+from kvjax.kv.layer_retention import GroupedRetention, check_schedule, schedule_layer_groups
+from kvjax.kv.retention_host import RetentionManager, make_retention
+from kvjax.kv.spec import LayerGroup, table_groups
+
+
+def pool_layer_groups(mc: ModelConfig, config: EngineConfig, max_model_len: int
+                      ) -> tuple[LayerGroup, ...]:
+    """The layer groups the pool keeps: the model's (`ModelConfig.kv_layer_groups`), or under
+    a per-layer schedule one group per run of layers with equal budgets."""
+    policy = make_retention(config.retention, config.retention_budget, config.page_size,
+                            **config.retention_options)
+    scheme = check_schedule(config.retention_schedule, policy)
+    if scheme.schedule is BudgetSchedule.UNIFORM:
+        return mc.kv_layer_groups()
+    return schedule_layer_groups(policy, scheme, mc.num_layers,
+                                 mc.kv_layer_groups()[0].format, max_model_len)
+
+
+def retention_manager(mc: ModelConfig, config: EngineConfig, groups: tuple[LayerGroup, ...]
+                      ) -> RetentionManager:
+    """The engine's retention record: one view per sequence, or one per table group when the
+    pool's groups keep budgets of their own in several block tables."""
+    policy = make_retention(config.retention, config.retention_budget, config.page_size,
+                            **config.retention_options)
+    if len(table_groups([(g.layers, 0) for g in groups])) == 1 or \
+            config.retention_schedule == BudgetSchedule.UNIFORM.value:
+        return RetentionManager(policy, rope=mc.rope)
+    return GroupedRetention(policy, check_schedule(config.retention_schedule, policy), groups,
+                            rope=mc.rope)
