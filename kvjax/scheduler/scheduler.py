@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from kvjax import grammar as grammar_lib
 from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.ops import KVOp
 from kvjax.memory.prefix_cache import HitLedger, page_hash_chain
@@ -415,10 +416,14 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             self.stats["spec_draft_steps"] += 1
         # A decode row's tokens past the first are its drafts in a verify step (a row swapped
         # in during it has none); prefill rows hold prompt tokens only.
+        num_drafts = {s.seq_id: n - 1 if verifies else 0 for s, n in decode}
+        masks = self._grammar_masks([(s, n, num_drafts.get(s.seq_id, 0))
+                                     for s, n in decode + prefill if s.seq_id not in drafting])
         rows = [self._draft_row(s, i) if s.seq_id in drafting
-                else self._row(s, n, i, n - 1 if verifies else 0)
+                else self._row(s, n, i, num_drafts[s.seq_id], masks.get(s.seq_id))
                 for i, (s, n) in enumerate(decode)]
-        rows += [self._row(s, n, len(decode) + i) for i, (s, n) in enumerate(prefill)]
+        rows += [self._row(s, n, len(decode) + i, masks=masks.get(s.seq_id))
+                 for i, (s, n) in enumerate(prefill)]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
                                preempted=tuple(preempted), kv_plan=self.kv_cache.take_plan(),
                                kv_ops=self.kv_cache.take_ops(), weights_version=active,
@@ -528,10 +533,22 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             seq.num_tokens - seq.num_prompt_tokens >= seq.sampling.max_new_tokens
             or seq.num_tokens >= self.config.max_model_len)
 
-    def _row(self, seq: Sequence, n: int, index: int, num_drafts: int = 0) -> ScheduledRow:
+    @staticmethod
+    def _grammar_masks(rows: list[tuple[Sequence, int, int]]) -> dict[str, np.ndarray]:
+        """The token masks of the step's rows that sample under a grammar, by sequence id:
+        (sequence, tokens, drafts) per row, filled together (`kvjax.grammar.fill_masks`: in
+        parallel when several rows are constrained), each before and after its drafts."""
+        wanted = [(seq, seq.draft_tokens[:num_drafts]) for seq, n, num_drafts in rows
+                  if seq.grammar is not None and n - num_drafts == seq.num_pending]
+        filled = grammar_lib.fill_masks([(seq.grammar, drafts) for seq, drafts in wanted])
+        return {seq.seq_id: m for (seq, _), m in zip(wanted, filled, strict=True)}
+
+    def _row(self, seq: Sequence, n: int, index: int, num_drafts: int = 0,
+             masks: np.ndarray | None = None) -> ScheduledRow:
         """The row's snapshot; the sequence counts its tokens as computed from now on, and its
         pages are recorded as written by its weights version. A verify row's last
-        `num_drafts` tokens are the sequence's draft tokens."""
+        `num_drafts` tokens are the sequence's draft tokens; `masks`, a sampling row's
+        grammar masks before and after them (`_grammar_masks`)."""
         table, group_tables = self.kv_cache.row_tables(seq.seq_id)
         evicted = self.kv_cache.retention.num_evicted(seq.seq_id)
         start = seq.num_computed
@@ -548,8 +565,6 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                                    + seq.draft_tokens[:num_drafts], np.int32)
             feed_index = -1
         samples = n - num_drafts == seq.num_pending
-        masks = (seq.grammar.masks(seq.draft_tokens[:num_drafts])
-                 if samples and seq.grammar is not None else None)
         host_table = self.kv_cache.host_table(seq.seq_id)
         row = ScheduledRow(
             seq_id=seq.seq_id, token_ids=token_ids, start=start, num_evicted=evicted,
