@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import functools
 import json
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -149,29 +150,40 @@ class GrammarMatcher:
         return GrammarMatcher(self._matcher.deep_copy(), self.vocab_size)
 
 
+def pool_threads() -> int:
+    """Threads `fill_masks` uses by default: 80% of the host's cores (llguidance's own default),
+    at least one."""
+    return max(1, (os.cpu_count() or 1) * 4 // 5)
+
+
 @functools.cache
-def _executor():
-    """llguidance's thread pool for batched mask fills (one per process, built on first use)."""
-    return _llguidance().LLExecutor()
+def _executor(num_threads: int):
+    """llguidance's thread pool for batched mask fills (one per size, built on first use)."""
+    return _llguidance().LLExecutor(num_threads=num_threads)
 
 
-def fill_masks(rows: Sequence[tuple[GrammarMatcher, Sequence[int]]]) -> list[np.ndarray]:
+def fill_masks(rows: Sequence[tuple[GrammarMatcher, Sequence[int]]], *,
+               num_threads: int | None = None) -> list[np.ndarray]:
     """`matcher.masks(drafts)` of several rows, computed together.
 
-    With more than one row the masks are filled on llguidance's thread pool: rows without
-    drafts in one call (`fill_next_token_bitmask_par`), rows with drafts in another
-    (`fill_next_token_bitmask_par_with_draft_tokens`, which steps each matcher through its
-    drafts and rolls it back as `masks` does; rows past a forbidden draft, or past the one
-    that stops the matcher, stay all zero). A step's only row is filled on the calling thread.
+    With more than one row and more than one thread the masks are filled on llguidance's
+    thread pool: rows without drafts in one call (`fill_next_token_bitmask_par`), rows with
+    drafts in another (`fill_next_token_bitmask_par_with_draft_tokens`, which steps each
+    matcher through its drafts and rolls it back as `masks` does; rows past a forbidden draft,
+    or past the one that stops the matcher, stay all zero). Otherwise they are filled one
+    after another on the calling thread: a pool of one thread only adds the hand-over (on a
+    loaded 2-core host it made 8 rows' fill 3x slower, docs/benchmarks.md).
 
     Args:
       rows: (matcher, drafts) per constrained row; drafts may be empty. The matchers must be
         distinct objects (a fill advances and rolls back each one).
+      num_threads: the pool's threads; None: `pool_threads()`.
 
     Returns:
-      Per row, [1 + len(drafts), ceil(V / 32)] int32 (views into one array).
+      Per row, [1 + len(drafts), ceil(V / 32)] int32.
     """
-    if len(rows) <= 1:
+    threads = pool_threads() if num_threads is None else num_threads
+    if len(rows) <= 1 or threads <= 1:
         return [matcher.masks(drafts) for matcher, drafts in rows]
     from llguidance.numpy import (
         fill_next_token_bitmask_par,
@@ -186,9 +198,9 @@ def fill_masks(rows: Sequence[tuple[GrammarMatcher, Sequence[int]]]) -> list[np.
     drafted = [(m._matcher, int(start), [int(t) for t in drafts])
                for (m, drafts), start in zip(rows, starts, strict=False) if drafts]
     if plain:  # the library's draft variant refuses rows without drafts
-        fill_next_token_bitmask_par(_executor(), plain, words)
+        fill_next_token_bitmask_par(_executor(threads), plain, words)
     if drafted:
-        fill_next_token_bitmask_par_with_draft_tokens(_executor(), drafted, words)
+        fill_next_token_bitmask_par_with_draft_tokens(_executor(threads), drafted, words)
     return [words[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from sampling_reference import dense_logits
 
+import kvjax.grammar
 from kvjax import Engine, EngineConfig, SamplingParams
 from kvjax.grammar import Grammar, GrammarKind, fill_masks
 from kvjax.scheduler.spec import SpecConfig
@@ -90,8 +91,15 @@ def references(model, prompts):
     return [masked_greedy_reference(model, p, g) for p, g in zip(prompts, GRAMMARS, strict=True)]
 
 
+@pytest.fixture
+def parallel_fill(monkeypatch):
+    """Steps with several constrained rows fill their masks on a 2-thread pool (the default
+    pool has one thread on a 2-core host, which fills them one by one)."""
+    monkeypatch.setattr(kvjax.grammar, "pool_threads", lambda: 2)
+
+
 def test_greedy_equals_masked_reference_without_new_compiles(engine, model, prompts,
-                                                             references):
+                                                             references, parallel_fill):
     compiles = engine.num_compiles
     params = [SamplingParams(max_new_tokens=MAX_NEW, grammar=g) for g in GRAMMARS]
     # Unconstrained rows share the steps: their outputs must not change.
@@ -110,7 +118,7 @@ def test_greedy_equals_masked_reference_without_new_compiles(engine, model, prom
     dict(async_scheduling=False),
     dict(spec=SpecConfig("ngram", num_draft_tokens=3)),
 ], ids=["sync", "ngram_spec"])
-def test_greedy_composes(model, prompts, references, overrides):
+def test_greedy_composes(model, prompts, references, overrides, parallel_fill):
     engine = Engine(model, EngineConfig(**dict(CONFIG, **overrides)))
     # Twice: the second time the prompts hit the prefix cache. An unconstrained request
     # beside them (drafted and verified under speculation) keeps its greedy tokens.
@@ -168,9 +176,10 @@ def test_masks_after_drafts_equal_the_matcher_stepped_token_by_token(engine, mod
 
 
 def test_masks_filled_together_equal_each_row_alone(engine, model, references):
-    """`fill_masks` (llguidance's parallel fill, what a step with several constrained rows
-    uses) gives each row what its own `masks(drafts)` gives, drafts valid, forbidden or past
-    the end of the output included, and leaves every matcher where it was."""
+    """`fill_masks` on llguidance's thread pool (what a step with several constrained rows
+    uses on a host with cores to spare) gives each row what its own `masks(drafts)` gives,
+    drafts valid, forbidden or past the end of the output included, and leaves every
+    matcher where it was."""
     rng = np.random.default_rng(0)
     for _ in range(12):
         rows = []
@@ -188,7 +197,7 @@ def test_masks_filled_together_equal_each_row_alone(engine, model, references):
                 drafts += list(model.config.eos_token_ids)
             rows.append((matcher, drafts))
         alone = [matcher.masks(drafts) for matcher, drafts in rows]
-        together = fill_masks(rows)
+        together = fill_masks(rows, num_threads=2)
         assert len(together) == len(rows)
         for (matcher, _), a, b in zip(rows, alone, together, strict=True):
             np.testing.assert_array_equal(b, a)
