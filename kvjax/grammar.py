@@ -166,24 +166,26 @@ def fill_masks(rows: Sequence[tuple[GrammarMatcher, Sequence[int]]], *,
                num_threads: int | None = None) -> list[np.ndarray]:
     """`matcher.masks(drafts)` of several rows, computed together.
 
-    With more than one row and more than one thread the masks are filled on llguidance's
-    thread pool: rows without drafts in one call (`fill_next_token_bitmask_par`), rows with
-    drafts in another (`fill_next_token_bitmask_par_with_draft_tokens`, which steps each
-    matcher through its drafts and rolls it back as `masks` does; rows past a forbidden draft,
-    or past the one that stops the matcher, stay all zero). Otherwise they are filled one
-    after another on the calling thread: a pool of one thread only adds the hand-over (on a
-    loaded 2-core host it made 8 rows' fill 3x slower, docs/benchmarks.md).
+    With more than one row the masks are filled on llguidance's thread pool (by default only
+    where it has more than one thread): rows without drafts in one call
+    (`fill_next_token_bitmask_par`), rows with drafts in another
+    (`fill_next_token_bitmask_par_with_draft_tokens`, which steps each matcher through its
+    drafts and rolls it back as `masks` does; rows past a forbidden draft, or past the one that
+    stops the matcher, stay all zero). Otherwise they are filled one after another on the
+    calling thread: a pool of one thread only adds the hand-over (docs/benchmarks.md,
+    "Structured outputs").
 
     Args:
       rows: (matcher, drafts) per constrained row; drafts may be empty. The matchers must be
         distinct objects (a fill advances and rolls back each one).
-      num_threads: the pool's threads; None: `pool_threads()`.
+      num_threads: the pool's threads (the pool is used even with one); None:
+        `pool_threads()`, and no pool when that is one.
 
     Returns:
       Per row, [1 + len(drafts), ceil(V / 32)] int32.
     """
     threads = pool_threads() if num_threads is None else num_threads
-    if len(rows) <= 1 or threads <= 1:
+    if len(rows) <= 1 or (num_threads is None and threads <= 1):
         return [matcher.masks(drafts) for matcher, drafts in rows]
     from llguidance.numpy import (
         fill_next_token_bitmask_par,
