@@ -38,6 +38,7 @@ from kvjax.scheduler.preemption import PreemptionMode, decide_preemption
 from kvjax.scheduler.request import FinishReason, SeqStatus, Sequence, WeightUpdatePolicy
 from kvjax.scheduler.requests import RequestRegistry
 from kvjax.scheduler.spec import Drafter, NoDrafts
+from kvjax.scheduler.tenants import TenantActivity
 from kvjax.scheduler.tiered import TierAdmission
 from kvjax.shapes import pages_for
 
@@ -70,6 +71,7 @@ class SchedulerConfig:
       demote_ratios: {bits: a page's bytes over its copy's at bits} for each precision a
         swapped copy may be demoted to (float pages, the plain swap space); empty: none.
       max_tenant_page_share: as in EngineConfig.
+      contended_prefill_chunk, contention_window_s: as in EngineConfig (`TenantActivity`).
       hide_shared_hits: as EngineConfig.hide_shared_prefix_hits (a `HitLedger` caps what a
         tenant hits under a shared cache salt).
     """
@@ -94,6 +96,8 @@ class SchedulerConfig:
     adaptive_drafts: bool = False
     demote_ratios: Mapping[int, float] = dataclasses.field(default_factory=dict)
     max_tenant_page_share: float | None = None
+    contended_prefill_chunk: int | None = None
+    contention_window_s: float = 15.0
     hide_shared_hits: bool = False
 
 
@@ -136,6 +140,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self.policy = policy
         self._cache_key = cache_key
         self._ledger = HitLedger() if config.hide_shared_hits else None
+        self._activity = (None if config.contended_prefill_chunk is None
+                          else TenantActivity(config.contention_window_s))
         self.clock = clock
         self.stats = stats
         self.tokenizer = tokenizer
@@ -261,6 +267,14 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self._preempt(hog)
         return [hog.seq_id]
 
+    def _chunk_limit(self, seq: Sequence, now: float) -> int:
+        """The longest prefill chunk the sequence may run in this step: `max_prefill_chunk`,
+        or `contended_prefill_chunk` while its tenant has been served more than another
+        tenant active now or within the contention window (`TenantActivity`)."""
+        if self._activity is not None and self._activity.is_over_share(seq.tenant, now):
+            return self.config.contended_prefill_chunk
+        return self.config.max_prefill_chunk
+
     def _cached_len(self, seq: Sequence) -> int:
         return self.kv_cache.cached_len(seq.seq_id, seq.num_computed)
 
@@ -290,6 +304,11 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         prefill: list[tuple[Sequence, int]] = []
         preempted = self._control() + self._reclaim_share()
         offloaded = set(preempted)
+        now = 0.0  # read only by the contended-chunk rule
+        if self._activity is not None:
+            now = self.clock()
+            self._activity.observe({s.tenant for s in self.running + self.waiting + self.swapped},
+                                   now)
         scheduled: set[str] = set()
         active = self.active_version()
         drafting: set[str] = set()
@@ -380,8 +399,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                     seq.num_computed = 0
                 continue
             chunk = self._fit_to_bucket(sum(n for _, n in prefill),
-                                        min(seq.num_pending, budget, cfg.max_prefill_chunk,
-                                            limit))
+                                        min(seq.num_pending, budget,
+                                            self._chunk_limit(seq, now), limit))
             cached = self._cached_len(seq)
             need = self.kv_cache.pages_needed(seq.seq_id, cached + chunk)
             ok = not is_new or self.kv_cache.can_admit(need)
@@ -895,6 +914,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         if row.start < seq.num_prompt_tokens:  # a prefill chunk
             self._pay_for_pages(seq)
         self.policy.on_tokens(seq, n)
+        if self._activity is not None:
+            self._activity.on_tokens(seq.tenant, n, self.clock())
         if row.num_drafts:
             self.kv_cache.retain_verified(seq.seq_id, row.start, n, query_scores,
                                           version=seq.weights_version)
