@@ -42,6 +42,11 @@ def get_config() -> ConfigDict:
     # A tenant whose running sequences hold this fraction of the pool admits no more while
     # another tenant's requests wait; None: no limit.
     config.engine.max_tenant_page_share = config_dict.placeholder(float)
+    # While another tenant is active (an unfinished request now or within contention_window_s),
+    # a tenant served more than it recently gets prefill chunks of at most this many tokens;
+    # None: off.
+    config.engine.contended_prefill_chunk = config_dict.placeholder(int)
+    config.engine.contention_window_s = 15.0  # seconds a tenant stays active after a request
     # Requests naming a cache_salt share pages across tenants; with this, a tenant hits such a
     # page only once it computed it itself (no hit's speed reveals another tenant's prompt).
     config.engine.hide_shared_prefix_hits = False

@@ -6,8 +6,10 @@ requests, 0.5 per second, so its prefix sits unreferenced between requests). Ten
 that share nothing, against a 40 MiB KV pool (about 56 pages of 16 tokens), so the flood
 holds the pool and its finished prompts push cached pages out. One run per sweep entry: no
 flood; the flood under fcfs admission and LRU eviction (the defaults); fair-share eviction
-alone; then adding fair admission, fair-share eviction and a per-tenant page share one at a
-time; and no flood under all three. The victim's requests are the same in every run.
+alone; then adding fair admission, fair-share eviction, a per-tenant page share and short
+prefill chunks for the tenant served more while another is active (`contended_prefill_chunk`)
+one at a time; and no flood under the isolating settings. The victim's requests are the same
+in every run.
 """
 
 import pathlib
@@ -46,6 +48,8 @@ def get_config() -> ConfigDict:
     fair = {"engine.scheduler_policy": "fair"}
     fair_cache = {**fair, "engine.prefix_cache_eviction": "fair_share"}
     isolating = {**fair_cache, "engine.max_tenant_page_share": 0.5}
+    # ... and while the victim is active, the flood's prefill chunks are cut to 32 tokens
+    contended = {**isolating, "engine.contended_prefill_chunk": 32}
     no_flood = {"workload.num_requests": 16, "workload.params.flood_share": 0.0}
     config.sweep = [
         no_flood,  # fcfs + lru, no flood: the baseline
@@ -54,6 +58,9 @@ def get_config() -> ConfigDict:
         fair,  # fair admission
         fair_cache,  # ... and fair-share prefix-cache eviction
         isolating,  # ... and at most half the pool per tenant while another waits
+        contended,  # ... and short flood chunks while the victim is active
+        {**contended, "engine.contention_window_s": 5.0},  # ... active 5 s after a request
         {**no_flood, **isolating},  # all three, no flood
+        {**no_flood, **contended},  # all four, no flood
     ]
     return config

@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import functools
 import json
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,17 +95,21 @@ def _llguidance():
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar (host state, advanced token by token)."""
+    """One sequence's position in its grammar (host state, advanced token by token).
+
+    Attributes:
+      vocab_size: V, the tokens its masks cover.
+    """
 
     def __init__(self, matcher, vocab_size: int):
         self._matcher = matcher
-        self._vocab_size = vocab_size
+        self.vocab_size = vocab_size
 
     def mask(self) -> np.ndarray:
         """[ceil(V / 32)] int32, the tokens allowed next (bit t % 32 of word t // 32)."""
         from llguidance.numpy import fill_next_token_bitmask
 
-        words = np.zeros((1, mask_width(self._vocab_size)), np.int32)
+        words = np.zeros((1, mask_width(self.vocab_size)), np.int32)
         fill_next_token_bitmask(self._matcher, words)
         return words[0]
 
@@ -112,17 +117,22 @@ class GrammarMatcher:
         """[1 + len(drafts), ceil(V / 32)] int32: the mask before each draft token and after
         the last (what a verify step checks draft j and samples its own token against). The
         drafts are consumed on the matcher and rolled back; past a draft the grammar forbids,
-        masks are all zero (verification rejects that draft, so none of them is read)."""
+        and past the draft that completes the output (the matcher stops there), masks are all
+        zero (verification rejects that draft, or the output ends: none of them is read). A
+        stopped matcher takes no more tokens, so only the drafts before the stop are rolled
+        back (rolling back more would move it before the drafts)."""
         from llguidance.numpy import fill_next_token_bitmask
 
-        words = np.zeros((1 + len(drafts), mask_width(self._vocab_size)), np.int32)
+        words = np.zeros((1 + len(drafts), mask_width(self.vocab_size)), np.int32)
         fill_next_token_bitmask(self._matcher, words, 0)
         valid = self._matcher.validate_tokens([int(t) for t in drafts])
-        for j in range(valid):
-            self._matcher.consume_token(int(drafts[j]))
-            fill_next_token_bitmask(self._matcher, words, j + 1)
-        if valid:
-            self._matcher.rollback(valid)
+        consumed = 0
+        while consumed < valid and not self._matcher.is_stopped():
+            self._matcher.consume_token(int(drafts[consumed]))
+            consumed += 1
+            fill_next_token_bitmask(self._matcher, words, consumed)
+        if consumed:
+            self._matcher.rollback(consumed)
         return words
 
     def accept(self, token: int) -> None:
@@ -137,7 +147,63 @@ class GrammarMatcher:
 
     def fork(self) -> GrammarMatcher:
         """An independent copy at the same position (an n > 1 sample of a shared prompt)."""
-        return GrammarMatcher(self._matcher.deep_copy(), self._vocab_size)
+        return GrammarMatcher(self._matcher.deep_copy(), self.vocab_size)
+
+
+def pool_threads() -> int:
+    """Threads `fill_masks` uses by default: 80% of the host's cores (llguidance's own default),
+    at least one."""
+    return max(1, (os.cpu_count() or 1) * 4 // 5)
+
+
+@functools.cache
+def _executor(num_threads: int):
+    """llguidance's thread pool for batched mask fills (one per size, built on first use)."""
+    return _llguidance().LLExecutor(num_threads=num_threads)
+
+
+def fill_masks(rows: Sequence[tuple[GrammarMatcher, Sequence[int]]], *,
+               num_threads: int | None = None) -> list[np.ndarray]:
+    """`matcher.masks(drafts)` of several rows, computed together.
+
+    With more than one row the masks are filled on llguidance's thread pool (by default only
+    where it has more than one thread): rows without drafts in one call
+    (`fill_next_token_bitmask_par`), rows with drafts in another
+    (`fill_next_token_bitmask_par_with_draft_tokens`, which steps each matcher through its
+    drafts and rolls it back as `masks` does; rows past a forbidden draft, or past the one that
+    stops the matcher, stay all zero). Otherwise they are filled one after another on the
+    calling thread: a pool of one thread only adds the hand-over (docs/benchmarks.md,
+    "Structured outputs").
+
+    Args:
+      rows: (matcher, drafts) per constrained row; drafts may be empty. The matchers must be
+        distinct objects (a fill advances and rolls back each one).
+      num_threads: the pool's threads (the pool is used even with one); None:
+        `pool_threads()`, and no pool when that is one.
+
+    Returns:
+      Per row, [1 + len(drafts), ceil(V / 32)] int32.
+    """
+    threads = pool_threads() if num_threads is None else num_threads
+    if len(rows) <= 1 or (num_threads is None and threads <= 1):
+        return [matcher.masks(drafts) for matcher, drafts in rows]
+    from llguidance.numpy import (
+        fill_next_token_bitmask_par,
+        fill_next_token_bitmask_par_with_draft_tokens,
+    )
+
+    width = mask_width(rows[0][0].vocab_size)
+    starts = np.cumsum([0] + [1 + len(drafts) for _, drafts in rows])  # [rows + 1]
+    words = np.zeros((int(starts[-1]), width), np.int32)
+    plain = [(m._matcher, int(start))
+             for (m, drafts), start in zip(rows, starts, strict=False) if not drafts]
+    drafted = [(m._matcher, int(start), [int(t) for t in drafts])
+               for (m, drafts), start in zip(rows, starts, strict=False) if drafts]
+    if plain:  # the library's draft variant refuses rows without drafts
+        fill_next_token_bitmask_par(_executor(threads), plain, words)
+    if drafted:
+        fill_next_token_bitmask_par_with_draft_tokens(_executor(threads), drafted, words)
+    return [words[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
 class GrammarCompiler:

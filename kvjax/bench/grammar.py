@@ -8,7 +8,8 @@ synchronous (the next mask needs the sampled token on the host), so `json` pays 
 mask time and the lost overlap; `mixed` (more than one request) shows what that costs the
 unconstrained rows beside them. Every step, constrained or not, ships one token bitmask per
 row and applies it on the device: `apply_mask_ms` times that alone (a jitted
-`apply_token_mask` over [B, V] logits).
+`apply_token_mask` over [B, V] logits). `fill_ms` times building one step's masks for
+several constrained rows one after another against llguidance's parallel fill.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.engine import Engine
-from kvjax.grammar import Grammar, GrammarCompiler, GrammarKind, mask_width
+from kvjax.grammar import Grammar, GrammarCompiler, GrammarKind, fill_masks, mask_width
 from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams, apply_token_mask
 
@@ -58,6 +59,58 @@ def _mask_ms(model: Model, tokens: Sequence[int]) -> float:
         matcher.mask()
         matcher.accept(token)
     return 1e3 * (time.perf_counter() - start) / max(len(tokens), 1)
+
+
+def _notes_tokens(model: Model, num_notes: int) -> list[int]:
+    """A JSON text that follows SCHEMA, as tokens (what a constrained output looks like)."""
+    notes = ",".join(f'"note {i % 100}"' for i in range(num_notes))
+    return model.tokenizer.encode('{"notes":[' + notes + "]}")
+
+
+def fill_ms(model: Model, *, num_rows: int, num_threads: int, num_steps: int = 32,
+            repeats: int = 3) -> dict:
+    """Host time (ms) to build one step's masks for `num_rows` constrained rows: one row after
+    another (`GrammarMatcher.masks`) and together (`kvjax.grammar.fill_masks` on llguidance's
+    pool of `num_threads` threads), best of `repeats` passes of `num_steps` steps. The rows
+    sit at staggered positions of a JSON output under SCHEMA and advance one token per step;
+    both ways give the same masks (checked)."""
+    compiler = GrammarCompiler(model.tokenizer, model.config.vocab_size,
+                               model.config.eos_token_ids)
+    grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    tokens = _notes_tokens(model, SCHEMA["properties"]["notes"]["minItems"])
+    best = {"serial": float("inf"), "parallel": float("inf")}
+    for _ in range(repeats):
+        # Each way has matchers of its own: a matcher keeps the mask it computed last.
+        rows = {way: [compiler.matcher(grammar) for _ in range(num_rows)] for way in best}
+        for matchers in rows.values():
+            for i, matcher in enumerate(matchers):
+                for token in tokens[:3 * i]:
+                    matcher.accept(token)
+        spent = {"serial": 0.0, "parallel": 0.0}
+        for step in range(num_steps):
+            start = time.perf_counter()
+            alone = [m.masks(()) for m in rows["serial"]]
+            spent["serial"] += time.perf_counter() - start
+            start = time.perf_counter()
+            together = fill_masks([(m, ()) for m in rows["parallel"]], num_threads=num_threads)
+            spent["parallel"] += time.perf_counter() - start
+            if any(not np.array_equal(a, b) for a, b in zip(alone, together, strict=True)):
+                raise RuntimeError("the parallel fill differs from the serial one")
+            for matchers in rows.values():
+                for i, matcher in enumerate(matchers):
+                    matcher.accept(tokens[3 * i + step])
+        best = {k: min(best[k], 1e3 * spent[k] / num_steps) for k in best}
+    return dict(num_rows=num_rows, num_threads=num_threads, serial_ms=round(best["serial"], 3),
+                parallel_ms=round(best["parallel"], 3),
+                speedup=round(best["serial"] / best["parallel"], 2))
+
+
+def format_fill_table(results: list[dict]) -> str:
+    lines = ["| constrained rows | pool threads | serial ms/step | parallel ms/step | speed-up |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['num_rows']} | {r['num_threads']} | {r['serial_ms']} | {r['parallel_ms']} "
+              f"| {r['speedup']} |" for r in results]
+    return "\n".join(lines)
 
 
 def _apply_mask_ms(batch: int, vocab: int, repeats: int = 50) -> float:

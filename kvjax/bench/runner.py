@@ -292,6 +292,8 @@ def engine_config_from(config: ConfigDict) -> EngineConfig:
         enable_prefix_cache=e.enable_prefix_cache,
         prefix_cache_eviction=e.prefix_cache_eviction,
         max_tenant_page_share=e.max_tenant_page_share,
+        contended_prefill_chunk=e.contended_prefill_chunk,
+        contention_window_s=e.contention_window_s,
         hide_shared_prefix_hits=e.hide_shared_prefix_hits,
         scheduler_policy=e.scheduler_policy,
         preemption_mode=e.preemption_mode, watermark=e.watermark,

@@ -46,6 +46,15 @@ class EngineConfig:
         the cache with distinct prefixes evicts its own pages first).
       max_tenant_page_share: a tenant whose running sequences hold this fraction of the pool
         admits no more while another tenant's requests wait (None: no limit).
+      contended_prefill_chunk: while another tenant is active (it has an unfinished request,
+        or had one within `contention_window_s`), a tenant served more tokens than it
+        recently runs prefill chunks of at most this many tokens, so the other's arrivals
+        wait for a short step instead of a long one (a step is not preemptible); alone, a
+        tenant keeps `max_prefill_chunk`. At most max_prefill_chunk; a chunk bucket
+        (min_chunk_bucket) pads least. None: off.
+      contention_window_s: how long a tenant stays active after its last unfinished request,
+        and the time constant over which served tokens are forgotten
+        (`kvjax.scheduler.tenants.TenantActivity`).
       hide_shared_prefix_hits: requests naming a `cache_salt` share prefix-cache pages across
         tenants; with this on, a tenant hits such a page only once it has computed the page's
         tokens itself (`kvjax.memory.prefix_cache.HitLedger`), so a hit's speed never tells
@@ -145,6 +154,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     prefix_cache_eviction: PrefixEviction = PrefixEviction.LRU
     max_tenant_page_share: float | None = None
+    contended_prefill_chunk: int | None = None
+    contention_window_s: float = 15.0
     hide_shared_prefix_hits: bool = False
     scheduler_policy: str = "fcfs"
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
@@ -191,6 +202,14 @@ class EngineConfig:
         if self.max_tenant_page_share is not None and not 0.0 < self.max_tenant_page_share <= 1:
             raise ValueError(f"EngineConfig.max_tenant_page_share must be None or in (0, 1], "
                              f"got {self.max_tenant_page_share!r}")
+        chunk = self.contended_prefill_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or not 0 < chunk <= self.max_prefill_chunk):
+            raise ValueError(f"EngineConfig.contended_prefill_chunk must be None or an int in "
+                             f"[1, max_prefill_chunk={self.max_prefill_chunk}], got {chunk!r}")
+        if not self.contention_window_s > 0:
+            raise ValueError(f"EngineConfig.contention_window_s must be > 0, got "
+                             f"{self.contention_window_s!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         if isinstance(self.spec, dict):

@@ -265,6 +265,8 @@ class Engine:
             num_draft_tokens=cfg.spec.num_draft_tokens if cfg.spec.enabled else 0,
             adaptive_drafts=cfg.spec.adaptive,
             max_tenant_page_share=cfg.max_tenant_page_share,
+            contended_prefill_chunk=cfg.contended_prefill_chunk,
+            contention_window_s=cfg.contention_window_s,
             hide_shared_hits=cfg.hide_shared_prefix_hits, **self._demotion())
 
     def _demotion(self) -> dict:

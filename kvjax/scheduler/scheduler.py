@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from kvjax import grammar as grammar_lib
 from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.ops import KVOp
 from kvjax.memory.prefix_cache import HitLedger, page_hash_chain
@@ -38,6 +39,7 @@ from kvjax.scheduler.preemption import PreemptionMode, decide_preemption
 from kvjax.scheduler.request import FinishReason, SeqStatus, Sequence, WeightUpdatePolicy
 from kvjax.scheduler.requests import RequestRegistry
 from kvjax.scheduler.spec import Drafter, NoDrafts
+from kvjax.scheduler.tenants import TenantActivity
 from kvjax.scheduler.tiered import TierAdmission
 from kvjax.shapes import pages_for
 
@@ -70,6 +72,7 @@ class SchedulerConfig:
       demote_ratios: {bits: a page's bytes over its copy's at bits} for each precision a
         swapped copy may be demoted to (float pages, the plain swap space); empty: none.
       max_tenant_page_share: as in EngineConfig.
+      contended_prefill_chunk, contention_window_s: as in EngineConfig (`TenantActivity`).
       hide_shared_hits: as EngineConfig.hide_shared_prefix_hits (a `HitLedger` caps what a
         tenant hits under a shared cache salt).
     """
@@ -94,6 +97,8 @@ class SchedulerConfig:
     adaptive_drafts: bool = False
     demote_ratios: Mapping[int, float] = dataclasses.field(default_factory=dict)
     max_tenant_page_share: float | None = None
+    contended_prefill_chunk: int | None = None
+    contention_window_s: float = 15.0
     hide_shared_hits: bool = False
 
 
@@ -140,6 +145,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self.policy = policy
         self._cache_key = cache_key
         self._ledger = HitLedger() if config.hide_shared_hits else None
+        self._activity = (None if config.contended_prefill_chunk is None
+                          else TenantActivity(config.contention_window_s))
         self.clock = clock
         self.stats = stats
         self.tokenizer = tokenizer
@@ -269,6 +276,14 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self._preempt(hog)
         return [hog.seq_id]
 
+    def _chunk_limit(self, seq: Sequence, now: float) -> int:
+        """The longest prefill chunk the sequence may run in this step: `max_prefill_chunk`,
+        or `contended_prefill_chunk` while its tenant has been served more than another
+        tenant active now or within the contention window (`TenantActivity`)."""
+        if self._activity is not None and self._activity.is_over_share(seq.tenant, now):
+            return self.config.contended_prefill_chunk
+        return self.config.max_prefill_chunk
+
     def _cached_len(self, seq: Sequence) -> int:
         return self.kv_cache.cached_len(seq.seq_id, seq.num_computed)
 
@@ -298,6 +313,11 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         prefill: list[tuple[Sequence, int]] = []
         preempted = self._control() + self._reclaim_share()
         offloaded = set(preempted)
+        now = 0.0  # read only by the contended-chunk rule
+        if self._activity is not None:
+            now = self.clock()
+            self._activity.observe({s.tenant for s in self.running + self.waiting + self.swapped},
+                                   now)
         scheduled: set[str] = set()
         active = self.active_version()
         drafting: set[str] = set()
@@ -390,8 +410,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                     seq.num_computed = 0
                 continue
             chunk = self._fit_to_bucket(sum(n for _, n in prefill),
-                                        min(seq.num_pending, budget, cfg.max_prefill_chunk,
-                                            limit))
+                                        min(seq.num_pending, budget,
+                                            self._chunk_limit(seq, now), limit))
             cached = self._cached_len(seq)
             need = self.kv_cache.pages_needed(seq.seq_id, cached + chunk)
             ok = not is_new or self.kv_cache.can_admit(need)
@@ -426,13 +446,17 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             self.stats["spec_draft_steps"] += 1
         # A decode row's tokens past the first are its drafts in a verify step (a row swapped
         # in during it has none); prefill rows hold prompt tokens only.
+        num_drafts = {s.seq_id: n - 1 if verifies else 0 for s, n in decode}
+        masks = self._grammar_masks([(s, n, num_drafts.get(s.seq_id, 0))
+                                     for s, n in decode + prefill if s.seq_id not in drafting])
         rows = [self._draft_row(s, i) if s.seq_id in drafting
-                else self._row(s, n, i, n - 1 if verifies else 0)
+                else self._row(s, n, i, num_drafts[s.seq_id], masks.get(s.seq_id))
                 for i, (s, n) in enumerate(decode)]
         if self.echo is not None:
             rows = [dataclasses.replace(r, host_table=self.echo.host_table(r.seq_id),
                                         host_len=0) for r in rows]
-        rows += [self._row(s, n, len(decode) + i) for i, (s, n) in enumerate(prefill)]
+        rows += [self._row(s, n, len(decode) + i, masks=masks.get(s.seq_id))
+                 for i, (s, n) in enumerate(prefill)]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
                                preempted=tuple(preempted), kv_plan=self.kv_cache.take_plan(),
                                kv_ops=self.kv_cache.take_ops(), weights_version=active,
@@ -542,10 +566,22 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             seq.num_tokens - seq.num_prompt_tokens >= seq.sampling.max_new_tokens
             or seq.num_tokens >= self.config.max_model_len)
 
-    def _row(self, seq: Sequence, n: int, index: int, num_drafts: int = 0) -> ScheduledRow:
+    @staticmethod
+    def _grammar_masks(rows: list[tuple[Sequence, int, int]]) -> dict[str, np.ndarray]:
+        """The token masks of the step's rows that sample under a grammar, by sequence id:
+        (sequence, tokens, drafts) per row, filled together (`kvjax.grammar.fill_masks`: in
+        parallel when several rows are constrained), each before and after its drafts."""
+        wanted = [(seq, seq.draft_tokens[:num_drafts]) for seq, n, num_drafts in rows
+                  if seq.grammar is not None and n - num_drafts == seq.num_pending]
+        filled = grammar_lib.fill_masks([(seq.grammar, drafts) for seq, drafts in wanted])
+        return {seq.seq_id: m for (seq, _), m in zip(wanted, filled, strict=True)}
+
+    def _row(self, seq: Sequence, n: int, index: int, num_drafts: int = 0,
+             masks: np.ndarray | None = None) -> ScheduledRow:
         """The row's snapshot; the sequence counts its tokens as computed from now on, and its
         pages are recorded as written by its weights version. A verify row's last
-        `num_drafts` tokens are the sequence's draft tokens."""
+        `num_drafts` tokens are the sequence's draft tokens; `masks`, a sampling row's
+        grammar masks before and after them (`_grammar_masks`)."""
         table, group_tables = self.kv_cache.row_tables(seq.seq_id)
         evicted = self.kv_cache.retention.num_evicted(seq.seq_id)
         start = seq.num_computed
@@ -565,8 +601,6 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                                    + seq.draft_tokens[:num_drafts], np.int32)
             feed_index = -1
         samples = n - num_drafts == seq.num_pending
-        masks = (seq.grammar.masks(seq.draft_tokens[:num_drafts])
-                 if samples and seq.grammar is not None else None)
         host_table = self.kv_cache.host_table(seq.seq_id)
         row = ScheduledRow(
             seq_id=seq.seq_id, token_ids=token_ids, start=start, num_evicted=evicted,
@@ -899,6 +933,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         if row.start < seq.num_prompt_tokens:  # a prefill chunk
             self._pay_for_pages(seq)
         self.policy.on_tokens(seq, n)
+        if self._activity is not None:
+            self._activity.on_tokens(seq.tenant, n, self.clock())
         if row.num_drafts:
             self.kv_cache.retain_verified(seq.seq_id, row.start, n, query_scores,
                                           version=seq.weights_version)

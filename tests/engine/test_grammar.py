@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from sampling_reference import dense_logits
 
+import kvjax.grammar
 from kvjax import Engine, EngineConfig, SamplingParams
-from kvjax.grammar import Grammar, GrammarKind
+from kvjax.grammar import Grammar, GrammarKind, fill_masks
 from kvjax.scheduler.spec import SpecConfig
 from kvjax.testing import greedy_reference, tiny_chat_model
 
@@ -90,8 +91,15 @@ def references(model, prompts):
     return [masked_greedy_reference(model, p, g) for p, g in zip(prompts, GRAMMARS, strict=True)]
 
 
+@pytest.fixture
+def parallel_fill(monkeypatch):
+    """Steps with several constrained rows fill their masks on a 2-thread pool (the default
+    pool has one thread on a 2-core host, which fills them one by one)."""
+    monkeypatch.setattr(kvjax.grammar, "pool_threads", lambda: 2)
+
+
 def test_greedy_equals_masked_reference_without_new_compiles(engine, model, prompts,
-                                                             references):
+                                                             references, parallel_fill):
     compiles = engine.num_compiles
     params = [SamplingParams(max_new_tokens=MAX_NEW, grammar=g) for g in GRAMMARS]
     # Unconstrained rows share the steps: their outputs must not change.
@@ -110,7 +118,7 @@ def test_greedy_equals_masked_reference_without_new_compiles(engine, model, prom
     dict(async_scheduling=False),
     dict(spec=SpecConfig("ngram", num_draft_tokens=3)),
 ], ids=["sync", "ngram_spec"])
-def test_greedy_composes(model, prompts, references, overrides):
+def test_greedy_composes(model, prompts, references, overrides, parallel_fill):
     engine = Engine(model, EngineConfig(**dict(CONFIG, **overrides)))
     # Twice: the second time the prompts hit the prefix cache. An unconstrained request
     # beside them (drafted and verified under speculation) keeps its greedy tokens.
@@ -137,7 +145,7 @@ def test_greedy_composes(model, prompts, references, overrides):
             check_matches(grammar, model.tokenizer.decode(out.outputs[0].token_ids))
 
 
-def test_masks_after_drafts_equal_the_matcher_stepped_token_by_token(engine, prompts,
+def test_masks_after_drafts_equal_the_matcher_stepped_token_by_token(engine, model,
                                                                      references):
     """`GrammarMatcher.masks(drafts)`: row j is the mask after drafts[:j] (a fork stepped
     one token at a time), rows past a forbidden draft are empty, and the matcher is where
@@ -156,6 +164,44 @@ def test_masks_after_drafts_equal_the_matcher_stepped_token_by_token(engine, pro
     masks = matcher.masks([forbidden, drafts[0]])
     np.testing.assert_array_equal(masks[0], before)
     assert not masks[1:].any()
+    # Drafts through the end of the output, then EOS: the matcher stops on the way and is
+    # rolled back by what it consumed, so it is where it was (and answers the same again).
+    drafts = references[1] + list(model.config.eos_token_ids)
+    regex = engine.grammar_matcher("m", GRAMMARS[1])
+    start = regex.mask()
+    first = regex.masks(drafts)
+    assert first[len(references[1]) - 1].any()  # the last output token is allowed there
+    np.testing.assert_array_equal(regex.mask(), start)
+    np.testing.assert_array_equal(regex.masks(drafts), first)
+
+
+def test_masks_filled_together_equal_each_row_alone(engine, model, references):
+    """`fill_masks` on llguidance's thread pool (what a step with several constrained rows
+    uses on a host with cores to spare) gives each row what its own `masks(drafts)` gives,
+    drafts valid, forbidden or past the end of the output included, and leaves every
+    matcher where it was."""
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        rows = []
+        for _ in range(int(rng.integers(2, 9))):
+            g = int(rng.integers(len(GRAMMARS)))
+            pos = int(rng.integers(len(references[g])))
+            matcher = engine.grammar_matcher("m", GRAMMARS[g])
+            for token in references[g][:pos]:
+                matcher.accept(token)
+            drafts = list(references[g][pos:pos + int(rng.integers(0, 5))])
+            if drafts and rng.random() < 0.3:
+                drafts[int(rng.integers(len(drafts)))] = int(
+                    rng.integers(model.config.vocab_size))
+            if rng.random() < 0.2:
+                drafts += list(model.config.eos_token_ids)
+            rows.append((matcher, drafts))
+        alone = [matcher.masks(drafts) for matcher, drafts in rows]
+        together = fill_masks(rows, num_threads=2)
+        assert len(together) == len(rows)
+        for (matcher, _), a, b in zip(rows, alone, together, strict=True):
+            np.testing.assert_array_equal(b, a)
+            np.testing.assert_array_equal(matcher.mask(), a[0])
 
 
 def test_swapped_out_mid_output_and_back(model, prompts, references):

@@ -35,7 +35,8 @@ def make_scheduler(num_pages: int = 32, *, max_num_seqs: int = 4, prefix_cache: 
                    preemption: PreemptionMode = PreemptionMode.RECOMPUTE,
                    max_num_batched_tokens: int = 64, max_prefill_chunk: int = 16,
                    max_prefill_seqs: int = 4, policy: str = "fcfs",
-                   max_tenant_page_share: float | None = None):
+                   max_tenant_page_share: float | None = None,
+                   contended_prefill_chunk: int | None = None, clock=lambda: 0.0):
     device = HostKV(init_paged_kv(CONFIG, num_pages, P))
     stats: dict = {}
     kv_cache = KVCacheManager(
@@ -46,10 +47,11 @@ def make_scheduler(num_pages: int = 32, *, max_num_seqs: int = 4, prefix_cache: 
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_prefill_chunk=max_prefill_chunk, max_prefill_seqs=max_prefill_seqs, page_size=P,
         max_model_len=64, is_paged=True, preemption_mode=preemption, kv_bytes_per_token=8.0,
-        eos_token_ids=(EOS,), max_tenant_page_share=max_tenant_page_share)
+        eos_token_ids=(EOS,), max_tenant_page_share=max_tenant_page_share,
+        contended_prefill_chunk=contended_prefill_chunk, contention_window_s=5.0)
     scheduler = Scheduler(config, kv_cache, make_policy(policy),
                           cache_key=lambda tenant, version: f"{tenant}|{version}".encode(),
-                          clock=lambda: 0.0, stats=stats, weights_version="v0")
+                          clock=clock, stats=stats, weights_version="v0")
     return scheduler, device
 
 
@@ -359,3 +361,27 @@ def test_a_tenant_over_its_share_is_preempted_for_one_under_it():
     assert steps_until_b_runs(0.5) == (1, ["a2#0"])
     step, preempted = steps_until_b_runs(None)
     assert step > 3  # waits until a's decode rows need pages and the lowest ranked goes
+
+
+def test_a_tenant_served_more_gets_short_chunks_while_another_is_active():
+    """contended_prefill_chunk: alone, a tenant's long prompt runs in full chunks; while
+    another tenant has a request (or had one within the 5 s window) the tenant served more
+    runs short chunks and the other full ones; once the window passes, full chunks again."""
+    now = [0.0]
+    scheduler, _ = make_scheduler(num_pages=32, max_prefill_chunk=16, max_prefill_seqs=2,
+                                  policy="fcfs", contended_prefill_chunk=4,
+                                  clock=lambda: now[0])
+
+    def chunks():
+        so, _ = fake_step(scheduler)
+        now[0] += 1.0
+        return {r.seq_id: r.num_tokens for r in so.prefill}
+
+    add(scheduler, "a0", list(range(1, 61)), max_new_tokens=2, tenant="a")
+    assert chunks() == {"a0#0": 16}  # alone: full chunks
+    add(scheduler, "b0", list(range(101, 111)), max_new_tokens=1, tenant="b")
+    assert chunks() == {"a0#0": 4, "b0#0": 10}  # a was served more: short; b: its prompt
+    assert not scheduler.has_request("b0")
+    assert chunks() == {"a0#0": 4}  # b finished 1 s ago: still active
+    now[0] += 5.0
+    assert chunks() == {"a0#0": 16}  # b idle past the window

@@ -32,6 +32,7 @@ from kvjax.memory.prefix_cache import hash_page, hash_root
 from kvjax.server import BackgroundServer, ServerConfig
 from kvjax.server.kv_state import affinity_key
 from kvjax.server.metrics import VLLM_NAMES
+from kvjax.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvjax.testing import dense_logprobs, greedy_reference, tiny_chat_model
 
 MODEL_NAME = "tiny"
@@ -648,7 +649,12 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(al
                     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 _FIELDS = ["model", "max_tokens", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids",
            "stream", "user", "echo", "max_completion_tokens", "stream_options",
-           "presence_penalty", "ignore_eos", "prompt", "messages", "cache_salt"]
+           "presence_penalty", "ignore_eos", "prompt", "messages", "cache_salt",
+           "return_tokens_as_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+           "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+           "structured_outputs", "add_generation_prompt", "tools", "tool_choice",
+           "parallel_tool_calls", "frequency_penalty", "repetition_penalty", "logit_bias",
+           "min_p", "min_tokens", "prompt_logprobs"]
 # Values that are either greedy or invalid: a valid sampled or top-logprob request would
 # compile step programs of its own, which this fast test leaves to test_server_slow.py.
 _GREEDY_OR_INVALID = {
@@ -658,6 +664,19 @@ _GREEDY_OR_INVALID = {
                           st.text(max_size=3)),
     "top_logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=21),
                               st.text(max_size=3)),
+}
+# The sampling rules at their neutral value or invalid: a valid rule would compile the rules
+# variant of each step shape.
+_INVALID_TEXT = st.text(max_size=3)
+_NEUTRAL_OR_INVALID = {
+    "frequency_penalty": st.one_of(st.just(0.0), st.floats(min_value=2.01), _INVALID_TEXT),
+    "repetition_penalty": st.one_of(st.just(1.0), st.floats(max_value=0.0), _INVALID_TEXT),
+    "min_p": st.one_of(st.just(0.0), st.floats(min_value=1.01), _INVALID_TEXT),
+    "min_tokens": st.one_of(st.just(0), st.integers(max_value=-1), _INVALID_TEXT),
+    "logit_bias": st.one_of(st.just({}), st.dictionaries(
+        HOSTILE_TEXT, st.one_of(st.floats(min_value=100.1), _INVALID_TEXT), max_size=2)),
+    "prompt_logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=21),
+                                 _INVALID_TEXT),
 }
 _MESSAGES = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "robot"]),
@@ -676,8 +695,10 @@ def _bodies(main: str):
     optional = {"logprobs": _GREEDY_OR_INVALID["logprobs"]}
     if main == "messages":
         optional["top_logprobs"] = _GREEDY_OR_INVALID["top_logprobs"]
-    return st.tuples(st.fixed_dictionaries(fixed, optional=optional),
-                     st.dictionaries(st.sampled_from(_FIELDS), _VALUES, max_size=3)).map(
+    others = st.lists(st.sampled_from(_FIELDS), unique=True, max_size=3).flatmap(
+        lambda names: st.fixed_dictionaries({n: _NEUTRAL_OR_INVALID.get(n, _VALUES)
+                                             for n in names}))
+    return st.tuples(st.fixed_dictionaries(fixed, optional=optional), others).map(
         lambda parts: {**parts[1], **parts[0]})
 
 
@@ -709,6 +730,12 @@ def test_fuzzed_bodies_get_a_4xx_json_error_or_an_answer(model, server, path, ma
     r = httpx.post(server.base_url + "/v1/completions", timeout=60, json=dict(
         prompt=[9, 9], max_tokens=2, temperature=0))
     assert r.json()["choices"][0]["text"] == reference(model, [9, 9], 2)[1]
+
+
+def test_the_fuzz_draws_every_request_field():
+    fields = {field.alias or name for request in (CompletionRequest, ChatCompletionRequest)
+              for name, field in request.model_fields.items()}
+    assert fields - set(_FIELDS) - set(_GREEDY_OR_INVALID) == set()
 
 
 def _internals(engine) -> list[str]:
