@@ -5,7 +5,9 @@ layer loop is one scan. XLA copies each layer's slice before its matmul, and its
 few rows packs the weights once more, so a decode step on the CPU moved about twice the bytes
 of the weights. `native_linear` (`linear.cc`, built and registered by `kvjax.cpu_kernels`)
 reads the layer's rows in place, once; it pays off for few rows (decode steps), while XLA's
-packed matmul wins for prefill chunks (`NATIVE_MAX_TOKENS`).
+packed matmul wins for prefill chunks (`NATIVE_MAX_TOKENS`). It multiplies float32, and
+bfloat16 as `matmul` does (float32 sums, the result rounded to bfloat16): on AVX-512 BF16 by
+`vdpbf16ps` on pairs of bfloat16 lanes, elsewhere by widening to float32.
 """
 
 from __future__ import annotations
@@ -76,11 +78,15 @@ def xla_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = F
     return matmul(x, w[layer].T if transpose else w[layer])
 
 
+NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the kernel's x and w
+
+
 def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
                   ) -> jax.Array:
-    """x @ w[layer] (x @ w[layer].T with `transpose`) reading the layer in place.
+    """x @ w[layer] (x @ w[layer].T with `transpose`) reading the layer in place, summed in
+    float32 and returned in x's dtype (as `xla_linear`).
 
-    float32 x and w only; other dtypes go to `xla_linear`.
+    x and w both float32 or both bfloat16 (`NATIVE_DTYPES`); other dtypes go to `xla_linear`.
 
     Raises:
       ValueError: the kernel is unavailable on this machine.
@@ -88,18 +94,22 @@ def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool 
     reason = unavailable_reason()
     if reason is not None:
         raise ValueError(reason)
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3:
+    if x.dtype != w.dtype or x.dtype not in NATIVE_DTYPES or x.ndim != 2 or w.ndim != 3:
         return xla_linear(x, w, layer, transpose)
     return call_kernel(_TARGET, x, w, layer, transpose)
 
 
 def call_kernel(target: str, x: jax.Array, w: jax.Array, layer: jax.Array,
-                transpose: bool = False, *, invariant: bool = False) -> jax.Array:
-    """x @ w[layer] by the FFI target `target`, a registered build of `linear.cc` (float32
-    x [T, In] and w [L, In, Out], or [L, Out, In] with `transpose`). `invariant`: each row's
-    result is the same whatever the other rows (`invariant_linear`)."""
+                transpose: bool = False, *, invariant: bool = False,
+                out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """x @ w[layer] by the FFI target `target`, a registered build of `linear.cc`: x [T, In]
+    and w [L, In, Out] (or [L, Out, In] with `transpose`) both float32, or both bfloat16.
+    The result is in `out_dtype` (default x's; float32 for bfloat16 operands keeps the
+    float32 sums unrounded). `invariant`: each row's result is the same whatever the other
+    rows (`invariant_linear`; float32 only)."""
     out = w.shape[1] if transpose else w.shape[2]
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))(
+    out_type = jax.ShapeDtypeStruct((x.shape[0], out), out_dtype or x.dtype)
+    return jax.ffi.ffi_call(target, out_type)(
         x, w, jnp.asarray(layer, jnp.int32), transpose=transpose, invariant=invariant)
 
 
