@@ -33,10 +33,11 @@ NATIVE_MAX_TOKENS = 128
 
 class LayerLinear(Protocol):
     """x [T, In] times layer `layer` (a scalar, traced or not) of stacked w [L, In, Out], or
-    of its transpose where w is [L, Out, In] and `transpose` is set."""
+    of its transpose where w is [L, Out, In] and `transpose` is set; summed in float32 and
+    returned in `out_dtype` (None: x's)."""
 
-    def __call__(self, x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
-                 ) -> jax.Array: ...
+    def __call__(self, x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False,
+                 out_dtype: jnp.dtype | None = None) -> jax.Array: ...
 
 
 def unavailable_reason() -> str | None:
@@ -62,29 +63,30 @@ def target_for(isa: cpu_kernels.Isa) -> str:
     return target
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, In] @ w [In, Out] by XLA, accumulated in float32 and returned in x's dtype.
+def matmul(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """x [T, In] @ w [In, Out] by XLA, accumulated in float32 and returned in `out_dtype`
+    (None: x's).
 
     XLA's own CPU dot emitter multiplies no bfloat16 into a bfloat16 result (YNNPACK, which
     takes the larger dots, does); a float32 accumulator is what bfloat16 weights want anyway.
     """
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
 
 
-def xla_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
-               ) -> jax.Array:
+def xla_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False,
+               out_dtype: jnp.dtype | None = None) -> jax.Array:
     """x @ w[layer] (x @ w[layer].T with `transpose`) by XLA (the slice is a dynamic slice),
     accumulated in float32 (`matmul`)."""
-    return matmul(x, w[layer].T if transpose else w[layer])
+    return matmul(x, w[layer].T if transpose else w[layer], out_dtype)
 
 
 NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the kernel's x and w
 
 
-def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
-                  ) -> jax.Array:
+def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False,
+                  out_dtype: jnp.dtype | None = None) -> jax.Array:
     """x @ w[layer] (x @ w[layer].T with `transpose`) reading the layer in place, summed in
-    float32 and returned in x's dtype (as `xla_linear`).
+    float32 and returned in `out_dtype` (None: x's), as `xla_linear`.
 
     x and w both float32 or both bfloat16 (`NATIVE_DTYPES`); other dtypes go to `xla_linear`.
 
@@ -94,9 +96,11 @@ def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool 
     reason = unavailable_reason()
     if reason is not None:
         raise ValueError(reason)
-    if x.dtype != w.dtype or x.dtype not in NATIVE_DTYPES or x.ndim != 2 or w.ndim != 3:
-        return xla_linear(x, w, layer, transpose)
-    return call_kernel(_TARGET, x, w, layer, transpose)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if x.dtype != w.dtype or x.dtype not in NATIVE_DTYPES or x.ndim != 2 or w.ndim != 3 \
+            or out_dtype not in (x.dtype, jnp.float32):
+        return xla_linear(x, w, layer, transpose, out_dtype)
+    return call_kernel(_TARGET, x, w, layer, transpose, out_dtype=out_dtype)
 
 
 def call_kernel(target: str, x: jax.Array, w: jax.Array, layer: jax.Array,
@@ -156,9 +160,9 @@ def linear_kv_write(x: jax.Array, wk: jax.Array, wv: jax.Array, layer: jax.Array
         k_pages, v_pages, has_bias=has_bias, invariant=invariant)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def invariant_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
-                     ) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def invariant_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False,
+                     out_dtype: jnp.dtype | None = None) -> jax.Array:
     """x @ w[layer] (x @ w[layer].T with `transpose`) whose every row is bitwise the same
     whatever the other rows of x: the native kernel with its sums in an order fixed by In
     alone (batch-invariant numerics; float32 only).
@@ -166,22 +170,25 @@ def invariant_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bo
     Differentiable: the backward pass is XLA's (gradients need no fixed order).
 
     Raises:
-      ValueError: the kernel is unavailable on this machine, or x or w is not float32.
+      ValueError: the kernel is unavailable on this machine, or x, w or out_dtype is not
+        float32.
     """
     reason = unavailable_reason()
     if reason is not None:
         raise ValueError(reason)
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3:
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3 \
+            or jnp.dtype(out_dtype or x.dtype) != jnp.float32:
         raise ValueError(f"invariant_linear multiplies float32 x [T, In] by w [L, In, Out], "
-                         f"got {x.dtype} {x.shape} and {w.dtype} {w.shape}")
+                         f"got {x.dtype} {x.shape} and {w.dtype} {w.shape} into {out_dtype}")
     return call_kernel(_TARGET, x, w, layer, transpose, invariant=True)
 
 
-def _invariant_fwd(x, w, layer, transpose):
-    return invariant_linear(x, w, layer, transpose), (x, w, layer)
+def _invariant_fwd(x, w, layer, transpose, out_dtype):
+    return invariant_linear(x, w, layer, transpose, out_dtype), (x, w, layer)
 
 
-def _invariant_bwd(transpose, residuals, grad):
+def _invariant_bwd(transpose, out_dtype, residuals, grad):
+    del out_dtype  # float32, as x
     x, w, layer = residuals
     _, pullback = jax.vjp(lambda x, w: xla_linear(x, w, layer, transpose), x, w)
     grad_x, grad_w = pullback(grad)

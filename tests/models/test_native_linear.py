@@ -57,7 +57,8 @@ def test_transposed_weights_are_dot_products_of_rows(shape):
 
 def test_bfloat16_goes_to_the_kernel_other_dtypes_to_xla():
     """bfloat16 x and w take the kernel (its paths: tests/test_cpu_kernels.py) and come back
-    in bfloat16 like XLA's; float16 or mixed dtypes go to XLA."""
+    in bfloat16 like XLA's, or unrounded in float32 (out_dtype); float16 or mixed dtypes go to
+    XLA."""
     rng = np.random.default_rng(2)
     w = jnp.asarray(rng.standard_normal((3, 64, 96)), jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.bfloat16)
@@ -67,6 +68,11 @@ def test_bfloat16_goes_to_the_kernel_other_dtypes_to_xla():
     assert got.dtype == jnp.bfloat16
     want = np.asarray(x, np.float64) @ np.asarray(w[2], np.float64)  # within half a bfloat16 ulp
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -8, atol=1e-6)
+    sums = jax.jit(linear.native_linear, static_argnames="out_dtype")  # the head's logits
+    assert "kvjax_linear" in sums.lower(x, w, 2, out_dtype=jnp.float32).as_text()
+    got = sums(x, w, 2, out_dtype=jnp.float32)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     for xd, wd in ((jnp.float16, jnp.float16), (jnp.bfloat16, jnp.float32)):
         args = (x.astype(xd), w.astype(wd), 2)
         assert "kvjax_linear" not in kernel.lower(*args).as_text()
