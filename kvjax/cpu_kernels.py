@@ -59,6 +59,8 @@ class Isa(enum.Enum):
     """The instruction-set level a kernel is built for (its compiler flags)."""
 
     NATIVE = ("-march=native",)  # this CPU: the kernels' AVX-512 branches where it has them
+    # AVX-512 F/BW/DQ/VL without BF16: the AVX-512 branches, bfloat16 matmuls widened.
+    X86_64_V4 = ("-march=x86-64-v4",)
     X86_64_V3 = ("-march=x86-64-v3",)  # AVX2 and FMA: the kernels' AVX2 branches
     X86_64 = ("-march=x86-64",)  # SSE2 only: the generic (vector-extension) branches
 

@@ -1,6 +1,6 @@
 """The native CPU kernels' build cache (keyed by the target CPU, refused on a CPU that lacks
-its flags) and the kernels' AVX2 and generic branches, built for named x86-64 levels on this
-host, against numpy."""
+its flags) and the kernels' AVX2 and generic branches (and the matmul's bfloat16 paths with
+and without AVX-512 BF16), built for named x86-64 levels on this host, against numpy."""
 
 from __future__ import annotations
 
@@ -123,6 +123,43 @@ def test_linear_branches_of_each_level_match_numpy(isa):
         got = jax.jit(linear.call_kernel, static_argnums=(0, 4))(target, x, wt, 1, True)
         np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w[1], rtol=1e-4,
                                    atol=1e-4)
+
+
+# The bfloat16 matmul's paths: NATIVE here takes AVX-512 BF16's pairs (vdpbf16ps) where Out is
+# a multiple of 32 and the transposed product, X86_64_V4 (AVX-512 without BF16), X86_64_V3
+# and X86_64 widen to float32. Shapes: one row and whole pieces; threads' partials added
+# (T x Out >= 16K); odd In (a last pair with a zero row; a masked tail of the transposed
+# rows); Out off the 32-column pieces (widened under NATIVE too); 4 x 4 transposed tiles.
+BF16_LEVELS = [Isa.NATIVE, Isa.X86_64_V4, *LEVELS]
+BF16_SHAPES = [(1, 576, 576), (16, 64, 1536), (3, 41, 64), (5, 16, 8), (33, 100, 70),
+               (26, 150, 200)]
+
+
+@pytest.mark.parametrize("isa", BF16_LEVELS, ids=lambda i: i.name)
+def test_linear_bfloat16_paths_of_each_level_match_numpy(isa):
+    """bfloat16 x and w summed in float32: the float32 result within float32 accumulation
+    error of float64 sums of the same bfloat16 values; the bfloat16 result is that float32
+    result rounded to nearest even (so within half a bfloat16 ulp of it)."""
+    if isa is not Isa.NATIVE:
+        _skip_unless_runs(isa)
+    target = linear.target_for(isa)
+    call = jax.jit(linear.call_kernel, static_argnums=(0, 4), static_argnames="out_dtype")
+    rng = np.random.default_rng(4)
+    for t, k, n in BF16_SHAPES:
+        x = rng.standard_normal((t, k)).astype(jnp.bfloat16)
+        w = np.full((2, k, n), np.nan, jnp.bfloat16)  # layer 0 must not be read
+        w[1] = rng.standard_normal((k, n)).astype(jnp.bfloat16)
+        x64, w64 = x.astype(np.float64), w[1].astype(np.float64)
+        want = x64 @ w64
+        tol = np.finfo(np.float32).eps * k * (np.abs(x64) @ np.abs(w64))
+        for transpose in (False, True):
+            wk = np.ascontiguousarray(np.swapaxes(w, 1, 2)) if transpose else w
+            sums = np.asarray(call(target, x, wk, 1, transpose, out_dtype=jnp.float32))
+            assert sums.dtype == np.float32
+            assert np.all(np.abs(sums - want) <= tol), (t, k, n, transpose)
+            rounded = np.asarray(call(target, x, wk, 1, transpose))
+            assert rounded.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(rounded, sums.astype(jnp.bfloat16))
 
 
 def _layered(pages: np.ndarray, layer: int) -> np.ndarray:

@@ -9,8 +9,10 @@ activations and KV pages) against the float32 engine over fixed corpus text
 top-1 agreement.
 
 On a CPU without AMX (this one has AVX-512 BF16 but no AMX tiles), XLA's bfloat16 dots are
-YNNPACK's or its own float32 dots over widened operands: bfloat16 halves the bytes of weights
-and pages, not the arithmetic.
+YNNPACK's or its own float32 dots over widened operands. Decode-sized steps take the native
+matmul in both dtypes (`kvjax.models.linear`), in bfloat16 by AVX-512 BF16's pair products
+(`vdpbf16ps`): bfloat16 halves the bytes of weights and pages, and doubles the products per
+instruction.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class EngineConfig:
       attention_impl: AUTO, REFERENCE, PALLAS or NATIVE (kvjax.engine.step.AttentionImpl).
       matmul_impl: AUTO, XLA or NATIVE: the decoder's matmuls (kvjax.engine.step.MatmulImpl;
         AUTO reads each layer's weights in place with the native CPU kernel in decode-sized
-        steps on one CPU device).
+        steps on one CPU device; float32 or bfloat16 weights).
       batch_invariant: every sequence's logits and logprobs bitwise the same whatever the
         batch, chunking, prefix-cache hits, preemption and mix of prefill and decode rows,
         and the same as `kvjax.models.invariant.forward_invariant` (the RL trainer's forward):

@@ -12,6 +12,11 @@
 //              as the vocabulary projection)
 //   layer  s32  []
 //   out    f32  [T, Out]
+// or x and w bf16, out bf16 or f32: products summed in float32 (as XLA's dot with a float32
+// accumulator), then rounded to bfloat16 (to nearest even) for a bf16 out. With AVX-512 BF16,
+// vdpbf16ps multiplies pairs of bfloat16 lanes: along In for [L, Out, In]; for [L, In, Out]
+// (Out a multiple of 32) the first tile of x interleaves weight rows k and k + 1 into the
+// pairs the other tiles read. Elsewhere bfloat16 weights are widened to float32 as loaded.
 //
 // [L, In, Out]: each thread of XLA's intra-op pool takes a contiguous range of the weight rows
 // and walks it a block of rows at a time (one contiguous piece of memory, read once,
@@ -36,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -83,6 +89,57 @@ typedef float Vec __attribute__((vector_size(kV * sizeof(float))));
 inline Vec LoadV(const float* p) { return kvjax::LoadVec<Vec>(p); }
 inline void StoreV(float* p, Vec x) { kvjax::StoreVec<Vec>(p, x); }
 
+// bfloat16 as its bits: the upper half of a float32's.
+using Bf16 = uint16_t;
+typedef uint32_t Bits __attribute__((vector_size(kV * sizeof(uint32_t))));
+typedef Bf16 HalfBits __attribute__((vector_size(kV * sizeof(Bf16))));
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(Bf16 x) {
+  const uint32_t u = uint32_t{x} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+// kV weights as floats: bfloat16 widened exactly (its bits shifted into a float's upper half).
+inline Vec LoadW(const float* p) { return LoadV(p); }
+inline Vec LoadW(const Bf16* p) {
+  HalfBits h;
+  std::memcpy(&h, p, sizeof(h));
+  return (Vec)(__builtin_convertvector(h, Bits) << 16);
+}
+
+// Rounds float32 bits to bfloat16 as XLA's convert does: to nearest, ties to even; a NaN stays
+// a (quiet) NaN, subnormals are kept.
+template <typename U>
+inline U RoundBits(U u) {
+  const U rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+  return (u & 0x7fffffff) > 0x7f800000 ? (u >> 16) | 0x40 : rounded;
+}
+
+// dst[i] = src[i] rounded to bfloat16, for i < n.
+void RoundToBf16(const float* src, int64_t n, Bf16* dst) {
+  int64_t i = 0;
+  for (; i + kV <= n; i += kV) {
+    Bits u;
+    std::memcpy(&u, src + i, sizeof(u));
+    const HalfBits h = __builtin_convertvector(RoundBits(u), HalfBits);
+    std::memcpy(dst + i, &h, sizeof(h));
+  }
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, sizeof(u));
+    dst[i] = static_cast<Bf16>(RoundBits(u));
+  }
+}
+
+// dst[i] = src[i] widened to float32, for i < n.
+void WidenBf16(const Bf16* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + kV <= n; i += kV) StoreV(dst + i, LoadW(src + i));
+  for (; i < n; ++i) dst[i] = ToFloat(src[i]);
+}
+
 // Prefetching `units` rows of weights is spread over the first tiles of x, so that the requests
 // overlap more of the arithmetic than one burst during the first tile does (at 8-64 rows of x;
 // scripts/bench_linear.py): tile i of x's `tiles` issues units [lo, hi).
@@ -100,37 +157,39 @@ inline Part PartOf(int64_t i, int64_t tiles, int64_t units) {
 // floats apart, for the other tiles of x to read (a block's rows of a strip lie N floats apart,
 // and with N = 1536 they fall into few L1 sets; the packed copy is contiguous). Steps k in
 // [ahead.lo, ahead.hi) prefetch row k of `next`, rows ld_next apart.
+template <typename W = float, typename P = W>  // the types of w and of next
 struct Weights {
-  const float* w;
+  const W* w;
   int64_t ldw;
   float* pack = nullptr;
-  const float* next = nullptr;
+  const P* next = nullptr;
   int64_t ld_next = 0;
   Part ahead = {};
 };
 
 // out[0:MR, 0:NV*kV] (+)= x[0:MR, 0:K] @ w[0:K, 0:NV*kV] (leading dimensions ldx, ldo; adding
-// to out with `accumulate`). Inlined into each caller (as TileOf is; see PanelTile).
-template <int MR, int NV>
-[[gnu::always_inline]] inline void Tile(const float* x, int64_t ldx, const Weights& wt,
+// to out with `accumulate`). Inlined into each caller (as TileOf is; see PanelTile). W: the
+// weights' type (bfloat16 weights are widened as they are loaded; the packed copy holds floats).
+template <int MR, int NV, typename W, typename P>
+[[gnu::always_inline]] inline void Tile(const float* x, int64_t ldx, const Weights<W, P>& wt,
                                         int64_t K, float* out, int64_t ldo, bool accumulate) {
   Vec acc[MR][NV] = {};
   if (accumulate)
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NV; ++j) acc[i][j] = LoadV(out + i * ldo + j * kV);
   // Locals, so that the stores to pack and out need not reload them.
-  const float* const w = wt.w;
+  const W* const w = wt.w;
   float* const pack = wt.pack;
-  const float* const next = wt.next;
+  const P* const next = wt.next;
   const int64_t ldw = wt.ldw, ld_next = wt.ld_next, lo = wt.ahead.lo, hi = wt.ahead.hi;
   for (int64_t k = 0; k < K; ++k) {
-    const float* row = w + k * ldw;
+    const W* row = w + k * ldw;
     if (k >= lo && k < hi) {
-      for (int j = 0; j < NV * kV; j += 64 / sizeof(float))
+      for (int j = 0; j < NV * kV; j += 64 / sizeof(P))
         __builtin_prefetch(next + k * ld_next + j, 0, kHint);
     }
     Vec wv[NV];
-    for (int j = 0; j < NV; ++j) wv[j] = LoadV(row + j * kV);
+    for (int j = 0; j < NV; ++j) wv[j] = LoadW(row + j * kV);
     if (pack)
       for (int j = 0; j < NV; ++j) StoreV(pack + k * kStrip + j * kV, wv[j]);
     for (int i = 0; i < MR; ++i) {
@@ -142,10 +201,10 @@ template <int MR, int NV>
     for (int j = 0; j < NV; ++j) StoreV(out + i * ldo + j * kV, acc[i][j]);
 }
 
-template <int NV = kNV>
+template <int NV = kNV, typename W, typename P>
 [[gnu::always_inline]] inline void TileOf(int mr, int nv, const float* x, int64_t ldx,
-                                          const Weights& wt, int64_t K, float* out, int64_t ldo,
-                                          bool accumulate) {
+                                          const Weights<W, P>& wt, int64_t K, float* out,
+                                          int64_t ldo, bool accumulate) {
   if constexpr (NV > 0) {
     if (nv != NV) return TileOf<NV - 1>(mr, nv, x, ldx, wt, K, out, ldo, accumulate);
     switch (mr) {
@@ -176,16 +235,16 @@ inline void SumTiles4x4(const Vec (&acc)[4][4], float* out, int64_t ldo) {
 
 // out[t, n] = dot(x[t, :K], w[n, :K]) for t < MR, n < NR (leading dimensions ldx, ldw, ldo);
 // each step also prefetches its columns of weight rows [ahead.lo, ahead.hi) of `next`.
-template <int MR, int NR>
-void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
-             int64_t ldo, const float* next, Part ahead, bool invariant) {
+template <int MR, int NR, typename W>
+void DotTile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* out,
+             int64_t ldo, const W* next, Part ahead, bool invariant) {
   Vec acc[MR][NR] = {};
   const int64_t whole = K / kV * kV;
   for (int64_t k = 0; k < whole; k += kV) {
     for (int64_t j = ahead.lo; j < ahead.hi; ++j)
       __builtin_prefetch(next + j * ldw + k, 0, kHint);
     Vec wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = LoadV(w + j * ldw + k);
+    for (int j = 0; j < NR; ++j) wv[j] = LoadW(w + j * ldw + k);
     for (int i = 0; i < MR; ++i) {
       const Vec xi = LoadV(x + i * ldx + k);
       for (int j = 0; j < NR; ++j) acc[i][j] += xi * wv[j];
@@ -199,22 +258,172 @@ void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       float s = Sum(acc[i][j]);
-      for (int64_t k = whole; k < K; ++k) s += x[i * ldx + k] * w[j * ldw + k];
+      for (int64_t k = whole; k < K; ++k) s += x[i * ldx + k] * ToFloat(w[j * ldw + k]);
       out[i * ldo + j] = s;
     }
 }
 
+#ifdef __AVX512BF16__
+// ---- bfloat16 x and w with AVX-512 BF16: vdpbf16ps adds the products of a pair of bfloat16
+// lanes to a float32 lane (exact products, float32 sums), twice the products of an FMA. ----
+constexpr int kPiece = 32;  // columns of one load of a bfloat16 weight row
+constexpr int kPieces = kNV / 2;  // pieces of a strip
+
+// Pair order: unpacking weight rows k and k + 1 interleaves their words within 128-bit lanes,
+// so of a 32-column piece, vector 0 holds column 8l + e (e < 4) in lane 4l + e and vector 1
+// column 8l + 4 + e. The row-block product sums in that order; Unpair puts columns back.
+inline __m512i PairOf(const Bf16* x, bool second) {  // (x[0], x[1]) in every 32-bit lane
+  uint32_t pair = x[0];
+  if (second) std::memcpy(&pair, x, sizeof(pair));  // one broadcast from memory
+  return _mm512_set1_epi32(static_cast<int>(pair));
+}
+inline __m512 Dot2(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// Weight rows of a pair tile: rows w + k * ldw (or, from_packed, the pairs the first tile of
+// x interleaved into `pack`, kNV vectors per pair); prefetching as Weights.
+struct PairWeights {
+  const Bf16* w;
+  int64_t ldw;
+  __m512i* pack;
+  const Bf16* next;
+  int64_t ld_next;
+  Part ahead;
+};
+
+// Rows k and k + 1 (`second`; else a zero row) of the tile's 2 * NP weight vectors, in pair
+// order, and their products with MR rows of x added to acc.
+template <int MR, int NP, bool kFromPacked>
+[[gnu::always_inline]] inline void PairStep(const Bf16* x, int64_t ldx, const PairWeights& wt,
+                                            int64_t k, bool second, __m512 (&acc)[MR][2 * NP]) {
+  for (int64_t r = k; r < k + 2; ++r)
+    if (r >= wt.ahead.lo && r < wt.ahead.hi)
+      for (int j = 0; j < NP * kPiece; j += 64 / sizeof(Bf16))
+        __builtin_prefetch(wt.next + r * wt.ld_next + j, 0, kHint);
+  __m512i wv[2 * NP];
+  if constexpr (kFromPacked) {
+    for (int j = 0; j < 2 * NP; ++j) wv[j] = _mm512_load_si512(wt.pack + k / 2 * kNV + j);
+  } else {
+    for (int q = 0; q < NP; ++q) {
+      const __m512i a = _mm512_loadu_si512(wt.w + k * wt.ldw + q * kPiece);
+      const __m512i b = second ? _mm512_loadu_si512(wt.w + (k + 1) * wt.ldw + q * kPiece)
+                               : _mm512_setzero_si512();
+      wv[2 * q] = _mm512_unpacklo_epi16(a, b);
+      wv[2 * q + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+    if (wt.pack)
+      for (int j = 0; j < 2 * NP; ++j) _mm512_store_si512(wt.pack + k / 2 * kNV + j, wv[j]);
+  }
+  for (int i = 0; i < MR; ++i) {
+    const __m512i xi = PairOf(x + i * ldx + k, second);
+    for (int j = 0; j < 2 * NP; ++j) acc[i][j] = Dot2(acc[i][j], xi, wv[j]);
+  }
+}
+
+// out[0:MR, 0:NP*kPiece] (+)= x[0:MR, 0:K] @ w[0:K, 0:NP*kPiece], columns in pair order.
+template <int MR, int NP, bool kFromPacked>
+[[gnu::always_inline]] inline void PairTile(const Bf16* x, int64_t ldx, const PairWeights& wt,
+                                            int64_t K, float* out, int64_t ldo,
+                                            bool accumulate) {
+  __m512 acc[MR][2 * NP];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2 * NP; ++j)
+      acc[i][j] = accumulate ? _mm512_loadu_ps(out + i * ldo + j * 16) : _mm512_setzero_ps();
+  for (int64_t k = 0; k + 1 < K; k += 2) PairStep<MR, NP, kFromPacked>(x, ldx, wt, k, true, acc);
+  if (K % 2) PairStep<MR, NP, kFromPacked>(x, ldx, wt, K - 1, false, acc);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2 * NP; ++j) _mm512_storeu_ps(out + i * ldo + j * 16, acc[i][j]);
+}
+
+template <int NP = kPieces, bool kFromPacked>
+void PairTileOf(int mr, int np, const Bf16* x, int64_t ldx, const PairWeights& wt, int64_t K,
+                float* out, int64_t ldo, bool accumulate) {
+  if constexpr (NP > 0) {
+    if (np != NP) return PairTileOf<NP - 1, kFromPacked>(mr, np, x, ldx, wt, K, out, ldo,
+                                                         accumulate);
+    switch (mr) {
+      case 1: return PairTile<1, NP, kFromPacked>(x, ldx, wt, K, out, ldo, accumulate);
+      case 2: return PairTile<2, NP, kFromPacked>(x, ldx, wt, K, out, ldo, accumulate);
+      case 3: return PairTile<3, NP, kFromPacked>(x, ldx, wt, K, out, ldo, accumulate);
+      default: return PairTile<kMR, NP, kFromPacked>(x, ldx, wt, K, out, ldo, accumulate);
+    }
+  }
+}
+
+// RowBlock on bfloat16 x and w (N a multiple of kPiece): o in pair order; the first tile of x
+// interleaves the pairs into `packed` for the others.
+void RowBlock(const Bf16* xk, int64_t T, int64_t K, const Bf16* wk, int64_t N, int64_t rows,
+              const Bf16* next, float* o, bool add, float* packed_floats) {
+  __m512i* packed = reinterpret_cast<__m512i*>(packed_floats);
+  const int64_t pieces = N / kPiece;
+  const int64_t tiles = (T + kMR - 1) / kMR;
+  for (int64_t s = 0; s * kPieces < pieces; ++s) {
+    const int np = static_cast<int>(std::min<int64_t>(kPieces, pieces - s * kPieces));
+    const int64_t n0 = s * kStrip;
+    for (int64_t t = 0; t < T; t += kMR) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMR, T - t));
+      const PairWeights wt{wk + n0, N, T > kMR || t > 0 ? packed : nullptr,
+                           next ? next + n0 : nullptr, N,
+                           next ? PartOf(t / kMR, tiles, rows) : Part{}};
+      if (t == 0) {
+        PairTileOf<kPieces, false>(mr, np, xk + t * K, K, wt, rows, o + t * N + n0, N, add);
+      } else {
+        PairTileOf<kPieces, true>(mr, np, xk + t * K, K, wt, rows, o + t * N + n0, N, add);
+      }
+    }
+  }
+}
+
+// o [T, N] from pair order to column order, in place (N a multiple of kPiece).
+void Unpair(float* o, int64_t T, int64_t N) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22,
+                                          23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
+                                           29, 30, 31);
+  for (int64_t i = 0; i < T * N; i += kPiece) {
+    const __m512 lo = _mm512_loadu_ps(o + i), hi = _mm512_loadu_ps(o + i + 16);
+    _mm512_storeu_ps(o + i, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(o + i + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+
+// The transposed product's tile on bfloat16 rows: out[t, n] = dot(x[t, :K], w[n, :K]),
+// kPiece columns of both per vdpbf16ps (the rows' tails loaded under a mask, as zeros).
+template <int MR, int NR>
+void DotTile(const Bf16* x, int64_t ldx, const Bf16* w, int64_t ldw, int64_t K, float* out,
+             int64_t ldo, const Bf16* next, Part ahead, bool invariant) {
+  Vec acc[MR][NR] = {};
+  for (int64_t k = 0; k < K; k += kPiece) {
+    const __mmask32 m = K - k >= kPiece ? ~__mmask32{0} : (__mmask32{1} << (K - k)) - 1;
+    for (int64_t j = ahead.lo; j < ahead.hi; ++j)
+      __builtin_prefetch(next + j * ldw + k, 0, kHint);
+    __m512i wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_epi16(m, w + j * ldw + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512i xi = _mm512_maskz_loadu_epi16(m, x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = (Vec)Dot2((__m512)acc[i][j], xi, wv[j]);
+    }
+  }
+  if constexpr (MR == 4 && NR == 4) {
+    if (!invariant) return SumTiles4x4(acc, out, ldo);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * ldo + j] = Sum(acc[i][j]);
+}
+#endif
+
 // Outputs [n0, n0 + NR) of every row of x; the weight rows kDotAheadTiles tiles further on
-// are prefetched meanwhile (spread over x's first tiles).
-template <int NR>
-void DotRows(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
+// are prefetched meanwhile (spread over x's first tiles). X: float32, or bfloat16 pairs.
+template <int NR, typename X, typename W>
+void DotRows(const X* x, int64_t T, int64_t K, const W* w, int64_t N, float* out,
              int64_t n0, bool invariant) {
-  const float* wn = w + n0 * K;
-  const float* next = wn + kDotAheadTiles * NR * K;
+  const W* wn = w + n0 * K;
+  const W* next = wn + kDotAheadTiles * NR * K;
   const bool room = n0 + (kDotAheadTiles + 1) * NR <= N;
   const int64_t tiles = (T + kMR - 1) / kMR;
   for (int64_t t = 0; t < T; t += kMR) {
-    const float* xt = x + t * K;
+    const X* xt = x + t * K;
     float* ot = out + t * N + n0;
     const Part ahead = room ? PartOf(t / kMR, tiles, NR) : Part{};
     switch (std::min<int64_t>(kMR, T - t)) {
@@ -262,7 +471,7 @@ inline void Transpose16x16(const float* src, int64_t lds, float* dst, int64_t ld
 // A tile of a panel: the row-block product's tile, in a copy of its own (sharing one out-of-line
 // copy, or inlining it here as well, made one of the two products clearly slower side by side
 // in bench_linear: GCC's code for the tile differs with its caller).
-[[gnu::noinline]] void PanelTile(int mr, const float* x, int64_t ldx, const Weights& wt,
+[[gnu::noinline]] void PanelTile(int mr, const float* x, int64_t ldx, const Weights<>& wt,
                                  int64_t K, float* out, int64_t ldo) {
   TileOf(mr, kNV, x, ldx, wt, K, out, ldo, false);
 }
@@ -282,7 +491,7 @@ void PanelRows(const float* x, int64_t T, int64_t K, const float* w, int64_t N, 
     for (int64_t r = 0; r < kStrip; ++r) packed[c * kStrip + r] = wp[r * K + c];
   const int64_t tiles = (T + kMR - 1) / kMR;
   for (int64_t t = 0; t < T; t += kMR) {
-    Weights wt{packed, kStrip};
+    Weights<> wt{packed, kStrip};
     if (n0 + 2 * kStrip <= N) {
       wt.next = wp + kStrip * K;
       wt.ld_next = kStrip;
@@ -308,15 +517,19 @@ void ParallelRanges(ffi::ThreadPool& pool, int64_t units, Fn fn) {
 
 // x [T, K] @ w[N, K]^T. `invariant`: every output by the same sequence of operations (lane
 // sums one by one, no panels) whatever T, so a row's result does not follow the batch.
-void LinearTransposed(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K,
-                      const float* wp, int64_t N, float* op, bool invariant) {
+// Panels transpose float32 weights only.
+template <typename X, typename W>
+void LinearTransposed(ffi::ThreadPool& pool, const X* xp, int64_t T, int64_t K,
+                      const W* wp, int64_t N, float* op, bool invariant) {
   int64_t done = 0;  // rows of w
 #ifdef __AVX512F__
-  if (T >= kPanelX && K <= kPanelMaxK && !invariant) {
+  if (std::is_same_v<X, float> && std::is_same_v<W, float> && T >= kPanelX && K <= kPanelMaxK && !invariant) {
     const int64_t panels = N / kStrip;
     ParallelRanges(pool, panels, [&](int64_t lo, int64_t hi) {
       std::unique_ptr<float[]> packed(new float[K * kStrip]);
-      for (int64_t p = lo; p < hi; ++p) PanelRows(xp, T, K, wp, N, op, p * kStrip, packed.get());
+      for (int64_t p = lo; p < hi; ++p)
+        PanelRows(reinterpret_cast<const float*>(xp), T, K, reinterpret_cast<const float*>(wp),
+                  N, op, p * kStrip, packed.get());
     });
     done = panels * kStrip;
   }
@@ -330,12 +543,55 @@ void LinearTransposed(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t
     DotRows<1>(xp, T, K, wp, N, op, n, invariant);
 }
 
-// x [T, K] @ w[K, N] (see the top of the file): range i of the rows sums into out (i = 0) or
-// a partial (every range is non-empty, and its first block writes all of its partial).
-void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K,
-                     const float* wp, int64_t N, float* op, bool invariant) {
+// One block of `rows` weight rows (wk [rows, N]) times x's columns xk [T, rows] (rows K
+// apart) into o [T, N], added to it with `add`; the first tile of x copies each strip's rows
+// into `packed` for the others. `next`: the next block's rows, prefetched meanwhile.
+template <typename W>
+[[gnu::always_inline]] inline void RowBlock(const float* xk, int64_t T, int64_t K, const W* wk,
+                                            int64_t N, int64_t rows, const W* next, float* o,
+                                            bool add, float* packed) {
   const int64_t vectors = N / kV;
   const int64_t strips = (vectors + kNV - 1) / kNV;
+  const int64_t tiles = (T + kMR - 1) / kMR;  // of x
+  for (int64_t s = 0; s < strips; ++s) {
+    const int nv = static_cast<int>(std::min<int64_t>(kNV, vectors - s * kNV));
+    const int64_t n0 = s * kStrip;
+    for (int64_t t = 0; t < T; t += kMR) {
+      const float* xt = xk + t * K;
+      float* ot = o + t * N + n0;
+      const int mr = static_cast<int>(std::min<int64_t>(kMR, T - t));
+      const W* next_n0 = next ? next + n0 : nullptr;
+      const Part ahead = next ? PartOf(t / kMR, tiles, rows) : Part{};
+      if constexpr (std::is_same_v<W, float>) {  // one call site: as tuned
+        Weights<> wt = t == 0 ? Weights<>{wk + n0, N, T > kMR ? packed : nullptr}
+                              : Weights<>{packed, kStrip};
+        wt.next = next_n0;
+        wt.ld_next = N;
+        wt.ahead = ahead;
+        TileOf(mr, nv, xt, K, wt, rows, ot, N, add);
+      } else if (t == 0) {
+        TileOf(mr, nv, xt, K, Weights<W>{wk + n0, N, T > kMR ? packed : nullptr, next_n0, N,
+                                         ahead}, rows, ot, N, add);
+      } else {
+        TileOf(mr, nv, xt, K, Weights<float, W>{packed, kStrip, nullptr, next_n0, N, ahead},
+               rows, ot, N, add);
+      }
+    }
+  }
+  for (int64_t t = 0; t < T; ++t)  // columns past the last whole vector
+    for (int64_t n = vectors * kV; n < N; ++n) {
+      float acc = add ? o[t * N + n] : 0.0f;
+      for (int64_t k = 0; k < rows; ++k) acc += xk[t * K + k] * ToFloat(wk[k * N + n]);
+      o[t * N + n] = acc;
+    }
+}
+
+// x [T, K] @ w[K, N] (see the top of the file): range i of the rows sums into out (i = 0) or
+// a partial (every range is non-empty, and its first block writes all of its partial).
+// X = W = Bf16 (AVX-512 BF16, N a multiple of kPiece): pair tiles, out in pair order.
+template <typename X, typename W>
+void LinearRowBlocks(ffi::ThreadPool& pool, const X* xp, int64_t T, int64_t K,
+                     const W* wp, int64_t N, float* op, bool invariant) {
   const int64_t block = T <= kFewX && !invariant ? kBlockRowsFewX : kBlockRows;
   const int64_t blocks = (K + block - 1) / block;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
@@ -344,39 +600,15 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
   const int64_t items = (blocks + blocks_per_item - 1) / blocks_per_item;
   const int64_t per = blocks_per_item * block;
   const int64_t size = T * N;
-  const int64_t tiles = (T + kMR - 1) / kMR;  // of x
   std::unique_ptr<float[]> partial(new float[(items - 1) * size]);  // left uninitialized
   ParallelFor(pool, items, [&](int64_t i) {
     float* o = i == 0 ? op : partial.get() + (i - 1) * size;
     alignas(64) float packed[kBlockRows * kStrip];
     const int64_t k_end = std::min(K, (i + 1) * per);
     for (int64_t k0 = i * per; k0 < k_end; k0 += block) {
-      const int64_t rows = std::min<int64_t>(block, k_end - k0);
-      const bool add = k0 > i * per;
-      const float* wk = wp + k0 * N;
-      for (int64_t s = 0; s < strips; ++s) {
-        const int nv = static_cast<int>(std::min<int64_t>(kNV, vectors - s * kNV));
-        const int64_t n0 = s * kStrip;
-        for (int64_t t = 0; t < T; t += kMR) {
-          const float* xt = xp + t * K + k0;
-          float* ot = o + t * N + n0;
-          Weights wt = t == 0 ? Weights{wk + n0, N, T > kMR ? packed : nullptr}
-                              : Weights{packed, kStrip};
-          if (k0 + block < k_end) {
-            wt.next = wk + block * N + n0;
-            wt.ld_next = N;
-            wt.ahead = PartOf(t / kMR, tiles, block);
-          }
-          const int mr = static_cast<int>(std::min<int64_t>(kMR, T - t));
-          TileOf(mr, nv, xt, K, wt, rows, ot, N, add);
-        }
-      }
-      for (int64_t t = 0; t < T; ++t)  // columns past the last whole vector
-        for (int64_t n = vectors * kV; n < N; ++n) {
-          float acc = add ? o[t * N + n] : 0.0f;
-          for (int64_t k = k0; k < k0 + rows; ++k) acc += xp[t * K + k] * wp[k * N + n];
-          o[t * N + n] = acc;
-        }
+      const W* wk = wp + k0 * N;
+      RowBlock(xp + k0, T, K, wk, N, std::min<int64_t>(block, k_end - k0),
+               k0 + block < k_end ? wk + block * N : nullptr, o, k0 > i * per, packed);
     }
   });
   if (items == 1) return;
@@ -393,9 +625,40 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t 
   });
 }
 
-ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+// x [T, K] @ w[K, N] (w[N, K]^T with `transpose`) on bfloat16 x and w, summed in float32 into
+// out: float32 (out_f32), or rounded to bfloat16. With AVX-512 BF16, pairs of bfloat16 lanes
+// (row blocks where N is a multiple of kPiece); else x and w widened to float32.
+void LinearBf16(ffi::ThreadPool& pool, const Bf16* xp, int64_t T, int64_t K, const Bf16* wp,
+                int64_t N, bool transpose, void* out, bool out_f32) {
+  std::unique_ptr<float[]> sums(out_f32 ? nullptr : new float[T * N]);
+  float* op = out_f32 ? static_cast<float*>(out) : sums.get();
+#ifdef __AVX512BF16__
+  if (transpose) {
+    LinearTransposed(pool, xp, T, K, wp, N, op, false);
+  } else if (N % kPiece == 0) {
+    LinearRowBlocks(pool, xp, T, K, wp, N, op, false);
+    Unpair(op, T, N);
+  }
+  const bool done = transpose || N % kPiece == 0;
+#else
+  const bool done = false;
+#endif
+  if (!done) {
+    std::unique_ptr<float[]> x(new float[T * K]);
+    WidenBf16(xp, T * K, x.get());
+    if (transpose) {
+      LinearTransposed(pool, x.get(), T, K, wp, N, op, false);
+    } else {
+      LinearRowBlocks(pool, x.get(), T, K, wp, N, op, false);
+    }
+  }
+  if (!out_f32) RoundToBf16(op, T * N, static_cast<Bf16*>(out));
+}
+
+// x, w: both float32 (out float32) or both bfloat16 (out bfloat16 or float32).
+ffi::Error Linear(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> layer, bool transpose, bool invariant,
-                  ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                  ffi::Result<ffi::AnyBuffer> out) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[transpose ? 2 : 1] != xd[1])
@@ -404,14 +667,27 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t T = xd[0], K = xd[1], N = wd[transpose ? 1 : 2];
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("linear: layer out of range");
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data() + l * K * N;
-  float* op = out->typed_data();
-  if (transpose) {
-    LinearTransposed(pool, xp, T, K, wp, N, op, invariant);
+  const auto type = x.element_type(), out_type = out->element_type();
+  if (type == ffi::DataType::F32 && w.element_type() == type && out_type == type) {
+    const float* xp = static_cast<const float*>(x.untyped_data());
+    const float* wp = static_cast<const float*>(w.untyped_data()) + l * K * N;
+    float* op = static_cast<float*>(out->untyped_data());
+    if (transpose) {
+      LinearTransposed(pool, xp, T, K, wp, N, op, invariant);
+      return ffi::Error::Success();
+    }
+    LinearRowBlocks(pool, xp, T, K, wp, N, op, invariant);
     return ffi::Error::Success();
   }
-  LinearRowBlocks(pool, xp, T, K, wp, N, op, invariant);
+  if (type != ffi::DataType::BF16 || w.element_type() != type ||
+      (out_type != type && out_type != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument(
+        "linear: x and w must be float32 (out float32) or bfloat16 (out bfloat16 or float32)");
+  if (invariant)
+    return ffi::Error::InvalidArgument("linear: the invariant order multiplies float32 only");
+  LinearBf16(pool, static_cast<const Bf16*>(x.untyped_data()), T, K,
+             static_cast<const Bf16*>(w.untyped_data()) + l * K * N, N, transpose,
+             out->untyped_data(), out_type == ffi::DataType::F32);
   return ffi::Error::Success();
 }
 
@@ -535,9 +811,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLinearKVWrite, LinearKVWrite,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLinear, Linear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // w
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Attr<bool>("transpose")
                                   .Attr<bool>("invariant")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>());

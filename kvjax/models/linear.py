@@ -5,7 +5,9 @@ layer loop is one scan. XLA copies each layer's slice before its matmul, and its
 few rows packs the weights once more, so a decode step on the CPU moved about twice the bytes
 of the weights. `native_linear` (`linear.cc`, built and registered by `kvjax.cpu_kernels`)
 reads the layer's rows in place, once; it pays off for few rows (decode steps), while XLA's
-packed matmul wins for prefill chunks (`NATIVE_MAX_TOKENS`).
+packed matmul wins for prefill chunks (`NATIVE_MAX_TOKENS`). It multiplies float32, and
+bfloat16 as `matmul` does (float32 sums, the result rounded to bfloat16): on AVX-512 BF16 by
+`vdpbf16ps` on pairs of bfloat16 lanes, elsewhere by widening to float32.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ NATIVE_MAX_TOKENS = 128
 
 class LayerLinear(Protocol):
     """x [T, In] times layer `layer` (a scalar, traced or not) of stacked w [L, In, Out], or
-    of its transpose where w is [L, Out, In] and `transpose` is set."""
+    of its transpose where w is [L, Out, In] and `transpose` is set; summed in float32 and
+    returned in `out_dtype` (None: x's)."""
 
-    def __call__(self, x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
-                 ) -> jax.Array: ...
+    def __call__(self, x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False,
+                 out_dtype: jnp.dtype | None = None) -> jax.Array: ...
 
 
 def unavailable_reason() -> str | None:
@@ -60,27 +63,32 @@ def target_for(isa: cpu_kernels.Isa) -> str:
     return target
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, In] @ w [In, Out] by XLA, accumulated in float32 and returned in x's dtype.
+def matmul(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """x [T, In] @ w [In, Out] by XLA, accumulated in float32 and returned in `out_dtype`
+    (None: x's).
 
     XLA's own CPU dot emitter multiplies no bfloat16 into a bfloat16 result (YNNPACK, which
     takes the larger dots, does); a float32 accumulator is what bfloat16 weights want anyway.
     """
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
 
 
-def xla_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
-               ) -> jax.Array:
+def xla_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False,
+               out_dtype: jnp.dtype | None = None) -> jax.Array:
     """x @ w[layer] (x @ w[layer].T with `transpose`) by XLA (the slice is a dynamic slice),
     accumulated in float32 (`matmul`)."""
-    return matmul(x, w[layer].T if transpose else w[layer])
+    return matmul(x, w[layer].T if transpose else w[layer], out_dtype)
 
 
-def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
-                  ) -> jax.Array:
-    """x @ w[layer] (x @ w[layer].T with `transpose`) reading the layer in place.
+NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the kernel's x and w
 
-    float32 x and w only; other dtypes go to `xla_linear`.
+
+def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False,
+                  out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """x @ w[layer] (x @ w[layer].T with `transpose`) reading the layer in place, summed in
+    float32 and returned in `out_dtype` (None: x's), as `xla_linear`.
+
+    x and w both float32 or both bfloat16 (`NATIVE_DTYPES`); other dtypes go to `xla_linear`.
 
     Raises:
       ValueError: the kernel is unavailable on this machine.
@@ -88,18 +96,24 @@ def native_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool 
     reason = unavailable_reason()
     if reason is not None:
         raise ValueError(reason)
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3:
-        return xla_linear(x, w, layer, transpose)
-    return call_kernel(_TARGET, x, w, layer, transpose)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if x.dtype != w.dtype or x.dtype not in NATIVE_DTYPES or x.ndim != 2 or w.ndim != 3 \
+            or out_dtype not in (x.dtype, jnp.float32):
+        return xla_linear(x, w, layer, transpose, out_dtype)
+    return call_kernel(_TARGET, x, w, layer, transpose, out_dtype=out_dtype)
 
 
 def call_kernel(target: str, x: jax.Array, w: jax.Array, layer: jax.Array,
-                transpose: bool = False, *, invariant: bool = False) -> jax.Array:
-    """x @ w[layer] by the FFI target `target`, a registered build of `linear.cc` (float32
-    x [T, In] and w [L, In, Out], or [L, Out, In] with `transpose`). `invariant`: each row's
-    result is the same whatever the other rows (`invariant_linear`)."""
+                transpose: bool = False, *, invariant: bool = False,
+                out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """x @ w[layer] by the FFI target `target`, a registered build of `linear.cc`: x [T, In]
+    and w [L, In, Out] (or [L, Out, In] with `transpose`) both float32, or both bfloat16.
+    The result is in `out_dtype` (default x's; float32 for bfloat16 operands keeps the
+    float32 sums unrounded). `invariant`: each row's result is the same whatever the other
+    rows (`invariant_linear`; float32 only)."""
     out = w.shape[1] if transpose else w.shape[2]
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))(
+    out_type = jax.ShapeDtypeStruct((x.shape[0], out), out_dtype or x.dtype)
+    return jax.ffi.ffi_call(target, out_type)(
         x, w, jnp.asarray(layer, jnp.int32), transpose=transpose, invariant=invariant)
 
 
@@ -146,9 +160,9 @@ def linear_kv_write(x: jax.Array, wk: jax.Array, wv: jax.Array, layer: jax.Array
         k_pages, v_pages, has_bias=has_bias, invariant=invariant)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def invariant_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False
-                     ) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def invariant_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bool = False,
+                     out_dtype: jnp.dtype | None = None) -> jax.Array:
     """x @ w[layer] (x @ w[layer].T with `transpose`) whose every row is bitwise the same
     whatever the other rows of x: the native kernel with its sums in an order fixed by In
     alone (batch-invariant numerics; float32 only).
@@ -156,22 +170,25 @@ def invariant_linear(x: jax.Array, w: jax.Array, layer: jax.Array, transpose: bo
     Differentiable: the backward pass is XLA's (gradients need no fixed order).
 
     Raises:
-      ValueError: the kernel is unavailable on this machine, or x or w is not float32.
+      ValueError: the kernel is unavailable on this machine, or x, w or out_dtype is not
+        float32.
     """
     reason = unavailable_reason()
     if reason is not None:
         raise ValueError(reason)
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3:
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3 \
+            or jnp.dtype(out_dtype or x.dtype) != jnp.float32:
         raise ValueError(f"invariant_linear multiplies float32 x [T, In] by w [L, In, Out], "
-                         f"got {x.dtype} {x.shape} and {w.dtype} {w.shape}")
+                         f"got {x.dtype} {x.shape} and {w.dtype} {w.shape} into {out_dtype}")
     return call_kernel(_TARGET, x, w, layer, transpose, invariant=True)
 
 
-def _invariant_fwd(x, w, layer, transpose):
-    return invariant_linear(x, w, layer, transpose), (x, w, layer)
+def _invariant_fwd(x, w, layer, transpose, out_dtype):
+    return invariant_linear(x, w, layer, transpose, out_dtype), (x, w, layer)
 
 
-def _invariant_bwd(transpose, residuals, grad):
+def _invariant_bwd(transpose, out_dtype, residuals, grad):
+    del out_dtype  # float32, as x
     x, w, layer = residuals
     _, pullback = jax.vjp(lambda x, w: xla_linear(x, w, layer, transpose), x, w)
     grad_x, grad_w = pullback(grad)

@@ -380,12 +380,13 @@ def lm_head(params: Params, config: ModelConfig, h: jax.Array,
             linear: LayerLinear | None = None) -> jax.Array:
     """Logits in float32 (soft-capped by `final_logit_softcap`). h: [..., H] -> [..., V].
     `linear`: as in `decode_body` (None: XLA)."""
-    if linear is not None and h.dtype == jnp.float32:
+    if linear is not None and h.dtype in (jnp.float32, jnp.bfloat16):
         x = h.reshape(-1, h.shape[-1])
+        out = {} if h.dtype == jnp.float32 else dict(out_dtype=jnp.float32)  # unrounded sums
         if config.tie_word_embeddings:  # embed [V, H]: its transpose
-            logits = linear(x, params["embed"][None], jnp.int32(0), transpose=True)
+            logits = linear(x, params["embed"][None], jnp.int32(0), transpose=True, **out)
         else:
-            logits = linear(x, params["lm_head"][None], jnp.int32(0))
+            logits = linear(x, params["lm_head"][None], jnp.int32(0), **out)
         logits = logits.reshape(*h.shape[:-1], -1)
     else:
         # Several rows of bfloat16 against embed [V, H] as it lies: through a transpose, XLA's

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.skipif(linear.unavailable_reason() is not None,
 # of the threads' ranges added by all threads (T x Out >= 16K: T 16, Out 1536); transposed
 # panels of weight rows with x's broadcast tiles from 24 rows (T 26 and 64: a short last tile,
 # In not a multiple of 16, rows past the last whole panel).
+# bfloat16 against bfloat16: a few roundings one ulp (2^-8 relative) apart, carried through the
+# layers.
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 SHAPES = [(1, 576, 576), (16, 64, 1536), (3, 40, 19), (5, 16, 8), (33, 100, 70),
           (64, 64, 200), (26, 150, 200)]
 
@@ -52,12 +55,29 @@ def test_transposed_weights_are_dot_products_of_rows(shape):
                                atol=1e-4)
 
 
-def test_other_dtypes_go_to_xla():
-    x = jnp.ones((2, 16), jnp.bfloat16)
-    w = jnp.arange(3 * 16 * 8, dtype=jnp.float32).reshape(3, 16, 8).astype(jnp.bfloat16)
-    got = linear.native_linear(x, w, 2)
+def test_bfloat16_goes_to_the_kernel_other_dtypes_to_xla():
+    """bfloat16 x and w take the kernel (its paths: tests/test_cpu_kernels.py) and come back
+    in bfloat16 like XLA's, or unrounded in float32 (out_dtype); float16 or mixed dtypes go to
+    XLA."""
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((3, 64, 96)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.bfloat16)
+    kernel = jax.jit(linear.native_linear)
+    assert "kvjax_linear" in kernel.lower(x, w, 2).as_text()
+    got = kernel(x, w, 2)
     assert got.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(x @ w[2]))
+    want = np.asarray(x, np.float64) @ np.asarray(w[2], np.float64)  # within half a bfloat16 ulp
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -8, atol=1e-6)
+    sums = jax.jit(linear.native_linear, static_argnames="out_dtype")  # the head's logits
+    assert "kvjax_linear" in sums.lower(x, w, 2, out_dtype=jnp.float32).as_text()
+    got = sums(x, w, 2, out_dtype=jnp.float32)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    for xd, wd in ((jnp.float16, jnp.float16), (jnp.bfloat16, jnp.float32)):
+        args = (x.astype(xd), w.astype(wd), 2)
+        assert "kvjax_linear" not in kernel.lower(*args).as_text()
+        np.testing.assert_array_equal(np.asarray(kernel(*args)),
+                                      np.asarray(linear.xla_linear(*args)))
 
 
 def test_auto_uses_the_kernel_for_decode_sized_steps_only():
@@ -80,6 +100,18 @@ def test_decoder_logits_match_the_scan_over_layer_slices():
             logits[name] = jax.jit(_logits, static_argnums=(0, 3))(config, model.params,
                                                                   tokens, lin)
         np.testing.assert_allclose(logits["native"], logits["xla"], rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_decoder_logits_match_xla_within_bfloat16_rounding():
+    """In bfloat16 each matmul rounds its float32 sums to bfloat16, so the kernel's other
+    order of the sums may move a rounding by one ulp: the logits agree within BF16_TOL."""
+    for tied in (False, True):
+        config = dataclasses.replace(TINY, tie_word_embeddings=tied)
+        params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_model(config).params)
+        tokens = jnp.array([3, 9, 27, 81, 5], jnp.int32)
+        logits = {name: jax.jit(_logits, static_argnums=(0, 3))(config, params, tokens, lin)
+                  for name, lin in (("xla", None), ("native", linear.native_linear))}
+        np.testing.assert_allclose(logits["native"], logits["xla"], **BF16_TOL)
 
 
 def _logits(config, params, tokens, lin):
@@ -110,3 +142,27 @@ def test_engine_decodes_the_same_tokens_with_native_matmuls():
             assert got.outputs[0].token_ids == ref.outputs[0].token_ids
             np.testing.assert_allclose(got.outputs[0].logprobs, ref.outputs[0].logprobs,
                                        atol=1e-4)
+
+
+def test_bfloat16_engine_with_native_matmuls_matches_xla():
+    """bfloat16 weights and pages: the native matmul's greedy tokens are XLA's, their logprobs
+    within BF16_TOL; the kernel adds no program, and a second run compiles nothing."""
+    model = tiny_model()
+    model = dataclasses.replace(model, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                                                           model.params))
+    prompts = [[1, 5, 9, 13, 2, 7], [3, 4], [8] * 11]
+    sampling = kvjax.SamplingParams(max_new_tokens=8, ignore_eos=True)
+    outs, compiles = {}, {}
+    for impl in (MatmulImpl.XLA, MatmulImpl.NATIVE):
+        engine = kvjax.Engine(model, kvjax.EngineConfig(  # no prefix hits: the same steps again
+            num_pages=32, page_size=4, max_num_seqs=4, matmul_impl=impl,
+            enable_prefix_cache=False))
+        outs[impl] = engine.generate(prompts, sampling)
+        compiles[impl] = engine.num_compiles
+        engine.generate(prompts, sampling)
+        assert engine.num_compiles == compiles[impl], impl
+    assert compiles[MatmulImpl.NATIVE] == compiles[MatmulImpl.XLA]
+    for ref, got in zip(outs[MatmulImpl.XLA], outs[MatmulImpl.NATIVE], strict=True):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        np.testing.assert_allclose(got.outputs[0].logprobs, ref.outputs[0].logprobs,
+                                   **BF16_TOL)
