@@ -192,6 +192,12 @@ class Engine:
         tiers, swap_space = self._build_tiers(pool)
         self.runner.kv_programs[KVOpKind.SCRUB] = lambda kv, op: swap_space.scrub(
             kv, op.dst, op.seq_slots)
+        # Swaps as data go to the plain swap space (with tiers on, pages go through the tiers).
+        plain_swap = pool.swap_space
+        self.runner.kv_programs[KVOpKind.SWAP_OUT] = plain_swap.swap_out
+        self.runner.kv_programs[KVOpKind.SWAP_IN] = plain_swap.swap_in
+        self.runner.kv_programs[KVOpKind.SWAP_DROP] = lambda kv, op: (
+            plain_swap.drop(op.host_slot), kv)[1]
         # Only a swap space that keeps windows is ever asked for a window copy.
         self.runner.kv_programs[KVOpKind.COPY_WINDOW] = lambda kv, op: swap_space.copy_window(
             kv, op.src[0], op.dst[0])

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import jit as kvjax_jit
-from kvjax.engine.swap import HostSwapSpace
+from kvjax.engine.swap import HostSwapSpace, tree_bytes
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.block_manager import BlockManager
+from kvjax.memory.ops import KVOp
 from kvjax.shapes import powers_of_2_up_to
 
 
@@ -99,7 +100,8 @@ class WindowSwapSpace(HostSwapSpace):
     def __init__(self, allocator: WindowBlockManager):
         super().__init__()
         self.allocator = allocator
-        self._windows: dict[str, list[object]] = {}
+        # host slot (a swap as data) or sequence id (tiers: `save_window`) -> a window copy
+        self._windows: dict[Hashable, list[object]] = {}
         self._window = kvjax_jit.jit(_window)
         self._set_window = kvjax_jit.jit(_set_window, donate_argnums=0)
         self._zero_windows = kvjax_jit.jit(_zero_windows, donate_argnums=0)
@@ -111,16 +113,26 @@ class WindowSwapSpace(HostSwapSpace):
             f._cache_size() for f in (self._window, self._set_window, self._zero_windows,
                                       self._copy_window))
 
-    def swap_out(self, kv, seq_id: str, pages: list[int], *, demote_bits: int = 0) -> int:
-        """Copies the pages and the sequence's window to host memory; returns bytes moved."""
-        return (super().swap_out(kv, seq_id, pages, demote_bits=demote_bits)
-                + self.save_window(kv, seq_id))
+    def swap_out(self, kv, op: KVOp):
+        """Copies the pages and the window of slot op.seq_slots[0] to host memory."""
+        kv = super().swap_out(kv, op)
+        if op.seq_slots:
+            window = self._window(kv, jnp.int32(op.seq_slots[0]))
+            self._windows[op.host_slot] = [self._to_host(x) for x in window]
+        return kv
 
-    def swap_in(self, kv, seq_id: str, pages: list[int], first: int) -> tuple[object, int]:
-        """Writes the pages back, and the window into the sequence's new slot."""
-        kv, nbytes = super().swap_in(kv, seq_id, pages, first)
-        kv, window_bytes = self.restore_window(kv, seq_id)
-        return kv, nbytes + window_bytes
+    def swap_in(self, kv, op: KVOp):
+        """Writes the pages back, and the window into slot op.seq_slots[0]."""
+        kv = super().swap_in(kv, op)
+        window = self._windows.pop(op.host_slot, None)
+        if op.seq_slots:
+            kv = self._set_window(kv, jnp.int32(op.seq_slots[0]),
+                                  [self._to_device(x) for x in window])
+        return kv
+
+    def window_bytes(self, kv) -> int:
+        """Bytes of one sequence's window in a host copy."""
+        return tree_bytes(jax.eval_shape(_window, kv, jnp.int32(0)))
 
     def save_window(self, kv, seq_id: str) -> int:
         """Copies a registered sequence's window to host memory; returns bytes moved."""
@@ -134,9 +146,11 @@ class WindowSwapSpace(HostSwapSpace):
         kv = self._set_window(kv, jnp.int32(self.allocator.seq_slot(seq_id)), window)
         return kv, sum(x.nbytes for x in window)
 
-    def drop(self, seq_id: str) -> None:
-        super().drop(seq_id)
-        self._windows.pop(seq_id, None)
+    def drop(self, key) -> None:
+        """Frees the host copy under `key` (a host slot, or the sequence id of a window saved
+        alone), if any."""
+        super().drop(key)
+        self._windows.pop(key, None)
 
     def take_released_slots(self) -> list[int]:
         """The window slots of sequences freed since the last call (with scrub_windows)."""

@@ -3,7 +3,8 @@
 It turns a `SchedulerOutput` into one padded `StepInput` (shapes bucketed so each bucket
 compiles once), runs the step under the weights version the scheduler chose, and returns the
 sampled tokens as a `RunnerOutput` in row order. The step's plan of KV operations
-(`SchedulerOutput.kv_plan`: copy-on-write copies, scrubs, window copies, chunk loads) is
+(`SchedulerOutput.kv_plan`: copy-on-write copies, scrubs, window copies, chunk loads, swaps
+out to host memory and back in) is
 applied first, from its index arrays (`apply_ops`), and so are the compactions a commit plans;
 every other change to the pool arrives as a `KVOp` through `apply` (it is the `KVDevice` of the
 KV cache manager). Observers see each step and each KV op (metering, logits taps, tracing)
@@ -252,8 +253,8 @@ class ModelRunner:
       params: weights version -> params.
       kv_programs: `KVOpKind` -> program(state, op) -> state, for each kind of
         `kvjax.memory.ops.DATA_KINDS`: how the runner applies ops given as data (the engine
-        registers the scrub and window-copy programs of its swap space, the compaction program
-        of its retention policy and the chunk copy of context reuse).
+        registers the swap, scrub and window-copy programs of its swap space, the compaction
+        program of its retention policy and the chunk copy of context reuse).
       host_pool: the host pool of host-resident rows (`kvjax.engine.host_rows.HostPool`; it
         applies `KVOpKind.HOST_OUT` and `HOST_IN`), or None.
     """

@@ -7,13 +7,13 @@ lacks it). Page counts are padded to powers of two so the gather and scatter pro
 once per bucket. On a mesh each buffer keeps its sharding (the kv-head axis split over the
 `tp` devices), in host memory and back: every device swaps its own heads.
 
-Demoted copies (`swap_out(..., demote_bits=8 or 4)`, a KV controller's decision): every float
-K/V leaf `[L, n, P, K, D]` travels and stays on the host encoded by a KV codec
-(`demotion_codec`): `int8` (one scale per token and head) or `int4` (two codes a byte, a scale
-and zero per 32 channels), about a quarter (an eighth) of float32's bytes. Swapping in decodes
-them back into the pool's dtype, so the sequence continues from rounded K/V, exactly as a pool
-of that codec would hold it (so the KL tables measured with those codecs price it). Other
-leaves (codes and scales of a quantized pool, arena words) travel as they are.
+Demoted copies (`KVCacheManager.swap_out(..., demote_bits=8 or 4)`, a KV controller's
+decision): every float K/V leaf `[L, n, P, K, D]` travels and stays on the host encoded by a KV
+codec (`demotion_codec`): `int8` (one scale per token and head) or `int4` (two codes a byte, a
+scale and zero per 32 channels), about a quarter (an eighth) of float32's bytes. Swapping in
+decodes them back into the pool's dtype, so the sequence continues from rounded K/V, exactly as
+a pool of that codec would hold it (so the KL tables measured with those codecs price it).
+Other leaves (codes and scales of a quantized pool, arena words) travel as they are.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import numpy as np
 from kvjax import jit as kvjax_jit
 from kvjax.kv import codecs
 from kvjax.kv import pages as kv_pages
+from kvjax.memory.ops import KVOp
 from kvjax.memory.tiers.host import host_memory_kind
-from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
+from kvjax.shapes import powers_of_2_up_to
 
 DEMOTION_BITS = (8, 4)  # the precisions a swapped copy may take, larger first
 
@@ -97,13 +98,24 @@ def restore_blob(parts: list[tuple[jax.Array, ...]], dtypes: list, bits: int = 8
     return out
 
 
+def tree_bytes(tree) -> int:
+    """Bytes of a tree's arrays (or of their shapes and dtypes, from `jax.eval_shape`)."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
 class HostSwapSpace:
-    """Host-memory copies of swapped-out sequences' pages, keyed by sequence id."""
+    """Host-memory copies of swapped-out sequences' pages, keyed by host slot.
+
+    Its programs apply `KVOpKind.SWAP_OUT`, `SWAP_IN` and `SWAP_DROP` from their index
+    arrays (the runner's `kv_programs`); the KV cache manager hands out the host slots and
+    counts the bytes (`page_bytes`), so it never waits for a copy.
+    """
 
     keeps_windows = False  # Pages are all a sequence's KV (see kvjax.engine.residual).
 
     def __init__(self):
-        self._stored: dict[str, tuple[object, int]] = {}
+        self._stored: dict[int, tuple | None] = {}  # host slot -> copy (None: no pages)
+        self._page_bytes: dict[int, int] = {}  # bits -> bytes per page of a copy
         # Per-instance programs, so each engine counts its own compilations.
         self._gather = kvjax_jit.jit(kv_pages.gather_pages)
         self._scatter = kvjax_jit.jit(kv_pages.scatter_pages, donate_argnums=0)
@@ -131,36 +143,53 @@ class HostSwapSpace:
         x, sharding = stored
         return jax.device_put(x, sharding.with_memory_kind("device"))
 
-    def swap_out(self, kv, seq_id: str, pages: list[int], *, demote_bits: int = 0) -> int:
-        """Copies `pages` (in block-table order) to host memory, at `demote_bits` (8 or 4;
-        0: as stored); returns bytes moved."""
-        padded = pad_repeat_last(pages)
-        stored = self._gather(kv, padded)
-        parts = self._demote(stored, demote_bits) if demote_bits else [(x,) for x in stored]
+    def swap_out(self, kv, op: KVOp):
+        """`KVOpKind.SWAP_OUT`: keeps a copy of pool pages op.src (padded; the first
+        len(op.pages) are the copy's) in host memory under op.host_slot, demoted to op.bits
+        (8 or 4; 0: as stored). The pool is unchanged."""
+        if not op.pages:
+            self._stored[op.host_slot] = None
+            return kv
+        stored = self._gather(kv, np.asarray(op.src, np.int32))
+        parts = self._demote(stored, op.bits) if op.bits else [(x,) for x in stored]
         flat = [x for p in parts for x in p]
-        self._stored[seq_id] = ([self._to_host(x) for x in flat], len(pages),
-                                [len(p) for p in parts], [x.dtype for x in stored], demote_bits)
-        return kv_pages.blob_bytes_per_page(flat) * len(pages)
+        self._stored[op.host_slot] = ([self._to_host(x) for x in flat], [len(p) for p in parts],
+                                      [x.dtype for x in stored], op.bits)
+        return kv
 
-    def swap_in(self, kv, seq_id: str, pages: list[int], first: int) -> tuple[object, int]:
-        """Writes stored pages [first:] into the sequence's new `pages[first:]` (skipping the
-        negative ones: a window's pages that no query reads any more); frees the copy."""
-        stored, n, sizes, dtypes, bits = self._stored.pop(seq_id)
-        kept = [i for i in range(first, n) if pages[i] >= 0]
-        targets = [pages[i] for i in kept]
-        if not targets:
-            return kv, 0
-        idx = pad_repeat_last(kept)
-        flat = kv_pages.take([self._to_device(x) for x in stored], idx)
+    def swap_in(self, kv, op: KVOp):
+        """`KVOpKind.SWAP_IN`: writes the copy's pages op.src into pool pages op.dst (padded
+        index arrays; empty: none), and frees the copy."""
+        copy = self._stored.pop(op.host_slot)
+        if not op.dst:
+            return kv
+        stored, sizes, dtypes, bits = copy
+        flat = kv_pages.take([self._to_device(x) for x in stored],
+                             np.asarray(op.src, np.int32))
         parts = [tuple(flat[i - k:i]) for i, k in zip(itertools.accumulate(sizes), sizes,
                                                             strict=True)]
         blob = (self._restore(parts, tuple(dtypes), bits) if bits
                 else [p[0] for p in parts])
-        kv = self._scatter(kv, pad_repeat_last(targets), blob)
-        return kv, kv_pages.blob_bytes_per_page(flat) * len(targets)
+        return self._scatter(kv, np.asarray(op.dst, np.int32), blob)
 
-    def drop(self, seq_id: str) -> None:
-        self._stored.pop(seq_id, None)
+    def page_bytes(self, kv, bits: int = 0) -> int:
+        """Bytes one page takes in a host copy at `bits` (0: as stored), from the shapes of
+        `kv`'s leaves alone."""
+        if bits not in self._page_bytes:
+            def copy(kv):
+                stored = kv_pages.gather_pages(kv, np.zeros(1, np.int32))
+                return demote_blob(stored, bits) if bits else stored
+
+            self._page_bytes[bits] = tree_bytes(jax.eval_shape(copy, kv))
+        return self._page_bytes[bits]
+
+    def window_bytes(self, kv) -> int:
+        """Bytes of one sequence's window in a host copy: none here."""
+        return 0
+
+    def drop(self, key) -> None:
+        """Frees the host copy under `key` (a host slot), if any."""
+        self._stored.pop(key, None)
 
     def take_released_slots(self) -> list[int]:
         """Sequence slots freed since the last call whose state a scrub must zero: none here

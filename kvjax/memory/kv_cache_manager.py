@@ -5,14 +5,15 @@ The scheduler decides *which* sequence gets, keeps, shares or loses KV; this man
 bookkeeping and issues every device consequence (copy-on-write copies, swaps, scrubs, spills,
 tier loads, compactions) as a `KVOp` for the `KVDevice` that owns the pool (the model runner).
 Between `defer_ops()` and `take_plan()` (while the scheduler forms or commits a step) the ops
-of `DATA_KINDS` (copy-on-write copies, scrubs, window copies, compactions, chunk loads) are
-collected as data for the runner to apply; otherwise, and for the other kinds, the device
-applies them when issued (`kvjax.memory.ops`).
+of `DATA_KINDS` (copy-on-write copies, scrubs, window copies, compactions, chunk loads, swaps
+out to host slots and back) are collected as data for the runner to apply; otherwise, and for
+the other kinds, the device applies them when issued (`kvjax.memory.ops`).
 It knows sequences by id only: token lists, versions and cache keys come in as arguments.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Sequence
 
 import numpy as np
@@ -23,6 +24,30 @@ from kvjax.memory.host_pool import HostPagePool
 from kvjax.memory.ops import ChunkLoadPlan, KVDevice, KVOp, KVOpKind
 from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last, pages_for
 from kvjax.trace import NULL_TRACER, Tracer
+
+
+class SwapSlots:
+    """The host slots of swapped sequences' copies (`KVOp.host_slot`), the lowest free one
+    first, so a replay hands out the same ones."""
+
+    def __init__(self):
+        self._held: dict[str, tuple[int, int]] = {}  # sequence -> (slot, the copy's bits)
+        self._free: list[int] = []  # a heap of the slots below the most ever held
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._held
+
+    def take(self, seq_id: str, bits: int) -> int:
+        """A free slot for the sequence's copy at `bits`."""
+        slot = heapq.heappop(self._free) if self._free else len(self._held)
+        self._held[seq_id] = (slot, bits)
+        return slot
+
+    def release(self, seq_id: str) -> tuple[int, int]:
+        """(slot, bits) of the sequence's copy; the slot is free again."""
+        slot, bits = self._held.pop(seq_id)
+        heapq.heappush(self._free, slot)
+        return slot, bits
 
 
 class KVCacheManager:
@@ -66,6 +91,7 @@ class KVCacheManager:
         self._ops: list[KVOp] = []
         # swapped sequence -> (block-table entry, layer group) of each page its host copy holds
         self._swapped_entries: dict[str, list[tuple[int, int]]] = {}
+        self._swap_slots = SwapSlots()  # without tiers: where each swapped copy is
         self._plan: list[KVOp] | None = None  # data ops deferred to the step; None: apply now
         self.tracer: Tracer = NULL_TRACER
         self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
@@ -485,8 +511,10 @@ class KVCacheManager:
     # ----------------------------------------------------------------------------- swap
 
     def swap_out(self, seq_id: str, num_computed: int, *, demote_bits: int = 0) -> None:
-        """Copies a sequence's computed pages to host memory (int8 or int4 with `demote_bits`:
-        see `kvjax.engine.swap`), then frees them.
+        """Copies a sequence's computed pages (every layer group's, and its window) to host
+        memory (int8 or int4 with `demote_bits`: see `kvjax.engine.swap`), then frees them.
+        Without tiers the copy is a `KVOpKind.SWAP_OUT` op into a host slot, planned before the
+        frees' scrubs and whatever reuses the pages.
 
         A sequence retention compacted keeps its record of which tokens its pages hold."""
         if self.retention.group_evicted(seq_id):
@@ -499,24 +527,41 @@ class KVCacheManager:
                                      pages_for(held, self.page_size))
         tables = self.allocator.block_tables(seq_id)
         pages = [tables[group][index] for index, group in entries]
-        if self.tiers is None:  # a copy in the tiers comes back as tier loads, by its keys
-            self._swapped_entries[seq_id] = entries
-        nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
-            self.swap_space.swap_out(kv, seq_id, pages, demote_bits=demote_bits)))
+        if self.tiers is None:
+            nbytes = self._swap_out_op(seq_id, entries, pages, demote_bits)
+        else:  # a copy in the tiers comes back as tier loads, by its keys
+            nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
+                self.swap_space.swap_out(kv, seq_id, pages, demote_bits=demote_bits)))
         self.stats["swaps_out"] += 1
         self.stats["swap_bytes"] += nbytes
         self.free(seq_id, keep_retention=True)
 
+    def _swap_out_op(self, seq_id: str, entries: list[tuple[int, int]], pages: list[int],
+                     bits: int) -> int:
+        """Issues the SWAP_OUT of `pages` into a free host slot; returns the copy's bytes."""
+        slot = self._swap_slots.take(seq_id, bits)
+        self._swapped_entries[seq_id] = entries
+        window = (self.seq_slot(seq_id),) if self.keeps_windows else ()
+        self._issue(KVOp(KVOpKind.SWAP_OUT, tuple(pages), src=_padded(pages) if pages else (),
+                         seq_slots=window, host_slot=slot, bits=bits))
+        return self._copy_bytes(len(pages), bits, window)
+
+    def _copy_bytes(self, num_pages: int, bits: int, window: tuple[int, ...]) -> int:
+        """Bytes of a host copy of `num_pages` pages at `bits`, with a window or not."""
+        kv = self.device.kv  # its shapes and dtypes only
+        return (self.swap_space.page_bytes(kv, bits) * num_pages
+                + (self.swap_space.window_bytes(kv) if window else 0))
+
     def swap_in(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
                 cache_key: bytes, version: str) -> bool:
         """Brings a swapped sequence's pages back (prefix-cache hits reused, the rest from host
-        memory); False, with nothing changed, when the pool has no room."""
+        memory, as a `KVOpKind.SWAP_IN` op planned before the step whose rows read them);
+        False, with nothing changed, when the pool has no room."""
         cached = self.register_returning(seq_id, token_ids, num_computed, cache_key)
         if cached is None:
             return False
         pages = self.block_table(seq_id)
         first = cached // self.page_size
-        nbytes = []
         num_host = self.num_host_pages(seq_id)
         targets, skipped = self._swap_targets(seq_id, first)
         if num_host:  # its host-resident pages come back too (those the prefix cache lacks)
@@ -530,18 +575,18 @@ class KVCacheManager:
                                  dst=_padded(pages[first:num_host])))
                 self.stats["host_pages_in"] += num_host - first
             self.host_pool.free(seq_id)
-
-        def swap_in(kv):
-            kv, n = self.swap_space.swap_in(kv, seq_id, targets, skipped)
-            nbytes.append(n)
-            return kv
-
+        # The copy's pages past the prefix hit, where a window still reads them.
+        kept = [i for i in range(skipped, len(targets)) if targets[i] != RELEASED]
+        dst = [targets[i] for i in kept]
+        slot, bits = self._swap_slots.release(seq_id)
+        window = (self.seq_slot(seq_id),) if self.keeps_windows else ()
         written = [p for table in self.allocator.block_tables(seq_id) for p in table[first:]
                    if p != RELEASED]
-        self._apply(KVOp(KVOpKind.SWAP_IN, tuple(written)), swap_in)
+        self._issue(KVOp(KVOpKind.SWAP_IN, tuple(written), src=_padded(kept) if kept else (),
+                         dst=_padded(dst) if dst else (), seq_slots=window, host_slot=slot))
         self.mark_written(written, version)
         self.stats["swaps_in"] += 1
-        self.stats["swap_bytes"] += nbytes[0]
+        self.stats["swap_bytes"] += self._copy_bytes(len(dst), bits, window)
         return True
 
     def _held_entries(self, seq_id: str, start: int, stop: int) -> list[tuple[int, int]]:
@@ -633,7 +678,10 @@ class KVCacheManager:
 
     def drop_swapped(self, seq_id: str) -> None:
         """Forgets a sequence's host copy (it finished or restarts)."""
-        self.swap_space.drop(seq_id)
+        if seq_id in self._swap_slots:
+            self._issue(KVOp(KVOpKind.SWAP_DROP, host_slot=self._swap_slots.release(seq_id)[0]))
+        if self.tiers is not None:
+            self.swap_space.drop(seq_id)
         self._swapped_entries.pop(seq_id, None)
         self.retention.drop(seq_id)
         self._floors.pop(seq_id, None)

@@ -6,14 +6,16 @@ copy, a swap, a tier load, a scrub, a compaction) is one `KVOp`, in the order th
 were made.
 
 Ops of the kinds in `DATA_KINDS` (copy-on-write copies, scrubs, window copies, retention
-compactions, and the moves of host-resident rows' pages between the device pool and the host
-pool) are plain data: their index arrays say everything, so the ops the scheduler issues while
-it forms a step travel in the step's `SchedulerOutput.kv_plan` and the runner applies them in
-the step's dispatch, before the model (`KVDevice.apply_ops`); those of committing a step are
-what `Scheduler.update_from_output` returns, applied by the engine core right after. The other
-kinds still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`); before
-one does, the manager hands over the data ops issued ahead of it, so the pool sees every op in
-issuing order (a spill of an evicted page before the copy that overwrites it).
+compactions, chunk loads, swaps to host slots of the swap space and back, and the moves of
+host-resident rows' pages between the device pool and the host pool) are plain data: their
+index arrays say everything, so the ops the scheduler issues while it forms a step travel in
+the step's `SchedulerOutput.kv_plan` and the runner applies them in the step's dispatch, before
+the model (`KVDevice.apply_ops`); those of committing a step are what
+`Scheduler.update_from_output` returns, applied by the engine core right after. The other kinds
+(tier spills and polls, swaps through the tiers, scatters) still run a closure on the device
+when issued (`KVDevice.apply`, `KVDevice.read`); before one does, the manager hands over the
+data ops issued ahead of it, so the pool sees every op in issuing order (a spill of an evicted
+page before the copy that overwrites it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class KVOpKind(enum.StrEnum):
     COPY = "copy"  # copy-on-write page copies
     SWAP_OUT = "swap_out"  # pages to host memory (reads the pool)
     SWAP_IN = "swap_in"  # pages back from host memory
+    SWAP_DROP = "swap_drop"  # a swapped copy forgotten (its sequence finished or restarts)
     SCRUB = "scrub"  # freed pages (and window slots) zeroed
     COMPACT = "compact"  # a retention policy's compaction of kept tokens
     COPY_WINDOW = "copy_window"  # a KIVI window copied to a forked sequence
@@ -48,9 +51,12 @@ class KVOpKind(enum.StrEnum):
 
 
 # Kinds whose ops carry all they do as index arrays (the runner applies them from the data).
+# With tiers on, a swap goes through the tiers' checked transfers instead, and its SWAP_OUT
+# (and a KIVI window's SWAP_IN) still runs a closure when issued (`KVDevice.read` / `apply`).
 DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB, KVOpKind.COPY_WINDOW,
                         KVOpKind.COMPACT, KVOpKind.CHUNK_LOAD, KVOpKind.HOST_OUT,
-                        KVOpKind.HOST_IN})
+                        KVOpKind.HOST_IN, KVOpKind.SWAP_OUT, KVOpKind.SWAP_IN,
+                        KVOpKind.SWAP_DROP})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +109,18 @@ class KVOp:
       src, dst: COPY: page dst[i] becomes a copy of page src[i]. COPY_WINDOW: sequence slot
         dst[0] becomes a copy of slot src[0]. SCRUB: dst are the pages zeroed (empty: none).
         HOST_OUT: host-pool page dst[i] becomes a copy of device page src[i]. HOST_IN: device
-        page dst[i] becomes a copy of host-pool page src[i].
+        page dst[i] becomes a copy of host-pool page src[i]. SWAP_OUT: the host copy
+        `host_slot` holds pool pages src (padded; its first len(pages) are the copy's pages,
+        in block-table order, every layer group's). SWAP_IN: pool page dst[i] becomes the
+        copy's page src[i] (empty: none), and the copy is freed.
       seq_slots: SCRUB: the sequence slots zeroed (KIVI windows of freed sequences; empty:
-        none).
+        none). SWAP_OUT: the slot whose window the copy takes too; SWAP_IN: the slot it is
+        written into (empty: the state keeps no windows).
       plan: COMPACT: the sequence's `CompactionPlan` (`pages`: its block table after it).
         CHUNK_LOAD: the `ChunkLoadPlan` (`pages`: the pages it writes).
+      host_slot: SWAP_OUT, SWAP_IN, SWAP_DROP: the host copy's key in the swap space (the KV
+        cache manager hands them out; -1: none).
+      bits: SWAP_OUT: the precision the copy is demoted to (8 or 4; 0: as stored).
     """
 
     kind: KVOpKind
@@ -116,6 +129,8 @@ class KVOp:
     dst: tuple[int, ...] = ()
     seq_slots: tuple[int, ...] = ()
     plan: CompactionPlan | ChunkLoadPlan | None = None
+    host_slot: int = -1
+    bits: int = 0
 
 
 class KVDevice(Protocol):
@@ -142,13 +157,15 @@ class KVDevice(Protocol):
 class HostKV:
     """A KVDevice over a KV state held in a plain attribute (tests, tools); `host_kv`: its
     host pool (`KVOpKind.HOST_OUT` / `HOST_IN`), or None; `rotate`: how compactions turn
-    kept keys (`kvjax.kv.state.Rotate`), or None."""
+    kept keys (`kvjax.kv.state.Rotate`), or None; `swapped`: host slot -> the swapped copy
+    (pages as stored, and the window) `KVOpKind.SWAP_OUT` left there."""
 
     def __init__(self, kv: Any, host_kv: Any = None, rotate: Any = None):
         self.kv = kv
         self.host_kv = host_kv
         self.rotate = rotate
         self.ops: list[KVOp] = []
+        self.swapped: dict[int, tuple[Any, Any]] = {}
 
     def apply(self, op: KVOp, fn: Callable[[Any], Any]) -> None:
         self.kv = fn(self.kv)
@@ -177,7 +194,28 @@ class HostKV:
             return pages.scatter_pages(kv, dst, pages.gather_pages(self.host_kv, src))
         if op.kind is KVOpKind.SCRUB:
             return pages.scrub(kv, dst, np.asarray(op.seq_slots, np.int32))
+        if op.kind in (KVOpKind.SWAP_OUT, KVOpKind.SWAP_IN, KVOpKind.SWAP_DROP):
+            return self._swap(kv, op, src, dst)
         raise ValueError(f"HostKV has no program for KV operation {op.kind.value!r}")
+
+    def _swap(self, kv: Any, op: KVOp, src: np.ndarray, dst: np.ndarray) -> Any:
+        from kvjax.kv import pages
+
+        slots = np.asarray(op.seq_slots, np.int32)
+        if op.kind is KVOpKind.SWAP_OUT:
+            if op.bits:
+                raise ValueError(f"HostKV keeps swapped copies as stored, not at {op.bits} bits")
+            self.swapped[op.host_slot] = (pages.gather_pages(kv, src) if len(src) else None,
+                                          pages.gather_seq_slots(kv, slots) if len(slots)
+                                          else None)
+            return kv
+        blob, window = self.swapped.pop(op.host_slot)
+        if op.kind is KVOpKind.SWAP_IN:
+            if len(dst):
+                kv = pages.scatter_pages(kv, dst, pages.take(blob, src))
+            if len(slots):
+                kv = pages.scatter_seq_slots(kv, slots, window)
+        return kv
 
     def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
         self.ops.append(op)

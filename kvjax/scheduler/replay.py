@@ -23,11 +23,12 @@ step or batch computes it), requests arrive before the same step as they did, an
 goes on until every request finishes. The new decisions come back for comparison.
 
 Limits: KV operations of the kinds `kvjax.memory.ops.DATA_KINDS` (copy-on-write copies, scrubs,
-window copies, retention compactions, chunk loads) are plain data and replay as such, so runs
-under an evicting retention policy or context reuse replay (not those whose retention policy
-rotates kept keys or reads RoPE: the host record is built without a model); the other kinds
-(swaps, tier traffic) still run a device program when issued, so a trace holding one does not
-replay (`ReplayDevice` raises a ValueError naming it). Warm-up records (`KVOpKind.WARMUP`) are
+window copies, retention compactions, chunk loads, swaps to host slots and back) are plain
+data and replay as such, so runs under an evicting retention policy, context reuse or swap
+preemption replay (not those whose retention policy rotates kept keys or reads RoPE: the host
+record is built without a model); tier traffic (spills, polls, swaps through the tiers) still
+runs a device program when issued, so a trace holding it does not replay (`ReplayDevice`
+raises a ValueError naming the op's kind). Warm-up records (`KVOpKind.WARMUP`) are
 compilations, not decisions, and are left out of the comparison. Snapshot restores are not
 recorded, nor requests under a grammar (a ValueError names the request).
 """
@@ -262,28 +263,37 @@ class ReplayDevice:
             self._check(op)
 
     def apply(self, op: KVOp, fn: Callable[[Any], Any]) -> None:
-        self._check(op)
+        self._check(op, closure=True)
 
     def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
-        self._check(op)
+        self._check(op, closure=True)
 
     def run_op(self, kv: Any, op: KVOp) -> Any:
         self._check(op)
         return kv
 
     @staticmethod
-    def _check(op: KVOp) -> None:
-        if op.kind not in DATA_KINDS and op.kind is not KVOpKind.WARMUP:
+    def _check(op: KVOp, *, closure: bool = False) -> None:
+        """Refuses an op that runs a device program when issued (a closure: a swap through
+        the tiers, a spill, a tier poll, a scatter), by its kind."""
+        if op.kind is not KVOpKind.WARMUP and (closure or op.kind not in DATA_KINDS):
             raise ValueError(f"KV operation {op.kind.value!r} still runs a device program when "
                              f"issued, so it does not replay; replay covers runs whose KV "
                              f"operations are all data ({sorted(k.value for k in DATA_KINDS)})")
 
 
 class _NoSwapSpace:
-    """The swap space of a replayed scheduler: no host copies (a swap does not replay)."""
+    """The swap space of a replayed scheduler: swaps are data the `ReplayDevice` accepts;
+    no host copy is kept, and replayed stats count no swapped bytes."""
 
     keeps_windows = False
     num_compiles = 0
+
+    def page_bytes(self, kv: Any, bits: int = 0) -> int:
+        return 0
+
+    def window_bytes(self, kv: Any) -> int:
+        return 0
 
     def take_released_slots(self) -> list[int]:
         return []

@@ -60,18 +60,42 @@ def test_planned_copies_and_scrubs_apply_to_the_same_pool_as_immediate_ones():
     assert not page(planned_device, table[-1]).any()
 
 
-def test_an_op_that_runs_now_first_applies_the_ops_planned_before_it():
+def _fork_with_a_planned_copy():
+    """b forked from a and writing into their shared partial page while a step is formed (a
+    copy into b's own last page, planned); the device's record is cleared."""
     manager, device = make_manager(num_pages=8, scrub=True)
     manager.lookup("a", list(range(1, 7)), b"")
     assert manager.allocate("a", 0, 6)
     assert manager.fork("a", "b")
     manager.defer_ops()
-    assert manager.allocate("b", 6, 7)  # a copy, planned
+    assert manager.allocate("b", 6, 7)
     device.ops.clear()
-    manager.swap_out("b", 7)  # reads b's pages: the copy must land first
-    assert [op.kind for op in device.ops] == [KVOpKind.COPY, KVOpKind.SWAP_OUT]
-    # The swap-out frees b (a scrub, planned again); only that is left for the step.
-    assert [op.kind for op in manager.take_plan()] == [KVOpKind.SCRUB]
+    return manager, device
+
+
+def test_an_op_that_runs_now_first_applies_the_ops_planned_before_it():
+    manager, device = _fork_with_a_planned_copy()
+    # A snapshot's pages are written when issued (a closure): the copy must land first.
+    assert manager.place("c", [9, 9, 9], 3, b"", "v0", 1, lambda kv, tables, first: kv)
+    assert [op.kind for op in device.ops] == [KVOpKind.COPY, KVOpKind.SCATTER]
+    assert manager.take_plan() == ()
+
+
+def test_a_planned_swap_out_reads_the_pages_after_the_copy_and_before_the_scrub():
+    manager, device = _fork_with_a_planned_copy()
+    table = manager.block_table("b")
+    manager.swap_out("b", 7)  # reads b's pages, then frees (scrubs) its own
+    assert device.ops == []  # nothing ran: the swap is data in the step's plan
+    plan = manager.take_plan()
+    assert [op.kind for op in plan] == [KVOpKind.COPY, KVOpKind.SWAP_OUT, KVOpKind.SCRUB]
+    copy, swap_out, scrub = plan
+    assert swap_out.pages == tuple(table) and copy.dst[0] == table[-1] in scrub.pages
+    device.apply_ops(plan)
+    expected = [page(device, p).copy() for p in manager.block_table("a")]  # b's own: a's copy
+    assert not page(device, table[-1]).any()  # scrubbed after the copy was taken
+    assert manager.swap_in("b", list(range(1, 8)), 7, b"other-key", "v0")
+    for p, want in zip(manager.block_table("b"), expected, strict=True):
+        np.testing.assert_array_equal(page(device, p), want)
 
 
 def test_outside_a_step_ops_apply_when_issued():

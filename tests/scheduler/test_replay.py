@@ -79,6 +79,22 @@ def recorded(model, prompts):
 
 
 @pytest.fixture(scope="module")
+def swapped(model, prompts):
+    """A recorded run under async scheduling that preempts by swapping: (engine, trace,
+    tokens, compiles after warm-up and after the run, the KV ops the runner applied). Engines
+    of one process share compiled programs, so both counts are taken here, before another
+    engine compiles anything."""
+    engine = Engine(model, EngineConfig(**CONFIG, preemption_mode="swap"))
+    compiles = engine.warmup()
+    applied = _AppliedOps()
+    engine.add_step_observer(applied)
+    recorder = engine.record_decisions()
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    return (engine, recorder.stop(), [o.outputs[0].token_ids for o in outs],
+            (compiles, engine.num_compiles), applied.ops)
+
+
+@pytest.fixture(scope="module")
 def retained(model):
     """A recorded run under h2o: (engine, trace, tokens, compiles after warm-up, the KV ops
     the runner applied)."""
@@ -127,9 +143,11 @@ def test_replay_reports_the_first_decision_that_differs(recorded):
         replay(changed)
 
 
-def test_replay_runs_in_a_process_without_jax(recorded, retained, tmp_path):
-    """A plain run and one under retention (its compactions are data) replay without jax."""
-    traces = [recorded[1], retained[1]]
+def test_replay_runs_in_a_process_without_jax(recorded, swapped, retained, tmp_path):
+    """A plain run, one under retention (its compactions are data) and one that swaps (its
+    swaps are data) replay without jax. (`swapped` is built before `retained`: engines of one
+    process share compiled programs, and retained's count after warm-up is checked later.)"""
+    traces = [recorded[1], retained[1], swapped[1]]
     paths = [tmp_path / f"run{i}.trace" for i in range(len(traces))]
     for trace, path in zip(traces, paths, strict=True):
         trace.save(path)
@@ -142,6 +160,37 @@ def test_replay_runs_in_a_process_without_jax(recorded, retained, tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, check=True, cwd=REPO).stdout.split()
     assert out == [*(str(len(t.outputs)) for t in traces), "[]"]
+
+
+def test_swaps_are_data_the_runner_applies_in_the_steps_dispatch(model, prompts, swapped):
+    """Swap preemption under async scheduling: every swap-out and swap-in is an op of a step's
+    plan (host slots and padded page indices), the runner applies exactly those ops before
+    the step's model, a sequence's copy comes back into the slot it went to, the tokens are
+    the dense greedy reference's, and nothing compiles after warm-up."""
+    engine, trace, tokens, compiles, applied = swapped
+    assert tokens == [greedy_reference(model, p, NEW) for p in prompts]
+    swap_kinds = (KVOpKind.SWAP_OUT, KVOpKind.SWAP_IN, KVOpKind.SWAP_DROP)
+    planned = [op for so in trace.outputs for op in so.kv_plan if op.kind in swap_kinds]
+    committed = [op for e in trace.events if e.name == "update_from_output"
+                 for op in e.result if op.kind in swap_kinds]
+    outs = [op for op in planned if op.kind is KVOpKind.SWAP_OUT]
+    ins = [op for op in planned if op.kind is KVOpKind.SWAP_IN]
+    assert len(outs) == engine.stats["swaps_out"] > 0 and len(ins) == engine.stats["swaps_in"]
+    assert not committed
+    assert [op for op in applied if op.kind in swap_kinds] == planned
+    held = {}
+    for op in planned:  # each copy is read back from its host slot once, after it was written
+        if op.kind is KVOpKind.SWAP_OUT:
+            assert op.host_slot not in held and op.src[:len(op.pages)] == op.pages
+            held[op.host_slot] = len(op.pages)
+        else:
+            assert len(op.src) == len(op.dst) and max(op.src, default=0) < held.pop(op.host_slot)
+    assert not held
+    assert compiles[1] == compiles[0]
+    result = replay(trace)
+    assert result.scheduler.stats["swaps_out"] == engine.stats["swaps_out"]
+    replayed = {o.request_id: o.outputs[0].token_ids for o in result.finished}
+    assert [replayed[f"gen-0-{i}"] for i in range(len(prompts))] == tokens
 
 
 def test_compactions_come_back_as_data_and_compile_nothing_new(retained):

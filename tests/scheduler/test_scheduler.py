@@ -69,11 +69,14 @@ def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_new_tokens
 
 
 def fake_step(scheduler: Scheduler, next_token=lambda row: 7):
-    """Schedules one step and commits `next_token(row)` for every row; returns (plan, done)."""
+    """Schedules one step and commits `next_token(row)` for every row, applying the KV plans
+    of both to the pool as the runner does; returns (plan, done)."""
     so = scheduler.schedule()
+    device = scheduler.kv_cache.device
+    device.apply_ops(so.kv_plan)
     tokens = np.array([next_token(row) for row in so.rows], np.int32)
-    scheduler.update_from_output(so, RunnerOutput(tokens=tokens,
-                                                  logprobs=np.zeros(len(tokens), np.float32)))
+    device.apply_ops(scheduler.update_from_output(
+        so, RunnerOutput(tokens=tokens, logprobs=np.zeros(len(tokens), np.float32))))
     return so, scheduler.take_finished()
 
 
