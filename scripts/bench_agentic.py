@@ -29,6 +29,8 @@ flags.DEFINE_integer("short_turns", 2, "Turns of the other trajectories (0: num_
 flags.DEFINE_integer("first_len", 64, "Tokens of each trajectory's first prompt.")
 flags.DEFINE_integer("answer_len", 24, "Tokens of the environment's answer to each turn.")
 flags.DEFINE_integer("max_new_tokens", 16, "Tokens each turn generates (greedy).")
+flags.DEFINE_integer("max_num_seqs", 4, "Sequences each worker runs at once: fewer than its "
+                     "live trajectories saturates it.")
 flags.DEFINE_string("output_dir", "/tmp/bench_agentic", "Where agentic.json goes.")
 
 
@@ -36,7 +38,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     model = load_model(FLAGS.model)
-    config = EngineConfig(page_size=16, num_pages=256, max_num_seqs=4,
+    config = EngineConfig(page_size=16, num_pages=256, max_num_seqs=FLAGS.max_num_seqs,
                           max_num_batched_tokens=256, max_prefill_chunk=128, max_model_len=512)
     rows = agentic.run(model, config, num_workers=FLAGS.num_workers,
                        num_trajectories=FLAGS.num_trajectories, num_turns=FLAGS.num_turns,
