@@ -140,13 +140,15 @@ class PageImporter:
 
     def import_prefix(self, pin: str, tokens: Sequence[int],
                       staged: Sequence[np.ndarray | jax.Array] | None, num_staged: int,
-                      tenant: str | None) -> ImportResult:
+                      tenant: str | None, *, record_stats: bool = True) -> ImportResult:
         """Commits `staged`'s first `num_staged` pages as the full pages of `tokens`.
 
-        The allocator sequence `pin` holds `tokens`' pages until `release(pin)`.
+        The allocator sequence `pin` holds `tokens`' pages until `release(pin)`. Without
+        `record_stats`, the pages it finds held already are not counted as prefix-cache hits
+        (no prompt read them).
         """
         alloc = self.engine.allocator
-        reused = alloc.add_sequence(pin, list(tokens),
+        reused = alloc.add_sequence(pin, list(tokens), record_stats=record_stats,
                                     cache_key=self.engine.provenance(tenant))
         first_page, end = reused // self.page_size, num_staged * self.page_size
         if num_staged <= first_page:

@@ -1,8 +1,9 @@
 """RL rollouts on the kvjax engine: grouped sampling, GRPO updates, programmatic rewards, and
 rollout workers over several engines (in this process or as Ray actors), and multi-turn
-(agentic) trajectories placed on the worker holding their pages."""
+(agentic) trajectories placed on the worker holding their pages, moved with them when loads
+drift apart."""
 
-from kvjax.rl.agentic import TrajectoryRun, TurnPlacement, run_trajectories
+from kvjax.rl.agentic import Migration, TrajectoryRun, TurnPlacement, run_trajectories
 from kvjax.rl.grpo import (
     GRPOConfig,
     GRPOTrainer,
@@ -26,6 +27,7 @@ __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
     "LocalRolloutPool",
+    "Migration",
     "RayRolloutPool",
     "Rollout",
     "RolloutBatch",

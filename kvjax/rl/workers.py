@@ -17,6 +17,10 @@ the same two steps; `update_weights` ships the params once (on Ray: one `ray.put
 reads the same object) and each engine tags the tokens it samples afterwards with the new
 version. `result()` merges the samples, prompt-major, into one `RolloutBatch`.
 
+`move_pages(tokens, source, target)` copies the pages of a conversation that one worker's prefix
+cache holds into another's (host-staged, provenance checked), so a trajectory can change worker
+without recomputing its prompt (`kvjax.rl.agentic`, `TurnPlacement.MIGRATE`).
+
 `LocalRolloutPool` keeps its workers in this process (taking turns on the host);
 `RayRolloutPool` makes each a Ray actor with one CPU. Ray is an optional extra
 (`pip install 'kvjax[ray]'`), imported only when a `RayRolloutPool` is built.
@@ -27,12 +31,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
+from kvjax.engine import kv_transfer
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, RequestOutput, WeightUpdatePolicy
@@ -117,6 +124,9 @@ class RolloutWorker:
         self.engine = Engine(model_factory(), engine_config)
         self._slices: dict[str, SampleSlice] = {}
         self._outputs: dict[str, RequestOutput] = {}
+        self._importer: kv_transfer.PageImporter | None = None
+        self._pins = itertools.count()
+        self._busy_s = 0.0
 
     def start(self, slices: Sequence[SampleSlice], sampling: SamplingParams, *,
               group_size: int, seed: int, name: str) -> None:
@@ -138,10 +148,55 @@ class RolloutWorker:
     def step(self) -> bool:
         """One engine step unless its part is done; returns whether it is done."""
         if not self.done:
+            start = time.perf_counter()
             for out in self.engine.step():
                 if out.request_id in self._slices:
                     self._outputs[out.request_id] = out
+            self._busy_s += time.perf_counter() - start
         return self.done
+
+    def warm_migration(self) -> None:
+        """Compiles the page export and import for every padded page count, once per worker;
+        the KV is unchanged. Raises ValueError unless the engine is paged with a prefix cache."""
+        if self._importer is None:
+            self._importer = kv_transfer.PageImporter(self.engine)
+            self._importer.warmup()
+            kv_transfer.warm_export(self.engine)
+
+    def export_pages(self, tokens: Sequence[int]) -> tuple[list[np.ndarray], int, bytes]:
+        """The full pages of `tokens`' longest prefix in this worker's prefix cache.
+
+        Returns host arrays (`[L, n, ...]` per page leaf, n padded to a power of 2; none when
+        nothing is cached), the number of valid pages and the provenance they were made under.
+        """
+        staged, num = kv_transfer.export_prefix(self.engine, tokens, None)
+        host = [] if staged is None else [np.asarray(x) for x in jax.device_get(staged)]
+        return host, num, self.engine.provenance()
+
+    def import_pages(self, tokens: Sequence[int], staged: Sequence[np.ndarray], num_staged: int,
+                     provenance: bytes) -> kv_transfer.ImportResult:
+        """Commits exported pages of `tokens` to this worker's prefix cache, unpinned.
+
+        Pages it holds already are kept. Raises ValueError when the pages were made under
+        another provenance (other weights, codec or page size): they would be read as this
+        worker's own.
+        """
+        if provenance != self.engine.provenance():
+            raise ValueError("the pages were computed under another KV provenance than this "
+                             "worker's (weights version, codec or page size differ)")
+        self.warm_migration()
+        pin = f"migrated/{next(self._pins)}"
+        result = self._importer.import_prefix(pin, list(tokens), list(staged) or None,
+                                              num_staged, None, record_stats=False)
+        # Unpinned, the pages wait in the prefix cache (LRU) for the trajectory's next turn.
+        self._importer.release(pin)
+        return result
+
+    def num_compiles(self) -> int:
+        """Programs compiled: the engine's, the page import's and the (shared) page export's."""
+        moves = (0 if self._importer is None else self._importer.num_compiles
+                 + kv_transfer.gather._cache_size() + kv_transfer.take._cache_size())
+        return self.engine.num_compiles + moves
 
     def update_weights(self, params: Any, version: str, in_flight: WeightUpdatePolicy) -> None:
         """Swaps in `params` (host arrays, as shipped) under `version`."""
@@ -169,8 +224,10 @@ class RolloutWorker:
         return samples
 
     def stats(self) -> dict[str, int]:
-        """Engine steps, weight updates, stale KV reads, prefill and prefix-hit tokens."""
+        """Engine steps, weight updates, stale KV reads, milliseconds spent stepping, prefill
+        and prefix-hit tokens."""
         stats = {k: int(self.engine.stats[k]) for k in _COUNTED_STATS}
+        stats["busy_ms"] = int(self._busy_s * 1000)
         return dict(stats, **{k: int(v) for k, v in self.engine.metrics().items()
                               if k in ("prefill_tokens", "prefix_hit_tokens")})
 
@@ -226,6 +283,15 @@ class RolloutPool(Protocol):
     def result(self, *, pad_to: int | None = None) -> RolloutBatch: ...
 
     def stats(self) -> dict[str, int]: ...
+
+    def worker_stats(self) -> list[dict[str, int]]: ...
+
+    def warm_migration(self) -> None: ...
+
+    def move_pages(self, tokens: Sequence[int], source: int,
+                   target: int) -> kv_transfer.ImportResult: ...
+
+    def num_compiles(self) -> list[int]: ...
 
 
 class _Pool(abc.ABC):
@@ -302,8 +368,33 @@ class _Pool(abc.ABC):
 
     def stats(self) -> dict[str, int]:
         """Every worker's counters summed."""
-        per_worker = self._call("stats", {w: ((), {}) for w in range(self.num_workers)})
+        per_worker = self.worker_stats()
         return {k: sum(s[k] for s in per_worker) for k in per_worker[0]}
+
+    def worker_stats(self) -> list[dict[str, int]]:
+        """Each worker's counters (`RolloutWorker.stats`)."""
+        return self._call("stats", {w: ((), {}) for w in range(self.num_workers)})
+
+    def warm_migration(self) -> None:
+        """Every worker compiles its page export and import (`RolloutWorker.warm_migration`)."""
+        self._call("warm_migration", {w: ((), {}) for w in range(self.num_workers)})
+
+    def move_pages(self, tokens: Sequence[int], source: int,
+                   target: int) -> kv_transfer.ImportResult:
+        """Copies the pages of `tokens`' longest prefix cached on worker `source` into worker
+        `target`'s prefix cache, through host memory; `source` keeps its copy."""
+        if source == target or not (0 <= source < self.num_workers
+                                    and 0 <= target < self.num_workers):
+            raise ValueError(f"cannot move pages from worker {source!r} to {target!r} of "
+                             f"{self.num_workers}")
+        tokens = [int(t) for t in tokens]
+        (staged, num, provenance), = self._call("export_pages", {source: ((tokens,), {})})
+        (result,) = self._call("import_pages", {target: ((tokens, staged, num, provenance), {})})
+        return result
+
+    def num_compiles(self) -> list[int]:
+        """Each worker's compiled programs (`RolloutWorker.num_compiles`)."""
+        return self._call("num_compiles", {w: ((), {}) for w in range(self.num_workers)})
 
 
 class LocalRolloutPool(_Pool):
