@@ -7,8 +7,8 @@ read a KV state the engine holds, and `layer_attention_fns(kv, layer)` binds the
 
   state                                   decode                      prefill
   PagedKV, ContiguousKV (float pages)     paged_decode kernel         ragged_prefill kernel
-  QuantizedPagedKV, int8 / fp8 dynamic /  quantized_decode kernel     jnp: dequantize the rows'
-    int4 / int2 codecs                    (codes read in the kernel)  pages, blockwise reference
+  QuantizedPagedKV, int8 (per token or    quantized_decode kernel     jnp: dequantize the rows'
+    group=g) / fp8 dynamic / int4 / int2  (codes read in the kernel)  pages, blockwise reference
   QuantizedPagedKV, KIVI or calibrated    ValueError (no kernel reads them)
     fp8
   LatentPagedKV (MLA latents)             ValueError (no kernel reads them; the step falls back

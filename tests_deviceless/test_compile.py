@@ -55,12 +55,24 @@ def test_compiles_or_is_refused(case):
 def test_kernels_with_a_traced_window_compile(case):
     """The engine passes each layer's window as a traced scalar (0: global): the float-page
     kernels take it as a per-row input and still compile as the target's own kernels."""
+    check_compiled_as_target_kernel(case)
+
+
+def check_compiled_as_target_kernel(case: dl.Case) -> None:
     record = dl.compile_case(case)
     assert record["status"] == "compiled", record.get("reason")
     if dl.TARGETS[case.target].platform == "cuda":
         assert record["kernels"], "no Pallas kernel was compiled by Triton"
     else:
         assert record["mosaic_calls"] > 0, "no Pallas kernel was compiled by Mosaic"
+
+
+@pytest.mark.parametrize("case", [dl.Case(p, t, "bfloat16", "smollm2") for t in ("h100", "v5e")
+                                  for p in dl.GROUPED], ids=lambda c: c.id)
+def test_grouped_int8_kernel_compiles(case):
+    """int8 with a scale and zero per channel group (`kv_codec_options={"group": 32}`) is read
+    by the quantized kernel as the target's own kernel, not the reference attention."""
+    check_compiled_as_target_kernel(case)
 
 
 def test_fp8_kernel_refuses_sm80_before_the_compiler():

@@ -161,6 +161,9 @@ KERNELS = ("paged_decode", "ragged_prefill", *(f"quantized_decode_{c}" for c in 
 # The float-page kernels with a traced sliding window (the engine's per-layer value, 0 for a
 # global layer): compiled by their own test, not the full matrix.
 WINDOWED = ("paged_decode_window", "ragged_prefill_window")
+# The quantized kernel over asymmetric 8-bit codes with a scale and zero per 32 channels
+# (`kv_codec_options={"group": 32}`): compiled by its own test, not the full matrix.
+GROUPED = ("quantized_decode_int8_g32",)
 # The engine's jitted step with attention_impl=pallas over exact paged KV.
 STEPS = ("step_decode", "step_mixed")
 PROGRAMS = KERNELS + STEPS
@@ -203,12 +206,19 @@ def _abstract(tree, sharding: NamedSharding):
                         tree)
 
 
-# The kernel reads fp8 with per-token (dynamic) scales only.
-_CODEC_OPTIONS = {"fp8_e4m3": {"scaling": "dynamic"}}
+# Codec name and options by program suffix: the kernel reads fp8 with per-token (dynamic)
+# scales only; int8_g32 is int8 with a scale and zero per 32 channels.
+_CODEC_OPTIONS = {"fp8_e4m3": ("fp8_e4m3", {"scaling": "dynamic"}),
+                  "int8_g32": ("int8", {"group": 32})}
 
 
-def _codec(name: str) -> codecs.KVCodec:
-    return codecs.get_codec(name, **_CODEC_OPTIONS.get(name, {}))
+def _codec_args(suffix: str) -> tuple[str, dict]:
+    return _CODEC_OPTIONS.get(suffix, (suffix, {}))
+
+
+def _codec(suffix: str) -> codecs.KVCodec:
+    name, options = _codec_args(suffix)
+    return codecs.get_codec(name, **options)
 
 
 def _kernel_fn_and_args(case: Case) -> tuple[Any, list]:
@@ -256,8 +266,9 @@ def _kernel_refusal(case: Case) -> str | None:
 def _quantized_state(*, codec_name: str, shape: ModelShape):
     from kvjax.kv.quantized import init_quantized_kv
 
+    name, options = _codec_args(codec_name)
     return init_quantized_kv(dataclasses.replace(shape, num_layers=1).config(), 8, PAGE_SIZE,
-                             codec_name, **_CODEC_OPTIONS.get(codec_name, {}))
+                             name, **options)
 
 
 def step_shape(program: str) -> step_lib.StepShape:

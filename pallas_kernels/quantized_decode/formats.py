@@ -10,4 +10,5 @@ class CodeFormat(enum.Enum):
 
     INT8 = "int8"  # int8 codes, one scale per token per kv head.
     FP8 = "fp8"  # float8 codes, one scale per token per kv head (dynamic scaling).
-    PACKED = "packed"  # 4- or 2-bit codes packed in bytes, scale and zero per channel group.
+    # Asymmetric 8-, 4- or 2-bit codes (8 / bits per byte), scale and zero per channel group.
+    PACKED = "packed"

@@ -10,8 +10,8 @@ kv_lens [B] int32, with the codec (static) saying how to read the codes:
   FP8      Fp8Codec, dynamic scaling  float8 (or its uint8 bytes, scale [num_pages, P, K]
                                       as the pool holds them)
                                       [num_pages, P, K, D]
-  PACKED   IntCodec (int4, int2)      uint8 [num_pages, P, K,     scale, zero
-                                      D * bits / 8]               [num_pages, P, K, D / group]
+  PACKED   IntCodec (int8 group=g,    uint8 [num_pages, P, K,     scale, zero
+           int4, int2)                D * bits / 8]               [num_pages, P, K, D / group]
 
 The pages are read only as codes and metadata; the float K and V never exist in memory.
 
@@ -21,12 +21,14 @@ exact in bfloat16 (|int8| <= 127 and every float8 value are bf16 values), so wit
 the matmuls take bf16 operands with float32 accumulation and the logits are exact products
 summed in float32; with float32 queries they run in float32.
 
-Packed codes (PACKED): byte j of a token holds channels c*j .. c*j + c - 1 (c = 8 / bits codes
-per byte, lowest bits first). Phase i of every byte (bits [i*bits, (i+1)*bits)) is channel
-c*j + i, so the kernel unpacks phase i as one [S_blk, D / c] slab, dequantizes it with its
-group's scale and zero, and multiplies it with the query's channels i, i + c, ... (split outside
-the kernel): logits = sum_i q_i . x_i. The value output comes out phase-major, [c, D / c], and
-is put back in channel order after the kernel. No in-kernel interleave is needed.
+Asymmetric codes with a scale and zero per channel group (PACKED: 8-bit codes with
+`group=g`, packed 4- and 2-bit codes): byte j of a token holds channels c*j .. c*j + c - 1
+(c = 8 / bits codes per byte, lowest bits first; c = 1 for 8-bit codes). Phase i of every
+byte (bits [i*bits, (i+1)*bits)) is channel c*j + i, so the kernel unpacks phase i as one
+[S_blk, D / c] slab, dequantizes it with its group's scale and zero, and multiplies it with the
+query's channels i, i + c, ... (split outside the kernel): logits = sum_i q_i . x_i. The value
+output comes out phase-major, [c, D / c], and is put back in channel order after the kernel.
+No in-kernel interleave is needed.
 
 Softmax state and accumulation are float32 (`paged_decode.kernel.fold_logits`). Slots at or
 past kv_lens, whose codes or metadata may hold anything (NaN scales included), are masked in
@@ -84,14 +86,12 @@ def code_format(codec: codecs.KVCodec) -> CodeFormat:
             raise ValueError(f"codec {codec.name!r}: the quantized decode kernel reads fp8 with "
                              "dynamic (per-token) scales only")
         return CodeFormat.FP8
-    if isinstance(codec, codecs.IntCodec):
-        if codec.bits == 8:
-            raise ValueError(f"codec {codec.name!r}: the quantized decode kernel reads packed "
-                             "codes of 4 or 2 bits, and int8 with one scale per token")
+    if isinstance(codec, codecs.IntCodec):  # int8 with group=g, int4, int2
         return CodeFormat.PACKED
     raise ValueError(f"codec {getattr(codec, 'name', codec)!r} has no quantized decode kernel "
-                     "(supported: int8, fp8_* dynamic, int4, int2; KIVI keeps per-channel key "
-                     "groups and an exact window, which this kernel does not read)")
+                     "(supported: int8 with or without group=, fp8_* dynamic, int4, int2; KIVI "
+                     "keeps per-channel key groups and an exact window, which this kernel "
+                     "does not read)")
 
 
 def storage_names(fmt: CodeFormat) -> tuple[str, ...]:
@@ -190,8 +190,11 @@ def _quantized_decode_kernel(bt_ref, len_ref, *refs, fmt: CodeFormat, phases: in
                        for x in _unpack_phases(v_codes, *v_meta, bits=bits, group=group)]
             s = sum(matmul_nt(qi, ki.astype(compute)) for qi, ki in zip(qs, k_parts, strict=True))
             s = cap_logits(s * sm_scale, soft_cap)  # [Gp, S_blk]
-            return fold_logits(s, visible, carry,
-                               lambda p: tuple(matmul_nn(p.astype(compute), v) for v in v_parts))
+            def value_matmul(p):
+                outs = tuple(matmul_nn(p.astype(compute), v) for v in v_parts)
+                return outs[0] if phases == 1 else outs  # fold_split's carry: 8-bit, one phase
+
+            return fold_logits(s, visible, carry, value_matmul)
         k_scale = k_meta[0].reshape(1, block_tokens)  # [1, S_blk]
         v_scale = jnp.where(in_seq, v_meta[0].reshape(1, block_tokens), 0.0)
         v_codes = jnp.where(live, v_codes.astype(compute), jnp.zeros((), compute))

@@ -13,7 +13,8 @@ works in the layouts Mosaic tiles without relayouts:
     mantissa fields into a float32's bits), so no float8 type reaches Mosaic: v5e has none.
     Only a NaN or inf byte decodes differently (to a finite value); the codecs saturate, so
     no written token holds one, and slots without a token are masked.
-  * Packed codes (int4, int2) are widened to int32 before the shifts; phase i of every byte
+  * Grouped codes (int8 with group=g, packed int4 and int2) are widened to int32 before the
+    shifts (none for 8-bit codes, one phase); phase i of every byte
     is channels i, i + c, ..., multiplied with the matching query channels (split outside the
     kernel), as on GPU. The per-group scale and zero, [S_blk, D / group], are spread over a
     phase's lanes by selects on a lane iota, not by a lane-splitting reshape.

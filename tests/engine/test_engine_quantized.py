@@ -271,6 +271,8 @@ def test_calibrated_fp8_engine_needs_calibration_then_tracks_exact_kv(model, pro
 
 def test_codec_configs_that_cannot_run_are_refused():
     EngineConfig(kv_codec="int8", attention_impl="pallas")  # the quantized decode kernel
+    EngineConfig(kv_codec="int8", kv_codec_options={"group": 32},
+                 attention_impl="pallas")  # its grouped path, as int4's
     for codec, options in (("kivi2", {}), ("fp8_e4m3", {"scaling": "calibrated"})):
         with pytest.raises(ValueError, match="PALLAS"):
             EngineConfig(kv_codec=codec, kv_codec_options=options, attention_impl="pallas")

@@ -54,7 +54,7 @@ def engine_decode(kv, layer, q, block_tables, kv_lens, soft_cap=None):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("codec_name", ["none", "int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("codec_name", ["none", "int8", "fp8_e4m3", "int4", "int8-g32"])
 def test_decode_matches_the_engine_path(codec_name):
     check_decode_and_prefill(codec_name, soft_cap=None)
 
@@ -67,9 +67,14 @@ def test_soft_cap_reaches_the_kernels(codec_name):
     check_decode_and_prefill(codec_name, soft_cap=1.0)
 
 
+# Codec options by test name: int8 with a scale and zero per 32 channels.
+CODEC_OPTIONS = {"int8-g32": ("int8", {"group": 32})}
+
+
 def check_decode_and_prefill(codec_name, soft_cap):
+    name, options = CODEC_OPTIONS.get(codec_name, (codec_name, {}))
     pool = (init_paged_kv(CONFIG, 32, PAGE_SIZE) if codec_name == "none"
-            else init_quantized_kv(CONFIG, 32, PAGE_SIZE, codec_name))
+            else init_quantized_kv(CONFIG, 32, PAGE_SIZE, name, **options))
     kv, block_tables, kv_lens = filled(pool, 1)
     q = jax.random.normal(jax.random.PRNGKey(2), (len(KV_LENS), CONFIG.num_heads,
                                                   CONFIG.head_dim), jnp.float32)
@@ -86,8 +91,9 @@ def test_refuses_states_no_kernel_reads():
     kivi = init_quantized_kv(CONFIG, 8, 32, "kivi4", group=32)
     with pytest.raises(ValueError, match="KIVI"):
         dispatch.layer_attention_fns(kivi, jnp.int32(0))
-    grouped_int8 = init_quantized_kv(CONFIG, 8, 32, "int8", group=32)
-    assert "4 or 2 bits" in dispatch.unsupported_reason(grouped_int8)
+    calibrated_fp8 = init_quantized_kv(CONFIG, 8, 32, "fp8_e4m3", scaling="calibrated",
+                                       scale=(1.0, 1.0))
+    assert "dynamic" in dispatch.unsupported_reason(calibrated_fp8)
     with pytest.raises(ValueError, match="no kernel"):
         dispatch.layer_attention_fns(object(), jnp.int32(0))
 

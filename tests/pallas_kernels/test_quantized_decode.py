@@ -33,11 +33,14 @@ CODECS = {
     "fp8_e5m2": codecs.Fp8Codec(codecs.Fp8Format.E5M2, _DYNAMIC),
     "int4": codecs.IntCodec(4, 32),
     "int2": codecs.IntCodec(2, 16),
+    # Asymmetric 8-bit codes, a scale and zero per channel group (kv_codec_options group=).
+    "int8-g32": codecs.get_codec("int8", group=32),
+    "int8-g64": codecs.get_codec("int8", group=64),
 }
 # A NaN in both float8_e4m3fn and float8_e5m2 (exponent all ones, mantissa non-zero).
 FP8_NAN_BYTE = 0x7F
 # Max |kernel - exact float attention| on unit-normal data, per codec: the codec's own error.
-EXACT_KV_BOUNDS = {"int8": 2e-2, "fp8_e4m3": 1.5e-1, "int4": 3e-1}
+EXACT_KV_BOUNDS = {"int8": 2e-2, "int8-g32": 2e-2, "fp8_e4m3": 1.5e-1, "int4": 3e-1}
 
 
 def encode_pool(codec: codecs.KVCodec, x: np.ndarray, holds_token: np.ndarray
@@ -85,7 +88,7 @@ def lengths(page_size: int) -> list[int]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("codec_name", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("codec_name", ["int8", "fp8_e4m3", "int4", "int8-g32"])
 def test_matches_dequantized_reference(codec_name, dtype):
     codec = CODECS[codec_name]
     case, _ = make_case(len(codec_name), lengths(4), codec, page_size=4, num_kv_heads=2,
@@ -95,7 +98,7 @@ def test_matches_dequantized_reference(codec_name, dtype):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("codec_name", ["int8-fp16meta", "fp8_e5m2", "int2"])
+@pytest.mark.parametrize("codec_name", ["int8-fp16meta", "fp8_e5m2", "int2", "int8-g64"])
 def test_other_codecs_page_16(codec_name):
     codec = CODECS[codec_name]
     case, _ = make_case(3, [1, 37, 16], codec, page_size=16, num_kv_heads=1, group=4,
@@ -132,8 +135,10 @@ def test_close_to_exact_kv(codec_name):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("codec_name,dtype", [("int8", jnp.float32), ("fp8_e4m3", jnp.bfloat16),
                                               ("fp8_e5m2", jnp.float32), ("int4", jnp.bfloat16),
-                                              ("int2", jnp.float32)],
-                         ids=["int8-f32", "fp8_e4m3-bf16", "fp8_e5m2-f32", "int4-bf16", "int2-f32"])
+                                              ("int2", jnp.float32),
+                                              ("int8-g32", jnp.bfloat16)],
+                         ids=["int8-f32", "fp8_e4m3-bf16", "fp8_e5m2-f32", "int4-bf16", "int2-f32",
+                              "int8-g32-bf16"])
 def test_pipelined_matches_dequantized_reference(codec_name, dtype):
     """The TPU schedule (dequantizing in VMEM, float8 decoded from its bytes) per format."""
     codec = CODECS[codec_name]

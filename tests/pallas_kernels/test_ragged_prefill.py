@@ -154,8 +154,8 @@ def test_rejects_bad_arguments():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_engine_pallas_gives_the_reference_greedy_tokens():
-    """Chunked prefill (chunks of 8 over pages of 4) then decode through the kernels, exact and
-    int8 KV."""
+    """Chunked prefill (chunks of 8 over pages of 4) then decode through the kernels, exact,
+    int8 and int8 with a scale and zero per 4 channels."""
     model = tiny_model()
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 120, size=n)] for n in (3, 13, 21)]
@@ -163,9 +163,11 @@ def test_engine_pallas_gives_the_reference_greedy_tokens():
     base = dict(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=16,
                 max_prefill_chunk=8, min_chunk_bucket=8)
     got = {}
-    for codec in ("none", "int8"):
+    codecs = {"none": ("none", {}), "int8": ("int8", {}), "int8-g4": ("int8", {"group": 4})}
+    for codec, (name, options) in codecs.items():
         for impl in (AttentionImpl.REFERENCE, AttentionImpl.PALLAS):
-            engine = Engine(model, EngineConfig(attention_impl=impl, kv_codec=codec, **base))
+            engine = Engine(model, EngineConfig(attention_impl=impl, kv_codec=name,
+                                                kv_codec_options=options, **base))
             outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
             got[codec, impl] = [o.outputs[0].token_ids for o in outs]
         # int8 decode reads codes in the quantized kernel; its prefill dequantizes in jnp.
