@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_utils import hf_logits, make_tiny_hf_checkpoint
+from hf_utils import hf_logits, load_hf_model, make_tiny_hf_checkpoint
 from safetensors.numpy import load_file, save_file
 
 from kvjax.models import llama
@@ -93,7 +94,8 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
                     metadata: dict[str, object] | None = None, spm: bool = False) -> Path:
     """Converts a tiny HF checkpoint to GGUF the way llama.cpp lays it out (F32 tensors): llama's
     Q/K rows permuted for its pairwise RoPE (Qwen's and Gemma's rotate halves, unpermuted),
-    Gemma's RMSNorm weights stored as (1 + w), no output.weight when the embedding is tied.
+    Gemma's RMSNorm weights stored as (1 + w), no output.weight when the embedding is tied;
+    Phi-3's original context length, and for LongRoPE its factor tensors and attention factor.
     `metadata` adds or replaces `<arch>.<key>` values; `spm` writes a SentencePiece tokenizer
     without a prefix space (Gemma's) instead of byte-level BPE."""
     config = json.loads((hf_dir / "config.json").read_text())
@@ -120,6 +122,10 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
             elif gguf_name.endswith("norm.weight"):
                 w = w + shift
             tensors[f"blk.{i}.{gguf_name}"] = w
+    rope = config["rope_parameters"].get("full_attention", config["rope_parameters"])
+    if rope.get("rope_type") == "longrope":  # Phi-3's factors [D/2], outside the blocks
+        tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"])
+        tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"])
     tensors.update(replace or {})
     tensors.pop(drop, None)
     tokens, merges = _tiny_vocab(config["vocab_size"])
@@ -134,10 +140,18 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(_rope_theta(config))
-    rope = config["rope_parameters"].get("full_attention", config["rope_parameters"])
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if model_type == "phi3":
+        original = config.get("original_max_position_embeddings",
+                              rope.get("original_max_position_embeddings",
+                                       config["max_position_embeddings"]))
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("rope_type") == "longrope":  # no scaling type: the factor tensors say it
+            scale = config["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if is_gemma:
         writer.add_sliding_window(config["sliding_window"])
@@ -550,7 +564,7 @@ def test_gguf_refuses_metadata_it_cannot_apply(tmp_path, model_type, metadata, m
 def test_phi3_gguf_logits_match_hf_and_transformers_gguf(tmp_path):
     """A Phi-3 GGUF keeps the fused attn_qkv and gate-up ffn_up matrices (NEOX rotation: rows
     unpermuted): split on loading, the logits equal transformers' on the source checkpoint and
-    transformers' own loading of the same file; LongRoPE factor tensors are refused by name."""
+    transformers' own loading of the same file."""
     hf_dir = make_tiny_hf_checkpoint(tmp_path, "phi3", seed=8)
     path = write_tiny_gguf(tmp_path / "phi3.gguf", hf_dir)
     assert {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"} <= {
@@ -560,10 +574,69 @@ def test_phi3_gguf_logits_match_hf_and_transformers_gguf(tmp_path):
     got = _logits(model, tokens)
     assert _rel_max_diff(got, hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
     assert _rel_max_diff(got, _transformers_gguf_logits(path, tokens)) <= TINY_LOGITS_RTOL
-    factors = {"rope_factors_long.weight": np.ones((8,), np.float32)}
-    longrope = write_tiny_gguf(tmp_path / "longrope.gguf", hf_dir, replace=factors)
-    with pytest.raises(ValueError, match=r"rope_factors_long\.weight"):
-        load_gguf(longrope)
+
+
+_PHI3_ORIGINAL_LEN = 16  # where the LongRoPE case switches from short to long factors
+_PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+                  "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                  "long_factor": [1.0 + 0.8 * i for i in range(8)]}
+
+
+def _hf_cached_logits(hf_model, tokens: list[int], prompt_len: int) -> np.ndarray:
+    """Logits at positions prompt_len - 1 .. T - 1 of transformers fed the prompt in one pass,
+    then one token at a time over its own KV cache (how it generates: each step's LongRoPE
+    factors chosen by the length so far)."""
+    import torch
+
+    rows, past = [], None
+    with torch.no_grad():
+        for chunk in [tokens[:prompt_len], *([t] for t in tokens[prompt_len:])]:
+            out = hf_model(input_ids=torch.tensor([chunk]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            rows.append(out.logits[0, -1].numpy())
+    return np.stack(rows)  # [T - prompt_len + 1, V]: from position prompt_len - 1 on
+
+
+def test_phi3_longrope_gguf_logits_match_hf_below_and_above_the_original_length(tmp_path):
+    """A Phi-3-128k-style GGUF (rope_factors_short / rope_factors_long, the original context
+    length and attention factor in metadata) loads as LongRoPE with transformers' semantics: below
+    the original length the logits equal transformers' one pass on the source checkpoint; past it
+    (short factors up to the original length, long ones beyond) they equal transformers' cached
+    generation, step by step."""
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "phi3", seed=8, rope_parameters=_PHI3_LONGROPE,
+                                     original_max_position_embeddings=_PHI3_ORIGINAL_LEN)
+    path = write_tiny_gguf(tmp_path / "longrope.gguf", hf_dir)
+    model = load_gguf(path)
+    rope, hf_rope = model.config.rope, load_hf(hf_dir).config.rope
+    assert (rope.rope_type, rope.original_max_position_embeddings, rope.factor) == (
+        RopeType.LONGROPE, _PHI3_ORIGINAL_LEN, hf_rope.factor)
+    np.testing.assert_allclose(rope.attention_factor, hf_rope.attention_factor, rtol=1e-6)
+    hf_model = load_hf_model(hf_dir)
+    tokens = np.random.default_rng(9).integers(0, model.config.vocab_size, 28).tolist()
+    got = _logits(model, tokens)
+    below = _PHI3_ORIGINAL_LEN - 4
+    assert _rel_max_diff(got[:below], hf_logits(hf_model, tokens[:below])) <= TINY_LOGITS_RTOL
+    cached = _hf_cached_logits(hf_model, tokens, below)
+    assert _rel_max_diff(got[below - 1:], cached) <= TINY_LOGITS_RTOL
+    # The long factors matter: transformers' one pass over all 28 (long factors throughout)
+    # differs from kvjax's short-then-long positions.
+    assert _rel_max_diff(got, hf_logits(hf_model, tokens)) > 1e-3
+
+
+def test_gguf_longrope_factors_need_each_other_and_phi3(tmp_path):
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "phi3", seed=8, rope_parameters=_PHI3_LONGROPE,
+                                     original_max_position_embeddings=_PHI3_ORIGINAL_LEN)
+    half = write_tiny_gguf(tmp_path / "half.gguf", hf_dir, drop="rope_factors_short.weight")
+    with pytest.raises(ValueError, match=r"rope_factors_short\.weight"):
+        load_gguf(half)
+    short = {"rope_factors_short.weight": np.ones((4,), np.float32),
+             "rope_factors_long.weight": np.ones((4,), np.float32)}
+    with pytest.raises(ValueError, match="head dim 16 needs"):
+        load_gguf(write_tiny_gguf(tmp_path / "short.gguf", hf_dir, replace=short))
+    llama_dir = make_tiny_hf_checkpoint(tmp_path, "llama", seed=0)
+    factors = {name: np.ones((8,), np.float32) for name in short}
+    with pytest.raises(ValueError, match="phi3 only"):
+        load_gguf(write_tiny_gguf(tmp_path / "llama.gguf", llama_dir, replace=factors))
 
 
 def test_mixtral_gguf_logits_match_hf(tmp_path):
