@@ -11,9 +11,8 @@ qwen2moe (Qwen2's attention; on every layer the experts, `expert_feed_forward_le
 the top-k softmax weights not renormalized, and a shared expert `ffn_*_shexp` of
 `expert_shared_feed_forward_length` behind a sigmoid gate `ffn_gate_inp_shexp`) and qwen3moe
 (Qwen3's attention; experts only, the top-k weights renormalized), routed as llama.cpp's graphs
-for these architectures route them. deepseek2 is not read: its MLA tensors (a split
-attn_k_b / attn_v_b in newer files) and its interleaved rotary half do not map onto the Hugging
-Face layout the model follows without a conversion of their own; load its HF directory.
+for these architectures route them; deepseek2 (DeepSeek-V2's MLA, dense and MoE layers) is read
+as the Hugging Face checkpoint it was converted from (`kvjax.models.gguf_deepseek2`).
 
 Every tensor is dequantized to float32 on the host (any type `gguf.dequantize` knows: F32, F16,
 Q8_0, Q4_0, Q4_1, K-quants, ...), mapped into the params pytree of `kvjax.models.llama`, then cast
@@ -57,13 +56,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import MlpActivation, ModelConfig, MoeConfig, resolve_dtype
-from kvjax.models import llama
+from kvjax.models import gguf_deepseek2, hf, llama
 from kvjax.models.model import Model
 from kvjax.models.rope import RoPE, RopeType
 from kvjax.models.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe",
-                           "qwen3moe")
+                           "qwen3moe", gguf_deepseek2.ARCH)
 # Architectures whose every layer is a mixture of experts, with or without the shared expert.
 _QWEN_MOE_ARCHS = ("qwen2moe", "qwen3moe")
 _GEMMA_ARCHS = ("gemma2", "gemma3")
@@ -221,6 +220,12 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; "
                          f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if k in metadata]
+    if arch == gguf_deepseek2.ARCH:
+        return hf.config_from_hf(
+            gguf_deepseek2.hf_config(metadata, tie_word_embeddings=tie_word_embeddings),
+            eos_token_ids=tuple(dict.fromkeys(eos)), name=name)
     prefix = f"{arch}."
     moe = _moe_config(metadata, arch)
     for key in ("rope.dimension_sections",):
@@ -250,8 +255,6 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
     else:
         extra = dict(rope=rope, qkv_bias=arch in ("qwen2", "qwen2moe"),
                      qk_norm=arch in ("qwen3", "qwen3moe"))
-    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-           if k in metadata]
     return ModelConfig(
         vocab_size=len(_required(metadata, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
@@ -362,6 +365,12 @@ def _layer_tensors(config: ModelConfig, arch: str
     return layout
 
 
+def _shape(tensor: Any) -> tuple[int, ...]:
+    """A tensor's shape as numpy sees it once dequantized (its raw data's shape counts the
+    bytes of quantized blocks)."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+
+
 def _dequantize(tensor: Any, expected: tuple[int, ...]) -> np.ndarray:
     try:
         w = gguf.dequantize(tensor.data, tensor.tensor_type)
@@ -377,6 +386,19 @@ def _dequantize(tensor: Any, expected: tuple[int, ...]) -> np.ndarray:
 def _file_digest(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _load_deepseek2(path: Path, metadata: dict[str, Any], tensors: dict[str, Any],
+                    dtype: str) -> Model:
+    """A deepseek2 file through the Hugging Face mapping (`kvjax.models.gguf_deepseek2`)."""
+    config = config_from_metadata(metadata, tie_word_embeddings="output.weight" not in tensors,
+                                  name=path.stem)
+    arrays = {name: _dequantize(t, _shape(t))
+              for name, t in tensors.items()}
+    params = hf.params_from_hf(gguf_deepseek2.hf_tensors(arrays), config, dtype,
+                               rope_interleaved=True, model_type="deepseek_v2")
+    return Model(config=config, params=params, tokenizer=Tokenizer.from_gguf_metadata(metadata),
+                 weights_version=f"sha256:{_file_digest(path)}", source=str(path))
 
 
 def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
@@ -400,15 +422,17 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
     reader = _open(path)
     metadata = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
+    if metadata.get("general.architecture") == gguf_deepseek2.ARCH:
+        return _load_deepseek2(path, metadata, tensors, dtype)
     rope_freqs = tensors.get("rope_freqs.weight")
     if rope_freqs is not None:
-        rope_freqs = _dequantize(rope_freqs, tuple(int(n) for n in rope_freqs.data.shape))
+        rope_freqs = _dequantize(rope_freqs, _shape(rope_freqs))
     longrope = [name for name in _LONGROPE_TENSORS if name in tensors]
     if longrope and len(longrope) != len(_LONGROPE_TENSORS):
         raise ValueError(f"GGUF file {path} has {longrope} without "
                          f"{sorted(set(_LONGROPE_TENSORS) - set(longrope))}")
     longrope_factors = tuple(
-        _dequantize(tensors[name], tuple(int(n) for n in tensors[name].data.shape))
+        _dequantize(tensors[name], _shape(tensors[name]))
         for name in longrope) or None
     config = config_from_metadata(
         metadata, tie_word_embeddings="output.weight" not in tensors, name=path.stem,

@@ -128,7 +128,6 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
         tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"])
     tensors.update(replace or {})
     tensors.pop(drop, None)
-    tokens, merges = _tiny_vocab(config["vocab_size"])
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -161,6 +160,15 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
             writer.add_float32(f"{arch}.{key}", config[hf_key])
     for key, value in (metadata or {}).items():
         writer.add_key_value(f"{arch}.{key}", value, _gguf_value_type(value))
+    _finish_gguf(writer, config, tensors, pre=pre, spm=spm)
+    return path
+
+
+def _finish_gguf(writer: gguf.GGUFWriter, config: dict, tensors: dict[str, np.ndarray], *,
+                 pre: str = "smollm", spm: bool = False, q8_0: bool = False) -> None:
+    """Adds the tiny tokenizer (`write_tiny_gguf`) and the tensors (F32; with `q8_0`, the
+    matrices whose rows are whole Q8_0 blocks in Q8_0), and writes the file."""
+    tokens, merges = _tiny_vocab(config["vocab_size"])
     if spm:
         tokens, scores, types = _tiny_spm_vocab(config["vocab_size"])
         writer.add_tokenizer_model("llama")
@@ -181,12 +189,16 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
         writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_pad_token_id(0)  # transformers' Phi-3 default (32000) lies outside the vocabulary
     for name, w in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if q8_0 and w.ndim > 1 and w.shape[-1] % 32 == 0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quantize(w, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def _gguf_value_type(value: object) -> gguf.GGUFValueType:
@@ -758,3 +770,131 @@ def test_gguf_applies_what_llama_cpp_fixes_in_code():
     phi3 = config_from_metadata(_metadata("phi3", **{"attention.sliding_window": 8}),
                                 tie_word_embeddings=False)
     assert phi3.layer_windows == ()
+
+
+_DEEPSEEK_V2 = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                    num_key_value_heads=4, q_lora_rank=24, first_k_dense_replace=1,
+                    n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                    n_shared_experts=2, topk_method="group_limited_greedy", n_group=4,
+                    topk_group=2, routed_scaling_factor=1.5)
+# DeepSeek-V2's HF names (inside model.layers.N.) -> llama.cpp's deepseek2 names (blk.N.).
+_HF_TO_GGUF_DEEPSEEK2 = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+
+
+def write_deepseek2_gguf(path: Path, hf_dir: Path, *, split_kv_b: bool = True,
+                         metadata: dict[str, object] | None = None,
+                         extra: dict[str, np.ndarray] | None = None, q8_0: bool = False
+                         ) -> Path:
+    """A tiny DeepSeek-V2 checkpoint as llama.cpp's converter writes deepseek2 (F32): tensors
+    renamed, rows unpermuted (its RoPE turns adjacent pairs, as DeepSeek's), experts stacked
+    [E, out, in], kv_b_proj split per head into attn_k_b [N, d_c, d_nope] (transposed) and
+    attn_v_b [N, d_v, d_c] (`split_kv_b`, newer files) or kept as attn_kv_b (older ones); the
+    key / value lengths of the latent, with the heads' own as key_length_mla / value_length_mla;
+    head_count_kv 1 (MLA as MQA). `metadata` adds deepseek2.<key> values, `extra` tensors."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    hf = load_file(hf_dir / "model.safetensors")
+    heads, nope, v_dim = (config[k] for k in ("num_attention_heads", "qk_nope_head_dim",
+                                               "v_head_dim"))
+    tensors = {"token_embd.weight": hf["model.embed_tokens.weight"],
+               "output_norm.weight": hf["model.norm.weight"], "output.weight": hf["lm_head.weight"]}
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        for hf_name, gguf_name in _HF_TO_GGUF_DEEPSEEK2.items():
+            if layer + hf_name in hf:
+                tensors[f"blk.{i}.{gguf_name}"] = hf[layer + hf_name]
+        if layer + "mlp.experts.0.gate_proj.weight" in hf:
+            for part in ("gate", "up", "down"):
+                tensors[f"blk.{i}.ffn_{part}_exps.weight"] = np.stack([
+                    hf[f"{layer}mlp.experts.{e}.{part}_proj.weight"]
+                    for e in range(config["n_routed_experts"])])
+        kv_b = hf[layer + "self_attn.kv_b_proj.weight"]  # [N * (d_nope + d_v), d_c]
+        if split_kv_b:
+            per_head = kv_b.reshape(heads, nope + v_dim, -1)
+            tensors[f"blk.{i}.attn_k_b.weight"] = per_head[:, :nope].swapaxes(1, 2)
+            tensors[f"blk.{i}.attn_v_b.weight"] = per_head[:, nope:]
+        else:
+            tensors[f"blk.{i}.attn_kv_b.weight"] = kv_b
+    tensors.update(extra or {})
+    writer = gguf.GGUFWriter(path, "deepseek2")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(1)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    if config.get("q_lora_rank"):
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_kv_lora_rank(config["kv_lora_rank"])
+    writer.add_key_length(config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    writer.add_value_length(config["kv_lora_rank"])
+    writer.add_key_length_mla(nope + config["qk_rope_head_dim"])
+    writer.add_value_length_mla(v_dim)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    if config.get("n_group"):
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+    writer.add_rope_dimension_count(config["qk_rope_head_dim"])
+    for key, value in (metadata or {}).items():
+        writer.add_key_value(f"deepseek2.{key}", value, _gguf_value_type(value))
+    _finish_gguf(writer, config, tensors, q8_0=q8_0)
+    return path
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False])
+def test_deepseek2_gguf_logits_match_hf(tmp_path, split_kv_b):
+    """DeepSeek-V2 (MLA with a low-rank query, a dense first layer, then grouped routing over 8
+    experts with two shared ones, scaled) converted to deepseek2 as llama.cpp writes it, kv_b_proj
+    split per head (newer files) or whole: the logits equal transformers' on the source
+    checkpoint; with its matrices in Q8_0 they stay close (quantization error only)."""
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "deepseek_v2", seed=4, **_DEEPSEEK_V2)
+    path = write_deepseek2_gguf(tmp_path / "deepseek2.gguf", hf_dir, split_kv_b=split_kv_b)
+    model = load_gguf(path)
+    assert model.config.mla is not None and model.config.moe.dense_layers == (0,)
+    tokens = np.random.default_rng(5).integers(0, model.config.vocab_size, 24).tolist()
+    reference = hf_logits(hf_dir, tokens)
+    assert _rel_max_diff(_logits(model, tokens), reference) <= 2e-5
+    if split_kv_b:
+        q8 = load_gguf(write_deepseek2_gguf(tmp_path / "q8.gguf", hf_dir, q8_0=True))
+        assert 1e-4 < _rel_max_diff(_logits(q8, tokens), reference) < 5e-2
+
+
+def test_deepseek2_gguf_refuses_what_it_does_not_read(tmp_path):
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "deepseek_v2", seed=4, **_DEEPSEEK_V2)
+    sigmoid = write_deepseek2_gguf(tmp_path / "v3.gguf", hf_dir,
+                                   metadata={"expert_gating_func": 2})
+    with pytest.raises(ValueError, match="expert_gating_func=2"):
+        load_gguf(sigmoid)
+    yarn = write_deepseek2_gguf(tmp_path / "yarn.gguf", hf_dir,
+                                metadata={"rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match="rope.scaling.type 'yarn'"):
+        load_gguf(yarn)
+    bias = {"blk.1.exp_probs_b.bias": np.zeros((8,), np.float32)}  # DeepSeek-V3's choice bias
+    with pytest.raises(ValueError, match=r"blk\.1\.exp_probs_b\.bias"):
+        load_gguf(write_deepseek2_gguf(tmp_path / "bias.gguf", hf_dir, extra=bias))
+    half = {"blk.0.attn_k_b.weight": np.zeros((4, 32, 16), np.float32)}
+    with pytest.raises(ValueError, match="without its other half"):
+        load_gguf(write_deepseek2_gguf(tmp_path / "half.gguf", hf_dir, split_kv_b=False,
+                                       extra=half))
