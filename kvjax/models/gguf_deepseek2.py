@@ -14,9 +14,12 @@ latent's), older ones as `key_length` / `value_length`.
 
 Read as DeepSeek-V2 computes it: softmax routing, greedy or group-limited (`expert_group_count`
 > 1, `expert_group_used_count` groups) top-k, weights renormalized if `expert_weights_norm`,
-scaled by `expert_weights_scale`; default RoPE only. Refused: YaRN (`rope.scaling.type`; the
-Hugging Face directory loads it), sigmoid gating and the choice bias exp_probs_b (DeepSeek-V3 /
-Kimi files), and any tensor DeepSeek-V2 does not have.
+scaled by `expert_weights_scale`; default RoPE or YaRN (`rope.scaling.factor`,
+`original_context_length`, beta_fast / beta_slow (32 / 1 unless stated) and mscale = mscale_all_dim
+= 10 * `yarn_log_multiplier`: the cos / sin factor 1 and the softmax scale times
+(0.1 * mscale * ln(factor) + 1)^2, as DeepSeek-V2(-Lite) computes it). Refused: other RoPE
+scaling, YaRN without the log multiplier, sigmoid gating and the choice bias exp_probs_b
+(DeepSeek-V3 / Kimi files), and any tensor DeepSeek-V2 does not have.
 """
 
 from __future__ import annotations
@@ -70,10 +73,6 @@ def hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool) -> dict[st
       ValueError: a missing key, or RoPE scaling or gating kvjax does not read from GGUF.
     """
     get = metadata.get
-    scaling = get(_PREFIX + "rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"unsupported GGUF {_PREFIX}rope.scaling.type {scaling!r}: kvjax reads "
-                         f"{ARCH} with default RoPE (its Hugging Face directory loads YaRN)")
     gating = get(_PREFIX + "expert_gating_func", _SOFTMAX_GATING)
     if gating != _SOFTMAX_GATING:
         raise ValueError(f"unsupported GGUF key {_PREFIX}expert_gating_func={gating!r}: kvjax "
@@ -96,6 +95,7 @@ def hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool) -> dict[st
         "rms_norm_eps": float(_required(metadata, "attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": _required(metadata, "context_length"),
         "rope_theta": float(get(_PREFIX + "rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(metadata),
         "q_lora_rank": get(_PREFIX + "attention.q_lora_rank") or None,
         "kv_lora_rank": _required(metadata, "attention.kv_lora_rank"),
         "qk_rope_head_dim": rope_dim,
@@ -114,6 +114,27 @@ def hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool) -> dict[st
         "tie_word_embeddings": tie_word_embeddings,
         "bos_token_id": get("tokenizer.ggml.bos_token_id"),
     }
+
+
+def _rope_scaling(metadata: dict[str, Any]) -> dict[str, Any] | None:
+    """The Hugging Face `rope_scaling` of a deepseek2 GGUF: None, or YaRN with DeepSeek's mscale
+    (the file keeps 0.1 * mscale_all_dim as `rope.scaling.yarn_log_multiplier` and no mscale of
+    its own: DeepSeek's configs set the two equal, as llama.cpp's graph assumes)."""
+    scaling = metadata.get(_PREFIX + "rope.scaling.type", "none")
+    if scaling == "none":
+        return None
+    log_multiplier = metadata.get(_PREFIX + "rope.scaling.yarn_log_multiplier")
+    if scaling != "yarn" or not log_multiplier:
+        raise ValueError(f"unsupported GGUF {_PREFIX}rope.scaling.type {scaling!r} (with "
+                         f"yarn_log_multiplier={log_multiplier!r}): kvjax reads {ARCH} with "
+                         "default RoPE or DeepSeek's YaRN")
+    mscale = float(log_multiplier) / 0.1
+    return {"rope_type": "yarn", "factor": float(_required(metadata, "rope.scaling.factor")),
+            "original_max_position_embeddings": int(
+                _required(metadata, "rope.scaling.original_context_length")),
+            "mscale": mscale, "mscale_all_dim": mscale,
+            "beta_fast": float(metadata.get(_PREFIX + "rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(metadata.get(_PREFIX + "rope.scaling.yarn_beta_slow", 1.0))}
 
 
 def hf_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

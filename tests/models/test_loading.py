@@ -857,6 +857,12 @@ def write_deepseek2_gguf(path: Path, hf_dir: Path, *, split_kv_b: bool = True,
         writer.add_expert_group_count(config["n_group"])
         writer.add_expert_group_used_count(config["topk_group"])
     writer.add_rope_dimension_count(config["qk_rope_head_dim"])
+    rope = config["rope_parameters"]
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     for key, value in (metadata or {}).items():
         writer.add_key_value(f"deepseek2.{key}", value, _gguf_value_type(value))
     _finish_gguf(writer, config, tensors, q8_0=q8_0)
@@ -881,6 +887,21 @@ def test_deepseek2_gguf_logits_match_hf(tmp_path, split_kv_b):
         assert 1e-4 < _rel_max_diff(_logits(q8, tokens), reference) < 5e-2
 
 
+def test_deepseek2_gguf_with_yarn_logits_match_hf(tmp_path):
+    """DeepSeek-V2-Lite's RoPE: YaRN with mscale = mscale_all_dim (the softmax scale grows with
+    the factor), stored as the scaling keys and yarn_log_multiplier; 80 tokens run past the
+    original length of 64."""
+    yarn = dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=0.707,
+                beta_fast=32, beta_slow=1)
+    overrides = {**_DEEPSEEK_V2, "q_lora_rank": None, "rope_parameters": yarn}
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "deepseek_v2", seed=6, **overrides)
+    model = load_gguf(write_deepseek2_gguf(tmp_path / "yarn.gguf", hf_dir))
+    assert model.config.rope == load_hf(hf_dir).config.rope
+    tokens = np.random.default_rng(7).integers(0, model.config.vocab_size, 80).tolist()
+    assert _rel_max_diff(_logits(model, tokens), hf_logits(hf_dir, tokens)) <= 2e-5
+
+
 def test_deepseek2_gguf_refuses_what_it_does_not_read(tmp_path):
     hf_dir = make_tiny_hf_checkpoint(tmp_path, "deepseek_v2", seed=4, **_DEEPSEEK_V2)
     sigmoid = write_deepseek2_gguf(tmp_path / "v3.gguf", hf_dir,
@@ -889,7 +910,7 @@ def test_deepseek2_gguf_refuses_what_it_does_not_read(tmp_path):
         load_gguf(sigmoid)
     yarn = write_deepseek2_gguf(tmp_path / "yarn.gguf", hf_dir,
                                 metadata={"rope.scaling.type": "yarn"})
-    with pytest.raises(ValueError, match="rope.scaling.type 'yarn'"):
+    with pytest.raises(ValueError, match="yarn_log_multiplier=None"):
         load_gguf(yarn)
     bias = {"blk.1.exp_probs_b.bias": np.zeros((8,), np.float32)}  # DeepSeek-V3's choice bias
     with pytest.raises(ValueError, match=r"blk\.1\.exp_probs_b\.bias"):
