@@ -3,16 +3,16 @@
 Architectures (`general.architecture`): llama, qwen2 (Q/K/V biases), qwen3 (per-head Q/K
 RMSNorms), gemma2 and gemma3 (GeGLU, pre and post norms, scaled embeddings, Gemma 2's soft caps,
 alternating sliding-window layers, Gemma 3's Q/K norms and its local layers' own RoPE base),
-phi3 (fused attn_qkv and gate-up ffn_up, split on loading; default RoPE only); llama with
+phi3 (fused attn_qkv and gate-up ffn_up, split on loading; LongRoPE from its factor tensors, see
+below); llama with
 `expert_count` is Mixtral (a router `ffn_gate_inp` and stacked experts `ffn_gate_exps`,
 `ffn_up_exps`, `ffn_down_exps`; softmax over the top-k logits, as llama.cpp routes it);
 qwen2moe (Qwen2's attention; on every layer the experts, `expert_feed_forward_length` each, with
 the top-k softmax weights not renormalized, and a shared expert `ffn_*_shexp` of
 `expert_shared_feed_forward_length` behind a sigmoid gate `ffn_gate_inp_shexp`) and qwen3moe
 (Qwen3's attention; experts only, the top-k weights renormalized), routed as llama.cpp's graphs
-for these architectures route them. deepseek2 is not read: its MLA tensors (a split
-attn_k_b / attn_v_b in newer files) and its interleaved rotary half do not map onto the Hugging
-Face layout the model follows without a conversion of their own; load its HF directory.
+for these architectures route them; deepseek2 (DeepSeek-V2's MLA, dense and MoE layers) is read
+as the Hugging Face checkpoint it was converted from (`kvjax.models.gguf_deepseek2`).
 
 Every tensor is dequantized to float32 on the host (any type `gguf.dequantize` knows: F32, F16,
 Q8_0, Q4_0, Q4_1, K-quants, ...), mapped into the params pytree of `kvjax.models.llama`, then cast
@@ -32,11 +32,21 @@ other layer (from the first), Gemma 3 five layers in six, whose RoPE base is 100
 the 27B models' (46 layers for Gemma 2, 62 for Gemma 3) by 1/sqrt(hidden / heads); Gemma 2's soft
 caps default to 50 (attention) and 30 (final), Gemma 3 has no attention cap; Phi-3's
 `attention.sliding_window` is ignored (llama.cpp disables Phi-3's window).
+
+Phi-3's LongRoPE (Phi-3-128k) is stored as the tensors rope_factors_short / rope_factors_long
+([D/2] each) beside `rope.scaling.original_context_length` and `rope.scaling.attn_factor`. kvjax
+reads them as the Hugging Face model the file was converted from: a token's frequencies are
+divided by the short factors while its position + 1 is within the original context length, by the
+long ones beyond (`RopeType.LONGROPE`), and cos / sin are scaled by the attention factor the file
+states (else sqrt(1 + ln(s) / ln(original)), s = context_length / original, as transformers
+computes it). llama.cpp instead picks one factor set for the whole run by its configured context
+size, so its logits differ from kvjax's wherever the two choices differ.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -46,13 +56,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import MlpActivation, ModelConfig, MoeConfig, resolve_dtype
-from kvjax.models import llama
+from kvjax.models import gguf_deepseek2, hf, llama
 from kvjax.models.model import Model
 from kvjax.models.rope import RoPE, RopeType
 from kvjax.models.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe",
-                           "qwen3moe")
+                           "qwen3moe", gguf_deepseek2.ARCH)
 # Architectures whose every layer is a mixture of experts, with or without the shared expert.
 _QWEN_MOE_ARCHS = ("qwen2moe", "qwen3moe")
 _GEMMA_ARCHS = ("gemma2", "gemma3")
@@ -93,9 +103,8 @@ _MOE_ROUTING_KEYS = {"expert_gating_func": (1,), "expert_weights_scale": (0.0, 1
                      "expert_group_count": (0, 1), "leading_dense_block_count": (0,)}
 # Phi-3's fused matrices: GGUF name -> the kvjax params stacked along its rows, in order.
 _FUSED_TENSORS = {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}
-# LongRoPE's per-frequency factors, which llama.cpp picks by the context size it is given
-# rather than by the sequence length as Phi-3's reference does.
-_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# LongRoPE's per-frequency factors [D/2] (Phi-3): RoPE parameters, not layer params.
+_LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -120,11 +129,17 @@ def _required(metadata: dict[str, Any], key: str) -> Any:
     return metadata[key]
 
 
-def _rope(metadata: dict[str, Any], prefix: str, rope_freqs: np.ndarray | None) -> RoPE:
+def _rope(metadata: dict[str, Any], prefix: str, rope_freqs: np.ndarray | None,
+          longrope_factors: tuple[np.ndarray, np.ndarray] | None) -> RoPE:
     scaling = metadata.get(prefix + "rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ValueError(f"unsupported GGUF {prefix}rope.scaling.type {scaling!r}")
     theta = float(metadata.get(prefix + "rope.freq_base", 10000.0))
+    if longrope_factors is not None:
+        if scaling != "none" or rope_freqs is not None:
+            raise ValueError("a GGUF with LongRoPE factors and rope_freqs or rope scaling type "
+                             f"{scaling!r}: kvjax applies one RoPE scaling")
+        return _longrope(metadata, prefix, theta, *longrope_factors)
     if rope_freqs is not None:
         if scaling != "none":
             raise ValueError("a GGUF with rope_freqs and rope scaling type "
@@ -135,6 +150,24 @@ def _rope(metadata: dict[str, Any], prefix: str, rope_freqs: np.ndarray | None) 
         return RoPE(RopeType.LINEAR, theta=theta,
                     factor=float(_required(metadata, prefix + "rope.scaling.factor")))
     return RoPE(theta=theta)
+
+
+def _longrope(metadata: dict[str, Any], prefix: str, theta: float, short: np.ndarray,
+              long: np.ndarray) -> RoPE:
+    """Phi-3's LongRoPE with transformers' semantics (see the module docstring)."""
+    original = int(_required(metadata, prefix + "rope.scaling.original_context_length"))
+    context = int(_required(metadata, prefix + "context_length"))
+    if original <= 0:
+        raise ValueError(f"GGUF {prefix}rope.scaling.original_context_length must be positive, "
+                         f"got {original}")
+    factor = context / original
+    attention = metadata.get(prefix + "rope.scaling.attn_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RoPE(RopeType.LONGROPE, theta=theta, factor=factor,
+                original_max_position_embeddings=original, attention_factor=float(attention),
+                short_factor=tuple(float(f) for f in short),
+                long_factor=tuple(float(f) for f in long))
 
 
 def _gemma_fields(metadata: dict[str, Any], arch: str, *, num_layers: int, hidden: int,
@@ -171,7 +204,8 @@ def _gemma_fields(metadata: dict[str, Any], arch: str, *, num_layers: int, hidde
 
 
 def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
-                         name: str = "gguf", rope_freqs: np.ndarray | None = None
+                         name: str = "gguf", rope_freqs: np.ndarray | None = None,
+                         longrope_factors: tuple[np.ndarray, np.ndarray] | None = None
                          ) -> ModelConfig:
     """The `ModelConfig` of a GGUF, from its `<arch>.*` and tokenizer keys.
 
@@ -179,18 +213,28 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
     is not metadata: a file without an `output.weight` tensor ties it. `rope_freqs` (the
     `rope_freqs.weight` tensor llama.cpp writes for Llama 3.x) divides the RoPE frequencies;
     `rope.scaling.type` "linear" stretches positions by `rope.scaling.factor` (Gemma 3: on its
-    global layers only).
+    global layers only); `longrope_factors` (the short and long factor tensors [D/2] of a Phi-3
+    file) make it LongRoPE (see the module docstring).
     """
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; "
                          f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if k in metadata]
+    if arch == gguf_deepseek2.ARCH:
+        return hf.config_from_hf(
+            gguf_deepseek2.hf_config(metadata, tie_word_embeddings=tie_word_embeddings),
+            eos_token_ids=tuple(dict.fromkeys(eos)), name=name)
     prefix = f"{arch}."
     moe = _moe_config(metadata, arch)
     for key in ("rope.dimension_sections",):
         if metadata.get(prefix + key):
             raise ValueError(f"unsupported GGUF key {prefix}{key}={metadata[prefix + key]!r}")
-    rope = _rope(metadata, prefix, rope_freqs)
+    if longrope_factors is not None and arch != "phi3":
+        raise ValueError(f"unsupported GGUF tensors {list(_LONGROPE_TENSORS)} for {arch}: "
+                         "LongRoPE factors are read for phi3 only")
+    rope = _rope(metadata, prefix, rope_freqs, longrope_factors)
     hidden = _required(metadata, prefix + "embedding_length")
     num_heads = _required(metadata, prefix + "attention.head_count")
     num_layers = _required(metadata, prefix + "block_count")
@@ -201,14 +245,16 @@ def config_from_metadata(metadata: dict[str, Any], *, tie_word_embeddings: bool,
         raise ValueError(f"unsupported GGUF head layout: key_length={head_dim}, "
                          f"value_length={value_dim}, rope.dimension_count={rotary_dim} "
                          "(kvjax needs them equal)")
+    if longrope_factors is not None and any(f.shape != (head_dim // 2,) for f in longrope_factors):
+        raise ValueError(f"GGUF LongRoPE factor tensors have shapes "
+                         f"{[f.shape for f in longrope_factors]}, head dim {head_dim} needs "
+                         f"({head_dim // 2},)")
     if arch in _GEMMA_ARCHS:
         extra = _gemma_fields(metadata, arch, num_layers=num_layers, hidden=hidden,
                               num_heads=num_heads, head_dim=head_dim, rope=rope)
     else:
         extra = dict(rope=rope, qkv_bias=arch in ("qwen2", "qwen2moe"),
                      qk_norm=arch in ("qwen3", "qwen3moe"))
-    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-           if k in metadata]
     return ModelConfig(
         vocab_size=len(_required(metadata, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
@@ -319,6 +365,12 @@ def _layer_tensors(config: ModelConfig, arch: str
     return layout
 
 
+def _shape(tensor: Any) -> tuple[int, ...]:
+    """A tensor's shape as numpy sees it once dequantized (its raw data's shape counts the
+    bytes of quantized blocks)."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+
+
 def _dequantize(tensor: Any, expected: tuple[int, ...]) -> np.ndarray:
     try:
         w = gguf.dequantize(tensor.data, tensor.tensor_type)
@@ -334,6 +386,19 @@ def _dequantize(tensor: Any, expected: tuple[int, ...]) -> np.ndarray:
 def _file_digest(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _load_deepseek2(path: Path, metadata: dict[str, Any], tensors: dict[str, Any],
+                    dtype: str) -> Model:
+    """A deepseek2 file through the Hugging Face mapping (`kvjax.models.gguf_deepseek2`)."""
+    config = config_from_metadata(metadata, tie_word_embeddings="output.weight" not in tensors,
+                                  name=path.stem)
+    arrays = {name: _dequantize(t, _shape(t))
+              for name, t in tensors.items()}
+    params = hf.params_from_hf(gguf_deepseek2.hf_tensors(arrays), config, dtype,
+                               rope_interleaved=True, model_type="deepseek_v2")
+    return Model(config=config, params=params, tokenizer=Tokenizer.from_gguf_metadata(metadata),
+                 weights_version=f"sha256:{_file_digest(path)}", source=str(path))
 
 
 def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
@@ -357,19 +422,24 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
     reader = _open(path)
     metadata = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
+    if metadata.get("general.architecture") == gguf_deepseek2.ARCH:
+        return _load_deepseek2(path, metadata, tensors, dtype)
     rope_freqs = tensors.get("rope_freqs.weight")
     if rope_freqs is not None:
-        rope_freqs = _dequantize(rope_freqs, tuple(int(n) for n in rope_freqs.data.shape))
+        rope_freqs = _dequantize(rope_freqs, _shape(rope_freqs))
+    longrope = [name for name in _LONGROPE_TENSORS if name in tensors]
+    if longrope and len(longrope) != len(_LONGROPE_TENSORS):
+        raise ValueError(f"GGUF file {path} has {longrope} without "
+                         f"{sorted(set(_LONGROPE_TENSORS) - set(longrope))}")
+    longrope_factors = tuple(
+        _dequantize(tensors[name], _shape(tensors[name]))
+        for name in longrope) or None
     config = config_from_metadata(
         metadata, tie_word_embeddings="output.weight" not in tensors, name=path.stem,
-        rope_freqs=rope_freqs)
+        rope_freqs=rope_freqs, longrope_factors=longrope_factors)
     arch = metadata["general.architecture"]
-    longrope = sorted(_LONGROPE_TENSORS & tensors.keys())
-    if longrope:
-        raise ValueError(f"unsupported GGUF tensor(s) {longrope}: LongRoPE factors, which "
-                         "llama.cpp selects by its context size, not by position")
     per_layer = _layer_tensors(config, arch)
-    wanted = {"token_embd.weight", "output_norm.weight"}
+    wanted = {"token_embd.weight", "output_norm.weight", *longrope}
     if rope_freqs is not None:
         wanted.add("rope_freqs.weight")
     if not config.tie_word_embeddings:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_utils import hf_logits, make_tiny_hf_checkpoint
+from hf_utils import hf_logits, load_hf_model, make_tiny_hf_checkpoint
 from safetensors.numpy import load_file, save_file
 
 from kvjax.models import llama
@@ -93,7 +94,8 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
                     metadata: dict[str, object] | None = None, spm: bool = False) -> Path:
     """Converts a tiny HF checkpoint to GGUF the way llama.cpp lays it out (F32 tensors): llama's
     Q/K rows permuted for its pairwise RoPE (Qwen's and Gemma's rotate halves, unpermuted),
-    Gemma's RMSNorm weights stored as (1 + w), no output.weight when the embedding is tied.
+    Gemma's RMSNorm weights stored as (1 + w), no output.weight when the embedding is tied;
+    Phi-3's original context length, and for LongRoPE its factor tensors and attention factor.
     `metadata` adds or replaces `<arch>.<key>` values; `spm` writes a SentencePiece tokenizer
     without a prefix space (Gemma's) instead of byte-level BPE."""
     config = json.loads((hf_dir / "config.json").read_text())
@@ -120,9 +122,12 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
             elif gguf_name.endswith("norm.weight"):
                 w = w + shift
             tensors[f"blk.{i}.{gguf_name}"] = w
+    rope = config["rope_parameters"].get("full_attention", config["rope_parameters"])
+    if rope.get("rope_type") == "longrope":  # Phi-3's factors [D/2], outside the blocks
+        tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"])
+        tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"])
     tensors.update(replace or {})
     tensors.pop(drop, None)
-    tokens, merges = _tiny_vocab(config["vocab_size"])
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -134,10 +139,18 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(_rope_theta(config))
-    rope = config["rope_parameters"].get("full_attention", config["rope_parameters"])
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if model_type == "phi3":
+        original = config.get("original_max_position_embeddings",
+                              rope.get("original_max_position_embeddings",
+                                       config["max_position_embeddings"]))
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("rope_type") == "longrope":  # no scaling type: the factor tensors say it
+            scale = config["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if is_gemma:
         writer.add_sliding_window(config["sliding_window"])
@@ -147,6 +160,15 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
             writer.add_float32(f"{arch}.{key}", config[hf_key])
     for key, value in (metadata or {}).items():
         writer.add_key_value(f"{arch}.{key}", value, _gguf_value_type(value))
+    _finish_gguf(writer, config, tensors, pre=pre, spm=spm)
+    return path
+
+
+def _finish_gguf(writer: gguf.GGUFWriter, config: dict, tensors: dict[str, np.ndarray], *,
+                 pre: str = "smollm", spm: bool = False, q8_0: bool = False) -> None:
+    """Adds the tiny tokenizer (`write_tiny_gguf`) and the tensors (F32; with `q8_0`, the
+    matrices whose rows are whole Q8_0 blocks in Q8_0), and writes the file."""
+    tokens, merges = _tiny_vocab(config["vocab_size"])
     if spm:
         tokens, scores, types = _tiny_spm_vocab(config["vocab_size"])
         writer.add_tokenizer_model("llama")
@@ -167,12 +189,16 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str | None = None, drop: 
         writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_pad_token_id(0)  # transformers' Phi-3 default (32000) lies outside the vocabulary
     for name, w in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if q8_0 and w.ndim > 1 and w.shape[-1] % 32 == 0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quantize(w, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def _gguf_value_type(value: object) -> gguf.GGUFValueType:
@@ -550,7 +576,7 @@ def test_gguf_refuses_metadata_it_cannot_apply(tmp_path, model_type, metadata, m
 def test_phi3_gguf_logits_match_hf_and_transformers_gguf(tmp_path):
     """A Phi-3 GGUF keeps the fused attn_qkv and gate-up ffn_up matrices (NEOX rotation: rows
     unpermuted): split on loading, the logits equal transformers' on the source checkpoint and
-    transformers' own loading of the same file; LongRoPE factor tensors are refused by name."""
+    transformers' own loading of the same file."""
     hf_dir = make_tiny_hf_checkpoint(tmp_path, "phi3", seed=8)
     path = write_tiny_gguf(tmp_path / "phi3.gguf", hf_dir)
     assert {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"} <= {
@@ -560,10 +586,69 @@ def test_phi3_gguf_logits_match_hf_and_transformers_gguf(tmp_path):
     got = _logits(model, tokens)
     assert _rel_max_diff(got, hf_logits(hf_dir, tokens)) <= TINY_LOGITS_RTOL
     assert _rel_max_diff(got, _transformers_gguf_logits(path, tokens)) <= TINY_LOGITS_RTOL
-    factors = {"rope_factors_long.weight": np.ones((8,), np.float32)}
-    longrope = write_tiny_gguf(tmp_path / "longrope.gguf", hf_dir, replace=factors)
-    with pytest.raises(ValueError, match=r"rope_factors_long\.weight"):
-        load_gguf(longrope)
+
+
+_PHI3_ORIGINAL_LEN = 16  # where the LongRoPE case switches from short to long factors
+_PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+                  "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                  "long_factor": [1.0 + 0.8 * i for i in range(8)]}
+
+
+def _hf_cached_logits(hf_model, tokens: list[int], prompt_len: int) -> np.ndarray:
+    """Logits at positions prompt_len - 1 .. T - 1 of transformers fed the prompt in one pass,
+    then one token at a time over its own KV cache (how it generates: each step's LongRoPE
+    factors chosen by the length so far)."""
+    import torch
+
+    rows, past = [], None
+    with torch.no_grad():
+        for chunk in [tokens[:prompt_len], *([t] for t in tokens[prompt_len:])]:
+            out = hf_model(input_ids=torch.tensor([chunk]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            rows.append(out.logits[0, -1].numpy())
+    return np.stack(rows)  # [T - prompt_len + 1, V]: from position prompt_len - 1 on
+
+
+def test_phi3_longrope_gguf_logits_match_hf_below_and_above_the_original_length(tmp_path):
+    """A Phi-3-128k-style GGUF (rope_factors_short / rope_factors_long, the original context
+    length and attention factor in metadata) loads as LongRoPE with transformers' semantics: below
+    the original length the logits equal transformers' one pass on the source checkpoint; past it
+    (short factors up to the original length, long ones beyond) they equal transformers' cached
+    generation, step by step."""
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "phi3", seed=8, rope_parameters=_PHI3_LONGROPE,
+                                     original_max_position_embeddings=_PHI3_ORIGINAL_LEN)
+    path = write_tiny_gguf(tmp_path / "longrope.gguf", hf_dir)
+    model = load_gguf(path)
+    rope, hf_rope = model.config.rope, load_hf(hf_dir).config.rope
+    assert (rope.rope_type, rope.original_max_position_embeddings, rope.factor) == (
+        RopeType.LONGROPE, _PHI3_ORIGINAL_LEN, hf_rope.factor)
+    np.testing.assert_allclose(rope.attention_factor, hf_rope.attention_factor, rtol=1e-6)
+    hf_model = load_hf_model(hf_dir)
+    tokens = np.random.default_rng(9).integers(0, model.config.vocab_size, 28).tolist()
+    got = _logits(model, tokens)
+    below = _PHI3_ORIGINAL_LEN - 4
+    assert _rel_max_diff(got[:below], hf_logits(hf_model, tokens[:below])) <= TINY_LOGITS_RTOL
+    cached = _hf_cached_logits(hf_model, tokens, below)
+    assert _rel_max_diff(got[below - 1:], cached) <= TINY_LOGITS_RTOL
+    # The long factors matter: transformers' one pass over all 28 (long factors throughout)
+    # differs from kvjax's short-then-long positions.
+    assert _rel_max_diff(got, hf_logits(hf_model, tokens)) > 1e-3
+
+
+def test_gguf_longrope_factors_need_each_other_and_phi3(tmp_path):
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "phi3", seed=8, rope_parameters=_PHI3_LONGROPE,
+                                     original_max_position_embeddings=_PHI3_ORIGINAL_LEN)
+    half = write_tiny_gguf(tmp_path / "half.gguf", hf_dir, drop="rope_factors_short.weight")
+    with pytest.raises(ValueError, match=r"rope_factors_short\.weight"):
+        load_gguf(half)
+    short = {"rope_factors_short.weight": np.ones((4,), np.float32),
+             "rope_factors_long.weight": np.ones((4,), np.float32)}
+    with pytest.raises(ValueError, match="head dim 16 needs"):
+        load_gguf(write_tiny_gguf(tmp_path / "short.gguf", hf_dir, replace=short))
+    llama_dir = make_tiny_hf_checkpoint(tmp_path, "llama", seed=0)
+    factors = {name: np.ones((8,), np.float32) for name in short}
+    with pytest.raises(ValueError, match="phi3 only"):
+        load_gguf(write_tiny_gguf(tmp_path / "llama.gguf", llama_dir, replace=factors))
 
 
 def test_mixtral_gguf_logits_match_hf(tmp_path):
@@ -685,3 +770,152 @@ def test_gguf_applies_what_llama_cpp_fixes_in_code():
     phi3 = config_from_metadata(_metadata("phi3", **{"attention.sliding_window": 8}),
                                 tie_word_embeddings=False)
     assert phi3.layer_windows == ()
+
+
+_DEEPSEEK_V2 = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                    num_key_value_heads=4, q_lora_rank=24, first_k_dense_replace=1,
+                    n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                    n_shared_experts=2, topk_method="group_limited_greedy", n_group=4,
+                    topk_group=2, routed_scaling_factor=1.5)
+# DeepSeek-V2's HF names (inside model.layers.N.) -> llama.cpp's deepseek2 names (blk.N.).
+_HF_TO_GGUF_DEEPSEEK2 = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+
+
+def write_deepseek2_gguf(path: Path, hf_dir: Path, *, split_kv_b: bool = True,
+                         metadata: dict[str, object] | None = None,
+                         extra: dict[str, np.ndarray] | None = None, q8_0: bool = False
+                         ) -> Path:
+    """A tiny DeepSeek-V2 checkpoint as llama.cpp's converter writes deepseek2 (F32): tensors
+    renamed, rows unpermuted (its RoPE turns adjacent pairs, as DeepSeek's), experts stacked
+    [E, out, in], kv_b_proj split per head into attn_k_b [N, d_c, d_nope] (transposed) and
+    attn_v_b [N, d_v, d_c] (`split_kv_b`, newer files) or kept as attn_kv_b (older ones); the
+    key / value lengths of the latent, with the heads' own as key_length_mla / value_length_mla;
+    head_count_kv 1 (MLA as MQA). `metadata` adds deepseek2.<key> values, `extra` tensors."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    hf = load_file(hf_dir / "model.safetensors")
+    heads, nope, v_dim = (config[k] for k in ("num_attention_heads", "qk_nope_head_dim",
+                                               "v_head_dim"))
+    tensors = {"token_embd.weight": hf["model.embed_tokens.weight"],
+               "output_norm.weight": hf["model.norm.weight"], "output.weight": hf["lm_head.weight"]}
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        for hf_name, gguf_name in _HF_TO_GGUF_DEEPSEEK2.items():
+            if layer + hf_name in hf:
+                tensors[f"blk.{i}.{gguf_name}"] = hf[layer + hf_name]
+        if layer + "mlp.experts.0.gate_proj.weight" in hf:
+            for part in ("gate", "up", "down"):
+                tensors[f"blk.{i}.ffn_{part}_exps.weight"] = np.stack([
+                    hf[f"{layer}mlp.experts.{e}.{part}_proj.weight"]
+                    for e in range(config["n_routed_experts"])])
+        kv_b = hf[layer + "self_attn.kv_b_proj.weight"]  # [N * (d_nope + d_v), d_c]
+        if split_kv_b:
+            per_head = kv_b.reshape(heads, nope + v_dim, -1)
+            tensors[f"blk.{i}.attn_k_b.weight"] = per_head[:, :nope].swapaxes(1, 2)
+            tensors[f"blk.{i}.attn_v_b.weight"] = per_head[:, nope:]
+        else:
+            tensors[f"blk.{i}.attn_kv_b.weight"] = kv_b
+    tensors.update(extra or {})
+    writer = gguf.GGUFWriter(path, "deepseek2")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(1)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    if config.get("q_lora_rank"):
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_kv_lora_rank(config["kv_lora_rank"])
+    writer.add_key_length(config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    writer.add_value_length(config["kv_lora_rank"])
+    writer.add_key_length_mla(nope + config["qk_rope_head_dim"])
+    writer.add_value_length_mla(v_dim)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    if config.get("n_group"):
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+    writer.add_rope_dimension_count(config["qk_rope_head_dim"])
+    rope = config["rope_parameters"]
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    for key, value in (metadata or {}).items():
+        writer.add_key_value(f"deepseek2.{key}", value, _gguf_value_type(value))
+    _finish_gguf(writer, config, tensors, q8_0=q8_0)
+    return path
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False])
+def test_deepseek2_gguf_logits_match_hf(tmp_path, split_kv_b):
+    """DeepSeek-V2 (MLA with a low-rank query, a dense first layer, then grouped routing over 8
+    experts with two shared ones, scaled) converted to deepseek2 as llama.cpp writes it, kv_b_proj
+    split per head (newer files) or whole: the logits equal transformers' on the source
+    checkpoint; with its matrices in Q8_0 they stay close (quantization error only)."""
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "deepseek_v2", seed=4, **_DEEPSEEK_V2)
+    path = write_deepseek2_gguf(tmp_path / "deepseek2.gguf", hf_dir, split_kv_b=split_kv_b)
+    model = load_gguf(path)
+    assert model.config.mla is not None and model.config.moe.dense_layers == (0,)
+    tokens = np.random.default_rng(5).integers(0, model.config.vocab_size, 24).tolist()
+    reference = hf_logits(hf_dir, tokens)
+    assert _rel_max_diff(_logits(model, tokens), reference) <= 2e-5
+    if split_kv_b:
+        q8 = load_gguf(write_deepseek2_gguf(tmp_path / "q8.gguf", hf_dir, q8_0=True))
+        assert 1e-4 < _rel_max_diff(_logits(q8, tokens), reference) < 5e-2
+
+
+def test_deepseek2_gguf_with_yarn_logits_match_hf(tmp_path):
+    """DeepSeek-V2-Lite's RoPE: YaRN with mscale = mscale_all_dim (the softmax scale grows with
+    the factor), stored as the scaling keys and yarn_log_multiplier; 80 tokens run past the
+    original length of 64."""
+    yarn = dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=0.707,
+                beta_fast=32, beta_slow=1)
+    overrides = {**_DEEPSEEK_V2, "q_lora_rank": None, "rope_parameters": yarn}
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "deepseek_v2", seed=6, **overrides)
+    model = load_gguf(write_deepseek2_gguf(tmp_path / "yarn.gguf", hf_dir))
+    assert model.config.rope == load_hf(hf_dir).config.rope
+    tokens = np.random.default_rng(7).integers(0, model.config.vocab_size, 80).tolist()
+    assert _rel_max_diff(_logits(model, tokens), hf_logits(hf_dir, tokens)) <= 2e-5
+
+
+def test_deepseek2_gguf_refuses_what_it_does_not_read(tmp_path):
+    hf_dir = make_tiny_hf_checkpoint(tmp_path, "deepseek_v2", seed=4, **_DEEPSEEK_V2)
+    sigmoid = write_deepseek2_gguf(tmp_path / "v3.gguf", hf_dir,
+                                   metadata={"expert_gating_func": 2})
+    with pytest.raises(ValueError, match="expert_gating_func=2"):
+        load_gguf(sigmoid)
+    yarn = write_deepseek2_gguf(tmp_path / "yarn.gguf", hf_dir,
+                                metadata={"rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match="yarn_log_multiplier=None"):
+        load_gguf(yarn)
+    bias = {"blk.1.exp_probs_b.bias": np.zeros((8,), np.float32)}  # DeepSeek-V3's choice bias
+    with pytest.raises(ValueError, match=r"blk\.1\.exp_probs_b\.bias"):
+        load_gguf(write_deepseek2_gguf(tmp_path / "bias.gguf", hf_dir, extra=bias))
+    half = {"blk.0.attn_k_b.weight": np.zeros((4, 32, 16), np.float32)}
+    with pytest.raises(ValueError, match="without its other half"):
+        load_gguf(write_deepseek2_gguf(tmp_path / "half.gguf", hf_dir, split_kv_b=False,
+                                       extra=half))
