@@ -4,13 +4,16 @@ at a sequence's chunk spans, chunk fills on a miss, CacheBlend recomputes for th
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 
 from kvjax.sampling_params import SamplingParams
+from kvjax.scheduler.config import SchedulerConfig
 from kvjax.scheduler.context import ChunkPlan, ReuseStrategy, blend_count, make_strategy
 from kvjax.scheduler.output import BlendRow
 from kvjax.scheduler.request import Sequence
+from kvjax.scheduler.requests import RequestTable
 from kvjax.shapes import pages_for
 
 NO_LIMIT = 1 << 62  # tokens a sequence may compute before its next chunk copy: no copy ahead
@@ -18,15 +21,27 @@ _FILL = SamplingParams(max_new_tokens=1)  # a fill's one sampled token is droppe
 
 
 class ChunkReuse:
-    """A mixin of `Scheduler`, which supplies `kv_cache`, `config`, `stats`, `_cache_key`,
-    `_cached_len` and the request registry.
+    """The scheduler's chunk copies and fills.
 
     A sequence whose prefill reaches one of its chunk spans copies the chunk in from the chunk
     cache (`KVCacheManager.load_chunk`) and skips over it; on a miss it waits while a fill
-    sequence (an internal request, `Sequence.is_chunk_fill`) computes every chunk it lacks.
+    sequence (an internal request of the `RequestTable`, `Sequence.is_chunk_fill`) computes
+    every chunk it lacks.
+
+    Attributes:
+      reuse_strategies: context-reuse strategies by name; a name not in it is made with its
+        default options.
+      fills_requested: chunk fills were queued in the step being formed.
     """
 
-    def _init_chunks(self, strategies: dict[str, ReuseStrategy] | None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache, table: RequestTable, stats: dict, *,
+                 cache_key: Callable[[str | None, str], bytes],
+                 strategies: dict[str, ReuseStrategy] | None):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.table = table
+        self.stats = stats
+        self._cache_key = cache_key
         self.reuse_strategies = dict(strategies or {})
         self._blends: list[BlendRow] = []
         self.fills_requested = False  # chunk fills were queued in the step being formed
@@ -39,7 +54,7 @@ class ChunkReuse:
             self.reuse_strategies[name] = make_strategy(name)
         return self.reuse_strategies[name]
 
-    def _reuse_chunks(self, seq: Sequence) -> int:
+    def reuse_chunks(self, seq: Sequence) -> int:
         """Copies the cached chunks whose copy starts at the sequence's next token into its
         cache (`kvjax.scheduler.context`); returns how many tokens it may compute before the
         next copy (a very large number when none is ahead), or 0 while it waits: for a chunk
@@ -53,12 +68,13 @@ class ChunkReuse:
             prefix = self._shared_prefix(seq, plan)
             ids = self._chunk_ids(seq, prefix, start, end)
             fill = self._fill_id(seq, ids)
-            if fill in self._requests:
+            if self.table.has_request(fill):
                 return 0
             self.stats["chunk_lookups"] += 1
+            cached = self.kv_cache.cached_len(seq.seq_id, seq.num_computed)
             status = self.kv_cache.load_chunk(
-                seq.seq_id, ids, self._chunk_key(seq), first=len(prefix) + plan.recompute_first,
-                count=end - point, start=self._cached_len(seq), shift=start - len(prefix),
+                seq.seq_id, ids, self.chunk_key(seq), first=len(prefix) + plan.recompute_first,
+                count=end - point, start=cached, shift=start - len(prefix),
                 key_scale=plan.key_scale, version=seq.weights_version)
             if status == "miss":
                 self._request_fills(seq, strategy)
@@ -107,11 +123,11 @@ class ChunkReuse:
         """The key the chunk cache keeps a tenant's chunks under, for one weights version."""
         return self._cache_key(tenant, weights_version) + b"|chunk"
 
-    def _chunk_key(self, seq: Sequence) -> bytes:
+    def chunk_key(self, seq: Sequence) -> bytes:
         return self.chunk_cache_key(seq.tenant, seq.weights_version)
 
     def _fill_id(self, seq: Sequence, ids: list[int]) -> str:
-        digest = hashlib.blake2b(self._chunk_key(seq), digest_size=8)
+        digest = hashlib.blake2b(self.chunk_key(seq), digest_size=8)
         digest.update(np.asarray(ids, "<i8").tobytes())
         return f"chunk-{digest.hexdigest()}"
 
@@ -119,12 +135,12 @@ class ChunkReuse:
         """Queues a fill (a prefill of the chunk alone, ranked with the request that waits for
         it) for every chunk the sequence will copy that the chunk cache lacks, so they are
         computed side by side."""
-        key = self._chunk_key(seq)
+        key = self.chunk_key(seq)
         for start, end, _, plan in self._copies_ahead(seq, strategy):
             ids = self._chunk_ids(seq, self._shared_prefix(seq, plan), start, end)
             fill_id = self._fill_id(seq, ids)
-            if fill_id in self._requests:
-                self._request_meta[fill_id]["waiters"].add(seq.request_id)
+            if self.table.has_request(fill_id):
+                self.table.request_meta(fill_id)["waiters"].add(seq.request_id)
             elif self.kv_cache.peek_cached_tokens(ids + [0], key) < len(ids):
                 self._add_fill(seq, fill_id, ids)
 
@@ -134,13 +150,13 @@ class ChunkReuse:
             num_prompt_tokens=len(ids), sampling=_FILL, seed=0,
             arrival_time=seq.arrival_time, order=seq.order, tenant=seq.tenant,
             priority=seq.priority, is_chunk_fill=True, weights_version=seq.weights_version)
-        self.add_request(fill_id, list(ids), [fill], arrival=seq.arrival_time,
+        self.table.add_request(fill_id, list(ids), [fill], arrival=seq.arrival_time,
                          tenant=seq.tenant, n=1, internal=True)
         self.stats["chunk_fills"] += 1
         self.fills_requested = True
-        self._request_meta[fill_id]["waiters"] = {seq.request_id}
+        self.table.request_meta(fill_id)["waiters"] = {seq.request_id}
 
-    def _take_blends(self) -> tuple[BlendRow, ...]:
+    def take_blends(self) -> tuple[BlendRow, ...]:
         """The CacheBlend recomputes of the copies made since the last call."""
         blends, self._blends = tuple(self._blends), []
         return blends

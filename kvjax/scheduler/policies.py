@@ -122,3 +122,13 @@ def register_policy(cls: type) -> type:
 def make_policy(name: str) -> SchedulingPolicy:
     """Instantiates a registered policy by name."""
     return POLICIES.make(name)
+
+
+def rank(policy: SchedulingPolicy, seqs: list[Sequence], first: tuple[str, ...] = ()
+         ) -> list[Sequence]:
+    """The policy's order; sequences named in `first` (a controller's order) before it."""
+    ranked = sorted(seqs, key=policy.priority_key)
+    if not first:
+        return ranked
+    where = {seq_id: i for i, seq_id in enumerate(first)}
+    return sorted(ranked, key=lambda s: where.get(s.seq_id, len(where)))

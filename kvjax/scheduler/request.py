@@ -108,6 +108,12 @@ class Sequence:
         """Tokens whose K/V still has to be computed."""
         return self.num_tokens - self.num_computed
 
+    @property
+    def awaits_step_in_flight(self) -> bool:
+        """Its next move comes from a dispatched step's results (a sampled token, or the end
+        of a shared prompt's prefill), not from new pages."""
+        return self.num_unresolved > 0 or self.num_pending == 0
+
 
 @dataclasses.dataclass
 class CompletionOutput:

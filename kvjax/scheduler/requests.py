@@ -1,9 +1,11 @@
-"""The scheduler's request records: sequences by id, their queues, and the outputs they become."""
+"""The scheduler's request table: sequences by id, their queues, and the outputs they become."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
+from kvjax.scheduler.config import SchedulerConfig
 from kvjax.scheduler.request import (
     CompletionOutput,
     FinishReason,
@@ -14,13 +16,26 @@ from kvjax.scheduler.request import (
 from kvjax.trace import NULL_TRACER, Tracer
 
 
-class RequestRegistry:
+class RequestTable:
     """Sequences of every unfinished request, the three queues, and finished outputs.
 
-    A mixin of `Scheduler`, which supplies `kv_cache`, `clock`, `tokenizer` and `weights_version`.
+    The waiting / running / swapped bookkeeping of the `Scheduler`: every move of a sequence
+    between queues that is not a scheduling decision (registration, finishing, pausing, a
+    restart, the fork of a shared prompt into its samples) happens here.
+
+    Attributes:
+      kv_cache: the KVCacheManager whose pages a finished or restarted sequence frees.
+      waiting, running, swapped: the queues; `paused` holds a paused request's sequences.
+      tracer: where request lifecycle events go (`set_tracer`).
     """
 
-    def _init_registry(self) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache, *, clock: Callable[[], float],
+                 tokenizer=None, default_version: Callable[[], str]):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.tokenizer = tokenizer
+        self._clock = clock
+        self._default_version = default_version  # the version a new sequence runs under
         self._seqs: dict[str, Sequence] = {}
         self._requests: dict[str, list[str]] = {}  # request id -> its sequence ids
         self._request_meta: dict[str, dict] = {}
@@ -92,7 +107,7 @@ class RequestRegistry:
                                               n=n, samples={}, internal=internal,
                                               cache_salt=cache_salt)
         for seq in seqs:
-            self._register(seq)
+            self.register(seq)
         self.tracer.emit("arrive", "request", f"request/{request_id}", tenant=str(tenant),
                          prompt_tokens=len(prompt), num_seqs=len(seqs), internal=internal)
 
@@ -113,8 +128,18 @@ class RequestRegistry:
             seq.num_computed = 0
             self.waiting.append(seq)
 
-    def _register(self, seq: Sequence) -> None:
-        seq.weights_version = seq.weights_version or self.weights_version
+    def find(self, seq_id: str) -> Sequence | None:
+        """The record of a live sequence, None if unknown."""
+        return self._seqs.get(seq_id)
+
+    def cache_salt(self, seq: Sequence) -> str | None:
+        """The shared prefix-cache salt the sequence's request names, if any."""
+        meta = self._request_meta.get(seq.request_id)
+        return None if meta is None else meta.get("cache_salt")
+
+    def register(self, seq: Sequence) -> None:
+        """Queues a new sequence of a registered request as waiting."""
+        seq.weights_version = seq.weights_version or self._default_version()
         self._seqs[seq.seq_id] = seq
         self._requests[seq.request_id].append(seq.seq_id)
         self.waiting.append(seq)
@@ -128,7 +153,7 @@ class RequestRegistry:
             if seq.status is not SeqStatus.FINISHED:
                 self.finish(seq, FinishReason.ABORT)
         self.paused.pop(request_id, None)
-        self._maybe_emit(request_id)
+        self.maybe_emit(request_id)
         for fill in [r for r, m in self._request_meta.items() if m.get("internal")]:
             if not any(w in self._requests for w in self._request_meta[fill]["waiters"]):
                 self.abort(fill)  # No request waits for this chunk any more.
@@ -143,11 +168,12 @@ class RequestRegistry:
         self.kv_cache.retention.forget(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self._request_meta[seq.request_id]["finish_time"] = self.clock()
+        self._request_meta[seq.request_id]["finish_time"] = self._clock()
         self.tracer.emit("finish", "request", f"request/{seq.request_id}", seq_id=seq.seq_id,
                          reason=reason.value, num_tokens=len(seq.tokens))
 
-    def _maybe_emit(self, request_id: str) -> None:
+    def maybe_emit(self, request_id: str) -> None:
+        """Emits a request's output and drops its records once all its sequences finished."""
         seq_ids = self._requests.get(request_id, [])
         seqs = [self._seqs[s] for s in seq_ids]
         meta = self._request_meta[request_id]
@@ -159,6 +185,103 @@ class RequestRegistry:
             del self._seqs[s]
         del self._requests[request_id]
         del self._request_meta[request_id]
+
+    def check_stop(self, seq: Sequence) -> None:
+        """Finishes the sequence if its last token stops it (EOS, a stop token, its grammar's
+        end) or it reached a length limit."""
+        p = seq.sampling
+        token = seq.tokens[-1]
+        eos = () if p.ignore_eos else self.config.eos_token_ids
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+        if (token in eos or token in p.stop_token_ids
+                or (seq.grammar is not None and seq.grammar.is_finished)):
+            self.finish(seq, FinishReason.STOP)
+        elif (len(seq.output_ids) >= p.max_new_tokens
+              or len(seq.tokens) >= self.config.max_model_len):
+            self.finish(seq, FinishReason.LENGTH)
+
+    def restart(self, seq: Sequence) -> None:
+        """Drops a sequence's KV (device pages or host copy); it re-prefills its tokens later."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.swapped:
+            self.swapped.remove(seq)
+        if self.kv_cache.has_sequence(seq.seq_id):
+            self.kv_cache.free(seq.seq_id)
+        self.kv_cache.drop_swapped(seq.seq_id)
+        seq.num_computed = 0
+        seq.kv_epoch += 1
+        seq.draft_tokens = []
+        if seq.status is not SeqStatus.WAITING:
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
+
+    def fork_group(self, parent: Sequence) -> None:
+        """Replaces a shared prompt's prefill by the request's `n` samples, which share its
+        pages (or, where the pool cannot share them, prefill afresh)."""
+        meta = self._request_meta[parent.request_id]
+        prompt = meta["prompt"]
+        self.running.remove(parent)
+        parent.status = SeqStatus.FINISHED
+        self._requests[parent.request_id].remove(parent.seq_id)
+        for i in range(meta["n"]):
+            child = Sequence(
+                seq_id=f"{parent.request_id}#{i}", request_id=parent.request_id,
+                tokens=list(prompt), num_prompt_tokens=len(prompt), sampling=parent.sampling,
+                seed=parent.seed + i, arrival_time=parent.arrival_time, order=parent.order,
+                tenant=parent.tenant, priority=parent.priority, sample_index=i,
+                num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
+                first_scheduled_time=parent.first_scheduled_time,
+                weights_version=parent.weights_version, chunk_spans=parent.chunk_spans,
+                context_reuse=parent.context_reuse,
+                grammar=None if parent.grammar is None else parent.grammar.fork())
+            if not self.kv_cache.fork(parent.seq_id, child.seq_id):
+                self.register(child)  # No room to share (contiguous slots): prefill afresh.
+                continue
+            child.num_computed = parent.num_computed
+            child.status = SeqStatus.RUNNING
+            self._seqs[child.seq_id] = child
+            self._requests[child.request_id].append(child.seq_id)
+            self.running.append(child)
+        self.kv_cache.free(parent.seq_id)
+        del self._seqs[parent.seq_id]
+
+    # ----------------------------------------------------------------------------- pausing
+
+    def pause(self, request_id: str, *, to_host: bool = False) -> None:
+        """Takes a request out of scheduling until `resume`: no step computes or preempts it.
+
+        Its running sequences keep their device pages, or with `to_host` swap them to host
+        memory (the preemption swap path; paged layout); waiting and swapped ones keep their
+        state. Call between steps (the engine drains first).
+        """
+        if not self.has_request(request_id) or request_id in self.paused:
+            raise ValueError(f"request {request_id!r} is not an unfinished, unpaused request")
+        if to_host and not self.config.is_paged:
+            raise ValueError(f"request {request_id!r}: pausing to host memory needs the paged "
+                             f"layout (the swap space holds pages)")
+        seqs = [s for s in self.sequences(request_id) if s.status is not SeqStatus.FINISHED]
+        for seq in seqs:
+            for queue in (self.running, self.waiting, self.swapped):
+                if seq in queue:
+                    queue.remove(seq)
+            if to_host and seq.status is SeqStatus.RUNNING and seq.num_computed > 0:
+                seq.kv_epoch += 1
+                seq.draft_tokens = []
+                self.kv_cache.swap_out(seq.seq_id, seq.num_computed)
+                seq.status = SeqStatus.SWAPPED
+        self.paused[request_id] = seqs
+
+    def resume(self, request_id: str) -> None:
+        """Puts a paused request back in its queues: device-resident sequences run on, swapped
+        ones swap in when pages allow."""
+        if request_id not in self.paused:
+            raise ValueError(f"request {request_id!r} is not paused")
+        queues = {SeqStatus.RUNNING: self.running, SeqStatus.WAITING: self.waiting,
+                  SeqStatus.SWAPPED: self.swapped}
+        for seq in self.paused.pop(request_id):
+            queues[seq.status].append(seq)
 
     # ----------------------------------------------------------------------------- outputs
 

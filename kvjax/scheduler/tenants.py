@@ -10,7 +10,15 @@ keeps full chunks (its throughput is spent only while someone else is waiting or
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from kvjax.shapes import pages_for
+
+if TYPE_CHECKING:
+    from kvjax.scheduler.config import SchedulerConfig
+    from kvjax.scheduler.request import Sequence
+    from kvjax.scheduler.requests import RequestTable
 
 _FORGET_WINDOWS = 8  # exp(-8): under 0.04% of a tenant's service is left
 
@@ -60,3 +68,80 @@ class TenantActivity:
         return any(other != tenant and now - last <= self.window_s
                    and self.served(other, now) < mine
                    for other, last in self._last_active.items())
+
+
+class TenantShares:
+    """The scheduler's tenant rules: the page share a tenant may hold while another waits
+    (`max_tenant_page_share`), and shorter prefill chunks for a tenant served more than a
+    contending one (`contended_prefill_chunk`, through `TenantActivity`).
+
+    Attributes:
+      config: the SchedulerConfig.
+      kv_cache: the KVCacheManager whose pages are counted.
+      table: the RequestTable whose queues hold the tenants' sequences.
+      activity: the TenantActivity, None without `contended_prefill_chunk`.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache, table: RequestTable, *,
+                 clock: Callable[[], float]):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.table = table
+        self._clock = clock
+        self.activity = (None if config.contended_prefill_chunk is None
+                         else TenantActivity(config.contention_window_s))
+
+    def observe(self) -> float:
+        """Marks the tenants with queued sequences active now; returns now (0.0 without the
+        contended-chunk rule, the only reader)."""
+        if self.activity is None:
+            return 0.0
+        now = self._clock()
+        t = self.table
+        self.activity.observe({s.tenant for s in t.running + t.waiting + t.swapped}, now)
+        return now
+
+    def on_tokens(self, seq: Sequence, num_tokens: int) -> None:
+        if self.activity is not None:
+            self.activity.on_tokens(seq.tenant, num_tokens, self._clock())
+
+    def chunk_limit(self, seq: Sequence, now: float) -> int:
+        """The longest prefill chunk the sequence may run in this step: `max_prefill_chunk`,
+        or `contended_prefill_chunk` while its tenant has been served more than another
+        tenant active now or within the contention window (`TenantActivity`)."""
+        if self.activity is not None and self.activity.is_over_share(seq.tenant, now):
+            return self.config.contended_prefill_chunk
+        return self.config.max_prefill_chunk
+
+    def _pages(self, tenant: str | None) -> int:
+        """Distinct device pages the tenant's running sequences hold (a shared prefix once)."""
+        return len(set().union(*(self.kv_cache.block_table(s.seq_id) for s in self.table.running
+                                 if s.tenant == tenant)))
+
+    def is_over_share(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence's tenant already holds its share of the pool
+        (`max_tenant_page_share`) while another tenant waits: then it waits too. Alone, a
+        tenant may take the whole pool (the limit never idles pages)."""
+        share = self.config.max_tenant_page_share
+        if share is None or all(s.tenant == seq.tenant for s in self.table.waiting):
+            return False
+        return self._pages(seq.tenant) >= share * self.kv_cache.num_pages
+
+    def reclaim_candidates(self, ranked_waiting: list[Sequence]) -> list[Sequence]:
+        """The running sequences of tenants over their share, one of which is preempted when
+        the first waiting sequence (in `ranked_waiting` order) of a tenant under it finds no
+        room for its first chunk; none without a share or when it fits."""
+        share = self.config.max_tenant_page_share
+        if share is None:
+            return []
+        limit = share * self.kv_cache.num_pages
+        running = self.table.running
+        held = {t: self._pages(t) for t in {s.tenant for s in running + self.table.waiting}}
+        under = next((s for s in ranked_waiting if held[s.tenant] < limit), None)
+        if under is None:
+            return []
+        first_chunk = min(under.num_pending, self.config.max_prefill_chunk)
+        if self.kv_cache.can_admit(pages_for(first_chunk, self.config.page_size)):
+            return []
+        return [s for s in running if s.tenant != under.tenant
+                and held[s.tenant] > limit and not s.awaits_step_in_flight]

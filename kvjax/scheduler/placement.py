@@ -1,0 +1,59 @@
+"""Where each decode row's pages live between the device and host pools: the split policy's
+targets applied before a step, and a row offloaded to the host instead of a preemption
+(`kvjax.scheduler.host_split` holds the policies)."""
+
+from __future__ import annotations
+
+from kvjax.scheduler.host_split import HostSplitPolicy, Never, RowPlacement
+from kvjax.scheduler.request import SeqStatus, Sequence
+
+
+class HostPlacement:
+    """Moves decode rows' full pages between the pools for the scheduler.
+
+    Attributes:
+      policy: the HostSplitPolicy (`Never`: every page stays on the device).
+      kv_cache: the KVCacheManager that moves the pages.
+    """
+
+    def __init__(self, policy: HostSplitPolicy | None, kv_cache, page_size: int, stats: dict):
+        self.policy = policy or Never()
+        self.kv_cache = kv_cache
+        self.page_size = page_size
+        self.stats = stats
+
+    def _placement(self, seq: Sequence) -> RowPlacement:
+        cached = self.kv_cache.cached_len(seq.seq_id, seq.num_computed)
+        # The position the row writes: its page stays on the device.
+        return RowPlacement(seq.seq_id, cached + 1, cached // self.page_size,
+                            self.kv_cache.num_host_pages(seq.seq_id))
+
+    def place_rows(self, decoding: list[Sequence]) -> None:
+        """Moves pages between the pools to the split policy's targets for this step's
+        decode rows (a move that finds no room leaves the row as it is)."""
+        if not self.policy.uses_host or not decoding:
+            return
+        rows = [self._placement(s) for s in decoding]
+        targets = self.policy.targets(rows, self.kv_cache.allocator.num_free_pages(),
+                                      self.kv_cache.num_free_host_pages())
+        for row in rows:
+            if row.seq_id not in targets:
+                continue
+            target = min(max(targets[row.seq_id], 0), row.num_full_pages)
+            if target > row.num_host_pages:
+                self.kv_cache.to_host(row.seq_id, target - row.num_host_pages)
+            elif target < row.num_host_pages:
+                self.kv_cache.to_device(row.seq_id, row.num_host_pages - target)
+
+    def offload_a_row(self, ranked_running: list[Sequence]) -> bool:
+        """The device pool is full: moves the full device pages of the lowest-ranked decoding
+        sequence that has some, and room in the host pool, there; False if none does."""
+        for seq in reversed(ranked_running):
+            if seq.status is not SeqStatus.RUNNING or seq.num_pending != 1:
+                continue  # prefill rows read device pages only
+            row = self._placement(seq)
+            extra = row.num_full_pages - row.num_host_pages
+            if extra > 0 and self.kv_cache.to_host(seq.seq_id, extra):
+                self.stats["host_offloads"] += 1
+                return True
+        return False
