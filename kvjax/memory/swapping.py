@@ -1,0 +1,204 @@
+"""Swapping: a preempted sequence's pages copied to host memory (into a host slot, or through
+the tiers) and back, with a KIVI window beside them."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+from kvjax.kv.retention_host import RetentionManager
+from kvjax.memory.block_manager import RELEASED
+from kvjax.memory.host_moves import HostMoves
+from kvjax.memory.op_plan import OpPlan, padded
+from kvjax.memory.ops import KVOp, KVOpKind
+from kvjax.memory.page_versions import PageVersions
+from kvjax.shapes import pages_for
+
+
+class SwapSlots:
+    """The host slots of swapped sequences' copies (`KVOp.host_slot`), the lowest free one
+    first, so a replay hands out the same ones."""
+
+    def __init__(self):
+        self._held: dict[str, tuple[int, int]] = {}  # sequence -> (slot, the copy's bits)
+        self._free: list[int] = []  # a heap of the slots below the most ever held
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._held
+
+    def take(self, seq_id: str, bits: int) -> int:
+        """A free slot for the sequence's copy at `bits`."""
+        slot = heapq.heappop(self._free) if self._free else len(self._held)
+        self._held[seq_id] = (slot, bits)
+        return slot
+
+    def release(self, seq_id: str) -> tuple[int, int]:
+        """(slot, bits) of the sequence's copy; the slot is free again."""
+        slot, bits = self._held.pop(seq_id)
+        heapq.heappush(self._free, slot)
+        return slot, bits
+
+
+class SwapMoves:
+    """Swaps sequences out to host memory and back for the KV cache manager.
+
+    Attributes:
+      swap_space: host copies of swapped-out sequences (through the tiers when enabled).
+      tiers: the host/disk TierManager, or None.
+      keeps_windows: whether sequences hold state beside their pages (KIVI windows).
+
+    Args:
+      free: frees a swapped-out sequence's device pages (`KVCacheManager.free`).
+      register_returning: registers a returning sequence (`KVCacheManager.register_returning`).
+      spill: spills evicted prefix-cache pages before a copy writes to them.
+    """
+
+    def __init__(self, allocator, swap_space, retention: RetentionManager, ops: OpPlan,
+                 versions: PageVersions, host: HostMoves, stats: dict, *, tiers, page_size: int,
+                 free: Callable[..., None], register_returning: Callable[..., int | None],
+                 spill: Callable[[], None]):
+        self.allocator = allocator
+        self.swap_space = swap_space
+        self.retention = retention
+        self.ops = ops
+        self.versions = versions
+        self.host = host
+        self.stats = stats
+        self.tiers = tiers
+        self.page_size = page_size
+        self._free_pages = free
+        self._register_returning = register_returning
+        self._spill = spill
+        # swapped sequence -> (block-table entry, layer group) of each page its host copy holds
+        self._swapped_entries: dict[str, list[tuple[int, int]]] = {}
+        self._swap_slots = SwapSlots()  # without tiers: where each swapped copy is
+
+    def swap_out(self, seq_id: str, num_computed: int, *, demote_bits: int = 0) -> None:
+        """Copies a sequence's computed pages (every layer group's, and its window) to host
+        memory (int8 or int4 with `demote_bits`: see `kvjax.engine.swap`), then frees them.
+        Without tiers the copy is a `KVOpKind.SWAP_OUT` op into a host slot, planned before the
+        frees' scrubs and whatever reuses the pages.
+
+        A sequence retention compacted keeps its record of which tokens its pages hold."""
+        if self.retention.group_evicted(seq_id):
+            raise ValueError(f"sequence {seq_id!r}: its table groups keep retention budgets of "
+                             f"their own, each at its own cached length, which a swap does not "
+                             f"restore (kvjax.engine.compat refuses swaps with them)")
+        held = num_computed - self.retention.num_evicted(seq_id)
+        # Host-resident pages are host memory already: they wait in the host pool.
+        entries = self._held_entries(seq_id, self.host.num_host_pages(seq_id),
+                                     pages_for(held, self.page_size))
+        tables = self.allocator.block_tables(seq_id)
+        pages = [tables[group][index] for index, group in entries]
+        if self.tiers is None:
+            nbytes = self._swap_out_op(seq_id, entries, pages, demote_bits)
+        else:  # a copy in the tiers comes back as tier loads, by its keys
+            nbytes = self.ops.read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
+                self.swap_space.swap_out(kv, seq_id, pages, demote_bits=demote_bits)))
+        self.stats["swaps_out"] += 1
+        self.stats["swap_bytes"] += nbytes
+        self._free_pages(seq_id, keep_retention=True)
+
+    def _swap_out_op(self, seq_id: str, entries: list[tuple[int, int]], pages: list[int],
+                     bits: int) -> int:
+        """Issues the SWAP_OUT of `pages` into a free host slot; returns the copy's bytes."""
+        slot = self._swap_slots.take(seq_id, bits)
+        self._swapped_entries[seq_id] = entries
+        window = (self.allocator.seq_slot(seq_id),) if self.keeps_windows else ()
+        self.ops.issue(KVOp(KVOpKind.SWAP_OUT, tuple(pages), src=padded(pages) if pages else (),
+                         seq_slots=window, host_slot=slot, bits=bits))
+        return self._copy_bytes(len(pages), bits, window)
+
+    def _copy_bytes(self, num_pages: int, bits: int, window: tuple[int, ...]) -> int:
+        """Bytes of a host copy of `num_pages` pages at `bits`, with a window or not."""
+        kv = self.ops.device.kv  # its shapes and dtypes only
+        return (self.swap_space.page_bytes(kv, bits) * num_pages
+                + (self.swap_space.window_bytes(kv) if window else 0))
+
+    def swap_in(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
+                cache_key: bytes, version: str) -> bool:
+        """Brings a swapped sequence's pages back (prefix-cache hits reused, the rest from host
+        memory, as a `KVOpKind.SWAP_IN` op planned before the step whose rows read them);
+        False, with nothing changed, when the pool has no room."""
+        cached = self._register_returning(seq_id, token_ids, num_computed, cache_key)
+        if cached is None:
+            return False
+        pages = self.allocator.block_table(seq_id)
+        first = cached // self.page_size
+        num_host = self.host.num_host_pages(seq_id)
+        targets, skipped = self._swap_targets(seq_id, first)
+        if num_host:  # its host-resident pages come back too (those the prefix cache lacks)
+            host = self.host.host_table(seq_id)
+            if first < num_host:
+                self.versions.to_device(host[first:num_host], pages[first:num_host])
+                self._spill()
+                self.ops.issue(KVOp(KVOpKind.HOST_IN, tuple(pages[first:num_host]),
+                                 src=padded(host[first:num_host].tolist()),
+                                 dst=padded(pages[first:num_host])))
+                self.stats["host_pages_in"] += num_host - first
+            self.host.host_pool.free(seq_id)
+        # The copy's pages past the prefix hit, where a window still reads them.
+        kept = [i for i in range(skipped, len(targets)) if targets[i] != RELEASED]
+        dst = [targets[i] for i in kept]
+        slot, bits = self._swap_slots.release(seq_id)
+        window = (self.allocator.seq_slot(seq_id),) if self.keeps_windows else ()
+        written = [p for table in self.allocator.block_tables(seq_id) for p in table[first:]
+                   if p != RELEASED]
+        self.ops.issue(KVOp(KVOpKind.SWAP_IN, tuple(written), src=padded(kept) if kept else (),
+                         dst=padded(dst) if dst else (), seq_slots=window, host_slot=slot))
+        self.versions.mark_written(written, version)
+        self.stats["swaps_in"] += 1
+        self.stats["swap_bytes"] += self._copy_bytes(len(dst), bits, window)
+        return True
+
+    def _held_entries(self, seq_id: str, start: int, stop: int) -> list[tuple[int, int]]:
+        """(block-table entry, layer group) of every page the sequence holds in entries
+        [start, stop) of its tables, entry by entry (a window's released entries left out)."""
+        tables = self.allocator.block_tables(seq_id)
+        return [(index, group) for index in range(start, stop)
+                for group, table in enumerate(tables) if table[index] != RELEASED]
+
+    def _swap_targets(self, seq_id: str, first: int) -> tuple[list[int], int]:
+        """Where a returning sequence's swapped pages go: the page of each one's entry in its
+        group's new table (RELEASED where a window no longer reads it), and how many lead
+        entries before `first` the prefix cache supplied (skipped)."""
+        entries = self._swapped_entries.pop(seq_id)
+        tables = self.allocator.block_tables(seq_id)
+        targets = [tables[group][index] for index, group in entries]
+        skipped = sum(index < first for index, _ in entries)
+        stored = set(entries)
+        lost = [(index, group) for group, table in enumerate(tables)
+                for index in range(max(first, self.host.num_host_pages(seq_id)), len(table))
+                if table[index] != RELEASED and (index, group) not in stored]
+        if lost:
+            raise RuntimeError(f"sequence {seq_id!r} came back with pages at (entry, group) "
+                               f"{lost[:4]} that its swapped copy does not hold")
+        return targets, skipped
+
+    @property
+    def keeps_windows(self) -> bool:
+        """Whether sequences hold state beside their pages (KIVI windows)."""
+        return self.swap_space.keeps_windows
+
+    def restore_window(self, seq_id: str) -> None:
+        """Writes a swapped sequence's saved window into its new slot, once it is registered
+        again (with tiers on, its pages come back as tier loads)."""
+        if not self.keeps_windows:
+            return
+        nbytes = []
+
+        def restore(kv):
+            kv, n = self.swap_space.restore_window(kv, seq_id)
+            nbytes.append(n)
+            return kv
+
+        self.ops.apply(KVOp(KVOpKind.SWAP_IN), restore)
+        self.stats["swap_bytes"] += nbytes[0]
+
+    def drop(self, seq_id: str) -> None:
+        """Forgets a sequence's host copy (it finished or restarts)."""
+        if seq_id in self._swap_slots:
+            self.ops.issue(KVOp(KVOpKind.SWAP_DROP, host_slot=self._swap_slots.release(seq_id)[0]))
+        if self.tiers is not None:
+            self.swap_space.drop(seq_id)
+        self._swapped_entries.pop(seq_id, None)
