@@ -15,69 +15,23 @@ the device before it writes.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
-import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol
 
 import numpy as np
 
+from kvjax.delegation import delegate
+from kvjax.memory.compaction import compact, retain_layout
+from kvjax.memory.page_pool import FreeList as FreeList  # re-exported for its importers
+from kvjax.memory.page_pool import PagePool, PageSource
 from kvjax.memory.prefix_cache import (
-    CachedPage,
     PrefixCache,
     PrefixEviction,
     hash_page,
     hash_root,
 )
-from kvjax.trace import NULL_TRACER, Tracer
-
-
-class PageSource(Protocol):
-    """Where a block manager's free pages come from and go back to.
-
-    An engine's own pool is a `FreeList`; engines that share one arena draw frames from a
-    shared `kvjax.memory.frames.FramePool` instead.
-    """
-
-    def num_free(self) -> int:
-        """Pages `take` can hand out now."""
-
-    def take(self) -> int | None:
-        """A free page, or None when there is none."""
-
-    def give(self, page: int) -> None:
-        """Returns a page nobody holds any longer."""
-
-    def capacity(self) -> int:
-        """The most pages the manager can ever hold at once."""
-
-
-class FreeList:
-    """The free pages of one engine's own pool, handed out in order of release (FIFO)."""
-
-    def __init__(self, num_pages: int):
-        self._pages = collections.deque(range(num_pages))
-        self._num_pages = num_pages
-
-    def num_free(self) -> int:
-        return len(self._pages)
-
-    def take(self) -> int | None:
-        return self._pages.popleft() if self._pages else None
-
-    def give(self, page: int) -> None:
-        self._pages.append(page)
-
-    def capacity(self) -> int:
-        return self._num_pages
-
-    def __len__(self) -> int:
-        return len(self._pages)
-
-    def __iter__(self):
-        return iter(self._pages)
+from kvjax.trace import Tracer
 
 
 class AllocStatus(enum.Enum):
@@ -172,43 +126,49 @@ class BlockManager:
         self.page_size = page_size
         self.prefix_cache = (PrefixCache(page_size, prefix_eviction) if enable_prefix_cache
                              else None)
-        # Page ids are in [0, num_pages) whatever the source; a shared source hands out only
-        # the ids it owns at the time.
-        self._free_pages = FreeList(num_pages) if pages is None else pages
-        self.tracer: Tracer = NULL_TRACER  # page allocations, frees, evictions (set_tracer)
-        self.clock: Callable[[], float] = time.monotonic  # when cached pages are released
-        self._ref_counts = np.zeros([num_pages], np.int32)  # [num_pages]
+        self.pool = PagePool(num_pages, pages, self.prefix_cache)
+        self._free_pages = self.pool.free_pages  # the same PageSource, read by the tests
         self._seqs: dict[Hashable, _Sequence] = {}
         self._stats = BlockManagerStats()
-        # Tier hook: hashes of evictable pages, and (hash, page) of pages evicted since the last
-        # drain; None while nobody records evictions.
-        self._evictable_hashes: dict[int, bytes] | None = None
-        self._evicted: list[tuple[bytes, int]] = []
 
     @property
     def stats(self) -> BlockManagerStats:
-        return self._stats
+        return dataclasses.replace(self._stats, evictions=self.pool.num_evictions)
 
     @property
     def capacity(self) -> int:
         """The most pages this manager can hold at once: num_pages, or its share of a pool
         it shares with other engines (the watermark's reserve is a fraction of it)."""
-        return self._free_pages.capacity()
+        return self.pool.capacity()
 
-    def num_free_pages(self) -> int:
-        """Pages allocatable now: the free list plus unreferenced (evictable) cached pages."""
-        num_evictable = 0 if self.prefix_cache is None else self.prefix_cache.num_evictable()
-        return self._free_pages.num_free() + num_evictable
+    @property
+    def tracer(self) -> Tracer:
+        """Where page allocations, frees and evictions are reported (the `PagePool`'s)."""
+        return self.pool.tracer
 
-    def num_used_pages(self) -> int:
-        """Pages referenced by at least one sequence."""
-        return int(np.count_nonzero(self._ref_counts))
+    @tracer.setter
+    def tracer(self, tracer: Tracer) -> None:
+        self.pool.tracer = tracer
 
-    def ref_count(self, page: int) -> int:
-        """Number of block tables holding `page`."""
-        if not 0 <= page < self.num_pages:
-            raise ValueError(f"page {page} is outside [0, {self.num_pages})")
-        return int(self._ref_counts[page])
+    @property
+    def clock(self) -> Callable[[], float]:
+        """When cached pages are released (the `PagePool`'s clock)."""
+        return self.pool.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.pool.clock = clock
+
+    num_free_pages = delegate("pool", PagePool.num_free_pages)
+    num_used_pages = delegate("pool", PagePool.num_used_pages)
+    ref_count = delegate("pool", PagePool.ref_count)
+    reset_prefix_cache = delegate("pool", PagePool.reset_prefix_cache)
+    record_evictions = delegate("pool", PagePool.record_evictions)
+    drain_evictions = delegate("pool", PagePool.drain_evictions)
+    cached_pages = delegate("pool", PagePool.cached_pages)
+    keep_cached = delegate("pool", PagePool.keep_cached)
+    num_givable_pages = delegate("pool", PagePool.num_givable_pages)
+    give_back_cached = delegate("pool", PagePool.give_back_cached)
 
     def has_sequence(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -302,7 +262,7 @@ class BlockManager:
             hashes = self.prefix_cache.chain_hashes(token_ids[:num_cached], cache_key)
             pages = [RELEASED] * first + found[first:]
             for page in pages[first:]:
-                self._acquire(page)
+                self.pool.acquire(page)
                 if record_stats:
                     self.prefix_cache.record_hit(page)
         num_cached = len(pages) * self.page_size
@@ -363,12 +323,12 @@ class BlockManager:
             return AllocStatus.NO_PAGES, []
         copies = []
         for index in cow_indices:
-            copies.append(CopyOp(src=seq.block_table[index], dst=self._allocate()))
+            copies.append(CopyOp(src=seq.block_table[index], dst=self.pool.allocate()))
             seq.block_table[index] = copies[-1].dst
-        seq.block_table.extend(self._allocate() for _ in range(num_new))
+        seq.block_table.extend(self.pool.allocate() for _ in range(num_new))
         # Sources are released only now, so none is reallocated as a destination of this call.
         for copy in copies:
-            self._release(copy.src)
+            self.pool.release(copy.src)
         if end > start:
             # Positions from `start` on get new content: hashes of the pages they touch are stale.
             del seq.page_hashes[start // self.page_size :]
@@ -413,7 +373,7 @@ class BlockManager:
             raise ValueError(f"sequence {child_id!r} is already registered")
         for page in parent.block_table:
             if page != RELEASED:
-                self._ref_counts[page] += 1
+                self.pool.add_ref(page)
         self._seqs[child_id] = dataclasses.replace(
             parent, block_table=list(parent.block_table), page_hashes=list(parent.page_hashes)
         )
@@ -469,54 +429,26 @@ class BlockManager:
         """
         seq = self._get(seq_id)
         keep = np.asarray(keep, np.int64)  # [S']
-        reused, own, num_alloc = self._retain_layout(seq, keep)
-        p = self.page_size
-        old = seq.block_table
-        num_new_pages = -(-len(keep) // p)
-        taken = set(reused.values())
-        if num_alloc > self.num_free_pages():
+        layout = retain_layout(seq.block_table, seq.num_tokens, keep, self.page_size,
+                               self.pool.is_shared)
+        if layout.num_alloc > self.num_free_pages():
             return AllocStatus.NO_PAGES, np.zeros(0, np.int64), np.zeros(0, np.int64), []
-        table = [old[reused[j]] if j in reused else old[j] if j in own else self._allocate()
-                 for j in range(num_new_pages)]
-        moved = np.array([j not in reused for j in range(num_new_pages)])  # [pages]
-        positions = np.flatnonzero(np.repeat(moved, p)[: len(keep)])  # new positions to fill
-        src = np.array(old, np.int64)[keep[positions] // p] * p + keep[positions] % p
-        dst = np.array(table, np.int64)[positions // p] * p + positions % p
-        changed = src != dst
-        kept = taken | own
+        old = seq.block_table
+        table, src, dst = compact(old, keep, self.page_size, layout, self.pool.allocate)
+        kept = set(layout.reused.values()) | layout.own
         freed = [page for index, page in enumerate(old)
-                 if index not in kept and self._release(page)]
+                 if index not in kept and self.pool.release(page)]
         seq.block_table = table
         seq.num_tokens = len(keep)
         seq.page_hashes = []
         seq.is_indexable = False
-        return AllocStatus.OK, src[changed], dst[changed], freed
+        return AllocStatus.OK, src, dst, freed
 
     def pages_to_retain(self, seq_id: Hashable, keep: Sequence[int]) -> int:
         """New pages `retain(seq_id, keep)` would take from the free list."""
-        return self._retain_layout(self._get(seq_id), np.asarray(keep, np.int64))[2]
-
-    def _retain_layout(self, seq, keep: np.ndarray) -> tuple[dict[int, int], set[int], int]:
-        """`retain`'s new layout of `keep` [S']: (new page index -> the old page index it
-        reuses unmoved, new page indices that rewrite the sequence's own old page there,
-        pages to allocate)."""
-        if keep.ndim != 1 or len(keep) == 0:
-            raise ValueError(f"keep must be a non-empty 1-D list of positions, got {keep!r}")
-        if keep[0] < 0 or keep[-1] >= seq.num_tokens or np.any(np.diff(keep) <= 0):
-            raise ValueError(f"keep must be strictly increasing positions in "
-                             f"[0, {seq.num_tokens}), got {keep.tolist()}")
-        p = self.page_size
-        old = seq.block_table
-        num_new_pages = -(-len(keep) // p)
-        reused = {}  # new page index -> old page index holding its tokens at the same offsets
-        for j in range(num_new_pages):
-            segment = keep[j * p : (j + 1) * p]
-            if segment[0] % p == 0 and segment[-1] - segment[0] == len(segment) - 1:
-                reused[j] = int(segment[0] // p)
-        taken = set(reused.values())
-        own = {j for j in range(min(num_new_pages, len(old)))
-               if j not in reused and j not in taken and not self._is_shared(old[j])}
-        return reused, own, num_new_pages - len(reused) - len(own)
+        seq = self._get(seq_id)
+        return retain_layout(seq.block_table, seq.num_tokens, np.asarray(keep, np.int64),
+                             self.page_size, self.pool.is_shared).num_alloc
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Shortens a sequence to its first `num_tokens` tokens (rejected speculative drafts):
@@ -533,7 +465,7 @@ class BlockManager:
         tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
         del seq.page_hashes[num_tokens // self.page_size:]
         seq.num_tokens = num_tokens
-        return [page for page in reversed(tail) if page != RELEASED and self._release(page)]
+        return [page for page in reversed(tail) if page != RELEASED and self.pool.release(page)]
 
     def release_before(self, seq_id: Hashable, position: int) -> list[int]:
         """With a window: gives back the sequence's pages that no query from `position` on
@@ -551,7 +483,7 @@ class BlockManager:
             page = seq.block_table[index]
             if page != RELEASED:
                 seq.block_table[index] = RELEASED
-                if self._release(page):
+                if self.pool.release(page):
                     freed.append(page)
         return freed
 
@@ -568,7 +500,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} holds no pages at entries "
                              f"[{first}, {first + num})")
         seq.block_table[first:first + num] = [RELEASED] * num
-        return entries, [page for page in entries if self._release(page)]
+        return entries, [page for page in entries if self.pool.release(page)]
 
     def fill_pages(self, seq_id: Hashable, first: int, num: int) -> list[int] | None:
         """Fresh private pages for RELEASED entries [first, first + num) (content coming back
@@ -579,7 +511,7 @@ class BlockManager:
                              "all released")
         if self.num_free_pages() < num:
             return None
-        pages = [self._allocate() for _ in range(num)]
+        pages = [self.pool.allocate() for _ in range(num)]
         seq.block_table[first:first + num] = pages
         return pages
 
@@ -604,39 +536,7 @@ class BlockManager:
         seq = self._get(seq_id)
         del self._seqs[seq_id]
         return [page for page in reversed(seq.block_table)
-                if page != RELEASED and self._release(page)]
-
-    def reset_prefix_cache(self) -> None:
-        """Empties the prefix cache; its unreferenced pages return to the free list."""
-        if self.prefix_cache is not None:
-            for page in self.prefix_cache.reset():  # Invalidated (a weights update): freed.
-                self._free_pages.give(page)
-                self.tracer.emit("invalidate", "page", "pages/device", page=page)
-                self.tracer.emit("free", "page", "pages/device", page=page)
-        if self._evictable_hashes is not None:
-            self._evictable_hashes.clear()
-
-    def record_evictions(self) -> None:
-        """Starts recording the cached pages that allocations evict (see drain_evictions).
-
-        Lower tiers use it to copy a page's content out before its new owner overwrites it.
-        Call it before any page is cached.
-        """
-        if self.prefix_cache is None:
-            raise ValueError("recording evictions needs the prefix cache (enable_prefix_cache)")
-        if self.prefix_cache.num_indexed():
-            raise ValueError(f"record_evictions must precede caching; "
-                             f"{self.prefix_cache.num_indexed()} pages are already cached")
-        self._evictable_hashes = {}
-
-    def drain_evictions(self) -> list[tuple[bytes, int]]:
-        """(page hash, page) of every cached page evicted since the last drain, in order.
-
-        The pages already belong to new owners; their old content stays on the device until the
-        caller lets anything write to them, so it must copy them out before that.
-        """
-        evicted, self._evicted = self._evicted, []
-        return evicted
+                if page != RELEASED and self.pool.release(page)]
 
     def cache_key_of(self, seq_id: Hashable) -> bytes:
         """The cache key `seq_id` was registered with (the seed of its hash chain)."""
@@ -647,11 +547,6 @@ class BlockManager:
             raise ValueError(f"unknown sequence {seq_id!r}")
         return self._seqs[seq_id]
 
-    def _is_shared(self, page: int) -> bool:
-        if self._ref_counts[page] > 1:
-            return True
-        return self.prefix_cache is not None and self.prefix_cache.is_indexed(page)
-
     def _plan(self, seq: _Sequence, start: int, end: int) -> tuple[list[int], int]:
         """(indices in the block table to copy on write, number of pages to append)."""
         num_pages_after = -(-end // self.page_size)
@@ -659,78 +554,4 @@ class BlockManager:
         if end == start:
             return [], num_new
         touched = range(start // self.page_size, min(num_pages_after, len(seq.block_table)))
-        return [i for i in touched if self._is_shared(seq.block_table[i])], num_new
-
-    def _acquire(self, page: int) -> None:
-        if self._ref_counts[page] == 0:
-            self.prefix_cache.mark_in_use(page)
-            if self._evictable_hashes is not None:
-                del self._evictable_hashes[page]
-        self._ref_counts[page] += 1
-
-    def _release(self, page: int) -> bool:
-        """Drops one reference; True when the page went to the free list."""
-        self._ref_counts[page] -= 1
-        if self._ref_counts[page] > 0:
-            return False
-        if self.prefix_cache is not None and self.prefix_cache.is_indexed(page):
-            self.prefix_cache.mark_evictable(page, self.clock())
-            if self._evictable_hashes is not None:
-                self._evictable_hashes[page] = self.prefix_cache.hash_of(page)
-            self.tracer.emit("cache", "page", "pages/device", page=page)
-            return False
-        self._free_pages.give(page)
-        self.tracer.emit("free", "page", "pages/device", page=page)
-        return True
-
-    def _allocate(self) -> int:
-        """Takes a free page, else evicts the least recently released cached page."""
-        page = self._free_pages.take()
-        if page is None:
-            page = self._evict_one()
-            if page is None:
-                raise RuntimeError("no page left; callers check num_free_pages first")
-        self.tracer.emit("allocate", "page", "pages/device", page=page)
-        self._ref_counts[page] = 1
-        return page
-
-    def _evict_one(self) -> int | None:
-        """Evicts the least recently released cached page; None when there is none."""
-        page = None if self.prefix_cache is None else self.prefix_cache.evict_one()
-        if page is None:
-            return None
-        if self._evictable_hashes is not None:
-            self._evicted.append((self._evictable_hashes.pop(page), page))
-        self._stats = dataclasses.replace(self._stats, evictions=self._stats.evictions + 1)
-        self.tracer.emit("evict", "page", "pages/device", page=page)
-        return page
-
-    def cached_pages(self) -> list[CachedPage]:
-        """The unreferenced cached pages (evicted first when a page is needed), least recently
-        released first; none without the prefix cache."""
-        return [] if self.prefix_cache is None else self.prefix_cache.cached_pages()
-
-    def keep_cached(self, pages: Sequence[int]) -> None:
-        """Cached pages to evict only after every other one, in this order (see
-        `PrefixCache.keep`); a no-op without the prefix cache."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.keep(pages)
-
-    def num_givable_pages(self) -> int:
-        """Cached pages `give_back_cached` would return now."""
-        if self.prefix_cache is None or self._evictable_hashes is not None:
-            return 0
-        return self.prefix_cache.num_evictable()
-
-    def give_back_cached(self, num_pages: int) -> int:
-        """Evicts up to `num_pages` least recently released cached pages back to the page
-        source (another engine sharing the source needs them); returns how many. A manager
-        recording evictions for a tier gives none: its spill reads an evicted page in its own
-        engine's next step, and another engine could overwrite the page before that."""
-        if self._evictable_hashes is not None:
-            return 0
-        given = 0
-        while given < num_pages and (page := self._evict_one()) is not None:
-            self._free_pages.give(page)
-            given += 1
-        return given
+        return [i for i in touched if self.pool.is_shared(seq.block_table[i])], num_new

@@ -9,7 +9,7 @@ Plain Python: the runner owns the pool's arrays.
 
 from __future__ import annotations
 
-from kvjax.memory.block_manager import FreeList
+from kvjax.memory.page_pool import FreeList
 
 
 class HostPagePool:

@@ -8,7 +8,8 @@ commits, retention decisions, n > 1 forks, stop checks and finished outputs. Mem
 through the `KVCacheManager`; the scheduler never touches the device pool itself.
 
 The `Scheduler` coordinates components, each behind its own small interface: the
-`RequestTable` (queues and request records), `TierAdmission` (prefix lookups, tier loads,
+`RequestTable` (queues and request records), `WeightVersions`, the `StepPlanner` (forming a
+step) and `StepCommitter` (committing one), `TierAdmission` (prefix lookups, tier loads,
 swap-ins), `ChunkReuse` and `CacheKeys` (context reuse and provenance keys), the
 `SpeculativePlanner`, the `ControllerAdapter` (a KV controller's snapshot and budgets), the
 `PreemptionPolicy` (victim and SWAP / RECOMPUTE), `TenantShares`, `HostPlacement` and the
@@ -17,9 +18,9 @@ swap-ins), `ChunkReuse` and `CacheKeys` (context reuse and provenance keys), the
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
+from kvjax.delegation import delegate
 from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.ops import KVOp
 from kvjax.scheduler.chunks import ChunkReuse
@@ -46,16 +47,6 @@ from kvjax.scheduler.tiered import TierAdmission
 from kvjax.scheduler.versions import WeightVersions
 
 __all__ = ["Scheduler", "SchedulerConfig"]
-
-
-def _of_requests(method: Callable) -> Callable:
-    """A `Scheduler` method that is the request table's (same signature and docstring)."""
-
-    @functools.wraps(method)
-    def forward(self, *args, **kwargs):
-        return method(self.requests, *args, **kwargs)
-
-    return forward
 
 
 def _queue(name: str) -> property:
@@ -137,25 +128,25 @@ class Scheduler:
     waiting, running, swapped, paused = (_queue(n) for n in ("waiting", "running", "swapped",
                                                              "paused"))
     tracer = _queue("tracer")
-    set_tracer = _of_requests(RequestTable.set_tracer)
-    has_request = _of_requests(RequestTable.has_request)
-    has_unfinished = _of_requests(RequestTable.has_unfinished)
-    sequence = _of_requests(RequestTable.sequence)
-    sequences = _of_requests(RequestTable.sequences)
-    force_last_token = _of_requests(RequestTable.force_last_token)
-    request_ids = _of_requests(RequestTable.request_ids)
-    request_meta = _of_requests(RequestTable.request_meta)
-    next_order = _of_requests(RequestTable.next_order)
-    take_finished = _of_requests(RequestTable.take_finished)
-    add_request = _of_requests(RequestTable.add_request)
-    restore_request = _of_requests(RequestTable.restore_request)
-    restore_sequence = _of_requests(RequestTable.restore_sequence)
-    abort = _of_requests(RequestTable.abort)
-    finish = _of_requests(RequestTable.finish)
-    output = _of_requests(RequestTable.output)
-    snapshot_outputs = _of_requests(RequestTable.snapshot_outputs)
-    pause = _of_requests(RequestTable.pause)
-    resume = _of_requests(RequestTable.resume)
+    set_tracer = delegate("requests", RequestTable.set_tracer)
+    has_request = delegate("requests", RequestTable.has_request)
+    has_unfinished = delegate("requests", RequestTable.has_unfinished)
+    sequence = delegate("requests", RequestTable.sequence)
+    sequences = delegate("requests", RequestTable.sequences)
+    force_last_token = delegate("requests", RequestTable.force_last_token)
+    request_ids = delegate("requests", RequestTable.request_ids)
+    request_meta = delegate("requests", RequestTable.request_meta)
+    next_order = delegate("requests", RequestTable.next_order)
+    take_finished = delegate("requests", RequestTable.take_finished)
+    add_request = delegate("requests", RequestTable.add_request)
+    restore_request = delegate("requests", RequestTable.restore_request)
+    restore_sequence = delegate("requests", RequestTable.restore_sequence)
+    abort = delegate("requests", RequestTable.abort)
+    finish = delegate("requests", RequestTable.finish)
+    output = delegate("requests", RequestTable.output)
+    snapshot_outputs = delegate("requests", RequestTable.snapshot_outputs)
+    pause = delegate("requests", RequestTable.pause)
+    resume = delegate("requests", RequestTable.resume)
 
     @property
     def drafter(self) -> Drafter:
