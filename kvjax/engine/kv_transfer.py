@@ -27,6 +27,7 @@ import numpy as np
 
 from kvjax import jit as kvjax_jit
 from kvjax.config import KVLayout
+from kvjax.engine import compat
 from kvjax.engine.engine import Engine
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.block_manager import AllocStatus
@@ -34,11 +35,16 @@ from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
 
-def check_transferable(engine: Engine, name: str) -> None:
-    """Raises ValueError unless `engine` can export and import pages (paged, prefix cache)."""
+def check_transferable(engine: Engine, name: str, uses: Sequence[compat.Feature] = ()) -> None:
+    """Raises ValueError unless `engine` can export and import pages (paged, prefix cache):
+    a feature or operation (`uses`, a decision recording) that `kvjax.engine.compat` refuses
+    with disaggregation, or no prefix cache."""
+    compat.check(engine.config, on_mesh=engine.mesh is not None,
+                 uses=(compat.Feature.DISAGGREGATION, *uses, *compat.operations_of(engine)))
     if engine.config.kv_layout is not KVLayout.PAGED or engine.allocator.prefix_cache is None:
         raise ValueError(f"the {name} engine needs the paged layout with the prefix cache "
                          f"enabled")
+    engine.operations.add(compat.Feature.DISAGGREGATION)
 
 
 def _padded_sizes(engine: Engine) -> list[tuple[int, np.ndarray]]:

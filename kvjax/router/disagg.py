@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from kvjax.engine import kv_transfer
+from kvjax.engine import compat, kv_transfer
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import CompletionOutput, FinishReason, RequestOutput, submit_all
 from kvjax.kv import pages as kv_pages
@@ -101,9 +101,12 @@ class DisaggregatedEngine:
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """Queues a request on the prefill engine. Invalid requests raise ValueError."""
         sampling = sampling or SamplingParams()
-        if sampling.n != 1:
-            raise ValueError(f"request {request_id!r}: disaggregation serves n=1 only, got "
-                             f"n={sampling.n}")
+        uses = (compat.Feature.N_SAMPLES,) if sampling.n != 1 else ()
+        try:  # Recordings may have started since the pair was made.
+            kv_transfer.check_transferable(self.prefill, "prefill", uses)
+            kv_transfer.check_transferable(self.decode, "decode", uses)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r} (n={sampling.n}): {e}") from None
         if request_id in self._requests:
             raise ValueError(f"duplicate request_id {request_id!r}")
         prompt = self.decode.validate_request(request_id, prompt_ids, sampling)

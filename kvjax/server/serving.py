@@ -22,6 +22,7 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvjax.engine import compat
 from kvjax.engine.request import RequestOutput
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.controller import SLO
@@ -584,7 +585,11 @@ class OpenAIServing:
         n=1, and name no cache_salt (its pages travel under the tenant's provenance).
         """
         self._check_model(body.model)
-        for field, refused in (("n", body.n != 1), ("cache_salt", body.cache_salt is not None),
+        if body.n != 1:
+            reason = compat.refusal(compat.Feature.DISAGGREGATION, compat.Feature.N_SAMPLES)
+            raise ApiError(400, f"n={body.n} and prefill/decode disaggregation do not compose: "
+                           f"{reason}", param="n")
+        for field, refused in (("cache_salt", body.cache_salt is not None),
                                ("prompt", not chat and len(body.prompts) != 1)):
             if refused:
                 raise ApiError(400, f"{field}: prefill/decode disaggregation serves one "

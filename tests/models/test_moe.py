@@ -260,6 +260,8 @@ COMPOSING = [
     (Feature.HOST_ROWS, Feature.SWAP),
     (Feature.PYRAMID, Feature.PREFIX_CACHE),
     (Feature.ECHO, Feature.INT8),
+    (Feature.RECORD_DECISIONS, Feature.SWAP),
+    (Feature.DISAGGREGATION, Feature.INT8),
 ]
 # The tiny MoE model's regret bounds (nats; see tests/engine/test_compatibility.py): measured
 # 0.56 with context reuse (CacheBlend, recompute ratio 0.5) and 2.96 with ObservedAttention at
