@@ -84,6 +84,8 @@ class ServerConfig:
       logprobs_after_temperature: report the logprobs (each token's and the top ones) of a
         sampled request (temperature > 0) after its temperature, the distribution it was
         drawn from before penalties and filters; False: the model's own (what trainers read).
+      affinity_secret: the key of /kv_state's affinity digests, shared with the routers in
+        front (`kvjax.server.kv_state`); None: a random key of this process.
     """
 
     model_name: str
@@ -94,6 +96,7 @@ class ServerConfig:
     api_keys: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     allow_client_tenant: bool | None = None
     logprobs_after_temperature: bool = False
+    affinity_secret: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         for key, tenant in self.api_keys.items():
@@ -439,7 +442,8 @@ class OpenAIServing:
         salt = getattr(body, "cache_salt", None)
         self.affinities.record(affinity_key(raw.headers.get("authorization"),
                                             raw.headers.get(TENANT_HEADER) or body.user or None,
-                                            salt), tenant, salt)
+                                            salt, secret=self.config.affinity_secret),
+                               tenant, salt)
         priority = raw.headers.get(PRIORITY_HEADER)
         if priority is None:
             return tenant, 0
