@@ -26,6 +26,14 @@ def embedded_model():
 
 
 @pytest.fixture(scope="session")
+def policy_models():
+    """(a tiny policy, the same architecture with other weights: what training updates it to)."""
+    from kvjax.testing import tiny_model
+
+    return tiny_model(seed=0), tiny_model(seed=1)
+
+
+@pytest.fixture(scope="session")
 def hf_embedded():
     """transformers' own load of the same GGUF file: float32, eval mode."""
     import transformers
