@@ -45,6 +45,13 @@ TINY_MOE = dataclasses.replace(
     moe=MoeConfig(num_experts=8, num_experts_per_tok=2, expert_size=16))
 
 
+def random_prompts(lengths, *, seed: int, vocab_size: int = 120) -> list[list[int]]:
+    """Prompts of the given lengths, token ids drawn uniformly from [0, vocab_size) by a
+    generator seeded with `seed`."""
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, vocab_size, size=n)] for n in lengths]
+
+
 def tiny_model(config: ModelConfig = TINY, seed: int = 0, scale: float = 0.5) -> Model:
     """A Llama with random weights, large enough that greedy decoding is not degenerate.
 

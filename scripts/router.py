@@ -24,6 +24,7 @@ from absl import app, flags
 
 from kvjax.router.http import RouterConfig, serve_router
 from kvjax.router.policies import POLICIES
+from kvjax.server.kv_state import read_affinity_secret
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("replica", [], "Base URLs of the replicas (http://host:port), in order.")
@@ -39,6 +40,9 @@ flags.DEFINE_float("poll_interval_s", 0.1, "Seconds between polls of each replic
 flags.DEFINE_float("read_timeout_s", 300.0, "Longest silence from a replica on a request "
                    "(before its answer or between stream events); then 504.")
 flags.DEFINE_string("replica_api_key", None, "Key for replicas that need one (/kv_state).")
+flags.DEFINE_string("affinity_secret_file", None, "A file holding the key of /kv_state's "
+                    "affinity digests, the same for a router and its replicas (default: a "
+                    "random key per process, so a router finds no tenant's pages).")
 flags.DEFINE_string("log_level", "info", "uvicorn's log level.")
 
 
@@ -52,6 +56,7 @@ def main(argv):
                           poll_interval_s=FLAGS.poll_interval_s,
                           read_timeout_s=FLAGS.read_timeout_s,
                           replica_api_key=FLAGS.replica_api_key,
+                          affinity_secret=read_affinity_secret(FLAGS.affinity_secret_file),
                           prefill_replicas=tuple(FLAGS.prefill_replica),
                           phase_period_s=FLAGS.phase_period_s)
     serve_router(config, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)

@@ -26,6 +26,7 @@ from ml_collections import config_flags
 import kvjax
 from kvjax.bench import runner
 from kvjax.server import ServerConfig, serve
+from kvjax.server.kv_state import read_affinity_secret
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", "configs/serve_demo.py",
@@ -43,6 +44,9 @@ flags.DEFINE_integer("max_waiting_requests", 128, "Sequences (n per request) acc
                      "a first token yet; beyond it requests get 429 with Retry-After.")
 flags.DEFINE_integer("max_waiting_tokens", 1 << 16, "Prompt tokens of those requests; beyond "
                      "it requests get 429 (an empty queue takes any one request).")
+flags.DEFINE_string("affinity_secret_file", None, "A file holding the key of /kv_state's "
+                    "affinity digests, the same for a router and its replicas (default: a "
+                    "random key per process, so a router finds no tenant's pages).")
 flags.DEFINE_list("api_key", [], "API keys clients must send (Authorization: Bearer); their "
                   "requests run as the default tenant.")
 flags.DEFINE_string("api_key_file", None, "A file of lines 'KEY TENANT' (# comments): each "
@@ -158,7 +162,9 @@ def main(argv):
                                drain_timeout_s=FLAGS.drain_timeout_s,
                                api_keys=api_keys_from_flags(),
                                allow_client_tenant=FLAGS.allow_client_tenant,
-                               logprobs_after_temperature=FLAGS.logprobs_after_temperature),
+                               logprobs_after_temperature=FLAGS.logprobs_after_temperature,
+                               affinity_secret=read_affinity_secret(
+                                   FLAGS.affinity_secret_file)),
           host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
     if FLAGS.trace_path:  # serve returns once drained: the trace is complete.
         engine.export_trace(FLAGS.trace_path)

@@ -26,6 +26,14 @@ def embedded_model():
 
 
 @pytest.fixture(scope="session")
+def policy_models():
+    """(a tiny policy, the same architecture with other weights: what training updates it to)."""
+    from kvjax.testing import tiny_model
+
+    return tiny_model(seed=0), tiny_model(seed=1)
+
+
+@pytest.fixture(scope="session")
 def hf_embedded():
     """transformers' own load of the same GGUF file: float32, eval mode."""
     import transformers
@@ -76,22 +84,3 @@ def pytest_collection_modifyitems(config, items):
 
 
 _GROUPED_FIXTURES = frozenset({"hf_embedded", "sharded"})
-
-
-# jit keeps its compiled programs in one process-wide LRU of at most 8192 jitted functions, and
-# an engine's compile count reads the sizes of its functions' entries there. A test process
-# that builds engines for hundreds of tests fills it, and then an entry of a running engine can
-# be dropped and refilled mid-test, which moves its compile count by a program it did not
-# compile. Emptying the cache between modules once it is half full keeps every module's
-# engines clear of that.
-_JIT_CACHE_LIMIT = 4096
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _bounded_jit_cache():
-    yield
-    from jax._src import pjit  # the sizes are not public; without them, clear every module
-    caches = [getattr(pjit, name, None) for name in
-              ("_cpp_pjit_cache_fun_only", "_cpp_pjit_cache_explicit_attributes")]
-    if any(c is None or c.size() > _JIT_CACHE_LIMIT for c in caches):
-        jax.clear_caches()

@@ -165,3 +165,21 @@ def hf_greedy(model_dir_or_model, prompt_ids: list[int], max_new_tokens: int, *,
                              attention_mask=torch.ones((1, len(prompt_ids)), dtype=torch.long),
                              generation_config=generation)
     return out[0, len(prompt_ids):].tolist()
+
+
+def shared_prefix_prompts(rng: np.random.Generator, vocab_size: int) -> list[list[int]]:
+    """Three prompts of ids in [3, vocab_size): the first and last share 12 tokens (a prefix
+    cache hit for page sizes dividing 12), the middle one is 21 tokens of its own."""
+    shared = rng.integers(3, vocab_size, 12).tolist()
+    return [shared + [7, 8, 9], rng.integers(3, vocab_size, 21).tolist(), shared + [40]]
+
+
+def engine_greedy(model, engine_config: dict[str, Any], prompts: list[list[int]],
+                  max_new_tokens: int):
+    """(the engine, each prompt's greedy tokens): every prompt submitted at once to an engine
+    of `engine_config`, generating `max_new_tokens` past EOS."""
+    import kvjax
+
+    engine = kvjax.Engine(model, kvjax.EngineConfig(**engine_config))
+    greedy = kvjax.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return engine, [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]

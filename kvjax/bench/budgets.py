@@ -38,6 +38,7 @@ import numpy as np
 import kvjax
 from kvjax.bench import retention as retention_bench
 from kvjax.bench.metrics import quality_stats
+from kvjax.jit import Program
 from kvjax.kv import presses
 from kvjax.kv.budgets import BudgetScheme, layer_slots
 from kvjax.kv.retention_host import Pooling, pool_scores
@@ -167,7 +168,7 @@ def capture_qkv(model: kvjax.Model, tokens: list[int]
     return np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(logits)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(Program, static_argnames=("config",))
 def _continuation(params, config, k_prompt, v_prompt, kept, tokens):
     s, t = k_prompt.shape[1], tokens.shape[0]
     positions = s + jnp.arange(t, dtype=jnp.int32)

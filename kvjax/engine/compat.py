@@ -29,6 +29,7 @@ from kvjax.kv import quantized
 from kvjax.kv.retention import make_retention
 from kvjax.scheduler.context import make_strategy
 from kvjax.scheduler.preemption import PreemptionMode
+from kvjax.scheduler.replay import is_recorded
 
 __all__ = ["Feature", "MODEL_REFUSED", "ModelTrait", "REFUSED", "check", "check_model",
            "features_of", "model_traits", "pairs", "refusal", "render_markdown"]
@@ -67,6 +68,8 @@ class Feature(enum.Enum):
     HOST_ROWS = "host_rows"
     FUSED_KV_WRITE = "fused_kv_write"
     PYRAMID = "pyramid"
+    RECORD_DECISIONS = "record_decisions"
+    DISAGGREGATION = "disaggregation"
 
     @property
     def group(self) -> str | None:
@@ -139,6 +142,12 @@ _DESCRIPTIONS = {
                      "compresses the prompt once shared over layers, each run of equal "
                      "budgets in a block table of its own that gives back the pages past "
                      "its budget)",
+    Feature.RECORD_DECISIONS: "Engine.record_decisions: the scheduler's calls and decisions "
+                              "recorded, for kvjax.scheduler.replay to decide again without "
+                              "a model",
+    Feature.DISAGGREGATION: "prefill/decode disaggregation (DisaggregatedEngine, the "
+                            "server's P/D endpoints, RL page migration): a prompt's full "
+                            "pages move from one engine's prefix cache into another's",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -276,6 +285,36 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.CONTROLLER], [Feature.ECHO],
            "the controller prices swaps, recomputes and demotions with a model of the device "
            "pool that does not count pages whose only copy is in the host pool")
+    refuse([Feature.HOST_TIER], [Feature.RECORD_DECISIONS],
+           "the tiers move pages by device programs issued as they run (spills, polls, swaps "
+           "through the tiers), which a replay without a model cannot run")
+    refuse([Feature.STREAMING_ROTATED, Feature.EXPECTED_ATTENTION], [Feature.RECORD_DECISIONS],
+           "this policy's host record uses the model's RoPE (to rotate kept keys or to score "
+           "them), and a replay rebuilds the record without a model")
+    refuse([Feature.SNAPSHOT], [Feature.RECORD_DECISIONS],
+           "a restore puts requests and their pages back outside the scheduler's recorded "
+           "calls, so a replay would decide without them")
+    refuse([Feature.DISAGGREGATION], [Feature.RECORD_DECISIONS],
+           "an import commits pages to the prefix cache outside the scheduler's recorded "
+           "calls, so a replay would find other prefix hits than the run did")
+    refuse([Feature.ECHO, Feature.HOST_ROWS], [Feature.RECORD_DECISIONS],
+           "a replay rebuilds the scheduler without the host pool that host-resident rows and "
+           "ECHO's selections move pages to, so it cannot place them")
+    refuse(_KIVI, [Feature.DISAGGREGATION],
+           "KIVI keeps each sequence's latest tokens exact in a window slot of its own, which "
+           "a transfer of full pages neither carries nor has a sequence to hold")
+    refuse([Feature.CONTEXT_REUSE], [Feature.DISAGGREGATION],
+           "a reused chunk's pages are keyed by the chunk alone, not by the prompt's prefix "
+           "chain, along which the pair moves a prompt's pages to the decode engine")
+    refuse([Feature.SNAPSHOT], [Feature.DISAGGREGATION],
+           "a snapshot saves one engine's requests, while a disaggregated request also lives "
+           "in the pair's handoffs and the pages its import pins, which it does not hold")
+    refuse([Feature.N_SAMPLES], [Feature.DISAGGREGATION],
+           "the prefill engine hands the decode engine one sequence, its pages and its first "
+           "token, while n > 1 samples each draw their own first token from the prompt")
+    refuse([Feature.CONTIGUOUS], [Feature.DISAGGREGATION],
+           "pages move from one engine's prefix cache into another's, so both need the paged "
+           "layout, and the contiguous one has neither pages nor a prefix cache")
     _refuse_pyramid(refuse)
     return table
 
@@ -313,6 +352,9 @@ _PYRAMID_REFUSED = (
     ((Feature.CONTROLLER,),
      "the controller sets one token budget per sequence, priced by KL measured with every "
      "layer keeping the same tokens"),
+    ((Feature.RECORD_DECISIONS,),
+     "a replay rebuilds one retention record per sequence, while the per-layer schedule "
+     "keeps one per table group"),
 )
 
 
@@ -551,7 +593,16 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
 
 
 _USE_SETTINGS = {Feature.SNAPSHOT: "snapshots", Feature.N_SAMPLES: "n > 1 sampling",
-                 Feature.PAUSE: "pausing requests"}
+                 Feature.PAUSE: "pausing requests", Feature.SWAP: "pausing to host memory",
+                 Feature.RECORD_DECISIONS: "record_decisions",
+                 Feature.DISAGGREGATION: "prefill/decode disaggregation"}
+
+
+def operations_of(engine: Any) -> tuple[Feature, ...]:
+    """The features an `Engine` runs now besides its config's: a decision recording, the
+    `Engine.operations` it joined (page transfers)."""
+    recorded = (Feature.RECORD_DECISIONS,) if is_recorded(engine.scheduler) else ()
+    return (*recorded, *sorted(engine.operations, key=lambda f: f.value))
 
 
 def features_of(config: Any, *, on_mesh: bool = False) -> set[Feature]:

@@ -121,6 +121,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.clock = clock
         self.mesh = mesh
+        # Features joined at run time beside the config's (`compat.operations_of`).
+        self.operations: set[compat.Feature] = set()
         if mesh is not None:
             from kvjax.parallel import sharding  # Imported lazily: only sharded engines need it.
 
@@ -377,10 +379,8 @@ class Engine:
         `DecisionTrace`, which `kvjax.scheduler.replay.replay` decides again without a model.
         Call it before the engine's first step."""
         cfg = self.config
-        if self.kv_cache.retention.num_tables > 1:
-            raise ValueError("record_decisions: a replay rebuilds one retention record per "
-                             "sequence, while retention_schedule="
-                             f"{cfg.retention_schedule!r} keeps one per table group")
+        compat.check(cfg, on_mesh=self.mesh is not None,
+                     uses=(compat.Feature.RECORD_DECISIONS, *compat.operations_of(self)))
         allocator = copy.deepcopy(self.kv_cache.allocator)
         allocator.tracer = NULL_TRACER
         allocator.clock = time.monotonic  # a replay gives it the replayed clock
@@ -637,6 +637,9 @@ class Engine:
         not preemptible) or, with `to_host`, is swapped to host memory, freeing its pages.
         To move it to another engine, `kvjax.engine.snapshot.save_snapshot` it, `abort` it
         here and restore it there."""
+        if to_host:  # The request's pages are swapped out: what refuses swaps refuses this.
+            compat.check(self.config, on_mesh=self.mesh is not None,
+                         uses=(compat.Feature.PAUSE, compat.Feature.SWAP))
         self.drain()
         self.scheduler.pause(request_id, to_host=to_host)
 

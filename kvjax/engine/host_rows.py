@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.jit import Program
 from kvjax.kv import attention
 from kvjax.kv.state import KVState
 
@@ -181,12 +182,12 @@ class HostPool:
         self._sharding = jax.tree.map(lambda _: host, kv).with_page_leaves(
             [host] * n + [sharding] * num_device_leaves)
         self.kv = jax.device_put(kv, self._sharding)
-        self._out = jax.jit(_move_out, donate_argnums=1, out_shardings=self._sharding)
-        self._in = jax.jit(_move_in, donate_argnums=0)
+        self._out = Program(_move_out, donate_argnums=1, out_shardings=self._sharding)
+        self._in = Program(_move_in, donate_argnums=0)
 
     @property
     def num_compiles(self) -> int:
-        return self._out._cache_size() + self._in._cache_size()
+        return self._out.num_compiles + self._in.num_compiles
 
     def move_out(self, device_kv: KVState, src, dst) -> None:
         """Host page dst[i] becomes a copy of device page src[i]."""

@@ -4,9 +4,9 @@ The two halves of prefill/decode disaggregation, shared by the in-process pair
 (`kvjax.router.disagg.DisaggregatedEngine`) and the HTTP endpoints between processes
 (`kvjax.server.pd`):
 
-- `export_prefix(engine, prompt, tenant)`: the prompt's full pages that the engine's prefix
-  cache holds, gathered page-first into one staging `PageBlob` (`[L, n, ...]` per page leaf, so
-  quantized states travel as codes and scales), n padded to a power of 2.
+- `PageExporter(engine).export_prefix(prompt, tenant)`: the prompt's full pages that the
+  engine's prefix cache holds, gathered page-first into one staging `PageBlob` (`[L, n, ...]`
+  per page leaf, so quantized states travel as codes and scales), n padded to a power of 2.
 - `PageImporter(engine).import_prefix(pin, tokens, staged, num_staged, tenant)`: pages the
   engine already holds for this prefix are kept, the rest are allocated, the staged pages'
   missing part is moved to the engine's devices (`jax.device_put`, resharding between meshes
@@ -27,34 +27,24 @@ import numpy as np
 
 from kvjax import jit as kvjax_jit
 from kvjax.config import KVLayout
+from kvjax.engine import compat
 from kvjax.engine.engine import Engine
 from kvjax.kv import pages as kv_pages
 from kvjax.memory.block_manager import AllocStatus
 from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.shapes import pad_repeat_last, powers_of_2_up_to
 
-gather = jax.jit(kv_pages.gather_pages)  # pages [n] of a KV state -> a PageBlob
-take = jax.jit(kv_pages.take)  # pages [n'] of a staged PageBlob
 
-
-def check_transferable(engine: Engine, name: str) -> None:
-    """Raises ValueError unless `engine` can export and import pages (paged, prefix cache)."""
+def check_transferable(engine: Engine, name: str, uses: Sequence[compat.Feature] = ()) -> None:
+    """Raises ValueError unless `engine` can export and import pages (paged, prefix cache):
+    a feature or operation (`uses`, a decision recording) that `kvjax.engine.compat` refuses
+    with disaggregation, or no prefix cache."""
+    compat.check(engine.config, on_mesh=engine.mesh is not None,
+                 uses=(compat.Feature.DISAGGREGATION, *uses, *compat.operations_of(engine)))
     if engine.config.kv_layout is not KVLayout.PAGED or engine.allocator.prefix_cache is None:
         raise ValueError(f"the {name} engine needs the paged layout with the prefix cache "
                          f"enabled")
-
-
-def export_prefix(engine: Engine, prompt: Sequence[int], tenant: str | None
-                  ) -> tuple[kv_pages.PageBlob | None, int]:
-    """The prompt's full pages in the engine's prefix cache: (staged, their count).
-
-    `staged` is None when none is cached (a prompt shorter than a page, or pages evicted).
-    """
-    cache = engine.allocator.prefix_cache
-    pages = cache.lookup(list(prompt), engine.provenance(tenant))
-    if not pages:
-        return None, 0
-    return gather(engine.kv, pad_repeat_last(pages)), len(pages)
+    engine.operations.add(compat.Feature.DISAGGREGATION)
 
 
 def _padded_sizes(engine: Engine) -> list[tuple[int, np.ndarray]]:
@@ -63,10 +53,35 @@ def _padded_sizes(engine: Engine) -> list[tuple[int, np.ndarray]]:
     return [(n, np.arange(n, dtype=np.int32) % engine.num_pages) for n in sizes]
 
 
-def warm_export(engine: Engine) -> None:
-    """Compiles `export_prefix`'s gather for every padded page count (reads only)."""
-    for _, pages in _padded_sizes(engine):
-        gather(engine.kv, pages)
+class PageExporter:
+    """Gathers prompts' full pages out of one engine's prefix cache; owns its gather program
+    (one compile per padded page count), so its compile count is its own."""
+
+    def __init__(self, engine: Engine):
+        check_transferable(engine, "prefill")
+        self.engine = engine
+        self.gather = kvjax_jit.jit(kv_pages.gather_pages)  # pages [n] of a KV -> a PageBlob
+
+    @property
+    def num_compiles(self) -> int:
+        return self.gather.num_compiles
+
+    def export_prefix(self, prompt: Sequence[int], tenant: str | None
+                      ) -> tuple[kv_pages.PageBlob | None, int]:
+        """The prompt's full pages in the engine's prefix cache: (staged, their count).
+
+        `staged` is None when none is cached (a prompt shorter than a page, or pages evicted).
+        """
+        cache = self.engine.allocator.prefix_cache
+        pages = cache.lookup(list(prompt), self.engine.provenance(tenant))
+        if not pages:
+            return None, 0
+        return self.gather(self.engine.kv, pad_repeat_last(pages)), len(pages)
+
+    def warmup(self) -> None:
+        """Compiles the gather for every padded page count (reads only)."""
+        for _, pages in _padded_sizes(self.engine):
+            self.gather(self.engine.kv, pages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +119,13 @@ class PageImporter:
         self.target = [x.sharding for x in engine.kv.page_leaves()]  # where a PageBlob goes
         self._scatter = kvjax_jit.jit(kv_pages.scatter_pages, donate_argnums=0,
                                       out_shardings=target)
+        self._gather = kvjax_jit.jit(kv_pages.gather_pages)
+        self.take = kvjax_jit.jit(kv_pages.take)  # pages [n'] of a staged PageBlob
         engine.runner.apply(KVOp(KVOpKind.PLACE), lambda kv: jax.device_put(kv, target))
 
     @property
     def num_compiles(self) -> int:
-        return self._scatter._cache_size()
+        return self._scatter.num_compiles + self._gather.num_compiles + self.take.num_compiles
 
     def check_blob(self, staged: Sequence[np.ndarray | jax.Array], num_staged: int) -> None:
         """Raises ValueError naming the leaf whose shape or dtype this engine cannot take."""
@@ -134,7 +151,7 @@ class PageImporter:
 
     def warm(self, pages: np.ndarray) -> None:
         """Compiles the scatter for `len(pages)` pages by writing their own content back."""
-        own = jax.device_put(gather(self.engine.kv, pages), self.target)
+        own = jax.device_put(self._gather(self.engine.kv, pages), self.target)
         self.engine.runner.apply(KVOp(KVOpKind.WARMUP),
                                  lambda kv: self._scatter(kv, pages, own))
 
@@ -162,7 +179,7 @@ class PageImporter:
         index = pad_repeat_last(range(first_page, num_staged))
         # Staged pages on a device are sliced there; pages that came as host arrays (over
         # the network) are sliced on the host, which compiles nothing.
-        part = (take(list(staged), index) if isinstance(staged[0], jax.Array)
+        part = (self.take(list(staged), index) if isinstance(staged[0], jax.Array)
                 else [x[:, index] for x in staged])
         part = jax.device_put(part, self.target)
         self.engine.runner.apply(KVOp(KVOpKind.SCATTER, tuple(targets)),

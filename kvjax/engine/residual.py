@@ -110,7 +110,7 @@ class WindowSwapSpace(HostSwapSpace):
     @property
     def num_compiles(self) -> int:
         return super().num_compiles + sum(
-            f._cache_size() for f in (self._window, self._set_window, self._zero_windows,
+            f.num_compiles for f in (self._window, self._set_window, self._zero_windows,
                                       self._copy_window))
 
     def swap_out(self, kv, op: KVOp):

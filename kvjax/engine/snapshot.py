@@ -62,7 +62,8 @@ SNAPSHOT_FORMAT = 1
 def _check_pages_hold_all_kv(engine: Engine) -> None:
     """Raises ValueError when part of a sequence's KV lives outside its pages (retention, KIVI
     windows: the reasons come from kvjax.engine.compat)."""
-    compat.check(engine.config, on_mesh=engine.mesh is not None, uses=(compat.Feature.SNAPSHOT,))
+    compat.check(engine.config, on_mesh=engine.mesh is not None,
+                 uses=(compat.Feature.SNAPSHOT, *compat.operations_of(engine)))
     compat.check_model(engine.config, engine.model.config, on_mesh=engine.mesh is not None,
                        uses=(compat.Feature.SNAPSHOT,))
 

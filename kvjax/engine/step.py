@@ -737,7 +737,7 @@ class StepPrograms:
     @property
     def num_compiles(self) -> int:
         """Programs compiled so far (one per distinct step shape and KV layout)."""
-        return self._step._cache_size() + self._copy._cache_size() + self._blend._cache_size()
+        return self._step.num_compiles + self._copy.num_compiles + self._blend.num_compiles
 
     def step(self, params, kv: KVState, host_input: dict[str, np.ndarray], shape: StepShape,
              host_kv: KVState | None = None) -> tuple[StepOutput, KVState]:

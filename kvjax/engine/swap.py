@@ -126,7 +126,7 @@ class HostSwapSpace:
 
     @property
     def num_compiles(self) -> int:
-        return sum(f._cache_size() for f in (self._gather, self._scatter, self._zero,
+        return sum(f.num_compiles for f in (self._gather, self._scatter, self._zero,
                                               self._demote, self._restore))
 
     def _to_host(self, x: jax.Array) -> tuple[object, jax.sharding.Sharding]:

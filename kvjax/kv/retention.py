@@ -395,7 +395,7 @@ class Compactor:
 
     @property
     def num_compiles(self) -> int:
-        return self._program._cache_size()
+        return self._program.num_compiles
 
 
 # The scoring presses register themselves beside the policies; importing them here makes

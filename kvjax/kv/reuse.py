@@ -54,7 +54,7 @@ class ChunkCopier:
 
     @property
     def num_compiles(self) -> int:
-        return self._copy._cache_size()
+        return self._copy.num_compiles
 
     def copy(self, kv, src_pages: np.ndarray, offset: int, dst: np.ndarray, shift: int,
              key_scale: float):

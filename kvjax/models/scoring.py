@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
+from kvjax.jit import Program
 from kvjax.models import llama
 from kvjax.models.model import Model
 from kvjax.shapes import next_power_of_2
 
 
-@functools.partial(jax.jit, static_argnames=("config", "chunk"), donate_argnames=("h",))
+@functools.partial(Program, static_argnames=("config", "chunk"), donate_argnames=("h",))
 def _layer_pass(config: ModelConfig, chunk: int, layers, layer: jax.Array, h: jax.Array
                 ) -> jax.Array:
     """One decoder layer over all of h [S, H], chunk by chunk; this layer's K/V [S, K, D]

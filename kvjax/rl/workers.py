@@ -125,6 +125,7 @@ class RolloutWorker:
         self._slices: dict[str, SampleSlice] = {}
         self._outputs: dict[str, RequestOutput] = {}
         self._importer: kv_transfer.PageImporter | None = None
+        self._exporter: kv_transfer.PageExporter | None = None
         self._pins = itertools.count()
         self._busy_s = 0.0
 
@@ -161,7 +162,8 @@ class RolloutWorker:
         if self._importer is None:
             self._importer = kv_transfer.PageImporter(self.engine)
             self._importer.warmup()
-            kv_transfer.warm_export(self.engine)
+            self._exporter = kv_transfer.PageExporter(self.engine)
+            self._exporter.warmup()
 
     def export_pages(self, tokens: Sequence[int]) -> tuple[list[np.ndarray], int, bytes]:
         """The full pages of `tokens`' longest prefix in this worker's prefix cache.
@@ -169,7 +171,9 @@ class RolloutWorker:
         Returns host arrays (`[L, n, ...]` per page leaf, n padded to a power of 2; none when
         nothing is cached), the number of valid pages and the provenance they were made under.
         """
-        staged, num = kv_transfer.export_prefix(self.engine, tokens, None)
+        if self._exporter is None:
+            self._exporter = kv_transfer.PageExporter(self.engine)
+        staged, num = self._exporter.export_prefix(tokens, None)
         host = [] if staged is None else [np.asarray(x) for x in jax.device_get(staged)]
         return host, num, self.engine.provenance()
 
@@ -193,9 +197,8 @@ class RolloutWorker:
         return result
 
     def num_compiles(self) -> int:
-        """Programs compiled: the engine's, the page import's and the (shared) page export's."""
-        moves = (0 if self._importer is None else self._importer.num_compiles
-                 + kv_transfer.gather._cache_size() + kv_transfer.take._cache_size())
+        """Programs compiled: the engine's, the page import's and the page export's."""
+        moves = sum(x.num_compiles for x in (self._importer, self._exporter) if x is not None)
         return self.engine.num_compiles + moves
 
     def update_weights(self, params: Any, version: str, in_flight: WeightUpdatePolicy) -> None:

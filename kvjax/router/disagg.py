@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from kvjax.engine import kv_transfer
+from kvjax.engine import compat, kv_transfer
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import CompletionOutput, FinishReason, RequestOutput, submit_all
 from kvjax.kv import pages as kv_pages
@@ -85,6 +85,7 @@ class DisaggregatedEngine:
         self.prefill = prefill
         self.decode = decode
         self.page_size = prefill.config.page_size
+        self._exporter = kv_transfer.PageExporter(prefill)
         self._importer = kv_transfer.PageImporter(decode)
         self._handoffs: collections.deque[_Handoff] = collections.deque()
         self._requests: dict[str, dict] = {}  # request id -> its prompt, sampling, first output
@@ -100,9 +101,12 @@ class DisaggregatedEngine:
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """Queues a request on the prefill engine. Invalid requests raise ValueError."""
         sampling = sampling or SamplingParams()
-        if sampling.n != 1:
-            raise ValueError(f"request {request_id!r}: disaggregation serves n=1 only, got "
-                             f"n={sampling.n}")
+        uses = (compat.Feature.N_SAMPLES,) if sampling.n != 1 else ()
+        try:  # Recordings may have started since the pair was made.
+            kv_transfer.check_transferable(self.prefill, "prefill", uses)
+            kv_transfer.check_transferable(self.decode, "decode", uses)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r} (n={sampling.n}): {e}") from None
         if request_id in self._requests:
             raise ValueError(f"duplicate request_id {request_id!r}")
         prompt = self.decode.validate_request(request_id, prompt_ids, sampling)
@@ -129,9 +133,8 @@ class DisaggregatedEngine:
 
     @property
     def num_compiles(self) -> int:
-        """Transfer programs compiled so far (gathers are shared by every instance)."""
-        return (kv_transfer.gather._cache_size() + kv_transfer.take._cache_size()
-                + self._importer.num_compiles)
+        """Transfer programs compiled so far (this pair's export and import)."""
+        return self._exporter.num_compiles + self._importer.num_compiles
 
     def warmup(self, max_prompt_len: int | None = None, *, engines: bool = True) -> None:
         """Compiles the transfer programs for every padded page count; the KV is unchanged.
@@ -146,9 +149,9 @@ class DisaggregatedEngine:
         max_pages = max(max_len // self.page_size, 1)
         sizes = powers_of_2_up_to(max_pages)  # every size pad_repeat_last gives
         for n, size in enumerate(sizes):
-            staged = kv_transfer.gather(self.prefill.kv, np.arange(size, dtype=np.int32))
+            staged = self._exporter.gather(self.prefill.kv, np.arange(size, dtype=np.int32))
             for part_size in sizes[:n + 1]:
-                jax.device_put(kv_transfer.take(staged, np.arange(part_size, dtype=np.int32)),
+                jax.device_put(self._importer.take(staged, np.arange(part_size, dtype=np.int32)),
                                self._importer.target)
             # Writing pages' own content back leaves the decode KV as it was.
             self._importer.warm(np.arange(size, dtype=np.int32))
@@ -171,8 +174,7 @@ class DisaggregatedEngine:
                 done.append(out)
                 continue
             meta["first"] = out
-            staged, num_staged = kv_transfer.export_prefix(self.prefill, meta["prompt"],
-                                                           meta["tenant"])
+            staged, num_staged = self._exporter.export_prefix(meta["prompt"], meta["tenant"])
             self._handoffs.append(_Handoff(
                 first=out, prompt=meta["prompt"], sampling=sampling, tenant=meta["tenant"],
                 priority=meta["priority"], staged=staged, num_staged=num_staged,

@@ -93,6 +93,9 @@ class RouterConfig:
         between two stream events); then the client gets 504.
       replica_api_key: sent to replicas that need one for /kv_state (clients' own keys are
         passed through on their requests).
+      affinity_secret: the key of the replicas' /kv_state affinity digests
+        (`ServerConfig.affinity_secret`), so the router finds tenants' cached pages there;
+        None: tenants' requests are told apart without it but matched to no reported root.
       prefill_replicas: base URLs of prefill replicas; when given, requests are
         disaggregated: prefilled there, decoded on `replicas` (see the module docstring).
       phase_period_s: when given, replicas alternate prefill and decode phases
@@ -108,6 +111,7 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 300.0
     replica_api_key: str | None = None
+    affinity_secret: str | None = dataclasses.field(default=None, repr=False)
     prefill_replicas: tuple[str, ...] = ()
     phase_period_s: float | None = None
 
@@ -157,14 +161,14 @@ def _carries_output(event: bytes) -> bool:
         return True  # [DONE], an error event, a completion chunk: the client sees it.
 
 
-def _affinity(body: Any, raw: Request) -> str:
+def _affinity(body: Any, raw: Request, secret: str | None) -> str:
     """The request's affinity key (`kvjax.server.kv_state.affinity_key`), from what the replica
     reads to choose its pages' cache key: the API key, the named tenant and the cache_salt."""
     fields = body if isinstance(body, dict) else {}
     salt = fields.get("cache_salt")
     return affinity_key(raw.headers.get("authorization"),
                         raw.headers.get(TENANT_HEADER) or fields.get("user") or None,
-                        salt if isinstance(salt, str) else None)
+                        salt if isinstance(salt, str) else None, secret=secret)
 
 
 async def _events(response: httpx.Response) -> AsyncIterator[bytes]:
@@ -288,7 +292,7 @@ class HttpRouter:
                    if k.lower() not in ("host", "content-length")}
         headers["x-request-id"] = request_id
         prompt_ids = await self._prompt_ids(path, body)
-        affinity = _affinity(body, raw)
+        affinity = _affinity(body, raw, self.config.affinity_secret)
         if self.prefill_replicas is not None:
             frame = await self._prefill(path, content, headers, request_id, prompt_ids,
                                         affinity)

@@ -31,10 +31,7 @@ import httpx
 
 from kvjax.memory.prefix_cache import hash_page, hash_root
 from kvjax.router.policies import InstanceState
-from kvjax.server.kv_state import HASH_PREFIX_BYTES, affinity_key
-
-# The affinity key of a request naming no tenant, salt or API key (the replica's prefix_root).
-DEFAULT_AFFINITY = affinity_key(None, None, None)
+from kvjax.server.kv_state import DEFAULT_AFFINITY, HASH_PREFIX_BYTES
 
 logger = logging.getLogger(__name__)
 

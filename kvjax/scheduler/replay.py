@@ -30,7 +30,9 @@ record is built without a model); tier traffic (spills, polls, swaps through the
 runs a device program when issued, so a trace holding it does not replay (`ReplayDevice`
 raises a ValueError naming the op's kind). Warm-up records (`KVOpKind.WARMUP`) are
 compilations, not decisions, and are left out of the comparison. Snapshot restores are not
-recorded, nor requests under a grammar (a ValueError names the request).
+recorded, nor requests under a grammar (a ValueError names the request). `Engine.record_decisions`
+refuses, with the reason from `kvjax.engine.compat`, what a replay could not decide again: tiers,
+policies that need the model's RoPE, host pools, snapshots and page imports (disaggregation).
 """
 
 from __future__ import annotations
@@ -151,6 +153,11 @@ class DecisionTrace:
         if not isinstance(trace, DecisionTrace):
             raise ValueError(f"{path!s} holds a {type(trace).__name__}, not a DecisionTrace")
         return trace
+
+
+def is_recorded(scheduler: Scheduler) -> bool:
+    """Whether a `DecisionRecorder` is attached to `scheduler` now."""
+    return any(name in vars(scheduler) for name in ENTRY_POINTS)
 
 
 class DecisionRecorder:

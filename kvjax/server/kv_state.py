@@ -12,6 +12,11 @@ the replica can compute: it knows which tenant an API key runs as, and a salt is
 secret. So the replica reports the roots by *affinity key* (`affinity_key`): a digest of what a
 request carries that decides its cache key (the Authorization header, the tenant it names, its
 cache_salt), which a router in front computes from the same request without learning any of it.
+The digest is keyed (BLAKE2b's keyed mode, a MAC): whoever reads /kv_state without the key
+cannot test guessed API keys or salts against it. A replica's key is random per process unless
+configured (`ServerConfig.affinity_secret`); a router that should find tenants' pages on its
+replicas is configured with the same secret (`RouterConfig.affinity_secret`). Requests carrying
+none of the three share the fixed key `DEFAULT_AFFINITY`, which hides nothing.
 The replica remembers the affinity keys of the requests it served last (`AffinityBook`) and
 reports each one's root, recomputed at every poll (a weights update changes them all).
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import secrets
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,13 +35,41 @@ from kvjax.memory.prefix_cache import hash_root
 # Leading bytes of each page hash sent: 64 bits keep collisions out of reach for any cache
 # size a replica holds, at half the bytes per poll.
 HASH_PREFIX_BYTES = 8
+# The affinity key of a request carrying no API key, tenant or salt (the replica's prefix_root).
+DEFAULT_AFFINITY = "default"
+# The key of this process's affinity digests when none is configured: they then match no
+# other process's, so they say nothing about the requests to anyone without it.
+_PROCESS_SECRET = secrets.token_bytes(32)
 
 
-def affinity_key(authorization: str | None, tenant: str | None, cache_salt: str | None) -> str:
-    """The hex digest under which a replica reports the prefix-chain root of requests carrying
-    this Authorization header, naming this tenant (X-Tenant, else the body's `user`) and this
-    cache_salt. Requests with equal keys have their pages cached under one root on a replica."""
-    digest = hashlib.blake2b(digest_size=HASH_PREFIX_BYTES, person=b"kvjax-affinity")
+def affinity_secret(secret: str | None) -> bytes:
+    """The digest key of a configured secret (any length; None: this process's random key)."""
+    if secret is None:
+        return _PROCESS_SECRET
+    if not secret:
+        raise ValueError("affinity_secret must be a non-empty string or None")
+    return hashlib.blake2b(secret.encode(), digest_size=32, person=b"kvjax-aff-key").digest()
+
+
+def read_affinity_secret(path: str | None) -> str | None:
+    """The secret in the file at `path` (surrounding whitespace dropped), or None without one."""
+    if path is None:
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def affinity_key(authorization: str | None, tenant: str | None, cache_salt: str | None, *,
+                 secret: str | None = None) -> str:
+    """The key under which a replica reports the prefix-chain root of requests carrying this
+    Authorization header, naming this tenant (X-Tenant, else the body's `user`) and this
+    cache_salt: hex of a BLAKE2b digest keyed by `affinity_secret(secret)`, or
+    `DEFAULT_AFFINITY` when all three are None. Requests with equal keys have their pages cached
+    under one root on a replica."""
+    if authorization is None and tenant is None and cache_salt is None:
+        return DEFAULT_AFFINITY
+    digest = hashlib.blake2b(digest_size=HASH_PREFIX_BYTES, key=affinity_secret(secret),
+                             person=b"kvjax-affinity")
     for part in (authorization, tenant, cache_salt):  # None and "" differ; lengths delimit
         data = b"" if part is None else part.encode()
         digest.update(bytes([part is not None]) + len(data).to_bytes(4, "little") + data)

@@ -114,6 +114,7 @@ class PDEndpoints:
     Attributes:
       engine: the AsyncEngine; engine state is touched only through its `call`.
       importers: per served route, the PageImporter (made on the engine thread at first use).
+      exporters: per served route, the PageExporter (made on the engine thread at first use).
 
     A route's first prefill (first import) compiles the transfer programs for every padded
     page count on the engine thread, so later requests compile nothing.
@@ -122,7 +123,7 @@ class PDEndpoints:
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
         self.importers: dict[str | None, kv_transfer.PageImporter] = {}
-        self._warm_exports: set[str | None] = set()
+        self.exporters: dict[str | None, kv_transfer.PageExporter] = {}
 
     def _model_engine(self, serving: OpenAIServing) -> Engine:
         return self.engine.engine.models()[serving.route]
@@ -138,10 +139,11 @@ class PDEndpoints:
         request, out = await serving.prefill_only(body, raw, chat=chat)
 
         def export() -> tuple[list[np.ndarray], bytes]:
-            if serving.route not in self._warm_exports:
-                kv_transfer.warm_export(engine)
-                self._warm_exports.add(serving.route)
-            staged, num = kv_transfer.export_prefix(engine, request.prompt_ids, request.tenant)
+            exporter = self.exporters.get(serving.route)
+            if exporter is None:
+                exporter = self.exporters[serving.route] = kv_transfer.PageExporter(engine)
+                exporter.warmup()
+            staged, num = exporter.export_prefix(request.prompt_ids, request.tenant)
             arrays = [] if staged is None else [np.asarray(a[:, :num]) for a in staged]
             return arrays, engine.provenance(request.tenant)
 

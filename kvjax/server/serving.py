@@ -22,6 +22,7 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvjax.engine import compat
 from kvjax.engine.request import RequestOutput
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.controller import SLO
@@ -83,6 +84,8 @@ class ServerConfig:
       logprobs_after_temperature: report the logprobs (each token's and the top ones) of a
         sampled request (temperature > 0) after its temperature, the distribution it was
         drawn from before penalties and filters; False: the model's own (what trainers read).
+      affinity_secret: the key of /kv_state's affinity digests, shared with the routers in
+        front (`kvjax.server.kv_state`); None: a random key of this process.
     """
 
     model_name: str
@@ -93,6 +96,7 @@ class ServerConfig:
     api_keys: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     allow_client_tenant: bool | None = None
     logprobs_after_temperature: bool = False
+    affinity_secret: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         for key, tenant in self.api_keys.items():
@@ -438,7 +442,8 @@ class OpenAIServing:
         salt = getattr(body, "cache_salt", None)
         self.affinities.record(affinity_key(raw.headers.get("authorization"),
                                             raw.headers.get(TENANT_HEADER) or body.user or None,
-                                            salt), tenant, salt)
+                                            salt, secret=self.config.affinity_secret),
+                               tenant, salt)
         priority = raw.headers.get(PRIORITY_HEADER)
         if priority is None:
             return tenant, 0
@@ -584,7 +589,11 @@ class OpenAIServing:
         n=1, and name no cache_salt (its pages travel under the tenant's provenance).
         """
         self._check_model(body.model)
-        for field, refused in (("n", body.n != 1), ("cache_salt", body.cache_salt is not None),
+        if body.n != 1:
+            reason = compat.refusal(compat.Feature.DISAGGREGATION, compat.Feature.N_SAMPLES)
+            raise ApiError(400, f"n={body.n} and prefill/decode disaggregation do not compose: "
+                           f"{reason}", param="n")
+        for field, refused in (("cache_salt", body.cache_salt is not None),
                                ("prompt", not chat and len(body.prompts) != 1)):
             if refused:
                 raise ApiError(400, f"{field}: prefill/decode disaggregation serves one "

@@ -60,9 +60,9 @@ def test_an_input_too_long_for_the_kv_pool_scores_prefill_only(model):
 def test_lengths_in_one_bucket_compile_once(model):
     scorer = PrefillOnlyScorer(model, kv_budget_bytes=1 << 20, chunk=16)
     scorer.score("a", list(range(1, 40)), [5])
-    compiled = _layer_pass._cache_size()
+    compiled = _layer_pass.num_compiles
     scorer.score("b", list(range(1, 50)), [5, 6])
-    assert _layer_pass._cache_size() == compiled
+    assert _layer_pass.num_compiles == compiled
 
 
 def test_score_lines_in_a_batch_job(model, tmp_path):

@@ -52,7 +52,8 @@ APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, *RETAINED,
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
 MAX_MEAN_REGRET = {"codec": 0.5, "retention": 2.5}
 # The features each pair test runs outside the config.
-RUNTIME = {Feature.MESH, Feature.SNAPSHOT, Feature.N_SAMPLES, Feature.PAUSE}
+RUNTIME = {Feature.MESH, Feature.SNAPSHOT, Feature.N_SAMPLES, Feature.PAUSE,
+           Feature.RECORD_DECISIONS, Feature.DISAGGREGATION}
 # A few pairs whose programs the others share (codec, retention, compaction of codes, tiers,
 # swap, snapshot, n > 1, prefix cache; int8 + snapkv runs in the first combination); the
 # other pairs (swapped KIVI windows, mesh engines, ...) run in the slow suite.
@@ -69,6 +70,7 @@ FAST = {
         (Feature.CONTROLLER, Feature.SWAP), (Feature.CONTROLLER, Feature.STREAMING),
         (Feature.EXPECTED_ATTENTION, Feature.INT8), (Feature.TOVA, Feature.SWAP),
         (Feature.HOST_ROWS, Feature.SWAP), (Feature.ECHO, Feature.SWAP),
+        (Feature.RECORD_DECISIONS, Feature.SWAP), (Feature.DISAGGREGATION, Feature.INT8),
     )
 }
 
@@ -131,6 +133,8 @@ def config_for(features) -> dict:
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),
+        # Pages move through the prefix caches of both engines.
+        Feature.DISAGGREGATION: dict(enable_prefix_cache=True),
     }
     config = dict(BASE)
     for feature in features:
@@ -148,10 +152,17 @@ def run_pair(model, features, oracle, mesh=None) -> dict:
     from kvjax import EngineConfig, SamplingParams, Segment
     from kvjax.engine.engine import Engine
     from kvjax.engine.snapshot import restore_snapshot, save_snapshot
+    from kvjax.router.disagg import DisaggregatedEngine
     from kvjax.scheduler.controller import SLO
+    from kvjax.scheduler.replay import replay
 
     features = set(features)
-    engine = Engine(model, EngineConfig(**config_for(features)), mesh=mesh)
+    config = EngineConfig(**config_for(features))
+    engine = Engine(model, config, mesh=mesh)
+    # Disaggregated: prompts prefill on an engine of their own; `engine` decodes.
+    server = (DisaggregatedEngine(Engine(model, config, mesh=mesh), engine)
+              if Feature.DISAGGREGATION in features else engine)
+    recorder = engine.record_decisions() if Feature.RECORD_DECISIONS in features else None
     prompts = _prompts()
     samplings = [SamplingParams(max_new_tokens=NUM_NEW, ignore_eos=True) for _ in prompts]
     if Feature.N_SAMPLES in features:
@@ -165,18 +176,20 @@ def run_pair(model, features, oracle, mesh=None) -> dict:
         # The last request outranks the others, so the controller makes room for it.
         slo = dict(slo=SLO(ttft_s=60.0, tpot_s=60.0), priority=int(i == len(prompts) - 1)) \
             if Feature.CONTROLLER in features else {}
-        engine.add_request(request_id, prompt, sampling, **slo)
+        if server is not engine:  # the prefill engine takes no SLO
+            slo.pop("slo", None)
+        server.add_request(request_id, prompt, sampling, **slo)
     finished = {}
     steps = 0
-    while engine.has_unfinished():
-        finished.update((o.request_id, o) for o in engine.step())
+    while server.has_unfinished():
+        finished.update((o.request_id, o) for o in server.step())
         steps += 1
         if steps == 2 and Feature.PAUSE in features:  # all live requests sit out two steps
             live = engine.scheduler.request_ids()
             for request_id in live:
                 engine.pause(request_id, to_host=Feature.SWAP in features)
             for _ in range(2):
-                finished.update((o.request_id, o) for o in engine.step())
+                finished.update((o.request_id, o) for o in server.step())
             for request_id in live:
                 engine.resume(request_id)
         if steps == 3 and Feature.SNAPSHOT in features:
@@ -187,14 +200,19 @@ def run_pair(model, features, oracle, mesh=None) -> dict:
                     engine.abort(request_id)
                 assert engine.allocator.num_used_pages() == 0
                 restore_snapshot(engine, path)
+    if recorder is not None:
+        replay(recorder.stop())  # raises ReplayMismatch at a decision decided otherwise
     tokens = [[c.token_ids for c in finished[r].outputs] for r in ids]
+    used_pages = engine.allocator.num_used_pages() + (
+        0 if server is engine else server.prefill.allocator.num_used_pages())
     want = [[oracle(tuple(p))] * s.n for p, s in zip(prompts, samplings, strict=True)] \
         if not features & APPROXIMATE else None
     regret = [mean_regret(model, p, t) for p, samples in zip(prompts, tokens, strict=True)
               for t in samples if len(t) == NUM_NEW]
-    return dict(tokens=tokens, want=want, used_pages=engine.allocator.num_used_pages(),
+    return dict(tokens=tokens, want=want, used_pages=used_pages,
                 preemptions=engine.stats.get("preemptions", 0), steps=steps,
-                chunk_hits=engine.stats["chunk_hits"],
+                chunk_hits=engine.stats["chunk_hits"] + (
+                    0 if server is engine else server.prefill.stats["chunk_hits"]),
                 mean_regret=float(sum(regret) / max(len(regret), 1)))
 
 
@@ -293,18 +311,53 @@ def test_combination_serves_every_request(model, oracle, combination):
 
 @pytest.mark.parametrize("pair", [pytest.param(p, id=_case_id(p)) for p in _REFUSED])
 def test_refused_pair_raises_the_tables_reason(model, pair, tmp_path):
-    from kvjax import EngineConfig
+    from kvjax import EngineConfig, SamplingParams
     from kvjax.engine.engine import Engine
     from kvjax.engine.snapshot import save_snapshot
     from kvjax.parallel.sharding import make_mesh
+    from kvjax.router.disagg import DisaggregatedEngine
 
     with pytest.raises(ValueError, match=re.escape(refusal(*pair))):
         if Feature.MESH in pair:  # a one-device mesh takes the sharded engine's checks
             Engine(model, EngineConfig(**config_for(pair)), mesh=make_mesh(tp=1))
+        elif Feature.RECORD_DECISIONS in pair:
+            engine = Engine(model, EngineConfig(**config_for(pair)))
+            engine.record_decisions()
+            if Feature.SNAPSHOT in pair:
+                save_snapshot(engine, tmp_path / "snap")
+            if Feature.DISAGGREGATION in pair:
+                server = DisaggregatedEngine(Engine(model, engine.config), engine)
+                server.add_request("r", [1, 2, 3])
         elif Feature.SNAPSHOT in pair:
-            save_snapshot(Engine(model, EngineConfig(**config_for(pair))), tmp_path / "snap")
+            engine = Engine(model, EngineConfig(**config_for(pair)))
+            if Feature.DISAGGREGATION in pair:
+                DisaggregatedEngine(Engine(model, engine.config), engine)
+            save_snapshot(engine, tmp_path / "snap")
+        elif Feature.DISAGGREGATION in pair:
+            config = EngineConfig(**config_for(pair))
+            server = DisaggregatedEngine(Engine(model, config), Engine(model, config))
+            server.add_request("r", [1, 2, 3], SamplingParams(n=2))
         else:
             EngineConfig(**config_for(pair))
+
+
+def test_pausing_to_host_memory_is_refused_where_swaps_are(model):
+    """`Engine.pause(to_host=True)` swaps the request's pages out, so the table's refusals of
+    swaps refuse it; the request runs on unpaused."""
+    from kvjax import EngineConfig, SamplingParams
+    from kvjax.engine.engine import Engine
+
+    engine = Engine(model, EngineConfig(**config_for({Feature.PYRAMID})))
+    engine.add_request("r", _prompts()[1], SamplingParams(max_new_tokens=NUM_NEW))
+    engine.step()
+    with pytest.raises(ValueError, match=re.escape(refusal(Feature.PYRAMID, Feature.SWAP))):
+        engine.pause("r", to_host=True)
+    assert not engine.scheduler.paused
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert len(outputs[0].outputs[0].token_ids) == NUM_NEW
+    assert engine.allocator.num_used_pages() == 0
 
 
 def test_the_table_refuses_only_pairs_that_can_meet():

@@ -187,7 +187,7 @@ def test_the_simulated_cache_keeping_everything_is_the_dense_forward(model, capt
         assert every.all(), scheme
     cont = [5, 9, 17, 2]
     got = bench_budgets.continuation_logits(model, k, v, every, cont)
-    compiles = bench_budgets._continuation._cache_size()
+    compiles = bench_budgets._continuation.num_compiles
     dense = np.asarray(llama.forward_dense(model.params, CONFIG, np.asarray(tokens + cont)))
     np.testing.assert_allclose(last, dense[len(tokens) - 1], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got, dense[len(tokens):], rtol=1e-4, atol=1e-4)
@@ -196,7 +196,7 @@ def test_the_simulated_cache_keeping_everything_is_the_dense_forward(model, capt
         np.random.default_rng(0).random(every.shape), BUDGET)
     masked = bench_budgets.continuation_logits(model, k, v, kept, cont)
     assert not np.allclose(masked, got), "keeping fewer tokens changes the logits"
-    assert bench_budgets._continuation._cache_size() == compiles, "one program per shape"
+    assert bench_budgets._continuation.num_compiles == compiles, "one program per shape"
 
 
 def test_budget_schemes_reject_bad_options():

@@ -15,7 +15,14 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_utils import hf_greedy, hf_logits, load_hf_model, make_tiny_hf_checkpoint
+from hf_utils import (
+    engine_greedy,
+    hf_greedy,
+    hf_logits,
+    load_hf_model,
+    make_tiny_hf_checkpoint,
+    shared_prefix_prompts,
+)
 
 import kvjax
 from kvjax.models import llama
@@ -80,17 +87,13 @@ def test_architecture_logits_and_engine_greedy_match_transformers(tmp_path, name
     got = np.asarray(llama.forward_dense(model.params, model.config, jnp.asarray(tokens)))
     assert float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))) <= LOGITS_RTOL
 
-    shared = rng.integers(3, model.config.vocab_size, 12).tolist()
-    prompts = [shared + [7, 8, 9], rng.integers(3, model.config.vocab_size, 21).tolist(),
-               shared + [40]]
+    prompts = shared_prefix_prompts(rng, model.config.vocab_size)
     # Prompts stay within ORIGINAL_LEN, so transformers' one-pass prompt and kvjax's per-token
     # RoPE lengths agree; generation runs past it.
     assert max(map(len, prompts)) + NEW_TOKENS > ORIGINAL_LEN >= max(map(len, prompts))
     expected = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
-    engine = kvjax.Engine(model, kvjax.EngineConfig(**ENGINE))
-    greedy = kvjax.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = engine.generate(prompts, greedy)  # all at once, at most two running
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    engine, tokens = engine_greedy(model, ENGINE, prompts, NEW_TOKENS)  # at most two running
+    assert tokens == expected
     assert engine.prefix_cache_stats()["prefix_hit_tokens"] >= 12
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import itertools
 import re
 
+import hf_utils
 import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_utils import hf_greedy, hf_logits, load_hf_model, make_tiny_hf_checkpoint
 from hypothesis import strategies as st
 
 import kvjax
@@ -68,34 +68,32 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_moe_logits_and_engine_greedy_match_transformers(tmp_path, name):
     model_type, overrides = CASES[name]
-    directory = make_tiny_hf_checkpoint(tmp_path, model_type, seed=3, **overrides)
+    directory = hf_utils.make_tiny_hf_checkpoint(tmp_path, model_type, seed=3, **overrides)
     model = load_hf(directory)
     assert model.config.moe is not None
     assert model.config.moe.dense_layers == ((0,) if "deepseek" in name else ())
-    hf_model = load_hf_model(directory)
+    hf_model = hf_utils.load_hf_model(directory)
 
     rng = np.random.default_rng(0)
     # 64 tokens: the forward pass runs the grouped experts (`moe.default_method`).
     tokens = rng.integers(3, model.config.vocab_size, 64).tolist()
-    ref = hf_logits(hf_model, tokens)  # [T, V]
+    ref = hf_utils.hf_logits(hf_model, tokens)  # [T, V]
     got = np.asarray(llama.forward_dense(model.params, model.config, jnp.asarray(tokens)))
     rtol = LOGITS_RTOL["mla" if model.config.mla is not None else "mha"]
     assert float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))) <= rtol
 
-    shared = rng.integers(3, model.config.vocab_size, 12).tolist()
-    prompts = [shared + [7, 8, 9], rng.integers(3, model.config.vocab_size, 21).tolist(),
-               shared + [40]]
-    expected = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
-    engine = kvjax.Engine(model, kvjax.EngineConfig(**ENGINE))
-    greedy = kvjax.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = engine.generate(prompts, greedy)  # all at once, at most two running
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    prompts = hf_utils.shared_prefix_prompts(rng, model.config.vocab_size)
+    expected = [hf_utils.hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    # All at once, at most two running.
+    engine, tokens = hf_utils.engine_greedy(model, ENGINE, prompts, NEW_TOKENS)
+    assert tokens == expected
     assert engine.prefix_cache_stats()["prefix_hit_tokens"] >= 12
     # Other prompts of the same lengths run the same step shapes: nothing compiles.
     compiled = engine.num_compiles
     other = rng.integers(3, model.config.vocab_size, 12).tolist()
     engine.generate([other + [7, 8, 9], rng.integers(3, model.config.vocab_size, 21).tolist(),
-                     other + [40]], greedy)
+                     other + [40]], kvjax.SamplingParams(max_new_tokens=NEW_TOKENS,
+                                                         ignore_eos=True))
     assert engine.num_compiles == compiled
 
 
@@ -260,6 +258,8 @@ COMPOSING = [
     (Feature.HOST_ROWS, Feature.SWAP),
     (Feature.PYRAMID, Feature.PREFIX_CACHE),
     (Feature.ECHO, Feature.INT8),
+    (Feature.RECORD_DECISIONS, Feature.SWAP),
+    (Feature.DISAGGREGATION, Feature.INT8),
 ]
 # The tiny MoE model's regret bounds (nats; see tests/engine/test_compatibility.py): measured
 # 0.56 with context reuse (CacheBlend, recompute ratio 0.5) and 2.96 with ObservedAttention at

@@ -14,7 +14,7 @@ from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.request import FinishReason, WeightUpdatePolicy
 from kvjax.rl import Rollout, pad_batch, rollout, token_logprobs
-from kvjax.testing import tiny_model
+from kvjax.testing import random_prompts
 
 CONFIG = dict(page_size=4, num_pages=128, max_num_batched_tokens=64, max_prefill_chunk=32,
               max_num_seqs=16, debug_provenance=True)
@@ -23,24 +23,19 @@ GROUP = 3
 
 
 @pytest.fixture(scope="module")
-def models():
-    return tiny_model(seed=0), tiny_model(seed=1)
-
-
-@pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(2)
-    return [[int(t) for t in rng.integers(0, 120, size=n)] for n in (5, 11, 8)]
+    return random_prompts((5, 11, 8), seed=2)
 
 
 @pytest.fixture(scope="module")
-def dense_logprobs(models):
-    config = models[0].config
+def dense_logprobs(policy_models):
+    config = policy_models[0].config
     return jax.jit(lambda params, tokens: token_logprobs(params, config, tokens))
 
 
-def test_batch_layout_and_logprobs_match_dense_recomputation(models, prompts, dense_logprobs):
-    model = models[0]
+def test_batch_layout_and_logprobs_match_dense_recomputation(policy_models, prompts,
+                                                             dense_logprobs):
+    model = policy_models[0]
     batch = rollout(Engine(model, EngineConfig(**CONFIG)), prompts, SAMPLING, group_size=GROUP,
                     seed=3)
     assert batch.num_samples == len(prompts) * GROUP
@@ -64,8 +59,8 @@ def test_batch_layout_and_logprobs_match_dense_recomputation(models, prompts, de
     np.testing.assert_allclose(dense * batch.loss_mask, batch.old_logprobs, atol=2e-5)
 
 
-def test_seeds_reproduce_a_rerun_and_differ_between_prompts(models, prompts):
-    engine = Engine(models[0], EngineConfig(**CONFIG))
+def test_seeds_reproduce_a_rerun_and_differ_between_prompts(policy_models, prompts):
+    engine = Engine(policy_models[0], EngineConfig(**CONFIG))
     same = [prompts[0], prompts[0]]
     first = rollout(engine, same, SAMPLING, group_size=GROUP, seed=11, name="a")
     again = rollout(engine, same, SAMPLING, group_size=GROUP, seed=11, name="b")
@@ -80,8 +75,8 @@ def test_seeds_reproduce_a_rerun_and_differ_between_prompts(models, prompts):
 
 @pytest.mark.parametrize("policy", list(WeightUpdatePolicy), ids=lambda p: p.value)
 def test_update_in_flight_tags_each_token_with_the_weights_that_sampled_it(
-        models, prompts, dense_logprobs, policy):
-    old, new = models
+        policy_models, prompts, dense_logprobs, policy):
+    old, new = policy_models
     engine = Engine(old, EngineConfig(**CONFIG))
     # Stop tokens end samples at different times, so some finish before the update.
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True,
@@ -120,8 +115,8 @@ def test_update_in_flight_tags_each_token_with_the_weights_that_sampled_it(
                 scored[version][b, start + i], abs=1e-4)
 
 
-def test_invalid_requests_queue_nothing(models, prompts):
-    engine = Engine(models[0], EngineConfig(**CONFIG))
+def test_invalid_requests_queue_nothing(policy_models, prompts):
+    engine = Engine(policy_models[0], EngineConfig(**CONFIG))
     with pytest.raises(ValueError, match="conflicts with group_size=3"):
         Rollout(engine, prompts, SamplingParams(n=2), group_size=GROUP)
     with pytest.raises(ValueError, match="token id 500"):
@@ -134,7 +129,7 @@ def test_invalid_requests_queue_nothing(models, prompts):
         pad_batch([[1, 2, 3]], [[4, 5]], [np.zeros(2)], [FinishReason.LENGTH], pad_to=4)
 
 
-def test_batch_invariant_rollout_logprobs_equal_the_trainers_bit_for_bit(models, prompts):
+def test_batch_invariant_rollout_logprobs_equal_the_trainers_bit_for_bit(policy_models, prompts):
     """Sampled rollouts of a batch-invariant engine, scored again by the trainer's forward
     (`token_logprobs(..., page_size=)`): every completion token's logprob is bitwise the one
     the engine recorded, so GRPO's on-policy ratio is exactly 1 and its gradient flows."""
@@ -143,7 +138,7 @@ def test_batch_invariant_rollout_logprobs_equal_the_trainers_bit_for_bit(models,
 
     if invariant.unavailable_reason() is not None:
         pytest.skip(invariant.unavailable_reason())
-    model = models[0]
+    model = policy_models[0]
     engine = Engine(model, EngineConfig(**CONFIG, batch_invariant=True))
     batch = rollout(engine, prompts, SAMPLING, group_size=GROUP, seed=3)
     score = jax.jit(lambda params, tokens: token_logprobs(params, model.config, tokens,

@@ -19,7 +19,7 @@ from kvjax.engine.engine import Engine
 from kvjax.engine.request import WeightUpdatePolicy
 from kvjax.rl import Rollout, RolloutBatch, token_logprobs
 from kvjax.rl.workers import LocalRolloutPool, SamplePlacement, place_samples, shard_bounds
-from kvjax.testing import tiny_model
+from kvjax.testing import random_prompts, tiny_model
 
 CONFIG = EngineConfig(page_size=4, num_pages=128, max_num_batched_tokens=64,
                       max_prefill_chunk=32, max_num_seqs=16, debug_provenance=True)
@@ -31,14 +31,8 @@ UPDATE_AT = 4  # Pool steps before the update lands.
 
 
 @pytest.fixture(scope="module")
-def models():
-    return tiny_model(seed=0), tiny_model(seed=1)
-
-
-@pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(2)
-    return [[int(t) for t in rng.integers(0, 120, size=n)] for n in (5, 11, 8, 6, 9)]
+    return random_prompts((5, 11, 8, 6, 9), seed=2)
 
 
 def run_pool(pool, prompts, new_params) -> tuple[RolloutBatch, dict]:
@@ -75,8 +69,8 @@ def test_placement_puts_every_sample_on_one_worker(placement):
 
 
 @pytest.mark.parametrize("placement", list(SamplePlacement), ids=lambda p: p.value)
-def test_two_workers_sample_what_one_engine_samples(models, prompts, placement):
-    model = models[0]
+def test_two_workers_sample_what_one_engine_samples(policy_models, prompts, placement):
+    model = policy_models[0]
     run = Rollout(Engine(model, CONFIG), prompts, SAMPLING, group_size=GROUP, seed=7)
     run.run()
     expected = run.result()
@@ -103,8 +97,8 @@ def test_two_workers_sample_what_one_engine_samples(models, prompts, placement):
         assert stats["prefill_tokens"] > once
 
 
-def test_broadcast_update_tags_each_token_with_the_weights_that_sampled_it(models, prompts):
-    old, new = models
+def test_broadcast_update_tags_each_token_with_the_weights_that_sampled_it(policy_models, prompts):
+    old, new = policy_models
     batch, stats = run_pool(LocalRolloutPool(2, lambda: old, CONFIG), prompts, new.params)
     assert stats["weight_updates"] == 2 and stats["stale_kv_reads"] == 0
     assert stats["in_flight"] > 0, "the update should land while samples are in flight"
@@ -122,11 +116,11 @@ def test_broadcast_update_tags_each_token_with_the_weights_that_sampled_it(model
                 scored[version][b, start + i], abs=1e-4)
 
 
-def test_ray_actors_give_the_in_process_pool_batch(models, prompts):
+def test_ray_actors_give_the_in_process_pool_batch(policy_models, prompts):
     from kvjax.parallel.ray_local import init_local_ray
     from kvjax.rl.workers import RayRolloutPool
 
-    old, new = models
+    old, new = policy_models
     expected, expected_stats = run_pool(LocalRolloutPool(2, lambda: old, CONFIG), prompts,
                                         new.params)
     init_local_ray(2)

@@ -21,6 +21,7 @@ import hypothesis.strategies as st
 import numpy as np
 import openai
 import pytest
+from affinity_reference import unkeyed_digest
 from prometheus_client.parser import text_string_to_metric_families
 from strategies import HOSTILE_TEXT
 
@@ -512,7 +513,7 @@ def test_api_keys_decide_the_tenant(model):
     key decides the tenant, and a tenant the client names nests inside the key's, so one
     key never reads another's prefix cache."""
     config = ServerConfig(model_name=MODEL_NAME, api_keys={"key-a": "a", "key-b": "b"},
-                          allow_client_tenant=True)
+                          allow_client_tenant=True, affinity_secret="replica-secret")
     prompt = list(range(40, 72))  # 4 full pages of 8 tokens: 24 cached on a hit
     with BackgroundServer(Engine(model, CONFIG), config) as server:
         def cached(key, **kwargs):
@@ -534,6 +535,14 @@ def test_api_keys_decide_the_tenant(model):
         assert cached("key-b") == 0  # another key: another tenant
         assert cached("key-b", user="a") == 0  # naming key a's tenant gives "b/a", not "a"
         assert cached("key-b", user="a") == 24
+        # /kv_state names the keys' tenants by digests keyed with the configured secret: a
+        # router holding it computes them; unkeyed hashes of the headers match none.
+        roots = httpx.get(server.base_url + "/kv_state",
+                          headers={"Authorization": "Bearer key-a"}).json()["prefix_roots"]
+        assert set(roots) == {affinity_key(f"Bearer {key}", user, None, secret="replica-secret")
+                              for key, user in (("key-a", None), ("key-b", None), ("key-b", "a"))}
+        assert not set(roots) & {unkeyed_digest(f"Bearer {key}", user, None)
+                                 for key in ("key-a", "key-b") for user in (None, "a")}
     config = dataclasses.replace(config, allow_client_tenant=None)  # keys: names ignored
     assert not config.honours_client_tenant
     with pytest.raises(ValueError, match="api_keys"):

@@ -62,7 +62,7 @@ class DeviceStaging:
 
     @property
     def num_compiles(self) -> int:
-        return sum(f._cache_size() for f in (self._gather, self._scatter, self._checksums))
+        return sum(f.num_compiles for f in (self._gather, self._scatter, self._checksums))
 
     def _to_host(self, x: jax.Array):
         if self.memory_kind is None:
