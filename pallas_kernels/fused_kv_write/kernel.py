@@ -82,6 +82,22 @@ def _pipelined_kernel(src_ref, dst_ref, layers_ref, x_ref, wk_ref, wv_ref, bk_re
         v_out[pl.ds(h, 1), :] = product(wv_ref, bv_ref, h * d, d).astype(v_out.dtype)
 
 
+# Mosaic's default scoped VMEM (16 MiB on v5e) is less than an 8B model's two layer weights
+# double-buffered; every current TPU has at least 64 MiB of VMEM (v7x), 128 MiB before.
+_VMEM_CAP = 60 * 2**20
+
+
+def _vmem_limit(wk: jax.Array, in_dim: int, n: int) -> int:
+    """Scoped VMEM for the PIPELINED call: wk and wv's layer blocks, double-buffered, and 4 MiB
+    for the rest; ValueError past `_VMEM_CAP` (the weights would need tiling over In)."""
+    need = 2 * 2 * in_dim * n * jnp.dtype(wk.dtype).itemsize + 4 * 2**20
+    if need > _VMEM_CAP:
+        raise ValueError(f"the TPU fused KV write holds a layer's wk and wv in VMEM: "
+                         f"{need / 2**20:.0f} MiB for In={in_dim}, K*D={n} exceeds "
+                         f"{_VMEM_CAP / 2**20:.0f} MiB")
+    return max(need, 16 * 2**20)
+
+
 def _pipelined(x, wk, wv, bias, norm, cos, sin, slots, k_pages, v_pages, layer, pool_layer, *,
                norm_eps, unit_offset, interpret):
     t, in_dim = x.shape
@@ -122,7 +138,9 @@ def _pipelined(x, wk, wv, bias, norm, cos, sin, slots, k_pages, v_pages, layer, 
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={11: 0, 12: 1}, interpret=interpret, name="fused_kv_write")
+        input_output_aliases={11: 0, 12: 1},
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=_vmem_limit(wk, in_dim, n)),
+        interpret=interpret, name="fused_kv_write")
     rows = lambda a: a.reshape(t, 1, a.shape[-1])  # noqa: E731  [T, 1, width]
     return jax.lax.cond(
         jnp.any(valid),
