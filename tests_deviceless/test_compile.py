@@ -9,6 +9,8 @@ custom calls on TPU), so a case that fell back to the interpreter or the jnp ref
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -100,3 +102,19 @@ def test_gpu_blocks_shrink_to_the_target_shared_memory():
         with jax.sharding.use_abstract_mesh(dl.target_mesh(name).abstract_mesh):
             tokens[name] = gpu_block_tokens(rows=16, head_dim=128, dtype=jnp.float32)
     assert tokens["a100"] < tokens["h100"] <= 128
+
+
+@pytest.mark.parametrize("case", [dl.Case("step_decode_fused", t, "bfloat16", "smollm2")
+                                  for t in ("h100", "v5e")], ids=lambda c: c.id)
+def test_engine_step_with_the_fused_kv_write_compiles(case):
+    """fused_kv_write with the Pallas attention, on a qk_norm model (the keys' norm inside
+    the kernel): the write is the target's own kernel beside the attention's (on TPU one
+    Mosaic call more than the unfused step's)."""
+    record = dl.compile_case(case)
+    assert record["status"] == "compiled", record.get("reason")
+    if dl.TARGETS[case.target].platform == "cuda":
+        names = {k["kernel"] for k in record["kernels"]}
+        assert {"fused_kv_write_looped", "paged_decode_looped"} <= names, names
+    else:
+        unfused = dl.compile_case(dataclasses.replace(case, program="step_decode"))
+        assert record["mosaic_calls"] == unfused["mosaic_calls"] + 1

@@ -167,6 +167,11 @@ GROUPED = ("quantized_decode_int8_g32",)
 # The engine's jitted step with attention_impl=pallas over exact paged KV.
 STEPS = ("step_decode", "step_mixed")
 PROGRAMS = KERNELS + STEPS
+# The same steps with fused_kv_write (the Pallas fused KV write) and a qk_norm model (the
+# keys' norm inside the kernel), and the unfused steps of that model to compare their bytes:
+# compiled by their own test and the fused write's bytes, not the full matrix.
+FUSED_STEPS = ("step_decode_fused", "step_mixed_fused")
+QK_NORM_STEPS = ("step_decode_qk", "step_mixed_qk", *FUSED_STEPS)
 DTYPES = ("bfloat16", "float32")
 
 # Case sizes: a decode batch of 8 rows over 2048-token block tables (16-token pages), a
@@ -273,14 +278,17 @@ def _quantized_state(*, codec_name: str, shape: ModelShape):
 
 def step_shape(program: str) -> step_lib.StepShape:
     """The StepShape a step case compiles: decode rows only, or decode rows and prefill."""
-    if program == "step_decode":
+    if program.startswith("step_decode"):
         return step_lib.StepShape(DECODE_ROWS, 0, 1, MAX_PAGES)
     return step_lib.StepShape(DECODE_ROWS, PREFILL_ROWS, CHUNK, MAX_PAGES)
 
 
 def _step_fn_and_args(case: Case) -> tuple[Any, list]:
     """The engine's jitted step (attention_impl=pallas, exact paged KV) and abstract args."""
+    fused = case.program in FUSED_STEPS
     config = SHAPES[case.shape].config()
+    if case.program in QK_NORM_STEPS:
+        config = dataclasses.replace(config, qk_norm=True)
     dtype = jnp.dtype(case.dtype)
     shape = step_shape(case.program)
     params = jax.eval_shape(functools.partial(llama.init_params, config, dtype=dtype),
@@ -289,7 +297,8 @@ def _step_fn_and_args(case: Case) -> tuple[Any, list]:
     inp = step_lib.StepInput(**{name: jax.ShapeDtypeStruct(x.shape, x.dtype)
                                 for name, x in step_lib.empty_step_input(shape).items()})
     fn = jax.jit(functools.partial(step_lib.model_step, config=config, shape=shape,
-                                   attention_impl=step_lib.AttentionImpl.PALLAS),
+                                   attention_impl=step_lib.AttentionImpl.PALLAS,
+                                   fused_kv_write=fused),
                  donate_argnames=("kv",))
     return fn, [params, kv, inp]
 
@@ -322,7 +331,8 @@ def _pallas_kernel_facts(dump_dir: str, target: Target) -> list[dict]:
     """Grid, threads and shared memory of every Pallas kernel XLA launched (its thunk
     sequence), with registers and spills from ptxas over the kernel's PTX."""
     kernels = {}
-    pallas_names = ("paged_decode", "ragged_prefill", "quantized_decode", "sparse_decode")
+    pallas_names = ("paged_decode", "ragged_prefill", "quantized_decode", "sparse_decode",
+                    "fused_kv_write")
     for path in sorted(os.listdir(dump_dir)):
         if not path.endswith("thunk_sequence.txt"):
             continue
@@ -394,12 +404,12 @@ def compile_case(case: Case) -> dict:
     start = time.perf_counter()
     try:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            reason = None if case.program in STEPS else _kernel_refusal(case)
+            is_step = case.program in STEPS + QK_NORM_STEPS
+            reason = None if is_step else _kernel_refusal(case)
             if reason is not None:
                 return dict(record, status="refused", reason=reason,
                             seconds=round(time.perf_counter() - start, 2))
-            fn, args = (_step_fn_and_args(case) if case.program in STEPS
-                        else _kernel_fn_and_args(case))
+            fn, args = _step_fn_and_args(case) if is_step else _kernel_fn_and_args(case)
             lowered = fn.lower(*_abstract(args, sharding))
         with tempfile.TemporaryDirectory() as dump_dir:
             options = {"xla_dump_to": dump_dir} if target.platform == "cuda" else {}

@@ -6,7 +6,10 @@ one prompt (the dtypes alternating, each prompt recomputed: no prefix cache), as
 Quality: teacher-forced next-token distributions of the bfloat16 engine (bfloat16 weights,
 activations and KV pages) against the float32 engine over fixed corpus text
 (`quant.make_text_tokens`): KL(float32 || bfloat16) in nats per token (mean, p99, max) and
-top-1 agreement.
+top-1 agreement. Once in prefill-sized steps (512 tokens: XLA's matmuls), and once per
+`decode_chunks` size in decode-sized steps (at most `kvjax.models.linear.NATIVE_MAX_TOKENS`
+tokens, so every matrix product is the native kernel's, in bfloat16 its AVX-512 BF16 path, as
+in decoding; 1 token per step is decoding's exact shape).
 
 On a CPU without AMX (this one has AVX-512 BF16 but no AMX tiles), XLA's bfloat16 dots are
 YNNPACK's or its own float32 dots over widened operands. Decode-sized steps take the native
@@ -25,6 +28,7 @@ import numpy as np
 
 import kvjax
 from kvjax.bench import decode, quant
+from kvjax.models import linear
 
 DTYPES = ("float32", "bfloat16")
 
@@ -40,6 +44,9 @@ class DtypeBench:
       prefill_len: prompt tokens of the prefill measurement.
       prefill_repeats: timed prefills per dtype.
       quality_tokens: teacher-forced text tokens of the quality measurement.
+      decode_chunks: tokens per step of the decode-sized quality passes (each at most
+        NATIVE_MAX_TOKENS); empty: none.
+      speed: whether to time decode and prefill (else quality only).
       page_size: tokens per KV page.
       seed: which corpus text the prompts are.
     """
@@ -50,6 +57,8 @@ class DtypeBench:
     prefill_len: int = 512
     prefill_repeats: int = 3
     quality_tokens: int = 512
+    decode_chunks: Sequence[int] = (1, 16)
+    speed: bool = True
     page_size: int = 16
     seed: int = 0
 
@@ -100,12 +109,14 @@ def prefill_rates(models: dict[str, kvjax.Model], settings: DtypeBench) -> dict[
                        prefill_s=float(np.median(t))) for name, t in times.items()}
 
 
-def quality(models: dict[str, kvjax.Model], settings: DtypeBench) -> dict[str, float]:
+def quality(models: dict[str, kvjax.Model], settings: DtypeBench, chunk: int = 512
+            ) -> dict[str, float]:
     """KL(float32 || bfloat16) per token (mean, p99, max) and top-1 agreement, teacher-forced
-    over `quality_tokens` tokens of corpus text, plus both perplexities."""
+    over `quality_tokens` tokens of corpus text in steps of `chunk` tokens, plus both
+    perplexities and whether every step's matrix products were the native kernel's."""
     s = settings
     tokens = quant.make_text_tokens(models["float32"], s.quality_tokens, s.seed)
-    engines = {name: _engine(m, batch=1, max_len=len(tokens) + 8, chunk=512,
+    engines = {name: _engine(m, batch=1, max_len=len(tokens) + 8, chunk=chunk,
                              page_size=s.page_size) for name, m in models.items()}
     refs = list(quant.teacher_forced_logits(engines["float32"], tokens, "quality"))
     tests = list(quant.teacher_forced_logits(engines["bfloat16"], tokens, "quality"))
@@ -116,31 +127,45 @@ def quality(models: dict[str, kvjax.Model], settings: DtypeBench) -> dict[str, f
     return dict(kl_mean=float(stats["kl"].mean()), kl_p99=float(np.percentile(stats["kl"], 99)),
                 kl_max=float(stats["kl"].max()), top1_agreement=float(stats["agree"].mean()),
                 ppl_float32=float(np.exp(stats["nll_ref"].mean())),
-                ppl_bfloat16=float(np.exp(stats["nll_test"].mean())), num_tokens=n)
+                ppl_bfloat16=float(np.exp(stats["nll_test"].mean())), num_tokens=n,
+                chunk=chunk, native_matmul=linear.unavailable_reason() is None
+                and chunk <= linear.NATIVE_MAX_TOKENS)
 
 
 def run(model_name: str | None, settings: DtypeBench) -> dict:
     """Every measurement, both dtypes of `model_name` (None: the embedded model)."""
     models = {name: kvjax.load_model(model_name, dtype=name) for name in DTYPES}
     result: dict = dict(environment=decode.environment(), settings=dataclasses.asdict(settings))
-    result["decode"] = {f"B={b}": decode_rates(models, b, settings)
-                        for b in settings.batch_sizes}
-    result["prefill"] = {f"prefill={settings.prefill_len}": prefill_rates(models, settings)}
+    if settings.speed:
+        result["decode"] = {f"B={b}": decode_rates(models, b, settings)
+                            for b in settings.batch_sizes}
+        result["prefill"] = {f"prefill={settings.prefill_len}": prefill_rates(models, settings)}
     result["quality"] = quality(models, settings)
+    for chunk in settings.decode_chunks:
+        if not 1 <= chunk <= linear.NATIVE_MAX_TOKENS:
+            raise ValueError(f"decode_chunks: {chunk} is not a decode-sized step (1 to "
+                             f"{linear.NATIVE_MAX_TOKENS} tokens)")
+    result["quality_decode"] = {f"chunk={c}": quality(models, settings, c)
+                                for c in settings.decode_chunks}
     return result
 
 
 def format_table(result: dict) -> str:
     """A markdown table: tokens/s of each dtype and their ratio, then the quality row."""
-    lines = ["| setting | float32 tok/s | bfloat16 tok/s | bf16 / f32 |", "|---|---|---|---|"]
-    for part in ("decode", "prefill"):
-        for key, rates in result[part].items():
-            f32, bf16 = rates["float32"]["tokens_per_s"], rates["bfloat16"]["tokens_per_s"]
-            lines.append(f"| {key} | {f32:.1f} | {bf16:.1f} | {bf16 / f32:.2f} |")
-    q = result["quality"]
-    lines.append("")
-    lines.append(f"quality over {q['num_tokens']} tokens: KL mean {q['kl_mean']:.2e}, p99 "
-                 f"{q['kl_p99']:.2e}, max {q['kl_max']:.2e} nats; top-1 agreement "
-                 f"{q['top1_agreement']:.3f}; perplexity {q['ppl_float32']:.3f} (float32) vs "
-                 f"{q['ppl_bfloat16']:.3f} (bfloat16)")
+    lines = []
+    if "decode" in result:
+        lines += ["| setting | float32 tok/s | bfloat16 tok/s | bf16 / f32 |",
+                  "|---|---|---|---|"]
+        for part in ("decode", "prefill"):
+            for key, rates in result[part].items():
+                f32, bf16 = rates["float32"]["tokens_per_s"], rates["bfloat16"]["tokens_per_s"]
+                lines.append(f"| {key} | {f32:.1f} | {bf16:.1f} | {bf16 / f32:.2f} |")
+        lines.append("")
+    lines += ["| quality pass (tokens per step) | matmuls | tokens | KL mean | KL p99 | KL max | "
+              "top-1 agreement | ppl float32 | ppl bfloat16 |", "|---" * 9 + "|"]
+    for q in [result["quality"], *result.get("quality_decode", {}).values()]:
+        lines.append(f"| {q['chunk']} | {'native' if q['native_matmul'] else 'XLA'} | "
+                     f"{q['num_tokens']} | {q['kl_mean']:.2e} | {q['kl_p99']:.2e} | "
+                     f"{q['kl_max']:.2e} | {q['top1_agreement']:.3f} | {q['ppl_float32']:.3f} "
+                     f"| {q['ppl_bfloat16']:.3f} |")
     return "\n".join(lines)

@@ -154,3 +154,27 @@ def table(result: Result) -> str:
 def write(result: Result, path: str) -> None:
     with open(path, "w") as f:
         json.dump(dataclasses.asdict(result), f, indent=1)
+
+
+def compiled_bytes_table(records: list[dict]) -> str:
+    """A markdown table of the engine step compiled for GPUs/TPUs with and without the Pallas
+    fused write (`kvjax.bench.deviceless` records of its qk_norm step programs): XLA's
+    temporary bytes and the cost analysis' bytes accessed, unfused (`step_*_qk`) beside
+    fused (`step_*_fused`)."""
+    by_id = {(r["program"], r["target"], r["dtype"], r["shape"]): r for r in records}
+    lines = ["| step | target | dtype | shape | temp bytes unfused | temp bytes fused | "
+             "bytes accessed unfused | bytes accessed fused |", "|---" * 8 + "|"]
+    for (program, target, dtype, shape), fused in by_id.items():
+        if not program.endswith("_fused"):
+            continue
+        unfused = by_id.get((program.replace("_fused", "_qk"), target, dtype, shape))
+        if unfused is None or "compiled" not in (fused["status"], unfused["status"]):
+            continue
+        cells = []
+        for key, part in (("temp_size_in_bytes", "memory"), ("bytes accessed", "cost")):
+            for r in (unfused, fused):
+                value = r.get(part, {}).get(key)
+                cells.append("n/a" if value is None else f"{int(value):,}")
+        lines.append(f"| {program.removesuffix('_fused')} | {target} | {dtype} | {shape} | "
+                     + " | ".join([cells[0], cells[1], cells[2], cells[3]]) + " |")
+    return "\n".join(lines)

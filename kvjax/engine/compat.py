@@ -137,7 +137,8 @@ _DESCRIPTIONS = {
                        "keep older pages in a host pool, where their attention reads them, "
                        "merged exactly with the device's part",
     Feature.FUSED_KV_WRITE: "fused_kv_write=True: each layer's K/V projection writes its "
-                            "rows into the pages itself (native CPU kernel)",
+                            "rows into the pages itself (the native CPU kernel, or the "
+                            "Pallas kernel beside the Pallas attention)",
     Feature.PYRAMID: "retention_schedule='pyramid' (PyramidKV: the budget of a press that "
                      "compresses the prompt once shared over layers, each run of equal "
                      "budgets in a block table of its own that gives back the pages past "
@@ -267,7 +268,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "arena frames store each token as words of the model's codec, not the float32 "
            "rows the fused write stores")
     refuse([Feature.MESH], [Feature.FUSED_KV_WRITE],
-           "the fused write is one CPU kernel over the whole pool, which a mesh shards by kv "
+           "the fused write is one kernel over the whole pool, which a mesh shards by kv "
            "head over devices")
     refuse(_KIVI, [Feature.ECHO],
            "KIVI's row reader joins a sequence's quantized pages with its exact window in the "
@@ -467,9 +468,6 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     (ModelTrait.MLA_LATENT, Feature.FUSED_KV_WRITE):
         "the fused write projects K and V heads into pages of their own, while an MLA cache "
         "holds one latent row per token made by other projections",
-    (ModelTrait.QK_NORM, Feature.FUSED_KV_WRITE):
-        "the fused write turns the projected keys by RoPE as they leave the matmul, while "
-        "this model normalizes each key head over its whole row first",
     (ModelTrait.MOE, Feature.BATCH_INVARIANT):
         "whether each token's chosen experts run alone, grouped with other tokens' rows by "
         "expert, or every expert runs on every token (each summed in its own order) depends "

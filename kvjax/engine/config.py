@@ -81,11 +81,13 @@ class EngineConfig:
         (kvjax.models.invariant). CPU backend, float32 parameters, float32 pages; overrides
         attention_impl and matmul_impl.
       fused_kv_write: each layer's K/V projection writes its rows into the pages itself (one
-        native CPU kernel: matmul, RoPE on K, rows stored into the donated pool;
-        `kvjax.kv.fused_write`) instead of K and V materialized, then scattered, in the steps
-        whose matmuls are native (matmul_impl NATIVE; AUTO up to
+        kernel: matmul, the keys' per-head norm of qk_norm models, RoPE on K, rows stored
+        into the donated pool; `kvjax.kv.fused_write`) instead of K and V materialized, then
+        scattered. Where the attention is the Pallas kernels (attention_impl PALLAS, or AUTO
+        on GPU/TPU) the Pallas kernel writes in every step, any float pages. Else the native
+        CPU kernel, in the steps whose matmuls are native (matmul_impl NATIVE; AUTO up to
         `kvjax.models.linear.NATIVE_MAX_TOKENS` tokens, where larger steps keep XLA's faster
-        matmuls and the scatter; every step with batch_invariant). Exact float32 pages of a
+        matmuls and the scatter; every step with batch_invariant): exact float32 pages of a
         float32 model on the CPU backend; not with matmul_impl XLA.
       min_chunk_bucket: the smallest padded prefill-token total of a step (shape bucketing).
       chunk_bucket_factor: padded prefill-token totals are min_chunk_bucket times powers of
@@ -235,9 +237,10 @@ class EngineConfig:
                              f"in the prefix cache: set enable_prefix_cache=True")
         self._check_kernel_reads_codec()
         if self.fused_kv_write and self.matmul_impl is MatmulImpl.XLA and \
-                not self.batch_invariant:
+                not self.batch_invariant and self.attention_impl is not AttentionImpl.PALLAS:
             raise ValueError("EngineConfig.fused_kv_write projects K and V with the native "
-                             "matmul, and matmul_impl='xla' asks for XLA's: use AUTO or NATIVE")
+                             "matmul (or the Pallas kernel, with attention_impl='pallas'), "
+                             "and matmul_impl='xla' asks for XLA's: use AUTO or NATIVE")
         if self.batch_invariant and self.attention_impl is AttentionImpl.PALLAS:
             raise ValueError("EngineConfig.batch_invariant runs its own fixed-order attention "
                              "on the CPU's native kernels; the Pallas kernels' block sizes "

@@ -147,9 +147,9 @@ class Engine:
         if config.batch_invariant:
             invariant.check(mc, model.dtype, self.kv_dtype)
         if config.fused_kv_write:
-            reason = fused_write.reason_for(kv) or (
-                None if jnp.dtype(model.dtype) == jnp.float32 else
-                f"the kernel multiplies float32 parameters, not {jnp.dtype(model.dtype)}")
+            reason = fused_write.reason_for(
+                kv, model.dtype, qk_norm=mc.qk_norm, batch_invariant=config.batch_invariant,
+                pallas=attention_name(config.attention_impl, kv) == "pallas")
             if reason is not None:
                 raise ValueError(f"EngineConfig.fused_kv_write for model {mc.name!r}: {reason}")
         host_split = make_host_split(config.host_split, **config.host_split_options)

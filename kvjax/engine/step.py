@@ -433,10 +433,12 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     `host_kv`: the host pool, where decode rows keep positions [0, inp.host_lens) (read, never
     written: `kvjax.engine.host_rows`); `host_compute`: its part of their attention runs under
     compute_on("device_host") (else in device memory space). None: no host pool.
-    `fused_kv_write`: in steps whose matmuls are native (`layer_linear`, or batch_invariant),
-    each layer's K/V projection writes its rows into the pages itself (`kvjax.kv.fused_write`;
-    the state must be one it serves) instead of K and V computed, then written; steps on
-    XLA's matmuls (larger prefill chunks under AUTO) keep XLA's projection and the scatter.
+    `fused_kv_write`: each layer's K/V projection writes its rows into the pages itself
+    (`kvjax.kv.fused_write`; the state must be one it serves) instead of K and V computed,
+    then written: where the attention is the Pallas kernels, by the Pallas kernel in every
+    step; else in steps whose matmuls are native (`layer_linear`, or batch_invariant), by the
+    native kernel, and steps on XLA's matmuls (larger prefill chunks under AUTO) keep XLA's
+    projection and the scatter.
     `layer_groups`: the pool's layer groups (`kvjax.kv.spec`), None: the model's
     (`ModelConfig.kv_layer_groups`). Where groups keep retention budgets of their own
     (`kvjax.kv.layer_retention`), key scores are per table group: [R, G, W*P].
@@ -513,23 +515,32 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     page_reads = (jnp.zeros((shape.num_decode, config.num_layers, shape.max_pages), bool)
                   if records_reads else None)  # [Bd, L, W]
 
+    # The Pallas fused write goes with the Pallas attention, in every step; the native one
+    # with the native matmuls (stacked weights read in place).
+    pallas_write = fused_kv_write and not batch_invariant and \
+        attention_name(attention_impl, kv) == "pallas"
+
     def write_kv(layer, x, p, positions, carry):
         kv, key_scores, page_reads = carry
         layer_inp, pool_layer = (inp.for_table(tables[layer]), slots[layer]) if grouped else (
             inp, layer)
         bk, bv = (p["bk"], p["bv"]) if config.qkv_bias else (None, None)
-        kv = fused_write.write_projected(  # wk, wv: stacked [L, In, K*D], read in place
+        kv = fused_write.write_projected(  # wk, wv: stacked [L, In, K*D], or the scan's slice
             kv, pool_layer, layer_inp.slot_mapping, x, p["wk"], p["wv"], layer, bk, bv,
-            *llama.rope_tables(config, positions, layer), invariant=batch_invariant)
+            *llama.rope_tables(config, positions, layer),
+            k_norm=p["k_norm"] if config.qk_norm else None, norm_eps=config.rms_norm_eps,
+            norm_unit_offset=config.norm_unit_offset, invariant=batch_invariant,
+            pallas=pallas_write)
         return kv, key_scores, page_reads
 
     linear = (invariant.linear.invariant_linear if batch_invariant
               else layer_linear(matmul_impl, shape.num_tokens))
+    writes = fused_kv_write and (pallas_write or linear is not None)
     h, (kv, key_scores, page_reads) = llama.decode_body(
         params, config, token_ids, inp.positions, attend, (kv, key_scores, page_reads),
         linear=linear,
         row_sum=invariant.row_sum if batch_invariant else None,
-        write_kv=write_kv if fused_kv_write and linear is not None else None)  # [T, H]
+        write_kv=write_kv if writes else None)  # [T, H]
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     rules = _logit_rules(inp, token_ids, shape, config.vocab_size) if shape.has_rules else None
     token_mask = inp.token_mask if shape.mask_width else None

@@ -718,13 +718,34 @@ bool SameDims(const A& a, const B& b) {
   }
 }
 
-// The fused KV write: K = RoPE(x @ wk[layer] + bk) and V = x @ wv[layer] + bv, row t written
+// Row y (+ bias) normalized in place head by head: each head's D values times
+// 1 / sqrt(mean of their squares + eps), times w (1 + w with unit_offset): the per-head key
+// RMSNorm of qk_norm models (Qwen3, Gemma 3), in float32 like `kvjax.models.llama.norm`
+// (which rounds otherwise: close, not bitwise).
+void NormHeads(float* y, const float* bias, const float* w, int64_t heads, int64_t D,
+               float eps, bool unit_offset) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* yh = y + h * D;
+    if (bias != nullptr) {
+      for (int64_t i = 0; i < D; ++i) yh[i] += bias[h * D + i];
+    }
+    float sum = 0.0f;
+    for (int64_t i = 0; i < D; ++i) sum += yh[i] * yh[i];
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+    for (int64_t i = 0; i < D; ++i)
+      yh[i] = yh[i] * scale * (unit_offset ? 1.0f + w[i] : w[i]);
+  }
+}
+
+// The fused KV write: K = RoPE(norm(x @ wk[layer] + bk)) and V = x @ wv[layer] + bv, row t written
 // into flat slot slots[t] of layer pool_layer of the pools (slots < 0 or past the pool are
 // dropped). The pools are the outputs, aliased to the inputs (XLA donates them), so only the
 // written rows change. K and V pass through a scratch of T rows, one at a time, which stays in
 // cache for a step's few rows instead of two [T, K, D] arrays written, then read by a scatter.
 //   x      f32 [T, In]           wk, wv  f32 [L, In, K*D]      layer, pool_layer  s32 []
 //   bk, bv f32 [K*D], the layer's biases (read with the attribute has_bias; else any shape)
+//   k_norm f32 [D], the keys' per-head RMSNorm weight (read with has_norm, norm_eps and
+//          unit_offset; else any shape; not with invariant)
 //   cos, sin f32 [T, D/2]        slots   s32 [T]
 //   k_pages, v_pages f32 [Lp, num_pages, P, K, D] -> the same, rows written
 ffi::Error LinearKVWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wk,
@@ -732,8 +753,10 @@ ffi::Error LinearKVWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
                          ffi::Buffer<ffi::F32> bv, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                          ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pool_layer,
-                         ffi::Buffer<ffi::F32> k_in, ffi::Buffer<ffi::F32> v_in, bool has_bias,
-                         bool invariant, ffi::Result<ffi::Buffer<ffi::F32>> k_out,
+                         ffi::Buffer<ffi::F32> k_in, ffi::Buffer<ffi::F32> v_in,
+                         ffi::Buffer<ffi::F32> k_norm, bool has_bias, bool invariant,
+                         bool has_norm, float norm_eps, bool unit_offset,
+                         ffi::Result<ffi::Buffer<ffi::F32>> k_out,
                          ffi::Result<ffi::Buffer<ffi::F32>> v_out) {
   auto xd = x.dimensions();
   auto wd = wk.dimensions();
@@ -752,6 +775,9 @@ ffi::Error LinearKVWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     return ffi::Error::InvalidArgument("linear_kv_write: layer out of range");
   if (has_bias && (bk.element_count() != N || bv.element_count() != N))
     return ffi::Error::InvalidArgument("linear_kv_write: bk, bv must be [K*D]");
+  if (has_norm && (k_norm.element_count() != D || invariant))
+    return ffi::Error::InvalidArgument(
+        "linear_kv_write: k_norm must be [D], and the invariant order takes no norm");
   float* kp = k_out->typed_data();
   float* vp = v_out->typed_data();
   // Aliased: the outputs are the inputs' buffers. Were XLA to hand a copy instead, it copies.
@@ -767,8 +793,15 @@ ffi::Error LinearKVWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const float* bkp = has_bias ? bk.typed_data() : nullptr;
   for (int64_t t = 0; t < T; ++t) {
     if (sp[t] < 0 || sp[t] >= num_slots) continue;
-    TurnRow(y.get() + t * N, bkp, cp + t * (D / 2), snp + t * (D / 2), heads, D,
-            kp + pl * layer_floats + sp[t] * N);
+    float* row = y.get() + t * N;
+    if (has_norm) {
+      NormHeads(row, bkp, k_norm.typed_data(), heads, D, norm_eps, unit_offset);
+      TurnRow(row, nullptr, cp + t * (D / 2), snp + t * (D / 2), heads, D,
+              kp + pl * layer_floats + sp[t] * N);
+    } else {
+      TurnRow(row, bkp, cp + t * (D / 2), snp + t * (D / 2), heads, D,
+              kp + pl * layer_floats + sp[t] * N);
+    }
   }
   LinearRowBlocks(pool, x.typed_data(), T, In, wv.typed_data() + l * In * N, N, y.get(),
                   invariant);
@@ -803,8 +836,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxLinearKVWrite, LinearKVWrite,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // pool_layer
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_pages
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_norm
                                   .Attr<bool>("has_bias")
                                   .Attr<bool>("invariant")
+                                  .Attr<bool>("has_norm")
+                                  .Attr<float>("norm_eps")
+                                  .Attr<bool>("unit_offset")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // k_pages
                                   .Ret<ffi::Buffer<ffi::F32>>());  // v_pages
 

@@ -126,9 +126,10 @@ def kv_write_unavailable_reason() -> str | None:
 def linear_kv_write(x: jax.Array, wk: jax.Array, wv: jax.Array, layer: jax.Array,
                     bk: jax.Array | None, bv: jax.Array | None, cos: jax.Array, sin: jax.Array,
                     slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                    pool_layer: jax.Array, *, invariant: bool = False
-                    ) -> tuple[jax.Array, jax.Array]:
-    """K = RoPE(x @ wk[layer] + bk) and V = x @ wv[layer] + bv written by the projection
+                    pool_layer: jax.Array, *, invariant: bool = False,
+                    k_norm: jax.Array | None = None, norm_eps: float = 1e-6,
+                    norm_unit_offset: bool = False) -> tuple[jax.Array, jax.Array]:
+    """K = RoPE(norm(x @ wk[layer] + bk)) and V = x @ wv[layer] + bv written by the projection
     itself into flat slots of layer `pool_layer` of the pages (the native kernel; the pages
     are aliased to its outputs, so with the pools donated XLA updates them in place).
 
@@ -139,6 +140,8 @@ def linear_kv_write(x: jax.Array, wk: jax.Array, wv: jax.Array, layer: jax.Array
       slots: [T] int32 flat slots (page * P + offset; -1: not written).
       k_pages, v_pages: [Lp, num_pages, P, K, D] float32; pool_layer: int32 scalar.
       invariant: the products in `invariant_linear`'s fixed order.
+      k_norm: [D] float32, the keys' per-head RMSNorm weight (qk_norm; epsilon `norm_eps`,
+        scaling by 1 + w with `norm_unit_offset`), or None: no norm. Not with `invariant`.
     Returns:
       (k_pages, v_pages) with the rows written.
 
@@ -146,6 +149,8 @@ def linear_kv_write(x: jax.Array, wk: jax.Array, wv: jax.Array, layer: jax.Array
       ValueError: the kernel is unavailable on this machine.
     """
     reason = kv_write_unavailable_reason()
+    if reason is None and k_norm is not None and invariant:
+        reason = "linear_kv_write: the invariant order normalizes no keys"
     if reason is not None:
         raise ValueError(reason)
     has_bias = bk is not None
@@ -157,7 +162,9 @@ def linear_kv_write(x: jax.Array, wk: jax.Array, wv: jax.Array, layer: jax.Array
         input_output_aliases={10: 0, 11: 1})(
         x, wk, wv, bk if has_bias else empty, bv if has_bias else empty,
         jnp.asarray(layer, jnp.int32), cos, sin, slots, jnp.asarray(pool_layer, jnp.int32),
-        k_pages, v_pages, has_bias=has_bias, invariant=invariant)
+        k_pages, v_pages, empty if k_norm is None else k_norm.astype(jnp.float32),
+        has_bias=has_bias, invariant=invariant, has_norm=k_norm is not None,
+        norm_eps=np.float32(norm_eps), unit_offset=norm_unit_offset)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

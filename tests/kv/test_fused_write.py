@@ -7,6 +7,8 @@ same RoPE tables); every other row of the pool keeps its bits, dropped slots (-1
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +16,9 @@ import pytest
 
 from kvjax.kv import fused_write
 from kvjax.kv.state import PagedKV
-from kvjax.models import linear
+from kvjax.models import linear, llama
 from kvjax.models.rope import RoPE, turn
+from kvjax.testing import TINY
 
 pytestmark = pytest.mark.skipif(linear.kv_write_unavailable_reason() is not None,
                                 reason=str(linear.kv_write_unavailable_reason()))
@@ -85,3 +88,24 @@ def test_states_the_write_cannot_serve_say_why():
         jnp.bfloat16))
     assert "bfloat16" in fused_write.reason_for(bf16)
     assert "does not hold" in fused_write.reason_for(object())
+
+
+@pytest.mark.parametrize("pallas", [False, True], ids=["native", "pallas"])
+def test_key_norm_inside_the_write_is_the_models_norm_then_rope(pallas):
+    """qk_norm (Qwen3): K = RoPE(norm(x @ wk + bk)) per head, against the model's own RMSNorm
+    and RoPE over materialized keys; the Pallas kernel also takes the layer's weight slice."""
+    case = _case(3, bias=True)
+    weight = jnp.asarray(np.random.default_rng(4).normal(size=D), jnp.float32)
+    layer = 1
+    if pallas:  # a scan's slices: [In, K*D]
+        case = dict(case, wk=case["wk"][layer], wv=case["wv"][layer])
+    got = _write(case, pool_layer=0, layer=layer, k_norm=weight, norm_eps=1e-5,
+                 pallas=pallas)
+    wk = case["wk"] if pallas else case["wk"][layer]
+    config = dataclasses.replace(TINY, rms_norm_eps=1e-5)
+    keys = llama.norm(config, (case["x"] @ wk + case["bk"]).reshape(T, K, D), weight)
+    want = np.asarray(turn(keys, case["cos"], case["sin"]))  # [T, K, D]
+    slots = np.asarray(case["slots"])
+    rows = slots >= 0
+    flat = np.asarray(got.k_pages).reshape(L, PAGES * P, K, D)
+    np.testing.assert_allclose(flat[0, slots[rows]], want[rows], rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
-"""The fused KV write's Pallas kernel against its jnp oracle, in interpret mode on the CPU.
+"""The fused KV write's Pallas kernel, both schedules (TPU's and GPU's), against its jnp oracle
+and the model's own key norm and RoPE, in interpret mode on the CPU.
 
 Pools start as NaN, so a row written where it should not be, or not written, shows; slots are
 a random permutation with padding (-1) among them.
@@ -6,15 +7,21 @@ a random permutation with padding (-1) among them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.models.rope import RoPE
+from kvjax.models import llama
+from kvjax.models.rope import RoPE, turn
+from kvjax.testing import TINY
 from pallas_kernels.fused_kv_write import fused_kv_write, fused_kv_write_reference
+from pallas_kernels.fused_kv_write.kernel import Schedule
 
-L, IN, K, D, PAGES, P, T = 2, 24, 2, 8, 5, 4, 6
+L, IN, K, D, PAGES, P, T = 2, 48, 2, 32, 5, 4, 6
+SCHEDULES = pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
 
 
 def _case(seed: int, bias: bool, num_dropped: int):
@@ -29,13 +36,37 @@ def _case(seed: int, bias: bool, num_dropped: int):
                             bv=f32(K * D) if bias else None)
 
 
+@SCHEDULES
 @pytest.mark.parametrize("bias,num_dropped", [(False, 2), (True, 0), (False, T)])
-def test_kernel_writes_the_references_rows_and_nothing_else(bias, num_dropped):
+def test_kernel_writes_the_references_rows_and_nothing_else(bias, num_dropped, schedule):
     args, kw = _case(num_dropped, bias, num_dropped)
-    got = jax.jit(lambda *a: fused_kv_write(*a, **kw, interpret=True))(*args)
+    got = jax.jit(lambda *a: fused_kv_write(*a, **kw, interpret=True, schedule=schedule))(*args)
     want = fused_kv_write_reference(*args, **kw)
     for g, w in zip(got, want, strict=True):
         g, w = np.asarray(g), np.asarray(w)
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
         assert np.isfinite(g).sum() == (T - num_dropped) * K * D
+
+
+@SCHEDULES
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["qwen3", "gemma"])
+def test_k_norm_inside_the_kernel_is_the_models_key_norm(unit_offset, schedule):
+    """Keys normalized per head before RoPE (qk_norm), against the model's own RMSNorm and
+    RoPE over materialized keys (`kvjax.models.llama.norm`, `kvjax.models.rope.turn`)."""
+    args, kw = _case(7, False, 1)
+    x, wk, wv, cos, sin, slots = args[:6]
+    weight = jnp.asarray(np.random.default_rng(8).normal(size=D), jnp.float32)
+    config = dataclasses.replace(TINY, rms_norm_eps=1e-5, norm_unit_offset=unit_offset)
+    got_k, got_v = jax.jit(lambda *a: fused_kv_write(
+        *a, **kw, k_norm=weight, norm_eps=1e-5, norm_unit_offset=unit_offset,
+        interpret=True, schedule=schedule))(*args)
+    keys = llama.norm(config, (x @ wk[1]).reshape(T, K, D), weight)
+    want_k = turn(keys, cos, sin)  # [T, K, D]
+    want_v = (x @ wv[1]).reshape(T, K, D)
+    written = np.asarray(slots) >= 0
+    rows = np.asarray(slots)[written]
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        got = np.asarray(got)[0].reshape(PAGES * P, K, D)
+        np.testing.assert_allclose(got[rows], np.asarray(want)[written], rtol=1e-5, atol=1e-5)
+        assert np.isfinite(got).sum() == written.sum() * K * D
