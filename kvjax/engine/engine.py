@@ -23,7 +23,7 @@ import numpy as np
 
 from kvjax import grammar as grammar_lib
 from kvjax.config import KVLayout, resolve_dtype
-from kvjax.engine import compat, host_rows
+from kvjax.engine import compat, host_rows, kv_calibration
 from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.core import EngineCore
 from kvjax.engine.layer_budgets import pool_layer_groups, retention_manager
@@ -233,6 +233,8 @@ class Engine:
         self.core = EngineCore(
             self.scheduler, self.runner, stats=self.stats, async_scheduling=is_async,
             debug_provenance=config.debug_provenance, tracer=self.tracer)
+        if kv_calibration.calibrates_at_start(config):  # a low-rank pool's key bases
+            self.calibrate_kv(kv_calibration.embedded_prompts(model))
 
     def _build_tiers(self, pool):
         """Host/disk tiers below the pool (config.tiers), and the swap space in front of them."""
@@ -456,7 +458,8 @@ class Engine:
     # ----------------------------------------------------------------------------- KV
 
     def calibrate_kv(self, prompts: Seq[Seq[int]], *, margin: float | None = None) -> None:
-        """Calibrates a `scaling='calibrated'` fp8 KV pool from calibration token sequences.
+        """Calibrates a `scaling='calibrated'` fp8 KV pool, or a low-rank pool's key bases
+        (`kvjax.engine.kv_calibration`), from calibration token sequences.
 
         Runs the model densely over `prompts`, sets static per-layer, per-kv-head K and V
         scales (margin * amax / fp8_max, kvjax.kv.calibration) and rebuilds the step programs
@@ -470,6 +473,11 @@ class Engine:
         if self.has_unfinished() or self.scheduler.paused:
             raise ValueError("calibrate_kv needs an idle engine: requests are in flight or "
                              "paused")
+        lowrank = kv_calibration.lowrank_codec(self.config)
+        if lowrank is not None:  # margin does not apply: the bases keep the top-r directions
+            basis = kv_calibration.key_bases(self.model, prompts, lowrank.rank)
+            self.runner.apply(KVOp(KVOpKind.CALIBRATE), lambda kv: kv.with_basis(basis))
+            return
         codec = (quantized.make_codec(self.config.kv_codec, **self.config.kv_codec_options)
                  if self.config.kv_codec != "none" else None)
         if not isinstance(codec, quantized.codecs.Fp8Codec) or codec.scaling.value != \
