@@ -141,7 +141,8 @@ class Engine:
             mc, config, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
         self.kv_bytes_per_token = pool.kv_bytes_per_token
         self.kv_spec = retention.policy.wrap_spec(pool.spec)
-        kv = retention.policy.wrap_state(pool.kv)
+        # A low-rank pool's key bases, before the pool is placed (on a mesh: sharded).
+        kv = retention.policy.wrap_state(kv_calibration.at_start(pool.kv, model, config))
         if config.batch_invariant:
             invariant.check(mc, model.dtype, self.kv_dtype)
         if config.fused_kv_write:
@@ -233,8 +234,6 @@ class Engine:
         self.core = EngineCore(
             self.scheduler, self.runner, stats=self.stats, async_scheduling=is_async,
             debug_provenance=config.debug_provenance, tracer=self.tracer)
-        if kv_calibration.calibrates_at_start(config):  # a low-rank pool's key bases
-            self.calibrate_kv(kv_calibration.embedded_prompts(model))
 
     def _build_tiers(self, pool):
         """Host/disk tiers below the pool (config.tiers), and the swap space in front of them."""

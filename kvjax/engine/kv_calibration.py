@@ -99,7 +99,10 @@ def lowrank_codec(config: Any) -> codecs.LowRankCodec | None:
     return codecs.get_codec(config.kv_codec, **config.kv_codec_options)
 
 
-def calibrates_at_start(config: Any) -> bool:
-    """Whether an engine of `config` calibrates its pool when it starts."""
+def at_start(kv: Any, model: Any, config: Any) -> Any:
+    """The engine's fresh pool `kv`, its key bases calibrated from `embedded_prompts` when
+    `config` asks for a low-rank pool calibrated at start; any other pool as it is."""
     codec = lowrank_codec(config)
-    return codec is not None and codec.calibration is codecs.LowRankCalibration.EMBEDDED
+    if codec is None or codec.calibration is not codecs.LowRankCalibration.EMBEDDED:
+        return kv
+    return kv.with_basis(key_bases(model, embedded_prompts(model), codec.rank))

@@ -128,7 +128,10 @@ class LowRankPagedKV(kv_state.SlotAddressed):
             raise ValueError(f"basis of shape {tuple(basis.shape)}, expected "
                              f"{tuple(self.basis.shape)} [L, D, r, K]")
         codec = dataclasses.replace(self.codec, digest=basis_digest(basis))
-        return self.replace(basis=jnp.asarray(basis, jnp.float32), codec=codec)
+        # Placed where the old basis lies: a pool committed to a device (or a mesh) stays so,
+        # and the step programs see inputs of the same placement as ever (no recompile).
+        placed = jax.device_put(np.asarray(basis, np.float32), self.basis.sharding)
+        return self.replace(basis=placed, codec=codec)
 
     def page_leaves(self) -> list[jax.Array]:
         """The coordinates' storage entries (by name), then the values."""
@@ -151,6 +154,12 @@ def cache_spec(config: ModelConfig, page_size: int, codec: codecs.LowRankCodec, 
     groups = config.kv_layer_groups() if groups is None else groups
     return kv_spec.cache_spec(groups, codec_name=codec.name, page_size=page_size,
                               tensor_bytes=(codec.bytes_per_token, values.bytes_per_token))
+
+
+def kv_bytes_per_token(config: ModelConfig, codec: codecs.LowRankCodec, v_dtype=jnp.float32
+                       ) -> float:
+    """Bytes one token takes in a low-rank pool: all layers, key coordinates and values."""
+    return cache_spec(config, 1, codec, v_dtype).bytes_per_token
 
 
 def init_lowrank_kv(config: ModelConfig, num_pages: int, page_size: int,
