@@ -281,19 +281,15 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.CONTROLLER], [Feature.ECHO],
            "the controller prices swaps, recomputes and demotions with a model of the device "
            "pool that does not count pages whose only copy is in the host pool")
-    _refuse_lowrank(refuse)
+    for features, reason in _LOWRANK_REFUSED:
+        refuse([Feature.LOWRANK], features, reason)
     _refuse_pyramid(refuse)
     return table
 
 
-def _refuse_lowrank(refuse) -> None:
-    """The low-rank key pool's refusals: it holds each key as coordinates in a basis of the
-    post-RoPE keys, which a rotation does not preserve, and attention reads them with queries
-    projected alike (`kvjax.kv.lowrank`)."""
-    for features, reason in _LOWRANK_REFUSED:
-        refuse([Feature.LOWRANK], features, reason)
-
-
+# The low-rank key pool's refusals: it holds each key as coordinates in a basis of the
+# post-RoPE keys, which a rotation does not preserve, and attention reads them with queries
+# projected alike (`kvjax.kv.lowrank`).
 _LOWRANK_REFUSED = (
     ((Feature.CONTIGUOUS,),
      "the key coordinates are stored per page, so the low-rank pool needs the paged layout"),
