@@ -525,9 +525,9 @@ class _Present:
 def _codec(config: Any) -> list[_Present]:
     if config.kv_codec == "none":
         return []
+    codec = quantized.make_codec(config.kv_codec, **config.kv_codec_options)  # checks options
     if config.kv_codec == Feature.LOWRANK.value:
         return [_Present(Feature.LOWRANK, f"kv_codec={config.kv_codec!r}")]
-    codec = quantized.make_codec(config.kv_codec, **config.kv_codec_options)
     if not quantized.is_kivi(codec):
         return [_Present(Feature.INT8, f"kv_codec={config.kv_codec!r}")]
     if codec.residual:

@@ -786,9 +786,16 @@ def _kivi_factory(bits: int) -> Callable[..., KVCodec]:
     return build
 
 
-def _lowrank(*, rank: int, quantize: str = "none",
+def _lowrank(*, rank: int | None = None, quantize: str = "none",
              calibration: str | LowRankCalibration = LowRankCalibration.EMBEDDED) -> KVCodec:
-    return LowRankCodec(rank, quantize, LowRankCalibration(calibration))
+    if rank is None:
+        raise ValueError("codec 'lowrank' needs the option rank (an int, 1 <= rank <= head_dim)")
+    try:
+        calibration = LowRankCalibration(calibration)
+    except ValueError:
+        raise ValueError(f"calibration={calibration!r}; expected one of "
+                         f"{[c.value for c in LowRankCalibration]}") from None
+    return LowRankCodec(rank, quantize, calibration)
 
 
 CODECS: dict[str, Callable[..., KVCodec]] = {
