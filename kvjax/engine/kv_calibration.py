@@ -1,14 +1,15 @@
 """Calibrating a low-rank key pool (`kv_codec='lowrank'`): its bases from sample prompts.
 
 With `calibration='embedded'` (the default) the engine calibrates when it starts, from
-`embedded_prompts`: a few paragraphs of ordinary English text in the model's tokenizer (seeded
-random token ids for a model without one). The bases depend only on the weights, the prompts
-and the rank, so they are cached on disk (`$KVJAX_LOWRANK_CACHE`, default
-`~/.cache/kvjax/lowrank`) under a key made of those three: a second engine of the same model
-reads the file instead of running the model again. The weights enter the key through a
-fingerprint of every parameter leaf's shape, dtype and a strided sample of its values (a
-full hash would read every weight at each start), plus the model's weights version.
-With `calibration='manual'` the pool waits for `Engine.calibrate_kv(prompts)`.
+`embedded_prompts`: a few paragraphs of ordinary English text in the model's tokenizer
+(seeded random token ids for a model without one), in one sequence of 2048 positions. The
+bases depend only on the weights, the prompts and the rank, so they are cached on disk
+(`$KVJAX_LOWRANK_CACHE`, default `~/.cache/kvjax/lowrank`) under a key made of those three:
+a second engine of the same model reads the file instead of running the model again. The
+weights enter the key through a fingerprint of every parameter leaf's shape, dtype and a
+strided sample of its values (a full hash would read every weight at each start), plus the
+model's weights version. With `calibration='manual'` the pool waits for
+`Engine.calibrate_kv(prompts)`.
 """
 
 from __future__ import annotations
@@ -45,17 +46,25 @@ _SAMPLE_TEXTS = (
     "with a chain of 66 feet. Her maps, revised in 1903 and again in 1921, were used by "
     "fishing fleets until the first aerial surveys.",
 )
-_RANDOM_PROMPTS = (6, 96)  # prompts, tokens each, for a model without a tokenizer
+# Calibration positions: RoPE turns a key further the later it sits, so bases taken from short
+# prompts alone miss the directions of keys deep in a long context.
+CALIBRATION_TOKENS = 2048
 
 
 def embedded_prompts(model: Any) -> list[list[int]]:
-    """The built-in calibration prompts in `model`'s tokens."""
-    tokenizer = model.tokenizer
-    if tokenizer is not None:
-        return [tokenizer.encode(text) for text in _SAMPLE_TEXTS]
-    num, length = _RANDOM_PROMPTS
+    """The built-in calibration prompt in `model`'s tokens: the sample texts in seeded orders,
+    one after another, to CALIBRATION_TOKENS positions (the model's limit if lower)."""
+    length = min(CALIBRATION_TOKENS, model.config.max_position_embeddings)
     rng = np.random.default_rng(0)
-    return rng.integers(0, model.config.vocab_size, (num, length)).tolist()
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        return [rng.integers(0, model.config.vocab_size, length).tolist()]
+    texts = [tokenizer.encode(text + "\n\n") for text in _SAMPLE_TEXTS]
+    tokens: list[int] = []
+    while len(tokens) < length:
+        for i in rng.permutation(len(texts)):
+            tokens += texts[i]
+    return [tokens[:length]]
 
 
 def weights_fingerprint(model: Any) -> str:
