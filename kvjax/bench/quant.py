@@ -24,7 +24,7 @@ from kvjax.bench.corpus import make_corpus, make_needle_prompt
 from kvjax.bench.metrics import log_softmax
 from kvjax.config import ModelConfig
 from kvjax.engine.step import LogitsMode
-from kvjax.kv import quantized
+from kvjax.kv import lowrank, quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,8 @@ class QuantBench:
     Attributes:
       codecs: codecs compared with exact (float32) KV: a registered name, '-cal' for
         calibrated fp8 (calibrate_kv on other corpus text), '-r<R>' for a KIVI residual
-        window of R tokens.
+        window of R tokens; 'lowrank-r<r>' for low-rank keys of rank r calibrated on other
+        corpus text ('-int8': int8 coordinates; '-emb': the engine's built-in prompts).
       contexts: teacher-forced sequence lengths in tokens.
       page_size: tokens per page, the same for every codec.
       group: group of int4/int2 (channels) and KIVI (tokens, channels).
@@ -65,6 +66,10 @@ class QuantBench:
 def codec_options(codec: str, page_size: int, group: int) -> dict:
     """The options each codec spec ('kivi4-r32', 'fp8_e4m3-cal', 'int4', ...) runs with."""
     name, _, suffix = codec.partition("-")
+    if name == "lowrank":
+        parts = suffix.split("-")
+        return {"rank": int(parts[0][1:]), "quantize": "int8" if "int8" in parts else "none",
+                "calibration": "embedded" if "emb" in parts else "manual"}
     if name.startswith("kivi"):
         residual = int(suffix[1:]) if suffix.startswith("r") else 0
         return {"group": group, "page_size": page_size, "residual": residual}
@@ -95,7 +100,7 @@ def make_engine(model: kvjax.Model, codec: str, max_len: int, settings: QuantBen
         max_num_batched_tokens=(chunk + 1) * num_probes,
         max_prefill_seqs=num_probes, enable_prefix_cache=False)
     engine = kvjax.Engine(model, config)
-    if options.get("scaling") == "calibrated":
+    if options.get("scaling") == "calibrated" or options.get("calibration") == "manual":
         text = make_text_tokens(model, settings.calibration_tokens, settings.seed + 7919)
         engine.calibrate_kv([text[i:i + 512] for i in range(0, len(text), 512)])
     return engine
@@ -217,6 +222,9 @@ def capacity(config: ModelConfig, codec: str, settings: QuantBench) -> dict[str,
     windows = 0
     if codec == "none":
         per_token = float(exact)
+    elif codec.startswith("lowrank"):
+        options = codec_options(codec, page_size, settings.group)
+        per_token = lowrank.kv_bytes_per_token(config, quantized.make_codec("lowrank", **options))
     else:
         name, options = codec.partition("-")[0], codec_options(codec, page_size, settings.group)
         per_token = quantized.kv_bytes_per_token(config, name, **options)

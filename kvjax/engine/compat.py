@@ -41,6 +41,7 @@ class Feature(enum.Enum):
     INT8 = "int8"
     KIVI = "kivi"
     KIVI_RESIDUAL = "kivi_residual"
+    LOWRANK = "lowrank"
     STREAMING = "streaming"
     STREAMING_ROTATED = "streaming_rotated"
     H2O = "h2o"
@@ -82,6 +83,7 @@ class Feature(enum.Enum):
 
 _GROUPS = {
     Feature.INT8: "codec", Feature.KIVI: "codec", Feature.KIVI_RESIDUAL: "codec",
+    Feature.LOWRANK: "codec",
     Feature.STREAMING: "retention", Feature.STREAMING_ROTATED: "retention",
     Feature.H2O: "retention", Feature.SNAPKV: "retention", Feature.QUEST: "retention",
     Feature.ECHO: "retention",
@@ -96,6 +98,9 @@ _DESCRIPTIONS = {
                   "exact tokens per sequence)",
     Feature.KIVI_RESIDUAL: "kv_codec kivi4 or kivi2 with residual > 0 (the most recent "
                            "`residual` tokens stay exact)",
+    Feature.LOWRANK: "kv_codec lowrank: keys stored as their coordinates in a calibrated "
+                     "rank-r basis per layer and kv head (float32 or int8), read by attention "
+                     "in that form; values exact",
     Feature.STREAMING: "retention='streaming' (attention sinks and a recent window)",
     Feature.STREAMING_ROTATED: "retention='streaming' with cache_positions=True and "
                                "num_sinks > 0 (each eviction re-rotates the sinks' keys)",
@@ -316,8 +321,37 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.CONTIGUOUS], [Feature.DISAGGREGATION],
            "pages move from one engine's prefix cache into another's, so both need the paged "
            "layout, and the contiguous one has neither pages nor a prefix cache")
+    for features, reason in _LOWRANK_REFUSED:
+        refuse([Feature.LOWRANK], features, reason)
     _refuse_pyramid(refuse)
     return table
+
+
+# The low-rank key pool's refusals: it holds each key as coordinates in a basis of the
+# post-RoPE keys, which a rotation does not preserve, and attention reads them with queries
+# projected alike (`kvjax.kv.lowrank`).
+_LOWRANK_REFUSED = (
+    ((Feature.CONTIGUOUS,),
+     "the key coordinates are stored per page, so the low-rank pool needs the paged layout"),
+    ((*_RETENTION, Feature.PYRAMID),
+     "retention scores cached tokens against whole keys and re-rotates kept keys, while the "
+     "low-rank pool keeps only each key's coordinates in a basis that a rotation leaves"),
+    ((Feature.CONTEXT_REUSE,),
+     "a reused chunk's keys are turned to their new positions, and a turned key leaves the "
+     "calibrated basis its coordinates are stored in"),
+    ((Feature.KV_ARENA,),
+     "an arena frame stores every model's tokens as K and V rows of its head dim, not key "
+     "coordinates read through a basis the frame does not carry"),
+    ((Feature.BATCH_INVARIANT,),
+     "projected keys are other K than the trainer's forward computes, so rollout logprobs "
+     "could not equal the trainer's"),
+    ((Feature.HOST_ROWS,),
+     "a host-resident row's attention reads whole keys from the host pool's pages, which "
+     "hold no basis to project its queries by"),
+    ((Feature.FUSED_KV_WRITE,),
+     "the fused write stores each key row as it leaves the matmul, not its coordinates in "
+     "the calibrated basis"),
+)
 
 
 def _refuse_pyramid(refuse) -> None:
@@ -440,7 +474,10 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     (ModelTrait.PER_LAYER_ROPE, Feature.STREAMING_ROTATED):
         "rotated attention sinks turn kept keys by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
-    **{(ModelTrait.MLA_LATENT, f): _LATENT_CODEC for f in _CODECS},
+    **{(ModelTrait.MLA_LATENT, f): _LATENT_CODEC for f in (*_CODECS, Feature.LOWRANK)},
+    (ModelTrait.LAYER_GROUPS, Feature.LOWRANK):
+        "the low-rank pool's key bases are calibrated per model layer, while a pool of several "
+        "layer groups indexes layers within a group's page",
     (ModelTrait.MLA_LATENT, Feature.STREAMING_ROTATED): _LATENT_ROTATION.format(
         "re-rotating attention sinks"),
     (ModelTrait.MLA_LATENT, Feature.CONTEXT_REUSE): _LATENT_ROTATION.format(
@@ -528,7 +565,9 @@ class _Present:
 def _codec(config: Any) -> list[_Present]:
     if config.kv_codec == "none":
         return []
-    codec = quantized.make_codec(config.kv_codec, **config.kv_codec_options)
+    codec = quantized.make_codec(config.kv_codec, **config.kv_codec_options)  # checks options
+    if config.kv_codec == Feature.LOWRANK.value:
+        return [_Present(Feature.LOWRANK, f"kv_codec={config.kv_codec!r}")]
     if not quantized.is_kivi(codec):
         return [_Present(Feature.INT8, f"kv_codec={config.kv_codec!r}")]
     if codec.residual:

@@ -34,7 +34,9 @@ class EngineConfig:
       kv_dtype: storage dtype of K/V ('float32', 'bfloat16'); None: the model's dtype.
       kv_codec: a quantized KV codec name from kvjax.kv.codecs ('none', 'int8', 'int4', ...);
         the pool holds codes and scales, so a smaller codec yields more pages per byte budget.
-      kv_codec_options: keyword options of the codec (e.g. {'group': 32}).
+      kv_codec_options: keyword options of the codec (e.g. {'group': 32}; for 'lowrank',
+        whose pages hold keys as coordinates in a calibrated rank-r basis, {'rank': 32,
+        'quantize': 'int8', 'calibration': 'embedded' or 'manual'}: `kvjax.kv.lowrank`).
       max_num_seqs: most sequences running at once (decode rows per step).
       max_num_batched_tokens: per-step token budget (decode tokens + prefill chunk tokens).
       max_prefill_chunk: longest prefill chunk of one sequence in one step.

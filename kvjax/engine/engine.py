@@ -23,7 +23,7 @@ import numpy as np
 
 from kvjax import grammar as grammar_lib
 from kvjax.config import KVLayout, resolve_dtype
-from kvjax.engine import compat, host_rows
+from kvjax.engine import compat, host_rows, kv_calibration
 from kvjax.engine.config import EngineConfig, PreemptionMode
 from kvjax.engine.core import EngineCore
 from kvjax.engine.layer_budgets import pool_layer_groups, retention_manager
@@ -143,7 +143,8 @@ class Engine:
             mc, config, max_model_len=self.max_model_len, kv_dtype=self.kv_dtype)
         self.kv_bytes_per_token = pool.kv_bytes_per_token
         self.kv_spec = retention.policy.wrap_spec(pool.spec)
-        kv = retention.policy.wrap_state(pool.kv)
+        # A low-rank pool's key bases, before the pool is placed (on a mesh: sharded).
+        kv = retention.policy.wrap_state(kv_calibration.at_start(pool.kv, model, config))
         if config.batch_invariant:
             invariant.check(mc, model.dtype, self.kv_dtype)
         if config.fused_kv_write:
@@ -456,7 +457,8 @@ class Engine:
     # ----------------------------------------------------------------------------- KV
 
     def calibrate_kv(self, prompts: Seq[Seq[int]], *, margin: float | None = None) -> None:
-        """Calibrates a `scaling='calibrated'` fp8 KV pool from calibration token sequences.
+        """Calibrates a `scaling='calibrated'` fp8 KV pool, or a low-rank pool's key bases
+        (`kvjax.engine.kv_calibration`), from calibration token sequences.
 
         Runs the model densely over `prompts`, sets static per-layer, per-kv-head K and V
         scales (margin * amax / fp8_max, kvjax.kv.calibration) and rebuilds the step programs
@@ -470,6 +472,11 @@ class Engine:
         if self.has_unfinished() or self.scheduler.paused:
             raise ValueError("calibrate_kv needs an idle engine: requests are in flight or "
                              "paused")
+        lowrank = kv_calibration.lowrank_codec(self.config)
+        if lowrank is not None:  # margin does not apply: the bases keep the top-r directions
+            basis = kv_calibration.key_bases(self.model, prompts, lowrank.rank)
+            self.runner.apply(KVOp(KVOpKind.CALIBRATE), lambda kv: kv.with_basis(basis))
+            return
         codec = (quantized.make_codec(self.config.kv_codec, **self.config.kv_codec_options)
                  if self.config.kv_codec != "none" else None)
         if not isinstance(codec, quantized.codecs.Fp8Codec) or codec.scaling.value != \

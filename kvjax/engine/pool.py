@@ -76,6 +76,8 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
     checked before, by kvjax.engine.compat)."""
     if config.kv_arena:
         return _arena_pool(mc, config, max_model_len=max_model_len, kv_dtype=kv_dtype)
+    if config.kv_codec == "lowrank":
+        return _lowrank_pool(mc, config, max_model_len=max_model_len, kv_dtype=kv_dtype)
     if config.kv_codec != "none":
         return _quantized_pool(mc, config, max_model_len=max_model_len)
     spec = exact_cache_spec(mc, config.page_size, kv_dtype,
@@ -144,6 +146,23 @@ def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int
         **allocator_options(config), scrub_windows=config.scrub_freed_pages)
     return KVPool(kv, allocator, residual.WindowSwapSpace(allocator), spec,
                   quantized_len=lambda n: int(kv.codec.num_quantized(n)))
+
+
+def _lowrank_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, kv_dtype
+                  ) -> KVPool:
+    """Pages of key coordinates in a rank-r basis and exact values (`kvjax.kv.lowrank`); the
+    basis is calibrated after the pool is built (`kvjax.engine.kv_calibration`)."""
+    from kvjax.kv import codecs, lowrank  # Imported lazily: only low-rank engines need it.
+
+    codec = codecs.get_codec(config.kv_codec, **config.kv_codec_options)
+    spec = lowrank.cache_spec(mc, config.page_size, codec, kv_dtype,
+                              pool_layer_groups(mc, config, max_model_len))
+    spec.check_single_group()  # the bases are per model layer (kvjax.engine.compat refuses)
+    spec.check_servable()
+    num_pages = config.num_pages or spec.num_pages_for_budget(
+        budget_bytes(config, spec.bytes_per_token, max_model_len))
+    kv = lowrank.init_lowrank_kv(mc, num_pages, config.page_size, codec, kv_dtype)
+    return KVPool(kv, _paged_allocator(spec, num_pages, config), HostSwapSpace(), spec)
 
 
 def arena_layout(mc: ModelConfig, config: EngineConfig, kv_dtype, frame_words: int):

@@ -378,9 +378,11 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
                                q_lens[bd:])
             outs.append(layout.unpack_prefill(out, inp, shape))
         return jnp.concatenate(outs, axis=0)
+    # The state's keys may be read in another form (low-rank coordinates): queries alike.
     blockwise = functools.partial(attention_ref.paged_attention_blockwise,
                                   pages_per_block=PAGES_PER_BLOCK, window=window,
-                                  soft_cap=soft_cap)
+                                  soft_cap=soft_cap, sm_scale=1.0 / np.sqrt(d))
+    q = kv.project_queries(layer, q)  # [T, N, D_k]
 
     def reader(rows: slice):
         """(block tables, page loader) of `rows`."""
@@ -389,8 +391,8 @@ def _attend_rows(kv: KVState, layer: jax.Array, q: jax.Array, inp: StepInput, sh
 
     if bd and not decode_elsewhere:
         tables, load = reader(slice(0, bd))  # the loader sees every row's full length
-        out = blockwise(q[:num_dec].reshape(bd, wd, n, d), load, decode_tables(tables),
-                        decode_lens, q_lens[:bd])  # [Bd, Wd, N, D]
+        out = blockwise(q[:num_dec].reshape(bd, wd, n, q.shape[-1]), load,
+                        decode_tables(tables), decode_lens, q_lens[:bd])  # [Bd, Wd, N, D]
         outs.append(out.reshape(num_dec, n, d))
     if bp:
         tables, load = reader(slice(bd, None))

@@ -244,9 +244,11 @@ def paged_attention_blockwise(
     stay in cache.
 
     Args:
-      q: [B, C, N, D].
-      load_pages: maps page ids [B, n] to float K and V [B, n, P, K, D]; this is where a KV
-        layout (or a quantized codec) plugs in, reading only the pages it is asked for.
+      q: [B, C, N, D_k].
+      load_pages: maps page ids [B, n] to float K [B, n, P, K, D_k] and V [B, n, P, K, D];
+        this is where a KV layout (or a quantized codec) plugs in, reading only the pages it
+        is asked for. D_k is D but for keys read in another form (a low-rank pool's
+        coordinates, with q projected alike: `KVState.project_queries`); then pass sm_scale.
       block_tables: [B, W] int32 (padded here with page 0, masked, to a multiple of
         pages_per_block).
       kv_lens, q_lens: [B] int32.
@@ -261,10 +263,11 @@ def paged_attention_blockwise(
     Returns:
       [B, C, N, D] in q's dtype, and with return_lse the log-sum-exp.
     """
-    b, c, n, d = q.shape
+    b, c, n, d = q.shape  # d: D_k
     block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % pages_per_block)))
-    probe_k, _ = jax.eval_shape(load_pages, block_tables[:, :pages_per_block])
+    probe_k, probe_v = jax.eval_shape(load_pages, block_tables[:, :pages_per_block])
     _, _, p, k_heads, _ = probe_k.shape
+    dv = probe_v.shape[-1]  # D, also where keys are read at another width (q's: d)
     g = n // k_heads
     block = pages_per_block * p
     qg = q.astype(jnp.float32).reshape(b, c, k_heads, g, d) * _scale(d, sm_scale)
@@ -298,7 +301,7 @@ def paged_attention_blockwise(
                     entry, block_tables.shape[1] - 1), axis=1)  # [B, ppb]
             k, v = load_pages(pages)  # [B, ppb, P, K, D] each
             k = k.reshape(b, block, k_heads, d).astype(jnp.float32)  # [B, S', K, D]
-            v = v.reshape(b, block, k_heads, d).astype(jnp.float32)
+            v = v.reshape(b, block, k_heads, dv).astype(jnp.float32)
             kv_pos = (blocks[:, None] * block
                       + jnp.arange(block, dtype=jnp.int32))[:, None, :]  # [B, 1, S']
             mask = (kv_pos <= pos[:, :, None]) & (kv_pos < kv_lens[:, None, None]) & valid[
@@ -322,11 +325,11 @@ def paged_attention_blockwise(
 
         init = (jnp.full((b, k_heads, g, ct), -jnp.inf, jnp.float32),
                 jnp.zeros((b, k_heads, g, ct), jnp.float32),
-                jnp.zeros((b, k_heads, g, ct, d), jnp.float32))
+                jnp.zeros((b, k_heads, g, ct, dv), jnp.float32))
         m, denom, acc = jax.lax.fori_loop(0, num_steps, body, init)
         out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [B, K, G, Ct, D]
         lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-        return (jnp.einsum("bkgcd->bckgd", out).reshape(b, ct, n, d),
+        return (jnp.einsum("bkgcd->bckgd", out).reshape(b, ct, n, dv),
                 jnp.einsum("bkgc->bckg", lse).reshape(b, ct, n))  # [B, Ct, N, D], [B, Ct, N]
 
     if tile == c:
@@ -336,7 +339,7 @@ def paged_attention_blockwise(
             return jnp.moveaxis(x.reshape(b, c // tile, tile, *x.shape[2:]), 1, 0)
 
         out, lse = jax.lax.map(lambda xs: attend(*xs), (split(qg), split(q_pos), split(q_valid)))
-        out = jnp.moveaxis(out, 0, 1).reshape(b, c, n, d)
+        out = jnp.moveaxis(out, 0, 1).reshape(b, c, n, dv)
         lse = jnp.moveaxis(lse, 0, 1).reshape(b, c, n)
     return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
 

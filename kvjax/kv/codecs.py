@@ -29,6 +29,8 @@ Registered codecs (`get_codec(name, **options)`):
                                            dynamic: scale [S, K]            fp8_e4m3-dyn
     fp8_e5m2    float8_e5m2 [S, K, D]      as fp8_e4m3                      fp8_e5m2-...
     kivi4/2     see `KiviCodec`                                             kivi2-g32-r128
+    lowrank     keys only: coordinates [S, K, r] float32 or int8 (+ scale)   lowrank-r16-b<digest>
+                in a calibrated basis (`LowRankCodec`)
 
 Metadata (scales and zero points) is float32 unless `metadata_dtype="float16"` is chosen,
 which halves its cost, appends "-fp16meta" to the name, and limits inputs to the finite
@@ -665,6 +667,95 @@ def kivi_roundtrip_reference(
     return read(k_seq.astype(jnp.float32), k_hat), read(v_seq.astype(jnp.float32), v_hat)
 
 
+class LowRankCalibration(enum.Enum):
+    """Where a low-rank codec's bases come from."""
+
+    # The engine calibrates at start from its built-in sample prompts (cached per model).
+    EMBEDDED = "embedded"
+    # The pool waits for `Engine.calibrate_kv(prompts)`; writing before it raises ValueError.
+    MANUAL = "manual"
+
+
+_LOWRANK_QUANTIZE = ("none", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankCodec:
+    """Keys as their coordinates in a calibrated rank-r basis per layer and kv head.
+
+    A key k [D] of kv head h in layer l is stored as k U [r], U = basis[l, h] [D, r] with
+    orthonormal columns (the top-r eigenvectors of the keys' second moment over calibration
+    prompts, `kvjax.kv.calibration.key_bases`), so its bytes per token scale with r, not D.
+    Attention reads that form: a score is (q U) . (k U), the query projected once per step
+    instead of every key rebuilt (`kvjax.kv.lowrank`). The keys are the post-RoPE ones the
+    cache holds, because RoPE turns each key by its position and a fixed projection taken
+    before it would not give the scores without rebuilding every key. `quantize='int8'`
+    stores the r coordinates as symmetric int8 with a scale per token and kv head
+    (`Int8Codec` over r channels). Values are stored exactly by the state, not by this codec.
+
+    The bases are arrays of the state, not of the codec; `digest` names them (it is part of
+    `name`, and so of the KV provenance) and is None until they are calibrated.
+
+    Attributes:
+        rank: r, 1 <= r <= D.
+        quantize: 'none' (float32 coordinates) or 'int8'.
+        calibration: where the bases come from (`LowRankCalibration`).
+        digest: a short hash of the calibrated bases, or None before calibration.
+    """
+
+    rank: int
+    quantize: str = "none"
+    calibration: LowRankCalibration = LowRankCalibration.EMBEDDED
+    digest: str | None = None
+
+    def __post_init__(self):
+        _check_positive_int("rank", self.rank)
+        if self.quantize not in _LOWRANK_QUANTIZE:
+            raise ValueError(f"quantize={self.quantize!r}; expected one of {_LOWRANK_QUANTIZE}")
+        object.__setattr__(self, "calibration", LowRankCalibration(self.calibration))
+
+    @property
+    def name(self) -> str:
+        quantized = "" if self.quantize == "none" else f"-{self.quantize}"
+        return f"lowrank-r{self.rank}{quantized}-b{self.digest or 'uncalibrated'}"
+
+    @property
+    def coordinates(self) -> KVCodec:
+        """The codec of the r coordinates."""
+        return IdentityCodec("float32") if self.quantize == "none" else Int8Codec()
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.rank > head_dim:
+            raise ValueError(f"rank={self.rank} exceeds head_dim={head_dim}")
+
+    def storage_spec(
+            self, num_slots: int, num_kv_heads: int, head_dim: int
+    ) -> dict[str, jax.ShapeDtypeStruct]:
+        """The coordinates' storage: `coordinates.storage_spec` at width r ([S, K, r], ...)."""
+        self.check_head_dim(head_dim)
+        return self.coordinates.storage_spec(num_slots, num_kv_heads, self.rank)
+
+    def encode(self, x: jax.Array, *, basis: jax.Array) -> dict[str, jax.Array]:
+        """Keys [..., T, K, D] and basis [D, r, K] -> the coordinates' storage, [..., T, ...]."""
+        _check_input(x, 1, self.name)
+        projected = jnp.einsum("...kd,drk->...kr", x.astype(jnp.float32), basis)  # [..., T, K, r]
+        return self.coordinates.encode(projected)
+
+    def decode_coordinates(self, stored: dict[str, jax.Array]) -> jax.Array:
+        """The stored coordinates [..., S, ...] -> [..., S, K, r] float32: what attention reads."""
+        return self.coordinates.decode(stored)
+
+    def decode(self, stored: dict[str, jax.Array], *, basis: jax.Array) -> jax.Array:
+        """The keys the coordinates stand for, [..., S, K, D] float32 (k U U^T; for tests and
+        for measuring the projection's error, not for attention)."""
+        return jnp.einsum("...kr,drk->...kd", self.decode_coordinates(stored), basis)
+
+    def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> float:
+        """Bytes of one token's keys in one layer: r coordinates (and a scale) per kv head."""
+        self.check_head_dim(head_dim)
+        return self.coordinates.bytes_per_token(num_kv_heads, self.rank)
+
+
 def _none(*, dtype: str = "float32") -> KVCodec:
     return IdentityCodec(dtype)
 
@@ -695,6 +786,18 @@ def _kivi_factory(bits: int) -> Callable[..., KVCodec]:
     return build
 
 
+def _lowrank(*, rank: int | None = None, quantize: str = "none",
+             calibration: str | LowRankCalibration = LowRankCalibration.EMBEDDED) -> KVCodec:
+    if rank is None:
+        raise ValueError("codec 'lowrank' needs the option rank (an int, 1 <= rank <= head_dim)")
+    try:
+        calibration = LowRankCalibration(calibration)
+    except ValueError:
+        raise ValueError(f"calibration={calibration!r}; expected one of "
+                         f"{[c.value for c in LowRankCalibration]}") from None
+    return LowRankCodec(rank, quantize, calibration)
+
+
 CODECS: dict[str, Callable[..., KVCodec]] = {
         "none": _none,
         "int8": _int8,
@@ -704,6 +807,7 @@ CODECS: dict[str, Callable[..., KVCodec]] = {
         "fp8_e5m2": _fp8_factory(Fp8Format.E5M2),
         "kivi4": _kivi_factory(4),
         "kivi2": _kivi_factory(2),
+        "lowrank": _lowrank,
 }
 
 
@@ -715,6 +819,7 @@ def get_codec(name: str, **options: Any) -> KVCodec:
     int4/int2: group, metadata_dtype.
     fp8_e4m3/fp8_e5m2: scaling ("calibrated" or "dynamic"), scale (per-head floats).
     kivi4/kivi2: group, residual, metadata_dtype.
+    lowrank: rank, quantize ('none' or 'int8'), calibration ('embedded' or 'manual').
     """
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; expected one of {sorted(CODECS)}")

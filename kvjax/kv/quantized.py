@@ -340,6 +340,10 @@ class QuantizedPagedKV:
             return self.codec.decode_keys(k_stored), v
         return _decode(self.codec, k_stored, layer), v
 
+    def project_queries(self, layer: jax.Array, q: jax.Array) -> jax.Array:
+        """Codes decode to whole keys: the queries as they are."""
+        return q
+
     def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
                    seq_slots: jax.Array, kv_floors: jax.Array | None = None):
         """A page loader for KIVI rows: codes for aged tokens, the exact window for the rest.

@@ -91,6 +91,11 @@ class KVState(Protocol):
     def load_pages(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
         """K and V of `pages` [B, n] of `layer`, each [B, n, P, K, D]; reads only those pages."""
 
+    def project_queries(self, layer: jax.Array, q: jax.Array) -> jax.Array:
+        """Queries [..., N, D] in the form the loader's keys are read in: unchanged for states
+        that store whole keys; [..., N, r] coordinates for a low-rank pool (`kvjax.kv.lowrank`),
+        whose loader gives keys [..., K, r] (the softmax scale stays 1 / sqrt(D))."""
+
     def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
                    seq_slots: jax.Array, kv_floors: jax.Array | None = None
                    ) -> tuple[jax.Array, PageLoader]:
@@ -156,6 +161,10 @@ class SlotAddressed:
                    ) -> Self:
         """Writes k, v [T, K, D] of `layer` into `inp.slot_mapping` [T]."""
         return self.write(layer, inp.slot_mapping, k, v)
+
+    def project_queries(self, layer: jax.Array, q: jax.Array) -> jax.Array:
+        """Whole keys: the queries as they are."""
+        return q
 
     def row_loader(self, layer: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
                    seq_slots: jax.Array, kv_floors: jax.Array | None = None
