@@ -67,6 +67,7 @@ class Feature(enum.Enum):
     HOST_ROWS = "host_rows"
     FUSED_KV_WRITE = "fused_kv_write"
     PYRAMID = "pyramid"
+    ADAKV = "adakv"
 
     @property
     def group(self) -> str | None:
@@ -85,6 +86,7 @@ _GROUPS = {
     Feature.TOVA: "retention", Feature.KNORM: "retention",
     Feature.EXPECTED_ATTENTION: "retention", Feature.OBSERVED_ATTENTION: "retention",
     Feature.SWAP: "preemption", Feature.AUTO_PREEMPTION: "preemption",
+    Feature.PYRAMID: "retention_schedule", Feature.ADAKV: "retention_schedule",
 }
 _DESCRIPTIONS = {
     Feature.INT8: "kv_codec int8, or another codec that stores codes and scales in the pages "
@@ -139,6 +141,10 @@ _DESCRIPTIONS = {
                      "compresses the prompt once shared over layers, each run of equal "
                      "budgets in a block table of its own that gives back the pages past "
                      "its budget)",
+    Feature.ADAKV: "retention_schedule='adakv' (AdaKV: each layer's budget of a press that "
+                   "compresses the prompt once split over its kv heads by their scores, in "
+                   "head-major pages with a block table per (layer, kv head) that gives back "
+                   "each head's pages past its share)",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -148,6 +154,7 @@ _EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.
              Feature.OBSERVED_ATTENTION)
 _QUEST = (Feature.QUEST, Feature.ECHO)
 _RETENTION = (*_EVICTING, *_QUEST)
+_SCHEDULES = (Feature.PYRAMID, Feature.ADAKV)
 
 
 def _refusals() -> dict[frozenset[Feature], str]:
@@ -160,7 +167,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_CODECS, [Feature.CONTIGUOUS],
            "quantized codes and scales are stored per page, so a kv_codec needs the paged "
            "layout")
-    refuse([*_RETENTION, Feature.PYRAMID], [Feature.CONTIGUOUS],
+    refuse([*_RETENTION, *_SCHEDULES], [Feature.CONTIGUOUS],
            "retention frees and selects whole pages, so it needs the paged layout")
     refuse([Feature.HOST_TIER], [Feature.CONTIGUOUS],
            "tiers move whole pages, so they need the paged layout")
@@ -173,7 +180,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "KIVI quantizes keys in groups along a sequence's own tokens beside an exact "
            "window, so a chunk's keys cannot be re-rotated and placed token by token into "
            "another sequence's groups")
-    refuse([*_EVICTING, Feature.PYRAMID], [Feature.CONTEXT_REUSE],
+    refuse([*_EVICTING, *_SCHEDULES], [Feature.CONTEXT_REUSE],
            "an evicting policy keeps the tokens a sequence's own attention chose, so a chunk "
            "computed alone would be cut to what it attended to, not to what the request that "
            "reuses it would keep")
@@ -195,7 +202,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_CODECS, [Feature.BATCH_INVARIANT],
            "a quantized cache holds other K/V than the trainer's forward computes, so rollout "
            "logprobs could not equal the trainer's bit for bit")
-    refuse([*_RETENTION, Feature.PYRAMID], [Feature.BATCH_INVARIANT],
+    refuse([*_RETENTION, *_SCHEDULES], [Feature.BATCH_INVARIANT],
            "retention drops or skips tokens that the trainer's full forward attends to, so "
            "rollout logprobs could not equal the trainer's")
     refuse([Feature.CONTIGUOUS], [Feature.BATCH_INVARIANT],
@@ -219,7 +226,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_KIVI, [Feature.HOST_ROWS],
            "KIVI's row reader joins a sequence's quantized pages with its exact window by "
            "length, while a host-resident row splits its positions between two pools")
-    refuse([*_RETENTION, Feature.PYRAMID], [Feature.HOST_ROWS],
+    refuse([*_RETENTION, *_SCHEDULES], [Feature.HOST_ROWS],
            "retention compacts, evicts or selects a row's pages in the device pool, while "
            "host-resident pages are read whole and never rewritten")
     refuse([Feature.SPECULATIVE], [Feature.HOST_ROWS],
@@ -277,6 +284,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "the controller prices swaps, recomputes and demotions with a model of the device "
            "pool that does not count pages whose only copy is in the host pool")
     _refuse_pyramid(refuse)
+    _refuse_adakv(refuse)
     return table
 
 
@@ -287,6 +295,44 @@ def _refuse_pyramid(refuse) -> None:
     rows) it is refused beside them, for the same reason, in `_refusals`."""
     for features, reason in _PYRAMID_REFUSED:
         refuse([Feature.PYRAMID], features, reason)
+
+
+def _refuse_adakv(refuse) -> None:
+    """The per-head split's refusals: each (layer, kv head) table holds its own tokens at its
+    own cached length in head-major pages (`kvjax.kv.head_retention`); as with the per-layer
+    schedule, where every press is refused it is refused beside them in `_refusals`."""
+    for features, reason in _ADAKV_REFUSED:
+        refuse([Feature.ADAKV], features, reason)
+
+
+_ADAKV_REFUSED = (
+    ((Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.TOVA),
+     "this policy evicts as a sequence decodes, while the per-head split shares a layer's "
+     "budget once, over the prompt's scores when its prefill completes"),
+    (_QUEST,
+     "Quest keeps every page and narrows what each query reads, so it has no budget of kept "
+     "tokens to split over heads"),
+    (_CODECS,
+     "a quantized pool's pages and scales hold every kv head of a token, while the per-head "
+     "split keeps each head's tokens in pages of that head alone"),
+    ((Feature.HOST_TIER, Feature.SWAP, Feature.AUTO_PREEMPTION, Feature.SNAPSHOT),
+     "a sequence leaves the device and comes back through one retention record and one "
+     "cached length, while the per-head split keeps one per (layer, kv head) table"),
+    ((Feature.SPECULATIVE,),
+     "a verify step scores each draft query's keys summed over every layer and head, while "
+     "the per-head split ranks each head by its own scores"),
+    ((Feature.KV_ARENA,),
+     "an arena frame holds every kv head of a token, so heads cannot give back pages apart"),
+    ((Feature.MESH,),
+     "a mesh shards each page's kv-head axis over devices, while a head-major page holds "
+     "one kv head"),
+    ((Feature.CONTROLLER,),
+     "the controller sets one token budget per sequence, priced by KL measured with every "
+     "head keeping the same tokens"),
+    ((Feature.FUSED_KV_WRITE,),
+     "the fused write stores a token's every kv head into one page row, while a head-major "
+     "page holds one kv head"),
+)
 
 
 _PYRAMID_REFUSED = (
@@ -391,6 +437,12 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     (ModelTrait.LAYER_GROUPS, Feature.PYRAMID):
         "the per-layer schedule regroups layers into block tables of equal retention budget, "
         "while a model with sliding-window layers already keeps one per window group",
+    (ModelTrait.LAYER_GROUPS, Feature.ADAKV):
+        "the per-head split keeps a block table per layer and kv head, while a model with "
+        "sliding-window layers already keeps one per window group",
+    (ModelTrait.MLA_LATENT, Feature.ADAKV):
+        "an MLA latent row is one head that every query head reads, so there are no kv heads "
+        "to split a budget over",
     (ModelTrait.PER_LAYER_ROPE, Feature.CONTEXT_REUSE):
         "a reused chunk's keys are re-rotated by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
@@ -541,6 +593,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.FUSED_KV_WRITE, "fused_kv_write=True"))
     if config.retention_schedule == Feature.PYRAMID.value:
         found.append(_Present(Feature.PYRAMID, "retention_schedule='pyramid'"))
+    if config.retention_schedule == Feature.ADAKV.value:
+        found.append(_Present(Feature.ADAKV, "retention_schedule='adakv'"))
     if config.host_split != "never" and config.num_host_pages > 0:
         found.append(_Present(Feature.HOST_ROWS, f"host_split={config.host_split!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:

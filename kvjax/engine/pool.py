@@ -95,7 +95,8 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
     num_pages = config.num_pages or spec.num_pages_for_budget(
         budget_bytes(config, per_token, max_model_len))
     kv = init_paged_kv(mc, num_pages, config.page_size, kv_dtype,
-                       num_layers=spec.layers_per_table)
+                       num_layers=spec.layers_per_table,
+                       num_kv_heads=1 if spec.is_head_major else None)
     return KVPool(kv, _paged_allocator(spec, num_pages, config), HostSwapSpace(), spec)
 
 

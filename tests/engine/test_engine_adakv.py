@@ -1,0 +1,136 @@
+"""The engine under AdaKV's head-wise split (`retention_schedule='adakv'`), against the
+simulated cache of `kvjax.bench.budgets`, which decodes with each layer's kv head reading only
+its kept prompt tokens: the same greedy tokens and logits, the pages the allocator holds equal
+to what the KV spec predicts for the heads' budgets (head-major pages), no compile after
+warm-up; the compatibility table's refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvjax import EngineConfig, SamplingParams
+from kvjax.bench import budgets as sim
+from kvjax.engine.engine import Engine
+from kvjax.engine.step import LogitsMode
+from kvjax.kv import budgets
+from kvjax.kv.spec import KVCacheSpec
+from kvjax.testing import TINY, tiny_model
+
+P = 4
+BASE = dict(page_size=P, max_num_batched_tokens=64, max_prefill_chunk=64, min_chunk_bucket=16,
+            max_num_seqs=2, max_prefill_seqs=1, num_pages=256, max_model_len=128,
+            enable_prefix_cache=False)
+
+# Each press's engine options and the simulated cache's `PressSpec` of the same scores.
+PRESSES = dict(
+    snapkv=(dict(window=4, kernel=3), dict(window=4, kernel=3)),
+    knorm=({}, {}),
+    observed_attention=({}, {}),
+    expected_attention=(dict(num_sinks=2, num_future=16), dict(num_sinks=2, num_future=16)),
+)
+
+
+def adakv_config(press: str, budget: int, **extra) -> EngineConfig:
+    return EngineConfig(**{**BASE, **extra}, retention=press, retention_budget=budget,
+                        retention_options=PRESSES[press][0], retention_schedule="adakv")
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 120, size=length)]
+
+
+def simulated_kept(model, prompt, name, budget):
+    """[L, K, S] the tokens each layer's head keeps in the simulated cache, and its K/V."""
+    q, k, v, last = sim.capture_qkv(model, prompt)
+    press = sim.PressSpec(name, **PRESSES[name][1])
+    scores = sim.layer_head_scores(q, k, v, press, model.config.rope)
+    first, last_kept = press.protected(budget)
+    kept = budgets.BudgetScheme.named("adakv").select(scores, budget, first=first,
+                                                      last=last_kept, rank=press.rank)
+    return kept, k, v, last
+
+
+def engine_run(engine, prompt, num_new, logits_mode=LogitsMode.NONE):
+    """(tokens, per-step logits, pages held right after the prompt's compaction)."""
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=num_new))
+    held, logits, tokens = None, [], None
+    while engine.has_unfinished():
+        for output in engine.step(logits_mode=logits_mode):
+            tokens = output.outputs[0].token_ids
+        if logits_mode is LogitsMode.LAST:
+            logits.append(np.asarray(engine.last_logits)[0])
+        if held is None:
+            seq = engine.scheduler.running[0].seq_id
+            held = engine.kv_cache.allocator.num_held_pages(seq)
+    return tokens, logits, held
+
+
+def predicted_pages(engine, head_tokens: np.ndarray, num_tokens: int) -> int:
+    """The engine's KV spec with each (layer, head) keeping head_tokens [L, K]: its pages."""
+    spec = engine.kv_spec
+    return KVCacheSpec(tuple(
+        dataclasses.replace(g, spec=dataclasses.replace(
+            g.spec, head_budgets=tuple(int(n) for n in head_tokens[g.layers[0]])))
+        for g in spec.groups)).pages_held(num_tokens)
+
+
+def check_against_simulation(model, engine, prompt, name, budget, num_new=6):
+    """The engine's greedy tokens and logits are the simulated cache's; its pages after the
+    prompt's compaction are the spec's for the heads' budgets; a second run of the same shapes
+    compiles nothing."""
+    tokens, logits, held = engine_run(engine, prompt, num_new, LogitsMode.LAST)
+    kept, k, v, last = simulated_kept(model, prompt, name, budget)
+    head_tokens = kept.sum(axis=2)  # [L, K]
+    assert (head_tokens.min(axis=1) < head_tokens.max(axis=1)).any(), \
+        "the case must give a layer's heads different budgets"
+    np.testing.assert_array_equal(head_tokens.sum(axis=1), model.config.num_kv_heads * budget)
+    assert held == predicted_pages(engine, head_tokens, len(prompt)) == sum(
+        -(-int(n) // P) for n in head_tokens.ravel())
+    want = np.concatenate([last[None], sim.continuation_logits(model, k, v, kept,
+                                                               tokens[:-1])])  # [T, V]
+    assert tokens == want.argmax(-1).tolist()
+    np.testing.assert_allclose(np.stack(logits), want, rtol=1e-4, atol=1e-4)
+    compiles = engine.num_compiles
+    again, _, _ = engine_run(engine, prompt, num_new, LogitsMode.LAST)
+    assert again == tokens
+    assert engine.num_compiles == compiles, "a request of the same shapes compiled"
+    return tokens
+
+
+@pytest.mark.parametrize("press,length,budget", [
+    ("snapkv", 40, 16), ("snapkv", 61, 24), ("knorm", 40, 16), ("observed_attention", 40, 16),
+    ("expected_attention", 40, 16)])
+def test_adakv_matches_simulated_cache_and_frees_pages(press, length, budget):
+    model = tiny_model()
+    engine = Engine(model, adakv_config(press, budget))
+    check_against_simulation(model, engine, prompt_of(length, seed=length), press, budget)
+
+
+def test_adakv_compiles_nothing_after_warmup():
+    model = tiny_model()
+    engine = Engine(model, adakv_config("snapkv", 16))
+    warm = engine.warmup()
+    tokens, _, _ = engine_run(engine, prompt_of(40, seed=40), 6)
+    assert engine.num_compiles == warm, "a step or a compaction compiled after warm-up"
+    assert len(tokens) == 6
+
+
+@pytest.mark.parametrize("extra,match", [
+    (dict(retention="h2o", retention_options=dict(num_recent=3)), "h2o"),
+    (dict(kv_codec="int8"), "do not compose"),
+    (dict(fused_kv_write=True), "head-major page"),
+])
+def test_invalid_adakv_is_refused(extra, match):
+    config = dict(BASE, retention="snapkv", retention_budget=16, retention_schedule="adakv",
+                  retention_options=dict(window=4))
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**{**config, **extra})
+
+
+def test_sliding_window_model_refuses_adakv():
+    model = tiny_model(dataclasses.replace(TINY, layer_windows=(8, 0), name="tiny-sw"))
+    with pytest.raises(ValueError, match="sliding-window"):
+        Engine(model, adakv_config("snapkv", 16))
