@@ -283,28 +283,18 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.CONTROLLER], [Feature.ECHO],
            "the controller prices swaps, recomputes and demotions with a model of the device "
            "pool that does not count pages whose only copy is in the host pool")
-    _refuse_pyramid(refuse)
-    _refuse_adakv(refuse)
+    for schedule, refused in ((Feature.PYRAMID, _PYRAMID_REFUSED),
+                              (Feature.ADAKV, _ADAKV_REFUSED)):
+        for features, reason in refused:
+            refuse([schedule], features, reason)
     return table
 
 
-def _refuse_pyramid(refuse) -> None:
-    """The per-layer schedule's refusals: each table group holds its own tokens at its own
-    cached length (`kvjax.kv.layer_retention`). It runs with an evicting press, so where every
-    press is refused (the contiguous layout, context reuse, batch invariance, host-resident
-    rows) it is refused beside them, for the same reason, in `_refusals`."""
-    for features, reason in _PYRAMID_REFUSED:
-        refuse([Feature.PYRAMID], features, reason)
-
-
-def _refuse_adakv(refuse) -> None:
-    """The per-head split's refusals: each (layer, kv head) table holds its own tokens at its
-    own cached length in head-major pages (`kvjax.kv.head_retention`); as with the per-layer
-    schedule, where every press is refused it is refused beside them in `_refusals`."""
-    for features, reason in _ADAKV_REFUSED:
-        refuse([Feature.ADAKV], features, reason)
-
-
+# The budget schedules' refusals: under PyramidKV each table group, under AdaKV each (layer,
+# kv head) table in head-major pages, holds its own tokens at its own cached length
+# (`kvjax.kv.layer_retention`, `kvjax.kv.head_retention`). They run with an evicting press, so
+# where every press is refused (the contiguous layout, context reuse, batch invariance,
+# host-resident rows) they are refused beside them, for the same reason, in `_refusals`.
 _ADAKV_REFUSED = (
     ((Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.TOVA),
      "this policy evicts as a sequence decodes, while the per-head split shares a layer's "
@@ -312,9 +302,9 @@ _ADAKV_REFUSED = (
     (_QUEST,
      "Quest keeps every page and narrows what each query reads, so it has no budget of kept "
      "tokens to split over heads"),
-    (_CODECS,
-     "a quantized pool's pages and scales hold every kv head of a token, while the per-head "
-     "split keeps each head's tokens in pages of that head alone"),
+    (_KIVI,
+     "KIVI's exact window and key groups follow one cached length per sequence, while the "
+     "per-head split's (layer, kv head) tables each hold a different number of tokens"),
     ((Feature.HOST_TIER, Feature.SWAP, Feature.AUTO_PREEMPTION, Feature.SNAPSHOT),
      "a sequence leaves the device and comes back through one retention record and one "
      "cached length, while the per-head split keeps one per (layer, kv head) table"),

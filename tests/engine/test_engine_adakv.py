@@ -10,62 +10,24 @@ import dataclasses
 
 import numpy as np
 import pytest
+import test_engine_pyramid as pyramid_cases
+from test_engine_pyramid import engine_run, prompt_of
 
-from kvjax import EngineConfig, SamplingParams
+from kvjax import EngineConfig
 from kvjax.bench import budgets as sim
 from kvjax.engine.engine import Engine
 from kvjax.engine.step import LogitsMode
-from kvjax.kv import budgets
 from kvjax.kv.spec import KVCacheSpec
 from kvjax.testing import TINY, tiny_model
 
-P = 4
-BASE = dict(page_size=P, max_num_batched_tokens=64, max_prefill_chunk=64, min_chunk_bucket=16,
-            max_num_seqs=2, max_prefill_seqs=1, num_pages=256, max_model_len=128,
-            enable_prefix_cache=False)
-
-# Each press's engine options and the simulated cache's `PressSpec` of the same scores.
-PRESSES = dict(
-    snapkv=(dict(window=4, kernel=3), dict(window=4, kernel=3)),
-    knorm=({}, {}),
-    observed_attention=({}, {}),
-    expected_attention=(dict(num_sinks=2, num_future=16), dict(num_sinks=2, num_future=16)),
-)
+P = pyramid_cases.P
+BASE = dict(pyramid_cases.BASE, num_pages=256)  # pages of one head: K times as many
+PRESSES = pyramid_cases.PRESSES
 
 
 def adakv_config(press: str, budget: int, **extra) -> EngineConfig:
     return EngineConfig(**{**BASE, **extra}, retention=press, retention_budget=budget,
                         retention_options=PRESSES[press][0], retention_schedule="adakv")
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 120, size=length)]
-
-
-def simulated_kept(model, prompt, name, budget):
-    """[L, K, S] the tokens each layer's head keeps in the simulated cache, and its K/V."""
-    q, k, v, last = sim.capture_qkv(model, prompt)
-    press = sim.PressSpec(name, **PRESSES[name][1])
-    scores = sim.layer_head_scores(q, k, v, press, model.config.rope)
-    first, last_kept = press.protected(budget)
-    kept = budgets.BudgetScheme.named("adakv").select(scores, budget, first=first,
-                                                      last=last_kept, rank=press.rank)
-    return kept, k, v, last
-
-
-def engine_run(engine, prompt, num_new, logits_mode=LogitsMode.NONE):
-    """(tokens, per-step logits, pages held right after the prompt's compaction)."""
-    engine.add_request("r", prompt, SamplingParams(max_new_tokens=num_new))
-    held, logits, tokens = None, [], None
-    while engine.has_unfinished():
-        for output in engine.step(logits_mode=logits_mode):
-            tokens = output.outputs[0].token_ids
-        if logits_mode is LogitsMode.LAST:
-            logits.append(np.asarray(engine.last_logits)[0])
-        if held is None:
-            seq = engine.scheduler.running[0].seq_id
-            held = engine.kv_cache.allocator.num_held_pages(seq)
-    return tokens, logits, held
 
 
 def predicted_pages(engine, head_tokens: np.ndarray, num_tokens: int) -> int:
@@ -82,7 +44,7 @@ def check_against_simulation(model, engine, prompt, name, budget, num_new=6):
     prompt's compaction are the spec's for the heads' budgets; a second run of the same shapes
     compiles nothing."""
     tokens, logits, held = engine_run(engine, prompt, num_new, LogitsMode.LAST)
-    kept, k, v, last = simulated_kept(model, prompt, name, budget)
+    kept, k, v, last = pyramid_cases.simulated_kept(model, prompt, name, budget, "adakv")
     head_tokens = kept.sum(axis=2)  # [L, K]
     assert (head_tokens.min(axis=1) < head_tokens.max(axis=1)).any(), \
         "the case must give a layer's heads different budgets"
@@ -120,7 +82,7 @@ def test_adakv_compiles_nothing_after_warmup():
 
 @pytest.mark.parametrize("extra,match", [
     (dict(retention="h2o", retention_options=dict(num_recent=3)), "h2o"),
-    (dict(kv_codec="int8"), "do not compose"),
+    (dict(kv_codec="kivi4", kv_codec_options=dict(group=4)), "one cached length"),
     (dict(fused_kv_write=True), "head-major page"),
 ])
 def test_invalid_adakv_is_refused(extra, match):

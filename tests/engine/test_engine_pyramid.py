@@ -42,14 +42,15 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 120, size=length)]
 
 
-def simulated_kept(model, prompt, name, budget):
-    """[L, K, S] the tokens each layer keeps in the simulated cache, and its captured K/V."""
+def simulated_kept(model, prompt, name, budget, scheme="pyramid"):
+    """[L, K, S] the tokens each layer's kv head keeps in the simulated cache under `scheme`,
+    and its captured K/V."""
     q, k, v, last = sim.capture_qkv(model, prompt)
     press = sim.PressSpec(name, **PRESSES[name][1])
     scores = sim.layer_head_scores(q, k, v, press, model.config.rope)
     first, last_kept = press.protected(budget)
-    kept = budgets.BudgetScheme.named("pyramid").select(scores, budget, first=first,
-                                                        last=last_kept, rank=press.rank)
+    kept = budgets.BudgetScheme.named(scheme).select(scores, budget, first=first,
+                                                     last=last_kept, rank=press.rank)
     return kept, k, v, last
 
 

@@ -119,3 +119,19 @@ def test_head_major_and_shared_pages_do_not_mix_in_one_pool():
                               tensor_bytes=lambda h, w: 4.0 * h * w)
     with pytest.raises(ValueError, match="share a page format"):
         spec.check_servable()
+
+
+@pytest.mark.parametrize("name,options", [("int8", {}), ("int4", {"group": 8}),
+                                          ("fp8_e4m3", {})])
+def test_quantized_head_major_pool_bytes_match_its_buffers(name, options):
+    """A quantized head-major pool: the spec's bytes for N pages are the bytes of the codes
+    and scales of a pool of N one-head pages."""
+    import jax
+
+    from kvjax.kv import quantized
+
+    groups = head_groups(3, 3, [[5, 9, 2], [4, 4, 4], [1, 8, 3]], head_dim=16)
+    spec = quantized.cache_spec(CONFIG, 8, name, groups, **options)
+    kv = quantized.init_quantized_kv(CONFIG, 7, 8, name, num_layers=spec.layers_per_table,
+                                     num_kv_heads=1, **options)
+    assert spec.nbytes(7) == sum(x.nbytes for x in jax.tree.leaves(kv))
