@@ -476,12 +476,13 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         query heads' attention and key scores over its own table (tables[layer] + h)."""
         kv, key_scores, page_reads = carry
         g = q.shape[1] // num_kv
-        outs = []
-        for h in range(num_kv):
-            table = tables[layer] + h
-            head_inp, pool_layer = inp.for_table(table), slots[layer]
-            if k is not None:
+        heads = [(tables[layer] + h, inp.for_table(tables[layer] + h)) for h in range(num_kv)]
+        pool_layer = slots[layer]
+        if k is not None:  # every head's write before any read: no read waits on a write
+            for h, (_, head_inp) in enumerate(heads):
                 kv = kv.write_rows(pool_layer, head_inp, shape, k[:, h:h + 1], v[:, h:h + 1])
+        outs = []
+        for h, (table, head_inp) in enumerate(heads):
             q_h = q[:, h * g:(h + 1) * g]  # [T, G, D]
             outs.append(_attend_rows(kv, pool_layer, q_h, head_inp, shape, kernels,
                                      soft_cap=config.attn_logit_softcap))  # [T, G, D]
