@@ -26,9 +26,9 @@ the size: about its budget, whatever the split. The alternative, pages of every 
 head's kept tokens compacted into the same slots (read through a per-head gather), holds per
 layer ceil(max_h B_h / P) pages of every head: a head-wise split then frees no more than its
 largest head allows, and at the same total budget holds at least the pages of the uniform split
-(AdaKV's point is that heads differ: on SmolLM2 the largest head keeps about twice the mean).
-Head-major pages pay for it with K block tables per run and one attention call per kv head
-(`kvjax.engine.step`); docs/benchmarks.md measures the step time. Budget classes of heads (a
+(AdaKV's point is that heads differ). Head-major pages pay for it with K block tables per run
+and one attention call per kv head (`kvjax.engine.step`): 1.10x the decode step of one table
+on the embedded model (docs/benchmarks.md, `kvjax.bench.head_tables`). Budget classes of heads (a
 few budgets, heads of a class sharing pages) would sit in between and fix the classes before
 the scores are known, which AdaKV's per-sequence split cannot.
 

@@ -14,7 +14,6 @@ import test_engine_pyramid as pyramid_cases
 from test_engine_pyramid import engine_run, prompt_of
 
 from kvjax import EngineConfig
-from kvjax.bench import budgets as sim
 from kvjax.engine.engine import Engine
 from kvjax.engine.step import LogitsMode
 from kvjax.kv.spec import KVCacheSpec
@@ -51,20 +50,10 @@ def check_against_simulation(model, engine, prompt, name, budget, num_new=6):
     np.testing.assert_array_equal(head_tokens.sum(axis=1), model.config.num_kv_heads * budget)
     assert held == predicted_pages(engine, head_tokens, len(prompt)) == sum(
         -(-int(n) // P) for n in head_tokens.ravel())
-    want = np.concatenate([last[None], sim.continuation_logits(model, k, v, kept,
-                                                               tokens[:-1])])  # [T, V]
-    assert tokens == want.argmax(-1).tolist()
-    np.testing.assert_allclose(np.stack(logits), want, rtol=1e-4, atol=1e-4)
-    compiles = engine.num_compiles
-    again, _, _ = engine_run(engine, prompt, num_new, LogitsMode.LAST)
-    assert again == tokens
-    assert engine.num_compiles == compiles, "a request of the same shapes compiled"
-    return tokens
+    pyramid_cases.check_decode(model, engine, prompt, (kept, k, v, last), tokens, logits)
 
 
-@pytest.mark.parametrize("press,length,budget", [
-    ("snapkv", 40, 16), ("snapkv", 61, 24), ("knorm", 40, 16), ("observed_attention", 40, 16),
-    ("expected_attention", 40, 16)])
+@pytest.mark.parametrize("press,length,budget", pyramid_cases.CASES)
 def test_adakv_matches_simulated_cache_and_frees_pages(press, length, budget):
     model = tiny_model()
     engine = Engine(model, adakv_config(press, budget))

@@ -259,6 +259,7 @@ COMPOSING = [
     (Feature.CONTIGUOUS,),
     (Feature.HOST_ROWS, Feature.SWAP),
     (Feature.PYRAMID, Feature.PREFIX_CACHE),
+    (Feature.ADAKV, Feature.N_SAMPLES),
     (Feature.ECHO, Feature.INT8),
 ]
 # The tiny MoE model's regret bounds (nats; see tests/engine/test_compatibility.py): measured
