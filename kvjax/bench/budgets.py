@@ -1,10 +1,10 @@
 """Budget schemes (uniform, PyramidKV per layer, AdaKV per head) at long context: quality and
 pages held, what `scripts/bench_retention.py --schemes` runs; `run` is the whole benchmark.
 
-The engine serves the uniform scheme and the pyramid schedule of the presses that compress
-once (`kvjax.kv.budgets`,
-`kvjax.kv.layer_retention`), not the per-head ones. The schemes are therefore measured on a
-simulated cache, for each needle probe (`kvjax.bench.retention.make_probe`):
+The engine serves the uniform scheme, and for the presses that compress once the pyramid
+schedule (`kvjax.kv.layer_retention`) and the adakv split (`kvjax.kv.head_retention`), not
+pyramid+adakv. The schemes are measured on a simulated cache, for each needle probe
+(`kvjax.bench.retention.make_probe`), which the engine's rows equal:
   * one dense forward pass over the prompt captures every layer's queries, keys and values;
   * each press scores every prompt token per layer and kv head from them
     (`layer_head_scores`, the scores the engine's presses sum over layers and heads), and the

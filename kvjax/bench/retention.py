@@ -139,10 +139,13 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
 
     A variant's option `schedule` is its `EngineConfig.retention_schedule` (e.g.
     'snapkv:512:schedule=pyramid'); a per-layer schedule gets a page per layer for every
-    page of one table, so every table group holds the whole prompt before it compacts."""
+    page of one table (AdaKV's head-wise split a page per layer and kv head), so every table
+    group holds the whole prompt before it compacts."""
     name, budget, options = parse_variant(variant)
     schedule = options.pop("schedule", "uniform")
-    tables = 1 if schedule == "uniform" else model.config.num_layers
+    mc = model.config
+    tables = dict(uniform=1, pyramid=mc.num_layers).get(schedule,
+                                                       mc.num_layers * mc.num_kv_heads)
     config = kvjax.EngineConfig(
         page_size=page_size, num_pages=tables * (-(-max_len // page_size) + 1),
         max_model_len=max_len + page_size, max_num_seqs=1, max_prefill_seqs=1,

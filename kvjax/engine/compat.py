@@ -71,6 +71,7 @@ class Feature(enum.Enum):
     PYRAMID = "pyramid"
     RECORD_DECISIONS = "record_decisions"
     DISAGGREGATION = "disaggregation"
+    ADAKV = "adakv"
 
     @property
     def group(self) -> str | None:
@@ -90,6 +91,7 @@ _GROUPS = {
     Feature.TOVA: "retention", Feature.KNORM: "retention",
     Feature.EXPECTED_ATTENTION: "retention", Feature.OBSERVED_ATTENTION: "retention",
     Feature.SWAP: "preemption", Feature.AUTO_PREEMPTION: "preemption",
+    Feature.PYRAMID: "retention_schedule", Feature.ADAKV: "retention_schedule",
 }
 _DESCRIPTIONS = {
     Feature.INT8: "kv_codec int8, or another codec that stores codes and scales in the pages "
@@ -154,6 +156,10 @@ _DESCRIPTIONS = {
     Feature.DISAGGREGATION: "prefill/decode disaggregation (DisaggregatedEngine, the "
                             "server's P/D endpoints, RL page migration): a prompt's full "
                             "pages move from one engine's prefix cache into another's",
+    Feature.ADAKV: "retention_schedule='adakv' (AdaKV: each layer's budget of a press that "
+                   "compresses the prompt once split over its kv heads by their scores, in "
+                   "head-major pages with a block table per (layer, kv head) that gives back "
+                   "each head's pages past its share)",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -163,6 +169,7 @@ _EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.
              Feature.OBSERVED_ATTENTION)
 _QUEST = (Feature.QUEST, Feature.ECHO)
 _RETENTION = (*_EVICTING, *_QUEST)
+_SCHEDULES = (Feature.PYRAMID, Feature.ADAKV)
 
 
 def _refusals() -> dict[frozenset[Feature], str]:
@@ -175,7 +182,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_CODECS, [Feature.CONTIGUOUS],
            "quantized codes and scales are stored per page, so a kv_codec needs the paged "
            "layout")
-    refuse([*_RETENTION, Feature.PYRAMID], [Feature.CONTIGUOUS],
+    refuse([*_RETENTION, *_SCHEDULES], [Feature.CONTIGUOUS],
            "retention frees and selects whole pages, so it needs the paged layout")
     refuse([Feature.HOST_TIER], [Feature.CONTIGUOUS],
            "tiers move whole pages, so they need the paged layout")
@@ -188,7 +195,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "KIVI quantizes keys in groups along a sequence's own tokens beside an exact "
            "window, so a chunk's keys cannot be re-rotated and placed token by token into "
            "another sequence's groups")
-    refuse([*_EVICTING, Feature.PYRAMID], [Feature.CONTEXT_REUSE],
+    refuse([*_EVICTING, *_SCHEDULES], [Feature.CONTEXT_REUSE],
            "an evicting policy keeps the tokens a sequence's own attention chose, so a chunk "
            "computed alone would be cut to what it attended to, not to what the request that "
            "reuses it would keep")
@@ -210,7 +217,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_CODECS, [Feature.BATCH_INVARIANT],
            "a quantized cache holds other K/V than the trainer's forward computes, so rollout "
            "logprobs could not equal the trainer's bit for bit")
-    refuse([*_RETENTION, Feature.PYRAMID], [Feature.BATCH_INVARIANT],
+    refuse([*_RETENTION, *_SCHEDULES], [Feature.BATCH_INVARIANT],
            "retention drops or skips tokens that the trainer's full forward attends to, so "
            "rollout logprobs could not equal the trainer's")
     refuse([Feature.CONTIGUOUS], [Feature.BATCH_INVARIANT],
@@ -234,7 +241,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse(_KIVI, [Feature.HOST_ROWS],
            "KIVI's row reader joins a sequence's quantized pages with its exact window by "
            "length, while a host-resident row splits its positions between two pools")
-    refuse([*_RETENTION, Feature.PYRAMID], [Feature.HOST_ROWS],
+    refuse([*_RETENTION, *_SCHEDULES], [Feature.HOST_ROWS],
            "retention compacts, evicts or selects a row's pages in the device pool, while "
            "host-resident pages are read whole and never rewritten")
     refuse([Feature.SPECULATIVE], [Feature.HOST_ROWS],
@@ -323,7 +330,10 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "layout, and the contiguous one has neither pages nor a prefix cache")
     for features, reason in _LOWRANK_REFUSED:
         refuse([Feature.LOWRANK], features, reason)
-    _refuse_pyramid(refuse)
+    for schedule, refused in ((Feature.PYRAMID, _PYRAMID_REFUSED),
+                              (Feature.ADAKV, _ADAKV_REFUSED)):
+        for features, reason in refused:
+            refuse([schedule], features, reason)
     return table
 
 
@@ -333,7 +343,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
 _LOWRANK_REFUSED = (
     ((Feature.CONTIGUOUS,),
      "the key coordinates are stored per page, so the low-rank pool needs the paged layout"),
-    ((*_RETENTION, Feature.PYRAMID),
+    ((*_RETENTION, Feature.PYRAMID, Feature.ADAKV),
      "retention scores cached tokens against whole keys and re-rotates kept keys, while the "
      "low-rank pool keeps only each key's coordinates in a basis that a rotation leaves"),
     ((Feature.CONTEXT_REUSE,),
@@ -354,13 +364,42 @@ _LOWRANK_REFUSED = (
 )
 
 
-def _refuse_pyramid(refuse) -> None:
-    """The per-layer schedule's refusals: each table group holds its own tokens at its own
-    cached length (`kvjax.kv.layer_retention`). It runs with an evicting press, so where every
-    press is refused (the contiguous layout, context reuse, batch invariance, host-resident
-    rows) it is refused beside them, for the same reason, in `_refusals`."""
-    for features, reason in _PYRAMID_REFUSED:
-        refuse([Feature.PYRAMID], features, reason)
+# The budget schedules' refusals: under PyramidKV each table group, under AdaKV each (layer,
+# kv head) table in head-major pages, holds its own tokens at its own cached length
+# (`kvjax.kv.layer_retention`, `kvjax.kv.head_retention`). They run with an evicting press, so
+# where every press is refused (the contiguous layout, context reuse, batch invariance,
+# host-resident rows) they are refused beside them, for the same reason, in `_refusals`.
+_ADAKV_REFUSED = (
+    ((Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.TOVA),
+     "this policy evicts as a sequence decodes, while the per-head split shares a layer's "
+     "budget once, over the prompt's scores when its prefill completes"),
+    (_QUEST,
+     "Quest keeps every page and narrows what each query reads, so it has no budget of kept "
+     "tokens to split over heads"),
+    (_KIVI,
+     "KIVI's exact window and key groups follow one cached length per sequence, while the "
+     "per-head split's (layer, kv head) tables each hold a different number of tokens"),
+    ((Feature.HOST_TIER, Feature.SWAP, Feature.AUTO_PREEMPTION, Feature.SNAPSHOT),
+     "a sequence leaves the device and comes back through one retention record and one "
+     "cached length, while the per-head split keeps one per (layer, kv head) table"),
+    ((Feature.SPECULATIVE,),
+     "a verify step scores each draft query's keys summed over every layer and head, while "
+     "the per-head split ranks each head by its own scores"),
+    ((Feature.KV_ARENA,),
+     "an arena frame holds every kv head of a token, so heads cannot give back pages apart"),
+    ((Feature.MESH,),
+     "a mesh shards each page's kv-head axis over devices, while a head-major page holds "
+     "one kv head"),
+    ((Feature.CONTROLLER,),
+     "the controller sets one token budget per sequence, priced by KL measured with every "
+     "head keeping the same tokens"),
+    ((Feature.FUSED_KV_WRITE,),
+     "the fused write stores a token's every kv head into one page row, while a head-major "
+     "page holds one kv head"),
+    ((Feature.RECORD_DECISIONS,),
+     "a replay rebuilds one retention record per sequence, while the per-head split keeps "
+     "one per (layer, kv head) table"),
+)
 
 
 _PYRAMID_REFUSED = (
@@ -468,6 +507,12 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     (ModelTrait.LAYER_GROUPS, Feature.PYRAMID):
         "the per-layer schedule regroups layers into block tables of equal retention budget, "
         "while a model with sliding-window layers already keeps one per window group",
+    (ModelTrait.LAYER_GROUPS, Feature.ADAKV):
+        "the per-head split keeps a block table per layer and kv head, while a model with "
+        "sliding-window layers already keeps one per window group",
+    (ModelTrait.MLA_LATENT, Feature.ADAKV):
+        "an MLA latent row is one head that every query head reads, so there are no kv heads "
+        "to split a budget over",
     (ModelTrait.PER_LAYER_ROPE, Feature.CONTEXT_REUSE):
         "a reused chunk's keys are re-rotated by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
@@ -620,6 +665,8 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.FUSED_KV_WRITE, "fused_kv_write=True"))
     if config.retention_schedule == Feature.PYRAMID.value:
         found.append(_Present(Feature.PYRAMID, "retention_schedule='pyramid'"))
+    if config.retention_schedule == Feature.ADAKV.value:
+        found.append(_Present(Feature.ADAKV, "retention_schedule='adakv'"))
     if config.host_split != "never" and config.num_host_pages > 0:
         found.append(_Present(Feature.HOST_ROWS, f"host_split={config.host_split!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:

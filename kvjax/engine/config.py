@@ -112,7 +112,10 @@ class EngineConfig:
         the same tokens) or 'pyramid' (PyramidKV: lower layers keep more, upper ones fewer, the
         same tokens in all; each run of layers with equal budgets gets a block table of its own
         and gives back the pages past its budget; `kvjax.kv.layer_retention`; presses that
-        compress the prompt once: snapkv, knorm, expected_attention, observed_attention).
+        compress the prompt once: snapkv, knorm, expected_attention, observed_attention), or
+        'adakv' (AdaKV: every layer keeps K * B (kv head, token) pairs split over its heads by
+        the press's scores, in head-major pages with a block table per (layer, kv head) that
+        give back each head's pages past its share; `kvjax.kv.head_retention`; the same presses).
       async_scheduling: schedule and dispatch step t+1 while the device runs step t (sampled
         tokens feed the next step on the device; the host reads them one step later). Greedy
         outputs are identical either way. Steps that return logits, engines whose

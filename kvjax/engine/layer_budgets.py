@@ -1,11 +1,13 @@
-"""An engine's layer groups and retention record under a per-layer retention schedule
-(`EngineConfig.retention_schedule`, `kvjax.kv.layer_retention`)."""
+"""An engine's layer groups and retention record under a per-layer retention schedule or a
+per-head split (`EngineConfig.retention_schedule`, `kvjax.kv.layer_retention`,
+`kvjax.kv.head_retention`)."""
 
 from __future__ import annotations
 
 from kvjax.config import ModelConfig
 from kvjax.engine.config import EngineConfig
-from kvjax.kv.budgets import BudgetSchedule
+from kvjax.kv.budgets import BudgetSchedule, HeadAllocation
+from kvjax.kv.head_retention import HeadRetention, head_layer_groups
 from kvjax.kv.layer_retention import GroupedRetention, check_schedule, schedule_layer_groups
 from kvjax.kv.retention_host import RetentionManager, make_retention
 from kvjax.kv.spec import LayerGroup, table_groups
@@ -18,6 +20,9 @@ def pool_layer_groups(mc: ModelConfig, config: EngineConfig, max_model_len: int
     policy = make_retention(config.retention, config.retention_budget, config.page_size,
                             **config.retention_options)
     scheme = check_schedule(config.retention_schedule, policy)
+    if scheme.head_allocation is HeadAllocation.ADAKV:
+        return head_layer_groups(policy, mc.num_layers, mc.kv_layer_groups()[0].format,
+                                 max_model_len)
     if scheme.schedule is BudgetSchedule.UNIFORM:
         return mc.kv_layer_groups()
     return schedule_layer_groups(policy, scheme, mc.num_layers,
@@ -27,9 +32,12 @@ def pool_layer_groups(mc: ModelConfig, config: EngineConfig, max_model_len: int
 def retention_manager(mc: ModelConfig, config: EngineConfig, groups: tuple[LayerGroup, ...]
                       ) -> RetentionManager:
     """The engine's retention record: one view per sequence, or one per table group when the
-    pool's groups keep budgets of their own in several block tables."""
+    pool's groups keep budgets of their own in several block tables (per (layer, kv head)
+    under AdaKV)."""
     policy = make_retention(config.retention, config.retention_budget, config.page_size,
                             **config.retention_options)
+    if config.retention_schedule == HeadAllocation.ADAKV.value:
+        return HeadRetention(policy, groups, rope=mc.rope)
     if len(table_groups([(g.layers, 0) for g in groups])) == 1 or \
             config.retention_schedule == BudgetSchedule.UNIFORM.value:
         return RetentionManager(policy, rope=mc.rope)

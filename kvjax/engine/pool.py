@@ -97,7 +97,8 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
     num_pages = config.num_pages or spec.num_pages_for_budget(
         budget_bytes(config, per_token, max_model_len))
     kv = init_paged_kv(mc, num_pages, config.page_size, kv_dtype,
-                       num_layers=spec.layers_per_table)
+                       num_layers=spec.layers_per_table,
+                       num_kv_heads=1 if spec.is_head_major else None)
     return KVPool(kv, _paged_allocator(spec, num_pages, config), HostSwapSpace(), spec)
 
 
@@ -138,7 +139,9 @@ def _quantized_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int
     num_pages = config.num_pages or max(int(budget // spec.page_bytes), 1)
     kv = quantized.init_quantized_kv(mc, num_pages, config.page_size, config.kv_codec,
                                      num_seq_slots=num_seq_slots,
-                                     num_layers=spec.layers_per_table, **config.kv_codec_options)
+                                     num_layers=spec.layers_per_table,
+                                     num_kv_heads=1 if spec.is_head_major else None,
+                                     **config.kv_codec_options)
     if not num_seq_slots:
         return KVPool(kv, _paged_allocator(spec, num_pages, config), HostSwapSpace(), spec)
     allocator = residual.WindowBlockManager(

@@ -30,7 +30,7 @@ from kvjax.config import ModelConfig
 from kvjax.engine import echo, host_rows
 from kvjax.kv import attention as attention_ref
 from kvjax.kv import fused_write, layout, native
-from kvjax.kv.spec import LayerGroup, TokenKeep, layer_tables
+from kvjax.kv.spec import LayerGroup, TokenKeep, layer_tables, table_groups
 from kvjax.kv.state import KVState
 from kvjax.models import invariant, linear, llama
 from kvjax.sampling import LogitRules, sample_tokens, verify_drafts
@@ -463,7 +463,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     layer_map = layer_tables(layer_groups)
     grouped = max(layer_map[0]) > 0 or any(layer_map[2])
     # [R, G, W*P] scores, one row per table group, where G > 1 groups keep budgets of their own.
-    num_tables = max(layer_map[0]) + 1
+    num_tables = len(table_groups([(g.layers, 0, 0, (0,) * g.format.num_kv_heads
+                                    if g.head_major else ()) for g in layer_groups]))
     score_tables = num_tables if num_tables > 1 and any(
         g.keep is TokenKeep.BUDGET for g in layer_groups) else 0
     tables, slots, windows = (jnp.asarray(x, jnp.int32) for x in layer_map)
@@ -471,7 +472,34 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     records_reads = (retention is not None and retention.narrows_reads
                      and shape.num_decode > 0 and shape.decode_width == 1)
 
+    head_major = any(g.head_major for g in layer_groups)
+    num_kv = config.num_kv_heads
+
+    def attend_heads(layer, q, k, v, carry):
+        """A layer of head-major pages (`kvjax.kv.head_retention`): kv head h's K/V, its
+        query heads' attention and key scores over its own table (tables[layer] + h)."""
+        kv, key_scores, page_reads = carry
+        g = q.shape[1] // num_kv
+        heads = [(tables[layer] + h, inp.for_table(tables[layer] + h)) for h in range(num_kv)]
+        pool_layer = slots[layer]
+        if k is not None:  # every head's write before any read: no read waits on a write
+            for h, (_, head_inp) in enumerate(heads):
+                kv = kv.write_rows(pool_layer, head_inp, shape, k[:, h:h + 1], v[:, h:h + 1])
+        outs = []
+        for h, (table, head_inp) in enumerate(heads):
+            q_h = q[:, h * g:(h + 1) * g]  # [T, G, D]
+            outs.append(_attend_rows(kv, pool_layer, q_h, head_inp, shape, kernels,
+                                     soft_cap=config.attn_logit_softcap))  # [T, G, D]
+            if scores_keys:
+                scores = retention.key_scores(kv, pool_layer, q_h, head_inp, shape,
+                                              pages_per_block=PAGES_PER_BLOCK,
+                                              soft_cap=config.attn_logit_softcap)  # [R, W*P]
+                key_scores = key_scores.at[:, table].add(scores)
+        return jnp.concatenate(outs, axis=1), (kv, key_scores, page_reads)  # [T, N, D]
+
     def attend(layer, q, k, v, carry):
+        if head_major:
+            return attend_heads(layer, q, k, v, carry)
         kv, key_scores, page_reads = carry
         table = tables[layer]
         if grouped:  # several layer groups, or windows: this layer's table and pool slot
@@ -542,7 +570,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         params, config, token_ids, inp.positions, attend, (kv, key_scores, page_reads),
         linear=linear,
         row_sum=invariant.row_sum if batch_invariant else None,
-        write_kv=write_kv if writes else None)  # [T, H]
+        write_kv=write_kv if writes and not head_major else None)  # [T, H]
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     rules = _logit_rules(inp, token_ids, shape, config.vocab_size) if shape.has_rules else None
     token_mask = inp.token_mask if shape.mask_width else None

@@ -37,21 +37,24 @@ Memory. Pages hold every kv head of P tokens of one layer group's layers
 of their own: `budget_layer_groups` declares one group per run of layers with equal budgets,
 each keeping its budget (`TokenKeep.BUDGET`), and a sequence then holds
 sum over table groups of ceil(B_g / P) pages (`pages_held`). Per head, each head's kept tokens
-are compacted into the same slots of its layer's pages (slot i holds head h's i-th kept token,
-read through a per-head gather), so a layer holds ceil(max_h B_lh / P) pages: AdaKV frees no
-more than its largest head allows, and at the same token budget holds at least the pages of the
-uniform allocation (`pages_held` counts it so). The alternative, one block table per (layer, kv
-head) with pages of one head's P tokens, holds sum over heads of ceil(B_lh / P) pages of a K-th
-of the size, about the budget itself, at K times the tables and a page gather per head;
-`kvjax.bench.budgets` reports both.
+of a simulated cache sharing its layer's pages are compacted into the same slots (slot i holds
+head h's i-th kept token, read through a per-head gather), so a layer holds
+ceil(max_h B_lh / P) pages: AdaKV frees no more than its largest head allows, and at the same
+token budget holds at least the pages of the uniform allocation (`pages_held` counts it so).
+The engine instead keeps one block table per (layer, kv head) with pages of one head's P
+tokens (head-major pages, `kvjax.kv.spec`), which hold sum over heads of ceil(B_lh / P)
+pages of a K-th of the size, about the budget itself, at K times the tables and one attention
+call per head; `kvjax.bench.budgets` reports both.
 
 What is served. The engine serves the uniform scheme (every press's own selection) and, for
 the presses that compress the prompt once (snapkv, knorm, expected_attention,
 observed_attention), the pyramid schedule (`EngineConfig.retention_schedule='pyramid'`,
 `kvjax.kv.layer_retention`): one table group per run of equal budgets, a cached length per table
 group in the step input, key scores per table group and a compaction per group, whose freed
-pages go back to the pool. Per-head allocations (AdaKV) are measured on a simulated cache
-(`kvjax.bench.budgets`) whose uniform and pyramid rows equal the engine's.
+pages go back to the pool; and the adakv split (`retention_schedule='adakv'`,
+`kvjax.kv.head_retention`): the same per (layer, kv head) table in head-major pages. The
+combined pyramid+adakv scheme is measured on a simulated cache (`kvjax.bench.budgets`) whose
+uniform, pyramid and adakv rows equal the engine's (`tests/engine/test_engine_adakv.py`).
 
 Plain numpy, no jax: the host side of retention and the KV cache manager import it freely.
 """

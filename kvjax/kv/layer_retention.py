@@ -34,7 +34,7 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.kv.budgets import BudgetSchedule, BudgetScheme, budget_layer_groups
+from kvjax.kv.budgets import BudgetSchedule, BudgetScheme, HeadAllocation, budget_layer_groups
 from kvjax.kv.retention_host import (
     CacheView,
     CompactionPlan,
@@ -44,17 +44,19 @@ from kvjax.kv.retention_host import (
 )
 from kvjax.kv.spec import LayerGroup, TokenFormat, table_groups
 
-SCHEDULES = tuple(s.value for s in BudgetSchedule)
+# The per-layer schedules, and AdaKV's head-wise split (`kvjax.kv.head_retention`).
+SCHEDULES = (*(s.value for s in BudgetSchedule), HeadAllocation.ADAKV.value)
 
 
 def check_schedule(schedule: str, policy: RetentionPolicy) -> BudgetScheme:
     """The `BudgetScheme` of `EngineConfig.retention_schedule` for `policy` (ValueError: an
-    unknown schedule, or a per-layer one over a policy that does not compress once)."""
+    unknown schedule, or a per-layer or per-head one over a policy that does not compress
+    once)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"EngineConfig.retention_schedule must be one of {list(SCHEDULES)}, "
                          f"got {schedule!r}")
-    scheme = BudgetScheme(BudgetSchedule(schedule))
-    if scheme.schedule is not BudgetSchedule.UNIFORM and not policy.compresses_once:
+    scheme = BudgetScheme.named(schedule)
+    if scheme.name != BudgetSchedule.UNIFORM.value and not policy.compresses_once:
         raise ValueError(f"EngineConfig.retention_schedule={schedule!r} shares the budget of "
                          f"a press that compresses the prompt once, from its scores; "
                          f"retention={policy.name!r} is none")

@@ -137,8 +137,13 @@ class _PrefillPress(_Policy):
         if view.is_prefill_done or not is_prefill_done or size <= budget:
             return None
         sinks = self.num_sinks
-        chosen = _top(self.token_scores(view)[sinks:], budget - sinks) + sinks
+        chosen = _top(self.ranked_scores(view), budget - sinks) + sinks
         return np.concatenate([np.arange(sinks), chosen])
+
+    def ranked_scores(self, view: CacheView) -> np.ndarray:
+        """[S - num_sinks] the scores of the tokens after the sinks, which `select` keeps the
+        best of (a head-wise split ranks heads by them, `kvjax.kv.head_retention`)."""
+        return self.token_scores(view)[self.num_sinks:]
 
     def max_undecided_tokens(self, view: CacheView) -> int | None:
         return compresses_once_undecided(view)

@@ -612,7 +612,7 @@ class QuantizedPagedKV:
 
 def init_quantized_kv(config: ModelConfig, num_pages: int, page_size: int, codec_name: str, /,
                       *, num_seq_slots: int = 1, num_layers: int | None = None,
-                      **options: Any) -> QuantizedPagedKV:
+                      num_kv_heads: int | None = None, **options: Any) -> QuantizedPagedKV:
     """A zeroed quantized pool of `num_pages` pages of `page_size` tokens.
 
     Args:
@@ -623,6 +623,8 @@ def init_quantized_kv(config: ModelConfig, num_pages: int, page_size: int, codec
         num_seq_slots: KIVI only: sequences whose exact windows the state holds.
         num_layers: layers a page holds (`KVCacheSpec.layers_per_table` for a model with
             several layer groups; None: every layer of the model).
+        num_kv_heads: kv heads a page holds (1: head-major pages, `kvjax.kv.spec`; None: every
+            kv head of the model).
         **options: the codec's options (as for `make_codec`); a `page_size` option, which
             `kv_bytes_per_token` takes, must equal `page_size`.
     """
@@ -633,7 +635,7 @@ def init_quantized_kv(config: ModelConfig, num_pages: int, page_size: int, codec
                          f"pool's page_size={page_size}")
     codec = make_codec(codec_name, **options)
     _check_page_size(codec, page_size)
-    heads, head_dim = config.num_kv_heads, config.head_dim
+    heads, head_dim = num_kv_heads or config.num_kv_heads, config.head_dim
     num_layers = config.num_layers if num_layers is None else num_layers
     num_slots = num_pages * page_size
     spec = codec.storage_spec(num_slots, heads, head_dim)

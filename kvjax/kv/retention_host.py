@@ -80,6 +80,11 @@ class RetentionPolicy(Protocol):
 
     def fingerprint(self) -> str: ...
 
+    def ranked_scores(self, view: CacheView) -> np.ndarray:
+        """A policy that compresses once: the scores of its unprotected tokens, of which
+        `select` keeps the best `budget - first - last` (`protected_tokens`)."""
+        ...
+
     def protected_tokens(self) -> tuple[int, int]: ...
 
     def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
@@ -178,6 +183,10 @@ class _Policy:
         """(first, last): the tokens of a prompt it always keeps inside its budget (sinks, an
         observation window)."""
         return 0, 0
+
+    def ranked_scores(self, view: CacheView) -> np.ndarray:
+        raise ValueError(f"retention={self.name!r} does not rank a prompt's tokens once "
+                         f"(only presses that compress once do)")
 
     def options(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.option_names}
@@ -401,10 +410,14 @@ class SnapKV(_Policy):
         budget = self.budget_of(view)
         if view.is_prefill_done or not is_prefill_done or size <= budget:
             return None
-        prefix = size - self.window
-        pooled = pool_scores(view.scores[:prefix], self.kernel, self.pooling)
-        chosen = _top(pooled, budget - self.window)
-        return np.concatenate([chosen, np.arange(prefix, size)])
+        chosen = _top(self.ranked_scores(view), budget - self.window)
+        return np.concatenate([chosen, np.arange(size - self.window, size)])
+
+    def ranked_scores(self, view: CacheView) -> np.ndarray:
+        """[S - window] the pooled scores of the tokens before the window, which `select`
+        keeps the best of (a head-wise split ranks heads by them, `kvjax.kv.head_retention`)."""
+        return pool_scores(view.scores[:len(view.positions) - self.window], self.kernel,
+                           self.pooling)
 
     def max_undecided_tokens(self, view: CacheView) -> int | None:
         return compresses_once_undecided(view)

@@ -18,12 +18,28 @@ its window. A model with multi-head latent attention declares one group storing 
 `kvjax.kv.state.LatentPagedKV` pages holds. The enums also name what later groups need (a token
 budget for `TokenKeep`); a pool refuses a spec it cannot serve yet (`check_servable`).
 
+Per-head budgets. A group keeping a retention budget can give its kv heads budgets of their
+own (AdaKV: `LayerGroup.head_major`, `head_budgets`) through *head-major pages*: a page holds P
+tokens of ONE kv head of a run of layers, and every (run, kv head) has a block table of its own
+(`TableGroup.head`), so a sequence holds sum over tables of ceil(B_h / P) pages of a K-th of
+the size: about its budget, whatever the split. The alternative, pages of every head with each
+head's kept tokens compacted into the same slots (read through a per-head gather), holds per
+layer ceil(max_h B_h / P) pages of every head: a head-wise split then frees no more than its
+largest head allows, and at the same total budget holds at least the pages of the uniform split
+(AdaKV's point is that heads differ). Head-major pages pay for it with K block tables per run
+and one attention call per kv head (`kvjax.engine.step`): 1.10x the decode step of one table
+on the embedded model (docs/benchmarks.md, `kvjax.bench.head_tables`). Budget classes of heads (a
+few budgets, heads of a class sharing pages) would sit in between and fix the classes before
+the scores are known, which AdaKV's per-sequence split cannot.
+
 Bytes, for a group of Lg layers and page size P (one tensor's codec bytes per token: c(K, D)):
 
     token_bytes       per layer: c_k(K, D) + c_v(K, D), or c(1, d_c + d_r) for an MLA latent
     bytes_per_token   Lg * token_bytes
-    page_bytes        Lg * (P * token_bytes + page_extra_bytes)   (Quest's key summaries)
+    page_bytes        Lg * (P * token_bytes + page_extra_bytes)   (Quest's key summaries);
+                      Lg * P * token_bytes / K with head-major pages (one head)
     seq_slot_bytes    Lg * per-sequence bytes beside the pages     (KIVI's exact window)
+    pages_held        sum over tables of ceil(tokens the table keeps / P)
 
 This module imports nothing from jax: the host side (scheduler, memory) reads specs freely.
 """
@@ -106,15 +122,25 @@ class LayerGroup:
       layers: the layer indices, increasing.
       format: what each of these layers stores per token.
       keep: which tokens they keep.
-      num_keep_tokens: the window (SLIDING_WINDOW) or the budget (BUDGET); 0 for ALL.
+      num_keep_tokens: the window (SLIDING_WINDOW) or the budget (BUDGET); 0 for ALL. With
+        per-head budgets, the budget of a head on average.
+      head_major: pages hold one kv head's tokens, with one block table per (run of layers,
+        kv head), so the heads of a layer can keep different tokens and numbers of tokens
+        (BUDGET only; see "Per-head budgets" above).
+      head_budgets: tokens each kv head keeps (head_major; [K]); empty: `num_keep_tokens` each,
+        or, in an engine whose press splits the budget per sequence (AdaKV), at most that on
+        average.
     """
 
     layers: tuple[int, ...]
     format: TokenFormat
     keep: TokenKeep = TokenKeep.ALL
     num_keep_tokens: int = 0
+    head_major: bool = False
+    head_budgets: tuple[int, ...] = ()
 
     def __post_init__(self):
+        _check_heads(self.format, self.keep, self.head_major, self.head_budgets)
         if not self.layers or list(self.layers) != sorted(set(self.layers)) \
                 or self.layers[0] < 0:
             raise ValueError(f"a layer group's layers must be increasing indices >= 0, got "
@@ -146,6 +172,7 @@ class KVSpec:
       page_extra_bytes: bytes a page holds per layer beside its tokens (Quest's key summaries).
       seq_slot_bytes: bytes a sequence slot holds per layer beside its pages (KIVI's exact
         window); 0 for pools with no per-sequence state.
+      head_major, head_budgets: pages of one kv head, and each head's budget (`LayerGroup`).
     """
 
     format: TokenFormat
@@ -156,16 +183,35 @@ class KVSpec:
     num_keep_tokens: int = 0
     page_extra_bytes: int = 0
     seq_slot_bytes: int = 0
+    head_major: bool = False
+    head_budgets: tuple[int, ...] = ()
 
     def __post_init__(self):
         _check_positive("page_size", self.page_size)
         if not self.token_bytes > 0:
             raise ValueError(f"token_bytes must be positive, got {self.token_bytes!r}")
+        _check_heads(self.format, self.keep, self.head_major, self.head_budgets)
+
+    @property
+    def heads_per_page(self) -> int:
+        """kv heads one page holds: every head, or one (head-major pages)."""
+        return 1 if self.head_major else max(1, self.format.num_kv_heads)
 
     @property
     def page_bytes(self) -> float:
-        """Bytes one page takes in one layer."""
-        return self.page_size * self.token_bytes + self.page_extra_bytes
+        """Bytes one page takes in one layer (one head's share of the tokens' bytes when
+        head-major)."""
+        return (self.page_size * self.token_bytes * self.heads_per_page
+                / max(1, self.format.num_kv_heads) if self.head_major else
+                self.page_size * self.token_bytes) + self.page_extra_bytes
+
+    def head_tokens(self, num_tokens: int) -> tuple[int, ...]:
+        """Tokens each table of one run of these layers keeps of a sequence of `num_tokens`
+        tokens: one entry (every head), or one per kv head (head-major)."""
+        if not self.head_major:
+            return (_tokens_kept(self.keep, self.num_keep_tokens, num_tokens),)
+        budgets = self.head_budgets or (self.num_keep_tokens,) * self.format.num_kv_heads
+        return tuple(min(num_tokens, b) for b in budgets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,8 +274,14 @@ class KVCacheSpec:
         """The groups cut into runs of `layers_per_table` layers, each with a block table of
         its own (group order, then layer order)."""
         return table_groups([(g.layers, _window(g.spec.keep, g.spec.num_keep_tokens),
-                              _budget(g.spec.keep, g.spec.num_keep_tokens))
+                              _budget(g.spec.keep, g.spec.num_keep_tokens),
+                              _head_budgets(g.spec))
                              for g in self.groups])
+
+    @property
+    def is_head_major(self) -> bool:
+        """Whether pages hold one kv head (`check_servable`: all groups or none)."""
+        return any(g.spec.head_major for g in self.groups)
 
     @property
     def is_grouped(self) -> bool:
@@ -239,14 +291,16 @@ class KVCacheSpec:
     def bytes_held(self, num_tokens: int) -> float:
         """Bytes a sequence of `num_tokens` tokens holds at token granularity: each group's
         layers times the tokens it keeps (a window keeps at most its window)."""
-        return sum(g.bytes_per_token * _tokens_kept(g.spec.keep, g.spec.num_keep_tokens,
-                                                    num_tokens) for g in self.groups)
+        return sum(g.bytes_per_token * sum(g.spec.head_tokens(num_tokens))
+                   / (max(1, g.spec.format.num_kv_heads) if g.spec.head_major else 1)
+                   for g in self.groups)
 
     def pages_held(self, num_tokens: int) -> int:
         """Pages a sequence's block tables hold once it has decoded to `num_tokens` tokens (its
         last token written alone): every page of a global table; a window's table the pages
         from the one holding the first token its last query reads; a budget's table the pages
-        of its budget, right after a compaction to it."""
+        of its budget, right after a compaction to it (with per-head budgets, each (run, kv
+        head) table the pages of its head's budget)."""
         return sum(_ceil_div(min(num_tokens, t.budget), self.page_size) if t.budget else
                    _table_pages(t.window, num_tokens - 1, num_tokens, self.page_size)
                    for t in self.table_groups())
@@ -332,8 +386,8 @@ class KVCacheSpec:
             raise ValueError(f"paged pools hold sliding-window layers or layers with retention "
                              f"budgets, not both; got groups {self.describe()}")
         for g in self.groups:
-            if dataclasses.replace(g.spec, keep=first.keep,
-                                   num_keep_tokens=first.num_keep_tokens) != first:
+            if dataclasses.replace(g.spec, keep=first.keep, num_keep_tokens=first.num_keep_tokens,
+                                   head_budgets=first.head_budgets) != first:
                 raise ValueError(f"layer groups of one pool share a page format; got groups "
                                  f"{self.describe()}")
 
@@ -343,7 +397,8 @@ class KVCacheSpec:
                      num_keep_tokens=g.spec.num_keep_tokens, store=g.spec.format.store.value,
                      codec=g.spec.codec_name, page_size=g.spec.page_size,
                      token_bytes=g.spec.token_bytes, page_bytes=g.page_bytes,
-                     seq_slot_bytes=g.seq_slot_bytes) for g in self.groups]
+                     seq_slot_bytes=g.seq_slot_bytes, head_major=g.spec.head_major,
+                     head_budgets=list(g.spec.head_budgets)) for g in self.groups]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,31 +408,53 @@ class TableGroup:
     Attributes:
       layers: the layer indices (`KVCacheSpec.layers_per_table` of them).
       window: the layers' sliding window in tokens, 0 when they keep every token.
-      budget: the tokens the layers keep (per-layer retention budgets), 0 when unbounded.
+      budget: the tokens the layers keep (per-layer retention budgets; the head's with
+        head-major pages), 0 when unbounded.
+      head: the kv head its pages hold (head-major pages), None: every head.
     """
 
     layers: tuple[int, ...]
     window: int = 0
     budget: int = 0
+    head: int | None = None
 
 
-def table_groups(groups: Sequence[tuple[tuple[int, ...], int] | tuple[tuple[int, ...], int, int]]
-                 ) -> tuple[TableGroup, ...]:
-    """(layers, window[, budget]) groups cut into runs of the gcd of their sizes, in order."""
+def table_groups(groups: Sequence[tuple]) -> tuple[TableGroup, ...]:
+    """(layers, window[, budget[, head_budgets]]) groups cut into runs of the gcd of their
+    sizes, in order; a group with head budgets (head-major pages) into one table per run and kv
+    head, heads consecutive."""
     n = math.gcd(*(len(g[0]) for g in groups))
-    return tuple(TableGroup(g[0][i:i + n], *g[1:])
-                 for g in groups for i in range(0, len(g[0]), n))
+    tables = []
+    for g in groups:
+        layers, window = g[0], g[1]
+        budget = g[2] if len(g) > 2 else 0
+        heads = g[3] if len(g) > 3 else ()
+        for i in range(0, len(layers), n):
+            if heads:
+                tables += [TableGroup(layers[i:i + n], window, b, h) for h, b in enumerate(heads)]
+            else:
+                tables.append(TableGroup(layers[i:i + n], window, budget))
+    return tuple(tables)
+
+
+def pages_for_tokens(tokens_per_table: Sequence[int], page_size: int) -> int:
+    """Pages block tables holding `tokens_per_table` tokens each take: sum of ceil(n / P)."""
+    return sum(_ceil_div(int(n), page_size) for n in tokens_per_table)
 
 
 def layer_tables(groups: Sequence[LayerGroup]
                  ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Per layer of a model declaring `groups`: its table group's index, its index among that
-    group's layers (the layer axis of the pool's arrays) and its window (0: global)."""
+    """Per layer of a model declaring `groups`: its table group's index (with head-major
+    pages, its kv head 0's; head h's is that plus h), its index among that group's layers (the
+    layer axis of the pool's arrays) and its window (0: global)."""
     table, slot, window = {}, {}, {}
-    tables = table_groups([(g.layers, _window(g.keep, g.num_keep_tokens)) for g in groups])
+    tables = table_groups([(g.layers, _window(g.keep, g.num_keep_tokens), 0,
+                            (0,) * g.format.num_kv_heads if g.head_major else ())
+                           for g in groups])
     for t, group in enumerate(tables):
         for j, layer in enumerate(group.layers):
-            table[layer], slot[layer], window[layer] = t, j, group.window
+            if group.head in (None, 0):
+                table[layer], slot[layer], window[layer] = t, j, group.window
     layers = range(len(table))
     return (tuple(table[i] for i in layers), tuple(slot[i] for i in layers),
             tuple(window[i] for i in layers))
@@ -389,6 +466,33 @@ def _window(keep: TokenKeep, num_keep_tokens: int) -> int:
 
 def _budget(keep: TokenKeep, num_keep_tokens: int) -> int:
     return num_keep_tokens if keep is TokenKeep.BUDGET else 0
+
+
+def _head_budgets(spec: KVSpec) -> tuple[int, ...]:
+    """Each head's budget of a head-major spec (empty: pages of every head)."""
+    if not spec.head_major:
+        return ()
+    return spec.head_budgets or (spec.num_keep_tokens,) * spec.format.num_kv_heads
+
+
+def _check_heads(token_format: TokenFormat, keep: TokenKeep, head_major: bool,
+                 head_budgets: tuple[int, ...]) -> None:
+    """ValueError unless head-major pages keep a budget of K and V heads, and head budgets
+    come one per kv head with head-major pages."""
+    if head_major and (keep is not TokenKeep.BUDGET
+                       or token_format.store is not TokenStore.KV_HEADS):
+        raise ValueError(f"head-major pages hold a retention budget of K and V heads; got "
+                         f"keep={keep.value}, store={token_format.store.value}")
+    if not head_budgets:
+        return
+    if not head_major:
+        raise ValueError(f"head_budgets={head_budgets!r} need head-major pages (one block table "
+                         f"per kv head)")
+    if len(head_budgets) != token_format.num_kv_heads:
+        raise ValueError(f"head_budgets={head_budgets!r} must give one budget per kv head "
+                         f"({token_format.num_kv_heads})")
+    for b in head_budgets:
+        _check_positive("a head budget", b)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -434,7 +538,8 @@ def group_spec(group: LayerGroup, *, codec_name: str, page_size: int,
     spec = KVSpec(format=group.format, codec_name=codec_name, page_size=page_size,
                   token_bytes=token_bytes, keep=group.keep,
                   num_keep_tokens=group.num_keep_tokens, page_extra_bytes=page_extra_bytes,
-                  seq_slot_bytes=seq_slot_bytes)
+                  seq_slot_bytes=seq_slot_bytes, head_major=group.head_major,
+                  head_budgets=group.head_budgets)
     return KVCacheGroupSpec(group.layers, spec)
 
 

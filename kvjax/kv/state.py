@@ -475,16 +475,19 @@ class ContiguousKV(SlotAddressed):
 
 
 def init_paged_kv(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *,
-                  num_layers: int | None = None) -> PagedKV | LatentPagedKV:
+                  num_layers: int | None = None, num_kv_heads: int | None = None
+                  ) -> PagedKV | LatentPagedKV:
     """A zeroed pool of `num_pages` pages of `page_size` tokens: K and V heads, or MLA latents
     for a model with `ModelConfig.mla`.
 
     num_layers: layers a page holds (`KVCacheSpec.layers_per_table` for a model with several
-    layer groups); None: every layer of the model."""
+    layer groups); None: every layer of the model.
+    num_kv_heads: kv heads a page holds (1: head-major pages, `kvjax.kv.spec`); None: every
+    kv head of the model."""
     if num_pages <= 0 or page_size <= 0:
         raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be positive")
-    shape = (num_layers or config.num_layers, num_pages, page_size, config.num_kv_heads,
-             config.head_dim)
+    shape = (num_layers or config.num_layers, num_pages, page_size,
+             num_kv_heads or config.num_kv_heads, config.head_dim)
     if config.mla is not None:
         return LatentPagedKV(latent_pages=jnp.zeros(shape, dtype))
     return PagedKV(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))

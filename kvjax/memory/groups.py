@@ -39,13 +39,19 @@ class _GroupPages:
     """One group's view of the shared free list: when it runs dry, a page comes from another
     group's prefix cache if that holds an older released page than this group's own."""
 
-    def __init__(self, free: FreeList, managers: list[BlockManager], index: int):
+    def __init__(self, free: FreeList, managers: list[BlockManager], index: int, *,
+                 caching: bool = True):
         self._free, self._managers, self._index = free, managers, index
+        # Without prefix caches no group holds a page to give: the free list is all there is
+        # (not asking G - 1 groups on every allocation matters at G = L * K head tables).
+        self._caching = caching
 
     def _others(self) -> list[BlockManager]:
         return [m for i, m in enumerate(self._managers) if i != self._index]
 
     def num_free(self) -> int:
+        if not self._caching:
+            return self._free.num_free()
         return self._free.num_free() + sum(_num_evictable(m) for m in self._others())
 
     def take(self) -> int | None:
@@ -100,7 +106,8 @@ class GroupedBlockManager:
         for index, window in enumerate(self.windows):
             self.groups.append(BlockManager(
                 num_pages, page_size, enable_prefix_cache=enable_prefix_cache,
-                pages=_GroupPages(self._free, self.groups, index),
+                pages=_GroupPages(self._free, self.groups, index,
+                                  caching=enable_prefix_cache),
                 prefix_eviction=prefix_eviction, window=window))
         self._released: list[int] = []
         self._tracer: Tracer = NULL_TRACER

@@ -46,7 +46,7 @@ BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16
 # A quantized codec or a retention policy changes the tokens: only their count is checked.
 PRESSES = {Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION}
 RETAINED = {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
-            Feature.QUEST, Feature.ECHO, Feature.PYRAMID, *PRESSES}
+            Feature.QUEST, Feature.ECHO, Feature.PYRAMID, Feature.ADAKV, *PRESSES}
 APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, Feature.LOWRANK, *RETAINED,
                Feature.CONTEXT_REUSE}
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
@@ -134,6 +134,7 @@ def config_for(features) -> dict:
         Feature.FUSED_KV_WRITE: dict(fused_kv_write=True),
         # With snapkv unless the pair names another retention policy (set below).
         Feature.PYRAMID: dict(retention_schedule="pyramid"),
+        Feature.ADAKV: dict(retention_schedule="adakv"),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),
@@ -143,11 +144,13 @@ def config_for(features) -> dict:
     config = dict(BASE)
     for feature in features:
         config.update(settings.get(feature, {}))
-    if Feature.PYRAMID in features:
+    if set(features) & {Feature.PYRAMID, Feature.ADAKV}:
         if "retention" not in config:
             config.update(settings[Feature.SNAPKV])
-        if config["num_pages"] is not None:  # a table per layer, each page one layer: the
-            config["num_pages"] = 2 * BASE["num_pages"]  # same bytes as BASE's pages of two
+        # A table per layer (and kv head), each page one layer (of one head): the same bytes
+        # as BASE's pages of two layers and two heads.
+        if config["num_pages"] is not None:
+            config["num_pages"] = (4 if Feature.ADAKV in features else 2) * BASE["num_pages"]
     return config
 
 

@@ -42,14 +42,15 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 120, size=length)]
 
 
-def simulated_kept(model, prompt, name, budget):
-    """[L, K, S] the tokens each layer keeps in the simulated cache, and its captured K/V."""
+def simulated_kept(model, prompt, name, budget, scheme="pyramid"):
+    """[L, K, S] the tokens each layer's kv head keeps in the simulated cache under `scheme`,
+    and its captured K/V."""
     q, k, v, last = sim.capture_qkv(model, prompt)
     press = sim.PressSpec(name, **PRESSES[name][1])
     scores = sim.layer_head_scores(q, k, v, press, model.config.rope)
     first, last_kept = press.protected(budget)
-    kept = budgets.BudgetScheme.named("pyramid").select(scores, budget, first=first,
-                                                        last=last_kept, rank=press.rank)
+    kept = budgets.BudgetScheme.named(scheme).select(scores, budget, first=first,
+                                                     last=last_kept, rank=press.rank)
     return kept, k, v, last
 
 
@@ -78,20 +79,30 @@ def check_against_simulation(model, engine, prompt, name, budget, num_new=6):
     assert len(set(layer_budgets.tolist())) > 1, "the case must give layers different budgets"
     assert held == budgets.pages_held(kept, P) == sum(-(-int(b) // P) for b in layer_budgets)
     assert held < model.config.num_layers * -(-len(prompt) // P)
+    check_decode(model, engine, prompt, (kept, k, v, last), tokens, logits)
+    return tokens
+
+
+def check_decode(model, engine, prompt, simulated, tokens, logits):
+    """The engine's greedy `tokens` and `logits` are those of the simulated cache (kept,
+    k, v, last: `simulated_kept`); a second run of the same shapes compiles nothing."""
+    kept, k, v, last = simulated
     want = np.concatenate([last[None], sim.continuation_logits(model, k, v, kept,
                                                                tokens[:-1])])  # [T, V]
     assert tokens == want.argmax(-1).tolist()
     np.testing.assert_allclose(np.stack(logits), want, rtol=1e-4, atol=1e-4)
     compiles = engine.num_compiles
-    again, _, _ = engine_run(engine, prompt, num_new, LogitsMode.LAST)
+    again, _, _ = engine_run(engine, prompt, len(tokens), LogitsMode.LAST)
     assert again == tokens
     assert engine.num_compiles == compiles, "a request of the same shapes compiled"
-    return tokens
 
 
-@pytest.mark.parametrize("press,length,budget", [
-    ("snapkv", 40, 16), ("snapkv", 61, 24), ("knorm", 40, 16), ("observed_attention", 40, 16),
-    ("expected_attention", 40, 16)])
+# (press, prompt length, budget) of the engine-against-simulation cases.
+CASES = [("snapkv", 40, 16), ("snapkv", 61, 24), ("knorm", 40, 16),
+         ("observed_attention", 40, 16), ("expected_attention", 40, 16)]
+
+
+@pytest.mark.parametrize("press,length,budget", CASES)
 def test_pyramid_matches_simulated_cache_and_frees_pages(press, length, budget):
     model = tiny_model()
     engine = Engine(model, pyramid_config(press, budget))

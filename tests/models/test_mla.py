@@ -139,6 +139,8 @@ _SETTINGS = {
     Feature.CONTIGUOUS: dict(kv_layout="contiguous"),
     Feature.BATCH_INVARIANT: dict(batch_invariant=True),
     Feature.FUSED_KV_WRITE: dict(fused_kv_write=True),
+    Feature.ADAKV: dict(retention="snapkv", retention_budget=10,
+                        retention_options=dict(window=3), retention_schedule="adakv"),
 }
 
 

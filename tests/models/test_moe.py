@@ -257,6 +257,7 @@ COMPOSING = [
     (Feature.CONTIGUOUS,),
     (Feature.HOST_ROWS, Feature.SWAP),
     (Feature.PYRAMID, Feature.PREFIX_CACHE),
+    (Feature.ADAKV, Feature.N_SAMPLES),
     (Feature.ECHO, Feature.INT8),
     (Feature.RECORD_DECISIONS, Feature.SWAP),
     (Feature.DISAGGREGATION, Feature.INT8),

@@ -1,0 +1,98 @@
+"""Per-head retention budgets in the engine: AdaKV's head-wise allocation over a scoring press.
+
+`EngineConfig.retention_schedule='adakv'` keeps, in every layer, K * B (kv head, token) pairs
+(B: the press's budget, K kv heads) chosen head-wise, and frees the pages the heads no longer
+need:
+
+  * the pool's pages are head-major (`kvjax.kv.spec`, "Per-head budgets"): a page holds P
+    tokens of one kv head of one layer, and every (layer, kv head) has a block table and a
+    cached length of its own (`head_layer_groups`: one group per layer, each head keeping B
+    on average);
+  * the step attends and scores keys per (layer, kv head) table (`StepOutput.key_scores`
+    [R, L * K, W*P]: each head's attention over its query heads and weighted queries);
+  * when the press decides (when the prefill completes), each layer pools its heads' ranked
+    scores (`RetentionPolicy.ranked_scores`: SnapKV's pooled window scores, a press's scores
+    after its sinks) and splits its K * (B - protected) unprotected pairs head-wise
+    (`kvjax.kv.budgets.adakv_head_budgets`: every head first takes `head_floor` of its even
+    share, the pairs of largest score the rest); each head then keeps the press's own choice
+    at its count plus the protected tokens, is compacted by a COMPACT op of its own, and the
+    pages beyond it go back to the pool (`GroupedBlockManager.retain_groups`): a sequence
+    then holds sum over (layer, head) of ceil(B_lh / P) one-head pages;
+  * decode appends to every head's table at its own cached length.
+
+As with the pyramid schedule (`kvjax.kv.layer_retention`), only presses that compress once
+have a head-wise split here, and `kvjax.engine.compat` refuses the features that address a
+sequence's pages through one cached length.
+
+Plain numpy, no jax: the KV cache manager and the scheduler import it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.kv.budgets import BudgetScheme, HeadAllocation, adakv_head_budgets
+from kvjax.kv.layer_retention import GroupedRetention
+from kvjax.kv.retention_host import RetentionPolicy
+from kvjax.kv.spec import LayerGroup, TokenFormat, TokenKeep
+
+ADAKV = "adakv"  # the `EngineConfig.retention_schedule` of a head-wise split
+
+
+def head_layer_groups(policy: RetentionPolicy, num_layers: int, token_format: TokenFormat,
+                      max_len: int) -> tuple[LayerGroup, ...]:
+    """The pool's layer groups under a head-wise split: one per layer, head-major pages, each
+    head keeping the press's budget on average (at most `max_len`)."""
+    budget = min(policy.budget, max_len)
+    return tuple(LayerGroup((layer,), token_format, TokenKeep.BUDGET, budget, head_major=True)
+                 for layer in range(num_layers))
+
+
+class HeadRetention(GroupedRetention):
+    """The retention record of a pool with one block table per (layer, kv head), whose press
+    splits each layer's budget over its heads (AdaKV).
+
+    Each sequence has one `CacheView` per table, layer-major then head; key scores arrive per
+    table ([L * K, >= S]).
+    """
+
+    def __init__(self, policy: RetentionPolicy, groups: tuple[LayerGroup, ...], *,
+                 head_floor: float = 0.2, rope=None):
+        scheme = BudgetScheme(head_allocation=HeadAllocation.ADAKV, head_floor=head_floor)
+        super().__init__(policy, scheme, groups, rope=rope)
+        self.num_heads = groups[0].format.num_kv_heads
+        self.tables = [g.layers for g in groups for _ in range(self.num_heads)]
+        self.num_tables = len(self.tables)
+        first, last = policy.protected_tokens()
+        # One head keeps at most its layer's every unprotected pair beside the protected ones.
+        self._max_kept = first + last + self.num_heads * (policy.budget - first - last)
+
+    def head_counts(self, seq_id: str, budget: int) -> list[np.ndarray]:
+        """[K] the unprotected tokens each head of each layer keeps, AdaKV's split of the
+        layer's K * (budget - protected) pairs by the press's ranked scores."""
+        views = self._group_views(seq_id)
+        first, last = self.policy.protected_tokens()
+        count = min(budget, len(views[0].positions)) - first - last
+        k = self.num_heads
+        return [adakv_head_budgets(np.stack([self.policy.ranked_scores(v)
+                                             for v in views[i:i + k]]),
+                                   count, self.scheme.head_floor)
+                for i in range(0, len(views), k)]
+
+    def select(self, seq_id: str, *, is_prefill_done: bool) -> list[np.ndarray] | None:
+        """Cache indices each (layer, head) table keeps, or None when every table keeps all."""
+        views = self._group_views(seq_id)
+        budget = self._budgets.get(seq_id, self.default_budget)
+        if budget is None or not is_prefill_done or views[0].is_prefill_done \
+                or len(views[0].positions) <= budget:
+            for view in views:
+                view.is_prefill_done = view.is_prefill_done or is_prefill_done
+            return None
+        first, last = self.policy.protected_tokens()
+        counts = np.concatenate(self.head_counts(seq_id, budget))  # [L * K]
+        keeps = []
+        for view, count in zip(views, counts, strict=True):
+            view.budget = first + last + int(count)
+            keep = self.policy.select(view, is_prefill_done=True)
+            keeps.append(np.arange(len(view.positions)) if keep is None else keep)
+        return keeps
