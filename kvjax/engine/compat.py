@@ -399,6 +399,9 @@ _ADAKV_REFUSED = (
     ((Feature.RECORD_DECISIONS,),
      "a replay rebuilds one retention record per sequence, while the per-head split keeps "
      "one per (layer, kv head) table"),
+    ((Feature.DISAGGREGATION,),
+     "the pair moves a prompt's pages with every kv head of a token in one page, while the "
+     "per-head split keeps head-major pages that each head gives back apart"),
 )
 
 
