@@ -239,7 +239,7 @@ def test_counterfactual_replay_serves_the_same_tokens_under_another_schedule(
         [greedy_reference(model, p, NEW) for p in prompts]
 
 
-@pytest.mark.parametrize("kind", [KVOpKind.SWAP_OUT, KVOpKind.POLL])
+@pytest.mark.parametrize("kind", [KVOpKind.SWAP_OUT, KVOpKind.SCATTER])
 def test_an_op_that_runs_a_device_program_does_not_replay(kind):
     device = ReplayDevice()
     device.apply_ops([KVOp(KVOpKind.COPY, (3,), src=(1,), dst=(3,))])  # data: accepted

@@ -30,9 +30,11 @@ the KV pool only after its checksum verifies; a load from disk goes to the devic
 file reads verified.
 
 Modules: `config` (TierConfig, TransferLayout), `host` (HostTier), `disk` (the page file format
-and DiskTier), `manager` (TierManager, with `staging.DeviceStaging` moving chunks between the
-device and the host, `disk_queue.DiskQueue` the host tier's traffic with the disk, and
-`ledger.TransferLedger` the record of every transfer), `swap` (TieredSwapSpace) and `bandwidth`
+and DiskTier), `manager` (TierManager: the host-side ledger, with `loads.TierLoads`,
+`disk_queue.DiskQueue` the host tier's traffic with the disk, and `ledger.TransferLedger` the
+record of every transfer; it imports no jax), `port` (where its transfer ops go: the step's
+plan, or a local pool), `transfers` (TierTransfers: the runner's side, which gathers,
+checksums, moves and scatters chunks of pages), `swap` (TieredSwapSpace) and `bandwidth`
 (measure_transfer_bandwidth).
 """
 
@@ -42,12 +44,15 @@ from kvjax.memory.tiers.config import TierConfig, TransferLayout
 from kvjax.memory.tiers.disk import DiskTier
 from kvjax.memory.tiers.host import HostTier, host_memory_kind
 from kvjax.memory.tiers.manager import LoadResult, TierManager
+from kvjax.memory.tiers.port import LocalTierPort, PlannedTierPort
 from kvjax.memory.tiers.swap import TieredSwapSpace
 
 __all__ = [
     "DiskTier",
     "HostTier",
     "LoadResult",
+    "LocalTierPort",
+    "PlannedTierPort",
     "TierConfig",
     "TierManager",
     "TieredSwapSpace",
