@@ -6,8 +6,8 @@ bookkeeping and issues every device consequence (copy-on-write copies, swaps, sc
 tier loads, compactions) as a `KVOp` for the `KVDevice` that owns the pool (the model runner).
 Between `defer_ops()` and `take_plan()` (while the scheduler forms or commits a step) the ops
 of `DATA_KINDS` (copy-on-write copies, scrubs, window copies, compactions, chunk loads, swaps
-out to host slots and back) are collected as data for the runner to apply; otherwise, and for
-the other kinds, the device applies them when issued (`kvjax.memory.ops`).
+out to host slots and back, tier transfers) are collected as data for the runner to apply;
+otherwise, and for the other kinds, the device applies them when issued (`kvjax.memory.ops`).
 It knows sequences by id only: token lists, versions and cache keys come in as arguments.
 """
 
@@ -78,6 +78,8 @@ class KVCacheManager:
         self.swap_space = swap_space
         self.retention = retention
         self.tiers = tiers
+        if tiers is not None:  # its transfer ops join the step's plan like every data op
+            tiers.port.issue_to = self._issue
         self.page_size = page_size
         self.watermark = watermark
         self.scrub_freed_pages = scrub_freed_pages
@@ -529,7 +531,9 @@ class KVCacheManager:
         pages = [tables[group][index] for index, group in entries]
         if self.tiers is None:
             nbytes = self._swap_out_op(seq_id, entries, pages, demote_bits)
-        else:  # a copy in the tiers comes back as tier loads, by its keys
+        elif not self.keeps_windows:  # a copy in the tiers comes back as tier loads, by its keys
+            nbytes = self.swap_space.swap_out(None, seq_id, pages, demote_bits=demote_bits)
+        else:  # the window beside the pages is copied when issued
             nbytes = self._read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
                 self.swap_space.swap_out(kv, seq_id, pages, demote_bits=demote_bits)))
         self.stats["swaps_out"] += 1
@@ -811,9 +815,8 @@ class KVCacheManager:
         if self.tiers is None or not self.has_prefix_cache:
             return
         evicted = self.allocator.drain_evictions()
-        if evicted:
-            self._read(KVOp(KVOpKind.SPILL, tuple(p for _, p in evicted)),
-                             lambda kv: self.tiers.spill(kv, evicted))
+        if evicted:  # SPILL ops, planned before whatever overwrites the pages
+            self.tiers.spill(None, evicted)
         self._sync_tier_stats()
 
     def poll_tiers(self, owner: str | None = None) -> list:
@@ -821,14 +824,7 @@ class KVCacheManager:
         if self.tiers is None:
             return []
         self.spill_evictions()
-        results = []
-
-        def poll(kv):
-            kv, done = self.tiers.poll(kv, owner=owner)
-            results.extend(done)
-            return kv
-
-        self._apply(KVOp(KVOpKind.POLL), poll)
+        _, results = self.tiers.poll(None, owner=owner)
         self._sync_tier_stats()
         return results
 
@@ -841,7 +837,7 @@ class KVCacheManager:
 
     def warmup(self, block_table_width: int, *, swap: bool, max_copies: int = 0,
                max_chunk_tokens: int = 0, demote_bits: tuple[int, ...] = ()) -> None:
-        """Compiles the tier, retention, swap and scrub programs on padding inputs, the
+        """Compiles the retention, swap and scrub programs on padding inputs, the
         copy-on-write programs for up to `max_copies` copies in one step (page 0 onto itself,
         which changes nothing) and the chunk copies of up to `max_chunk_tokens` tokens."""
         idle = [KVOp(KVOpKind.COPY, src=(0,) * n, dst=(0,) * n)
@@ -855,8 +851,7 @@ class KVCacheManager:
             n *= 2
         for op in idle:
             self._apply(KVOp(KVOpKind.WARMUP), lambda kv, op=op: self.device.run_op(kv, op))
-        if self.tiers is not None:
-            self._apply(KVOp(KVOpKind.WARMUP), self.tiers.warmup)
+        # (The runner warms its tier transfers itself.)
         self._apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
             kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages,
             demote_bits=demote_bits))

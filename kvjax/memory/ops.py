@@ -68,9 +68,11 @@ DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB, KVOpKind.COPY_WINDOW,
 @dataclasses.dataclass(frozen=True)
 class TierLoadPlan:
     """The bytes of a tier load: a chunk of n pages staged on the host, one page-first numpy
-    array [L, n, ...] per leaf of the pool. Ops compare by their transfer id and pages, not
-    by these bytes (the host's checksums of them stay with the tiers' ledger)."""
+    array [L, n, ...] per leaf of the pool, and the checksums its pages must have on arrival
+    (the runner checks them before a TIER_SCATTER writes the chunk). Ops compare by their
+    transfer id, pages and checksums, not by the bytes."""
 
+    expected: tuple[int, ...]
     staged: tuple = dataclasses.field(compare=False, repr=False)
 
 

@@ -845,6 +845,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         """
         self.kv_cache.defer_ops()
         try:
+            self._receive_tiers(out)
             if self.echo is not None:
                 self.echo.observe(so.decode, out.page_reads)
             self._commit_step(so, out)
@@ -887,7 +888,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         for request_id in {self._request_of(row.seq_id) for row in so.rows}:
             if request_id in self._requests:
                 self._maybe_emit(request_id)
-        self.stats["steps"] += 1
+        self.stats["steps"] += not so.is_empty  # an idle step only brings tier landings
         if len(self.versions) > 1:
             self.drop_unused_versions()
 

@@ -39,13 +39,25 @@ checksums, moves and scatters chunks of pages), `swap` (TieredSwapSpace) and `ba
 """
 
 from kvjax.memory.prefix_cache import page_hash_chain
-from kvjax.memory.tiers.bandwidth import measure_transfer_bandwidth
 from kvjax.memory.tiers.config import TierConfig, TransferLayout
 from kvjax.memory.tiers.disk import DiskTier
 from kvjax.memory.tiers.host import HostTier, host_memory_kind
 from kvjax.memory.tiers.manager import LoadResult, TierManager
 from kvjax.memory.tiers.port import LocalTierPort, PlannedTierPort
 from kvjax.memory.tiers.swap import TieredSwapSpace
+
+# The device side loads on first use: the host side (the ledger) runs without jax.
+_DEVICE_NAMES = {"TierTransfers": "kvjax.memory.tiers.transfers",
+                 "measure_transfer_bandwidth": "kvjax.memory.tiers.bandwidth"}
+
+
+def __getattr__(name: str):
+    if name not in _DEVICE_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_DEVICE_NAMES[name]), name)
+
 
 __all__ = [
     "DiskTier",
@@ -55,6 +67,7 @@ __all__ = [
     "PlannedTierPort",
     "TierConfig",
     "TierManager",
+    "TierTransfers",
     "TieredSwapSpace",
     "TransferLayout",
     "host_memory_kind",

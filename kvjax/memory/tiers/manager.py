@@ -100,7 +100,7 @@ class TierManager(TierLoads):
 
     def _at(self, kv) -> None:
         """A local port works on `kv` from now on (a planned one is given None)."""
-        if kv is not None:
+        if kv is not None and isinstance(self._port, LocalTierPort):
             self._port.kv = kv
 
     def receive(self, landed: Sequence[TierLanded]) -> None:
@@ -262,15 +262,21 @@ class TierManager(TierLoads):
         self._port.forget(t.transfer_id)
         self._port.issue(KVOp(KVOpKind.TIER_RELEASE, transfer=t.transfer_id))
 
-    def _has_landed(self, t: Transfer) -> bool:
+    def _has_landed(self, t: Transfer, *, due: bool = False) -> bool:
+        """Whether a transfer's data is in. A load due now counts as in once issued: the
+        runner scatters it in the step's dispatch after checking its checksums there (so the
+        sequence joins that step); injected delays and corruptions are the ledger's own."""
         if t.fault is Fault.DELAY and t.polls <= self._ledger.faults.config.delay_polls:
             return False
-        return self._port.has_landed(t.transfer_id)
+        return (self._port.has_landed(t.transfer_id)
+                or (due and t.kind is TransferKind.HOST_TO_DEVICE))
 
     def warmup(self, kv):
         """Compiles the gather, checksum and scatter programs of every chunk size up front
         (a local port). Scatters each gathered chunk back where it came from, so the pool's
         content is unchanged. Returns the new KV pool (its buffers were donated)."""
+        if not isinstance(self._port, LocalTierPort):
+            return kv  # the runner warms its own TierTransfers
         return self._port.transfers.warmup(kv)
 
     def block_until_landed(self) -> None:
@@ -314,7 +320,7 @@ class TierManager(TierLoads):
             self._port.wait([t.transfer_id for t in todo])
         for t in todo:
             t.polls += 1
-            if not self._has_landed(t):
+            if not self._has_landed(t, due=owner is not None):
                 if t.polls > self.config.timeout_polls:
                     self._inflight.remove(t)
                     self._pending_keys.difference_update(t.keys)

@@ -54,7 +54,8 @@ class TierTransfers:
         # Kept apart from the gather: XLA:CPU fused the two into a program twice as slow.
         self._checksums = kvjax_jit.jit(page_checksums)  # [n] uint32
         self._out: dict[int, tuple[list, Any]] = {}  # spills: host leaves, device checksums
-        self._in: dict[int, tuple[list, Any]] = {}  # loads: device leaves, their checksums
+        # loads: device leaves, their checksums there, the checksums they must have
+        self._in: dict[int, tuple[list, Any, tuple[int, ...]]] = {}
         self._reported: set[int] = set()  # loads reported, waiting for a scatter or release
 
     @property
@@ -63,8 +64,8 @@ class TierTransfers:
 
     @property
     def num_inflight(self) -> int:
-        """Transfers issued and not yet reported, scattered or released."""
-        return len(self._out) + len(self._in)
+        """Transfers issued and not yet reported."""
+        return len(self._out) + len(self._in) - len(self._reported)
 
     def _to_host(self, x: jax.Array):
         if self.memory_kind is None:
@@ -85,10 +86,13 @@ class TierTransfers:
         elif op.kind is KVOpKind.TIER_LOAD:
             on_device = [self._to_device(x, s)
                          for x, s in zip(op.plan.staged, self._shardings, strict=True)]
-            self._in[op.transfer] = (on_device, self._checksums(on_device))
+            self._in[op.transfer] = (on_device, self._checksums(on_device), op.plan.expected)
         elif op.kind is KVOpKind.TIER_SCATTER:
-            on_device, _ = self._in.pop(op.transfer)
+            on_device, sums, expected = self._in.pop(op.transfer)
             self._reported.discard(op.transfer)
+            if not np.array_equal(np.asarray(sums), np.asarray(expected, np.uint32)):
+                raise RuntimeError(f"tier load {op.transfer}: the pages arrived with checksums "
+                                   f"{np.asarray(sums).tolist()}, not {list(expected)}")
             kv = kv.with_page_leaves(self._scatter(kv.page_leaves(),
                                                    np.asarray(op.dst, np.int32), on_device))
         elif op.kind is KVOpKind.TIER_RELEASE:
