@@ -14,7 +14,6 @@ KVJAX = pathlib.Path(__file__).resolve().parent.parent / "kvjax"
 ALLOWED = {
     "kvjax/engine/engine.py::Engine",
     "kvjax/memory/block_manager.py::BlockManager",
-    "kvjax/memory/tiers/manager.py::TierManager",
     "kvjax/server/serving.py::OpenAIServing",
 }
 

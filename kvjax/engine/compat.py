@@ -298,9 +298,6 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.CONTROLLER], [Feature.ECHO],
            "the controller prices swaps, recomputes and demotions with a model of the device "
            "pool that does not count pages whose only copy is in the host pool")
-    refuse([Feature.HOST_TIER], [Feature.RECORD_DECISIONS],
-           "the tiers move pages by device programs issued as they run (spills, polls, swaps "
-           "through the tiers), which a replay without a model cannot run")
     refuse([Feature.STREAMING_ROTATED, Feature.EXPECTED_ATTENTION], [Feature.RECORD_DECISIONS],
            "this policy's host record uses the model's RoPE (to rotate kept keys or to score "
            "them), and a replay rebuilds the record without a model")

@@ -74,6 +74,10 @@ class EngineCore:
             t_host = t_dispatch - t_start
         else:
             self.runner.apply_ops(so.kv_plan)  # no step to dispatch: e.g. a preemption's scrub
+            if self._in_flight is None and self.runner.num_tier_transfers:
+                # Nothing runs until tier transfers land: wait for them, and commit what landed.
+                self.runner.apply_ops(self.scheduler.update_from_output(
+                    so, self.runner.idle_output()))
             t_host = time.perf_counter() - t_start
         if self._in_flight is not None:
             self._resolve(self._in_flight)

@@ -49,10 +49,12 @@ from kvjax.kv.reuse import ChunkCopier
 from kvjax.kv.state import pages_for
 from kvjax.memory.host_pool import HostPagePool
 from kvjax.memory.kv_cache_manager import KVCacheManager
-from kvjax.memory.ops import KVOpKind
+from kvjax.memory.ops import TIER_KINDS, KVOpKind
 from kvjax.memory.tiers import (
+    PlannedTierPort,
     TieredSwapSpace,
     TierManager,
+    TierTransfers,
     TransferLayout,
     measure_transfer_bandwidth,
 )
@@ -251,7 +253,13 @@ class Engine:
                                         + 1 / rates["host_to_device_bytes_per_s"])
         if not cfg.enabled:
             return None, pool.swap_space
-        tiers = TierManager(cfg, self.runner.kv)
+        # The ledger decides transfers as KV ops of the step's plan; the runner moves the bytes.
+        transfers = TierTransfers(self.runner.kv)
+        tiers = TierManager(cfg, port=PlannedTierPort.of(self.runner.kv, transfers.memory_kind))
+        transfers.warm_sizes = tuple(tiers.warm_sizes())
+        self.runner.tier_transfers = transfers
+        for kind in TIER_KINDS:
+            self.runner.kv_programs[kind] = transfers.apply
         if pool.allocator.prefix_cache is not None:
             pool.allocator.record_evictions()
         return tiers, TieredSwapSpace(tiers, pool.swap_space, pool.allocator)
@@ -382,6 +390,13 @@ class Engine:
         cfg = self.config
         compat.check(cfg, on_mesh=self.mesh is not None,
                      uses=(compat.Feature.RECORD_DECISIONS, *compat.operations_of(self)))
+        tiers = self.tiers
+        if tiers is not None and (cfg.tiers.disk_bytes or tiers.stats["transfers_committed"]
+                                  or tiers.num_inflight or len(tiers.host)):
+            raise ValueError("record_decisions: a replay rebuilds the tiers fresh and without "
+                             "a disk tier, whose transfers finish on its workers' time, so "
+                             f"record before the first step with no disk (disk_bytes="
+                             f"{cfg.tiers.disk_bytes})")
         allocator = copy.deepcopy(self.kv_cache.allocator)
         allocator.tracer = NULL_TRACER
         allocator.clock = time.monotonic  # a replay gives it the replayed clock
@@ -393,7 +408,10 @@ class Engine:
             controller_options=dict(cfg.controller_options), context_reuse=cfg.context_reuse,
             context_reuse_options=dict(cfg.context_reuse_options), watermark=cfg.watermark,
             scrub_freed_pages=cfg.scrub_freed_pages,
-            weights_version=self.scheduler.weights_version)
+            weights_version=self.scheduler.weights_version,
+            tiers=None if tiers is None else cfg.tiers,
+            tier_pages=() if tiers is None else (tiers.port.page_shapes, tiers.port.page_dtypes,
+                                                 tiers.port.memory_kind))
         return DecisionRecorder(self.scheduler, recipe, self.provenance)
 
     def export_trace(self, path) -> None:

@@ -279,6 +279,7 @@ class ModelRunner:
         self._feed = self._zero_feed
         self._last_row_index: list[int] = []
         self.host_pool: HostPool | None = None
+        self.tier_transfers = None  # kvjax.memory.tiers.TierTransfers with tiers on
         self.kv_programs: dict[KVOpKind, Callable[[Any, KVOp], Any]] = {
             KVOpKind.COPY: lambda kv, op: programs.copy_pages(
                 kv, np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32)),
@@ -296,7 +297,21 @@ class ModelRunner:
     @property
     def num_compiles(self) -> int:
         host = 0 if self.host_pool is None else self.host_pool.num_compiles
-        return self.programs.num_compiles + host
+        tiers = 0 if self.tier_transfers is None else self.tier_transfers.num_compiles
+        return self.programs.num_compiles + host + tiers
+
+    @property
+    def num_tier_transfers(self) -> int:
+        """Tier transfers in flight (issued, not yet reported, scattered or released)."""
+        return 0 if self.tier_transfers is None else self.tier_transfers.num_inflight
+
+    def _tier_landed(self, *, wait: bool) -> tuple:
+        return () if self.tier_transfers is None else self.tier_transfers.report(wait=wait)
+
+    def idle_output(self) -> RunnerOutput:
+        """The output of a step with no rows: the tier transfers in flight, once landed."""
+        return RunnerOutput(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
+                            tier_landed=self._tier_landed(wait=True))
 
     @property
     def host_kv(self) -> Any:
@@ -467,7 +482,7 @@ class ModelRunner:
         rows = np.asarray(step.row_index, np.int64)
         out = step.out
         if out is None:
-            return RunnerOutput(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32))
+            return self.idle_output()
         key_scores = None if out.key_scores is None else np.asarray(out.key_scores)[rows]
         num_accepted = spec_logprobs = query_key_scores = None
         if out.num_accepted is not None:
@@ -482,7 +497,7 @@ class ModelRunner:
                             logprobs=np.asarray(out.logprobs)[rows], key_scores=key_scores,
                             logits=out.logits, num_accepted=num_accepted,
                             spec_logprobs=spec_logprobs, query_key_scores=query_key_scores,
-                            page_reads=page_reads)
+                            page_reads=page_reads, tier_landed=self._tier_landed(wait=False))
 
     def warmup(self, weights_version: str, *, sampling: bool = False,
                blend_ratio: float | None = None, max_blend_tokens: int = 0) -> None:
@@ -491,6 +506,8 @@ class ModelRunner:
         min-p, and with penalties, logit bias or min_tokens);
         with `blend_ratio`, the CacheBlend recomputes of chunks up to `max_blend_tokens`."""
         params = self.params[weights_version]
+        if self.tier_transfers is not None:
+            self.kv = self.tier_transfers.warmup(self.kv)
         n = self.buckets.min_chunk_bucket
         while blend_ratio is not None and n <= bucket(max_blend_tokens):
             shape, host = self.blend_input(BlendRow(

@@ -6,8 +6,8 @@ bookkeeping and issues every device consequence (copy-on-write copies, swaps, sc
 tier loads, compactions) as a `KVOp` for the `KVDevice` that owns the pool (the model runner).
 Between `defer_ops()` and `take_plan()` (while the scheduler forms or commits a step) the ops
 of `DATA_KINDS` (copy-on-write copies, scrubs, window copies, compactions, chunk loads, swaps
-out to host slots and back) are collected as data for the runner to apply; otherwise, and for
-the other kinds, the device applies them when issued (`kvjax.memory.ops`).
+out to host slots and back, tier transfers) are collected as data for the runner to apply;
+otherwise, and for the other kinds, the device applies them when issued (`kvjax.memory.ops`).
 It knows sequences by id only: token lists, versions and cache keys come in as arguments.
 """
 
@@ -76,6 +76,8 @@ class KVCacheManager:
             allocator.clock = clock  # when cached pages are released (CachedPage.released_at)
         self._floors: dict[str, int] = {}  # sequence -> tokens its pages hold from the start
         self.ops = OpPlan(device)
+        if tiers is not None:  # its transfer ops join the step's plan like every data op
+            tiers.port.issue_to = self.ops.issue
         self.tier_traffic = TierTraffic(tiers, allocator, self.ops, stats)
         self.page_ops = PageOps(allocator, swap_space, self.ops, self.versions, stats,
                                 page_size=page_size, spill=self.spill_evictions,
@@ -410,7 +412,7 @@ class KVCacheManager:
 
     def warmup(self, block_table_width: int, *, swap: bool, max_copies: int = 0,
                max_chunk_tokens: int = 0, demote_bits: tuple[int, ...] = ()) -> None:
-        """Compiles the tier, retention, swap and scrub programs on padding inputs, the
+        """Compiles the retention, swap and scrub programs on padding inputs, the
         copy-on-write programs for up to `max_copies` copies in one step (page 0 onto itself,
         which changes nothing) and the chunk copies of up to `max_chunk_tokens` tokens."""
         idle = [KVOp(KVOpKind.COPY, src=(0,) * n, dst=(0,) * n)
@@ -424,8 +426,7 @@ class KVCacheManager:
             n *= 2
         for op in idle:
             self.ops.apply(KVOp(KVOpKind.WARMUP), lambda kv, op=op: self.device.run_op(kv, op))
-        if self.tiers is not None:
-            self.ops.apply(KVOp(KVOpKind.WARMUP), self.tiers.warmup)
+        # (The runner warms its tier transfers itself.)
         self.ops.apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
             kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages,
             demote_bits=demote_bits))

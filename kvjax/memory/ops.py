@@ -12,10 +12,12 @@ index arrays say everything, so the ops the scheduler issues while it forms a st
 the step's `SchedulerOutput.kv_plan` and the runner applies them in the step's dispatch, before
 the model (`KVDevice.apply_ops`); those of committing a step are what
 `Scheduler.update_from_output` returns, applied by the engine core right after. The other kinds
-(tier spills and polls, swaps through the tiers, scatters) still run a closure on the device
-when issued (`KVDevice.apply`, `KVDevice.read`); before one does, the manager hands over the
-data ops issued ahead of it, so the pool sees every op in issuing order (a spill of an evicted
-page before the copy that overwrites it).
+(scatters from outside, a KIVI window swapped through the tiers, placements, calibrations,
+warm-ups) still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`);
+before one does, the manager hands over the data ops issued ahead of it, so the pool sees
+every op in issuing order. Tier transfers are data too (`TIER_KINDS`): a spill's pages are
+gathered in the step's dispatch, before anything overwrites them, and what landed comes back
+to the tiers' ledger in `RunnerOutput.tier_landed`.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ class KVOpKind(enum.StrEnum):
     SCRUB = "scrub"  # freed pages (and window slots) zeroed
     COMPACT = "compact"  # a retention policy's compaction of kept tokens
     COPY_WINDOW = "copy_window"  # a KIVI window copied to a forked sequence
-    SPILL = "spill"  # evicted prefix-cache pages to the host tier (reads the pool)
-    POLL = "poll"  # tier transfers advanced; landed loads scattered into pages
+    SPILL = "spill"  # pages gathered for a tier transfer to host memory (reads the pool)
+    TIER_LOAD = "tier_load"  # a chunk staged on the host sent to the device (not in the pool yet)
+    TIER_SCATTER = "tier_scatter"  # a verified tier load written into its pages
+    TIER_RELEASE = "tier_release"  # a tier transfer the runner forgets (failed, cancelled)
     SCATTER = "scatter"  # pages written from outside (snapshots, disaggregated prefill)
     CHUNK_LOAD = "chunk_load"  # a cached chunk's tokens copied into a sequence, re-rotated
     PLACE = "place"  # the pool moved to other devices or shardings
@@ -51,12 +55,42 @@ class KVOpKind(enum.StrEnum):
 
 
 # Kinds whose ops carry all they do as index arrays (the runner applies them from the data).
-# With tiers on, a swap goes through the tiers' checked transfers instead, and its SWAP_OUT
-# (and a KIVI window's SWAP_IN) still runs a closure when issued (`KVDevice.read` / `apply`).
+# With tiers on, a swap goes through the tiers' transfers (SPILL, TIER_LOAD, TIER_SCATTER);
+# a KIVI window beside its pages still runs a closure when issued (`KVDevice.read` / `apply`).
+TIER_KINDS = frozenset({KVOpKind.SPILL, KVOpKind.TIER_LOAD, KVOpKind.TIER_SCATTER,
+                        KVOpKind.TIER_RELEASE})
 DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB, KVOpKind.COPY_WINDOW,
                         KVOpKind.COMPACT, KVOpKind.CHUNK_LOAD, KVOpKind.HOST_OUT,
                         KVOpKind.HOST_IN, KVOpKind.SWAP_OUT, KVOpKind.SWAP_IN,
-                        KVOpKind.SWAP_DROP})
+                        KVOpKind.SWAP_DROP}) | TIER_KINDS
+
+
+@dataclasses.dataclass(frozen=True)
+class TierLoadPlan:
+    """The bytes of a tier load: a chunk of n pages staged on the host, one page-first numpy
+    array [L, n, ...] per leaf of the pool, and the checksums its pages must have on arrival
+    (the runner checks them before a TIER_SCATTER writes the chunk). Ops compare by their
+    transfer id, pages and checksums, not by the bytes."""
+
+    expected: tuple[int, ...]
+    staged: tuple = dataclasses.field(compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierLanded:
+    """What the runner reports of a tier transfer whose data is in (`RunnerOutput`).
+
+    Attributes:
+      transfer: the transfer's id (`KVOp.transfer`).
+      checksums: [n] uint32, the pages' checksums computed on the device (a SPILL: of the
+        gathered pages; a TIER_LOAD: of the pages as they arrived).
+      leaves: a SPILL: the pages in host memory, page-first arrays [L, n, ...] per leaf;
+        a TIER_LOAD: () (its pages wait on the device for a TIER_SCATTER or TIER_RELEASE).
+    """
+
+    transfer: int
+    checksums: np.ndarray = dataclasses.field(compare=False)
+    leaves: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +155,11 @@ class KVOp:
       host_slot: SWAP_OUT, SWAP_IN, SWAP_DROP: the host copy's key in the swap space (the KV
         cache manager hands them out; -1: none).
       bits: SWAP_OUT: the precision the copy is demoted to (8 or 4; 0: as stored).
+      transfer: SPILL, TIER_LOAD, TIER_SCATTER, TIER_RELEASE: the tier transfer's id. SPILL
+        gathers pool pages src into one chunk and sends it to host memory; TIER_LOAD sends
+        its `TierLoadPlan` chunk to the device; TIER_SCATTER writes that chunk into pool
+        pages dst; TIER_RELEASE forgets the transfer. What landed comes back in
+        `RunnerOutput.tier_landed` (`TierLanded`).
     """
 
     kind: KVOpKind
@@ -128,9 +167,10 @@ class KVOp:
     src: tuple[int, ...] = ()
     dst: tuple[int, ...] = ()
     seq_slots: tuple[int, ...] = ()
-    plan: CompactionPlan | ChunkLoadPlan | None = None
+    plan: CompactionPlan | ChunkLoadPlan | TierLoadPlan | None = None
     host_slot: int = -1
     bits: int = 0
+    transfer: int = -1
 
 
 class KVDevice(Protocol):

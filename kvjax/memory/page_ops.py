@@ -104,12 +104,11 @@ class TierTraffic:
     def spill_evictions(self) -> None:
         """Copies cached pages evicted since the last call out to the tiers; runs before anything
         writes to those pages (copies, scrubs, loads, the step)."""
-        if self.tiers is None or not self.allocator.prefix_cache is not None:
+        if self.tiers is None or self.allocator.prefix_cache is None:
             return
         evicted = self.allocator.drain_evictions()
-        if evicted:
-            self.ops.read(KVOp(KVOpKind.SPILL, tuple(p for _, p in evicted)),
-                             lambda kv: self.tiers.spill(kv, evicted))
+        if evicted:  # SPILL ops, planned before whatever overwrites the pages
+            self.tiers.spill(None, evicted)
         self._sync_tier_stats()
 
     def poll_tiers(self, owner: str | None = None) -> list:
@@ -117,14 +116,7 @@ class TierTraffic:
         if self.tiers is None:
             return []
         self.spill_evictions()
-        results = []
-
-        def poll(kv):
-            kv, done = self.tiers.poll(kv, owner=owner)
-            results.extend(done)
-            return kv
-
-        self.ops.apply(KVOp(KVOpKind.POLL), poll)
+        _, results = self.tiers.poll(None, owner=owner)
         self._sync_tier_stats()
         return results
 

@@ -92,7 +92,9 @@ class SwapMoves:
         pages = [tables[group][index] for index, group in entries]
         if self.tiers is None:
             nbytes = self._swap_out_op(seq_id, entries, pages, demote_bits)
-        else:  # a copy in the tiers comes back as tier loads, by its keys
+        elif not self.swap_space.keeps_windows:  # a copy in the tiers comes back as tier loads
+            nbytes = self.swap_space.swap_out(None, seq_id, pages, demote_bits=demote_bits)
+        else:  # the window beside the pages is copied when issued
             nbytes = self.ops.read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
                 self.swap_space.swap_out(kv, seq_id, pages, demote_bits=demote_bits)))
         self.stats["swaps_out"] += 1

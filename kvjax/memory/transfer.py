@@ -29,8 +29,6 @@ import itertools
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.trace import NULL_TRACER, Tracer
@@ -245,7 +243,7 @@ def flip_byte(data: bytes, position: int) -> bytes:
 
 # ----------------------------------------------------------------------------- checksums
 
-_WORD = {4: (jnp.uint32, np.uint32), 2: (jnp.uint16, np.uint16), 1: (jnp.uint8, np.uint8)}
+_WORD = {4: np.uint32, 2: np.uint16, 1: np.uint8}
 _MIX = 0x01000193  # FNV prime: mixes the per-leaf sums into one word per page.
 
 
@@ -254,10 +252,13 @@ def _check_itemsize(dtype) -> None:
         raise ValueError(f"page checksums need 1-, 2- or 4-byte dtypes, got {dtype}")
 
 
-def _leaf_checksum_jnp(x: jax.Array) -> jax.Array:
+def _leaf_checksum_jnp(x):
+    import jax  # The device twin: the host side of the tiers runs without jax.
+    import jax.numpy as jnp
+
     _check_itemsize(x.dtype)
     num_layers, n = x.shape[:2]
-    words = jax.lax.bitcast_convert_type(x, _WORD[x.dtype.itemsize][0]).astype(jnp.uint32)
+    words = jax.lax.bitcast_convert_type(x, _WORD[x.dtype.itemsize]).astype(jnp.uint32)
     words = words.reshape(num_layers, n, -1)  # [L, n, R]
     # Word (l, r) of a page is its word l * R + r; odd weights, so no single word cancels.
     weights = 2 * jnp.arange(num_layers * words.shape[2], dtype=jnp.uint32) + 1
@@ -265,8 +266,10 @@ def _leaf_checksum_jnp(x: jax.Array) -> jax.Array:
     return jnp.sum(words * weights, axis=(0, 2), dtype=jnp.uint32)  # [n]
 
 
-def page_checksums(leaves: Sequence[jax.Array]) -> jax.Array:
+def page_checksums(leaves: Sequence):
     """Checksums of n pages, [n] uint32, from page-major leaves [L, n, ...] (jnp, traceable)."""
+    import jax.numpy as jnp
+
     total = jnp.zeros([leaves[0].shape[1]], jnp.uint32)
     for x in leaves:
         total = total * jnp.uint32(_MIX) + _leaf_checksum_jnp(x)
@@ -280,7 +283,7 @@ def page_checksums_np(leaves: Sequence[np.ndarray]) -> np.ndarray:
         x = np.asarray(x)
         _check_itemsize(x.dtype)
         num_layers, n = x.shape[:2]
-        words = x.view(_WORD[x.dtype.itemsize][1]).astype(np.uint32).reshape(num_layers, n, -1)
+        words = x.view(_WORD[x.dtype.itemsize]).astype(np.uint32).reshape(num_layers, n, -1)
         weights = 2 * np.arange(words.shape[0] * words.shape[2], dtype=np.uint32) + 1
         weights = weights.reshape(num_layers, 1, -1)  # [L, 1, R]
         total = total * np.uint32(_MIX) + np.sum(words * weights, axis=(0, 2), dtype=np.uint32)

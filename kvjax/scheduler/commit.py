@@ -72,7 +72,7 @@ class StepCommitter:
         for request_id in {row.seq_id.rsplit("#", 1)[0] for row in so.rows}:
             if self.table.has_request(request_id):
                 self.table.maybe_emit(request_id)
-        self.stats["steps"] += 1
+        self.stats["steps"] += not so.is_empty  # an idle step only brings tier landings
 
     def _commit_verified(self, seq: Sequence, row: ScheduledRow, out: RunnerOutput, i: int,
                          now: float, is_current: bool, version: str) -> None:

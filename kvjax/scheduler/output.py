@@ -189,6 +189,9 @@ class RunnerOutput:
       query_key_scores: [R, 1 + gamma, W*P] float32 after a verify step with key scores: the
         scores each decode row's query gave alone, as its own decode step would (zeros for
         prefill rows); else None.
+      tier_landed: the tier transfers whose data landed since the last output
+        (`kvjax.memory.ops.TierLanded`: a spill's pages in host memory and checksums, a tier
+        load's checksums on the device), for the tiers' ledger.
       page_reads: [Rd, L, W] bool after a one-token decode step of a policy that narrows reads
         (Quest): the block-table entries each decode row (`SchedulerOutput.decode`) read in
         each layer; else None.
@@ -202,3 +205,4 @@ class RunnerOutput:
     spec_logprobs: np.ndarray | None = None
     query_key_scores: np.ndarray | None = None
     page_reads: np.ndarray | None = None
+    tier_landed: tuple = ()

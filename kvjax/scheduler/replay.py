@@ -26,9 +26,12 @@ Limits: KV operations of the kinds `kvjax.memory.ops.DATA_KINDS` (copy-on-write 
 window copies, retention compactions, chunk loads, swaps to host slots and back) are plain
 data and replay as such, so runs under an evicting retention policy, context reuse or swap
 preemption replay (not those whose retention policy rotates kept keys or reads RoPE: the host
-record is built without a model); tier traffic (spills, polls, swaps through the tiers) still
-runs a device program when issued, so a trace holding it does not replay (`ReplayDevice`
-raises a ValueError naming the op's kind). Warm-up records (`KVOpKind.WARMUP`) are
+record is built without a model). Tier traffic is data too (`TIER_KINDS`): a run with a host
+tier replays, its ledger fed the transfers that landed from the recorded `RunnerOutput`s (a
+disk tier's transfers finish on its workers' time, which a trace does not hold: not recorded).
+Ops that still run a device program when issued (a KIVI window swapped through the tiers,
+scatters from outside) do not replay (`ReplayDevice` raises a ValueError naming the op's
+kind). Warm-up records (`KVOpKind.WARMUP`) are
 compilations, not decisions, and are left out of the comparison. Snapshot restores are not
 recorded, nor requests under a grammar (a ValueError names the request). `Engine.record_decisions`
 refuses, with the reason from `kvjax.engine.compat`, what a replay could not decide again: tiers,
@@ -50,6 +53,7 @@ import numpy as np
 from kvjax.kv.retention_host import RetentionManager, make_retention
 from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.ops import DATA_KINDS, KVOp, KVOpKind
+from kvjax.memory.tiers import PlannedTierPort, TieredSwapSpace, TierManager
 from kvjax.scheduler.context import make_strategy
 from kvjax.scheduler.controller import make_controller
 from kvjax.scheduler.output import RunnerOutput, SchedulerOutput
@@ -82,6 +86,9 @@ class SchedulerRecipe:
       weights_version: the weights version the scheduler started with.
       cache_keys: (tenant, weights version) -> the provenance fingerprint the engine gave
         pages of that tenant and version.
+      tiers: the host tier's `TierConfig` (no disk tier), or None without tiers.
+      tier_pages: with tiers, (page shapes, page dtypes, memory kind) of the pool's pages
+        (`PlannedTierPort`): what the tiers' ledger sizes and stages pages by.
     """
 
     config: SchedulerConfig
@@ -100,6 +107,8 @@ class SchedulerRecipe:
     scrub_freed_pages: bool = False
     weights_version: str = ""
     cache_keys: dict = dataclasses.field(default_factory=dict)
+    tiers: Any = None
+    tier_pages: tuple = ()
 
 
 @dataclasses.dataclass
@@ -281,8 +290,8 @@ class ReplayDevice:
 
     @staticmethod
     def _check(op: KVOp, *, closure: bool = False) -> None:
-        """Refuses an op that runs a device program when issued (a closure: a swap through
-        the tiers, a spill, a tier poll, a scatter), by its kind."""
+        """Refuses an op that runs a device program when issued (a closure: a KIVI window
+        swapped through the tiers, a scatter), by its kind."""
         if op.kind is not KVOpKind.WARMUP and (closure or op.kind not in DATA_KINDS):
             raise ValueError(f"KV operation {op.kind.value!r} still runs a device program when "
                              f"issued, so it does not replay; replay covers runs whose KV "
@@ -333,10 +342,15 @@ def build_scheduler(recipe: SchedulerRecipe, *, clock: Callable[[], float] | Non
     retention = RetentionManager(make_retention(
         recipe.retention, recipe.retention_budget, recipe.config.page_size,
         **recipe.retention_options))
+    allocator = copy.deepcopy(recipe.allocator)
+    tiers, swap_space = None, _NoSwapSpace()
+    if recipe.tiers is not None:  # the tiers' ledger, its transfers landing as recorded
+        tiers = TierManager(recipe.tiers, port=PlannedTierPort(*recipe.tier_pages))
+        swap_space = TieredSwapSpace(tiers, swap_space, allocator)
     kv_cache = KVCacheManager(
-        ReplayDevice(), copy.deepcopy(recipe.allocator), _NoSwapSpace(), retention,
+        ReplayDevice(), allocator, swap_space, retention,
         page_size=recipe.config.page_size, watermark=recipe.watermark,
-        scrub_freed_pages=recipe.scrub_freed_pages, stats=stats, clock=clock)
+        scrub_freed_pages=recipe.scrub_freed_pages, stats=stats, clock=clock, tiers=tiers)
 
     def cache_key(tenant: str | None, version: str) -> bytes:
         if (tenant, version) not in recipe.cache_keys:

@@ -225,6 +225,7 @@ class Scheduler:
         """
         self.kv_cache.defer_ops()
         try:
+            self.admission.receive(out)
             if self.echo is not None:
                 self.echo.observe(so.decode, out.page_reads)
             self.committer.commit(so, out)

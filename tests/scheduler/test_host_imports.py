@@ -19,6 +19,8 @@ HOST_MODULES = (
     "kvjax.memory.prefix_cache",
     "kvjax.memory.kv_cache_manager",
     "kvjax.memory.ops",
+    "kvjax.memory.tiers",  # the tiers' ledger; the runner's TierTransfers load on use
+    "kvjax.memory.tiers.manager",
     "kvjax.kv.retention_host",
     "kvjax.sampling_params",
 )

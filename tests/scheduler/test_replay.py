@@ -19,7 +19,8 @@ from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.runner import StepObserver
 from kvjax.kv.retention_host import CompactionPlan
-from kvjax.memory.ops import KVOp, KVOpKind
+from kvjax.memory.ops import TIER_KINDS, KVOp, KVOpKind
+from kvjax.memory.tiers import TierConfig
 from kvjax.scheduler.replay import (
     DecisionRecorder,
     DecisionTrace,
@@ -193,6 +194,60 @@ def test_swaps_are_data_the_runner_applies_in_the_steps_dispatch(model, prompts,
     assert [replayed[f"gen-0-{i}"] for i in range(len(prompts))] == tokens
 
 
+@pytest.fixture(scope="module")
+def tiered(model, prompts):
+    """A recorded run under async scheduling with a host tier, swapping through it, then the
+    same prompts again (their evicted prefix pages come back from the host tier): (engine,
+    trace, tokens of both rounds, compiles after warm-up and after the run, applied ops)."""
+    page_bytes = model.config.kv_bytes_per_token(model.dtype) * CONFIG["page_size"]
+    engine = Engine(model, EngineConfig(**CONFIG, preemption_mode="swap",
+                                        tiers=TierConfig(host_bytes=64 * page_bytes)))
+    compiles = engine.warmup()
+    applied = _AppliedOps()
+    engine.add_step_observer(applied)
+    recorder = engine.record_decisions()
+    tokens = []
+    for batch in (prompts, prompts[1::2]):
+        outs = engine.generate(batch, SamplingParams(max_new_tokens=NEW))
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    return (engine, recorder.stop(), tokens, (compiles, engine.num_compiles), applied.ops)
+
+
+def test_tier_transfers_are_data_and_a_tiered_run_replays(model, prompts, tiered):
+    """With a host tier, spills, tier loads and their scatters are ops of the steps' plans
+    (transfer ids, pages, the staged chunk's checksums), the runner applies exactly those, a
+    load is scattered only after it was sent, what landed reaches the ledger through the
+    runner's outputs, the tokens are the dense greedy reference's, nothing compiles after
+    warm-up, and the recorded decisions replay to the same tokens without a runner."""
+    engine, trace, tokens, compiles, applied = tiered
+    assert tokens == [[greedy_reference(model, p, NEW) for p in batch]
+                      for batch in (prompts, prompts[1::2])]
+    assert engine.stats["swaps_out"] > 0 and engine.stats["tier_hit_tokens"] > 0
+    planned = [op for so in trace.outputs for op in so.kv_plan if op.kind in TIER_KINDS]
+    planned += [op for e in trace.events if e.name == "update_from_output"
+                for op in e.result if op.kind in TIER_KINDS]
+    assert sorted(map(repr, (op for op in applied if op.kind in TIER_KINDS))) == \
+        sorted(map(repr, planned))
+    sent = set()
+    for op in [op for op in applied if op.kind in TIER_KINDS]:
+        if op.kind is KVOpKind.TIER_LOAD:
+            sent.add(op.transfer)
+            assert len(op.plan.expected) == len(op.pages) == op.plan.staged[0].shape[1]
+        elif op.kind is KVOpKind.TIER_SCATTER:
+            assert op.transfer in sent
+    landed = {r.transfer for e in trace.events if e.name == "update_from_output"
+              for r in e.args[1].tier_landed}
+    spills = {op.transfer for op in planned if op.kind is KVOpKind.SPILL}
+    assert spills and spills <= landed
+    assert engine.tiers.num_inflight == 0 and compiles[1] == compiles[0]
+    result = replay(trace)
+    for key in ("swaps_out", "tier_hit_tokens", "bytes_device_to_host", "bytes_host_to_device"):
+        assert result.scheduler.stats[key] == engine.stats[key], key
+    replayed = {o.request_id: o.outputs[0].token_ids for o in result.finished}
+    arrivals = [e.args[0] for e in trace.events if e.name == "add_request"]
+    assert [replayed[r] for r in arrivals] == tokens[0] + tokens[1]
+
+
 def test_compactions_come_back_as_data_and_compile_nothing_new(retained):
     """Each retention compaction is a COMPACT op carrying its plan's index arrays, returned by
     the commit that decided it; the runner applies exactly those ops, in order, and runs no
@@ -239,7 +294,7 @@ def test_counterfactual_replay_serves_the_same_tokens_under_another_schedule(
         [greedy_reference(model, p, NEW) for p in prompts]
 
 
-@pytest.mark.parametrize("kind", [KVOpKind.SWAP_OUT, KVOpKind.POLL])
+@pytest.mark.parametrize("kind", [KVOpKind.SWAP_OUT, KVOpKind.SCATTER])
 def test_an_op_that_runs_a_device_program_does_not_replay(kind):
     device = ReplayDevice()
     device.apply_ops([KVOp(KVOpKind.COPY, (3,), src=(1,), dst=(3,))])  # data: accepted

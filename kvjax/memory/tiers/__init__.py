@@ -30,26 +30,44 @@ the KV pool only after its checksum verifies; a load from disk goes to the devic
 file reads verified.
 
 Modules: `config` (TierConfig, TransferLayout), `host` (HostTier), `disk` (the page file format
-and DiskTier), `manager` (TierManager, with `staging.DeviceStaging` moving chunks between the
-device and the host, `disk_queue.DiskQueue` the host tier's traffic with the disk, and
-`ledger.TransferLedger` the record of every transfer), `swap` (TieredSwapSpace) and `bandwidth`
+and DiskTier), `manager` (TierManager: the host-side ledger, with `loads.TierLoads`,
+`disk_queue.DiskQueue` the host tier's traffic with the disk, and `ledger.TransferLedger` the
+record of every transfer; it imports no jax), `port` (where its transfer ops go: the step's
+plan, or a local pool), `transfers` (TierTransfers: the runner's side, which gathers,
+checksums, moves and scatters chunks of pages), `swap` (TieredSwapSpace) and `bandwidth`
 (measure_transfer_bandwidth).
 """
 
 from kvjax.memory.prefix_cache import page_hash_chain
-from kvjax.memory.tiers.bandwidth import measure_transfer_bandwidth
 from kvjax.memory.tiers.config import TierConfig, TransferLayout
 from kvjax.memory.tiers.disk import DiskTier
 from kvjax.memory.tiers.host import HostTier, host_memory_kind
 from kvjax.memory.tiers.manager import LoadResult, TierManager
+from kvjax.memory.tiers.port import LocalTierPort, PlannedTierPort
 from kvjax.memory.tiers.swap import TieredSwapSpace
+
+# The device side loads on first use: the host side (the ledger) runs without jax.
+_DEVICE_NAMES = {"TierTransfers": "kvjax.memory.tiers.transfers",
+                 "measure_transfer_bandwidth": "kvjax.memory.tiers.bandwidth"}
+
+
+def __getattr__(name: str):
+    if name not in _DEVICE_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_DEVICE_NAMES[name]), name)
+
 
 __all__ = [
     "DiskTier",
     "HostTier",
     "LoadResult",
+    "LocalTierPort",
+    "PlannedTierPort",
     "TierConfig",
     "TierManager",
+    "TierTransfers",
     "TieredSwapSpace",
     "TransferLayout",
     "host_memory_kind",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable
 
 from kvjax.memory.transfer import FaultConfig, FaultInjector, Transfer, TransferKind, TransferState
@@ -26,13 +27,16 @@ class TransferLedger:
         self.clock = clock
         self.tracer: Tracer = NULL_TRACER
         self.recent_transfers: collections.deque[Transfer] = collections.deque(maxlen=4096)
+        # Ids count from 0 per ledger: a replayed ledger gives its transfers the same ones.
+        self._ids = itertools.count()
         self.stats = dict(bytes_device_to_host=0, bytes_host_to_device=0, bytes_host_to_disk=0,
                           bytes_disk_to_host=0, transfers_committed=0, transfers_failed=0,
                           transfers_timed_out=0, pages_dropped=0, pages_loaded=0,
                           device_transfer_s=0.0, device_transfer_bytes=0)
 
     def track(self, t: Transfer) -> Transfer:
-        """Draws `t`'s fault and records it among the recent transfers."""
+        """Numbers `t`, draws its fault and records it among the recent transfers."""
+        t.transfer_id = next(self._ids)
         t.fault = self.faults.draw(t.kind)
         t.tracer = self.tracer
         self.tracer.emit(t.state.value, "transfer", f"tier/{t.kind.value}",

@@ -1,50 +1,37 @@
-"""The tier manager: moves pages between the device pool, the host tier and the disk tier."""
+"""The tier manager: the host-side ledger of pages in the host and disk tiers and of the
+transfers that move them. It decides each device transfer as a KV op for its port
+(`kvjax.memory.tiers.port`) and verifies what landed; the runner moves the bytes
+(`kvjax.memory.tiers.transfers`). It imports no jax."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
+from kvjax.memory.ops import KVOp, KVOpKind, TierLanded
 from kvjax.memory.prefix_cache import page_hash_chain as page_hash_chain  # importable here too
 from kvjax.memory.tiers.config import TierConfig, TransferLayout
 from kvjax.memory.tiers.disk import DiskTier
 from kvjax.memory.tiers.disk_queue import DiskQueue
-from kvjax.memory.tiers.host import HostTier, host_memory_kind
+from kvjax.memory.tiers.host import HostTier
 from kvjax.memory.tiers.ledger import TransferLedger
-from kvjax.memory.tiers.staging import DeviceStaging
-from kvjax.memory.transfer import Fault, Transfer, TransferKind, TransferState
+from kvjax.memory.tiers.loads import LoadResult, TierLoads, _Load
+from kvjax.memory.tiers.port import LocalTierPort, PlannedTierPort, page_bytes_of
+from kvjax.memory.transfer import Fault, Transfer, TransferKind, TransferState, page_checksums_np
 from kvjax.shapes import floor_power_of_2
 from kvjax.trace import NULL_TRACER, Tracer
 
 
-@dataclasses.dataclass
-class _Load:
-    keys: list[Hashable]
-    pages: list[int]  # the device page of each key
-    # Each key's source until issued: None (a host page), its disk read, or (page leaves,
-    # checksum) from the source of its disk write in flight.
-    reads: list[Transfer | tuple[list[np.ndarray], int] | None]
-    is_issued: bool = False  # whether its host -> device transfers were issued
-    transfers: list[Transfer] = dataclasses.field(default_factory=list)
-    num_pages: list[int] = dataclasses.field(default_factory=list)  # pages of each transfer
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadResult:
-    """A finished load: `num_loaded` leading pages of `num_issued` are committed in the pool."""
-
-    owner: Hashable
-    num_issued: int
-    num_loaded: int
-
-
-class TierManager:
+class TierManager(TierLoads):
     """Moves pages of a page-major KV pool between the device, host and disk tiers.
+
+    Device transfers are ops for its port: a `LocalTierPort` over `kv` (the pool; then `kv`
+    arguments are the pool and `poll` returns it) or, with `port`, a `PlannedTierPort` whose
+    ops the runner applies in its step (then `kv` arguments are None and landings come in
+    through `receive`). A key whose spill was issued and has not landed reads as in flight.
 
     Attributes:
         config: the TierConfig.
@@ -57,19 +44,20 @@ class TierManager:
         recent_transfers: the last 4096 transfers, for inspection.
     """
 
-    def __init__(self, config: TierConfig, kv, *, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, config: TierConfig, kv=None, *, port: PlannedTierPort | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         if not config.enabled:
             raise ValueError(f"TierManager needs host_bytes > 0, got {config.host_bytes}")
-        leaves = kv.page_leaves()
         self.config = config
-        page_shapes = [(x.shape[0], *x.shape[2:]) for x in leaves]
-        page_dtypes = [np.dtype(x.dtype) for x in leaves]
-        self.page_bytes = sum(math.prod(s) * d.itemsize
-                              for s, d in zip(page_shapes, page_dtypes, strict=True))
+        self._port = LocalTierPort(kv) if port is None else port
+        page_shapes, page_dtypes = self._port.page_shapes, self._port.page_dtypes
+        self.page_bytes = page_bytes_of(page_shapes, page_dtypes)
         if config.host_bytes < self.page_bytes:
             raise ValueError(f"TierConfig.host_bytes={config.host_bytes} holds no page of "
                              f"{self.page_bytes} bytes")
-        self.memory_kind = host_memory_kind(next(iter(leaves[0].devices())))
+        if port is None:
+            self._port.transfers.warm_sizes = self.warm_sizes()
+        self.memory_kind = self._port.memory_kind
         self.host = HostTier(config.host_bytes)
         self.disk = (DiskTier(config.disk_bytes, config.disk_dir, page_shapes, page_dtypes,
                               num_threads=config.disk_io_threads, fsync=config.disk_fsync)
@@ -79,8 +67,6 @@ class TierManager:
         self.stats = self._ledger.stats
         self.recent_transfers = self._ledger.recent_transfers
         self.tracer: Tracer = NULL_TRACER
-        self._staging = DeviceStaging(leaves, page_shapes, page_dtypes, self.memory_kind,
-                                      self._ledger)
         self._disk_queue = DiskQueue(self.disk, self._ledger, page_bytes=self.page_bytes,
                                      timeout_polls=config.timeout_polls)
         self._inflight: list[Transfer] = []  # device transfers
@@ -106,7 +92,28 @@ class TierManager:
 
     @property
     def num_compiles(self) -> int:
-        return self._staging.num_compiles
+        return self._port.num_compiles
+
+    @property
+    def port(self):
+        return self._port
+
+    def _at(self, kv) -> None:
+        """A local port works on `kv` from now on (a planned one is given None)."""
+        if kv is not None and isinstance(self._port, LocalTierPort):
+            self._port.kv = kv
+
+    def receive(self, landed: Sequence[TierLanded]) -> None:
+        """Takes the runner's reports of device transfers that landed (a planned port)."""
+        ids = {t.transfer_id for t in self._inflight}
+        self._port.receive(landed, ids.__contains__)
+
+    def warm_sizes(self) -> list[int]:
+        """The chunk sizes device transfers come in (one program each)."""
+        if self.config.transfer_layout is TransferLayout.PER_PAGE:
+            return [1]
+        return sorted({s for n in range(1, self.config.max_chunk_pages + 1)
+                       for s in self._chunk_sizes(n)})
 
     @property
     def num_inflight(self) -> int:
@@ -163,6 +170,7 @@ class TierManager:
         Returns:
             Bytes issued.
         """
+        self._at(kv)
         seen: set[Hashable] = set()
         todo = []
         for key, page in entries:
@@ -179,6 +187,7 @@ class TierManager:
 
         `cache_key` (the sequence's prefix-cache key) is kept for when it comes back.
         """
+        self._at(kv)
         self.drop(seq_id)
         generation = next(self._swap_generation)
         keys = [("swap", seq_id, generation, i) for i in range(len(pages))]
@@ -200,7 +209,6 @@ class TierManager:
         return any(key in self._pending_keys for key in self.swap_keys(seq_id))
 
     def _issue_device_to_host(self, kv, todo: list[tuple[Hashable, int]]) -> int:
-        leaves = kv.page_leaves()
         issued, start = 0, 0
         for size in self._chunk_sizes(len(todo)):
             part = todo[start:start + size]
@@ -212,7 +220,10 @@ class TierManager:
                 t.fail("injected failure")
                 self._ledger.finished(t)
                 continue
-            self._staging.send_to_host(t, leaves, np.asarray([p for _, p in part], np.int32))
+            pages = tuple(int(p) for _, p in part)
+            self._port.issue(KVOp(KVOpKind.SPILL, pages, src=pages, transfer=t.transfer_id))
+            t.issue_time = self._ledger.clock()
+            t.advance(TransferState.IN_FLIGHT)
             self._inflight.append(t)
             self._pending_keys.update(keys)
             self.stats["bytes_device_to_host"] += t.nbytes
@@ -220,12 +231,21 @@ class TierManager:
         return issued
 
     def _land_device_to_host(self, t: Transfer) -> None:
-        landed = self._staging.land_on_host(t)
+        """Verifies a landed device -> host chunk and stores it in the host tier, or fails it."""
+        landed = self._port.take(t.transfer_id)
         self._pending_keys.difference_update(t.keys)
-        if landed is None:
+        t.land_time = self._ledger.clock()
+        t.advance(TransferState.LANDED)
+        host_leaves = list(landed.leaves)
+        arrays = [np.asarray(x) for x in host_leaves]
+        if t.fault is Fault.CORRUPT:
+            host_leaves = arrays = self._ledger.faults.corrupt(arrays)
+        checksums = page_checksums_np(arrays)
+        if not np.array_equal(checksums, np.asarray(landed.checksums)):
+            t.fail("checksum mismatch after device -> host")
             self._discard.difference_update(t.keys)
             return
-        host_leaves, checksums = landed
+        t.advance(TransferState.VERIFIED)
         evicted = self.host.put(t.keys, host_leaves, checksums, t.nbytes)
         for key in t.keys:
             if key in self._discard:
@@ -235,109 +255,29 @@ class TierManager:
         t.advance(TransferState.COMMITTED)
         self._disk_queue.spill(evicted)
 
-    # --------------------------------------------------------------------------- host -> device
-
-    def load(self, owner: Hashable, keys: Sequence[Hashable], pages: Sequence[int]) -> int:
-        """Issues loads of `keys` into the device `pages` (same order) for `owner`.
-
-        Pages on disk are first read by the disk workers (a page whose disk write is in flight
-        is taken from the write's source); once every read of the load has committed or failed
-        (`poll`), the leading pages that are at hand travel to the device
-        asynchronously, and `poll` scatters each verified chunk into the pool. A load of host
-        pages only goes to the device at once. Stops at the first key that is missing.
-
-        Returns:
-            The number of leading keys issued (0: nothing to wait for).
-        """
-        if owner in self._loads:
-            raise ValueError(f"owner {owner!r} already has a load in flight")
-        if len(keys) != len(pages):
-            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-        reads: list[Transfer | tuple[list[np.ndarray], int] | None] = []
-        for key in keys:
-            if key in self.host:
-                reads.append(None)
-            elif key in self._disk_queue.writing:
-                reads.append(self._disk_queue.write_source(key))
-            elif self.disk is not None and key in self.disk:
-                t = self._disk_queue.start_read(owner, key)
-                if t.state is TransferState.FAILED:
-                    break
-                reads.append(t)
-            else:
-                break
-        if not reads:
-            return 0
-        load = _Load(keys=list(keys[:len(reads)]), pages=list(pages[:len(reads)]), reads=reads)
-        self._loads[owner] = load
-        if not any(isinstance(t, Transfer) for t in reads):
-            self._issue_load(owner, load)
-        return len(reads)
-
-    def _issue_load(self, owner: Hashable, load: _Load) -> None:
-        """Sends a load's leading pages at hand (host pages still there, disk reads committed)
-        to the device in chunks."""
-        part: list[tuple[Hashable, tuple[list[np.ndarray], int] | None]] = []
-        for key, read in zip(load.keys, load.reads, strict=True):
-            if read is None and key in self.host:
-                part.append((key, None))
-            elif isinstance(read, tuple):
-                part.append((key, read))
-            elif isinstance(read, Transfer) and read.state is TransferState.COMMITTED:
-                part.append((key, read.result()))
-            else:
-                break
-        load.reads = []
-        load.is_issued = True
-        start = 0
-        for size in self._chunk_sizes(len(part)):
-            load.transfers.append(self._issue_host_to_device(
-                owner, part[start:start + size],
-                np.asarray(load.pages[start:start + size], np.int32)))
-            load.num_pages.append(size)
-            start += size
-
-    def _issue_host_to_device(self, owner: Hashable, part, pages: np.ndarray) -> Transfer:
-        keys = tuple(k for k, _ in part)
-        t = self._ledger.track(Transfer(TransferKind.HOST_TO_DEVICE, keys,
-                                        len(keys) * self.page_bytes, owner=owner))
-        if t.fault is Fault.FAIL:
-            t.fail("injected failure")
-            self._ledger.finished(t)
-            return t
-        staged = self._staging.empty_chunk(len(keys))
-        expected = np.empty([len(keys)], np.uint32)
-        host_run: list[Hashable] = []
-        for i, (key, read) in enumerate(part):
-            if read is None:
-                host_run.append(key)
-                expected[i] = self.host.checksum(key)
-                continue
-            self.host.gather(host_run, staged, i - len(host_run))
-            host_run = []
-            page, expected[i] = read
-            for dst, src in zip(staged, page, strict=True):
-                dst[:, i] = src
-        self.host.gather(host_run, staged, len(part) - len(host_run))
-        self._staging.send_to_device(t, staged, expected, pages)
-        self._inflight.append(t)
-        self.stats["bytes_host_to_device"] += t.nbytes
-        return t
-
     # --------------------------------------------------------------------------- progress
 
-    def warmup(self, kv):
-        """Compiles the gather, checksum and scatter programs of every chunk size up front.
+    def _release(self, t: Transfer) -> None:
+        """The runner forgets a device transfer that will not commit."""
+        self._port.forget(t.transfer_id)
+        self._port.issue(KVOp(KVOpKind.TIER_RELEASE, transfer=t.transfer_id))
 
-        Scatters each gathered chunk back where it came from, so the pool's content is
-        unchanged. Returns the new KV pool (its buffers were donated).
-        """
-        leaves = kv.page_leaves()
-        num_pages = leaves[0].shape[1]
-        sizes = {1} if self.config.transfer_layout is TransferLayout.PER_PAGE else {
-            s for n in range(1, self.config.max_chunk_pages + 1) for s in self._chunk_sizes(n)}
-        leaves = self._staging.warmup(leaves, sorted(s for s in sizes if s <= num_pages))
-        return kv.with_page_leaves(leaves)
+    def _has_landed(self, t: Transfer, *, due: bool = False) -> bool:
+        """Whether a transfer's data is in. A load due now counts as in once issued: the
+        runner scatters it in the step's dispatch after checking its checksums there (so the
+        sequence joins that step); injected delays and corruptions are the ledger's own."""
+        if t.fault is Fault.DELAY and t.polls <= self._ledger.faults.config.delay_polls:
+            return False
+        return (self._port.has_landed(t.transfer_id)
+                or (due and t.kind is TransferKind.HOST_TO_DEVICE))
+
+    def warmup(self, kv):
+        """Compiles the gather, checksum and scatter programs of every chunk size up front
+        (a local port). Scatters each gathered chunk back where it came from, so the pool's
+        content is unchanged. Returns the new KV pool (its buffers were donated)."""
+        if not isinstance(self._port, LocalTierPort):
+            return kv  # the runner warms its own TierTransfers
+        return self._port.transfers.warmup(kv)
 
     def block_until_landed(self) -> None:
         """Waits until the data of every transfer in flight is at its destination (and the disk
@@ -346,7 +286,7 @@ class TierManager:
         States do not change: the next `poll` verifies and commits them (injected delays still
         count in polls).
         """
-        self._staging.wait(self._inflight)
+        self._port.wait([t.transfer_id for t in self._inflight])
         self._disk_queue.wait(self._disk_queue.inflight)
 
     def poll(self, kv, *, owner: Hashable | None = None) -> tuple[object, list[LoadResult]]:
@@ -361,6 +301,7 @@ class TierManager:
         then the transfers to the device): for a load whose sequence is due to run now, which
         then joins this step instead of the next. Injected delays still count in polls.
         """
+        self._at(kv)
         if owner is None:
             self._disk_queue.poll(self._disk_queue.inflight)
         else:
@@ -376,16 +317,16 @@ class TierManager:
             todo = list(self._inflight)
         else:
             todo = [t for t in self._inflight if t.owner == owner]
-            self._staging.wait(todo)
-        leaves = kv.page_leaves()
+            self._port.wait([t.transfer_id for t in todo])
         for t in todo:
             t.polls += 1
-            if not self._staging.has_landed(t):
+            if not self._has_landed(t, due=owner is not None):
                 if t.polls > self.config.timeout_polls:
                     self._inflight.remove(t)
                     self._pending_keys.difference_update(t.keys)
                     self._discard.difference_update(t.keys)
                     t.fail(f"timed out after {t.polls - 1} polls")
+                    self._release(t)
                     self.stats["transfers_timed_out"] += 1
                     self._ledger.finished(t)
                 continue
@@ -393,37 +334,9 @@ class TierManager:
             if t.kind is TransferKind.DEVICE_TO_HOST:
                 self._land_device_to_host(t)
             else:
-                leaves = self._staging.land_on_device(t, leaves)
+                self._land_on_device(t)
             self._ledger.finished(t)
-        return kv.with_page_leaves(leaves), self._finished_loads()
-
-    def _finished_loads(self) -> list[LoadResult]:
-        results = []
-        for owner, load in list(self._loads.items()):
-            if not load.is_issued or not all(t.is_done for t in load.transfers):
-                continue
-            loaded = 0
-            for t, n in zip(load.transfers, load.num_pages, strict=True):
-                if t.state is not TransferState.COMMITTED:
-                    break
-                loaded += n
-            results.append(LoadResult(owner, len(load.keys), loaded))
-            del self._loads[owner]
-        return results
-
-    def cancel(self, owner: Hashable) -> None:
-        """Fails `owner`'s loads still in flight: nothing more is scattered for it."""
-        load = self._loads.pop(owner, None)
-        if load is None:
-            return
-        for t in load.reads:
-            if isinstance(t, Transfer) and not t.is_done:
-                self._disk_queue.abandon(t, "cancelled")
-        for t in load.transfers:
-            if not t.is_done:
-                self._inflight.remove(t)
-                t.fail("cancelled")
-                self._ledger.finished(t)
+        return (None if kv is None else self._port.kv), self._finished_loads()
 
     def drop(self, seq_id: Hashable) -> None:
         """Cancels `seq_id`'s loads and forgets its swapped-out pages in every tier."""
