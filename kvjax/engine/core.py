@@ -70,6 +70,11 @@ class EngineCore:
                 self.scheduler.check_fresh(so)
             t_dispatch = time.perf_counter()
             dispatched = self.runner.dispatch(so, logits_mode)
+            if not is_sync and self._in_flight is None and self.runner.num_tier_transfers:
+                # No step's output comes before the next step is planned: the tier transfers
+                # of this step's plan (dispatched ahead of its model) are reported now, so
+                # they commit at the next schedule as they would synchronously.
+                self.scheduler.receive_tier_landed(self.runner.tier_landed(wait=True))
             self.stats["step_time_s"] += time.perf_counter() - t_dispatch
             t_host = t_dispatch - t_start
         else:

@@ -305,13 +305,15 @@ class ModelRunner:
         """Tier transfers in flight (issued, not yet reported, scattered or released)."""
         return 0 if self.tier_transfers is None else self.tier_transfers.num_inflight
 
-    def _tier_landed(self, *, wait: bool) -> tuple:
+    def tier_landed(self, *, wait: bool = False) -> tuple:
+        """The tier transfers that landed since the last report (every one in flight, once
+        landed, with `wait`), as `TierLanded` reports for the scheduler."""
         return () if self.tier_transfers is None else self.tier_transfers.report(wait=wait)
 
     def idle_output(self) -> RunnerOutput:
         """The output of a step with no rows: the tier transfers in flight, once landed."""
         return RunnerOutput(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
-                            tier_landed=self._tier_landed(wait=True))
+                            tier_landed=self.tier_landed(wait=True))
 
     @property
     def host_kv(self) -> Any:
@@ -497,7 +499,7 @@ class ModelRunner:
                             logprobs=np.asarray(out.logprobs)[rows], key_scores=key_scores,
                             logits=out.logits, num_accepted=num_accepted,
                             spec_logprobs=spec_logprobs, query_key_scores=query_key_scores,
-                            page_reads=page_reads, tier_landed=self._tier_landed(wait=False))
+                            page_reads=page_reads, tier_landed=self.tier_landed(wait=False))
 
     def warmup(self, weights_version: str, *, sampling: bool = False,
                blend_ratio: float | None = None, max_blend_tokens: int = 0) -> None:

@@ -64,7 +64,7 @@ from kvjax.scheduler.spec import make_drafter
 
 # The scheduler's entry points a recorder records (calls the engine makes into it).
 ENTRY_POINTS = ("add_request", "abort", "pause", "resume", "force_last_token",
-                "on_weights_update", "schedule", "update_from_output")
+                "on_weights_update", "schedule", "update_from_output", "receive_tier_landed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from kvjax.delegation import delegate
 from kvjax.memory.kv_cache_manager import KVCacheManager
-from kvjax.memory.ops import KVOp
+from kvjax.memory.ops import KVOp, TierLanded
 from kvjax.scheduler.chunks import ChunkReuse
 from kvjax.scheduler.commit import StepCommitter
 from kvjax.scheduler.config import SchedulerConfig
@@ -225,7 +225,7 @@ class Scheduler:
         """
         self.kv_cache.defer_ops()
         try:
-            self.admission.receive(out)
+            self.admission.receive(out.tier_landed)
             if self.echo is not None:
                 self.echo.observe(so.decode, out.page_reads)
             self.committer.commit(so, out)
@@ -234,6 +234,11 @@ class Scheduler:
             return self.kv_cache.take_plan()
         finally:
             self.kv_cache.end_plan()
+
+    def receive_tier_landed(self, landed: tuple[TierLanded, ...]) -> None:
+        """Reports of tier transfers that landed outside a step's output (the engine core's,
+        for a step dispatched with none in flight); the next `schedule` commits them."""
+        self.admission.receive(landed)
 
     # ----------------------------------------------------------------------------- weights
 

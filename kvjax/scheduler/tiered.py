@@ -40,11 +40,11 @@ class TierAdmission:
     def _tiers(self):
         return self.kv_cache.tiers
 
-    def receive(self, out) -> None:
-        """The runner's reports of tier transfers that landed go to the tiers' ledger; the
-        next poll verifies and commits them."""
-        if self._tiers is not None and out.tier_landed:
-            self._tiers.receive(out.tier_landed)
+    def receive(self, landed) -> None:
+        """The runner's reports of tier transfers that landed (`TierLanded`) go to the tiers'
+        ledger; the next poll verifies and commits them."""
+        if self._tiers is not None and landed:
+            self._tiers.receive(landed)
 
     def poll(self, owner: str | None = None) -> None:
         """Advances tier transfers; sequences whose loads finished get their pages counted."""

@@ -217,7 +217,8 @@ def test_tier_transfers_are_data_and_a_tiered_run_replays(model, prompts, tiered
     """With a host tier, spills, tier loads and their scatters are ops of the steps' plans
     (transfer ids, pages, the staged chunk's checksums), the runner applies exactly those, a
     load is scattered only after it was sent, what landed reaches the ledger through the
-    runner's outputs, the tokens are the dense greedy reference's, nothing compiles after
+    runner's outputs (or, for a step dispatched with none in flight, the engine core's report
+    right after its dispatch), the tokens are the dense greedy reference's, nothing compiles after
     warm-up, and the recorded decisions replay to the same tokens without a runner."""
     engine, trace, tokens, compiles, applied = tiered
     assert tokens == [[greedy_reference(model, p, NEW) for p in batch]
@@ -237,6 +238,8 @@ def test_tier_transfers_are_data_and_a_tiered_run_replays(model, prompts, tiered
             assert op.transfer in sent
     landed = {r.transfer for e in trace.events if e.name == "update_from_output"
               for r in e.args[1].tier_landed}
+    landed |= {r.transfer for e in trace.events if e.name == "receive_tier_landed"
+               for r in e.args[0]}
     spills = {op.transfer for op in planned if op.kind is KVOpKind.SPILL}
     assert spills and spills <= landed
     assert engine.tiers.num_inflight == 0 and compiles[1] == compiles[0]

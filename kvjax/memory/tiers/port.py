@@ -3,8 +3,9 @@
 `TierManager` (the host-side ledger) decides every transfer as a `KVOp` of `TIER_KINDS` and
 reads back `TierLanded` reports. A `PlannedTierPort` (the engine's) hands the ops to the KV
 cache manager, so they travel in the step's `SchedulerOutput.kv_plan` and the runner applies
-them in its dispatch; reports arrive from `RunnerOutput.tier_landed` (`receive`), so a key
-spilled in step t reads as in flight until step t's output is committed. A `LocalTierPort`
+them in its dispatch; reports arrive from `RunnerOutput.tier_landed` (`receive`), or from
+the engine core right after dispatching a step with none in flight, so a key spilled in step t
+reads as in flight until its report is received. A `LocalTierPort`
 applies each op at once on a pool it is handed (tools, tests, the bandwidth probe).
 """
 
