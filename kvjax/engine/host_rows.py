@@ -156,17 +156,22 @@ def _probe(device) -> str | None:
 class HostPool:
     """The runner's host pool: a KV state like the device pool's, of `num_pages` pages, in
     host memory, and the programs that move pages between the pools (`KVOpKind.HOST_OUT`,
-    `HOST_IN`; index arrays padded to powers of two, so each count compiles once).
+    `HOST_IN`, whole pages or single layers of pages; index arrays padded to powers of two,
+    so each count compiles once).
 
     Attributes:
       kv: the host pool's KV state.
       memory_kind: where its leaves live (`pinned_host`, else `unpinned_host`; None: device
         memory, on a backend with no host memory kind).
+      num_layer_tables: L when decode rows ship per-layer device tables (ECHO's per-layer
+        residency, `StepInput.layer_tables`), else 0.
     """
 
-    def __init__(self, device_kv: KVState, num_pages: int, *, num_device_leaves: int = 0):
+    def __init__(self, device_kv: KVState, num_pages: int, *, num_device_leaves: int = 0,
+                 per_layer: bool = False):
         """num_device_leaves: the last page leaves stay in device memory (small per-page
-        indexes a step reads for every page, such as Quest's key summaries under ECHO)."""
+        indexes a step reads for every page, such as Quest's key summaries under ECHO);
+        per_layer: decode rows read each layer's pages through a table of their own."""
         from kvjax.memory.tiers.host import host_memory_kind
 
         leaves = device_kv.page_leaves()
@@ -183,10 +188,13 @@ class HostPool:
         self.kv = jax.device_put(kv, self._sharding)
         self._out = jax.jit(_move_out, donate_argnums=1, out_shardings=self._sharding)
         self._in = jax.jit(_move_in, donate_argnums=0)
+        self._in_layers = jax.jit(_move_in_layers, donate_argnums=0)
+        self.num_layer_tables = leaves[0].shape[0] if per_layer else 0
 
     @property
     def num_compiles(self) -> int:
-        return self._out._cache_size() + self._in._cache_size()
+        return (self._out._cache_size() + self._in._cache_size()
+                + self._in_layers._cache_size())
 
     def move_out(self, device_kv: KVState, src, dst) -> None:
         """Host page dst[i] becomes a copy of device page src[i]."""
@@ -197,14 +205,24 @@ class HostPool:
         """The device pool with page dst[i] a copy of host page src[i]."""
         return self._in(device_kv, self.kv, np.asarray(src, np.int32), np.asarray(dst, np.int32))
 
-    def warmup(self, device_kv: KVState, max_pages: int) -> KVState:
-        """Compiles both moves for every padded count up to `max_pages`; they write past both
-        pools (scatters drop such indices), so neither changes."""
+    def move_in_layers(self, device_kv: KVState, layers, src, dst) -> KVState:
+        """The device pool with layer layers[i] of page dst[i] a copy of that layer of host
+        page src[i] (its other layers unchanged)."""
+        return self._in_layers(device_kv, self.kv, *(np.asarray(x, np.int32)
+                                                     for x in (layers, src, dst)))
+
+    def warmup(self, device_kv: KVState, max_pages: int, max_layer_pages: int = 0) -> KVState:
+        """Compiles the moves for every padded count up to `max_pages` (single-layer moves up
+        to `max_layer_pages`); they write past both pools (scatters drop such indices), so
+        neither changes."""
         from kvjax.shapes import powers_of_2_up_to
 
         for n in powers_of_2_up_to(max_pages):
             self.move_out(device_kv, np.zeros(n), np.full(n, self.kv.num_pages))
             device_kv = self.move_in(device_kv, np.zeros(n), np.full(n, device_kv.num_pages))
+        for n in powers_of_2_up_to(max_layer_pages) if max_layer_pages else ():
+            device_kv = self.move_in_layers(device_kv, np.zeros(n), np.zeros(n),
+                                            np.full(n, device_kv.num_pages))
         return device_kv
 
 
@@ -218,3 +236,10 @@ def _move_in(device_kv: KVState, host_kv: KVState, src, dst) -> KVState:
     from kvjax.kv import pages
 
     return pages.scatter_pages(device_kv, dst, pages.gather_pages(device_view(host_kv), src))
+
+
+def _move_in_layers(device_kv: KVState, host_kv: KVState, layers, src, dst) -> KVState:
+    host = device_view(host_kv).page_leaves()
+    return device_kv.with_page_leaves(
+        [x.at[layers, dst].set(h[layers, src].astype(x.dtype), mode="drop")
+         for x, h in zip(device_kv.page_leaves(), host, strict=True)])  # [L, pages, ...] each

@@ -14,12 +14,13 @@ It knows sequences by id only: token lists, versions and cache keys come in as a
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvjax.kv.retention_host import RetentionManager, SeqLayout
 from kvjax.memory.block_manager import RELEASED, AllocStatus, CopyOp
+from kvjax.memory.echo_pages import EchoPages
 from kvjax.memory.host_pool import HostPagePool
 from kvjax.memory.ops import ChunkLoadPlan, KVDevice, KVOp, KVOpKind
 from kvjax.shapes import geometric_buckets, next_power_of_2, pad_repeat_last, pages_for
@@ -50,7 +51,7 @@ class SwapSlots:
         return slot, bits
 
 
-class KVCacheManager:
+class KVCacheManager(EchoPages):
     """Allocation, sharing, movement and versioning of KV pages for the scheduler.
 
     Attributes:
@@ -98,7 +99,7 @@ class KVCacheManager:
                           stale_kv_reads=0, bytes_device_to_host=0, bytes_host_to_device=0,
                           bytes_host_to_disk=0, bytes_disk_to_host=0, host_pages_out=0,
                           host_pages_in=0, echo_pages_mirrored=0, echo_pages_released=0,
-                          echo_pages_prefetched=0)
+                          echo_frames_taken=0, echo_layer_pages_prefetched=0)
 
     # ----------------------------------------------------------------------------- KV ops
 
@@ -456,57 +457,6 @@ class KVCacheManager:
         self._issue(KVOp(KVOpKind.HOST_IN, tuple(dst), src=_padded(src), dst=_padded(dst)))
         self.stats["host_pages_in"] += num
         return True
-
-    # ----------------------------------------------------------------------------- ECHO
-
-    def echo_host_table(self, seq_id: str) -> np.ndarray:
-        """[n] int32 over a host-authoritative sequence's block-table entries: the host page
-        an entry's step reads (its device page was released), or -1 (it is resident)."""
-        table = self.block_table(seq_id)
-        host = self.host_table(seq_id)
-        return np.asarray([host[i] if page == RELEASED else -1
-                           for i, page in enumerate(table)], np.int32)
-
-    def echo_place(self, seq_id: str, num_full: int, keep: Collection[int]) -> None:
-        """Host-authoritative pages (ECHO, `kvjax.engine.echo`): copies the sequence's full
-        pages [0, num_full) that have no host copy yet to the host pool (the device keeps
-        them), then keeps on the device exactly those full pages with a host copy that are in
-        `keep`: released ones come back from their copies (a prefetch; skipped when the
-        device pool has no room: the step then reads the host copy), the others are released.
-        Pages without a host copy, the last (partial) one included, stay."""
-        held = self.host_pool.num_held(seq_id)
-        table = self.block_table(seq_id)
-        new = min(num_full - held, self.host_pool.num_free())
-        if new > 0:
-            src = table[held:held + new]
-            dst = self.host_pool.take(seq_id, new)
-            for d, s in zip(dst, src, strict=True):
-                self._host_versions[d] = self.page_versions.get(s, "")
-            self._issue(KVOp(KVOpKind.HOST_OUT, tuple(src), src=_padded(src), dst=_padded(dst)))
-            self.stats["echo_pages_mirrored"] += new
-            held += new
-        host = self.host_pool.table(seq_id)
-        freed = []
-        for index in range(held):
-            if index not in keep and table[index] != RELEASED:
-                freed += self.allocator.release_pages(seq_id, index, 1)[1]
-                self.stats["echo_pages_released"] += 1
-        if self.scrub_freed_pages and freed:
-            self.spill_evictions()
-            self.scrub(freed)
-        src, dst = [], []
-        for index in sorted(keep):
-            if index < held and self.block_table(seq_id)[index] == RELEASED:
-                page = self.allocator.fill_pages(seq_id, index, 1)
-                if page is None:
-                    break
-                src.append(host[index])
-                dst += page
-                self.page_versions[page[0]] = self._host_versions.get(host[index], "")
-        if dst:
-            self.spill_evictions()  # Before the copy overwrites pages evicted for it.
-            self._issue(KVOp(KVOpKind.HOST_IN, tuple(dst), src=_padded(src), dst=_padded(dst)))
-            self.stats["echo_pages_prefetched"] += len(dst)
 
     # ----------------------------------------------------------------------------- swap
 

@@ -109,7 +109,8 @@ class KVOp:
       src, dst: COPY: page dst[i] becomes a copy of page src[i]. COPY_WINDOW: sequence slot
         dst[0] becomes a copy of slot src[0]. SCRUB: dst are the pages zeroed (empty: none).
         HOST_OUT: host-pool page dst[i] becomes a copy of device page src[i]. HOST_IN: device
-        page dst[i] becomes a copy of host-pool page src[i]. SWAP_OUT: the host copy
+        page dst[i] becomes a copy of host-pool page src[i] (with `layers`, in layer
+        layers[i] alone). SWAP_OUT: the host copy
         `host_slot` holds pool pages src (padded; its first len(pages) are the copy's pages,
         in block-table order, every layer group's). SWAP_IN: pool page dst[i] becomes the
         copy's page src[i] (empty: none), and the copy is freed.
@@ -121,6 +122,8 @@ class KVOp:
       host_slot: SWAP_OUT, SWAP_IN, SWAP_DROP: the host copy's key in the swap space (the KV
         cache manager hands them out; -1: none).
       bits: SWAP_OUT: the precision the copy is demoted to (8 or 4; 0: as stored).
+      layers: HOST_IN of single layers (ECHO's per-layer residency, `kvjax.scheduler.echo`):
+        the layer of each (src, dst) pair, padded like them; empty: every layer.
     """
 
     kind: KVOpKind
@@ -131,6 +134,7 @@ class KVOp:
     plan: CompactionPlan | ChunkLoadPlan | None = None
     host_slot: int = -1
     bits: int = 0
+    layers: tuple[int, ...] = ()
 
 
 class KVDevice(Protocol):

@@ -60,8 +60,10 @@ class ScheduledRow:
       host_table, host_len: a decode row's host-resident positions [0, host_len) and the
         host-pool pages holding them ([host_len / P] int32; `kvjax.engine.host_rows`); None
         and 0: all on the device. Under ECHO (`kvjax.engine.echo`) host_len is 0 and
-        host_table has one entry per block-table entry: the host page read in place of a
-        released device page, or -1 (resident).
+        host_table has one entry per block-table entry: its host copy, or -1 (none).
+      layer_tables: under ECHO, [L, n] int32 (or [1, n]: every layer alike): per layer and
+        block-table entry, the device page holding that layer of the entry, or -1 (read its
+        host copy; `kvjax.scheduler.echo`); else None.
     """
 
     seq_id: str
@@ -90,6 +92,7 @@ class ScheduledRow:
     draft_masks: np.ndarray | None = None
     host_table: np.ndarray | None = None
     host_len: int = 0
+    layer_tables: np.ndarray | None = None
     group_evicted: tuple[int, ...] = ()
 
     @property
