@@ -23,6 +23,9 @@ Per ECHO run, means per decode step:
     so the selection reads nothing over the link; bytes device -> host: pages copied to the host
     pool as they fill during decoding (the prompt's pages, copied once at the first decode
     step, are reported apart: `mirror_bytes_once`);
+  * refetched: of the prefetched layers of pages, those the step the plan came from had just
+    read from the host pool as misses (a step that kept its misses in frames would not move
+    them twice; this one does);
   * on demand: the bytes if the device kept no page but the one being written and fetched
     every selected full page's layer each step (plain Quest's reads, no residency);
   * link ms (simulated): those bytes over each link of `kvjax.bench.host_attention.LINKS`
@@ -107,7 +110,8 @@ def _decode(engine: kvjax.Engine, prompt: list[int], num_tokens: int) -> dict:
     out = engine.generate([prompt], kvjax.SamplingParams(max_new_tokens=num_tokens,
                                                          ignore_eos=True))[0]
     keys = ("echo_selected_pages", "echo_resident_reads", "echo_pages_mirrored",
-            "echo_layer_pages_prefetched", "echo_pages_released", "echo_frames_taken")
+            "echo_layer_pages_prefetched", "echo_pages_released", "echo_frames_taken",
+            "echo_refetched_layer_pages")
     return dict(tokens=list(out.outputs[0].token_ids), reads=reads.steps,
                 released=reads.released, stats={k: engine.stats.get(k, 0) for k in keys})
 
@@ -152,6 +156,7 @@ def echo_row(run: dict, plain: dict, engine, model, settings: EchoBench, prefetc
         released_per_step=sum(run["released"]) / steps,
         misses_per_step=misses / steps,
         prefetched_per_step=s["echo_layer_pages_prefetched"] / steps,
+        refetched_per_step=s["echo_refetched_layer_pages"] / steps,
         **{f"h2d_{k}_bytes_per_step": v / steps for k, v in parts.items()},
         h2d_bytes_per_step=h2d, d2h_bytes_per_step=d2h,
         mirror_bytes_once=mirrored_once * c.num_layers * layer_kv,

@@ -16,9 +16,12 @@ The design, chosen as the simplest one that is exact:
   `host_len`), the runner pads them into `StepInput.host_tables` [Bd, W] and `host_lens` [Bd],
   so a new split is a new input value, never a new program.
 * **How a row attends.** Positions [0, host_lens) are read from the host pool, positions
-  [host_lens, kv_lens) from the device pool (`paged_attention_blockwise` with `kv_starts`),
-  each part returning its log-sum-exp, and `kvjax.kv.attention.merge_partials` joins them
-  exactly. A row with host_lens 0 gets its device part unchanged (the host part is empty).
+  [host_lens, kv_lens) from the device pool, each part returning its log-sum-exp, and
+  `kvjax.kv.attention.merge_partials` joins them exactly. Where the step runs the native CPU
+  decode kernel, that kernel attends both parts and returns the log-sum-exp itself
+  (`kernel_split`); else the blockwise jnp path does (`paged_attention_blockwise` with
+  `kv_starts`). A row with host_lens 0 gets its device part unchanged (the host part is
+  empty).
 * **Where the host part runs.** Under `jax.experimental.compute_on.compute_on("device_host")`
   where the backend compiles it (probed once, `host_compute_reason`); else the step reads the
   host pool into device memory space and computes the host part there, logged once. On this
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +53,14 @@ class HostAttention:
     Attributes:
       kv: the host pool; in host memory space when `on_host`, else viewed in device space.
       on_host: the host part runs under compute_on("device_host").
+      decode: the attention kernel that returns its log-sum-exp (`kvjax.kv.native.lse_decoder`:
+        fn(kv, layer, q, block_tables, kv_lens) -> (out, lse)), which then attends both parts
+        (the host part only where it runs in device space); None: the blockwise jnp path.
     """
 
     kv: KVState
     on_host: bool
+    decode: Callable | None = None
 
 
 def host_decode_attention(host_kv: KVState, layer: jax.Array, q: jax.Array, tables: jax.Array,
@@ -92,6 +100,9 @@ def attend_split(kv: KVState, host: HostAttention, layer: jax.Array, q: jax.Arra
     """
     bd = num_decode
     lens, q_lens, host_lens = inp.kv_lens[:bd], inp.q_lens[:bd], inp.host_lens
+    if host.decode is not None and not host.on_host:
+        return kernel_split(host.decode, kv, host.kv, layer, q, inp.block_tables[:bd], lens,
+                            inp.host_tables, host_lens, kv.page_size)
     tables, load = kv.row_loader(layer, inp.block_tables[:bd], lens, inp.seq_slots[:bd],
                                  inp.kv_floors[:bd])
     dev_out, dev_lse = attention.paged_attention_blockwise(
@@ -106,6 +117,23 @@ def attend_split(kv: KVState, host: HostAttention, layer: jax.Array, q: jax.Arra
         jnp.stack([dev_out[:, 0], host_out.astype(dev_out.dtype)]),
         jnp.stack([dev_lse[:, 0], host_lse]))  # [Bd, N, D]
     return out
+
+
+def kernel_split(decode: Callable, kv: KVState, host_kv: KVState, layer: jax.Array,
+                 q: jax.Array, block_tables: jax.Array, lens: jax.Array,
+                 host_tables: jax.Array, host_lens: jax.Array, page_size: int) -> jax.Array:
+    """Decode attention of q [B, N, D] over positions [host_lens, lens) in the device pool and
+    [0, host_lens) in the host pool, both by `decode` (`HostAttention.decode`), merged by
+    log-sum-exp: [B, N, D]. The device part reads the row's table from entry host_lens / P on
+    (a decode query sees every cached key, so where its key set starts changes nothing)."""
+    w = block_tables.shape[1]
+    entries = jnp.minimum(jnp.arange(w)[None, :] + (host_lens // page_size)[:, None], w - 1)
+    dev_out, dev_lse = decode(kv, layer, q, jnp.take_along_axis(block_tables, entries, axis=1),
+                              lens - host_lens)  # [B, N, D], [B, N]
+    host_out, host_lse = decode(host_kv, layer, q, host_tables, host_lens)
+    out, _ = attention.merge_partials(jnp.stack([dev_out, host_out.astype(dev_out.dtype)]),
+                                      jnp.stack([dev_lse, host_lse]))
+    return out  # [B, N, D]
 
 
 def device_view(host_kv: KVState) -> KVState:

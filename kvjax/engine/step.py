@@ -453,8 +453,10 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     if host_kv is not None and is_echo:
         echo_kv = host_rows.device_view(host_kv)
     elif host_kv is not None:
+        decode = (native.lse_decoder(soft_cap=config.attn_logit_softcap)
+                  if attention_name(attention_impl, kv) == "native" else None)
         host = host_rows.HostAttention(
-            host_kv if host_compute else host_rows.device_view(host_kv), host_compute)
+            host_kv if host_compute else host_rows.device_view(host_kv), host_compute, decode)
     # Once per program, for every layer.
     kernels = _resolve(attention_impl, kv, config.attn_logit_softcap)
     if kernels is not None and place_kernels is not None:

@@ -20,8 +20,11 @@ Plain Python and numpy.
 
 Stats (in the engine's): `echo_selected_pages`, the (layer, page) reads of decode rows whose
 pages could be released; `echo_resident_reads`, those whose layer of the page was on the
-device (prefetch recall = their ratio); `echo_layer_pages_prefetched` (layers of pages moved
-in), `echo_pages_mirrored`, `_released`, `echo_frames_taken` (from the KV cache manager).
+device (prefetch recall = their ratio); `echo_refetched_layer_pages`, the (layer, page) fills
+of pairs the same observed step had just read from the host pool as misses (bytes a step that
+kept its misses in the frames would not move again; it does not: the step reads misses, only
+plans write frames); `echo_layer_pages_prefetched` (layers of pages moved in),
+`echo_pages_mirrored`, `_released`, `echo_frames_taken` (from the KV cache manager).
 """
 
 from __future__ import annotations
@@ -79,13 +82,16 @@ class EchoPlanner:
         self.stats = stats
         self._reads: dict[str, np.ndarray] = {}
         self._frames: dict[str, _Frames] = {}
-        stats.update(echo_selected_pages=0, echo_resident_reads=0)
+        self._missed: dict[str, np.ndarray] = {}  # [L, F] bool: the observed step's misses
+        stats.update(echo_selected_pages=0, echo_resident_reads=0,
+                     echo_refetched_layer_pages=0)
 
     def place(self, rows: Sequence[tuple[str, int]], live: Sequence[str]) -> None:
         """Moves pages for this step's decode rows (seq_id, cached tokens before the step)."""
         live = set(live)
         self._reads = {k: v for k, v in self._reads.items() if k in live}
         self._frames = {k: v for k, v in self._frames.items() if k in live}
+        self._missed = {k: v for k, v in self._missed.items() if k in live}
         for seq_id, cached in rows:
             if self.kv_cache.num_host_pages(seq_id) == 0:  # new, or recomputed afresh
                 self._reads.pop(seq_id, None)
@@ -115,6 +121,10 @@ class EchoPlanner:
             for j, k in zip(missing, slots, strict=False):
                 fills.append((layer, j, k))
                 owner[k] = j
+        missed = self._missed.get(seq_id)
+        if missed is not None:
+            self.stats["echo_refetched_layer_pages"] += sum(
+                j < missed.shape[1] and bool(missed[layer, j]) for layer, j, _ in fills)
         self.kv_cache.echo_fill(seq_id, fills)
 
     def row_fields(self, seq_id: str) -> dict:
@@ -150,3 +160,4 @@ class EchoPlanner:
             self.stats["echo_selected_pages"] += int(selected.sum())
             self.stats["echo_resident_reads"] += int((selected & resident).sum())
             self._reads[row.seq_id] = reads
+            self._missed[row.seq_id] = selected & ~resident
