@@ -192,9 +192,9 @@ class RunnerOutput:
       query_key_scores: [R, 1 + gamma, W*P] float32 after a verify step with key scores: the
         scores each decode row's query gave alone, as its own decode step would (zeros for
         prefill rows); else None.
-      page_reads: [Rd, L, W] bool after a one-token decode step of a policy that narrows reads
-        (Quest): the block-table entries each decode row (`SchedulerOutput.decode`) read in
-        each layer; else None.
+      page_reads: [Rd, L, W] bool after a one-token decode step of a policy that records its
+        reads (Quest under ECHO, or with record_reads): the block-table entries each decode
+        row (`SchedulerOutput.decode`) read in each layer; else None.
     """
 
     tokens: np.ndarray
