@@ -6,8 +6,9 @@ to select (`kvjax.scheduler.echo` plans which). Device pages hold them as frames
 fresh private page at one of the sequence's released block-table entries (`echo_frames`), never
 indexed by the prefix cache and never shared, so its layer l may hold another entry's layer l
 (`echo_fill`, one `KVOpKind.HOST_IN` op of single layers). A page the sequence computed itself
-is read-only here (the prefix cache may index it, a fork may share it): it stays resident, for
-its own entry in every layer, until `echo_release` gives it back.
+is read-only here where the prefix cache may index it or a fork share it: it stays resident,
+for its own entry in every layer, until `echo_release` gives it back; one the sequence alone
+holds, with no prefix cache, may become a frame in place (`echo_adoptable`).
 
 A mixin of `kvjax.memory.kv_cache_manager.KVCacheManager`: plain Python and numpy.
 """
@@ -54,6 +55,14 @@ class EchoPages:
             self.stats["echo_pages_mirrored"] += new
             held += new
         return held
+
+    def echo_adoptable(self, seq_id: str, entries: Sequence[int]) -> list[int]:
+        """Of the given entries, those whose device page this sequence alone holds and no prefix
+        cache indexes: such a page may become a frame where it is."""
+        if self.has_prefix_cache:
+            return []
+        table = self.block_table(seq_id)
+        return [j for j in entries if self.allocator.ref_count(table[j]) == 1]
 
     def echo_release(self, seq_id: str, entries: Sequence[int]) -> None:
         """Gives back the device pages of entries with a host copy (pages or frames)."""

@@ -12,7 +12,9 @@ selected come first, then the pages most other layers selected (the prefetch mar
 the most recent; each layer then fetches the wanted pages it lacks into the slots of pages it
 no longer wants, one layer of one page at a time (`KVOpKind.HOST_IN` with `layers`). Before
 the first selection the row's own pages stay where they are (every layer reads them there);
-at the first plan they go back to the allocator and frames replace them. The step computes
+at the first plan those most wanted become frames in place where the row alone holds them
+(no prefix cache, no fork sharing them), the rest go back to the allocator and fresh frames
+replace them. The step computes
 the exact selection whatever the plan, so a wrong guess costs bytes over the link, never a
 changed token.
 
@@ -24,7 +26,8 @@ device (prefetch recall = their ratio); `echo_refetched_layer_pages`, the (layer
 of pairs the same observed step had just read from the host pool as misses (bytes a step that
 kept its misses in the frames would not move again; it does not: the step reads misses, only
 plans write frames); `echo_layer_pages_prefetched` (layers of pages moved in),
-`echo_pages_mirrored`, `_released`, `echo_frames_taken` (from the KV cache manager).
+`echo_frames_adopted` (own pages that became frames in place); `echo_pages_mirrored`,
+`_released`, `echo_frames_taken` (fresh frames; from the KV cache manager).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class EchoPlanner:
         self._frames: dict[str, _Frames] = {}
         self._missed: dict[str, np.ndarray] = {}  # [L, F] bool: the observed step's misses
         stats.update(echo_selected_pages=0, echo_resident_reads=0,
-                     echo_refetched_layer_pages=0)
+                     echo_refetched_layer_pages=0, echo_frames_adopted=0)
 
     def place(self, rows: Sequence[tuple[str, int]], live: Sequence[str]) -> None:
         """Moves pages for this step's decode rows (seq_id, cached tokens before the step)."""
@@ -106,13 +109,24 @@ class EchoPlanner:
         frames.grow(held)
         table = self.kv_cache.block_table(seq_id)
         own = [j for j in range(held) if table[j] != RELEASED and j not in frames.entries]
+        wanted_by_layer = wanted_pages(reads, held, self.num_keep)
+        need = min(self.num_keep, held) - len(frames.entries)
+        if own and need > 0:  # own pages the row alone holds become frames where they are
+            demand = np.bincount(np.concatenate(wanted_by_layer), minlength=held)
+            adopted = sorted(self.kv_cache.echo_adoptable(seq_id, own),
+                             key=lambda j: (-demand[j], -j))[:need]
+            for j in adopted:
+                frames.entries.append(j)
+                frames.owner[:, j] = j
+            self.stats["echo_frames_adopted"] += len(adopted)
+            own = [j for j in own if j not in adopted]
         self.kv_cache.echo_release(seq_id, own)
         free = [j for j in range(held) if j not in frames.entries]
         need = min(self.num_keep, held) - len(frames.entries)
         if need > 0:
             frames.entries += self.kv_cache.echo_frames(seq_id, free[:need])
         fills = []
-        for layer, wanted in enumerate(wanted_pages(reads, held, self.num_keep)):
+        for layer, wanted in enumerate(wanted_by_layer):
             owner = frames.owner[layer]
             have = {owner[k] for k in frames.entries}
             wanted_set = set(wanted.tolist())

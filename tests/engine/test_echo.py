@@ -60,16 +60,18 @@ def model():
 def test_echo_selection_and_tokens_equal_plain_quest_at_every_step(model):
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 120, size=n)] for n in (29, 22)]
-    want, want_reads, _ = _serve(model, prompts)
-    got, got_reads, engine = _serve(model, prompts, warm=True, echo_prefetch=0)
+    config = dict(enable_prefix_cache=False)  # pages the row alone holds become frames
+    want, want_reads, _ = _serve(model, prompts, config=config)
+    got, got_reads, engine = _serve(model, prompts, warm=True, config=config, echo_prefetch=0)
     assert got == want
     assert len(got_reads) == len(want_reads) >= NUM_NEW - 1
     for step, (a, b) in enumerate(zip(got_reads, want_reads, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
     stats = engine.stats
-    # The device kept a budget per layer: pages left it, layers of pages came back into
-    # frames, and the step read some (layer, page) pairs from the host pool.
-    assert stats["echo_pages_released"] > 0 and stats["echo_frames_taken"] > 0
+    # The device kept a budget per layer: pages left it, the row's own pages became its
+    # frames, layers of pages came back into them, and the step read some (layer, page)
+    # pairs from the host pool.
+    assert stats["echo_pages_released"] > 0 and stats["echo_frames_adopted"] > 0
     assert stats["echo_layer_pages_prefetched"] > 0
     assert 0 < stats["echo_resident_reads"] < stats["echo_selected_pages"]
 
@@ -122,6 +124,8 @@ def test_echo_with_more_behaviours_matches_plain_quest(model, config):
         for a, b in zip(got_reads, want_reads, strict=True):
             np.testing.assert_array_equal(a, b)
         assert engine.stats["echo_pages_mirrored"] > 0
+        if config.get("enable_prefix_cache"):  # cached pages are not overwritten: fresh frames
+            assert engine.stats["echo_frames_taken"] > 0
 
 
 def test_echo_settings_are_checked(model):
