@@ -10,14 +10,22 @@ equal plain Quest's at every step, and its tokens too (`selection_equal`, `token
 Per ECHO run, means per decode step:
   * recall: of the (layer, page) reads of full pages, the share whose page was already on the
     device (the newest, partial page is always there and is not counted);
-  * device pages per sequence: Quest's budget plus m plus the page being written, against all
-    of the sequence's pages for plain Quest;
+  * device pages per sequence: Quest's budget plus m plus the page being written (after the
+    first decode step; each layer keeps its own Quest budget plus m pages in them, per-(layer,
+    page) residency, `kvjax.scheduler.echo`), against all of the sequence's pages for plain
+    Quest;
+  * released: per layer, the sequence's pages that layer reads from the host pool (mean over
+    layers and steps);
   * bytes host -> device: misses (one layer of one page per miss, K and V) and prefetched
-    pages (every layer); the key summaries of every page stay in device memory (the host
-    pool's summary leaves live there: `summary_bytes_per_page` beside `kv_bytes_per_page`),
+    layers of pages (one layer of one page each); the key summaries of every page stay in
+    device memory (the host pool's summary leaves live there: `summary_bytes_per_page` beside
+    `kv_bytes_per_page`),
     so the selection reads nothing over the link; bytes device -> host: pages copied to the host
     pool as they fill during decoding (the prompt's pages, copied once at the first decode
     step, are reported apart: `mirror_bytes_once`);
+  * refetched: of the prefetched layers of pages, those the step the plan came from had just
+    read from the host pool as misses (a step that kept its misses in frames would not move
+    them twice; this one does);
   * on demand: the bytes if the device kept no page but the one being written and fetched
     every selected full page's layer each step (plain Quest's reads, no residency);
   * link ms (simulated): those bytes over each link of `kvjax.bench.host_attention.LINKS`
@@ -62,7 +70,7 @@ class EchoBench:
 
 class _Reads(StepObserver):
     """Each decode step's selection [L, W] of the one sequence, and how many of its table
-    entries were released (read from the host pool if selected)."""
+    entries each layer reads from the host pool (mean over layers)."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
@@ -73,15 +81,18 @@ class _Reads(StepObserver):
         if out.page_reads is None:
             return
         self.steps.append(np.asarray(out.page_reads)[0])
-        host = host_input["host_tables"]
+        tables = host_input["layer_tables"]  # [Bd, L, W]; [0, ...] without ECHO
         num_pages = -(-int(host_input["kv_lens"][0]) // self.page_size)
-        self.released.append(int((host[0, :num_pages] >= 0).sum()) if host.shape[0] else 0)
+        self.released.append(float((tables[0, :, :num_pages] < 0).sum(axis=1).mean())
+                             if tables.size else 0.0)
 
 
 def _engine(model, settings: EchoBench, max_len: int, prefetch: int | None) -> kvjax.Engine:
     options = dict(dense_layers=settings.dense_layers)
     if prefetch is not None:
         options["echo_prefetch"] = prefetch
+    else:
+        options["record_reads"] = True  # the oracle's selection, step by step
     p = settings.page_size
     config = kvjax.EngineConfig(
         page_size=p, num_pages=-(-max_len // p) + 2, max_model_len=max_len + p,
@@ -99,7 +110,8 @@ def _decode(engine: kvjax.Engine, prompt: list[int], num_tokens: int) -> dict:
     out = engine.generate([prompt], kvjax.SamplingParams(max_new_tokens=num_tokens,
                                                          ignore_eos=True))[0]
     keys = ("echo_selected_pages", "echo_resident_reads", "echo_pages_mirrored",
-            "echo_pages_prefetched", "echo_pages_released")
+            "echo_layer_pages_prefetched", "echo_pages_released", "echo_frames_taken",
+            "echo_refetched_layer_pages")
     return dict(tokens=list(out.outputs[0].token_ids), reads=reads.steps,
                 released=reads.released, stats={k: engine.stats.get(k, 0) for k in keys})
 
@@ -131,7 +143,7 @@ def echo_row(run: dict, plain: dict, engine, model, settings: EchoBench, prefetc
     kept = settings.budget // p - 1 + prefetch
     mirrored_once = prompt_len // p  # the prompt's full pages, copied at the first decode step
     parts = dict(miss=misses * layer_kv,
-                 prefetch=s["echo_pages_prefetched"] * c.num_layers * layer_kv)
+                 prefetch=s["echo_layer_pages_prefetched"] * layer_kv)
     h2d = sum(parts.values()) / steps
     d2h = (s["echo_pages_mirrored"] - mirrored_once) * c.num_layers * layer_kv / steps
     row = dict(
@@ -143,7 +155,8 @@ def echo_row(run: dict, plain: dict, engine, model, settings: EchoBench, prefetc
         device_pages=kept + 2, all_pages=-(-(prompt_len + settings.num_tokens) // p),
         released_per_step=sum(run["released"]) / steps,
         misses_per_step=misses / steps,
-        prefetched_per_step=s["echo_pages_prefetched"] / steps,
+        prefetched_per_step=s["echo_layer_pages_prefetched"] / steps,
+        refetched_per_step=s["echo_refetched_layer_pages"] / steps,
         **{f"h2d_{k}_bytes_per_step": v / steps for k, v in parts.items()},
         h2d_bytes_per_step=h2d, d2h_bytes_per_step=d2h,
         mirror_bytes_once=mirrored_once * c.num_layers * layer_kv,

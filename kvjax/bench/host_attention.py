@@ -13,6 +13,11 @@ lives in host memory. Three ways to serve them:
   takes max(device time, host attention time) plus the link time of the queries and partial
   outputs: `host_all` puts every sequence the pool cannot hold there (one wave), `neo` as many
   as the `neo` split policy balances against the device step.
+* **controller**: the joint KV controller (`kvjax.scheduler.controller`, action "host" beside
+  "swap" and "recompute") decides, one sequence beyond the pool at a time, how to make room
+  for it: a host-resident row while that is its cheapest action (each one priced with the host
+  attention the earlier ones already put beside the device's step), else its cheapest of swap
+  and recompute for all the rest (`controller_choice`).
 
 Device times come from a roofline of the stated accelerator (weights and KV bytes read over HBM,
 2 * params FLOPs per token); link times from the stated link bandwidth (per direction);
@@ -166,10 +171,48 @@ def simulate(s: Scenario, link_bytes_per_s: float, *, host_rows_per_wave: int = 
     return out
 
 
+def controller_choice(s: Scenario, host_rate: float, link_bytes_per_s: float
+                      ) -> tuple[int, str]:
+    """(host rows per wave, how the rest are served: 'swap' or 'recompute') as the joint
+    controller prices them: each further sequence beyond the pool is a victim that makes room
+    for a waiting one with a deadline, its host attention beside a device step already
+    shortened by the host rows chosen before it."""
+    from kvjax.scheduler import controller as ctl
+
+    group, page = _group(s), 16
+    host_tokens_per_s = host_rate * s.host_scale / s.kv_bytes_per_token
+    device_s = _device_step_s(s, group, group * s.context)
+    recompute = s.context / _prefill_s(s, 1)
+    victim = ctl.SeqState(
+        seq_id="victim", request_id="victim", tenant=None, priority=0, status="running",
+        age_s=1.0, num_tokens=s.context, num_computed=s.context, cached_tokens=s.context,
+        pages_held=-(-s.context // page), slack_s=ctl.INF, retention_budget=None,
+        kl_spent=0.0, kl_budget=0.0)
+    waiting = dataclasses.replace(victim, seq_id="w", request_id="w", priority=1,
+                                  status="waiting", num_computed=0, cached_tokens=0,
+                                  pages_held=0, slack_s=10 * s.context / recompute)
+    joint = ctl.make_controller("joint", host_horizon_steps=s.new_tokens)
+    rest = "swap"
+    for k in range(s.num_seqs - group + 1):
+        rates = ctl.HostRowRates(free_host_pages=2**31, host_tokens_per_s=host_tokens_per_s,
+                                 device_step_s=device_s - k * s.context / host_tokens_per_s)
+        state = ctl.ControlState(
+            now=0.0, page_size=page, num_pages=group * -(-s.context // page), free_pages=0,
+            max_num_seqs=s.num_seqs, kv_bytes_per_token=s.kv_bytes_per_token,
+            swap_bytes_per_s=link_bytes_per_s, recompute_tokens_per_s=recompute,
+            can_swap=True, demote_ratios={}, retention_range=None, seqs=(victim, waiting),
+            host_rows=rates)
+        d = joint.decide(state)
+        if k == s.num_seqs - group or not d.to_host:
+            rest = "swap" if d.swap.get("victim", True) else "recompute"
+            return k, rest
+    return s.num_seqs - group, rest
+
+
 def run(s: Scenario, host_rate: float | None = None) -> dict:
     """Every strategy on every link; returns {'rows': {name: figures}, ...}: host_all (every
     sequence the pool cannot hold on the host), neo (as many as the neo policy balances),
-    swap and recompute."""
+    swap, recompute and controller (the joint controller's choice)."""
     host_rate = measure_attention_rate() if host_rate is None else host_rate
     neo = neo_host_rows(s, host_rate)
     rows = {}
@@ -180,5 +223,9 @@ def run(s: Scenario, host_rate: float | None = None) -> dict:
                                        host_rows_per_wave=neo)
         rows[f"{link}/swap"] = simulate(s, bandwidth)
         rows[f"{link}/recompute"] = simulate(s, bandwidth, recompute=True)
+        k, rest = controller_choice(s, host_rate, bandwidth)
+        rows[f"{link}/controller"] = simulate(s, bandwidth, host_rate=host_rate,
+                                              host_rows_per_wave=k,
+                                              recompute=rest == "recompute")
     return dict(rows=rows, host_attention_bytes_per_s_measured=host_rate,
                 scenario=dataclasses.asdict(s), links_bytes_per_s=LINKS, clock="simulated")

@@ -116,8 +116,8 @@ _DESCRIPTIONS = {
                                 "by its mean attention during prefill)",
     Feature.QUEST: "retention='quest' (keeps every page, reads the query's top pages)",
     Feature.ECHO: "retention='quest' with echo_prefetch (ECHO: the host pool holds every "
-                  "full page, the device the pages the last selection ranked first; a "
-                  "selected page not on the device is read from the host)",
+                  "full page, the device per layer the pages that layer's last selection "
+                  "ranked first; a selected page not on the device is read from the host)",
     Feature.HOST_TIER: "EngineConfig.tiers with a host budget (spills and swaps through it)",
     Feature.SWAP: "preemption_mode=SWAP",
     Feature.AUTO_PREEMPTION: "preemption_mode=AUTO (swap or recompute by a cost model)",

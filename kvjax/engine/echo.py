@@ -1,20 +1,23 @@
 """Host-authoritative sparse KV (ECHO): the device side of one step.
 
 With Quest's `echo_prefetch` option (`kvjax.kv.retention.Quest`) a decode row's every full page
-has a copy in the runner's host pool (`kvjax.engine.host_rows.HostPool`), and the device pool
-holds only the pages the scheduler keeps there: the ones the row's previous selection ranked
-highest (`kvjax.scheduler.echo`). Its device block table's other entries are RELEASED, and
-`StepInput.host_tables` [Bd, W] names, per entry, the host page to read (-1: the entry is
-resident, read the device page).
+has a copy in the runner's host pool (`kvjax.engine.host_rows.HostPool`), and residency is per
+(layer, page): each layer keeps on the device the pages its own previous selection ranked
+highest (`kvjax.scheduler.echo`), in device pages the row holds for the purpose ("frames": the
+frame at block-table entry k may hold, in layer l, another entry's layer l). The row ships
+`StepInput.host_tables` [Bd, W] (per entry, its host copy, or -1 where it has none) and
+`StepInput.layer_tables` [Bd, L, W] (per layer and entry, the device page holding that layer of
+the entry, or -1: read the host copy).
 
 In the step, each layer's exact Quest selection is computed on the summaries of all the
-row's pages, each read where it lies (`kvjax.kv.quest.echo_summaries`), and attention reads
-each selected page from the device pool when resident and from the host pool otherwise: a
-page that was not prefetched is fetched for this step, never skipped. The values are the
-same either way (the host copy was taken from the full page), so the selection and the
-tokens equal plain Quest's at every step. The selection of every layer goes back to the
-host (`StepOutput.page_reads`), where the scheduler plans the next step's residency from it
-and counts how many selected pages were already on the device.
+row's pages (`kvjax.kv.quest.echo_summaries`: the host pool's, kept in device memory, for
+entries with a host copy), and attention reads each selected page's layer from the device
+where resident and from the host pool otherwise: a page that was not prefetched is fetched for
+this step, never skipped. The values are the same either way (the host copy was taken from the
+full page), so the selection and the tokens equal plain Quest's at every step. The selection of
+every layer goes back to the host (`StepOutput.page_reads`), where the scheduler plans the next
+step's residency from it and counts how many selected (layer, page) pairs were already on the
+device.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ from kvjax.kv import attention
 from kvjax.kv.state import KVState
 
 
-def echo_loader(kv: KVState, host_kv: KVState, layer: jax.Array, block_tables: jax.Array,
+def echo_loader(kv: KVState, host_kv: KVState, layer: jax.Array, layer_tables: jax.Array,
                 host_tables: jax.Array, kv_lens: jax.Array, seq_slots: jax.Array,
                 kv_floors: jax.Array):
-    """A page loader over table entries: entry j of row b from device page block_tables[b, j]
-    where host_tables[b, j] is -1 (resident), else from host page host_tables[b, j].
+    """A page loader over table entries: entry j of row b from device page layer_tables[b, j]
+    (this layer's table) where it is >= 0 (resident), else from host page host_tables[b, j].
 
     Returns fn(index [B, n] int32 table entries) -> K, V [B, n, P, K, D].
     """
-    resident = host_tables < 0  # [B, W]
-    dev_tables, dev_load = kv.row_loader(layer, block_tables, kv_lens, seq_slots, kv_floors)
+    resident = layer_tables >= 0  # [B, W]
+    dev_tables, dev_load = kv.row_loader(layer, jnp.maximum(layer_tables, 0), kv_lens,
+                                         seq_slots, kv_floors)
     zeros = kv_lens * 0
     host_tables, host_load = host_kv.row_loader(layer, jnp.maximum(host_tables, 0), kv_lens,
                                                 zeros, zeros)
@@ -59,7 +63,7 @@ def attend_echo(kv: KVState, host_kv: KVState, layer: jax.Array, q: jax.Array, i
     table entries, their kv_lens [Bd]).
     """
     bd = num_decode
-    load = echo_loader(kv, host_kv, layer, inp.block_tables[:bd], inp.host_tables,
+    load = echo_loader(kv, host_kv, layer, inp.layer_tables[:, layer], inp.host_tables,
                        inp.kv_lens[:bd], inp.seq_slots[:bd], inp.kv_floors[:bd])
     out = attention.paged_attention_blockwise(
         q[:, None], load, reads[0], reads[1], inp.q_lens[:bd],

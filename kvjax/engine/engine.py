@@ -191,7 +191,8 @@ class Engine:
         if uses_host or is_echo:
             self.runner.host_pool = host_rows.HostPool(
                 kv, config.num_host_pages,
-                num_device_leaves=retention.policy.num_index_leaves if is_echo else 0)
+                num_device_leaves=retention.policy.num_index_leaves if is_echo else 0,
+                per_layer=is_echo)
         self.stats: dict = {}
         self._grammars: grammar_lib.GrammarCompiler | None = None  # built on the first grammar
         tiers, swap_space = self._build_tiers(pool)

@@ -16,9 +16,12 @@ The design, chosen as the simplest one that is exact:
   `host_len`), the runner pads them into `StepInput.host_tables` [Bd, W] and `host_lens` [Bd],
   so a new split is a new input value, never a new program.
 * **How a row attends.** Positions [0, host_lens) are read from the host pool, positions
-  [host_lens, kv_lens) from the device pool (`paged_attention_blockwise` with `kv_starts`),
-  each part returning its log-sum-exp, and `kvjax.kv.attention.merge_partials` joins them
-  exactly. A row with host_lens 0 gets its device part unchanged (the host part is empty).
+  [host_lens, kv_lens) from the device pool, each part returning its log-sum-exp, and
+  `kvjax.kv.attention.merge_partials` joins them exactly. Where the step runs the native CPU
+  decode kernel, that kernel attends both parts and returns the log-sum-exp itself
+  (`kernel_split`); else the blockwise jnp path does (`paged_attention_blockwise` with
+  `kv_starts`). A row with host_lens 0 gets its device part unchanged (the host part is
+  empty).
 * **Where the host part runs.** Under `jax.experimental.compute_on.compute_on("device_host")`
   where the backend compiles it (probed once, `host_compute_reason`); else the step reads the
   host pool into device memory space and computes the host part there, logged once. On this
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,10 +54,14 @@ class HostAttention:
     Attributes:
       kv: the host pool; in host memory space when `on_host`, else viewed in device space.
       on_host: the host part runs under compute_on("device_host").
+      decode: the attention kernel that returns its log-sum-exp (`kvjax.kv.native.lse_decoder`:
+        fn(kv, layer, q, block_tables, kv_lens) -> (out, lse)), which then attends both parts
+        (the host part only where it runs in device space); None: the blockwise jnp path.
     """
 
     kv: KVState
     on_host: bool
+    decode: Callable | None = None
 
 
 def host_decode_attention(host_kv: KVState, layer: jax.Array, q: jax.Array, tables: jax.Array,
@@ -93,6 +101,9 @@ def attend_split(kv: KVState, host: HostAttention, layer: jax.Array, q: jax.Arra
     """
     bd = num_decode
     lens, q_lens, host_lens = inp.kv_lens[:bd], inp.q_lens[:bd], inp.host_lens
+    if host.decode is not None and not host.on_host:
+        return kernel_split(host.decode, kv, host.kv, layer, q, inp.block_tables[:bd], lens,
+                            inp.host_tables, host_lens, kv.page_size)
     tables, load = kv.row_loader(layer, inp.block_tables[:bd], lens, inp.seq_slots[:bd],
                                  inp.kv_floors[:bd])
     dev_out, dev_lse = attention.paged_attention_blockwise(
@@ -107,6 +118,23 @@ def attend_split(kv: KVState, host: HostAttention, layer: jax.Array, q: jax.Arra
         jnp.stack([dev_out[:, 0], host_out.astype(dev_out.dtype)]),
         jnp.stack([dev_lse[:, 0], host_lse]))  # [Bd, N, D]
     return out
+
+
+def kernel_split(decode: Callable, kv: KVState, host_kv: KVState, layer: jax.Array,
+                 q: jax.Array, block_tables: jax.Array, lens: jax.Array,
+                 host_tables: jax.Array, host_lens: jax.Array, page_size: int) -> jax.Array:
+    """Decode attention of q [B, N, D] over positions [host_lens, lens) in the device pool and
+    [0, host_lens) in the host pool, both by `decode` (`HostAttention.decode`), merged by
+    log-sum-exp: [B, N, D]. The device part reads the row's table from entry host_lens / P on
+    (a decode query sees every cached key, so where its key set starts changes nothing)."""
+    w = block_tables.shape[1]
+    entries = jnp.minimum(jnp.arange(w)[None, :] + (host_lens // page_size)[:, None], w - 1)
+    dev_out, dev_lse = decode(kv, layer, q, jnp.take_along_axis(block_tables, entries, axis=1),
+                              lens - host_lens)  # [B, N, D], [B, N]
+    host_out, host_lse = decode(host_kv, layer, q, host_tables, host_lens)
+    out, _ = attention.merge_partials(jnp.stack([dev_out, host_out.astype(dev_out.dtype)]),
+                                      jnp.stack([dev_lse, host_lse]))
+    return out  # [B, N, D]
 
 
 def device_view(host_kv: KVState) -> KVState:
@@ -157,17 +185,22 @@ def _probe(device) -> str | None:
 class HostPool:
     """The runner's host pool: a KV state like the device pool's, of `num_pages` pages, in
     host memory, and the programs that move pages between the pools (`KVOpKind.HOST_OUT`,
-    `HOST_IN`; index arrays padded to powers of two, so each count compiles once).
+    `HOST_IN`, whole pages or single layers of pages; index arrays padded to powers of two,
+    so each count compiles once).
 
     Attributes:
       kv: the host pool's KV state.
       memory_kind: where its leaves live (`pinned_host`, else `unpinned_host`; None: device
         memory, on a backend with no host memory kind).
+      num_layer_tables: L when decode rows ship per-layer device tables (ECHO's per-layer
+        residency, `StepInput.layer_tables`), else 0.
     """
 
-    def __init__(self, device_kv: KVState, num_pages: int, *, num_device_leaves: int = 0):
+    def __init__(self, device_kv: KVState, num_pages: int, *, num_device_leaves: int = 0,
+                 per_layer: bool = False):
         """num_device_leaves: the last page leaves stay in device memory (small per-page
-        indexes a step reads for every page, such as Quest's key summaries under ECHO)."""
+        indexes a step reads for every page, such as Quest's key summaries under ECHO);
+        per_layer: decode rows read each layer's pages through a table of their own."""
         from kvjax.memory.tiers.host import host_memory_kind
 
         leaves = device_kv.page_leaves()
@@ -184,10 +217,12 @@ class HostPool:
         self.kv = jax.device_put(kv, self._sharding)
         self._out = Program(_move_out, donate_argnums=1, out_shardings=self._sharding)
         self._in = Program(_move_in, donate_argnums=0)
+        self._in_layers = Program(_move_in_layers, donate_argnums=0)
+        self.num_layer_tables = leaves[0].shape[0] if per_layer else 0
 
     @property
     def num_compiles(self) -> int:
-        return self._out.num_compiles + self._in.num_compiles
+        return self._out.num_compiles + self._in.num_compiles + self._in_layers.num_compiles
 
     def move_out(self, device_kv: KVState, src, dst) -> None:
         """Host page dst[i] becomes a copy of device page src[i]."""
@@ -198,14 +233,24 @@ class HostPool:
         """The device pool with page dst[i] a copy of host page src[i]."""
         return self._in(device_kv, self.kv, np.asarray(src, np.int32), np.asarray(dst, np.int32))
 
-    def warmup(self, device_kv: KVState, max_pages: int) -> KVState:
-        """Compiles both moves for every padded count up to `max_pages`; they write past both
-        pools (scatters drop such indices), so neither changes."""
+    def move_in_layers(self, device_kv: KVState, layers, src, dst) -> KVState:
+        """The device pool with layer layers[i] of page dst[i] a copy of that layer of host
+        page src[i] (its other layers unchanged)."""
+        return self._in_layers(device_kv, self.kv, *(np.asarray(x, np.int32)
+                                                     for x in (layers, src, dst)))
+
+    def warmup(self, device_kv: KVState, max_pages: int, max_layer_pages: int = 0) -> KVState:
+        """Compiles the moves for every padded count up to `max_pages` (single-layer moves up
+        to `max_layer_pages`); they write past both pools (scatters drop such indices), so
+        neither changes."""
         from kvjax.shapes import powers_of_2_up_to
 
         for n in powers_of_2_up_to(max_pages):
             self.move_out(device_kv, np.zeros(n), np.full(n, self.kv.num_pages))
             device_kv = self.move_in(device_kv, np.zeros(n), np.full(n, device_kv.num_pages))
+        for n in powers_of_2_up_to(max_layer_pages) if max_layer_pages else ():
+            device_kv = self.move_in_layers(device_kv, np.zeros(n), np.zeros(n),
+                                            np.full(n, device_kv.num_pages))
         return device_kv
 
 
@@ -219,3 +264,10 @@ def _move_in(device_kv: KVState, host_kv: KVState, src, dst) -> KVState:
     from kvjax.kv import pages
 
     return pages.scatter_pages(device_kv, dst, pages.gather_pages(device_view(host_kv), src))
+
+
+def _move_in_layers(device_kv: KVState, host_kv: KVState, layers, src, dst) -> KVState:
+    host = device_view(host_kv).page_leaves()
+    return device_kv.with_page_leaves(
+        [x.at[layers, dst].set(h[layers, src].astype(x.dtype), mode="drop")
+         for x, h in zip(device_kv.page_leaves(), host, strict=True)])  # [L, pages, ...] each

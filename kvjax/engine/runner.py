@@ -284,7 +284,7 @@ class ModelRunner:
             KVOpKind.COPY: lambda kv, op: programs.copy_pages(
                 kv, np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32)),
             KVOpKind.HOST_OUT: self._host_out,
-            KVOpKind.HOST_IN: lambda kv, op: self.host_pool.move_in(kv, op.src, op.dst)}
+            KVOpKind.HOST_IN: self._host_in}
 
     @property
     def kv(self) -> Any:
@@ -323,6 +323,16 @@ class ModelRunner:
     def _host_out(self, kv: Any, op: KVOp) -> Any:
         self.host_pool.move_out(kv, op.src, op.dst)
         return kv
+
+    def _host_in(self, kv: Any, op: KVOp) -> Any:
+        if op.layers:
+            return self.host_pool.move_in_layers(kv, op.layers, op.src, op.dst)
+        return self.host_pool.move_in(kv, op.src, op.dst)
+
+    def _empty_input(self, shape: StepShape) -> dict[str, np.ndarray]:
+        pool = self.host_pool
+        return empty_step_input(shape, self.num_tables, host_rows=pool is not None,
+                                num_layer_tables=0 if pool is None else pool.num_layer_tables)
 
     # ----------------------------------------------------------------------------- KV ops
 
@@ -373,7 +383,7 @@ class ModelRunner:
         step's feed on the device, at that row's padded index.
         """
         shape = self.buckets.shape_for(so, logits_mode)
-        buf = empty_step_input(shape, self.num_tables, host_rows=self.host_pool is not None)
+        buf = self._empty_input(shape)
         bd, num_decode, wd = shape.num_decode, len(so.decode), shape.decode_width
         row_index = []
         t0 = bd * wd  # the next prefill row's first token: prefill rows are packed
@@ -440,6 +450,8 @@ class ModelRunner:
                 raise ValueError(f"row {row.seq_id!r} has host-resident pages but is not a "
                                  f"decode row of an engine with a host pool")
             buf["host_tables"][r, :len(row.host_table)] = row.host_table
+            if row.layer_tables is not None:
+                buf["layer_tables"][r, :, :row.layer_tables.shape[1]] = row.layer_tables
             buf["host_lens"][r] = row.host_len
 
     def blend_input(self, blend: BlendRow) -> tuple[BlendShape, dict[str, np.ndarray]]:
@@ -523,9 +535,10 @@ class ModelRunner:
         for greedy_shape in self.buckets.step_shapes():
             for variant in variants:
                 shape = dataclasses.replace(greedy_shape, **variant)
-                buf = empty_step_input(shape, self.num_tables,
-                                       host_rows=self.host_pool is not None)
+                buf = self._empty_input(shape)
                 buf["prev_tokens"] = self._zero_feed
                 _, self.kv = self.programs.step(params, self.kv, buf, shape, self.host_kv)
         if self.host_pool is not None:
-            self.kv = self.host_pool.warmup(self.kv, self.buckets.block_table_width)
+            width = self.buckets.block_table_width
+            self.kv = self.host_pool.warmup(self.kv, width,
+                                            self.host_pool.num_layer_tables * width)

@@ -154,8 +154,11 @@ class StepInput:
         (`kvjax.kv.layer_retention`).
       host_tables: [Bh, Pmax] int32, Bh = Bd with a host pool (else 0): the host-pool pages
         holding cache positions [0, host_lens) of each decode row (`kvjax.engine.host_rows`);
-        under ECHO, per block-table entry, the host page read in place of a released device
-        page, or -1 where the entry is resident (`kvjax.engine.echo`).
+        under ECHO, per block-table entry, its host copy, or -1 where it has none (the entry
+        is read from its device page in `block_tables`; `kvjax.engine.echo`).
+      layer_tables: [Bh, L, Pmax] int32 under ECHO (else [Bh, 0, Pmax]): per layer and
+        block-table entry, the device page holding that layer of the entry, or -1 where the
+        layer reads the entry's host copy.
       host_lens: [Bh] int32, how many of each decode row's first positions live in the host
         pool (a multiple of the page size; 0: all on the device). Its device block table's
         entries for them are ignored.
@@ -196,6 +199,7 @@ class StepInput:
     group_kv_lens: jax.Array
     host_tables: jax.Array
     host_lens: jax.Array
+    layer_tables: jax.Array
 
     def for_table(self, table: jax.Array) -> StepInput:
         """This input as layer group `table` (traced) sees it: its block tables, slots and kv
@@ -225,8 +229,9 @@ class StepOutput:
     decoding runs for its token (`kvjax.kv.retention.step_key_scores`); key_scores is its sum
     over queries.
     feed_tokens: [F] int32, `tokens` padded to the feed width: the next step's `prev_tokens`.
-    page_reads: [Bd, L, W] bool with a policy that narrows reads (Quest) in a one-token decode
-    step: the block-table entries each decode row read in each layer; else None.
+    page_reads: [Bd, L, W] bool with a policy that records its reads (Quest under ECHO, or
+    with record_reads) in a one-token decode step: the block-table entries each decode row
+    read in each layer; else None.
     """
 
     tokens: jax.Array
@@ -240,11 +245,11 @@ class StepOutput:
     page_reads: jax.Array | None = None
 
 
-def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool = False
-                     ) -> dict[str, np.ndarray]:
+def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool = False,
+                     num_layer_tables: int = 0) -> dict[str, np.ndarray]:
     """Host buffers for one step, filled with padding values (num_tables: G, the block tables
     of the model's layer groups; host_rows: the engine has a host pool, so decode rows ship
-    host tables)."""
+    host tables; num_layer_tables: L when they ship per-layer device tables too (ECHO))."""
     num_host = shape.num_decode if host_rows else 0
     r, t, bd, w = shape.num_rows, shape.num_tokens, shape.num_decode, shape.decode_width
     h, kb = shape.history_width, shape.bias_width
@@ -285,6 +290,7 @@ def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool =
         group_kv_lens=np.zeros((num_tables - 1, r), np.int32),
         host_tables=np.zeros((num_host, shape.max_pages), np.int32),
         host_lens=np.zeros(num_host, np.int32),
+        layer_tables=np.full((num_host, num_layer_tables, shape.max_pages), -1, np.int32),
     )
 
 
@@ -451,8 +457,10 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     if host_kv is not None and is_echo:
         echo_kv = host_rows.device_view(host_kv)
     elif host_kv is not None:
+        decode = (native.lse_decoder(soft_cap=config.attn_logit_softcap)
+                  if attention_name(attention_impl, kv) == "native" else None)
         host = host_rows.HostAttention(
-            host_kv if host_compute else host_rows.device_view(host_kv), host_compute)
+            host_kv if host_compute else host_rows.device_view(host_kv), host_compute, decode)
     # Once per program, for every layer.
     kernels = _resolve(attention_impl, kv, config.attn_logit_softcap)
     if kernels is not None and place_kernels is not None:
@@ -469,7 +477,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         g.keep is TokenKeep.BUDGET for g in layer_groups) else 0
     tables, slots, windows = (jnp.asarray(x, jnp.int32) for x in layer_map)
 
-    records_reads = (retention is not None and retention.narrows_reads
+    records_reads = (retention is not None and retention.records_reads
                      and shape.num_decode > 0 and shape.decode_width == 1)
 
     head_major = any(g.head_major for g in layer_groups)
@@ -699,7 +707,8 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         group_slots=jnp.zeros((0, n), jnp.int32),
         group_kv_lens=jnp.zeros((0, n), jnp.int32),
         host_tables=jnp.zeros((0, block_table.shape[0]), jnp.int32),
-        host_lens=jnp.zeros(0, jnp.int32))
+        host_lens=jnp.zeros(0, jnp.int32),
+        layer_tables=jnp.zeros((0, 0, block_table.shape[0]), jnp.int32))
 
 
 def blend_step(params, kv: KVState, tokens: jax.Array, positions: jax.Array, slots: jax.Array,

@@ -281,16 +281,15 @@ def narrow_decode_rows(kv: QuestKV, layer: jax.Array, q: jax.Array, block_tables
 
 def echo_summaries(kv: QuestKV, host_kv: QuestKV, block_tables: jax.Array,
                    host_tables: jax.Array):
-    """fn(layer) -> (key_min, key_max) [B, W, K, D] of each row's pages where a host-
-    authoritative row keeps them (ECHO, `kvjax.engine.echo`): an entry whose host_tables
-    [B, W] value is -1 is resident, read from the device pool's page block_tables [B, W];
-    any other from that host-pool page (the same values: the host copy was taken from the
-    full page)."""
-    resident = (host_tables < 0)[:, :, None, None]  # [B, W, 1, 1]
+    """fn(layer) -> (key_min, key_max) [B, W, K, D] of each row's pages under ECHO
+    (`kvjax.engine.echo`): an entry with a host copy (host_tables [B, W] >= 0) from the host
+    pool's summaries (kept in device memory, and equal to the page's: the copy was taken from
+    the full page), any other from the device pool's page block_tables [B, W]."""
+    on_device = (host_tables < 0)[:, :, None, None]  # [B, W, 1, 1]
     host = jnp.maximum(host_tables, 0)
 
     def at(layer):
-        return tuple(jnp.where(resident, d[layer][block_tables], h[layer][host])
+        return tuple(jnp.where(on_device, d[layer][block_tables], h[layer][host])
                      for d, h in ((kv.key_min, host_kv.key_min),
                                   (kv.key_max, host_kv.key_max)))  # [B, W, K, D] each
 

@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvjax.memory.block_manager import RELEASED
+from kvjax.memory.echo_pages import EchoPages
 from kvjax.memory.host_pool import HostPagePool
 from kvjax.memory.op_plan import OpPlan, padded
 from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.memory.page_versions import PageVersions
 
 
-class HostMoves:
+class HostMoves(EchoPages):
     """Moves sequences' pages between the device pool and the host pool.
 
     Attributes:
@@ -89,51 +89,3 @@ class HostMoves:
         self.stats["host_pages_in"] += num
         return True
 
-    def echo_host_table(self, seq_id: str) -> np.ndarray:
-        """[n] int32 over a host-authoritative sequence's block-table entries: the host page
-        an entry's step reads (its device page was released), or -1 (it is resident)."""
-        table = self.allocator.block_table(seq_id)
-        host = self.host_table(seq_id)
-        return np.asarray([host[i] if page == RELEASED else -1
-                           for i, page in enumerate(table)], np.int32)
-
-    def echo_place(self, seq_id: str, num_full: int, keep: Collection[int]) -> None:
-        """Host-authoritative pages (ECHO, `kvjax.engine.echo`): copies the sequence's full
-        pages [0, num_full) that have no host copy yet to the host pool (the device keeps
-        them), then keeps on the device exactly those full pages with a host copy that are in
-        `keep`: released ones come back from their copies (a prefetch; skipped when the
-        device pool has no room: the step then reads the host copy), the others are released.
-        Pages without a host copy, the last (partial) one included, stay."""
-        held = self.host_pool.num_held(seq_id)
-        table = self.allocator.block_table(seq_id)
-        new = min(num_full - held, self.host_pool.num_free())
-        if new > 0:
-            src = table[held:held + new]
-            dst = self.host_pool.take(seq_id, new)
-            self.versions.to_host(src, dst)
-            self.ops.issue(KVOp(KVOpKind.HOST_OUT, tuple(src), src=padded(src),
-                                dst=padded(dst)))
-            self.stats["echo_pages_mirrored"] += new
-            held += new
-        host = self.host_pool.table(seq_id)
-        freed = []
-        for index in range(held):
-            if index not in keep and table[index] != RELEASED:
-                freed += self.allocator.release_pages(seq_id, index, 1)[1]
-                self.stats["echo_pages_released"] += 1
-        if self.scrub_freed_pages and freed:
-            self._spill()
-            self._scrub(freed)
-        src, dst = [], []
-        for index in sorted(keep):
-            if index < held and self.allocator.block_table(seq_id)[index] == RELEASED:
-                page = self.allocator.fill_pages(seq_id, index, 1)
-                if page is None:
-                    break
-                src.append(host[index])
-                dst += page
-                self.versions.to_device([host[index]], page)
-        if dst:
-            self._spill()  # Before the copy overwrites pages evicted for it.
-            self.ops.issue(KVOp(KVOpKind.HOST_IN, tuple(dst), src=padded(src), dst=padded(dst)))
-            self.stats["echo_pages_prefetched"] += len(dst)

@@ -96,7 +96,7 @@ class KVCacheManager:
                           stale_kv_reads=0, bytes_device_to_host=0, bytes_host_to_device=0,
                           bytes_host_to_disk=0, bytes_disk_to_host=0, host_pages_out=0,
                           host_pages_in=0, echo_pages_mirrored=0, echo_pages_released=0,
-                          echo_pages_prefetched=0)
+                          echo_frames_taken=0, echo_layer_pages_prefetched=0)
 
     # ----------------------------------------------------------------------------- KV ops
 
@@ -314,8 +314,6 @@ class KVCacheManager:
     num_free_host_pages = delegate("host", HostMoves.num_free_host_pages)
     to_host = delegate("host", HostMoves.to_host)
     to_device = delegate("host", HostMoves.to_device)
-    echo_host_table = delegate("host", HostMoves.echo_host_table)
-    echo_place = delegate("host", HostMoves.echo_place)
     swap_out = delegate("swaps", SwapMoves.swap_out)
     swap_in = delegate("swaps", SwapMoves.swap_in)
     restore_window = delegate("swaps", SwapMoves.restore_window)

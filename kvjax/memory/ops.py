@@ -143,7 +143,8 @@ class KVOp:
       src, dst: COPY: page dst[i] becomes a copy of page src[i]. COPY_WINDOW: sequence slot
         dst[0] becomes a copy of slot src[0]. SCRUB: dst are the pages zeroed (empty: none).
         HOST_OUT: host-pool page dst[i] becomes a copy of device page src[i]. HOST_IN: device
-        page dst[i] becomes a copy of host-pool page src[i]. SWAP_OUT: the host copy
+        page dst[i] becomes a copy of host-pool page src[i] (with `layers`, in layer
+        layers[i] alone). SWAP_OUT: the host copy
         `host_slot` holds pool pages src (padded; its first len(pages) are the copy's pages,
         in block-table order, every layer group's). SWAP_IN: pool page dst[i] becomes the
         copy's page src[i] (empty: none), and the copy is freed.
@@ -160,6 +161,8 @@ class KVOp:
         its `TierLoadPlan` chunk to the device; TIER_SCATTER writes that chunk into pool
         pages dst; TIER_RELEASE forgets the transfer. What landed comes back in
         `RunnerOutput.tier_landed` (`TierLanded`).
+      layers: HOST_IN of single layers (ECHO's per-layer residency, `kvjax.scheduler.echo`):
+        the layer of each (src, dst) pair, padded like them; empty: every layer.
     """
 
     kind: KVOpKind
@@ -171,6 +174,7 @@ class KVOp:
     host_slot: int = -1
     bits: int = 0
     transfer: int = -1
+    layers: tuple[int, ...] = ()
 
 
 class KVDevice(Protocol):

@@ -19,6 +19,10 @@ existing mechanisms:
                       evicts every other unreferenced page first (to the host tier, when the
                       engine has one), then these in the order given
   prefetch            the order swapped sequences come back in
+  to_host             running sequences whose full pages move to the host pool now, where
+                      their decode attention runs beside the device's step (host-resident
+                      rows, `kvjax.engine.host_rows`): they free device pages without
+                      stalling
 
 SLOs and degradation (`SLO`): a request may carry a TTFT and a TPOT target and a KL budget,
 the most quality (mean KL per token against exact KV, from the measured tables the controller
@@ -44,7 +48,12 @@ Controllers are registered by name (`CONTROLLERS`, `register_controller`, `make_
   prefix       prefix retention only: reused cached pages kept longest, by expected reuse
   joint        all of the above, each step choosing per victim the action of least
                estimated cost per page freed: time + energy + quality, against the slack of
-               the requests that benefit
+               the requests that benefit; with `ControlState.host_rows` (the split
+               policy's rates) a host-resident row is one more action beside swap and
+               recompute
+
+The engine does not yet offer host rows to a controller (`kvjax.engine.compat` refuses the
+pair); `kvjax.bench.host_attention` prices the choice on a simulated clock.
 """
 
 from __future__ import annotations
@@ -146,6 +155,8 @@ class ControlState:
       host_room_bytes: bytes the host tier takes before it evicts (inf: host memory
         unbounded, no tier budget).
       spills_cached: an evicted cached page goes to the host tier (else it is lost).
+      host_rows: the rates of host-resident rows, which the "host" action needs; None: the
+        engine has none.
     """
 
     now: float
@@ -163,9 +174,27 @@ class ControlState:
     cached: tuple[CachedPage, ...] = ()
     host_room_bytes: float = INF
     spills_cached: bool = False
+    host_rows: HostRowRates | None = None
 
     def with_status(self, status: str) -> list[SeqState]:
         return [s for s in self.seqs if s.status == status]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRowRates:
+    """What moving a running sequence's pages to the host pool costs, from the host split
+    policy's rates (`kvjax.scheduler.host_split.Neo`, measured with
+    `kvjax.bench.host_attention.measure_attention_rate`).
+
+    Attributes:
+      free_host_pages: pages the host pool takes now.
+      host_tokens_per_s: tokens of KV the host's decode attention reads per second (one query).
+      device_step_s: the device's time for a step, which host attention runs beside.
+    """
+
+    free_host_pages: int
+    host_tokens_per_s: float
+    device_step_s: float
 
 
 class Demotion(NamedTuple):
@@ -192,6 +221,8 @@ class Decisions:
       demote: per sequence, the precision its host copy is stored at if it is swapped from now
         on, and the KL that adds.
       keep: cached prefix pages evicted last, least valuable first (empty: plain LRU).
+      to_host: running sequences whose full pages move to the host pool now (host-resident
+        rows: they keep decoding, their attention over those pages on the host).
     """
 
     admit_order: tuple[str, ...] = ()
@@ -203,6 +234,7 @@ class Decisions:
     demote: Mapping[str, Demotion] = dataclasses.field(default_factory=dict)
     keep: tuple[int, ...] = ()
     prefetch: tuple[str, ...] = ()
+    to_host: tuple[str, ...] = ()
 
 
 class KVController(Protocol):
@@ -226,7 +258,7 @@ def degradation_key(seq: SeqState) -> tuple:
 # ----------------------------------------------------------------------------- the controller
 
 
-_ACTIONS = frozenset({"admit", "recompute", "swap", "retain", "demote", "keep"})
+_ACTIONS = frozenset({"admit", "recompute", "swap", "retain", "demote", "keep", "host"})
 
 
 class CostController:
@@ -235,7 +267,9 @@ class CostController:
     actions: which decisions it may take: "admit" (admission order), "recompute" and "swap"
       (preempt a lower-ranked running sequence, dropping or moving its KV), "retain" (shrink a
       sequence's retention budget), "demote" (int8 / int4 host copies of swapped sequences),
-      "keep" (which cached prefix pages stay longest).
+      "keep" (which cached prefix pages stay longest), "host" (move a running sequence's full
+      pages to the host pool, where its attention runs beside the device's step; needs
+      `ControlState.host_rows`).
     retention_kl: {budget: mean KL per token} measured for the engine's retention policy
       (`kvjax.bench.controller.measure_kl_tables`); a budget missing here is never chosen.
     demote_kl: {bits: mean KL per token} of copies of exact KV rounded to int8 / int4 (a
@@ -252,6 +286,8 @@ class CostController:
       out mid-step): bounds the TPOT tail of a repeatedly chosen victim. None: no bound.
     keep_horizon_s: with "keep", a cached page's reuses count less the longer it sits idle:
       its value is hits / (1 + idle / keep_horizon_s).
+    host_horizon_steps: with "host", the decode steps a host-resident row is priced over:
+      each costs the time its host attention runs past the device's step.
     """
 
     def __init__(self, name: str, actions: frozenset[str], *,
@@ -260,7 +296,8 @@ class CostController:
                  kl_cost_s: float = 10.0, miss_cost_s: float = 5.0,
                  joules_per_byte: float = 0.0,
                  joules_per_token: float = 0.0, energy_cost_s: float = 0.0,
-                 max_preemptions: int | None = None, keep_horizon_s: float = 60.0):
+                 max_preemptions: int | None = None, keep_horizon_s: float = 60.0,
+                 host_horizon_steps: int = 32):
         unknown = sorted(set(actions) - _ACTIONS)
         if unknown:
             raise ValueError(f"controller actions {unknown} unknown; known: {sorted(_ACTIONS)}")
@@ -278,6 +315,7 @@ class CostController:
         if not keep_horizon_s > 0:
             raise ValueError(f"keep_horizon_s must be > 0, got {keep_horizon_s!r}")
         self.max_preemptions = max_preemptions
+        self.host_horizon_steps = host_horizon_steps
         self.keep_horizon_s = float(keep_horizon_s)
         self.kl_cost_s = float(kl_cost_s)
         self.miss_cost_s = float(miss_cost_s)
@@ -315,6 +353,9 @@ class CostController:
                 moved = 2 * kv_bytes / state.demote_ratios[demotion.bits]
                 out.append((preempt_cost(moved / state.swap_bytes_per_s, moved, 0,
                                          demotion.kl), s.pages_held, "swap", demotion))
+        host = self._host_option(s, state, held, kv_bytes)
+        if host is not None:
+            out.append(host)
         if "retain" in self.actions and state.retention_range is not None:
             low, high = state.retention_range
             for b in sorted(b for b in self.retention_kl if low <= b <= high):
@@ -324,6 +365,22 @@ class CostController:
                         and extra <= s.kl_left:
                     out.append((self._cost(0.0, 0, 0, extra) / freed, freed, "retain", b))
         return sorted(out, key=lambda o: o[0])
+
+    def _host_option(self, s: SeqState, state: ControlState, held: int, kv_bytes: float
+                     ) -> tuple[float, int, str, Any] | None:
+        """A host-resident row: its full pages cross the link once, and it keeps decoding,
+        each step slowed by the time its host attention runs past the device's step (priced
+        over `host_horizon_steps`; a slowdown past its slack misses its deadline)."""
+        rates = state.host_rows
+        freed = s.pages_held - 1  # the page being written stays on the device
+        if "host" not in self.actions or rates is None or not 0 < freed <= \
+                rates.free_host_pages:
+            return None
+        moved = kv_bytes * freed / held
+        excess = max(s.cached_tokens / rates.host_tokens_per_s - rates.device_step_s, 0.0)
+        seconds = moved / state.swap_bytes_per_s + excess * self.host_horizon_steps
+        miss = self.miss_cost_s if s.slack_s < excess else 0.0
+        return (self._cost(seconds, moved, 0, 0.0) + miss) / held, freed, "host", None
 
     def _demotions(self, s: SeqState, state: ControlState) -> list[Demotion]:
         """The precisions its swapped copy may take within its KL budget, each with the KL it
@@ -377,7 +434,7 @@ class CostController:
         # How a sequence preempted mid-step (pages ran out) leaves: the cheapest way.
         swap, demote = {}, {}
         for s in victims:
-            options = [o for o in self._options(s, state) if o[2] != "retain"]
+            options = [o for o in self._options(s, state) if o[2] in ("swap", "recompute")]
             if options and {"swap", "recompute"} <= self.actions:
                 swap[s.seq_id] = options[0][2] == "swap"
                 if options[0][3]:
@@ -387,7 +444,7 @@ class CostController:
                 demote[s.seq_id] = demotions[-1]  # the fewest bits the budget allows
         # Pages the queued sequences that can still meet a deadline need beyond the free ones;
         # they are freed from lower-ranked running sequences, cheapest way first.
-        offload, retention, kl = [], {}, {}
+        offload, retention, kl, to_host = [], {}, {}, []
         deficit, beneficiary, stall_s = -state.free_pages, None, 0.0
         for s in queued[:max(state.max_num_seqs - len(running), 0)]:
             if not 0 <= s.slack_s < INF:
@@ -407,7 +464,9 @@ class CostController:
             if not options:
                 continue
             _, freed, action, arg = options[0]
-            if action == "retain":
+            if action == "host":
+                to_host.append(s.seq_id)
+            elif action == "retain":
                 retention[s.seq_id] = arg
                 kl[s.seq_id] = s.kl_spent + self.retention_kl[arg] - self.retention_kl.get(
                     s.retention_budget, 0.0)
@@ -425,7 +484,8 @@ class CostController:
             offload=tuple(offload),
             victims=tuple(s.seq_id for s in victims)
             if self.actions - {"admit", "demote", "keep"} else (),
-            swap=swap, retention=retention, kl=kl, demote=demote, keep=self._keep(state))
+            swap=swap, retention=retention, kl=kl, demote=demote, keep=self._keep(state),
+            to_host=tuple(to_host))
 
 
 class FixedController:

@@ -1,21 +1,33 @@
-"""Host-authoritative sparse KV (ECHO): which pages a decode row keeps on the device.
+"""Host-authoritative sparse KV (ECHO): which (layer, page) pairs a decode row keeps on the
+device.
 
 With Quest's `echo_prefetch` option every full page of a decoding sequence has a copy in the
-host pool, and the device keeps `num_read - 1 + echo_prefetch` of them plus the page the row
-writes (`kvjax.engine.echo` has the step's side). The plan for step t + 1 comes from the
-selection of the row's last step the host has seen (step t, or t - 1 under asynchronous
-scheduling): each full page scores the number of layers that read it, and the pages of
-highest score stay on the device (ties to the most recent), the rest are released and come
-back from their host copies when they rank again. The step computes the exact selection
-whatever the plan, so a wrong guess costs bytes over the link, never a changed token.
+host pool, and the device keeps, in each layer, `num_read - 1 + echo_prefetch` of them
+(`kvjax.engine.echo` has the step's side, `kvjax.memory.echo_pages` the page moves). Quest
+selects per layer, so residency is per layer too: the row holds `num_keep` device pages as
+frames, and a frame's layer l holds whichever page layer l wants, independently of the other
+layers. The plan for step t + 1 comes from the selection of the row's last step the host has
+seen (step t, or t - 1 under asynchronous scheduling): in layer l, the pages that layer
+selected come first, then the pages most other layers selected (the prefetch margin), ties to
+the most recent; each layer then fetches the wanted pages it lacks into the slots of pages it
+no longer wants, one layer of one page at a time (`KVOpKind.HOST_IN` with `layers`). Before
+the first selection the row's own pages stay where they are (every layer reads them there);
+at the first plan those most wanted become frames in place where the row alone holds them
+(no prefix cache, no fork sharing them), the rest go back to the allocator and fresh frames
+replace them. The step computes
+the exact selection whatever the plan, so a wrong guess costs bytes over the link, never a
+changed token.
 
-Plain Python and numpy: the planner issues its moves through the KV cache manager
-(`KVCacheManager.echo_place`) as `KVOpKind.HOST_OUT` / `HOST_IN` ops the runner applies.
+Plain Python and numpy.
 
 Stats (in the engine's): `echo_selected_pages`, the (layer, page) reads of decode rows whose
-pages could be released; `echo_resident_reads`, those whose page was on the device (prefetch
-recall = their ratio); `echo_pages_mirrored`, `_released`, `_prefetched` (page moves, from the
-KV cache manager).
+pages could be released; `echo_resident_reads`, those whose layer of the page was on the
+device (prefetch recall = their ratio); `echo_refetched_layer_pages`, the (layer, page) fills
+of pairs the same observed step had just read from the host pool as misses (bytes a step that
+kept its misses in the frames would not move again; it does not: the step reads misses, only
+plans write frames); `echo_layer_pages_prefetched` (layers of pages moved in),
+`echo_frames_adopted` (own pages that became frames in place); `echo_pages_mirrored`,
+`_released`, `echo_frames_taken` (fresh frames; from the KV cache manager).
 """
 
 from __future__ import annotations
@@ -24,31 +36,46 @@ from collections.abc import Sequence
 
 import numpy as np
 
+RELEASED = -1  # `kvjax.memory.block_manager.RELEASED`: an entry that holds no device page
 
-def plan_residency(votes: np.ndarray | None, num_full: int, num_keep: int) -> set[int]:
-    """The full pages [0, num_full) a row keeps on the device for its next step.
+
+def wanted_pages(reads: np.ndarray, num_pages: int, num_keep: int) -> list[np.ndarray]:
+    """Per layer, the pages [0, num_pages) it keeps on the device, most wanted first.
 
     Args:
-      votes: [W] how many layers read each table entry in the row's last seen step, or None
-        (none seen yet: every full page stays).
-      num_full: the row's full pages.
-      num_keep: how many of them the device keeps.
+      reads: [L, W] bool, the entries each layer read in the row's last seen step.
+      num_pages: the row's pages with a host copy.
+      num_keep: how many each layer keeps.
     """
-    if votes is None:
-        return set(range(num_full))
-    score = np.zeros(num_full, np.int64)
-    n = min(num_full, len(votes))
-    score[:n] = votes[:n]
-    order = sorted(range(num_full), key=lambda j: (-score[j], -j))  # most read, then newest
-    return set(order[:num_keep])
+    n = min(num_pages, reads.shape[1])
+    own = np.zeros((reads.shape[0], num_pages), np.int64)
+    own[:, :n] = reads[:, :n]
+    votes = own.sum(axis=0)  # [F]: how many layers read each page
+    score = own * (reads.shape[0] + 1) + votes[None, :]  # [L, F]: own reads first
+    newest = np.arange(num_pages)
+    return [np.lexsort((-newest, -s))[:num_keep] for s in score]
+
+
+class _Frames:
+    """One row's frames: the entries holding them, and owner [L, n]: at frame entry k, the
+    entry whose layer l the frame holds (-1: nothing yet)."""
+
+    def __init__(self, num_layers: int):
+        self.entries: list[int] = []
+        self.owner = np.full((num_layers, 0), -1, np.int64)
+
+    def grow(self, width: int) -> None:
+        if self.owner.shape[1] < width:
+            extra = np.full((self.owner.shape[0], width - self.owner.shape[1]), -1, np.int64)
+            self.owner = np.concatenate([self.owner, extra], axis=1)
 
 
 class EchoPlanner:
-    """Plans each decode row's device-resident pages and counts prefetch recall.
+    """Plans each decode row's device-resident (layer, page) pairs and counts prefetch recall.
 
     Attributes:
-      num_keep: full pages a decode row keeps on the device (Quest's reads less the page it
-        writes, plus the prefetch margin).
+      num_keep: full pages each layer of a decode row keeps on the device (Quest's reads less
+        the page it writes, plus the prefetch margin); also the row's frames.
     """
 
     def __init__(self, kv_cache, page_size: int, num_read: int, prefetch: int, stats: dict):
@@ -56,33 +83,95 @@ class EchoPlanner:
         self.page_size = page_size
         self.num_keep = max(num_read - 1, 0) + prefetch
         self.stats = stats
-        self._votes: dict[str, np.ndarray] = {}
-        stats.update(echo_selected_pages=0, echo_resident_reads=0)
+        self._reads: dict[str, np.ndarray] = {}
+        self._frames: dict[str, _Frames] = {}
+        self._missed: dict[str, np.ndarray] = {}  # [L, F] bool: the observed step's misses
+        stats.update(echo_selected_pages=0, echo_resident_reads=0,
+                     echo_refetched_layer_pages=0, echo_frames_adopted=0)
 
     def place(self, rows: Sequence[tuple[str, int]], live: Sequence[str]) -> None:
         """Moves pages for this step's decode rows (seq_id, cached tokens before the step)."""
-        self._votes = {k: v for k, v in self._votes.items() if k in set(live)}
+        live = set(live)
+        self._reads = {k: v for k, v in self._reads.items() if k in live}
+        self._frames = {k: v for k, v in self._frames.items() if k in live}
+        self._missed = {k: v for k, v in self._missed.items() if k in live}
         for seq_id, cached in rows:
-            num_full = cached // self.page_size
-            keep = plan_residency(self._votes.get(seq_id), num_full, self.num_keep)
-            self.kv_cache.echo_place(seq_id, num_full, keep)
+            if self.kv_cache.num_host_pages(seq_id) == 0:  # new, or recomputed afresh
+                self._reads.pop(seq_id, None)
+                self._frames.pop(seq_id, None)
+            held = self.kv_cache.host.echo_mirror(seq_id, cached // self.page_size)
+            reads = self._reads.get(seq_id)
+            if reads is not None:
+                self._plan(seq_id, held, reads)
 
-    def host_table(self, seq_id: str) -> np.ndarray:
-        """The row's `ScheduledRow.host_table`: per entry, the host page it reads, or -1."""
-        return self.kv_cache.echo_host_table(seq_id)
+    def _plan(self, seq_id: str, held: int, reads: np.ndarray) -> None:
+        frames = self._frames.setdefault(seq_id, _Frames(reads.shape[0]))
+        frames.grow(held)
+        table = self.kv_cache.block_table(seq_id)
+        own = [j for j in range(held) if table[j] != RELEASED and j not in frames.entries]
+        wanted_by_layer = wanted_pages(reads, held, self.num_keep)
+        need = min(self.num_keep, held) - len(frames.entries)
+        if own and need > 0:  # own pages the row alone holds become frames where they are
+            demand = np.bincount(np.concatenate(wanted_by_layer), minlength=held)
+            adopted = sorted(self.kv_cache.host.echo_adoptable(seq_id, own),
+                             key=lambda j: (-demand[j], -j))[:need]
+            for j in adopted:
+                frames.entries.append(j)
+                frames.owner[:, j] = j
+            self.stats["echo_frames_adopted"] += len(adopted)
+            own = [j for j in own if j not in adopted]
+        self.kv_cache.host.echo_release(seq_id, own)
+        free = [j for j in range(held) if j not in frames.entries]
+        need = min(self.num_keep, held) - len(frames.entries)
+        if need > 0:
+            frames.entries += self.kv_cache.host.echo_frames(seq_id, free[:need])
+        fills = []
+        for layer, wanted in enumerate(wanted_by_layer):
+            owner = frames.owner[layer]
+            have = {owner[k] for k in frames.entries}
+            wanted_set = set(wanted.tolist())
+            slots = [k for k in frames.entries if owner[k] not in wanted_set]
+            missing = [j for j in wanted.tolist() if j not in have]
+            for j, k in zip(missing, slots, strict=False):
+                fills.append((layer, j, k))
+                owner[k] = j
+        missed = self._missed.get(seq_id)
+        if missed is not None:
+            self.stats["echo_refetched_layer_pages"] += sum(
+                j < missed.shape[1] and bool(missed[layer, j]) for layer, j, _ in fills)
+        self.kv_cache.host.echo_fill(seq_id, fills)
+
+    def row_fields(self, seq_id: str) -> dict:
+        """The row's `ScheduledRow.host_table` [n] and `layer_tables` ([L, n], or [1, n] for
+        every layer alike before its first plan)."""
+        table = np.asarray(self.kv_cache.block_table(seq_id), np.int64)
+        frames = self._frames.get(seq_id)
+        layer_tables = table[None, :].copy()  # own pages: every layer reads them in place
+        if frames is not None:
+            layer_tables = np.repeat(layer_tables, frames.owner.shape[0], axis=0)
+            for k in frames.entries:
+                layer_tables[:, k] = RELEASED  # a frame holds other entries' layers
+            for k in frames.entries:
+                owner = frames.owner[:, k]
+                layers = np.flatnonzero(owner >= 0)
+                layer_tables[layers, owner[layers]] = table[k]
+        return dict(host_table=self.kv_cache.host.echo_host_table(seq_id),
+                    layer_tables=layer_tables.astype(np.int32))
 
     def observe(self, rows: Sequence, page_reads: np.ndarray | None) -> None:
         """Takes a step's selection (`RunnerOutput.page_reads` [Rd, L, W] of its decode rows
-        `rows`) as the next plan's votes, and counts the reads of resident pages."""
+        `rows`) as the next plan's, and counts the reads of resident (layer, page) pairs."""
         if page_reads is None:
             return
         for row, reads in zip(rows, page_reads, strict=True):
-            if row.host_table is None or row.is_draft:
+            if row.layer_tables is None or row.is_draft:
                 continue
-            n = len(row.host_table)
+            n = row.layer_tables.shape[1]
             full = (row.start - row.num_evicted) // self.page_size  # before its write
             selected = reads[:, :min(n, full)]  # [L, F]: pages that could be released
-            resident = row.host_table[:selected.shape[1]] < 0
+            resident = np.broadcast_to(row.layer_tables[:, :selected.shape[1]] >= 0,
+                                       selected.shape)
             self.stats["echo_selected_pages"] += int(selected.sum())
-            self.stats["echo_resident_reads"] += int(selected[:, resident].sum())
-            self._votes[row.seq_id] = reads.sum(axis=0)
+            self.stats["echo_resident_reads"] += int((selected & resident).sum())
+            self._reads[row.seq_id] = reads
+            self._missed[row.seq_id] = selected & ~resident

@@ -60,8 +60,10 @@ class ScheduledRow:
       host_table, host_len: a decode row's host-resident positions [0, host_len) and the
         host-pool pages holding them ([host_len / P] int32; `kvjax.engine.host_rows`); None
         and 0: all on the device. Under ECHO (`kvjax.engine.echo`) host_len is 0 and
-        host_table has one entry per block-table entry: the host page read in place of a
-        released device page, or -1 (resident).
+        host_table has one entry per block-table entry: its host copy, or -1 (none).
+      layer_tables: under ECHO, [L, n] int32 (or [1, n]: every layer alike): per layer and
+        block-table entry, the device page holding that layer of the entry, or -1 (read its
+        host copy; `kvjax.scheduler.echo`); else None.
     """
 
     seq_id: str
@@ -90,6 +92,7 @@ class ScheduledRow:
     draft_masks: np.ndarray | None = None
     host_table: np.ndarray | None = None
     host_len: int = 0
+    layer_tables: np.ndarray | None = None
     group_evicted: tuple[int, ...] = ()
 
     @property
@@ -192,9 +195,9 @@ class RunnerOutput:
       tier_landed: the tier transfers whose data landed since the last output
         (`kvjax.memory.ops.TierLanded`: a spill's pages in host memory and checksums, a tier
         load's checksums on the device), for the tiers' ledger.
-      page_reads: [Rd, L, W] bool after a one-token decode step of a policy that narrows reads
-        (Quest): the block-table entries each decode row (`SchedulerOutput.decode`) read in
-        each layer; else None.
+      page_reads: [Rd, L, W] bool after a one-token decode step of a policy that records its
+        reads (Quest under ECHO, or with record_reads): the block-table entries each decode
+        row (`SchedulerOutput.decode`) read in each layer; else None.
     """
 
     tokens: np.ndarray

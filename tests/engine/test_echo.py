@@ -1,6 +1,7 @@
-"""Host-authoritative sparse KV (ECHO): the device keeps a budget of each decode row's pages,
-the host pool all of them; the exact Quest selection and the greedy tokens equal plain Quest's
-at every step, whatever the prefetch guessed, and the residency compiles nothing new."""
+"""Host-authoritative sparse KV (ECHO): the device keeps, per layer, a budget of each decode
+row's pages, the host pool all of them; the exact Quest selection and the greedy tokens equal
+plain Quest's at every step, whatever the prefetch guessed, and the residency compiles nothing
+new."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.runner import StepObserver
 from kvjax.engine.step import AttentionImpl
-from kvjax.scheduler.echo import plan_residency
+from kvjax.scheduler.echo import wanted_pages
 from kvjax.testing import tiny_model
 
 P = 4
@@ -33,9 +34,11 @@ class _Selections(StepObserver):
 
 
 def _serve(model, prompts, *, warm=False, config=(), **options):
-    engine = Engine(model, EngineConfig(**{**ENGINE, **dict(config)},
-                                        retention_options=dict(dense_layers=1, **options),
-                                        num_host_pages=32 if options else 0))
+    """Plain Quest (recording its selections) without options, else ECHO."""
+    engine = Engine(model, EngineConfig(
+        **{**ENGINE, **dict(config)},
+        retention_options=dict(dense_layers=1, **(options or dict(record_reads=True))),
+        num_host_pages=32 if options else 0))
     compiles = engine.warmup() if warm else None
     seen = _Selections()
     engine.runner.observers.append(seen)
@@ -57,23 +60,50 @@ def model():
 def test_echo_selection_and_tokens_equal_plain_quest_at_every_step(model):
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 120, size=n)] for n in (29, 22)]
-    want, want_reads, _ = _serve(model, prompts)
-    got, got_reads, engine = _serve(model, prompts, warm=True, echo_prefetch=0)
+    config = dict(enable_prefix_cache=False)  # pages the row alone holds become frames
+    want, want_reads, _ = _serve(model, prompts, config=config)
+    got, got_reads, engine = _serve(model, prompts, warm=True, config=config, echo_prefetch=0)
     assert got == want
     assert len(got_reads) == len(want_reads) >= NUM_NEW - 1
     for step, (a, b) in enumerate(zip(got_reads, want_reads, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
     stats = engine.stats
-    # The device kept a budget: pages left it, and the step read some from the host pool.
-    assert stats["echo_pages_released"] > 0 and stats["echo_pages_prefetched"] >= 0
+    # The device kept a budget per layer: pages left it, the row's own pages became its
+    # frames, layers of pages came back into them, and the step read some (layer, page)
+    # pairs from the host pool.
+    assert stats["echo_pages_released"] > 0 and stats["echo_frames_adopted"] > 0
+    assert stats["echo_layer_pages_prefetched"] > 0
     assert 0 < stats["echo_resident_reads"] < stats["echo_selected_pages"]
 
 
-def test_residency_keeps_the_most_read_pages_newest_first():
-    votes = np.array([3, 0, 3, 1, 5, 9])
-    assert plan_residency(votes, 5, 2) == {4, 2}
-    assert plan_residency(votes, 5, 3) == {4, 2, 0}
-    assert plan_residency(None, 3, 1) == {0, 1, 2}  # nothing seen yet: every page stays
+def test_each_layer_keeps_its_own_reads_then_the_most_read_pages():
+    reads = np.array([[1, 0, 0, 1, 0, 0],
+                      [0, 1, 0, 0, 0, 0],
+                      [0, 1, 0, 1, 0, 0]], bool)  # [L, W]
+    got = wanted_pages(reads, 5, 2)
+    assert [sorted(w.tolist()) for w in got] == [[0, 3], [1, 3], [1, 3]]
+    # Own reads come first, in order of how many layers read them, ties to the newest.
+    assert wanted_pages(reads, 5, 1)[0].tolist() == [3]
+    assert wanted_pages(reads, 5, 3)[1].tolist() == [1, 3, 0]
+
+
+def test_plain_quest_sends_no_selection_back(model):
+    """Without ECHO or record_reads the step returns no per-layer selection, so the host
+    copies nothing back per decode step."""
+    engine = Engine(model, EngineConfig(**ENGINE, retention_options=dict(dense_layers=1)))
+    seen = _Selections()
+    outputs = []
+    engine.runner.observers.append(seen)
+    original = engine.scheduler.update_from_output
+
+    def update(so, out):
+        outputs.append(out)
+        return original(so, out)
+
+    engine.scheduler.update_from_output = update
+    engine.generate([[3, 5, 7] * 5], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert outputs and all(o.page_reads is None for o in outputs)
+    assert seen.steps == []
 
 
 @pytest.mark.parametrize("config", [
@@ -94,6 +124,8 @@ def test_echo_with_more_behaviours_matches_plain_quest(model, config):
         for a, b in zip(got_reads, want_reads, strict=True):
             np.testing.assert_array_equal(a, b)
         assert engine.stats["echo_pages_mirrored"] > 0
+        if config.get("enable_prefix_cache"):  # cached pages are not overwritten: fresh frames
+            assert engine.stats["echo_frames_taken"] > 0
 
 
 def test_echo_settings_are_checked(model):

@@ -9,6 +9,7 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kvjax.kv import attention
 
@@ -117,3 +118,54 @@ def test_one_nonempty_part_passes_through_unchanged():
         jnp.stack([lse, jnp.full_like(lse, -jnp.inf)]))
     np.testing.assert_array_equal(np.asarray(merged), np.asarray(out))
     np.testing.assert_array_equal(np.asarray(merged_lse), np.asarray(lse))
+
+
+@functools.partial(jax.jit, static_argnames="soft_cap")
+def _native_split(q, k_dev, v_dev, k_host, v_host, table, host_table, lens, host_lens,
+                  soft_cap):
+    from kvjax.engine import host_rows
+    from kvjax.kv import native
+    from kvjax.kv.state import PagedKV
+
+    return host_rows.kernel_split(
+        native.lse_decoder(soft_cap=soft_cap), PagedKV(k_pages=k_dev, v_pages=v_dev),
+        PagedKV(k_pages=k_host, v_pages=v_host), 0, q, table, lens, host_table, host_lens, PAGE)
+
+
+@hypothesis.settings(**{**SETTINGS, "max_examples": 15})
+@hypothesis.given(data=st.data())
+def test_native_kernel_split_between_pools_merges_to_dense(data):
+    """Host-resident rows on the native CPU kernel: the first h pages of a row in a host pool,
+    the rest in the device pool (each under a shuffled table, unused pages NaN), each part's
+    attention and log-sum-exp from the kernel, merged: the dense softmax over every key."""
+    from kvjax.kv import native
+
+    if native.unavailable_reason() is not None:
+        pytest.skip(native.unavailable_reason())
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
+    lens = [data.draw(st.integers(0, PAGE * (NUM_PAGES - 1)), label=f"S{b}") for b in range(2)]
+    host = [data.draw(st.integers(0, max(s - 1, 0) // PAGE), label=f"h{b}")
+            for b, s in enumerate(lens)]  # full pages only; the written page stays
+    soft_cap = data.draw(st.sampled_from([None, 2.0]), label="soft_cap")
+    q = rng.normal(size=(2, 6, 8)).astype(np.float32) * 2  # N = 6 over K = 2: GQA
+    pools = [np.full((1, 2 * NUM_PAGES, PAGE, 2, 8), np.nan, np.float32) for _ in range(4)]
+    tables = np.zeros((2, NUM_PAGES), np.int32)
+    host_tables = np.zeros((2, NUM_PAGES), np.int32)
+    wants = []
+    for b, (s, h) in enumerate(zip(lens, host, strict=True)):
+        k = rng.normal(size=(s, 2, 8)).astype(np.float32) * 2
+        v = rng.normal(size=(s, 2, 8)).astype(np.float32)
+        tables[b] = rng.permutation(NUM_PAGES) + b * NUM_PAGES
+        host_tables[b] = rng.permutation(NUM_PAGES) + b * NUM_PAGES
+        for pos in range(s):
+            in_host = pos < h * PAGE
+            k_pool, v_pool = pools[2:] if in_host else pools[:2]
+            page = (host_tables if in_host else tables)[b, pos // PAGE]
+            k_pool[0, page, pos % PAGE], v_pool[0, page, pos % PAGE] = k[pos], v[pos]
+        for pos in range(h * PAGE):  # the device table's host-resident entries hold NaN
+            pools[0][0, tables[b, pos // PAGE]] = np.nan
+        wants.append(dense_numpy(q[b], k, v, soft_cap)[0])
+    out = _native_split(q, *pools, jnp.asarray(tables), jnp.asarray(host_tables),
+                        jnp.asarray(lens, jnp.int32),
+                        jnp.asarray([h * PAGE for h in host], jnp.int32), soft_cap=soft_cap)
+    np.testing.assert_allclose(np.asarray(out), np.stack(wants), rtol=2e-5, atol=2e-5)

@@ -14,6 +14,7 @@ from kvjax.scheduler.controller import (
     ControlState,
     Decisions,
     Demotion,
+    HostRowRates,
     SeqState,
     degradation_key,
     make_controller,
@@ -131,6 +132,25 @@ def test_joint_weighs_the_victims_stall_against_quality():
     assert d.offload == ("v",) and d.swap["v"] and d.retention == {}
     d = joint().decide(state(relaxed, waiting))  # 0.02 nats = 0.2 s < a 1.9 s stall
     assert d.retention == {"v": 192} and d.offload == ()
+
+
+def test_joint_makes_a_host_row_when_host_attention_is_cheap():
+    """The device pool is full and a waiting request with a deadline needs pages: where the
+    host's attention over the victim's 320 tokens fits beside the device's step, its full
+    pages go to the host pool and it keeps decoding (no stall, no KL); where it would slow
+    every step by far more than a swap costs, or the host pool has no room, it is swapped."""
+    waiting = seq("w", "waiting", priority=1, slack=3.0, tokens=300)
+    victim = seq("v", kl_budget=0.0)
+    cheap = HostRowRates(free_host_pages=64, host_tokens_per_s=1e6, device_step_s=5e-3)
+    d = joint().decide(state(victim, waiting, host_rows=cheap))
+    assert d.to_host == ("v",) and d.offload == ()
+    for rates in (dataclasses.replace(cheap, host_tokens_per_s=1e3),  # 0.3 s past each step
+                  dataclasses.replace(cheap, free_host_pages=5),  # no room for 19 pages
+                  None):  # no host rows
+        d = joint().decide(state(victim, waiting, host_rows=rates))
+        assert d.to_host == () and d.offload == ("v",) and d.swap["v"]
+    # Controllers without the action never choose it.
+    assert make_controller("tiers").decide(state(victim, waiting, host_rows=cheap)).to_host == ()
 
 
 def test_demotion_takes_the_fewest_bits_the_kl_budget_allows():

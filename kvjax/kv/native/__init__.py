@@ -92,7 +92,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            v_zero: jax.Array | None = None, bits: int = 8, group: int = 0,
                            sm_scale: float | None = None,
                            soft_cap: float | None = None, window: jax.Array | int = 0,
-                           split_rows: bool = True, target: str = _TARGET) -> jax.Array:
+                           split_rows: bool = True, target: str = _TARGET,
+                           return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention of one layer, read in place from all layers' pages.
 
     Args:
@@ -116,10 +117,14 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         few rows over the threads); False: each row in one pass, so its result is bitwise
         the same whatever other rows the call holds (batch-invariant numerics).
       target: the FFI target to call (`targets_for`: a build for another ISA level).
+      return_lse: also return each query head's log-sum-exp of its (scaled, capped) logits,
+        [B, N] or [B, Q, N] float32 (-inf where it saw no token), as
+        `kvjax.kv.attention.paged_attention_blockwise` does: attention over keys split between
+        pools merges exactly (`kvjax.kv.attention.merge_partials`).
     Returns:
       q's shape and dtype; equal to `paged_decode_attention_reference` (Q = 1) or
       `paged_prefill_attention_reference` on layer `layer` of the decoded pages (with
-      `sliding_window=window` where window > 0).
+      `sliding_window=window` where window > 0); with return_lse, (that, the log-sum-exp).
     """
     reason = unavailable_reason()
     if reason is not None:
@@ -138,15 +143,33 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     flat = q.reshape(b, num_queries, k_heads, n // k_heads, d).transpose(0, 2, 1, 3, 4)
     if q_lens is None:
         q_lens = jnp.full((b,), num_queries, jnp.int32)
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, num_queries * n, d),
-                                                         jnp.float32))(
+    heads = b * num_queries * n
+    flat_out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((heads * (d + 1),), jnp.float32))(
         flat.reshape(b, num_queries * n, d).astype(jnp.float32), k_pages, v_pages, *meta,
         jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32),
         block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32), jnp.asarray(q_lens, jnp.int32),
         sm_scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0), bits=np.int32(bits),
         group=np.int32(group), num_queries=np.int32(num_queries), split_rows=split_rows)
-    out = out.reshape(b, k_heads, num_queries, n // k_heads, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(q.shape).astype(q.dtype)
+    # [B, K, Q, G, D] and [B, K, Q, G]: back to [B, Q, K, G(, D)], query heads in order.
+    out = flat_out[:heads * d].reshape(b, k_heads, num_queries, n // k_heads, d)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = flat_out[heads * d:].reshape(b, k_heads, num_queries, n // k_heads)
+    return out, lse.transpose(0, 2, 1, 3).reshape(q.shape[:-1])
+
+
+def lse_decoder(*, soft_cap: float | None = None):
+    """fn(kv, layer, q [B, N, D], block_tables [B, W], kv_lens [B]) -> (out [B, N, D], lse
+    [B, N] float32): the decode kernel over any state it reads (`reason_for`), returning its
+    log-sum-exp, for rows whose keys are split between pools (`kvjax.engine.host_rows`)."""
+
+    def decode(kv, layer, q, block_tables, kv_lens):
+        return paged_decode_attention(q, layer=layer, block_tables=block_tables,
+                                      kv_lens=kv_lens, soft_cap=soft_cap, return_lse=True,
+                                      **_pages(kv))
+
+    return decode
 
 
 # ---- which states the kernel reads -------------------------------------------------------

@@ -29,7 +29,10 @@
 //   block_tables s32  [B, W]
 //   kv_lens      s32  [B]
 //   q_lens       s32  [B] (queries per row, <= num_queries)
-//   out          f32  [B, N, D]   (N = num_queries * G * K, kv head h's at [h*Q*G, (h+1)*Q*G))
+//   out          f32  [B * N * D + B * N]: the attention [B, N, D] (N = num_queries * G * K,
+//                     kv head h's at [h*Q*G, (h+1)*Q*G)), then each query head's log-sum-exp
+//                     of its (scaled, capped) logits [B, N] (-inf where it saw no token), so
+//                     rows split between pools merge exactly (host-resident rows)
 // D must be a multiple of 8: channels are decoded and multiplied eight at a time (one AVX2
 // vector; codes are widened, shifted and converted in registers, scales folded into the dot
 // products and weights where they are per token), or sixteen at a time with AVX-512 where D
@@ -47,6 +50,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -431,13 +435,17 @@ struct SoftmaxState {
   }
 };
 
-// out[b] = acc / l per query head; heads that saw no token get zeros.
+// out[b] = acc / l per query head, and its log-sum-exp m + log(l) after all rows' outputs;
+// heads that saw no token get zeros and -inf.
 void WriteRow(const Geometry& g, int64_t b, const SoftmaxState& st, float* out) {
   const int64_t D = g.head_dim;
+  float* lse = out + g.num_rows * g.num_heads * D + b * g.num_heads;
   for (int64_t j = 0; j < g.num_heads; ++j) {
     const float inv = st.l[j] > 0.0f ? 1.0f / st.l[j] : 0.0f;
     float* o = out + (b * g.num_heads + j) * D;
     for (int64_t d = 0; d < D; ++d) o[d] = st.acc[j * D + d] * inv;
+    lse[j] = st.l[j] > 0.0f ? st.m[j] + std::log(st.l[j])
+                            : -std::numeric_limits<float>::infinity();
   }
 }
 
