@@ -146,6 +146,9 @@ class KVSpec:
       page_extra_bytes: bytes a page holds per layer beside its tokens (Quest's key summaries).
       seq_slot_bytes: bytes a sequence slot holds per layer beside its pages (KIVI's exact
         window); 0 for pools with no per-sequence state.
+      class_token_bytes: ((key bits, value bits), token bytes) of each precision class a row
+        of a mixed-precision pool may take (`kvjax.kv.mixed`; 0 bits: exact); empty: one class,
+        `token_bytes`.
     """
 
     format: TokenFormat
@@ -156,6 +159,7 @@ class KVSpec:
     num_keep_tokens: int = 0
     page_extra_bytes: int = 0
     seq_slot_bytes: int = 0
+    class_token_bytes: tuple[tuple[tuple[int, int], float], ...] = ()
 
     def __post_init__(self):
         _check_positive("page_size", self.page_size)
@@ -166,6 +170,15 @@ class KVSpec:
     def page_bytes(self) -> float:
         """Bytes one page takes in one layer."""
         return self.page_size * self.token_bytes + self.page_extra_bytes
+
+    def token_bytes_at(self, k_bits: int, v_bits: int) -> float:
+        """Bytes one token takes in one layer with its key at `k_bits` and value at `v_bits`
+        (ValueError: the pool has no such class)."""
+        classes = dict(self.class_token_bytes)
+        if (k_bits, v_bits) not in classes:
+            raise ValueError(f"precision class k{k_bits}v{v_bits} is not one of this pool's "
+                             f"{sorted(classes)} ({self.codec_name})")
+        return classes[(k_bits, v_bits)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +204,12 @@ class KVCacheGroupSpec:
     @property
     def seq_slot_bytes(self) -> int:
         return len(self.layers) * self.spec.seq_slot_bytes
+
+    def page_bytes_at(self, k_bits: int, v_bits: int) -> float:
+        """Bytes one page of rows of one precision class takes over the group's layers."""
+        spec = self.spec
+        return len(self.layers) * (spec.page_size * spec.token_bytes_at(k_bits, v_bits)
+                                   + spec.page_extra_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +309,11 @@ class KVCacheSpec:
         if len(self.groups) > 1 and len(per_layer) == 1:
             return self.layers_per_table * per_layer.pop()
         return sum(g.page_bytes for g in self.groups)
+
+    def page_bytes_at(self, k_bits: int, v_bits: int) -> float:
+        """Bytes one page takes with every row at one precision class (a mixed-precision pool,
+        whose pages span every group)."""
+        return sum(g.page_bytes_at(k_bits, v_bits) for g in self.groups)
 
     @property
     def seq_slot_bytes(self) -> int:
