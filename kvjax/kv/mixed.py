@@ -40,22 +40,7 @@ from kvjax.config import ModelConfig
 from kvjax.kv import codecs
 from kvjax.kv import state as kv_state
 from kvjax.kv.arena import WORD, Entry, from_words, to_words
-from kvjax.kv.spec import KVCacheSpec, group_spec
-
-PRECISION_BITS = (0, 8, 4)  # the classes, finest first: exact, int8, int4
-
-
-def check_bits(bits: int, what: str = "precision") -> int:
-    """`bits` if it names a class (0 exact, 8, 4), else ValueError naming it."""
-    if isinstance(bits, bool) or bits not in PRECISION_BITS:
-        raise ValueError(f"{what} bits={bits!r}; expected one of {PRECISION_BITS} "
-                         f"(0: exact)")
-    return int(bits)
-
-
-def coarseness(bits: int) -> int:
-    """The class's rank, finest first (exact 0, int8 1, int4 2)."""
-    return PRECISION_BITS.index(check_bits(bits))
+from kvjax.kv.spec import PRECISION_BITS, KVCacheSpec, coarseness, group_spec
 
 
 def class_codecs(dtype: str = "float32", group: int = 32) -> dict[int, codecs.KVCodec]:
@@ -246,8 +231,8 @@ def _check_config(config: ModelConfig, write_bits: tuple[int, int]) -> None:
     if config.mla is not None:
         raise ValueError(f"model {config.name!r} caches MLA latents; a mixed-precision pool "
                          f"holds K and V heads")
-    check_bits(write_bits[0], "write key")
-    check_bits(write_bits[1], "write value")
+    coarseness(write_bits[0], "write key")
+    coarseness(write_bits[1], "write value")
 
 
 def init_mixed_kv(config: ModelConfig, num_pages: int, page_size: int, *,

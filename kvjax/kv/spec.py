@@ -35,6 +35,21 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 
+PRECISION_BITS = (0, 8, 4)  # a mixed-precision pool's row classes, finest first (0: exact)
+
+
+def coarseness(bits: int, what: str = "precision") -> int:
+    """The class's rank, finest first (exact 0, int8 1, int4 2); ValueError naming `bits`
+    when it is no class."""
+    if isinstance(bits, bool) or bits not in PRECISION_BITS:
+        raise ValueError(f"{what} bits={bits!r}; expected one of {PRECISION_BITS} (0: exact)")
+    return PRECISION_BITS.index(bits)
+
+
+def coarser(a: int, b: int) -> int:
+    """The coarser of two classes."""
+    return a if coarseness(a) >= coarseness(b) else b
+
 
 class TokenKeep(enum.Enum):
     """Which of a sequence's tokens a layer keeps in its cache."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvjax.config import ModelConfig
-from kvjax.kv import mixed
+from kvjax.kv import mixed, spec
 from kvjax.kv.attention import paged_attention_blockwise
 from kvjax.kv.state import KVState
 
@@ -122,7 +122,7 @@ def _run(write_bits, demotions, seed=0):
             rows = slice(j * PAGE_SIZE, (j + 1) * PAGE_SIZE)
             for cls, target, ref, slack in ((k_class, kb, k_ref, k_slack),
                                             (v_class, vb, v_ref, v_slack)):
-                if mixed.coarseness(target) > mixed.coarseness(int(cls[i, j])):
+                if spec.coarseness(target) > spec.coarseness(int(cls[i, j])):
                     cls[i, j] = target
                     ref[:, i, rows], slack[:, i, rows] = _round_to(
                         ref[:, i, rows], target, slack[:, i, rows])
@@ -175,14 +175,14 @@ def test_attention_over_a_mixed_pool_equals_numpy_over_per_class_roundtrips(writ
 
 
 def test_spec_counts_bytes_per_class_and_demote_compiles_once():
-    spec = mixed.cache_spec(CONFIG, PAGE_SIZE, group=GROUP)
+    pool = mixed.cache_spec(CONFIG, PAGE_SIZE, group=GROUP)
     exact = 2 * K * D * 4 + 2  # K and V float32, plus one class byte each
     k8v4 = K * (D + 4) + K * (D // 2 + 2 * 4 * D // GROUP) + 2
-    assert spec.bytes_per_token == L * exact
-    assert spec.page_bytes_at(0, 0) == L * PAGE_SIZE * exact
-    assert spec.page_bytes_at(8, 4) == L * PAGE_SIZE * k8v4
+    assert pool.bytes_per_token == L * exact
+    assert pool.page_bytes_at(0, 0) == L * PAGE_SIZE * exact
+    assert pool.page_bytes_at(8, 4) == L * PAGE_SIZE * k8v4
     with pytest.raises(ValueError, match="k2v0"):
-        spec.page_bytes_at(2, 0)
+        pool.page_bytes_at(2, 0)
     kv = mixed.init_mixed_kv(CONFIG, NUM_PAGES, PAGE_SIZE, group=GROUP)
     demote = jax.jit(lambda kv, p, kb, vb: kv.demote(p, kb, vb))
     for kb, vb in ((8, 4), (4, 4), (0, 8)):
