@@ -15,6 +15,10 @@ existing mechanisms:
   demote              a swapped sequence's host copy is stored at fewer bits, int8 or int4
                       (exact -> int8 -> int4: fewer bytes moved and held; its values come back
                       rounded)
+  demote_in_place     a running sequence's cold pages (full, unshared, oldest first) are
+                      re-encoded on the device at fewer bits, int8 or int4, in a
+                      mixed-precision pool (`kvjax.kv.mixed`): the sequence keeps running and
+                      the bytes its pages free go to the sequences that need them
   keep                which cached prefix pages stay on the device longest: the prefix cache
                       evicts every other unreferenced page first (to the host tier, when the
                       engine has one), then these in the order given
@@ -41,6 +45,8 @@ Controllers are registered by name (`CONTROLLERS`, `register_controller`, `make_
                their KL budget)
   codec        codec demotion only: every swapped copy at the fewest bits within the KL
                budget
+  inplace      in-place demotion only: lower-ranked running sequences' cold pages at fewer
+               bits, within their KL budgets, to make room for higher-ranked waiting ones
   prefix       prefix retention only: reused cached pages kept longest, by expected reuse
   joint        all of the above, each step choosing per victim the action of least
                estimated cost per page freed: time + energy + quality, against the slack of
@@ -100,6 +106,9 @@ class SeqState:
       kl_budget: its SLO's KL budget (None: unbounded).
       demoted_bits: the fewest bits a host copy of its KV was rounded to (0: exact).
       num_preemptions: times it was preempted so far.
+      pages_at: {bits: its full unshared device pages at that class} in a mixed-precision
+        pool (0: exact); empty: none can be demoted in place.
+      inplace_bits: the coarsest class its pages were demoted to in place (0: none).
     """
 
     seq_id: str
@@ -118,6 +127,8 @@ class SeqState:
     kl_budget: float | None
     demoted_bits: int = 0
     num_preemptions: int = 0
+    pages_at: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    inplace_bits: int = 0
 
     @property
     def kl_left(self) -> float:
@@ -146,6 +157,10 @@ class ControlState:
       host_room_bytes: bytes the host tier takes before it evicts (inf: host memory
         unbounded, no tier budget).
       spills_cached: an evicted cached page goes to the host tier (else it is lost).
+      inplace_ratios: {bits: a page's bytes at the write class over its bytes at that class}
+        for each class a running sequence's pages may be demoted to in place (a
+        mixed-precision pool; the write class has ratio 1); empty: no in-place demotion.
+        `free_pages` then counts the bytes free in pages of the write class.
     """
 
     now: float
@@ -163,6 +178,7 @@ class ControlState:
     cached: tuple[CachedPage, ...] = ()
     host_room_bytes: float = INF
     spills_cached: bool = False
+    inplace_ratios: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     def with_status(self, status: str) -> list[SeqState]:
         return [s for s in self.seqs if s.status == status]
@@ -191,6 +207,8 @@ class Decisions:
       kl: per sequence, the estimated KL it has spent once this step's retention applies.
       demote: per sequence, the precision its host copy is stored at if it is swapped from now
         on, and the KL that adds.
+      demote_in_place: per running sequence, the precision its cold pages are re-encoded at
+        now (`kl` holds what it has spent once they are).
       keep: cached prefix pages evicted last, least valuable first (empty: plain LRU).
     """
 
@@ -201,6 +219,7 @@ class Decisions:
     retention: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
     kl: Mapping[str, float] = dataclasses.field(default_factory=dict)
     demote: Mapping[str, Demotion] = dataclasses.field(default_factory=dict)
+    demote_in_place: Mapping[str, int] = dataclasses.field(default_factory=dict)
     keep: tuple[int, ...] = ()
     prefetch: tuple[str, ...] = ()
 
@@ -226,7 +245,8 @@ def degradation_key(seq: SeqState) -> tuple:
 # ----------------------------------------------------------------------------- the controller
 
 
-_ACTIONS = frozenset({"admit", "recompute", "swap", "retain", "demote", "keep"})
+_ACTIONS = frozenset({"admit", "recompute", "swap", "retain", "demote", "demote_in_place",
+                      "keep"})
 
 
 class CostController:
@@ -235,11 +255,14 @@ class CostController:
     actions: which decisions it may take: "admit" (admission order), "recompute" and "swap"
       (preempt a lower-ranked running sequence, dropping or moving its KV), "retain" (shrink a
       sequence's retention budget), "demote" (int8 / int4 host copies of swapped sequences),
-      "keep" (which cached prefix pages stay longest).
+      "demote_in_place" (int8 / int4 re-encoding of running sequences' cold pages in a
+      mixed-precision pool), "keep" (which cached prefix pages stay longest).
     retention_kl: {budget: mean KL per token} measured for the engine's retention policy
       (`kvjax.bench.controller.measure_kl_tables`); a budget missing here is never chosen.
     demote_kl: {bits: mean KL per token} of copies of exact KV rounded to int8 / int4 (a
-      number: int8's alone); a precision missing here is never chosen.
+      number: int8's alone); a precision missing here is never chosen. In-place demotion is
+      priced with the same table: rounding only a sequence's cold pages costs at most what
+      rounding all of its KV does, so the table bounds the KL it spends.
     kl_cost_s: seconds of delay one nat of KL is worth (the quality term of the cost).
     miss_cost_s: seconds a victim's missed deadline is worth: preempting a sequence stalls it
       at least as long as the prefill of the sequence it makes room for (plus its own
@@ -323,7 +346,26 @@ class CostController:
                 if (s.retention_budget is None or b < s.retention_budget) and freed > 0 \
                         and extra <= s.kl_left:
                     out.append((self._cost(0.0, 0, 0, extra) / freed, freed, "retain", b))
+        out.extend(self._in_place(s, state))
         return sorted(out, key=lambda o: o[0])
+
+    def _in_place(self, s: SeqState, state: ControlState) -> list[tuple[float, int, str, Any]]:
+        """In-place demotion of a running sequence's cold pages to each class its KL budget
+        allows: pages freed (in pages of the write class, rounded down) and the KL it adds;
+        the sequence keeps running, so only quality is paid."""
+        if "demote_in_place" not in self.actions or s.status != "running":
+            return []
+        ratios = dict(state.inplace_ratios)
+        out = []
+        for bits in (b for b in self.demote_kl if b in ratios and b):
+            extra = max(self.demote_kl[bits] - self.demote_kl.get(s.inplace_bits, 0.0), 0.0)
+            gain = sum(n * max(1 / ratios.get(c, 1.0) - 1 / ratios[bits], 0.0)
+                       for c, n in s.pages_at.items())
+            freed = int(gain)
+            if freed > 0 and extra <= s.kl_left:
+                out.append((self._cost(0.0, 0, 0, extra) / freed, freed, "demote_in_place",
+                            bits))
+        return out
 
     def _demotions(self, s: SeqState, state: ControlState) -> list[Demotion]:
         """The precisions its swapped copy may take within its KL budget, each with the KL it
@@ -377,7 +419,7 @@ class CostController:
         # How a sequence preempted mid-step (pages ran out) leaves: the cheapest way.
         swap, demote = {}, {}
         for s in victims:
-            options = [o for o in self._options(s, state) if o[2] != "retain"]
+            options = [o for o in self._options(s, state) if o[2] in ("swap", "recompute")]
             if options and {"swap", "recompute"} <= self.actions:
                 swap[s.seq_id] = options[0][2] == "swap"
                 if options[0][3]:
@@ -387,7 +429,7 @@ class CostController:
                 demote[s.seq_id] = demotions[-1]  # the fewest bits the budget allows
         # Pages the queued sequences that can still meet a deadline need beyond the free ones;
         # they are freed from lower-ranked running sequences, cheapest way first.
-        offload, retention, kl = [], {}, {}
+        offload, retention, kl, in_place = [], {}, {}, {}
         deficit, beneficiary, stall_s = -state.free_pages, None, 0.0
         for s in queued[:max(state.max_num_seqs - len(running), 0)]:
             if not 0 <= s.slack_s < INF:
@@ -411,6 +453,10 @@ class CostController:
                 retention[s.seq_id] = arg
                 kl[s.seq_id] = s.kl_spent + self.retention_kl[arg] - self.retention_kl.get(
                     s.retention_budget, 0.0)
+            elif action == "demote_in_place":
+                in_place[s.seq_id] = arg
+                kl[s.seq_id] = s.kl_spent + max(
+                    self.demote_kl[arg] - self.demote_kl.get(s.inplace_bits, 0.0), 0.0)
             else:
                 offload.append(s.seq_id)
                 swap[s.seq_id] = action == "swap"
@@ -424,8 +470,9 @@ class CostController:
             admit_order=tuple(s.seq_id for s in queued) if ranks else (),
             offload=tuple(offload),
             victims=tuple(s.seq_id for s in victims)
-            if self.actions - {"admit", "demote", "keep"} else (),
-            swap=swap, retention=retention, kl=kl, demote=demote, keep=self._keep(state))
+            if self.actions - {"admit", "demote", "demote_in_place", "keep"} else (),
+            swap=swap, retention=retention, kl=kl, demote=demote, demote_in_place=in_place,
+            keep=self._keep(state))
 
 
 class FixedController:
@@ -444,6 +491,7 @@ _BEHAVIOURS = {
     "tiers": {"swap"},
     "retention": {"retain"},
     "codec": {"demote"},
+    "inplace": {"demote_in_place"},
     "prefix": {"keep"},
     "joint": set(_ACTIONS),
 }
