@@ -189,21 +189,32 @@ class MixedPrecisionKV(kv_state.SlotAddressed):
         """Pages [M] re-encoded in place in every layer: each row's key at the coarser of its
         class and k_bits, its value likewise (int scalars: data, so any class compiles once).
         Repeated pages (padding) are harmless: every read precedes every write."""
+        rows = (pages[:, None] * self.page_size
+                + jnp.arange(self.page_size, dtype=pages.dtype)).reshape(-1)  # [M * P]
+        return self.demote_rows(rows, jnp.broadcast_to(k_bits, rows.shape),
+                                jnp.broadcast_to(v_bits, rows.shape))
+
+    def demote_rows(self, slots: jax.Array, k_bits: jax.Array, v_bits: jax.Array
+                    ) -> MixedPrecisionKV:
+        """Token rows at flat slots [R] re-encoded in place in every layer, row i's key at the
+        coarser of its class and k_bits[i] ([R] ints), its value likewise: importance-driven
+        classes within one sequence (`importance_bits`). Rows never get finer."""
         cc = self.class_codec
 
         def recode(words, bits, layout, target):
-            w, b = words[:, pages], bits[:, pages]  # [L, M, P, W], [L, M, P]
-            new_bits = _coarser(b.astype(jnp.int32), jnp.asarray(target, jnp.int32))
-            x = decode_at(cc, layout, w, b)  # [L, M, P, K, D]
-            flat = x.reshape(-1, *x.shape[-2:])
-            new = encode_at(cc, layout, flat, new_bits.reshape(-1)).reshape(w.shape)
-            new = jnp.where((new_bits == b)[..., None], w, new)  # unchanged rows keep codes
-            return words.at[:, pages].set(new), bits.at[:, pages].set(new_bits.astype(b.dtype))
+            flat_w = words.reshape(words.shape[0], -1, words.shape[-1])  # [L, N * P, W]
+            flat_b = bits.reshape(bits.shape[0], -1)  # [L, N * P]
+            w, b = flat_w[:, slots], flat_b[:, slots]  # [L, R, W], [L, R]
+            new_bits = _coarser(b.astype(jnp.int32), target.astype(jnp.int32)[None])
+            x = decode_at(cc, layout, w, b)  # [L, R, K, D]
+            new = encode_at(cc, layout, x.reshape(-1, *x.shape[-2:]), new_bits.reshape(-1))
+            new = jnp.where((new_bits == b)[..., None], w, new.reshape(w.shape))
+            return (flat_w.at[:, slots].set(new).reshape(words.shape),
+                    flat_b.at[:, slots].set(new_bits.astype(b.dtype)).reshape(bits.shape))
 
-        k_words, k_bits_new = recode(self.k_words, self.k_bits, self.k_layout, k_bits)
-        v_words, v_bits_new = recode(self.v_words, self.v_bits, self.v_layout, v_bits)
-        return self.replace(k_words=k_words, v_words=v_words, k_bits=k_bits_new,
-                            v_bits=v_bits_new)
+        k_words, k_new = recode(self.k_words, self.k_bits, self.k_layout, k_bits)
+        v_words, v_new = recode(self.v_words, self.v_bits, self.v_layout, v_bits)
+        return self.replace(k_words=k_words, v_words=v_words, k_bits=k_new, v_bits=v_new)
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> MixedPrecisionKV:
         """Copy-on-write: page dst[i] becomes a copy of page src[i] (rows and classes)."""
@@ -219,6 +230,15 @@ class MixedPrecisionKV(kv_state.SlotAddressed):
 
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.page_leaves())
+
+
+def importance_bits(scores: jax.Array, num_exact: int, num_int8: int) -> jax.Array:
+    """DiffKV's classes by importance: of S tokens with `scores` [S] (higher: more important;
+    e.g. observed attention, or -||k|| as kvpress's KNorm ranks keys), the `num_exact` most
+    important stay exact, the next `num_int8` take int8 and the rest int4 -> bits [S] int32."""
+    rank = jnp.argsort(jnp.argsort(-scores))  # [S], 0: the most important
+    return jnp.where(rank < num_exact, 0, jnp.where(rank < num_exact + num_int8, 8, 4)
+                     ).astype(jnp.int32)
 
 
 def _scatter_classes(bits: jax.Array, layer: jax.Array, slots: jax.Array, values: jax.Array

@@ -190,3 +190,29 @@ def test_spec_counts_bytes_per_class_and_demote_compiles_once():
     assert demote._cache_size() == 1  # the class is data, not shape
     with pytest.raises(ValueError, match="bits=3"):
         mixed.init_mixed_kv(CONFIG, NUM_PAGES, PAGE_SIZE, write_bits=(3, 0))
+
+
+def test_importance_classes_keep_the_most_important_tokens_finest():
+    """DiffKV within one sequence: tokens ranked by -||k|| (KNorm's importance) keep exact,
+    int8 or int4 keys and values; each row reads back its own class's round trip."""
+    rng = np.random.default_rng(2)
+    n, pages = 12, np.asarray([5, 2, 9], np.int32)
+    slots = (pages[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).reshape(-1).astype(np.int32)
+    k = rng.normal(size=(L, n, K, D)).astype(np.float32) * rng.uniform(0.5, 3, (1, n, 1, 1))
+    v = rng.normal(size=(L, n, K, D)).astype(np.float32)
+    kv = mixed.init_mixed_kv(CONFIG, NUM_PAGES, PAGE_SIZE, group=GROUP)
+    for layer in range(L):
+        kv = _write(kv, jnp.int32(layer), slots, k[layer], v[layer])
+    scores = -np.linalg.norm(k, axis=-1).sum(axis=(0, 2))  # [S]
+    bits = np.asarray(mixed.importance_bits(jnp.asarray(scores), 3, 4))
+    order = np.argsort(-scores)
+    assert (bits[order[:3]] == 0).all() and (bits[order[3:7]] == 8).all()
+    assert (bits[order[7:]] == 4).all()
+    kv = jax.jit(lambda kv, s, kb, vb: kv.demote_rows(s, kb, vb))(kv, slots, bits, bits)
+    got_k, got_v = kv.load_pages(jnp.int32(1), jnp.asarray(pages[None]))
+    for got, x in ((got_k, k[1]), (got_v, v[1])):
+        got = np.asarray(got).reshape(n, K, D)
+        for t in range(n):
+            want, slack = _round_to(x[t], int(bits[t]))
+            assert (np.abs(got[t] - want) <= 1e-5 + 1e-5 * np.abs(want) + slack).all()
+    np.testing.assert_array_equal(np.asarray(kv.k_bits[1]).reshape(-1)[slots], bits)
