@@ -45,6 +45,21 @@ TINY_MOE = dataclasses.replace(
     moe=MoeConfig(num_experts=8, num_experts_per_tok=2, expert_size=16))
 
 
+def permuted_block_tables(rng: np.random.Generator, lengths, page_size: int, num_pages: int
+                          ) -> np.ndarray:
+    """Block tables [B, W] of sequences of `lengths` tokens over randomly permuted distinct
+    pages of a pool of `num_pages`; entries past a sequence's pages are 0 (masked by length)."""
+    width = -(-max(lengths) // page_size)
+    perm = rng.permutation(num_pages)
+    tables = np.zeros((len(lengths), width), np.int32)
+    used = 0
+    for i, n in enumerate(lengths):
+        m = -(-n // page_size)
+        tables[i, :m] = perm[used:used + m]
+        used += m
+    return tables
+
+
 def tiny_model(config: ModelConfig = TINY, seed: int = 0, scale: float = 0.5) -> Model:
     """A Llama with random weights, large enough that greedy decoding is not degenerate.
 

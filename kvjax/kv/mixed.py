@@ -43,6 +43,11 @@ from kvjax.kv.arena import WORD, Entry, from_words, to_words
 from kvjax.kv.spec import PRECISION_BITS, KVCacheSpec, coarseness, group_spec
 
 
+def pool_name(dtype: str, group: int, write_bits: tuple[int, int]) -> str:
+    """The pool's codec name (its provenance): exact dtype, int4 group and write class."""
+    return f"mixed-{jnp.dtype(dtype).name}-g{group}-k{write_bits[0]}v{write_bits[1]}"
+
+
 def class_codecs(dtype: str = "float32", group: int = 32) -> dict[int, codecs.KVCodec]:
     """bits -> the codec of that class: exact in `dtype`, int8 per token, int4 per `group`."""
     return {0: codecs.IdentityCodec(jnp.dtype(dtype).name), 8: codecs.Int8Codec(),
@@ -142,8 +147,7 @@ class MixedPrecisionKV(kv_state.SlotAddressed):
 
     @property
     def codec_name(self) -> str:
-        k, v = self.write_bits
-        return f"mixed-{self.dtype}-g{self.group}-k{k}v{v}"
+        return pool_name(self.dtype, self.group, self.write_bits)
 
     @property
     def class_codec(self) -> dict[int, codecs.KVCodec]:
@@ -289,8 +293,7 @@ def cache_spec(config: ModelConfig, page_size: int, *, dtype: str = "float32", g
     classes = tuple(((kb, vb), per_layer(kb, vb))
                     for kb in PRECISION_BITS for vb in PRECISION_BITS)
     spec = KVCacheSpec(tuple(
-        group_spec(g, codec_name=f"mixed-{jnp.dtype(dtype).name}-g{group}"
-                   f"-k{write_bits[0]}v{write_bits[1]}", page_size=page_size,
+        group_spec(g, codec_name=pool_name(dtype, group, write_bits), page_size=page_size,
                    tensor_bytes=[lambda h, w, b=b: cc[b].bytes_per_token(h, w) + 1
                                  for b in write_bits])
         for g in groups))

@@ -18,6 +18,7 @@ from kvjax.config import ModelConfig
 from kvjax.kv import mixed, spec
 from kvjax.kv.attention import paged_attention_blockwise
 from kvjax.kv.state import KVState
+from kvjax.testing import permuted_block_tables
 
 CONFIG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=32, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, name="mixed-state-test")
@@ -82,14 +83,8 @@ def _run(write_bits, demotions, seed=0):
     rng = np.random.default_rng(seed)
     kv = mixed.init_mixed_kv(CONFIG, NUM_PAGES, PAGE_SIZE, group=GROUP, write_bits=write_bits)
     assert isinstance(kv, KVState)
-    width = -(-max(LENGTHS) // PAGE_SIZE)
-    perm = rng.permutation(NUM_PAGES)
-    tables = np.zeros((len(LENGTHS), width), np.int32)
-    used = 0
-    for i, n in enumerate(LENGTHS):
-        m = -(-n // PAGE_SIZE)
-        tables[i, :m] = perm[used:used + m]
-        used += m
+    tables = permuted_block_tables(rng, LENGTHS, PAGE_SIZE, NUM_PAGES)
+    width = tables.shape[1]
     # The float each token must read back, per layer: [L, seq, S, K, D], and its classes.
     k_ref = rng.normal(size=(L, len(LENGTHS), max(LENGTHS), K, D)).astype(np.float32) * 3
     v_ref = rng.normal(size=k_ref.shape).astype(np.float32)
