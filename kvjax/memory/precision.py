@@ -11,7 +11,10 @@ pages. Counting bytes, rather than cutting frames into class-sized sub-pages, ke
 page where it is: same page id, same block-table entry, no copy and no allocator of several
 page sizes; the price is device buffers sized for the slots, not for the budget.
 
-The ledger is host data (numpy, no jax): `demote` returns the `KVOpKind.DEMOTE` op the runner
+A block manager draws its pages through `LedgerPages`, so what it reports free
+(`BlockManager.num_free_pages`, which admission and preemption read) is what the byte budget has
+room for: demoting a running sequence's pages makes room for more. The ledger is host data
+(numpy, no jax): `demote` returns the `KVOpKind.DEMOTE` op the runner
 applies in the step's dispatch. A page's class is the class its full rows take; a sequence's
 last, partial page takes new rows at the write class, so only full pages are demoted
 (`cold_pages`), and pages other sequences share (prefix-cache hits, forks) never are: their
@@ -25,6 +28,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from kvjax.kv.spec import PRECISION_BITS, KVCacheSpec, coarseness, coarser
+from kvjax.memory.block_manager import FreeList
 from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.shapes import next_power_of_2
 
@@ -131,3 +135,35 @@ class PrecisionLedger:
         padded = changed + [changed[-1]] * (next_power_of_2(len(changed)) - len(changed))
         return KVOp(KVOpKind.DEMOTE, pages=tuple(changed), dst=tuple(padded), bits=int(k_bits),
                     v_bits=int(v_bits))
+
+
+class LedgerPages:
+    """A block manager's page source (`kvjax.memory.block_manager.PageSource`) over a
+    mixed-precision pool: free page slots, handed out while the ledger's budget has room for
+    one more page at the write class; a page handed out is held in the ledger until given
+    back. Pages the prefix cache keeps after their sequence ends stay held (they keep their
+    bytes until evicted and reused)."""
+
+    def __init__(self, ledger: PrecisionLedger):
+        self.ledger = ledger
+        self._free = FreeList(len(ledger.k_bits))
+
+    def num_free(self) -> int:
+        room = self.ledger.budget_bytes - self.ledger.bytes_held
+        return max(min(len(self._free), int(room // self.ledger.write_page_bytes + 1e-9)), 0)
+
+    def take(self) -> int | None:
+        if not self.num_free():
+            return None
+        page = self._free.take()
+        self.ledger.hold([page])
+        return page
+
+    def give(self, page: int) -> None:
+        self.ledger.release([page])
+        self._free.give(page)
+
+    def capacity(self) -> int:
+        """Pages the budget holds at the write class (what admission plans with; demotion
+        lets the pool hold more)."""
+        return int(self.ledger.budget_bytes // self.ledger.write_page_bytes + 1e-9)

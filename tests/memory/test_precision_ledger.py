@@ -19,8 +19,9 @@ from kvjax.config import ModelConfig
 from kvjax.engine.runner import ModelRunner
 from kvjax.engine.step import StepPrograms
 from kvjax.kv import mixed
+from kvjax.memory.block_manager import AllocStatus, BlockManager
 from kvjax.memory.ops import DATA_KINDS, KVOpKind
-from kvjax.memory.precision import PrecisionLedger, num_page_slots
+from kvjax.memory.precision import LedgerPages, PrecisionLedger, num_page_slots
 
 CONFIG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=32, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=32, name="ledger-test")
@@ -97,3 +98,26 @@ def test_runner_applies_demote_ops_from_data_without_recompiling():
     load = jax.jit(lambda kv: kv.load_pages(jnp.int32(0), jnp.asarray([[2]])))
     err = np.abs(np.asarray(load(runner.kv)[0]) - np.asarray(load(kv)[0]))
     assert 0 < err.max() < 0.5
+
+
+def test_block_manager_over_the_ledger_admits_by_bytes_and_demotion_makes_room():
+    """A block manager drawing pages through `LedgerPages` reports free what the byte budget
+    has room for; demoting one sequence's cold pages lets another allocate, and freeing every
+    sequence returns every byte."""
+    ledger = _ledger(exact_pages=6)
+    blocks = BlockManager(len(ledger.k_bits), P, enable_prefix_cache=False,
+                          pages=LedgerPages(ledger))
+    assert blocks.capacity == 6 and blocks.num_free_pages() == 6
+    blocks.add_sequence("a", list(range(4 * P)))
+    assert blocks.ensure_writable("a", 0, 4 * P)[0] is AllocStatus.OK
+    blocks.add_sequence("b", list(range(3 * P)))
+    assert blocks.ensure_writable("b", 0, 3 * P)[0] is AllocStatus.NO_PAGES
+    assert blocks.num_free_pages() == 2
+    table = blocks.block_table("a")
+    ledger.demote(ledger.cold_pages(table, 4 * P, 4, 4)[:3], 4, 4)  # the newest page stays
+    exact, int4 = ledger.spec.page_bytes_at(0, 0), ledger.spec.page_bytes_at(4, 4)
+    assert blocks.num_free_pages() == int((2 * exact + 3 * (exact - int4)) // exact) >= 3
+    assert blocks.ensure_writable("b", 0, 3 * P)[0] is AllocStatus.OK
+    for seq_id in ("a", "b"):
+        blocks.free(seq_id)
+    assert ledger.bytes_held == pytest.approx(0.0) and blocks.num_free_pages() == 6
