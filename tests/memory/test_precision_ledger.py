@@ -8,6 +8,7 @@ against numpy in tests/kv/test_mixed_state.py).
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -20,7 +21,7 @@ from kvjax.engine.runner import ModelRunner
 from kvjax.engine.step import StepPrograms
 from kvjax.kv import mixed
 from kvjax.memory.block_manager import AllocStatus, BlockManager
-from kvjax.memory.ops import DATA_KINDS, KVOpKind
+from kvjax.memory.ops import DATA_KINDS, HostKV, KVOpKind
 from kvjax.memory.precision import LedgerPages, PrecisionLedger, num_page_slots
 
 CONFIG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=32, num_layers=2,
@@ -87,6 +88,10 @@ def test_runner_applies_demote_ops_from_data_without_recompiling():
     ops = [ledger.demote([2], 8, 8), ledger.demote([2, 3], 4, 8), ledger.demote([3], 8, 4)]
     runner.apply_ops(ops)
     assert programs.num_compiles == 2  # one program per padded page count, whatever the class
+    # The generic host-side program (`HostKV`, jitted here) applies the same ops alike.
+    host = jax.jit(lambda kv: functools.reduce(HostKV(None).run_op, ops, kv))(kv)
+    np.testing.assert_array_equal(host.k_bits, runner.kv.k_bits)
+    np.testing.assert_array_equal(host.v_bits, runner.kv.v_bits)
     bits = np.asarray(runner.kv.k_bits), np.asarray(runner.kv.v_bits)
     assert (bits[0][:, 2] == 4).all() and (bits[1][:, 2] == 8).all()
     assert (bits[0][:, 3] == 4).all() and (bits[1][:, 3] == 4).all()
