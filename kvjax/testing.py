@@ -48,7 +48,8 @@ TINY_MOE = dataclasses.replace(
 def permuted_block_tables(rng: np.random.Generator, lengths, page_size: int, num_pages: int
                           ) -> np.ndarray:
     """Block tables [B, W] of sequences of `lengths` tokens over randomly permuted distinct
-    pages of a pool of `num_pages`; entries past a sequence's pages are 0 (masked by length)."""
+    pages of a pool of `num_pages`; entries past a sequence's pages repeat its first page of
+    the permutation (any valid page: attention masks them by length)."""
     width = -(-max(lengths) // page_size)
     perm = rng.permutation(num_pages)
     tables = np.zeros((len(lengths), width), np.int32)
@@ -56,6 +57,7 @@ def permuted_block_tables(rng: np.random.Generator, lengths, page_size: int, num
     for i, n in enumerate(lengths):
         m = -(-n // page_size)
         tables[i, :m] = perm[used:used + m]
+        tables[i, m:] = perm[0]
         used += m
     return tables
 
