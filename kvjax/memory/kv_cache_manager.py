@@ -126,6 +126,11 @@ class KVCacheManager:
             self.device.apply_ops(tuple(self._plan))
             self._plan.clear()
 
+    def plan_op(self, op: KVOp) -> None:
+        """A data op decided outside this manager (a controller's in-place demotion): into the
+        step's plan while one is formed, else applied now."""
+        self._issue(op)
+
     def _apply(self, op: KVOp, fn) -> None:
         self._flush_plan()
         self._record(op)

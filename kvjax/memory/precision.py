@@ -23,7 +23,8 @@ other readers did not choose the rounding.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -31,6 +32,58 @@ from kvjax.kv.spec import PRECISION_BITS, KVCacheSpec, coarseness, coarser
 from kvjax.memory.block_manager import FreeList
 from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.shapes import next_power_of_2
+
+MIXED_CODEC = "mixed"  # EngineConfig.kv_codec of a mixed-precision pool
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedOptions:
+    """`EngineConfig.kv_codec_options` of `kv_codec="mixed"`.
+
+    Attributes:
+      write_bits: (key bits, value bits) new tokens are written at (0: exact; (8, 4): K8V4
+        from the start).
+      coarsest_k_bits: the coarsest class keys are ever demoted to (8: DiffKV's K8V4, keys
+        kept at 8 bits while values go to 4).
+      coarsest_v_bits: likewise for values.
+      group: channels per scale and zero of the int4 class.
+    """
+
+    write_bits: tuple[int, int] = (0, 0)
+    coarsest_k_bits: int = 4
+    coarsest_v_bits: int = 4
+    group: int = 32
+
+    def __post_init__(self):
+        if not isinstance(self.write_bits, (tuple, list)) or len(self.write_bits) != 2:
+            raise ValueError(f"kv_codec_options write_bits={self.write_bits!r}; expected "
+                             f"(key bits, value bits)")
+        object.__setattr__(self, "write_bits", tuple(self.write_bits))
+        coarseness(self.write_bits[0], "write_bits key")
+        coarseness(self.write_bits[1], "write_bits value")
+        coarseness(self.coarsest_k_bits, "coarsest_k_bits")
+        coarseness(self.coarsest_v_bits, "coarsest_v_bits")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group <= 0:
+            raise ValueError(f"kv_codec_options group={self.group!r}; expected a positive int")
+
+    @classmethod
+    def parse(cls, options: Mapping) -> MixedOptions:
+        """The options of a config (ValueError naming an unknown one)."""
+        unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"kv_codec='mixed' takes no option {sorted(unknown)}; expected "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**options)
+
+    def classes(self) -> dict[int, tuple[int, int]]:
+        """A controller's precision (0 exact, 8, 4) -> the (key, value) class pages demoted to
+        it take: no finer than the write class, no coarser than the coarsest classes."""
+        def at(bits: int, coarsest: int, written: int) -> int:
+            capped = bits if coarseness(bits) <= coarseness(coarsest) else coarsest
+            return coarser(capped, written)
+
+        return {b: (at(b, self.coarsest_k_bits, self.write_bits[0]),
+                    at(b, self.coarsest_v_bits, self.write_bits[1])) for b in PRECISION_BITS}
 
 
 def num_page_slots(spec: KVCacheSpec, budget_bytes: float) -> int:

@@ -411,6 +411,32 @@ class CostController:
             return (-s.priority, not meetable, s.slack_s if meetable else -s.age_s)
         return sorted(queued, key=key)
 
+    def _room_to_grow(self, running: list[SeqState], victims: list[SeqState],
+                      state: ControlState, room: int, in_place: dict, kl: dict,
+                      offload: list) -> None:
+        """Running sequences whose next token starts a page need pages too (`room`: the free
+        pages and those freed for the queued ones so far), else one is preempted mid-step:
+        in-place demotion (it stalls nobody) makes that room from the lowest-ranked running
+        sequences' cold pages, cheapest first, within their KL budgets."""
+        if "demote_in_place" not in self.actions or not state.inplace_ratios:
+            return
+        growth = sum(max(-(-s.num_tokens // state.page_size) - s.pages_held, 0)
+                     for s in running)
+        short = growth - room
+        for s in victims:
+            if short <= 0:
+                break
+            if s.seq_id in in_place or s.seq_id in offload:
+                continue
+            options = self._in_place(s, state)
+            if not options:
+                continue
+            _, freed, _, bits = min(options, key=lambda o: o[0])
+            in_place[s.seq_id] = bits
+            kl[s.seq_id] = s.kl_spent + max(
+                self.demote_kl[bits] - self.demote_kl.get(s.inplace_bits, 0.0), 0.0)
+            short -= freed
+
     def decide(self, state: ControlState) -> Decisions:
         running = state.with_status("running")
         queued = self._queue_order(state.with_status("waiting") + state.with_status("swapped"),
@@ -437,6 +463,7 @@ class CostController:
             deficit += self._pages_to_run(s, state.page_size)
             stall_s += (s.num_tokens - s.num_computed) / state.recompute_tokens_per_s
             beneficiary = beneficiary or s
+        needed = deficit + state.free_pages  # by the queued sequences
         for s in victims if deficit > 0 and beneficiary is not None else ():
             if deficit <= 0 or degradation_key(s) >= degradation_key(beneficiary):
                 break
@@ -463,6 +490,8 @@ class CostController:
                 if arg:
                     demote[s.seq_id] = arg
             deficit -= freed
+        self._room_to_grow(running, victims, state, needed - deficit,  # free + freed
+                           in_place, kl, offload)
         # A controller that preempts ranks the queue itself: a victim must not come back
         # before the sequence it made room for (swapped ones otherwise go first).
         ranks = self.actions & {"admit", "swap", "recompute"}

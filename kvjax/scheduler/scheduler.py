@@ -33,6 +33,7 @@ from kvjax.scheduler.controller import (
 )
 from kvjax.scheduler.echo import EchoPlanner
 from kvjax.scheduler.host_split import HostSplitPolicy, RowPlacement
+from kvjax.scheduler.inplace import InPlaceDemotion
 from kvjax.scheduler.output import RunnerOutput, ScheduledRow, SchedulerOutput
 from kvjax.scheduler.policies import LongestPrefixMatch, SchedulingPolicy
 from kvjax.scheduler.preemption import PreemptionMode, decide_preemption
@@ -155,6 +156,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         self.drafter = drafter or NoDrafts()
         self.controller = controller or FixedController()
         self.decisions = Decisions()
+        self.in_place = InPlaceDemotion(None)  # a mixed-precision pool's (set by the engine)
         if self.controller.manages_retention and kv_cache.retention.policy.evicts:
             kv_cache.retention.default_budget = None  # exact until the controller decides
         self._init_chunks(reuse_strategies)
@@ -731,7 +733,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
                     pages_held=held, slack_s=self._slack(s, now),
                     retention_budget=retention.budget(s.seq_id), kl_spent=s.kl_spent,
                     kl_budget=s.slo.kl_budget, demoted_bits=s.demoted_bits,
-                    num_preemptions=s.num_preemptions))
+                    num_preemptions=s.num_preemptions,
+                    **(self.in_place.seq_fields(s) if status == "running" else {})))
         return ControlState(
             now=now, page_size=cfg.page_size, num_pages=self.kv_cache.allocator.capacity,
             free_pages=self.kv_cache.allocator.num_free_pages(), max_num_seqs=cfg.max_num_seqs,
@@ -742,7 +745,8 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
             retention_range=(policy.min_budget, policy.budget) if policy.evicts else None,
             seqs=tuple(seqs), cached=tuple(self.kv_cache.cached_pages()),
             host_room_bytes=self.kv_cache.host_room_bytes(),
-            spills_cached=self.kv_cache.tiers is not None)
+            spills_cached=self.kv_cache.tiers is not None,
+            inplace_ratios=self.in_place.ratios())
 
     @staticmethod
     def _slack(seq: Sequence, now: float) -> float:
@@ -765,6 +769,7 @@ class Scheduler(RequestRegistry, TierAdmission, ChunkReuse):
         for seq_id, kl in d.kl.items():
             self._seqs[seq_id].kl_spent = kl
         self.kv_cache.keep_cached(d.keep)
+        self.in_place.apply(d.demote_in_place, self._seqs)
         preempted = []
         for seq_id in d.offload:
             seq = self._seqs.get(seq_id)

@@ -248,3 +248,20 @@ def test_joint_demotes_in_place_rather_than_stall_a_tight_victim():
     assert d.demote_in_place == {"v": 8} and d.offload == ()
     d = ctl.decide(state(victim, waiting, retention=None))  # no mixed pool: today's choice
     assert d.demote_in_place == {} and d.offload == ("v",)
+
+
+def test_in_place_demotion_makes_room_for_running_sequences_to_grow():
+    """With no page free, a running sequence whose next token starts a page would be
+    preempted mid-step: the in-place baseline demotes the lowest-ranked running sequence's cold
+    pages instead, within its KL budget; with a page free, or no mixed pool, nothing."""
+    inplace = make_controller("inplace", demote_kl={8: 0.001, 4: 0.02})
+    growing = seq("g", priority=1, tokens=4 * P + 1, pages=4)  # its next token needs page 5
+    low = dataclasses.replace(seq("v", kl_budget=0.5), pages_at={0: 20})
+    d = inplace.decide(state(growing, low, inplace_ratios=INPLACE))
+    assert d.demote_in_place == {"v": 8} and d.kl == {"v": 0.001} and d.offload == ()
+    assert inplace.decide(state(growing, low, free=1, inplace_ratios=INPLACE)) \
+        .demote_in_place == {}
+    assert inplace.decide(state(growing, low)).demote_in_place == {}
+    exact_only = dataclasses.replace(low, kl_budget=0.0)
+    assert inplace.decide(state(growing, exact_only, inplace_ratios=INPLACE)) \
+        .demote_in_place == {}
