@@ -9,9 +9,10 @@ the prompt ("all": what the controller's KL table measures) or its cold pages on
 page but the last `hot_pages`: what in-place demotion does); bytes are the ledger's
 (`kvjax.memory.precision.PrecisionLedger`), relative to the exact pages.
 
-The engine is built for exact KV and its pool swapped for a mixed one of the same pages: the
-engine cannot yet be configured with a mixed-precision pool, whose in-place demotion also needs
-the prefix cache off (a demoted page must not serve a later hit as exact).
+The engine is built for exact KV and its pool swapped for a mixed one of the same pages, with a
+ledger of unbounded budget, so the demotion applied is the plan's alone (an engine with
+`kv_codec="mixed"` demotes when its controller decides); the prefix cache is off, as that pool
+requires (a demoted page must not serve a later hit as exact).
 """
 
 from __future__ import annotations

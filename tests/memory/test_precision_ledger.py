@@ -22,7 +22,7 @@ from kvjax.engine.step import StepPrograms
 from kvjax.kv import mixed
 from kvjax.memory.block_manager import AllocStatus, BlockManager
 from kvjax.memory.ops import DATA_KINDS, HostKV, KVOpKind
-from kvjax.memory.precision import LedgerPages, PrecisionLedger, num_page_slots
+from kvjax.memory.precision import LedgerPages, MixedOptions, PrecisionLedger, num_page_slots
 
 CONFIG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=32, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=32, name="ledger-test")
@@ -126,3 +126,15 @@ def test_block_manager_over_the_ledger_admits_by_bytes_and_demotion_makes_room()
     for seq_id in ("a", "b"):
         blocks.free(seq_id)
     assert ledger.bytes_held == pytest.approx(0.0) and blocks.num_free_pages() == 6
+
+
+def test_mixed_options_map_a_controllers_precision_to_the_pools_classes():
+    """K8V4 keeps keys at 8 bits when a controller asks for 4; a pool written at int8 never
+    takes a finer class; a bad option fails naming it."""
+    assert MixedOptions().classes() == {0: (0, 0), 8: (8, 8), 4: (4, 4)}
+    assert MixedOptions(coarsest_k_bits=8).classes() == {0: (0, 0), 8: (8, 8), 4: (8, 4)}
+    assert MixedOptions(write_bits=(8, 8)).classes() == {0: (8, 8), 8: (8, 8), 4: (4, 4)}
+    with pytest.raises(ValueError, match="coarsest_v_bits"):
+        MixedOptions(coarsest_v_bits=2)
+    with pytest.raises(ValueError, match="colour"):
+        MixedOptions.parse({"colour": 1})
