@@ -55,7 +55,6 @@ def main(argv):
     results = controller.run_controllers(config, options, model=model,
                                          progress=FLAGS.progress)
     rows = controller.controller_rows(results, config)
-    print(controller.controller_table(rows))
     command = shlex.join(["python", "scripts/bench_controller.py", *sys.argv[1:]])
     if FLAGS.workdir:
         runner.write_results(results, FLAGS.workdir, command=command, plots=False)
@@ -63,6 +62,7 @@ def main(argv):
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(command=command, kl_tables=tables, options=options, rows=rows,
                            env=runner.environment()), f, indent=2)
+    print(controller.controller_table(rows))
 
 
 if __name__ == "__main__":
