@@ -224,7 +224,8 @@ class Engine:
             controller=make_controller(config.controller, **config.controller_options),
             host_split=host_split if uses_host else None)
         self.scheduler.in_place = in_place_demotion(pool.ledger, self.kv_cache,
-                                                    config.kv_codec_options)
+                                                    config.kv_codec_options,
+                                                    self.block_table_width)
         self.stats.update(weight_updates=0)
         # An evicting policy decides from step t's key scores before step t+1's block tables
         # can exist, and a verify step's kept drafts decide step t+1's positions: such
@@ -727,6 +728,7 @@ class Engine:
                              if is_paged else 0,
                              max_chunk_tokens=self.max_model_len
                              if self.context_reuse.reuses else 0)
+        self.runner.apply_ops(self.scheduler.in_place.warmup_ops())  # mixed-precision pools
         jax.block_until_ready(self.kv)
         return self.num_compiles
 

@@ -164,10 +164,12 @@ class PrecisionLedger:
                 and (coarser(int(self.k_bits[p]), k_bits) != self.k_bits[p]
                      or coarser(int(self.v_bits[p]), v_bits) != self.v_bits[p])]
 
-    def demote(self, pages: Sequence[int], k_bits: int, v_bits: int) -> KVOp | None:
+    def demote(self, pages: Sequence[int], k_bits: int, v_bits: int, *,
+               pad_to: int | None = None) -> KVOp | None:
         """Pages held re-encoded at the coarser of their class and (k_bits, v_bits): the
         bytes they free return to the budget; returns the `KVOpKind.DEMOTE` op (None when no
-        page changes). ValueError for a page not held, naming it."""
+        page changes), its pages padded to the next power of two or to `pad_to` (one program
+        for any count up to it). ValueError for a page not held, naming it."""
         coarseness(k_bits), coarseness(v_bits)
         changed = []
         for p in dict.fromkeys(int(p) for p in pages):
@@ -185,7 +187,8 @@ class PrecisionLedger:
             changed.append(p)
         if not changed:
             return None
-        padded = changed + [changed[-1]] * (next_power_of_2(len(changed)) - len(changed))
+        width = max(pad_to or next_power_of_2(len(changed)), len(changed))
+        padded = changed + [changed[-1]] * (width - len(changed))
         return KVOp(KVOpKind.DEMOTE, pages=tuple(changed), dst=tuple(padded), bits=int(k_bits),
                     v_bits=int(v_bits))
 

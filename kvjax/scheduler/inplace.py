@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from kvjax.kv.spec import coarser
-from kvjax.memory.ops import KVOp
+from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.memory.precision import MixedOptions, PrecisionLedger
 from kvjax.scheduler.request import Sequence
 
@@ -41,11 +41,14 @@ class InPlaceDemotion:
         empty and no op is ever planned).
       kv_cache: the KV cache manager (block tables, reference counts, the step's plan).
       classes: a controller's precision -> the pool's (key bits, value bits) at it.
+      pad_to: every DEMOTE op's pages are padded to this many (a sequence's most pages), so
+        one program serves every demotion and warm-up compiles it.
     """
 
     def __init__(self, ledger: PrecisionLedger | None, kv_cache: KVPlan | None = None,
-                 classes: Mapping[int, tuple[int, int]] | None = None):
+                 classes: Mapping[int, tuple[int, int]] | None = None, pad_to: int = 1):
         self.ledger = ledger
+        self.pad_to = pad_to
         self.kv_cache = kv_cache
         self.classes = dict(classes or {})
         # A class may answer to several precisions (K8V4 written: 8 and 4 alike): the finest.
@@ -92,18 +95,28 @@ class InPlaceDemotion:
                 continue
             k_bits, v_bits = self.classes[bits]
             seq = seqs[seq_id]
-            op = self.ledger.demote(self._cold(seq_id, seq.num_computed), k_bits, v_bits)
+            op = self.ledger.demote(self._cold(seq_id, seq.num_computed), k_bits, v_bits,
+                                    pad_to=self.pad_to)
             seq.inplace_bits = coarser(seq.inplace_bits, bits)
             if op is not None:
                 self.kv_cache.plan_op(op)
                 num_demoted += len(op.pages)
         return num_demoted
 
+    def warmup_ops(self) -> list[KVOp]:
+        """A DEMOTE op that changes nothing (page 0 at the exact class, which no row gets
+        finer by) of the padded width, for warm-up to compile the program; none without a
+        ledger."""
+        if self.ledger is None:
+            return []
+        return [KVOp(KVOpKind.DEMOTE, dst=(0,) * self.pad_to, bits=0, v_bits=0)]
+
 
 def in_place_demotion(ledger: PrecisionLedger | None, kv_cache: KVPlan,
-                      codec_options: Mapping) -> InPlaceDemotion:
+                      codec_options: Mapping, pad_to: int) -> InPlaceDemotion:
     """The scheduler's in-place demotion of an engine's pool: none without a ledger, else at
-    the classes of the `kv_codec="mixed"` options."""
+    the classes of the `kv_codec="mixed"` options, ops padded to `pad_to` pages."""
     if ledger is None:
         return InPlaceDemotion(None)
-    return InPlaceDemotion(ledger, kv_cache, MixedOptions.parse(codec_options).classes())
+    return InPlaceDemotion(ledger, kv_cache, MixedOptions.parse(codec_options).classes(),
+                           pad_to)
