@@ -6,7 +6,8 @@
 Measures the KL tables (retention budgets, int8 copies) on the workload's prompts, gives them
 to every controller, runs the config's sweep (one run per controller) and prints one table:
 SLO attainment per tenant, goodput, p99 TTFT / TPOT, estimated KL spent (mean and worst),
-preemptions, bytes per tier and energy. `--config.clock=real` runs on the wall clock.
+preemptions, bytes per tier and energy. `--config.clock=real` runs on the wall clock;
+`--kl_tables=docs/results/bench_controller.json` reuses an earlier run's KL tables.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ flags.DEFINE_string("workdir", None, "Directory for serve_bench's per-run result
 flags.DEFINE_string("output_json", None, "Write the table's rows and the KL tables here.")
 flags.DEFINE_list("only", [], "Run only these sweep entries (by name).")
 flags.DEFINE_bool("progress", True, "Show progress bars.")
+flags.DEFINE_string("kl_tables", None, "Reuse the KL tables of an earlier run's --output_json "
+                    "(same config) instead of measuring them.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -39,16 +42,19 @@ def main(argv):
         config.sweep = [o for o in config.sweep if o["name"] in FLAGS.only]
     model = load_model(config.model.name, dtype=config.model.dtype)
     requests = runner.build_workload(config, model.tokenizer)
-    tables = controller.measure_kl_tables(
-        runner.apply_overrides(config, {"kv.retention": config.kl_tables.retention,
-                                        "kv.budget": float(max(config.kl_tables.budgets))}),
-        model, requests, config.kl_tables.budgets)
+    if FLAGS.kl_tables:
+        with open(FLAGS.kl_tables) as f:
+            tables = json.load(f)["kl_tables"]
+    else:
+        tables = controller.measure_kl_tables(
+            runner.apply_overrides(config, {"kv.retention": config.kl_tables.retention,
+                                            "kv.budget": float(max(config.kl_tables.budgets))}),
+            model, requests, config.kl_tables.budgets)
     print("KL tables:", tables)
     options = dict(tables, **controller.energy_options(config, model))
     results = controller.run_controllers(config, options, model=model,
                                          progress=FLAGS.progress)
     rows = controller.controller_rows(results, config)
-    print(controller.controller_table(rows))
     command = shlex.join(["python", "scripts/bench_controller.py", *sys.argv[1:]])
     if FLAGS.workdir:
         runner.write_results(results, FLAGS.workdir, command=command, plots=False)
@@ -56,6 +62,7 @@ def main(argv):
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(command=command, kl_tables=tables, options=options, rows=rows,
                            env=runner.environment()), f, indent=2)
+    print(controller.controller_table(rows))
 
 
 if __name__ == "__main__":

@@ -510,13 +510,16 @@ def format_rows(rows: Mapping[str, Mapping[str, float]],
     """A markdown table of named rows, as the offline benchmark scripts print them.
 
     Args:
-        rows: row name -> {key: value}; a key the row lacks leaves its cell blank.
+        rows: row name -> {key: value}; a key the row lacks leaves its cell blank, a None
+            value (a measure the run has none of, e.g. prefix hits without a prefix cache)
+            is "-".
         columns: (key, header, format spec such as "{:.2e}") per column.
         label: the header of the row-name column.
     """
     lines = [f"| {label} | " + " | ".join(header for _, header, _ in columns) + " |",
              "|---" * (len(columns) + 1) + "|"]
     for name, row in rows.items():
-        cells = [fmt.format(row[key]) if key in row else "" for key, _, fmt in columns]
+        cells = ["" if key not in row else "-" if row[key] is None else fmt.format(row[key])
+                 for key, _, fmt in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from typing import Any
 from kvjax.config import KVLayout
 from kvjax.kv import quantized
 from kvjax.kv.retention import make_retention
+from kvjax.memory.precision import MIXED_CODEC, MixedOptions
 from kvjax.scheduler.context import make_strategy
 from kvjax.scheduler.preemption import PreemptionMode
 from kvjax.scheduler.replay import is_recorded
@@ -72,6 +73,7 @@ class Feature(enum.Enum):
     RECORD_DECISIONS = "record_decisions"
     DISAGGREGATION = "disaggregation"
     ADAKV = "adakv"
+    MIXED_PRECISION = "mixed_precision"
 
     @property
     def group(self) -> str | None:
@@ -85,6 +87,7 @@ class Feature(enum.Enum):
 _GROUPS = {
     Feature.INT8: "codec", Feature.KIVI: "codec", Feature.KIVI_RESIDUAL: "codec",
     Feature.LOWRANK: "codec",
+    Feature.MIXED_PRECISION: "codec",
     Feature.STREAMING: "retention", Feature.STREAMING_ROTATED: "retention",
     Feature.H2O: "retention", Feature.SNAPKV: "retention", Feature.QUEST: "retention",
     Feature.ECHO: "retention",
@@ -160,6 +163,10 @@ _DESCRIPTIONS = {
                    "compresses the prompt once split over its kv heads by their scores, in "
                    "head-major pages with a block table per (layer, kv head) that gives back "
                    "each head's pages past its share)",
+    Feature.MIXED_PRECISION: "kv_codec='mixed' (DiffKV): each token row's key and value at a "
+                             "class of its own (exact, int8, int4), new rows at the write "
+                             "class; a controller re-encodes running sequences' cold pages in "
+                             "place, and the bytes they free go to new pages",
 }
 
 _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
@@ -331,6 +338,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
                               (Feature.ADAKV, _ADAKV_REFUSED)):
         for features, reason in refused:
             refuse([schedule], features, reason)
+    _refuse_mixed(refuse)
     return table
 
 
@@ -399,6 +407,48 @@ _ADAKV_REFUSED = (
     ((Feature.DISAGGREGATION,),
      "the pair moves a prompt's pages with every kv head of a token in one page, while the "
      "per-head split keeps head-major pages that each head gives back apart"),
+)
+
+
+def _refuse_mixed(refuse) -> None:
+    """A mixed-precision pool's refusals (`kvjax.kv.mixed`, `kvjax.memory.precision`): its rows
+    are words at each row's class, and a host ledger counts each page's bytes at one class."""
+    for features, reason in _MIXED_REFUSED:
+        refuse([Feature.MIXED_PRECISION], features, reason)
+
+
+_MIXED_REFUSED = (
+    ((Feature.MESH,),
+     "a mixed-precision row packs every kv head of a token into one row of words, so there is "
+     "no kv-head axis for a mesh to shard"),
+    ((Feature.STREAMING_ROTATED,),
+     "re-rotating the sinks' keys rewrites cached keys as float rows, while a mixed-precision "
+     "pool holds each key as words at its row's class, which a demoted row cannot regain"),
+    ((Feature.STREAMING, Feature.H2O, Feature.SNAPKV, Feature.TOVA, Feature.KNORM,
+      Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION, Feature.PYRAMID,
+      Feature.ADAKV),
+     "retention compacts kept rows across pages, while the precision ledger counts each "
+     "page's bytes at one class, so a page refilled with rows of another class would be "
+     "counted at the wrong one"),
+    ((Feature.CONTEXT_REUSE,),
+     "a reused chunk's keys are re-rotated and scaled as float rows when copied in, while a "
+     "mixed-precision pool holds rows as words at their own class, and a demoted chunk page "
+     "would serve later requests as exact"),
+    ((Feature.KV_ARENA,),
+     "an arena frame stores every token at the one codec the models sharing it agree on, "
+     "while a mixed-precision pool gives each row a class of its own"),
+    ((Feature.CONTIGUOUS,),
+     "the precision ledger counts bytes per page and lends what demoted pages free to new "
+     "pages, which the contiguous layout's reserved per-sequence slots cannot take"),
+    ((Feature.PREFIX_CACHE,),
+     "a demoted page's rows are rounded while its prefix-cache hash still names exact tokens, "
+     "so a later hit would read rounded KV as exact"),
+    ((Feature.BATCH_INVARIANT,),
+     "a controller demotes rows under load and the invariant attention reads float32 pages "
+     "in place, so a sequence's logprobs could not equal the trainer's bit for bit"),
+    ((Feature.FUSED_KV_WRITE,),
+     "the fused write stores each projected float32 row straight into float pages, while a "
+     "mixed-precision pool stores words at each row's class"),
 )
 
 
@@ -503,7 +553,8 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         (Feature.CONTROLLER, "the controller's swaps and demotions move"),
         (Feature.CONTIGUOUS, "contiguous slots preallocate every layer of"),
         (Feature.MESH, "the mesh's sharded programs are built for"),
-        (Feature.HOST_ROWS, "the host pool's moves and split attention follow"))},
+        (Feature.HOST_ROWS, "the host pool's moves and split attention follow"),
+        (Feature.MIXED_PRECISION, "the precision ledger counts the pages of"))},
     (ModelTrait.LAYER_GROUPS, Feature.PYRAMID):
         "the per-layer schedule regroups layers into block tables of equal retention budget, "
         "while a model with sliding-window layers already keeps one per window group",
@@ -519,7 +570,8 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     (ModelTrait.PER_LAYER_ROPE, Feature.STREAMING_ROTATED):
         "rotated attention sinks turn kept keys by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
-    **{(ModelTrait.MLA_LATENT, f): _LATENT_CODEC for f in (*_CODECS, Feature.LOWRANK)},
+    **{(ModelTrait.MLA_LATENT, f): _LATENT_CODEC for f in (*_CODECS, Feature.LOWRANK,
+                                                              Feature.MIXED_PRECISION)},
     (ModelTrait.LAYER_GROUPS, Feature.LOWRANK):
         "the low-rank pool's key bases are calibrated per model layer, while a pool of several "
         "layer groups indexes layers within a group's page",
@@ -610,6 +662,9 @@ class _Present:
 def _codec(config: Any) -> list[_Present]:
     if config.kv_codec == "none":
         return []
+    if config.kv_codec == MIXED_CODEC:
+        MixedOptions.parse(config.kv_codec_options)
+        return [_Present(Feature.MIXED_PRECISION, "kv_codec='mixed'")]
     codec = quantized.make_codec(config.kv_codec, **config.kv_codec_options)  # checks options
     if config.kv_codec == Feature.LOWRANK.value:
         return [_Present(Feature.LOWRANK, f"kv_codec={config.kv_codec!r}")]

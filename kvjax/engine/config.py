@@ -10,6 +10,7 @@ from kvjax.engine.step import AttentionImpl, MatmulImpl
 from kvjax.kv import quantized
 from kvjax.kv.layer_retention import check_schedule
 from kvjax.kv.retention import make_retention
+from kvjax.memory.precision import MIXED_CODEC
 from kvjax.memory.prefix_cache import PrefixEviction
 from kvjax.memory.tiers import TierConfig
 from kvjax.scheduler.context import make_strategy
@@ -34,9 +35,13 @@ class EngineConfig:
       kv_dtype: storage dtype of K/V ('float32', 'bfloat16'); None: the model's dtype.
       kv_codec: a quantized KV codec name from kvjax.kv.codecs ('none', 'int8', 'int4', ...);
         the pool holds codes and scales, so a smaller codec yields more pages per byte budget.
+        'mixed' is a mixed-precision pool (DiffKV, `kvjax.kv.mixed`): rows at exact / int8 /
+        int4, keys and values apart, cold pages re-encoded in place by a controller.
       kv_codec_options: keyword options of the codec (e.g. {'group': 32}; for 'lowrank',
         whose pages hold keys as coordinates in a calibrated rank-r basis, {'rank': 32,
-        'quantize': 'int8', 'calibration': 'embedded' or 'manual'}: `kvjax.kv.lowrank`).
+        'quantize': 'int8', 'calibration': 'embedded' or 'manual'}: `kvjax.kv.lowrank`;
+        'mixed': `kvjax.memory.precision.MixedOptions`, e.g. {'write_bits': (0, 0),
+        'coarsest_k_bits': 8} for K8V4).
       max_num_seqs: most sequences running at once (decode rows per step).
       max_num_batched_tokens: per-step token budget (decode tokens + prefill chunk tokens).
       max_prefill_chunk: longest prefill chunk of one sequence in one step.
@@ -261,6 +266,12 @@ class EngineConfig:
         return self.controller != FixedController.name
 
     def _check_kernel_reads_codec(self) -> None:
+        if self.kv_codec == MIXED_CODEC:
+            if self.attention_impl in (AttentionImpl.NATIVE, AttentionImpl.PALLAS):
+                raise ValueError(f"attention_impl={self.attention_impl.value.upper()} reads "
+                                 f"pages of one precision, while kv_codec='mixed' gives each "
+                                 f"row a class of its own: use AUTO or REFERENCE")
+            return
         if self.attention_impl is AttentionImpl.NATIVE and self.kv_codec != "none":
             from kvjax.kv import native
 

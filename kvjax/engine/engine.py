@@ -64,6 +64,7 @@ from kvjax.sampling import SamplingParams
 from kvjax.scheduler.context import Segment, clip_spans, make_strategy, split_segments
 from kvjax.scheduler.controller import SLO, make_controller
 from kvjax.scheduler.host_split import make_host_split
+from kvjax.scheduler.inplace import in_place_demotion
 from kvjax.scheduler.policies import make_policy
 from kvjax.scheduler.replay import DecisionRecorder, SchedulerRecipe
 from kvjax.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -228,6 +229,9 @@ class Engine:
             reuse_strategies={config.context_reuse: self.context_reuse},
             controller=make_controller(config.controller, **config.controller_options),
             host_split=host_split if uses_host else None)
+        self.scheduler.in_place = in_place_demotion(pool.ledger, self.kv_cache,
+                                                    config.kv_codec_options,
+                                                    self.block_table_width)
         self.stats.update(weight_updates=0)
         # An evicting policy decides from step t's key scores before step t+1's block tables
         # can exist, and a verify step's kept drafts decide step t+1's positions: such
@@ -753,6 +757,7 @@ class Engine:
                              if is_paged else 0,
                              max_chunk_tokens=self.max_model_len
                              if self.context_reuse.reuses else 0)
+        self.runner.apply_ops(self.scheduler.in_place.warmup_ops())  # mixed-precision pools
         jax.block_until_ready(self.kv)
         return self.num_compiles
 

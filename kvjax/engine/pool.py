@@ -8,6 +8,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import jax.numpy as jnp
+
 from kvjax.config import KVLayout, ModelConfig
 from kvjax.engine import residual
 from kvjax.engine.config import EngineConfig
@@ -18,6 +20,13 @@ from kvjax.kv.spec import KVCacheSpec
 from kvjax.kv.state import exact_cache_spec, init_contiguous_kv, init_paged_kv
 from kvjax.memory.block_manager import BlockManager
 from kvjax.memory.groups import GroupedBlockManager
+from kvjax.memory.precision import (
+    MIXED_CODEC,
+    LedgerPages,
+    MixedOptions,
+    PrecisionLedger,
+    num_page_slots,
+)
 from kvjax.memory.slots import SlotAllocator
 
 
@@ -32,6 +41,8 @@ class KVPool:
       spec: the `KVCacheSpec` the pool was sized from (bytes per token, page, window slot).
       quantized_len: KIVI: of a sequence's first n tokens, how many its pages hold (the rest
         are in its exact window); None: pages hold every token.
+      ledger: a mixed-precision pool's `PrecisionLedger` (each page's class and the bytes
+        held against the budget); None for pools of one precision.
     """
 
     kv: Any
@@ -39,6 +50,7 @@ class KVPool:
     swap_space: Any
     spec: KVCacheSpec
     quantized_len: Callable[[int], int] | None = None
+    ledger: PrecisionLedger | None = None
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -78,6 +90,8 @@ def build_kv_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
         return _arena_pool(mc, config, max_model_len=max_model_len, kv_dtype=kv_dtype)
     if config.kv_codec == "lowrank":
         return _lowrank_pool(mc, config, max_model_len=max_model_len, kv_dtype=kv_dtype)
+    if config.kv_codec == MIXED_CODEC:
+        return _mixed_pool(mc, config, max_model_len=max_model_len, kv_dtype=kv_dtype)
     if config.kv_codec != "none":
         return _quantized_pool(mc, config, max_model_len=max_model_len)
     spec = exact_cache_spec(mc, config.page_size, kv_dtype,
@@ -166,6 +180,33 @@ def _lowrank_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, 
         budget_bytes(config, spec.bytes_per_token, max_model_len))
     kv = lowrank.init_lowrank_kv(mc, num_pages, config.page_size, codec, kv_dtype)
     return KVPool(kv, _paged_allocator(spec, num_pages, config), HostSwapSpace(), spec)
+
+
+def _mixed_pool(mc: ModelConfig, config: EngineConfig, *, max_model_len: int, kv_dtype
+                ) -> KVPool:
+    """A mixed-precision pool (`kvjax.kv.mixed`): the budget (num_pages: pages it buys at the
+    write class) counted in bytes by a `PrecisionLedger`, over as many page slots as it holds
+    at the coarsest class, which the block manager draws through `LedgerPages`."""
+    from kvjax.kv import mixed  # Imported lazily: only mixed-precision engines need it.
+
+    options = MixedOptions.parse(config.kv_codec_options)
+    dtype = jnp.dtype(kv_dtype).name
+    spec = mixed.cache_spec(mc, config.page_size, dtype=dtype, group=options.group,
+                            write_bits=options.write_bits)
+    spec.check_servable()
+    write_page = spec.page_bytes_at(*options.write_bits)
+    budget = (config.num_pages * write_page if config.num_pages else
+              budget_bytes(config, spec.bytes_per_token, max_model_len))
+    if budget < write_page:
+        raise ValueError(f"kv_budget_bytes={config.kv_budget_bytes} holds no page at the "
+                         f"write class {options.write_bits} ({write_page:.0f} bytes)")
+    num_slots = num_page_slots(spec, budget)
+    ledger = PrecisionLedger(spec, num_slots, budget, options.write_bits)
+    kv = mixed.init_mixed_kv(mc, num_slots, config.page_size, dtype=dtype, group=options.group,
+                             write_bits=options.write_bits)
+    allocator = BlockManager(num_slots, config.page_size, pages=LedgerPages(ledger),
+                             **allocator_options(config))
+    return KVPool(kv, allocator, HostSwapSpace(), spec, ledger=ledger)
 
 
 def arena_layout(mc: ModelConfig, config: EngineConfig, kv_dtype, frame_words: int):

@@ -283,6 +283,8 @@ class ModelRunner:
         self.kv_programs: dict[KVOpKind, Callable[[Any, KVOp], Any]] = {
             KVOpKind.COPY: lambda kv, op: programs.copy_pages(
                 kv, np.asarray(op.src, np.int32), np.asarray(op.dst, np.int32)),
+            KVOpKind.DEMOTE: lambda kv, op: programs.demote(
+                kv, np.asarray(op.dst, np.int32), op.bits, op.v_bits),
             KVOpKind.HOST_OUT: self._host_out,
             KVOpKind.HOST_IN: self._host_in}
 

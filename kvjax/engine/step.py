@@ -780,6 +780,8 @@ class StepPrograms:
                               fused_kv_write=fused_kv_write, layer_groups=layer_groups),
             static_argnames=("shape",), donate_argnames=("kv",), dtype=dtype)
         self._copy = kvjax_jit.jit(lambda kv, src, dst: kv.copy_pages(src, dst), donate_argnums=0)
+        self._demote = kvjax_jit.jit(lambda kv, pages, k_bits, v_bits: kv.demote(
+            pages, k_bits, v_bits), donate_argnums=0)
         self._blend = kvjax_jit.jit(
             functools.partial(blend_step, config=config, attention_impl=attention_impl),
             static_argnames=("shape",), donate_argnames=("kv",), dtype=dtype)
@@ -787,7 +789,8 @@ class StepPrograms:
     @property
     def num_compiles(self) -> int:
         """Programs compiled so far (one per distinct step shape and KV layout)."""
-        return self._step.num_compiles + self._copy.num_compiles + self._blend.num_compiles
+        return (self._step.num_compiles + self._copy.num_compiles
+                + self._blend.num_compiles + self._demote.num_compiles)
 
     def step(self, params, kv: KVState, host_input: dict[str, np.ndarray], shape: StepShape,
              host_kv: KVState | None = None) -> tuple[StepOutput, KVState]:
@@ -798,6 +801,11 @@ class StepPrograms:
     def copy_pages(self, kv: KVState, src: np.ndarray, dst: np.ndarray) -> KVState:
         """Applies copy-on-write page copies (src[i] -> dst[i])."""
         return self._copy(kv, src, dst)
+
+    def demote(self, kv: KVState, pages: np.ndarray, k_bits: int, v_bits: int) -> KVState:
+        """Re-encodes pages [M] of a mixed-precision pool in place at coarser classes
+        (`kvjax.kv.mixed.MixedPrecisionKV.demote`); the classes are data (one program per M)."""
+        return self._demote(kv, pages, np.int32(k_bits), np.int32(v_bits))
 
     def blend(self, params, kv: KVState, host: dict[str, np.ndarray], shape: BlendShape
               ) -> KVState:

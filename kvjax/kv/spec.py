@@ -51,6 +51,21 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 
+PRECISION_BITS = (0, 8, 4)  # a mixed-precision pool's row classes, finest first (0: exact)
+
+
+def coarseness(bits: int, what: str = "precision") -> int:
+    """The class's rank, finest first (exact 0, int8 1, int4 2); ValueError naming `bits`
+    when it is no class."""
+    if isinstance(bits, bool) or bits not in PRECISION_BITS:
+        raise ValueError(f"{what} bits={bits!r}; expected one of {PRECISION_BITS} (0: exact)")
+    return PRECISION_BITS.index(bits)
+
+
+def coarser(a: int, b: int) -> int:
+    """The coarser of two classes."""
+    return a if coarseness(a) >= coarseness(b) else b
+
 
 class TokenKeep(enum.Enum):
     """Which of a sequence's tokens a layer keeps in its cache."""
@@ -173,6 +188,9 @@ class KVSpec:
       seq_slot_bytes: bytes a sequence slot holds per layer beside its pages (KIVI's exact
         window); 0 for pools with no per-sequence state.
       head_major, head_budgets: pages of one kv head, and each head's budget (`LayerGroup`).
+      class_token_bytes: ((key bits, value bits), token bytes) of each precision class a row
+        of a mixed-precision pool may take (`kvjax.kv.mixed`; 0 bits: exact); empty: one class,
+        `token_bytes`.
     """
 
     format: TokenFormat
@@ -185,6 +203,7 @@ class KVSpec:
     seq_slot_bytes: int = 0
     head_major: bool = False
     head_budgets: tuple[int, ...] = ()
+    class_token_bytes: tuple[tuple[tuple[int, int], float], ...] = ()
 
     def __post_init__(self):
         _check_positive("page_size", self.page_size)
@@ -213,6 +232,15 @@ class KVSpec:
         budgets = self.head_budgets or (self.num_keep_tokens,) * self.format.num_kv_heads
         return tuple(min(num_tokens, b) for b in budgets)
 
+    def token_bytes_at(self, k_bits: int, v_bits: int) -> float:
+        """Bytes one token takes in one layer with its key at `k_bits` and value at `v_bits`
+        (ValueError: the pool has no such class)."""
+        classes = dict(self.class_token_bytes)
+        if (k_bits, v_bits) not in classes:
+            raise ValueError(f"precision class k{k_bits}v{v_bits} is not one of this pool's "
+                             f"{sorted(classes)} ({self.codec_name})")
+        return classes[(k_bits, v_bits)]
+
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheGroupSpec:
@@ -237,6 +265,12 @@ class KVCacheGroupSpec:
     @property
     def seq_slot_bytes(self) -> int:
         return len(self.layers) * self.spec.seq_slot_bytes
+
+    def page_bytes_at(self, k_bits: int, v_bits: int) -> float:
+        """Bytes one page of rows of one precision class takes over the group's layers."""
+        spec = self.spec
+        return len(self.layers) * (spec.page_size * spec.token_bytes_at(k_bits, v_bits)
+                                   + spec.page_extra_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +378,11 @@ class KVCacheSpec:
         if len(self.groups) > 1 and len(per_layer) == 1:
             return self.layers_per_table * per_layer.pop()
         return sum(g.page_bytes for g in self.groups)
+
+    def page_bytes_at(self, k_bits: int, v_bits: int) -> float:
+        """Bytes one page takes with every row at one precision class (a mixed-precision pool,
+        whose pages span every group)."""
+        return sum(g.page_bytes_at(k_bits, v_bits) for g in self.groups)
 
     @property
     def seq_slot_bytes(self) -> int:

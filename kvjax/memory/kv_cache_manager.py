@@ -114,6 +114,7 @@ class KVCacheManager:
     take_plan = delegate("ops", OpPlan.take_plan)
     end_plan = delegate("ops", OpPlan.end_plan)
     take_ops = delegate("ops", OpPlan.take_ops)
+    plan_op = delegate("ops", OpPlan.issue)  # a data op decided outside (in-place demotion)
 
     def pages_in_use(self) -> dict[str, int]:
         """Pages held per tier now: device pages not allocatable, and the tiers' pages."""

@@ -51,6 +51,7 @@ class KVOpKind(enum.StrEnum):
     CALIBRATE = "calibrate"  # static codec scales set
     WARMUP = "warmup"  # programs compiled on padding inputs; the pool is unchanged
     HOST_OUT = "host_out"  # a row's pages to the host pool, where its decode attention reads them
+    DEMOTE = "demote"  # pages of a mixed-precision pool re-encoded in place at a coarser class
     HOST_IN = "host_in"  # host-pool pages back into device pages
 
 
@@ -62,7 +63,7 @@ TIER_KINDS = frozenset({KVOpKind.SPILL, KVOpKind.TIER_LOAD, KVOpKind.TIER_SCATTE
 DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB, KVOpKind.COPY_WINDOW,
                         KVOpKind.COMPACT, KVOpKind.CHUNK_LOAD, KVOpKind.HOST_OUT,
                         KVOpKind.HOST_IN, KVOpKind.SWAP_OUT, KVOpKind.SWAP_IN,
-                        KVOpKind.SWAP_DROP}) | TIER_KINDS
+                        KVOpKind.SWAP_DROP, KVOpKind.DEMOTE}) | TIER_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +148,8 @@ class KVOp:
         layers[i] alone). SWAP_OUT: the host copy
         `host_slot` holds pool pages src (padded; its first len(pages) are the copy's pages,
         in block-table order, every layer group's). SWAP_IN: pool page dst[i] becomes the
-        copy's page src[i] (empty: none), and the copy is freed.
+        copy's page src[i] (empty: none), and the copy is freed. DEMOTE: dst are the pages
+        re-encoded (padded).
       seq_slots: SCRUB: the sequence slots zeroed (KIVI windows of freed sequences; empty:
         none). SWAP_OUT: the slot whose window the copy takes too; SWAP_IN: the slot it is
         written into (empty: the state keeps no windows).
@@ -155,7 +157,9 @@ class KVOp:
         CHUNK_LOAD: the `ChunkLoadPlan` (`pages`: the pages it writes).
       host_slot: SWAP_OUT, SWAP_IN, SWAP_DROP: the host copy's key in the swap space (the KV
         cache manager hands them out; -1: none).
-      bits: SWAP_OUT: the precision the copy is demoted to (8 or 4; 0: as stored).
+      bits: SWAP_OUT: the precision the copy is demoted to (8 or 4; 0: as stored). DEMOTE:
+        the class the pages' keys take (0 exact, 8, 4; a row never gets finer).
+      v_bits: DEMOTE: the class the pages' values take.
       transfer: SPILL, TIER_LOAD, TIER_SCATTER, TIER_RELEASE: the tier transfer's id. SPILL
         gathers pool pages src into one chunk and sends it to host memory; TIER_LOAD sends
         its `TierLoadPlan` chunk to the device; TIER_SCATTER writes that chunk into pool
@@ -175,6 +179,7 @@ class KVOp:
     bits: int = 0
     transfer: int = -1
     layers: tuple[int, ...] = ()
+    v_bits: int = 0
 
 
 class KVDevice(Protocol):
@@ -240,6 +245,8 @@ class HostKV:
             return pages.scrub(kv, dst, np.asarray(op.seq_slots, np.int32))
         if op.kind in (KVOpKind.SWAP_OUT, KVOpKind.SWAP_IN, KVOpKind.SWAP_DROP):
             return self._swap(kv, op, src, dst)
+        if op.kind is KVOpKind.DEMOTE:  # a mixed-precision pool (`kvjax.kv.mixed`)
+            return kv.demote(dst, np.int32(op.bits), np.int32(op.v_bits))
         raise ValueError(f"HostKV has no program for KV operation {op.kind.value!r}")
 
     def _swap(self, kv: Any, op: KVOp, src: np.ndarray, dst: np.ndarray) -> Any:

@@ -14,6 +14,7 @@ from kvjax.scheduler.controller import (
     KVController,
     SeqState,
 )
+from kvjax.scheduler.inplace import InPlaceDemotion
 from kvjax.scheduler.preemption import PreemptionPolicy
 from kvjax.scheduler.request import Sequence
 from kvjax.scheduler.requests import RequestTable
@@ -40,6 +41,7 @@ class ControllerAdapter:
         self.table = table
         self.preemption = preemption
         self._clock = clock
+        self.in_place = InPlaceDemotion(None)  # a mixed-precision pool's (set by the engine)
         if self.controller.manages_retention and kv_cache.retention.policy.evicts:
             kv_cache.retention.default_budget = None  # exact until the controller decides
 
@@ -63,7 +65,8 @@ class ControllerAdapter:
                     pages_held=held, slack_s=slack(s, now),
                     retention_budget=retention.budget(s.seq_id), kl_spent=s.kl_spent,
                     kl_budget=s.slo.kl_budget, demoted_bits=s.demoted_bits,
-                    num_preemptions=s.num_preemptions))
+                    num_preemptions=s.num_preemptions,
+                    **(self.in_place.seq_fields(s) if status == "running" else {})))
         return ControlState(
             now=now, page_size=cfg.page_size, num_pages=self.kv_cache.allocator.capacity,
             free_pages=self.kv_cache.allocator.num_free_pages(), max_num_seqs=cfg.max_num_seqs,
@@ -74,7 +77,8 @@ class ControllerAdapter:
             retention_range=(policy.min_budget, policy.budget) if policy.evicts else None,
             seqs=tuple(seqs), cached=tuple(self.kv_cache.cached_pages()),
             host_room_bytes=self.kv_cache.host_room_bytes(),
-            spills_cached=self.kv_cache.tiers is not None)
+            spills_cached=self.kv_cache.tiers is not None,
+            inplace_ratios=self.in_place.ratios())
 
     def decide(self) -> list[str]:
         """Consults the controller and applies its budgets, KL, cached-page keeps and offloads
@@ -87,6 +91,8 @@ class ControllerAdapter:
         for seq_id, kl in d.kl.items():
             self.table.sequence(seq_id).kl_spent = kl
         self.kv_cache.keep_cached(d.keep)
+        self.in_place.apply(d.demote_in_place,
+                            {i: self.table.sequence(i) for i in d.demote_in_place})
         preempted = []
         for seq_id in d.offload:
             seq = self.table.find(seq_id)

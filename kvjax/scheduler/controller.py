@@ -15,6 +15,10 @@ existing mechanisms:
   demote              a swapped sequence's host copy is stored at fewer bits, int8 or int4
                       (exact -> int8 -> int4: fewer bytes moved and held; its values come back
                       rounded)
+  demote_in_place     a running sequence's cold pages (full, unshared, oldest first) are
+                      re-encoded on the device at fewer bits, int8 or int4, in a
+                      mixed-precision pool (`kvjax.kv.mixed`): the sequence keeps running and
+                      the bytes its pages free go to the sequences that need them
   keep                which cached prefix pages stay on the device longest: the prefix cache
                       evicts every other unreferenced page first (to the host tier, when the
                       engine has one), then these in the order given
@@ -45,6 +49,8 @@ Controllers are registered by name (`CONTROLLERS`, `register_controller`, `make_
                their KL budget)
   codec        codec demotion only: every swapped copy at the fewest bits within the KL
                budget
+  inplace      in-place demotion only: lower-ranked running sequences' cold pages at fewer
+               bits, within their KL budgets, to make room for higher-ranked waiting ones
   prefix       prefix retention only: reused cached pages kept longest, by expected reuse
   joint        all of the above, each step choosing per victim the action of least
                estimated cost per page freed: time + energy + quality, against the slack of
@@ -109,6 +115,9 @@ class SeqState:
       kl_budget: its SLO's KL budget (None: unbounded).
       demoted_bits: the fewest bits a host copy of its KV was rounded to (0: exact).
       num_preemptions: times it was preempted so far.
+      pages_at: {bits: its full unshared device pages at that class} in a mixed-precision
+        pool (0: exact); empty: none can be demoted in place.
+      inplace_bits: the coarsest class its pages were demoted to in place (0: none).
     """
 
     seq_id: str
@@ -127,6 +136,8 @@ class SeqState:
     kl_budget: float | None
     demoted_bits: int = 0
     num_preemptions: int = 0
+    pages_at: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    inplace_bits: int = 0
 
     @property
     def kl_left(self) -> float:
@@ -157,6 +168,10 @@ class ControlState:
       spills_cached: an evicted cached page goes to the host tier (else it is lost).
       host_rows: the rates of host-resident rows, which the "host" action needs; None: the
         engine has none.
+      inplace_ratios: {bits: a page's bytes at the write class over its bytes at that class}
+        for each class a running sequence's pages may be demoted to in place (a
+        mixed-precision pool; the write class has ratio 1); empty: no in-place demotion.
+        `free_pages` then counts the bytes free in pages of the write class.
     """
 
     now: float
@@ -175,6 +190,7 @@ class ControlState:
     host_room_bytes: float = INF
     spills_cached: bool = False
     host_rows: HostRowRates | None = None
+    inplace_ratios: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     def with_status(self, status: str) -> list[SeqState]:
         return [s for s in self.seqs if s.status == status]
@@ -220,6 +236,8 @@ class Decisions:
       kl: per sequence, the estimated KL it has spent once this step's retention applies.
       demote: per sequence, the precision its host copy is stored at if it is swapped from now
         on, and the KL that adds.
+      demote_in_place: per running sequence, the precision its cold pages are re-encoded at
+        now (`kl` holds what it has spent once they are).
       keep: cached prefix pages evicted last, least valuable first (empty: plain LRU).
       to_host: running sequences whose full pages move to the host pool now (host-resident
         rows: they keep decoding, their attention over those pages on the host).
@@ -232,6 +250,7 @@ class Decisions:
     retention: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
     kl: Mapping[str, float] = dataclasses.field(default_factory=dict)
     demote: Mapping[str, Demotion] = dataclasses.field(default_factory=dict)
+    demote_in_place: Mapping[str, int] = dataclasses.field(default_factory=dict)
     keep: tuple[int, ...] = ()
     prefetch: tuple[str, ...] = ()
     to_host: tuple[str, ...] = ()
@@ -258,7 +277,8 @@ def degradation_key(seq: SeqState) -> tuple:
 # ----------------------------------------------------------------------------- the controller
 
 
-_ACTIONS = frozenset({"admit", "recompute", "swap", "retain", "demote", "keep", "host"})
+_ACTIONS = frozenset({"admit", "recompute", "swap", "retain", "demote", "demote_in_place",
+                      "keep", "host"})
 
 
 class CostController:
@@ -267,13 +287,16 @@ class CostController:
     actions: which decisions it may take: "admit" (admission order), "recompute" and "swap"
       (preempt a lower-ranked running sequence, dropping or moving its KV), "retain" (shrink a
       sequence's retention budget), "demote" (int8 / int4 host copies of swapped sequences),
-      "keep" (which cached prefix pages stay longest), "host" (move a running sequence's full
-      pages to the host pool, where its attention runs beside the device's step; needs
-      `ControlState.host_rows`).
+      "demote_in_place" (int8 / int4 re-encoding of running sequences' cold pages in a
+      mixed-precision pool), "keep" (which cached prefix pages stay longest), "host" (move a
+      running sequence's full pages to the host pool, where its attention runs beside the
+      device's step; needs `ControlState.host_rows`).
     retention_kl: {budget: mean KL per token} measured for the engine's retention policy
       (`kvjax.bench.controller.measure_kl_tables`); a budget missing here is never chosen.
     demote_kl: {bits: mean KL per token} of copies of exact KV rounded to int8 / int4 (a
-      number: int8's alone); a precision missing here is never chosen.
+      number: int8's alone); a precision missing here is never chosen. In-place demotion is
+      priced with the same table: rounding only a sequence's cold pages costs at most what
+      rounding all of its KV does, so the table bounds the KL it spends.
     kl_cost_s: seconds of delay one nat of KL is worth (the quality term of the cost).
     miss_cost_s: seconds a victim's missed deadline is worth: preempting a sequence stalls it
       at least as long as the prefill of the sequence it makes room for (plus its own
@@ -364,6 +387,7 @@ class CostController:
                 if (s.retention_budget is None or b < s.retention_budget) and freed > 0 \
                         and extra <= s.kl_left:
                     out.append((self._cost(0.0, 0, 0, extra) / freed, freed, "retain", b))
+        out.extend(self._in_place(s, state))
         return sorted(out, key=lambda o: o[0])
 
     def _host_option(self, s: SeqState, state: ControlState, held: int, kv_bytes: float
@@ -381,6 +405,24 @@ class CostController:
         seconds = moved / state.swap_bytes_per_s + excess * self.host_horizon_steps
         miss = self.miss_cost_s if s.slack_s < excess else 0.0
         return (self._cost(seconds, moved, 0, 0.0) + miss) / held, freed, "host", None
+
+    def _in_place(self, s: SeqState, state: ControlState) -> list[tuple[float, int, str, Any]]:
+        """In-place demotion of a running sequence's cold pages to each class its KL budget
+        allows: pages freed (in pages of the write class, rounded down) and the KL it adds;
+        the sequence keeps running, so only quality is paid."""
+        if "demote_in_place" not in self.actions or s.status != "running":
+            return []
+        ratios = dict(state.inplace_ratios)
+        out = []
+        for bits in (b for b in self.demote_kl if b in ratios and b):
+            extra = max(self.demote_kl[bits] - self.demote_kl.get(s.inplace_bits, 0.0), 0.0)
+            gain = sum(n * max(1 / ratios.get(c, 1.0) - 1 / ratios[bits], 0.0)
+                       for c, n in s.pages_at.items())
+            freed = int(gain)
+            if freed > 0 and extra <= s.kl_left:
+                out.append((self._cost(0.0, 0, 0, extra) / freed, freed, "demote_in_place",
+                            bits))
+        return out
 
     def _demotions(self, s: SeqState, state: ControlState) -> list[Demotion]:
         """The precisions its swapped copy may take within its KL budget, each with the KL it
@@ -426,6 +468,32 @@ class CostController:
             return (-s.priority, not meetable, s.slack_s if meetable else -s.age_s)
         return sorted(queued, key=key)
 
+    def _room_to_grow(self, running: list[SeqState], victims: list[SeqState],
+                      state: ControlState, room: int, in_place: dict, kl: dict,
+                      offload: list) -> None:
+        """Running sequences whose next token starts a page need pages too (`room`: the free
+        pages and those freed for the queued ones so far), else one is preempted mid-step:
+        in-place demotion (it stalls nobody) makes that room from the lowest-ranked running
+        sequences' cold pages, cheapest first, within their KL budgets."""
+        if "demote_in_place" not in self.actions or not state.inplace_ratios:
+            return
+        growth = sum(max(-(-s.num_tokens // state.page_size) - s.pages_held, 0)
+                     for s in running)
+        short = growth - room
+        for s in victims:
+            if short <= 0:
+                break
+            if s.seq_id in in_place or s.seq_id in offload:
+                continue
+            options = self._in_place(s, state)
+            if not options:
+                continue
+            _, freed, _, bits = min(options, key=lambda o: o[0])
+            in_place[s.seq_id] = bits
+            kl[s.seq_id] = s.kl_spent + max(
+                self.demote_kl[bits] - self.demote_kl.get(s.inplace_bits, 0.0), 0.0)
+            short -= freed
+
     def decide(self, state: ControlState) -> Decisions:
         running = state.with_status("running")
         queued = self._queue_order(state.with_status("waiting") + state.with_status("swapped"),
@@ -444,7 +512,7 @@ class CostController:
                 demote[s.seq_id] = demotions[-1]  # the fewest bits the budget allows
         # Pages the queued sequences that can still meet a deadline need beyond the free ones;
         # they are freed from lower-ranked running sequences, cheapest way first.
-        offload, retention, kl, to_host = [], {}, {}, []
+        offload, retention, kl, to_host, in_place = [], {}, {}, [], {}
         deficit, beneficiary, stall_s = -state.free_pages, None, 0.0
         for s in queued[:max(state.max_num_seqs - len(running), 0)]:
             if not 0 <= s.slack_s < INF:
@@ -452,6 +520,7 @@ class CostController:
             deficit += self._pages_to_run(s, state.page_size)
             stall_s += (s.num_tokens - s.num_computed) / state.recompute_tokens_per_s
             beneficiary = beneficiary or s
+        needed = deficit + state.free_pages  # by the queued sequences
         for s in victims if deficit > 0 and beneficiary is not None else ():
             if deficit <= 0 or degradation_key(s) >= degradation_key(beneficiary):
                 break
@@ -470,12 +539,18 @@ class CostController:
                 retention[s.seq_id] = arg
                 kl[s.seq_id] = s.kl_spent + self.retention_kl[arg] - self.retention_kl.get(
                     s.retention_budget, 0.0)
+            elif action == "demote_in_place":
+                in_place[s.seq_id] = arg
+                kl[s.seq_id] = s.kl_spent + max(
+                    self.demote_kl[arg] - self.demote_kl.get(s.inplace_bits, 0.0), 0.0)
             else:
                 offload.append(s.seq_id)
                 swap[s.seq_id] = action == "swap"
                 if arg:
                     demote[s.seq_id] = arg
             deficit -= freed
+        self._room_to_grow(running, victims, state, needed - deficit,  # free + freed
+                           in_place, kl, offload)
         # A controller that preempts ranks the queue itself: a victim must not come back
         # before the sequence it made room for (swapped ones otherwise go first).
         ranks = self.actions & {"admit", "swap", "recompute"}
@@ -483,9 +558,9 @@ class CostController:
             admit_order=tuple(s.seq_id for s in queued) if ranks else (),
             offload=tuple(offload),
             victims=tuple(s.seq_id for s in victims)
-            if self.actions - {"admit", "demote", "keep"} else (),
-            swap=swap, retention=retention, kl=kl, demote=demote, keep=self._keep(state),
-            to_host=tuple(to_host))
+            if self.actions - {"admit", "demote", "demote_in_place", "keep"} else (),
+            swap=swap, retention=retention, kl=kl, demote=demote, demote_in_place=in_place,
+            keep=self._keep(state), to_host=tuple(to_host))
 
 
 class FixedController:
@@ -504,6 +579,7 @@ _BEHAVIOURS = {
     "tiers": {"swap"},
     "retention": {"retain"},
     "codec": {"demote"},
+    "inplace": {"demote_in_place"},
     "prefix": {"keep"},
     "joint": set(_ACTIONS),
 }

@@ -86,6 +86,7 @@ class Sequence:
     slo: SLO = SLO()
     kl_spent: float = 0.0  # estimated KL of the degradations a controller applied
     demoted_bits: int = 0  # its KV went through a host copy of this many bits (0: exact)
+    inplace_bits: int = 0  # its pages were re-encoded in place at this many bits (0: never)
     grammar: GrammarMatcher | None = None
     paid_chain: tuple[bytes, list[bytes]] = (b"", [])  # (cache key, hashes) a tenant paid for
 

@@ -164,6 +164,15 @@ class Scheduler:
     def decisions(self) -> Decisions:
         return self.control.decisions
 
+    @property
+    def in_place(self):
+        """A mixed-precision pool's in-place demotion (`kvjax.scheduler.inplace`)."""
+        return self.control.in_place
+
+    @in_place.setter
+    def in_place(self, value) -> None:
+        self.control.in_place = value
+
     def cache_key(self, seq: Sequence) -> bytes:
         """The provenance fingerprint a sequence's pages are cached under (`CacheKeys`)."""
         return self.keys.cache_key(seq)

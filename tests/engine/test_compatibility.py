@@ -71,6 +71,7 @@ FAST = {
         (Feature.EXPECTED_ATTENTION, Feature.INT8), (Feature.TOVA, Feature.SWAP),
         (Feature.HOST_ROWS, Feature.SWAP), (Feature.ECHO, Feature.SWAP),
         (Feature.RECORD_DECISIONS, Feature.SWAP), (Feature.DISAGGREGATION, Feature.INT8),
+        (Feature.MIXED_PRECISION, Feature.SNAPSHOT),
     )
 }
 
@@ -132,6 +133,8 @@ def config_for(features) -> dict:
         Feature.BATCH_INVARIANT: dict(batch_invariant=True),
         Feature.HOST_ROWS: dict(host_split="random", num_host_pages=16),
         Feature.FUSED_KV_WRITE: dict(fused_kv_write=True),
+        # Rows written exact: with no controller demoting them, the tokens stay exact.
+        Feature.MIXED_PRECISION: dict(kv_codec="mixed", kv_codec_options=dict(group=4)),
         # With snapkv unless the pair names another retention policy (set below).
         Feature.PYRAMID: dict(retention_schedule="pyramid"),
         Feature.ADAKV: dict(retention_schedule="adakv"),

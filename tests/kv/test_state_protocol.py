@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kvjax.config import MlaConfig, ModelConfig
+from kvjax.kv import mixed, quest
 from kvjax.kv import pages as kv_pages
-from kvjax.kv import quest
 from kvjax.kv.quantized import init_quantized_kv
 from kvjax.kv.state import KVState, LatentPagedKV, init_contiguous_kv, init_paged_kv
 
@@ -33,6 +33,7 @@ VARIANTS = {
                                        num_seq_slots=3),
     "quest_paged": lambda: quest.init_quest_kv(init_paged_kv(CONFIG, NUM_PAGES, 4)),
     "quest_int8": lambda: quest.init_quest_kv(init_quantized_kv(CONFIG, NUM_PAGES, 4, "int8")),
+    "mixed_k8v4": lambda: mixed.init_mixed_kv(CONFIG, NUM_PAGES, 4, write_bits=(8, 4)),
 }
 
 # MLA: one latent row of d_c + d_r = 24 + 8 per token and layer.

@@ -226,3 +226,62 @@ def test_registry_and_bad_options():
         SLO(kl_budget=-1.0)
     with pytest.raises(ValueError, match="ttft_s"):
         SLO(ttft_s=True)
+
+
+INPLACE = {0: 1.0, 8: 3.5, 4: 6.0}  # a page's bytes at the write class over at each class
+
+
+def test_in_place_demotion_frees_cold_pages_within_each_kl_budget():
+    """The in-place baseline re-encodes a lower-ranked running sequence's cold pages for a
+    higher-ranked waiting one: it keeps running, pays KL from the measured int8 / int4 table,
+    and never past its budget; pages already rounded free only the difference."""
+    inplace = make_controller("inplace", demote_kl={8: 0.001, 4: 0.02})
+    waiting = seq("w", "waiting", priority=1, slack=5.0, tokens=100)
+
+    def victim(**fields):
+        return dataclasses.replace(seq("v", kl_budget=0.5), **{"pages_at": {0: 20}, **fields})
+
+    d = inplace.decide(state(victim(), waiting, inplace_ratios=INPLACE))
+    assert d.demote_in_place == {"v": 8} and d.kl == {"v": 0.001} and d.offload == ()
+    assert d.victims == () and d.admit_order == ()
+    for kl_budget in (0.0, 0.0005):  # exact only, or less than int8 costs
+        d = inplace.decide(state(victim(kl_budget=kl_budget), waiting,
+                                 inplace_ratios=INPLACE))
+        assert d.demote_in_place == {}
+    # Already at int8: only int4 frees more, 20 * (1/3.5 - 1/6) = 2.4 pages, for 0.019 nats.
+    d = inplace.decide(state(victim(pages_at={8: 20}, inplace_bits=8, kl_spent=0.001),
+                             waiting, inplace_ratios=INPLACE))
+    assert d.demote_in_place == {"v": 4} and d.kl["v"] == pytest.approx(0.02)
+    # A pool of one precision offers none; a higher-ranked sequence is never the victim.
+    assert inplace.decide(state(victim(), waiting)).demote_in_place == {}
+    high = victim(priority=2)
+    assert inplace.decide(state(high, waiting, inplace_ratios=INPLACE)).demote_in_place == {}
+
+
+def test_joint_demotes_in_place_rather_than_stall_a_tight_victim():
+    """A victim that would miss its next token if preempted keeps running with int8 cold
+    pages (0.001 nats: 0.01 s at 10 s per nat) instead of being swapped out."""
+    waiting = seq("w", "waiting", priority=1, slack=3.0, tokens=300)
+    victim = dataclasses.replace(seq("v", slack=0.5, kl_budget=0.5), pages_at={0: 20})
+    ctl = joint(demote_kl={8: 0.001, 4: 0.02})
+    d = ctl.decide(state(victim, waiting, retention=None, inplace_ratios=INPLACE))
+    assert d.demote_in_place == {"v": 8} and d.offload == ()
+    d = ctl.decide(state(victim, waiting, retention=None))  # no mixed pool: today's choice
+    assert d.demote_in_place == {} and d.offload == ("v",)
+
+
+def test_in_place_demotion_makes_room_for_running_sequences_to_grow():
+    """With no page free, a running sequence whose next token starts a page would be
+    preempted mid-step: the in-place baseline demotes the lowest-ranked running sequence's cold
+    pages instead, within its KL budget; with a page free, or no mixed pool, nothing."""
+    inplace = make_controller("inplace", demote_kl={8: 0.001, 4: 0.02})
+    growing = seq("g", priority=1, tokens=4 * P + 1, pages=4)  # its next token needs page 5
+    low = dataclasses.replace(seq("v", kl_budget=0.5), pages_at={0: 20})
+    d = inplace.decide(state(growing, low, inplace_ratios=INPLACE))
+    assert d.demote_in_place == {"v": 8} and d.kl == {"v": 0.001} and d.offload == ()
+    assert inplace.decide(state(growing, low, free=1, inplace_ratios=INPLACE)) \
+        .demote_in_place == {}
+    assert inplace.decide(state(growing, low)).demote_in_place == {}
+    exact_only = dataclasses.replace(low, kl_budget=0.0)
+    assert inplace.decide(state(growing, exact_only, inplace_ratios=INPLACE)) \
+        .demote_in_place == {}
