@@ -84,3 +84,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 _GROUPED_FIXTURES = frozenset({"hf_embedded", "sharded"})
+
+
+# jit keeps its compiled programs in one process-wide LRU of at most 8192 jitted functions. A
+# test process that builds engines for hundreds of tests fills it; an entry of a running
+# engine dropped there compiles again at its next call, which a `kvjax.jit.Program` counts as
+# a new program when that call's arguments differ from the first compile's only in what jax's
+# cache does not key on. Emptying the cache between modules once it is half full keeps every
+# module's engines clear of that.
+_JIT_CACHE_LIMIT = 4096
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_jit_cache():
+    yield
+    from jax._src import pjit  # the sizes are not public; without them, clear every module
+    caches = [getattr(pjit, name, None) for name in
+              ("_cpp_pjit_cache_fun_only", "_cpp_pjit_cache_explicit_attributes")]
+    if any(c is None or c.size() > _JIT_CACHE_LIMIT for c in caches):
+        jax.clear_caches()

@@ -141,6 +141,9 @@ _SETTINGS = {
     Feature.FUSED_KV_WRITE: dict(fused_kv_write=True),
     Feature.ADAKV: dict(retention="snapkv", retention_budget=10,
                         retention_options=dict(window=3), retention_schedule="adakv"),
+    Feature.LOWRANK: dict(kv_codec="lowrank", kv_codec_options=dict(rank=4)),
+    Feature.MIXED_PRECISION: dict(kv_codec="mixed", kv_codec_options=dict(group=4),
+                                  enable_prefix_cache=False),
 }
 
 

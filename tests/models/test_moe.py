@@ -261,6 +261,8 @@ COMPOSING = [
     (Feature.ECHO, Feature.INT8),
     (Feature.RECORD_DECISIONS, Feature.SWAP),
     (Feature.DISAGGREGATION, Feature.INT8),
+    (Feature.LOWRANK, Feature.SWAP),
+    (Feature.MIXED_PRECISION, Feature.SNAPSHOT),
 ]
 # The tiny MoE model's regret bounds (nats; see tests/engine/test_compatibility.py): measured
 # 0.56 with context reuse (CacheBlend, recompute ratio 0.5) and 2.96 with ObservedAttention at
