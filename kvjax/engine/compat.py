@@ -268,9 +268,6 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.HOST_TIER], [Feature.HOST_ROWS],
            "the tiers' checked swaps copy a sequence's pages from its first one, while a "
            "host-resident row's first pages are already in the host pool")
-    refuse([Feature.CONTROLLER], [Feature.HOST_ROWS],
-           "the controller prices swaps, recomputes and demotions with a model of the device "
-           "pool that does not count host-resident rows")
     refuse([Feature.SNAPSHOT], [Feature.HOST_ROWS],
            "a snapshot saves a sequence's pages through its device block table, whose "
            "host-resident entries hold no page")

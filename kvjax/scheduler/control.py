@@ -11,6 +11,7 @@ from kvjax.scheduler.controller import (
     ControlState,
     Decisions,
     FixedController,
+    HostRowRates,
     KVController,
     SeqState,
 )
@@ -42,6 +43,7 @@ class ControllerAdapter:
         self.preemption = preemption
         self._clock = clock
         self.in_place = InPlaceDemotion(None)  # a mixed-precision pool's (set by the engine)
+        self.placement = None  # the scheduler's HostPlacement (host-resident rows)
         if self.controller.manages_retention and kv_cache.retention.policy.evicts:
             kv_cache.retention.default_budget = None  # exact until the controller decides
 
@@ -55,6 +57,7 @@ class ControllerAdapter:
                               ("swapped", table.swapped)):
             for s in queue:
                 held = (len(self.kv_cache.block_table(s.seq_id))
+                        - self.kv_cache.num_host_pages(s.seq_id)  # device pages only
                         if status == "running" and self.kv_cache.has_sequence(s.seq_id) else 0)
                 seqs.append(SeqState(
                     seq_id=s.seq_id, request_id=s.request_id, tenant=s.tenant,
@@ -78,11 +81,18 @@ class ControllerAdapter:
             seqs=tuple(seqs), cached=tuple(self.kv_cache.cached_pages()),
             host_room_bytes=self.kv_cache.host_room_bytes(),
             spills_cached=self.kv_cache.tiers is not None,
-            inplace_ratios=self.in_place.ratios())
+            inplace_ratios=self.in_place.ratios(), host_rows=self._host_rows())
+
+    def _host_rows(self) -> HostRowRates | None:
+        """The host split policy's rates when the engine holds a host pool (else None: the
+        controller offers no "host" action)."""
+        rates = None if self.placement is None else self.placement.row_rates()
+        return None if rates is None else HostRowRates(*rates)
 
     def decide(self) -> list[str]:
-        """Consults the controller and applies its budgets, KL, cached-page keeps and offloads
-        (preempted through the `PreemptionPolicy`); returns the sequences preempted."""
+        """Consults the controller and applies its budgets, KL, cached-page keeps, offloads
+        (preempted through the `PreemptionPolicy`) and host moves (through the
+        `HostPlacement`); returns the sequences preempted."""
         if isinstance(self.controller, FixedController):
             return []  # the configured behaviour decides nothing: no snapshot to build
         self.decisions = d = self.controller.decide(self.state())
@@ -101,6 +111,12 @@ class ControllerAdapter:
                                        seq_id=seq_id, controller=self.controller.name)
                 self.preemption.preempt(seq, d)
                 preempted.append(seq_id)
+        for seq_id in d.to_host:  # they keep decoding, their full pages in the host pool
+            seq = self.table.find(seq_id)
+            if seq is not None and self.placement is not None and self.placement.offload(seq):
+                self.placement.stats["controller_to_host"] += 1
+                self.table.tracer.emit("to_host", "request", f"request/{seq.request_id}",
+                                       seq_id=seq_id, controller=self.controller.name)
         return preempted
 
 

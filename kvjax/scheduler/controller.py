@@ -58,8 +58,10 @@ Controllers are registered by name (`CONTROLLERS`, `register_controller`, `make_
                policy's rates) a host-resident row is one more action beside swap and
                recompute
 
-The engine does not yet offer host rows to a controller (`kvjax.engine.compat` refuses the
-pair); `kvjax.bench.host_attention` prices the choice on a simulated clock.
+The engine offers host rows to a controller when it holds a host pool (`host_split` other than
+'never'): the scheduler's `ControllerAdapter` fills `ControlState.host_rows` from the split
+policy's rates and moves each `Decisions.to_host` row's full pages there;
+`kvjax.bench.host_attention` prices the choice on a simulated clock.
 """
 
 from __future__ import annotations

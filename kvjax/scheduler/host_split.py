@@ -27,6 +27,9 @@ import numpy as np
 
 from kvjax.registry import Registry
 
+# The modelled rates of a policy that measured none (tokens of KV per second, seconds).
+HOST_TOKENS_PER_S, DEVICE_TOKENS_PER_S, DEVICE_STEP_S = 2e8, 4e9, 5e-3
+
 
 @dataclasses.dataclass(frozen=True)
 class RowPlacement:
@@ -54,6 +57,9 @@ class HostSplitPolicy(Protocol):
                 num_free_host: int) -> dict[str, int]:
         """seq_id -> host pages wanted (0 .. num_full_pages); rows left out keep theirs."""
 
+    def rates(self) -> tuple[float, float]:
+        """(host decode-attention tokens per second, device step seconds) for a controller."""
+
 
 class Never:
     name = "never"
@@ -62,6 +68,11 @@ class Never:
 
     def targets(self, rows, num_free_device, num_free_host) -> dict[str, int]:
         return {}
+
+    def rates(self) -> tuple[float, float]:
+        """(the host's decode-attention tokens per second, the device's step seconds) a KV
+        controller prices a host-resident row with: the modelled ones."""
+        return HOST_TOKENS_PER_S, DEVICE_STEP_S
 
 
 class WhenFull(Never):
@@ -103,8 +114,9 @@ class Neo(Never):
     offloads_when_full = True
     uses_host = True
 
-    def __init__(self, host_tokens_per_s: float = 2e8, device_tokens_per_s: float = 4e9,
-                 device_step_s: float = 5e-3):
+    def __init__(self, host_tokens_per_s: float = HOST_TOKENS_PER_S,
+                 device_tokens_per_s: float = DEVICE_TOKENS_PER_S,
+                 device_step_s: float = DEVICE_STEP_S):
         for key, value in (("host_tokens_per_s", host_tokens_per_s),
                            ("device_tokens_per_s", device_tokens_per_s),
                            ("device_step_s", device_step_s)):
@@ -113,6 +125,9 @@ class Neo(Never):
         self.host_tokens_per_s = host_tokens_per_s
         self.device_tokens_per_s = device_tokens_per_s
         self.device_step_s = device_step_s
+
+    def rates(self) -> tuple[float, float]:
+        return self.host_tokens_per_s, self.device_step_s
 
     def targets(self, rows, num_free_device, num_free_host) -> dict[str, int]:
         device_s = self.device_step_s + sum(r.num_tokens for r in rows) / \

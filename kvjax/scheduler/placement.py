@@ -48,12 +48,25 @@ class HostPlacement:
     def offload_a_row(self, ranked_running: list[Sequence]) -> bool:
         """The device pool is full: moves the full device pages of the lowest-ranked decoding
         sequence that has some, and room in the host pool, there; False if none does."""
-        for seq in reversed(ranked_running):
-            if seq.status is not SeqStatus.RUNNING or seq.num_pending != 1:
-                continue  # prefill rows read device pages only
-            row = self._placement(seq)
-            extra = row.num_full_pages - row.num_host_pages
-            if extra > 0 and self.kv_cache.to_host(seq.seq_id, extra):
-                self.stats["host_offloads"] += 1
-                return True
+        return any(self.offload(seq) for seq in reversed(ranked_running))
+
+    def offload(self, seq: Sequence) -> bool:
+        """Moves a decoding sequence's full device pages to the host pool, where its decode
+        attention reads them; False, with nothing moved, when it is no decoding row, has no
+        full device page, or the host pool lacks room."""
+        if not self.policy.uses_host or seq.status is not SeqStatus.RUNNING \
+                or seq.num_pending != 1:
+            return False  # prefill rows read device pages only
+        row = self._placement(seq)
+        extra = row.num_full_pages - row.num_host_pages
+        if extra > 0 and self.kv_cache.to_host(seq.seq_id, extra):
+            self.stats["host_offloads"] += 1
+            return True
         return False
+
+    def row_rates(self) -> tuple[int, float, float] | None:
+        """(free host pages, the host's decode-attention tokens per second, the device's step
+        seconds) a KV controller prices a host-resident row with; None without a host pool."""
+        if not self.policy.uses_host:
+            return None
+        return (self.kv_cache.num_free_host_pages(), *self.policy.rates())

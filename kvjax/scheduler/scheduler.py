@@ -102,7 +102,7 @@ class Scheduler:
         self.stats.update(steps=0, preemptions=0, prefill_tokens=0, decode_tokens=0,
                           preemption_decisions=[], step_time_s=0.0, spec_draft_steps=0,
                           spec_verify_rows=0, spec_proposed=0, spec_accepted=0, demoted_swaps=0,
-                          host_offloads=0)
+                          host_offloads=0, controller_to_host=0)
         self.keys = CacheKeys(config, kv_cache, self.requests, self.chunks, cache_key=cache_key)
         if isinstance(policy, LongestPrefixMatch):
             policy.cached_tokens = self.keys.peek_cached_tokens
@@ -115,6 +115,7 @@ class Scheduler:
                                        tenants=self.tenants, policy=policy, stats=stats,
                                        clock=self._now)
         self.placement = HostPlacement(self.host_split, kv_cache, config.page_size, stats)
+        self.control.placement = self.placement
         self.planner = StepPlanner(
             config, kv_cache, policy, table=self.requests, versions=self.weight_versions,
             control=self.control, preemption=self.preemption, admission=self.admission,

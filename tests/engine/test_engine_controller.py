@@ -204,3 +204,29 @@ def test_the_snapshot_shows_cached_pages_and_host_room(model, prompts):
         assert reused == [(d, 1) for d in range(full)]
         keep = engine.scheduler.controller.decide(state).keep  # the next step's decision
         assert sorted(keep) == sorted(c.page for c in state.cached if c.hits)
+
+
+def test_joint_controller_moves_a_row_to_the_host_pool_instead_of_preempting(model, prompts,
+                                                                              reference):
+    """With host-resident rows on (their host attention priced cheap beside the step), the
+    joint controller makes room for a higher-ranked arrival by moving a running row's full
+    pages to the host pool, where it keeps decoding: nobody is preempted, tokens stay exact."""
+    engine = Engine(model, EngineConfig(**BASE, controller="joint", host_split="when_full",
+                                        num_host_pages=16))
+    compiles = engine.warmup()
+    sampling = SamplingParams(max_new_tokens=NUM_NEW, ignore_eos=True)
+    slo = SLO(ttft_s=60.0, tpot_s=60.0)
+    outs = {}
+    for i in (0, 1, 2):  # two running rows hold 10 of 14 pages when the third (6) arrives
+        engine.add_request(f"r{i}", prompts[i], sampling, priority=i // 2, slo=slo)
+        while i < 2 and engine.scheduler.requests.find(f"r{i}#0").num_computed < len(
+                prompts[i]):
+            outs.update((int(o.request_id[1:]), o) for o in engine.step())
+    while engine.has_unfinished():
+        outs.update((int(o.request_id[1:]), o) for o in engine.step())
+    assert engine.stats["controller_to_host"] > 0 and engine.stats["preemptions"] == 0
+    assert engine.num_compiles == compiles, "a host move compiled a program"
+    host = engine.kv_cache.host_pool
+    assert engine.allocator.num_used_pages() == 0 and host.num_free() == host.num_pages
+    for i in (0, 1, 2):
+        assert outs[i].outputs[0].token_ids == reference[i]
