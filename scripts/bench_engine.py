@@ -33,7 +33,7 @@ from absl import app, flags
 
 import kvjax
 from kvjax import testing
-from kvjax.bench import metrics
+from kvjax.bench import host_tiers, metrics
 from kvjax.bench.workloads import BenchRequest, poisson, shared_prefix
 
 FLAGS = flags.FLAGS
@@ -55,6 +55,10 @@ flags.DEFINE_enum("host_model", "embedded", ["embedded", "tiny"],
                   "Part 3's model: the embedded one, or kvjax.testing's tiny model (a short "
                   "device step, so the host's share of a step shows).")
 flags.DEFINE_integer("host_repeats", 3, "Part 3 runs per scheduling mode (medians reported).")
+flags.DEFINE_bool("host_tiers", False, "Part 3 also measures a multi-turn chat through a "
+                  "host tier (tiny model), sync and async.")
+flags.DEFINE_integer("host_tier_conversations", 4, "Conversations of the --host_tiers chat.")
+flags.DEFINE_integer("host_tier_turns", 3, "Turns per --host_tiers conversation.")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("output_json", None, "Write the results here.")
 
@@ -253,6 +257,24 @@ def part_host(model: kvjax.Model) -> dict:
                                      for reps in runs.values() for r in reps)
     result["wall_saved_ms_per_step"] = sync["wall_ms_per_step"] - asyn["wall_ms_per_step"]
     result["host_hidden_fraction"] = result["wall_saved_ms_per_step"] / sync["host_ms_per_step"]
+    if FLAGS.host_tiers:
+        result["tiers"] = part_host_tiers()
+    return result
+
+
+def part_host_tiers() -> dict:
+    """Host ms per step of a multi-turn chat through a host tier, sync and async."""
+    model = testing.tiny_model()
+    rounds = host_tiers.chat_rounds(testing.ByteTokenizer(), seed=FLAGS.seed,
+                                    conversations=FLAGS.host_tier_conversations,
+                                    turns=FLAGS.host_tier_turns, answer_len=16)
+    config = host_tiers.tier_config(model, rounds, FLAGS.page_size)
+    result = dict(model=model.config.name, conversations=FLAGS.host_tier_conversations,
+                  turns=FLAGS.host_tier_turns, device_pages=config["num_pages"])
+    for mode in ("sync", "async"):
+        result[mode] = host_tiers.host_tier_steps(model, rounds, config,
+                                                  is_async=mode == "async")
+    result["identical_tokens"] = result["sync"].pop("tokens") == result["async"].pop("tokens")
     return result
 
 
@@ -296,6 +318,19 @@ def format_tables(results: dict) -> str:
                          f"{100 * r['host_fraction_of_wall']:.1f}% |")
         lines.append(f"wall saved per step: {host['wall_saved_ms_per_step']:.2f} ms = "
                      f"{100 * host['host_hidden_fraction']:.0f}% of the sync host time")
+    tiers = (host or {}).get("tiers")
+    if tiers:
+        lines += ["", f"host tier, {tiers['model']}, {tiers['conversations']} conversations x "
+                  f"{tiers['turns']} turns, {tiers['device_pages']} device pages (identical "
+                  f"tokens: {tiers['identical_tokens']})",
+                  "| scheduling | host ms/step | wall ms/step | host fraction | steps "
+                  "| step calls measured | tier-hit tokens | prefill tokens |", "|" + "---|" * 8]
+        for mode in ("sync", "async"):
+            r = tiers[mode]
+            lines.append(f"| {mode} | {r['host_ms_per_step']:.2f} | {r['wall_ms_per_step']:.2f} "
+                         f"| {100 * r['host_fraction_of_wall']:.1f}% | {r['steps']} | "
+                         f"{r['measured_steps']} | {r['tier_hit_tokens']} | "
+                         f"{r['prefill_tokens']} |")
     return "\n".join(lines)
 
 
@@ -325,7 +360,8 @@ def main(argv):
             "parts", "max_model_len", "page_size", "budget_seqs", "max_num_seqs",
             "memory_requests", "prompt_median", "output_median", "prefix_requests",
             "prefix_rate", "prefix_len", "prefix_output_len", "host_batch", "host_new_tokens",
-            "host_model", "host_repeats", "seed")}
+            "host_model", "host_repeats", "host_tiers", "host_tier_conversations",
+            "host_tier_turns", "seed")}
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(flags=flag_values, env=env, results=results), f, indent=1)
 

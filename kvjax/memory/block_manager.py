@@ -16,13 +16,9 @@ the device before it writes.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable, Hashable, Sequence
 
-import numpy as np
-
 from kvjax.delegation import delegate
-from kvjax.memory.compaction import compact, retain_layout
 from kvjax.memory.page_pool import FreeList as FreeList  # re-exported for its importers
 from kvjax.memory.page_pool import PagePool, PageSource
 from kvjax.memory.prefix_cache import (
@@ -31,14 +27,10 @@ from kvjax.memory.prefix_cache import (
     hash_page,
     hash_root,
 )
+from kvjax.memory.table_edits import RELEASED as RELEASED  # re-exported for its importers
+from kvjax.memory.table_edits import AllocStatus as AllocStatus
+from kvjax.memory.table_edits import SeqPages, TableEdits
 from kvjax.trace import Tracer
-
-
-class AllocStatus(enum.Enum):
-    """Outcome of an allocation; on NO_PAGES nothing changed and the scheduler preempts."""
-
-    OK = "ok"
-    NO_PAGES = "no_pages"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,21 +74,6 @@ class BlockManagerStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens
 
 
-RELEASED = -1  # a block-table entry whose page a sliding-window manager gave back
-
-
-@dataclasses.dataclass
-class _Sequence:
-    # [pages_per_seq] page ids, position p lives in block_table[p // P]; RELEASED entries (a
-    # sliding window's pages that fell out of it) hold no page.
-    block_table: list[int]
-    cache_key: bytes
-    page_hashes: list[bytes]  # hash chain of the leading full pages whose content is known
-    num_tokens: int  # current length: the cached prefix, then the `end` of the last write
-    num_cached_tokens: int  # prompt tokens attached from the prefix cache
-    is_indexable: bool = True  # False once `retain` dropped tokens from the pages
-
-
 class BlockManager:
     """Allocates pages of P tokens to sequences and shares full pages through a prefix cache.
 
@@ -128,7 +105,8 @@ class BlockManager:
                              else None)
         self.pool = PagePool(num_pages, pages, self.prefix_cache)
         self._free_pages = self.pool.free_pages  # the same PageSource, read by the tests
-        self._seqs: dict[Hashable, _Sequence] = {}
+        self._seqs: dict[Hashable, SeqPages] = {}
+        self.edits = TableEdits(self.pool, page_size, self._get)
         self._stats = BlockManagerStats()
 
     @property
@@ -169,6 +147,11 @@ class BlockManager:
     keep_cached = delegate("pool", PagePool.keep_cached)
     num_givable_pages = delegate("pool", PagePool.num_givable_pages)
     give_back_cached = delegate("pool", PagePool.give_back_cached)
+    retain = delegate("edits", TableEdits.retain)
+    pages_to_retain = delegate("edits", TableEdits.pages_to_retain)
+    truncate = delegate("edits", TableEdits.truncate)
+    release_pages = delegate("edits", TableEdits.release_pages)
+    fill_pages = delegate("edits", TableEdits.fill_pages)
 
     def has_sequence(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -274,7 +257,7 @@ class BlockManager:
                 prefix_hits=self._stats.prefix_hits + len(pages),
                 prefix_hit_tokens=self._stats.prefix_hit_tokens + num_cached,
             )
-        self._seqs[seq_id] = _Sequence(
+        self._seqs[seq_id] = SeqPages(
             block_table=pages,
             cache_key=cache_key,
             page_hashes=hashes,
@@ -405,68 +388,6 @@ class BlockManager:
             if seq.block_table[index] != RELEASED:
                 self.prefix_cache.insert(parent, seq.block_table[index], index, owner=root)
 
-    def retain(
-        self, seq_id: Hashable, keep: Sequence[int]
-    ) -> tuple[AllocStatus, np.ndarray, np.ndarray, list[int]]:
-        """Keeps only positions `keep` of `seq_id`, compacted in order to positions 0..S'-1.
-
-        A page of the new layout whose tokens are one old page's tokens at the same offsets is
-        that old page, unmoved. Every other page of the new layout gets its tokens by slot moves
-        into a private page: the sequence's old page at the same index when no other sequence
-        or the prefix cache holds it (and the new layout does not reuse it), else a new page,
-        so shared and indexed pages are never written. Old pages the new layout does not use
-        are released. From now on the sequence indexes nothing in the prefix cache (its pages
-        no longer hold the K/V of its token chain). All-or-nothing: on NO_PAGES nothing changed.
-
-        Args:
-            seq_id: a registered sequence.
-            keep: [S'] strictly increasing positions in [0, length), S' >= 1.
-
-        Returns:
-            (status, src, dst, freed): the device copies token slot src[i] (page * P + offset)
-            into slot dst[i], every read before any write, before the next write to the
-            sequence; `freed` are the pages that went to the free list.
-        """
-        seq = self._get(seq_id)
-        keep = np.asarray(keep, np.int64)  # [S']
-        layout = retain_layout(seq.block_table, seq.num_tokens, keep, self.page_size,
-                               self.pool.is_shared)
-        if layout.num_alloc > self.num_free_pages():
-            return AllocStatus.NO_PAGES, np.zeros(0, np.int64), np.zeros(0, np.int64), []
-        old = seq.block_table
-        table, src, dst = compact(old, keep, self.page_size, layout, self.pool.allocate)
-        kept = set(layout.reused.values()) | layout.own
-        freed = [page for index, page in enumerate(old)
-                 if index not in kept and self.pool.release(page)]
-        seq.block_table = table
-        seq.num_tokens = len(keep)
-        seq.page_hashes = []
-        seq.is_indexable = False
-        return AllocStatus.OK, src, dst, freed
-
-    def pages_to_retain(self, seq_id: Hashable, keep: Sequence[int]) -> int:
-        """New pages `retain(seq_id, keep)` would take from the free list."""
-        seq = self._get(seq_id)
-        return retain_layout(seq.block_table, seq.num_tokens, np.asarray(keep, np.int64),
-                             self.page_size, self.pool.is_shared).num_alloc
-
-    def truncate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
-        """Shortens a sequence to its first `num_tokens` tokens (rejected speculative drafts):
-        pages past them are released and hashes of pages they no longer fill are dropped.
-
-        Returns:
-            The pages that went to the free list.
-        """
-        seq = self._get(seq_id)
-        if not 0 <= num_tokens <= seq.num_tokens:
-            raise ValueError(f"truncate of sequence {seq_id!r} to {num_tokens} tokens, but it "
-                             f"has {seq.num_tokens}")
-        keep = -(-num_tokens // self.page_size)
-        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
-        del seq.page_hashes[num_tokens // self.page_size:]
-        seq.num_tokens = num_tokens
-        return [page for page in reversed(tail) if page != RELEASED and self.pool.release(page)]
-
     def release_before(self, seq_id: Hashable, position: int) -> list[int]:
         """With a window: gives back the sequence's pages that no query from `position` on
         reads (every token older than the window before it); their entries become RELEASED.
@@ -486,34 +407,6 @@ class BlockManager:
                 if self.pool.release(page):
                     freed.append(page)
         return freed
-
-    def release_pages(self, seq_id: Hashable, first: int, num: int) -> tuple[list[int], list[int]]:
-        """Gives back the device pages of block-table entries [first, first + num) (their
-        content now lives elsewhere: a host pool); the entries become RELEASED.
-
-        Returns:
-            (the pages the entries held, in order; those that went to the free list).
-        """
-        seq = self._get(seq_id)
-        entries = seq.block_table[first:first + num]
-        if len(entries) != num or RELEASED in entries:
-            raise ValueError(f"sequence {seq_id!r} holds no pages at entries "
-                             f"[{first}, {first + num})")
-        seq.block_table[first:first + num] = [RELEASED] * num
-        return entries, [page for page in entries if self.pool.release(page)]
-
-    def fill_pages(self, seq_id: Hashable, first: int, num: int) -> list[int] | None:
-        """Fresh private pages for RELEASED entries [first, first + num) (content coming back
-        from elsewhere); None, with nothing changed, when the pool lacks them."""
-        seq = self._get(seq_id)
-        if seq.block_table[first:first + num] != [RELEASED] * num:
-            raise ValueError(f"entries [{first}, {first + num}) of sequence {seq_id!r} are not "
-                             "all released")
-        if self.num_free_pages() < num:
-            return None
-        pages = [self.pool.allocate() for _ in range(num)]
-        seq.block_table[first:first + num] = pages
-        return pages
 
     def take_released(self) -> list[int]:
         """Pages windows gave back since the last call: none here (`release_before` returns
@@ -542,12 +435,12 @@ class BlockManager:
         """The cache key `seq_id` was registered with (the seed of its hash chain)."""
         return self._get(seq_id).cache_key
 
-    def _get(self, seq_id: Hashable) -> _Sequence:
+    def _get(self, seq_id: Hashable) -> SeqPages:
         if seq_id not in self._seqs:
             raise ValueError(f"unknown sequence {seq_id!r}")
         return self._seqs[seq_id]
 
-    def _plan(self, seq: _Sequence, start: int, end: int) -> tuple[list[int], int]:
+    def _plan(self, seq: SeqPages, start: int, end: int) -> tuple[list[int], int]:
         """(indices in the block table to copy on write, number of pages to append)."""
         num_pages_after = -(-end // self.page_size)
         num_new = max(0, num_pages_after - len(seq.block_table))
