@@ -13,7 +13,6 @@ KVJAX = pathlib.Path(__file__).resolve().parent.parent / "kvjax"
 # that no longer exceeds the limit fails the test until it is removed.
 ALLOWED = {
     "kvjax/memory/block_manager.py::BlockManager",
-    "kvjax/server/serving.py::OpenAIServing",
 }
 
 

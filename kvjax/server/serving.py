@@ -13,9 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -44,9 +43,9 @@ from kvjax.server.output import (
     prompt_logprobs_entries,
     token_strings,
 )
+from kvjax.server.responses import ResponseBuilder
 from kvjax.server.structured import (
     GRAMMAR_ERRORS,
-    ToolCallStream,
     ToolPlan,
     chat_turns,
     request_grammar,
@@ -240,46 +239,6 @@ class _Generation:
         return self.last.num_cached_prompt_tokens if self.last is not None else 0
 
 
-async def _merged(generations: Sequence[_Generation]
-                  ) -> AsyncIterator[list[SampleDelta]]:
-    """The deltas of several generations, as they come."""
-    if len(generations) == 1:
-        async for deltas in generations[0].deltas():
-            yield deltas
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(generation: _Generation) -> None:
-        try:
-            async for deltas in generation.deltas():
-                await queue.put(deltas)
-            await queue.put(None)
-        except BaseException as e:  # Handed to the consumer, which re-raises it.
-            await queue.put(e)
-
-    tasks = [asyncio.ensure_future(pump(g)) for g in generations]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _wait_for_disconnect(raw: Request) -> None:
-    """Returns when the client goes away (the body has been read, so the next ASGI message
-    is the disconnect)."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
 class OpenAIServing:
     """The endpoints over one `AsyncEngine`.
 
@@ -306,6 +265,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.affinities = AffinityBook()
         self._token_text = token_strings(tokenizer)
+        self.responses = ResponseBuilder(config, self._token_text)
 
     # ----------------------------------------------------------------------------- endpoints
 
@@ -535,7 +495,7 @@ class OpenAIServing:
         echoes = None if echo_texts is None else await self._echoes(requests, echo_texts, body)
         prompt_lps = None
         if body.prompt_logprobs is not None:
-            spell = self._spelling(body)
+            spell = self.responses.spelling(body)
             prompt_lps = [prompt_logprobs_entries(
                 r.prompt_ids, await self._score(r, body.prompt_logprobs), spell)
                 for r in requests]
@@ -545,9 +505,9 @@ class OpenAIServing:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                self._sse(api_id, generations, chat, body, include_usage, tools),
+                self.responses.sse(api_id, generations, chat, body, include_usage, tools),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._complete(api_id, generations, chat, body, raw, tools)
+        return await self.responses.complete(api_id, generations, chat, body, raw, tools)
 
     async def _echoes(self, requests: list[EngineRequest], texts: list[str | None], body
                       ) -> list[SampleDelta]:
@@ -678,123 +638,3 @@ class OpenAIServing:
             message = f"{param}: {refusal}" if param == grammar_field else str(refusal)
             raise ApiError(400, message, param=param)
         return generations
-
-    # ----------------------------------------------------------------------------- responses
-
-    def _spelling(self, body) -> Callable[[int], str]:
-        """How logprob objects spell a token: its text, or "token_id:<id>" when asked."""
-        return (lambda t: f"token_id:{t}") if body.return_tokens_as_token_ids else \
-            self._token_text
-
-    def _logprobs(self, body, chat: bool, deltas: Sequence[SampleDelta]) -> dict | None:
-        """The logprobs object of one choice over `deltas` (one sample's, in order)."""
-        if not body.wants_logprobs:
-            return None
-        spell = self._spelling(body)
-        ids = [t for d in deltas for t in d.token_ids]
-        lps = [lp for d in deltas for lp in d.logprobs]
-        tops = [t for d in deltas for t in (d.top_logprobs or [{}] * len(d.token_ids))]
-        if chat:
-            def entry(token, logprob):
-                text = spell(token)
-                return dict(token=text, logprob=logprob, bytes=list(text.encode()))
-
-            return dict(content=[dict(entry(t, lp), top_logprobs=[
-                entry(k, v) for k, v in top.items()]) for t, lp, top in zip(ids, lps, tops,
-                                                                           strict=True)])
-        return dict(tokens=[spell(t) for t in ids], token_logprobs=lps,
-                    top_logprobs=[None if top is None else {spell(k): v for k, v in top.items()}
-                                  for top in tops] if body.num_top_logprobs else None,
-                    text_offset=[o for d in deltas for o in d.text_offsets])
-
-    def _usage(self, generations: Sequence[_Generation]) -> dict[str, Any]:
-        return protocol.usage(sum(g.num_prompt_tokens for g in generations),
-                              sum(g.num_completion_tokens for g in generations),
-                              sum(g.num_cached_tokens for g in generations))
-
-    async def _complete(self, api_id: str, generations: list[_Generation], chat: bool, body,
-                        raw: Request, tools: ToolPlan | None) -> Response:
-        per_choice: dict[int, list[SampleDelta]] = {}
-
-        async def collect() -> None:
-            async for deltas in _merged(generations):
-                for d in deltas:
-                    per_choice.setdefault(d.index, []).append(d)
-
-        work = asyncio.ensure_future(collect())
-        gone = asyncio.ensure_future(_wait_for_disconnect(raw))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-            for generation in generations:
-                generation.abort()
-        if not work.done() or work.cancelled():
-            return Response(status_code=499)  # The client is gone; nobody reads this.
-        work.result()  # An engine failure surfaces here.
-        choices = []
-        for index in sorted(per_choice):
-            deltas = per_choice[index]
-            text = "".join(d.text for d in deltas)
-            choice = dict(index=index, logprobs=self._logprobs(body, chat, deltas),
-                          finish_reason=deltas[-1].finish_reason)
-            if tools is not None:
-                choice["message"], choice["finish_reason"] = tools.message(
-                    text, choice["finish_reason"])
-            elif chat:
-                choice["message"] = dict(role="assistant", content=text)
-            else:
-                choice["text"] = text
-                if body.prompt_logprobs is not None:  # vLLM's place: each choice
-                    choice["prompt_logprobs"] = generations[index // body.n].prompt_logprobs
-            choices.append(choice)
-        extra = {}
-        if chat and body.prompt_logprobs is not None:  # vLLM's place: the response
-            extra["prompt_logprobs"] = generations[0].prompt_logprobs
-        return JSONResponse(dict(
-            id=api_id, object="chat.completion" if chat else "text_completion",
-            created=protocol.now(), model=self.config.model_name, choices=choices,
-            usage=self._usage(generations), **extra))
-
-    async def _sse(self, api_id: str, generations: list[_Generation], chat: bool, body,
-                   include_usage: bool, tools: ToolPlan | None) -> AsyncIterator[str]:
-        created = protocol.now()
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        held: dict[int, ToolCallStream] = {}
-
-        def event(choices: list[dict], **extra) -> str:
-            chunk = dict(id=api_id, object=kind, created=created,
-                         model=self.config.model_name, choices=choices, **extra)
-            return f"data: {json.dumps(chunk)}\n\n"
-
-        try:
-            if chat:
-                yield event([dict(index=i, delta=dict(role="assistant", content=""),
-                                  logprobs=None, finish_reason=None)
-                             for i in range(len(generations) * body.n)])
-            async for deltas in _merged(generations):
-                choices = []
-                for d in deltas:
-                    choice = dict(index=d.index, logprobs=self._logprobs(body, chat, [d]),
-                                  finish_reason=d.finish_reason)
-                    if tools is not None:
-                        choice["delta"], choice["finish_reason"] = held.setdefault(
-                            d.index, ToolCallStream(tools)).delta(d.text, d.finish_reason)
-                    elif chat:
-                        choice["delta"] = dict(content=d.text) if d.text or d.token_ids else {}
-                    else:
-                        choice["text"] = d.text
-                    choices.append(choice)
-                yield event(choices)
-            if include_usage:
-                yield event([], usage=self._usage(generations))
-        except Exception as e:  # Headers are sent: the error goes in the stream.
-            logger.exception("stream %s failed", api_id)
-            message = str(e) if isinstance(e, RequestFailed) else "internal error"
-            yield f"data: {json.dumps(protocol.error_body(message, type='server_error'))}\n\n"
-        finally:
-            for generation in generations:
-                generation.abort()
-        yield "data: [DONE]\n\n"
