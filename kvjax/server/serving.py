@@ -239,6 +239,30 @@ class _Generation:
         return self.last.num_cached_prompt_tokens if self.last is not None else 0
 
 
+def request_id_of(raw: Request) -> str | None:
+    """The X-Request-Id header (the response's id and the engine requests' prefix)."""
+    request_id = raw.headers.get(REQUEST_ID_HEADER)
+    if request_id is None:
+        return None
+    problem = name_problem(request_id)
+    if problem is not None:
+        raise ApiError(400, f"header X-Request-Id {problem}", param="X-Request-Id")
+    return request_id
+
+def slo_of(raw: Request) -> SLO | None:
+    """The request's SLO from its X-SLO-TTFT-S / X-SLO-TPOT-S / X-KL-Budget headers; None
+    without them (the engine's default SLO)."""
+    given = {k: raw.headers.get(h) for k, h in SLO_HEADERS.items()
+             if raw.headers.get(h) is not None}
+    if not given:
+        return None
+    try:
+        return SLO(**{k: float(v) for k, v in given.items()})
+    except ValueError as e:
+        raise ApiError(400, f"SLO headers {sorted(SLO_HEADERS[k] for k in given)}: {e}",
+                       param=SLO_HEADERS[next(iter(given))]) from None
+
+
 class OpenAIServing:
     """The endpoints over one `AsyncEngine`.
 
@@ -416,31 +440,6 @@ class OpenAIServing:
                            param="X-Priority")
         return tenant, value
 
-    @staticmethod
-    def _request_id(raw: Request) -> str | None:
-        """The X-Request-Id header (the response's id and the engine requests' prefix)."""
-        request_id = raw.headers.get(REQUEST_ID_HEADER)
-        if request_id is None:
-            return None
-        problem = name_problem(request_id)
-        if problem is not None:
-            raise ApiError(400, f"header X-Request-Id {problem}", param="X-Request-Id")
-        return request_id
-
-    @staticmethod
-    def _slo(raw: Request) -> SLO | None:
-        """The request's SLO from its X-SLO-TTFT-S / X-SLO-TPOT-S / X-KL-Budget headers; None
-        without them (the engine's default SLO)."""
-        given = {k: raw.headers.get(h) for k, h in SLO_HEADERS.items()
-                 if raw.headers.get(h) is not None}
-        if not given:
-            return None
-        try:
-            return SLO(**{k: float(v) for k, v in given.items()})
-        except ValueError as e:
-            raise ApiError(400, f"SLO headers {sorted(SLO_HEADERS[k] for k in given)}: {e}",
-                           param=SLO_HEADERS[next(iter(given))]) from None
-
     def _sampling(self, body, max_new_tokens: int, grammar) -> SamplingParams:
         self._check_in_vocab(body.stop_token_ids or (), "stop_token_ids")
         try:
@@ -473,8 +472,8 @@ class OpenAIServing:
                            f"at most {self.config.max_waiting} sequences", param="n")
         field, grammar = _constraint(body, tools)
         tenant, priority = self._identity(body, raw)
-        slo = self._slo(raw)
-        api_id = self._request_id(raw) or protocol.new_id("chatcmpl" if chat else "cmpl")
+        slo = slo_of(raw)
+        api_id = request_id_of(raw) or protocol.new_id("chatcmpl" if chat else "cmpl")
         arrival = self.engine.clock()
         requests = []
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -576,7 +575,7 @@ class OpenAIServing:
         sampling = dataclasses.replace(self._sampling(body, max_new, grammar),
                                        max_new_tokens=1, min_tokens=0, grammar=None)
         tenant, priority = self._identity(body, raw)
-        api_id = self._request_id(raw) or protocol.new_id("prefill")
+        api_id = request_id_of(raw) or protocol.new_id("prefill")
         request = EngineRequest(request_id=f"{api_id}-prefill", prompt_ids=ids,
                                 sampling=sampling, tenant=tenant, priority=priority,
                                 arrival_time=self.engine.clock(), model=self.route)
