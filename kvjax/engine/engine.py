@@ -6,6 +6,10 @@
   * `KVCacheManager` (kvjax.memory): pages, prefix cache, swap space, tiers, retention;
   * `ModelRunner` (kvjax.engine.runner): the device KV pool, params and the jitted step;
   * `EngineCore` (kvjax.engine.core): step = schedule -> execute -> update.
+
+Its own work is split into components: `RequestIntake` (kvjax.engine.intake: checking and
+queueing requests), `kvjax.engine.assembly` (tiers, KV programs, the scheduler's config,
+warm-up) and `kvjax.engine.recording` (the KV provenance, decision recordings).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ server-sent event stream in OpenAI's chunk format. Every refusal is an `ApiError
 OpenAI's error JSON: 400 for a bad value (naming the field), 404 for an unknown model, 429
 with Retry-After beyond the waiting-queue bound, 503 while draining. A client that
 disconnects has its requests aborted at once, which frees their KV pages.
+
+The responses themselves (JSON bodies, streamed chunks, logprobs, usage) are built by
+`ResponseBuilder` (kvjax.server.responses).
 """
 
 from __future__ import annotations
