@@ -115,3 +115,28 @@ def at_start(kv: Any, model: Any, config: Any) -> Any:
     if codec is None or codec.calibration is not codecs.LowRankCalibration.EMBEDDED:
         return kv
     return kv.with_basis(key_bases(model, embedded_prompts(model), codec.rank))
+
+
+def calibrate(runner, model, config, prompts, *, margin: float | None = None) -> None:
+    """Calibrates `runner`'s pool from `prompts` (see `Engine.calibrate_kv`): a low-rank
+    pool's key bases, or a `scaling='calibrated'` fp8 pool's K and V scales."""
+    from kvjax.kv import quantized  # Imported lazily: fp8 engines only.
+    from kvjax.memory.ops import KVOp, KVOpKind
+
+    lowrank = lowrank_codec(config)
+    if lowrank is not None:  # margin does not apply: the bases keep the top-r directions
+        basis = key_bases(model, prompts, lowrank.rank)
+        runner.apply(KVOp(KVOpKind.CALIBRATE), lambda kv: kv.with_basis(basis))
+        return
+    codec = (quantized.make_codec(config.kv_codec, **config.kv_codec_options)
+             if config.kv_codec != "none" else None)
+    if not isinstance(codec, quantized.codecs.Fp8Codec) or codec.scaling.value != \
+            "calibrated":
+        raise ValueError(f"calibrate_kv needs kv_codec fp8_e4m3/fp8_e5m2 with "
+                         f"scaling='calibrated', got {config.kv_codec!r} "
+                         f"{config.kv_codec_options}")
+    k_scale, v_scale = calibration.fp8_kv_scales(
+        model.params, model.config, prompts, codec.fmt,
+        margin=calibration.DEFAULT_MARGIN if margin is None else margin)
+    runner.apply(KVOp(KVOpKind.CALIBRATE),
+                 lambda kv: quantized.calibrate_fp8(kv, k_scale, v_scale))

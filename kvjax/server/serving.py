@@ -6,6 +6,9 @@ server-sent event stream in OpenAI's chunk format. Every refusal is an `ApiError
 OpenAI's error JSON: 400 for a bad value (naming the field), 404 for an unknown model, 429
 with Retry-After beyond the waiting-queue bound, 503 while draining. A client that
 disconnects has its requests aborted at once, which frees their KV pages.
+
+The responses themselves (JSON bodies, streamed chunks, logprobs, usage) are built by
+`ResponseBuilder` (kvjax.server.responses).
 """
 
 from __future__ import annotations
@@ -13,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -44,9 +46,9 @@ from kvjax.server.output import (
     prompt_logprobs_entries,
     token_strings,
 )
+from kvjax.server.responses import ResponseBuilder
 from kvjax.server.structured import (
     GRAMMAR_ERRORS,
-    ToolCallStream,
     ToolPlan,
     chat_turns,
     request_grammar,
@@ -240,44 +242,28 @@ class _Generation:
         return self.last.num_cached_prompt_tokens if self.last is not None else 0
 
 
-async def _merged(generations: Sequence[_Generation]
-                  ) -> AsyncIterator[list[SampleDelta]]:
-    """The deltas of several generations, as they come."""
-    if len(generations) == 1:
-        async for deltas in generations[0].deltas():
-            yield deltas
-        return
-    queue: asyncio.Queue = asyncio.Queue()
+def request_id_of(raw: Request) -> str | None:
+    """The X-Request-Id header (the response's id and the engine requests' prefix)."""
+    request_id = raw.headers.get(REQUEST_ID_HEADER)
+    if request_id is None:
+        return None
+    problem = name_problem(request_id)
+    if problem is not None:
+        raise ApiError(400, f"header X-Request-Id {problem}", param="X-Request-Id")
+    return request_id
 
-    async def pump(generation: _Generation) -> None:
-        try:
-            async for deltas in generation.deltas():
-                await queue.put(deltas)
-            await queue.put(None)
-        except BaseException as e:  # Handed to the consumer, which re-raises it.
-            await queue.put(e)
-
-    tasks = [asyncio.ensure_future(pump(g)) for g in generations]
+def slo_of(raw: Request) -> SLO | None:
+    """The request's SLO from its X-SLO-TTFT-S / X-SLO-TPOT-S / X-KL-Budget headers; None
+    without them (the engine's default SLO)."""
+    given = {k: raw.headers.get(h) for k, h in SLO_HEADERS.items()
+             if raw.headers.get(h) is not None}
+    if not given:
+        return None
     try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _wait_for_disconnect(raw: Request) -> None:
-    """Returns when the client goes away (the body has been read, so the next ASGI message
-    is the disconnect)."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
+        return SLO(**{k: float(v) for k, v in given.items()})
+    except ValueError as e:
+        raise ApiError(400, f"SLO headers {sorted(SLO_HEADERS[k] for k in given)}: {e}",
+                       param=SLO_HEADERS[next(iter(given))]) from None
 
 
 class OpenAIServing:
@@ -306,6 +292,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.affinities = AffinityBook()
         self._token_text = token_strings(tokenizer)
+        self.responses = ResponseBuilder(config, self._token_text)
 
     # ----------------------------------------------------------------------------- endpoints
 
@@ -456,31 +443,6 @@ class OpenAIServing:
                            param="X-Priority")
         return tenant, value
 
-    @staticmethod
-    def _request_id(raw: Request) -> str | None:
-        """The X-Request-Id header (the response's id and the engine requests' prefix)."""
-        request_id = raw.headers.get(REQUEST_ID_HEADER)
-        if request_id is None:
-            return None
-        problem = name_problem(request_id)
-        if problem is not None:
-            raise ApiError(400, f"header X-Request-Id {problem}", param="X-Request-Id")
-        return request_id
-
-    @staticmethod
-    def _slo(raw: Request) -> SLO | None:
-        """The request's SLO from its X-SLO-TTFT-S / X-SLO-TPOT-S / X-KL-Budget headers; None
-        without them (the engine's default SLO)."""
-        given = {k: raw.headers.get(h) for k, h in SLO_HEADERS.items()
-                 if raw.headers.get(h) is not None}
-        if not given:
-            return None
-        try:
-            return SLO(**{k: float(v) for k, v in given.items()})
-        except ValueError as e:
-            raise ApiError(400, f"SLO headers {sorted(SLO_HEADERS[k] for k in given)}: {e}",
-                           param=SLO_HEADERS[next(iter(given))]) from None
-
     def _sampling(self, body, max_new_tokens: int, grammar) -> SamplingParams:
         self._check_in_vocab(body.stop_token_ids or (), "stop_token_ids")
         try:
@@ -513,8 +475,8 @@ class OpenAIServing:
                            f"at most {self.config.max_waiting} sequences", param="n")
         field, grammar = _constraint(body, tools)
         tenant, priority = self._identity(body, raw)
-        slo = self._slo(raw)
-        api_id = self._request_id(raw) or protocol.new_id("chatcmpl" if chat else "cmpl")
+        slo = slo_of(raw)
+        api_id = request_id_of(raw) or protocol.new_id("chatcmpl" if chat else "cmpl")
         arrival = self.engine.clock()
         requests = []
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -535,7 +497,7 @@ class OpenAIServing:
         echoes = None if echo_texts is None else await self._echoes(requests, echo_texts, body)
         prompt_lps = None
         if body.prompt_logprobs is not None:
-            spell = self._spelling(body)
+            spell = self.responses.spelling(body)
             prompt_lps = [prompt_logprobs_entries(
                 r.prompt_ids, await self._score(r, body.prompt_logprobs), spell)
                 for r in requests]
@@ -545,9 +507,9 @@ class OpenAIServing:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                self._sse(api_id, generations, chat, body, include_usage, tools),
+                self.responses.sse(api_id, generations, chat, body, include_usage, tools),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._complete(api_id, generations, chat, body, raw, tools)
+        return await self.responses.complete(api_id, generations, chat, body, raw, tools)
 
     async def _echoes(self, requests: list[EngineRequest], texts: list[str | None], body
                       ) -> list[SampleDelta]:
@@ -616,7 +578,7 @@ class OpenAIServing:
         sampling = dataclasses.replace(self._sampling(body, max_new, grammar),
                                        max_new_tokens=1, min_tokens=0, grammar=None)
         tenant, priority = self._identity(body, raw)
-        api_id = self._request_id(raw) or protocol.new_id("prefill")
+        api_id = request_id_of(raw) or protocol.new_id("prefill")
         request = EngineRequest(request_id=f"{api_id}-prefill", prompt_ids=ids,
                                 sampling=sampling, tenant=tenant, priority=priority,
                                 arrival_time=self.engine.clock(), model=self.route)
@@ -678,123 +640,3 @@ class OpenAIServing:
             message = f"{param}: {refusal}" if param == grammar_field else str(refusal)
             raise ApiError(400, message, param=param)
         return generations
-
-    # ----------------------------------------------------------------------------- responses
-
-    def _spelling(self, body) -> Callable[[int], str]:
-        """How logprob objects spell a token: its text, or "token_id:<id>" when asked."""
-        return (lambda t: f"token_id:{t}") if body.return_tokens_as_token_ids else \
-            self._token_text
-
-    def _logprobs(self, body, chat: bool, deltas: Sequence[SampleDelta]) -> dict | None:
-        """The logprobs object of one choice over `deltas` (one sample's, in order)."""
-        if not body.wants_logprobs:
-            return None
-        spell = self._spelling(body)
-        ids = [t for d in deltas for t in d.token_ids]
-        lps = [lp for d in deltas for lp in d.logprobs]
-        tops = [t for d in deltas for t in (d.top_logprobs or [{}] * len(d.token_ids))]
-        if chat:
-            def entry(token, logprob):
-                text = spell(token)
-                return dict(token=text, logprob=logprob, bytes=list(text.encode()))
-
-            return dict(content=[dict(entry(t, lp), top_logprobs=[
-                entry(k, v) for k, v in top.items()]) for t, lp, top in zip(ids, lps, tops,
-                                                                           strict=True)])
-        return dict(tokens=[spell(t) for t in ids], token_logprobs=lps,
-                    top_logprobs=[None if top is None else {spell(k): v for k, v in top.items()}
-                                  for top in tops] if body.num_top_logprobs else None,
-                    text_offset=[o for d in deltas for o in d.text_offsets])
-
-    def _usage(self, generations: Sequence[_Generation]) -> dict[str, Any]:
-        return protocol.usage(sum(g.num_prompt_tokens for g in generations),
-                              sum(g.num_completion_tokens for g in generations),
-                              sum(g.num_cached_tokens for g in generations))
-
-    async def _complete(self, api_id: str, generations: list[_Generation], chat: bool, body,
-                        raw: Request, tools: ToolPlan | None) -> Response:
-        per_choice: dict[int, list[SampleDelta]] = {}
-
-        async def collect() -> None:
-            async for deltas in _merged(generations):
-                for d in deltas:
-                    per_choice.setdefault(d.index, []).append(d)
-
-        work = asyncio.ensure_future(collect())
-        gone = asyncio.ensure_future(_wait_for_disconnect(raw))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-            for generation in generations:
-                generation.abort()
-        if not work.done() or work.cancelled():
-            return Response(status_code=499)  # The client is gone; nobody reads this.
-        work.result()  # An engine failure surfaces here.
-        choices = []
-        for index in sorted(per_choice):
-            deltas = per_choice[index]
-            text = "".join(d.text for d in deltas)
-            choice = dict(index=index, logprobs=self._logprobs(body, chat, deltas),
-                          finish_reason=deltas[-1].finish_reason)
-            if tools is not None:
-                choice["message"], choice["finish_reason"] = tools.message(
-                    text, choice["finish_reason"])
-            elif chat:
-                choice["message"] = dict(role="assistant", content=text)
-            else:
-                choice["text"] = text
-                if body.prompt_logprobs is not None:  # vLLM's place: each choice
-                    choice["prompt_logprobs"] = generations[index // body.n].prompt_logprobs
-            choices.append(choice)
-        extra = {}
-        if chat and body.prompt_logprobs is not None:  # vLLM's place: the response
-            extra["prompt_logprobs"] = generations[0].prompt_logprobs
-        return JSONResponse(dict(
-            id=api_id, object="chat.completion" if chat else "text_completion",
-            created=protocol.now(), model=self.config.model_name, choices=choices,
-            usage=self._usage(generations), **extra))
-
-    async def _sse(self, api_id: str, generations: list[_Generation], chat: bool, body,
-                   include_usage: bool, tools: ToolPlan | None) -> AsyncIterator[str]:
-        created = protocol.now()
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        held: dict[int, ToolCallStream] = {}
-
-        def event(choices: list[dict], **extra) -> str:
-            chunk = dict(id=api_id, object=kind, created=created,
-                         model=self.config.model_name, choices=choices, **extra)
-            return f"data: {json.dumps(chunk)}\n\n"
-
-        try:
-            if chat:
-                yield event([dict(index=i, delta=dict(role="assistant", content=""),
-                                  logprobs=None, finish_reason=None)
-                             for i in range(len(generations) * body.n)])
-            async for deltas in _merged(generations):
-                choices = []
-                for d in deltas:
-                    choice = dict(index=d.index, logprobs=self._logprobs(body, chat, [d]),
-                                  finish_reason=d.finish_reason)
-                    if tools is not None:
-                        choice["delta"], choice["finish_reason"] = held.setdefault(
-                            d.index, ToolCallStream(tools)).delta(d.text, d.finish_reason)
-                    elif chat:
-                        choice["delta"] = dict(content=d.text) if d.text or d.token_ids else {}
-                    else:
-                        choice["text"] = d.text
-                    choices.append(choice)
-                yield event(choices)
-            if include_usage:
-                yield event([], usage=self._usage(generations))
-        except Exception as e:  # Headers are sent: the error goes in the stream.
-            logger.exception("stream %s failed", api_id)
-            message = str(e) if isinstance(e, RequestFailed) else "internal error"
-            yield f"data: {json.dumps(protocol.error_body(message, type='server_error'))}\n\n"
-        finally:
-            for generation in generations:
-                generation.abort()
-        yield "data: [DONE]\n\n"
