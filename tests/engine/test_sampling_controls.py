@@ -173,7 +173,7 @@ def test_bad_controls_fail_alone(model, prompts, monkeypatch):
     with pytest.raises(ValueError, match="request 'r'.*logit_bias token id 500 is outside"):
         engine.add_request("r", prompts[0], SamplingParams(logit_bias={500: 1.0}))
     # The tiny vocabulary cannot overflow the real width: shrink it.
-    monkeypatch.setattr("kvjax.engine.engine._BIAS_WIDTH", 8)
+    monkeypatch.setattr("kvjax.engine.intake.BIAS_WIDTH", 8)
     with pytest.raises(ValueError, match="request 's'.*take 9 entries, more than 8"):
         engine.add_request("s", prompts[0], SamplingParams(
             logit_bias={i: 1.0 for i in range(5)}, min_tokens=1, stop_token_ids=(1, 2, 3)))
