@@ -52,11 +52,12 @@ def random_prompts(lengths, *, seed: int, vocab_size: int = 120) -> list[list[in
     return [[int(t) for t in rng.integers(0, vocab_size, size=n)] for n in lengths]
 
 
-def permuted_block_tables(rng: np.random.Generator, lengths, page_size: int, num_pages: int
-                          ) -> np.ndarray:
+def permuted_block_tables(rng: np.random.Generator, lengths, page_size: int, num_pages: int,
+                          *, return_free: bool = False):
     """Block tables [B, W] of sequences of `lengths` tokens over randomly permuted distinct
     pages of a pool of `num_pages`; entries past a sequence's pages repeat its first page of
-    the permutation (any valid page: attention masks them by length)."""
+    the permutation (any valid page: attention masks them by length). With `return_free`,
+    also the pages no table uses, in permuted order."""
     width = -(-max(lengths) // page_size)
     perm = rng.permutation(num_pages)
     tables = np.zeros((len(lengths), width), np.int32)
@@ -66,7 +67,7 @@ def permuted_block_tables(rng: np.random.Generator, lengths, page_size: int, num
         tables[i, :m] = perm[used:used + m]
         tables[i, m:] = perm[0]
         used += m
-    return tables
+    return (tables, perm[used:]) if return_free else tables
 
 
 def tiny_model(config: ModelConfig = TINY, seed: int = 0, scale: float = 0.5) -> Model:

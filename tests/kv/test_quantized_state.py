@@ -18,6 +18,7 @@ from kvjax.config import ModelConfig
 from kvjax.engine.step import StepInput, StepShape, empty_step_input
 from kvjax.kv import codecs, quantized
 from kvjax.kv.attention import dense_attention_reference, paged_attention_blockwise
+from kvjax.testing import permuted_block_tables
 
 CONFIG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=32, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, name="state-test")
@@ -109,21 +110,14 @@ def _step_arrays(rng, rows, block_tables, k_all, v_all):
 
 def _setup(seed):
     rng = np.random.default_rng(seed)
-    pages_per_seq = -(-max(LENGTHS) // PAGE_SIZE)
-    perm = rng.permutation(NUM_PAGES)
-    block_tables = np.zeros((len(LENGTHS), pages_per_seq), np.int32)
-    used = 0
-    for seq, length in enumerate(LENGTHS):
-        n = -(-length // PAGE_SIZE)
-        block_tables[seq, :n] = perm[used:used + n]
-        block_tables[seq, n:] = perm[0]  # Past the length: any valid page, masked by length.
-        used += n
-    total = pages_per_seq * PAGE_SIZE
+    block_tables, free_pages = permuted_block_tables(rng, LENGTHS, PAGE_SIZE, NUM_PAGES,
+                                                     return_free=True)
+    total = block_tables.shape[1] * PAGE_SIZE
     k_all = (rng.standard_normal((len(LENGTHS), total, K, D)) * 2).astype(np.float32)
     v_all = rng.standard_normal((len(LENGTHS), total, K, D)).astype(np.float32)
     # One outlier channel, as real keys have, so per-channel and per-token codecs differ.
     k_all[..., 3] += 8.0
-    return rng, block_tables, perm[used:], k_all, v_all
+    return rng, block_tables, free_pages, k_all, v_all
 
 
 def _read(kv, layer, block_tables):
