@@ -25,6 +25,13 @@ Getting vLLM's CPU build to serve here, and how:
 - vLLM cannot read the embedded GGUF's Llama directly; transformers dequantizes it to a float32
   directory (its quantizer tag dropped so `save_pretrained` accepts it) and vLLM casts that to
   `--dtype`.
+- Every start compiles the model with torch.compile (the warm-up: about 3 minutes on 2 loaded
+  cores, per dtype); the wheel saves the compiled function to ~/.cache/vllm but cannot load it
+  back ("Compiling model again due to a load failure ...: 'function' object has no attribute
+  'finalize_loading'"), so no later start is faster. The start-up timeout (--startup_timeout_s)
+  is sized for it.
+- vLLM warns that libtcmalloc and libiomp are not in LD_PRELOAD (its CPU guide preloads them for
+  speed); neither is on this machine, so it runs without them, as a new user's install would.
 - vLLM's server starts worker processes: it runs in a process group of its own and is stopped by
   signalling the group, so no engine process outlives a run and holds the port or the cores.
 """
