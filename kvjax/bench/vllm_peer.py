@@ -298,8 +298,8 @@ def run_peer(config: PeerConfig, *, dtypes: Sequence[str] = DTYPES,
     for name in workloads:
         if name not in WORKLOADS:
             raise ValueError(f"workload {name!r} is not one of {sorted(WORKLOADS)}")
-    out = pathlib.Path(out_dir)
-    python = ensure_vllm_venv(pathlib.Path(vllm_venv))
+    out = pathlib.Path(out_dir).resolve()  # the servers and the client run in ROOT
+    python = ensure_vllm_venv(pathlib.Path(vllm_venv).resolve())
     hf_dir = write_hf_dir(out / "hf_f32")
     url = f"http://127.0.0.1:{port}"
     runs: dict[tuple[str, str, str], dict[str, Any]] = {}
