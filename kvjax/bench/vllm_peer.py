@@ -292,7 +292,7 @@ def run_peer(config: PeerConfig, *, dtypes: Sequence[str] = DTYPES,
     output (`<dtype>/<server>.log`). `on_run(dtype, workload, server, run)` is called after
     each run. Returns {"config", "rows"} (rows: `comparison`).
     """
-    for name in (*dtypes,):
+    for name in dtypes:
         if name not in DTYPES:
             raise ValueError(f"dtype {name!r} is not one of {DTYPES}")
     for name in workloads:
