@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -48,29 +49,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ScriptProcess(subprocess.Popen):
-    """A `scripts/<script>` process whose output goes to a temporary file (a pipe nobody
-    reads would block it once it has written the pipe's buffer full)."""
+class LoggedProcess(subprocess.Popen):
+    """A process whose output goes to a temporary file (a pipe nobody reads would block it
+    once it has written the pipe's buffer full); `env` entries are added to this one's.
 
-    def __init__(self, script: str, args: Sequence[str]):
+    With `own_group`, it leads a process group of its own, and `stop` ends the whole group
+    (SIGTERM, then SIGKILL after `grace_s`): for servers that start worker processes.
+    """
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None, *,
+                 own_group: bool = False, grace_s: float = 30.0):
         self.log = tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        super().__init__([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT,
-                         env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.own_group, self.grace_s = own_group, grace_s
+        super().__init__(list(argv), cwd=ROOT, env=dict(os.environ, **(env or {})),
+                         stdout=self.log, stderr=subprocess.STDOUT,
+                         start_new_session=own_group)
 
     def output_tail(self, num_chars: int = 3000) -> str:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")[-num_chars:]
 
     def stop(self) -> None:
-        """Kills it (if still running), reaps it and drops its output."""
-        if self.poll() is None:
+        """Kills it (if still running; its group with `own_group`), reaps it and drops its
+        output."""
+        if self.own_group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.wait(self.grace_s)
+                os.killpg(self.pid, signal.SIGKILL)
+        elif self.poll() is None:
             self.kill()
         self.wait()
         self.log.close()
 
 
-def wait_healthy(url: str, process: ScriptProcess, timeout_s: float) -> None:
+class ScriptProcess(LoggedProcess):
+    """A `scripts/<script>` process run by this interpreter, kvjax importable from ROOT."""
+
+    def __init__(self, script: str, args: Sequence[str]):
+        super().__init__([sys.executable, str(ROOT / "scripts" / script), *args],
+                         env=dict(PYTHONPATH=str(ROOT)))
+
+
+def wait_healthy(url: str, process: LoggedProcess, timeout_s: float) -> None:
     """Waits for GET url/health to answer 200; RuntimeError if the process exits first or the
     time runs out (the process is killed then)."""
     deadline = time.monotonic() + timeout_s
