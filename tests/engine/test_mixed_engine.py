@@ -86,8 +86,9 @@ def _check_index_names_exact_rows(engine: Engine) -> list[int]:
 def test_prefix_hits_read_exact_pages_and_never_a_page_demoted_in_place():
     """With the prefix cache: a hit on exact pages gives the cache-free reference's tokens; a
     running sequence whose pages (its prefix hits included) are demoted in place takes them
-    out of the index, so a later request with that prefix hits none of them and recomputes
-    the reference's tokens. Nothing leaks; the last request compiles nothing."""
+    out of the index, also after a swap brings them back in fresh pages, so a later request
+    with that prefix hits none of them and recomputes the reference's tokens. Nothing leaks;
+    the last request compiles nothing."""
     model = tiny_model()
     rng = np.random.default_rng(1)
     shared = [int(t) for t in rng.integers(1, 120, 3 * P)]
@@ -108,8 +109,14 @@ def test_prefix_hits_read_exact_pages_and_never_a_page_demoted_in_place():
     seq = engine.scheduler.running[0]
     assert engine.scheduler.in_place.apply({seq.seq_id: 4}, {seq.seq_id: seq}) == 5
     assert len(_check_index_names_exact_rows(engine)) == 5
+    # Swapped out and back, its rounded rows come back in fresh pages, which stay unindexed.
+    engine.pause("c", to_host=True)
+    engine.step()
+    engine.resume("c")
     while engine.has_unfinished():
         engine.step()
+        _check_index_names_exact_rows(engine)
+    assert engine.stats["swaps_in"] == 1
     hits, compiles = engine.metrics()["prefix_hit_tokens"], engine.num_compiles
     assert _tokens(_serve(engine, prompts[3:], 6)) == {"r0": want[3]}
     assert engine.metrics()["prefix_hit_tokens"] == hits  # its prefix's pages were demoted
