@@ -11,7 +11,7 @@ during it. The device pool holds 40 pages of 16 tokens (a few requests' worth). 
 the priority scheduler; the controllers that change retention run on a streaming (sinks +
 window) engine whose per-sequence budget they set (at most 256 tokens; sequences start exact),
 the others on exact KV; `inplace` and `joint-inplace` on a mixed-precision pool
-(`kv_codec="mixed"`, rows written exact) without the prefix cache, which that pool refuses. A
+(`kv_codec="mixed"`, rows written exact; a page demoted in place leaves the prefix cache). A
 controller offloads one victim at most twice (max_preemptions). The simulated clock makes each
 run reproducible.
 """
@@ -55,7 +55,7 @@ def get_config() -> ConfigDict:
     # retention and joint controllers drive, and the budgets they may choose.
     config.kl_tables = ConfigDict(dict(retention="streaming", budgets=(64, 128, 192)))
     streaming = {"kv.retention": "streaming", "kv.budget": 256.0}
-    mixed = {"kv.codec": "mixed", "engine.enable_prefix_cache": False}
+    mixed = {"kv.codec": "mixed"}
     config.sweep = [
         {"name": "fixed", "engine.controller": "fixed"},
         {"name": "admission", "engine.controller": "admission"},
@@ -67,8 +67,8 @@ def get_config() -> ConfigDict:
         {"name": "joint", "engine.controller": "joint", **streaming},
         # In-place demotion on a mixed-precision pool (rows written exact; cold pages of
         # running sequences re-encoded at int8 / int4 on the device, priced by the int8 /
-        # int4 KL table). The pool refuses the prefix cache (a demoted page must not serve a
-        # later hit as exact) and retention that compacts pages, so these run without both.
+        # int4 KL table), with the prefix cache (a demoted page leaves its index); the pool
+        # refuses retention that compacts pages, so these run on exact KV.
         {"name": "inplace", "engine.controller": "inplace", **mixed},
         {"name": "joint-inplace", "engine.controller": "joint", **mixed},
     ]

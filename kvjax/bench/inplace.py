@@ -11,8 +11,8 @@ page but the last `hot_pages`: what in-place demotion does); bytes are the ledge
 
 The engine is built for exact KV and its pool swapped for a mixed one of the same pages, with a
 ledger of unbounded budget, so the demotion applied is the plan's alone (an engine with
-`kv_codec="mixed"` demotes when its controller decides); the prefix cache is off, as that pool
-requires (a demoted page must not serve a later hit as exact).
+`kv_codec="mixed"` demotes when its controller decides); the prefix cache is off, so every
+plan prefills its prompt anew, exact, before it demotes.
 """
 
 from __future__ import annotations

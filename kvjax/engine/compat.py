@@ -437,9 +437,6 @@ _MIXED_REFUSED = (
     ((Feature.CONTIGUOUS,),
      "the precision ledger counts bytes per page and lends what demoted pages free to new "
      "pages, which the contiguous layout's reserved per-sequence slots cannot take"),
-    ((Feature.PREFIX_CACHE, Feature.DISAGGREGATION),
-     "a demoted page's rows are rounded while its prefix-cache hash still names exact tokens, "
-     "so a later hit would read rounded KV as exact"),
     ((Feature.BATCH_INVARIANT,),
      "a controller demotes rows under load and the invariant attention reads float32 pages "
      "in place, so a sequence's logprobs could not equal the trainer's bit for bit"),

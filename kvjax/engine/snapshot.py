@@ -281,6 +281,8 @@ def _place(engine: Engine, seq: Sequence, saved: dict, stored: list[jax.Array] |
             blob = kv_pages.take(windows, np.asarray([window], np.int32))
             return kv_pages.scatter_seq_slots(kv, slot, blob)
 
+        if seq.inplace_bits:  # its saved rows are rounded: they must not feed the index
+            engine.kv_cache.rounded.round_pages(seq.seq_id, ())
         has_kv = engine.kv_cache.place(seq.seq_id, seq.tokens, seq.num_computed,
                                        engine.scheduler.cache_key(seq), seq.weights_version,
                                        len(pages), scatter, retention=saved.get("retention"),

@@ -195,14 +195,15 @@ class MixedPrecisionKV(kv_state.SlotAddressed):
         Repeated pages (padding) are harmless: every read precedes every write."""
         rows = (pages[:, None] * self.page_size
                 + jnp.arange(self.page_size, dtype=pages.dtype)).reshape(-1)  # [M * P]
-        return self.demote_rows(rows, jnp.broadcast_to(k_bits, rows.shape),
-                                jnp.broadcast_to(v_bits, rows.shape))
+        return self._demote_rows(rows, jnp.broadcast_to(k_bits, rows.shape),
+                                 jnp.broadcast_to(v_bits, rows.shape))
 
-    def demote_rows(self, slots: jax.Array, k_bits: jax.Array, v_bits: jax.Array
-                    ) -> MixedPrecisionKV:
+    def _demote_rows(self, slots: jax.Array, k_bits: jax.Array, v_bits: jax.Array
+                     ) -> MixedPrecisionKV:
         """Token rows at flat slots [R] re-encoded in place in every layer, row i's key at the
-        coarser of its class and k_bits[i] ([R] ints), its value likewise: importance-driven
-        classes within one sequence (`importance_bits`). Rows never get finer."""
+        coarser of its class and k_bits[i] ([R] ints), its value likewise. Rows never get
+        finer. Private: rows change class a whole page at a time (`demote`), since the host's
+        `PrecisionLedger` counts each page's bytes at one class."""
         cc = self.class_codec
 
         def recode(words, bits, layout, target):
@@ -236,11 +237,21 @@ class MixedPrecisionKV(kv_state.SlotAddressed):
         return sum(x.nbytes for x in self.page_leaves())
 
 
-def importance_bits(scores: jax.Array, num_exact: int, num_int8: int) -> jax.Array:
-    """DiffKV's classes by importance: of S tokens with `scores` [S] (higher: more important;
-    e.g. observed attention, or -||k|| as kvpress's KNorm ranks keys), the `num_exact` most
-    important stay exact, the next `num_int8` take int8 and the rest int4 -> bits [S] int32."""
-    rank = jnp.argsort(jnp.argsort(-scores))  # [S], 0: the most important
+def importance_bits(scores: jax.Array, page_size: int, num_exact: int, num_int8: int
+                    ) -> jax.Array:
+    """DiffKV's classes by importance, a page at a time: of S tokens with `scores` [S]
+    (higher: more important; e.g. observed attention, or -||k|| as kvpress's KNorm ranks keys)
+    in pages of `page_size`, the `num_exact` pages holding the most important tokens (a page
+    ranks by its most important token) stay exact, the next `num_int8` take int8 and the
+    rest int4 -> bits [ceil(S / page_size)] int32, one class per page.
+
+    Whole pages, not rows: the host's `PrecisionLedger` counts a page's bytes at one class,
+    and one `demote` per class applies them; a token that must stay exact keeps the rest of
+    its page exact too."""
+    pad = -scores.shape[0] % page_size
+    scores = jnp.pad(scores, (0, pad), constant_values=-jnp.inf)
+    page_scores = scores.reshape(-1, page_size).max(axis=1)  # [num_pages]
+    rank = jnp.argsort(jnp.argsort(-page_scores))  # 0: the most important page
     return jnp.where(rank < num_exact, 0, jnp.where(rank < num_exact + num_int8, 8, 4)
                      ).astype(jnp.int32)
 

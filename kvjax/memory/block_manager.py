@@ -349,6 +349,11 @@ class BlockManager:
         table.extend([RELEASED] * (self._first_needed(end) // self.page_size - len(table)))
         return self.release_before(seq_id, end)
 
+    def stop_indexing(self, seq_id: Hashable) -> None:
+        """The sequence feeds the prefix cache no more: its pages' rows no longer hold what
+        their hashes name (`kvjax.memory.precision.RoundedPages`)."""
+        self._get(seq_id).is_indexable = False
+
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Registers `child_id` sharing every page of `parent_id` (e.g. n > 1 samples)."""
         parent = self._get(parent_id)

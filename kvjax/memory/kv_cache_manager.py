@@ -26,6 +26,7 @@ from kvjax.memory.op_plan import OpPlan
 from kvjax.memory.ops import ChunkLoadPlan, KVDevice, KVOp, KVOpKind
 from kvjax.memory.page_ops import PageOps, TierTraffic
 from kvjax.memory.page_versions import PageVersions
+from kvjax.memory.precision import RoundedPages
 from kvjax.memory.retaining import RetentionOps
 from kvjax.memory.swapping import SwapMoves
 from kvjax.shapes import geometric_buckets, next_power_of_2, pages_for
@@ -76,6 +77,7 @@ class KVCacheManager:
             allocator.clock = clock  # when cached pages are released (CachedPage.released_at)
         self._floors: dict[str, int] = {}  # sequence -> tokens its pages hold from the start
         self.ops = OpPlan(device)
+        self.rounded = RoundedPages(allocator)  # pages demoted in place leave the index
         if tiers is not None:  # its transfer ops join the step's plan like every data op
             tiers.port.issue_to = self.ops.issue
         self.tier_traffic = TierTraffic(tiers, allocator, self.ops, stats)
@@ -268,8 +270,9 @@ class KVCacheManager:
         if not keep_retention:
             self.retention.drop(seq_id)
             self._floors.pop(seq_id, None)
-        if self.host_pool is not None and not keep_retention:
-            self.host_pool.free(seq_id)
+            self.rounded.discard(seq_id)
+            if self.host_pool is not None:
+                self.host_pool.free(seq_id)
         freed = self.allocator.free(seq_id)
         if self.scrub_freed_pages:
             if freed:
@@ -364,7 +367,7 @@ class KVCacheManager:
         held = self.cached_len(seq_id, num_computed)
         floor = self._floors.get(seq_id)
         cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
-                             indexable=held == num_computed)
+                             indexable=held == num_computed and self.rounded.indexable(seq_id))
         if not self.allocate(seq_id, cached, held, returning=True):
             self.unregister(seq_id)
             if floor is not None:  # It stays swapped out, with the floor it had.
@@ -377,6 +380,7 @@ class KVCacheManager:
         self.swaps.drop(seq_id)
         self.retention.drop(seq_id)
         self._floors.pop(seq_id, None)
+        self.rounded.discard(seq_id)
         if self.host_pool is not None:
             self.host_pool.free(seq_id)
 

@@ -223,3 +223,40 @@ class LedgerPages:
         """Pages the budget holds at the write class (what admission plans with; demotion
         lets the pool hold more)."""
         return int(self.ledger.budget_bytes // self.ledger.write_page_bytes + 1e-9)
+
+
+class RoundedPages:
+    """What the prefix cache may name in a mixed-precision pool: pages whose rows hold exact
+    tokens at the write class, never a page demoted in place.
+
+    A page's prefix-cache hash names the KV of exact tokens, so a hit must read rows written
+    at the write class. `round_pages` takes a demoted page out of the index (its sequence keeps
+    reading it; it goes to the free list when released, not to the cache), and a sequence
+    with rounded pages that comes back from a swap or a snapshot (`indexable`) neither reads
+    nor feeds the index: its pages hold its rounded rows again, in fresh pages. Only pages no
+    other sequence holds are demoted (`PrecisionLedger.cold_pages`), so no hit that already
+    happened reads them. Host data only.
+    """
+
+    def __init__(self, allocator):
+        self.allocator = allocator  # a block manager, with its `prefix_cache` (None: none)
+        self._seqs: set[str] = set()
+
+    def round_pages(self, seq_id: str, pages: Iterable[int]) -> None:
+        """`seq_id`'s pages re-encoded at a coarser class: they leave the index, and the
+        sequence feeds it no more (a demoted page may be full before its sequence commits it,
+        and the sequence's later pages continue a chain the index no longer holds)."""
+        cache = self.allocator.prefix_cache
+        for page in pages if cache is not None else ():
+            cache.forget(int(page))
+        if self.allocator.has_sequence(seq_id):
+            self.allocator.stop_indexing(seq_id)
+        self._seqs.add(seq_id)
+
+    def indexable(self, seq_id: str) -> bool:
+        """Whether a returning `seq_id` may read and feed the index (no rounded page)."""
+        return seq_id not in self._seqs
+
+    def discard(self, seq_id: str) -> None:
+        """The sequence ended, or restarts from its tokens (exact again)."""
+        self._seqs.discard(seq_id)

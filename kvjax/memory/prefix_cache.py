@@ -216,6 +216,23 @@ class PrefixCache:
         if page is None:
             page = min(self._evictable, key=self._keep.__getitem__)
         del self._evictable[page]
+        self._drop(page)
+        return page
+
+    def forget(self, page: int) -> bool:
+        """Drops a referenced page from the index (its rows no longer hold what its hash
+        names: a mixed-precision pool demoted them in place); it goes to the free list when its
+        last reference is dropped. False when it was not indexed; ValueError for an evictable
+        page (nothing references it, so nothing could free it afterwards)."""
+        if page not in self._hash_by_page:
+            return False
+        if page in self._evictable:
+            raise ValueError(f"page {page} is evictable: only a referenced page is forgotten")
+        self._drop(page)
+        return True
+
+    def _drop(self, page: int) -> None:
+        """Removes an indexed page's hash, hits, depth, rank and owner."""
         del self._page_by_hash[self._hash_by_page.pop(page)]
         del self._hits[page], self._depth[page]
         self._keep.pop(page, None)
@@ -223,7 +240,6 @@ class PrefixCache:
         self._owned[owner] -= 1
         if not self._owned[owner]:
             del self._owned[owner]
-        return page
 
     def reset(self) -> list[int]:
         """Empties the index; returns the pages that were evictable (nobody references them)."""

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from kvjax.kv.spec import coarser
 from kvjax.memory.ops import KVOp, KVOpKind
-from kvjax.memory.precision import MixedOptions, PrecisionLedger
+from kvjax.memory.precision import MixedOptions, PrecisionLedger, RoundedPages
 from kvjax.scheduler.request import Sequence
 
 
@@ -25,6 +25,7 @@ class KVPlan(Protocol):
     """What this module needs of the KV cache manager (`kvjax.memory.kv_cache_manager`)."""
 
     allocator: object
+    rounded: RoundedPages
 
     def has_sequence(self, seq_id: str) -> bool: ...
 
@@ -85,8 +86,9 @@ class InPlaceDemotion:
 
     def apply(self, demotions: Mapping[str, int], seqs: Mapping[str, Sequence]) -> int:
         """Plans a DEMOTE op re-encoding each named sequence's cold pages at its precision,
-        and records the coarsest precision on the sequence (a swapped or recomputed one has
-        spent that KL already); returns the pages demoted."""
+        takes the pages out of the prefix cache's index (`RoundedPages`: a hit reads exact
+        rows only), and records the coarsest precision on the sequence (a swapped or
+        recomputed one has spent that KL already); returns the pages demoted."""
         if self.ledger is None:
             return 0
         num_demoted = 0
@@ -100,6 +102,7 @@ class InPlaceDemotion:
             seq.inplace_bits = coarser(seq.inplace_bits, bits)
             if op is not None:
                 self.kv_cache.plan_op(op)
+                self.kv_cache.rounded.round_pages(seq_id, op.pages)
                 num_demoted += len(op.pages)
         return num_demoted
 

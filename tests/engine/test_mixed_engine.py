@@ -66,10 +66,65 @@ def test_mixed_pool_options_are_checked():
         EngineConfig(**TIGHT, kv_codec="mixed", kv_codec_options=dict(write_bits=(2, 0)))
     with pytest.raises(ValueError, match="colour"):
         EngineConfig(**TIGHT, kv_codec="mixed", kv_codec_options=dict(colour=1))
-    with pytest.raises(ValueError, match="prefix"):
-        EngineConfig(**{**TIGHT, "enable_prefix_cache": True}, kv_codec="mixed")
     with pytest.raises(ValueError, match="NATIVE"):
         EngineConfig(**TIGHT, kv_codec="mixed", attention_impl="native")
+
+
+def _check_index_names_exact_rows(engine: Engine) -> list[int]:
+    """Brute force over every page: each page the prefix cache indexes is at the write class
+    in the ledger and each of its rows is exact on the device; returns the demoted pages."""
+    cache, ledger = engine.allocator.prefix_cache, engine.scheduler.in_place.ledger
+    k_bits, v_bits = np.asarray(engine.kv.k_bits), np.asarray(engine.kv.v_bits)
+    slots = range(k_bits.shape[1])  # every page slot of the pool
+    demoted = [p for p in slots if (k_bits[:, p] != 0).any() or (v_bits[:, p] != 0).any()
+               or ledger.k_bits[p] or ledger.v_bits[p]]
+    indexed = [p for p in slots if cache.is_indexed(p)]
+    assert indexed and not set(indexed) & set(demoted), (indexed, demoted)
+    return demoted
+
+
+def test_prefix_hits_read_exact_pages_and_never_a_page_demoted_in_place():
+    """With the prefix cache: a hit on exact pages gives the cache-free reference's tokens; a
+    running sequence whose pages (its prefix hits included) are demoted in place takes them
+    out of the index, also after a swap brings them back in fresh pages, so a later request
+    with that prefix hits none of them and recomputes the reference's tokens. Nothing leaks;
+    the last request compiles nothing."""
+    model = tiny_model()
+    rng = np.random.default_rng(1)
+    shared = [int(t) for t in rng.integers(1, 120, 3 * P)]
+    prompts = [shared + [int(t) for t in rng.integers(1, 120, P)] for _ in range(4)]
+    want = [greedy_reference(model, p, 6) for p in prompts]
+    engine = Engine(model, EngineConfig(**{**TIGHT, "num_pages": 16, "enable_prefix_cache":
+                                           True}, kv_codec="mixed",
+                                        kv_codec_options=dict(group=4)))
+    ledger = engine.scheduler.in_place.ledger
+    hits = engine.metrics()["prefix_hit_tokens"]
+    assert _tokens(_serve(engine, prompts[:1], 6)) == {"r0": want[0]}
+    assert _tokens(_serve(engine, prompts[1:2], 6)) == {"r0": want[1]}
+    assert engine.metrics()["prefix_hit_tokens"] - hits == 3 * P  # the shared pages, exact
+    # A third request hits them too, then its full pages are demoted to int4 mid-decode.
+    engine.add_request("c", prompts[2], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed < 5 * P:
+        engine.step()
+    seq = engine.scheduler.running[0]
+    assert engine.scheduler.in_place.apply({seq.seq_id: 4}, {seq.seq_id: seq}) == 5
+    assert len(_check_index_names_exact_rows(engine)) == 5
+    # Swapped out and back, its rounded rows come back in fresh pages, which stay unindexed.
+    engine.pause("c", to_host=True)
+    engine.step()
+    engine.resume("c")
+    while engine.has_unfinished():
+        engine.step()
+        _check_index_names_exact_rows(engine)
+    assert engine.stats["swaps_in"] == 1
+    hits, compiles = engine.metrics()["prefix_hit_tokens"], engine.num_compiles
+    assert _tokens(_serve(engine, prompts[3:], 6)) == {"r0": want[3]}
+    assert engine.metrics()["prefix_hit_tokens"] == hits  # its prefix's pages were demoted
+    _check_index_names_exact_rows(engine)
+    assert engine.allocator.num_used_pages() == 0 and ledger.bytes_freed > 0
+    cached = sum(map(engine.allocator.prefix_cache.is_indexed, range(len(ledger.k_bits))))
+    assert ledger.bytes_held == pytest.approx(cached * ledger.write_page_bytes)
+    assert engine.num_compiles == compiles
 
 
 def test_tight_budget_demotes_in_place_instead_of_preempting():

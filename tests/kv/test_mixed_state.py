@@ -187,27 +187,32 @@ def test_spec_counts_bytes_per_class_and_demote_compiles_once():
         mixed.init_mixed_kv(CONFIG, NUM_PAGES, PAGE_SIZE, write_bits=(3, 0))
 
 
-def test_importance_classes_keep_the_most_important_tokens_finest():
-    """DiffKV within one sequence: tokens ranked by -||k|| (KNorm's importance) keep exact,
-    int8 or int4 keys and values; each row reads back its own class's round trip."""
+def test_importance_classes_keep_the_most_important_pages_finest():
+    """DiffKV within one sequence, a page at a time: pages ranked by their most important
+    token under -||k|| (KNorm's importance) keep exact, int8 or int4 keys and values, applied
+    as one `demote` per class (as the ledger's ops are); every row of a page shares its class
+    and reads back its own class's round trip."""
     rng = np.random.default_rng(2)
-    n, pages = 12, np.asarray([5, 2, 9], np.int32)
-    slots = (pages[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).reshape(-1).astype(np.int32)
+    n, pages = 11, np.asarray([5, 2, 9], np.int32)  # the last page holds 3 tokens
+    slots = (pages[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).reshape(-1)[:n].astype(np.int32)
     k = rng.normal(size=(L, n, K, D)).astype(np.float32) * rng.uniform(0.5, 3, (1, n, 1, 1))
     v = rng.normal(size=(L, n, K, D)).astype(np.float32)
     kv = mixed.init_mixed_kv(CONFIG, NUM_PAGES, PAGE_SIZE, group=GROUP)
     for layer in range(L):
         kv = _write(kv, jnp.int32(layer), slots, k[layer], v[layer])
     scores = -np.linalg.norm(k, axis=-1).sum(axis=(0, 2))  # [S]
-    bits = np.asarray(mixed.importance_bits(jnp.asarray(scores), 3, 4))
-    order = np.argsort(-scores)
-    assert (bits[order[:3]] == 0).all() and (bits[order[3:7]] == 8).all()
-    assert (bits[order[7:]] == 4).all()
-    kv = jax.jit(lambda kv, s, kb, vb: kv.demote_rows(s, kb, vb))(kv, slots, bits, bits)
+    page_bits = np.asarray(mixed.importance_bits(jnp.asarray(scores), PAGE_SIZE, 1, 1))
+    best = [scores[i * PAGE_SIZE:(i + 1) * PAGE_SIZE].max() for i in range(len(pages))]
+    assert list(page_bits[np.argsort(best)[::-1]]) == [0, 8, 4]
+    for bits in (8, 4):
+        kv = _demote(kv, jnp.asarray(pages[page_bits == bits]), jnp.int32(bits),
+                     jnp.int32(bits))
+    bits = np.repeat(page_bits, PAGE_SIZE)[:n]
     got_k, got_v = kv.load_pages(jnp.int32(1), jnp.asarray(pages[None]))
     for got, x in ((got_k, k[1]), (got_v, v[1])):
-        got = np.asarray(got).reshape(n, K, D)
+        got = np.asarray(got).reshape(-1, K, D)[:n]
         for t in range(n):
             want, slack = _round_to(x[t], int(bits[t]))
             assert (np.abs(got[t] - want) <= 1e-5 + 1e-5 * np.abs(want) + slack).all()
-    np.testing.assert_array_equal(np.asarray(kv.k_bits[1]).reshape(-1)[slots], bits)
+    np.testing.assert_array_equal(np.asarray(kv.k_bits[:, pages]),
+                                  np.broadcast_to(page_bits[None, :, None], (L, 3, PAGE_SIZE)))
