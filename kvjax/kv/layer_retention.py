@@ -41,6 +41,8 @@ from kvjax.kv.retention_host import (
     RetentionManager,
     RetentionPolicy,
     SeqLayout,
+    view_of,
+    view_record,
 )
 from kvjax.kv.spec import LayerGroup, TokenFormat, table_groups
 
@@ -156,11 +158,23 @@ class GroupedRetention(RetentionManager):
         raise ValueError("per-layer budgets compact each table group (evict_groups)")
 
     def record(self, seq_id: str) -> dict | None:
-        if seq_id in self._others:
-            raise ValueError(f"sequence {seq_id!r}: per-layer budgets keep one record per table "
-                             f"group, which snapshots and swaps do not carry "
-                             f"(kvjax.engine.compat refuses them)")
-        return super().record(seq_id)
+        """The base record of table group 0, with `groups`: the other groups' views."""
+        record = super().record(seq_id)
+        if record is not None and seq_id in self._others:
+            record["groups"] = [view_record(v) for v in self._others[seq_id]]
+        return record
+
+    def restore(self, seq_id: str, record: dict | None) -> None:
+        """ValueError when `record` holds views of another number of table groups (saved by
+        an engine of another schedule or model)."""
+        groups = [] if record is None else record.get("groups", [])
+        if record is not None and len(groups) != self.num_tables - 1:
+            raise ValueError(f"sequence {seq_id!r}: its retention record holds "
+                             f"{len(groups) + 1} block tables' views, the engine keeps "
+                             f"{self.num_tables}")
+        super().restore(seq_id, record)
+        if groups:
+            self._others[seq_id] = [view_of(g) for g in groups]
 
     def fork(self, parent_id: str, child_id: str) -> None:
         super().fork(parent_id, child_id)
