@@ -31,6 +31,7 @@ Plain numpy, no jax: the KV cache manager and the scheduler import it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -45,9 +46,18 @@ from kvjax.kv.retention_host import (
     view_record,
 )
 from kvjax.kv.spec import LayerGroup, TokenFormat, table_groups
+from kvjax.registry import Registry
 
-# The per-layer schedules, and AdaKV's head-wise split (`kvjax.kv.head_retention`).
-SCHEDULES = (*(s.value for s in BudgetSchedule), HeadAllocation.ADAKV.value)
+# `EngineConfig.retention_schedule` -> its `BudgetScheme`: the per-layer schedules, AdaKV's
+# head-wise split (`kvjax.kv.head_retention`), and both (each layer's pyramid budget split
+# over its heads, as kvpress composes its PyramidKV and AdaKV presses).
+SCHEDULES = Registry("retention schedule", {
+    **{s.value: functools.partial(BudgetScheme, s) for s in BudgetSchedule},
+    HeadAllocation.ADAKV.value: functools.partial(BudgetScheme,
+                                                  head_allocation=HeadAllocation.ADAKV),
+    "pyramid_adakv": functools.partial(BudgetScheme, BudgetSchedule.PYRAMID,
+                                       HeadAllocation.ADAKV),
+})
 
 
 def check_schedule(schedule: str, policy: RetentionPolicy) -> BudgetScheme:
@@ -57,7 +67,7 @@ def check_schedule(schedule: str, policy: RetentionPolicy) -> BudgetScheme:
     if schedule not in SCHEDULES:
         raise ValueError(f"EngineConfig.retention_schedule must be one of {list(SCHEDULES)}, "
                          f"got {schedule!r}")
-    scheme = BudgetScheme.named(schedule)
+    scheme = SCHEDULES.make(schedule)
     if scheme.name != BudgetSchedule.UNIFORM.value and not policy.compresses_once:
         raise ValueError(f"EngineConfig.retention_schedule={schedule!r} shares the budget of "
                          f"a press that compresses the prompt once, from its scores; "

@@ -46,7 +46,8 @@ BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16
 # A quantized codec or a retention policy changes the tokens: only their count is checked.
 PRESSES = {Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION}
 RETAINED = {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
-            Feature.QUEST, Feature.ECHO, Feature.PYRAMID, Feature.ADAKV, *PRESSES}
+            Feature.QUEST, Feature.ECHO, Feature.PYRAMID, Feature.ADAKV, Feature.PYRAMID_ADAKV,
+            *PRESSES}
 APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, Feature.LOWRANK, *RETAINED,
                Feature.CONTEXT_REUSE}
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
@@ -138,6 +139,7 @@ def config_for(features) -> dict:
         # With snapkv unless the pair names another retention policy (set below).
         Feature.PYRAMID: dict(retention_schedule="pyramid"),
         Feature.ADAKV: dict(retention_schedule="adakv"),
+        Feature.PYRAMID_ADAKV: dict(retention_schedule="pyramid_adakv"),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),
@@ -147,7 +149,7 @@ def config_for(features) -> dict:
     config = dict(BASE)
     for feature in features:
         config.update(settings.get(feature, {}))
-    head_major = {Feature.ADAKV}
+    head_major = {Feature.ADAKV, Feature.PYRAMID_ADAKV}
     if set(features) & {Feature.PYRAMID, *head_major}:
         if "retention" not in config:
             config.update(settings[Feature.SNAPKV])
