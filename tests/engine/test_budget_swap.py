@@ -22,11 +22,11 @@ from kvjax.shapes import pages_for
 
 P = 4
 PROMPTS = [[int(t) for t in np.random.default_rng(0).integers(0, 120, size=n)]
-           for n in (40, 37, 44)]
-NUM_NEW = 32
+           for n in (24, 21, 27)]
+NUM_NEW = 24
 # Pages of one layer (pyramid) or one kv head of one layer (adakv) per token run: the pool
 # admits every request alone but not all three as they decode.
-TIGHT = {"pyramid": 44, "adakv": 88}
+TIGHT = {"pyramid": 28, "adakv": 56}
 MODES = {
     "swap": dict(preemption_mode=PreemptionMode.SWAP),
     # The cost model at a link this fast picks swapping for every preemption.
@@ -45,9 +45,9 @@ def tiny():
 def _engine(model, schedule: str, num_pages: int, mode: str = "swap") -> Engine:
     return Engine(model, EngineConfig(
         page_size=P, num_pages=num_pages, max_num_seqs=3, max_prefill_seqs=1,
-        max_num_batched_tokens=64, max_prefill_chunk=64, min_chunk_bucket=16,
-        max_model_len=128, enable_prefix_cache=False, scrub_freed_pages=True,
-        retention="snapkv", retention_budget=16, retention_options=dict(window=4, kernel=3),
+        max_num_batched_tokens=32, max_prefill_chunk=32, min_chunk_bucket=16,
+        max_model_len=64, enable_prefix_cache=False, scrub_freed_pages=True,
+        retention="snapkv", retention_budget=8, retention_options=dict(window=4, kernel=3),
         retention_schedule=schedule, **MODES[mode]))
 
 
