@@ -73,6 +73,7 @@ class Feature(enum.Enum):
     RECORD_DECISIONS = "record_decisions"
     DISAGGREGATION = "disaggregation"
     ADAKV = "adakv"
+    PYRAMID_ADAKV = "pyramid_adakv"
     MIXED_PRECISION = "mixed_precision"
 
     @property
@@ -95,6 +96,7 @@ _GROUPS = {
     Feature.EXPECTED_ATTENTION: "retention", Feature.OBSERVED_ATTENTION: "retention",
     Feature.SWAP: "preemption", Feature.AUTO_PREEMPTION: "preemption",
     Feature.PYRAMID: "retention_schedule", Feature.ADAKV: "retention_schedule",
+    Feature.PYRAMID_ADAKV: "retention_schedule",
 }
 _DESCRIPTIONS = {
     Feature.INT8: "kv_codec int8, or another codec that stores codes and scales in the pages "
@@ -163,6 +165,9 @@ _DESCRIPTIONS = {
                    "compresses the prompt once split over its kv heads by their scores, in "
                    "head-major pages with a block table per (layer, kv head) that gives back "
                    "each head's pages past its share)",
+    Feature.PYRAMID_ADAKV: "retention_schedule='pyramid_adakv' (PyramidKV's per-layer "
+                           "budgets, each layer's split over its kv heads as AdaKV splits "
+                           "it, in the same head-major pages)",
     Feature.MIXED_PRECISION: "kv_codec='mixed' (DiffKV): each token row's key and value at a "
                              "class of its own (exact, int8, int4), new rows at the write "
                              "class; a controller re-encodes running sequences' cold pages in "
@@ -176,7 +181,7 @@ _EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.
              Feature.OBSERVED_ATTENTION)
 _QUEST = (Feature.QUEST, Feature.ECHO)
 _RETENTION = (*_EVICTING, *_QUEST)
-_SCHEDULES = (Feature.PYRAMID, Feature.ADAKV)
+_SCHEDULES = (Feature.PYRAMID, Feature.ADAKV, Feature.PYRAMID_ADAKV)
 
 
 def _refusals() -> dict[frozenset[Feature], str]:
@@ -335,6 +340,10 @@ def _refusals() -> dict[frozenset[Feature], str]:
                               (Feature.ADAKV, _ADAKV_REFUSED)):
         for features, reason in refused:
             refuse([schedule], features, reason)
+    # Per-layer budgets split over heads: the head-wise split's pages and tables, so its
+    # refusals (each reason names the split, which this schedule runs in every layer).
+    for features, reason in _ADAKV_REFUSED:
+        refuse([Feature.PYRAMID_ADAKV], features, reason)
     _refuse_mixed(refuse)
     return table
 
@@ -345,7 +354,7 @@ def _refusals() -> dict[frozenset[Feature], str]:
 _LOWRANK_REFUSED = (
     ((Feature.CONTIGUOUS,),
      "the key coordinates are stored per page, so the low-rank pool needs the paged layout"),
-    ((*_RETENTION, Feature.PYRAMID, Feature.ADAKV),
+    ((*_RETENTION, *_SCHEDULES),
      "retention scores cached tokens against whole keys and re-rotates kept keys, while the "
      "low-rank pool keeps only each key's coordinates in a basis that a rotation leaves"),
     ((Feature.CONTEXT_REUSE,),
@@ -381,9 +390,9 @@ _ADAKV_REFUSED = (
     (_KIVI,
      "KIVI's exact window and key groups follow one cached length per sequence, while the "
      "per-head split's (layer, kv head) tables each hold a different number of tokens"),
-    ((Feature.HOST_TIER, Feature.SWAP, Feature.AUTO_PREEMPTION, Feature.SNAPSHOT),
-     "a sequence leaves the device and comes back through one retention record and one "
-     "cached length, while the per-head split keeps one per (layer, kv head) table"),
+    ((Feature.HOST_TIER,),
+     "the host and disk tiers move and index one block table of pages per sequence, while "
+     "the per-head split keeps one per (layer, kv head) table"),
     ((Feature.SPECULATIVE,),
      "a verify step scores each draft query's keys summed over every layer and head, while "
      "the per-head split ranks each head by its own scores"),
@@ -422,8 +431,7 @@ _MIXED_REFUSED = (
      "re-rotating the sinks' keys rewrites cached keys as float rows, while a mixed-precision "
      "pool holds each key as words at its row's class, which a demoted row cannot regain"),
     ((Feature.STREAMING, Feature.H2O, Feature.SNAPKV, Feature.TOVA, Feature.KNORM,
-      Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION, Feature.PYRAMID,
-      Feature.ADAKV),
+      Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION, *_SCHEDULES),
      "retention compacts kept rows across pages, while the precision ledger counts each "
      "page's bytes at one class, so a page refilled with rows of another class would be "
      "counted at the wrong one"),
@@ -456,9 +464,9 @@ _PYRAMID_REFUSED = (
     (_KIVI,
      "KIVI's exact window and key groups follow one cached length per sequence, while the "
      "per-layer schedule's table groups each hold a different number of tokens"),
-    ((Feature.HOST_TIER, Feature.SWAP, Feature.AUTO_PREEMPTION, Feature.SNAPSHOT),
-     "a sequence leaves the device and comes back through one retention record and one "
-     "cached length, while the per-layer schedule keeps one per table group"),
+    ((Feature.HOST_TIER,),
+     "the host and disk tiers move and index one block table of pages per sequence, while "
+     "the per-layer schedule keeps one per table group"),
     ((Feature.SPECULATIVE,),
      "a verify step scores each draft query's keys summed over every layer, while the "
      "per-layer schedule ranks each table group by its own layers' scores"),
@@ -552,12 +560,13 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     (ModelTrait.LAYER_GROUPS, Feature.PYRAMID):
         "the per-layer schedule regroups layers into block tables of equal retention budget, "
         "while a model with sliding-window layers already keeps one per window group",
-    (ModelTrait.LAYER_GROUPS, Feature.ADAKV):
-        "the per-head split keeps a block table per layer and kv head, while a model with "
-        "sliding-window layers already keeps one per window group",
-    (ModelTrait.MLA_LATENT, Feature.ADAKV):
-        "an MLA latent row is one head that every query head reads, so there are no kv heads "
-        "to split a budget over",
+    **{(ModelTrait.LAYER_GROUPS, f):
+       "the per-head split keeps a block table per layer and kv head, while a model with "
+       "sliding-window layers already keeps one per window group"
+       for f in (Feature.ADAKV, Feature.PYRAMID_ADAKV)},
+    **{(ModelTrait.MLA_LATENT, f):
+       "an MLA latent row is one head that every query head reads, so there are no kv heads "
+       "to split a budget over" for f in (Feature.ADAKV, Feature.PYRAMID_ADAKV)},
     (ModelTrait.PER_LAYER_ROPE, Feature.CONTEXT_REUSE):
         "a reused chunk's keys are re-rotated by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
@@ -714,8 +723,9 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.FUSED_KV_WRITE, "fused_kv_write=True"))
     if config.retention_schedule == Feature.PYRAMID.value:
         found.append(_Present(Feature.PYRAMID, "retention_schedule='pyramid'"))
-    if config.retention_schedule == Feature.ADAKV.value:
-        found.append(_Present(Feature.ADAKV, "retention_schedule='adakv'"))
+    for schedule in (Feature.ADAKV, Feature.PYRAMID_ADAKV):
+        if config.retention_schedule == schedule.value:
+            found.append(_Present(schedule, f"retention_schedule={schedule.value!r}"))
     if config.host_split != "never" and config.num_host_pages > 0:
         found.append(_Present(Feature.HOST_ROWS, f"host_split={config.host_split!r}"))
     if KVLayout(config.kv_layout) is KVLayout.CONTIGUOUS:

@@ -120,7 +120,9 @@ class EngineConfig:
         compress the prompt once: snapkv, knorm, expected_attention, observed_attention), or
         'adakv' (AdaKV: every layer keeps K * B (kv head, token) pairs split over its heads by
         the press's scores, in head-major pages with a block table per (layer, kv head) that
-        give back each head's pages past its share; `kvjax.kv.head_retention`; the same presses).
+        give back each head's pages past its share; `kvjax.kv.head_retention`; the same presses),
+        or 'pyramid_adakv' (both: each layer's pyramid budget split over its heads as AdaKV
+        splits it, in the same head-major pages).
       async_scheduling: schedule and dispatch step t+1 while the device runs step t (sampled
         tokens feed the next step on the device; the host reads them one step later). Greedy
         outputs are identical either way. Steps that return logits, engines whose

@@ -22,7 +22,7 @@ def pool_layer_groups(mc: ModelConfig, config: EngineConfig, max_model_len: int
     scheme = check_schedule(config.retention_schedule, policy)
     if scheme.head_allocation is HeadAllocation.ADAKV:
         return head_layer_groups(policy, mc.num_layers, mc.kv_layer_groups()[0].format,
-                                 max_model_len)
+                                 max_model_len, scheme)
     if scheme.schedule is BudgetSchedule.UNIFORM:
         return mc.kv_layer_groups()
     return schedule_layer_groups(policy, scheme, mc.num_layers,
@@ -36,8 +36,9 @@ def retention_manager(mc: ModelConfig, config: EngineConfig, groups: tuple[Layer
     under AdaKV)."""
     policy = make_retention(config.retention, config.retention_budget, config.page_size,
                             **config.retention_options)
-    if config.retention_schedule == HeadAllocation.ADAKV.value:
-        return HeadRetention(policy, groups, rope=mc.rope)
+    scheme = check_schedule(config.retention_schedule, policy)
+    if scheme.head_allocation is HeadAllocation.ADAKV:
+        return HeadRetention(policy, groups, scheme=scheme, rope=mc.rope)
     if len(table_groups([(g.layers, 0) for g in groups])) == 1 or \
             config.retention_schedule == BudgetSchedule.UNIFORM.value:
         return RetentionManager(policy, rope=mc.rope)

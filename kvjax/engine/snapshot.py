@@ -7,13 +7,14 @@
     per leaf of the KV pytree viewed page-major, `[L, num_saved_pages, ...]` (for the exact
     pool `[L, num_saved_pages, P, K, D]` keys and values; codes and scales for a quantized
     pool; Quest's page summaries). A page shared by several sequences (the prompt of an n > 1
-    group) is saved once. A sequence retention compacted saves the pages it holds.
+    group) is saved once. A sequence retention compacted saves the pages it holds (where
+    block tables keep budgets of their own, each table's at its own cached length).
   * windows: a KIVI pool's per-sequence exact windows (the state's sequence-slot leaves), one
     per saved sequence, `[L, num_saved_windows, ...]` per leaf.
   * meta (JSON): every sequence record (tokens, num_computed, sampling params, seed, status,
     timings, weights version, ...), each sequence's saved page indices, window index, KV floor
     (`KVCacheManager.kv_floor`) and retention record (which tokens its pages hold, their
-    scores), the request records
+    scores; one per block table that keeps a budget of its own), the request records
     (prompt, n, arrival, tenant), and the provenance: readable parts and each sequence's
     fingerprint.
 
@@ -187,8 +188,11 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
             if _has_device_kv(engine, seq):
                 kv_floor = engine.kv_cache.kv_floor(seq_id)
                 held = engine.kv_cache.cached_len(seq_id, seq.num_computed)
-                tables = [t[:pages_for(held, page_size)]
-                          for t in engine.allocator.block_tables(seq_id)]
+                tables = engine.allocator.block_tables(seq_id)
+                # Tables that keep budgets of their own hold their own cached lengths.
+                shifts = engine.retention.group_shifts(seq_id) or [0] * len(tables)
+                tables = [t[:pages_for(held + d, page_size)]
+                          for t, d in zip(tables, shifts, strict=True)]
                 pages, *group_pages = [[saved_pages.setdefault(p, len(saved_pages))
                                         if p != RELEASED else RELEASED for p in t]
                                        for t in tables]
@@ -247,6 +251,12 @@ def _check_compatible(engine: Engine, meta: dict) -> None:
                 seq["fingerprint"]:
             raise ValueError(f"sequence {record['seq_id']!r}: the snapshot's KV provenance "
                              "fingerprint does not match the engine's")
+    for seq in meta["sequences"]:
+        tables = 1 + len((seq.get("retention") or {}).get("groups", ()))
+        if seq.get("retention") is not None and tables != engine.retention.num_tables:
+            raise ValueError(f"sequence {seq['record']['seq_id']!r}: the snapshot's retention "
+                             f"record keeps {tables} block tables, the engine's retention "
+                             f"schedule {engine.retention.num_tables}")
     for request_id in meta["requests"]:
         if engine.scheduler.has_request(request_id):
             raise ValueError(f"request {request_id!r} already exists in the engine")
@@ -285,7 +295,8 @@ def _place(engine: Engine, seq: Sequence, saved: dict, stored: list[jax.Array] |
             engine.kv_cache.rounded.round_pages(seq.seq_id, ())
         has_kv = engine.kv_cache.place(seq.seq_id, seq.tokens, seq.num_computed,
                                        engine.scheduler.cache_key(seq), seq.weights_version,
-                                       len(pages), scatter, retention=saved.get("retention"),
+                                       [len(t) for t in saved_tables], scatter,
+                                       retention=saved.get("retention"),
                                        kv_floor=saved.get("kv_floor", 0))
     engine.scheduler.restore_sequence(seq, has_kv=has_kv)
 

@@ -20,6 +20,11 @@ need:
     then holds sum over (layer, head) of ceil(B_lh / P) one-head pages;
   * decode appends to every head's table at its own cached length.
 
+`retention_schedule='pyramid_adakv'` splits each layer's PyramidKV budget B_l
+(`kvjax.kv.budgets.pyramid_budgets`, L * B in all) instead, K * B_l pairs per layer, as kvpress
+composes its PyramidKV and AdaKV presses; the pool's groups keep each layer's budget at the
+longest context.
+
 As with the pyramid schedule (`kvjax.kv.layer_retention`), only presses that compress once
 have a head-wise split here, and `kvjax.engine.compat` refuses the features that address a
 sequence's pages through one cached length.
@@ -28,6 +33,8 @@ Plain numpy, no jax: the KV cache manager and the scheduler import it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -40,12 +47,17 @@ ADAKV = "adakv"  # the `EngineConfig.retention_schedule` of a head-wise split
 
 
 def head_layer_groups(policy: RetentionPolicy, num_layers: int, token_format: TokenFormat,
-                      max_len: int) -> tuple[LayerGroup, ...]:
+                      max_len: int, scheme: BudgetScheme | None = None
+                      ) -> tuple[LayerGroup, ...]:
     """The pool's layer groups under a head-wise split: one per layer, head-major pages, each
-    head keeping the press's budget on average (at most `max_len`)."""
-    budget = min(policy.budget, max_len)
-    return tuple(LayerGroup((layer,), token_format, TokenKeep.BUDGET, budget, head_major=True)
-                 for layer in range(num_layers))
+    head keeping its layer's budget on average (at most `max_len`): the press's, or under a
+    per-layer schedule (`scheme`, 'pyramid_adakv') the layer's share at `max_len` tokens."""
+    first, last = policy.protected_tokens()
+    budgets = (scheme or BudgetScheme()).layer_budgets(num_layers, policy.budget, max_len,
+                                                       window=first + last)
+    return tuple(LayerGroup((layer,), token_format, TokenKeep.BUDGET, max(1, int(budget)),
+                            head_major=True)
+                 for layer, budget in enumerate(budgets))
 
 
 class HeadRetention(GroupedRetention):
@@ -57,27 +69,32 @@ class HeadRetention(GroupedRetention):
     """
 
     def __init__(self, policy: RetentionPolicy, groups: tuple[LayerGroup, ...], *,
-                 head_floor: float = 0.2, rope=None):
-        scheme = BudgetScheme(head_allocation=HeadAllocation.ADAKV, head_floor=head_floor)
+                 scheme: BudgetScheme | None = None, head_floor: float = 0.2, rope=None):
+        """scheme: over layers ('pyramid_adakv': each layer's pyramid budget split over its
+        heads); None: every layer the press's budget."""
+        scheme = dataclasses.replace(scheme or BudgetScheme(), head_floor=head_floor,
+                                     head_allocation=HeadAllocation.ADAKV)
         super().__init__(policy, scheme, groups, rope=rope)
         self.num_heads = groups[0].format.num_kv_heads
         self.tables = [g.layers for g in groups for _ in range(self.num_heads)]
         self.num_tables = len(self.tables)
         first, last = policy.protected_tokens()
         # One head keeps at most its layer's every unprotected pair beside the protected ones.
-        self._max_kept = first + last + self.num_heads * (policy.budget - first - last)
+        most = max(max(g.num_keep_tokens for g in groups), policy.budget)
+        self._max_kept = first + last + self.num_heads * (most - first - last)
 
     def head_counts(self, seq_id: str, budget: int) -> list[np.ndarray]:
         """[K] the unprotected tokens each head of each layer keeps, AdaKV's split of the
         layer's K * (budget - protected) pairs by the press's ranked scores."""
         views = self._group_views(seq_id)
         first, last = self.policy.protected_tokens()
-        count = min(budget, len(views[0].positions)) - first - last
+        layers = self.scheme.layer_budgets(self.num_layers, budget, len(views[0].positions),
+                                           window=first + last)  # [L]
         k = self.num_heads
         return [adakv_head_budgets(np.stack([self.policy.ranked_scores(v)
                                              for v in views[i:i + k]]),
-                                   count, self.scheme.head_floor)
-                for i in range(0, len(views), k)]
+                                   int(count) - first - last, self.scheme.head_floor)
+                for i, count in zip(range(0, len(views), k), layers, strict=True)]
 
     def select(self, seq_id: str, *, is_prefill_done: bool) -> list[np.ndarray] | None:
         """Cache indices each (layer, head) table keeps, or None when every table keeps all."""
@@ -92,7 +109,10 @@ class HeadRetention(GroupedRetention):
         counts = np.concatenate(self.head_counts(seq_id, budget))  # [L * K]
         keeps = []
         for view, count in zip(views, counts, strict=True):
-            view.budget = first + last + int(count)
+            # A table keeps at least one token (as a pyramid table group does): a head whose
+            # share rounds to nothing (no protected tokens, a small layer budget) keeps its
+            # best one, a pair over its layer's budget.
+            view.budget = max(1, first + last + int(count))
             keep = self.policy.select(view, is_prefill_done=True)
             keeps.append(np.arange(len(view.positions)) if keep is None else keep)
         return keeps

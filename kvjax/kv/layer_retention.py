@@ -31,6 +31,7 @@ Plain numpy, no jax: the KV cache manager and the scheduler import it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -41,11 +42,22 @@ from kvjax.kv.retention_host import (
     RetentionManager,
     RetentionPolicy,
     SeqLayout,
+    view_of,
+    view_record,
 )
 from kvjax.kv.spec import LayerGroup, TokenFormat, table_groups
+from kvjax.registry import Registry
 
-# The per-layer schedules, and AdaKV's head-wise split (`kvjax.kv.head_retention`).
-SCHEDULES = (*(s.value for s in BudgetSchedule), HeadAllocation.ADAKV.value)
+# `EngineConfig.retention_schedule` -> its `BudgetScheme`: the per-layer schedules, AdaKV's
+# head-wise split (`kvjax.kv.head_retention`), and both (each layer's pyramid budget split
+# over its heads, as kvpress composes its PyramidKV and AdaKV presses).
+SCHEDULES = Registry("retention schedule", {
+    **{s.value: functools.partial(BudgetScheme, s) for s in BudgetSchedule},
+    HeadAllocation.ADAKV.value: functools.partial(BudgetScheme,
+                                                  head_allocation=HeadAllocation.ADAKV),
+    "pyramid_adakv": functools.partial(BudgetScheme, BudgetSchedule.PYRAMID,
+                                       HeadAllocation.ADAKV),
+})
 
 
 def check_schedule(schedule: str, policy: RetentionPolicy) -> BudgetScheme:
@@ -55,7 +67,7 @@ def check_schedule(schedule: str, policy: RetentionPolicy) -> BudgetScheme:
     if schedule not in SCHEDULES:
         raise ValueError(f"EngineConfig.retention_schedule must be one of {list(SCHEDULES)}, "
                          f"got {schedule!r}")
-    scheme = BudgetScheme.named(schedule)
+    scheme = SCHEDULES.make(schedule)
     if scheme.name != BudgetSchedule.UNIFORM.value and not policy.compresses_once:
         raise ValueError(f"EngineConfig.retention_schedule={schedule!r} shares the budget of "
                          f"a press that compresses the prompt once, from its scores; "
@@ -156,11 +168,23 @@ class GroupedRetention(RetentionManager):
         raise ValueError("per-layer budgets compact each table group (evict_groups)")
 
     def record(self, seq_id: str) -> dict | None:
-        if seq_id in self._others:
-            raise ValueError(f"sequence {seq_id!r}: per-layer budgets keep one record per table "
-                             f"group, which snapshots and swaps do not carry "
-                             f"(kvjax.engine.compat refuses them)")
-        return super().record(seq_id)
+        """The base record of table group 0, with `groups`: the other groups' views."""
+        record = super().record(seq_id)
+        if record is not None and seq_id in self._others:
+            record["groups"] = [view_record(v) for v in self._others[seq_id]]
+        return record
+
+    def restore(self, seq_id: str, record: dict | None) -> None:
+        """ValueError when `record` holds views of another number of table groups (saved by
+        an engine of another schedule or model)."""
+        groups = [] if record is None else record.get("groups", [])
+        if record is not None and len(groups) != self.num_tables - 1:
+            raise ValueError(f"sequence {seq_id!r}: its retention record holds "
+                             f"{len(groups) + 1} block tables' views, the engine keeps "
+                             f"{self.num_tables}")
+        super().restore(seq_id, record)
+        if groups:
+            self._others[seq_id] = [view_of(g) for g in groups]
 
     def fork(self, parent_id: str, child_id: str) -> None:
         super().fork(parent_id, child_id)

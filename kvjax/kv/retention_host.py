@@ -513,6 +513,19 @@ def plan_compaction(keep: np.ndarray, src: np.ndarray, dst: np.ndarray, layout: 
         seq_slot=int(layout.seq_slot))
 
 
+def view_record(view: CacheView) -> dict:
+    """A `CacheView` as plain data (JSON-serializable)."""
+    return dict(positions=view.positions.tolist(), scores=view.scores.tolist(),
+                num_evicted=view.num_evicted, is_prefill_done=view.is_prefill_done)
+
+
+def view_of(record: dict) -> CacheView:
+    """The `CacheView` of a `view_record`."""
+    return CacheView(np.asarray(record["positions"], np.int32),
+                     np.asarray(record["scores"], np.float32), record["num_evicted"],
+                     record["is_prefill_done"])
+
+
 class RetentionManager:
     """The engine's host-side record of what each sequence keeps, and the device moves.
 
@@ -545,6 +558,16 @@ class RetentionManager:
         """Tokens each block table after the first dropped (`num_evicted` is the first's);
         () when every table keeps the same tokens."""
         return ()
+
+    def group_shifts(self, seq_id: str) -> tuple[int, ...]:
+        """Each block table's cached length less the first's (its offset from the cache
+        positions callers address the sequence by); () when every table keeps the same
+        tokens."""
+        others = self.group_evicted(seq_id)
+        if not others:
+            return ()
+        first = self.num_evicted(seq_id)
+        return (0, *(first - n for n in others))
 
     @property
     def is_exact(self) -> bool:
@@ -713,17 +736,12 @@ class RetentionManager:
         if view is None:
             return None
         budget = dict(budget=self._budgets[seq_id]) if seq_id in self._budgets else {}
-        return dict(positions=view.positions.tolist(), scores=view.scores.tolist(),
-                    num_evicted=view.num_evicted, is_prefill_done=view.is_prefill_done,
-                    **budget)
+        return dict(view_record(view), **budget)
 
     def restore(self, seq_id: str, record: dict | None) -> None:
         """Gives a sequence the `record` another engine's manager saved (None: none)."""
         if record is not None:
-            self._views[seq_id] = CacheView(
-                np.asarray(record["positions"], np.int32),
-                np.asarray(record["scores"], np.float32), record["num_evicted"],
-                record["is_prefill_done"])
+            self._views[seq_id] = view_of(record)
             if "budget" in record:  # a controller's budget for it
                 self._budgets[seq_id] = record["budget"]
 

@@ -275,19 +275,31 @@ class GroupedBlockManager:
         `end` (its KV comes back from host memory or a snapshot): every group's pages from
         `start`, a window's only from the first page that query reads, all-or-nothing but for
         the window pages before it, which are given back either way."""
-        for m in self.groups:
-            self._released += m.release_returning(seq_id, end)
-        starts = [m.restored_start(start, end) for m in self.groups]
-        needed = sum(m.pages_to_write(seq_id, s, end)
-                     for m, s in zip(self.groups, starts, strict=True))
+        shifts = self._shifts(seq_id)  # a sequence that comes back with its groups' lengths
+        ends = [end + d for d in shifts]
+        for m, e in zip(self.groups, ends, strict=True):
+            self._released += m.release_returning(seq_id, e)
+        # Shifted groups hold tokens retention kept, which no prefix hit supplies (start 0).
+        starts = [m.restored_start(start and start + d, e)
+                  for m, d, e in zip(self.groups, shifts, ends, strict=True)]
+        needed = sum(m.pages_to_write(seq_id, s, e)
+                     for m, s, e in zip(self.groups, starts, ends, strict=True))
         if needed > self.num_free_pages():
             return AllocStatus.NO_PAGES, []
         copies = []
-        for m, s in zip(self.groups, starts, strict=True):
-            status, group_copies = m.ensure_writable(seq_id, s, end)
+        for m, s, e in zip(self.groups, starts, ends, strict=True):
+            status, group_copies = m.ensure_writable(seq_id, s, e)
             assert status is AllocStatus.OK, "pages counted free above must be allocatable"
             copies += group_copies
         return AllocStatus.OK, copies
+
+    def shift_groups(self, seq_id: Hashable, shifts: Sequence[int]) -> None:
+        """Group g of a registered sequence holds its cache positions plus shifts[g] (a
+        sequence coming back to the lengths `retain_groups` left its groups at)."""
+        if len(shifts) != len(self.groups):
+            raise ValueError(f"sequence {seq_id!r}: {len(shifts)} shifts for "
+                             f"{len(self.groups)} layer groups")
+        self._offsets[seq_id] = list(shifts)
 
     def take_released(self) -> list[int]:
         """Pages windows gave back (to the free list) since the last call: to scrub."""

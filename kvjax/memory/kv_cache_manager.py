@@ -333,10 +333,11 @@ class KVCacheManager:
     # ----------------------------------------------------------------------------- returning
 
     def place(self, seq_id: str, token_ids: Sequence[int], num_computed: int, cache_key: bytes,
-              version: str, num_pages: int, scatter, retention: dict | None = None,
-              kv_floor: int = 0) -> bool:
-        """Registers a sequence whose first `num_pages` block-table entries of KV come from
-        outside the pool (a snapshot): prefix-cache hits are shared, the rest written by
+              version: str, num_pages: int | Sequence[int], scatter,
+              retention: dict | None = None, kv_floor: int = 0) -> bool:
+        """Registers a sequence whose first `num_pages` block-table entries of KV (per layer
+        group where groups keep budgets of their own) come from outside the pool (a
+        snapshot): prefix-cache hits are shared, the rest written by
         `scatter(kv, tables, first) -> kv` (tables: [G][num_pages - first], every layer group's
         pool pages for entries first.., RELEASED where a window no longer reads the entry; the
         sequence's slot is `seq_slot(seq_id)` by then). `retention`: the retention record
@@ -350,7 +351,9 @@ class KVCacheManager:
             self._floors.pop(seq_id, None)
             return False
         first = cached // self.page_size
-        tables = [t[first:num_pages] for t in self.allocator.block_tables(seq_id)]
+        tables = self.allocator.block_tables(seq_id)
+        counts = [num_pages] * len(tables) if isinstance(num_pages, int) else num_pages
+        tables = [t[first:n] for t, n in zip(tables, counts, strict=True)]
         written = [p for t in tables for p in t if p != RELEASED]
         self.ops.apply(KVOp(KVOpKind.SCATTER, tuple(written)),
                     lambda kv: scatter(kv, tables, first))
@@ -366,8 +369,13 @@ class KVCacheManager:
         has no room."""
         held = self.cached_len(seq_id, num_computed)
         floor = self._floors.get(seq_id)
+        # Pages that hold a subset of its tokens (in any block table) index nothing.
+        keeps_all = held == num_computed and not any(self.retention.group_evicted(seq_id))
         cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
-                             indexable=held == num_computed and self.rounded.indexable(seq_id))
+                             indexable=keeps_all and self.rounded.indexable(seq_id))
+        shifts = self.retention.group_shifts(seq_id)
+        if shifts:  # table groups that kept budgets of their own come back at their lengths
+            self.allocator.shift_groups(seq_id, shifts)
         if not self.allocate(seq_id, cached, held, returning=True):
             self.unregister(seq_id)
             if floor is not None:  # It stays swapped out, with the floor it had.

@@ -1,5 +1,8 @@
 """Swapping: a preempted sequence's pages copied to host memory (into a host slot, or through
-the tiers) and back, with a KIVI window beside them."""
+the tiers) and back, with a KIVI window beside them. Where block tables keep retention budgets
+of their own (PyramidKV's table groups, AdaKV's (layer, kv head) tables), each table's pages
+travel at its own cached length, which the retention record keeps while the sequence is away
+(`RetentionManager.group_shifts`)."""
 
 from __future__ import annotations
 
@@ -79,15 +82,15 @@ class SwapMoves:
         Without tiers the copy is a `KVOpKind.SWAP_OUT` op into a host slot, planned before the
         frees' scrubs and whatever reuses the pages.
 
-        A sequence retention compacted keeps its record of which tokens its pages hold."""
-        if self.retention.group_evicted(seq_id):
-            raise ValueError(f"sequence {seq_id!r}: its table groups keep retention budgets of "
-                             f"their own, each at its own cached length, which a swap does not "
-                             f"restore (kvjax.engine.compat refuses swaps with them)")
+        A sequence retention compacted keeps its record of which tokens its pages hold (one
+        per table group where groups keep budgets of their own: each group's copy is its
+        table's pages at its own cached length)."""
         held = num_computed - self.retention.num_evicted(seq_id)
         # Host-resident pages are host memory already: they wait in the host pool.
-        entries = self._held_entries(seq_id, self.host.num_host_pages(seq_id),
-                                     pages_for(held, self.page_size))
+        entries = self._held_entries(seq_id, self.host.num_host_pages(seq_id), [
+            pages_for(held + shift, self.page_size)
+            for shift in self.retention.group_shifts(seq_id)
+            or [0] * len(self.allocator.block_tables(seq_id))])
         tables = self.allocator.block_tables(seq_id)
         pages = [tables[group][index] for index, group in entries]
         if self.tiers is None:
@@ -153,12 +156,15 @@ class SwapMoves:
         self.stats["swap_bytes"] += self._copy_bytes(len(dst), bits, window)
         return True
 
-    def _held_entries(self, seq_id: str, start: int, stop: int) -> list[tuple[int, int]]:
+    def _held_entries(self, seq_id: str, start: int, stops: list[int]
+                      ) -> list[tuple[int, int]]:
         """(block-table entry, layer group) of every page the sequence holds in entries
-        [start, stop) of its tables, entry by entry (a window's released entries left out)."""
+        [start, stops[group]) of its tables, entry by entry (a window's released entries left
+        out)."""
         tables = self.allocator.block_tables(seq_id)
-        return [(index, group) for index in range(start, stop)
-                for group, table in enumerate(tables) if table[index] != RELEASED]
+        return [(index, group) for index in range(start, max(stops, default=start))
+                for group, table in enumerate(tables)
+                if index < stops[group] and table[index] != RELEASED]
 
     def _swap_targets(self, seq_id: str, first: int) -> tuple[list[int], int]:
         """Where a returning sequence's swapped pages go: the page of each one's entry in its

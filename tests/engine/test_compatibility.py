@@ -46,7 +46,8 @@ BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16
 # A quantized codec or a retention policy changes the tokens: only their count is checked.
 PRESSES = {Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION}
 RETAINED = {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
-            Feature.QUEST, Feature.ECHO, Feature.PYRAMID, Feature.ADAKV, *PRESSES}
+            Feature.QUEST, Feature.ECHO, Feature.PYRAMID, Feature.ADAKV, Feature.PYRAMID_ADAKV,
+            *PRESSES}
 APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, Feature.LOWRANK, *RETAINED,
                Feature.CONTEXT_REUSE}
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
@@ -138,6 +139,7 @@ def config_for(features) -> dict:
         # With snapkv unless the pair names another retention policy (set below).
         Feature.PYRAMID: dict(retention_schedule="pyramid"),
         Feature.ADAKV: dict(retention_schedule="adakv"),
+        Feature.PYRAMID_ADAKV: dict(retention_schedule="pyramid_adakv"),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),
@@ -147,13 +149,14 @@ def config_for(features) -> dict:
     config = dict(BASE)
     for feature in features:
         config.update(settings.get(feature, {}))
-    if set(features) & {Feature.PYRAMID, Feature.ADAKV}:
+    head_major = {Feature.ADAKV, Feature.PYRAMID_ADAKV}
+    if set(features) & {Feature.PYRAMID, *head_major}:
         if "retention" not in config:
             config.update(settings[Feature.SNAPKV])
         # A table per layer (and kv head), each page one layer (of one head): the same bytes
         # as BASE's pages of two layers and two heads.
         if config["num_pages"] is not None:
-            config["num_pages"] = (4 if Feature.ADAKV in features else 2) * BASE["num_pages"]
+            config["num_pages"] = (4 if head_major & set(features) else 2) * BASE["num_pages"]
     return config
 
 
@@ -351,22 +354,31 @@ def test_refused_pair_raises_the_tables_reason(model, pair, tmp_path):
             EngineConfig(**config_for(pair))
 
 
-def test_pausing_to_host_memory_is_refused_where_swaps_are(model):
-    """`Engine.pause(to_host=True)` swaps the request's pages out, so the table's refusals of
-    swaps refuse it; the request runs on unpaused."""
+def test_pausing_to_host_memory_swaps_every_budget_table(model):
+    """`Engine.pause(to_host=True)` swaps the request's pages out: under the per-layer
+    schedule, once the press kept each table group's own budget, every group's pages and
+    record leave and come back, and the request continues with an unpaused run's tokens."""
     from kvjax import EngineConfig, SamplingParams
     from kvjax.engine.engine import Engine
 
-    engine = Engine(model, EngineConfig(**config_for({Feature.PYRAMID})))
-    engine.add_request("r", _prompts()[1], SamplingParams(max_new_tokens=NUM_NEW))
-    engine.step()
-    with pytest.raises(ValueError, match=re.escape(refusal(Feature.PYRAMID, Feature.SWAP))):
-        engine.pause("r", to_host=True)
-    assert not engine.scheduler.paused
-    outputs = []
-    while engine.has_unfinished():
-        outputs += engine.step()
-    assert len(outputs[0].outputs[0].token_ids) == NUM_NEW
+    def serve(pause: bool) -> tuple[list[int], Engine]:
+        engine = Engine(model, EngineConfig(**config_for({Feature.PYRAMID})))
+        engine.add_request("r", _prompts()[1], SamplingParams(max_new_tokens=NUM_NEW,
+                                                               ignore_eos=True))
+        outputs = engine.step()
+        if pause:
+            assert len(set(engine.retention.group_shifts("r#0"))) > 1, \
+                "the table groups must hold their own lengths when paused"
+            engine.pause("r", to_host=True)
+            outputs += engine.step()
+            engine.resume("r")
+        while engine.has_unfinished():
+            outputs += engine.step()
+        return outputs[-1].outputs[0].token_ids, engine
+
+    paused, engine = serve(pause=True)
+    assert engine.stats["swaps_out"] == engine.stats["swaps_in"] == 1
+    assert paused == serve(pause=False)[0]
     assert engine.allocator.num_used_pages() == 0
 
 

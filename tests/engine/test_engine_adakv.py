@@ -16,6 +16,7 @@ from test_engine_pyramid import engine_run, prompt_of
 from kvjax import EngineConfig
 from kvjax.engine.engine import Engine
 from kvjax.engine.step import LogitsMode
+from kvjax.kv import budgets
 from kvjax.kv.spec import KVCacheSpec
 from kvjax.testing import TINY, tiny_model
 
@@ -85,3 +86,32 @@ def test_sliding_window_model_refuses_adakv():
     model = tiny_model(dataclasses.replace(TINY, layer_windows=(8, 0), name="tiny-sw"))
     with pytest.raises(ValueError, match="sliding-window"):
         Engine(model, adakv_config("snapkv", 16))
+
+
+@pytest.mark.parametrize("press,length,budget", [("snapkv", 40, 16),
+                                                 ("expected_attention", 61, 24)])
+def test_pyramid_adakv_splits_each_layers_pyramid_budget_over_its_heads(press, length, budget):
+    """retention_schedule='pyramid_adakv': each layer keeps its PyramidKV budget (more in
+    lower layers) split over its kv heads by AdaKV; the kept tokens are numpy's selection over
+    the same scores (`BudgetScheme.select`), so the greedy tokens and logits are the simulated
+    cache's, and the pages held are the heads' budgets'."""
+    model = tiny_model()
+    engine = Engine(model, EngineConfig(**BASE, retention=press, retention_budget=budget,
+                                        retention_options=PRESSES[press][0],
+                                        retention_schedule="pyramid_adakv"))
+    prompt = prompt_of(length, seed=length)
+    tokens, logits, held = engine_run(engine, prompt, 6, LogitsMode.LAST)
+    kept, k, v, last = pyramid_cases.simulated_kept(model, prompt, press, budget,
+                                                    "pyramid+adakv")
+    head_tokens = kept.sum(axis=2)  # [L, K]
+    first, last_kept = engine.retention.policy.protected_tokens()
+    layer_budgets = budgets.pyramid_budgets(model.config.num_layers, budget, length,
+                                            window=first + last_kept)
+    assert len(set(layer_budgets.tolist())) > 1, "the case must give layers different budgets"
+    np.testing.assert_array_equal(head_tokens.sum(axis=1),
+                                  model.config.num_kv_heads * layer_budgets)
+    assert (head_tokens.min(axis=1) < head_tokens.max(axis=1)).any(), \
+        "the case must give a layer's heads different budgets"
+    assert held == predicted_pages(engine, head_tokens, len(prompt)) == sum(
+        -(-int(n) // P) for n in head_tokens.ravel())
+    pyramid_cases.check_decode(model, engine, prompt, (kept, k, v, last), tokens, logits)
