@@ -426,19 +426,25 @@ class KVCacheManager:
         """Compiles the retention, swap and scrub programs on padding inputs, the
         copy-on-write programs for up to `max_copies` copies in one step (page 0 onto itself,
         which changes nothing) and the chunk copies of up to `max_chunk_tokens` tokens."""
-        idle = [KVOp(KVOpKind.COPY, src=(0,) * n, dst=(0,) * n)
-                for n in (geometric_buckets(1, next_power_of_2(max_copies), 2)
-                          if max_copies else ())]
-        idle += [KVOp(KVOpKind.COMPACT, plan=plan) for plan in self.retention.warmup_plans()]
-        n = 1
-        while max_chunk_tokens and n <= next_power_of_2(max_chunk_tokens):  # writing nothing
-            idle.append(KVOp(KVOpKind.CHUNK_LOAD, plan=ChunkLoadPlan.padded(
-                [], 0, [-1] * n, 0, 1.0, page_size=self.page_size)))
-            n *= 2
-        for op in idle:
+        for op in _idle_ops(self.retention, self.page_size, max_copies, max_chunk_tokens):
             self.ops.apply(KVOp(KVOpKind.WARMUP), lambda kv, op=op: self.device.run_op(kv, op))
         # (The runner warms its tier transfers itself.)
         self.ops.apply(KVOp(KVOpKind.WARMUP), lambda kv: self.swap_space.warmup(
             kv, block_table_width, swap=swap, scrub=self.scrub_freed_pages,
             demote_bits=demote_bits))
 
+
+def _idle_ops(retention: RetentionManager, page_size: int, max_copies: int,
+              max_chunk_tokens: int) -> list[KVOp]:
+    """Ops that change nothing and compile every program size of the copy-on-write copies
+    (page 0 onto itself), retention compactions and chunk loads (writing nothing)."""
+    idle = [KVOp(KVOpKind.COPY, src=(0,) * n, dst=(0,) * n)
+            for n in (geometric_buckets(1, next_power_of_2(max_copies), 2)
+                      if max_copies else ())]
+    idle += [KVOp(KVOpKind.COMPACT, plan=plan) for plan in retention.warmup_plans()]
+    n = 1
+    while max_chunk_tokens and n <= next_power_of_2(max_chunk_tokens):
+        idle.append(KVOp(KVOpKind.CHUNK_LOAD, plan=ChunkLoadPlan.padded(
+            [], 0, [-1] * n, 0, 1.0, page_size=page_size)))
+        n *= 2
+    return idle
