@@ -334,7 +334,8 @@ class ModelRunner:
     def _empty_input(self, shape: StepShape) -> dict[str, np.ndarray]:
         pool = self.host_pool
         return empty_step_input(shape, self.num_tables, host_rows=pool is not None,
-                                num_layer_tables=0 if pool is None else pool.num_layer_tables)
+                                num_layer_tables=0 if pool is None else pool.num_layer_tables,
+                                keep_width=0 if pool is None else pool.keep_width)
 
     # ----------------------------------------------------------------------------- KV ops
 
@@ -454,6 +455,9 @@ class ModelRunner:
             buf["host_tables"][r, :len(row.host_table)] = row.host_table
             if row.layer_tables is not None:
                 buf["layer_tables"][r, :, :row.layer_tables.shape[1]] = row.layer_tables
+            if row.keep_frames is not None:
+                buf["keep_frames"][r] = row.keep_frames
+                buf["keep_owners"][r] = row.keep_owners
             buf["host_lens"][r] = row.host_len
 
     def blend_input(self, blend: BlendRow) -> tuple[BlendShape, dict[str, np.ndarray]]:

@@ -159,6 +159,10 @@ class StepInput:
       layer_tables: [Bh, L, Pmax] int32 under ECHO (else [Bh, 0, Pmax]): per layer and
         block-table entry, the device page holding that layer of the entry, or -1 where the
         layer reads the entry's host copy.
+      keep_frames, keep_owners: [Bh, L, V] int32 under ECHO with misses kept (else
+        [Bh, 0, 0]): per layer, the block-table entries of the frames the step may write the
+        pages it reads from the host pool into (-1: padding), and the entries they hold (-1:
+        unknown); `kvjax.engine.echo.keep_misses`.
       host_lens: [Bh] int32, how many of each decode row's first positions live in the host
         pool (a multiple of the page size; 0: all on the device). Its device block table's
         entries for them are ignored.
@@ -200,6 +204,8 @@ class StepInput:
     host_tables: jax.Array
     host_lens: jax.Array
     layer_tables: jax.Array
+    keep_frames: jax.Array
+    keep_owners: jax.Array
 
     def for_table(self, table: jax.Array) -> StepInput:
         """This input as layer group `table` (traced) sees it: its block tables, slots and kv
@@ -246,10 +252,11 @@ class StepOutput:
 
 
 def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool = False,
-                     num_layer_tables: int = 0) -> dict[str, np.ndarray]:
+                     num_layer_tables: int = 0, keep_width: int = 0) -> dict[str, np.ndarray]:
     """Host buffers for one step, filled with padding values (num_tables: G, the block tables
     of the model's layer groups; host_rows: the engine has a host pool, so decode rows ship
-    host tables; num_layer_tables: L when they ship per-layer device tables too (ECHO))."""
+    host tables; num_layer_tables: L when they ship per-layer device tables too (ECHO);
+    keep_width: V, the frames per layer a step may keep its misses in (ECHO), else 0)."""
     num_host = shape.num_decode if host_rows else 0
     r, t, bd, w = shape.num_rows, shape.num_tokens, shape.num_decode, shape.decode_width
     h, kb = shape.history_width, shape.bias_width
@@ -291,6 +298,10 @@ def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool =
         host_tables=np.zeros((num_host, shape.max_pages), np.int32),
         host_lens=np.zeros(num_host, np.int32),
         layer_tables=np.full((num_host, num_layer_tables, shape.max_pages), -1, np.int32),
+        keep_frames=np.full((num_host, num_layer_tables if keep_width else 0, keep_width), -1,
+                            np.int32),
+        keep_owners=np.full((num_host, num_layer_tables if keep_width else 0, keep_width), -1,
+                            np.int32),
     )
 
 
@@ -579,6 +590,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         linear=linear,
         row_sum=invariant.row_sum if batch_invariant else None,
         write_kv=write_kv if writes and not head_major else None)  # [T, H]
+    if echo_kv is not None and page_reads is not None and inp.keep_frames.shape[-1]:
+        kv = echo.keep_misses(kv, echo_kv, page_reads, inp, shape.num_decode)
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     rules = _logit_rules(inp, token_ids, shape, config.vocab_size) if shape.has_rules else None
     token_mask = inp.token_mask if shape.mask_width else None
@@ -708,7 +721,8 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         group_kv_lens=jnp.zeros((0, n), jnp.int32),
         host_tables=jnp.zeros((0, block_table.shape[0]), jnp.int32),
         host_lens=jnp.zeros(0, jnp.int32),
-        layer_tables=jnp.zeros((0, 0, block_table.shape[0]), jnp.int32))
+        layer_tables=jnp.zeros((0, 0, block_table.shape[0]), jnp.int32),
+        keep_frames=jnp.zeros((0, 0, 0), jnp.int32), keep_owners=jnp.zeros((0, 0, 0), jnp.int32))
 
 
 def blend_step(params, kv: KVState, tokens: jax.Array, positions: jax.Array, slots: jax.Array,

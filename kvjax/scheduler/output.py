@@ -64,6 +64,10 @@ class ScheduledRow:
       layer_tables: under ECHO, [L, n] int32 (or [1, n]: every layer alike): per layer and
         block-table entry, the device page holding that layer of the entry, or -1 (read its
         host copy; `kvjax.scheduler.echo`); else None.
+      keep_frames, keep_owners, keep_offer: under ECHO with misses kept, [L, V] int32: per
+        layer, the block-table entries of the frames the step may write its misses into
+        (least wanted first, -1: padding) and the entries they hold (-1: unknown), and the
+        offer's number (`kvjax.scheduler.echo`); else None, None, 0.
     """
 
     seq_id: str
@@ -93,6 +97,9 @@ class ScheduledRow:
     host_table: np.ndarray | None = None
     host_len: int = 0
     layer_tables: np.ndarray | None = None
+    keep_frames: np.ndarray | None = None
+    keep_owners: np.ndarray | None = None
+    keep_offer: int = 0
     group_evicted: tuple[int, ...] = ()
 
     @property
