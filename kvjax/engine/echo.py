@@ -22,7 +22,11 @@ device.
 With misses kept (Quest's `echo_keep_misses`), after the layers the step writes each layer's
 misses, the pages it read from the host pool, into frames the host offered
 (`StepInput.keep_frames`), by a rule the host applies to the selection it reads back
-(`kvjax.scheduler.echo.kept_misses`), so the next step finds them on the device.
+(`kvjax.scheduler.echo.kept_misses`), so the next step finds them on the device. What it wrote
+also goes to the next step as a feed (`StepOutput.kept_feed`, like the sampled tokens): under
+asynchronous scheduling the host plans that step before reading this one's selection, so the
+next step adds the kept pages to its layer tables itself (`merge_kept`), and the host, which
+applies the same merge when it reads the selections back, knows every table the device used.
 """
 
 from __future__ import annotations
@@ -91,8 +95,23 @@ def read_mask(reads: tuple[jax.Array, jax.Array], page_size: int, width: int) ->
     return jnp.zeros((indices.shape[0], width), bool).at[rows, indices].max(valid)
 
 
+def merge_kept(inp) -> jax.Array:
+    """The decode rows' layer tables [Bd, L, W] with what the previous step kept: where that
+    step (row `inp.kept_rows[b]` of `inp.kept_feed`) wrote entry j into its v-th offered
+    frame in layer l, and `inp.kept_pages[b, l, v]` (the frame's device page) is >= 0, layer l
+    reads j from that page."""
+    tables = inp.layer_tables  # [Bd, L, W]
+    bd, num_layers, width = tables.shape
+    kept = inp.kept_feed[jnp.maximum(inp.kept_rows, 0)]  # [Bd, L, V]
+    valid = (inp.kept_rows >= 0)[:, None, None] & (kept >= 0) & (inp.kept_pages >= 0)
+    rows = jnp.broadcast_to(jnp.arange(bd)[:, None, None], kept.shape)
+    layers = jnp.broadcast_to(jnp.arange(num_layers)[None, :, None], kept.shape)
+    return tables.at[rows, layers, jnp.where(valid, kept, width)].set(inp.kept_pages,
+                                                                      mode="drop")
+
+
 def keep_misses(kv: KVState, host_kv: KVState, page_reads: jax.Array, inp, num_decode: int
-                ) -> KVState:
+                ) -> tuple[KVState, jax.Array]:
     """The device pool with each decode row's misses kept: in layer l, the i-th entry (in
     table order) read from the host pool (page_reads [Bd, L, W] selected it, it has a host
     copy and no device page in that layer) goes into the i-th frame of `inp.keep_frames`
@@ -100,7 +119,8 @@ def keep_misses(kv: KVState, host_kv: KVState, page_reads: jax.Array, inp, num_d
     frame's page becomes a copy of that layer of the entry's host copy.
 
     The same rule as `kvjax.scheduler.echo.kept_misses`, which the host applies to the
-    selection it reads back.
+    selection it reads back. Returns (the pool, [Bd, L, V] the entry written into each
+    offered frame, -1: none).
     """
     bd = num_decode
     frames, owners = inp.keep_frames, inp.keep_owners  # [Bd, L, V]
@@ -121,4 +141,5 @@ def keep_misses(kv: KVState, host_kv: KVState, page_reads: jax.Array, inp, num_d
     layers = jnp.broadcast_to(jnp.arange(num_layers)[None, :, None], frames.shape).reshape(-1)
     return kv.with_page_leaves(
         [x.at[layers, dst].set(h[layers, src].astype(x.dtype), mode="drop")
-         for x, h in zip(kv.page_leaves(), host_kv.page_leaves(), strict=True)])
+         for x, h in zip(kv.page_leaves(), host_kv.page_leaves(), strict=True)]
+    ), jnp.where(written, entry, -1).astype(jnp.int32)

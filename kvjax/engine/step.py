@@ -163,6 +163,14 @@ class StepInput:
         [Bh, 0, 0]): per layer, the block-table entries of the frames the step may write the
         pages it reads from the host pool into (-1: padding), and the entries they hold (-1:
         unknown); `kvjax.engine.echo.keep_misses`.
+      kept_feed: [F, L, V] int32 under ECHO with misses kept (else [0, 0, 0]): the previous
+        step's `StepOutput.kept_feed`, on the device.
+      kept_rows: [Bh] int32 (Bh = 0 without misses kept): each decode row's row in the
+        previous step whose kept misses it reads (-1: none); kept_pages: [Bh, L, V] int32,
+        the device pages of the frames that row was offered (-1: not to be read). Where the
+        previous step wrote entry j into such a frame, layer l reads j there
+        (`kvjax.engine.echo.merge_kept`): under asynchronous scheduling the host planned this
+        step before reading what the previous one kept.
       host_lens: [Bh] int32, how many of each decode row's first positions live in the host
         pool (a multiple of the page size; 0: all on the device). Its device block table's
         entries for them are ignored.
@@ -206,6 +214,9 @@ class StepInput:
     layer_tables: jax.Array
     keep_frames: jax.Array
     keep_owners: jax.Array
+    kept_feed: jax.Array
+    kept_rows: jax.Array
+    kept_pages: jax.Array
 
     def for_table(self, table: jax.Array) -> StepInput:
         """This input as layer group `table` (traced) sees it: its block tables, slots and kv
@@ -238,6 +249,9 @@ class StepOutput:
     page_reads: [Bd, L, W] bool with a policy that records its reads (Quest under ECHO, or
     with record_reads) in a one-token decode step: the block-table entries each decode row
     read in each layer; else None.
+    kept_feed: [F, L, V] int32 under ECHO with misses kept: per decode row (padded to the feed
+    width) and layer, the entry written into each frame it was offered (-1: none); the next
+    step's `StepInput.kept_feed`. Else None.
     """
 
     tokens: jax.Array
@@ -249,6 +263,7 @@ class StepOutput:
     spec_logprobs: jax.Array | None = None
     query_key_scores: jax.Array | None = None
     page_reads: jax.Array | None = None
+    kept_feed: jax.Array | None = None
 
 
 def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool = False,
@@ -302,6 +317,11 @@ def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool =
                             np.int32),
         keep_owners=np.full((num_host, num_layer_tables if keep_width else 0, keep_width), -1,
                             np.int32),
+        kept_feed=np.full((max(shape.feed_rows, r) if keep_width else 0,
+                           num_layer_tables if keep_width else 0, keep_width), -1, np.int32),
+        kept_rows=np.full(num_host if keep_width else 0, -1, np.int32),
+        kept_pages=np.full((num_host if keep_width else 0, num_layer_tables if keep_width else 0,
+                            keep_width), -1, np.int32),
     )
 
 
@@ -467,6 +487,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     is_echo = retention is not None and retention.echo_prefetch is not None
     if host_kv is not None and is_echo:
         echo_kv = host_rows.device_view(host_kv)
+        if inp.keep_frames.shape[-1] and shape.num_decode:
+            inp = inp.replace(layer_tables=echo.merge_kept(inp))
     elif host_kv is not None:
         decode = (native.lse_decoder(soft_cap=config.attn_logit_softcap)
                   if attention_name(attention_impl, kv) == "native" else None)
@@ -590,8 +612,12 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         linear=linear,
         row_sum=invariant.row_sum if batch_invariant else None,
         write_kv=write_kv if writes and not head_major else None)  # [T, H]
-    if echo_kv is not None and page_reads is not None and inp.keep_frames.shape[-1]:
-        kv = echo.keep_misses(kv, echo_kv, page_reads, inp, shape.num_decode)
+    kept_feed = None
+    if echo_kv is not None and inp.keep_frames.shape[-1]:
+        kept_feed = jnp.full(inp.kept_feed.shape, -1, jnp.int32)
+        if page_reads is not None:
+            kv, kept = echo.keep_misses(kv, echo_kv, page_reads, inp, shape.num_decode)
+            kept_feed = kept_feed.at[:shape.num_decode].set(kept)
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     rules = _logit_rules(inp, token_ids, shape, config.vocab_size) if shape.has_rules else None
     token_mask = inp.token_mask if shape.mask_width else None
@@ -622,7 +648,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     return StepOutput(tokens=tokens, logprobs=logprobs, feed_tokens=feed, logits=out_logits,
                       key_scores=key_scores, num_accepted=num_accepted,
                       spec_logprobs=spec_logprobs, query_key_scores=query_key_scores,
-                      page_reads=page_reads), kv
+                      page_reads=page_reads, kept_feed=kept_feed), kv
 
 
 def _logit_rules(inp: StepInput, token_ids: jax.Array, shape: StepShape, vocab: int
@@ -722,7 +748,9 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         host_tables=jnp.zeros((0, block_table.shape[0]), jnp.int32),
         host_lens=jnp.zeros(0, jnp.int32),
         layer_tables=jnp.zeros((0, 0, block_table.shape[0]), jnp.int32),
-        keep_frames=jnp.zeros((0, 0, 0), jnp.int32), keep_owners=jnp.zeros((0, 0, 0), jnp.int32))
+        keep_frames=jnp.zeros((0, 0, 0), jnp.int32), keep_owners=jnp.zeros((0, 0, 0), jnp.int32),
+        kept_feed=jnp.zeros((0, 0, 0), jnp.int32), kept_rows=jnp.zeros(0, jnp.int32),
+        kept_pages=jnp.zeros((0, 0, 0), jnp.int32))
 
 
 def blend_step(params, kv: KVState, tokens: jax.Array, positions: jax.Array, slots: jax.Array,

@@ -26,10 +26,13 @@ least wanted first, with the pages they hold, `keep_owners`); the step writes it
 table order) into the i-th offered frame whose page it did not select (`kept_misses`, the same
 rule as `kvjax.engine.echo.keep_misses`), so the host knows every frame's page from the
 selection it reads back anyway, and never reads the device for it. Until it has read that
-selection a frame the step was offered holds an unknown page: the host claims nothing in it and
-fills nothing into it. Synchronous scheduling reads the selection before it plans the next step,
-so every frame is offered; under asynchronous scheduling the next step is planned first, so a
-row offers, per layer, only as many frames as that layer missed in its last seen step.
+selection a frame the step was offered holds a page the host does not know: it fills nothing
+into it and offers it to no other step. Synchronous scheduling reads the selection before it
+plans the next step, so every frame is offered each step. Under asynchronous scheduling the
+next step is planned first: a row then offers, per layer, as many frames as that layer missed
+in its last seen step, and the next step reads what the previous one kept from a device-side
+feed (`ScheduledRow.kept_pages`, `kvjax.engine.echo.merge_kept`); the host applies the same
+merge when it reads the selections back, so it knows every table the device used.
 
 Plain Python and numpy.
 
@@ -145,6 +148,10 @@ class EchoPlanner:
         self._frames: dict[str, _Frames] = {}
         self._missed: dict[str, np.ndarray] = {}  # [L, F] bool: the observed step's misses
         self._wanted: dict[str, list[np.ndarray]] = {}  # the last plan's, per layer
+        # The row's last offer (number, [L, V] frame entries) and what its step kept
+        # (number, [L, V] entries written, -1: none), once read back.
+        self._offered: dict[str, tuple[int, np.ndarray]] = {}
+        self._kept: dict[str, tuple[int, np.ndarray]] = {}
         self._offers = 0
         stats.update(echo_selected_pages=0, echo_resident_reads=0,
                      echo_refetched_layer_pages=0, echo_frames_adopted=0, echo_misses_kept=0)
@@ -156,6 +163,8 @@ class EchoPlanner:
         self._frames = {k: v for k, v in self._frames.items() if k in live}
         self._missed = {k: v for k, v in self._missed.items() if k in live}
         self._wanted = {k: v for k, v in self._wanted.items() if k in live}
+        self._offered = {k: v for k, v in self._offered.items() if k in live}
+        self._kept = {k: v for k, v in self._kept.items() if k in live}
         for seq_id, cached in rows:
             if self.kv_cache.num_host_pages(seq_id) == 0:  # new, or recomputed afresh
                 self._reads.pop(seq_id, None)
@@ -206,12 +215,14 @@ class EchoPlanner:
                 j < missed.shape[1] and bool(missed[layer, j]) for layer, j, _ in fills)
         self.kv_cache.host.echo_fill(seq_id, fills)
 
-    def row_fields(self, seq_id: str) -> dict:
+    def row_fields(self, seq_id: str, feed_index: int = -1) -> dict:
         """The row's `ScheduledRow.host_table` [n] and `layer_tables` ([L, n], or [1, n] for
         every layer alike before its first plan); with misses kept, the frames its step may
         write its misses into (`keep_frames`, `keep_owners`, `keep_offer`; called once per
         scheduled row: those frames' pages are unknown until `observe` reads the step's
-        selection)."""
+        selection), and for a row whose previous step is unseen (its token in flight,
+        `feed_index` >= 0), the pages of the frames that step was offered (`kept_pages`,
+        `kept_offer`), where the step reads what it kept."""
         table = np.asarray(self.kv_cache.block_table(seq_id), np.int64)
         frames = self._frames.get(seq_id)
         layer_tables = table[None, :].copy()  # own pages: every layer reads them in place
@@ -226,6 +237,15 @@ class EchoPlanner:
         fields = dict(host_table=self.kv_cache.host.echo_host_table(seq_id),
                       layer_tables=layer_tables.astype(np.int32))
         if self.keep_misses and frames is not None and frames.entries:
+            last = self._offered.get(seq_id)
+            if feed_index >= 0 and last is not None:
+                offer, entries = last
+                unseen = np.zeros(entries.shape, bool)
+                for layer, v in zip(*np.nonzero(entries >= 0), strict=True):
+                    unseen[layer, v] = frames.pending[layer, entries[layer, v]] == offer
+                fields.update(kept_pages=np.where(unseen, table[np.maximum(entries, 0)],
+                                                  RELEASED).astype(np.int32),
+                              kept_offer=offer)
             fields.update(self._offer(seq_id, frames))
         return fields
 
@@ -254,7 +274,26 @@ class EchoPlanner:
             owners[layer, :len(chosen)] = owner[chosen]
             owner[chosen] = -1
             frames.pending[layer, chosen] = self._offers
+        self._offered[seq_id] = (self._offers, entries)
         return dict(keep_frames=entries, keep_owners=owners, keep_offer=self._offers)
+
+    def _tables(self, row) -> np.ndarray:
+        """[L, n]: the layer tables the row's step read, with what its previous step kept
+        (`kvjax.engine.echo.merge_kept`)."""
+        tables = np.array(np.broadcast_to(row.layer_tables, (self._num_layers(row),
+                                                             row.layer_tables.shape[1])))
+        kept = self._kept.get(row.seq_id)
+        if row.kept_pages is None or row.feed_index < 0 or kept is None \
+                or kept[0] != row.kept_offer:
+            return tables
+        for layer, v in zip(*np.nonzero((kept[1] >= 0) & (row.kept_pages >= 0)), strict=True):
+            tables[layer, kept[1][layer, v]] = row.kept_pages[layer, v]
+        return tables
+
+    @staticmethod
+    def _num_layers(row) -> int:
+        return row.layer_tables.shape[0] if row.keep_frames is None else \
+            row.keep_frames.shape[0]
 
     def _resolve(self, row, reads: np.ndarray | None) -> None:
         """What the row's step wrote into the frames it was offered (`kept_misses`; nothing
@@ -263,8 +302,9 @@ class EchoPlanner:
         if frames is None:
             return
         kept = (np.full(row.keep_frames.shape, -1, np.int64) if reads is None else
-                kept_misses(reads, row.layer_tables, row.host_table, row.keep_frames,
+                kept_misses(reads, self._tables(row), row.host_table, row.keep_frames,
                             row.keep_owners))
+        self._kept[row.seq_id] = (row.keep_offer, kept)
         self.stats["echo_misses_kept"] += int((kept >= 0).sum())
         for layer, v in zip(*np.nonzero(row.keep_frames >= 0), strict=True):
             k = row.keep_frames[layer, v]
@@ -279,6 +319,7 @@ class EchoPlanner:
         learns which pages the step kept in the frames it was offered."""
         for i, row in enumerate(rows):
             reads = None if page_reads is None else page_reads[i]
+            tables = None if row.layer_tables is None else self._tables(row)
             if row.keep_frames is not None:
                 self._resolve(row, reads)
             if reads is None or row.layer_tables is None or row.is_draft:
@@ -286,8 +327,7 @@ class EchoPlanner:
             n = row.layer_tables.shape[1]
             full = (row.start - row.num_evicted) // self.page_size  # before its write
             selected = reads[:, :min(n, full)]  # [L, F]: pages that could be released
-            resident = np.broadcast_to(row.layer_tables[:, :selected.shape[1]] >= 0,
-                                       selected.shape)
+            resident = np.broadcast_to(tables[:, :selected.shape[1]] >= 0, selected.shape)
             self.stats["echo_selected_pages"] += int(selected.sum())
             self.stats["echo_resident_reads"] += int((selected & resident).sum())
             self._reads[row.seq_id] = reads

@@ -40,19 +40,27 @@ class _Claims(StepObserver):
     kept their misses in); counts the claims checked."""
 
     def __init__(self, engine):
-        self.engine, self.checked = engine, 0
+        self.engine, self.checked, self.merged = engine, 0, 0
 
     def before_step(self, shape, buf) -> None:
         runner = self.engine.runner
         skip = self.engine.kv_cache.retention.policy.num_index_leaves  # summaries: not KV
         device = [np.asarray(x) for x in runner.kv.page_leaves()[:-skip]]
         host = [np.asarray(x) for x in runner.host_pool.kv.page_leaves()[:-skip]]
-        for b in range(buf["layer_tables"].shape[0]):
-            for layer, j in zip(*np.nonzero(buf["layer_tables"][b] >= 0), strict=True):
+        tables = buf["layer_tables"].copy()
+        if buf["kept_rows"].size:  # what the previous step kept, read on the device
+            kept = np.asarray(buf["kept_feed"])[np.maximum(buf["kept_rows"], 0)]
+            for b, layer, v in zip(*np.nonzero(
+                    (buf["kept_rows"] >= 0)[:, None, None] & (kept >= 0)
+                    & (buf["kept_pages"] >= 0)), strict=True):
+                tables[b, layer, kept[b, layer, v]] = buf["kept_pages"][b, layer, v]
+                self.merged += 1
+        for b in range(tables.shape[0]):
+            for layer, j in zip(*np.nonzero(tables[b] >= 0), strict=True):
                 src = buf["host_tables"][b, j]
                 if src < 0 or buf["kv_lens"][b] == 0:
                     continue
-                dst = buf["layer_tables"][b, layer, j]
+                dst = tables[b, layer, j]
                 for d, h in zip(device, host, strict=True):
                     np.testing.assert_array_equal(d[layer, dst], h[layer, src])
                 self.checked += 1
@@ -80,6 +88,7 @@ def _serve(model, prompts, *, warm=False, config=(), **options):
     assert host is None or host.num_free() == host.num_pages, "host pages leaked"
     if options:
         assert claims.checked > 0
+        engine.stats["claims_merged"] = claims.merged
     return [o.outputs[0].token_ids for o in outs], seen.steps, engine
 
 
@@ -105,8 +114,9 @@ def test_echo_selection_and_tokens_equal_plain_quest_at_every_step(model):
     assert stats["echo_pages_released"] > 0 and stats["echo_frames_adopted"] > 0
     assert stats["echo_layer_pages_prefetched"] > 0
     assert 0 < stats["echo_resident_reads"] < stats["echo_selected_pages"]
-    # Asynchronous scheduling (the default): steps kept misses in frames the host knew.
-    assert stats["echo_misses_kept"] > 0
+    # Asynchronous scheduling (the default): steps kept misses in frames, and the next step
+    # read them there before the host had read back which (checked against the host copies).
+    assert stats["echo_misses_kept"] > 0 and stats["claims_merged"] > 0
 
 
 def test_misses_kept_in_frames_are_not_fetched_again(model):
@@ -166,10 +176,12 @@ def test_the_host_knows_which_frame_each_miss_went_to():
                                layer_tables=jnp.asarray(layer_tables),
                                host_tables=jnp.asarray(host_tables),
                                block_tables=jnp.asarray(block_tables)))
-    got = np.asarray(keep_misses(device, host, jnp.asarray(reads), inp, bd).x)[..., 0]
+    pool, kept_device = keep_misses(device, host, jnp.asarray(reads), inp, bd)
+    got = np.asarray(pool.x)[..., 0]
     written = 0
     for b in range(bd):
         kept = kept_misses(reads[b], layer_tables[b], host_tables[b], frames[b], owners[b])
+        np.testing.assert_array_equal(np.asarray(kept_device[b]), kept)
         want = np.zeros((layers, bd * width))
         for layer, i in zip(*np.nonzero(kept >= 0), strict=True):
             want[layer, block_tables[b, frames[b, layer, i]]] = \
