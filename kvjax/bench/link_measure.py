@@ -24,7 +24,6 @@ import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.bench import host_attention

@@ -96,18 +96,19 @@ def read_mask(reads: tuple[jax.Array, jax.Array], page_size: int, width: int) ->
 
 
 def merge_kept(inp) -> jax.Array:
-    """The decode rows' layer tables [Bd, L, W] with what the previous step kept: where that
-    step (row `inp.kept_rows[b]` of `inp.kept_feed`) wrote entry j into its v-th offered
-    frame in layer l, and `inp.kept_pages[b, l, v]` (the frame's device page) is >= 0, layer l
-    reads j from that page."""
+    """The decode rows' layer tables [Bd, L, W] with what the previous step kept: where
+    `inp.kept_pages[b, l, v]` (the device page of the v-th frame that step offered in layer l)
+    is >= 0, layer l reads from it the entry that step (row `inp.kept_rows[b]` of
+    `inp.kept_feed`) wrote there, else the one it held (`inp.kept_owners`, unless -1)."""
     tables = inp.layer_tables  # [Bd, L, W]
     bd, num_layers, width = tables.shape
     kept = inp.kept_feed[jnp.maximum(inp.kept_rows, 0)]  # [Bd, L, V]
-    valid = (inp.kept_rows >= 0)[:, None, None] & (kept >= 0) & (inp.kept_pages >= 0)
+    entry = jnp.where(kept >= 0, kept, inp.kept_owners)
+    valid = (inp.kept_rows >= 0)[:, None, None] & (entry >= 0) & (inp.kept_pages >= 0)
     rows = jnp.broadcast_to(jnp.arange(bd)[:, None, None], kept.shape)
     layers = jnp.broadcast_to(jnp.arange(num_layers)[None, :, None], kept.shape)
-    return tables.at[rows, layers, jnp.where(valid, kept, width)].set(inp.kept_pages,
-                                                                      mode="drop")
+    return tables.at[rows, layers, jnp.where(valid, entry, width)].set(inp.kept_pages,
+                                                                       mode="drop")
 
 
 def keep_misses(kv: KVState, host_kv: KVState, page_reads: jax.Array, inp, num_decode: int

@@ -470,6 +470,7 @@ class ModelRunner:
             if row.kept_pages is not None and row.feed_index >= 0:
                 buf["kept_rows"][r] = self._last_row_index[row.feed_index]
                 buf["kept_pages"][r] = row.kept_pages
+                buf["kept_owners"][r] = row.kept_owners
             buf["host_lens"][r] = row.host_len
 
     def blend_input(self, blend: BlendRow) -> tuple[BlendShape, dict[str, np.ndarray]]:

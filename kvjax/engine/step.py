@@ -167,10 +167,11 @@ class StepInput:
         step's `StepOutput.kept_feed`, on the device.
       kept_rows: [Bh] int32 (Bh = 0 without misses kept): each decode row's row in the
         previous step whose kept misses it reads (-1: none); kept_pages: [Bh, L, V] int32,
-        the device pages of the frames that row was offered (-1: not to be read). Where the
-        previous step wrote entry j into such a frame, layer l reads j there
-        (`kvjax.engine.echo.merge_kept`): under asynchronous scheduling the host planned this
-        step before reading what the previous one kept.
+        the device pages of the frames that row was offered (-1: not to be read), and
+        kept_owners: [Bh, L, V] int32, the entries those frames held before (-1: unknown).
+        Where the previous step wrote entry j into such a frame, layer l reads j there, else
+        the entry it held (`kvjax.engine.echo.merge_kept`): under asynchronous scheduling the
+        host planned this step before reading what the previous one kept.
       host_lens: [Bh] int32, how many of each decode row's first positions live in the host
         pool (a multiple of the page size; 0: all on the device). Its device block table's
         entries for them are ignored.
@@ -217,6 +218,7 @@ class StepInput:
     kept_feed: jax.Array
     kept_rows: jax.Array
     kept_pages: jax.Array
+    kept_owners: jax.Array
 
     def for_table(self, table: jax.Array) -> StepInput:
         """This input as layer group `table` (traced) sees it: its block tables, slots and kv
@@ -322,6 +324,8 @@ def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool =
         kept_rows=np.full(num_host if keep_width else 0, -1, np.int32),
         kept_pages=np.full((num_host if keep_width else 0, num_layer_tables if keep_width else 0,
                             keep_width), -1, np.int32),
+        kept_owners=np.full((num_host if keep_width else 0,
+                             num_layer_tables if keep_width else 0, keep_width), -1, np.int32),
     )
 
 
@@ -750,7 +754,7 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         layer_tables=jnp.zeros((0, 0, block_table.shape[0]), jnp.int32),
         keep_frames=jnp.zeros((0, 0, 0), jnp.int32), keep_owners=jnp.zeros((0, 0, 0), jnp.int32),
         kept_feed=jnp.zeros((0, 0, 0), jnp.int32), kept_rows=jnp.zeros(0, jnp.int32),
-        kept_pages=jnp.zeros((0, 0, 0), jnp.int32))
+        kept_pages=jnp.zeros((0, 0, 0), jnp.int32), kept_owners=jnp.zeros((0, 0, 0), jnp.int32))
 
 
 def blend_step(params, kv: KVState, tokens: jax.Array, positions: jax.Array, slots: jax.Array,

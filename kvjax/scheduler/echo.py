@@ -31,7 +31,8 @@ into it and offers it to no other step. Synchronous scheduling reads the selecti
 plans the next step, so every frame is offered each step. Under asynchronous scheduling the
 next step is planned first: a row then offers, per layer, as many frames as that layer missed
 in its last seen step, and the next step reads what the previous one kept from a device-side
-feed (`ScheduledRow.kept_pages`, `kvjax.engine.echo.merge_kept`); the host applies the same
+feed, and the frames it did not write still hold what they held (`ScheduledRow.kept_pages`,
+`kept_owners`, `kvjax.engine.echo.merge_kept`); the host applies the same
 merge when it reads the selections back, so it knows every table the device used.
 
 Plain Python and numpy.
@@ -148,9 +149,10 @@ class EchoPlanner:
         self._frames: dict[str, _Frames] = {}
         self._missed: dict[str, np.ndarray] = {}  # [L, F] bool: the observed step's misses
         self._wanted: dict[str, list[np.ndarray]] = {}  # the last plan's, per layer
-        # The row's last offer (number, [L, V] frame entries) and what its step kept
+        # The row's last offer (number, [L, V] frame entries, the entries they held) and
+        # what its step kept
         # (number, [L, V] entries written, -1: none), once read back.
-        self._offered: dict[str, tuple[int, np.ndarray]] = {}
+        self._offered: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}
         self._kept: dict[str, tuple[int, np.ndarray]] = {}
         self._offers = 0
         stats.update(echo_selected_pages=0, echo_resident_reads=0,
@@ -239,12 +241,13 @@ class EchoPlanner:
         if self.keep_misses and frames is not None and frames.entries:
             last = self._offered.get(seq_id)
             if feed_index >= 0 and last is not None:
-                offer, entries = last
+                offer, entries, owners = last
                 unseen = np.zeros(entries.shape, bool)
                 for layer, v in zip(*np.nonzero(entries >= 0), strict=True):
                     unseen[layer, v] = frames.pending[layer, entries[layer, v]] == offer
                 fields.update(kept_pages=np.where(unseen, table[np.maximum(entries, 0)],
                                                   RELEASED).astype(np.int32),
+                              kept_owners=np.where(unseen, owners, -1).astype(np.int32),
                               kept_offer=offer)
             fields.update(self._offer(seq_id, frames))
         return fields
@@ -274,7 +277,7 @@ class EchoPlanner:
             owners[layer, :len(chosen)] = owner[chosen]
             owner[chosen] = -1
             frames.pending[layer, chosen] = self._offers
-        self._offered[seq_id] = (self._offers, entries)
+        self._offered[seq_id] = (self._offers, entries, owners)
         return dict(keep_frames=entries, keep_owners=owners, keep_offer=self._offers)
 
     def _tables(self, row) -> np.ndarray:
@@ -286,8 +289,9 @@ class EchoPlanner:
         if row.kept_pages is None or row.feed_index < 0 or kept is None \
                 or kept[0] != row.kept_offer:
             return tables
-        for layer, v in zip(*np.nonzero((kept[1] >= 0) & (row.kept_pages >= 0)), strict=True):
-            tables[layer, kept[1][layer, v]] = row.kept_pages[layer, v]
+        entry = np.where(kept[1] >= 0, kept[1], row.kept_owners)
+        for layer, v in zip(*np.nonzero((entry >= 0) & (row.kept_pages >= 0)), strict=True):
+            tables[layer, entry[layer, v]] = row.kept_pages[layer, v]
         return tables
 
     @staticmethod

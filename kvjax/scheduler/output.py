@@ -68,10 +68,11 @@ class ScheduledRow:
         layer, the block-table entries of the frames the step may write its misses into
         (least wanted first, -1: padding) and the entries they hold (-1: unknown), and the
         offer's number (`kvjax.scheduler.echo`); else None, None, 0.
-      kept_pages, kept_offer: under ECHO with misses kept, for a row whose previous step the
-        host has not read back yet: [L, V] int32, the device pages of the frames offered to
-        that step (offer `kept_offer`; -1: not to be read), where this step reads the pages
-        it kept (`kvjax.engine.echo.merge_kept`); else None, 0.
+      kept_pages, kept_owners, kept_offer: under ECHO with misses kept, for a row whose
+        previous step the host has not read back yet: [L, V] int32, the device pages of the
+        frames offered to that step (offer `kept_offer`; -1: not to be read) and the entries
+        they held (-1: unknown), where this step reads the pages that step kept, else the
+        ones they held (`kvjax.engine.echo.merge_kept`); else None, None, 0.
     """
 
     seq_id: str
@@ -105,6 +106,7 @@ class ScheduledRow:
     keep_owners: np.ndarray | None = None
     keep_offer: int = 0
     kept_pages: np.ndarray | None = None
+    kept_owners: np.ndarray | None = None
     kept_offer: int = 0
     group_evicted: tuple[int, ...] = ()
 

@@ -50,10 +50,11 @@ class _Claims(StepObserver):
         tables = buf["layer_tables"].copy()
         if buf["kept_rows"].size:  # what the previous step kept, read on the device
             kept = np.asarray(buf["kept_feed"])[np.maximum(buf["kept_rows"], 0)]
+            entry = np.where(kept >= 0, kept, buf["kept_owners"])
             for b, layer, v in zip(*np.nonzero(
-                    (buf["kept_rows"] >= 0)[:, None, None] & (kept >= 0)
+                    (buf["kept_rows"] >= 0)[:, None, None] & (entry >= 0)
                     & (buf["kept_pages"] >= 0)), strict=True):
-                tables[b, layer, kept[b, layer, v]] = buf["kept_pages"][b, layer, v]
+                tables[b, layer, entry[b, layer, v]] = buf["kept_pages"][b, layer, v]
                 self.merged += 1
         for b in range(tables.shape[0]):
             for layer, j in zip(*np.nonzero(tables[b] >= 0), strict=True):
