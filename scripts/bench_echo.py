@@ -28,6 +28,7 @@ flags.DEFINE_list("prefetch", ["0", "4", "16"], "ECHO prefetch margins (pages) c
 flags.DEFINE_list("keep_misses", ["true"], "Quest echo_keep_misses settings compared "
                   "(true,false: each margin with and without misses kept in frames).")
 flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+flags.DEFINE_bool("async_scheduling", True, "Plan each step while the previous one runs.")
 flags.DEFINE_string("output_json", None, "Write every number here.")
 
 KIB = ("h2d_miss_bytes_per_step", "h2d_prefetch_bytes_per_step", "h2d_bytes_per_step",
@@ -60,7 +61,8 @@ def main(argv):
         context=FLAGS.context, depths=tuple(float(x) for x in FLAGS.depths),
         num_tokens=FLAGS.num_tokens, budget=FLAGS.budget, dense_layers=FLAGS.dense_layers,
         prefetch=tuple(int(x) for x in FLAGS.prefetch), page_size=FLAGS.page_size,
-        keep_misses=tuple(x.lower() in ("1", "true", "yes") for x in FLAGS.keep_misses))
+        keep_misses=tuple(x.lower() in ("1", "true", "yes") for x in FLAGS.keep_misses),
+        async_scheduling=FLAGS.async_scheduling)
     report = echo.run(kvjax.load_model(), settings,
                       on_row=lambda name, row: print(name, row, flush=True))
     shown = {name: {**row, **{k: row[k] / 1024 for k in KIB}}

@@ -57,6 +57,7 @@ class EchoBench:
       dense_layers: Quest's dense layers (they read every page).
       prefetch: the ECHO prefetch margins m compared.
       keep_misses: Quest's `echo_keep_misses` settings compared (each margin runs each).
+      async_scheduling: the engines' `EngineConfig.async_scheduling`.
       page_size, chunk: pages and prefill chunk; seed: probe seed.
     """
 
@@ -67,6 +68,7 @@ class EchoBench:
     dense_layers: int = 0
     prefetch: tuple[int, ...] = (0, 4, 16)
     keep_misses: tuple[bool, ...] = (True,)
+    async_scheduling: bool = True
     page_size: int = 16
     chunk: int = 512
     seed: int = 0
@@ -105,6 +107,7 @@ def _engine(model, settings: EchoBench, max_len: int, prefetch: int | None,
         min_chunk_bucket=settings.chunk, max_num_batched_tokens=settings.chunk,
         enable_prefix_cache=False, retention="quest", retention_budget=settings.budget,
         retention_options=options, attention_impl="reference",
+        async_scheduling=settings.async_scheduling,
         num_host_pages=-(-max_len // p) + 2 if prefetch is not None else 0)
     return kvjax.Engine(model, config)
 
