@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 import jax
 import numpy as np
 
 from kvjax.bench import host_attention
+from kvjax.bench.roofline import best_time_s
 from kvjax.engine import host_rows
 from kvjax.kv.state import PagedKV
 from kvjax.scheduler import host_split
@@ -50,17 +50,6 @@ class LinkMeasure:
     repeats: int = 5
 
 
-def _best(fn, repeats: int) -> float:
-    """Seconds of the fastest of `repeats` calls of fn (after one untimed call)."""
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure_transfers(nbytes: int, repeats: int) -> dict:
     """Host <-> device bandwidth of `jax.device_put` with the device's host memory kind."""
     from kvjax.memory.tiers.host import host_memory_kind
@@ -71,8 +60,8 @@ def measure_transfers(nbytes: int, repeats: int) -> dict:
     on_host = on_device if kind is None else on_device.with_memory_kind(kind)
     x = jax.device_put(np.ones(nbytes // 4, np.float32), on_device)
     host = jax.device_put(x, on_host)
-    h2d = _best(lambda: jax.device_put(host, on_device), repeats)
-    d2h = _best(lambda: jax.device_put(x, on_host), repeats)
+    h2d = best_time_s(lambda: jax.device_put(host, on_device), repeats)
+    d2h = best_time_s(lambda: jax.device_put(x, on_host), repeats)
     return dict(memory_kind=kind or "none (numpy)", transfer_bytes=nbytes,
                 h2d_bytes_per_s=nbytes / h2d, d2h_bytes_per_s=nbytes / d2h)
 
@@ -99,7 +88,7 @@ def _attention(settings: LinkMeasure, device) -> float:
     layer = put(np.int32(0))
     part = jax.jit(functools.partial(host_rows.host_decode_attention, soft_cap=None,
                                      pages_per_block=8))
-    return _best(lambda: part(kv, layer, q, tables, lens, ones), s.repeats)
+    return best_time_s(lambda: part(kv, layer, q, tables, lens, ones), s.repeats)
 
 
 def run(settings: LinkMeasure) -> dict:
