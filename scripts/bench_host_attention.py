@@ -60,7 +60,8 @@ def measure() -> dict:
     if report["note"]:
         print(report["note"])
     print(format_rows(report["rows"], MEASURE_COLUMNS, "figure"))
-    print("attention: one layer, float32 pages; model columns are the simulated figures")
+    print("attention: one layer, float32 pages (divide its rate by the model's layers for "
+          "host_split_options host_tokens_per_s); model columns are the simulated figures")
     return report
 
 
