@@ -27,10 +27,10 @@ table order) into the i-th offered frame whose page it did not select (`kept_mis
 rule as `kvjax.engine.echo.keep_misses`), so the host knows every frame's page from the
 selection it reads back anyway, and never reads the device for it. Until it has read that
 selection a frame the step was offered holds a page the host does not know: it fills nothing
-into it and offers it to no other step. Synchronous scheduling reads the selection before it
-plans the next step, so every frame is offered each step. Under asynchronous scheduling the
-next step is planned first: a row then offers, per layer, as many frames as that layer missed
-in its last seen step, and the next step reads what the previous one kept from a device-side
+into it and offers it to no other step. A row offers, per layer, as many frames as that layer
+missed in its last seen step. Synchronous scheduling reads the selection before it plans the
+next step; under asynchronous scheduling the next step is planned first, and it reads what
+the previous one kept from a device-side
 feed, and the frames it did not write still hold what they held (`ScheduledRow.kept_pages`,
 `kept_owners`, `kvjax.engine.echo.merge_kept`); the host applies the same
 merge when it reads the selections back, so it knows every table the device used.
@@ -223,8 +223,9 @@ class EchoPlanner:
         write its misses into (`keep_frames`, `keep_owners`, `keep_offer`; called once per
         scheduled row: those frames' pages are unknown until `observe` reads the step's
         selection), and for a row whose previous step is unseen (its token in flight,
-        `feed_index` >= 0), the pages of the frames that step was offered (`kept_pages`,
-        `kept_offer`), where the step reads what it kept."""
+        `feed_index` >= 0), the pages of the frames that step was offered and the entries
+        they held (`kept_pages`, `kept_owners`, `kept_offer`), where the step reads what that
+        step kept there, else what they held."""
         table = np.asarray(self.kv_cache.block_table(seq_id), np.int64)
         frames = self._frames.get(seq_id)
         layer_tables = table[None, :].copy()  # own pages: every layer reads them in place
@@ -254,11 +255,10 @@ class EchoPlanner:
 
     def _offer(self, seq_id: str, frames: _Frames) -> dict:
         """Per layer, the frames the row's step may write its misses into, least wanted
-        first: all of them where no earlier step is unseen (synchronous scheduling), else as
-        many as the layer missed in its last seen step."""
+        first, as many as the layer missed in its last seen step (at least one): more would
+        let misses push out the margin's pages, which the next plan fetches back."""
         self._offers += 1
         num_layers = frames.owner.shape[0]
-        ahead = bool((frames.pending >= 0).any())
         missed = self._missed.get(seq_id)
         wanted = self._wanted.get(seq_id)
         entries = np.full((num_layers, self.num_keep), -1, np.int32)
@@ -269,10 +269,8 @@ class EchoPlanner:
             free = sorted((k for k in frames.entries if frames.pending[layer, k] < 0),
                           key=lambda k: (owner[k] >= 0, owner[k] in rank,
                                          -rank.get(owner[k], 0)))
-            count = len(free)
-            if ahead:
-                count = max(1, 0 if missed is None else int(missed[layer].sum()))
-            chosen = free[:min(count, self.num_keep)]
+            count = max(1, 0 if missed is None else int(missed[layer].sum()))
+            chosen = free[:count]
             entries[layer, :len(chosen)] = chosen
             owners[layer, :len(chosen)] = owner[chosen]
             owner[chosen] = -1
@@ -301,15 +299,15 @@ class EchoPlanner:
 
     def _resolve(self, row, reads: np.ndarray | None) -> None:
         """What the row's step wrote into the frames it was offered (`kept_misses`; nothing
-        without a selection), where no later fill has replaced it."""
-        frames = self._frames.get(row.seq_id)
-        if frames is None:
-            return
+        without a selection): their pages, for those still waiting on this offer."""
         kept = (np.full(row.keep_frames.shape, -1, np.int64) if reads is None else
                 kept_misses(reads, self._tables(row), row.host_table, row.keep_frames,
                             row.keep_owners))
-        self._kept[row.seq_id] = (row.keep_offer, kept)
+        self._kept[row.seq_id] = (row.keep_offer, kept)  # the next step merged it
         self.stats["echo_misses_kept"] += int((kept >= 0).sum())
+        frames = self._frames.get(row.seq_id)
+        if frames is None:
+            return
         for layer, v in zip(*np.nonzero(row.keep_frames >= 0), strict=True):
             k = row.keep_frames[layer, v]
             if k < frames.pending.shape[1] and frames.pending[layer, k] == row.keep_offer:

@@ -251,5 +251,7 @@ def test_echo_settings_are_checked(model):
 
     with pytest.raises(ValueError, match="echo_prefetch must be None or an int >= 0, got -1"):
         make_retention("quest", 2 * P, P, echo_prefetch=-1)
+    with pytest.raises(ValueError, match="echo_keep_misses must be a bool, got 1"):
+        make_retention("quest", 2 * P, P, echo_prefetch=1, echo_keep_misses=1)
     with pytest.raises(ValueError, match="num_host_pages must be > 0, got 0"):
         Engine(model, EngineConfig(**ENGINE, retention_options=dict(echo_prefetch=2)))
