@@ -27,10 +27,10 @@ table order) into the i-th offered frame whose page it did not select (`kept_mis
 rule as `kvjax.engine.echo.keep_misses`), so the host knows every frame's page from the
 selection it reads back anyway, and never reads the device for it. Until it has read that
 selection a frame the step was offered holds a page the host does not know: it fills nothing
-into it and offers it to no other step. A row offers, per layer, as many frames as that layer
-missed in its last seen step. Synchronous scheduling reads the selection before it plans the
-next step; under asynchronous scheduling the next step is planned first, and it reads what
-the previous one kept from a device-side
+into it and offers it to no other step. Synchronous scheduling reads the selection before it
+plans the next step, so every frame is offered each step. Under asynchronous scheduling the
+next step is planned first: a row then offers, per layer, as many frames as that layer missed
+in its last seen step, and the next step reads what the previous one kept from a device-side
 feed, and the frames it did not write still hold what they held (`ScheduledRow.kept_pages`,
 `kept_owners`, `kvjax.engine.echo.merge_kept`); the host applies the same
 merge when it reads the selections back, so it knows every table the device used.
@@ -255,10 +255,12 @@ class EchoPlanner:
 
     def _offer(self, seq_id: str, frames: _Frames) -> dict:
         """Per layer, the frames the row's step may write its misses into, least wanted
-        first, as many as the layer missed in its last seen step (at least one): more would
-        let misses push out the margin's pages, which the next plan fetches back."""
+        first: all of them where no earlier step is unseen (synchronous scheduling), else as
+        many as the layer missed in its last seen step (at least one), so that most frames
+        keep pages the host can still fill around."""
         self._offers += 1
         num_layers = frames.owner.shape[0]
+        ahead = bool((frames.pending >= 0).any())
         missed = self._missed.get(seq_id)
         wanted = self._wanted.get(seq_id)
         entries = np.full((num_layers, self.num_keep), -1, np.int32)
@@ -269,7 +271,9 @@ class EchoPlanner:
             free = sorted((k for k in frames.entries if frames.pending[layer, k] < 0),
                           key=lambda k: (owner[k] >= 0, owner[k] in rank,
                                          -rank.get(owner[k], 0)))
-            count = max(1, 0 if missed is None else int(missed[layer].sum()))
+            count = len(free)
+            if ahead:
+                count = max(1, 0 if missed is None else int(missed[layer].sum()))
             chosen = free[:count]
             entries[layer, :len(chosen)] = chosen
             owners[layer, :len(chosen)] = owner[chosen]
