@@ -25,7 +25,10 @@ flags.DEFINE_integer("num_tokens", 32, "Greedy tokens decoded per probe.")
 flags.DEFINE_integer("budget", 256, "Quest's read budget in tokens.")
 flags.DEFINE_integer("dense_layers", 0, "Quest's dense layers (they read every page).")
 flags.DEFINE_list("prefetch", ["0", "4", "16"], "ECHO prefetch margins (pages) compared.")
+flags.DEFINE_list("keep_misses", ["true"], "Quest echo_keep_misses settings compared "
+                  "(true,false: each margin with and without misses kept in frames).")
 flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+flags.DEFINE_bool("async_scheduling", True, "Plan each step while the previous one runs.")
 flags.DEFINE_string("output_json", None, "Write every number here.")
 
 KIB = ("h2d_miss_bytes_per_step", "h2d_prefetch_bytes_per_step", "h2d_bytes_per_step",
@@ -39,6 +42,8 @@ COLUMNS = [("selection_equal", "selection = Quest's", "{}"),
            ("misses_per_step", "misses (layer-pages)", "{:.1f}"),
            ("prefetched_per_step", "prefetched (layer-pages)", "{:.1f}"),
            ("refetched_per_step", "of which last step's misses", "{:.1f}"),
+           ("kept_per_step", "misses kept (layer-pages)", "{:.1f}"),
+           ("h2d_bytes_per_step", "host->device KiB", "{:.0f}"),
            ("h2d_miss_bytes_per_step", "miss KiB", "{:.0f}"),
            ("h2d_prefetch_bytes_per_step", "prefetch KiB", "{:.0f}"),
            ("d2h_bytes_per_step", "device->host KiB", "{:.0f}"),
@@ -55,7 +60,9 @@ def main(argv):
     settings = echo.EchoBench(
         context=FLAGS.context, depths=tuple(float(x) for x in FLAGS.depths),
         num_tokens=FLAGS.num_tokens, budget=FLAGS.budget, dense_layers=FLAGS.dense_layers,
-        prefetch=tuple(int(x) for x in FLAGS.prefetch), page_size=FLAGS.page_size)
+        prefetch=tuple(int(x) for x in FLAGS.prefetch), page_size=FLAGS.page_size,
+        keep_misses=tuple(x.lower() in ("1", "true", "yes") for x in FLAGS.keep_misses),
+        async_scheduling=FLAGS.async_scheduling)
     report = echo.run(kvjax.load_model(), settings,
                       on_row=lambda name, row: print(name, row, flush=True))
     shown = {name: {**row, **{k: row[k] / 1024 for k in KIB}}

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: the Pallas kernel tests compiled on the GPU (not
 # interpreted), then scripts/kernel_bench.py at 32k context, then the engine's decode step timed
-# beside its predicted roofline (scripts/bench_roofline_predicted.py --measure). Bounded to about
-# 9 minutes. Without a GPU it stops at once, saying so.
+# beside its predicted roofline (scripts/bench_roofline_predicted.py --measure), then the host
+# link and host attention measured beside the simulated link model's figures
+# (scripts/bench_host_attention.py --measure). Bounded to about 10 minutes. Without a GPU it
+# stops at once, saying so.
 #
 #   scripts/device_check.sh            # from any directory
 #
 # Results go to $OUT, or ./device_results when OUT is unset: env.txt (GPU, versions),
 # tests_fast.log/.xml, tests_slow.log/.xml, kernel_bench.log, kernel_bench.json,
-# roofline.log, roofline_measured.json, summary.txt.
+# roofline.log, roofline_measured.json, link.log, link_measured.json, summary.txt.
 # The exit status is non-zero if any step failed; every step runs regardless.
 #
 # Offline by design: it never touches the network. It runs the machine's own Python ($PYTHON,
@@ -101,5 +103,10 @@ step roofline 120 env JAX_PLATFORMS=cuda "$PY" scripts/bench_roofline_predicted.
   --shapes=smollm2,8b --kvs=exact,int8 --batches=32 --contexts=2048 \
   --output_json="$OUT_DIR/roofline_measured.json"
 cat "$OUT_DIR/roofline.log"
+# Host <-> device bandwidth (device_put to and from pinned_host) and host decode attention vs
+# the device's, beside the simulated model's figures (the ECHO and host-rows benchmarks' link).
+step link 60 "$PY" scripts/bench_host_attention.py --measure --measure_mib=256 \
+  --output_json="$OUT_DIR/link_measured.json"
+cat "$OUT_DIR/link.log"
 note "results in $OUT_DIR"
 exit "$status"

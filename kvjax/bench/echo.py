@@ -24,8 +24,10 @@ Per ECHO run, means per decode step:
     pool as they fill during decoding (the prompt's pages, copied once at the first decode
     step, are reported apart: `mirror_bytes_once`);
   * refetched: of the prefetched layers of pages, those the step the plan came from had just
-    read from the host pool as misses (a step that kept its misses in frames would not move
-    them twice; this one does);
+    read from the host pool as misses (they cross the link twice);
+  * kept: misses the step wrote into frames (`echo_keep_misses`, compared on and off with
+    `keep_misses`): they cross the link once, read by the step, and the copy into the frame
+    is a device write, counted in no link direction;
   * on demand: the bytes if the device kept no page but the one being written and fetched
     every selected full page's layer each step (plain Quest's reads, no residency);
   * link ms (simulated): those bytes over each link of `kvjax.bench.host_attention.LINKS`
@@ -54,6 +56,8 @@ class EchoBench:
       budget: Quest's read budget in tokens (budget / page_size pages per query).
       dense_layers: Quest's dense layers (they read every page).
       prefetch: the ECHO prefetch margins m compared.
+      keep_misses: Quest's `echo_keep_misses` settings compared (each margin runs each).
+      async_scheduling: the engines' `EngineConfig.async_scheduling`.
       page_size, chunk: pages and prefill chunk; seed: probe seed.
     """
 
@@ -63,6 +67,8 @@ class EchoBench:
     budget: int = 256
     dense_layers: int = 0
     prefetch: tuple[int, ...] = (0, 4, 16)
+    keep_misses: tuple[bool, ...] = (True,)
+    async_scheduling: bool = True
     page_size: int = 16
     chunk: int = 512
     seed: int = 0
@@ -87,10 +93,11 @@ class _Reads(StepObserver):
                              if tables.size else 0.0)
 
 
-def _engine(model, settings: EchoBench, max_len: int, prefetch: int | None) -> kvjax.Engine:
+def _engine(model, settings: EchoBench, max_len: int, prefetch: int | None,
+            keep: bool = True) -> kvjax.Engine:
     options = dict(dense_layers=settings.dense_layers)
     if prefetch is not None:
-        options["echo_prefetch"] = prefetch
+        options.update(echo_prefetch=prefetch, echo_keep_misses=keep)
     else:
         options["record_reads"] = True  # the oracle's selection, step by step
     p = settings.page_size
@@ -100,6 +107,7 @@ def _engine(model, settings: EchoBench, max_len: int, prefetch: int | None) -> k
         min_chunk_bucket=settings.chunk, max_num_batched_tokens=settings.chunk,
         enable_prefix_cache=False, retention="quest", retention_budget=settings.budget,
         retention_options=options, attention_impl="reference",
+        async_scheduling=settings.async_scheduling,
         num_host_pages=-(-max_len // p) + 2 if prefetch is not None else 0)
     return kvjax.Engine(model, config)
 
@@ -111,7 +119,7 @@ def _decode(engine: kvjax.Engine, prompt: list[int], num_tokens: int) -> dict:
                                                          ignore_eos=True))[0]
     keys = ("echo_selected_pages", "echo_resident_reads", "echo_pages_mirrored",
             "echo_layer_pages_prefetched", "echo_pages_released", "echo_frames_taken",
-            "echo_refetched_layer_pages")
+            "echo_refetched_layer_pages", "echo_misses_kept")
     return dict(tokens=list(out.outputs[0].token_ids), reads=reads.steps,
                 released=reads.released, stats={k: engine.stats.get(k, 0) for k in keys})
 
@@ -157,6 +165,7 @@ def echo_row(run: dict, plain: dict, engine, model, settings: EchoBench, prefetc
         misses_per_step=misses / steps,
         prefetched_per_step=s["echo_layer_pages_prefetched"] / steps,
         refetched_per_step=s["echo_refetched_layer_pages"] / steps,
+        kept_per_step=s["echo_misses_kept"] / steps,
         **{f"h2d_{k}_bytes_per_step": v / steps for k, v in parts.items()},
         h2d_bytes_per_step=h2d, d2h_bytes_per_step=d2h,
         mirror_bytes_once=mirrored_once * c.num_layers * layer_kv,
@@ -170,18 +179,22 @@ def echo_row(run: dict, plain: dict, engine, model, settings: EchoBench, prefetc
 
 
 def run(model, settings: EchoBench, on_row=None) -> dict:
-    """Every probe: plain Quest, then ECHO per prefetch margin; rows keyed 'depth/m'."""
+    """Every probe: plain Quest, then ECHO per prefetch margin (and per `keep_misses` setting
+    where it compares several); rows keyed 'depth m' ('depth m keep')."""
     rows = {}
     max_len = settings.context + settings.context // 10 + settings.num_tokens
     for i, depth in enumerate(settings.depths):
         prompt, _ = make_probe(model, settings.context, depth, settings.seed + i)
         plain = _decode(_engine(model, settings, max_len, None), prompt, settings.num_tokens)
         for m in settings.prefetch:
-            engine = _engine(model, settings, max_len, m)
-            row = echo_row(_decode(engine, prompt, settings.num_tokens), plain, engine, model,
-                           settings, m, len(prompt))
-            row.update(depth=depth, prompt_tokens=len(prompt))
-            rows[f"depth={depth} m={m}"] = row
-            if on_row is not None:
-                on_row(f"depth={depth} m={m}", row)
+            for keep in settings.keep_misses:
+                engine = _engine(model, settings, max_len, m, keep)
+                row = echo_row(_decode(engine, prompt, settings.num_tokens), plain, engine,
+                               model, settings, m, len(prompt))
+                row.update(depth=depth, prompt_tokens=len(prompt), keep_misses=keep)
+                name = f"depth={depth} m={m}" + (
+                    f" keep={keep}" if len(settings.keep_misses) > 1 else "")
+                rows[name] = row
+                if on_row is not None:
+                    on_row(name, row)
     return dict(settings=dataclasses.asdict(settings), links=host_attention.LINKS, rows=rows)

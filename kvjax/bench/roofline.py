@@ -65,7 +65,7 @@ class StepFloor:
         return "memory" if self.memory_s >= self.compute_s else "compute"
 
 
-def _best_time_s(fn: Callable[[], jax.Array], repeats: int) -> float:
+def best_time_s(fn: Callable[[], jax.Array], repeats: int) -> float:
     """The fastest of `repeats` timed calls, after one untimed call (compilation)."""
     jax.block_until_ready(fn())
     best = float("inf")
@@ -82,7 +82,7 @@ def measure_memory_bandwidth(num_bytes: int = 512 << 20, *, repeats: int = 5) ->
         raise ValueError(f"need num_bytes >= 4 and repeats >= 1, got {num_bytes}, {repeats}")
     x = jnp.ones((num_bytes // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
-    return x.nbytes / _best_time_s(lambda: total(x), repeats)
+    return x.nbytes / best_time_s(lambda: total(x), repeats)
 
 
 def measure_matmul_rate(n: int = 1024, *, repeats: int = 5) -> float:
@@ -92,7 +92,7 @@ def measure_matmul_rate(n: int = 1024, *, repeats: int = 5) -> float:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     matmul = jax.jit(jnp.matmul)
-    return 2.0 * n**3 / _best_time_s(lambda: matmul(a, b), repeats)
+    return 2.0 * n**3 / best_time_s(lambda: matmul(a, b), repeats)
 
 
 def measure_machine(memory_probe_bytes: int = 512 << 20, matmul_size: int = 1024, *,

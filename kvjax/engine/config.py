@@ -148,7 +148,9 @@ class EngineConfig:
       host_split: how many pages of each decode row live in a host pool, where its decode
         attention reads them (`kvjax.scheduler.host_split`: 'never', 'when_full', 'always',
         'random', 'neo'; `kvjax.engine.host_rows`); exact.
-      host_split_options: keyword options of that policy (neo: its rates; random: seed).
+      host_split_options: keyword options of that policy (each: host_tokens_per_s and
+        device_step_s, the rates a KV controller prices host rows with; neo splits by them
+        and device_tokens_per_s; random: seed).
       num_host_pages: pages in the host pool (the engine holds one when host_split is not
         'never' and this is > 0).
     """

@@ -53,6 +53,7 @@ from kvjax.models.model import Model
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.context import make_strategy
 from kvjax.scheduler.controller import make_controller
+from kvjax.scheduler.echo import echo_keep_width
 from kvjax.scheduler.host_split import make_host_split
 from kvjax.scheduler.inplace import in_place_demotion
 from kvjax.scheduler.policies import make_policy
@@ -136,7 +137,7 @@ class Engine:
             self.runner.host_pool = host_rows.HostPool(
                 kv, config.num_host_pages,
                 num_device_leaves=retention.policy.num_index_leaves if is_echo else 0,
-                per_layer=is_echo)
+                per_layer=is_echo, keep_width=echo_keep_width(retention.policy))
         self.stats: dict = {}
         tiers, swap_space, swap_bandwidth = assembly.build_tiers(config, self.runner, pool)
         self._compactor = Compactor(mc.rope.rotate if retention.policy.rotates_keys else None)

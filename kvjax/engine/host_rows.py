@@ -194,10 +194,12 @@ class HostPool:
         memory, on a backend with no host memory kind).
       num_layer_tables: L when decode rows ship per-layer device tables (ECHO's per-layer
         residency, `StepInput.layer_tables`), else 0.
+      keep_width: V, the frames per layer a decode row's step may keep its misses in (ECHO,
+        `StepInput.keep_frames`), else 0.
     """
 
     def __init__(self, device_kv: KVState, num_pages: int, *, num_device_leaves: int = 0,
-                 per_layer: bool = False):
+                 per_layer: bool = False, keep_width: int = 0):
         """num_device_leaves: the last page leaves stay in device memory (small per-page
         indexes a step reads for every page, such as Quest's key summaries under ECHO);
         per_layer: decode rows read each layer's pages through a table of their own."""
@@ -219,6 +221,7 @@ class HostPool:
         self._in = Program(_move_in, donate_argnums=0)
         self._in_layers = Program(_move_in_layers, donate_argnums=0)
         self.num_layer_tables = leaves[0].shape[0] if per_layer else 0
+        self.keep_width = keep_width if per_layer else 0
 
     @property
     def num_compiles(self) -> int:

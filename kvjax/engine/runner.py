@@ -277,6 +277,7 @@ class ModelRunner:
         self._zero_feed = jax.device_put(np.zeros(buckets.feed_rows, np.int32),
                                          jax.sharding.SingleDeviceSharding(device))
         self._feed = self._zero_feed
+        self._kept_feed = None  # ECHO's kept misses, the same way (`StepOutput.kept_feed`)
         self._last_row_index: list[int] = []
         self.host_pool: HostPool | None = None
         self.tier_transfers = None  # kvjax.memory.tiers.TierTransfers with tiers on
@@ -334,7 +335,8 @@ class ModelRunner:
     def _empty_input(self, shape: StepShape) -> dict[str, np.ndarray]:
         pool = self.host_pool
         return empty_step_input(shape, self.num_tables, host_rows=pool is not None,
-                                num_layer_tables=0 if pool is None else pool.num_layer_tables)
+                                num_layer_tables=0 if pool is None else pool.num_layer_tables,
+                                keep_width=0 if pool is None else pool.keep_width)
 
     # ----------------------------------------------------------------------------- KV ops
 
@@ -401,7 +403,15 @@ class ModelRunner:
             self._fill_row(buf, r, start, row, shape)
             row_index.append(r)
         buf["prev_tokens"] = self._feed
+        if buf["kept_feed"].size:
+            buf["kept_feed"] = self._zero_kept() if self._kept_feed is None else self._kept_feed
         return shape, buf, row_index
+
+    def _zero_kept(self) -> jax.Array:
+        """A kept-misses feed in which nothing was kept, committed like the token feed."""
+        pool, rows = self.host_pool, self.buckets.feed_rows
+        return jax.device_put(np.full((rows, pool.num_layer_tables, pool.keep_width), -1,
+                                      np.int32), self._zero_feed.sharding)
 
     def _fill_row(self, buf: dict[str, np.ndarray], r: int, t0: int, row, shape: StepShape
                   ) -> None:
@@ -454,6 +464,13 @@ class ModelRunner:
             buf["host_tables"][r, :len(row.host_table)] = row.host_table
             if row.layer_tables is not None:
                 buf["layer_tables"][r, :, :row.layer_tables.shape[1]] = row.layer_tables
+            if row.keep_frames is not None:
+                buf["keep_frames"][r] = row.keep_frames
+                buf["keep_owners"][r] = row.keep_owners
+            if row.kept_pages is not None and row.feed_index >= 0:
+                buf["kept_rows"][r] = self._last_row_index[row.feed_index]
+                buf["kept_pages"][r] = row.kept_pages
+                buf["kept_owners"][r] = row.kept_owners
             buf["host_lens"][r] = row.host_len
 
     def blend_input(self, blend: BlendRow) -> tuple[BlendShape, dict[str, np.ndarray]]:
@@ -491,6 +508,7 @@ class ModelRunner:
         for observer in self.observers:
             observer.after_step(shape, buf, out)
         self._feed, self._last_row_index = out.feed_tokens, row_index
+        self._kept_feed = out.kept_feed
         return InFlightStep(so, row_index, out)
 
     def fetch(self, step: InFlightStep) -> RunnerOutput:
@@ -539,6 +557,8 @@ class ModelRunner:
                 shape = dataclasses.replace(greedy_shape, **variant)
                 buf = self._empty_input(shape)
                 buf["prev_tokens"] = self._zero_feed
+                if buf["kept_feed"].size:
+                    buf["kept_feed"] = self._zero_kept()
                 _, self.kv = self.programs.step(params, self.kv, buf, shape, self.host_kv)
         if self.host_pool is not None:
             width = self.buckets.block_table_width

@@ -159,6 +159,19 @@ class StepInput:
       layer_tables: [Bh, L, Pmax] int32 under ECHO (else [Bh, 0, Pmax]): per layer and
         block-table entry, the device page holding that layer of the entry, or -1 where the
         layer reads the entry's host copy.
+      keep_frames, keep_owners: [Bh, L, V] int32 under ECHO with misses kept (else
+        [Bh, 0, 0]): per layer, the block-table entries of the frames the step may write the
+        pages it reads from the host pool into (-1: padding), and the entries they hold (-1:
+        unknown); `kvjax.engine.echo.keep_misses`.
+      kept_feed: [F, L, V] int32 under ECHO with misses kept (else [0, 0, 0]): the previous
+        step's `StepOutput.kept_feed`, on the device.
+      kept_rows: [Bh] int32 (Bh = 0 without misses kept): each decode row's row in the
+        previous step whose kept misses it reads (-1: none); kept_pages: [Bh, L, V] int32,
+        the device pages of the frames that row was offered (-1: not to be read), and
+        kept_owners: [Bh, L, V] int32, the entries those frames held before (-1: unknown).
+        Where the previous step wrote entry j into such a frame, layer l reads j there, else
+        the entry it held (`kvjax.engine.echo.merge_kept`): under asynchronous scheduling the
+        host planned this step before reading what the previous one kept.
       host_lens: [Bh] int32, how many of each decode row's first positions live in the host
         pool (a multiple of the page size; 0: all on the device). Its device block table's
         entries for them are ignored.
@@ -200,6 +213,12 @@ class StepInput:
     host_tables: jax.Array
     host_lens: jax.Array
     layer_tables: jax.Array
+    keep_frames: jax.Array
+    keep_owners: jax.Array
+    kept_feed: jax.Array
+    kept_rows: jax.Array
+    kept_pages: jax.Array
+    kept_owners: jax.Array
 
     def for_table(self, table: jax.Array) -> StepInput:
         """This input as layer group `table` (traced) sees it: its block tables, slots and kv
@@ -232,6 +251,9 @@ class StepOutput:
     page_reads: [Bd, L, W] bool with a policy that records its reads (Quest under ECHO, or
     with record_reads) in a one-token decode step: the block-table entries each decode row
     read in each layer; else None.
+    kept_feed: [F, L, V] int32 under ECHO with misses kept: per decode row (padded to the feed
+    width) and layer, the entry written into each frame it was offered (-1: none); the next
+    step's `StepInput.kept_feed`. Else None.
     """
 
     tokens: jax.Array
@@ -243,13 +265,15 @@ class StepOutput:
     spec_logprobs: jax.Array | None = None
     query_key_scores: jax.Array | None = None
     page_reads: jax.Array | None = None
+    kept_feed: jax.Array | None = None
 
 
 def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool = False,
-                     num_layer_tables: int = 0) -> dict[str, np.ndarray]:
+                     num_layer_tables: int = 0, keep_width: int = 0) -> dict[str, np.ndarray]:
     """Host buffers for one step, filled with padding values (num_tables: G, the block tables
     of the model's layer groups; host_rows: the engine has a host pool, so decode rows ship
-    host tables; num_layer_tables: L when they ship per-layer device tables too (ECHO))."""
+    host tables; num_layer_tables: L when they ship per-layer device tables too (ECHO);
+    keep_width: V, the frames per layer a step may keep its misses in (ECHO), else 0)."""
     num_host = shape.num_decode if host_rows else 0
     r, t, bd, w = shape.num_rows, shape.num_tokens, shape.num_decode, shape.decode_width
     h, kb = shape.history_width, shape.bias_width
@@ -291,6 +315,17 @@ def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool =
         host_tables=np.zeros((num_host, shape.max_pages), np.int32),
         host_lens=np.zeros(num_host, np.int32),
         layer_tables=np.full((num_host, num_layer_tables, shape.max_pages), -1, np.int32),
+        keep_frames=np.full((num_host, num_layer_tables if keep_width else 0, keep_width), -1,
+                            np.int32),
+        keep_owners=np.full((num_host, num_layer_tables if keep_width else 0, keep_width), -1,
+                            np.int32),
+        kept_feed=np.full((max(shape.feed_rows, r) if keep_width else 0,
+                           num_layer_tables if keep_width else 0, keep_width), -1, np.int32),
+        kept_rows=np.full(num_host if keep_width else 0, -1, np.int32),
+        kept_pages=np.full((num_host if keep_width else 0, num_layer_tables if keep_width else 0,
+                            keep_width), -1, np.int32),
+        kept_owners=np.full((num_host if keep_width else 0,
+                             num_layer_tables if keep_width else 0, keep_width), -1, np.int32),
     )
 
 
@@ -456,6 +491,8 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     is_echo = retention is not None and retention.echo_prefetch is not None
     if host_kv is not None and is_echo:
         echo_kv = host_rows.device_view(host_kv)
+        if inp.keep_frames.shape[-1] and shape.num_decode:
+            inp = inp.replace(layer_tables=echo.merge_kept(inp))
     elif host_kv is not None:
         decode = (native.lse_decoder(soft_cap=config.attn_logit_softcap)
                   if attention_name(attention_impl, kv) == "native" else None)
@@ -579,6 +616,12 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         linear=linear,
         row_sum=invariant.row_sum if batch_invariant else None,
         write_kv=write_kv if writes and not head_major else None)  # [T, H]
+    kept_feed = None
+    if echo_kv is not None and inp.keep_frames.shape[-1]:
+        kept_feed = jnp.full(inp.kept_feed.shape, -1, jnp.int32)
+        if page_reads is not None:
+            kv, kept = echo.keep_misses(kv, echo_kv, page_reads, inp, shape.num_decode)
+            kept_feed = kept_feed.at[:shape.num_decode].set(kept)
     sampling = dict(all_greedy=shape.all_greedy, needs_filter=shape.needs_filter)
     rules = _logit_rules(inp, token_ids, shape, config.vocab_size) if shape.has_rules else None
     token_mask = inp.token_mask if shape.mask_width else None
@@ -609,7 +652,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     return StepOutput(tokens=tokens, logprobs=logprobs, feed_tokens=feed, logits=out_logits,
                       key_scores=key_scores, num_accepted=num_accepted,
                       spec_logprobs=spec_logprobs, query_key_scores=query_key_scores,
-                      page_reads=page_reads), kv
+                      page_reads=page_reads, kept_feed=kept_feed), kv
 
 
 def _logit_rules(inp: StepInput, token_ids: jax.Array, shape: StepShape, vocab: int
@@ -708,7 +751,10 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         group_kv_lens=jnp.zeros((0, n), jnp.int32),
         host_tables=jnp.zeros((0, block_table.shape[0]), jnp.int32),
         host_lens=jnp.zeros(0, jnp.int32),
-        layer_tables=jnp.zeros((0, 0, block_table.shape[0]), jnp.int32))
+        layer_tables=jnp.zeros((0, 0, block_table.shape[0]), jnp.int32),
+        keep_frames=jnp.zeros((0, 0, 0), jnp.int32), keep_owners=jnp.zeros((0, 0, 0), jnp.int32),
+        kept_feed=jnp.zeros((0, 0, 0), jnp.int32), kept_rows=jnp.zeros(0, jnp.int32),
+        kept_pages=jnp.zeros((0, 0, 0), jnp.int32), kept_owners=jnp.zeros((0, 0, 0), jnp.int32))
 
 
 def blend_step(params, kv: KVState, tokens: jax.Array, positions: jax.Array, slots: jax.Array,

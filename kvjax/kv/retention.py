@@ -20,14 +20,16 @@ picks one, `retention_budget` sizes it and `retention_options` tunes it:
   quest       everything in memory; each decode query reads only  dense_layers=2,
               its B // P pages of highest key bound (the max or   heads='max',
               sum over query heads), the newest page always       echo_prefetch=None,
-              among them, except in the first dense_layers        record_reads=False
-              layers, which read every page (Quest,
+              among them, except in the first dense_layers        record_reads=False,
+              layers, which read every page (Quest,               echo_keep_misses=True
               kvjax.kv.quest); with echo_prefetch=m the host
               pool holds every full page and the device only
               the B // P + m pages the previous selection ranked
-              first in each layer (ECHO, kvjax.engine.echo);
-              record_reads=True returns each decode step's
-              selection (StepOutput.page_reads) without ECHO
+              first in each layer (ECHO, kvjax.engine.echo),
+              keeping the pages a step fetched as misses unless
+              echo_keep_misses=False; record_reads=True returns
+              each decode step's selection (StepOutput.page_reads)
+              without ECHO
   ==========  ==================================================  ===========================
 
 The scoring presses tova, knorm, expected_attention and observed_attention (kvjax.kv.presses)
@@ -155,15 +157,19 @@ class Quest(_Policy):
     """Query-aware page reads: every page stays, each decode query reads its top pages."""
 
     name = "quest"
-    option_names = ("dense_layers", "heads", "echo_prefetch", "record_reads")
+    option_names = ("dense_layers", "heads", "echo_prefetch", "record_reads",
+                    "echo_keep_misses")
     narrows_reads = True
     num_index_leaves = 2  # key_min, key_max (`QuestKV.page_leaves`)
 
     def __init__(self, budget: int | None, page_size: int, dense_layers: int = 2,
                  heads: str | quest.HeadReduction = quest.HeadReduction.MAX,
-                 echo_prefetch: int | None = None, record_reads: bool = False):
+                 echo_prefetch: int | None = None, record_reads: bool = False,
+                 echo_keep_misses: bool = True):
         if not isinstance(record_reads, bool):
             raise ValueError(f"quest record_reads must be a bool, got {record_reads!r}")
+        if not isinstance(echo_keep_misses, bool):
+            raise ValueError(f"quest echo_keep_misses must be a bool, got {echo_keep_misses!r}")
         if echo_prefetch is not None and (isinstance(echo_prefetch, bool) or not isinstance(
                 echo_prefetch, int) or echo_prefetch < 0):
             raise ValueError(f"quest echo_prefetch must be None or an int >= 0, got "
@@ -180,6 +186,9 @@ class Quest(_Policy):
         self.num_read_pages = self.budget // page_size
         self.dense_layers, self.heads = dense_layers, heads
         self.echo_prefetch = echo_prefetch
+        # ECHO: each step writes the pages it read from the host pool into frames, so the next
+        # does not fetch them again (`kvjax.scheduler.echo`).
+        self.echo_keep_misses = echo_keep_misses
         # Each decode step's selection goes back to the host (`StepOutput.page_reads`) only
         # where something reads it: ECHO's planner, or an observer that asked for it.
         self.records_reads = echo_prefetch is not None or record_reads

@@ -71,6 +71,8 @@ class RetentionPolicy(Protocol):
     # Host-authoritative pages (ECHO, `kvjax.engine.echo`): the pages a decode row keeps on the
     # device beyond the ones its previous selection ranked first; None: every page stays there.
     echo_prefetch: int | None
+    # ECHO: each step keeps the pages it read from the host pool in frames for the next.
+    echo_keep_misses: bool
     records_reads: bool  # each decode step's selection goes back to the host (page_reads)
     # The last page leaves of `wrap_state`'s state that index pages (Quest's key summaries):
     # under ECHO the host pool keeps them in device memory, where the selection reads them.
@@ -171,6 +173,7 @@ class _Policy:
     needs_rope: ClassVar[bool] = False
     rotates_keys: bool = False
     echo_prefetch: int | None = None
+    echo_keep_misses: bool = False
     records_reads: bool = False
     num_index_leaves: ClassVar[int] = 0
     # Decides once, from scores, when the prefill completes (a per-layer schedule can share

@@ -18,6 +18,23 @@ replace them. The step computes
 the exact selection whatever the plan, so a wrong guess costs bytes over the link, never a
 changed token.
 
+Misses stay in frames (Quest's `echo_keep_misses`, on by default): a page a layer selected but
+had not on the device is read from the host pool in the step, and the step also writes that
+layer of it into a frame, so the next step finds it there instead of fetching it again. Which
+frames a step may overwrite is the host's decision, carried as data (`ScheduledRow.keep_frames`,
+least wanted first, with the pages they hold, `keep_owners`); the step writes its i-th miss (in
+table order) into the i-th offered frame whose page it did not select (`kept_misses`, the same
+rule as `kvjax.engine.echo.keep_misses`), so the host knows every frame's page from the
+selection it reads back anyway, and never reads the device for it. Until it has read that
+selection a frame the step was offered holds a page the host does not know: it fills nothing
+into it and offers it to no other step. Synchronous scheduling reads the selection before it
+plans the next step, so every frame is offered each step. Under asynchronous scheduling the
+next step is planned first: a row then offers, per layer, as many frames as that layer missed
+in its last seen step, and the next step reads what the previous one kept from a device-side
+feed, and the frames it did not write still hold what they held (`ScheduledRow.kept_pages`,
+`kept_owners`, `kvjax.engine.echo.merge_kept`); the host applies the same
+merge when it reads the selections back, so it knows every table the device used.
+
 Plain Python and numpy.
 
 Stats (in the engine's): `echo_selected_pages`, the (layer, page) reads of decode rows whose
@@ -26,7 +43,8 @@ device (prefetch recall = their ratio); `echo_refetched_layer_pages`, the (layer
 of pairs the same observed step had just read from the host pool as misses (bytes a step that
 kept its misses in the frames would not move again; it does not: the step reads misses, only
 plans write frames); `echo_layer_pages_prefetched` (layers of pages moved in),
-`echo_frames_adopted` (own pages that became frames in place); `echo_pages_mirrored`,
+`echo_frames_adopted` (own pages that became frames in place); `echo_misses_kept` (misses
+the step wrote into frames); `echo_pages_mirrored`,
 `_released`, `echo_frames_taken` (fresh frames; from the KV cache manager).
 """
 
@@ -56,18 +74,60 @@ def wanted_pages(reads: np.ndarray, num_pages: int, num_keep: int) -> list[np.nd
     return [np.lexsort((-newest, -s))[:num_keep] for s in score]
 
 
+def num_frames(num_read: int, prefetch: int) -> int:
+    """A decode row's frames: Quest's reads less the page it writes, plus the margin."""
+    return max(num_read - 1, 0) + prefetch
+
+
+def echo_keep_width(policy) -> int:
+    """V, the frames per layer a decode row's step may keep its misses in, under the
+    retention policy (0: not ECHO, or misses not kept)."""
+    if policy.echo_prefetch is None or not policy.echo_keep_misses:
+        return 0
+    return num_frames(policy.num_read_pages, policy.echo_prefetch)
+
+
+def kept_misses(reads: np.ndarray, layer_tables: np.ndarray, host_table: np.ndarray,
+                frames: np.ndarray, owners: np.ndarray) -> np.ndarray:
+    """[L, V] int64: the entry a step wrote into each frame it was offered (-1: none).
+
+    Args:
+      reads: [L, W] bool, the step's selection; layer_tables: [L, n] (or [1, n]) and
+        host_table: [n], the row's tables in that step; frames, owners: [L, V], the offered
+        frames' entries (-1: padding) and the entries they held (-1: unknown).
+
+    A miss (an entry read with a host copy and no device page in its layer) goes, in table
+    order, to the offered frames whose page the step did not read, in offer order.
+    """
+    n = layer_tables.shape[1]
+    read = reads[:, :n]
+    miss = read & (np.broadcast_to(layer_tables, read.shape) < 0) & (host_table[None, :] >= 0)
+    owner_read = (owners >= 0) & np.take_along_axis(read, np.clip(owners, 0, n - 1), axis=1)
+    eligible = (frames >= 0) & ~owner_read
+    out = np.full(frames.shape, -1, np.int64)
+    for layer in range(frames.shape[0]):
+        missed, free = np.flatnonzero(miss[layer]), np.flatnonzero(eligible[layer])
+        k = min(len(missed), len(free))
+        out[layer, free[:k]] = missed[:k]
+    return out
+
+
 class _Frames:
-    """One row's frames: the entries holding them, and owner [L, n]: at frame entry k, the
-    entry whose layer l the frame holds (-1: nothing yet)."""
+    """One row's frames: the entries holding them; owner [L, n]: at frame entry k, the entry
+    whose layer l the frame holds (-1: nothing, or not known yet); pending [L, n]: the offer
+    (`EchoPlanner.row_fields`) whose step may have written layer l of frame k and whose
+    selection the host has not read yet (-1: none)."""
 
     def __init__(self, num_layers: int):
         self.entries: list[int] = []
         self.owner = np.full((num_layers, 0), -1, np.int64)
+        self.pending = np.full((num_layers, 0), -1, np.int64)
 
     def grow(self, width: int) -> None:
         if self.owner.shape[1] < width:
             extra = np.full((self.owner.shape[0], width - self.owner.shape[1]), -1, np.int64)
             self.owner = np.concatenate([self.owner, extra], axis=1)
+            self.pending = np.concatenate([self.pending, extra], axis=1)
 
 
 class EchoPlanner:
@@ -78,16 +138,25 @@ class EchoPlanner:
         the page it writes, plus the prefetch margin); also the row's frames.
     """
 
-    def __init__(self, kv_cache, page_size: int, num_read: int, prefetch: int, stats: dict):
+    def __init__(self, kv_cache, page_size: int, num_read: int, prefetch: int, stats: dict,
+                 keep_misses: bool = True):
         self.kv_cache = kv_cache
         self.page_size = page_size
-        self.num_keep = max(num_read - 1, 0) + prefetch
+        self.num_keep = num_frames(num_read, prefetch)
+        self.keep_misses = keep_misses
         self.stats = stats
         self._reads: dict[str, np.ndarray] = {}
         self._frames: dict[str, _Frames] = {}
         self._missed: dict[str, np.ndarray] = {}  # [L, F] bool: the observed step's misses
+        self._wanted: dict[str, list[np.ndarray]] = {}  # the last plan's, per layer
+        # The row's last offer (number, [L, V] frame entries, the entries they held) and
+        # what its step kept
+        # (number, [L, V] entries written, -1: none), once read back.
+        self._offered: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}
+        self._kept: dict[str, tuple[int, np.ndarray]] = {}
+        self._offers = 0
         stats.update(echo_selected_pages=0, echo_resident_reads=0,
-                     echo_refetched_layer_pages=0, echo_frames_adopted=0)
+                     echo_refetched_layer_pages=0, echo_frames_adopted=0, echo_misses_kept=0)
 
     def place(self, rows: Sequence[tuple[str, int]], live: Sequence[str]) -> None:
         """Moves pages for this step's decode rows (seq_id, cached tokens before the step)."""
@@ -95,10 +164,14 @@ class EchoPlanner:
         self._reads = {k: v for k, v in self._reads.items() if k in live}
         self._frames = {k: v for k, v in self._frames.items() if k in live}
         self._missed = {k: v for k, v in self._missed.items() if k in live}
+        self._wanted = {k: v for k, v in self._wanted.items() if k in live}
+        self._offered = {k: v for k, v in self._offered.items() if k in live}
+        self._kept = {k: v for k, v in self._kept.items() if k in live}
         for seq_id, cached in rows:
             if self.kv_cache.num_host_pages(seq_id) == 0:  # new, or recomputed afresh
                 self._reads.pop(seq_id, None)
                 self._frames.pop(seq_id, None)
+                self._wanted.pop(seq_id, None)
             held = self.kv_cache.host.echo_mirror(seq_id, cached // self.page_size)
             reads = self._reads.get(seq_id)
             if reads is not None:
@@ -110,6 +183,7 @@ class EchoPlanner:
         table = self.kv_cache.block_table(seq_id)
         own = [j for j in range(held) if table[j] != RELEASED and j not in frames.entries]
         wanted_by_layer = wanted_pages(reads, held, self.num_keep)
+        self._wanted[seq_id] = wanted_by_layer
         need = min(self.num_keep, held) - len(frames.entries)
         if own and need > 0:  # own pages the row alone holds become frames where they are
             demand = np.bincount(np.concatenate(wanted_by_layer), minlength=held)
@@ -130,7 +204,9 @@ class EchoPlanner:
             owner = frames.owner[layer]
             have = {owner[k] for k in frames.entries}
             wanted_set = set(wanted.tolist())
-            slots = [k for k in frames.entries if owner[k] not in wanted_set]
+            # A frame an unseen step may have written is neither claimed nor filled.
+            slots = [k for k in frames.entries
+                     if owner[k] not in wanted_set and frames.pending[layer, k] < 0]
             missing = [j for j in wanted.tolist() if j not in have]
             for j, k in zip(missing, slots, strict=False):
                 fills.append((layer, j, k))
@@ -141,9 +217,15 @@ class EchoPlanner:
                 j < missed.shape[1] and bool(missed[layer, j]) for layer, j, _ in fills)
         self.kv_cache.host.echo_fill(seq_id, fills)
 
-    def row_fields(self, seq_id: str) -> dict:
+    def row_fields(self, seq_id: str, feed_index: int = -1) -> dict:
         """The row's `ScheduledRow.host_table` [n] and `layer_tables` ([L, n], or [1, n] for
-        every layer alike before its first plan)."""
+        every layer alike before its first plan); with misses kept, the frames its step may
+        write its misses into (`keep_frames`, `keep_owners`, `keep_offer`; called once per
+        scheduled row: those frames' pages are unknown until `observe` reads the step's
+        selection), and for a row whose previous step is unseen (its token in flight,
+        `feed_index` >= 0), the pages of the frames that step was offered and the entries
+        they held (`kept_pages`, `kept_owners`, `kept_offer`), where the step reads what that
+        step kept there, else what they held."""
         table = np.asarray(self.kv_cache.block_table(seq_id), np.int64)
         frames = self._frames.get(seq_id)
         layer_tables = table[None, :].copy()  # own pages: every layer reads them in place
@@ -155,22 +237,103 @@ class EchoPlanner:
                 owner = frames.owner[:, k]
                 layers = np.flatnonzero(owner >= 0)
                 layer_tables[layers, owner[layers]] = table[k]
-        return dict(host_table=self.kv_cache.host.echo_host_table(seq_id),
-                    layer_tables=layer_tables.astype(np.int32))
+        fields = dict(host_table=self.kv_cache.host.echo_host_table(seq_id),
+                      layer_tables=layer_tables.astype(np.int32))
+        if self.keep_misses and frames is not None and frames.entries:
+            last = self._offered.get(seq_id)
+            if feed_index >= 0 and last is not None:
+                offer, entries, owners = last
+                unseen = np.zeros(entries.shape, bool)
+                for layer, v in zip(*np.nonzero(entries >= 0), strict=True):
+                    unseen[layer, v] = frames.pending[layer, entries[layer, v]] == offer
+                fields.update(kept_pages=np.where(unseen, table[np.maximum(entries, 0)],
+                                                  RELEASED).astype(np.int32),
+                              kept_owners=np.where(unseen, owners, -1).astype(np.int32),
+                              kept_offer=offer)
+            fields.update(self._offer(seq_id, frames))
+        return fields
+
+    def _offer(self, seq_id: str, frames: _Frames) -> dict:
+        """Per layer, the frames the row's step may write its misses into, least wanted
+        first: all of them where no earlier step is unseen (synchronous scheduling), else as
+        many as the layer missed in its last seen step (at least one), so that most frames
+        keep pages the host can still fill around."""
+        self._offers += 1
+        num_layers = frames.owner.shape[0]
+        ahead = bool((frames.pending >= 0).any())
+        missed = self._missed.get(seq_id)
+        wanted = self._wanted.get(seq_id)
+        entries = np.full((num_layers, self.num_keep), -1, np.int32)
+        owners = np.full((num_layers, self.num_keep), -1, np.int32)
+        for layer in range(num_layers):
+            owner = frames.owner[layer]
+            rank = {} if wanted is None else {j: i for i, j in enumerate(wanted[layer].tolist())}
+            free = sorted((k for k in frames.entries if frames.pending[layer, k] < 0),
+                          key=lambda k: (owner[k] >= 0, owner[k] in rank,
+                                         -rank.get(owner[k], 0)))
+            count = len(free)
+            if ahead:
+                count = max(1, 0 if missed is None else int(missed[layer].sum()))
+            chosen = free[:count]
+            entries[layer, :len(chosen)] = chosen
+            owners[layer, :len(chosen)] = owner[chosen]
+            owner[chosen] = -1
+            frames.pending[layer, chosen] = self._offers
+        self._offered[seq_id] = (self._offers, entries, owners)
+        return dict(keep_frames=entries, keep_owners=owners, keep_offer=self._offers)
+
+    def _tables(self, row) -> np.ndarray:
+        """[L, n]: the layer tables the row's step read, with what its previous step kept
+        (`kvjax.engine.echo.merge_kept`)."""
+        tables = np.array(np.broadcast_to(row.layer_tables, (self._num_layers(row),
+                                                             row.layer_tables.shape[1])))
+        kept = self._kept.get(row.seq_id)
+        if row.kept_pages is None or row.feed_index < 0 or kept is None \
+                or kept[0] != row.kept_offer:
+            return tables
+        entry = np.where(kept[1] >= 0, kept[1], row.kept_owners)
+        for layer, v in zip(*np.nonzero((entry >= 0) & (row.kept_pages >= 0)), strict=True):
+            tables[layer, entry[layer, v]] = row.kept_pages[layer, v]
+        return tables
+
+    @staticmethod
+    def _num_layers(row) -> int:
+        return row.layer_tables.shape[0] if row.keep_frames is None else \
+            row.keep_frames.shape[0]
+
+    def _resolve(self, row, reads: np.ndarray | None) -> None:
+        """What the row's step wrote into the frames it was offered (`kept_misses`; nothing
+        without a selection): their pages, for those still waiting on this offer."""
+        kept = (np.full(row.keep_frames.shape, -1, np.int64) if reads is None else
+                kept_misses(reads, self._tables(row), row.host_table, row.keep_frames,
+                            row.keep_owners))
+        self._kept[row.seq_id] = (row.keep_offer, kept)  # the next step merged it
+        self.stats["echo_misses_kept"] += int((kept >= 0).sum())
+        frames = self._frames.get(row.seq_id)
+        if frames is None:
+            return
+        for layer, v in zip(*np.nonzero(row.keep_frames >= 0), strict=True):
+            k = row.keep_frames[layer, v]
+            if k < frames.pending.shape[1] and frames.pending[layer, k] == row.keep_offer:
+                frames.owner[layer, k] = kept[layer, v] if kept[layer, v] >= 0 \
+                    else row.keep_owners[layer, v]
+                frames.pending[layer, k] = -1
 
     def observe(self, rows: Sequence, page_reads: np.ndarray | None) -> None:
         """Takes a step's selection (`RunnerOutput.page_reads` [Rd, L, W] of its decode rows
-        `rows`) as the next plan's, and counts the reads of resident (layer, page) pairs."""
-        if page_reads is None:
-            return
-        for row, reads in zip(rows, page_reads, strict=True):
-            if row.layer_tables is None or row.is_draft:
+        `rows`) as the next plan's, counts the reads of resident (layer, page) pairs, and
+        learns which pages the step kept in the frames it was offered."""
+        for i, row in enumerate(rows):
+            reads = None if page_reads is None else page_reads[i]
+            tables = None if row.layer_tables is None else self._tables(row)
+            if row.keep_frames is not None:
+                self._resolve(row, reads)
+            if reads is None or row.layer_tables is None or row.is_draft:
                 continue
             n = row.layer_tables.shape[1]
             full = (row.start - row.num_evicted) // self.page_size  # before its write
             selected = reads[:, :min(n, full)]  # [L, F]: pages that could be released
-            resident = np.broadcast_to(row.layer_tables[:, :selected.shape[1]] >= 0,
-                                       selected.shape)
+            resident = np.broadcast_to(tables[:, :selected.shape[1]] >= 0, selected.shape)
             self.stats["echo_selected_pages"] += int(selected.sum())
             self.stats["echo_resident_reads"] += int((selected & resident).sum())
             self._reads[row.seq_id] = reads

@@ -15,6 +15,11 @@ full. The KV cache manager moves the pages (`to_host`, `to_device`). Registered 
 * `neo`: NEO's balance, from measured or modelled rates: whole rows go to the host, longest
   first, while the host's attention time stays within the device's time for the rest of the
   step (they run side by side); with `when_full` behaviour on top.
+
+Every policy takes the rates a KV controller prices its "host" action with
+(`host_tokens_per_s`, `device_step_s` in `EngineConfig.host_split_options`; measured with
+`kvjax.bench.host_attention.measure_attention_rate`, else the modelled ones) and returns them
+from `rates()`; `neo` also splits by them.
 """
 
 from __future__ import annotations
@@ -61,18 +66,35 @@ class HostSplitPolicy(Protocol):
         """(host decode-attention tokens per second, device step seconds) for a controller."""
 
 
+def _check_rates(name: str, **rates: float) -> None:
+    for key, value in rates.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{name} split: {key} must be a number > 0, got {value!r}")
+
+
 class Never:
+    """Args (every policy's): host_tokens_per_s, the host's decode-attention rate (tokens of
+    KV one query reads per second); device_step_s, the device's time for a step, which host
+    attention runs beside. A KV controller prices a host-resident row with them (`rates`)."""
+
     name = "never"
     offloads_when_full = False
     uses_host = False
+
+    def __init__(self, host_tokens_per_s: float = HOST_TOKENS_PER_S,
+                 device_step_s: float = DEVICE_STEP_S):
+        _check_rates(self.name, host_tokens_per_s=host_tokens_per_s,
+                     device_step_s=device_step_s)
+        self.host_tokens_per_s = host_tokens_per_s
+        self.device_step_s = device_step_s
 
     def targets(self, rows, num_free_device, num_free_host) -> dict[str, int]:
         return {}
 
     def rates(self) -> tuple[float, float]:
         """(the host's decode-attention tokens per second, the device's step seconds) a KV
-        controller prices a host-resident row with: the modelled ones."""
-        return HOST_TOKENS_PER_S, DEVICE_STEP_S
+        controller prices a host-resident row with."""
+        return self.host_tokens_per_s, self.device_step_s
 
 
 class WhenFull(Never):
@@ -93,7 +115,8 @@ class RandomSplit(Never):
     name = "random"
     uses_host = True
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, **rates: float):
+        super().__init__(**rates)
         self._rng = np.random.default_rng(seed)
 
     def targets(self, rows, num_free_device, num_free_host) -> dict[str, int]:
@@ -117,17 +140,9 @@ class Neo(Never):
     def __init__(self, host_tokens_per_s: float = HOST_TOKENS_PER_S,
                  device_tokens_per_s: float = DEVICE_TOKENS_PER_S,
                  device_step_s: float = DEVICE_STEP_S):
-        for key, value in (("host_tokens_per_s", host_tokens_per_s),
-                           ("device_tokens_per_s", device_tokens_per_s),
-                           ("device_step_s", device_step_s)):
-            if not value > 0:
-                raise ValueError(f"neo split: {key} must be > 0, got {value!r}")
-        self.host_tokens_per_s = host_tokens_per_s
+        super().__init__(host_tokens_per_s, device_step_s)
+        _check_rates(self.name, device_tokens_per_s=device_tokens_per_s)
         self.device_tokens_per_s = device_tokens_per_s
-        self.device_step_s = device_step_s
-
-    def rates(self) -> tuple[float, float]:
-        return self.host_tokens_per_s, self.device_step_s
 
     def targets(self, rows, num_free_device, num_free_host) -> dict[str, int]:
         device_s = self.device_step_s + sum(r.num_tokens for r in rows) / \

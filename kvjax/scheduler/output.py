@@ -64,6 +64,15 @@ class ScheduledRow:
       layer_tables: under ECHO, [L, n] int32 (or [1, n]: every layer alike): per layer and
         block-table entry, the device page holding that layer of the entry, or -1 (read its
         host copy; `kvjax.scheduler.echo`); else None.
+      keep_frames, keep_owners, keep_offer: under ECHO with misses kept, [L, V] int32: per
+        layer, the block-table entries of the frames the step may write its misses into
+        (least wanted first, -1: padding) and the entries they hold (-1: unknown), and the
+        offer's number (`kvjax.scheduler.echo`); else None, None, 0.
+      kept_pages, kept_owners, kept_offer: under ECHO with misses kept, for a row whose
+        previous step the host has not read back yet: [L, V] int32, the device pages of the
+        frames offered to that step (offer `kept_offer`; -1: not to be read) and the entries
+        they held (-1: unknown), where this step reads the pages that step kept, else the
+        ones they held (`kvjax.engine.echo.merge_kept`); else None, None, 0.
     """
 
     seq_id: str
@@ -93,6 +102,12 @@ class ScheduledRow:
     host_table: np.ndarray | None = None
     host_len: int = 0
     layer_tables: np.ndarray | None = None
+    keep_frames: np.ndarray | None = None
+    keep_owners: np.ndarray | None = None
+    keep_offer: int = 0
+    kept_pages: np.ndarray | None = None
+    kept_owners: np.ndarray | None = None
+    kept_offer: int = 0
     group_evicted: tuple[int, ...] = ()
 
     @property

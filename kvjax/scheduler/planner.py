@@ -239,8 +239,8 @@ class StepPlanner:
                 else self.rows.row(s, n, i, num_drafts[s.seq_id], masks.get(s.seq_id))
                 for i, (s, n) in enumerate(decode)]
         if self.echo is not None:
-            rows = [dataclasses.replace(r, **self.echo.row_fields(r.seq_id), host_len=0)
-                    for r in rows]
+            rows = [dataclasses.replace(r, **self.echo.row_fields(r.seq_id, r.feed_index),
+                                        host_len=0) for r in rows]
         rows += [self.rows.row(s, n, len(decode) + i, masks=masks.get(s.seq_id))
                  for i, (s, n) in enumerate(prefill)]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),

@@ -90,7 +90,7 @@ class Scheduler:
         retention = kv_cache.retention.policy
         self.echo = None if retention.echo_prefetch is None else EchoPlanner(
             kv_cache, config.page_size, retention.num_read_pages, retention.echo_prefetch,
-            stats)
+            stats, keep_misses=retention.echo_keep_misses)
         self.requests = RequestTable(config, kv_cache, clock=self._now, tokenizer=tokenizer,
                                      default_version=lambda: self.weights_version)
         self.weight_versions = WeightVersions(weights_version, self.requests, stats)

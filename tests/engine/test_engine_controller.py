@@ -206,27 +206,76 @@ def test_the_snapshot_shows_cached_pages_and_host_room(model, prompts):
         assert sorted(keep) == sorted(c.page for c in state.cached if c.hits)
 
 
-def test_joint_controller_moves_a_row_to_the_host_pool_instead_of_preempting(model, prompts,
-                                                                              reference):
-    """With host-resident rows on (their host attention priced cheap beside the step), the
-    joint controller makes room for a higher-ranked arrival by moving a running row's full
-    pages to the host pool, where it keeps decoding: nobody is preempted, tokens stay exact."""
-    engine = Engine(model, EngineConfig(**BASE, controller="joint", host_split="when_full",
-                                        num_host_pages=16))
+def _serve_with_host_rows(model, prompts, reference, **config):
+    """Two running rows hold 10 of 14 pages when a higher-ranked third (6) arrives, under the
+    joint controller with host-resident rows; checks dense greedy tokens, flat compile
+    counts and that no page leaked; returns the engine and each sequence's moves in order
+    [('host' | 'device', pages), or ('controller', 0) where the controller chose to_host]."""
+    engine = Engine(model, EngineConfig(**BASE, controller="joint", num_host_pages=16,
+                                        **config))
     compiles = engine.warmup()
+    moves: dict[str, list] = {}
+    kv_cache = engine.kv_cache
+    for name in ("host", "device"):
+        original = getattr(kv_cache, f"to_{name}")
+
+        def move(seq_id, num, original=original, name=name):
+            done = original(seq_id, num)
+            if done and num > 0:
+                moves.setdefault(seq_id, []).append((name, num))
+            return done
+
+        setattr(kv_cache, f"to_{name}", move)
+    controller = engine.scheduler.control.controller
+    decide = controller.decide
+
+    def deciding(state):  # a controller decision shows as a ('controller', 0) move
+        d = decide(state)
+        for seq_id in d.to_host:
+            moves.setdefault(seq_id, []).append(("controller", 0))
+        return d
+
+    controller.decide = deciding
     sampling = SamplingParams(max_new_tokens=NUM_NEW, ignore_eos=True)
     slo = SLO(ttft_s=60.0, tpot_s=60.0)
     outs = {}
-    for i in (0, 1, 2):  # two running rows hold 10 of 14 pages when the third (6) arrives
+    for i in (0, 1, 2):
         engine.add_request(f"r{i}", prompts[i], sampling, priority=i // 2, slo=slo)
         while i < 2 and engine.scheduler.requests.find(f"r{i}#0").num_computed < len(
                 prompts[i]):
             outs.update((int(o.request_id[1:]), o) for o in engine.step())
     while engine.has_unfinished():
         outs.update((int(o.request_id[1:]), o) for o in engine.step())
-    assert engine.stats["controller_to_host"] > 0 and engine.stats["preemptions"] == 0
     assert engine.num_compiles == compiles, "a host move compiled a program"
     host = engine.kv_cache.host_pool
     assert engine.allocator.num_used_pages() == 0 and host.num_free() == host.num_pages
     for i in (0, 1, 2):
         assert outs[i].outputs[0].token_ids == reference[i]
+    return engine, moves
+
+
+def test_joint_controller_moves_a_row_to_the_host_pool_instead_of_preempting(model, prompts,
+                                                                              reference):
+    """With host-resident rows on (their host attention priced cheap beside the step), the
+    joint controller makes room for a higher-ranked arrival by moving a running row's full
+    pages to the host pool, where it keeps decoding: nobody is preempted, tokens stay exact."""
+    engine, _ = _serve_with_host_rows(model, prompts, reference, host_split="when_full")
+    assert engine.stats["controller_to_host"] > 0 and engine.stats["preemptions"] == 0
+
+
+def test_a_row_the_controller_moved_to_the_host_comes_back_under_neo(model, prompts,
+                                                                     reference):
+    """Under `neo` with rates at which no row's host attention fits inside the device step
+    (2000 tokens/s: 12 tokens already take 6 ms of a 5 ms step), NEO wants every row on the
+    device, while a controller that does not price the slowdown (`host_horizon_steps=0`)
+    makes room by moving the victim to the host pool: the row comes back when the device has
+    room (each time), and its tokens, like everyone's, equal the dense reference, with
+    nothing leaked and nothing recompiled (`_serve_with_host_rows`)."""
+    engine, moves = _serve_with_host_rows(
+        model, prompts, reference, host_split="neo",
+        host_split_options=dict(host_tokens_per_s=2e3, device_tokens_per_s=1e12,
+                                device_step_s=5e-3),
+        controller_options=dict(host_horizon_steps=0))
+    assert engine.stats["controller_to_host"] > 0 and engine.stats["preemptions"] == 0
+    kinds = {seq: "".join(k[0] for k, _ in m) for seq, m in moves.items()}  # c, h, d
+    assert any("chd" in k for k in kinds.values()), kinds

@@ -153,6 +153,23 @@ def test_joint_makes_a_host_row_when_host_attention_is_cheap():
     assert make_controller("tiers").decide(state(victim, waiting, host_rows=cheap)).to_host == ()
 
 
+@pytest.mark.parametrize("split", ["when_full", "always", "random", "neo"])
+def test_every_split_policys_configured_rates_price_the_host_action(split):
+    """The rates a split policy is configured with (`EngineConfig.host_split_options`) are
+    the ones the controller prices with (`HostPlacement.row_rates`): host attention made
+    expensive swaps the victim, made cheap moves it to the host pool (same setup as above)."""
+    from kvjax.scheduler.host_split import make_host_split
+
+    waiting = seq("w", "waiting", priority=1, slack=3.0, tokens=300)
+    victim = seq("v", kl_budget=0.0)
+    for host_tokens_per_s, host in ((1e3, False), (1e6, True)):
+        policy = make_host_split(split, host_tokens_per_s=host_tokens_per_s,
+                                 device_step_s=5e-3)
+        rates = HostRowRates(64, *policy.rates())
+        d = joint().decide(state(victim, waiting, host_rows=rates))
+        assert (d.to_host, d.offload) == ((("v",), ()) if host else ((), ("v",)))
+
+
 def test_demotion_takes_the_fewest_bits_the_kl_budget_allows():
     """exact -> int8 -> int4: the codec baseline stores a swapped copy at the fewest bits whose
     KL fits what the sequence has left; a copy no finer than one it already went through

@@ -36,5 +36,7 @@ def test_neo_moves_rows_while_host_time_fits_the_device_step():
     assert policy.targets(ROWS, 10, 3)["a"] == 0  # no host room for its 6 pages
     with pytest.raises(ValueError, match="host_tokens_per_s"):
         make_host_split("neo", host_tokens_per_s=0)
+    with pytest.raises(ValueError, match="when_full split: device_step_s must be a number"):
+        make_host_split("when_full", device_step_s="fast")
     with pytest.raises(ValueError, match="unknown host split policy"):
         make_host_split("sometimes")
