@@ -210,3 +210,24 @@ def test_planned_window_copy_and_window_scrub_match_immediate_ones():
     for x, old in zip(_windows(planned_device), before, strict=True):
         np.testing.assert_array_equal(x[:, b_slot], old[:, a_slot])  # b starts from a's window
         assert not x[:, a_slot].any()
+
+
+def test_a_slot_an_unwritten_registration_gave_back_is_not_scrubbed_under_its_next_owner():
+    """A registration that falls through (a swap-in with no room) gives its window slot back
+    unwritten; the sequence that takes the slot next keeps its window through later scrubs
+    (each scrub zeroes the slots freed since the last one, none twice)."""
+    manager, device = _kivi_manager()
+    manager.lookup("c", [1, 2, 3], b"")
+    manager.lookup("a", [4, 5, 6], b"")
+    slot = manager.seq_slot("a")
+    manager.unregister("a")  # no scrub: nothing was written
+    manager.lookup("b", [7, 8, 9], b"")
+    assert manager.seq_slot("b") == slot
+    before = _windows(device)
+    c_slot = manager.seq_slot("c")
+    manager.free("c")
+    (scrub,) = [op for op in device.ops if op.kind is KVOpKind.SCRUB]
+    assert scrub.seq_slots == (c_slot,)
+    for x, old in zip(_windows(device), before, strict=True):
+        np.testing.assert_array_equal(x[:, slot], old[:, slot])
+        assert not x[:, c_slot].any()
