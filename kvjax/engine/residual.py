@@ -44,7 +44,11 @@ class WindowBlockManager(BlockManager):
         if not self._free_slots:
             raise RuntimeError(f"no free window slot for {seq_id!r}: all {self.num_seq_slots} "
                                f"are held (the engine admits at most max_num_seqs sequences)")
-        self._slot_of[seq_id] = self._free_slots.pop()
+        slot = self._slot_of[seq_id] = self._free_slots.pop()
+        # A slot freed by a registration that fell through (its window never written) waits in
+        # `released_slots` for the next scrub, which must not zero its new owner's window.
+        if slot in self.released_slots:
+            self.released_slots.remove(slot)
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
                      cache_key: bytes = b"", indexable: bool = True,
@@ -100,7 +104,7 @@ class WindowSwapSpace(HostSwapSpace):
     def __init__(self, allocator: WindowBlockManager):
         super().__init__()
         self.allocator = allocator
-        # host slot (a swap as data) or sequence id (tiers: `save_window`) -> a window copy
+        # host slot (`KVOp.host_slot`) -> a window copy
         self._windows: dict[Hashable, list[object]] = {}
         self._window = kvjax_jit.jit(_window)
         self._set_window = kvjax_jit.jit(_set_window, donate_argnums=0)
@@ -134,21 +138,8 @@ class WindowSwapSpace(HostSwapSpace):
         """Bytes of one sequence's window in a host copy."""
         return tree_bytes(jax.eval_shape(_window, kv, jnp.int32(0)))
 
-    def save_window(self, kv, seq_id: str) -> int:
-        """Copies a registered sequence's window to host memory; returns bytes moved."""
-        window = self._window(kv, jnp.int32(self.allocator.seq_slot(seq_id)))
-        self._windows[seq_id] = [self._to_host(x) for x in window]
-        return sum(x.nbytes for x in window)
-
-    def restore_window(self, kv, seq_id: str) -> tuple[object, int]:
-        """Writes a saved window into the (re-registered) sequence's slot; frees the copy."""
-        window = [self._to_device(x) for x in self._windows.pop(seq_id)]
-        kv = self._set_window(kv, jnp.int32(self.allocator.seq_slot(seq_id)), window)
-        return kv, sum(x.nbytes for x in window)
-
     def drop(self, key) -> None:
-        """Frees the host copy under `key` (a host slot, or the sequence id of a window saved
-        alone), if any."""
+        """Frees the host copy under `key` (a host slot), if any."""
         super().drop(key)
         self._windows.pop(key, None)
 

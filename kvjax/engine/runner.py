@@ -355,12 +355,6 @@ class ModelRunner:
     def run_op(self, kv: Any, op: KVOp) -> Any:
         return self.kv_programs[op.kind](kv, op)
 
-    def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
-        result = fn(self.kv)
-        for observer in self.observers:
-            observer.on_kv_op(op)
-        return result
-
     # ----------------------------------------------------------------------------- params
 
     def add_params(self, version: str, params: Any) -> None:

@@ -227,6 +227,13 @@ class KVCacheManager:
         self.attach_loaded(seq_id, cached)
         return cached
 
+    def quantized_lens(self, max_len: int) -> tuple[int, ...] | None:
+        """With a window beside the pages (KIVI): of a sequence's first n tokens, how many its
+        pages hold, for n in [0, max_len]; None without one."""
+        if self._quantized_len is None:
+            return None
+        return tuple(int(self._quantized_len(n)) for n in range(max_len + 1))
+
     def attach_loaded(self, seq_id: str, num_tokens: int) -> None:
         """The sequence's first `num_tokens` came as whole pages from the prefix cache or the
         tiers: with a window beside the pages, they are read from the pages from now on."""

@@ -49,12 +49,6 @@ class OpPlan:
         self._record(op)
         self.device.apply(op, fn)
 
-    def read(self, op: KVOp, fn: Callable):
-        """Runs `fn(kv) -> value` on the device now, after the data ops planned so far."""
-        self._flush()
-        self._record(op)
-        return self.device.read(op, fn)
-
     def defer_ops(self) -> None:
         """From now until `take_plan`, ops of `DATA_KINDS` are planned as data (a step is
         being formed or committed) instead of applied when issued."""

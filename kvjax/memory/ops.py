@@ -12,12 +12,15 @@ index arrays say everything, so the ops the scheduler issues while it forms a st
 the step's `SchedulerOutput.kv_plan` and the runner applies them in the step's dispatch, before
 the model (`KVDevice.apply_ops`); those of committing a step are what
 `Scheduler.update_from_output` returns, applied by the engine core right after. The other kinds
-(scatters from outside, a KIVI window swapped through the tiers, placements, calibrations,
-warm-ups) still run a closure on the device when issued (`KVDevice.apply`, `KVDevice.read`);
-before one does, the manager hands over the data ops issued ahead of it, so the pool sees
-every op in issuing order. Tier transfers are data too (`TIER_KINDS`): a spill's pages are
-gathered in the step's dispatch, before anything overwrites them, and what landed comes back
-to the tiers' ledger in `RunnerOutput.tier_landed`.
+(scatters from outside, placements, calibrations, warm-ups) still run a closure on the device
+when issued (`KVDevice.apply`); before one does, the manager hands over the data ops issued
+ahead of it, so the pool sees every op in issuing order. Tier transfers are data too
+(`TIER_KINDS`): a spill's pages are gathered in the step's dispatch, before anything
+overwrites them, and what landed comes back to the tiers' ledger in
+`RunnerOutput.tier_landed`. A sequence swapped through the tiers with a KIVI window beside its
+pages sends the pages as spills and the window as a SWAP_OUT of no pages into a host slot,
+and gets the window back by a SWAP_IN of no pages when it is registered again, ahead of its
+tier loads: every swap is data.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ class KVOpKind(enum.StrEnum):
 
 
 # Kinds whose ops carry all they do as index arrays (the runner applies them from the data).
-# With tiers on, a swap goes through the tiers' transfers (SPILL, TIER_LOAD, TIER_SCATTER);
-# a KIVI window beside its pages still runs a closure when issued (`KVDevice.read` / `apply`).
+# With tiers on, a swap's pages go through the tiers' transfers (SPILL, TIER_LOAD,
+# TIER_SCATTER); a KIVI window beside them through a host slot (SWAP_OUT, SWAP_IN).
 TIER_KINDS = frozenset({KVOpKind.SPILL, KVOpKind.TIER_LOAD, KVOpKind.TIER_SCATTER,
                         KVOpKind.TIER_RELEASE})
 DATA_KINDS = frozenset({KVOpKind.COPY, KVOpKind.SCRUB, KVOpKind.COPY_WINDOW,
@@ -152,7 +155,8 @@ class KVOp:
         re-encoded (padded).
       seq_slots: SCRUB: the sequence slots zeroed (KIVI windows of freed sequences; empty:
         none). SWAP_OUT: the slot whose window the copy takes too; SWAP_IN: the slot it is
-        written into (empty: the state keeps no windows).
+        written into (empty: the state keeps no windows). With tiers on, a window's SWAP_OUT
+        and SWAP_IN carry no pages (the tiers move them).
       plan: COMPACT: the sequence's `CompactionPlan` (`pages`: its block table after it).
         CHUNK_LOAD: the `ChunkLoadPlan` (`pages`: the pages it writes).
       host_slot: SWAP_OUT, SWAP_IN, SWAP_DROP: the host copy's key in the swap space (the KV
@@ -198,9 +202,6 @@ class KVDevice(Protocol):
     def run_op(self, kv: Any, op: KVOp) -> Any:
         """The program of an op of `DATA_KINDS` applied to `kv`, unrecorded (warm-up runs
         it on padding ops that change nothing)."""
-
-    def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
-        """Records `op` and returns fn(state); the state is unchanged (gathers to host)."""
 
 
 class HostKV:
@@ -267,7 +268,3 @@ class HostKV:
             if len(slots):
                 kv = pages.scatter_seq_slots(kv, slots, window)
         return kv
-
-    def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
-        self.ops.append(op)
-        return fn(self.kv)

@@ -80,7 +80,8 @@ class SwapMoves:
         """Copies a sequence's computed pages (every layer group's, and its window) to host
         memory (int8 or int4 with `demote_bits`: see `kvjax.engine.swap`), then frees them.
         Without tiers the copy is a `KVOpKind.SWAP_OUT` op into a host slot, planned before the
-        frees' scrubs and whatever reuses the pages.
+        frees' scrubs and whatever reuses the pages; with tiers on the pages are the tiers'
+        spills and a window alone takes such an op.
 
         A sequence retention compacted keeps its record of which tokens its pages hold (one
         per table group where groups keep budgets of their own: each group's copy is its
@@ -95,11 +96,10 @@ class SwapMoves:
         pages = [tables[group][index] for index, group in entries]
         if self.tiers is None:
             nbytes = self._swap_out_op(seq_id, entries, pages, demote_bits)
-        elif not self.swap_space.keeps_windows:  # a copy in the tiers comes back as tier loads
+        else:  # a copy in the tiers comes back as tier loads; a window beside it, from a slot
             nbytes = self.swap_space.swap_out(None, seq_id, pages, demote_bits=demote_bits)
-        else:  # the window beside the pages is copied when issued
-            nbytes = self.ops.read(KVOp(KVOpKind.SWAP_OUT, tuple(pages)), lambda kv: (
-                self.swap_space.swap_out(kv, seq_id, pages, demote_bits=demote_bits)))
+            if self.keeps_windows:
+                nbytes += self._swap_out_op(seq_id, [], [], 0)
         self.stats["swaps_out"] += 1
         self.stats["swap_bytes"] += nbytes
         self._free_pages(seq_id, keep_retention=True)
@@ -189,19 +189,16 @@ class SwapMoves:
         return self.swap_space.keeps_windows
 
     def restore_window(self, seq_id: str) -> None:
-        """Writes a swapped sequence's saved window into its new slot, once it is registered
-        again (with tiers on, its pages come back as tier loads)."""
+        """With tiers on, writes a swapped sequence's window back from its host slot into its
+        new slot, once it is registered again (a `KVOpKind.SWAP_IN` of no pages: they come
+        back as tier loads)."""
         if not self.keeps_windows:
             return
-        nbytes = []
-
-        def restore(kv):
-            kv, n = self.swap_space.restore_window(kv, seq_id)
-            nbytes.append(n)
-            return kv
-
-        self.ops.apply(KVOp(KVOpKind.SWAP_IN), restore)
-        self.stats["swap_bytes"] += nbytes[0]
+        self._swapped_entries.pop(seq_id)
+        window = (self.allocator.seq_slot(seq_id),)
+        self.ops.issue(KVOp(KVOpKind.SWAP_IN, seq_slots=window,
+                            host_slot=self._swap_slots.release(seq_id)[0]))
+        self.stats["swap_bytes"] += self._copy_bytes(0, 0, window)
 
     def drop(self, seq_id: str) -> None:
         """Forgets a sequence's host copy (it finished or restarts)."""

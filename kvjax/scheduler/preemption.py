@@ -147,6 +147,13 @@ class PreemptionPolicy:
             seq.status = SeqStatus.SWAPPED
             self.table.swapped.append(seq)
             return
+        if seq.num_unresolved:
+            # Under async scheduling the step in flight writes this sequence's last computed
+            # tokens, and its commit (which publishes their full pages) comes after this step
+            # is planned: publish them now, as that commit would first, so recomputing starts
+            # where a synchronous preemption would (the device runs that step before this
+            # one, so no reader of these pages runs ahead of their writes).
+            self.kv_cache.commit(seq.seq_id, seq.tokens[:min(seq.num_computed, len(seq.tokens))])
         self.kv_cache.free(seq.seq_id)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING

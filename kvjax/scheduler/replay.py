@@ -29,9 +29,9 @@ preemption replay (not those whose retention policy rotates kept keys or reads R
 record is built without a model). Tier traffic is data too (`TIER_KINDS`): a run with a host
 tier replays, its ledger fed the transfers that landed from the recorded `RunnerOutput`s (a
 disk tier's transfers finish on its workers' time, which a trace does not hold: not recorded).
-Ops that still run a device program when issued (a KIVI window swapped through the tiers,
-scatters from outside) do not replay (`ReplayDevice` raises a ValueError naming the op's
-kind). Warm-up records (`KVOpKind.WARMUP`) are
+A KIVI run replays too, its windows' copies, scrubs and swaps (through the tiers as well) being
+data. Ops that still run a device program when issued (scatters from outside) do not replay
+(`ReplayDevice` raises a ValueError naming the op's kind). Warm-up records (`KVOpKind.WARMUP`) are
 compilations, not decisions, and are left out of the comparison. Snapshot restores are not
 recorded, nor requests under a grammar (a ValueError names the request). `Engine.record_decisions`
 refuses, with the reason from `kvjax.engine.compat`, what a replay could not decide again: tiers,
@@ -89,6 +89,10 @@ class SchedulerRecipe:
       tiers: the host tier's `TierConfig` (no disk tier), or None without tiers.
       tier_pages: with tiers, (page shapes, page dtypes, memory kind) of the pool's pages
         (`PlannedTierPort`): what the tiers' ledger sizes and stages pages by.
+      keeps_windows: whether sequences hold state beside their pages (KIVI windows): their
+        slots are copied, scrubbed and swapped with them.
+      quantized_lens: KIVI: of a sequence's first n tokens, how many its pages hold, by n
+        (`KVCacheManager.quantized_lens`); None without a window.
     """
 
     config: SchedulerConfig
@@ -109,6 +113,8 @@ class SchedulerRecipe:
     cache_keys: dict = dataclasses.field(default_factory=dict)
     tiers: Any = None
     tier_pages: tuple = ()
+    keeps_windows: bool = False
+    quantized_lens: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -281,17 +287,14 @@ class ReplayDevice:
     def apply(self, op: KVOp, fn: Callable[[Any], Any]) -> None:
         self._check(op, closure=True)
 
-    def read(self, op: KVOp, fn: Callable[[Any], Any]) -> Any:
-        self._check(op, closure=True)
-
     def run_op(self, kv: Any, op: KVOp) -> Any:
         self._check(op)
         return kv
 
     @staticmethod
     def _check(op: KVOp, *, closure: bool = False) -> None:
-        """Refuses an op that runs a device program when issued (a closure: a KIVI window
-        swapped through the tiers, a scatter), by its kind."""
+        """Refuses an op that runs a device program when issued (a closure: a scatter from
+        outside, a placement), by its kind."""
         if op.kind is not KVOpKind.WARMUP and (closure or op.kind not in DATA_KINDS):
             raise ValueError(f"KV operation {op.kind.value!r} still runs a device program when "
                              f"issued, so it does not replay; replay covers runs whose KV "
@@ -300,10 +303,14 @@ class ReplayDevice:
 
 class _NoSwapSpace:
     """The swap space of a replayed scheduler: swaps are data the `ReplayDevice` accepts;
-    no host copy is kept, and replayed stats count no swapped bytes."""
+    no host copy is kept, and replayed stats count no swapped bytes. `keeps_windows`: as the
+    recorded run's (KIVI windows beside the pages, whose freed slots `allocator` reports)."""
 
-    keeps_windows = False
     num_compiles = 0
+
+    def __init__(self, allocator: Any, keeps_windows: bool = False):
+        self.allocator = allocator
+        self.keeps_windows = keeps_windows
 
     def page_bytes(self, kv: Any, bits: int = 0) -> int:
         return 0
@@ -312,7 +319,12 @@ class _NoSwapSpace:
         return 0
 
     def take_released_slots(self) -> list[int]:
-        return []
+        """The window slots freed since the last call (see `WindowSwapSpace`)."""
+        if not self.keeps_windows:
+            return []
+        released = list(self.allocator.released_slots)
+        self.allocator.released_slots.clear()
+        return released
 
     def drop(self, seq_id: str) -> None:
         pass
@@ -343,14 +355,15 @@ def build_scheduler(recipe: SchedulerRecipe, *, clock: Callable[[], float] | Non
         recipe.retention, recipe.retention_budget, recipe.config.page_size,
         **recipe.retention_options))
     allocator = copy.deepcopy(recipe.allocator)
-    tiers, swap_space = None, _NoSwapSpace()
+    tiers, swap_space = None, _NoSwapSpace(allocator, recipe.keeps_windows)
     if recipe.tiers is not None:  # the tiers' ledger, its transfers landing as recorded
         tiers = TierManager(recipe.tiers, port=PlannedTierPort(*recipe.tier_pages))
         swap_space = TieredSwapSpace(tiers, swap_space, allocator)
     kv_cache = KVCacheManager(
         ReplayDevice(), allocator, swap_space, retention,
         page_size=recipe.config.page_size, watermark=recipe.watermark,
-        scrub_freed_pages=recipe.scrub_freed_pages, stats=stats, clock=clock, tiers=tiers)
+        scrub_freed_pages=recipe.scrub_freed_pages, stats=stats, clock=clock, tiers=tiers,
+        quantized_len=None if recipe.quantized_lens is None else recipe.quantized_lens.__getitem__)
 
     def cache_key(tenant: str | None, version: str) -> bytes:
         if (tenant, version) not in recipe.cache_keys:

@@ -262,3 +262,81 @@ def test_groups_of_own_budgets_grow_each_at_its_own_length_in_a_full_pool():
     assert [len(t) for t in alloc.block_tables("a")] == [5, 3, 2]
     alloc.free("a")
     assert alloc.num_free_pages() == 12
+
+
+BUDGETS = (3, 6, 11)  # tokens each kv head keeps (head-major pages: one table per head)
+HEAD_PAGES = 26
+
+
+class PerHeadBudgetMachine(RuleBasedStateMachine):
+    """Head-major tables with per-head budgets (AdaKV): every head appends each written token,
+    a retention keeps at most its head's budget, and each head's table is checked against a
+    brute-force count of the tokens it keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.alloc = GroupedBlockManager(HEAD_PAGES, P, [0] * len(BUDGETS),
+                                         enable_prefix_cache=False)
+        self.kept: dict[str, list[int]] = {}  # sequence -> tokens each head keeps
+        self.count = 0
+
+    @rule(length=st.integers(1, 14))
+    def add(self, length):
+        seq = f"s{self.count}"
+        self.count += 1
+        self.alloc.add_sequence(seq, list(range(1, length + 1)))
+        if self.alloc.ensure_writable(seq, 0, length)[0] is AllocStatus.OK:
+            self.kept[seq] = [length] * len(BUDGETS)
+        else:  # no room: nothing taken
+            self.alloc.free(seq)
+
+    @precondition(lambda self: self.kept)
+    @rule(data=st.data(), k=st.integers(1, 6))
+    def write(self, data, k):
+        seq = data.draw(st.sampled_from(sorted(self.kept)))
+        start = self.kept[seq][0]  # group 0's positions address every head
+        free = self.alloc.num_free_pages()
+        status, copies = self.alloc.ensure_writable(seq, start, start + k)
+        assert not copies
+        if status is AllocStatus.OK:
+            self.kept[seq] = [n + k for n in self.kept[seq]]
+        else:
+            assert self.alloc.num_free_pages() == free  # all-or-nothing
+
+    @precondition(lambda self: self.kept)
+    @rule(data=st.data())
+    def retain(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.kept)))
+        keeps = [sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1,
+                                          max_size=min(n, budget))))
+                 for n, budget in zip(self.kept[seq], BUDGETS, strict=True)]
+        held = self.alloc.num_held_pages(seq)
+        status, _, freed = self.alloc.retain_groups(seq, keeps)
+        assert status is AllocStatus.OK  # keeping fewer tokens never needs more pages
+        self.kept[seq] = [len(keep) for keep in keeps]
+        assert held - len(freed) == sum(-(-n // P) for n in self.kept[seq])
+
+    @precondition(lambda self: self.kept)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.kept)))
+        self.alloc.free(seq)
+        del self.kept[seq]
+
+    @invariant()
+    def each_head_holds_the_pages_of_the_tokens_it_keeps(self):
+        for seq, kept in self.kept.items():
+            tables = self.alloc.block_tables(seq)
+            assert [len(t) for t in tables] == [-(-n // P) for n in kept], (seq, kept)
+            assert all(RELEASED not in t for t in tables)
+
+    @invariant()
+    def nothing_leaks_and_no_two_heads_share_a_page(self):
+        pages = [p for seq in self.kept for t in self.alloc.block_tables(seq) for p in t]
+        assert len(pages) == len(set(pages))
+        assert len(pages) + self.alloc.num_free_pages() == HEAD_PAGES
+
+
+PerHeadBudgetMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25,
+                                                  deadline=None)
+TestPerHeadBudgets = PerHeadBudgetMachine.TestCase

@@ -210,3 +210,66 @@ def test_planned_window_copy_and_window_scrub_match_immediate_ones():
     for x, old in zip(_windows(planned_device), before, strict=True):
         np.testing.assert_array_equal(x[:, b_slot], old[:, a_slot])  # b starts from a's window
         assert not x[:, a_slot].any()
+
+
+def test_a_slot_an_unwritten_registration_gave_back_is_not_scrubbed_under_its_next_owner():
+    """A registration that falls through (a swap-in with no room) gives its window slot back
+    unwritten; the sequence that takes the slot next keeps its window through later scrubs
+    (each scrub zeroes the slots freed since the last one, none twice)."""
+    manager, device = _kivi_manager()
+    manager.lookup("c", [1, 2, 3], b"")
+    manager.lookup("a", [4, 5, 6], b"")
+    slot = manager.seq_slot("a")
+    manager.unregister("a")  # no scrub: nothing was written
+    manager.lookup("b", [7, 8, 9], b"")
+    assert manager.seq_slot("b") == slot
+    before = _windows(device)
+    c_slot = manager.seq_slot("c")
+    manager.free("c")
+    (scrub,) = [op for op in device.ops if op.kind is KVOpKind.SCRUB]
+    assert scrub.seq_slots == (c_slot,)
+    for x, old in zip(_windows(device), before, strict=True):
+        np.testing.assert_array_equal(x[:, slot], old[:, slot])
+        assert not x[:, c_slot].any()
+
+
+def test_a_window_swapped_through_the_tiers_travels_as_data_into_its_new_slot():
+    """With tiers on, a KIVI sequence's swap-out plans its pages as tier spills and its window
+    as a SWAP_OUT of no pages (before the scrub of its slot); registered again, a SWAP_IN of no
+    pages writes the window into its new slot. Applied from the data alone, the new slot holds
+    the old window and the old slot is zeroed."""
+    from kvjax.memory.tiers import PlannedTierPort, TierConfig, TieredSwapSpace, TierManager
+
+    manager, device = _kivi_manager()
+    allocator, plain = manager.allocator, manager.swap_space
+    tiers = TierManager(TierConfig(host_bytes=1 << 20),
+                        port=PlannedTierPort.of(device.kv, None))
+    manager = KVCacheManager(device, allocator, TieredSwapSpace(tiers, plain, allocator),
+                             manager.retention, page_size=P, watermark=0.0,
+                             scrub_freed_pages=True, stats={}, tiers=tiers)
+    manager.lookup("a", [1, 2, 3, 4, 5], b"")
+    assert manager.allocate("a", 0, 5)
+    old = manager.seq_slot("a")
+    before = _windows(device)
+    manager.defer_ops()
+    manager.swap_out("a", 5)
+    plan = manager.take_plan()
+    kinds = [op.kind for op in plan]
+    assert KVOpKind.SPILL in kinds and kinds.index(KVOpKind.SWAP_OUT) < kinds.index(
+        KVOpKind.SCRUB)
+    (out,) = [op for op in plan if op.kind is KVOpKind.SWAP_OUT]
+    assert out.seq_slots == (old,) and not out.pages and not out.src
+    device.apply_ops([op for op in plan if op.kind not in (KVOpKind.SPILL,)])
+    assert all(not x[:, old].any() for x in _windows(device))
+    manager.lookup("y", [7], b"")  # takes a's old slot
+    assert manager.register_returning("a", [1, 2, 3, 4, 5], 5, b"") is not None
+    new = manager.seq_slot("a")
+    assert new != old
+    manager.defer_ops()
+    manager.restore_window("a")
+    (back,) = manager.take_plan()
+    assert back.kind is KVOpKind.SWAP_IN and back.seq_slots == (new,)
+    assert back.host_slot == out.host_slot and not back.pages and not back.dst
+    device.apply_ops([back])
+    for x, was in zip(_windows(device), before, strict=True):
+        np.testing.assert_array_equal(x[:, new], was[:, old])

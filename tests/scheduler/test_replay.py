@@ -251,6 +251,45 @@ def test_tier_transfers_are_data_and_a_tiered_run_replays(model, prompts, tiered
     assert [replayed[r] for r in arrivals] == tokens[0] + tokens[1]
 
 
+KIVI = dict(kv_codec="kivi4", kv_codec_options={"group": 4})  # a window of < 4 exact tokens
+
+
+@pytest.fixture(scope="module")
+def kivi_reference(model, prompts):
+    """Greedy tokens of the KIVI codec with room for every sequence (no preemption)."""
+    engine = Engine(model, EngineConfig(**{**CONFIG, "num_pages": 64}, **KIVI))
+    return [o.outputs[0].token_ids
+            for o in engine.generate(prompts, SamplingParams(max_new_tokens=NEW))]
+
+
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
+def test_a_kivi_window_swaps_through_the_tiers_as_data_and_the_run_replays(
+        model, prompts, kivi_reference, is_async):
+    """KIVI over a host tier, preempting by swap: each window goes out to a host slot and back
+    as a SWAP_OUT / SWAP_IN of no pages in the steps' plans (its pages as tier transfers), the
+    greedy tokens are those of the same codec with room for every sequence (under sync and
+    async scheduling alike), nothing compiles after warm-up, and the recorded run replays to
+    the same tokens."""
+    page_bytes = model.config.kv_bytes_per_token(model.dtype) * CONFIG["page_size"]
+    engine = Engine(model, EngineConfig(**{**CONFIG, "async_scheduling": is_async}, **KIVI,
+                                        preemption_mode="swap",
+                                        tiers=TierConfig(host_bytes=64 * page_bytes)))
+    compiles = engine.warmup()
+    recorder = engine.record_decisions()
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    trace = recorder.stop()
+    engine.tiers.close()
+    assert [o.outputs[0].token_ids for o in outs] == kivi_reference
+    assert engine.stats["swaps_in"] > 0 and engine.num_compiles == compiles
+    windows = [op for so in trace.outputs for op in so.kv_plan
+               if op.kind in (KVOpKind.SWAP_OUT, KVOpKind.SWAP_IN)]
+    assert all(op.seq_slots and not op.pages and not op.dst for op in windows)
+    assert sum(op.kind is KVOpKind.SWAP_OUT for op in windows) == engine.stats["swaps_out"]
+    result = replay(trace)
+    replayed = {o.request_id: o.outputs[0].token_ids for o in result.finished}
+    assert [replayed[o.request_id] for o in outs] == kivi_reference
+
+
 def test_compactions_come_back_as_data_and_compile_nothing_new(retained):
     """Each retention compaction is a COMPACT op carrying its plan's index arrays, returned by
     the commit that decided it; the runner applies exactly those ops, in order, and runs no

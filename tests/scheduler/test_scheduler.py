@@ -167,6 +167,36 @@ def test_recompute_preemption_requeues_the_lowest_ranked_with_its_tokens():
     assert scheduler.kv_cache.allocator.num_used_pages() == 0
 
 
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "async"])
+def test_a_sequence_preempted_with_its_token_in_flight_recomputes_only_its_tail(overlapped):
+    """Recompute preemption with step t+1 scheduled before step t commits or not: b is
+    preempted right after the step that fills its second page (in flight under async), its
+    pages stay cached while a finishes in the room left, and it comes back from the prefix
+    cache's hit of both, recomputing one token in either pattern (the step in flight's pages
+    are published before they are freed)."""
+    scheduler, device = make_scheduler(num_pages=5)  # room for a, not for b too
+    add(scheduler, "a", [1, 2, 3, 4, 5, 6, 7], max_new_tokens=6)
+    add(scheduler, "b", [8, 9, 10, 11, 12, 13, 14], max_new_tokens=6)
+    in_flight, refills, outputs = None, [], {}
+    for _ in range(40):
+        so = scheduler.schedule()
+        device.apply_ops(so.kv_plan)
+        refills += [r for r in so.rows if r.seq_id == "b#0" and scheduler.sequence(
+            "b#0").num_preemptions]
+        for done in ([in_flight] if overlapped else []) + ([] if overlapped else [so]):
+            if done is not None:
+                tokens = np.full(len(done.rows), 7, np.int32)
+                device.apply_ops(scheduler.update_from_output(done, RunnerOutput(
+                    tokens=tokens, logprobs=np.zeros(len(tokens), np.float32))))
+        in_flight = None if so.is_empty else so
+        outputs.update({o.request_id: o for o in scheduler.take_finished()})
+        if not scheduler.has_unfinished():
+            break
+    assert outputs["b"].num_preemptions == 1 and outputs["b"].outputs[0].token_ids == [7] * 6
+    assert refills[0].start == 2 * P  # both pages hit: one token recomputed
+    assert scheduler.stats["prefill_tokens"] == 14  # the two prompts, nothing again
+
+
 def test_swap_preemption_moves_pages_out_and_back_in_order():
     scheduler, device = make_scheduler(num_pages=4, preemption=PreemptionMode.SWAP)
     add(scheduler, "a", [1, 2, 3, 4, 5, 6, 7], max_new_tokens=6)

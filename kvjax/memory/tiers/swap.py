@@ -13,8 +13,10 @@ class TieredSwapSpace:
     It keeps the interface of kvjax.engine.swap.HostSwapSpace that the engine calls on
     preemption and on finishing (`swap_out`, `drop`, `scrub`, `num_compiles`); swapping back in
     is asynchronous, through `TierManager.load`. Per-sequence state beside the pages (KIVI's
-    exact windows) is small and goes to the plain swap space's host memory at once, and comes
-    back (`restore_window`) when the sequence is registered again, ahead of its page loads.
+    exact windows) is small: the KV cache manager swaps it as data into a host slot of the
+    plain swap space (`KVOpKind.SWAP_OUT` / `SWAP_IN` of no pages, applied in the step's
+    dispatch), and writes it back when the sequence is registered again, ahead of its page
+    loads (`kvjax.memory.swapping.SwapMoves.restore_window`).
 
     Attributes:
         tiers: the TierManager.
@@ -44,22 +46,22 @@ class TieredSwapSpace:
         if demote_bits:
             raise ValueError(f"sequence {seq_id!r}: the host tier stores pages in the pool's "
                              f"codec; demoted swap copies need the plain swap space")
-        nbytes = self.tiers.swap_out(kv, seq_id, pages,
-                                     cache_key=self._allocator.cache_key_of(seq_id))
-        if self.keeps_windows:
-            nbytes += self._plain.save_window(kv, seq_id)
-        return nbytes
+        return self.tiers.swap_out(kv, seq_id, pages,
+                                   cache_key=self._allocator.cache_key_of(seq_id))
 
-    def restore_window(self, kv, seq_id: Hashable) -> tuple[object, int]:
-        """Writes a swapped sequence's window into its new slot (see the class doc)."""
-        return self._plain.restore_window(kv, seq_id)
+    def page_bytes(self, kv, bits: int = 0) -> int:
+        return self._plain.page_bytes(kv, bits)
+
+    def window_bytes(self, kv) -> int:
+        """Bytes of one sequence's window in its host slot."""
+        return self._plain.window_bytes(kv)
 
     def copy_window(self, kv, src_slot: int, dst_slot: int):
         return self._plain.copy_window(kv, src_slot, dst_slot)
 
     def drop(self, seq_id: Hashable) -> None:
+        """Forgets a sequence's copy in the tiers (a window's host slot is dropped as data)."""
         self.tiers.drop(seq_id)
-        self._plain.drop(seq_id)
 
     def take_released_slots(self) -> list[int]:
         return self._plain.take_released_slots()
