@@ -406,20 +406,14 @@ class KVCacheManager:
     def stale_pages(self, seq_id: str, kv_len: int, version: str) -> list:
         """Pages among a sequence's first `kv_len` cached tokens written by other weights (its
         host-pool pages as 'host:<page>')."""
-        num_host = self.num_host_pages(seq_id)
-        table = self.block_table(seq_id)[num_host:pages_for(kv_len, self.page_size)]
-        stale = [p for p in table if self.page_versions.get(p) != version]
-        return stale + [f"host:{p}" for p in self.host_table(seq_id).tolist()
-                        if self.versions.host.get(p) != version]
+        table = self.block_table(seq_id)[self.num_host_pages(seq_id):
+                                         pages_for(kv_len, self.page_size)]
+        return self.versions.stale(table, self.host_table(seq_id).tolist(), version)
 
     def check_fresh(self, seq_id: str, kv_len: int, version: str) -> None:
         """Raises (and counts) if the sequence would read a page written under other weights."""
         stale = self.stale_pages(seq_id, kv_len, version)
-        if stale:
-            self.stats["stale_kv_reads"] += len(stale)
-            raise RuntimeError(
-                f"stale KV: sequence {seq_id!r} (weights {version!r}) would read pages "
-                f"{stale[:4]} written under {[self.page_versions.get(p) for p in stale[:4]]}")
+        self.versions.check_fresh(seq_id, version, stale, self.stats)
 
     # ----------------------------------------------------------------------------- tiers
 

@@ -35,3 +35,18 @@ class PageVersions:
         """Device pages `dst` now hold copies of host-pool pages `src`."""
         for d, s in zip(dst, src, strict=True):
             self.device[d] = self.host.get(int(s), "")
+
+    def stale(self, pages: Iterable[int], host_pages: Iterable[int], version: str) -> list:
+        """Of these device and host-pool pages, those written under other weights than
+        `version` (host-pool pages as 'host:<page>')."""
+        return ([p for p in pages if self.device.get(p) != version]
+                + [f"host:{p}" for p in host_pages if self.host.get(p) != version])
+
+    def check_fresh(self, seq_id: str, version: str, stale: list, stats: dict) -> None:
+        """Raises (and counts) if the sequence, under weights `version`, would read `stale`
+        pages."""
+        if stale:
+            stats["stale_kv_reads"] += len(stale)
+            raise RuntimeError(
+                f"stale KV: sequence {seq_id!r} (weights {version!r}) would read pages "
+                f"{stale[:4]} written under {[self.device.get(p) for p in stale[:4]]}")
