@@ -54,6 +54,9 @@ flags.DEFINE_list("engine_presses", ["snapkv"],
                   "Budget schemes: presses whose uniform scheme (and pyramid) "
                   "also runs in the engine.")
 flags.DEFINE_string("output_json", None, "Write every number here (rewritten after each row).")
+flags.DEFINE_string("exact_cache", None,
+                    "An .npz of the exact runs: read where it holds these probes, else written "
+                    "(runs of other variants on the same probes then skip exact KV).")
 flags.DEFINE_string("probes_json", None,
                     "Write the probes here (prompt, answer and forced continuation token ids, "
                     "needle position) for a peer framework to replay (scripts/kvpress_peer.py).")
@@ -88,7 +91,8 @@ def main(argv):
         variants=tuple(FLAGS.variants), depths=tuple(float(x) for x in FLAGS.depths),
         context=FLAGS.context, num_tokens=FLAGS.num_tokens, page_size=FLAGS.page_size,
         chunk=FLAGS.chunk, seed=FLAGS.seed,
-        recall_groups=tuple(int(x) for x in FLAGS.recall_groups))
+        recall_groups=tuple(int(x) for x in FLAGS.recall_groups),
+        exact_cache=FLAGS.exact_cache)
     report = retention.run(model, settings, on_row=_write_json)
     print(format_rows(report["rows"], retention.COLUMNS, "policy:budget"))
     print(f"prompt tokens: {report['prompt_tokens']}; total {time.perf_counter() - t0:.0f}s")
