@@ -312,6 +312,10 @@ def main() -> None:
     parser.add_argument("--gguf", default=None, help="the GGUF to write --hf_dir from")
     parser.add_argument("--num_probes", type=int, default=None, help="only the first N probes")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep_partial", action="store_true",
+                        help="also keep the report after each probe n but the last, as "
+                             "OUTPUT_JSON with .json replaced by _{n}probes.json (to join a "
+                             "peer run stopped after n probes)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
     import torch
@@ -325,7 +329,15 @@ def main() -> None:
         make_press(variant)  # refuse a variant without a peer before any model runs
 
     def write(report: dict) -> None:
-        with open(args.output_json, "w") as f:
+        n = len(report["prompt_tokens"])
+        paths = [args.output_json]
+        if args.keep_partial and n < len(probes):
+            paths.append(args.output_json.removesuffix(".json") + f"_{n}probes.json")
+        for path in paths:
+            _write(path, report)
+
+    def _write(path: str, report: dict) -> None:
+        with open(path, "w") as f:
             json.dump(dict(framework="kvpress", versions=_versions(),
                            context=payload["context"], num_tokens=payload["num_tokens"],
                            variants=variants, probes_json=args.probes_json, **report), f,
