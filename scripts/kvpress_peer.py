@@ -24,7 +24,10 @@ uncompressed cache), as kvjax's rows are with kvjax's exact KV run: KL(exact || 
 p99 and worst over every token of every probe, top-1 agreement, and retrieval (the greedy
 prediction at every answer position is the answer's token). Variants are kvjax's names,
 `name:budget[:opt=value]`; the budget in tokens becomes the compression ratio that keeps exactly
-that many prompt tokens per layer and kv head. Options take kvjax's names (`OPTIONS`).
+that many prompt tokens per layer and kv head. Options take kvjax's names (`OPTIONS`). kvjax's
+budget schedules map to their kvpress presses (`SCHEDULES`): `schedule=pyramid` over snapkv is
+PyramidKVPress (per-layer budgets averaging that many tokens), `schedule=adakv` wraps the press in
+AdaKVPress (per-head budgets summing to that many tokens per kv head).
 
 Each row's greedy agreement with kvjax's exact continuation (the positions after the answer),
 `kvjax_continuation_agreement`, is 1 for the exact row when both frameworks run the same weights.
@@ -55,6 +58,14 @@ OPTIONS = {
     "expected_attention": {"num_future": "n_future_positions", "num_sinks": "n_sink",
                            "covariance": "use_covariance", "vnorm": "use_vnorm"},
 }
+# kvjax's budget schedules (the `schedule` option) -> the kvpress press that implements it, the
+# presses it scores with, and its own options (kvjax name -> kvpress field). PyramidKV is
+# SnapKV's scorer with per-layer budgets in kvpress; AdaKV wraps any scorer press.
+SCHEDULES = {
+    "pyramid": ("PyramidKVPress", ("snapkv",), {"beta": "beta"}),
+    "adakv": ("AdaKVPress", ("snapkv", "knorm", "expected_attention", "tova"),
+              {"head_floor": "alpha_safeguard"}),
+}
 
 
 def parse_variant(variant: str) -> tuple[str, int, dict]:
@@ -73,17 +84,30 @@ def parse_variant(variant: str) -> tuple[str, int, dict]:
 
 def make_press(variant: str):
     """The kvpress press of a kvjax variant (its compression ratio set per prompt later)."""
-    import kvpress
-
     name, _, options = parse_variant(variant)
     if name not in PEERS:
         raise ValueError(f"variant {variant!r}: kvpress has no peer of {name!r}; "
                          f"peers: {sorted(PEERS)}")
+    schedule = options.pop("schedule", "uniform")
+    if schedule != "uniform" and (schedule not in SCHEDULES
+                                  or name not in SCHEDULES[schedule][1]):
+        raise ValueError(f"variant {variant!r}: kvpress has no {schedule!r} schedule over "
+                         f"{name!r}; schedules: { {k: v[1] for k, v in SCHEDULES.items()} }")
+    own = SCHEDULES[schedule][2] if schedule != "uniform" else {}
     known = OPTIONS.get(name, {})
-    unknown = sorted(set(options) - set(known))
+    unknown = sorted(set(options) - set(known) - set(own))
     if unknown:
         raise ValueError(f"variant {variant!r}: options {unknown} have no kvpress peer")
-    return getattr(kvpress, PEERS[name])(**{known[k]: v for k, v in options.items()})
+    fields = {known[k]: v for k, v in options.items() if k in known}
+    import kvpress
+
+    if schedule == "pyramid":
+        return kvpress.PyramidKVPress(**fields, **{own[k]: v for k, v in options.items()
+                                                   if k in own})
+    press = getattr(kvpress, PEERS[name])(**fields)
+    if schedule == "adakv":
+        return kvpress.AdaKVPress(press, **{own[k]: v for k, v in options.items() if k in own})
+    return press
 
 
 def compression_ratio(budget: int, prompt_len: int) -> float:
@@ -120,7 +144,14 @@ def prefill_caches(model, prompt: list[int], presses: dict) -> tuple[dict, np.nd
     press sees the same prefill. One hook per layer here calls each press's own `compress` on
     that layer's K/V with the arguments kvpress's hook passes, and keeps each result apart.
 
-    Returns ({name: [(keys, values) per layer]}, the last position's logits [V]).
+    AdaKV (kvpress's head-wise budgets) keeps every key and marks the ones it drops in
+    `module.masked_key_indices`, which kvpress's attention patch reads while decoding; the
+    marks are kept here as a third element, (keys, values, masked), None for other presses.
+    Its compress asserts a non-eager attention (the patch wraps the registered attention
+    functions only), so the eager prefill reports sdpa to it for that call: the marks it sets
+    depend on the scores alone.
+
+    Returns ({name: [(keys, values, masked) per layer]}, the last position's logits [V]).
     """
     import torch
     from transformers import DynamicCache
@@ -132,9 +163,20 @@ def prefill_caches(model, prompt: list[int], presses: dict) -> tuple[dict, np.nd
         keys, values = kwargs["past_key_values"].layers[module.layer_idx].keys, \
             kwargs["past_key_values"].layers[module.layer_idx].values
         for name, press in presses.items():
-            kept[name][module.layer_idx] = (
-                (keys, values) if press is None else
-                press.compress(module, kwargs["hidden_states"], keys, values, output[1], kwargs))
+            if press is None:
+                kept[name][module.layer_idx] = (keys, values, None)
+                continue
+            module.masked_key_indices = None
+            attn = module.config._attn_implementation
+            if type(press).__name__ == "AdaKVPress":
+                module.config._attn_implementation = "sdpa"
+            try:
+                k, v = press.compress(module, kwargs["hidden_states"], keys, values, output[1],
+                                      kwargs)
+            finally:
+                module.config._attn_implementation = attn
+            kept[name][module.layer_idx] = (k, v, module.masked_key_indices)
+            module.masked_key_indices = None
         return output
 
     for press in presses.values():
@@ -157,20 +199,28 @@ def prefill_caches(model, prompt: list[int], presses: dict) -> tuple[dict, np.nd
 def forced_logits(model, layers_kv: list, first: np.ndarray, prompt_len: int,
                   continuation: list[int]) -> np.ndarray:
     """[T, V] next-token logits: `first` (the prefill's), then after each forced token but the
-    last, decoding on a cache that holds `layers_kv`, at the tokens' true positions (as
-    kvpress's pipeline passes them)."""
+    last, decoding on a cache that holds `layers_kv` ((keys, values, masked) per layer), at
+    the tokens' true positions (as kvpress's pipeline passes them); `masked` (AdaKV's dropped
+    (batch, head, token) indices, or None) is set on each layer's attention module while
+    decoding, as kvpress's pipeline leaves it there."""
     import torch
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    for i, (keys, values) in enumerate(layers_kv):
+    attention = [layer.self_attn for layer in model.model.layers]
+    for i, (keys, values, masked) in enumerate(layers_kv):
         cache.update(keys.clone(), values.clone(), i)
+        attention[i].masked_key_indices = masked
     logits = [first]
-    with torch.inference_mode():
-        for i, token in enumerate(continuation[:-1]):
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                        position_ids=torch.tensor([[prompt_len + i]]))
-            logits.append(out.logits[0, -1].float().numpy())
+    try:
+        with torch.inference_mode():
+            for i, token in enumerate(continuation[:-1]):
+                out = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                            position_ids=torch.tensor([[prompt_len + i]]))
+                logits.append(out.logits[0, -1].float().numpy())
+    finally:
+        for module in attention:
+            module.masked_key_indices = None
     return np.stack(logits)
 
 
@@ -262,6 +312,10 @@ def main() -> None:
     parser.add_argument("--gguf", default=None, help="the GGUF to write --hf_dir from")
     parser.add_argument("--num_probes", type=int, default=None, help="only the first N probes")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep_partial", action="store_true",
+                        help="also keep the report after each probe n but the last, as "
+                             "OUTPUT_JSON with .json replaced by _{n}probes.json (to join a "
+                             "peer run stopped after n probes)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
     import torch
@@ -275,7 +329,15 @@ def main() -> None:
         make_press(variant)  # refuse a variant without a peer before any model runs
 
     def write(report: dict) -> None:
-        with open(args.output_json, "w") as f:
+        n = len(report["prompt_tokens"])
+        paths = [args.output_json]
+        if args.keep_partial and n < len(probes):
+            paths.append(args.output_json.removesuffix(".json") + f"_{n}probes.json")
+        for path in paths:
+            _write(path, report)
+
+    def _write(path: str, report: dict) -> None:
+        with open(path, "w") as f:
             json.dump(dict(framework="kvpress", versions=_versions(),
                            context=payload["context"], num_tokens=payload["num_tokens"],
                            variants=variants, probes_json=args.probes_json, **report), f,

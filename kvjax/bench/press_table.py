@@ -11,7 +11,9 @@ frameworks' numerical differences.
 
 Row keys: `variant`, `framework` ("kvjax" or "kvpress"), kl_mean, kl_p99, kl_max (KL(exact ||
 press) over every forced token of every probe), top1_agreement, retrieval_pass (fraction of
-probes), and on kvjax rows with a peer, `kl_ratio` = kvjax's KL mean / kvpress's.
+probes), on kvjax rows with a peer, `kl_ratio` = kvjax's KL mean / kvpress's, and on kvpress
+rows `press`, the kvpress class that ran (AdaKVPress and PyramidKVPress for kvjax's adakv and
+pyramid schedules), or None where the report does not say.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def merge(kvjax: Mapping, kvpress: Mapping) -> dict:
         peer = kvpress["rows"].get(variant)
         if peer is None:
             continue
-        rows.append(dict(variant=variant, framework="kvpress",
+        rows.append(dict(variant=variant, framework="kvpress", press=peer.get("press"),
                          **{k: peer[k] for k in QUALITY}))
         if peer["kl_mean"] > 0:
             ratios[variant] = merged["kl_ratio"] = row["kl_mean"] / peer["kl_mean"]
@@ -92,7 +94,8 @@ def format_table(table: Mapping) -> str:
     for row in table["rows"]:
         name = row["variant"]
         if row["framework"] == "kvpress":
-            name = f"{name} ({KVPRESS_PEERS.get(name.split(':')[0], 'kvpress')})"
+            press = row.get("press") or KVPRESS_PEERS.get(name.split(":")[0], "kvpress")
+            name = f"{name} ({press})"
         ratio = f"{row['kl_ratio']:.2f}" if "kl_ratio" in row else ""
         lines.append(f"| {name} | {row['framework']} | {row['kl_mean']:.3f} | "
                      f"{row['kl_p99']:.2f} | {row['kl_max']:.2f} | "

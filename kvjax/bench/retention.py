@@ -63,6 +63,13 @@ class RetentionBench:
       chunk: prefill chunk.
       seed: probe seed.
       recall_groups: first layers of the layer groups Quest's page recall is reported for.
+      exact_cache: an .npz file of the exact runs (`save_exact_runs`): read where it holds
+        these probes' runs, else written once they ran, so that runs of other variants on the
+        same probes skip exact KV; None: exact KV always runs.
+      by_probe: run every variant on a probe before the next probe (each variant's engine
+        kept warm from probe to probe), every row rewritten after each probe over the probes
+        so far, so a run stopped early leaves rows on the same first probes; else one variant
+        on every probe after another. Quest's page recall needs variant order.
     """
 
     variants: tuple[str, ...]
@@ -73,6 +80,8 @@ class RetentionBench:
     chunk: int = 512
     seed: int = 0
     recall_groups: tuple[int, ...] = (2, 10, 20)
+    exact_cache: str | None = None
+    by_probe: bool = False
 
 
 def parse_variant(variant: str) -> tuple[str, int | None, dict]:
@@ -135,7 +144,8 @@ def probes_payload(probes: list[tuple[list[int], list[int]]], exact_runs: list[d
 
 def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: int, chunk: int
                 ) -> kvjax.Engine:
-    """One sequence at a time, prefill in `chunk` chunks, no prefix cache between probes.
+    """One sequence at a time, prefill in `chunk` chunks, no prefix cache between probes, no
+    admission reserve (the pool holds one sequence: a reserve would never admit it).
 
     A variant's option `schedule` is its `EngineConfig.retention_schedule` (e.g.
     'snapkv:512:schedule=pyramid'); a per-layer schedule gets a page per layer for every
@@ -150,7 +160,7 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
         page_size=page_size, num_pages=tables * (-(-max_len // page_size) + 1),
         max_model_len=max_len + page_size, max_num_seqs=1, max_prefill_seqs=1,
         max_prefill_chunk=chunk, min_chunk_bucket=chunk,
-        max_num_batched_tokens=chunk, enable_prefix_cache=False,
+        max_num_batched_tokens=chunk, enable_prefix_cache=False, watermark=0.0,
         retention=name, retention_budget=budget, retention_options=options,
         retention_schedule=schedule)
     return kvjax.Engine(model, config)
@@ -208,6 +218,65 @@ def forced_run(engine: kvjax.Engine, prompt: list[int], forced: list[int], num_t
         engine.remove_step_observer(pages)
     return dict(logits=np.stack(logits), tokens=tokens, peak_pages=peak,
                 decode_peak_pages=decode_peak, decode_step_s=decode_step_s)
+
+
+_EXACT_KEYS = ("logits", "tokens", "decode_step_s")
+
+
+def save_exact_runs(path: str, probes: list[tuple[list[int], list[int]]], runs: list[dict],
+                    num_tokens: int) -> None:
+    """Writes the exact runs of `probes` (`forced_run`'s dicts) to the .npz file `path`."""
+    arrays = dict(num_tokens=np.asarray(num_tokens))
+    for i, ((prompt, answer), run) in enumerate(zip(probes, runs, strict=True)):
+        arrays[f"{i}_prompt"] = np.asarray(prompt, np.int64)
+        arrays[f"{i}_answer"] = np.asarray(answer, np.int64)
+        arrays[f"{i}_pages"] = np.asarray([run["peak_pages"], run["decode_peak_pages"]])
+        for key in _EXACT_KEYS:
+            arrays[f"{i}_{key}"] = np.asarray(run[key])
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def load_exact_runs(path: str, probes: list[tuple[list[int], list[int]]], num_tokens: int
+                    ) -> list[dict] | None:
+    """The exact runs `save_exact_runs` wrote to `path`, or None where the file is missing or
+    holds other probes (prompt or answer tokens) or another number of forced tokens."""
+    try:
+        data = np.load(path)
+    except FileNotFoundError:
+        return None
+    with data:
+        if int(data["num_tokens"]) != num_tokens or any(
+                f"{i}_prompt" not in data
+                or data[f"{i}_prompt"].tolist() != list(prompt)
+                or data[f"{i}_answer"].tolist() != list(answer)
+                for i, (prompt, answer) in enumerate(probes)) or f"{len(probes)}_prompt" in data:
+            return None
+        runs = []
+        for i in range(len(probes)):
+            peak, decode_peak = data[f"{i}_pages"].tolist()
+            runs.append(dict(logits=data[f"{i}_logits"], tokens=data[f"{i}_tokens"].tolist(),
+                             decode_step_s=data[f"{i}_decode_step_s"].tolist(),
+                             peak_pages=peak, decode_peak_pages=decode_peak))
+    return runs
+
+
+def exact_runs_of(model: kvjax.Model, probes: list[tuple[list[int], list[int]]],
+                  max_len: int, settings: RetentionBench) -> tuple[list[dict], int]:
+    """Exact KV's forced runs of `probes` (read from, or written to, settings.exact_cache) and
+    the bytes of one of its pages."""
+    exact = make_engine(model, "none", max_len, page_size=settings.page_size,
+                        chunk=settings.chunk)
+    page_bytes = int(exact.kv_spec.page_bytes)
+    if settings.exact_cache is not None:
+        runs = load_exact_runs(settings.exact_cache, probes, settings.num_tokens)
+        if runs is not None:
+            return runs, page_bytes
+    runs = [forced_run(exact, prompt, answer, settings.num_tokens, f"exact-{i}")
+            for i, (prompt, answer) in enumerate(probes)]
+    if settings.exact_cache is not None:
+        save_exact_runs(settings.exact_cache, probes, runs, settings.num_tokens)
+    return runs, page_bytes
 
 
 def capture_qk(model: kvjax.Model, tokens: list[int], num_last: int, page_size: int
@@ -310,29 +379,47 @@ def kv_bytes(engine: kvjax.Engine, peak_pages: int) -> int:
     return int(peak_pages * engine.kv_spec.page_bytes)
 
 
+class VariantRuns:
+    """A variant's engine, kept warm from probe to probe, and its forced runs so far."""
+
+    def __init__(self, model: kvjax.Model, variant: str, max_len: int,
+                 settings: RetentionBench):
+        self.variant = variant
+        self.settings = settings
+        self.engine = make_engine(model, variant, max_len, page_size=settings.page_size,
+                                  chunk=settings.chunk)
+        self.refs, self.tests, self.passed = [], [], []
+        self.peaks, self.decode_peaks, self.decode_step_s = [], [], []
+
+    def add(self, prompt: list[int], answer: list[int], exact: dict) -> None:
+        """Forces the variant through one probe's exact run."""
+        run = forced_run(self.engine, prompt, exact["tokens"], self.settings.num_tokens,
+                         f"{self.variant}-{len(self.refs)}")
+        self.refs.append(exact["logits"])
+        self.tests.append(run["logits"])
+        self.passed.append(bool(np.all(run["logits"][:len(answer)].argmax(-1) == answer)))
+        self.peaks.append(run["peak_pages"])
+        self.decode_peaks.append(run["decode_peak_pages"])
+        self.decode_step_s += run["decode_step_s"]
+
+    def row(self) -> dict[str, float]:
+        """The row over the probes run so far, vs exact."""
+        return dict(quality_stats(np.concatenate(self.refs), np.concatenate(self.tests)),
+                    retrieval_pass=float(np.mean(self.passed)),
+                    kv_mib_per_seq=kv_bytes(self.engine, max(self.peaks)) / 2**20,
+                    decode_kv_mib_per_seq=kv_bytes(self.engine, max(self.decode_peaks)) / 2**20,
+                    decode_tok_s=1.0 / float(np.median(self.decode_step_s)),
+                    retention_stats=dict(self.engine.retention.stats))
+
+
 def run_variant(model: kvjax.Model, variant: str, probes: list[tuple[list[int], list[int]]],
                 exact_runs: list[dict], max_len: int, settings: RetentionBench
                 ) -> dict[str, float]:
     """The row of one variant: its forced runs through the exact runs' tokens, vs exact."""
-    engine = make_engine(model, variant, max_len, page_size=settings.page_size,
-                         chunk=settings.chunk)
-    refs, tests, passed, peaks, decode_peaks, decode_step_s = [], [], [], [], [], []
-    for i, ((prompt, answer), exact) in enumerate(zip(probes, exact_runs, strict=True)):
-        run = forced_run(engine, prompt, exact["tokens"], settings.num_tokens,
-                         f"{variant}-{i}")
-        refs.append(exact["logits"])
-        tests.append(run["logits"])
-        passed.append(bool(np.all(run["logits"][:len(answer)].argmax(-1) == answer)))
-        peaks.append(run["peak_pages"])
-        decode_peaks.append(run["decode_peak_pages"])
-        decode_step_s += run["decode_step_s"]
-    row = dict(quality_stats(np.concatenate(refs), np.concatenate(tests)),
-               retrieval_pass=float(np.mean(passed)),
-               kv_mib_per_seq=kv_bytes(engine, max(peaks)) / 2**20,
-               decode_kv_mib_per_seq=kv_bytes(engine, max(decode_peaks)) / 2**20,
-               decode_tok_s=1.0 / float(np.median(decode_step_s)),
-               retention_stats=dict(engine.retention.stats))
-    return row
+    runs = VariantRuns(model, variant, max_len, settings)
+    for (prompt, answer), exact in zip(probes, exact_runs, strict=True):
+        runs.add(prompt, answer, exact)
+    return runs.row()
 
 
 def quest_recall(variant: str, captured: list[tuple[np.ndarray, np.ndarray]],
@@ -355,6 +442,20 @@ def quest_recall(variant: str, captured: list[tuple[np.ndarray, np.ndarray]],
                 quest_page_recall_per_layer=recall.tolist())
 
 
+def exact_row(exact_runs: list[dict], probes: list[tuple[list[int], list[int]]],
+              page_bytes: int) -> dict:
+    """Exact KV's row ("none") over `probes` and their exact runs."""
+    peak = max(r["peak_pages"] for r in exact_runs)
+    decode_peak = max(r["decode_peak_pages"] for r in exact_runs)
+    return dict(
+        kv_mib_per_seq=peak * page_bytes / 2**20,
+        decode_kv_mib_per_seq=decode_peak * page_bytes / 2**20, decode_kv_fraction=1.0,
+        decode_tok_s=1.0 / float(np.median(sum((r["decode_step_s"] for r in exact_runs), []))),
+        kl_mean=0.0, kl_p99=0.0, kl_max=0.0, top1_agreement=1.0,
+        retrieval_pass=float(np.mean([np.all(r["logits"][:len(a)].argmax(-1) == a)
+                                      for r, (_, a) in zip(exact_runs, probes, strict=True)])))
+
+
 def run(model: kvjax.Model, settings: RetentionBench,
         on_row: Callable[[dict], None] | None = None) -> dict:
     """Exact KV ("none") and every variant on the needle probes, printing each row.
@@ -367,24 +468,31 @@ def run(model: kvjax.Model, settings: RetentionBench,
     probes = [make_probe(model, settings.context, depth, settings.seed + i)
               for i, depth in enumerate(settings.depths)]
     max_len = max(len(p) for p, _ in probes) + settings.num_tokens
-    exact = make_engine(model, "none", max_len, page_size=settings.page_size,
-                        chunk=settings.chunk)
-    exact_runs = [forced_run(exact, prompt, answer, settings.num_tokens, f"exact-{i}")
-                  for i, (prompt, answer) in enumerate(probes)]
-    peak = max(r["peak_pages"] for r in exact_runs)
-    decode_peak = max(r["decode_peak_pages"] for r in exact_runs)
-    rows = {"none": dict(
-        kv_mib_per_seq=kv_bytes(exact, peak) / 2**20,
-        decode_kv_mib_per_seq=kv_bytes(exact, decode_peak) / 2**20, decode_kv_fraction=1.0,
-        decode_tok_s=1.0 / float(np.median(sum((r["decode_step_s"] for r in exact_runs), []))),
-        kl_mean=0.0, kl_p99=0.0, kl_max=0.0, top1_agreement=1.0,
-        retrieval_pass=float(np.mean([np.all(r["logits"][:len(a)].argmax(-1) == a)
-                                      for r, (_, a) in zip(exact_runs, probes, strict=True)])))}
+    if settings.by_probe and any(parse_variant(v)[0] == "quest" for v in settings.variants):
+        raise ValueError("by_probe: quest's page recall captures every probe first; run quest "
+                         "variants with by_probe=False")
+    exact_runs, page_bytes = exact_runs_of(model, probes, max_len, settings)
+    rows = {"none": exact_row(exact_runs, probes, page_bytes)}
     print(f"exact: {rows['none']} ({time.perf_counter() - t0:.0f}s)", flush=True)
     report = dict(rows=rows, prompt_tokens=[len(p) for p, _ in probes],
                   probes=probes_payload(probes, exact_runs, settings))
     if on_row is not None:
         on_row(report)
+    if settings.by_probe:
+        runs = {v: VariantRuns(model, v, max_len, settings) for v in settings.variants}
+        for i, ((prompt, answer), exact) in enumerate(zip(probes, exact_runs, strict=True)):
+            rows["none"] = exact_row(exact_runs[:i + 1], probes[:i + 1], page_bytes)
+            for variant, variant_runs in runs.items():
+                variant_runs.add(prompt, answer, exact)
+                row = variant_runs.row()
+                rows[variant] = dict(row, decode_kv_fraction=(
+                    row["decode_kv_mib_per_seq"] / rows["none"]["decode_kv_mib_per_seq"]))
+                print(f"probe {i} {variant}: kl_mean {rows[variant]['kl_mean']:.3f} "
+                      f"({time.perf_counter() - t0:.0f}s)", flush=True)
+            report["prompt_tokens"] = [len(p) for p, _ in probes[:i + 1]]
+            if on_row is not None:
+                on_row(report)
+        return report
     captured, layer_recall = None, {}
     for variant in settings.variants:
         row = run_variant(model, variant, probes, exact_runs, max_len, settings)

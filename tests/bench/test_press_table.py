@@ -102,3 +102,13 @@ def test_peer_budget_keeps_exactly_the_budget_and_variants_need_a_peer():
         peer.compression_ratio(9, 9)
     assert peer.parse_variant("snapkv:512:window=32") == ("snapkv", 512, {"window": 32})
     assert set(peer.PEERS) == set(press_table.KVPRESS_PEERS)
+
+
+def test_peer_refuses_a_schedule_kvpress_lacks_before_importing_kvpress():
+    peer = _peer_module()
+    with pytest.raises(ValueError, match="no 'pyramid' schedule over 'knorm'"):
+        peer.make_press("knorm:512:schedule=pyramid")
+    with pytest.raises(ValueError, match="no 'adakv' schedule over 'streaming'"):
+        peer.make_press("streaming:512:schedule=adakv")
+    with pytest.raises(ValueError, match=r"options \['head_floor'\]"):
+        peer.make_press("snapkv:512:schedule=pyramid:head_floor=0.5")

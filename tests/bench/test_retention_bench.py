@@ -36,3 +36,23 @@ def test_quest_recall_is_nan_when_every_page_is_read_and_one_for_a_clear_winner(
     k[0, 12:, 0, 0] = 8.0
     recall = retention.quest_layer_recall(q, k, page_size, 2, quest.HeadReduction.SUM)
     assert recall[0] == pytest.approx(1.0)
+
+
+def test_exact_runs_cache_round_trips_and_refuses_other_probes(tmp_path):
+    rng = np.random.default_rng(0)
+    probes = [([1, 2, 3], [4]), ([5, 6], [7, 8])]
+    runs = [dict(logits=rng.normal(size=(3, 5)), tokens=[4, 9, 9], peak_pages=3,
+                 decode_peak_pages=2, decode_step_s=[0.5, 0.25]),
+            dict(logits=rng.normal(size=(3, 5)), tokens=[7, 8, 1], peak_pages=4,
+                 decode_peak_pages=4, decode_step_s=[0.125])]
+    path = str(tmp_path / "exact.npz")
+    assert retention.load_exact_runs(path, probes, 3) is None  # no file yet
+    retention.save_exact_runs(path, probes, runs, 3)
+    loaded = retention.load_exact_runs(path, probes, 3)
+    for got, want in zip(loaded, runs, strict=True):
+        np.testing.assert_array_equal(got["logits"], want["logits"])
+        assert {k: got[k] for k in want if k != "logits"} == {
+            k: want[k] for k in want if k != "logits"}
+    assert retention.load_exact_runs(path, probes, 4) is None  # other forced-token count
+    assert retention.load_exact_runs(path, probes[:1], 3) is None  # fewer probes
+    assert retention.load_exact_runs(path, [probes[0], ([5, 6], [7, 9])], 3) is None
