@@ -165,9 +165,9 @@ class KVCacheManager:
         """Tokens of a sequence in the cache: its computed length less what retention evicted."""
         return num_computed - self.retention.num_evicted(seq_id)
 
-    def can_admit(self, num_new_pages: int) -> bool:
-        """Whether `num_new_pages` more pages leave the watermark's reserve free."""
-        reserve = int(self.watermark * self.allocator.capacity)
+    def can_admit(self, num_new_pages: int, *, reserve: bool = True) -> bool:
+        """Whether `num_new_pages` more pages leave the watermark's reserve (if `reserve`) free."""
+        reserve = int(self.watermark * self.allocator.capacity) if reserve else 0
         return self.allocator.num_free_pages() - num_new_pages >= reserve
 
     def pages_needed(self, seq_id: str, num_tokens: int) -> int:

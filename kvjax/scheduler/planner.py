@@ -170,7 +170,8 @@ class StepPlanner:
                 break
             if seq.status is SeqStatus.SWAPPED:
                 need = pages_for(self._cached_len(seq), cfg.page_size)
-                if len(self.table.running) >= cfg.max_num_seqs or not self.kv_cache.can_admit(need):
+                if len(self.table.running) >= cfg.max_num_seqs or not self.kv_cache.can_admit(
+                        need, reserve=bool(self.table.running)):
                     break
                 if not self.admission.swap_in(seq):
                     break
@@ -204,7 +205,9 @@ class StepPlanner:
                                                 self.tenants.chunk_limit(seq, step.now), limit))
             cached = self._cached_len(seq)
             need = self.kv_cache.pages_needed(seq.seq_id, cached + chunk)
-            ok = not is_new or self.kv_cache.can_admit(need)
+            # With nothing running, the watermark's reserve keeps room for no one: a prompt
+            # that needs the whole pool is admitted rather than waiting forever.
+            ok = not is_new or self.kv_cache.can_admit(need, reserve=bool(self.table.running))
             if ok:
                 ok = self.kv_cache.allocate(seq.seq_id, cached, cached + chunk)
             if not ok:

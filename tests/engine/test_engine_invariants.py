@@ -69,6 +69,24 @@ def test_greedy_tokens_match_solo_reference(model, workload, name, overrides):
     assert engine.allocator.num_used_pages() == 0  # every page returned
 
 
+def test_a_prompt_that_needs_the_whole_pool_is_served_alone(model):
+    # The watermark keeps 2 of 10 pages free for running sequences; with none running, a
+    # prompt whose one chunk needs every page must still be admitted (it used to wait forever).
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=10, watermark=0.2,
+                                        max_num_batched_tokens=64, max_prefill_chunk=64,
+                                        max_num_seqs=2, enable_prefix_cache=False))
+    prompt = [int(t) for t in np.random.default_rng(1).integers(
+        0, 120, engine.kv_cache.allocator.capacity * 4 - 3)]
+    engine.add_request("whole", prompt, SamplingParams(max_new_tokens=3))
+    outputs = []
+    for _ in range(8):
+        outputs += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished():
+            break
+    assert [o.request_id for o in outputs] == ["whole"]
+    assert outputs[0].outputs[0].token_ids == greedy_reference(model, prompt, 3)
+
+
 def test_random_arrival_order_and_interleaving(model, workload):
     prompts, refs = workload
     rng = np.random.default_rng(1)

@@ -117,6 +117,7 @@ def test_page_versions_flag_stale_reads():
 def test_can_admit_keeps_the_watermark_free():
     manager, _ = make_manager(num_pages=10, watermark=0.2)
     assert manager.can_admit(8) and not manager.can_admit(9)
+    assert manager.can_admit(10, reserve=False) and not manager.can_admit(11, reserve=False)
 
 
 def test_place_shares_cached_pages_and_scatters_the_rest():
