@@ -258,6 +258,7 @@ COMPOSING = [
     (Feature.HOST_ROWS, Feature.SWAP),
     (Feature.PYRAMID, Feature.PREFIX_CACHE),
     (Feature.ADAKV, Feature.N_SAMPLES),
+    (Feature.PYRAMID_ADAKV, Feature.SWAP),
     (Feature.ECHO, Feature.INT8),
     (Feature.RECORD_DECISIONS, Feature.SWAP),
     (Feature.DISAGGREGATION, Feature.INT8),
