@@ -149,9 +149,8 @@ class EchoPlanner:
         self._frames: dict[str, _Frames] = {}
         self._missed: dict[str, np.ndarray] = {}  # [L, F] bool: the observed step's misses
         self._wanted: dict[str, list[np.ndarray]] = {}  # the last plan's, per layer
-        # The row's last offer (number, [L, V] frame entries, the entries they held) and
-        # what its step kept
-        # (number, [L, V] entries written, -1: none), once read back.
+        # The row's last offer (number, [L, V] frame entries, the entries they held) and what
+        # its step kept (number, [L, V] entries written, -1: none), once read back.
         self._offered: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}
         self._kept: dict[str, tuple[int, np.ndarray]] = {}
         self._offers = 0
