@@ -144,8 +144,8 @@ def probes_payload(probes: list[tuple[list[int], list[int]]], exact_runs: list[d
 
 def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: int, chunk: int
                 ) -> kvjax.Engine:
-    """One sequence at a time, prefill in `chunk` chunks, no prefix cache between probes, no
-    admission reserve (the pool holds one sequence: a reserve would never admit it).
+    """One sequence at a time, prefill in `chunk` chunks, no prefix cache between probes (a
+    pool the sequence fills is fine: with nothing else running, admission keeps no reserve).
 
     A variant's option `schedule` is its `EngineConfig.retention_schedule` (e.g.
     'snapkv:512:schedule=pyramid'); a per-layer schedule gets a page per layer for every
@@ -160,7 +160,7 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
         page_size=page_size, num_pages=tables * (-(-max_len // page_size) + 1),
         max_model_len=max_len + page_size, max_num_seqs=1, max_prefill_seqs=1,
         max_prefill_chunk=chunk, min_chunk_bucket=chunk,
-        max_num_batched_tokens=chunk, enable_prefix_cache=False, watermark=0.0,
+        max_num_batched_tokens=chunk, enable_prefix_cache=False,
         retention=name, retention_budget=budget, retention_options=options,
         retention_schedule=schedule)
     return kvjax.Engine(model, config)
