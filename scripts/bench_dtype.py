@@ -6,8 +6,8 @@
 
 Both dtypes in one run, side by side (`kvjax.bench.dtype`): full-batch decode steps at
 --batch_sizes, a --prefill_len prompt's prefill, and teacher-forced KL / top-1 agreement of the
-bfloat16 engine against the float32 one, in prefill-sized steps (XLA's matmuls) and in
-decode-sized steps of --decode_chunks tokens (the native bfloat16 matmul).
+bfloat16 engine against the float32 one, in prefill-sized steps through XLA's matmuls and in
+steps of --decode_chunks tokens through the native matmul.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ flags.DEFINE_integer("new_tokens", 64, "Tokens each decoding sequence generates.
 flags.DEFINE_integer("prefill_len", 512, "Prompt tokens of the prefill measurement.")
 flags.DEFINE_integer("prefill_repeats", 3, "Timed prefills per dtype.")
 flags.DEFINE_integer("quality_tokens", 512, "Teacher-forced tokens of the quality measurement.")
-flags.DEFINE_list("decode_chunks", ["1", "16"], "Tokens per step of the decode-sized "
-                  "quality passes (at most NATIVE_MAX_TOKENS each).")
+flags.DEFINE_list("decode_chunks", ["1", "16"], "Tokens per step of the quality passes "
+                  "through the native matmul.")
 flags.DEFINE_bool("speed", True, "Time decode and prefill (--nospeed: quality only).")
 flags.DEFINE_integer("seed", 0, "Which corpus text the prompts are.")
 flags.DEFINE_string("output_json", None, "Write every number here.")

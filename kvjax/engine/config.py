@@ -93,9 +93,9 @@ class EngineConfig:
         scattered. Where the attention is the Pallas kernels (attention_impl PALLAS, or AUTO
         on GPU/TPU) the Pallas kernel writes in every step, any float pages. Else the native
         CPU kernel, in the steps whose matmuls are native (matmul_impl NATIVE; AUTO up to
-        `kvjax.models.linear.NATIVE_MAX_TOKENS` tokens, where larger steps keep XLA's faster
-        matmuls and the scatter; every step with batch_invariant): exact float32 pages of a
-        float32 model on the CPU backend; not with matmul_impl XLA.
+        `kvjax.models.linear.NATIVE_MAX_TOKENS` tokens per dtype, where larger float32 steps
+        keep XLA's faster matmuls and the scatter; every step with batch_invariant): exact
+        float32 pages of a float32 model on the CPU backend; not with matmul_impl XLA.
       min_chunk_bucket: the smallest padded prefill-token total of a step (shape bucketing).
       chunk_bucket_factor: padded prefill-token totals are min_chunk_bucket times powers of
         this (and the largest chunk): smaller factors pad less and compile more step shapes.

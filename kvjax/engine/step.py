@@ -49,17 +49,18 @@ class MatmulImpl(enum.Enum):
     """Which matmuls the step's decoder layers use."""
 
     # On CPU the native kernel (kvjax.models.linear) for steps of at most
-    # linear.NATIVE_MAX_TOKENS tokens where it is available, else XLA's.
+    # linear.NATIVE_MAX_TOKENS[dtype] tokens where it is available, else XLA's.
     AUTO = "auto"
     XLA = "xla"
     NATIVE = "native"  # The native CPU kernel at every step size.
 
 
-def layer_linear(impl: MatmulImpl, num_tokens: int) -> linear.LayerLinear | None:
-    """The decoder's `linear` for a step of `num_tokens` tokens (None: XLA's matmuls)."""
+def layer_linear(impl: MatmulImpl, num_tokens: int, dtype=jnp.float32
+                 ) -> linear.LayerLinear | None:
+    """The decoder's `linear` for a step of `num_tokens` tokens of `dtype` parameters (None:
+    XLA's matmuls)."""
     if impl is MatmulImpl.AUTO:
-        use = (jax.default_backend() == "cpu" and num_tokens <= linear.NATIVE_MAX_TOKENS
-               and linear.unavailable_reason() is None)
+        use = jax.default_backend() == "cpu" and linear.takes_step(num_tokens, dtype)
         return linear.native_linear if use else None
     return linear.native_linear if impl is MatmulImpl.NATIVE else None
 
@@ -609,7 +610,7 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
         return kv, key_scores, page_reads
 
     linear = (invariant.linear.invariant_linear if batch_invariant
-              else layer_linear(matmul_impl, shape.num_tokens))
+              else layer_linear(matmul_impl, shape.num_tokens, params["embed"].dtype))
     writes = fused_kv_write and (pallas_write or linear is not None)
     h, (kv, key_scores, page_reads) = llama.decode_body(
         params, config, token_ids, inp.positions, attend, (kv, key_scores, page_reads),

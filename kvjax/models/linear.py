@@ -5,7 +5,7 @@ layer loop is one scan. XLA copies each layer's slice before its matmul, and its
 few rows packs the weights once more, so a decode step on the CPU moved about twice the bytes
 of the weights. `native_linear` (`linear.cc`, built and registered by `kvjax.cpu_kernels`)
 reads the layer's rows in place, once; it pays off for few rows (decode steps), while XLA's
-packed matmul wins for prefill chunks (`NATIVE_MAX_TOKENS`). It multiplies float32, and
+packed matmul wins for long float32 prefill chunks (`NATIVE_MAX_TOKENS`). It multiplies float32, and
 bfloat16 as `matmul` does (float32 sums, the result rounded to bfloat16): on AVX-512 BF16 by
 `vdpbf16ps` on pairs of bfloat16 lanes, elsewhere by widening to float32.
 """
@@ -25,10 +25,12 @@ from kvjax import cpu_kernels
 _SOURCE = pathlib.Path(__file__).with_name("linear.cc")
 _TARGET = "kvjax_linear"
 _KV_WRITE_TARGET = "kvjax_linear_kv_write"
-# Steps of at most this many tokens use the native kernel under AUTO: up to here it is at least
-# as fast as XLA on the 2-core CPU host, beyond it XLA's packed matmul wins
-# (scripts/bench_linear.py, docs/benchmarks.md "Native matmuls").
-NATIVE_MAX_TOKENS = 128
+# Steps of at most this many tokens use the native kernel under AUTO, per parameter dtype: up to
+# here it is at least as fast as XLA on the 2-core CPU host, beyond it XLA's packed float32
+# matmul wins (1.13x at 1024 tokens, 1.44x at 2048). In bfloat16 the kernel's pair products
+# beat XLA's widened dots at every size measured (1.06x at 2048 tokens), so it has no limit
+# (docs/benchmarks.md "Native matmuls at prefill sizes").
+NATIVE_MAX_TOKENS = {jnp.dtype(jnp.float32): 512, jnp.dtype(jnp.bfloat16): None}
 
 
 class LayerLinear(Protocol):
@@ -43,6 +45,16 @@ class LayerLinear(Protocol):
 def unavailable_reason() -> str | None:
     """None when the kernel is built and registered (building it on first call), else why not."""
     return cpu_kernels.register(_TARGET, _SOURCE, "KvjaxLinear")
+
+
+def takes_step(num_tokens: int, dtype) -> bool:
+    """Whether AUTO multiplies a step of `num_tokens` tokens of `dtype` parameters natively
+    (the kernel built and registered, the dtype one it takes, within `NATIVE_MAX_TOKENS`)."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in NATIVE_MAX_TOKENS or unavailable_reason() is not None:
+        return False
+    limit = NATIVE_MAX_TOKENS[dtype]
+    return limit is None or num_tokens <= limit
 
 
 def target_for(isa: cpu_kernels.Isa) -> str:

@@ -52,6 +52,14 @@ def test_servers_get_the_same_limits():
     assert vllm_peer.vllm_server_env(config)["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
+def test_a_swept_setting_follows_the_defaults_and_an_unknown_server_is_refused():
+    config = vllm_peer.PeerConfig(kvjax_args=("--max_prefill_chunk=512",))
+    args = vllm_peer.kvjax_server_args("float32", 9, config)
+    assert args[-1] == "--max_prefill_chunk=512"  # absl keeps a repeated flag's last value
+    with pytest.raises(ValueError, match="'sglang'"):
+        vllm_peer.run_peer(config, servers=("sglang",), out_dir="unused")
+
+
 def test_summarize_counts_failures_and_refuses_results_without_outputs():
     summary = vllm_peer.summarize(_result(100.0, 500.0, 50.0, ["a", ""], ["", "timeout"]))
     assert (summary["completed"], summary["failed"], summary["p99_ttft_ms"]) == (1, 1, 1000.0)

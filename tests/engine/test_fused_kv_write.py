@@ -51,17 +51,18 @@ def test_greedy_tokens_equal_the_dense_reference_and_compiles_stay_flat(config):
     assert engine.num_compiles == compiled
 
 
-def test_compile_count_flat_after_warmup_with_steps_past_the_native_matmul():
-    """Steps of more than NATIVE_MAX_TOKENS tokens (XLA's matmuls and the scatter under AUTO)
-    beside fused decode steps: the long prompt's tokens are the dense reference's, and nothing
-    compiles after warm-up."""
+def test_compile_count_flat_after_warmup_with_steps_past_the_native_matmul(monkeypatch):
+    """Steps of more than NATIVE_MAX_TOKENS tokens (XLA's matmuls and the scatter under AUTO;
+    the float32 limit lowered to 128 here to keep the prompt short) beside fused decode steps:
+    the long prompt's tokens are the dense reference's, and nothing compiles after warm-up."""
+    monkeypatch.setitem(linear.NATIVE_MAX_TOKENS, jnp.dtype(jnp.float32), 128)
     model = tiny_model()
     engine = _engine(model, True, num_pages=96, max_prefill_chunk=256,
                      max_num_batched_tokens=256)
     warm = engine.warmup()
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 120, int(n))] for n in rng.integers(1, 30, 8)]
-    prompts.append([int(t) for t in rng.integers(0, 120, linear.NATIVE_MAX_TOKENS + 40)])
+    prompts.append([int(t) for t in rng.integers(0, 120, 128 + 40)])
     outs = engine.generate(prompts, kvjax.SamplingParams(max_new_tokens=5, ignore_eos=True))
     assert engine.num_compiles == warm
     assert outs[-1].outputs[0].token_ids == greedy_reference(model, prompts[-1], 5)

@@ -80,10 +80,14 @@ def test_bfloat16_goes_to_the_kernel_other_dtypes_to_xla():
                                       np.asarray(linear.xla_linear(*args)))
 
 
-def test_auto_uses_the_kernel_for_decode_sized_steps_only():
+def test_auto_uses_the_kernel_up_to_each_dtypes_limit():
+    f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+    limit = linear.NATIVE_MAX_TOKENS[f32]
     assert layer_linear(MatmulImpl.AUTO, 1) is linear.native_linear
-    assert layer_linear(MatmulImpl.AUTO, linear.NATIVE_MAX_TOKENS) is linear.native_linear
-    assert layer_linear(MatmulImpl.AUTO, linear.NATIVE_MAX_TOKENS + 1) is None
+    assert layer_linear(MatmulImpl.AUTO, limit, f32) is linear.native_linear
+    assert layer_linear(MatmulImpl.AUTO, limit + 1, f32) is None
+    assert layer_linear(MatmulImpl.AUTO, 8192, bf16) is linear.native_linear  # no limit
+    assert layer_linear(MatmulImpl.AUTO, 1, jnp.float16) is None  # a dtype it does not take
     assert layer_linear(MatmulImpl.XLA, 1) is None
     assert layer_linear(MatmulImpl.NATIVE, 4096) is linear.native_linear
 
