@@ -8,8 +8,9 @@ embedded SmolLM2-135M written as a float32 Hugging Face directory, and vLLM's ow
 (`vllm.benchmarks.serve.main`, random dataset, temperature 0, forced output lengths) runs every
 workload of `WORKLOADS` against it; then it stops and `scripts/serve.py`
 (configs/serve_saturated.py, the same dtype, sequence limit, context length and KV budget,
-prefix cache on) takes its port for the same workloads. The client draws the same prompts for both (same seed and tokenizer) and
-saves every request's generated text (`--save-detailed`): `count_identical` compares them.
+prefix cache on) takes its port for the same workloads. The client draws the same prompts for
+both (same seed and tokenizer) and saves every request's generated text (`--save-detailed`):
+`count_identical` compares them.
 
 Rows (`comparison`): per dtype and workload, each server's `METRICS` (the client's names:
 output tokens/s, TTFT and TPOT p50 / p99 in ms), requests completed and failed, seconds until
