@@ -10,9 +10,9 @@ dtype serves it with vLLM (`--dtype` the same) and with `scripts/serve.py`
 (configs/serve_saturated.py, the same dtype, 16 sequences, 1024-token context, 1 GiB of KV,
 prefix cache on), running vLLM's benchmark client (random dataset, 256 prompt + 64 forced
 output tokens, temperature 0, concurrency 16) on three workloads: distinct prompts, a 512-token
-shared prefix, Poisson arrivals at 1 request/s. Prints the table (`kvjax.bench.vllm_peer.table`) and writes it as JSON
-(--output_json); each client result and server log stays under --out_dir. Optional; never part
-of `make test`.
+shared prefix, Poisson arrivals at 1 request/s. Prints the table (`kvjax.bench.vllm_peer.table`)
+and writes it as JSON (--output_json); each client result and server log stays under --out_dir.
+Optional; never part of `make test`.
 
 Getting vLLM's CPU build to serve here, and how:
 - torchvision, torchaudio and torchcodec come from the package index built for CUDA and crash
