@@ -192,7 +192,8 @@ class StepPlanner:
             if is_new:
                 if len(self.table.running) >= cfg.max_num_seqs:
                     break
-                if self.tenants.is_over_share(seq) or not self.admission.admit(seq):
+                if (self.tenants.is_over_share(seq) or self.admission.prefix_in_flight(seq)
+                        or not self.admission.admit(seq)):
                     continue
             limit = self.chunks.reuse_chunks(seq)
             if not limit:  # Its next chunk is being filled, or its copy finds no room.

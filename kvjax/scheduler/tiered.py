@@ -34,7 +34,7 @@ class TierAdmission:
         self.policy = policy
         self.stats = stats
         self._tier_first_page: dict[str, int] = {}  # swapped sequence -> its first loaded page
-        self.stats.update(tier_hit_tokens=0, tier_swap_restarts=0)
+        self.stats.update(tier_hit_tokens=0, tier_swap_restarts=0, prefix_waits=0)
 
     @property
     def _tiers(self):
@@ -70,6 +70,29 @@ class TierAdmission:
                 self.stats["tier_hit_tokens"] += gained
                 if seq.num_preemptions == 0:
                     seq.num_cached_prompt_tokens = min(seq.num_computed, seq.num_prompt_tokens)
+
+    def prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether a running sequence under the same cache key is still computing a full page of
+        `seq`'s prompt (several prompts with one system prompt arriving together): `seq` then
+        waits and hits those pages once they are committed, instead of computing them again in
+        the same steps. Only a plain prompt not yet preempted waits, and not under a shared salt
+        whose hits are hidden (`hide_shared_prefix_hits`: its wait would time another tenant's
+        prefill)."""
+        if (not self.kv_cache.has_prefix_cache or seq.num_preemptions or seq.is_chunk_fill
+                or (self.keys.ledger is not None and self.table.cache_salt(seq) is not None)):
+            return False
+        page, key = self.config.page_size, None
+        for other in self.table.running:
+            upto = other.num_computed // page * page + page  # through its next full page
+            if (other.num_computed >= other.num_prompt_tokens
+                    or upto > min(seq.num_prompt_tokens, other.num_prompt_tokens)
+                    or seq.tokens[:upto] != other.tokens[:upto]):
+                continue
+            key = key if key is not None else self.keys.cache_key(seq)
+            if self.keys.cache_key(other) == key:
+                self.stats["prefix_waits"] += 1
+                return True
+        return False
 
     def admit(self, seq: Sequence, *, is_due: bool = True) -> bool:
         """Registers a waiting sequence with the KV cache (prefix-cache lookup).

@@ -139,6 +139,29 @@ def test_prefix_hit_skips_cached_tokens():
     assert scheduler.sequence("b#0").num_cached_prompt_tokens == 8
 
 
+@pytest.mark.parametrize("chunk", [16, 4])
+def test_a_prompt_waits_for_the_shared_pages_another_is_computing(chunk):
+    """Prompts sharing a prefix that arrive together: the later one waits while the first
+    computes the shared pages, then hits them; one of another tenant (another cache key) and
+    one sharing nothing start at once."""
+    scheduler, _ = make_scheduler(max_prefill_chunk=chunk)
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    add(scheduler, "a", shared + [9])
+    add(scheduler, "b", shared + [20, 21])
+    add(scheduler, "other-tenant", shared + [30], tenant="t2")
+    add(scheduler, "c", [50, 51, 52])
+    first, _ = fake_step(scheduler)
+    assert {r.seq_id for r in first.prefill} == {"a#0", "other-tenant#0", "c#0"}
+    row, so = None, first
+    for _ in range(4):  # b is scheduled by then
+        row = row or next((r for r in so.prefill if r.seq_id == "b#0"), None)
+        so, _ = fake_step(scheduler)
+    assert row.start == 8 and row.token_ids.tolist() == [20, 21]  # it computes its tail only
+    assert row.block_table[:2].tolist() == scheduler.kv_cache.block_table("a#0")[:2]
+    assert scheduler.sequence("b#0").num_cached_prompt_tokens == 8
+    assert scheduler.stats["prefix_waits"] >= 1
+
+
 def test_recompute_preemption_requeues_the_lowest_ranked_with_its_tokens():
     scheduler, _ = make_scheduler(num_pages=4)
     add(scheduler, "a", [1, 2, 3, 4, 5, 6, 7], max_new_tokens=6)  # 2 pages
