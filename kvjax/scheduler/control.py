@@ -92,7 +92,8 @@ class ControllerAdapter:
     def decide(self) -> list[str]:
         """Consults the controller and applies its budgets, KL, cached-page keeps, offloads
         (preempted through the `PreemptionPolicy`) and host moves (through the
-        `HostPlacement`); returns the sequences preempted."""
+        `HostPlacement`, which holds those rows on the host against `Decisions.reserve`);
+        returns the sequences preempted."""
         if isinstance(self.controller, FixedController):
             return []  # the configured behaviour decides nothing: no snapshot to build
         self.decisions = d = self.controller.decide(self.state())
@@ -113,7 +114,7 @@ class ControllerAdapter:
                 preempted.append(seq_id)
         for seq_id in d.to_host:  # they keep decoding, their full pages in the host pool
             seq = self.table.find(seq_id)
-            if seq is not None and self.placement is not None and self.placement.offload(seq):
+            if seq is not None and self.placement is not None and self.placement.hold(seq):
                 self.placement.stats["controller_to_host"] += 1
                 self.table.tracer.emit("to_host", "request", f"request/{seq.request_id}",
                                        seq_id=seq_id, controller=self.controller.name)

@@ -27,6 +27,9 @@ existing mechanisms:
                       their decode attention runs beside the device's step (host-resident
                       rows, `kvjax.engine.host_rows`): they free device pages without
                       stalling
+  reserve             the device pages the queued sequences it protects need to run: a row
+                      it moved to the host stays there until the free pages cover these
+                      and its own
 
 SLOs and degradation (`SLO`): a request may carry a TTFT and a TPOT target and a KL budget,
 the most quality (mean KL per token against exact KV, from the measured tables the controller
@@ -61,7 +64,11 @@ Controllers are registered by name (`CONTROLLERS`, `register_controller`, `make_
 The engine offers host rows to a controller when it holds a host pool (`host_split` other than
 'never'): the scheduler's `ControllerAdapter` fills `ControlState.host_rows` from the split
 policy's rates and moves each `Decisions.to_host` row's full pages there;
-`kvjax.bench.host_attention` prices the choice on a simulated clock.
+`kvjax.bench.host_attention` prices the choice on a simulated clock. The controller owns
+where such a row lives: the split policy (`neo` among them) brings it back only once the
+device's free pages cover `Decisions.reserve`, the pages the controller moved it out for, and
+its own (`kvjax.scheduler.placement.HostPlacement`); until then the policy's targets for it
+are not applied, so a row moved out to make room does not come straight back.
 """
 
 from __future__ import annotations
@@ -243,6 +250,9 @@ class Decisions:
       keep: cached prefix pages evicted last, least valuable first (empty: plain LRU).
       to_host: running sequences whose full pages move to the host pool now (host-resident
         rows: they keep decoding, their attention over those pages on the host).
+      reserve: device pages the queued sequences it makes room for need to run (the same
+        count it frees pages against); a `to_host` row comes back from the host pool only
+        when the free pages cover these and its own.
     """
 
     admit_order: tuple[str, ...] = ()
@@ -256,6 +266,7 @@ class Decisions:
     keep: tuple[int, ...] = ()
     prefetch: tuple[str, ...] = ()
     to_host: tuple[str, ...] = ()
+    reserve: int = 0
 
 
 class KVController(Protocol):
@@ -562,7 +573,7 @@ class CostController:
             victims=tuple(s.seq_id for s in victims)
             if self.actions - {"admit", "demote", "demote_in_place", "keep"} else (),
             swap=swap, retention=retention, kl=kl, demote=demote, demote_in_place=in_place,
-            keep=self._keep(state), to_host=tuple(to_host))
+            keep=self._keep(state), to_host=tuple(to_host), reserve=needed)
 
 
 class FixedController:

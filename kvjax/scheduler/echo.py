@@ -50,6 +50,7 @@ the step wrote into frames); `echo_pages_mirrored`,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -130,6 +131,33 @@ class _Frames:
             self.pending = np.concatenate([self.pending, extra], axis=1)
 
 
+@dataclasses.dataclass
+class _RowState:
+    """What the planner knows of one decode row.
+
+    Attributes:
+      reads: [L, W] bool, the selection of its last observed step (the next plan's input).
+      frames: its frames (None: not planned yet).
+      missed: [L, F] bool, the observed step's misses.
+      wanted: the last plan's pages, per layer, most wanted first.
+      offered: its last offer (number, [L, V] frame entries, the entries they held).
+      kept: what its step kept there (offer number, [L, V] entries written, -1: none), once
+        read back.
+    """
+
+    reads: np.ndarray | None = None
+    frames: _Frames | None = None
+    missed: np.ndarray | None = None
+    wanted: list[np.ndarray] | None = None
+    offered: tuple[int, np.ndarray, np.ndarray] | None = None
+    kept: tuple[int, np.ndarray] | None = None
+
+    def forget_plan(self) -> None:
+        """The row starts afresh (new, or recomputed): its selection, frames and plan go;
+        what its last steps missed, were offered and kept stays."""
+        self.reads = self.frames = self.wanted = None
+
+
 class EchoPlanner:
     """Plans each decode row's device-resident (layer, page) pairs and counts prefetch recall.
 
@@ -145,14 +173,7 @@ class EchoPlanner:
         self.num_keep = num_frames(num_read, prefetch)
         self.keep_misses = keep_misses
         self.stats = stats
-        self._reads: dict[str, np.ndarray] = {}
-        self._frames: dict[str, _Frames] = {}
-        self._missed: dict[str, np.ndarray] = {}  # [L, F] bool: the observed step's misses
-        self._wanted: dict[str, list[np.ndarray]] = {}  # the last plan's, per layer
-        # The row's last offer (number, [L, V] frame entries, the entries they held) and what
-        # its step kept (number, [L, V] entries written, -1: none), once read back.
-        self._offered: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}
-        self._kept: dict[str, tuple[int, np.ndarray]] = {}
+        self._rows: dict[str, _RowState] = {}
         self._offers = 0
         stats.update(echo_selected_pages=0, echo_resident_reads=0,
                      echo_refetched_layer_pages=0, echo_frames_adopted=0, echo_misses_kept=0)
@@ -160,29 +181,27 @@ class EchoPlanner:
     def place(self, rows: Sequence[tuple[str, int]], live: Sequence[str]) -> None:
         """Moves pages for this step's decode rows (seq_id, cached tokens before the step)."""
         live = set(live)
-        self._reads = {k: v for k, v in self._reads.items() if k in live}
-        self._frames = {k: v for k, v in self._frames.items() if k in live}
-        self._missed = {k: v for k, v in self._missed.items() if k in live}
-        self._wanted = {k: v for k, v in self._wanted.items() if k in live}
-        self._offered = {k: v for k, v in self._offered.items() if k in live}
-        self._kept = {k: v for k, v in self._kept.items() if k in live}
+        self._rows = {k: v for k, v in self._rows.items() if k in live}
         for seq_id, cached in rows:
-            if self.kv_cache.num_host_pages(seq_id) == 0:  # new, or recomputed afresh
-                self._reads.pop(seq_id, None)
-                self._frames.pop(seq_id, None)
-                self._wanted.pop(seq_id, None)
+            state = self._rows.get(seq_id)
+            if state is not None and self.kv_cache.num_host_pages(seq_id) == 0:
+                state.forget_plan()  # new, or recomputed afresh
             held = self.kv_cache.host.echo_mirror(seq_id, cached // self.page_size)
-            reads = self._reads.get(seq_id)
-            if reads is not None:
-                self._plan(seq_id, held, reads)
+            if state is not None and state.reads is not None:
+                self._plan(seq_id, held, state)
 
-    def _plan(self, seq_id: str, held: int, reads: np.ndarray) -> None:
-        frames = self._frames.setdefault(seq_id, _Frames(reads.shape[0]))
+    def _row(self, seq_id: str) -> _RowState:
+        """The row's state, made the first time the planner learns something of it."""
+        return self._rows.setdefault(seq_id, _RowState())
+
+    def _plan(self, seq_id: str, held: int, state: _RowState) -> None:
+        reads = state.reads
+        frames = state.frames = state.frames or _Frames(reads.shape[0])
         frames.grow(held)
         table = self.kv_cache.block_table(seq_id)
         own = [j for j in range(held) if table[j] != RELEASED and j not in frames.entries]
         wanted_by_layer = wanted_pages(reads, held, self.num_keep)
-        self._wanted[seq_id] = wanted_by_layer
+        state.wanted = wanted_by_layer
         need = min(self.num_keep, held) - len(frames.entries)
         if own and need > 0:  # own pages the row alone holds become frames where they are
             demand = np.bincount(np.concatenate(wanted_by_layer), minlength=held)
@@ -210,7 +229,7 @@ class EchoPlanner:
             for j, k in zip(missing, slots, strict=False):
                 fills.append((layer, j, k))
                 owner[k] = j
-        missed = self._missed.get(seq_id)
+        missed = state.missed
         if missed is not None:
             self.stats["echo_refetched_layer_pages"] += sum(
                 j < missed.shape[1] and bool(missed[layer, j]) for layer, j, _ in fills)
@@ -226,7 +245,8 @@ class EchoPlanner:
         they held (`kept_pages`, `kept_owners`, `kept_offer`), where the step reads what that
         step kept there, else what they held."""
         table = np.asarray(self.kv_cache.block_table(seq_id), np.int64)
-        frames = self._frames.get(seq_id)
+        state = self._rows.get(seq_id)
+        frames = None if state is None else state.frames
         layer_tables = table[None, :].copy()  # own pages: every layer reads them in place
         if frames is not None:
             layer_tables = np.repeat(layer_tables, frames.owner.shape[0], axis=0)
@@ -239,7 +259,7 @@ class EchoPlanner:
         fields = dict(host_table=self.kv_cache.host.echo_host_table(seq_id),
                       layer_tables=layer_tables.astype(np.int32))
         if self.keep_misses and frames is not None and frames.entries:
-            last = self._offered.get(seq_id)
+            last = state.offered
             if feed_index >= 0 and last is not None:
                 offer, entries, owners = last
                 unseen = np.zeros(entries.shape, bool)
@@ -249,10 +269,10 @@ class EchoPlanner:
                                                   RELEASED).astype(np.int32),
                               kept_owners=np.where(unseen, owners, -1).astype(np.int32),
                               kept_offer=offer)
-            fields.update(self._offer(seq_id, frames))
+            fields.update(self._offer(state, frames))
         return fields
 
-    def _offer(self, seq_id: str, frames: _Frames) -> dict:
+    def _offer(self, state: _RowState, frames: _Frames) -> dict:
         """Per layer, the frames the row's step may write its misses into, least wanted
         first: all of them where no earlier step is unseen (synchronous scheduling), else as
         many as the layer missed in its last seen step (at least one), so that most frames
@@ -260,8 +280,7 @@ class EchoPlanner:
         self._offers += 1
         num_layers = frames.owner.shape[0]
         ahead = bool((frames.pending >= 0).any())
-        missed = self._missed.get(seq_id)
-        wanted = self._wanted.get(seq_id)
+        missed, wanted = state.missed, state.wanted
         entries = np.full((num_layers, self.num_keep), -1, np.int32)
         owners = np.full((num_layers, self.num_keep), -1, np.int32)
         for layer in range(num_layers):
@@ -278,7 +297,7 @@ class EchoPlanner:
             owners[layer, :len(chosen)] = owner[chosen]
             owner[chosen] = -1
             frames.pending[layer, chosen] = self._offers
-        self._offered[seq_id] = (self._offers, entries, owners)
+        state.offered = (self._offers, entries, owners)
         return dict(keep_frames=entries, keep_owners=owners, keep_offer=self._offers)
 
     def _tables(self, row) -> np.ndarray:
@@ -286,7 +305,8 @@ class EchoPlanner:
         (`kvjax.engine.echo.merge_kept`)."""
         tables = np.array(np.broadcast_to(row.layer_tables, (self._num_layers(row),
                                                              row.layer_tables.shape[1])))
-        kept = self._kept.get(row.seq_id)
+        state = self._rows.get(row.seq_id)
+        kept = None if state is None else state.kept
         if row.kept_pages is None or row.feed_index < 0 or kept is None \
                 or kept[0] != row.kept_offer:
             return tables
@@ -306,9 +326,10 @@ class EchoPlanner:
         kept = (np.full(row.keep_frames.shape, -1, np.int64) if reads is None else
                 kept_misses(reads, self._tables(row), row.host_table, row.keep_frames,
                             row.keep_owners))
-        self._kept[row.seq_id] = (row.keep_offer, kept)  # the next step merged it
+        state = self._row(row.seq_id)
+        state.kept = (row.keep_offer, kept)  # the next step merged it
         self.stats["echo_misses_kept"] += int((kept >= 0).sum())
-        frames = self._frames.get(row.seq_id)
+        frames = state.frames
         if frames is None:
             return
         for layer, v in zip(*np.nonzero(row.keep_frames >= 0), strict=True):
@@ -335,5 +356,6 @@ class EchoPlanner:
             resident = np.broadcast_to(tables[:, :selected.shape[1]] >= 0, selected.shape)
             self.stats["echo_selected_pages"] += int(selected.sum())
             self.stats["echo_resident_reads"] += int((selected & resident).sum())
-            self._reads[row.seq_id] = reads
-            self._missed[row.seq_id] = selected & ~resident
+            state = self._row(row.seq_id)
+            state.reads = reads
+            state.missed = selected & ~resident

@@ -20,6 +20,11 @@ Every policy takes the rates a KV controller prices its "host" action with
 (`host_tokens_per_s`, `device_step_s` in `EngineConfig.host_split_options`; measured with
 `kvjax.bench.host_attention.measure_attention_rate`, else the modelled ones) and returns them
 from `rates()`; `neo` also splits by them.
+
+With a KV controller on, the controller owns the rows it moves to the host pool
+(`Decisions.to_host`): a policy's target that would bring such a row back is applied only once
+the device's free pages cover the controller's `Decisions.reserve` and the row's pages
+(`kvjax.scheduler.placement.HostPlacement`); from then on the row is the policy's again.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class StepPlanner:
         # 1. Decode rows for running sequences, highest ranked first; preempt from the bottom.
         # With speculation a row drafts one token (a draft step) or verifies its drafts.
         self._schedule_decodes(step, decoding)
-        self.placement.place_rows([s for s, _ in step.decode])
+        self.placement.place_rows([s for s, _ in step.decode], self.control.decisions.reserve)
         if self.echo is not None:
             self.echo.place([(s.seq_id, self._cached_len(s)) for s, _ in step.decode],
                             [s.seq_id for s in self.table.sequences()])

@@ -144,6 +144,7 @@ def test_joint_makes_a_host_row_when_host_attention_is_cheap():
     cheap = HostRowRates(free_host_pages=64, host_tokens_per_s=1e6, device_step_s=5e-3)
     d = joint().decide(state(victim, waiting, host_rows=cheap))
     assert d.to_host == ("v",) and d.offload == ()
+    assert d.reserve == -(-(300 + 1) // P)  # the waiting one's pages: "v" stays out for them
     for rates in (dataclasses.replace(cheap, host_tokens_per_s=1e3),  # 0.3 s past each step
                   dataclasses.replace(cheap, free_host_pages=5),  # no room for 19 pages
                   None):  # no host rows

@@ -40,3 +40,64 @@ def test_neo_moves_rows_while_host_time_fits_the_device_step():
         make_host_split("when_full", device_step_s="fast")
     with pytest.raises(ValueError, match="unknown host split policy"):
         make_host_split("sometimes")
+
+
+class _Pools:
+    """Page counts of a device and a host pool, moved as the KV cache manager moves them."""
+
+    def __init__(self, free_device: int, host: dict[str, int]):
+        self.free_device, self.host = free_device, dict(host)
+        self.allocator = self
+
+    def num_free_pages(self) -> int:
+        return self.free_device
+
+    def num_free_host_pages(self) -> int:
+        return 99
+
+    def num_host_pages(self, seq_id: str) -> int:
+        return self.host.get(seq_id, 0)
+
+    def cached_len(self, seq_id: str, num_computed: int) -> int:
+        return num_computed
+
+    def to_host(self, seq_id: str, num: int) -> bool:
+        self.host[seq_id] = self.host.get(seq_id, 0) + num
+        self.free_device += num
+        return True
+
+    def to_device(self, seq_id: str, num: int) -> bool:
+        if num > self.free_device:
+            return False
+        self.host[seq_id] -= num
+        self.free_device -= num
+        return True
+
+
+def test_a_row_the_controller_holds_on_the_host_comes_back_only_beyond_its_reserve():
+    """`neo` at a host rate no row fits wants rows "a" and "b" (5 full pages each) on the
+    device. "b" is the policy's own and comes back as soon as the device has room; "a", moved
+    out by the controller (`hold`), stays on the host while bringing it back would leave
+    fewer free pages than the controller's reserve, then comes back and is the policy's."""
+    from kvjax import SamplingParams
+    from kvjax.scheduler.placement import HostPlacement
+    from kvjax.scheduler.request import SeqStatus, Sequence
+
+    def running(seq_id):  # 21 tokens cached (5 full pages of 4), decoding its 22nd
+        return Sequence(seq_id=seq_id, request_id=seq_id, tokens=[1] * 22,
+                        num_prompt_tokens=21, sampling=SamplingParams(), seed=0,
+                        arrival_time=0.0, order=0, status=SeqStatus.RUNNING, num_computed=21)
+
+    a, b = running("a"), running("b")
+    pools = _Pools(free_device=2, host={"b": 5})
+    placement = HostPlacement(make_host_split("neo", host_tokens_per_s=1.0), pools, 4,
+                              dict(host_offloads=0))
+    assert placement.hold(a) and pools.host["a"] == 5 and pools.free_device == 7
+    placement.place_rows([a, b], reserve=6)  # 7 - 5 < 6: "a" stays; "b" is not held
+    assert pools.host == {"a": 5, "b": 0} and pools.free_device == 2
+    pools.free_device = 10
+    placement.place_rows([a, b], reserve=6)  # 10 - 5 < 6
+    assert pools.host["a"] == 5
+    pools.free_device = 11
+    placement.place_rows([a, b], reserve=6)  # 11 - 5 >= 6: back, and the policy's again
+    assert pools.host["a"] == 0 and pools.free_device == 6 and not placement.held
