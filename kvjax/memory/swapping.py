@@ -52,7 +52,7 @@ class SwapMoves:
 
     Args:
       free: frees a swapped-out sequence's device pages (`KVCacheManager.free`).
-      register_returning: registers a returning sequence (`KVCacheManager.register_returning`).
+      register_returning: registers a returning sequence (`ReturningSequences.register`).
       spill: spills evicted prefix-cache pages before a copy writes to them.
     """
 
