@@ -309,6 +309,7 @@ class KVCacheManager:
     to_device = delegate("host", HostMoves.to_device)
     swap_out = delegate("swaps", SwapMoves.swap_out)
     swap_in = delegate("swaps", SwapMoves.swap_in)
+    swap_out_bytes = delegate("swaps", SwapMoves.swap_out_bytes)
     restore_window = delegate("swaps", SwapMoves.restore_window)
     retain = delegate("retaining", RetentionOps.retain)
     retain_verified = delegate("retaining", RetentionOps.retain_verified)
