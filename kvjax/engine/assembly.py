@@ -15,7 +15,6 @@ from kvjax.engine.swap import DEMOTION_BITS, demoted_nbytes, demotes
 from kvjax.kv import fused_write
 from kvjax.kv.retention import Compactor
 from kvjax.kv.reuse import ChunkCopier
-from kvjax.kv.spec import KVCacheSpec
 from kvjax.memory.ops import TIER_KINDS, KVOpKind
 from kvjax.memory.tiers import (
     PlannedTierPort,
@@ -77,7 +76,7 @@ def install_kv_programs(runner: ModelRunner, swap_space, plain_swap, compactor: 
         op.plan.key_scale)
 
 
-def scheduler_config(cfg: EngineConfig, runner: ModelRunner, kv_spec: KVCacheSpec, *,
+def scheduler_config(cfg: EngineConfig, runner: ModelRunner, *,
                      max_model_len: int, kv_bytes_per_token: int,
                      swap_bandwidth: float | None, eos_token_ids) -> SchedulerConfig:
     """The scheduler's config for an engine of config `cfg` over `runner`'s pool."""
@@ -87,7 +86,6 @@ def scheduler_config(cfg: EngineConfig, runner: ModelRunner, kv_spec: KVCacheSpe
         page_size=cfg.page_size, max_model_len=max_model_len,
         is_paged=cfg.kv_layout is KVLayout.PAGED, preemption_mode=cfg.preemption_mode,
         kv_bytes_per_token=kv_bytes_per_token,
-        kv_bytes_held=kv_spec.bytes_held if kv_spec.is_grouped else None,
         swap_bandwidth_bytes_per_s=swap_bandwidth,
         recompute_tokens_per_s=cfg.tiers.recompute_tokens_per_s,
         max_inflight_loads=cfg.tiers.max_inflight_loads,

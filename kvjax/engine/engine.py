@@ -153,7 +153,7 @@ class Engine:
         self.context_reuse = make_strategy(config.context_reuse, **config.context_reuse_options)
         self.scheduler = Scheduler(
             assembly.scheduler_config(
-                config, self.runner, self.kv_spec, max_model_len=self.max_model_len,
+                config, self.runner, max_model_len=self.max_model_len,
                 kv_bytes_per_token=self.kv_bytes_per_token, swap_bandwidth=swap_bandwidth,
                 eos_token_ids=mc.eos_token_ids),
             self.kv_cache, make_policy(config.scheduler_policy),

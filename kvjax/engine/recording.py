@@ -73,7 +73,7 @@ def decision_recorder(cfg: EngineConfig, scheduler: Scheduler, kv_cache: KVCache
         tier_pages=() if tiers is None else (tiers.port.page_shapes, tiers.port.page_dtypes,
                                              tiers.port.memory_kind),
         keeps_windows=kv_cache.keeps_windows,
-        quantized_lens=kv_cache.quantized_lens(scheduler.config.max_model_len + 1))
+        quantized_lens=kv_cache.floors.quantized_lens(scheduler.config.max_model_len + 1))
     return DecisionRecorder(scheduler, recipe, cache_key)
 
 

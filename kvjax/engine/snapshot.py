@@ -13,7 +13,7 @@
     per saved sequence, `[L, num_saved_windows, ...]` per leaf.
   * meta (JSON): every sequence record (tokens, num_computed, sampling params, seed, status,
     timings, weights version, ...), each sequence's saved page indices, window index, KV floor
-    (`KVCacheManager.kv_floor`) and retention record (which tokens its pages hold, their
+    (`WindowFloors.floor`) and retention record (which tokens its pages hold, their
     scores; one per block table that keeps a budget of its own), the request records
     (prompt, n, arrival, tenant), and the provenance: readable parts and each sequence's
     fingerprint.
@@ -186,7 +186,7 @@ def save_snapshot(engine: Engine, directory: str | os.PathLike, *,
             seq_id = seq.seq_id
             pages, group_pages, window, retention, kv_floor = [], [], None, None, 0
             if _has_device_kv(engine, seq):
-                kv_floor = engine.kv_cache.kv_floor(seq_id)
+                kv_floor = engine.kv_cache.floors.floor(seq_id)
                 held = engine.kv_cache.cached_len(seq_id, seq.num_computed)
                 tables = engine.allocator.block_tables(seq_id)
                 # Tables that keep budgets of their own hold their own cached lengths.
@@ -293,11 +293,10 @@ def _place(engine: Engine, seq: Sequence, saved: dict, stored: list[jax.Array] |
 
         if seq.inplace_bits:  # its saved rows are rounded: they must not feed the index
             engine.kv_cache.rounded.round_pages(seq.seq_id, ())
-        has_kv = engine.kv_cache.place(seq.seq_id, seq.tokens, seq.num_computed,
-                                       engine.scheduler.cache_key(seq), seq.weights_version,
-                                       [len(t) for t in saved_tables], scatter,
-                                       retention=saved.get("retention"),
-                                       kv_floor=saved.get("kv_floor", 0))
+        has_kv = engine.kv_cache.returning.place(
+            seq.seq_id, seq.tokens, seq.num_computed, engine.scheduler.cache_key(seq),
+            seq.weights_version, [len(t) for t in saved_tables], scatter,
+            retention=saved.get("retention"), kv_floor=saved.get("kv_floor", 0))
     engine.scheduler.restore_sequence(seq, has_kv=has_kv)
 
 

@@ -434,7 +434,7 @@ class SeqLayout:
 
     Attributes:
       old_table, new_table: its block table before and after `BlockManager.retain`.
-      kv_floor: its `KVCacheManager.kv_floor` before.
+      kv_floor: its `WindowFloors.floor` before.
       seq_slot: its slot in the sequence-slot leaves (`KVCacheManager.seq_slot`).
     """
 

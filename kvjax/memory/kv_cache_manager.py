@@ -19,7 +19,8 @@ import numpy as np
 
 from kvjax.delegation import delegate
 from kvjax.kv.retention_host import RetentionManager
-from kvjax.memory.block_manager import RELEASED, AllocStatus
+from kvjax.memory.block_manager import AllocStatus
+from kvjax.memory.floors import WindowFloors
 from kvjax.memory.host_moves import HostMoves
 from kvjax.memory.host_pool import HostPagePool
 from kvjax.memory.op_plan import OpPlan
@@ -28,6 +29,7 @@ from kvjax.memory.page_ops import PageOps, TierTraffic
 from kvjax.memory.page_versions import PageVersions
 from kvjax.memory.precision import RoundedPages
 from kvjax.memory.retaining import RetentionOps
+from kvjax.memory.returning import ReturningSequences
 from kvjax.memory.swapping import SwapMoves
 from kvjax.shapes import geometric_buckets, next_power_of_2, pages_for
 from kvjax.trace import Tracer
@@ -39,7 +41,9 @@ class KVCacheManager:
     The work is done by components: the `OpPlan` (ops issued or planned as data),
     `PageOps` (copy-on-write copies, chunk loads, scrubs), `HostMoves` (host-resident rows,
     ECHO), `SwapMoves` (swap out and back), `RetentionOps` (compactions), `TierTraffic`
-    (spills and polls) and the `PageVersions` ledger; their methods are this manager's too.
+    (spills and polls) and the `PageVersions` ledger, whose methods are this manager's too;
+    `ReturningSequences` (`returning`: swapped and snapshot sequences registered again) and
+    `WindowFloors` (`floors`: which tokens pages hold beside a KIVI window).
 
     Attributes:
       allocator: the page (or slot) allocator, with the prefix cache when it has one.
@@ -49,6 +53,8 @@ class KVCacheManager:
       page_versions: pool page -> the weights version that last wrote it (`versions.device`).
       stats: the engine's counters (shared dict) this manager adds to.
       host_pool: the host pool's bookkeeping (host-resident rows: `to_host`), or None.
+      floors: the sequences' `kv_floor`s and the pages' share of their tokens (`WindowFloors`).
+      returning: registers sequences that come back from a swap or a snapshot.
 
     Args:
       quantized_len: for a state whose newest tokens live beside the pages (KIVI with an
@@ -72,10 +78,9 @@ class KVCacheManager:
         self.stats = stats
         self.versions = PageVersions()
         self.page_versions = self.versions.device
-        self._quantized_len = quantized_len
+        self.floors = WindowFloors(quantized_len)
         if clock is not None and self.has_prefix_cache:
             allocator.clock = clock  # when cached pages are released (CachedPage.released_at)
-        self._floors: dict[str, int] = {}  # sequence -> tokens its pages hold from the start
         self.ops = OpPlan(device)
         self.rounded = RoundedPages(allocator)  # pages demoted in place leave the index
         if tiers is not None:  # its transfer ops join the step's plan like every data op
@@ -87,13 +92,16 @@ class KVCacheManager:
         self.host = HostMoves(host_pool, allocator, self.ops, self.versions, stats,
                               scrub_freed_pages=scrub_freed_pages, spill=self.spill_evictions,
                               scrub=self.scrub)
+        self.returning = ReturningSequences(
+            allocator, retention, self.ops, self.versions, self.floors, self.rounded,
+            page_size=page_size, lookup=self.lookup, allocate=self.allocate, commit=self.commit)
         self.swaps = SwapMoves(allocator, swap_space, retention, self.ops, self.versions,
                                self.host, stats, tiers=tiers, page_size=page_size,
-                               free=self.free, register_returning=self.register_returning,
+                               free=self.free, register_returning=self.returning.register,
                                spill=self.spill_evictions)
         self.retaining = RetentionOps(retention, allocator, self.ops, self.versions,
-                                      floors=self._floors, quantized_len=quantized_len,
-                                      scrub_freed_pages=scrub_freed_pages, scrub=self.scrub)
+                                      floors=self.floors, scrub_freed_pages=scrub_freed_pages,
+                                      scrub=self.scrub)
         self.stats.update(scrubbed_pages=0, swaps_out=0, swaps_in=0, swap_bytes=0,
                           stale_kv_reads=0, bytes_device_to_host=0, bytes_host_to_device=0,
                           bytes_host_to_disk=0, bytes_disk_to_host=0, host_pages_out=0,
@@ -155,11 +163,6 @@ class KVCacheManager:
     def seq_slot(self, seq_id: str) -> int:
         """The sequence's per-sequence state slot (KIVI windows), else 0."""
         return self.allocator.seq_slot(seq_id)
-
-    def kv_floor(self, seq_id: str) -> int:
-        """Cache positions of a sequence read from its pages whatever its length: the fully
-        quantized pages it took from the prefix cache or the tiers (0 without a window)."""
-        return self._floors.get(seq_id, 0)
 
     def cached_len(self, seq_id: str, num_computed: int) -> int:
         """Tokens of a sequence in the cache: its computed length less what retention evicted."""
@@ -224,27 +227,14 @@ class KVCacheManager:
         max_hit: attach at most this many leading tokens (None: every cached one)."""
         cached = self.allocator.add_sequence(seq_id, token_ids, cache_key=cache_key,
                                              indexable=indexable, max_hit=max_hit)
-        self.attach_loaded(seq_id, cached)
+        self.floors.attach_loaded(seq_id, cached)
         return cached
-
-    def quantized_lens(self, max_len: int) -> tuple[int, ...] | None:
-        """With a window beside the pages (KIVI): of a sequence's first n tokens, how many its
-        pages hold, for n in [0, max_len]; None without one."""
-        if self._quantized_len is None:
-            return None
-        return tuple(int(self._quantized_len(n)) for n in range(max_len + 1))
-
-    def attach_loaded(self, seq_id: str, num_tokens: int) -> None:
-        """The sequence's first `num_tokens` came as whole pages from the prefix cache or the
-        tiers: with a window beside the pages, they are read from the pages from now on."""
-        if self._quantized_len is not None and num_tokens:
-            self._floors[seq_id] = max(self.kv_floor(seq_id), num_tokens)
 
     def unregister(self, seq_id: str) -> None:
         """Drops a registration whose pages were never written by it (admission fell through);
         its prefix-cache hits go back to the cache."""
         self.allocator.free(seq_id)
-        self._floors.pop(seq_id, None)
+        self.floors.pop(seq_id)
 
     def allocate(self, seq_id: str, start: int, end: int, *, returning: bool = False) -> bool:
         """Makes cache positions [start, end) of a sequence writable (new pages, copy-on-write
@@ -265,21 +255,14 @@ class KVCacheManager:
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """Publishes the sequence's full computed pages to the prefix cache (with a window
         beside the pages, those whose every token the pages hold)."""
-        if self._quantized_len is not None:
-            token_ids = token_ids[:max(self.kv_floor(seq_id),
-                                       self._quantized_len(len(token_ids)))]
-        self.allocator.commit(seq_id, token_ids)
+        self.allocator.commit(seq_id, self.floors.paged_tokens(seq_id, token_ids))
 
     def free(self, seq_id: str, *, keep_retention: bool = False) -> None:
         """Releases a sequence's pages (cached ones stay in the prefix cache) and policy state
         (kept with keep_retention: a swapped sequence comes back with the same tokens, and its
         host-resident pages stay in the host pool for it)."""
         if not keep_retention:
-            self.retention.drop(seq_id)
-            self._floors.pop(seq_id, None)
-            self.rounded.discard(seq_id)
-            if self.host_pool is not None:
-                self.host_pool.free(seq_id)
+            self._forget(seq_id)
         freed = self.allocator.free(seq_id)
         if self.scrub_freed_pages:
             if freed:
@@ -310,8 +293,7 @@ class KVCacheManager:
         except ValueError:
             return False
         self.retention.fork(parent_id, child_id)
-        if parent_id in self._floors:
-            self._floors[child_id] = self._floors[parent_id]
+        self.floors.fork(parent_id, child_id)
         self.copy(copies)
         if self.keeps_windows:
             self.ops.issue(KVOp(KVOpKind.COPY_WINDOW, src=(self.seq_slot(parent_id),),
@@ -327,6 +309,7 @@ class KVCacheManager:
     to_device = delegate("host", HostMoves.to_device)
     swap_out = delegate("swaps", SwapMoves.swap_out)
     swap_in = delegate("swaps", SwapMoves.swap_in)
+    swap_out_bytes = delegate("swaps", SwapMoves.swap_out_bytes)
     restore_window = delegate("swaps", SwapMoves.restore_window)
     retain = delegate("retaining", RetentionOps.retain)
     retain_verified = delegate("retaining", RetentionOps.retain_verified)
@@ -337,64 +320,18 @@ class KVCacheManager:
         """Whether sequences hold state beside their pages (KIVI windows)."""
         return self.swap_space.keeps_windows
 
-    # ----------------------------------------------------------------------------- returning
-
-    def place(self, seq_id: str, token_ids: Sequence[int], num_computed: int, cache_key: bytes,
-              version: str, num_pages: int | Sequence[int], scatter,
-              retention: dict | None = None, kv_floor: int = 0) -> bool:
-        """Registers a sequence whose first `num_pages` block-table entries of KV (per layer
-        group where groups keep budgets of their own) come from outside the pool (a
-        snapshot): prefix-cache hits are shared, the rest written by
-        `scatter(kv, tables, first) -> kv` (tables: [G][num_pages - first], every layer group's
-        pool pages for entries first.., RELEASED where a window no longer reads the entry; the
-        sequence's slot is `seq_slot(seq_id)` by then). `retention`: the retention record
-        saved with the pages (`RetentionManager.record`), if any; `kv_floor`: the sequence's
-        `kv_floor` when it was saved. False, with nothing changed, when the pool has no room."""
-        self.retention.restore(seq_id, retention)
-        self.attach_loaded(seq_id, kv_floor)
-        cached = self.register_returning(seq_id, token_ids, num_computed, cache_key)
-        if cached is None:
-            self.retention.drop(seq_id)
-            self._floors.pop(seq_id, None)
-            return False
-        first = cached // self.page_size
-        tables = self.allocator.block_tables(seq_id)
-        counts = [num_pages] * len(tables) if isinstance(num_pages, int) else num_pages
-        tables = [t[first:n] for t, n in zip(tables, counts, strict=True)]
-        written = [p for t in tables for p in t if p != RELEASED]
-        self.ops.apply(KVOp(KVOpKind.SCATTER, tuple(written)),
-                    lambda kv: scatter(kv, tables, first))
-        self.mark_written(written, version)
-        self.commit(seq_id, token_ids[:num_computed])
-        return True
-
-    def register_returning(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
-                           cache_key: bytes) -> int | None:
-        """Registers a returning (swapped or restored) sequence with pages for the tokens its
-        cache holds (prefix hits shared unless retention dropped some); the number of leading
-        cached tokens the prefix cache supplied, or None, with nothing changed, when the pool
-        has no room."""
-        held = self.cached_len(seq_id, num_computed)
-        floor = self._floors.get(seq_id)
-        # Pages that hold a subset of its tokens (in any block table) index nothing.
-        keeps_all = held == num_computed and not any(self.retention.group_evicted(seq_id))
-        cached = self.lookup(seq_id, token_ids[:num_computed + 1], cache_key,
-                             indexable=keeps_all and self.rounded.indexable(seq_id))
-        shifts = self.retention.group_shifts(seq_id)
-        if shifts:  # table groups that kept budgets of their own come back at their lengths
-            self.allocator.shift_groups(seq_id, shifts)
-        if not self.allocate(seq_id, cached, held, returning=True):
-            self.unregister(seq_id)
-            if floor is not None:  # It stays swapped out, with the floor it had.
-                self._floors[seq_id] = floor
-            return None
-        return cached
+    # ----------------------------------------------------------------------------- forgetting
 
     def drop_swapped(self, seq_id: str) -> None:
         """Forgets a sequence's host copy (it finished or restarts)."""
         self.swaps.drop(seq_id)
+        self._forget(seq_id)
+
+    def _forget(self, seq_id: str) -> None:
+        """Drops what the sequence keeps while away: its retention record, floor, pages
+        demoted in place and host-pool pages."""
         self.retention.drop(seq_id)
-        self._floors.pop(seq_id, None)
+        self.floors.pop(seq_id)
         self.rounded.discard(seq_id)
         if self.host_pool is not None:
             self.host_pool.free(seq_id)

@@ -9,6 +9,7 @@ import numpy as np
 
 from kvjax.kv.retention_host import RetentionManager, SeqLayout
 from kvjax.memory.block_manager import AllocStatus
+from kvjax.memory.floors import WindowFloors
 from kvjax.memory.op_plan import OpPlan
 from kvjax.memory.ops import KVOp, KVOpKind
 from kvjax.memory.page_versions import PageVersions
@@ -22,21 +23,18 @@ class RetentionOps:
       allocator: the page allocator whose tables a compaction rewrites.
 
     Args:
-      floors: sequence -> tokens its pages hold from the start (the manager's `kv_floor`s,
-        shared: a compaction resets one).
-      quantized_len: as in KVCacheManager.
+      floors: the manager's `WindowFloors` (shared: a compaction resets a sequence's floor).
       scrub: zeroes freed device pages (with `scrub_freed_pages`).
     """
 
     def __init__(self, retention: RetentionManager, allocator, ops: OpPlan,
-                 versions: PageVersions, *, floors: dict[str, int], quantized_len,
-                 scrub_freed_pages: bool, scrub: Callable[[Sequence[int]], None]):
+                 versions: PageVersions, *, floors: WindowFloors, scrub_freed_pages: bool,
+                 scrub: Callable[[Sequence[int]], None]):
         self.retention = retention
         self.allocator = allocator
         self.ops = ops
         self.versions = versions
-        self._floors = floors
-        self._quantized_len = quantized_len
+        self.floors = floors
         self.scrub_freed_pages = scrub_freed_pages
         self._scrub = scrub
 
@@ -75,16 +73,12 @@ class RetentionOps:
         later aging reads."""
         limit = self.retention.max_verify_tokens(seq_id)
         most = most if limit is None else max(1, min(most, limit))
-        if self._quantized_len is None:
+        if not self.floors.has_window:
             return most
         cached = num_computed - self.retention.num_evicted(seq_id)
-        floor = self._floors.get(seq_id, 0)
-
-        def aged(length: int) -> int:
-            return max(self._quantized_len(length), floor)
-
+        aged = self.floors.paged_len(seq_id, cached)
         n = 1
-        while n < most and aged(cached + n + 1) == aged(cached):
+        while n < most and self.floors.paged_len(seq_id, cached + n + 1) == aged:
             n += 1
         return n
 
@@ -101,7 +95,7 @@ class RetentionOps:
             return
         table = self.allocator.block_table(seq_id)
         layout = SeqLayout(old_table=old_table, new_table=list(table),
-                           kv_floor=self._floors.pop(seq_id, 0),
+                           kv_floor=self.floors.pop(seq_id),
                            seq_slot=self.allocator.seq_slot(seq_id))
         plan = self.retention.evict(seq_id, keep, src, dst, len(freed),
                                     is_prefill_done=is_prefill_done, layout=layout)

@@ -52,7 +52,7 @@ class SwapMoves:
 
     Args:
       free: frees a swapped-out sequence's device pages (`KVCacheManager.free`).
-      register_returning: registers a returning sequence (`KVCacheManager.register_returning`).
+      register_returning: registers a returning sequence (`ReturningSequences.register`).
       spill: spills evicted prefix-cache pages before a copy writes to them.
     """
 
@@ -86,12 +86,7 @@ class SwapMoves:
         A sequence retention compacted keeps its record of which tokens its pages hold (one
         per table group where groups keep budgets of their own: each group's copy is its
         table's pages at its own cached length)."""
-        held = num_computed - self.retention.num_evicted(seq_id)
-        # Host-resident pages are host memory already: they wait in the host pool.
-        entries = self._held_entries(seq_id, self.host.num_host_pages(seq_id), [
-            pages_for(held + shift, self.page_size)
-            for shift in self.retention.group_shifts(seq_id)
-            or [0] * len(self.allocator.block_tables(seq_id))])
+        entries = self._entries_to_move(seq_id, num_computed)
         tables = self.allocator.block_tables(seq_id)
         pages = [tables[group][index] for index, group in entries]
         if self.tiers is None:
@@ -103,6 +98,23 @@ class SwapMoves:
         self.stats["swaps_out"] += 1
         self.stats["swap_bytes"] += nbytes
         self._free_pages(seq_id, keep_retention=True)
+
+    def swap_out_bytes(self, seq_id: str, num_computed: int) -> int:
+        """Bytes `swap_out` (without demotion) would move now: the pages the sequence holds
+        in every block table, each up to its own cached length (those retention compacted
+        away are back in the pool), and its window."""
+        return self._copy_bytes(len(self._entries_to_move(seq_id, num_computed)), 0,
+                                (0,) if self.keeps_windows else ())
+
+    def _entries_to_move(self, seq_id: str, num_computed: int) -> list[tuple[int, int]]:
+        """(block-table entry, layer group) of each page a swap out copies: every table's
+        pages of its cached tokens but the host-resident ones (host memory already: they wait
+        in the host pool)."""
+        held = num_computed - self.retention.num_evicted(seq_id)
+        return self._held_entries(seq_id, self.host.num_host_pages(seq_id), [
+            pages_for(held + shift, self.page_size)
+            for shift in self.retention.group_shifts(seq_id)
+            or [0] * len(self.allocator.block_tables(seq_id))])
 
     def _swap_out_op(self, seq_id: str, entries: list[tuple[int, int]], pages: list[int],
                      bits: int) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from kvjax.scheduler.preemption import PreemptionMode
 
@@ -18,10 +18,7 @@ class SchedulerConfig:
       max_model_len: the context limit (page-rounded).
       is_paged: the pool is paged (swapping and page-level admission apply).
       preemption_mode: RECOMPUTE, SWAP or AUTO.
-      kv_bytes_per_token: device bytes one cached token takes (the swap cost model's input).
-      kv_bytes_held: bytes a sequence of n cached tokens holds (`KVCacheSpec.bytes_held`: a
-        sliding-window layer keeps only its window), which the swap cost model prices; None:
-        n * kv_bytes_per_token.
+      kv_bytes_per_token: device bytes one cached token takes (KV samples, a controller's prices).
       swap_bandwidth_bytes_per_s: measured or configured device<->host rate (AUTO).
       recompute_tokens_per_s: configured recompute rate (AUTO); None: measured from the steps.
       max_inflight_loads: tier loads in flight at once.
@@ -50,7 +47,6 @@ class SchedulerConfig:
     is_paged: bool
     preemption_mode: PreemptionMode
     kv_bytes_per_token: float
-    kv_bytes_held: Callable[[int], float] | None = None
     swap_bandwidth_bytes_per_s: float | None = None
     recompute_tokens_per_s: float | None = None
     max_inflight_loads: int = 1

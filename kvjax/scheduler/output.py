@@ -35,7 +35,7 @@ class ScheduledRow:
       sampling, seed: how the row samples; counter: the index of the token it generates.
       seq_slot: the sequence's per-sequence state slot (KIVI windows), else 0.
       kv_floor: cache positions before it are read from the pages whatever the row's length
-        (the fully quantized prefix-cache pages it started from; `KVCacheManager.kv_floor`).
+        (the fully quantized prefix-cache pages it started from; `WindowFloors.floor`).
       samples: the row computes the sequence's last pending token, so its sampled token is
         the sequence's next one.
       kv_epoch: the sequence's KV epoch when scheduled.

@@ -32,7 +32,9 @@ class PreemptionDecision:
     Attributes:
         seq_id: the preempted sequence.
         num_tokens: tokens whose KV it held (prompt + generated so far).
-        swap_cost_s: estimated seconds to move its KV out and back.
+        swap_bytes: bytes a swap moves each way: the pages it holds in every block table
+            (`KVCacheManager.swap_out_bytes`), fewer than its tokens' where retention freed some.
+        swap_cost_s: estimated seconds to move those bytes out and back.
         recompute_cost_s: estimated seconds to prefill those tokens again.
         choice: PreemptionMode.SWAP or PreemptionMode.RECOMPUTE (a str enum, so the decision
             serializes to JSON as 'swap' or 'recompute').
@@ -40,25 +42,28 @@ class PreemptionDecision:
 
     seq_id: str
     num_tokens: int
+    swap_bytes: int
     swap_cost_s: float
     recompute_cost_s: float
     choice: PreemptionMode
 
 
-def decide_preemption(seq_id: str, num_tokens: int, *, bytes_per_token: float,
+def decide_preemption(seq_id: str, num_tokens: int, *, swap_bytes: int,
                       bandwidth_bytes_per_s: float, recompute_tokens_per_s: float
                       ) -> PreemptionDecision:
-    """Swap when moving the KV out and back is estimated cheaper than prefilling it again."""
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    """Swap when moving the KV's `swap_bytes` out and back is estimated cheaper than
+    prefilling its `num_tokens` tokens again."""
+    if num_tokens < 0 or swap_bytes < 0:
+        raise ValueError(f"num_tokens and swap_bytes must be >= 0, got {num_tokens}, "
+                         f"{swap_bytes}")
     if not bandwidth_bytes_per_s > 0 or not recompute_tokens_per_s > 0:
         raise ValueError(f"rates must be > 0, got bandwidth={bandwidth_bytes_per_s!r}, "
                          f"recompute={recompute_tokens_per_s!r}")
-    swap = 2 * num_tokens * bytes_per_token / bandwidth_bytes_per_s
+    swap = 2 * swap_bytes / bandwidth_bytes_per_s
     recompute = num_tokens / recompute_tokens_per_s
     choice = PreemptionMode.SWAP if swap < recompute else PreemptionMode.RECOMPUTE
-    return PreemptionDecision(seq_id=seq_id, num_tokens=num_tokens, swap_cost_s=swap,
-                              recompute_cost_s=recompute, choice=choice)
+    return PreemptionDecision(seq_id=seq_id, num_tokens=num_tokens, swap_bytes=swap_bytes,
+                              swap_cost_s=swap, recompute_cost_s=recompute, choice=choice)
 
 
 class PreemptionPolicy:
@@ -91,7 +96,8 @@ class PreemptionPolicy:
     def mode(self, seq: Sequence, decisions: Decisions) -> PreemptionMode:
         """SWAP or RECOMPUTE for this sequence: RECOMPUTE when it holds no KV or the pool is
         not paged; else the controller's choice if it made one; else as configured; under
-        AUTO, the cost model decides (and is logged)."""
+        AUTO, the cost model decides (and is logged), pricing a swap at the bytes of the pages
+        the sequence holds now."""
         if not (seq.num_computed > 0 and self.config.is_paged):
             return PreemptionMode.RECOMPUTE
         if seq.seq_id in decisions.swap:
@@ -99,10 +105,9 @@ class PreemptionPolicy:
         mode = self.config.preemption_mode
         if mode is not PreemptionMode.AUTO:
             return mode
-        n, held = seq.num_computed, self.config.kv_bytes_held
+        n = seq.num_computed
         decision = decide_preemption(seq.seq_id, n,
-                                     bytes_per_token=held(n) / n if held and n
-                                     else self.config.kv_bytes_per_token,
+                                     swap_bytes=self.kv_cache.swap_out_bytes(seq.seq_id, n),
                                      bandwidth_bytes_per_s=self.config.swap_bandwidth_bytes_per_s,
                                      recompute_tokens_per_s=self.recompute_rate())
         self.stats["preemption_decisions"].append(dataclasses.asdict(decision))

@@ -92,7 +92,7 @@ class SchedulerRecipe:
       keeps_windows: whether sequences hold state beside their pages (KIVI windows): their
         slots are copied, scrubbed and swapped with them.
       quantized_lens: KIVI: of a sequence's first n tokens, how many its pages hold, by n
-        (`KVCacheManager.quantized_lens`); None without a window.
+        (`WindowFloors.quantized_lens`); None without a window.
     """
 
     config: SchedulerConfig

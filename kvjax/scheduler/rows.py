@@ -83,7 +83,7 @@ class RowBuilder:
                                                                      seq.num_tokens),
             sampling=seq.sampling, seed=seq.seed, counter=seq.num_tokens - seq.num_prompt_tokens,
             seq_slot=self.kv_cache.seq_slot(seq.seq_id),
-            kv_floor=self.kv_cache.kv_floor(seq.seq_id), samples=samples,
+            kv_floor=self.kv_cache.floors.floor(seq.seq_id), samples=samples,
             kv_epoch=seq.kv_epoch, feed_index=feed_index, num_drafts=num_drafts,
             history=np.asarray(seq.tokens[:start], np.int32)
             if seq.sampling.reads_history else None,

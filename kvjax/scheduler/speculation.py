@@ -83,7 +83,7 @@ class SpeculativePlanner:
             num_evicted=evicted, block_table=table, score_weights=np.zeros(1, np.float32),
             sampling=_GREEDY_DRAFT, seed=seq.seed, counter=0,
             seq_slot=self.kv_cache.seq_slot(seq.seq_id),
-            kv_floor=self.kv_cache.kv_floor(seq.seq_id), samples=False, kv_epoch=seq.kv_epoch,
+            kv_floor=self.kv_cache.floors.floor(seq.seq_id), samples=False, kv_epoch=seq.kv_epoch,
             is_draft=True, read_table=np.asarray(reads, np.int32), read_len=int(read_len))
 
     def verified(self, seq: Sequence, row: ScheduledRow, out: RunnerOutput, i: int

@@ -65,7 +65,7 @@ class TierAdmission:
             gained = result.num_loaded * page_size
             if gained:
                 seq.num_computed += gained
-                self.kv_cache.attach_loaded(seq.seq_id, seq.num_computed)
+                self.kv_cache.floors.attach_loaded(seq.seq_id, seq.num_computed)
                 self.kv_cache.commit(seq.seq_id, seq.tokens[:seq.num_computed])
                 self.stats["tier_hit_tokens"] += gained
                 if seq.num_preemptions == 0:
@@ -216,7 +216,7 @@ class TierAdmission:
                 or len(self.table.running) + tiers.num_loading >= self.config.max_num_seqs):
             return False
         keys = tiers.swap_keys(seq.seq_id)
-        cached = self.kv_cache.register_returning(seq.seq_id, seq.tokens, seq.num_computed,
+        cached = self.kv_cache.returning.register(seq.seq_id, seq.tokens, seq.num_computed,
                                                   tiers.swap_cache_key(seq.seq_id))
         if cached is None:
             return False

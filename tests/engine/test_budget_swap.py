@@ -11,13 +11,18 @@ and a warmed-up engine compiles nothing while it swaps.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.config import PreemptionMode
 from kvjax.engine.engine import Engine
+from kvjax.memory.block_manager import RELEASED
 from kvjax.memory.tiers import TierConfig
+from kvjax.scheduler.controller import Decisions
+from kvjax.scheduler.preemption import decide_preemption
 from kvjax.shapes import pages_for
 
 P = 4
@@ -122,6 +127,50 @@ def test_budget_tables_swap_out_and_back(tiny, unpreempted, schedule, mode):
     assert got == unpreempted(schedule)
     assert engine.kv_cache.allocator.num_free_pages() == TIGHT[schedule]  # nothing leaked
     assert engine.kv_cache.allocator.num_used_pages() == 0
+    # AUTO priced each swap at the pages the sequence's tables held when it was preempted.
+    priced = [d["swap_bytes"] for d in engine.stats["preemption_decisions"]]
+    assert priced == ([e["held"] * engine.kv_spec.page_bytes for e in outs]
+                      if mode == "auto" else [])
+
+
+def _held_pages(engine: Engine, seq_id: str) -> int:
+    """Pages in the sequence's block tables, counted entry by entry."""
+    return sum(int(page) != RELEASED
+               for table in engine.kv_cache.allocator.block_tables(seq_id) for page in table)
+
+
+@pytest.mark.parametrize("schedule", ["pyramid", "adakv"])
+def test_auto_preemption_prices_a_compacted_swap_at_the_pages_held(tiny, schedule):
+    """Once its press compacted it, a sequence's swap is priced at the pages its block tables
+    hold times the page bytes, what the swap moves. The spec's figure for its length counts
+    each table's budget alone, at token granularity: not the tokens decoded since the press
+    decided, nor the rest of each table's last page. With rates between the two prices,
+    AUTO's choice follows the pages held."""
+    engine = _engine(tiny, schedule, 8 * TIGHT[schedule], "auto")
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    while len(engine.sequence("r#0").output_ids) < 2:
+        engine.step()
+    seq = engine.sequence("r#0")
+    n = seq.num_computed
+    num_tables = len(engine.kv_cache.allocator.block_tables(seq.seq_id))
+    pages = _held_pages(engine, seq.seq_id)
+    assert pages < num_tables * pages_for(n, P), "the press was meant to compact it"
+    held = pages * engine.kv_spec.page_bytes
+    spec = engine.kv_spec.bytes_held(n)
+    assert engine.kv_cache.swap_out_bytes(seq.seq_id, n) == held != spec
+    # Recomputing costs n seconds; swapping the held pages sqrt(held / spec) times that.
+    preemption = engine.scheduler.preemption
+    preemption.config = dataclasses.replace(
+        preemption.config, recompute_tokens_per_s=1.0,
+        swap_bandwidth_bytes_per_s=2 * (held * spec) ** 0.5 / n)
+    rates = dict(bandwidth_bytes_per_s=preemption.config.swap_bandwidth_bytes_per_s,
+                 recompute_tokens_per_s=1.0)
+    by_pages = "swap" if held < spec else "recompute"
+    assert decide_preemption(seq.seq_id, n, swap_bytes=int(spec), **rates).choice != by_pages
+    assert preemption.mode(seq, Decisions()) == by_pages
+    decision = engine.stats["preemption_decisions"][-1]
+    assert decision["swap_bytes"] == held
+    assert decision["recompute_cost_s"] == pytest.approx(n)
 
 
 @pytest.mark.parametrize("schedule", ["pyramid", "adakv"])

@@ -13,6 +13,7 @@ from kvjax.bench.workloads import multi_turn
 from kvjax.engine.engine import Engine
 from kvjax.memory.tiers import TierConfig
 from kvjax.memory.transfer import Fault, FaultConfig, TransferKind, TransferState
+from kvjax.shapes import pages_for
 from kvjax.testing import greedy_reference, tiny_model
 
 MAX_NEW = 4
@@ -254,8 +255,9 @@ def test_auto_preemption_follows_the_cost_model(model, pressure, page_bytes):
         for d in decisions:
             tokens = d["num_tokens"]
             assert d["recompute_cost_s"] == pytest.approx(tokens / 1000.0)
-            assert d["swap_cost_s"] == pytest.approx(
-                2 * tokens * engine.kv_bytes_per_token / bandwidth)
+            # A swap moves the pages the sequence holds, its tokens rounded up to pages.
+            assert d["swap_bytes"] == pages_for(tokens, BASE["page_size"]) * page_bytes
+            assert d["swap_cost_s"] == pytest.approx(2 * d["swap_bytes"] / bandwidth)
         choices[name] = {d["choice"] for d in decisions}
         assert engine.stats["swaps_out"] == sum(d["choice"] == "swap" for d in decisions)
     assert choices == {"fast_link": {"swap"}, "slow_link": {"recompute"}}

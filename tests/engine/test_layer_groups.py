@@ -23,6 +23,8 @@ from kvjax.engine.snapshot import restore_snapshot, save_snapshot
 from kvjax.engine.step import AttentionImpl, LogitsMode, attention_name
 from kvjax.kv import codecs, native
 from kvjax.kv.state import pages_for
+from kvjax.memory.block_manager import RELEASED
+from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.memory.tiers.config import TierConfig
 from kvjax.models import llama
 from kvjax.testing import TINY, greedy_reference, tiny_model
@@ -81,24 +83,38 @@ def test_async_and_sync_decode_the_dense_reference(model, workload, overrides):
     dict(preemption_mode=PreemptionMode.AUTO, tiers=TierConfig(
         swap_bandwidth_bytes_per_s=1e15, recompute_tokens_per_s=1.0)),
 ], ids=["swap", "auto"])
-def test_preemption_by_swap_decodes_the_dense_reference(model, workload, overrides):
+def test_preemption_by_swap_decodes_the_dense_reference(model, workload, overrides,
+                                                       monkeypatch):
     """Too few pages for every sequence at once: preempted sequences swap every group's held
     pages to host memory and back into fresh pages of each group; greedy tokens equal the
-    dense reference's (and so the unpreempted engine's above), and every page comes back."""
+    dense reference's (and so the unpreempted engine's above), and every page comes back.
+    AUTO prices each swap at the pages the sequence's tables hold (a window's table only the
+    window's)."""
     prompts, refs = workload
+    held, swap_out = [], KVCacheManager.swap_out
+
+    def counted(manager, seq_id, num_computed, **kwargs):
+        held.append(sum(int(page) != RELEASED for table in
+                        manager.allocator.block_tables(seq_id) for page in table))
+        return swap_out(manager, seq_id, num_computed, **kwargs)
+
+    monkeypatch.setattr(KVCacheManager, "swap_out", counted)
     engine, got = run(model, prompts, num_pages=24, scrub_freed_pages=True, **overrides)
     assert got == refs
     assert engine.stats["preemptions"] > 0, "the pool was meant to force preemption"
     assert engine.stats["swaps_out"] == engine.stats["swaps_in"] == engine.stats["preemptions"]
     assert engine.allocator.num_free_pages() == 24  # cached or free: nothing leaked
-    decisions = engine.stats["preemption_decisions"]  # auto's: priced at the bytes held
+    decisions = engine.stats["preemption_decisions"]
     is_auto = overrides["preemption_mode"] is PreemptionMode.AUTO
     assert len(decisions) == (engine.stats["preemptions"] if is_auto else 0)
+    if is_auto:
+        assert [d["swap_bytes"] for d in decisions] == [
+            pages * engine.kv_spec.page_bytes for pages in held]
     for d in decisions:
         n = d["num_tokens"]
-        assert d["swap_cost_s"] == pytest.approx(2 * engine.kv_spec.bytes_held(n) / 1e15)
-        if n > WINDOW:
-            assert d["swap_cost_s"] < 2 * n * engine.kv_bytes_per_token / 1e15
+        assert d["swap_cost_s"] == pytest.approx(2 * d["swap_bytes"] / 1e15)
+        if n > 3 * WINDOW:
+            assert d["swap_bytes"] < n * engine.kv_bytes_per_token
 
 
 def test_swapping_both_tables_compiles_nothing_after_warmup(model):

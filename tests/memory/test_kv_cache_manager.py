@@ -133,7 +133,7 @@ def test_place_shares_cached_pages_and_scatters_the_rest():
         (pages,) = np.asarray(tables, np.int32)  # One layer group: one table.
         return kv.replace(k_pages=kv.k_pages.at[:, pages].set(saved[:, first:]))
 
-    assert manager.place("b", tokens, 9, b"k", "v0", 3, scatter)
+    assert manager.returning.place("b", tokens, 9, b"k", "v0", 3, scatter)
     b_table = manager.block_table("b")
     assert b_table[:2] == a_table[:2]  # shared through the prefix cache, not rewritten
     assert (page(device, b_table[2]) == 42.0).all()

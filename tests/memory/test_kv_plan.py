@@ -76,7 +76,7 @@ def _fork_with_a_planned_copy():
 def test_an_op_that_runs_now_first_applies_the_ops_planned_before_it():
     manager, device = _fork_with_a_planned_copy()
     # A snapshot's pages are written when issued (a closure): the copy must land first.
-    assert manager.place("c", [9, 9, 9], 3, b"", "v0", 1, lambda kv, tables, first: kv)
+    assert manager.returning.place("c", [9, 9, 9], 3, b"", "v0", 1, lambda kv, tables, first: kv)
     assert [op.kind for op in device.ops] == [KVOpKind.COPY, KVOpKind.SCATTER]
     assert manager.take_plan() == ()
 
@@ -262,7 +262,7 @@ def test_a_window_swapped_through_the_tiers_travels_as_data_into_its_new_slot():
     device.apply_ops([op for op in plan if op.kind not in (KVOpKind.SPILL,)])
     assert all(not x[:, old].any() for x in _windows(device))
     manager.lookup("y", [7], b"")  # takes a's old slot
-    assert manager.register_returning("a", [1, 2, 3, 4, 5], 5, b"") is not None
+    assert manager.returning.register("a", [1, 2, 3, 4, 5], 5, b"") is not None
     new = manager.seq_slot("a")
     assert new != old
     manager.defer_ops()
