@@ -15,12 +15,13 @@ class RetainLayout(NamedTuple):
     Attributes:
         reused: new page index -> the old page index holding its tokens at the same offsets
             (kept unmoved).
-        own: new page indices that rewrite the sequence's own old page at that index.
+        own: new page index -> the index of a private old page it rewrites (the same index
+            where it can, else another old page the layout leaves unused).
         num_alloc: new pages to take from the free list.
     """
 
     reused: dict[int, int]
-    own: set[int]
+    own: dict[int, int]
     num_alloc: int
 
 
@@ -42,8 +43,17 @@ def retain_layout(old: Sequence[int], num_tokens: int, keep: np.ndarray, page_si
         if segment[0] % p == 0 and segment[-1] - segment[0] == len(segment) - 1:
             reused[j] = int(segment[0] // p)
     taken = set(reused.values())
-    own = {j for j in range(min(num_new_pages, len(old)))
-           if j not in reused and j not in taken and not is_shared(old[j])}
+    spare = [i for i in range(len(old)) if i not in taken and not is_shared(old[i])]
+    own = {j: j for j in range(num_new_pages) if j not in reused and j in spare}
+    # Pages the same index cannot give take the other spare ones: keeping fewer tokens then
+    # never needs a page from the free list unless shared pages must be left unwritten.
+    others = iter(i for i in spare if i not in own.values())
+    for j in range(num_new_pages):
+        if j not in reused and j not in own:
+            index = next(others, None)
+            if index is None:
+                break
+            own[j] = index
     return RetainLayout(reused, own, num_new_pages - len(reused) - len(own))
 
 
@@ -53,8 +63,8 @@ def compact(old: Sequence[int], keep: np.ndarray, page_size: int, layout: Retain
     slot moves (page * P + offset) that fill it, only those that change a slot."""
     p = page_size
     num_new_pages = -(-len(keep) // p)
-    table = [old[layout.reused[j]] if j in layout.reused else old[j] if j in layout.own
-             else allocate() for j in range(num_new_pages)]
+    table = [old[layout.reused[j]] if j in layout.reused else old[layout.own[j]]
+             if j in layout.own else allocate() for j in range(num_new_pages)]
     moved = np.array([j not in layout.reused for j in range(num_new_pages)])  # [pages]
     positions = np.flatnonzero(np.repeat(moved, p)[: len(keep)])  # new positions to fill
     src = np.array(old, np.int64)[keep[positions] // p] * p + keep[positions] % p

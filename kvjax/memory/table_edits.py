@@ -61,9 +61,9 @@ class TableEdits:
 
         A page of the new layout whose tokens are one old page's tokens at the same offsets is
         that old page, unmoved. Every other page of the new layout gets its tokens by slot moves
-        into a private page: the sequence's old page at the same index when no other sequence
-        or the prefix cache holds it (and the new layout does not reuse it), else a new page,
-        so shared and indexed pages are never written. Old pages the new layout does not use
+        into a private page: one of the sequence's old pages that no other sequence or the
+        prefix cache holds and the new layout does not reuse (the one at the same index where
+        it can), else a new page, so shared and indexed pages are never written. Old pages the new layout does not use
         are released. From now on the sequence indexes nothing in the prefix cache (its pages
         no longer hold the K/V of its token chain). All-or-nothing: on NO_PAGES nothing changed.
 
@@ -84,7 +84,7 @@ class TableEdits:
             return AllocStatus.NO_PAGES, np.zeros(0, np.int64), np.zeros(0, np.int64), []
         old = seq.block_table
         table, src, dst = compact(old, keep, self.page_size, layout, self.pool.allocate)
-        kept = set(layout.reused.values()) | layout.own
+        kept = set(layout.reused.values()) | set(layout.own.values())
         freed = [page for index, page in enumerate(old)
                  if index not in kept and self.pool.release(page)]
         seq.block_table = table

@@ -264,6 +264,23 @@ def test_groups_of_own_budgets_grow_each_at_its_own_length_in_a_full_pool():
     assert alloc.num_free_pages() == 12
 
 
+def test_a_compaction_in_a_full_pool_rewrites_an_old_page_instead_of_taking_a_new_one():
+    """Keeping tokens 4-7 (old page 1, unmoved, now first) and 9 needs a second page; the old
+    page at index 1 is taken, so another of the sequence's own old pages takes token 9: the
+    full pool has none to give, and none is needed."""
+    alloc = GroupedBlockManager(3, P, (0,), enable_prefix_cache=False)
+    alloc.add_sequence("a", list(range(1, 11)))
+    assert alloc.ensure_writable("a", 0, 10)[0] is AllocStatus.OK and alloc.num_free_pages() == 0
+    (old,) = alloc.block_tables("a")
+    status, ((src, dst),), freed = alloc.retain_groups("a", [np.array([4, 5, 6, 7, 9])])
+    assert status is AllocStatus.OK and len(freed) == 1
+    (table,) = alloc.block_tables("a")
+    assert table[0] == old[1] and table[1] in (old[0], old[2])
+    assert (src.tolist(), dst.tolist()) == ([old[2] * P + 1], [table[1] * P])  # token 9 -> 4
+    alloc.free("a")
+    assert alloc.num_free_pages() == 3
+
+
 BUDGETS = (3, 6, 11)  # tokens each kv head keeps (head-major pages: one table per head)
 HEAD_PAGES = 26
 
