@@ -8,10 +8,12 @@ alternate, so a noisy machine slows them alike. Prints the median ms per call be
 (weight bytes over the measured memory bandwidth, or FLOPs over the measured matmul rate,
 whichever is larger); this is what sets `linear.NATIVE_MAX_TOKENS`. With --sources, each
 kernel source (e.g. an older one saved with `git show REV:kvjax/models/linear.cc > old.cc`)
-is built and run side by side in place of the packaged one.
+is built and run side by side in place of the packaged one. --dtype bfloat16 loads the
+weights in bfloat16 (the floor still takes the float32 matmul rate).
 
   python scripts/bench_linear.py --tokens=1,8,32,64,128,256 --output_json=/tmp/linear.json
   python scripts/bench_linear.py --sources=/tmp/old.cc,kvjax/models/linear.cc --tokens=8,32
+  python scripts/bench_linear.py --dtype=bfloat16 --tokens=128,512,2048
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ _SOURCES = flags.DEFINE_list("sources", [], "linear.cc sources to run side by si
                              "of the packaged kernel.")
 _HEAD_ONLY = flags.DEFINE_bool("head_only", False, "Time only the output head (the tied "
                                "embedding's transposed product).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights' and "
+                           "activations' dtype.")
 _OUTPUT = flags.DEFINE_string("output_json", None, "Write the results here.")
 
 
@@ -74,7 +78,7 @@ def main(argv):
     reason = linear.unavailable_reason()
     if reason is not None:
         raise SystemExit(reason)
-    model = kvjax.load_model()
+    model = kvjax.load_model(None, _DTYPE.value)
     config, params = model.config, model.params
     rates = roofline.measure_machine()
     weight_bytes = params.get("lm_head", params["embed"]).nbytes
@@ -105,7 +109,7 @@ def main(argv):
         flops = flops_per_token * t
         floor = 1e3 * max(weight_bytes / rates.memory_bytes_per_s,
                           flops / rates.matmul_flops_per_s)
-        results.append(dict(tokens=t, ms=ms, floor_ms=floor))
+        results.append(dict(tokens=t, dtype=_DTYPE.value, ms=ms, floor_ms=floor))
         ratios = " | ".join(f"{ms[n] / ms['xla']:.2f}" for n in native)
         print(f"| {t} | {' | '.join(f'{v:.1f}' for v in ms.values())} | {floor:.1f} | "
               f"{ratios} |", flush=True)

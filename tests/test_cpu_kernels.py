@@ -130,9 +130,12 @@ def test_linear_branches_of_each_level_match_numpy(isa):
 # and X86_64 widen to float32. Shapes: one row and whole pieces; threads' partials added
 # (T x Out >= 16K); odd In (a last pair with a zero row; a masked tail of the transposed
 # rows); Out off the 32-column pieces (widened under NATIVE too); 4 x 4 transposed tiles.
+# From 32 rows NATIVE packs the weights into pairs first: blocks of rows of x with a short
+# last tile, a strip and a transposed panel past Out, In past one pass of a tile (256 rows)
+# and odd (a last pair with a zero row, x's word past In unread).
 BF16_LEVELS = [Isa.NATIVE, Isa.X86_64_V4, *LEVELS]
 BF16_SHAPES = [(1, 576, 576), (16, 64, 1536), (3, 41, 64), (5, 16, 8), (33, 100, 70),
-               (26, 150, 200)]
+               (26, 150, 200), (133, 70, 100), (129, 301, 200)]
 
 
 @pytest.mark.parametrize("isa", BF16_LEVELS, ids=lambda i: i.name)
