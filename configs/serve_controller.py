@@ -11,9 +11,9 @@ during it. The device pool holds 40 pages of 16 tokens (a few requests' worth). 
 the priority scheduler; the controllers that change retention run on a streaming (sinks +
 window) engine whose per-sequence budget they set (at most 256 tokens; sequences start exact),
 the others on exact KV; `inplace` and `joint-inplace` on a mixed-precision pool
-(`kv_codec="mixed"`, rows written exact; a page demoted in place leaves the prefix cache). A
-controller offloads one victim at most twice (max_preemptions). The simulated clock makes each
-run reproducible.
+(`kv_codec="mixed"`, rows written exact; a page demoted in place leaves the prefix cache, so
+prefix pages a lookup has reused stay exact). A controller offloads one victim at most twice
+(max_preemptions). The simulated clock makes each run reproducible.
 """
 
 import pathlib

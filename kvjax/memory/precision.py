@@ -18,7 +18,8 @@ room for: demoting a running sequence's pages makes room for more. The ledger is
 applies in the step's dispatch. A page's class is the class its full rows take; a sequence's
 last, partial page takes new rows at the write class, so only full pages are demoted
 (`cold_pages`), and pages other sequences share (prefix-cache hits, forks) never are: their
-other readers did not choose the rounding.
+other readers did not choose the rounding (the scheduler also keeps reused prefix-cache pages
+exact: `kvjax.scheduler.inplace.InPlaceDemotion.protects`).
 """
 
 from __future__ import annotations
@@ -235,7 +236,8 @@ class RoundedPages:
     with rounded pages that comes back from a swap or a snapshot (`indexable`) neither reads
     nor feeds the index: its pages hold its rounded rows again, in fresh pages. Only pages no
     other sequence holds are demoted (`PrecisionLedger.cold_pages`), so no hit that already
-    happened reads them. Host data only.
+    happened reads them; the scheduler keeps indexed pages a lookup has reused exact, so
+    only pages never reused leave the index. Host data only.
     """
 
     def __init__(self, allocator):

@@ -148,6 +148,10 @@ class PrefixCache:
             raise ValueError(f"page {page} is not in the prefix cache")
         self._hits[page] += 1
 
+    def num_hits(self, page: int) -> int:
+        """Times a lookup reused `page` since it was indexed (0 when it is not indexed)."""
+        return self._hits.get(page, 0)
+
     def cached_pages(self) -> list[CachedPage]:
         """The evictable pages, least recently released first."""
         return [CachedPage(page, self._hits[page], released_at, self._depth[page])

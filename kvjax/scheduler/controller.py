@@ -15,10 +15,11 @@ existing mechanisms:
   demote              a swapped sequence's host copy is stored at fewer bits, int8 or int4
                       (exact -> int8 -> int4: fewer bytes moved and held; its values come back
                       rounded)
-  demote_in_place     a running sequence's cold pages (full, unshared, oldest first) are
-                      re-encoded on the device at fewer bits, int8 or int4, in a
-                      mixed-precision pool (`kvjax.kv.mixed`): the sequence keeps running and
-                      the bytes its pages free go to the sequences that need them
+  demote_in_place     a running sequence's cold pages (full, unshared, not a reused
+                      prefix-cache page, oldest first) are re-encoded on the device at fewer
+                      bits, int8 or int4, in a mixed-precision pool (`kvjax.kv.mixed`): the
+                      sequence keeps running and the bytes its pages free go to the sequences
+                      that need them
   keep                which cached prefix pages stay on the device longest: the prefix cache
                       evicts every other unreferenced page first (to the host tier, when the
                       engine has one), then these in the order given
@@ -124,8 +125,9 @@ class SeqState:
       kl_budget: its SLO's KL budget (None: unbounded).
       demoted_bits: the fewest bits a host copy of its KV was rounded to (0: exact).
       num_preemptions: times it was preempted so far.
-      pages_at: {bits: its full unshared device pages at that class} in a mixed-precision
-        pool (0: exact); empty: none can be demoted in place.
+      pages_at: {bits: its full unshared device pages at that class that may be demoted
+        (reused prefix-cache pages stay exact)} in a mixed-precision pool (0: exact); empty:
+        none can be demoted in place.
       inplace_bits: the coarsest class its pages were demoted to in place (0: none).
     """
 

@@ -1,13 +1,20 @@
 """In-place demotion for the scheduler: what a controller reads of a mixed-precision pool, and
 its `Decisions.demote_in_place` turned into `KVOpKind.DEMOTE` ops.
 
-A controller sees, per running sequence, how many of its full unshared pages sit at each
-precision (`SeqState.pages_at`) and, per precision, what a page of the write class weighs over
+A controller sees, per running sequence, how many of its cold pages (full, unshared, and not
+kept exact for the prefix cache: `InPlaceDemotion.protects`) sit at each precision
+(`SeqState.pages_at`) and, per precision, what a page of the write class weighs over
 a page at it (`ControlState.inplace_ratios`); it answers with a precision per sequence. Here a
 precision b (0 exact, 8, 4) is a (key, value) class of the pool (`MixedOptions.classes`: K8V4
 keeps keys at 8 bits when b is 4), and the ledger re-encodes the sequence's cold pages at it:
 the op is plain data, planned into the step that is being formed, and the runner applies it in
 that step's dispatch, before the model. Host only: no jax.
+
+Pages the prefix index holds and a lookup has reused stay exact: a demoted page leaves the
+index (a hit must read exact rows), so demoting a shared prompt's pages while one sequence
+alone holds them (a tenant's system prompt between two of its requests) would make every
+later request recompute them. The controller is offered only the other pages, so what it
+prices is what a demotion frees.
 """
 
 from __future__ import annotations
@@ -67,10 +74,19 @@ class InPlaceDemotion:
                 for bits, pair in self.classes.items()}
 
     def _cold(self, seq_id: str, num_computed: int) -> list[int]:
-        """The sequence's full pages no other sequence shares, oldest first."""
+        """The sequence's full pages it may demote, oldest first: none another sequence
+        shares, none the prefix index protects (`protects`)."""
         allocator = self.kv_cache.allocator
         full = self.kv_cache.block_table(seq_id)[:num_computed // self.ledger.spec.page_size]
-        return [int(p) for p in full if allocator.ref_count(int(p)) == 1]
+        return [int(p) for p in full
+                if allocator.ref_count(int(p)) == 1 and not self.protects(int(p))]
+
+    def protects(self, page: int) -> bool:
+        """Whether `page` stays exact: the prefix index holds it and a lookup has reused it
+        (a prefix requests share, such as a tenant's system prompt, which a demotion would
+        take out of the index for every later request)."""
+        cache = self.kv_cache.allocator.prefix_cache
+        return cache is not None and cache.num_hits(page) > 0
 
     def seq_fields(self, seq: Sequence) -> dict:
         """SeqState's pages_at and inplace_bits of a running sequence ({} without a ledger)."""
