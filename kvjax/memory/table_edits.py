@@ -64,8 +64,9 @@ class TableEdits:
         into a private page: one of the sequence's old pages that no other sequence or the
         prefix cache holds and the new layout does not reuse (the one at the same index where
         it can), else a new page, so shared and indexed pages are never written. Old pages the
-        new layout does not use are released. From now on the sequence indexes nothing in the prefix cache (its pages
-        no longer hold the K/V of its token chain). All-or-nothing: on NO_PAGES nothing changed.
+        new layout does not use are released. From now on the sequence indexes nothing in the
+        prefix cache (its pages no longer hold the K/V of its token chain). All-or-nothing: on
+        NO_PAGES nothing changed.
 
         Args:
             seq_id: a registered sequence.
