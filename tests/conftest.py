@@ -76,11 +76,15 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"tests/slow_cases.txt lists {case}, which is not a test")
         for item in matched:
             item.add_marker(pytest.mark.slow)
-    # Expensive shared fixtures run once per test process: `make test` (--dist loadgroup)
-    # sends every test that uses one to the same process.
+    # `make test` (--dist loadgroup) sends the tests of one group to one test process. A test
+    # that uses an expensive session fixture joins that fixture's group, so it loads once; the
+    # other tests are grouped by module, so a module's fixtures and the programs its engines
+    # compile are built in one process, not in each (ungrouped tests go one at a time to
+    # whichever process is free, so neighbours of one module land in both).
     for item in items:
-        for fixture in _GROUPED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group(fixture))
+        shared = sorted(_GROUPED_FIXTURES.intersection(getattr(item, "fixturenames", ())))
+        item.add_marker(pytest.mark.xdist_group(shared[0] if shared
+                                                else item.nodeid.split("::")[0]))
 
 
 _GROUPED_FIXTURES = frozenset({"hf_embedded", "sharded"})

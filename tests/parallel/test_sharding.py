@@ -82,25 +82,22 @@ def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def _run_fast_cases() -> dict:
-    import jax
+# Every prompt prefills in the first step: two step shapes per engine keep compiles few.
+_CONFIG = dict(page_size=4, num_pages=96, max_num_batched_tokens=256, max_prefill_chunk=32,
+               min_chunk_bucket=32, max_num_seqs=8, max_prefill_seqs=8)
 
-    from kvjax import EngineConfig, PreemptionMode, SamplingParams
+
+def _single_and_tensor_parallel(cases) -> dict:
+    """For each (name, model, tp): the greedy tokens of a single-device engine and of one on a
+    tp mesh, and how the tp engine laid out its KV and weights."""
+    from kvjax import EngineConfig, SamplingParams
     from kvjax.engine.engine import Engine
     from kvjax.parallel import sharding
-    from kvjax.router import DisaggregatedEngine, Router
-    from kvjax.testing import tiny_model
 
-    # Every prompt prefills in the first step: two step shapes per engine keep compiles few.
-    config = EngineConfig(page_size=4, num_pages=96, max_num_batched_tokens=256,
-                          max_prefill_chunk=32, min_chunk_bucket=32, max_num_seqs=8,
-                          max_prefill_seqs=8)
-    sampling = SamplingParams(max_new_tokens=MAX_NEW)
+    config, sampling = EngineConfig(**_CONFIG), SamplingParams(max_new_tokens=MAX_NEW)
     prompts = _prompts()
     results = {}
-    for name, model, tp in (("gqa3", tiny_model(_gqa3_config()), 3), ("tiny", tiny_model(), 2),
-                            ("qwen3", tiny_model(_qwen3_config()), 2),
-                            ("gemma", tiny_model(_gemma_config()), 2)):
+    for name, model, tp in cases:
         single = Engine(model, config)
         results[f"{name}_single"] = _tokens(single.generate(prompts, sampling))
         mesh = sharding.replica_meshes(sharding.make_mesh(tp))[0]
@@ -113,6 +110,30 @@ def _run_fast_cases() -> dict:
                           .data.shape),
             compiles=engine.num_compiles, single_compiles=single.num_compiles,
             used_pages=engine.allocator.num_used_pages())
+    return results
+
+
+def _run_architecture_cases() -> dict:
+    """Qwen3's and Gemma's layer shapes on tp=2 meshes (the slow tier's cases)."""
+    from kvjax.testing import tiny_model
+
+    return _single_and_tensor_parallel((("qwen3", tiny_model(_qwen3_config()), 2),
+                                        ("gemma", tiny_model(_gemma_config()), 2)))
+
+
+def _run_fast_cases() -> dict:
+    import jax
+
+    from kvjax import EngineConfig, PreemptionMode, SamplingParams
+    from kvjax.engine.engine import Engine
+    from kvjax.parallel import sharding
+    from kvjax.router import DisaggregatedEngine, Router
+    from kvjax.testing import tiny_model
+
+    config, sampling = EngineConfig(**_CONFIG), SamplingParams(max_new_tokens=MAX_NEW)
+    prompts = _prompts()
+    results = _single_and_tensor_parallel(
+        (("gqa3", tiny_model(_gqa3_config()), 3), ("tiny", tiny_model(), 2)))
     # Composed KV behaviours on a mesh: int8 pages, h2o retention and swap preemption under
     # memory pressure give the tokens of the same engine on one device.
     model = tiny_model()
@@ -150,10 +171,7 @@ def _run_moe_case() -> dict:
     from kvjax.parallel import sharding
     from kvjax.testing import tiny_model
 
-    config = EngineConfig(page_size=4, num_pages=96, max_num_batched_tokens=256,
-                          max_prefill_chunk=32, min_chunk_bucket=32, max_num_seqs=8,
-                          max_prefill_seqs=8)
-    sampling = SamplingParams(max_new_tokens=MAX_NEW)
+    config, sampling = EngineConfig(**_CONFIG), SamplingParams(max_new_tokens=MAX_NEW)
     model, prompts = tiny_model(_moe_config()), _prompts()
     mesh = sharding.replica_meshes(sharding.make_mesh(2))[0]
     engine = Engine(model, config, mesh=mesh)
@@ -220,10 +238,24 @@ def sharded():
     return _child("fast")
 
 
-@pytest.mark.parametrize("name,tp", [("gqa3", 3), ("tiny", 2), ("qwen3", 2), ("gemma", 2)])
+@pytest.fixture(scope="module")
+def sharded_architectures():
+    return _child("architectures")
+
+
+@pytest.mark.parametrize("name,tp", [("gqa3", 3), ("tiny", 2)])
 def test_tensor_parallel_greedy_tokens_match_single_device(sharded, name, tp):
     assert sharded[f"{name}_tp{tp}"] == sharded[f"{name}_single"]
     assert sharded[f"{name}_tp{tp}_kv"]["used_pages"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3", "gemma"])
+def test_tensor_parallel_architectures_match_single_device(sharded_architectures, name):
+    """Per-head Q/K norms, YaRN, soft caps, sandwich norms and local RoPE under tp=2: the
+    same split as the cases above with other layer shapes."""
+    assert sharded_architectures[f"{name}_tp2"] == sharded_architectures[f"{name}_single"]
+    assert sharded_architectures[f"{name}_tp2_kv"]["used_pages"] == 0
 
 
 @pytest.mark.slow
@@ -328,6 +360,6 @@ def test_engine_mesh_validation():
 if __name__ == "__main__":
     # XLA_FLAGS came with the environment (see _child).
     case = sys.argv[1]
-    runs = dict(fast=_run_fast_cases, embedded=_run_embedded_case, pallas=_run_pallas_case,
-                moe=_run_moe_case)
+    runs = dict(fast=_run_fast_cases, architectures=_run_architecture_cases,
+                embedded=_run_embedded_case, pallas=_run_pallas_case, moe=_run_moe_case)
     print(json.dumps(runs[case]()))
