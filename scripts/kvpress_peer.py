@@ -27,7 +27,9 @@ prediction at every answer position is the answer's token). Variants are kvjax's
 that many prompt tokens per layer and kv head. Options take kvjax's names (`OPTIONS`). kvjax's
 budget schedules map to their kvpress presses (`SCHEDULES`): `schedule=pyramid` over snapkv is
 PyramidKVPress (per-layer budgets averaging that many tokens), `schedule=adakv` wraps the press in
-AdaKVPress (per-head budgets summing to that many tokens per kv head).
+AdaKVPress (per-head budgets summing to that many tokens per kv head), and `schedule=per_head`
+(kvjax: every layer and kv head keeps the budget by its own scores) is the plain press, whose
+granularity that is (TOVAPress: by its layer's scores, shared by the layer's heads).
 
 Each row's greedy agreement with kvjax's exact continuation (the positions after the answer),
 `kvjax_continuation_agreement`, is 1 for the exact row when both frameworks run the same weights.
@@ -60,11 +62,14 @@ OPTIONS = {
 }
 # kvjax's budget schedules (the `schedule` option) -> the kvpress press that implements it, the
 # presses it scores with, and its own options (kvjax name -> kvpress field). PyramidKV is
-# SnapKV's scorer with per-layer budgets in kvpress; AdaKV wraps any scorer press.
+# SnapKV's scorer with per-layer budgets in kvpress; AdaKV wraps any scorer press; per_head is
+# the scorer press itself (None), which keeps its budget in every layer and kv head.
 SCHEDULES = {
     "pyramid": ("PyramidKVPress", ("snapkv",), {"beta": "beta"}),
     "adakv": ("AdaKVPress", ("snapkv", "knorm", "expected_attention", "tova"),
               {"head_floor": "alpha_safeguard"}),
+    "per_head": (None, ("snapkv", "knorm", "expected_attention", "observed_attention", "tova"),
+                 {}),
 }
 
 
