@@ -60,6 +60,10 @@ OPTIONS = {
     "expected_attention": {"num_future": "n_future_positions", "num_sinks": "n_sink",
                            "covariance": "use_covariance", "vnorm": "use_vnorm"},
 }
+# kvjax options whose one value kvpress implements (no field to set), per press: kvpress's
+# SnapKV averages its window scores over the kernel (kvjax's pooling='avg'; kvjax's default is
+# 'max').
+FIXED = {"snapkv": {"pooling": "avg"}}
 # kvjax's budget schedules (the `schedule` option) -> the kvpress press that implements it, the
 # presses it scores with, and its own options (kvjax name -> kvpress field). PyramidKV is
 # SnapKV's scorer with per-layer budgets in kvpress; AdaKV wraps any scorer press; per_head is
@@ -99,6 +103,10 @@ def make_press(variant: str):
         raise ValueError(f"variant {variant!r}: kvpress has no {schedule!r} schedule over "
                          f"{name!r}; schedules: { {k: v[1] for k, v in SCHEDULES.items()} }")
     own = SCHEDULES[schedule][2] if schedule != "uniform" else {}
+    for option, value in FIXED.get(name, {}).items():
+        if options.pop(option, value) != value:
+            raise ValueError(f"variant {variant!r}: kvpress's {PEERS[name]} has only "
+                             f"{option}={value}")
     known = OPTIONS.get(name, {})
     unknown = sorted(set(options) - set(known) - set(own))
     if unknown:
