@@ -27,7 +27,9 @@ prediction at every answer position is the answer's token). Variants are kvjax's
 that many prompt tokens per layer and kv head. Options take kvjax's names (`OPTIONS`). kvjax's
 budget schedules map to their kvpress presses (`SCHEDULES`): `schedule=pyramid` over snapkv is
 PyramidKVPress (per-layer budgets averaging that many tokens), `schedule=adakv` wraps the press in
-AdaKVPress (per-head budgets summing to that many tokens per kv head).
+AdaKVPress (per-head budgets summing to that many tokens per kv head), and `schedule=per_head`
+(kvjax: every layer and kv head keeps the budget by its own scores) is the plain press, whose
+granularity that is (TOVAPress: by its layer's scores, shared by the layer's heads).
 
 Each row's greedy agreement with kvjax's exact continuation (the positions after the answer),
 `kvjax_continuation_agreement`, is 1 for the exact row when both frameworks run the same weights.
@@ -58,13 +60,20 @@ OPTIONS = {
     "expected_attention": {"num_future": "n_future_positions", "num_sinks": "n_sink",
                            "covariance": "use_covariance", "vnorm": "use_vnorm"},
 }
+# kvjax options whose one value kvpress implements (no field to set), per press: kvpress's
+# SnapKV averages its window scores over the kernel (kvjax's pooling='avg'; kvjax's default is
+# 'max').
+FIXED = {"snapkv": {"pooling": "avg"}}
 # kvjax's budget schedules (the `schedule` option) -> the kvpress press that implements it, the
 # presses it scores with, and its own options (kvjax name -> kvpress field). PyramidKV is
-# SnapKV's scorer with per-layer budgets in kvpress; AdaKV wraps any scorer press.
+# SnapKV's scorer with per-layer budgets in kvpress; AdaKV wraps any scorer press; per_head is
+# the scorer press itself (None), which keeps its budget in every layer and kv head.
 SCHEDULES = {
     "pyramid": ("PyramidKVPress", ("snapkv",), {"beta": "beta"}),
     "adakv": ("AdaKVPress", ("snapkv", "knorm", "expected_attention", "tova"),
               {"head_floor": "alpha_safeguard"}),
+    "per_head": (None, ("snapkv", "knorm", "expected_attention", "observed_attention", "tova"),
+                 {}),
 }
 
 
@@ -94,6 +103,10 @@ def make_press(variant: str):
         raise ValueError(f"variant {variant!r}: kvpress has no {schedule!r} schedule over "
                          f"{name!r}; schedules: { {k: v[1] for k, v in SCHEDULES.items()} }")
     own = SCHEDULES[schedule][2] if schedule != "uniform" else {}
+    for option, value in FIXED.get(name, {}).items():
+        if options.pop(option, value) != value:
+            raise ValueError(f"variant {variant!r}: kvpress's {PEERS[name]} has only "
+                             f"{option}={value}")
     known = OPTIONS.get(name, {})
     unknown = sorted(set(options) - set(known) - set(own))
     if unknown:

@@ -13,7 +13,8 @@ Row keys: `variant`, `framework` ("kvjax" or "kvpress"), kl_mean, kl_p99, kl_max
 press) over every forced token of every probe), top1_agreement, retrieval_pass (fraction of
 probes), on kvjax rows with a peer, `kl_ratio` = kvjax's KL mean / kvpress's, and on kvpress
 rows `press`, the kvpress class that ran (AdaKVPress and PyramidKVPress for kvjax's adakv and
-pyramid schedules), or None where the report does not say.
+pyramid schedules, the plain press for per_head, kvpress's own granularity), or None where the
+report does not say.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class Feature(enum.Enum):
     DISAGGREGATION = "disaggregation"
     ADAKV = "adakv"
     PYRAMID_ADAKV = "pyramid_adakv"
+    PER_HEAD = "per_head"
     MIXED_PRECISION = "mixed_precision"
 
     @property
@@ -96,7 +97,7 @@ _GROUPS = {
     Feature.EXPECTED_ATTENTION: "retention", Feature.OBSERVED_ATTENTION: "retention",
     Feature.SWAP: "preemption", Feature.AUTO_PREEMPTION: "preemption",
     Feature.PYRAMID: "retention_schedule", Feature.ADAKV: "retention_schedule",
-    Feature.PYRAMID_ADAKV: "retention_schedule",
+    Feature.PYRAMID_ADAKV: "retention_schedule", Feature.PER_HEAD: "retention_schedule",
 }
 _DESCRIPTIONS = {
     Feature.INT8: "kv_codec int8, or another codec that stores codes and scales in the pages "
@@ -168,6 +169,9 @@ _DESCRIPTIONS = {
     Feature.PYRAMID_ADAKV: "retention_schedule='pyramid_adakv' (PyramidKV's per-layer "
                            "budgets, each layer's split over its kv heads as AdaKV splits "
                            "it, in the same head-major pages)",
+    Feature.PER_HEAD: "retention_schedule='per_head' (kvpress's granularity: every layer and kv "
+                      "head keeps the budget of a press that compresses the prompt once, by "
+                      "its own scores, in AdaKV's head-major pages and tables)",
     Feature.MIXED_PRECISION: "kv_codec='mixed' (DiffKV): each token row's key and value at a "
                              "class of its own (exact, int8, int4), new rows at the write "
                              "class; a controller re-encodes running sequences' cold pages in "
@@ -181,7 +185,7 @@ _EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.
              Feature.OBSERVED_ATTENTION)
 _QUEST = (Feature.QUEST, Feature.ECHO)
 _RETENTION = (*_EVICTING, *_QUEST)
-_SCHEDULES = (Feature.PYRAMID, Feature.ADAKV, Feature.PYRAMID_ADAKV)
+_SCHEDULES = (Feature.PYRAMID, Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD)
 
 
 def _refusals() -> dict[frozenset[Feature], str]:
@@ -340,10 +344,11 @@ def _refusals() -> dict[frozenset[Feature], str]:
                               (Feature.ADAKV, _ADAKV_REFUSED)):
         for features, reason in refused:
             refuse([schedule], features, reason)
-    # Per-layer budgets split over heads: the head-wise split's pages and tables, so its
-    # refusals (each reason names the split, which this schedule runs in every layer).
+    # Per-layer budgets split over heads, and the even split: the head-wise split's pages and
+    # tables, so its refusals (each reason names the split, which these schedules run in every
+    # layer).
     for features, reason in _ADAKV_REFUSED:
-        refuse([Feature.PYRAMID_ADAKV], features, reason)
+        refuse([Feature.PYRAMID_ADAKV, Feature.PER_HEAD], features, reason)
     _refuse_mixed(refuse)
     return table
 
@@ -563,10 +568,11 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     **{(ModelTrait.LAYER_GROUPS, f):
        "the per-head split keeps a block table per layer and kv head, while a model with "
        "sliding-window layers already keeps one per window group"
-       for f in (Feature.ADAKV, Feature.PYRAMID_ADAKV)},
+       for f in (Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD)},
     **{(ModelTrait.MLA_LATENT, f):
        "an MLA latent row is one head that every query head reads, so there are no kv heads "
-       "to split a budget over" for f in (Feature.ADAKV, Feature.PYRAMID_ADAKV)},
+       "to split a budget over" for f in (Feature.ADAKV, Feature.PYRAMID_ADAKV,
+                                          Feature.PER_HEAD)},
     (ModelTrait.PER_LAYER_ROPE, Feature.CONTEXT_REUSE):
         "a reused chunk's keys are re-rotated by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
@@ -723,7 +729,7 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.FUSED_KV_WRITE, "fused_kv_write=True"))
     if config.retention_schedule == Feature.PYRAMID.value:
         found.append(_Present(Feature.PYRAMID, "retention_schedule='pyramid'"))
-    for schedule in (Feature.ADAKV, Feature.PYRAMID_ADAKV):
+    for schedule in (Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD):
         if config.retention_schedule == schedule.value:
             found.append(_Present(schedule, f"retention_schedule={schedule.value!r}"))
     if config.host_split != "never" and config.num_host_pages > 0:

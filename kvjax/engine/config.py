@@ -122,7 +122,8 @@ class EngineConfig:
         the press's scores, in head-major pages with a block table per (layer, kv head) that
         give back each head's pages past its share; `kvjax.kv.head_retention`; the same presses),
         or 'pyramid_adakv' (both: each layer's pyramid budget split over its heads as AdaKV
-        splits it, in the same head-major pages).
+        splits it, in the same head-major pages), or 'per_head' (kvpress's granularity: every
+        layer and kv head keeps B tokens by its own scores, in the same head-major pages).
       async_scheduling: schedule and dispatch step t+1 while the device runs step t (sampled
         tokens feed the next step on the device; the host reads them one step later). Greedy
         outputs are identical either way. Steps that return logits, engines whose

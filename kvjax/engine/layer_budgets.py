@@ -20,7 +20,7 @@ def pool_layer_groups(mc: ModelConfig, config: EngineConfig, max_model_len: int
     policy = make_retention(config.retention, config.retention_budget, config.page_size,
                             **config.retention_options)
     scheme = check_schedule(config.retention_schedule, policy)
-    if scheme.head_allocation is HeadAllocation.ADAKV:
+    if scheme.head_allocation is not HeadAllocation.UNIFORM:
         return head_layer_groups(policy, mc.num_layers, mc.kv_layer_groups()[0].format,
                                  max_model_len, scheme)
     if scheme.schedule is BudgetSchedule.UNIFORM:
@@ -33,11 +33,11 @@ def retention_manager(mc: ModelConfig, config: EngineConfig, groups: tuple[Layer
                       ) -> RetentionManager:
     """The engine's retention record: one view per sequence, or one per table group when the
     pool's groups keep budgets of their own in several block tables (per (layer, kv head)
-    under AdaKV)."""
+    under a head-wise split: adakv, per_head)."""
     policy = make_retention(config.retention, config.retention_budget, config.page_size,
                             **config.retention_options)
     scheme = check_schedule(config.retention_schedule, policy)
-    if scheme.head_allocation is HeadAllocation.ADAKV:
+    if scheme.head_allocation is not HeadAllocation.UNIFORM:
         return HeadRetention(policy, groups, scheme=scheme, rope=mc.rope)
     if len(table_groups([(g.layers, 0) for g in groups])) == 1 or \
             config.retention_schedule == BudgetSchedule.UNIFORM.value:

@@ -24,6 +24,8 @@ here keep different tokens in different layers and heads:
   adakv             AdaKV: the K * B_l (head, token) pairs of largest score over the layer's
                     heads, every head keeping at least `head_floor` of its even share first (a
                     head whose scores are spread keeps more tokens, a peaked one fewer)
+  per_head          B_l tokens in every head, each head ranking by its own score (kvpress's
+                    plain presses: AdaKV with an even split, `head_floor` 1)
   ================  ==========================================================================
 
 A press's protected tokens (`first` sinks, the `last` tokens: SnapKV's window, TOVA's newest) are
@@ -52,9 +54,11 @@ observed_attention), the pyramid schedule (`EngineConfig.retention_schedule='pyr
 `kvjax.kv.layer_retention`): one table group per run of equal budgets, a cached length per table
 group in the step input, key scores per table group and a compaction per group, whose freed
 pages go back to the pool; and the adakv split (`retention_schedule='adakv'`,
-`kvjax.kv.head_retention`): the same per (layer, kv head) table in head-major pages. The
-combined pyramid+adakv scheme is measured on a simulated cache (`kvjax.bench.budgets`) whose
-uniform, pyramid and adakv rows equal the engine's (`tests/engine/test_engine_adakv.py`).
+`kvjax.kv.head_retention`): the same per (layer, kv head) table in head-major pages, as is
+the per_head allocation (`retention_schedule='per_head'`). The combined pyramid+adakv scheme is
+measured on a simulated cache (`kvjax.bench.budgets`) whose uniform, pyramid, adakv and per_head
+rows equal the engine's (`tests/engine/test_engine_adakv.py`,
+`tests/engine/test_engine_per_head.py`).
 
 Plain numpy, no jax: the host side of retention and the KV cache manager import it freely.
 """
@@ -83,6 +87,7 @@ class HeadAllocation(enum.Enum):
 
     UNIFORM = "uniform"
     ADAKV = "adakv"  # AdaKV's head-wise allocation
+    PER_HEAD = "per_head"  # every head the layer's budget, by its own scores (kvpress's default)
 
 
 def _check_int(name: str, option: str, value: Any, minimum: int) -> int:
@@ -189,22 +194,24 @@ class BudgetScheme:
 
     @property
     def name(self) -> str:
-        """'uniform', 'pyramid', 'adakv' or 'pyramid+adakv'."""
+        """'uniform', 'pyramid', 'adakv', 'per_head' or 'pyramid+adakv' (and the like)."""
         parts = [p.value for p in (self.schedule, self.head_allocation)
                  if p.value != "uniform"]
         return "+".join(parts) or "uniform"
 
     @classmethod
     def named(cls, name: str, **options: Any) -> BudgetScheme:
-        """The scheme `name` ('uniform', 'pyramid', 'adakv', 'pyramid+adakv')."""
-        parts = set(name.split("+"))
-        known = {"uniform", "pyramid", "adakv"}
-        if not parts <= known or ("uniform" in parts and len(parts) > 1):
+        """The scheme `name`: 'uniform', or a schedule over layers ('pyramid'), a split over
+        heads ('adakv', 'per_head'), or both joined by '+' ('pyramid+adakv')."""
+        parts = name.split("+")
+        schedules = [p for p in parts if p in {s.value for s in BudgetSchedule} - {"uniform"}]
+        heads = [p for p in parts if p in {h.value for h in HeadAllocation} - {"uniform"}]
+        if name != "uniform" and (len(schedules) + len(heads) != len(parts)
+                                  or len(schedules) > 1 or len(heads) > 1):
             raise ValueError(f"unknown budget scheme {name!r}: expected 'uniform', 'pyramid', "
-                             f"'adakv' or 'pyramid+adakv'")
-        return cls(BudgetSchedule.PYRAMID if "pyramid" in parts else BudgetSchedule.UNIFORM,
-                   HeadAllocation.ADAKV if "adakv" in parts else HeadAllocation.UNIFORM,
-                   **options)
+                             f"'adakv', 'per_head' or 'pyramid+adakv'")
+        return cls(BudgetSchedule(schedules[0]) if schedules else BudgetSchedule.UNIFORM,
+                   HeadAllocation(heads[0]) if heads else HeadAllocation.UNIFORM, **options)
 
     def layer_budgets(self, num_layers: int, budget: int, num_tokens: int, *,
                       window: int = 0) -> np.ndarray:
@@ -214,6 +221,14 @@ class BudgetScheme:
             return pyramid_budgets(num_layers, budget, num_tokens, window=window,
                                    beta=self.beta)
         return np.full(num_layers, min(budget, num_tokens), np.int64)
+
+    def head_counts(self, ranked: np.ndarray, count: int) -> np.ndarray:
+        """[K] int64 tokens each kv head of a layer keeps of the K * count its heads share, by
+        their ranked scores `ranked` [K, S] (at most S each): AdaKV's split, or `count` each
+        (per_head)."""
+        if self.head_allocation is HeadAllocation.ADAKV:
+            return adakv_head_budgets(ranked, count, self.head_floor)
+        return np.full(len(ranked), min(count, ranked.shape[1]), np.int64)
 
     def select(self, scores: np.ndarray, budget: int, *, first: int = 0, last: int = 0,
                rank: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
@@ -252,7 +267,7 @@ class BudgetScheme:
                 kept[layer, :, chosen] = True
                 continue
             ranked = np.stack([rank(s[middle]) for s in scores[layer]])  # [K, S - first - last]
-            counts = adakv_head_budgets(ranked, count, self.head_floor)
+            counts = self.head_counts(ranked, count)
             for head in range(k_heads):
                 kept[layer, head, _top(ranked[head], int(counts[head])) + first] = True
         return kept

@@ -1,4 +1,5 @@
-"""Per-head retention budgets in the engine: AdaKV's head-wise allocation over a scoring press.
+"""Per-head retention budgets in the engine: AdaKV's head-wise allocation over a scoring press,
+and kvpress's own granularity (every head the budget by its own scores).
 
 `EngineConfig.retention_schedule='adakv'` keeps, in every layer, K * B (kv head, token) pairs
 (B: the press's budget, K kv heads) chosen head-wise, and frees the pages the heads no longer
@@ -20,6 +21,11 @@ need:
     then holds sum over (layer, head) of ceil(B_lh / P) one-head pages;
   * decode appends to every head's table at its own cached length.
 
+`retention_schedule='per_head'` is the same path with an even split: every (layer, kv head)
+keeps exactly B tokens, the press's own choice over that head's scores alone (no pooling of
+scores across heads), as kvpress's plain presses keep them (`HeadAllocation.PER_HEAD`); a
+sequence then holds L * K * ceil(B / P) one-head pages.
+
 `retention_schedule='pyramid_adakv'` splits each layer's PyramidKV budget B_l
 (`kvjax.kv.budgets.pyramid_budgets`, L * B in all) instead, K * B_l pairs per layer, as kvpress
 composes its PyramidKV and AdaKV presses; the pool's groups keep each layer's budget at the
@@ -38,12 +44,12 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.kv.budgets import BudgetScheme, HeadAllocation, adakv_head_budgets
+from kvjax.kv.budgets import BudgetScheme, HeadAllocation
 from kvjax.kv.layer_retention import GroupedRetention
 from kvjax.kv.retention_host import RetentionPolicy
 from kvjax.kv.spec import LayerGroup, TokenFormat, TokenKeep
 
-ADAKV = "adakv"  # the `EngineConfig.retention_schedule` of a head-wise split
+ADAKV = "adakv"  # the `EngineConfig.retention_schedule` of AdaKV's head-wise split
 
 
 def head_layer_groups(policy: RetentionPolicy, num_layers: int, token_format: TokenFormat,
@@ -62,7 +68,7 @@ def head_layer_groups(policy: RetentionPolicy, num_layers: int, token_format: To
 
 class HeadRetention(GroupedRetention):
     """The retention record of a pool with one block table per (layer, kv head), whose press
-    splits each layer's budget over its heads (AdaKV).
+    splits each layer's budget over its heads (AdaKV's split, or the same count for each).
 
     Each sequence has one `CacheView` per table, layer-major then head; key scores arrive per
     table ([L * K, >= S]).
@@ -71,29 +77,35 @@ class HeadRetention(GroupedRetention):
     def __init__(self, policy: RetentionPolicy, groups: tuple[LayerGroup, ...], *,
                  scheme: BudgetScheme | None = None, head_floor: float = 0.2, rope=None):
         """scheme: over layers ('pyramid_adakv': each layer's pyramid budget split over its
-        heads); None: every layer the press's budget."""
-        scheme = dataclasses.replace(scheme or BudgetScheme(), head_floor=head_floor,
-                                     head_allocation=HeadAllocation.ADAKV)
+        heads) and heads ('per_head': an even split; AdaKV's where it says none); None: every
+        layer the press's budget, split by AdaKV."""
+        scheme = scheme or BudgetScheme()
+        if scheme.head_allocation is HeadAllocation.UNIFORM:
+            scheme = dataclasses.replace(scheme, head_allocation=HeadAllocation.ADAKV)
+        scheme = dataclasses.replace(scheme, head_floor=head_floor)
         super().__init__(policy, scheme, groups, rope=rope)
         self.num_heads = groups[0].format.num_kv_heads
         self.tables = [g.layers for g in groups for _ in range(self.num_heads)]
         self.num_tables = len(self.tables)
         first, last = policy.protected_tokens()
-        # One head keeps at most its layer's every unprotected pair beside the protected ones.
+        # Under AdaKV one head keeps at most its layer's every unprotected pair beside the
+        # protected ones; under an even split, its layer's budget.
         most = max(max(g.num_keep_tokens for g in groups), policy.budget)
-        self._max_kept = first + last + self.num_heads * (most - first - last)
+        spread = self.num_heads if scheme.head_allocation is HeadAllocation.ADAKV else 1
+        self._max_kept = first + last + spread * (most - first - last)
 
     def head_counts(self, seq_id: str, budget: int) -> list[np.ndarray]:
-        """[K] the unprotected tokens each head of each layer keeps, AdaKV's split of the
-        layer's K * (budget - protected) pairs by the press's ranked scores."""
+        """[K] the unprotected tokens each head of each layer keeps: the scheme's split of the
+        layer's K * (budget - protected) pairs by the press's ranked scores
+        (`BudgetScheme.head_counts`)."""
         views = self._group_views(seq_id)
         first, last = self.policy.protected_tokens()
         layers = self.scheme.layer_budgets(self.num_layers, budget, len(views[0].positions),
                                            window=first + last)  # [L]
         k = self.num_heads
-        return [adakv_head_budgets(np.stack([self.policy.ranked_scores(v)
-                                             for v in views[i:i + k]]),
-                                   int(count) - first - last, self.scheme.head_floor)
+        return [self.scheme.head_counts(np.stack([self.policy.ranked_scores(v)
+                                                  for v in views[i:i + k]]),
+                                        int(count) - first - last)
                 for i, count in zip(range(0, len(views), k), layers, strict=True)]
 
     def select(self, seq_id: str, *, is_prefill_done: bool) -> list[np.ndarray] | None:

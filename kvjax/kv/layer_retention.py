@@ -48,13 +48,14 @@ from kvjax.kv.retention_host import (
 from kvjax.kv.spec import LayerGroup, TokenFormat, table_groups
 from kvjax.registry import Registry
 
-# `EngineConfig.retention_schedule` -> its `BudgetScheme`: the per-layer schedules, AdaKV's
-# head-wise split (`kvjax.kv.head_retention`), and both (each layer's pyramid budget split
-# over its heads, as kvpress composes its PyramidKV and AdaKV presses).
+# `EngineConfig.retention_schedule` -> its `BudgetScheme`: the per-layer schedules, the
+# head-wise splits (`kvjax.kv.head_retention`: AdaKV's, and per_head, every head the budget by
+# its own scores), and both (each layer's pyramid budget split over its heads, as kvpress
+# composes its PyramidKV and AdaKV presses).
 SCHEDULES = Registry("retention schedule", {
     **{s.value: functools.partial(BudgetScheme, s) for s in BudgetSchedule},
-    HeadAllocation.ADAKV.value: functools.partial(BudgetScheme,
-                                                  head_allocation=HeadAllocation.ADAKV),
+    **{h.value: functools.partial(BudgetScheme, head_allocation=h)
+       for h in (HeadAllocation.ADAKV, HeadAllocation.PER_HEAD)},
     "pyramid_adakv": functools.partial(BudgetScheme, BudgetSchedule.PYRAMID,
                                        HeadAllocation.ADAKV),
 })

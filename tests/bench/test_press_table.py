@@ -110,5 +110,9 @@ def test_peer_refuses_a_schedule_kvpress_lacks_before_importing_kvpress():
         peer.make_press("knorm:512:schedule=pyramid")
     with pytest.raises(ValueError, match="no 'adakv' schedule over 'streaming'"):
         peer.make_press("streaming:512:schedule=adakv")
+    with pytest.raises(ValueError, match="no 'per_head' schedule over 'streaming'"):
+        peer.make_press("streaming:512:schedule=per_head")
+    with pytest.raises(ValueError, match="has only pooling=avg"):
+        peer.make_press("snapkv:512:schedule=per_head:pooling=max")
     with pytest.raises(ValueError, match=r"options \['head_floor'\]"):
         peer.make_press("snapkv:512:schedule=pyramid:head_floor=0.5")

@@ -47,7 +47,7 @@ BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16
 PRESSES = {Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION}
 RETAINED = {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
             Feature.QUEST, Feature.ECHO, Feature.PYRAMID, Feature.ADAKV, Feature.PYRAMID_ADAKV,
-            *PRESSES}
+            Feature.PER_HEAD, *PRESSES}
 APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, Feature.LOWRANK, *RETAINED,
                Feature.CONTEXT_REUSE}
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
@@ -140,6 +140,7 @@ def config_for(features) -> dict:
         Feature.PYRAMID: dict(retention_schedule="pyramid"),
         Feature.ADAKV: dict(retention_schedule="adakv"),
         Feature.PYRAMID_ADAKV: dict(retention_schedule="pyramid_adakv"),
+        Feature.PER_HEAD: dict(retention_schedule="per_head"),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),
@@ -149,7 +150,7 @@ def config_for(features) -> dict:
     config = dict(BASE)
     for feature in features:
         config.update(settings.get(feature, {}))
-    head_major = {Feature.ADAKV, Feature.PYRAMID_ADAKV}
+    head_major = {Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD}
     if set(features) & {Feature.PYRAMID, *head_major}:
         if "retention" not in config:
             config.update(settings[Feature.SNAPKV])

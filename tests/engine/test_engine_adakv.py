@@ -61,9 +61,13 @@ def test_adakv_matches_simulated_cache_and_frees_pages(press, length, budget):
     check_against_simulation(model, engine, prompt_of(length, seed=length), press, budget)
 
 
-def test_adakv_compiles_nothing_after_warmup():
+@pytest.mark.parametrize("schedule", ["adakv", "per_head"])
+def test_adakv_compiles_nothing_after_warmup(schedule):
+    """Head-major tables, split by AdaKV or evenly (per_head), compile nothing once warm."""
     model = tiny_model()
-    engine = Engine(model, adakv_config("snapkv", 16))
+    engine = Engine(model, EngineConfig(**BASE, retention="snapkv", retention_budget=16,
+                                        retention_options=PRESSES["snapkv"][0],
+                                        retention_schedule=schedule))
     warm = engine.warmup()
     tokens, _, _ = engine_run(engine, prompt_of(40, seed=40), 6)
     assert engine.num_compiles == warm, "a step or a compaction compiled after warm-up"

@@ -1,6 +1,6 @@
-"""Budget schemes (kvjax.kv.budgets): per-layer (PyramidKV) and per-head (AdaKV) kept sets
-against float64 numpy references computed from a dense forward pass's Q/K/V, and the pages a
-grouped allocator holds for them.
+"""Budget schemes (kvjax.kv.budgets): per-layer (PyramidKV) and per-head (AdaKV, per_head) kept
+sets against float64 numpy references computed from a dense forward pass's Q/K/V, and the pages
+a grouped allocator holds for them.
 
 The kvjax side scores with `kvjax.bench.budgets.layer_head_scores` (jax, float32) and selects
 with `BudgetScheme.select`; the reference scores each (layer, kv head) with the loops of
@@ -39,7 +39,7 @@ from kvjax.testing import TINY, tiny_model
 P = 4
 BUDGET = 16
 CONFIG = dataclasses.replace(TINY, num_layers=4)
-SCHEMES = ("uniform", "pyramid", "adakv", "pyramid+adakv")
+SCHEMES = ("uniform", "pyramid", "adakv", "pyramid+adakv", "per_head")
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,9 @@ def reference_kept(name: str, scheme: str, scores: np.ndarray, first: int, last:
         if "adakv" in scheme:
             for h, chosen in enumerate(adakv_keep(np.stack(rows), count, 0.2)):
                 kept[layer, h, np.array(chosen, int) + first] = True
+        elif scheme == "per_head":  # each head its own best `count`
+            for h, row in enumerate(rows):
+                kept[layer, h, np.array(keep(row, count), int) + first] = True
         else:
             row = reference_rank(name, scores[layer].sum(axis=0)[first:s - last])
             kept[layer, :, np.array(keep(row, count), int) + first] = True
@@ -124,8 +127,11 @@ def test_kept_sets_per_layer_and_head_equal_the_float64_reference(captured, name
         per_head = got.sum(axis=2)  # [L, K]
         if "pyramid" in scheme:
             assert len(set(per_head.sum(axis=1).tolist())) > 1, "pyramid layers differ"
-        if "adakv" not in scheme:
-            assert (per_head == per_head[:, :1]).all(), "every head of a layer keeps the same"
+        if scheme in ("uniform", "pyramid"):
+            assert (got == got[:, :1]).all(), "every head of a layer keeps the same tokens"
+        if scheme == "per_head":
+            assert (per_head == BUDGET).all(), "every head keeps exactly the budget"
+            assert (got != got[:, :1]).any(), "heads rank by their own scores"
         assert per_head.sum() == CONFIG.num_layers * CONFIG.num_kv_heads * BUDGET
 
 
@@ -205,8 +211,9 @@ def test_budget_schemes_reject_bad_options():
                           (dict(head_floor=1.5), "head_floor"), (dict(beta=0.5), "beta")]:
         with pytest.raises(ValueError, match=match):
             BudgetScheme(**kwargs)
-    with pytest.raises(ValueError, match="unknown budget scheme"):
-        BudgetScheme.named("uniform+adakv")
+    for name in ("uniform+adakv", "adakv+per_head", "pyramid+pyramid", "per-head"):
+        with pytest.raises(ValueError, match="unknown budget scheme"):
+            BudgetScheme.named(name)
     with pytest.raises(ValueError, match="cannot keep"):
         BudgetScheme().select(np.zeros((2, 2, 10)), 4, first=3, last=2)
     with pytest.raises(ValueError, match="unknown press"):

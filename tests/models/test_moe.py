@@ -259,6 +259,7 @@ COMPOSING = [
     (Feature.PYRAMID, Feature.PREFIX_CACHE),
     (Feature.ADAKV, Feature.N_SAMPLES),
     (Feature.PYRAMID_ADAKV, Feature.SWAP),
+    (Feature.PER_HEAD, Feature.PREFIX_CACHE),
     (Feature.ECHO, Feature.INT8),
     (Feature.RECORD_DECISIONS, Feature.SWAP),
     (Feature.DISAGGREGATION, Feature.INT8),
