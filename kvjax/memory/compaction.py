@@ -47,13 +47,8 @@ def retain_layout(old: Sequence[int], num_tokens: int, keep: np.ndarray, page_si
     own = {j: j for j in range(num_new_pages) if j not in reused and j in spare}
     # Pages the same index cannot give take the other spare ones: keeping fewer tokens then
     # never needs a page from the free list unless shared pages must be left unwritten.
-    others = iter(i for i in spare if i not in own.values())
-    for j in range(num_new_pages):
-        if j not in reused and j not in own:
-            index = next(others, None)
-            if index is None:
-                break
-            own[j] = index
+    rest = [j for j in range(num_new_pages) if j not in reused and j not in own]
+    own.update(zip(rest, [i for i in spare if i not in own.values()], strict=False))
     return RetainLayout(reused, own, num_new_pages - len(reused) - len(own))
 
 

@@ -51,10 +51,15 @@ class CacheKeys:
             return self._cache_key(tenant, weights_version)
         return self._cache_key(None, weights_version) + b"|salt=" + cache_salt.encode()
 
+    def hides_hits(self, seq: Sequence) -> bool:
+        """Whether the sequence's hits are capped to what its tenant paid for: a shared salt
+        under `hide_shared_hits`."""
+        return self.ledger is not None and self.table.cache_salt(seq) is not None
+
     def hit_cap(self, seq: Sequence, key: bytes) -> int | None:
         """At most how many leading tokens the sequence may hit (None: any): under a shared
         salt with `hide_shared_hits`, the pages its tenant has paid for (`HitLedger`)."""
-        if self.ledger is None or self.table.cache_salt(seq) is None:
+        if not self.hides_hits(seq):
             return None
         hashes = page_hash_chain(seq.tokens[:-1], key, self.config.page_size)
         return self.ledger.allowed_pages(seq.tenant, hashes) * self.config.page_size

@@ -79,7 +79,7 @@ class TierAdmission:
         whose hits are hidden (`hide_shared_prefix_hits`: its wait would time another tenant's
         prefill)."""
         if (not self.kv_cache.has_prefix_cache or seq.num_preemptions or seq.is_chunk_fill
-                or (self.keys.ledger is not None and self.table.cache_salt(seq) is not None)):
+                or self.keys.hides_hits(seq)):
             return False
         page, key = self.config.page_size, None
         for other in self.table.running:
