@@ -25,11 +25,12 @@ from kvjax import cpu_kernels
 _SOURCE = pathlib.Path(__file__).with_name("linear.cc")
 _TARGET = "kvjax_linear"
 _KV_WRITE_TARGET = "kvjax_linear_kv_write"
-# Steps of at most this many tokens use the native kernel under AUTO, per parameter dtype: up to
-# here it is at least as fast as XLA on the 2-core CPU host, beyond it XLA's packed float32
-# matmul wins (1.13x at 1024 tokens, 1.44x at 2048). In bfloat16 the kernel's pair products
-# beat XLA's widened dots at every size measured (1.06x at 2048 tokens), so it has no limit
-# (docs/benchmarks.md "Native matmuls at prefill sizes").
+# Steps of at most this many tokens use the native kernel under AUTO, per parameter dtype. In
+# float32, XLA's packed matmul wins beyond 512 tokens (the matmuls alone: 1.08x at 1024, 1.39x
+# at 2048; at 512 they are 1.19x, but the native step also fuses the KV write, and a server with
+# this limit served more than with 128). In bfloat16 the kernel's pair products beat XLA's
+# widened dots at every size measured (0.98 of XLA's time at 2048), so it has no limit
+# (docs/benchmarks.md "Serving settings by measurement; the native matmul at prefill sizes").
 NATIVE_MAX_TOKENS = {jnp.dtype(jnp.float32): 512, jnp.dtype(jnp.bfloat16): None}
 
 
