@@ -26,6 +26,7 @@ from kvjax.memory.prefix_cache import (
     PrefixEviction,
     hash_page,
     hash_root,
+    page_hash_chain,
 )
 from kvjax.memory.table_edits import RELEASED as RELEASED  # re-exported for its importers
 from kvjax.memory.table_edits import AllocStatus as AllocStatus
@@ -439,6 +440,16 @@ class BlockManager:
     def cache_key_of(self, seq_id: Hashable) -> bytes:
         """The cache key `seq_id` was registered with (the seed of its hash chain)."""
         return self._get(seq_id).cache_key
+
+    def last_page_hash(self, seq_id: Hashable, token_ids: Sequence[int]) -> bytes | None:
+        """The hash the last full page of `token_ids` (the sequence's leading tokens, e.g.
+        through the page it is computing) will be indexed under: its committed chain, continued
+        (None without a prefix cache, or for a sequence that indexes nothing)."""
+        seq, num_pages = self._get(seq_id), len(token_ids) // self.page_size
+        if self.prefix_cache is None or not seq.is_indexable or num_pages == 0:
+            return None
+        return page_hash_chain(token_ids[:num_pages * self.page_size], seq.cache_key,
+                               self.page_size, seq.page_hashes[:num_pages])[-1]
 
     def _get(self, seq_id: Hashable) -> SeqPages:
         if seq_id not in self._seqs:

@@ -181,6 +181,9 @@ class GroupedBlockManager:
     def cache_key_of(self, seq_id: Hashable) -> bytes:
         return self.groups[0].cache_key_of(seq_id)
 
+    def last_page_hash(self, seq_id: Hashable, token_ids: Sequence[int]) -> bytes | None:
+        return self.groups[0].last_page_hash(seq_id, token_ids)
+
     # ----------------------------------------------------------------------------- prefix
 
     def _common_hit(self, token_ids: Sequence[int], cache_key: bytes,

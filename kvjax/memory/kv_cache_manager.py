@@ -188,6 +188,13 @@ class KVCacheManager:
     def cache_key_of(self, seq_id: str) -> bytes:
         return self.allocator.cache_key_of(seq_id)
 
+    def last_page_hash(self, seq_id: str, token_ids: Sequence[int]) -> bytes | None:
+        """The prefix-cache hash the last full page of the sequence's leading `token_ids` will
+        be indexed under (None without a prefix cache, or for a sequence that indexes none)."""
+        if not self.has_prefix_cache:
+            return None
+        return self.allocator.last_page_hash(seq_id, token_ids)
+
     def cached_pages(self) -> list:
         """The unreferenced prefix-cache pages (`kvjax.memory.prefix_cache.CachedPage`), least
         recently released first; [] without a prefix cache."""

@@ -81,15 +81,18 @@ class TierAdmission:
         if (not self.kv_cache.has_prefix_cache or seq.num_preemptions or seq.is_chunk_fill
                 or self.keys.hides_hits(seq)):
             return False
-        page, key = self.config.page_size, None
+        # The page another prefill computes next is `seq`'s when their hash chains (which
+        # seed on the cache key) meet there: one hash per sequence, not their tokens compared.
+        page, key, chain = self.config.page_size, None, []
         for other in self.table.running:
             upto = other.num_computed // page * page + page  # through its next full page
             if (other.num_computed >= other.num_prompt_tokens
-                    or upto > min(seq.num_prompt_tokens, other.num_prompt_tokens)
-                    or seq.tokens[:upto] != other.tokens[:upto]):
+                    or upto > min(seq.num_prompt_tokens, other.num_prompt_tokens)):
                 continue
             key = key if key is not None else self.keys.cache_key(seq)
-            if self.keys.cache_key(other) == key:
+            chain = page_hash_chain(seq.tokens[:upto], key, page, chain)
+            if chain[upto // page - 1] == self.kv_cache.last_page_hash(other.seq_id,
+                                                                       other.tokens[:upto]):
                 self.stats["prefix_waits"] += 1
                 return True
         return False

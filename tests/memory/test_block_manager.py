@@ -398,6 +398,25 @@ def test_prefix_hit_attaches_shared_pages_and_counts_stats():
     assert stats.prefix_hit_rate == pytest.approx(8 / 21)
 
 
+def test_last_page_hash_is_the_hash_the_page_is_indexed_under_once_committed():
+    """What a waiting prompt compares against a page still being computed: before the page
+    is committed, the hash the prefix cache then indexes it under (and another key's differs)."""
+    bm = BlockManager(num_pages=8, page_size=4)
+    prompt = list(range(10))
+    bm.add_sequence("a", prompt, cache_key=b"k")
+    bm.add_sequence("b", prompt, cache_key=b"other")
+    _write_and_commit(bm, "a", prompt[:4])
+    assert bm.ensure_writable("a", 4, 8) == (AllocStatus.OK, [])
+    computing = bm.last_page_hash("a", prompt[:8])  # its second page, not yet committed
+    bm.commit("a", prompt[:8])
+    assert computing == bm.prefix_cache.hash_of(bm.block_table("a")[1])
+    assert bm.last_page_hash("b", prompt[:8]) != computing
+    assert bm.last_page_hash("a", prompt[:3]) is None  # no full page
+    plain = BlockManager(num_pages=8, page_size=4, enable_prefix_cache=False)
+    plain.add_sequence("a", prompt)
+    assert plain.last_page_hash("a", prompt[:8]) is None  # nothing is ever indexed
+
+
 def test_prefix_hit_leaves_the_last_prompt_token_to_recompute():
     bm = BlockManager(num_pages=8, page_size=4)
     prompt = list(range(8))
