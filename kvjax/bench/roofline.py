@@ -85,13 +85,14 @@ def measure_memory_bandwidth(num_bytes: int = 512 << 20, *, repeats: int = 5) ->
     return x.nbytes / best_time_s(lambda: total(x), repeats)
 
 
-def measure_matmul_rate(n: int = 1024, *, repeats: int = 5) -> float:
-    """FLOP/s of a jitted float32 [n, n] @ [n, n] matmul (2 n^3 FLOPs; best of `repeats`)."""
+def measure_matmul_rate(n: int = 1024, *, repeats: int = 5, dtype: str = "float32") -> float:
+    """FLOP/s of a jitted [n, n] @ [n, n] matmul of `dtype` operands summed in float32, as
+    the model's matmuls are (2 n^3 FLOPs; best of `repeats`)."""
     if n < 1 or repeats < 1:
         raise ValueError(f"need n >= 1 and repeats >= 1, got {n}, {repeats}")
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    matmul = jax.jit(jnp.matmul)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     return 2.0 * n**3 / best_time_s(lambda: matmul(a, b), repeats)
 
 
@@ -143,9 +144,15 @@ def decode_step_cost(config: ModelConfig, params, batch: int, kv_tokens: int,
         embed = params["embed"]
         weight_bytes -= embed.nbytes - batch * c.hidden_size * embed.dtype.itemsize
     kv_bytes = kv_tokens * kv_bytes_per_token
-    flops = 2.0 * matmul_params(c) * batch + \
+    return float(weight_bytes + kv_bytes), decode_step_flops(c, batch, kv_tokens)
+
+
+def decode_step_flops(config: ModelConfig, batch: int, kv_tokens: int) -> float:
+    """FLOPs of one decode step (`decode_step_cost`): 2 per matmul weight per sequence, plus
+    4 * N * D per live token per layer for Q.K and P.V."""
+    c = config
+    return 2.0 * matmul_params(c) * batch + \
         4.0 * c.num_heads * c.head_dim * kv_tokens * c.num_layers
-    return float(weight_bytes + kv_bytes), flops
 
 
 def step_floor(bytes_read: float, flops: float, rates: MachineRates) -> StepFloor:

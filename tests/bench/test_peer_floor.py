@@ -1,0 +1,71 @@
+"""Tests of the vLLM peer's compute floor: the run's FLOPs against a token-by-token count on a
+tiny config, and the floor columns of the comparison rows."""
+
+import pytest
+
+from kvjax.bench import peer_floor, vllm_peer
+from kvjax.config import ModelConfig
+
+# H=8, N=2 heads of D=4, K=1, F=16, 2 layers, V=32, tied embedding.
+_CONFIG = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=4, tie_word_embeddings=True)
+
+
+def _flops_by_hand(num_prompts, prefix_len, input_len, output_len):
+    """Every token each request feeds through the model, counted one by one: per layer 2 FLOPs
+    per weight of Q (8x8), K, V (8x4 each), O (8x8) and the MLP (3 x 8x16), Q.K and P.V over
+    the position's keys (2 x 2 x N x D each), the head (8x32) for the logits it needs."""
+    per_layer_weights = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16
+    prompt = prefix_len + input_len
+    total = 0
+    for request in range(num_prompts):
+        first = 0 if request == 0 else prefix_len  # the shared prefix is computed once
+        for position in range(first, prompt + output_len - 1):
+            keys = position + 1
+            total += 2 * (2 * per_layer_weights + 2 * 2 * 4 * keys * 2)
+            if position >= prompt - 1:  # the last prompt token and every decoded one
+                total += 2 * 8 * 32
+    return total
+
+
+@pytest.mark.parametrize("prefix_len", [0, 12])
+def test_run_flops_count_each_token_once_and_the_shared_prefix_once(prefix_len):
+    got = peer_floor.run_flops(_CONFIG, num_prompts=3, prefix_len=prefix_len, input_len=5,
+                               output_len=4)
+    assert got == _flops_by_hand(3, prefix_len, 5, 4)
+
+
+def test_shared_prefix_len_reads_the_workloads_flags():
+    assert peer_floor.shared_prefix_len("shared_prefix_512") == 512
+    assert peer_floor.shared_prefix_len("random") == 0
+    with pytest.raises(ValueError, match="nope"):
+        peer_floor.shared_prefix_len("nope")
+
+
+def _side(throughput):
+    return dict(output_throughput=throughput, median_ttft_ms=1.0, p99_ttft_ms=1.0,
+                median_tpot_ms=1.0, p99_tpot_ms=1.0, completed=2, failed=0,
+                generated_texts=["a", "b"], errors=["", ""])
+
+
+def test_floor_columns_rate_each_server_and_the_target_against_the_floor():
+    peer = vllm_peer.PeerConfig(num_prompts=2, input_len=5, output_len=4)
+    rows = vllm_peer.comparison({("float32", "random", "vllm"): _side(10.0),
+                                 ("float32", "random", "kvjax"): _side(20.0),
+                                 ("bfloat16", "random", "vllm"): dict(error="server: down"),
+                                 ("bfloat16", "random", "kvjax"): _side(5.0)})
+    rates = {"float32": 1e6, "bfloat16": 4e6}
+    peer_floor.add_floors(rows, _CONFIG, peer, rates)
+    flops = _flops_by_hand(2, 0, 5, 4)
+    f32, bf16 = rows
+    assert f32["floor"]["floor_s"] == pytest.approx(flops / 1e6)
+    assert f32["floor"]["floor_output_throughput"] == pytest.approx(8 / (flops / 1e6))
+    # 8 output tokens at 10 tok/s: 0.8 s for the run's FLOPs.
+    assert f32["vllm"]["achieved_flops_per_s"] == pytest.approx(flops / 0.8)
+    assert f32["kvjax"]["achieved_flops_per_s"] == pytest.approx(flops / 0.4)
+    assert f32["target_over_floor"] == pytest.approx(1.2 * 10.0 * (flops / 1e6) / 8)
+    assert bf16["floor"]["floor_s"] == pytest.approx(flops / 4e6)
+    assert bf16["target_over_floor"] is None and "achieved_flops_per_s" in bf16["kvjax"]
+    text = peer_floor.floor_table(rows)
+    assert f"| float32 | random | {flops / 1e12:.2f} | 0.0 | {flops / 1e6:.1f} |" in text
+    assert text.splitlines()[-1].endswith("| - | 0.0 | - |")  # bfloat16: vLLM down
