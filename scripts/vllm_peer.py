@@ -18,7 +18,8 @@ Before the servers start, the matmul probe runs in each dtype; the second table 
 workload's compute floor (`kvjax.bench.peer_floor`): the run's FLOPs, the measured matmul rate,
 the floor time and throughput, each server's achieved FLOP rate, and what 1.2x vLLM's
 throughput is as a fraction of the floor's. `--floor_only` prints that table without serving
-(no server columns).
+(no server columns); with `--rows_from` a stored table, it adds the floors to that table's rows
+(its workload sizes, the rates measured now) and prints both tables.
 
 Getting vLLM's CPU build to serve here, and how:
 - torchvision, torchaudio and torchcodec come from the package index built for CUDA and crash
@@ -71,6 +72,8 @@ flags.DEFINE_float("startup_timeout_s", 600.0, "How long a server may take to an
 flags.DEFINE_string("note", None, "A note stored with the table (e.g. the machine's load).")
 flags.DEFINE_bool("floor_only", False, "Measure the matmul rates and print the compute "
                   "floors only; no server runs and nothing is written.")
+flags.DEFINE_string("rows_from", None, "With --floor_only: a table this script wrote "
+                    "(JSON), whose rows get the floors.")
 
 
 def main(argv):
@@ -84,8 +87,14 @@ def main(argv):
     rates = peer_floor.measure_matmul_rates(FLAGS.dtypes)
     model_config = kvjax.load_model().config
     if FLAGS.floor_only:
-        print(peer_floor.floor_table(peer_floor.floor_rows(model_config, config, rates,
-                                                           FLAGS.workloads)))
+        if FLAGS.rows_from is None:
+            print(peer_floor.floor_table(peer_floor.floor_rows(model_config, config, rates,
+                                                               FLAGS.workloads)))
+            return
+        stored = json.loads(pathlib.Path(FLAGS.rows_from).read_text())
+        peer_floor.add_result_floors(stored, model_config, rates)
+        print(vllm_peer.table(stored["rows"]))
+        print(peer_floor.floor_table(stored["rows"]))
         return
     result = vllm_peer.run_peer(
         config, dtypes=FLAGS.dtypes, workloads=FLAGS.workloads, servers=FLAGS.servers,
@@ -94,8 +103,7 @@ def main(argv):
         on_run=lambda *key_run: print(*key_run[:3], json.dumps(key_run[3])[:300], flush=True))
     result["label"] = "smoke run" if FLAGS.smoke else "full run"
     result["note"] = FLAGS.note
-    peer_floor.add_floors(result["rows"], model_config, config, rates)
-    result["matmul_flops_per_s"] = rates
+    peer_floor.add_result_floors(result, model_config, rates)
     print(vllm_peer.table(result["rows"]))
     print(peer_floor.floor_table(result["rows"]))
     path = pathlib.Path(FLAGS.output_json or "docs/results/"

@@ -109,6 +109,14 @@ def add_floors(rows: Sequence[dict[str, Any]], config, peer: PeerConfig,
                                     * vllm["output_throughput"] / floor["floor_output_throughput"])
 
 
+def add_result_floors(result: dict[str, Any], config, rates: Mapping[str, float]) -> None:
+    """`add_floors` on a `vllm_peer.run_peer` result (a stored one too: its rows, at its
+    PeerConfig), the rates stored beside them as `matmul_flops_per_s`, in place."""
+    peer = PeerConfig(**dict(result["config"], kvjax_args=tuple(result["config"]["kvjax_args"])))
+    add_floors(result["rows"], config, peer, rates)
+    result["matmul_flops_per_s"] = dict(rates)
+
+
 def floor_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The rows' floors as a markdown table (server columns '-' where a row has none)."""
     lines = ["| dtype | workload | run TFLOP | matmul GFLOP/s | floor (s) | floor tok/s | "

@@ -1,6 +1,9 @@
 """Tests of the vLLM peer's compute floor: the run's FLOPs against a token-by-token count on a
 tiny config, and the floor columns of the comparison rows."""
 
+import dataclasses
+import json
+
 import pytest
 
 from kvjax.bench import peer_floor, vllm_peer
@@ -48,14 +51,18 @@ def _side(throughput):
                 generated_texts=["a", "b"], errors=["", ""])
 
 
-def test_floor_columns_rate_each_server_and_the_target_against_the_floor():
+def test_floor_columns_rate_each_server_and_the_target_against_the_floor_of_a_stored_run():
     peer = vllm_peer.PeerConfig(num_prompts=2, input_len=5, output_len=4)
     rows = vllm_peer.comparison({("float32", "random", "vllm"): _side(10.0),
                                  ("float32", "random", "kvjax"): _side(20.0),
                                  ("bfloat16", "random", "vllm"): dict(error="server: down"),
                                  ("bfloat16", "random", "kvjax"): _side(5.0)})
     rates = {"float32": 1e6, "bfloat16": 4e6}
-    peer_floor.add_floors(rows, _CONFIG, peer, rates)
+    # As stored by the script and read back (--rows_from): its own workload sizes.
+    result = json.loads(json.dumps(dict(config=dataclasses.asdict(peer), rows=rows)))
+    peer_floor.add_result_floors(result, _CONFIG, rates)
+    rows = result["rows"]
+    assert result["matmul_flops_per_s"] == rates
     flops = _flops_by_hand(2, 0, 5, 4)
     f32, bf16 = rows
     assert f32["floor"]["floor_s"] == pytest.approx(flops / 1e6)
