@@ -84,12 +84,14 @@ def _step(target: str, pool: dict, tables: np.ndarray, lens: np.ndarray, num_lay
 
     def run(q, k, v, meta):
         def layer(i, acc):  # q depends on acc so the calls stay in order
-            out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-                q + 0 * acc[:, :, :1], k, v, *meta, i.astype(jnp.int32), tables, lens,
-                jnp.ones_like(lens), sm_scale=np.float32(head_dim ** -0.5),
-                bits=np.int32(pool["bits"]), group=np.int32(pool["group"]),
-                num_queries=np.int32(1), split_rows=True)
-            return acc + out  # [B, N, D]
+            # The kernel writes the attention [B, N, D], then each head's log-sum-exp [B, N].
+            out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((q.size + q.size // head_dim,),
+                                                                jnp.float32))(
+                q + 0 * acc[:, :, :1], k, v, *meta, i.astype(jnp.int32), jnp.int32(0), tables,
+                lens, jnp.ones_like(lens), sm_scale=np.float32(head_dim ** -0.5),
+                soft_cap=np.float32(0.0), bits=np.int32(pool["bits"]),
+                group=np.int32(pool["group"]), num_queries=np.int32(1), split_rows=True)
+            return acc + out[:q.size].reshape(q.shape)  # [B, N, D]
 
         return jax.lax.fori_loop(0, num_layers, layer, jnp.zeros_like(q))
 

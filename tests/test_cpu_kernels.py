@@ -173,8 +173,8 @@ def _layered(pages: np.ndarray, layer: int) -> np.ndarray:
 
 @pytest.mark.parametrize("isa", LEVELS, ids=lambda i: i.name)
 def test_decode_branches_of_each_level_match_numpy(isa):
-    """Float pages (the specialized D 64 and the generic D 8) and packed int4 codes (decoded
-    by the level's own code-unpacking branch)."""
+    """Float pages (the specialized D 64 and the generic D 8), packed int4 codes and int8
+    codes (each decoded by the level's own code-unpacking branch)."""
     _skip_unless_runs(isa)
     decode_target, _ = native.targets_for(isa)
     run = jax.jit(native.paged_decode_attention, static_argnames=("target", "bits", "group"))
@@ -202,6 +202,17 @@ def test_decode_branches_of_each_level_match_numpy(isa):
               k_scale=pool(k_stored["scale"]), v_scale=pool(v_stored["scale"]),
               k_zero=pool(k_stored["zero"]), v_zero=pool(v_stored["zero"]), bits=codec.bits,
               group=32, target=decode_target)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
+    # int8 codes with one scale per token and kv head (the level's sign-extending branch).
+    scale = np.abs(kp).max(-1) / 127
+    kc = np.round(kp / np.where(scale > 0, scale, 1)[..., None]).astype(np.int8)
+    vscale = np.abs(vp).max(-1) / 127
+    vc = np.round(vp / np.where(vscale > 0, vscale, 1)[..., None]).astype(np.int8)
+    scale, vscale = scale.astype(np.float32), vscale.astype(np.float32)
+    want = kvjax.kv.attention.paged_decode_attention_reference(
+        q, kc * scale[..., None], vc * vscale[..., None], tables, kv_lens)
+    got = run(q, pool(kc), pool(vc), 0, tables, kv_lens, k_scale=pool(scale),
+              v_scale=pool(vscale), target=decode_target)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
 
 

@@ -171,6 +171,16 @@ inline void PrefetchBytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 1);
 }
 
+// A row's `bytes` of metadata (scales, zeros: a few bytes, many rows to a cache line), asked
+// for by one row per line: the row starting within the line's first `bytes` (every line holds
+// one), or the page's first row (`first`: the line it starts in may begin with another page's).
+// When each row of a page is asked for once, each of its lines is asked for about once
+// instead of once per row.
+inline void PrefetchMetaOnce(const void* p, int64_t bytes, bool first) {
+  if (bytes >= 64 || first || (reinterpret_cast<uintptr_t>(p) & 63) < static_cast<uintptr_t>(bytes))
+    PrefetchBytes(p, bytes);
+}
+
 #ifdef __AVX512F__
 // Sixteen codes as floats: int8 (signed) or unsigned bytes.
 inline F16 Codes16(const int8_t* p) {
@@ -218,8 +228,9 @@ inline F16 GroupTable16(float zero, float scale) {
 // (layer, page, slot, kv head) index) in registers; nothing is written back. F16 is asked for
 // only where Reads16() (AVX-512 builds). TokenScale is a factor of the whole row that the
 // caller applies to its dot products and softmax weights instead of to every channel.
-// Prefetch asks for rows [row, row + n). `dim` is passed by the caller,
-// where it is a compile-time constant for the common head dims.
+// PrefetchRow asks for a row of the next page (`first`: the page's first row; the caller asks
+// for each row of a page once, so metadata lines shared by rows are asked for once). `dim` is
+// passed by the caller, where it is a compile-time constant for the common head dims.
 //
 // Readers decode kBlockVecs vectors at a time (LoadBlock); with more than one, the channels of
 // each block of kBlockVecs vectors come in their own order: position i of a block holds
@@ -264,8 +275,8 @@ struct FloatRows : RowsBase {
     }
   }
   float TokenScale(int64_t) const { return 1.0f; }
-  void Prefetch(int64_t row, int64_t n, int64_t dim) const {
-    PrefetchBytes(data + row * dim, n * dim * sizeof(T));
+  void PrefetchRow(int64_t row, int64_t dim, bool) const {
+    PrefetchBytes(data + row * dim, dim * sizeof(T));
   }
 };
 
@@ -282,9 +293,9 @@ struct Int8Rows : RowsBase {  // symmetric, one scale per token and kv head (the
       return Codes8(codes + row * dim + d0);
   }
   float TokenScale(int64_t row) const { return scale[row]; }
-  void Prefetch(int64_t row, int64_t n, int64_t dim) const {
-    PrefetchBytes(codes + row * dim, n * dim);
-    PrefetchBytes(scale + row, n * sizeof(float));
+  void PrefetchRow(int64_t row, int64_t dim, bool first) const {
+    PrefetchBytes(codes + row * dim, dim);
+    PrefetchMetaOnce(scale + row, sizeof(float), first);
   }
 };
 
@@ -302,7 +313,7 @@ struct PackedRows : RowsBase {  // asymmetric, a scale and zero per `group` chan
 #ifdef __AVX512F__
     if constexpr (sizeof(V) == 64) {
       const int64_t at = (row * dim + d0) >> group_shift;
-      const uint8_t* c = codes + (row * dim + d0) / kPerByte;
+      const uint8_t* c = codes + static_cast<uint64_t>(row * dim + d0) / kPerByte;
       if constexpr (kBits == 8) return Splat<F16>(zero[at]) + Splat<F16>(scale[at]) * Bytes16(c);
       else return Lookup16<kBits>(c, GroupTable16<kBits>(zero[at], scale[at]));
     } else
@@ -312,7 +323,7 @@ struct PackedRows : RowsBase {  // asymmetric, a scale and zero per `group` chan
     }
   }
   F8 Load8(int64_t row, int64_t dim, int64_t d0) const {
-    const F8 c = Fields8<kBits>(codes + (row * dim + d0) / kPerByte);
+    const F8 c = Fields8<kBits>(codes + static_cast<uint64_t>(row * dim + d0) / kPerByte);
     // A shift, not divisions by the runtime group, for power-of-two groups (with a division
     // per eight channels, int4 pages decoded 20% slower: scripts/bench_native_decode.py).
     if (group_shift >= 3) {
@@ -329,11 +340,14 @@ struct PackedRows : RowsBase {  // asymmetric, a scale and zero per `group` chan
     return z + s * c;
   }
   float TokenScale(int64_t) const { return 1.0f; }
-  void Prefetch(int64_t row, int64_t n, int64_t dim) const {
-    const int64_t groups = dim / group;
-    PrefetchBytes(codes + row * (dim / kPerByte), n * (dim / kPerByte));
-    PrefetchBytes(scale + row * groups, n * groups * sizeof(float));
-    PrefetchBytes(zero + row * groups, n * groups * sizeof(float));
+  void PrefetchRow(int64_t row, int64_t dim, bool) const {
+    const int64_t groups = group_shift >= 0 ? dim >> group_shift : dim / group;
+    PrefetchBytes(codes + row * (dim / kPerByte), dim / kPerByte);
+    // Per row, not once per line: with two metadata arrays and rows of 8 bytes, the line
+    // test's branch cost int4 pages more than the repeated requests (side by side in
+    // scripts/bench_native_decode.py under perf; int8's one array gains from it).
+    PrefetchBytes(scale + row * groups, groups * sizeof(float));
+    PrefetchBytes(zero + row * groups, groups * sizeof(float));
   }
 };
 
@@ -353,7 +367,7 @@ struct PackedBlockRows : PackedRows<kBits> {
   }
   void LoadBlock(int64_t row, int64_t dim, int64_t d0, F16* x) const {
     const int64_t at = (row * dim + d0) >> this->group_shift;
-    const uint8_t* c = this->codes + (row * dim + d0) / this->kPerByte;
+    const uint8_t* c = this->codes + static_cast<uint64_t>(row * dim + d0) / this->kPerByte;
     const F16 table = GroupTable16<kBits>(this->zero[at], this->scale[at]);
     if constexpr (kBits == 4) {
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
@@ -395,6 +409,33 @@ inline float ExpNonPositive(float x) {
   bits += static_cast<uint32_t>(static_cast<int32_t>(n)) << 23;
   std::memcpy(&p, &bits, sizeof(p));
   return p;
+}
+
+// The largest of x[v0, nv) and `init`, sixteen (or eight) lanes at a time: the compiler
+// keeps a float max reduction scalar (its NaN order), one dependent max per token.
+inline float MaxOf(const float* x, int64_t v0, int64_t nv, float init) {
+  int64_t p = v0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(init);
+  for (; p + 16 <= nv; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + p));
+  if (p < nv)
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, static_cast<__mmask16>((1u << (nv - p)) - 1),
+                                              x + p));
+  return _mm512_reduce_max_ps(m);
+#else
+  float mx = init;
+#if defined(__AVX2__)
+  if (nv - p >= 8) {
+    __m256 m = _mm256_set1_ps(init);
+    for (; p + 8 <= nv; p += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + p));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+#endif
+  for (; p < nv; ++p) mx = std::max(mx, x[p]);
+  return mx;
+#endif
 }
 
 struct Geometry {
@@ -456,13 +497,16 @@ void WriteRow(const Geometry& g, int64_t b, const SoftmaxState& st, float* out) 
 // (0: read from g), so the common shapes get fully unrolled, vectorized inner loops; V is
 // the vector of channels (F8, or F16 with AVX-512).
 template <int kD, int kG, typename V, typename Rows>
-void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& k,
-                 const Rows& v, int64_t layer, const int32_t* block_tables,
+void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& k_rows,
+                 const Rows& v_rows, int64_t layer, const int32_t* block_tables,
                  const int32_t* kv_lens, const int32_t* q_lens, int64_t num_queries,
                  Logits logits, float* partials, float* out) {
   const int64_t G = kG ? kG : g.group(), D = kD ? kD : g.head_dim, P = g.page_size;
   const int64_t K = g.num_kv_heads, N = g.num_heads, b = c.row;
   const int64_t len = kv_lens[b];
+  // Local copies: the readers' pointers and shifts then stay in registers across the stores
+  // to the scores and accumulators (through the references they were reloaded per row).
+  const Rows k = k_rows, v = v_rows;
   std::vector<float> own(c.partial < 0 ? SoftmaxState::Floats(g) : 0);
   const SoftmaxState st = SoftmaxState::At(
       c.partial < 0 ? own.data() : partials + c.partial * SoftmaxState::Floats(g), g);
@@ -510,8 +554,8 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
       auto dots = [&](int64_t p, V (&dot)[kG ? kG : kMaxGroup]) {
         const int64_t row = page_row + p * K + h;
         if (next_row >= 0) {
-          k.Prefetch(next_row + p * K + h, 1, D);
-          v.Prefetch(next_row + p * K + h, 1, D);
+          k.PrefetchRow(next_row + p * K + h, D, p + h == 0);
+          v.PrefetchRow(next_row + p * K + h, D, p + h == 0);
         }
         for (int64_t j = 0; j < G; ++j) dot[j] = V{};
         for (int64_t d = 0; d < D; d += kB * kW) {
@@ -554,8 +598,8 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
       }
       if (next_row >= 0)  // rows of the next page past this page's last token
         for (int64_t p = n; p < P; ++p) {
-          k.Prefetch(next_row + p * K + h, 1, D);
-          v.Prefetch(next_row + p * K + h, 1, D);
+          k.PrefetchRow(next_row + p * K + h, D, p + h == 0);
+          v.PrefetchRow(next_row + p * K + h, D, p + h == 0);
         }
       for (int64_t j = 0; j < G; ++j) {
         const int64_t nv = std::clamp<int64_t>(lim[j] - blk * P, 0, n);  // visible: [v0, nv)
@@ -566,8 +610,7 @@ void AttendChunk(const Geometry& g, const Chunk& c, const float* q, const Rows& 
         if (logits.soft_cap > 0.0f)
           for (int64_t p = v0; p < nv; ++p)
             s[j][p] = logits.soft_cap * std::tanh(s[j][p] / logits.soft_cap);
-        float mx = m[j];
-        for (int64_t p = v0; p < nv; ++p) mx = std::max(mx, s[j][p]);
+        const float mx = MaxOf(s[j], v0, nv, m[j]);
         const float alpha = std::exp(m[j] - mx);  // exp(-inf) = 0 on the first page
         float sum = 0.0f;
         for (int64_t p = v0; p < nv; ++p) {
