@@ -113,8 +113,12 @@ def lookup_losses(events: list[dict]) -> dict:
     computed yet, computed by a sequence that fed the index no more, or its last token's
     page), or one the index held ("in index": a hit the lookup was not allowed to take).
 
-    Returns: lookups; per reason, the lookups that stopped there ("stopped") and the wanted
-    pages they missed ("pages_missed"; "full" for lookups that got every page wanted); and
+    A waiting sequence is looked up again at each step it is not admitted, so each reason
+    also counts the distinct sequences that stopped there at least once.
+
+    Returns: lookups; per reason, the lookups that stopped there ("stopped"), the wanted
+    pages they missed ("pages_missed"; "full" for lookups that got every page wanted) and
+    the sequences ("sequences"); and
     the pages demoted in place: all, those the index held then, and those whose hash a later
     lookup wanted (`later_wanted`, and of those the index held `later_wanted_indexed`).
     """
@@ -124,6 +128,7 @@ def lookup_losses(events: list[dict]) -> dict:
     demoted: dict[str, bool] = {}  # demoted page's hash -> whether it was indexed then
     wanted_later: set[str] = set()
     stopped, missed = collections.Counter(), collections.Counter()
+    seqs: dict[str, set[str]] = collections.defaultdict(set)
     num_demoted = num_demoted_indexed = num_lookups = 0
 
     def drop(page, reason: str) -> None:
@@ -155,13 +160,15 @@ def lookup_losses(events: list[dict]) -> dict:
             wanted, hit = args["wanted"], args["hit_pages"]
             wanted_later.update(h for h in wanted if h in demoted)
             if hit >= len(wanted):
-                stopped["full"] += 1
-                continue
-            stop = wanted[hit]
-            reason = gone.get(stop, "in index" if stop in index else "never cached")
+                reason = "full"
+            else:
+                stop = wanted[hit]
+                reason = gone.get(stop, "in index" if stop in index else "never cached")
+                missed[reason] += len(wanted) - hit
             stopped[reason] += 1
-            missed[reason] += len(wanted) - hit
+            seqs[reason].add(args["seq_id"])
     return dict(lookups=num_lookups, stopped=dict(stopped), pages_missed=dict(missed),
+                sequences={reason: len(s) for reason, s in seqs.items()},
                 demoted_pages=num_demoted, demoted_indexed=num_demoted_indexed,
                 later_wanted=len(wanted_later),
                 later_wanted_indexed=sum(demoted[h] for h in wanted_later))
@@ -202,8 +209,9 @@ def format_tables(report: dict) -> str:
 def format_losses(losses: dict) -> str:
     """`lookup_losses` as a table: why lookups stopped short, and demoted pages wanted later."""
     lines = [f"prefix lookups {losses['lookups']}", f"{'stopped at':<14} {'lookups':>8} "
-             f"{'pages missed':>13}"]
-    lines += [f"{reason:<14} {n:>8} {losses['pages_missed'].get(reason, 0):>13}"
+             f"{'pages missed':>13} {'sequences':>10}"]
+    lines += [f"{reason:<14} {n:>8} {losses['pages_missed'].get(reason, 0):>13} "
+              f"{losses['sequences'][reason]:>10}"
               for reason, n in sorted(losses["stopped"].items())]
     lines.append(f"pages demoted in place {losses['demoted_pages']} (indexed then "
                  f"{losses['demoted_indexed']}); wanted by a later lookup "

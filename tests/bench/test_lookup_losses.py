@@ -43,13 +43,16 @@ def test_lookup_losses_match_a_hand_count_of_demoted_evicted_and_never_cached_st
     # is left to compute), misses 7; its 8 pages take the 4 free ones and evict the 4 cached
     assert blocks.stats.evictions == 4
     assert blocks.add_sequence("c", prompt) == 0  # stops at the evicted page 0: misses 4
+    blocks.free("c")  # not admitted: looked up again next step, the same sequence
+    assert blocks.add_sequence("c", prompt) == 0
     blocks.free("d")
     assert blocks.add_sequence("f", other + [1]) == 8 * P  # every wanted page
 
     report = trace_report.analyse(tracer.to_chrome())
     assert report["lookup_losses"] == dict(
-        lookups=5,
-        stopped={"never cached": 2, "demoted": 1, "evicted": 1, "full": 1},
-        pages_missed={"never cached": 11, "demoted": 2, "evicted": 4},
+        lookups=6,
+        stopped={"never cached": 2, "demoted": 1, "evicted": 2, "full": 1},
+        pages_missed={"never cached": 11, "demoted": 2, "evicted": 8},
+        sequences={"never cached": 2, "demoted": 1, "evicted": 1, "full": 1},
         demoted_pages=2, demoted_indexed=2, later_wanted=2, later_wanted_indexed=2)
     assert "demoted" in trace_report.format_losses(report["lookup_losses"])
