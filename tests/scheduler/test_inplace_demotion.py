@@ -46,14 +46,22 @@ class _Plan:
         self.ops.append(op)
 
 
-def test_reused_prefix_pages_stay_exact_and_later_prompts_hit_them():
+def _mixed_pool(keep_hits: int = 1):
+    """A 16-page mixed pool of TINY with the prefix cache: (spec, ledger, blocks, plan,
+    demotion)."""
     spec = mixed.cache_spec(TINY, P, group=4)
     budget = 16 * spec.page_bytes_at(0, 0)
     ledger = PrecisionLedger(spec, num_page_slots(spec, budget), budget)
     blocks = BlockManager(len(ledger.k_bits), P, enable_prefix_cache=True,
                           pages=LedgerPages(ledger))
     plan = _Plan(blocks)
-    demotion = InPlaceDemotion(ledger, plan, MixedOptions().classes(), pad_to=8)
+    demotion = InPlaceDemotion(ledger, plan, MixedOptions(keep_hits=keep_hits).classes(),
+                               pad_to=8, keep_hits=keep_hits)
+    return spec, ledger, blocks, plan, demotion
+
+
+def test_reused_prefix_pages_stay_exact_and_later_prompts_hit_them():
+    spec, ledger, blocks, plan, demotion = _mixed_pool()
     cache = blocks.prefix_cache
     system = list(range(100, 100 + 3 * P))  # a prompt every request starts with
     content: dict[int, tuple[int, ...]] = {}  # page -> the tokens up to its end, committed
@@ -116,14 +124,7 @@ def test_reused_prefix_pages_stay_exact_and_later_prompts_hit_them():
 
 @pytest.mark.parametrize("keep_hits, kept", [(0, 0), (1, 3), (2, 2)])
 def test_keep_hits_keeps_exact_only_pages_reused_that_often(keep_hits, kept):
-    spec = mixed.cache_spec(TINY, P, group=4)
-    budget = 16 * spec.page_bytes_at(0, 0)
-    ledger = PrecisionLedger(spec, num_page_slots(spec, budget), budget)
-    blocks = BlockManager(len(ledger.k_bits), P, enable_prefix_cache=True,
-                          pages=LedgerPages(ledger))
-    plan = _Plan(blocks)
-    demotion = InPlaceDemotion(ledger, plan, MixedOptions(keep_hits=keep_hits).classes(),
-                               pad_to=8, keep_hits=keep_hits)
+    _, _, blocks, plan, demotion = _mixed_pool(keep_hits)
     x = list(range(100, 100 + 2 * P))  # two pages every prompt starts with
     y, z, w = [7] * P, [8] * P, [9] * P
 
