@@ -71,5 +71,17 @@ def get_config() -> ConfigDict:
         # refuses retention that compacts pages, so these run on exact KV.
         {"name": "inplace", "engine.controller": "inplace", **mixed},
         {"name": "joint-inplace", "engine.controller": "joint", **mixed},
+        # The rule that keeps prefix pages exact, varied (docs/benchmarks.md): every cold page
+        # demoted (keep_hits=0), pages reused at least twice kept (2), and today's rule (a
+        # reused page kept) with admissions leaving the running sequences' next pages free
+        # where demotion cannot make them (reserve_growth).
+        {"name": "inplace-keep0", "engine.controller": "inplace", **mixed,
+         "kv.codec_options.keep_hits": 0},
+        {"name": "inplace-keep2", "engine.controller": "inplace", **mixed,
+         "kv.codec_options.keep_hits": 2},
+        {"name": "inplace-reserve", "engine.controller": "inplace", **mixed,
+         "engine.controller_options.reserve_growth": True},
+        {"name": "inplace-keep2-reserve", "engine.controller": "inplace", **mixed,
+         "kv.codec_options.keep_hits": 2, "engine.controller_options.reserve_growth": True},
     ]
     return config

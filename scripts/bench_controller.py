@@ -8,6 +8,8 @@ to every controller, runs the config's sweep (one run per controller) and prints
 SLO attainment per tenant, goodput, p99 TTFT / TPOT, estimated KL spent (mean and worst),
 preemptions, bytes per tier and energy. `--config.clock=real` runs on the wall clock;
 `--kl_tables=docs/results/bench_controller.json` reuses an earlier run's KL tables.
+With `--config.trace=True` each run's KV trace also says why its prefix lookups stopped short
+(`kvjax.bench.trace_report.lookup_losses`: printed, and in the JSON as `lookup_losses`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from kvjax.bench import controller, runner
+from kvjax.bench import controller, runner, trace_report
 from kvjax.models.loading import load_model
 
 FLAGS = flags.FLAGS
@@ -55,12 +57,17 @@ def main(argv):
     results = controller.run_controllers(config, options, model=model,
                                          progress=FLAGS.progress)
     rows = controller.controller_rows(results, config)
+    losses = {r.metrics["config"]["name"]: trace_report.analyse(r.trace)["lookup_losses"]
+              for r in results if r.trace is not None}
+    for name, counts in losses.items():
+        print(f"{name}: {trace_report.format_losses(counts)}")
     command = shlex.join(["python", "scripts/bench_controller.py", *sys.argv[1:]])
     if FLAGS.workdir:
         runner.write_results(results, FLAGS.workdir, command=command, plots=False)
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
             json.dump(dict(command=command, kl_tables=tables, options=options, rows=rows,
+                           **(dict(lookup_losses=losses) if losses else {}),
                            env=runner.environment()), f, indent=2)
     print(controller.controller_table(rows))
 

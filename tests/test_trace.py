@@ -79,7 +79,10 @@ def test_request_and_prefix_events_reconcile_with_engine_stats(traced):
     assert t.count("arrive") == t.count("finish") == 11
     assert t.count("weights_update") == traced.stats["weight_updates"] == 1
     assert t.count("prefix_hit") + t.count("prefix_miss") == \
-        traced.allocator.stats.prefix_queries
+        traced.allocator.stats.prefix_queries == t.count("prefix_lookup")
+    lookups = [e.args for e in t.events if e.name == "prefix_lookup"]
+    assert sum(a["hit_pages"] for a in lookups) == traced.allocator.stats.prefix_hits
+    assert all(a["hit_pages"] <= len(a["wanted"]) for a in lookups)
 
 
 def test_transfer_states_follow_the_state_machine(traced):

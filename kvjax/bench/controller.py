@@ -62,9 +62,10 @@ def energy_options(config: ConfigDict, model: Model) -> dict[str, float]:
 
 def run_controllers(config: ConfigDict, options: dict[str, Any], *, model: Model,
                     progress: bool = False) -> list[runner.BenchResult]:
-    """One run of `config` per entry of `config.sweep`, each controller given `options`."""
-    overrides = [dict(o, **{"engine.controller_options": dict(
-        config.engine.controller_options.to_dict(), **options)}) for o in config.sweep]
+    """One run of `config` per entry of `config.sweep`, each controller given `options`
+    (an entry's own `engine.controller_options.*` keys set after them)."""
+    shared = dict(config.engine.controller_options.to_dict(), **options)
+    overrides = [{"engine.controller_options": shared, **o} for o in config.sweep]
     return runner.run_sweep_detailed(config, overrides, model=model, progress=progress)
 
 

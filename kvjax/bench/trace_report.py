@@ -100,6 +100,80 @@ def _transfer_waits(events: list[dict]) -> dict[str, float]:
     return {o: (b - a) / 1e6 for o, (a, b) in spans.items()}
 
 
+_GONE = {"evict": "evicted", "invalidate": "invalidated"}
+
+
+def lookup_losses(events: list[dict]) -> dict:
+    """Why prefix lookups stopped short, and which demoted pages were wanted later.
+
+    Replays the index from the trace (`index`, `evict`, `invalidate`, `demote_page` events,
+    in order; a `weights_update` empties it) and, for each `prefix_lookup`, finds the first
+    page of the chain it wanted that it did not get: a page demoted in place, evicted or
+    invalidated since it was indexed, never indexed before the lookup ("never cached": not
+    computed yet, computed by a sequence that fed the index no more, or its last token's
+    page), or one the index held ("in index": a hit the lookup was not allowed to take).
+
+    A waiting sequence is looked up again at each step it is not admitted, so each reason
+    also counts the distinct sequences that stopped there at least once.
+
+    Returns: lookups; per reason, the lookups that stopped there ("stopped"), the wanted
+    pages they missed ("pages_missed"; "full" for lookups that got every page wanted) and
+    the sequences ("sequences"); and
+    the pages demoted in place: all, those the index held then, and those whose hash a later
+    lookup wanted (`later_wanted`, and of those the index held `later_wanted_indexed`).
+    """
+    index: dict[str, int] = {}  # hash -> page
+    hash_of: dict[int, str] = {}  # indexed page -> hash
+    gone: dict[str, str] = {}  # hash -> why it left the index
+    demoted: dict[str, bool] = {}  # demoted page's hash -> whether it was indexed then
+    wanted_later: set[str] = set()
+    stopped, missed = collections.Counter(), collections.Counter()
+    seqs: dict[str, set[str]] = collections.defaultdict(set)
+    num_demoted = num_demoted_indexed = num_lookups = 0
+
+    def drop(page, reason: str) -> None:
+        h = hash_of.pop(page, None)
+        if h is not None:
+            index.pop(h, None)
+            gone[h] = reason
+
+    for e in events:
+        name, args = e["name"], e.get("args") or {}
+        if name == "index":
+            index[args["hash"]], hash_of[args["page"]] = args["page"], args["hash"]
+            gone.pop(args["hash"], None)
+        elif name in _GONE:
+            drop(args["page"], _GONE[name])
+        elif name == "weights_update":
+            for page in list(hash_of):
+                drop(page, "invalidated")
+        elif name == "demote_page":
+            h = hash_of.get(args["page"]) if args["indexed"] else args.get("hash")
+            if args["indexed"]:
+                drop(args["page"], "demoted")
+            num_demoted += 1
+            num_demoted_indexed += bool(args["indexed"])
+            if h is not None:
+                demoted[h] = demoted.get(h, False) or bool(args["indexed"])
+        elif name == "prefix_lookup":
+            num_lookups += 1
+            wanted, hit = args["wanted"], args["hit_pages"]
+            wanted_later.update(h for h in wanted if h in demoted)
+            if hit >= len(wanted):
+                reason = "full"
+            else:
+                stop = wanted[hit]
+                reason = gone.get(stop, "in index" if stop in index else "never cached")
+                missed[reason] += len(wanted) - hit
+            stopped[reason] += 1
+            seqs[reason].add(args["seq_id"])
+    return dict(lookups=num_lookups, stopped=dict(stopped), pages_missed=dict(missed),
+                sequences={reason: len(s) for reason, s in seqs.items()},
+                demoted_pages=num_demoted, demoted_indexed=num_demoted_indexed,
+                later_wanted=len(wanted_later),
+                later_wanted_indexed=sum(demoted[h] for h in wanted_later))
+
+
 def analyse(trace: dict, *, num_windows: int = 10) -> dict:
     """The report as JSON-ready data (times in seconds of the host's clock; counter times
     from the trace's first event)."""
@@ -112,7 +186,7 @@ def analyse(trace: dict, *, num_windows: int = 10) -> dict:
                 prefix_hit_rate=_hit_rates(events, num_windows),
                 page_lifetime_s=_summary(lives), reuse_distance_pages=_summary(reuse),
                 transfer_wait_s=_summary(list(waits.values())),
-                pages_per_tier=counters,
+                pages_per_tier=counters, lookup_losses=lookup_losses(events),
                 event_counts=dict(collections.Counter(e["name"] for e in events)))
 
 
@@ -128,6 +202,20 @@ def format_tables(report: dict) -> str:
         lines.append(f"{key:<22} {s['count']:>7} " + " ".join(
             f"{s.get(k, float('nan')):>10.4g}" for k in ("p50", "p90", "max")))
     lines += [f"{name:<22} {n:>7}" for name, n in sorted(report["event_counts"].items())]
+    lines.append(format_losses(report["lookup_losses"]))
+    return "\n".join(lines)
+
+
+def format_losses(losses: dict) -> str:
+    """`lookup_losses` as a table: why lookups stopped short, and demoted pages wanted later."""
+    lines = [f"prefix lookups {losses['lookups']}", f"{'stopped at':<14} {'lookups':>8} "
+             f"{'pages missed':>13} {'sequences':>10}"]
+    lines += [f"{reason:<14} {n:>8} {losses['pages_missed'].get(reason, 0):>13} "
+              f"{losses['sequences'][reason]:>10}"
+              for reason, n in sorted(losses["stopped"].items())]
+    lines.append(f"pages demoted in place {losses['demoted_pages']} (indexed then "
+                 f"{losses['demoted_indexed']}); wanted by a later lookup "
+                 f"{losses['later_wanted']} (indexed then {losses['later_wanted_indexed']})")
     return "\n".join(lines)
 
 

@@ -258,6 +258,11 @@ class BlockManager:
                 prefix_hits=self._stats.prefix_hits + len(pages),
                 prefix_hit_tokens=self._stats.prefix_hit_tokens + num_cached,
             )
+            if self.tracer.enabled:  # the chain it wanted, for kvjax.bench.trace_report
+                wanted = self.prefix_cache.chain_hashes(
+                    token_ids[:hit_limit(token_ids, max_hit)], cache_key)
+                self.tracer.emit("prefix_lookup", "page", "pages/device", seq_id=str(seq_id),
+                                 wanted=[h.hex() for h in wanted], hit_pages=len(pages))
         self._seqs[seq_id] = SeqPages(
             block_table=pages,
             cache_key=cache_key,
@@ -355,6 +360,13 @@ class BlockManager:
         their hashes name (`kvjax.memory.precision.RoundedPages`)."""
         self._get(seq_id).is_indexable = False
 
+    def page_hash(self, seq_id: Hashable, page: int) -> bytes | None:
+        """The hash of the sequence's committed `page` in its chain (None: not committed, or
+        the sequence fed the index no more)."""
+        seq = self._get(seq_id)
+        index = seq.block_table.index(page) if page in seq.block_table else len(seq.page_hashes)
+        return seq.page_hashes[index] if index < len(seq.page_hashes) else None
+
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Registers `child_id` sharing every page of `parent_id` (e.g. n > 1 samples)."""
         parent = self._get(parent_id)
@@ -391,8 +403,9 @@ class BlockManager:
             start = index * self.page_size
             parent = hash_page(parent, token_ids[start : start + self.page_size])
             seq.page_hashes.append(parent)
-            if seq.block_table[index] != RELEASED:
-                self.prefix_cache.insert(parent, seq.block_table[index], index, owner=root)
+            page = seq.block_table[index]
+            if page != RELEASED and self.prefix_cache.insert(parent, page, index, owner=root):
+                self.tracer.emit("index", "page", "pages/device", page=page, hash=parent.hex())
 
     def release_before(self, seq_id: Hashable, position: int) -> list[int]:
         """With a window: gives back the sequence's pages that no query from `position` on

@@ -157,6 +157,10 @@ class GroupedBlockManager:
     def num_used_pages(self) -> int:
         return sum(m.num_used_pages() for m in self.groups)
 
+    def page_hash(self, seq_id: Hashable, page: int) -> bytes | None:
+        """Group 0's hash of the sequence's committed `page` (`BlockManager.page_hash`)."""
+        return self.groups[0].page_hash(seq_id, page)
+
     def has_sequence(self, seq_id: Hashable) -> bool:
         return self.groups[0].has_sequence(seq_id)
 

@@ -48,12 +48,15 @@ class MixedOptions:
         kept at 8 bits while values go to 4).
       coarsest_v_bits: likewise for values.
       group: channels per scale and zero of the int4 class.
+      keep_hits: in-place demotion keeps a prefix-cache page exact once lookups have reused
+        it this often (`kvjax.scheduler.inplace.InPlaceDemotion.protects`); 0: keeps none.
     """
 
     write_bits: tuple[int, int] = (0, 0)
     coarsest_k_bits: int = 4
     coarsest_v_bits: int = 4
     group: int = 32
+    keep_hits: int = 1
 
     def __post_init__(self):
         if not isinstance(self.write_bits, (tuple, list)) or len(self.write_bits) != 2:
@@ -66,6 +69,10 @@ class MixedOptions:
         coarseness(self.coarsest_v_bits, "coarsest_v_bits")
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group <= 0:
             raise ValueError(f"kv_codec_options group={self.group!r}; expected a positive int")
+        if (isinstance(self.keep_hits, bool) or not isinstance(self.keep_hits, int)
+                or self.keep_hits < 0):
+            raise ValueError(f"kv_codec_options keep_hits={self.keep_hits!r}; expected an "
+                             f"int >= 0")
 
     @classmethod
     def parse(cls, options: Mapping) -> MixedOptions:
@@ -248,9 +255,13 @@ class RoundedPages:
         """`seq_id`'s pages re-encoded at a coarser class: they leave the index, and the
         sequence feeds it no more (a demoted page may be full before its sequence commits it,
         and the sequence's later pages continue a chain the index no longer holds)."""
-        cache = self.allocator.prefix_cache
+        cache, tracer = self.allocator.prefix_cache, self.allocator.tracer
         for page in pages if cache is not None else ():
-            cache.forget(int(page))
+            page_hash = (self.allocator.page_hash(seq_id, int(page))
+                         if tracer.enabled and self.allocator.has_sequence(seq_id) else None)
+            indexed = cache.forget(int(page))
+            tracer.emit("demote_page", "page", "pages/device", page=int(page), indexed=indexed,
+                        hash=page_hash.hex() if page_hash else None)
         if self.allocator.has_sequence(seq_id):
             self.allocator.stop_indexing(seq_id)
         self._seqs.add(seq_id)

@@ -255,6 +255,8 @@ class Decisions:
       reserve: device pages the queued sequences it makes room for need to run (the same
         count it frees pages against); a `to_host` row comes back from the host pool only
         when the free pages cover these and its own.
+      admit_reserve: device pages a new sequence's admission must leave free beside its own:
+        the running sequences' next pages that in-place demotion cannot make (0: none).
     """
 
     admit_order: tuple[str, ...] = ()
@@ -269,6 +271,7 @@ class Decisions:
     prefetch: tuple[str, ...] = ()
     to_host: tuple[str, ...] = ()
     reserve: int = 0
+    admit_reserve: int = 0
 
 
 class KVController(Protocol):
@@ -326,6 +329,10 @@ class CostController:
       its value is hits / (1 + idle / keep_horizon_s).
     host_horizon_steps: with "host", the decode steps a host-resident row is priced over:
       each costs the time its host attention runs past the device's step.
+    reserve_growth: with "demote_in_place", admissions leave free a page for each running
+      sequence's next page beyond what demoting their cold pages frees
+      (`Decisions.admit_reserve`): pages kept exact (`SeqState.pages_at` leaves them out)
+      free nothing, so a sequence admitted into them would be preempted as they grow.
     """
 
     def __init__(self, name: str, actions: frozenset[str], *,
@@ -335,7 +342,7 @@ class CostController:
                  joules_per_byte: float = 0.0,
                  joules_per_token: float = 0.0, energy_cost_s: float = 0.0,
                  max_preemptions: int | None = None, keep_horizon_s: float = 60.0,
-                 host_horizon_steps: int = 32):
+                 host_horizon_steps: int = 32, reserve_growth: bool = False):
         unknown = sorted(set(actions) - _ACTIONS)
         if unknown:
             raise ValueError(f"controller actions {unknown} unknown; known: {sorted(_ACTIONS)}")
@@ -354,6 +361,7 @@ class CostController:
             raise ValueError(f"keep_horizon_s must be > 0, got {keep_horizon_s!r}")
         self.max_preemptions = max_preemptions
         self.host_horizon_steps = host_horizon_steps
+        self.reserve_growth = bool(reserve_growth)
         self.keep_horizon_s = float(keep_horizon_s)
         self.kl_cost_s = float(kl_cost_s)
         self.miss_cost_s = float(miss_cost_s)
@@ -509,6 +517,16 @@ class CostController:
                 self.demote_kl[bits] - self.demote_kl.get(s.inplace_bits, 0.0), 0.0)
             short -= freed
 
+    def _admit_reserve(self, running: list[SeqState], state: ControlState,
+                       in_place: Mapping[str, int]) -> int:
+        """With `reserve_growth`: a page for each running sequence's next page, less the
+        pages demoting its cold pages still frees (none once this step demotes it)."""
+        if not self.reserve_growth or not state.inplace_ratios:
+            return 0
+        freeable = sum(max((o[1] for o in self._in_place(s, state)), default=0)
+                       for s in running if s.seq_id not in in_place)
+        return max(len(running) - freeable, 0)
+
     def decide(self, state: ControlState) -> Decisions:
         running = state.with_status("running")
         queued = self._queue_order(state.with_status("waiting") + state.with_status("swapped"),
@@ -575,7 +593,8 @@ class CostController:
             victims=tuple(s.seq_id for s in victims)
             if self.actions - {"admit", "demote", "demote_in_place", "keep"} else (),
             swap=swap, retention=retention, kl=kl, demote=demote, demote_in_place=in_place,
-            keep=self._keep(state), to_host=tuple(to_host), reserve=needed)
+            keep=self._keep(state), to_host=tuple(to_host), reserve=needed,
+            admit_reserve=self._admit_reserve(running, state, in_place))
 
 
 class FixedController:

@@ -10,11 +10,11 @@ keeps keys at 8 bits when b is 4), and the ledger re-encodes the sequence's cold
 the op is plain data, planned into the step that is being formed, and the runner applies it in
 that step's dispatch, before the model. Host only: no jax.
 
-Pages the prefix index holds and a lookup has reused stay exact: a demoted page leaves the
-index (a hit must read exact rows), so demoting a shared prompt's pages while one sequence
-alone holds them (a tenant's system prompt between two of its requests) would make every
-later request recompute them. The controller is offered only the other pages, so what it
-prices is what a demotion frees.
+Pages the prefix index holds and lookups have reused (`keep_hits` times, by default once)
+stay exact: a demoted page leaves the index (a hit must read exact rows), so demoting a shared
+prompt's pages while one sequence alone holds them (a tenant's system prompt between two of
+its requests) would make every later request recompute them. The controller is offered only
+the other pages, so what it prices is what a demotion frees.
 """
 
 from __future__ import annotations
@@ -51,12 +51,15 @@ class InPlaceDemotion:
       classes: a controller's precision -> the pool's (key bits, value bits) at it.
       pad_to: every DEMOTE op's pages are padded to this many (a sequence's most pages), so
         one program serves every demotion and warm-up compiles it.
+      keep_hits: an indexed page lookups have reused this often stays exact (0: none does).
     """
 
     def __init__(self, ledger: PrecisionLedger | None, kv_cache: KVPlan | None = None,
-                 classes: Mapping[int, tuple[int, int]] | None = None, pad_to: int = 1):
+                 classes: Mapping[int, tuple[int, int]] | None = None, pad_to: int = 1,
+                 keep_hits: int = 1):
         self.ledger = ledger
         self.pad_to = pad_to
+        self.keep_hits = keep_hits
         self.kv_cache = kv_cache
         self.classes = dict(classes or {})
         # A class may answer to several precisions (K8V4 written: 8 and 4 alike): the finest.
@@ -82,11 +85,12 @@ class InPlaceDemotion:
                 if allocator.ref_count(int(p)) == 1 and not self.protects(int(p))]
 
     def protects(self, page: int) -> bool:
-        """Whether `page` stays exact: the prefix index holds it and a lookup has reused it
-        (a prefix requests share, such as a tenant's system prompt, which a demotion would
-        take out of the index for every later request)."""
+        """Whether `page` stays exact: the prefix index holds it and lookups have reused it
+        `keep_hits` times (a prefix requests share, such as a tenant's system prompt, which a
+        demotion would take out of the index for every later request)."""
         cache = self.kv_cache.allocator.prefix_cache
-        return cache is not None and cache.num_hits(page) > 0
+        return (cache is not None and self.keep_hits > 0
+                and cache.num_hits(page) >= self.keep_hits)
 
     def seq_fields(self, seq: Sequence) -> dict:
         """SeqState's pages_at and inplace_bits of a running sequence ({} without a ledger)."""
@@ -137,5 +141,5 @@ def in_place_demotion(ledger: PrecisionLedger | None, kv_cache: KVPlan,
     the classes of the `kv_codec="mixed"` options, ops padded to `pad_to` pages."""
     if ledger is None:
         return InPlaceDemotion(None)
-    return InPlaceDemotion(ledger, kv_cache, MixedOptions.parse(codec_options).classes(),
-                           pad_to)
+    options = MixedOptions.parse(codec_options)
+    return InPlaceDemotion(ledger, kv_cache, options.classes(), pad_to, options.keep_hits)

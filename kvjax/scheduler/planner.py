@@ -208,7 +208,8 @@ class StepPlanner:
             need = self.kv_cache.pages_needed(seq.seq_id, cached + chunk)
             # With nothing running, the watermark's reserve keeps room for no one: a prompt
             # that needs the whole pool is admitted rather than waiting forever.
-            ok = not is_new or self.kv_cache.can_admit(need, reserve=bool(self.table.running))
+            ok = not is_new or self.kv_cache.can_admit(need + d.admit_reserve,
+                                                       reserve=bool(self.table.running))
             if ok:
                 ok = self.kv_cache.allocate(seq.seq_id, cached, cached + chunk)
             if not ok:

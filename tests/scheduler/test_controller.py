@@ -303,3 +303,23 @@ def test_in_place_demotion_makes_room_for_running_sequences_to_grow():
     exact_only = dataclasses.replace(low, kl_budget=0.0)
     assert inplace.decide(state(growing, exact_only, inplace_ratios=INPLACE)) \
         .demote_in_place == {}
+
+
+def test_reserve_growth_holds_back_admission_by_the_pages_demotion_cannot_make():
+    """With `reserve_growth`, admissions leave a page free for each running sequence's next
+    page, less what demoting their cold pages frees: a sequence whose pages are all kept
+    exact (no `pages_at`) or whose budget allows no demotion frees none."""
+    def running(seq_id, cold, kl_budget=0.5):
+        return dataclasses.replace(seq(seq_id, tokens=4 * P + 5, pages=5, kl_budget=kl_budget),
+                                   pages_at={0: cold} if cold else {})
+
+    seqs = (running("kept", 0), running("two", 2), running("exact", 9, kl_budget=0.0))
+    plain = make_controller("inplace", demote_kl={8: 0.001, 4: 0.02})
+    ctl = make_controller("inplace", demote_kl={8: 0.001, 4: 0.02}, reserve_growth=True)
+    assert plain.decide(state(*seqs, inplace_ratios=INPLACE)).admit_reserve == 0
+    # "two" frees int(2 * (1 - 1/6)) = 1 page at int4 (int(2 * (1 - 1/3.5)) = 1 at int8).
+    d = ctl.decide(state(*seqs, inplace_ratios=INPLACE))
+    assert d.demote_in_place == {} and d.admit_reserve == 3 - 1
+    many = running("two", 20)  # int(20 * (1 - 1/6)) = 16 pages cover everyone's next page
+    assert ctl.decide(state(seqs[0], many, seqs[2], inplace_ratios=INPLACE)).admit_reserve == 0
+    assert ctl.decide(state(*seqs)).admit_reserve == 0  # no mixed pool: no reserve

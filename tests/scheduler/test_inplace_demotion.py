@@ -46,14 +46,22 @@ class _Plan:
         self.ops.append(op)
 
 
-def test_reused_prefix_pages_stay_exact_and_later_prompts_hit_them():
+def _mixed_pool(keep_hits: int = 1):
+    """A 16-page mixed pool of TINY with the prefix cache: (spec, ledger, blocks, plan,
+    demotion)."""
     spec = mixed.cache_spec(TINY, P, group=4)
     budget = 16 * spec.page_bytes_at(0, 0)
     ledger = PrecisionLedger(spec, num_page_slots(spec, budget), budget)
     blocks = BlockManager(len(ledger.k_bits), P, enable_prefix_cache=True,
                           pages=LedgerPages(ledger))
     plan = _Plan(blocks)
-    demotion = InPlaceDemotion(ledger, plan, MixedOptions().classes(), pad_to=8)
+    demotion = InPlaceDemotion(ledger, plan, MixedOptions(keep_hits=keep_hits).classes(),
+                               pad_to=8, keep_hits=keep_hits)
+    return spec, ledger, blocks, plan, demotion
+
+
+def test_reused_prefix_pages_stay_exact_and_later_prompts_hit_them():
+    spec, ledger, blocks, plan, demotion = _mixed_pool()
     cache = blocks.prefix_cache
     system = list(range(100, 100 + 3 * P))  # a prompt every request starts with
     content: dict[int, tuple[int, ...]] = {}  # page -> the tokens up to its end, committed
@@ -112,3 +120,42 @@ def test_reused_prefix_pages_stay_exact_and_later_prompts_hit_them():
     assert not rounded  # demoted pages go to the free list, never to the cache
     assert ledger.bytes_held == pytest.approx(cache.num_indexed() * exact)
     assert cache.num_indexed() == len(content)
+
+
+@pytest.mark.parametrize("keep_hits, kept", [(0, 0), (1, 3), (2, 2)])
+def test_keep_hits_keeps_exact_only_pages_reused_that_often(keep_hits, kept):
+    _, _, blocks, plan, demotion = _mixed_pool(keep_hits)
+    x = list(range(100, 100 + 2 * P))  # two pages every prompt starts with
+    y, z, w = [7] * P, [8] * P, [9] * P
+
+    def serve(seq_id: str, tokens: list[int]) -> int:
+        hit = blocks.add_sequence(seq_id, tokens)
+        assert blocks.ensure_writable(seq_id, hit, len(tokens))[0] is AllocStatus.OK
+        blocks.commit(seq_id, tokens)
+        return hit
+
+    serve("a", x + y + [1])
+    blocks.free("a")
+    assert serve("b", x + w + [2]) == 2 * P
+    blocks.free("b")
+    c = x + y + z + [3]
+    assert serve("c", c) == 3 * P
+    # By hand: x's two pages were reused by b and c, y's by c, z (c's own) by no one.
+    table = blocks.block_table("c")[:4]
+    hits = [2, 2, 1, 0]
+    assert [blocks.prefix_cache.num_hits(p) for p in table] == hits
+    demoted = table[sum(h >= keep_hits for h in hits) if keep_hits else 0:]
+    assert len(table) - len(demoted) == kept
+    seq = types.SimpleNamespace(seq_id="c", num_computed=len(c), inplace_bits=0)
+    assert demotion.seq_fields(seq) == dict(pages_at={0: len(demoted)}, inplace_bits=0)
+    assert demotion.apply({"c": 8}, {"c": seq}) == len(demoted)
+    assert plan.ops[-1].pages == tuple(demoted)
+    assert [blocks.prefix_cache.is_indexed(p) for p in table] == [p not in demoted
+                                                                  for p in table]
+    # A later prompt sharing x + y hits the pages still exact, up to the first demoted one.
+    assert blocks.add_sequence("d", x + y + [4]) == min(kept, 3) * P
+
+
+def test_keep_hits_must_be_an_int_at_least_zero():
+    with pytest.raises(ValueError, match="keep_hits=-1"):
+        MixedOptions(keep_hits=-1)
