@@ -107,12 +107,21 @@ def _skip_unless_runs(isa):
         pytest.skip(f"this CPU cannot run {isa.name}")
 
 
-@pytest.mark.parametrize("isa", LEVELS, ids=lambda i: i.name)
+# float32: every level takes the packed product untransposed from 1024 rows of x (kGemmXF32),
+# below it the row blocks. Shapes either side of it: 1023 rows; 1026, past blocks of 64 rows
+# of x with a short last tile, In past one pass of a tile (256 rows), Out off the strips and
+# vectors.
+F32_SHAPES = [(1, 576, 576), (5, 16, 8), (33, 100, 70), (26, 150, 200), (1023, 40, 70),
+              (1026, 301, 200)]
+
+
+@pytest.mark.parametrize("isa", [Isa.NATIVE, Isa.X86_64_V4, *LEVELS], ids=lambda i: i.name)
 def test_linear_branches_of_each_level_match_numpy(isa):
-    _skip_unless_runs(isa)
+    if isa is not Isa.NATIVE:
+        _skip_unless_runs(isa)
     target = linear.target_for(isa)
     rng = np.random.default_rng(0)
-    for t, k, n in [(1, 576, 576), (5, 16, 8), (33, 100, 70), (26, 150, 200)]:
+    for t, k, n in F32_SHAPES:
         x = rng.standard_normal((t, k)).astype(np.float32)
         w = np.full((2, k, n), np.nan, np.float32)
         w[1] = rng.standard_normal((k, n))

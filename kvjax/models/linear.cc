@@ -18,7 +18,7 @@
 // (Out a multiple of 32) the first tile of x interleaves weight rows k and k + 1 into the
 // pairs the other tiles read. Elsewhere bfloat16 weights are widened to float32 as loaded.
 // From kGemmX rows of x (prefill, larger decode batches) with AVX-512 BF16, both layouts take
-// the packed product instead (GemmBf16 below): the weights packed into pairs once, the threads
+// the packed product instead (Gemm below): the weights packed into pairs once, the threads
 // splitting the output (blocks of rows of x times strips of columns) rather than the weight
 // rows, so no thread sums a [T, Out] partial.
 //
@@ -35,6 +35,9 @@
 // products, not the reads, set the time) a panel of kStrip weight rows is transposed in
 // 16 x 16 blocks into a buffer and the broadcast tiles of [L, In, Out] multiply it: no lane
 // sums, and x's rows are read kStrip outputs at a time instead of kDotRows.
+// float32 [L, In, Out] from kGemmXF32 rows of x, at every build level, takes the packed
+// product (Gemm below) as bfloat16 does: strips of kStrip weight columns packed once, the
+// threads splitting the output into blocks of rows of x times strips, so no [T, Out] partials.
 // With the attribute invariant, an output's sum never depends on T (batch-invariant
 // numerics): [L, In, Out] sums each output over ranges of kInvariantBlocks blocks of weight
 // rows (not ranges per thread, nor blocks sized by T) added in order; [L, Out, In] sums lanes
@@ -629,20 +632,77 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const X* xp, int64_t T, int64_t K,
   });
 }
 
+// ---- The packed product (float32 [L, In, Out] at every level from kGemmXF32 rows of x;
+// bfloat16 with AVX-512 BF16 from kGemmX): the row blocks give each thread a range of weight rows summing
+// a whole [T, Out] partial, which at hundreds of rows of x (megabytes) is loaded and stored
+// again for every block of weight rows. Here the weights of a strip of kStrip columns are
+// packed once (contiguous, zeros past Out), and the threads split the output: an item is a
+// block of up to kGemmRows rows of x times one strip, its tiles summing kGemmDepth weight
+// rows at a time in registers (that much of the packed strip stays in L2) into a scratch
+// that stays in L1, stored once at the end. Each output is one sum over In in order,
+// whatever T; but the row blocks below kGemmXF32 rows sum in another order, so the invariant
+// order never takes this path. ----
+constexpr int64_t kGemmRows = 64;  // rows of x per item
+constexpr int64_t kGemmDepth = 256;  // weight rows per pass of a tile (even)
+// Rows of x from which float32 [L, In, Out] runs the packed product (bench_linear side by
+// side with the row blocks: level at 1024 rows, 0.77x their time at 2048; docs/benchmarks.md
+// "The float32 packed matmul").
+constexpr int64_t kGemmXF32 = 1024;
+constexpr int64_t kPackAhead = 16;  // weight rows PackStrip prefetches ahead
+
+// What a packed strip is made of, and how many of them it takes for K weight rows: float32
+// rows of kStrip floats (kNV vectors per row).
+template <typename X>
+struct Packed;
+template <>
+struct Packed<float> {
+  using Unit = Vec;
+  static int64_t Size(int64_t K) { return K * kNV; }
+};
+
+// w [K, N]'s columns [n0, n0 + kStrip) as K rows of kStrip floats (zeros past N) at b.
+void PackStrip(const float* w, int64_t K, int64_t N, int64_t n0, Vec* b) {
+  float* d = reinterpret_cast<float*>(b);
+  const int64_t cols = std::min<int64_t>(kStrip, N - n0);
+  for (int64_t k = 0; k < K; ++k) {
+    if (k + kPackAhead < K)
+      for (int64_t j = 0; j < cols; j += 64 / sizeof(float))
+        __builtin_prefetch(w + (k + kPackAhead) * N + n0 + j, 0, kHint);
+    std::memcpy(d + k * kStrip, w + k * N + n0, cols * sizeof(float));
+    std::fill(d + k * kStrip + cols, d + (k + 1) * kStrip, 0.0f);
+  }
+}
+
+// out[0:rows, 0:cols] = x[0:rows, 0:K] @ a packed float32 strip b (leading dimensions ldx,
+// ldo): rows <= kGemmRows, cols <= kStrip; the row-block product's broadcast tiles.
+void GemmBlock(const float* x, int64_t ldx, int64_t rows, int64_t K, const Vec* b,
+               float* out, int64_t ldo, int64_t cols) {
+  alignas(64) float scratch[kGemmRows * kStrip];
+  const float* bf = reinterpret_cast<const float*>(b);
+  for (int64_t k0 = 0; k0 < K; k0 += kGemmDepth) {
+    const int64_t depth = std::min(kGemmDepth, K - k0);
+    const Weights<> wt{bf + k0 * kStrip, kStrip};
+    for (int64_t t = 0; t < rows; t += kMR) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMR, rows - t));
+      TileOf(mr, kNV, x + t * ldx + k0, ldx, wt, depth, scratch + t * kStrip, kStrip, k0 > 0);
+    }
+  }
+  for (int64_t t = 0; t < rows; ++t)
+    std::memcpy(out + t * ldo, scratch + t * kStrip, cols * sizeof(float));
+}
+
 #ifdef __AVX512BF16__
-// ---- bfloat16 from kGemmX rows of x (prefill, larger decode batches). The row blocks give each
-// thread a range of weight rows summing a whole [T, Out] partial: at hundreds of rows of x
-// those partials (megabytes) are loaded and stored again for every block of 32 weight rows.
-// Here the weights are packed into pairs first (strips of kStrip columns; per column, rows
-// k and k + 1 in one 32-bit lane, columns in order), and the threads split the output: an item
-// is a block of up to kGemmRows rows of x times one strip, its tiles summing kGemmDepth
-// weight rows at a time in registers into a scratch that stays in L1, stored once at the end
-// (rounded to bfloat16 for a bfloat16 out). ----
+// ---- The packed product on bfloat16 x and w: per column, weight rows k and k + 1 in one
+// 32-bit lane (columns in order), multiplied by vdpbf16ps. ----
 // Rows of x from which the packed product runs (bench_linear --dtype=bfloat16, side by side
 // with the row blocks at 32-64 rows: 0.4-0.9x their time on a loaded machine).
 constexpr int64_t kGemmX = 32;
-constexpr int64_t kGemmRows = 64;  // rows of x per item
-constexpr int64_t kGemmDepth = 256;  // weight rows per pass of a tile (even)
+
+template <>
+struct Packed<Bf16> {
+  using Unit = __m512i;
+  static int64_t Size(int64_t K) { return (K + 1) / 2 * kNV; }
+};
 
 // scratch[0:MR, 0:kStrip] (+)= x[0:MR, 0:K] @ the pairs b (kNV vectors per pair of weight
 // rows; an odd K's last pair has a zero second row, and x's word past K is not read).
@@ -746,28 +806,36 @@ void PackPanel(const Bf16* w, int64_t N, int64_t K, int64_t n0, __m512i* b) {
     for (int64_t r = 0; r < kStrip; ++r) d[c * kStrip + r] = word(r, c);
 }
 
-// x [T, K] @ w[K, N] (w[N, K]^T with `transpose`) into out [T, N] (float32, or bfloat16
-// rounded): the packed product. Untransposed, all strips are packed first (in parallel), then
-// items of rows of x times strips run; transposed, each range of panels packs one panel at a
-// time and multiplies every row of x by it.
-template <typename O>
-void GemmBf16(ffi::ThreadPool& pool, const Bf16* x, int64_t T, int64_t K, const Bf16* w,
-              int64_t N, bool transpose, O* out) {
-  const int64_t strips = (N + kStrip - 1) / kStrip, size = (K + 1) / 2 * kNV;
+
+#endif
+
+// x [T, K] @ w[K, N] (w[N, K]^T with `transpose`, bfloat16 only) into out [T, N]: the packed
+// product, on float32 x and w (out float32) or bfloat16 (out float32, or bfloat16 rounded).
+// Untransposed, all strips are packed first (in parallel), then items of blocks of rows of x
+// times strips run; transposed, each range of panels packs one panel at a time and
+// multiplies every row of x by it. (float32 panels: PanelRows, which the packed product did
+// not beat on the output head at 16-2048 rows.)
+template <typename X, typename O>
+void Gemm(ffi::ThreadPool& pool, const X* x, int64_t T, int64_t K, const X* w, int64_t N,
+          bool transpose, O* out) {
+  using Unit = typename Packed<X>::Unit;
+  const int64_t strips = (N + kStrip - 1) / kStrip, size = Packed<X>::Size(K);
   const int64_t blocks = (T + kGemmRows - 1) / kGemmRows;
-  if (transpose) {
-    ParallelRanges(pool, strips, [&](int64_t lo, int64_t hi) {
-      std::unique_ptr<__m512i[]> packed(new __m512i[size]);
-      for (int64_t s = lo; s < hi; ++s) {
-        PackPanel(w, N, K, s * kStrip, packed.get());
-        for (int64_t t0 = 0; t0 < T; t0 += kGemmRows)
-          GemmBlock(x + t0 * K, K, std::min(kGemmRows, T - t0), K, packed.get(),
-                    out + t0 * N + s * kStrip, N, std::min<int64_t>(kStrip, N - s * kStrip));
-      }
-    });
-    return;
+  if constexpr (!std::is_same_v<X, float>) {
+    if (transpose) {
+      ParallelRanges(pool, strips, [&](int64_t lo, int64_t hi) {
+        std::unique_ptr<Unit[]> packed(new Unit[size]);
+        for (int64_t s = lo; s < hi; ++s) {
+          PackPanel(w, N, K, s * kStrip, packed.get());
+          for (int64_t t0 = 0; t0 < T; t0 += kGemmRows)
+            GemmBlock(x + t0 * K, K, std::min(kGemmRows, T - t0), K, packed.get(),
+                      out + t0 * N + s * kStrip, N, std::min<int64_t>(kStrip, N - s * kStrip));
+        }
+      });
+      return;
+    }
   }
-  std::unique_ptr<__m512i[]> packed(new __m512i[strips * size]);
+  std::unique_ptr<Unit[]> packed(new Unit[strips * size]);
   ParallelFor(pool, strips, [&](int64_t s) {
     PackStrip(w, K, N, s * kStrip, packed.get() + s * size);
   });
@@ -777,7 +845,16 @@ void GemmBf16(ffi::ThreadPool& pool, const Bf16* x, int64_t T, int64_t K, const 
               out + t0 * N + s * kStrip, N, std::min<int64_t>(kStrip, N - s * kStrip));
   });
 }
-#endif
+
+// x [T, K] @ w[K, N] (w[N, K]^T with `transpose`) on float32: untransposed, the packed
+// product from kGemmXF32 rows of x, never under `invariant`; else the row blocks, or the
+// transposed rows and panels.
+void LinearF32(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const float* w,
+               int64_t N, bool transpose, float* out, bool invariant) {
+  if (!transpose && T >= kGemmXF32 && !invariant) return Gemm(pool, x, T, K, w, N, false, out);
+  if (transpose) return LinearTransposed(pool, x, T, K, w, N, out, invariant);
+  LinearRowBlocks(pool, x, T, K, w, N, out, invariant);
+}
 
 // x [T, K] @ w[K, N] (w[N, K]^T with `transpose`) on bfloat16 x and w, summed in float32 into
 // out: float32 (out_f32), or rounded to bfloat16. With AVX-512 BF16, pairs of bfloat16 lanes
@@ -786,8 +863,8 @@ void LinearBf16(ffi::ThreadPool& pool, const Bf16* xp, int64_t T, int64_t K, con
                 int64_t N, bool transpose, void* out, bool out_f32) {
 #ifdef __AVX512BF16__
   if (T >= kGemmX) {
-    if (out_f32) return GemmBf16(pool, xp, T, K, wp, N, transpose, static_cast<float*>(out));
-    return GemmBf16(pool, xp, T, K, wp, N, transpose, static_cast<Bf16*>(out));
+    if (out_f32) return Gemm(pool, xp, T, K, wp, N, transpose, static_cast<float*>(out));
+    return Gemm(pool, xp, T, K, wp, N, transpose, static_cast<Bf16*>(out));
   }
 #endif
   std::unique_ptr<float[]> sums(out_f32 ? nullptr : new float[T * N]);
@@ -831,12 +908,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   if (type == ffi::DataType::F32 && w.element_type() == type && out_type == type) {
     const float* xp = static_cast<const float*>(x.untyped_data());
     const float* wp = static_cast<const float*>(w.untyped_data()) + l * K * N;
-    float* op = static_cast<float*>(out->untyped_data());
-    if (transpose) {
-      LinearTransposed(pool, xp, T, K, wp, N, op, invariant);
-      return ffi::Error::Success();
-    }
-    LinearRowBlocks(pool, xp, T, K, wp, N, op, invariant);
+    LinearF32(pool, xp, T, K, wp, N, transpose, static_cast<float*>(out->untyped_data()),
+              invariant);
     return ffi::Error::Success();
   }
   if (type != ffi::DataType::BF16 || w.element_type() != type ||
@@ -948,8 +1021,8 @@ ffi::Error LinearKVWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const float* snp = sin.typed_data();
   std::unique_ptr<float[]> y(new float[T * N]);
   const int64_t layer_floats = num_slots * N;
-  LinearRowBlocks(pool, x.typed_data(), T, In, wk.typed_data() + l * In * N, N, y.get(),
-                  invariant);
+  LinearF32(pool, x.typed_data(), T, In, wk.typed_data() + l * In * N, N, false, y.get(),
+            invariant);
   const float* bkp = has_bias ? bk.typed_data() : nullptr;
   for (int64_t t = 0; t < T; ++t) {
     if (sp[t] < 0 || sp[t] >= num_slots) continue;
@@ -963,8 +1036,8 @@ ffi::Error LinearKVWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
               kp + pl * layer_floats + sp[t] * N);
     }
   }
-  LinearRowBlocks(pool, x.typed_data(), T, In, wv.typed_data() + l * In * N, N, y.get(),
-                  invariant);
+  LinearF32(pool, x.typed_data(), T, In, wv.typed_data() + l * In * N, N, false, y.get(),
+            invariant);
   const float* bvp = has_bias ? bv.typed_data() : nullptr;
   for (int64_t t = 0; t < T; ++t) {
     if (sp[t] < 0 || sp[t] >= num_slots) continue;

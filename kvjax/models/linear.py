@@ -28,9 +28,11 @@ _KV_WRITE_TARGET = "kvjax_linear_kv_write"
 # Steps of at most this many tokens use the native kernel under AUTO, per parameter dtype. In
 # float32, XLA's packed matmul wins beyond 512 tokens (the matmuls alone: 1.08x at 1024, 1.39x
 # at 2048; at 512 they are 1.19x, but the native step also fuses the KV write, and a server with
-# this limit served more than with 128). In bfloat16 the kernel's pair products beat XLA's
-# widened dots at every size measured (0.98 of XLA's time at 2048), so it has no limit
-# (docs/benchmarks.md "Serving settings by measurement; the native matmul at prefill sizes").
+# this limit served more than with 128); the kernel's own packed product from 1024 rows still
+# takes 1.1-1.2x XLA's time there (docs/benchmarks.md "The float32 packed matmul"). In
+# bfloat16 the kernel's pair products beat XLA's widened dots at every size measured (0.98 of
+# XLA's time at 2048), so it has no limit (docs/benchmarks.md "Serving settings by
+# measurement; the native matmul at prefill sizes").
 NATIVE_MAX_TOKENS = {jnp.dtype(jnp.float32): 512, jnp.dtype(jnp.bfloat16): None}
 
 

@@ -55,6 +55,23 @@ def test_transposed_weights_are_dot_products_of_rows(shape):
                                atol=1e-4)
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_invariant_rows_are_bitwise_the_same_alone_and_beside_others(transpose):
+    """The invariant order: a row's product is bitwise the same alone and among 1030 rows
+    (where the default order takes the packed product or the transposed panels), and is
+    x @ w."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1030, 300)).astype(np.float32)
+    w = rng.standard_normal((2, 200, 300) if transpose else (2, 300, 200)).astype(np.float32)
+    call = jax.jit(linear.invariant_linear, static_argnums=3)
+    rows = np.asarray(call(x, w, jnp.int32(1), transpose))
+    for t in (0, 517, 1029):
+        np.testing.assert_array_equal(np.asarray(call(x[t:t + 1], w, jnp.int32(1), transpose)),
+                                      rows[t:t + 1])
+    w1 = w[1].T if transpose else w[1]
+    np.testing.assert_allclose(rows, x.astype(np.float64) @ w1, rtol=1e-4, atol=1e-4)
+
+
 def test_bfloat16_goes_to_the_kernel_other_dtypes_to_xla():
     """bfloat16 x and w take the kernel (its paths: tests/test_cpu_kernels.py) and come back
     in bfloat16 like XLA's, or unrounded in float32 (out_dtype); float16 or mixed dtypes go to
