@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 
@@ -138,7 +139,9 @@ def run(model: kvjax.Model, settings: PressDecodeBench,
     [held pages, computed tokens, prompt tokens])."""
     if prompts is None:
         prompts = decode.make_prompts(model, settings.batch, settings.context, settings.seed)
-    prefill_steps = -(-settings.context // settings.chunk) * settings.batch
+    env = decode.environment()
+    # A step's chunk is shared with the rows already decoding (up to B - 1 of them).
+    prefill_steps = -(-settings.context // (settings.chunk - settings.batch + 1)) * settings.batch
     num_tokens = settings.new_tokens + prefill_steps
     max_len = settings.context + num_tokens
     engines, observers = {}, {}
@@ -164,7 +167,8 @@ def run(model: kvjax.Model, settings: PressDecodeBench,
     for row in rows.values():
         row.update(step_ratio=row["step_s"]["median"] / exact["step_s"]["median"],
                    kv_bytes_ratio=row["kv_bytes_per_step"] / exact["kv_bytes_per_step"])
-    return dict(env=decode.environment(), settings=dataclasses.asdict(settings), rows=rows)
+    env["load_average_end"] = list(os.getloadavg())
+    return dict(env=env, settings=dataclasses.asdict(settings), rows=rows)
 
 
 def format_table(report: dict) -> str:
