@@ -142,10 +142,11 @@ def probes_payload(probes: list[tuple[list[int], list[int]]], exact_runs: list[d
                 zip(probes, exact_runs, settings.depths, strict=True))]
 
 
-def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: int, chunk: int
-                ) -> kvjax.Engine:
-    """One sequence at a time, prefill in `chunk` chunks, no prefix cache between probes (a
-    pool the sequence fills is fine: with nothing else running, admission keeps no reserve).
+def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: int, chunk: int,
+                num_seqs: int = 1, async_scheduling: bool = True) -> kvjax.Engine:
+    """`num_seqs` sequences at a time (one prefilling), prefill in `chunk` chunks, no prefix
+    cache between probes (a pool the sequences fill is fine: with nothing else running,
+    admission keeps no reserve).
 
     A variant's option `schedule` is its `EngineConfig.retention_schedule` (e.g.
     'snapkv:512:schedule=pyramid'); a per-layer schedule gets a page per layer for every
@@ -157,12 +158,12 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
     tables = dict(uniform=1, pyramid=mc.num_layers).get(schedule,
                                                        mc.num_layers * mc.num_kv_heads)
     config = kvjax.EngineConfig(
-        page_size=page_size, num_pages=tables * (-(-max_len // page_size) + 1),
-        max_model_len=max_len + page_size, max_num_seqs=1, max_prefill_seqs=1,
+        page_size=page_size, num_pages=num_seqs * tables * (-(-max_len // page_size) + 1),
+        max_model_len=max_len + page_size, max_num_seqs=num_seqs, max_prefill_seqs=1,
         max_prefill_chunk=chunk, min_chunk_bucket=chunk,
         max_num_batched_tokens=chunk, enable_prefix_cache=False,
         retention=name, retention_budget=budget, retention_options=options,
-        retention_schedule=schedule)
+        retention_schedule=schedule, async_scheduling=async_scheduling)
     return kvjax.Engine(model, config)
 
 
