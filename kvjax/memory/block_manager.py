@@ -361,8 +361,7 @@ class BlockManager:
         self._get(seq_id).is_indexable = False
 
     def page_hash(self, seq_id: Hashable, page: int) -> bytes | None:
-        """The hash of the sequence's committed `page` in its chain (None: not committed, or
-        the sequence fed the index no more)."""
+        """The hash of the sequence's committed `page` (None: not committed, or not indexed)."""
         seq = self._get(seq_id)
         index = seq.block_table.index(page) if page in seq.block_table else len(seq.page_hashes)
         return seq.page_hashes[index] if index < len(seq.page_hashes) else None
@@ -455,9 +454,8 @@ class BlockManager:
         return self._get(seq_id).cache_key
 
     def last_page_hash(self, seq_id: Hashable, token_ids: Sequence[int]) -> bytes | None:
-        """The hash the last full page of `token_ids` (the sequence's leading tokens, e.g.
-        through the page it is computing) will be indexed under: its committed chain, continued
-        (None without a prefix cache, or for a sequence that indexes nothing)."""
+        """The hash the last full page of the sequence's leading `token_ids` will be indexed
+        under (None without a prefix cache, or for a sequence that indexes nothing)."""
         seq, num_pages = self._get(seq_id), len(token_ids) // self.page_size
         if self.prefix_cache is None or not seq.is_indexable or num_pages == 0:
             return None
