@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax import cpu_kernels
 from kvjax.engine.step import MatmulImpl, layer_linear
 from kvjax.models import linear, llama
 from kvjax.testing import TINY, tiny_model
@@ -70,6 +71,29 @@ def test_invariant_rows_are_bitwise_the_same_alone_and_beside_others(transpose):
                                       rows[t:t + 1])
     w1 = w[1].T if transpose else w[1]
     np.testing.assert_allclose(rows, x.astype(np.float64) @ w1, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif("avx512_bf16" not in (cpu_kernels.host_flags() or ()),
+                    reason="bfloat16 takes the packed pairs product with AVX-512 BF16 only")
+@pytest.mark.parametrize("transpose", [False, True])
+def test_bfloat16_packed_rows_are_bitwise_the_same_whatever_the_rows_beside(transpose):
+    """bfloat16 from 32 rows of x (the packed product, whose sums run over In in one order
+    whatever T): a row's float32 sums are bitwise the same among 32, 33 or 100 rows, at any
+    place in a tile or a block of rows, as among 1030 (In odd and past one pass of a tile,
+    Out past the last strip), and x @ w."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((1030, 301)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, 200, 301) if transpose else (2, 301, 200)),
+                    jnp.bfloat16)
+    call = jax.jit(linear.native_linear, static_argnames=("transpose", "out_dtype"))
+    rows = np.asarray(call(x, w, 1, transpose=transpose, out_dtype=jnp.float32))
+    for t, before, count in ((0, 0, 32), (517, 2, 33), (517, 66, 100), (1029, 99, 100)):
+        got = call(x[t - before:t - before + count], w, 1, transpose=transpose,
+                   out_dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got)[before], rows[t])
+    w1 = np.asarray(w[1], np.float64)
+    want = np.asarray(x, np.float64) @ (w1.T if transpose else w1)
+    np.testing.assert_allclose(rows, want, rtol=1e-4, atol=1e-4)
 
 
 def test_bfloat16_goes_to_the_kernel_other_dtypes_to_xla():
