@@ -521,9 +521,41 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
     head_major = any(g.head_major for g in layer_groups)
     num_kv = config.num_kv_heads
 
+    # A decode-only step over head-major pages folds the kv heads into the rows: one write,
+    # one attention call and one key-score call per layer over Bd * K one-head rows.
+    fold_heads = head_major and shape.num_prefill == 0 and shape.decode_width == 1
+    if fold_heads:  # once per step, outside the layer scan: every table group's rows
+        group_rows = (jnp.concatenate([inp.block_tables[None], inp.group_tables]),  # [G, R, W]
+                      jnp.concatenate([inp.slot_mapping[None], inp.group_slots]),  # [G, T]
+                      jnp.concatenate([inp.kv_lens[None], inp.group_kv_lens]))  # [G, R]
+        heads_shape = dataclasses.replace(shape, num_decode=shape.num_decode * num_kv)
+
+    def attend_folded(layer, q, k, v, carry):
+        """`attend_heads` of a decode-only step: row b * K + h is decode row b over kv head
+        h's table (tables[layer] + h), with query heads h * G .. (h + 1) * G - 1."""
+        kv, key_scores, page_reads = carry
+        heads_inp = fold_head_rows(inp, tables[layer] + jnp.arange(num_kv), *group_rows)
+        pool_layer = slots[layer]
+        t, n, d = q.shape
+        if k is not None:  # [T, K, D] -> [T * K, 1, D]
+            kv = kv.write_rows(pool_layer, heads_inp, heads_shape, k.reshape(-1, 1, d),
+                               v.reshape(-1, 1, v.shape[-1]))
+        q_rows = q.reshape(t * num_kv, n // num_kv, d)  # [T * K, G, D]
+        out = _attend_rows(kv, pool_layer, q_rows, heads_inp, heads_shape, kernels,
+                           soft_cap=config.attn_logit_softcap)
+        if scores_keys:
+            scores = retention.key_scores(kv, pool_layer, q_rows, heads_inp, heads_shape,
+                                          pages_per_block=PAGES_PER_BLOCK,
+                                          soft_cap=config.attn_logit_softcap)  # [T * K, W*P]
+            key_scores = key_scores.at[:, tables[layer] + jnp.arange(num_kv)].add(
+                scores.reshape(t, num_kv, -1))
+        return out.reshape(t, n, d), (kv, key_scores, page_reads)  # [T, N, D]
+
     def attend_heads(layer, q, k, v, carry):
         """A layer of head-major pages (`kvjax.kv.head_retention`): kv head h's K/V, its
         query heads' attention and key scores over its own table (tables[layer] + h)."""
+        if fold_heads:
+            return attend_folded(layer, q, k, v, carry)
         kv, key_scores, page_reads = carry
         g = q.shape[1] // num_kv
         heads = [(tables[layer] + h, inp.for_table(tables[layer] + h)) for h in range(num_kv)]
@@ -654,6 +686,28 @@ def model_step(params, kv: KVState, inp: StepInput, *, config: ModelConfig, shap
                       key_scores=key_scores, num_accepted=num_accepted,
                       spec_logprobs=spec_logprobs, query_key_scores=query_key_scores,
                       page_reads=page_reads, kept_feed=kept_feed), kv
+
+
+def fold_head_rows(inp: StepInput, heads: jax.Array, tables: jax.Array, slots: jax.Array,
+                   lens: jax.Array) -> StepInput:
+    """A decode-only step's input (one token per row, T = R) as K one-head rows per row: row
+    b * K + h is row b over table heads[h] (heads [K] int32; tables [G, R, W], slots [G, T],
+    lens [G, R]: every table group's, `StepInput.for_table`'s), the fields attention, the KV
+    writes and the key scores read folded alike; the rest stay the step's."""
+    k = heads.shape[0]
+
+    def fold(x: jax.Array) -> jax.Array:  # [K, R, ...] -> [R * K, ...]
+        return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+    def repeat(x: jax.Array) -> jax.Array:  # [R, ...] -> [R * K, ...]
+        return jnp.repeat(x, k, axis=0)
+
+    rows = jnp.arange(inp.kv_lens.shape[0] * k, dtype=jnp.int32)
+    return inp.replace(block_tables=fold(tables[heads]), slot_mapping=fold(slots[heads]),
+                       kv_lens=fold(lens[heads]), q_lens=repeat(inp.q_lens),
+                       seq_slots=repeat(inp.seq_slots), kv_floors=repeat(inp.kv_floors),
+                       positions=repeat(inp.positions), score_weights=repeat(inp.score_weights),
+                       row_starts=rows, token_rows=rows)
 
 
 def _logit_rules(inp: StepInput, token_ids: jax.Array, shape: StepShape, vocab: int

@@ -27,8 +27,10 @@ head's kept tokens compacted into the same slots (read through a per-head gather
 layer ceil(max_h B_h / P) pages of every head: a head-wise split then frees no more than its
 largest head allows, and at the same total budget holds at least the pages of the uniform split
 (AdaKV's point is that heads differ). Head-major pages pay for it with K block tables per run
-and one attention call per kv head (`kvjax.engine.step`): 1.10x the decode step of one table
-on the embedded model (docs/benchmarks.md, `kvjax.bench.head_tables`). Budget classes of heads (a
+(and in steps with prefill rows one attention call per kv head; a decode-only step folds the K
+heads into its rows, one call per layer: `kvjax.engine.step.fold_head_rows`): 1.10x the decode
+step of one table on the embedded model before the fold (docs/benchmarks.md,
+`kvjax.bench.head_tables`). Budget classes of heads (a
 few budgets, heads of a class sharing pages) would sit in between and fix the classes before
 the scores are known, which AdaKV's per-sequence split cannot.
 

@@ -17,7 +17,7 @@ from test_engine_pyramid import engine_run, prompt_of
 from kvjax import EngineConfig, SamplingParams
 from kvjax.engine.engine import Engine
 from kvjax.engine.step import LogitsMode
-from kvjax.testing import greedy_reference, tiny_model
+from kvjax.testing import dense_logprobs, greedy_reference, tiny_model
 
 P = pyramid_cases.P
 BASE = dict(pyramid_cases.BASE, num_pages=256)  # pages of one head: K times as many
@@ -71,3 +71,21 @@ def test_per_head_with_a_budget_over_the_prompt_is_exact():
     prompt = prompt_of(40, seed=7)
     tokens, _, _ = engine_run(Engine(model, per_head_config("knorm", 48)), prompt, 6)
     assert tokens == greedy_reference(model, prompt, 6)
+
+
+@pytest.mark.parametrize("attention_impl", ["native", "reference"])
+def test_per_head_decode_logits_are_the_dense_forward_passes(attention_impl):
+    """Decode steps over per-head tables (each (layer, kv head) table a row of its own in one
+    attention call per layer) give the cache-free dense forward pass's logits, through the
+    native kernel and the jnp reference alike."""
+    model = tiny_model()
+    prompt = prompt_of(40, seed=3)
+    engine = Engine(model, EngineConfig(**BASE, retention="knorm", retention_budget=48,
+                                        retention_schedule="per_head",
+                                        attention_impl=attention_impl))
+    tokens, logits, _ = engine_run(engine, prompt, 5, LogitsMode.LAST)
+    expected = dense_logprobs(model, prompt + tokens)[len(prompt) - 1:-1]  # [5, V]
+    got = np.stack(logits)
+    got = got - np.log(np.exp(got - got.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - got.max(-1, keepdims=True)
+    np.testing.assert_allclose(got, expected, atol=2e-4)
