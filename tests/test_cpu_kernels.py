@@ -110,9 +110,11 @@ def _skip_unless_runs(isa):
 # float32: every level takes the packed product untransposed from 1024 rows of x (kGemmXF32),
 # below it the row blocks. Shapes either side of it: 1023 rows; 1026, past blocks of 64 rows
 # of x with a short last tile, In past one pass of a tile (256 rows), Out off the strips and
-# vectors.
+# vectors. From 16 rows with Out a multiple of the vector width, the threads split the strips
+# of columns (kStripsX): a short last tile of x, In past chunks of 64 weight rows with a short
+# last chunk, Out off the strips; and 16 rows exactly, one chunk.
 F32_SHAPES = [(1, 576, 576), (5, 16, 8), (33, 100, 70), (26, 150, 200), (1023, 40, 70),
-              (1026, 301, 200)]
+              (1026, 301, 200), (17, 130, 112), (64, 200, 208), (16, 40, 96)]
 
 
 @pytest.mark.parametrize("isa", [Isa.NATIVE, Isa.X86_64_V4, *LEVELS], ids=lambda i: i.name)

@@ -28,7 +28,8 @@
 // accumulate tiles of up to kMR rows of x in registers. Each range sums into its own partial
 // output; the partials are added at the end, by all threads. (Walking each column strip down
 // all rows instead reads the same bytes in a strided order, well below the rate of a
-// sequential read; scripts/bench_linear.py measures the kernel.)
+// sequential read; scripts/bench_linear.py measures the kernel.) Float32 from kStripsX rows
+// of x, where the products set the time, splits the columns instead (LinearStrips below).
 // [L, Out, In]: each output is a dot product of two contiguous rows; threads take ranges of
 // weight rows (read sequentially), kDotRows of them at a time against tiles of kMR rows of x,
 // and a whole 4 x 4 tile's sums are reduced together. From kPanelX rows of x (where the
@@ -632,6 +633,42 @@ void LinearRowBlocks(ffi::ThreadPool& pool, const X* xp, int64_t T, int64_t K,
   });
 }
 
+// float32 [L, In, Out] from kStripsX rows of x (below kGemmXF32), not under `invariant`, N a
+// multiple of kV: the threads split the output's columns instead of the weight rows, a strip
+// of kStrip columns per item, so no [T, Out] partials are summed at the end. An item walks
+// its strip kStripDepth weight rows at a time (prefetching the next chunk's rows meanwhile):
+// the first tile of x copies the chunk into `packed` for the others, and the strip's [T,
+// kStrip] outputs are reloaded per chunk from L1 rather than a whole [T, Out] partial per
+// block from L2.
+constexpr int64_t kStripsX = 16;
+constexpr int64_t kStripDepth = 64;
+
+void LinearStrips(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K,
+                  const float* wp, int64_t N, float* op) {
+  const int64_t strips = (N / kV + kNV - 1) / kNV;
+  const int64_t tiles = (T + kMR - 1) / kMR;  // of x
+  ParallelFor(pool, strips, [&](int64_t s) {
+    alignas(64) float packed[kStripDepth * kStrip];
+    const int nv = static_cast<int>(std::min<int64_t>(kNV, N / kV - s * kNV));
+    const int64_t n0 = s * kStrip;
+    for (int64_t k0 = 0; k0 < K; k0 += kStripDepth) {
+      const int64_t rows = std::min(kStripDepth, K - k0);
+      const float* wk = wp + k0 * N + n0;
+      const float* next = k0 + kStripDepth < K ? wk + kStripDepth * N : nullptr;
+      const int64_t next_rows = next ? std::min(kStripDepth, K - k0 - kStripDepth) : 0;
+      for (int64_t t = 0; t < T; t += kMR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMR, T - t));
+        Weights<> wt = t == 0 ? Weights<>{wk, N, T > kMR ? packed : nullptr}
+                              : Weights<>{packed, kStrip};
+        wt.next = next;
+        wt.ld_next = N;
+        wt.ahead = next ? PartOf(t / kMR, tiles, next_rows) : Part{};
+        TileOf(mr, nv, xp + t * K + k0, K, wt, rows, op + t * N + n0, N, k0 > 0);
+      }
+    }
+  });
+}
+
 // ---- The packed product (float32 [L, In, Out] at every level from kGemmXF32 rows of x;
 // bfloat16 with AVX-512 BF16 from kGemmX): the row blocks give each thread a range of weight rows summing
 // a whole [T, Out] partial, which at hundreds of rows of x (megabytes) is loaded and stored
@@ -853,6 +890,7 @@ void LinearF32(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, cons
                int64_t N, bool transpose, float* out, bool invariant) {
   if (!transpose && T >= kGemmXF32 && !invariant) return Gemm(pool, x, T, K, w, N, false, out);
   if (transpose) return LinearTransposed(pool, x, T, K, w, N, out, invariant);
+  if (T >= kStripsX && !invariant && N % kV == 0) return LinearStrips(pool, x, T, K, w, N, out);
   LinearRowBlocks(pool, x, T, K, w, N, out, invariant);
 }
 
