@@ -14,10 +14,11 @@ shared prefix, Poisson arrivals at 1 request/s. Prints the table (`kvjax.bench.v
 and writes it as JSON (--output_json); each client result and server log stays under --out_dir.
 Optional; never part of `make test`.
 
-Before the servers start, the matmul probe runs in each dtype; the second table printed is each
-workload's compute floor (`kvjax.bench.peer_floor`): the run's FLOPs, the measured matmul rate,
-the floor time and throughput, each server's achieved FLOP rate, and what 1.2x vLLM's
-throughput is as a fraction of the floor's. `--floor_only` prints that table without serving
+Before the servers start, the matmul probe runs in each dtype and the memory bandwidth probe once;
+the second table printed is each workload's floor (`kvjax.bench.peer_floor`): the run's FLOPs,
+the measured matmul rate, the FLOPs' floor time, the fewest steps and their weight reads' floor
+time, the floor throughput (the longer floor), each server's achieved FLOP rate, and what 1.2x
+vLLM's throughput is as a fraction of the floor's. `--floor_only` prints that table without serving
 (no server columns); with `--rows_from` a stored table, it adds the floors to that table's rows
 (its workload sizes, the rates measured now) and prints both tables.
 
@@ -52,7 +53,7 @@ import pathlib
 from absl import app, flags
 
 import kvjax
-from kvjax.bench import peer_floor, vllm_peer
+from kvjax.bench import peer_floor, roofline, vllm_peer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "16 prompts per workload instead of 64, written to "
@@ -85,14 +86,15 @@ def main(argv):
                                   startup_timeout_s=FLAGS.startup_timeout_s)
     # Measured first, while the servers are down: a floor must not rise with their load.
     rates = peer_floor.measure_matmul_rates(FLAGS.dtypes)
+    bandwidth = roofline.measure_memory_bandwidth()
     model_config = kvjax.load_model().config
     if FLAGS.floor_only:
         if FLAGS.rows_from is None:
-            print(peer_floor.floor_table(peer_floor.floor_rows(model_config, config, rates,
-                                                               FLAGS.workloads)))
+            print(peer_floor.floor_table(peer_floor.floor_rows(
+                model_config, config, rates, FLAGS.workloads, bytes_per_s=bandwidth)))
             return
         stored = json.loads(pathlib.Path(FLAGS.rows_from).read_text())
-        peer_floor.add_result_floors(stored, model_config, rates)
+        peer_floor.add_result_floors(stored, model_config, rates, bytes_per_s=bandwidth)
         print(vllm_peer.table(stored["rows"]))
         print(peer_floor.floor_table(stored["rows"]))
         return
@@ -103,7 +105,7 @@ def main(argv):
         on_run=lambda *key_run: print(*key_run[:3], json.dumps(key_run[3])[:300], flush=True))
     result["label"] = "smoke run" if FLAGS.smoke else "full run"
     result["note"] = FLAGS.note
-    peer_floor.add_result_floors(result, model_config, rates)
+    peer_floor.add_result_floors(result, model_config, rates, bytes_per_s=bandwidth)
     print(vllm_peer.table(result["rows"]))
     print(peer_floor.floor_table(result["rows"]))
     path = pathlib.Path(FLAGS.output_json or "docs/results/"

@@ -60,7 +60,7 @@ def test_floor_columns_rate_each_server_and_the_target_against_the_floor_of_a_st
     rates = {"float32": 1e6, "bfloat16": 4e6}
     # As stored by the script and read back (--rows_from): its own workload sizes.
     result = json.loads(json.dumps(dict(config=dataclasses.asdict(peer), rows=rows)))
-    peer_floor.add_result_floors(result, _CONFIG, rates)
+    peer_floor.add_result_floors(result, _CONFIG, rates)  # no bandwidth: FLOPs only
     rows = result["rows"]
     assert result["matmul_flops_per_s"] == rates
     flops = _flops_by_hand(2, 0, 5, 4)
@@ -76,3 +76,27 @@ def test_floor_columns_rate_each_server_and_the_target_against_the_floor_of_a_st
     text = peer_floor.floor_table(rows)
     assert f"| float32 | random | {flops / 1e12:.2f} | 0.0 | {flops / 1e6:.1f} |" in text
     assert text.splitlines()[-1].endswith("| - | 0.0 | - |")  # bfloat16: vLLM down
+
+
+_WEIGHTS = 2 * (8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16) + 8 * 32  # 2 layers and the tied head
+
+
+@pytest.mark.parametrize("bytes_per_s, bound", [(1e12, "flops"), (1e3, "bytes")])
+def test_weight_reads_floor_counts_one_read_per_step_of_the_fewest_steps(bytes_per_s, bound):
+    # 5 requests of 4 output tokens, at most 2 per step (concurrency 2 < 3 sequences): each
+    # request's 4 tokens need 4 passes, so 20 request-passes take >= ceil(20 / 2) = 10 steps.
+    peer = vllm_peer.PeerConfig(num_prompts=5, input_len=3, output_len=4, max_concurrency=2,
+                                max_num_seqs=3)
+    assert peer_floor.min_steps(peer) == 10
+    (row,) = peer_floor.floor_rows(_CONFIG, peer, {"bfloat16": 1e6}, ("random",),
+                                   bytes_per_s=bytes_per_s)
+    floor = row["floor"]
+    flops_s = _flops_by_hand(5, 0, 3, 4) / 1e6
+    assert floor["weight_bytes_per_step"] == 2 * _WEIGHTS  # two bytes a weight
+    assert floor["bytes_floor_s"] == pytest.approx(10 * 2 * _WEIGHTS / bytes_per_s)
+    assert floor["flops_floor_s"] == pytest.approx(flops_s)
+    assert floor["bound"] == bound
+    assert floor["floor_s"] == pytest.approx(max(flops_s, floor["bytes_floor_s"]))
+    assert floor["floor_output_throughput"] == pytest.approx(20 / floor["floor_s"])
+    assert f"| {floor['min_steps']} | {floor['bytes_floor_s']:.1f} |" in peer_floor.floor_table(
+        [row])
