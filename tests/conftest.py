@@ -7,7 +7,7 @@ import tempfile
 
 import jax
 import pytest
-from hf_utils import import_torch
+from hf_utils import gguf_parsed_once, import_torch
 
 # Many tests build engines with identical step programs; a session-wide compilation cache turns
 # every repeat compile into a lookup. (Compile counts are unaffected: they count programs each
@@ -42,8 +42,9 @@ def hf_embedded():
 
     torch = import_torch()
     path = embedded_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +55,8 @@ def hf_embedded_tokenizer():
     from kvjax.models.loading import embedded_model_path
 
     path = embedded_model_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with gguf_parsed_once():
+        return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 _SLOW_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_cases.txt")

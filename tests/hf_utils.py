@@ -6,6 +6,8 @@ do not pay for them.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,31 @@ def import_torch():
 
     torch.set_num_threads(1)
     return torch
+
+
+@functools.cache
+def _cached_gguf_functions():
+    import gguf
+
+    return (functools.cache(gguf.GGUFReader), functools.cache(gguf.get_tensor_name_map))
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Within it, transformers' GGUF loads reuse one parse per file and one tensor-name map.
+
+    A load of the embedded model parses the file's metadata twice (config, then tensors) and
+    builds gguf's tensor-name map for each of its ~400 modules: about half its load time. The
+    cached reader and map are the ones it would build again, so what loads is the same.
+    """
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = _cached_gguf_functions()
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
 def _config_class(model_type: str):
