@@ -93,6 +93,7 @@ class TOVA(_Evicting):
     name = "tova"
     scores_keys = True
     accumulates_scores = False
+    scored_queries = 1  # `score_weights`: a row's newest query
 
     def __init__(self, budget: int | None, page_size: int):
         super().__init__(_check_budget(self.name, budget, 1), page_size)

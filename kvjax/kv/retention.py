@@ -309,9 +309,25 @@ class RowScorer(Protocol):
                  q_weights: jax.Array) -> jax.Array: ...
 
 
+def last_queries(q: jax.Array, pos: jax.Array, weights: jax.Array, q_lens: jax.Array,
+                 num: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The last `num` queries of each prefill row: q [Bp, C, ...], pos, weights [Bp, C] and
+    q_lens [Bp] -> the same over [Bp, num], q_lens min(q_lens, num). A row's query c of the
+    result is its query q_len - min(q_len, num) + c, so it keeps its position relative to the
+    row's kv length (`key_scores_blockwise` places query c at kv_len - q_len + c)."""
+    start = jnp.maximum(q_lens - num, 0)[:, None]  # [Bp, 1]
+    index = start + jnp.arange(num, dtype=jnp.int32)[None]  # [Bp, num], < C since num < C
+
+    def take(x):
+        return jnp.take_along_axis(x, index.reshape(*index.shape, *(1,) * (x.ndim - 2)), axis=1)
+
+    return take(q), take(pos), take(weights), jnp.minimum(q_lens, num)
+
+
 def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
                     pages_per_block: int, score_rows: RowScorer | None = None,
-                    soft_cap: float | None = None) -> jax.Array:
+                    soft_cap: float | None = None, scored_queries: int | None = None
+                    ) -> jax.Array:
     """Key scores of a step's rows (decode rows, then prefill rows). q: [T, N, D] -> [R, W*P],
     or in a verify step (decode width Wd > 1) [R, Wd, W*P]: each decode row's queries scored
     one at a time, query c as the one query of a decode step at its kv length (what plain
@@ -319,7 +335,9 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
 
     score_rows: what a row's keys score; None: the attention its weighted queries pay them
     (`key_scores_blockwise`). A group of rows whose queries all have weight 0 skips the
-    computation.
+    computation. scored_queries: at most this many of a prefill row's queries have a weight,
+    all among its last ones (`RetentionPolicy.scored_queries`): only those are scored (at 8k
+    tokens in one chunk, SnapKV's 64-query window instead of 8192 queries); None: every query.
     """
     bd, bp, wd = shape.num_decode, shape.num_prefill, shape.decode_width
     width = inp.block_tables.shape[1] * kv.page_size
@@ -357,8 +375,11 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
                      is_query.astype(jnp.int32), slots, floors)  # [Bd * Wd, W*P]
         parts.append(out.reshape(bd, wd, width))
     if bp:
-        out = scored(layout.prefill_view(q, inp, shape), layout.prefill_view(pos, inp, shape),
-                     layout.prefill_view(w, inp, shape), *rows_of(slice(bd, bd + bp)))
+        q_p, pos_p, w_p = (layout.prefill_view(x, inp, shape) for x in (q, pos, w))
+        tables, kv_lens, q_lens, slots, floors = rows_of(slice(bd, bd + bp))
+        if scored_queries is not None and scored_queries < q_p.shape[1]:
+            q_p, pos_p, w_p, q_lens = last_queries(q_p, pos_p, w_p, q_lens, scored_queries)
+        out = scored(q_p, pos_p, w_p, tables, kv_lens, q_lens, slots, floors)
         if wd > 1:  # [Bp, W*P] -> [Bp, Wd, W*P], the sum at query 0
             out = jnp.zeros((bp, wd, width), jnp.float32).at[:, 0].set(out)
         parts.append(out)

@@ -80,6 +80,10 @@ class RetentionPolicy(Protocol):
     accumulates_scores: bool  # a step's key scores add to the earlier ones (else replace them)
     needs_rope: bool  # its device side reads the model's RoPE (`bind_rope`)
     compresses_once: bool  # decides once, from scores, when the prefill completes
+    # At most this many of a prefill row's queries have a nonzero `score_weights`, all among
+    # the row's last queries (SnapKV: its window; TOVA: 1): the step scores only those.
+    # None: any query may.
+    scored_queries: int | None
 
     def fingerprint(self) -> str: ...
 
@@ -179,6 +183,7 @@ class _Policy:
     # Decides once, from scores, when the prefill completes (a per-layer schedule can share
     # its budget: `kvjax.kv.layer_retention`).
     compresses_once: ClassVar[bool] = False
+    scored_queries: int | None = None
 
     def __init__(self, budget: int | None, page_size: int):
         self.budget = budget
@@ -250,7 +255,8 @@ class _Policy:
         from kvjax.kv import retention  # Imported lazily: the device side.
 
         return retention.step_key_scores(kv, layer, q, inp, shape,
-                                         pages_per_block=pages_per_block, soft_cap=soft_cap)
+                                         pages_per_block=pages_per_block, soft_cap=soft_cap,
+                                         scored_queries=self.scored_queries)
 
 
 @register_retention
@@ -400,6 +406,7 @@ class SnapKV(_Policy):
         super().__init__(_check_budget(self.name, budget, window + 1), page_size)
         self.window, self.kernel, self.pooling = window, kernel, pooling
         self.min_budget = window + 1
+        self.scored_queries = window  # `score_weights`: a prefill's last `window` queries
 
     def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
                       ) -> np.ndarray:

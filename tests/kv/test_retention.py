@@ -24,6 +24,7 @@ from kvjax.kv.retention import (
     Pooling,
     RetentionManager,
     key_scores_blockwise,
+    last_queries,
     make_retention,
     move_slots,
     pool_scores,
@@ -239,6 +240,33 @@ def test_key_scores_match_dense_softmax_mass(soft_cap):
         want = dense_key_scores(q[i], k_seq, kv_lens[i], q_lens[i], weights[i], soft_cap)
         np.testing.assert_allclose(got[i, :kv_lens[i]], want, rtol=2e-5, atol=1e-6)
         assert not got[i, kv_lens[i]:].any()
+
+
+def test_scoring_only_the_last_queries_gives_the_dense_scores_of_a_weighted_window():
+    """A press whose weighted queries are a prefill row's last ones (SnapKV's window) scores
+    only those (`last_queries`): rows longer and shorter than the window, each query at its
+    own causal position, against the dense mass of every query with the same weights."""
+    rng = np.random.default_rng(2)
+    b, c, n, k_heads, d, num_pages, width, window = 3, 9, 4, 2, 8, 24, 8, 3
+    k_pages = rng.normal(size=(num_pages, P, k_heads, d)).astype(np.float32)
+    tables = rng.permutation(num_pages)[:b * width].reshape(b, width).astype(np.int32)
+    kv_lens = np.array([20, 2, 31], np.int32)
+    q_lens = np.array([9, 2, 6], np.int32)
+    q = 3 * rng.normal(size=(b, c, n, d)).astype(np.float32)
+    idx = np.arange(c)[None]
+    weights = ((idx < q_lens[:, None]) & (idx >= q_lens[:, None] - window)).astype(np.float32)
+    pos = (kv_lens - q_lens)[:, None] + idx
+    q_w, pos_w, w_w, lens_w = last_queries(jnp.asarray(q), jnp.asarray(pos),
+                                           jnp.asarray(weights), jnp.asarray(q_lens), window)
+    np.testing.assert_array_equal(lens_w, [3, 2, 3])
+    np.testing.assert_array_equal(pos_w[0], [17, 18, 19])  # the row's last three positions
+    got = np.asarray(key_scores_blockwise(
+        q_w, pages_loader(k_pages, np.full_like(k_pages, np.nan)), jnp.asarray(tables),
+        jnp.asarray(kv_lens), lens_w, w_w, pages_per_block=2))
+    for i in range(b):
+        k_seq = k_pages[tables[i]].reshape(width * P, k_heads, d)
+        want = dense_key_scores(q[i], k_seq, kv_lens[i], q_lens[i], weights[i])
+        np.testing.assert_allclose(got[i, :kv_lens[i]], want, rtol=2e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- quest
