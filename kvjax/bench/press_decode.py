@@ -135,8 +135,8 @@ def run(model: kvjax.Model, settings: PressDecodeBench,
         prompts: list[list[int]] | None = None) -> dict:
     """Exact KV and every variant, side by side, on `prompts` (B of `context` tokens; None:
     corpus text). Returns a JSON-ready dict: env, settings, rows (per variant: step times,
-    pages, bytes, their ratios to exact, and `samples`: per timed dispatch, each sequence's
-    [held pages, computed tokens, prompt tokens])."""
+    their device and host parts, pages, bytes, their ratios to exact, and `samples`: per
+    timed dispatch, each sequence's [held pages, computed tokens, prompt tokens])."""
     if prompts is None:
         prompts = decode.make_prompts(model, settings.batch, settings.context, settings.seed)
     env = decode.environment()
@@ -160,7 +160,12 @@ def run(model: kvjax.Model, settings: PressDecodeBench,
                  and r.num_prefill == 0 and not r.compiled]
         if not steps:
             raise ValueError(f"variant {variant!r}: no full-batch decode step: raise new_tokens")
+        # device_s: dispatch (the step's input building included) to tokens on the host;
+        # host_s: scheduling and committing. A gap between variants in device_s alone is the
+        # device step's own, in host_s the host's per-table work.
         rows[variant] = dict(step_s=decode.summarize([r.wall_s for r in steps]),
+                             device_s=decode.summarize([r.device_s for r in steps]),
+                             host_s=decode.summarize([r.host_s for r in steps]),
                              **pages_summary(variant, timed.engine, observers[variant].samples,
                                              settings.page_size))
     exact = rows[EXACT]
@@ -173,11 +178,14 @@ def run(model: kvjax.Model, settings: PressDecodeBench,
 
 def format_table(report: dict) -> str:
     """A markdown table, one row per variant."""
-    lines = ["| variant | step ms (median) | step vs exact | KV bytes read / step vs exact | "
-             "pages held / seq (allocator) | pages expected / seq (budget) | tables / seq |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | step ms (median) | dispatch + wait ms | host ms | step vs exact | "
+             "KV bytes read / step vs exact | pages held / seq (allocator) | "
+             "pages expected / seq (budget) | tables / seq |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for variant, r in report["rows"].items():
-        lines.append(f"| {variant} | {1e3 * r['step_s']['median']:.1f} | {r['step_ratio']:.2f} "
+        lines.append(f"| {variant} | {1e3 * r['step_s']['median']:.1f} | "
+                     f"{1e3 * r['device_s']['median']:.1f} | {1e3 * r['host_s']['median']:.1f} "
+                     f"| {r['step_ratio']:.2f} "
                      f"| {r['kv_bytes_ratio']:.3f} | {r['pages_held_per_seq']:.1f} | "
                      f"{r['pages_expected_per_seq']:.1f} | {r['num_tables']} |")
     return "\n".join(lines)

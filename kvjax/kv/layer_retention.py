@@ -126,9 +126,10 @@ class GroupedRetention(RetentionManager):
         """key_scores: [G, >= S] the row's per-group scores, or None."""
         views = self._others.get(seq_id, [None] * (self.num_tables - 1))
         views = [self._views.get(seq_id), *views]
+        new = (np.arange(start, start + num_new, dtype=np.int32), np.zeros(num_new, np.float32))
         for g, view in enumerate(views):
             views[g] = self._extended(view, start, num_new,
-                                      None if key_scores is None else key_scores[g])
+                                      None if key_scores is None else key_scores[g], new)
         self._views[seq_id], self._others[seq_id] = views[0], views[1:]
 
     def observe_each(self, seq_id: str, start: int, query_scores: np.ndarray | None) -> None:

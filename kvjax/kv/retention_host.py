@@ -637,14 +637,17 @@ class RetentionManager:
                                              key_scores)
 
     def _extended(self, view: CacheView | None, start: int, num_new: int,
-                  key_scores: np.ndarray | None) -> CacheView:
+                  key_scores: np.ndarray | None,
+                  new: tuple[np.ndarray, np.ndarray] | None = None) -> CacheView:
         """`view` (None: a new one) with `num_new` tokens at logical positions start.. and
-        their step's scores [>= S] added (or in place of the earlier ones)."""
+        their step's scores [>= S] added (or in place of the earlier ones). new: the new
+        tokens' (positions, zero scores), when the caller extends many views alike."""
         if view is None:  # Nothing evicted yet: the cache holds positions 0 .. start - 1.
             view = CacheView(np.arange(start, dtype=np.int32), np.zeros(start, np.float32))
-        new = np.arange(start, start + num_new, dtype=np.int32)
-        view.positions = np.concatenate([view.positions, new])
-        view.scores = np.concatenate([view.scores, np.zeros(num_new, np.float32)])
+        positions, zeros = new or (np.arange(start, start + num_new, dtype=np.int32),
+                                   np.zeros(num_new, np.float32))
+        view.positions = np.concatenate([view.positions, positions])
+        view.scores = np.concatenate([view.scores, zeros])
         if key_scores is not None and self.policy.accumulates_scores:
             view.scores += key_scores[:len(view.scores)]
         elif key_scores is not None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 
+import numpy as np
+
 from kvjax.delegation import delegate
 from kvjax.memory.page_pool import FreeList as FreeList  # re-exported for its importers
 from kvjax.memory.page_pool import PagePool, PageSource
@@ -153,6 +155,8 @@ class BlockManager:
     truncate = delegate("edits", TableEdits.truncate)
     release_pages = delegate("edits", TableEdits.release_pages)
     fill_pages = delegate("edits", TableEdits.fill_pages)
+    writes_in_place = delegate("edits", TableEdits.writes_in_place)
+    record_in_place = delegate("edits", TableEdits.record_in_place)
 
     def has_sequence(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -168,6 +172,10 @@ class BlockManager:
     def block_tables(self, seq_id: Hashable) -> list[list[int]]:
         """Every layer group's table: this manager's one."""
         return [self.block_table(seq_id)]
+
+    def block_table_array(self, seq_id: Hashable) -> np.ndarray:
+        """[1, pages_per_seq] int32: `block_tables` as one array."""
+        return np.asarray([self._get(seq_id).block_table], np.int32).reshape(1, -1)
 
     def num_tokens_cached(self, seq_id: Hashable) -> int:
         """Prompt tokens of `seq_id` attached from the prefix cache by add_sequence."""

@@ -18,6 +18,7 @@ all-or-nothing.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -115,6 +116,9 @@ class GroupedBlockManager:
         # 0's (groups keeping budgets of their own hold different numbers of tokens). Callers
         # address a sequence by group 0's cache positions; group g's are these plus its offset.
         self._offsets: dict[Hashable, list[int]] = {}
+        # Per sequence, `block_table_array`'s array until one of its tables changes: a decode
+        # step that writes within the pages it holds changes none, so most steps reuse it.
+        self._arrays: dict[Hashable, np.ndarray] = {}
 
     # ----------------------------------------------------------------------------- views
 
@@ -155,6 +159,10 @@ class GroupedBlockManager:
         return self._free.num_free() + sum(_num_evictable(m) for m in self.groups)
 
     def num_used_pages(self) -> int:
+        if self.prefix_cache is None:
+            # Without prefix caches a page off the shared free list is held by one group's
+            # tables: one count, not a scan of every group's reference counts.
+            return self.num_pages - self._free.num_free()
         return sum(m.num_used_pages() for m in self.groups)
 
     def page_hash(self, seq_id: Hashable, page: int) -> bytes | None:
@@ -175,9 +183,24 @@ class GroupedBlockManager:
         """Every group's table, group 0 first (RELEASED entries hold no page)."""
         return [m.block_table(seq_id) for m in self.groups]
 
+    def block_table_array(self, seq_id: Hashable) -> np.ndarray:
+        """[G, n] int32, read-only: every group's table, group 0 first, a shorter one padded
+        with RELEASED to the longest's n pages. Built once per change of the sequence's
+        tables (L * K of them under per-head budgets), not on every step."""
+        tables = self._arrays.get(seq_id)
+        if tables is None:
+            rows = self.block_tables(seq_id)
+            lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+            tables = np.full((len(rows), lengths.max()), RELEASED, np.int32)
+            tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(rows), np.int32, lengths.sum())
+            tables.flags.writeable = False
+            self._arrays[seq_id] = tables
+        return tables
+
     def num_held_pages(self, seq_id: Hashable) -> int:
         """Pages the sequence holds over every group."""
-        return sum(m.num_held_pages(seq_id) for m in self.groups)
+        return int(np.count_nonzero(self.block_table_array(seq_id) != RELEASED))
 
     def num_tokens_cached(self, seq_id: Hashable) -> int:
         return self.groups[0].num_tokens_cached(seq_id)
@@ -214,6 +237,7 @@ class GroupedBlockManager:
         validates the id and the prompt before any group registers it)."""
         hit = (self._common_hit(token_ids, cache_key, max_hit)
                if self.prefix_cache is not None and indexable else None)
+        self._arrays.pop(seq_id, None)
         for m in self.groups:
             m.add_sequence(seq_id, token_ids, cache_key=cache_key, indexable=indexable,
                            record_stats=record_stats, num_cached=hit)
@@ -263,6 +287,9 @@ class GroupedBlockManager:
         """Gives back each window's pages no query from `start` on reads, then makes [start,
         end) writable in every group, all-or-nothing."""
         shifts = self._shifts(seq_id)
+        if not any(self.windows):
+            return self._write_without_windows(seq_id, start, end, shifts)
+        self._arrays.pop(seq_id, None)
         for m, d in zip(self.groups, shifts, strict=True):
             self._released += m.release_before(seq_id, start + d)
         needed = sum(m.pages_to_write(seq_id, start + d, end + d)
@@ -276,6 +303,48 @@ class GroupedBlockManager:
             copies += group_copies
         return AllocStatus.OK, copies
 
+    def _write_without_windows(self, seq_id: Hashable, start: int, end: int,
+                               shifts: list[int]) -> tuple[AllocStatus, list[CopyOp]]:
+        """`ensure_writable` when no group has a window (no page is given back first). A
+        decode step's write mostly lands in a page the table already holds alone: such a
+        group only records it (`BlockManager.writes_in_place`); the others (tables that
+        cross a page boundary at this step, a budget of their own apart) take their pages,
+        and only their rows of the kept `block_table_array` change."""
+        seqs = [m.writes_in_place(seq_id, start + d, end + d)
+                for m, d in zip(self.groups, shifts, strict=True)]
+        moving = [g for g, seq in enumerate(seqs) if seq is None]
+        needed = sum(self.groups[g].pages_to_write(seq_id, start + shifts[g], end + shifts[g])
+                     for g in moving)
+        if needed > self.num_free_pages():
+            return AllocStatus.NO_PAGES, []
+        copies = []
+        for m, seq, d in zip(self.groups, seqs, shifts, strict=True):
+            if seq is not None:
+                m.record_in_place(seq, start + d, end + d)
+                continue
+            status, group_copies = m.ensure_writable(seq_id, start + d, end + d)
+            assert status is AllocStatus.OK, "pages counted free above must be allocatable"
+            copies += group_copies
+        if moving:
+            self._update_arrays(seq_id, moving)
+        return AllocStatus.OK, copies
+
+    def _update_arrays(self, seq_id: Hashable, groups: list[int]) -> None:
+        """The kept `block_table_array` of `seq_id` with the tables of `groups` read afresh
+        (a copy: arrays handed out before stay as they were); dropped when one outgrew it."""
+        tables = self._arrays.pop(seq_id, None)
+        if tables is None:
+            return
+        rows = [self.groups[g].block_table(seq_id) for g in groups]
+        if max(map(len, rows)) > tables.shape[1]:
+            return
+        tables = tables.copy()
+        for g, row in zip(groups, rows, strict=True):
+            tables[g] = RELEASED
+            tables[g, :len(row)] = row
+        tables.flags.writeable = False
+        self._arrays[seq_id] = tables
+
     def ensure_restored(self, seq_id: Hashable, start: int, end: int
                         ) -> tuple[AllocStatus, list[CopyOp]]:
         """Makes a returning sequence's positions [start, end) writable, its next query at
@@ -283,6 +352,7 @@ class GroupedBlockManager:
         `start`, a window's only from the first page that query reads, all-or-nothing but for
         the window pages before it, which are given back either way."""
         shifts = self._shifts(seq_id)  # a sequence that comes back with its groups' lengths
+        self._arrays.pop(seq_id, None)
         ends = [end + d for d in shifts]
         for m, e in zip(self.groups, ends, strict=True):
             self._released += m.release_returning(seq_id, e)
@@ -314,17 +384,20 @@ class GroupedBlockManager:
         return released
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        self._arrays.pop(child_id, None)
         for m in self.groups:
             m.fork(parent_id, child_id)
         if parent_id in self._offsets:
             self._offsets[child_id] = list(self._offsets[parent_id])
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        self._arrays.pop(seq_id, None)
         return [page for m, d in zip(self.groups, self._shifts(seq_id), strict=True)
                 for page in m.truncate(seq_id, num_tokens + d)]
 
     def free(self, seq_id: Hashable) -> list[int]:
         self._offsets.pop(seq_id, None)
+        self._arrays.pop(seq_id, None)
         return [page for m in self.groups for page in m.free(seq_id)]
 
     def retain(self, seq_id: Hashable, keep: Sequence[int]):
@@ -350,6 +423,7 @@ class GroupedBlockManager:
         if needed > self.num_free_pages():
             return AllocStatus.NO_PAGES, [], []
         moves, freed = [], []
+        self._arrays.pop(seq_id, None)
         for m, keep in zip(self.groups, keeps, strict=True):
             status, src, dst, group_freed = m.retain(seq_id, keep)
             assert status is AllocStatus.OK, "pages counted free above must be allocatable"

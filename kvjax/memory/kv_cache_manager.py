@@ -154,10 +154,7 @@ class KVCacheManager:
         with one group). An entry a window gave back reads page 0, which the window's mask
         hides; so does one past the end of a table shorter than the others (groups that keep
         retention budgets of their own hold different numbers of pages)."""
-        rows = self.allocator.block_tables(seq_id)
-        tables = np.zeros((len(rows), max(map(len, rows))), np.int32)
-        for g, row in enumerate(rows):
-            tables[g, :len(row)] = np.maximum(row, 0)
+        tables = np.maximum(self.allocator.block_table_array(seq_id), 0)  # [G, n]
         return tables[0], (tables[1:] if len(tables) > 1 else None)
 
     def seq_slot(self, seq_id: str) -> int:

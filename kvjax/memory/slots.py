@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import numpy as np
+
 from kvjax.memory.block_manager import AllocStatus, CopyOp
 from kvjax.trace import NULL_TRACER, Tracer
 
@@ -100,6 +102,10 @@ class SlotAllocator:
     def block_tables(self, seq_id: Hashable) -> list[list[int]]:
         """Every layer group's table: the slot's one."""
         return [self.block_table(seq_id)]
+
+    def block_table_array(self, seq_id: Hashable) -> np.ndarray:
+        """[1, pages_per_seq] int32: `block_tables` as one array."""
+        return np.asarray(self.block_tables(seq_id), np.int32)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         slot = self._slot_of[seq_id]

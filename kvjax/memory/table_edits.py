@@ -54,6 +54,25 @@ class TableEdits:
         self.page_size = page_size
         self._get = get
 
+    def writes_in_place(self, seq_id: Hashable, start: int, end: int) -> SeqPages | None:
+        """The sequence when [start, end) (start < end) lies in one page it already holds
+        alone (no new page, no copy: all `BlockManager.ensure_writable` would do is record
+        the write, `record_in_place`); else None. A decode step's common case, checked
+        cheaply: a sequence under per-head tables writes into L * K tables each step."""
+        seq = self._get(seq_id)
+        index = start // self.page_size
+        if not 0 <= start < end or (end - 1) // self.page_size != index or \
+                index >= len(seq.block_table):
+            return None
+        page = seq.block_table[index]
+        return None if page == RELEASED or self.pool.is_shared(page) else seq
+
+    def record_in_place(self, seq: SeqPages, start: int, end: int) -> None:
+        """`BlockManager.ensure_writable(seq_id, start, end)` for a sequence that
+        `writes_in_place` returned: only its length and its stale page hashes change."""
+        del seq.page_hashes[start // self.page_size:]
+        seq.num_tokens = end
+
     def retain(
         self, seq_id: Hashable, keep: Sequence[int]
     ) -> tuple[AllocStatus, np.ndarray, np.ndarray, list[int]]:

@@ -357,3 +357,95 @@ class PerHeadBudgetMachine(RuleBasedStateMachine):
 PerHeadBudgetMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25,
                                                   deadline=None)
 TestPerHeadBudgets = PerHeadBudgetMachine.TestCase
+
+
+class PerHeadTablesMachine(RuleBasedStateMachine):
+    """Many groups without windows or prefix caches (per-head tables): decode writes within a
+    held page take `ensure_writable`'s fast path, and `block_table_array` is kept between
+    calls. Oracle: the same operations on a manager whose groups have a window longer than any
+    sequence (the general path, the same tables) and the tables' own lists."""
+
+    NUM_GROUPS, BIG_WINDOW = 3, 10_000
+
+    def __init__(self):
+        super().__init__()
+        num_pages = 3 * self.NUM_GROUPS * 8
+        self.fast = GroupedBlockManager(num_pages, P, [0] * self.NUM_GROUPS,
+                                        enable_prefix_cache=False)
+        self.slow = GroupedBlockManager(num_pages, P, [self.BIG_WINDOW] * self.NUM_GROUPS,
+                                        enable_prefix_cache=False)
+        self.lengths: dict[str, int] = {}  # tokens group 0 holds
+        self.offsets: dict[str, list[int]] = {}  # each group's length less group 0's
+        self.count = 0
+
+    def _both(self, method: str, *args):
+        results = [getattr(m, method)(*args) for m in (self.fast, self.slow)]
+        assert results[0] == results[1], (method, args, results)
+        return results[0]
+
+    @precondition(lambda self: len(self.lengths) < 3)
+    @rule(length=st.integers(1, 14))
+    def add(self, length):
+        seq = f"s{self.count}"
+        self.count += 1
+        self._both("add_sequence", seq, list(range(length)))
+        if self._both("ensure_writable", seq, 0, length)[0] is AllocStatus.OK:
+            self.lengths[seq], self.offsets[seq] = length, [0] * self.NUM_GROUPS
+        else:
+            self._both("free", seq)
+
+    @precondition(lambda self: self.lengths)
+    @rule(data=st.data(), k=st.sampled_from([1, 1, 1, 2, 5]))
+    def write(self, data, k):
+        seq = data.draw(st.sampled_from(sorted(self.lengths)))
+        n = self.lengths[seq]
+        if self._both("ensure_writable", seq, n, n + k)[0] is AllocStatus.OK:
+            self.lengths[seq] = n + k
+
+    @precondition(lambda self: self.lengths)
+    @rule(data=st.data())
+    def retain(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.lengths)))
+        n = self.lengths[seq]  # group 0 keeps every token, so its length stays n
+        keeps = [list(range(n))] + [sorted(data.draw(st.sets(st.integers(0, n + d - 1),
+                                                             min_size=1)))
+                                    for d in self.offsets[seq][1:]]
+        statuses = [m.retain_groups(seq, keeps)[0] for m in (self.fast, self.slow)]
+        assert statuses == [AllocStatus.OK] * 2
+        self.offsets[seq] = [len(keep) - n for keep in keeps]
+
+    @precondition(lambda self: self.lengths and len(self.lengths) < 3)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.lengths)))
+        child = f"s{self.count}"
+        self.count += 1
+        self._both("fork", parent, child)
+        self.lengths[child] = self.lengths[parent]
+        self.offsets[child] = list(self.offsets[parent])
+
+    @precondition(lambda self: self.lengths)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.lengths)))
+        self._both("free", seq)
+        del self.lengths[seq]
+
+    @invariant()
+    def the_kept_arrays_are_the_tables_and_the_counts_the_groups(self):
+        for seq in self.lengths:
+            tables = self._both("block_tables", seq)
+            expected = np.full((len(tables), max(map(len, tables))), RELEASED, np.int32)
+            for g, table in enumerate(tables):
+                expected[g, :len(table)] = table
+            np.testing.assert_array_equal(self.fast.block_table_array(seq), expected)
+            assert self.fast.num_held_pages(seq) == sum(
+                m.num_held_pages(seq) for m in self.fast.groups)
+        assert self.fast.num_used_pages() == sum(m.num_used_pages() for m in self.fast.groups)
+        assert self.fast.num_used_pages() == self.slow.num_used_pages()
+        assert self.fast.num_free_pages() == self.slow.num_free_pages()
+
+
+PerHeadTablesMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
+                                                  deadline=None)
+TestPerHeadTables = PerHeadTablesMachine.TestCase
