@@ -446,6 +446,6 @@ class PerHeadTablesMachine(RuleBasedStateMachine):
         assert self.fast.num_free_pages() == self.slow.num_free_pages()
 
 
-PerHeadTablesMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
+PerHeadTablesMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=25,
                                                   deadline=None)
 TestPerHeadTables = PerHeadTablesMachine.TestCase
