@@ -16,3 +16,10 @@ def delegate(component: str, method: Callable) -> Callable:
         return method(getattr(self, component), *args, **kwargs)
 
     return forward
+
+
+def delegate_attribute(component: str, name: str, doc: str) -> property:
+    """The attribute `name` of the owner's attribute `component`, read and set through the
+    owner."""
+    return property(lambda self: getattr(getattr(self, component), name),
+                    lambda self, value: setattr(getattr(self, component), name, value), doc=doc)

@@ -16,11 +16,11 @@ the device before it writes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from kvjax.delegation import delegate
+from kvjax.delegation import delegate, delegate_attribute
 from kvjax.memory.page_pool import FreeList as FreeList  # re-exported for its importers
 from kvjax.memory.page_pool import PagePool, PageSource
 from kvjax.memory.prefix_cache import (
@@ -33,7 +33,6 @@ from kvjax.memory.prefix_cache import (
 from kvjax.memory.table_edits import RELEASED as RELEASED  # re-exported for its importers
 from kvjax.memory.table_edits import AllocStatus as AllocStatus
 from kvjax.memory.table_edits import SeqPages, TableEdits
-from kvjax.trace import Tracer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,23 +121,9 @@ class BlockManager:
         it shares with other engines (the watermark's reserve is a fraction of it)."""
         return self.pool.capacity()
 
-    @property
-    def tracer(self) -> Tracer:
-        """Where page allocations, frees and evictions are reported (the `PagePool`'s)."""
-        return self.pool.tracer
-
-    @tracer.setter
-    def tracer(self, tracer: Tracer) -> None:
-        self.pool.tracer = tracer
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        """When cached pages are released (the `PagePool`'s clock)."""
-        return self.pool.clock
-
-    @clock.setter
-    def clock(self, clock: Callable[[], float]) -> None:
-        self.pool.clock = clock
+    tracer = delegate_attribute(
+        "pool", "tracer", "Where page allocations, frees and evictions are reported (a Tracer).")
+    clock = delegate_attribute("pool", "clock", "When cached pages are released (a clock).")
 
     num_free_pages = delegate("pool", PagePool.num_free_pages)
     num_used_pages = delegate("pool", PagePool.num_used_pages)
