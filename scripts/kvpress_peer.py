@@ -263,10 +263,52 @@ def load_model(hf_dir: str, gguf: str | None, attn: str):
     return model.eval()
 
 
-def quality(kl: np.ndarray, top1: np.ndarray, passed: list[bool]) -> dict:
+def kl_stats(kl: np.ndarray) -> dict:
     return dict(kl_mean=float(kl.mean()), kl_p99=float(np.percentile(kl, 99)),
-                kl_max=float(kl.max()), top1_agreement=float(top1.mean()),
+                kl_max=float(kl.max()))
+
+
+def quality(kl: np.ndarray, top1: np.ndarray, passed: list[bool]) -> dict:
+    return dict(kl_stats(kl), top1_agreement=float(top1.mean()),
                 retrieval_pass=float(np.mean(passed)))
+
+
+def row_of(stats: dict, press: str | None) -> dict:
+    """A variant's row from its per-probe lists: kl and top1 (per token), passed and agree."""
+    return dict(quality(np.concatenate(stats["kl"]), np.concatenate(stats["top1"]),
+                        stats["passed"]),
+                press=press, kvjax_continuation_agreement=float(np.mean(stats["agree"])),
+                kl_per_probe=[np.asarray(k).tolist() for k in stats["kl"]])
+
+
+def merge_reports(earlier: dict, later: dict) -> dict:
+    """One report of the probes of `earlier` then those of `later` (a run resumed after probe n).
+
+    KL statistics come from the tokens' KL (`kl_per_probe`); top-1 agreement is a mean over
+    tokens, weighted by each part's tokens; retrieval and continuation agreement are means over
+    probes, weighted by each part's probes. Equals the report of one run over all the probes.
+    """
+    differ = sorted(set(earlier["rows"]) ^ set(later["rows"]))
+    if differ:
+        raise ValueError(f"merge_reports: rows differ: {differ}")
+    rows = {}
+    for name, a in earlier["rows"].items():
+        b = later["rows"][name]
+        kl = [np.asarray(k) for k in a["kl_per_probe"] + b["kl_per_probe"]]
+        tokens = [sum(len(k) for k in r["kl_per_probe"]) for r in (a, b)]
+        probes = [len(r["kl_per_probe"]) for r in (a, b)]
+        rows[name] = dict(
+            kl_stats(np.concatenate(kl)),
+            top1_agreement=float(np.average([a["top1_agreement"], b["top1_agreement"]],
+                                            weights=tokens)),
+            retrieval_pass=float(np.average([a["retrieval_pass"], b["retrieval_pass"]],
+                                            weights=probes)),
+            press=a["press"],
+            kvjax_continuation_agreement=float(np.average(
+                [a["kvjax_continuation_agreement"], b["kvjax_continuation_agreement"]],
+                weights=probes)),
+            kl_per_probe=a["kl_per_probe"] + b["kl_per_probe"])
+    return dict(rows=rows, prompt_tokens=earlier["prompt_tokens"] + later["prompt_tokens"])
 
 
 def run(probes: list[dict], variants: list[str], hf_dir: str, gguf: str | None,
@@ -302,12 +344,7 @@ def run(probes: list[dict], variants: list[str], hf_dir: str, gguf: str | None,
                                             == np.asarray(continuation[len(answer):]))))
         report["prompt_tokens"].append(len(prompt))
         for name, press in presses.items():
-            s = stats[name]
-            rows[name] = dict(quality(np.concatenate(s["kl"]), np.concatenate(s["top1"]),
-                                      s["passed"]),
-                              press=type(press).__name__ if press is not None else None,
-                              kvjax_continuation_agreement=float(np.mean(s["agree"])),
-                              kl_per_probe=[k.tolist() for k in s["kl"]])
+            rows[name] = row_of(stats[name], type(press).__name__ if press is not None else None)
         print(f"probe {n} ({time.perf_counter() - t0:.0f}s): " + ", ".join(
             f"{name} {rows[name]['kl_mean']:.3f}" for name in presses), flush=True)
         if on_row is not None:
@@ -324,6 +361,10 @@ def main() -> None:
     parser.add_argument("--hf_dir", default="/tmp/smollm2-135m-f32")
     parser.add_argument("--gguf", default=None, help="the GGUF to write --hf_dir from")
     parser.add_argument("--num_probes", type=int, default=None, help="only the first N probes")
+    parser.add_argument("--resume_json", default=None,
+                        help="a report of this run stopped after n probes (e.g. a "
+                             "_{n}probes.json): run the remaining probes only and write the "
+                             "merged report, as one run over every probe would")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--keep_partial", action="store_true",
                         help="also keep the report after each probe n but the last, as "
@@ -340,8 +381,19 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     for variant in variants:
         make_press(variant)  # refuse a variant without a peer before any model runs
+    earlier = None
+    if args.resume_json:
+        with open(args.resume_json) as f:
+            earlier = json.load(f)
+        done = earlier["prompt_tokens"]
+        if (sorted(earlier["variants"]) != sorted(variants)
+                or done != [len(p["prompt"]) for p in probes[:len(done)]]):
+            raise ValueError(f"--resume_json {args.resume_json}: not a run of these variants "
+                             f"on the first {len(done)} of these probes")
 
     def write(report: dict) -> None:
+        if earlier is not None:
+            report = merge_reports(earlier, report)
         n = len(report["prompt_tokens"])
         paths = [args.output_json]
         if args.keep_partial and n < len(probes):
@@ -356,7 +408,8 @@ def main() -> None:
                            variants=variants, probes_json=args.probes_json, **report), f,
                       indent=1)
 
-    run(probes, variants, args.hf_dir, args.gguf, on_row=write)
+    first = 0 if earlier is None else len(earlier["prompt_tokens"])
+    run(probes[first:], variants, args.hf_dir, args.gguf, on_row=write)
 
 
 def _versions() -> dict:

@@ -624,8 +624,17 @@ class RetentionManager:
         return np.zeros(0, np.int32) if view is None else view.positions.copy()
 
     def score_weights(self, seq_id: str, positions: np.ndarray, num_tokens: int) -> np.ndarray:
-        """[n] weights of the queries at logical `positions` of a sequence of num_tokens."""
-        return self.policy.score_weights(self._views.get(seq_id), positions, num_tokens)
+        """[n] weights of the queries at logical `positions` of a sequence of num_tokens.
+
+        Checks the policy's `scored_queries` promise: the step scores only a row's last
+        `scored_queries` queries, so a weight before them would be dropped silently."""
+        weights = self.policy.score_weights(self._views.get(seq_id), positions, num_tokens)
+        last = self.policy.scored_queries
+        if last is not None and np.any(weights[:-last]):
+            raise RuntimeError(
+                f"{type(self.policy).__name__}.score_weights weights a query before the row's "
+                f"last {last} (scored_queries) for {seq_id!r}")
+        return weights
 
     def observe(self, seq_id: str, start: int, num_new: int,
                 key_scores: np.ndarray | None) -> None:

@@ -93,6 +93,30 @@ def test_peer_kl_is_computed_as_kvjax_computes_it():
     assert np.allclose(peer.token_kl(ref, ref + 5.0), 0.0)
 
 
+def test_peer_resumed_run_reports_what_one_run_over_every_probe_reports():
+    peer = _peer_module()
+    rng = np.random.default_rng(1)
+    stats = dict(kl=[rng.exponential(size=24) for _ in range(5)],
+                 top1=[rng.random(24) < 0.8 for _ in range(5)],
+                 passed=[bool(b) for b in rng.random(5) < 0.5],
+                 agree=list(rng.random(5)))
+
+    def report(probes):
+        part = {key: [value[i] for i in probes] for key, value in stats.items()}
+        return dict(rows={"snapkv:8": peer.row_of(part, "SnapKVPress")},
+                    prompt_tokens=[100 + i for i in probes])
+
+    merged = peer.merge_reports(report([0, 1, 2]), report([3, 4]))
+    whole = report(range(5))
+    assert merged["prompt_tokens"] == whole["prompt_tokens"]
+    assert merged["rows"]["snapkv:8"].keys() == whole["rows"]["snapkv:8"].keys()
+    for key, value in whole["rows"]["snapkv:8"].items():
+        expected = value if isinstance(value, str | list) else pytest.approx(value, rel=1e-12)
+        assert merged["rows"]["snapkv:8"][key] == expected, key
+    with pytest.raises(ValueError, match="rows differ"):
+        peer.merge_reports(report([0]), dict(rows={}, prompt_tokens=[]))
+
+
 def test_peer_budget_keeps_exactly_the_budget_and_variants_need_a_peer():
     peer = _peer_module()
     for budget, length in ((512, 2043), (1024, 2043), (2048, 8190), (3, 7)):

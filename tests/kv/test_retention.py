@@ -269,6 +269,25 @@ def test_scoring_only_the_last_queries_gives_the_dense_scores_of_a_weighted_wind
         np.testing.assert_allclose(got[i, :kv_lens[i]], want, rtol=2e-5, atol=1e-6)
 
 
+def test_a_policy_weighting_queries_it_promised_not_to_score_is_refused():
+    """`scored_queries` is a policy's promise that the step may drop every query of a prefill
+    row but its last ones: SnapKV and TOVA keep it on a row longer than their window, and a
+    policy that weights an earlier query is refused before the step would drop it silently."""
+    for name in ("snapkv", "tova"):
+        manager = RetentionManager(make_retention(name, 128, P))
+        weights = manager.score_weights("s", np.arange(200, dtype=np.int32), 200)
+        last = manager.policy.scored_queries
+        assert last is not None and np.any(weights[-last:]) and not np.any(weights[:-last])
+
+    class Broken(type(make_retention("snapkv", 128, P))):
+        def score_weights(self, view, positions, num_tokens):
+            return np.ones(len(positions), np.float32)
+
+    manager = RetentionManager(Broken(128, P))
+    with pytest.raises(RuntimeError, match=r"before the row's last 64 .* for 'seq-7'"):
+        manager.score_weights("seq-7", np.arange(200, dtype=np.int32), 200)
+
+
 # ----------------------------------------------------------------------------- quest
 
 
