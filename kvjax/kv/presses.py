@@ -101,7 +101,15 @@ class TOVA(_Evicting):
 
     def score_weights(self, view: CacheView | None, positions: np.ndarray, num_tokens: int
                       ) -> np.ndarray:
-        return _last_query(positions)
+        """The newest query, on the step after which `select` evicts (the cache then holds
+        budget + P tokens); no query on the other steps, whose scores nothing reads (each
+        step's scores replace the last), so their step skips the scoring."""
+        weights = _last_query(positions)
+        if view is not None and len(view.positions) and len(positions):
+            cached = len(view.positions) + int(positions.max()) - int(view.positions[-1])
+            if cached < self.budget_of(view) + self.page_size:
+                weights[:] = 0.0
+        return weights
 
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
         if not self._is_over(view):

@@ -223,15 +223,24 @@ class Quest(_Policy):
 # ----------------------------------------------------------------------------- device: scores
 
 
+# `key_scores_blockwise` keeps a step's logits (and loads the keys once) up to this many
+# float32 entries (64 MiB): decode rows and a prefill row's scored window, not every query of a
+# long prefill chunk.
+MAX_KEPT_LOGITS = 1 << 24
+
+
 def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax.Array,
                          kv_lens: jax.Array, q_lens: jax.Array, q_weights: jax.Array, *,
                          pages_per_block: int = 8, sm_scale: float | None = None,
-                         soft_cap: float | None = None) -> jax.Array:
+                         soft_cap: float | None = None,
+                         max_kept_logits: int = MAX_KEPT_LOGITS) -> jax.Array:
     """The attention probability each cached key receives, summed over heads and queries.
 
     Same masking as `paged_attention_blockwise` (query c of row b sits at cached index
-    kv_lens[b] - q_lens[b] + c and sees every earlier index); two passes over the blocks, the
-    first for each query's softmax normaliser, the second for the probabilities.
+    kv_lens[b] - q_lens[b] + c and sees every earlier index). One pass over the blocks loads
+    the keys and finds each query's softmax normaliser; the probabilities then come from the
+    logits it kept ([B, N, C, W*P], when at most `max_kept_logits` entries: decode rows, a
+    prefill row's scored window) or from a second pass loading the keys again (many queries).
 
     Args:
       q: [B, C, N, D].
@@ -269,31 +278,41 @@ def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax
             s = soft_cap * jnp.tanh(s / soft_cap)
         return jnp.where(mask[:, None, None], s, -jnp.inf), mask
 
-    def normaliser(i, carry):
-        m, denom = carry  # [B, K, G, C] each
-        s, mask = logits(i)
+    def normalise(m, denom, s, mask):  # [B, K, G, C] each, the block's s [B, K, G, C, S']
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
         w = jnp.where(mask[:, None, None], jnp.exp(s - m_safe[..., None]), 0.0)
         return m_new, alpha * denom + jnp.sum(w, axis=-1)
 
-    g = n // k_heads
+    g, width = n // k_heads, block_tables.shape[1] * p
+    keep_logits = b * n * c * width <= max_kept_logits
+
+    def first_pass(i, carry):
+        m, denom, kept = carry
+        s, mask = logits(i)  # masked entries -inf: exp(-inf - m) = 0 below
+        if keep_logits:
+            kept = jax.lax.dynamic_update_slice_in_dim(kept, s, i * block, axis=-1)
+        return (*normalise(m, denom, s, mask), kept)
+
     init = (jnp.full((b, k_heads, g, c), -jnp.inf, jnp.float32),
-            jnp.zeros((b, k_heads, g, c), jnp.float32))
-    m, denom = jax.lax.fori_loop(0, num_blocks, normaliser, init)
+            jnp.zeros((b, k_heads, g, c), jnp.float32),
+            jnp.full((b, k_heads, g, c, width) if keep_logits else (), -jnp.inf, jnp.float32))
+    m, denom, kept = jax.lax.fori_loop(0, num_blocks, first_pass, init)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     weight = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
     weight = weight * q_weights.astype(jnp.float32)[:, None, None, :]  # [B, K, G, C]
+    if keep_logits:  # blocks past num_blocks stayed -inf
+        return jnp.einsum("bkgcs,bkgc->bs", jnp.exp(kept - m[..., None]), weight)
 
-    def accumulate(i, out):
+    def second_pass(i, out):
         s, mask = logits(i)
         probs = jnp.where(mask[:, None, None], jnp.exp(s - m[..., None]), 0.0)
         block_scores = jnp.einsum("bkgcs,bkgc->bs", probs, weight)  # [B, S']
         return jax.lax.dynamic_update_slice_in_dim(out, block_scores, i * block, axis=1)
 
-    out = jnp.zeros((b, block_tables.shape[1] * p), jnp.float32)
-    return jax.lax.fori_loop(0, num_blocks, accumulate, out)  # [B, W*P]
+    out = jnp.zeros((b, width), jnp.float32)
+    return jax.lax.fori_loop(0, num_blocks, second_pass, out)  # [B, W*P]
 
 
 class RowScorer(Protocol):

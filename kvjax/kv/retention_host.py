@@ -628,7 +628,10 @@ class RetentionManager:
 
         Checks the policy's `scored_queries` promise: the step scores only a row's last
         `scored_queries` queries, so a weight before them would be dropped silently."""
-        weights = self.policy.score_weights(self._views.get(seq_id), positions, num_tokens)
+        view = self._views.get(seq_id)
+        if view is not None:  # the budget `select` will apply after this step
+            view.budget = self._budgets.get(seq_id, self.default_budget)
+        weights = self.policy.score_weights(view, positions, num_tokens)
         last = self.policy.scored_queries
         if last is not None and np.any(weights[:-last]):
             raise RuntimeError(

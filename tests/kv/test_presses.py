@@ -161,6 +161,32 @@ def test_tova_scores_replace_and_observed_scores_accumulate():
     assert observed_manager.record("s")["scores"] == [1.5, 2.5, 3.5, 0.5]
 
 
+def test_tova_scores_only_the_steps_after_which_it_evicts():
+    """TOVA reads the newest query's scores only when it evicts (each step's replace the
+    last), so it weights a query on exactly those steps and the others skip the scoring:
+    prefill chunks and decode steps, a controller's lower budget applying from the next step."""
+    manager = RetentionManager(make_retention("tova", 20, P))
+    rng = np.random.default_rng(0)
+    start, evictions = 0, 0
+    for step, num_new in enumerate([24, 9] + [1] * 40):
+        if step == 20:
+            manager.set_budget("s", 12)
+        positions = np.arange(start, start + num_new, dtype=np.int32)
+        weights = manager.score_weights("s", positions, start + num_new)
+        cached = len(manager.cached_positions("s")) if step else 0
+        manager.observe("s", start, num_new, rng.random(cached + num_new).astype(np.float32))
+        keep = manager.select("s", is_prefill_done=True)
+        assert weights.any() == (keep is not None), step
+        assert not weights[:-1].any()
+        if keep is not None:  # the eviction, as the engine records it
+            evictions += 1
+            view = manager._views["s"]
+            view.positions, view.scores = view.positions[keep], view.scores[keep]
+            view.num_evicted += cached + num_new - len(keep)
+        start += num_new
+    assert evictions >= 4 and len(manager.cached_positions("s")) < 12 + P
+
+
 def test_presses_validate_budgets_and_options():
     assert make_retention("expected_attention", 5, P).min_budget == 5  # 4 sinks + 1
     for name, budget, options, match in [
