@@ -628,9 +628,7 @@ class RetentionManager:
 
         Checks the policy's `scored_queries` promise: the step scores only a row's last
         `scored_queries` queries, so a weight before them would be dropped silently."""
-        view = self._views.get(seq_id)
-        if view is not None:  # the budget `select` will apply after this step
-            view.budget = self._budgets.get(seq_id, self.default_budget)
+        view = self._budgeted_view(seq_id)
         weights = self.policy.score_weights(view, positions, num_tokens)
         last = self.policy.scored_queries
         if last is not None and np.any(weights[:-last]):
@@ -676,10 +674,18 @@ class RetentionManager:
         for j, scores in enumerate(query_scores):
             self.observe(seq_id, start + j, 1, scores)
 
+    def _budgeted_view(self, seq_id: str) -> CacheView | None:
+        """The sequence's view with the budget `select` will apply after the coming step (a
+        controller may have changed it since the last), for the policy's score weights."""
+        view = self._views.get(seq_id)
+        if view is not None:
+            view.budget = self._budgets.get(seq_id, self.default_budget)
+        return view
+
     def verify_score_weights(self, seq_id: str, positions: np.ndarray) -> np.ndarray:
         """[n] weights of a verify row's queries at logical `positions`: each weighted as the
         one query of the decode step that plain decoding would run for it."""
-        view = self._views.get(seq_id)
+        view = self._budgeted_view(seq_id)
         return np.concatenate([self.policy.score_weights(view, positions[j:j + 1],
                                                          int(positions[j]) + 1)
                                for j in range(len(positions))]).astype(np.float32)

@@ -172,7 +172,11 @@ def test_tova_scores_only_the_steps_after_which_it_evicts():
         if step == 20:
             manager.set_budget("s", 12)
         positions = np.arange(start, start + num_new, dtype=np.int32)
+        # A speculative verify row of one query weights it as the decode step would.
+        verify = manager.verify_score_weights("s", positions) if num_new == 1 else None
         weights = manager.score_weights("s", positions, start + num_new)
+        if verify is not None:
+            np.testing.assert_array_equal(verify, weights)
         cached = len(manager.cached_positions("s")) if step else 0
         manager.observe("s", start, num_new, rng.random(cached + num_new).astype(np.float32))
         keep = manager.select("s", is_prefill_done=True)
