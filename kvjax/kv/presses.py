@@ -106,8 +106,9 @@ class TOVA(_Evicting):
         step's scores replace the last), so their step skips the scoring."""
         weights = _last_query(positions)
         if view is not None and len(view.positions) and len(positions):
-            cached = len(view.positions) + int(positions.max()) - int(view.positions[-1])
-            if cached < self.budget_of(view) + self.page_size:
+            num_new = int(positions.max()) - int(view.positions[-1])
+            undecided = self.max_undecided_tokens(view)  # tokens until the trigger
+            if undecided is not None and num_new < undecided:
                 weights[:] = 0.0
         return weights
 

@@ -693,10 +693,9 @@ class RetentionManager:
     def max_verify_tokens(self, seq_id: str) -> int | None:
         """The most tokens a verify row of `seq_id` may compute so that the policy decides
         nothing before its last one (`RetentionPolicy.max_undecided_tokens`); None: any."""
-        view = self._views.get(seq_id)
+        view = self._budgeted_view(seq_id)
         if view is None or self.is_exact:
             return None
-        view.budget = self._budgets.get(seq_id, self.default_budget)
         return self.policy.max_undecided_tokens(view)
 
     def set_budget(self, seq_id: str, budget: int | None) -> None:
