@@ -233,14 +233,19 @@ def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax
                          kv_lens: jax.Array, q_lens: jax.Array, q_weights: jax.Array, *,
                          pages_per_block: int = 8, sm_scale: float | None = None,
                          soft_cap: float | None = None,
-                         max_kept_logits: int = MAX_KEPT_LOGITS) -> jax.Array:
+                         max_kept_logits: int = MAX_KEPT_LOGITS,
+                         query_tile: int = 256) -> jax.Array:
     """The attention probability each cached key receives, summed over heads and queries.
 
     Same masking as `paged_attention_blockwise` (query c of row b sits at cached index
     kv_lens[b] - q_lens[b] + c and sees every earlier index). One pass over the blocks loads
     the keys and finds each query's softmax normaliser; the probabilities then come from the
     logits it kept ([B, N, C, W*P], when at most `max_kept_logits` entries: decode rows, a
-    prefill row's scored window) or from a second pass loading the keys again (many queries).
+    prefill row's scored window) or, for many queries (every query of a long prefill chunk),
+    from a second pass loading the keys again, `query_tile` queries at a time: each tile
+    passes over the key blocks its weighted queries can see, so a chunk that starts its
+    sequence scores about half the (query, key) pairs, a tile of weight-0 queries none, and a
+    tile's logits stay small.
 
     Args:
       q: [B, C, N, D].
@@ -259,13 +264,15 @@ def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax
     _, _, p, k_heads, _ = probe_k.shape
     block = pages_per_block * p
     scale = 1.0 / np.sqrt(d) if sm_scale is None else sm_scale
-    qg = q.astype(jnp.float32).reshape(b, c, k_heads, n // k_heads, d) * scale
+    g, width = n // k_heads, block_tables.shape[1] * p
+    qg = q.astype(jnp.float32).reshape(b, c, k_heads, g, d) * scale
     q_idx = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
     q_pos = (kv_lens - q_lens)[:, None] + q_idx  # [B, C]
     q_valid = q_idx < q_lens[:, None]  # [B, C]
+    q_weights = q_weights.astype(jnp.float32)
     num_blocks = (jnp.max(kv_lens) + block - 1) // block
 
-    def logits(i):
+    def logits(i, qg, q_pos, q_valid):  # the queries' logits against key block i, masked
         pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
                                              pages_per_block, axis=1)  # [B, ppb]
         k, _ = load_pages(pages)  # [B, ppb, P, K, D]
@@ -278,41 +285,62 @@ def key_scores_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax
             s = soft_cap * jnp.tanh(s / soft_cap)
         return jnp.where(mask[:, None, None], s, -jnp.inf), mask
 
-    def normalise(m, denom, s, mask):  # [B, K, G, C] each, the block's s [B, K, G, C, S']
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
-        w = jnp.where(mask[:, None, None], jnp.exp(s - m_safe[..., None]), 0.0)
-        return m_new, alpha * denom + jnp.sum(w, axis=-1)
+    def first_pass(queries, weights, blocks, keep):
+        """Each query's max logit m and weight / softmax normaliser over key blocks
+        [0, blocks), [B, K, G, C'] each; with `keep`, also the logits [B, K, G, C', W*P]."""
+        tq = queries[0].shape[1]
 
-    g, width = n // k_heads, block_tables.shape[1] * p
-    keep_logits = b * n * c * width <= max_kept_logits
+        def body(i, carry):
+            m, denom, kept = carry
+            s, mask = logits(i, *queries)  # masked entries -inf: exp(-inf - m) = 0 below
+            if keep:
+                kept = jax.lax.dynamic_update_slice_in_dim(kept, s, i * block, axis=-1)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+            w = jnp.where(mask[:, None, None], jnp.exp(s - m_safe[..., None]), 0.0)
+            return m_new, alpha * denom + jnp.sum(w, axis=-1), kept
 
-    def first_pass(i, carry):
-        m, denom, kept = carry
-        s, mask = logits(i)  # masked entries -inf: exp(-inf - m) = 0 below
-        if keep_logits:
-            kept = jax.lax.dynamic_update_slice_in_dim(kept, s, i * block, axis=-1)
-        return (*normalise(m, denom, s, mask), kept)
+        init = (jnp.full((b, k_heads, g, tq), -jnp.inf, jnp.float32),
+                jnp.zeros((b, k_heads, g, tq), jnp.float32),
+                jnp.full((b, k_heads, g, tq, width) if keep else (), -jnp.inf, jnp.float32))
+        m, denom, kept = jax.lax.fori_loop(0, blocks, body, init)
+        inverse = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+        return jnp.where(jnp.isfinite(m), m, 0.0), inverse * weights[:, None, None, :], kept
 
-    init = (jnp.full((b, k_heads, g, c), -jnp.inf, jnp.float32),
-            jnp.zeros((b, k_heads, g, c), jnp.float32),
-            jnp.full((b, k_heads, g, c, width) if keep_logits else (), -jnp.inf, jnp.float32))
-    m, denom, kept = jax.lax.fori_loop(0, num_blocks, first_pass, init)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    weight = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
-    weight = weight * q_weights.astype(jnp.float32)[:, None, None, :]  # [B, K, G, C]
-    if keep_logits:  # blocks past num_blocks stayed -inf
+    if b * n * c * width <= max_kept_logits:  # blocks past num_blocks stayed -inf
+        m, weight, kept = first_pass((qg, q_pos, q_valid), q_weights, num_blocks, True)
         return jnp.einsum("bkgcs,bkgc->bs", jnp.exp(kept - m[..., None]), weight)
 
-    def second_pass(i, out):
-        s, mask = logits(i)
-        probs = jnp.where(mask[:, None, None], jnp.exp(s - m[..., None]), 0.0)
-        block_scores = jnp.einsum("bkgcs,bkgc->bs", probs, weight)  # [B, S']
-        return jax.lax.dynamic_update_slice_in_dim(out, block_scores, i * block, axis=1)
+    tq = min(query_tile, c)
+    num_tiles = -(-c // tq)
+    pad = num_tiles * tq - c  # padded queries are invalid, weight 0
+    if pad:
+        qg = jnp.pad(qg, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+        q_pos, q_valid, q_weights = (jnp.pad(x, ((0, 0), (0, pad)))
+                                     for x in (q_pos, q_valid, q_weights))
+
+    def tile(t, out):
+        queries = tuple(jax.lax.dynamic_slice_in_dim(x, t * tq, tq, axis=1)
+                        for x in (qg, q_pos, q_valid))
+        weights = jax.lax.dynamic_slice_in_dim(q_weights, t * tq, tq, axis=1)  # [B, tq]
+        seen = jnp.max(jnp.where(queries[2] & (weights != 0), queries[1] + 1, 0))
+        blocks = jnp.minimum(num_blocks, (seen + block - 1) // block)
+        m, weight, _ = first_pass(queries, weights, blocks, False)
+
+        def second_pass(i, out):
+            s, mask = logits(i, *queries)
+            probs = jnp.where(mask[:, None, None], jnp.exp(s - m[..., None]), 0.0)
+            block_scores = jnp.einsum("bkgcs,bkgc->bs", probs, weight)  # [B, S']
+            start = i * block
+            return jax.lax.dynamic_update_slice_in_dim(
+                out, jax.lax.dynamic_slice_in_dim(out, start, block, axis=1) + block_scores,
+                start, axis=1)
+
+        return jax.lax.fori_loop(0, blocks, second_pass, out)
 
     out = jnp.zeros((b, width), jnp.float32)
-    return jax.lax.fori_loop(0, num_blocks, second_pass, out)  # [B, W*P]
+    return jax.lax.fori_loop(0, num_tiles, tile, out)  # [B, W*P]
 
 
 class RowScorer(Protocol):

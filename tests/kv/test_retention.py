@@ -219,10 +219,12 @@ def dense_key_scores(q, k_seq, kv_len, q_len, weights, soft_cap=None):
 
 
 @pytest.mark.parametrize("soft_cap", [None, 1.5])
-@pytest.mark.parametrize("kept_logits", [True, False])
-def test_key_scores_match_dense_softmax_mass(soft_cap, kept_logits):
+@pytest.mark.parametrize("kept_logits,query_tile", [(True, 256), (False, 256), (False, 2)])
+def test_key_scores_match_dense_softmax_mass(soft_cap, kept_logits, query_tile):
     """The probabilities are the ones the model attends with, soft cap (Gemma 2) included;
-    from the logits the first pass kept, or (too many to keep) from a second pass."""
+    from the logits the first pass kept, or (too many to keep) from a second pass, over
+    every query at once or in tiles of two (the last one padded), each over the key blocks
+    its queries see."""
     rng = np.random.default_rng(0)
     b, c, n, k_heads, d, num_pages, width = 3, 5, 4, 2, 8, 24, 8
     k_pages = rng.normal(size=(num_pages, P, k_heads, d)).astype(np.float32)
@@ -235,7 +237,8 @@ def test_key_scores_match_dense_softmax_mass(soft_cap, kept_logits):
     got = np.asarray(key_scores_blockwise(
         jnp.asarray(q), pages_loader(k_pages, v_pages), jnp.asarray(tables),
         jnp.asarray(kv_lens), jnp.asarray(q_lens), jnp.asarray(weights), pages_per_block=2,
-        soft_cap=soft_cap, max_kept_logits=b * n * c * width * P if kept_logits else 0))
+        soft_cap=soft_cap, max_kept_logits=b * n * c * width * P if kept_logits else 0,
+        query_tile=query_tile))
     assert got.shape == (b, width * P)
     for i in range(b):
         k_seq = k_pages[tables[i]].reshape(width * P, k_heads, d)
