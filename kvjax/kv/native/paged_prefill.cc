@@ -16,7 +16,7 @@
 // 2's attention logit cap).
 //
 // Two passes over XLA's intra-op threads. First, each row's keys of each kv head are copied
-// transposed into a scratch [D, S], so that the scores of sixteen keys against one query are
+// transposed into a scratch [D, S], so that the scores of kLanes keys against one query are
 // one vector: a broadcast query channel times a row of the scratch. Then each work item takes
 // a row, a kv head and a tile of kTileQueries queries (all G query heads of each): it walks
 // key blocks of kKeys up to its last query's position (causal: blocks past it are never
@@ -41,8 +41,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// A vector is one register: 16 lanes with AVX-512, else 8 (AVX2). 16-lane vectors on an AVX2
+// build are pairs of registers, and the score and value accumulators spilled to the stack:
+// 6x slower on a Zen 2 box.
+#ifdef __AVX512F__
 constexpr int kLanes = 16;
-constexpr int kKeys = 32;  // keys per block: two vectors of scores per query head
+#else
+constexpr int kLanes = 8;
+#endif
+constexpr int kKeys = 32;  // keys per block: kKeyVecs vectors of scores per query head
 constexpr int kKeyVecs = kKeys / kLanes;
 constexpr int kTileQueries = 16;
 constexpr int kScoreRows = 12;  // query heads whose scores are accumulated together
@@ -78,11 +85,20 @@ inline V LoadRow(const uint16_t* p) {
 // Lane-wise max and sum of a vector, by halving shuffles (a tree, not a chain of 15).
 template <typename Op>
 inline float ReduceLanes(V x, Op op) {
-  static_assert(kLanes == 16);
-  x = op(x, __builtin_shuffle(x, IV{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  x = op(x, __builtin_shuffle(x, IV{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
-  x = op(x, __builtin_shuffle(x, IV{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
-  x = op(x, __builtin_shuffle(x, IV{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
+#ifdef __AVX512F__
+  {
+    x = op(x, __builtin_shuffle(x, IV{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    x = op(x, __builtin_shuffle(x, IV{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
+    x = op(x, __builtin_shuffle(x, IV{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
+    x = op(x, __builtin_shuffle(x, IV{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
+  }
+#else
+  {
+    x = op(x, __builtin_shuffle(x, IV{4, 5, 6, 7, 0, 1, 2, 3}));
+    x = op(x, __builtin_shuffle(x, IV{2, 3, 0, 1, 2, 3, 0, 1}));
+    x = op(x, __builtin_shuffle(x, IV{1, 0, 1, 0, 1, 0, 1, 0}));
+  }
+#endif
   return x[0];
 }
 inline float MaxLanes(V x) {
