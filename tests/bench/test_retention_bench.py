@@ -45,7 +45,7 @@ def test_exact_runs_cache_round_trips_and_refuses_other_probes(tmp_path):
                  decode_peak_pages=2, decode_step_s=[0.5, 0.25]),
             dict(logits=rng.normal(size=(3, 5)), tokens=[7, 8, 1], peak_pages=4,
                  decode_peak_pages=4, decode_step_s=[0.125])]
-    path = str(tmp_path / "exact.npz")
+    path = str(tmp_path / "runs" / "exact.npz")  # its folder is made on saving
     assert retention.load_exact_runs(path, probes, 3) is None  # no file yet
     retention.save_exact_runs(path, probes, runs, 3)
     loaded = retention.load_exact_runs(path, probes, 3)
