@@ -86,18 +86,14 @@ inline V LoadRow(const uint16_t* p) {
 template <typename Op>
 inline float ReduceLanes(V x, Op op) {
 #ifdef __AVX512F__
-  {
-    x = op(x, __builtin_shuffle(x, IV{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-    x = op(x, __builtin_shuffle(x, IV{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
-    x = op(x, __builtin_shuffle(x, IV{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
-    x = op(x, __builtin_shuffle(x, IV{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
-  }
+  x = op(x, __builtin_shuffle(x, IV{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  x = op(x, __builtin_shuffle(x, IV{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
+  x = op(x, __builtin_shuffle(x, IV{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
+  x = op(x, __builtin_shuffle(x, IV{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
 #else
-  {
-    x = op(x, __builtin_shuffle(x, IV{4, 5, 6, 7, 0, 1, 2, 3}));
-    x = op(x, __builtin_shuffle(x, IV{2, 3, 0, 1, 2, 3, 0, 1}));
-    x = op(x, __builtin_shuffle(x, IV{1, 0, 1, 0, 1, 0, 1, 0}));
-  }
+  x = op(x, __builtin_shuffle(x, IV{4, 5, 6, 7, 0, 1, 2, 3}));
+  x = op(x, __builtin_shuffle(x, IV{2, 3, 0, 1, 2, 3, 0, 1}));
+  x = op(x, __builtin_shuffle(x, IV{1, 0, 1, 0, 1, 0, 1, 0}));
 #endif
   return x[0];
 }
