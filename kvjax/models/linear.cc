@@ -51,7 +51,7 @@
 #include <memory>
 #include <type_traits>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -95,6 +95,18 @@ constexpr int kStrip = kNV * kV;  // columns of a strip
 typedef float Vec __attribute__((vector_size(kV * sizeof(float))));
 
 inline Vec LoadV(const float* p) { return kvjax::LoadVec<Vec>(p); }
+// acc + a * b, by one fused multiply-add where the CPU has it: spelled out, so that every
+// instantiation of a tile rounds its products alike (the compiler contracts `acc += a * b`
+// into an FMA in some and not in others, and the invariant order needs them all the same).
+inline Vec MulAdd(Vec a, Vec b, Vec acc) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+  return (Vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+  return acc + a * b;
+#endif
+}
 inline void StoreV(float* p, Vec x) { kvjax::StoreVec<Vec>(p, x); }
 
 // bfloat16 as its bits: the upper half of a float32's.
@@ -202,7 +214,7 @@ template <int MR, int NV, typename W, typename P>
       for (int j = 0; j < NV; ++j) StoreV(pack + k * kStrip + j * kV, wv[j]);
     for (int i = 0; i < MR; ++i) {
       const Vec xi = Vec{} + x[i * ldx + k];
-      for (int j = 0; j < NV; ++j) acc[i][j] += xi * wv[j];
+      for (int j = 0; j < NV; ++j) acc[i][j] = MulAdd(xi, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
