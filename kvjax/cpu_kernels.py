@@ -112,6 +112,29 @@ def host_flags() -> frozenset[str] | None:
     return None
 
 
+@functools.cache
+def cpu_model() -> str:
+    """This CPU as benchmarks report it: /proc/cpuinfo's model name, x86 family and model, and
+    the widest vector extension the kernels use ('AMD EPYC, family 23 model 49, avx2'); '' where
+    /proc/cpuinfo cannot be read. Timings compare only between runs on the same model."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = host_flags() or frozenset()
+    widest = next((f for f in ("avx512f", "avx2", "sse4_2", "asimd") if f in flags), "")
+    parts = [fields.get("model name", platform.processor()),
+             f"family {fields['cpu family']} model {fields['model']}"
+             if "cpu family" in fields and "model" in fields else "", widest]
+    return ", ".join(p for p in parts if p)
+
+
 def missing_flags(required: tuple[str, ...] | list[str]) -> list[str]:
     """The flags of `required` this CPU lacks (none when its flags cannot be read)."""
     have = host_flags()

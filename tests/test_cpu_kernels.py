@@ -5,6 +5,7 @@ and without AVX-512 BF16), built for named x86-64 levels on this host, against n
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import platform
 
@@ -136,6 +137,26 @@ def test_linear_branches_of_each_level_match_numpy(isa):
         got = jax.jit(linear.call_kernel, static_argnums=(0, 4))(target, x, wt, 1, True)
         np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w[1], rtol=1e-4,
                                    atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", [Isa.NATIVE, Isa.X86_64_V4, *LEVELS], ids=lambda i: i.name)
+@pytest.mark.parametrize("transpose", [False, True])
+def test_invariant_rows_of_each_level_are_the_same_alone_and_beside_others(isa, transpose):
+    """The invariant order at every level: a row's product is bitwise the same alone and among
+    37 rows. Out = 200 ends in a strip of one vector at AVX2's 8 lanes, and the 1-row and 4-row
+    tiles of it must round alike."""
+    if isa is not Isa.NATIVE:
+        _skip_unless_runs(isa)
+    target = linear.target_for(isa)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((37, 300)).astype(np.float32)
+    w = rng.standard_normal((2, 200, 300) if transpose else (2, 300, 200)).astype(np.float32)
+    call = jax.jit(functools.partial(linear.call_kernel, invariant=True),
+                   static_argnums=(0, 4))
+    rows = np.asarray(call(target, x, w, 1, transpose))
+    for t in (0, 17, 36):
+        np.testing.assert_array_equal(np.asarray(call(target, x[t:t + 1], w, 1, transpose)),
+                                      rows[t:t + 1])
 
 
 # The bfloat16 matmul's paths: NATIVE here takes AVX-512 BF16's pairs (vdpbf16ps) where Out is

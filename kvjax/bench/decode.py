@@ -45,6 +45,7 @@ import jax
 import numpy as np
 
 import kvjax
+from kvjax import cpu_kernels
 from kvjax.bench import roofline
 from kvjax.bench.workloads import poisson
 from kvjax.engine.step import StepInput, StepShape, empty_step_input, model_step
@@ -420,7 +421,7 @@ def environment() -> dict:
     """The date, machine, load average, jax version and backend a run is reported with."""
     return dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        machine=platform.machine(), processor=platform.processor(), cpu_count=os.cpu_count(),
+        machine=platform.machine(), cpu=cpu_kernels.cpu_model(), cpu_count=os.cpu_count(),
         load_average_start=list(os.getloadavg()), jax=jax.__version__,
         backend=jax.default_backend(), python=platform.python_version())
 

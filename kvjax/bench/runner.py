@@ -66,6 +66,7 @@ import numpy as np
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
+from kvjax import cpu_kernels
 from kvjax.bench.energy import get_profile
 from kvjax.bench.metrics import (
     DEFAULT_TABLE_COLUMNS,
@@ -707,7 +708,8 @@ def environment() -> dict[str, Any]:
     device = jax.devices()[0]
     return dict(jax=jax.__version__, backend=jax.default_backend(),
                 device_kind=device.device_kind, num_devices=jax.device_count(),
-                cpu_count=os.cpu_count(), python=platform.python_version(),
+                cpu=cpu_kernels.cpu_model(), cpu_count=os.cpu_count(),
+                python=platform.python_version(),
                 platform=platform.platform())
 
 
