@@ -27,7 +27,11 @@ serve: $(STAMP)
 # while the other compiles; each holds the model and its compiled programs (a few GiB).
 TEST_WORKERS ?= 2
 
+# The fast set compiles at XLA's CPU optimization level 0: it is mostly compiling small
+# programs, run briefly. The slow set (and a plain `pytest`) compiles at XLA's default level,
+# which the tests pinning the engine's production bits across fused and unfused paths need.
 test: $(STAMP)
+	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" \
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 # The slow set includes the Ray cases (tests/slow_cases.txt): the optional `ray` extra is

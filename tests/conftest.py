@@ -9,12 +9,6 @@ import jax
 import pytest
 from hf_utils import gguf_parsed_once, import_torch
 
-# Tests compile many small programs and run each briefly: XLA's CPU backend compiles them at
-# optimization level 0 (LLVM's least), which cuts the suite's compile time. Set before the
-# backend starts (importing jax does not start it); subprocesses the tests start inherit it.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
-
 # Many tests build engines with identical step programs; a session-wide compilation cache turns
 # every repeat compile into a lookup. (Compile counts are unaffected: they count programs each
 # engine holds, not backend compilations.)

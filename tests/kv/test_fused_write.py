@@ -70,7 +70,7 @@ def test_invariant_write_is_bitwise_the_invariant_matmul_turned_by_rope():
     """With `invariant`, the written K rows are bitwise RoPE (XLA's elementwise turn) of
     `invariant_linear`'s product, and V rows that product: the batch-invariant mode's K/V.
     XLA's turn is compiled at XLA's default optimization level (the one the engine runs at),
-    whatever level the test session compiles at (tests/conftest.py)."""
+    whatever level the test session compiles at (`make test` compiles at level 0)."""
     case = _case(1, bias=False)
     got = _write(case, pool_layer=0, layer=2, invariant=True)
     slots = np.asarray(case["slots"])
