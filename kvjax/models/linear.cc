@@ -95,6 +95,7 @@ constexpr int kStrip = kNV * kV;  // columns of a strip
 typedef float Vec __attribute__((vector_size(kV * sizeof(float))));
 
 inline Vec LoadV(const float* p) { return kvjax::LoadVec<Vec>(p); }
+inline void StoreV(float* p, Vec x) { kvjax::StoreVec<Vec>(p, x); }
 // acc + a * b, by one fused multiply-add where the CPU has it: spelled out, so that every
 // instantiation of a tile rounds its products alike (the compiler contracts `acc += a * b`
 // into an FMA in some and not in others, and the invariant order needs them all the same).
@@ -107,7 +108,6 @@ inline Vec MulAdd(Vec a, Vec b, Vec acc) {
   return acc + a * b;
 #endif
 }
-inline void StoreV(float* p, Vec x) { kvjax::StoreVec<Vec>(p, x); }
 
 // bfloat16 as its bits: the upper half of a float32's.
 using Bf16 = uint16_t;
@@ -267,7 +267,7 @@ void DotTile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, fl
     for (int j = 0; j < NR; ++j) wv[j] = LoadW(w + j * ldw + k);
     for (int i = 0; i < MR; ++i) {
       const Vec xi = LoadV(x + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] += xi * wv[j];
+      for (int j = 0; j < NR; ++j) acc[i][j] = MulAdd(xi, wv[j], acc[i][j]);
     }
   }
 #ifdef __AVX512F__
