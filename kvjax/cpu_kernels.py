@@ -99,17 +99,28 @@ def required_flags(macros: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @functools.cache
-def host_flags() -> frozenset[str] | None:
-    """This CPU's flags from /proc/cpuinfo; None where it cannot be read (the compiler's
-    -march=native is then trusted)."""
+def _cpuinfo() -> dict[str, str] | None:
+    """/proc/cpuinfo's fields, each at its first occurrence (the first processor's, or a
+    line some ARM kernels print once after the processors); None where it cannot be read."""
     try:
         text = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.split(":")[0].strip() in ("flags", "Features"):
-            return frozenset(line.split(":", 1)[1].split())
-    return None
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+@functools.cache
+def host_flags() -> frozenset[str] | None:
+    """This CPU's flags from /proc/cpuinfo; None where it cannot be read (the compiler's
+    -march=native is then trusted)."""
+    fields = _cpuinfo() or {}
+    flags = fields.get("flags", fields.get("Features"))
+    return None if flags is None else frozenset(flags.split())
 
 
 @functools.cache
@@ -117,16 +128,9 @@ def cpu_model() -> str:
     """This CPU as benchmarks report it: /proc/cpuinfo's model name, x86 family and model, and
     the widest vector extension the kernels use ('AMD EPYC, family 23 model 49, avx2'); '' where
     /proc/cpuinfo cannot be read. Timings compare only between runs on the same model."""
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
+    fields = _cpuinfo()
+    if fields is None:
         return ""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            break  # the first processor's block
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
     flags = host_flags() or frozenset()
     widest = next((f for f in ("avx512f", "avx2", "sse4_2", "asimd") if f in flags), "")
     parts = [fields.get("model name", platform.processor()),
