@@ -230,3 +230,21 @@ def register(target: str, source: pathlib.Path, symbol: str, isa: Isa = Isa.NATI
             except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
                 _status[target] = f"the native CPU kernel {target!r} is unavailable: {e}"
         return _status[target]
+
+
+def register_sources(sources: list[str], symbol: str, prefix: str) -> list[str]:
+    """Registers `symbol` of each of `sources` (kernel sources, e.g. an older revision saved
+    beside the current one, for benchmarks that time them side by side) under its own FFI
+    target `{prefix}_{i}`; returns the targets in order.
+
+    Raises:
+      RuntimeError: a source cannot be registered (`register`'s reason).
+    """
+    targets = []
+    for i, source in enumerate(sources):
+        target = f"{prefix}_{i}"
+        reason = register(target, pathlib.Path(source), symbol)
+        if reason is not None:
+            raise RuntimeError(reason)
+        targets.append(target)
+    return targets

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import pathlib
 import statistics
 import time
 
@@ -63,14 +62,9 @@ def kernels() -> dict[str, linear.LayerLinear]:
     """The native kernels to time: the packaged one, or a build of each of --sources."""
     if not _SOURCES.value:
         return {"native": linear.native_linear}
-    out = {}
-    for i, source in enumerate(_SOURCES.value):
-        target = f"bench_linear_{i}"
-        reason = cpu_kernels.register(target, pathlib.Path(source), "KvjaxLinear")
-        if reason is not None:
-            raise SystemExit(reason)
-        out[source] = functools.partial(linear.call_kernel, target)
-    return out
+    targets = cpu_kernels.register_sources(_SOURCES.value, "KvjaxLinear", "bench_linear")
+    return {source: functools.partial(linear.call_kernel, target)
+            for source, target in zip(_SOURCES.value, targets, strict=True)}
 
 
 def main(argv):

@@ -15,7 +15,6 @@ for quantized pools) and bytes/s; also the largest difference between sources' o
 from __future__ import annotations
 
 import json
-import pathlib
 import statistics
 import time
 
@@ -43,15 +42,6 @@ _SHUFFLE = flags.DEFINE_bool("shuffle_pages", False,
                              "fresh engine's FIFO free list hands them out).")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed steps per source and codec.")
 _OUTPUT = flags.DEFINE_string("output_json", None, "Write the results here.")
-
-
-def _register(source: str, index: int) -> str:
-    """Builds `source` like kvjax.kv.native and registers it; returns its FFI target."""
-    target = f"bench_native_decode_{index}"
-    reason = cpu_kernels.register(target, pathlib.Path(source), "KvjaxPagedDecode")
-    if reason is not None:
-        raise SystemExit(reason)
-    return target
 
 
 def _pool(codec_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> dict:
@@ -110,7 +100,8 @@ def main(argv):
     q = jnp.asarray(rng.standard_normal((b, k_heads * _GROUP.value, _HEAD_DIM.value),
                                         np.float32))
     shape = (_LAYERS.value, num_pages, p, k_heads, _HEAD_DIM.value)
-    targets = [_register(s, i) for i, s in enumerate(_SOURCES.value)]
+    targets = cpu_kernels.register_sources(_SOURCES.value, "KvjaxPagedDecode",
+                                           "bench_native_decode")
     results = []
     for codec_name in _CODECS.value:
         pool = _pool(codec_name, shape, rng)

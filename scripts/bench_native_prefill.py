@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import statistics
 import time
 
@@ -40,13 +39,8 @@ K, G, D, P = 3, 3, 64, 16
 def main(argv):
     del argv
     env, rng, results = environment(), np.random.default_rng(0), []
-    targets = []
-    for i, source in enumerate(_SOURCES.value):
-        target = f"bench_native_prefill_{i}"
-        reason = cpu_kernels.register(target, pathlib.Path(source), "KvjaxPagedPrefill")
-        if reason is not None:
-            raise SystemExit(reason)
-        targets.append(target)
+    targets = cpu_kernels.register_sources(_SOURCES.value, "KvjaxPagedPrefill",
+                                           "bench_native_prefill")
     run = jax.jit(native.paged_prefill_attention, static_argnames="target")
     for setting in _SETTINGS.value:
         context, chunk = (int(x) for x in setting.split(":"))
