@@ -135,3 +135,18 @@ def adakv_keep(scores: np.ndarray, count: int, floor_fraction: float) -> list[li
     for _, h, i in rest[:k_heads * count - k_heads * floor]:
         chosen[h].add(i)
     return [sorted(c) for c in chosen]
+
+
+def probe_attention(q: np.ndarray, k: np.ndarray, context: int) -> np.ndarray:
+    """KVzip's score of the first `context` keys: the most causal attention any query after
+    them (the probe's, q [S, N, D] over keys k [S, K, D]) pays each, over the query heads of its
+    kv head, summed over kv heads."""
+    s, n, d = q.shape
+    k_heads = k.shape[1]
+    g = n // k_heads
+    most = np.zeros((k_heads, context))
+    for t in range(context, s):
+        for h in range(n):
+            p = softmax_rows(k[:t + 1, h // g].astype(np.float64) @ q[t, h] / np.sqrt(d))
+            most[h // g] = np.maximum(most[h // g], p[:context])
+    return most.sum(0)

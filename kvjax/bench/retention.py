@@ -152,9 +152,12 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
     A variant's option `schedule` is its `EngineConfig.retention_schedule` (e.g.
     'snapkv:512:schedule=pyramid'); a per-layer schedule gets a page per layer for every
     page of one table (AdaKV's head-wise split a page per layer and kv head), so every table
-    group holds the whole prompt before it compacts."""
+    group holds the whole prompt before it compacts. A press that probes after the prefill
+    (kvzip) gets `chunk` more tokens of context and pages for its probe rows."""
     name, budget, options = parse_variant(variant)
     schedule = options.pop("schedule", "uniform")
+    if make_retention(name, budget, page_size, **options).probes_first:
+        max_len += chunk
     mc = model.config
     tables = dict(uniform=1, pyramid=mc.num_layers).get(schedule,
                                                        mc.num_layers * mc.num_kv_heads)

@@ -51,6 +51,7 @@ class Feature(enum.Enum):
     KNORM = "knorm"
     EXPECTED_ATTENTION = "expected_attention"
     OBSERVED_ATTENTION = "observed_attention"
+    KVZIP = "kvzip"
     QUEST = "quest"
     ECHO = "echo"
     HOST_TIER = "host_tier"
@@ -95,6 +96,7 @@ _GROUPS = {
     Feature.ECHO: "retention",
     Feature.TOVA: "retention", Feature.KNORM: "retention",
     Feature.EXPECTED_ATTENTION: "retention", Feature.OBSERVED_ATTENTION: "retention",
+    Feature.KVZIP: "retention",
     Feature.SWAP: "preemption", Feature.AUTO_PREEMPTION: "preemption",
     Feature.PYRAMID: "retention_schedule", Feature.ADAKV: "retention_schedule",
     Feature.PYRAMID_ADAKV: "retention_schedule", Feature.PER_HEAD: "retention_schedule",
@@ -120,6 +122,8 @@ _DESCRIPTIONS = {
                                 "by the attention expected from future queries)",
     Feature.OBSERVED_ATTENTION: "retention='observed_attention' (compresses the prompt once "
                                 "by its mean attention during prefill)",
+    Feature.KVZIP: "retention='kvzip' (compresses the prompt once by the attention of probe "
+                   "rows that repeat it, run after its prefill)",
     Feature.QUEST: "retention='quest' (keeps every page, reads the query's top pages)",
     Feature.ECHO: "retention='quest' with echo_prefetch (ECHO: the host pool holds every "
                   "full page, the device per layer the pages that layer's last selection "
@@ -182,7 +186,7 @@ _KIVI = (Feature.KIVI, Feature.KIVI_RESIDUAL)
 _CODECS = (Feature.INT8, *_KIVI)
 _EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
              Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION,
-             Feature.OBSERVED_ATTENTION)
+             Feature.OBSERVED_ATTENTION, Feature.KVZIP)
 _QUEST = (Feature.QUEST, Feature.ECHO)
 _RETENTION = (*_EVICTING, *_QUEST)
 _SCHEDULES = (Feature.PYRAMID, Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD)
@@ -314,6 +318,15 @@ def _refusals() -> dict[frozenset[Feature], str]:
     refuse([Feature.STREAMING_ROTATED, Feature.EXPECTED_ATTENTION], [Feature.RECORD_DECISIONS],
            "this policy's host record uses the model's RoPE (to rotate kept keys or to score "
            "them), and a replay rebuilds the record without a model")
+    refuse([Feature.KVZIP], [Feature.RECORD_DECISIONS],
+           "kvzip's probe rows are its instructions encoded by the model's tokenizer, and a "
+           "replay rebuilds the scheduler without a model")
+    refuse([Feature.KVZIP], _KIVI,
+           "a probe row writes its tokens after the context and gives them back once scored, "
+           "while KIVI would quantize key groups and move its exact window over them")
+    refuse([Feature.KVZIP], [Feature.SNAPSHOT],
+           "a snapshot saves a sequence's pages and retention record but not the probe rows "
+           "it has still to run, so a restored sequence would decode without its compaction")
     refuse([Feature.SNAPSHOT], [Feature.RECORD_DECISIONS],
            "a restore puts requests and their pages back outside the scheduler's recorded "
            "calls, so a replay would decide without them")
@@ -436,7 +449,7 @@ _MIXED_REFUSED = (
      "re-rotating the sinks' keys rewrites cached keys as float rows, while a mixed-precision "
      "pool holds each key as words at its row's class, which a demoted row cannot regain"),
     ((Feature.STREAMING, Feature.H2O, Feature.SNAPKV, Feature.TOVA, Feature.KNORM,
-      Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION, *_SCHEDULES),
+      Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION, Feature.KVZIP, *_SCHEDULES),
      "retention compacts kept rows across pages, while the precision ledger counts each "
      "page's bytes at one class, so a page refilled with rows of another class would be "
      "counted at the wrong one"),
@@ -552,6 +565,7 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
         (Feature.KNORM, "a retention policy compacts"),
         (Feature.EXPECTED_ATTENTION, "a retention policy compacts"),
         (Feature.OBSERVED_ATTENTION, "a retention policy compacts"),
+        (Feature.KVZIP, "a retention policy compacts"),
         (Feature.QUEST, "Quest's page summaries and selections index"),
         (Feature.ECHO, "ECHO's residency and host-pool reads index"),
         (Feature.HOST_TIER, "the host and disk tiers move and index"),

@@ -24,6 +24,7 @@ from kvjax.memory.kv_cache_manager import KVCacheManager
 from kvjax.sampling import SamplingParams
 from kvjax.scheduler.context import Segment, clip_spans, split_segments
 from kvjax.scheduler.controller import SLO
+from kvjax.scheduler.probes import probe_room
 from kvjax.scheduler.scheduler import Scheduler
 from kvjax.validation import check_identity, check_request_id
 
@@ -123,10 +124,30 @@ class RequestIntake:
                              f"must be generated)")
         need = self._max_pages_held(min(len(prompt) + sampling.max_new_tokens,
                                         self.max_model_len))
+        need = max(need, self._max_pages_held(len(prompt) + self._longest_probe(request_id,
+                                                                                prompt)))
         if self.config.kv_layout is KVLayout.PAGED and need * sampling.n > self.kv_cache.num_pages:
             raise ValueError(f"request {request_id!r} needs {need * sampling.n} KV pages but "
                              f"the pool has {self.kv_cache.num_pages}")
         return prompt
+
+    def _longest_probe(self, request_id: str, prompt: list[int]) -> int:
+        """The most tokens a probe row of the retention policy holds after `prompt`
+        (`RetentionPolicy.probes`); ValueError when one must run and cannot fit the context."""
+        policy = self.kv_cache.retention.policy
+        if not policy.probes_first:
+            return 0
+        cfg = self.config
+        room = probe_room(len(prompt), max_model_len=self.max_model_len,
+                          max_prefill_chunk=cfg.max_prefill_chunk,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens)
+        probes = policy.probes(prompt, room)
+        if not probes and policy.budget is not None and len(prompt) > policy.budget:
+            raise ValueError(f"request {request_id!r}: retention {policy.name!r} runs probe "
+                             f"rows of at most {room} tokens after its {len(prompt)} prompt "
+                             f"tokens (the context length {self.max_model_len}, the step's "
+                             f"token budget and prefill chunk), no room for one")
+        return max((len(p.token_ids) for p in probes), default=0)
 
     def add_request(self, request_id: str, prompt_ids: Seq[int] | Seq[Segment],
                     sampling: SamplingParams | None = None, *, tenant: str | None = None,

@@ -4,6 +4,8 @@ per-head split (`EngineConfig.retention_schedule`, `kvjax.kv.layer_retention`,
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvjax.config import ModelConfig
 from kvjax.engine.config import EngineConfig
 from kvjax.kv.budgets import BudgetSchedule, HeadAllocation
@@ -29,13 +31,16 @@ def pool_layer_groups(mc: ModelConfig, config: EngineConfig, max_model_len: int
                                  mc.kv_layer_groups()[0].format, max_model_len)
 
 
-def retention_manager(mc: ModelConfig, config: EngineConfig, groups: tuple[LayerGroup, ...]
-                      ) -> RetentionManager:
+def retention_manager(mc: ModelConfig, config: EngineConfig, groups: tuple[LayerGroup, ...],
+                      tokenizer: Any = None) -> RetentionManager:
     """The engine's retention record: one view per sequence, or one per table group when the
     pool's groups keep budgets of their own in several block tables (per (layer, kv head)
-    under a head-wise split: adakv, per_head)."""
+    under a head-wise split: adakv, per_head). tokenizer: the model's, which encodes the
+    probes of a policy that needs it (kvzip)."""
     policy = make_retention(config.retention, config.retention_budget, config.page_size,
                             **config.retention_options)
+    if policy.needs_tokenizer:
+        policy = policy.bind_tokenizer(tokenizer)
     scheme = check_schedule(config.retention_schedule, policy)
     if scheme.head_allocation is not HeadAllocation.UNIFORM:
         return HeadRetention(policy, groups, scheme=scheme, rope=mc.rope)

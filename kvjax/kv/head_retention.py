@@ -113,7 +113,8 @@ class HeadRetention(GroupedRetention):
         views = self._group_views(seq_id)
         budget = self._budgets.get(seq_id, self.default_budget)
         if budget is None or not is_prefill_done or views[0].is_prefill_done \
-                or len(views[0].positions) <= budget:
+                or len(views[0].positions) <= budget \
+                or (self.policy.probes_first and not views[0].probed):
             for view in views:
                 view.is_prefill_done = view.is_prefill_done or is_prefill_done
             return None

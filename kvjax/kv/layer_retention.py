@@ -39,9 +39,11 @@ from kvjax.kv.budgets import BudgetSchedule, BudgetScheme, HeadAllocation, budge
 from kvjax.kv.retention_host import (
     CacheView,
     CompactionPlan,
+    Probe,
     RetentionManager,
     RetentionPolicy,
     SeqLayout,
+    _merge_probe,
     view_of,
     view_record,
 )
@@ -131,6 +133,18 @@ class GroupedRetention(RetentionManager):
             views[g] = self._extended(view, start, num_new,
                                       None if key_scores is None else key_scores[g], new)
         self._views[seq_id], self._others[seq_id] = views[0], views[1:]
+
+    def _least_kept(self, budget: int, num_tokens: int) -> int:
+        return min(self.table_budgets(budget, num_tokens))
+
+    def observe_probe(self, seq_id: str, probe: Probe, key_scores: np.ndarray) -> None:
+        """key_scores: [G, >= S] the probe row's per-group scores."""
+        for view, scores in zip(self._group_views(seq_id), key_scores, strict=True):
+            _merge_probe(view, probe, scores)
+
+    def finish_probes(self, seq_id: str) -> None:
+        for view in self._group_views(seq_id):
+            view.probed, view.is_prefill_done = True, False
 
     def observe_each(self, seq_id: str, start: int, query_scores: np.ndarray | None) -> None:
         raise ValueError("per-layer budgets score keys per table group, not per verified "

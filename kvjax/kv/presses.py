@@ -19,10 +19,31 @@ The presses of NVIDIA's kvpress that kvjax serves, registered beside the policie
   observed_attention  at the end of prefill: the B prompt tokens of    -
                       largest mean attention over the prompt queries
                       that see them (observed attention)
+  kvzip               after its probe rows (below): the first          chunk=2048,
+                      num_sinks tokens + the B - num_sinks others      num_sinks=4, tail=8,
+                      the model attends to most while it repeats the   instruction_ids,
+                      context (KVzip's context reconstruction;         continue_ids,
+                      query-agnostic)                                  suffix_ids (None:
+                                                                       the model's tokenizer
+                                                                       encodes KVzip's text)
   ==================  ===============================================  ========================
 
-The three prefill presses compress once, when the prefill of the sequence's tokens completes
-(as snapkv); generated tokens are all kept.
+The four prefill presses compress once, when the prefill of the sequence's tokens completes
+(as snapkv; kvzip once its probe rows are scored); generated tokens are all kept.
+
+KVzip. After the prefill, the sequence runs one probe row per `chunk` tokens of its context
+(`kvjax.scheduler.probes`): "Repeat the previous context exactly." (for later chunks "Repeat the
+part of the previous context exactly, starting with" and the previous chunk's last `tail`
+tokens), the suffix that ends a user turn ("\n": a model without a chat template), then the
+chunk's tokens, at the positions after the context. A cached key of the chunk scores the most
+attention any probe query of its kv head's group pays it (the softmax over every key the query
+sees: the whole context and the probe so far), and its token the sum of that over layers and kv
+heads (per table under a per-layer or per-head schedule). A probe is one row of a step, so the
+chunk is at most the step's token budget less the instruction (a probe's scores are maxima per
+layer and head, which rows of part of its queries could not add up); the probe's own K/V go on
+pages past the context, given back once it is scored. kvpress's KVzipPress normalises each
+query's softmax over the sinks, the chunk and the probe only (the same for a context of one
+chunk) and ranks every layer and head together by default (`layerwise=False`).
 
 Scores per token. Pages hold every layer and kv head of a token, so a token's score is its
 per-layer, per-head score summed over layers and heads (kvpress keeps per layer and head, which
@@ -47,6 +68,7 @@ Per-layer and per-head budgets (PyramidKV, AdaKV) over any of these scores: `kvj
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -57,6 +79,7 @@ from kvjax.kv.attention import PageLoader
 from kvjax.kv.budgets import pyramid_budgets  # noqa: F401
 from kvjax.kv.retention import (
     CacheView,
+    Probe,
     _check_budget,
     _Evicting,
     _Policy,
@@ -246,6 +269,97 @@ class ExpectedAttention(_PrefillPress):
                                score_rows=score_rows)
 
 
+def _check_ids(name: str, option: str, value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError(f"{name} {option} must be None or a sequence of token ids, "
+                         f"got {value!r}")
+    return tuple(value)
+
+
+@register_retention
+class KVzip(_PrefillPress):
+    """Sinks plus the tokens the model attends to most while it repeats the context (KVzip).
+
+    Query-agnostic: the scores come from probe rows, not from the prompt's own queries.
+    """
+
+    name = "kvzip"
+    option_names = ("chunk", "num_sinks", "tail", "instruction_ids", "continue_ids",
+                    "suffix_ids")
+    needs_tokenizer = True
+    probes_first = True
+    # The probes' text (KVzip's); the suffix ends a user turn of a model without a chat
+    # template.
+    TEXTS = dict(instruction_ids="\n\nRepeat the previous context exactly.",
+                 continue_ids="\n\nRepeat the part of the previous context exactly, "
+                              "starting with",
+                 suffix_ids="\n")
+
+    def __init__(self, budget: int | None, page_size: int, chunk: int = 2048,
+                 num_sinks: int = 4, tail: int = 8,
+                 instruction_ids: Sequence[int] | None = None,
+                 continue_ids: Sequence[int] | None = None,
+                 suffix_ids: Sequence[int] | None = None):
+        self.chunk = _check_int(self.name, "chunk", chunk, 1)
+        self.num_sinks = _check_int(self.name, "num_sinks", num_sinks, 0)
+        self.tail = _check_int(self.name, "tail", tail, 0)
+        self.instruction_ids = _check_ids(self.name, "instruction_ids", instruction_ids)
+        self.continue_ids = _check_ids(self.name, "continue_ids", continue_ids)
+        self.suffix_ids = _check_ids(self.name, "suffix_ids", suffix_ids)
+        super().__init__(budget, page_size)
+
+    def bind_tokenizer(self, tokenizer: Any) -> KVzip:
+        """The press with each probe text it was not given as ids encoded by `tokenizer`."""
+        options = self.options()
+        missing = [k for k in self.TEXTS if options[k] is None]
+        if missing and tokenizer is None:
+            raise ValueError(f"retention 'kvzip' needs the model's tokenizer to encode its "
+                             f"probes, or the options {missing} as token ids")
+        for k in missing:
+            options[k] = tuple(tokenizer.encode(self.TEXTS[k]))
+        return KVzip(self.budget, self.page_size, **options)
+
+    def overhead(self) -> int:
+        """The most tokens a probe row holds beside its chunk of the context."""
+        ids = (self.instruction_ids, self.continue_ids, self.suffix_ids)
+        if any(x is None for x in ids):
+            raise ValueError("retention 'kvzip' has no probe ids: bind_tokenizer first")
+        first, later, suffix = (len(x) for x in ids)
+        return suffix + max(first, later + self.tail)
+
+    def probes(self, tokens: list[int], room: int) -> list[Probe]:
+        """One probe per `chunk` tokens of the context (fewer when `room` is short): the
+        instruction (the continuation instruction and the previous chunk's last `tail`
+        tokens after the first), the suffix, then the chunk, scoring that chunk's keys.
+        None without room for a chunk token."""
+        size = min(self.chunk, room - self.overhead())
+        if size < 1:
+            return []
+        probes = []
+        for start in range(0, len(tokens), size):
+            end = min(start + size, len(tokens))
+            head = self.instruction_ids if start == 0 else (
+                *self.continue_ids, *tokens[max(0, start - self.tail):start])
+            probes.append(Probe((*head, *self.suffix_ids, *tokens[start:end]), start, end))
+        return probes
+
+    def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
+        return super().select(view, is_prefill_done=is_prefill_done) if view.probed else None
+
+    def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
+                   pages_per_block: int, soft_cap: float | None = None) -> jax.Array:
+        def score_rows(q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights):
+            return max_attention_blockwise(q, load_pages, block_tables, kv_lens, q_lens,
+                                           q_weights, pages_per_block=pages_per_block,
+                                           soft_cap=soft_cap)
+
+        return step_key_scores(kv, layer, q, inp, shape, pages_per_block=pages_per_block,
+                               score_rows=score_rows)
+
+
 # ----------------------------------------------------------------------------- device: scores
 
 
@@ -393,3 +507,84 @@ def expected_attention_blockwise(q: jax.Array, q_pos: jax.Array, load_pages: Pag
         return jax.lax.dynamic_update_slice_in_dim(out, block_scores, i * block, axis=1)
 
     return jax.lax.fori_loop(0, num_blocks, accumulate, jnp.zeros((b, width * p), jnp.float32))
+
+
+def max_attention_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax.Array,
+                            kv_lens: jax.Array, q_lens: jax.Array, q_weights: jax.Array, *,
+                            pages_per_block: int = 8, soft_cap: float | None = None,
+                            query_tile: int = 128) -> jax.Array:
+    """KVzip's score of each cached key: the most attention any weighted query of a kv head's
+    group pays it (a softmax over every key the query sees, causal as in
+    `paged_attention_blockwise`), summed over kv heads.
+
+    Two passes over the key blocks per tile of `query_tile` queries: the first finds each
+    query's softmax normaliser, the second its probabilities, reduced by max into the keys'.
+
+    Args:
+      q: [B, C, N, D] (RoPE applied); query c of row b sits at cached index
+        kv_lens[b] - q_lens[b] + c.
+      load_pages: page ids [B, n] -> K, V [B, n, P, K, D].
+      block_tables: [B, W] int32, W a multiple of pages_per_block.
+      kv_lens, q_lens: [B] int32.
+      q_weights: [B, C] float32: queries of weight 0 score nothing.
+    Returns:
+      [B, W * P] float32, zero past kv_lens[b] and for rows without a weighted query.
+    """
+    b, c, n, d = q.shape
+    _, width = block_tables.shape
+    p, k_heads, _, block = _key_blocks(load_pages, block_tables, pages_per_block)
+    g = n // k_heads
+    tq = min(query_tile, c)
+    num_tiles = -(-c // tq)
+    pad = num_tiles * tq - c
+    qg = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
+        b, num_tiles * tq, k_heads, g, d) / np.sqrt(d)
+    q_idx = jnp.arange(num_tiles * tq, dtype=jnp.int32)[None]  # [1, C']
+    q_pos = (kv_lens - q_lens)[:, None] + q_idx  # [B, C']
+    q_valid = (q_idx < q_lens[:, None]) & (jnp.pad(q_weights, ((0, 0), (0, pad))) > 0)
+    num_blocks = (jnp.max(kv_lens) + block - 1) // block
+
+    def tile(t, out):
+        qt, pos, valid = (jax.lax.dynamic_slice_in_dim(x, t * tq, tq, axis=1)
+                          for x in (qg, q_pos, q_valid))
+        seen = jnp.max(jnp.where(valid, pos + 1, 0))
+        blocks = jnp.minimum(num_blocks, (seen + block - 1) // block)
+
+        def logits(i):  # [B, K, G, tq, S'], masked -inf; and the mask [B, tq, S']
+            k, _ = _load_block(load_pages, block_tables, i, pages_per_block)
+            s = jnp.einsum("bckgd,bskd->bkgcs", qt, k)
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)
+            mask = (kv_pos[None, None] <= pos[:, :, None]) & (
+                kv_pos[None, None] < kv_lens[:, None, None]) & valid[:, :, None]
+            return jnp.where(mask[:, None, None], s, -jnp.inf), mask
+
+        def normaliser(i, carry):
+            m, denom = carry  # [B, K, G, tq]
+            s, mask = logits(i)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+            w = jnp.where(mask[:, None, None], jnp.exp(s - m_safe[..., None]), 0.0)
+            return m_new, alpha * denom + jnp.sum(w, axis=-1)
+
+        init = (jnp.full((b, k_heads, g, tq), -jnp.inf, jnp.float32),
+                jnp.zeros((b, k_heads, g, tq), jnp.float32))
+        m, denom = jax.lax.fori_loop(0, blocks, normaliser, init)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+        def most(i, out):
+            s, mask = logits(i)
+            probs = jnp.where(mask[:, None, None], jnp.exp(s - m[..., None]), 0.0)
+            block_max = jnp.max(probs * inv[..., None], axis=(2, 3))  # [B, K, S']
+            start = i * block
+            kept = jax.lax.dynamic_slice_in_dim(out, start, block, axis=2)
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.maximum(kept, block_max),
+                                                       start, axis=2)
+
+        return jax.lax.fori_loop(0, blocks, most, out)
+
+    out = jax.lax.fori_loop(0, num_tiles, tile, jnp.zeros((b, k_heads, width * p), jnp.float32))
+    return out.sum(axis=1)  # [B, W*P]

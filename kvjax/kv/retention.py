@@ -32,8 +32,8 @@ picks one, `retention_budget` sizes it and `retention_options` tunes it:
               without ECHO
   ==========  ==================================================  ===========================
 
-The scoring presses tova, knorm, expected_attention and observed_attention (kvjax.kv.presses)
-register here too.
+The scoring presses tova, knorm, expected_attention, observed_attention and kvzip
+(kvjax.kv.presses) register here too.
 
 Eviction (streaming, h2o, snapkv) frees whole pages. streaming and h2o evict once a sequence
 caches B + P tokens, back down to B (so a page's worth of tokens is dropped at a time and the
@@ -132,6 +132,7 @@ from kvjax.kv.retention_host import (  # noqa: F401
     CompactionPlan,
     NoRetention,
     Pooling,
+    Probe,
     RetentionManager,
     RetentionPolicy,
     SeqLayout,

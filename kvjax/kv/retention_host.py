@@ -45,6 +45,7 @@ class CacheView:
       is_prefill_done: the prefill of the sequence's tokens completed (SnapKV compressed then).
       budget: the tokens this sequence keeps, set by a KV controller
         (`RetentionManager.set_budget`; at most the policy's budget); None: the policy's.
+      probed: the policy's probe rows (`RetentionPolicy.probes`) have all been scored.
     """
 
     positions: np.ndarray
@@ -52,6 +53,19 @@ class CacheView:
     num_evicted: int = 0
     is_prefill_done: bool = False
     budget: int | None = None
+    probed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """Tokens a policy runs after a sequence's prefill to score its cached keys (KVzip's
+    context reconstruction): `token_ids` follow the sequence's tokens at the next positions,
+    attend to its cache, and their own K/V go on pages given back once they are scored; their
+    scores of cache indices [start, end) are kept (the max over the probe's rows)."""
+
+    token_ids: tuple[int, ...]
+    start: int
+    end: int
 
 
 class RetentionPolicy(Protocol):
@@ -80,6 +94,8 @@ class RetentionPolicy(Protocol):
     accumulates_scores: bool  # a step's key scores add to the earlier ones (else replace them)
     needs_rope: bool  # its device side reads the model's RoPE (`bind_rope`)
     compresses_once: bool  # decides once, from scores, when the prefill completes
+    needs_tokenizer: bool  # its probes' text becomes token ids through the model's tokenizer
+    probes_first: bool  # decides only once its probe rows are scored (`probes`)
     # At most this many of a prefill row's queries have a nonzero `score_weights`, all among
     # the row's last queries (SnapKV: its window; TOVA: 1): the step scores only those.
     # None: any query may.
@@ -104,6 +120,13 @@ class RetentionPolicy(Protocol):
     def rotary_shifts(self, view: CacheView, keep: np.ndarray) -> np.ndarray | None: ...
 
     def bind_rope(self, rope: RoPE) -> RetentionPolicy: ...
+
+    def bind_tokenizer(self, tokenizer: Any) -> RetentionPolicy: ...
+
+    def probes(self, tokens: list[int], room: int) -> list[Probe]:
+        """The probe rows a sequence of `tokens` runs once its prefill completes, before it
+        decodes, none longer than `room` tokens; [] for policies that score without them."""
+        ...
 
     def wrap_state(self, kv: Any) -> Any: ...
 
@@ -175,6 +198,8 @@ class _Policy:
     narrows_reads: ClassVar[bool] = False
     accumulates_scores: ClassVar[bool] = True
     needs_rope: ClassVar[bool] = False
+    needs_tokenizer: ClassVar[bool] = False
+    probes_first: ClassVar[bool] = False
     rotates_keys: bool = False
     echo_prefetch: int | None = None
     echo_keep_misses: bool = False
@@ -236,6 +261,13 @@ class _Policy:
     def bind_rope(self, rope: RoPE) -> Any:
         """The policy for a model of this RoPE (policies that read none: itself)."""
         return self
+
+    def bind_tokenizer(self, tokenizer: Any) -> Any:
+        """The policy for a model of this tokenizer (policies that need none: itself)."""
+        return self
+
+    def probes(self, tokens: list[int], room: int) -> list[Probe]:
+        return []
 
     def wrap_state(self, kv: Any) -> Any:
         return kv
@@ -523,17 +555,23 @@ def plan_compaction(keep: np.ndarray, src: np.ndarray, dst: np.ndarray, layout: 
         seq_slot=int(layout.seq_slot))
 
 
+def _merge_probe(view: CacheView, probe: Probe, key_scores: np.ndarray) -> None:
+    span = slice(probe.start, min(probe.end, len(view.scores)))
+    view.scores[span] = np.maximum(view.scores[span], key_scores[span])
+
+
 def view_record(view: CacheView) -> dict:
     """A `CacheView` as plain data (JSON-serializable)."""
     return dict(positions=view.positions.tolist(), scores=view.scores.tolist(),
-                num_evicted=view.num_evicted, is_prefill_done=view.is_prefill_done)
+                num_evicted=view.num_evicted, is_prefill_done=view.is_prefill_done,
+                probed=view.probed)
 
 
 def view_of(record: dict) -> CacheView:
     """The `CacheView` of a `view_record`."""
     return CacheView(np.asarray(record["positions"], np.int32),
                      np.asarray(record["scores"], np.float32), record["num_evicted"],
-                     record["is_prefill_done"])
+                     record["is_prefill_done"], probed=record.get("probed", False))
 
 
 class RetentionManager:
@@ -673,6 +711,33 @@ class RetentionManager:
         """
         for j, scores in enumerate(query_scores):
             self.observe(seq_id, start + j, 1, scores)
+
+    def probes(self, seq_id: str, tokens: list[int], room: int) -> list[Probe]:
+        """The probe rows `seq_id` runs before it decodes, its prefill of `tokens` done (or
+        dispatched): the policy's (`RetentionPolicy.probes`), none longer than `room`, unless
+        it has run them or keeps every token anyway."""
+        view = self._views.get(seq_id)
+        if view is not None and view.probed:
+            return []
+        budget = self._budgets.get(seq_id, self.default_budget)
+        cached = len(tokens) - (0 if view is None else view.num_evicted)
+        if budget is None or cached <= self._least_kept(budget, cached):
+            return []
+        return self.policy.probes(tokens, room)
+
+    def _least_kept(self, budget: int, num_tokens: int) -> int:
+        """The fewest tokens any block table of a sequence keeps under `budget`."""
+        return budget
+
+    def observe_probe(self, seq_id: str, probe: Probe, key_scores: np.ndarray) -> None:
+        """A row of `probe` was scored: key_scores [>= S] (cache order); its scores of the
+        probe's span are kept, the max over the probe's rows."""
+        _merge_probe(self._views[seq_id], probe, key_scores)
+
+    def finish_probes(self, seq_id: str) -> None:
+        """Every probe row of `seq_id` was scored: the policy decides now (`select`)."""
+        view = self._views[seq_id]
+        view.probed, view.is_prefill_done = True, False
 
     def _budgeted_view(self, seq_id: str) -> CacheView | None:
         """The sequence's view with the budget `select` will apply after the coming step (a

@@ -317,6 +317,7 @@ class KVCacheManager:
     restore_window = delegate("swaps", SwapMoves.restore_window)
     retain = delegate("retaining", RetentionOps.retain)
     retain_verified = delegate("retaining", RetentionOps.retain_verified)
+    finish_probes = delegate("retaining", RetentionOps.finish_probes)
     max_verify_tokens = delegate("retaining", RetentionOps.max_verify_tokens)
 
     @property

@@ -62,6 +62,12 @@ class RetentionOps:
             self.retention.observe_each(seq_id, start, query_scores[:num_new])
         self._retain_selected(seq_id, is_prefill_done=True, version=version)
 
+    def finish_probes(self, seq_id: str, *, version: str) -> None:
+        """The sequence's probe rows are all scored (`kvjax.scheduler.probes`): the policy's
+        decision, compacted."""
+        self.retention.finish_probes(seq_id)
+        self._retain_selected(seq_id, is_prefill_done=True, version=version)
+
     def max_verify_tokens(self, seq_id: str, num_computed: int, most: int) -> int:
         """The most tokens (at most `most`, at least 1) a verify row of `seq_id` starting at
         token `num_computed` may hold so that each of its queries reads what a plain decode

@@ -10,6 +10,7 @@ import numpy as np
 from kvjax.scheduler.keys import CacheKeys
 from kvjax.scheduler.output import RunnerOutput, ScheduledRow, SchedulerOutput
 from kvjax.scheduler.policies import SchedulingPolicy
+from kvjax.scheduler.probes import ProbeRows
 from kvjax.scheduler.request import FinishReason, SeqStatus, Sequence
 from kvjax.scheduler.requests import RequestTable
 from kvjax.scheduler.speculation import SpeculativePlanner
@@ -26,13 +27,14 @@ class StepCommitter:
 
     def __init__(self, kv_cache, table: RequestTable, *, keys: CacheKeys,
                  spec: SpeculativePlanner, tenants: TenantShares, policy: SchedulingPolicy,
-                 stats: dict, clock: Callable[[], float]):
+                 probes: ProbeRows, stats: dict, clock: Callable[[], float]):
         self.kv_cache = kv_cache
         self.table = table
         self.keys = keys
         self.spec = spec
         self.tenants = tenants
         self.policy = policy
+        self.probes = probes
         self.stats = stats
         self._clock = clock
 
@@ -50,6 +52,10 @@ class StepCommitter:
                 continue
             if row.num_drafts:
                 self._commit_verified(seq, row, out, i, now, is_current, so.weights_version)
+                continue
+            if row.probe >= 0:
+                if is_current:
+                    self.probes.commit(seq, row, out.key_scores[i])
                 continue
             if is_current:
                 self._commit_kv(seq, row, None if out.key_scores is None else out.key_scores[i])

@@ -73,6 +73,10 @@ class ScheduledRow:
         frames offered to that step (offer `kept_offer`; -1: not to be read) and the entries
         they held (-1: unknown), where this step reads the pages that step kept, else the
         ones they held (`kvjax.engine.echo.merge_kept`); else None, None, 0.
+      probe: a probe row (`RetentionPolicy.probes`, after the sequence's prefill): the index
+        of the probe whose tokens it computes (from `start`, after the sequence's tokens);
+        its K/V are given back once scored and only its key scores stay (samples is False);
+        -1 for every other row.
     """
 
     seq_id: str
@@ -109,6 +113,7 @@ class ScheduledRow:
     kept_owners: np.ndarray | None = None
     kept_offer: int = 0
     group_evicted: tuple[int, ...] = ()
+    probe: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from kvjax.scheduler.output import SchedulerOutput
 from kvjax.scheduler.placement import HostPlacement
 from kvjax.scheduler.policies import SchedulingPolicy, rank
 from kvjax.scheduler.preemption import PreemptionPolicy
+from kvjax.scheduler.probes import ProbeRows
 from kvjax.scheduler.request import SeqStatus, Sequence
 from kvjax.scheduler.requests import RequestTable
 from kvjax.scheduler.rows import RowBuilder
@@ -38,6 +39,7 @@ class _Step:
     verifies: bool = False
     decode: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    probes: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
     scheduled: set[str] = dataclasses.field(default_factory=set)
     drafting: set[str] = dataclasses.field(default_factory=set)
 
@@ -49,13 +51,14 @@ class StepPlanner:
     interface: the `ControllerAdapter`'s decisions and offloads, the `PreemptionPolicy`'s
     victims, `TierAdmission`'s admissions and swap-ins, `ChunkReuse`'s copies, the
     `SpeculativePlanner`'s drafts, `TenantShares`' limits, `HostPlacement`'s moves, and the
-    `RowBuilder`'s rows.
+    `RowBuilder`'s rows, `ProbeRows`' probe rows.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache, policy: SchedulingPolicy, *,
                  table: RequestTable, versions: WeightVersions, control: ControllerAdapter,
                  preemption: PreemptionPolicy, admission: TierAdmission, chunks: ChunkReuse,
-                 spec: SpeculativePlanner, rows: RowBuilder, tenants: TenantShares,
+                 spec: SpeculativePlanner, rows: RowBuilder, probes: ProbeRows,
+                 tenants: TenantShares,
                  placement: HostPlacement, echo: EchoPlanner | None, stats: dict,
                  clock: Callable[[], float]):
         self.config = config
@@ -69,6 +72,7 @@ class StepPlanner:
         self.chunks = chunks
         self.spec = spec
         self.rows = rows
+        self.probes = probes
         self.tenants = tenants
         self.placement = placement
         self.echo = echo
@@ -95,7 +99,8 @@ class StepPlanner:
                      offloaded=set(preempted))
         decoding = [s for s in self._ranked(self.table.running)
                     if s.status is SeqStatus.RUNNING and s.num_pending == 1
-                    and s.weights_version == step.active and not self._is_done(s)]
+                    and s.weights_version == step.active and not self._is_done(s)
+                    and s.probing is None]
         step.is_draft_step, step.verifies = self.spec.step_kind(decoding, speculate)
         # 1. Decode rows for running sequences, highest ranked first; preempt from the bottom.
         # With speculation a row drafts one token (a draft step) or verifies its drafts.
@@ -104,9 +109,11 @@ class StepPlanner:
         if self.echo is not None:
             self.echo.place([(s.seq_id, self._cached_len(s)) for s, _ in step.decode],
                             [s.seq_id for s in self.table.sequences()])
-        # 2. Prefill chunks: running partial prefills, then swapped, then waiting sequences.
+        # 2. Probe rows of sequences whose prefill is done, then prefill chunks: running
+        # partial prefills, then swapped, then waiting sequences.
+        self._schedule_probes(step)
         self._schedule_prefills(step)
-        if (not step.decode and not step.prefill and self.table.running
+        if (not step.decode and not step.prefill and not step.probes and self.table.running
                 and not self.chunks.fills_requested
                 and not any(s.awaits_step_in_flight for s in self.table.running)):
             # Nothing fits: free the lowest-ranked running sequence so the rest can progress
@@ -136,6 +143,8 @@ class StepPlanner:
                 if self.kv_cache.allocate(seq.seq_id, cached, cached + width):
                     step.decode.append((seq, width))
                     step.scheduled.add(seq.seq_id)
+                    if seq.num_computed < seq.num_prompt_tokens:  # a forked sample's first
+                        self.probes.start(seq, seq.num_tokens)
                     if step.is_draft_step:
                         step.drafting.add(seq.seq_id)
                     step.budget -= width
@@ -149,6 +158,21 @@ class StepPlanner:
                 step.preempted.append(victim.seq_id)
                 if victim is seq:
                     break
+
+    def _schedule_probes(self, step: _Step) -> None:
+        """One probe row per probing sequence, highest ranked first
+        (`kvjax.scheduler.probes`)."""
+        for seq in self._ranked(self.table.running):
+            if (seq.probing is None or seq.seq_id in step.scheduled
+                    or seq.weights_version != step.active):
+                continue
+            if len(step.prefill) + len(step.probes) >= self.config.max_prefill_seqs:
+                break
+            n = self.probes.next_row(seq, step.budget)
+            if n:
+                step.probes.append((seq, n))
+                step.scheduled.add(seq.seq_id)
+                step.budget -= n
 
     def _schedule_prefills(self, step: _Step) -> None:
         cfg, d = self.config, self.control.decisions
@@ -166,7 +190,7 @@ class StepPlanner:
             # A token still in flight joins only as its own decode row (above).
             if seq.weights_version != step.active or seq.num_unresolved:
                 continue
-            if step.budget <= 0 or len(step.prefill) >= cfg.max_prefill_seqs:
+            if step.budget <= 0 or len(step.prefill) + len(step.probes) >= cfg.max_prefill_seqs:
                 break
             if seq.status is SeqStatus.SWAPPED:
                 need = pages_for(self._cached_len(seq), cfg.page_size)
@@ -177,6 +201,8 @@ class StepPlanner:
                     break
                 self.table.swapped.remove(seq)
                 self.table.running.append(seq)
+                if seq.probing is not None:  # its probes run again from the next step
+                    continue
                 if seq.num_pending == 1:
                     cached = self._cached_len(seq)
                     if (len(step.decode) < cfg.max_num_seqs
@@ -228,6 +254,8 @@ class StepPlanner:
             step.prefill.append((seq, chunk))
             step.scheduled.add(seq.seq_id)
             step.budget -= chunk
+            if chunk == seq.num_pending and not seq.is_prefill_only:
+                self.probes.start(seq, seq.num_tokens)
 
     def _output(self, step: _Step) -> SchedulerOutput:
         """The formed step's rows as data, with the KV operations forming it planned."""
@@ -248,6 +276,7 @@ class StepPlanner:
                                         host_len=0) for r in rows]
         rows += [self.rows.row(s, n, len(decode) + i, masks=masks.get(s.seq_id))
                  for i, (s, n) in enumerate(prefill)]
+        rows += [self.rows.probe_row(s, self.probes.dispatched(s)) for s, _ in step.probes]
         return SchedulerOutput(decode=tuple(rows[:len(decode)]), prefill=tuple(rows[len(decode):]),
                                preempted=tuple(step.preempted), kv_plan=self.kv_cache.take_plan(),
                                kv_ops=self.kv_cache.take_ops(), weights_version=step.active,

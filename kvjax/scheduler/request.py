@@ -6,6 +6,7 @@ import dataclasses
 import enum
 
 from kvjax.grammar import GrammarMatcher
+from kvjax.kv.retention_host import Probe
 from kvjax.sampling_params import SamplingParams
 from kvjax.scheduler.controller import SLO
 
@@ -30,6 +31,32 @@ class SeqStatus(enum.Enum):
     RUNNING = "running"  # holds KV pages on the device.
     SWAPPED = "swapped"  # its KV pages sit in host memory.
     FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Probing:
+    """A sequence's probe rows between its prefill and its first decode row
+    (`RetentionPolicy.probes`: KVzip's context reconstruction), one row per probe, in order.
+
+    Attributes:
+      probes: the probes, in the order they run.
+      epoch: the sequence's `kv_epoch` they run in (a preemption starts them over).
+      next: the probe that runs next.
+      in_flight: rows dispatched and not committed yet.
+    """
+
+    probes: list[Probe]
+    epoch: int
+    next: int = 0
+    in_flight: int = 0
+
+    @property
+    def is_dispatched(self) -> bool:
+        return self.next == len(self.probes)
+
+    def restart(self, epoch: int) -> None:
+        """The sequence's KV moved or went (preemption): every probe runs again."""
+        self.epoch, self.next, self.in_flight = epoch, 0, 0
 
 
 @dataclasses.dataclass
@@ -89,6 +116,7 @@ class Sequence:
     inplace_bits: int = 0  # its pages were re-encoded in place at this many bits (0: never)
     grammar: GrammarMatcher | None = None
     paid_chain: tuple[bytes, list[bytes]] = (b"", [])  # (cache key, hashes) a tenant paid for
+    probing: Probing | None = None  # probe rows to run before it decodes
 
     @property
     def is_prefill_only(self) -> bool:
@@ -113,7 +141,8 @@ class Sequence:
     def awaits_step_in_flight(self) -> bool:
         """Its next move comes from a dispatched step's results (a sampled token, or the end
         of a shared prompt's prefill), not from new pages."""
-        return self.num_unresolved > 0 or self.num_pending == 0
+        return (self.num_unresolved > 0 or self.num_pending == 0
+                or (self.probing is not None and self.probing.in_flight > 0))
 
 
 @dataclasses.dataclass

@@ -47,16 +47,12 @@ class RowBuilder:
         filled = grammar_lib.fill_masks([(seq.grammar, drafts) for seq, drafts in wanted])
         return {seq.seq_id: m for (seq, _), m in zip(wanted, filled, strict=True)}
 
-    def row(self, seq: Sequence, n: int, index: int, num_drafts: int = 0,
-             masks: np.ndarray | None = None) -> ScheduledRow:
-        """The row's snapshot; the sequence counts its tokens as computed from now on, and its
-        pages are recorded as written by its weights version. A verify row's last
-        `num_drafts` tokens are the sequence's draft tokens; `masks`, a sampling row's
-        grammar masks before and after them (`grammar_masks`)."""
+    def _tables(self, seq: Sequence, pos: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray | None, int, tuple[int, ...]]:
+        """The sequence's block table(s) and evicted counts for a row writing logical
+        positions `pos`; the pages it writes are recorded as written by its weights version."""
         table, group_tables = self.kv_cache.row_tables(seq.seq_id)
         evicted = self.kv_cache.retention.num_evicted(seq.seq_id)
-        start = seq.num_computed
-        pos = np.arange(start, start + n, dtype=np.int32)
         written = table[(pos - evicted) // self.config.page_size]
         group_evicted = self.kv_cache.retention.group_evicted(seq.seq_id)
         if group_tables is not None:
@@ -65,6 +61,36 @@ class RowBuilder:
             written = np.concatenate([written, np.take_along_axis(
                 group_tables, gpos // self.config.page_size, axis=1).ravel()])
         self.kv_cache.mark_written(set(written.tolist()), seq.weights_version)
+        return table, group_tables, evicted, group_evicted
+
+    def probe_row(self, seq: Sequence, probe: int) -> ScheduledRow:
+        """A probe row (`kvjax.scheduler.probes`): the tokens of the sequence's probe `probe`,
+        after its computed tokens, every query scoring the keys; it samples nothing."""
+        token_ids = np.asarray(seq.probing.probes[probe].token_ids, np.int32)
+        start, n = seq.num_computed, len(token_ids)
+        table, group_tables, evicted, group_evicted = self._tables(
+            seq, np.arange(start, start + n, dtype=np.int32))
+        self.stats["prefill_tokens"] += n
+        return ScheduledRow(
+            seq_id=seq.seq_id, token_ids=token_ids, start=start, num_evicted=evicted,
+            block_table=table, group_tables=group_tables, group_evicted=group_evicted,
+            score_weights=np.ones(n, np.float32), sampling=seq.sampling, seed=seq.seed,
+            counter=seq.num_tokens - seq.num_prompt_tokens,
+            seq_slot=self.kv_cache.seq_slot(seq.seq_id),
+            kv_floor=self.kv_cache.floors.floor(seq.seq_id), samples=False,
+            kv_epoch=seq.kv_epoch, num_prompt_tokens=seq.num_prompt_tokens, probe=probe,
+            history=np.asarray(seq.tokens[:seq.num_computed], np.int32)
+            if seq.sampling.reads_history else None)
+
+    def row(self, seq: Sequence, n: int, index: int, num_drafts: int = 0,
+             masks: np.ndarray | None = None) -> ScheduledRow:
+        """The row's snapshot; the sequence counts its tokens as computed from now on, and its
+        pages are recorded as written by its weights version. A verify row's last
+        `num_drafts` tokens are the sequence's draft tokens; `masks`, a sampling row's
+        grammar masks before and after them (`grammar_masks`)."""
+        start = seq.num_computed
+        pos = np.arange(start, start + n, dtype=np.int32)
+        table, group_tables, evicted, group_evicted = self._tables(seq, pos)
         if seq.num_unresolved:  # Its one token comes from the previous step, on the device.
             token_ids, feed_index = np.zeros(n, np.int32), seq.inflight_index
         else:

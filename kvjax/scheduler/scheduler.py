@@ -37,6 +37,7 @@ from kvjax.scheduler.placement import HostPlacement
 from kvjax.scheduler.planner import StepPlanner
 from kvjax.scheduler.policies import LongestPrefixMatch, SchedulingPolicy
 from kvjax.scheduler.preemption import PreemptionPolicy
+from kvjax.scheduler.probes import ProbeRows
 from kvjax.scheduler.request import Sequence, WeightUpdatePolicy
 from kvjax.scheduler.requests import RequestTable
 from kvjax.scheduler.rows import RowBuilder
@@ -109,17 +110,19 @@ class Scheduler:
         self.admission = TierAdmission(config, kv_cache, self.requests, self.keys, policy, stats)
         self.spec = SpeculativePlanner(config, kv_cache, drafter, stats)
         self.rows = RowBuilder(config, kv_cache, stats)
+        self.probes = ProbeRows(config, kv_cache, stats)
         self.tenants = TenantShares(config, kv_cache, self.requests, clock=self._now)
         self.host_split = host_split or Never()
         self.committer = StepCommitter(kv_cache, self.requests, keys=self.keys, spec=self.spec,
-                                       tenants=self.tenants, policy=policy, stats=stats,
-                                       clock=self._now)
+                                       tenants=self.tenants, policy=policy,
+                                       probes=self.probes, stats=stats, clock=self._now)
         self.placement = HostPlacement(self.host_split, kv_cache, config.page_size, stats)
         self.control.placement = self.placement
         self.planner = StepPlanner(
             config, kv_cache, policy, table=self.requests, versions=self.weight_versions,
             control=self.control, preemption=self.preemption, admission=self.admission,
-            chunks=self.chunks, spec=self.spec, rows=self.rows, tenants=self.tenants,
+            chunks=self.chunks, spec=self.spec, rows=self.rows, probes=self.probes,
+            tenants=self.tenants,
             placement=self.placement, echo=self.echo, stats=stats, clock=self._now)
 
     def _now(self) -> float:

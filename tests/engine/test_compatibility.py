@@ -44,7 +44,8 @@ BASE = dict(page_size=P, num_pages=10, max_num_seqs=3, max_num_batched_tokens=16
             max_prefill_chunk=16, min_chunk_bucket=16, max_prefill_seqs=1, max_model_len=32,
             enable_prefix_cache=False)
 # A quantized codec or a retention policy changes the tokens: only their count is checked.
-PRESSES = {Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION}
+PRESSES = {Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSERVED_ATTENTION,
+           Feature.KVZIP}
 RETAINED = {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
             Feature.QUEST, Feature.ECHO, Feature.PYRAMID, Feature.ADAKV, Feature.PYRAMID_ADAKV,
             Feature.PER_HEAD, *PRESSES}
@@ -70,6 +71,7 @@ FAST = {
         (Feature.PAUSE, Feature.SWAP),
         (Feature.CONTROLLER, Feature.SWAP), (Feature.CONTROLLER, Feature.STREAMING),
         (Feature.EXPECTED_ATTENTION, Feature.INT8), (Feature.TOVA, Feature.SWAP),
+        (Feature.KVZIP, Feature.SWAP),
         (Feature.HOST_ROWS, Feature.SWAP), (Feature.ECHO, Feature.SWAP),
         (Feature.RECORD_DECISIONS, Feature.SWAP), (Feature.DISAGGREGATION, Feature.INT8),
         (Feature.MIXED_PRECISION, Feature.SNAPSHOT),
@@ -116,6 +118,10 @@ def config_for(features) -> dict:
         Feature.EXPECTED_ATTENTION: dict(retention="expected_attention", retention_budget=10,
                                          retention_options=dict(num_sinks=2, num_future=16)),
         Feature.OBSERVED_ATTENTION: dict(retention="observed_attention", retention_budget=10),
+        # Probes of 4 prompt tokens (the tiny model has no tokenizer: the ids are given).
+        Feature.KVZIP: dict(retention="kvzip", retention_budget=10, retention_options=dict(
+            chunk=4, num_sinks=2, tail=2, instruction_ids=(5, 6, 7), continue_ids=(8, 9),
+            suffix_ids=(10,))),
         Feature.HOST_TIER: dict(tiers=TierConfig(host_bytes=64 * page_bytes)),
         Feature.SWAP: dict(preemption_mode=PreemptionMode.SWAP),
         Feature.AUTO_PREEMPTION: dict(preemption_mode=PreemptionMode.AUTO),

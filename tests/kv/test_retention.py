@@ -54,7 +54,7 @@ def best_subset(scores, size, required, candidates) -> list[int]:
 
 
 def test_registry_lists_every_policy_and_rejects_unknown_names_and_options():
-    assert retention_names() == ["expected_attention", "h2o", "knorm", "none",
+    assert retention_names() == ["expected_attention", "h2o", "knorm", "kvzip", "none",
                                  "observed_attention", "quest", "snapkv", "streaming", "tova"]
     with pytest.raises(ValueError, match="'lru'"):
         make_retention("lru", 8, P)
