@@ -30,6 +30,10 @@ PyramidKVPress (per-layer budgets averaging that many tokens), `schedule=adakv` 
 AdaKVPress (per-head budgets summing to that many tokens per kv head), and `schedule=per_head`
 (kvjax: every layer and kv head keeps the budget by its own scores) is the plain press, whose
 granularity that is (TOVAPress: by its layer's scores, shared by the layer's heads).
+KVzipPress is not a forward hook: it runs its own passes that repeat the context after the
+prefill (`kvzip_cache`), and allocates its budget itself: `kvzip:B` is KVzipPress's default
+(every layer and kv head ranked together), `kvzip:B:schedule=adakv` its `layerwise=True`
+(each layer the budget, its kv heads ranked together, with no per-head floor).
 
 Each row's greedy agreement with kvjax's exact continuation (the positions after the answer),
 `kvjax_continuation_agreement`, is 1 for the exact row when both frameworks run the same weights.
@@ -52,6 +56,7 @@ PEERS = {
     "knorm": "KnormPress",
     "expected_attention": "ExpectedAttentionPress",
     "observed_attention": "ObservedAttentionPress",
+    "kvzip": "KVzipPress",
 }
 # kvjax option name -> kvpress field name, per press.
 OPTIONS = {
@@ -59,6 +64,7 @@ OPTIONS = {
     "snapkv": {"window": "window_size", "kernel": "kernel_size"},
     "expected_attention": {"num_future": "n_future_positions", "num_sinks": "n_sink",
                            "covariance": "use_covariance", "vnorm": "use_vnorm"},
+    "kvzip": {"num_sinks": "n_sink"},
 }
 # kvjax options whose one value kvpress implements (no field to set), per press: kvpress's
 # SnapKV averages its window scores over the kernel (kvjax's pooling='avg'; kvjax's default is
@@ -70,7 +76,7 @@ FIXED = {"snapkv": {"pooling": "avg"}}
 # the scorer press itself (None), which keeps its budget in every layer and kv head.
 SCHEDULES = {
     "pyramid": ("PyramidKVPress", ("snapkv",), {"beta": "beta"}),
-    "adakv": ("AdaKVPress", ("snapkv", "knorm", "expected_attention", "tova"),
+    "adakv": ("AdaKVPress", ("snapkv", "knorm", "expected_attention", "tova", "kvzip"),
               {"head_floor": "alpha_safeguard"}),
     "per_head": (None, ("snapkv", "knorm", "expected_attention", "observed_attention", "tova"),
                  {}),
@@ -117,6 +123,8 @@ def make_press(variant: str):
     if schedule == "pyramid":
         return kvpress.PyramidKVPress(**fields, **{own[k]: v for k, v in options.items()
                                                    if k in own})
+    if name == "kvzip":  # its own allocation: every layer and head ranked together, or per layer
+        return kvpress.KVzipPress(**fields, layerwise=schedule == "adakv")
     press = getattr(kvpress, PEERS[name])(**fields)
     if schedule == "adakv":
         return kvpress.AdaKVPress(press, **{own[k]: v for k, v in options.items() if k in own})
@@ -207,6 +215,38 @@ def prefill_caches(model, prompt: list[int], presses: dict) -> tuple[dict, np.nd
         for handle in handles:
             handle.remove()
     return kept, out.logits[0, -1].float().numpy()
+
+
+def kvzip_cache(model, prompt: list[int], press) -> list:
+    """The cache KVzipPress leaves after its prefill of `prompt` and its reconstruction passes
+    ([(keys, values, masked) per layer]; it keeps every key and marks the ones it drops, as
+    AdaKV does). kvjax's probes are raw text, so the press gets the tokenizer without its chat
+    template (kvpress's rule for such a model: no prefix, the suffix "\n"). `model` runs SDPA
+    (the press's marks need a non-eager attention; its scores are its own matmuls)."""
+    import torch
+    from kvpress.presses import kvzip_press
+    from transformers import AutoTokenizer, DynamicCache
+
+    class RawTokenizer:
+        @staticmethod
+        def from_pretrained(path):
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer.chat_template = None
+            return tokenizer
+
+    original, kvzip_press.AutoTokenizer = kvzip_press.AutoTokenizer, RawTokenizer
+    cache = DynamicCache()
+    try:
+        with torch.inference_mode(), press(model):
+            model(input_ids=torch.tensor([prompt]), past_key_values=cache, logits_to_keep=1)
+    finally:
+        kvzip_press.AutoTokenizer = original
+    kept = []
+    for i, layer in enumerate(model.model.layers):
+        kept.append((cache.layers[i].keys, cache.layers[i].values,
+                     layer.self_attn.masked_key_indices))
+        layer.self_attn.masked_key_indices = None
+    return kept
 
 
 def forced_logits(model, layers_kv: list, first: np.ndarray, prompt_len: int,
@@ -331,7 +371,11 @@ def run(probes: list[dict], variants: list[str], hf_dir: str, gguf: str | None,
             if press is not None:
                 press.compression_ratio = compression_ratio(parse_variant(variant)[1],
                                                             len(prompt))
-        kept, first = prefill_caches(prefill_model, prompt, presses)
+        kept, first = prefill_caches(prefill_model, prompt, {
+            name: press for name, press in presses.items() if not _reconstructs(press)})
+        for name, press in presses.items():
+            if _reconstructs(press):
+                kept[name] = kvzip_cache(decode_model, prompt, press)
         ref = None
         for name in presses:
             test = forced_logits(decode_model, kept.pop(name), first, len(prompt), continuation)
@@ -350,6 +394,11 @@ def run(probes: list[dict], variants: list[str], hf_dir: str, gguf: str | None,
         if on_row is not None:
             on_row(report)
     return report
+
+
+def _reconstructs(press) -> bool:
+    """KVzipPress scores after the prefill, by passes of its own (`kvzip_cache`)."""
+    return type(press).__name__ == "KVzipPress"
 
 
 def main() -> None:

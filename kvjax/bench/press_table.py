@@ -29,6 +29,7 @@ KVPRESS_PEERS: dict[str, str] = {
     "knorm": "KnormPress",
     "expected_attention": "ExpectedAttentionPress",
     "observed_attention": "ObservedAttentionPress",
+    "kvzip": "KVzipPress",
 }
 
 QUALITY = ("kl_mean", "kl_p99", "kl_max", "top1_agreement", "retrieval_pass")

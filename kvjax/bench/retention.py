@@ -191,8 +191,9 @@ def forced_run(engine: kvjax.Engine, prompt: list[int], forced: list[int], num_t
     """Decodes `num_tokens` tokens after `prompt`, forcing the first len(forced) of them.
 
     Returns the logits [num_tokens, V] each step sampled from, the tokens that went in (the
-    forced ones, then the engine's greedy choices), the peak of pages the engine held (overall
-    and over decode steps) and the seconds of each decode step that compiled nothing.
+    forced ones, then the engine's greedy choices), the peak of pages the engine held (overall,
+    probe rows included, and over decode steps) and the seconds of each decode step that
+    compiled nothing.
     """
     engine.add_request(request_id, prompt, kvjax.SamplingParams(
         max_new_tokens=num_tokens, ignore_eos=True))
@@ -204,7 +205,8 @@ def forced_run(engine: kvjax.Engine, prompt: list[int], forced: list[int], num_t
     try:
         while engine.has_unfinished():
             before, compiles = len(seq.tokens), engine.num_compiles
-            is_decode = seq.num_computed >= len(prompt)
+            # Probe rows (kvzip) run between the prefill and the first decode step.
+            is_decode = seq.num_computed >= len(prompt) and seq.probing is None
             start = time.perf_counter()
             engine.step(logits_mode=LogitsMode.LAST)
             elapsed = time.perf_counter() - start

@@ -253,6 +253,7 @@ COMPOSING = [
     (Feature.KNORM, Feature.PREFIX_CACHE),
     (Feature.EXPECTED_ATTENTION, Feature.FUSED_KV_WRITE),
     (Feature.OBSERVED_ATTENTION, Feature.HOST_TIER),
+    (Feature.KVZIP, Feature.N_SAMPLES),
     (Feature.CONTEXT_REUSE, Feature.HOST_TIER),
     (Feature.CONTIGUOUS,),
     (Feature.HOST_ROWS, Feature.SWAP),
