@@ -61,7 +61,7 @@ class Probe:
     """Tokens a policy runs after a sequence's prefill to score its cached keys (KVzip's
     context reconstruction): `token_ids` follow the sequence's tokens at the next positions,
     attend to its cache, and their own K/V go on pages given back once they are scored; their
-    scores of cache indices [start, end) are kept (the max over the probe's rows)."""
+    scores of cache indices [start, end) are kept. A probe runs as one row."""
 
     token_ids: tuple[int, ...]
     start: int
@@ -730,8 +730,9 @@ class RetentionManager:
         return budget
 
     def observe_probe(self, seq_id: str, probe: Probe, key_scores: np.ndarray) -> None:
-        """A row of `probe` was scored: key_scores [>= S] (cache order); its scores of the
-        probe's span are kept, the max over the probe's rows."""
+        """`probe`'s row was scored: key_scores [>= S] (cache order); its scores of the
+        probe's span are kept (the max with an earlier run's, when a preemption restarted the
+        probes: the same scores)."""
         _merge_probe(self._views[seq_id], probe, key_scores)
 
     def finish_probes(self, seq_id: str) -> None:
