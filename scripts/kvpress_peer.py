@@ -73,13 +73,16 @@ FIXED = {"snapkv": {"pooling": "avg"}}
 # kvjax's budget schedules (the `schedule` option) -> the kvpress press that implements it, the
 # presses it scores with, and its own options (kvjax name -> kvpress field). PyramidKV is
 # SnapKV's scorer with per-layer budgets in kvpress; AdaKV wraps any scorer press; per_head is
-# the scorer press itself (None), which keeps its budget in every layer and kv head.
+# the scorer press itself (None), which keeps its budget in every layer and kv head; global
+# (every layer's heads ranked together) is KVzip's own default, `layerwise=False`, and KVzip's
+# per-layer ranking (`layerwise=True`) kvjax's adakv; KVzip has no per-head floor (head_floor 0).
 SCHEDULES = {
     "pyramid": ("PyramidKVPress", ("snapkv",), {"beta": "beta"}),
     "adakv": ("AdaKVPress", ("snapkv", "knorm", "expected_attention", "tova", "kvzip"),
               {"head_floor": "alpha_safeguard"}),
     "per_head": (None, ("snapkv", "knorm", "expected_attention", "observed_attention", "tova"),
                  {}),
+    "global": ("KVzipPress", ("kvzip",), {"head_floor": None}),
 }
 
 
@@ -118,6 +121,9 @@ def make_press(variant: str):
     if unknown:
         raise ValueError(f"variant {variant!r}: options {unknown} have no kvpress peer")
     fields = {known[k]: v for k, v in options.items() if k in known}
+    if name == "kvzip" and options.get("head_floor", 0) != 0:
+        raise ValueError(f"variant {variant!r}: kvpress's KVzipPress ranks heads with no "
+                         f"floor (head_floor=0 only)")
     import kvpress
 
     if schedule == "pyramid":

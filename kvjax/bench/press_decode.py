@@ -43,7 +43,7 @@ from kvjax.kv.retention import make_retention
 
 EXACT = "none"
 # Schedules whose block tables keep different numbers of tokens (their mean is the budget).
-UNEQUAL_SCHEDULES = ("pyramid", "adakv", "pyramid_adakv")
+UNEQUAL_SCHEDULES = ("pyramid", "adakv", "pyramid_adakv", "global")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,8 @@ def expected_pages(variant: str, num_prompt: int, num_computed: int, page_size: 
     name, budget, options = retention_bench.parse_variant(variant)
     if name == EXACT:
         return -(-num_computed // page_size)
-    schedule = options.pop("schedule", "uniform")
+    options, fields = retention_bench.split_options(options)
+    schedule = fields.get("retention_schedule", "uniform")
     if not make_retention(name, budget, page_size, **options).compresses_once:
         return -(-budget // page_size) + 1
     per_table = budget + num_computed - num_prompt  # tokens, on average over the tables

@@ -86,16 +86,34 @@ class RetentionBench:
 
 
 def parse_variant(variant: str) -> tuple[str, int | None, dict]:
-    """`name[:budget][:option=value...]` -> (policy, budget, options); values int or bool."""
+    """`name[:budget][:option=value...]` -> (policy, budget, options); values int, float,
+    bool or str."""
     name, *rest = variant.split(":")
     budget = int(rest.pop(0)) if rest and "=" not in rest[0] else None
     options = {}
     for item in rest:
         key, _, value = item.partition("=")
         lowered = value.lower()
-        options[key] = (lowered == "true" if lowered in ("true", "false")
-                        else int(value) if value.lstrip("-").isdigit() else value)
+        if lowered in ("true", "false"):
+            options[key] = lowered == "true"
+            continue
+        options[key] = value
+        for kind in (float, int):  # the narrower last
+            try:
+                options[key] = kind(value)
+            except ValueError:
+                pass
     return name, budget, options
+
+
+# A variant's options that are `EngineConfig` fields, not the policy's.
+ENGINE_OPTIONS = {"schedule": "retention_schedule", "head_floor": "retention_head_floor"}
+
+
+def split_options(options: dict) -> tuple[dict, dict]:
+    """A variant's options -> (the policy's, `EngineConfig` fields: `ENGINE_OPTIONS`)."""
+    return ({k: v for k, v in options.items() if k not in ENGINE_OPTIONS},
+            {ENGINE_OPTIONS[k]: v for k, v in options.items() if k in ENGINE_OPTIONS})
 
 
 def make_probe(model: kvjax.Model, context: int, depth: float, seed: int
@@ -149,13 +167,15 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
     cache between probes (a pool the sequences fill is fine: with nothing else running,
     admission keeps no reserve).
 
-    A variant's option `schedule` is its `EngineConfig.retention_schedule` (e.g.
-    'snapkv:512:schedule=pyramid'); a per-layer schedule gets a page per layer for every
+    A variant's options `schedule` and `head_floor` are its `EngineConfig.retention_schedule`
+    and `retention_head_floor` (e.g. 'snapkv:512:schedule=pyramid',
+    'kvzip:512:schedule=global:head_floor=0'); a per-layer schedule gets a page per layer for every
     page of one table (AdaKV's head-wise split a page per layer and kv head), so every table
     group holds the whole prompt before it compacts. A press that probes after the prefill
     (kvzip) gets `chunk` more tokens of context and pages for its probe rows."""
     name, budget, options = parse_variant(variant)
-    schedule = options.pop("schedule", "uniform")
+    options, fields = split_options(options)
+    schedule = fields.setdefault("retention_schedule", "uniform")
     if make_retention(name, budget, page_size, **options).probes_first:
         max_len += chunk
     mc = model.config
@@ -167,7 +187,7 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
         max_prefill_chunk=chunk, min_chunk_bucket=chunk,
         max_num_batched_tokens=chunk, enable_prefix_cache=False,
         retention=name, retention_budget=budget, retention_options=options,
-        retention_schedule=schedule, async_scheduling=async_scheduling)
+        async_scheduling=async_scheduling, **fields)
     return kvjax.Engine(model, config)
 
 

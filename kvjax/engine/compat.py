@@ -76,6 +76,7 @@ class Feature(enum.Enum):
     ADAKV = "adakv"
     PYRAMID_ADAKV = "pyramid_adakv"
     PER_HEAD = "per_head"
+    GLOBAL = "global"
     MIXED_PRECISION = "mixed_precision"
 
     @property
@@ -100,6 +101,7 @@ _GROUPS = {
     Feature.SWAP: "preemption", Feature.AUTO_PREEMPTION: "preemption",
     Feature.PYRAMID: "retention_schedule", Feature.ADAKV: "retention_schedule",
     Feature.PYRAMID_ADAKV: "retention_schedule", Feature.PER_HEAD: "retention_schedule",
+    Feature.GLOBAL: "retention_schedule",
 }
 _DESCRIPTIONS = {
     Feature.INT8: "kv_codec int8, or another codec that stores codes and scales in the pages "
@@ -176,6 +178,10 @@ _DESCRIPTIONS = {
     Feature.PER_HEAD: "retention_schedule='per_head' (kvpress's granularity: every layer and kv "
                       "head keeps the budget of a press that compresses the prompt once, by "
                       "its own scores, in AdaKV's head-major pages and tables)",
+    Feature.GLOBAL: "retention_schedule='global' (KVzip's default: the (layer, kv head, token) "
+                    "pairs of largest score of a press that compresses the prompt once, "
+                    "every layer's heads ranked together, in AdaKV's head-major pages and "
+                    "tables)",
     Feature.MIXED_PRECISION: "kv_codec='mixed' (DiffKV): each token row's key and value at a "
                              "class of its own (exact, int8, int4), new rows at the write "
                              "class; a controller re-encodes running sequences' cold pages in "
@@ -189,7 +195,8 @@ _EVICTING = (Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.
              Feature.OBSERVED_ATTENTION, Feature.KVZIP)
 _QUEST = (Feature.QUEST, Feature.ECHO)
 _RETENTION = (*_EVICTING, *_QUEST)
-_SCHEDULES = (Feature.PYRAMID, Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD)
+_HEAD_SPLITS = (Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD, Feature.GLOBAL)
+_SCHEDULES = (Feature.PYRAMID, *_HEAD_SPLITS)
 
 
 def _refusals() -> dict[frozenset[Feature], str]:
@@ -353,15 +360,13 @@ def _refusals() -> dict[frozenset[Feature], str]:
            "layout, and the contiguous one has neither pages nor a prefix cache")
     for features, reason in _LOWRANK_REFUSED:
         refuse([Feature.LOWRANK], features, reason)
-    for schedule, refused in ((Feature.PYRAMID, _PYRAMID_REFUSED),
-                              (Feature.ADAKV, _ADAKV_REFUSED)):
-        for features, reason in refused:
-            refuse([schedule], features, reason)
-    # Per-layer budgets split over heads, and the even split: the head-wise split's pages and
-    # tables, so its refusals (each reason names the split, which these schedules run in every
-    # layer).
+    for features, reason in _PYRAMID_REFUSED:
+        refuse([Feature.PYRAMID], features, reason)
+    # AdaKV's split, per-layer budgets split over heads, the even split and the global one:
+    # the same head-major pages and tables, so the same refusals (each reason names the
+    # per-head split, which every one of them runs).
     for features, reason in _ADAKV_REFUSED:
-        refuse([Feature.PYRAMID_ADAKV, Feature.PER_HEAD], features, reason)
+        refuse(list(_HEAD_SPLITS), features, reason)
     _refuse_mixed(refuse)
     return table
 
@@ -582,11 +587,10 @@ MODEL_REFUSED: dict[tuple[ModelTrait, Feature], str] = {
     **{(ModelTrait.LAYER_GROUPS, f):
        "the per-head split keeps a block table per layer and kv head, while a model with "
        "sliding-window layers already keeps one per window group"
-       for f in (Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD)},
+       for f in _HEAD_SPLITS},
     **{(ModelTrait.MLA_LATENT, f):
        "an MLA latent row is one head that every query head reads, so there are no kv heads "
-       "to split a budget over" for f in (Feature.ADAKV, Feature.PYRAMID_ADAKV,
-                                          Feature.PER_HEAD)},
+       "to split a budget over" for f in _HEAD_SPLITS},
     (ModelTrait.PER_LAYER_ROPE, Feature.CONTEXT_REUSE):
         "a reused chunk's keys are re-rotated by one RoPE for every layer, while this model "
         "turns the keys of its local layers by another",
@@ -743,7 +747,7 @@ def _present(config: Any, on_mesh: bool) -> list[_Present]:
         found.append(_Present(Feature.FUSED_KV_WRITE, "fused_kv_write=True"))
     if config.retention_schedule == Feature.PYRAMID.value:
         found.append(_Present(Feature.PYRAMID, "retention_schedule='pyramid'"))
-    for schedule in (Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD):
+    for schedule in _HEAD_SPLITS:
         if config.retention_schedule == schedule.value:
             found.append(_Present(schedule, f"retention_schedule={schedule.value!r}"))
     if config.host_split != "never" and config.num_host_pages > 0:

@@ -123,7 +123,14 @@ class EngineConfig:
         give back each head's pages past its share; `kvjax.kv.head_retention`; the same presses),
         or 'pyramid_adakv' (both: each layer's pyramid budget split over its heads as AdaKV
         splits it, in the same head-major pages), or 'per_head' (kvpress's granularity: every
-        layer and kv head keeps B tokens by its own scores, in the same head-major pages).
+        layer and kv head keeps B tokens by its own scores, in the same head-major pages), or
+        'global' (KVzip's default: the model's L * K * B (layer, kv head, token) pairs of
+        largest score ranked together, so the scores also set each layer's share; the same
+        head-major pages).
+      retention_head_floor: under 'adakv', 'pyramid_adakv' and 'global', the fraction of its
+        even share every kv head keeps before the pairs of largest score take the rest
+        (AdaKV's safeguard; None: 0.2, AdaKV's default; 0: the scores alone, as kvpress's
+        KVzip ranks them); refused with the other schedules.
       async_scheduling: schedule and dispatch step t+1 while the device runs step t (sampled
         tokens feed the next step on the device; the host reads them one step later). Greedy
         outputs are identical either way. Steps that return logits, engines whose
@@ -192,6 +199,7 @@ class EngineConfig:
     retention_budget: int | None = None
     retention_options: dict = dataclasses.field(default_factory=dict)
     retention_schedule: str = "uniform"
+    retention_head_floor: float | None = None
     async_scheduling: bool = True
     spec: SpecConfig = SpecConfig()
     context_reuse: str = "full"
@@ -262,7 +270,8 @@ class EngineConfig:
                              "follow the batch: use attention_impl AUTO")
         compat.check(self, on_mesh=False)
         check_schedule(self.retention_schedule, make_retention(
-            self.retention, self.retention_budget, self.page_size, **self.retention_options))
+            self.retention, self.retention_budget, self.page_size, **self.retention_options),
+            self.retention_head_floor)
 
     @property
     def controlled(self) -> bool:

@@ -98,7 +98,8 @@ class Engine:
         self.max_model_len = pages_for(max_len, config.page_size) * config.page_size
         self.kv_dtype = resolve_dtype(config.kv_dtype) if config.kv_dtype else model.dtype
         layer_groups = pool_layer_groups(mc, config, self.max_model_len)
-        retention = retention_manager(mc, config, layer_groups, model.tokenizer)
+        retention = retention_manager(mc, config, layer_groups, model.tokenizer,
+                                      self.max_model_len)
         self.max_pages_per_seq = self.max_model_len // config.page_size
         # Block tables keep one width, so context growth never changes a step's shape.
         self.block_table_width = pages_for(self.max_pages_per_seq, PAGES_PER_BLOCK) * \

@@ -21,7 +21,7 @@ def pool_layer_groups(mc: ModelConfig, config: EngineConfig, max_model_len: int
     a per-layer schedule one group per run of layers with equal budgets."""
     policy = make_retention(config.retention, config.retention_budget, config.page_size,
                             **config.retention_options)
-    scheme = check_schedule(config.retention_schedule, policy)
+    scheme = check_schedule(config.retention_schedule, policy, config.retention_head_floor)
     if scheme.head_allocation is not HeadAllocation.UNIFORM:
         return head_layer_groups(policy, mc.num_layers, mc.kv_layer_groups()[0].format,
                                  max_model_len, scheme)
@@ -32,20 +32,22 @@ def pool_layer_groups(mc: ModelConfig, config: EngineConfig, max_model_len: int
 
 
 def retention_manager(mc: ModelConfig, config: EngineConfig, groups: tuple[LayerGroup, ...],
-                      tokenizer: Any = None) -> RetentionManager:
+                      tokenizer: Any = None, max_model_len: int | None = None
+                      ) -> RetentionManager:
     """The engine's retention record: one view per sequence, or one per table group when the
     pool's groups keep budgets of their own in several block tables (per (layer, kv head)
-    under a head-wise split: adakv, per_head). tokenizer: the model's, which encodes the
-    probes of a policy that needs it (kvzip)."""
+    under a head-wise split: adakv, per_head, global). tokenizer: the model's, which encodes
+    the probes of a policy that needs it (kvzip); max_model_len: the longest sequence, which
+    bounds what one head's table keeps under a head-wise split."""
     policy = make_retention(config.retention, config.retention_budget, config.page_size,
                             **config.retention_options)
     if policy.needs_tokenizer:
         policy = policy.bind_tokenizer(tokenizer)
-    scheme = check_schedule(config.retention_schedule, policy)
+    scheme = check_schedule(config.retention_schedule, policy, config.retention_head_floor)
     if scheme.head_allocation is not HeadAllocation.UNIFORM:
-        return HeadRetention(policy, groups, scheme=scheme, rope=mc.rope)
+        return HeadRetention(policy, groups, scheme=scheme, rope=mc.rope,
+                             max_len=max_model_len)
     if len(table_groups([(g.layers, 0) for g in groups])) == 1 or \
             config.retention_schedule == BudgetSchedule.UNIFORM.value:
         return RetentionManager(policy, rope=mc.rope)
-    return GroupedRetention(policy, check_schedule(config.retention_schedule, policy), groups,
-                            rope=mc.rope)
+    return GroupedRetention(policy, scheme, groups, rope=mc.rope)

@@ -26,6 +26,12 @@ here keep different tokens in different layers and heads:
                     head whose scores are spread keeps more tokens, a peaked one fewer)
   per_head          B_l tokens in every head, each head ranking by its own score (kvpress's
                     plain presses: AdaKV with an even split, `head_floor` 1)
+  global            the model's L * K * B (layer, kv head, token) pairs of largest score,
+                    every layer's heads ranked together (KVzip's default, kvpress's
+                    `layerwise=False`): AdaKV's split over all L * K heads at once, so the
+                    scores also decide how many tokens each layer keeps; every head keeps at
+                    least `head_floor` of its even share B first. Only with the uniform
+                    schedule (it sets the layers' shares itself)
   ================  ==========================================================================
 
 A press's protected tokens (`first` sinks, the `last` tokens: SnapKV's window, TOVA's newest) are
@@ -50,15 +56,15 @@ call per head; `kvjax.bench.budgets` reports both.
 
 What is served. The engine serves the uniform scheme (every press's own selection) and, for
 the presses that compress the prompt once (snapkv, knorm, expected_attention,
-observed_attention), the pyramid schedule (`EngineConfig.retention_schedule='pyramid'`,
+observed_attention, kvzip), the pyramid schedule (`EngineConfig.retention_schedule='pyramid'`,
 `kvjax.kv.layer_retention`): one table group per run of equal budgets, a cached length per table
 group in the step input, key scores per table group and a compaction per group, whose freed
-pages go back to the pool; and the adakv split (`retention_schedule='adakv'`,
-`kvjax.kv.head_retention`): the same per (layer, kv head) table in head-major pages, as is
-the per_head allocation (`retention_schedule='per_head'`). The combined pyramid+adakv scheme is
-measured on a simulated cache (`kvjax.bench.budgets`) whose uniform, pyramid, adakv and per_head
-rows equal the engine's (`tests/engine/test_engine_adakv.py`,
-`tests/engine/test_engine_per_head.py`).
+pages go back to the pool; and the head allocations (`retention_schedule='adakv'`,
+'pyramid_adakv', 'per_head', 'global'; `kvjax.kv.head_retention`): a table per (layer, kv head)
+in head-major pages (`EngineConfig.retention_head_floor` sets `head_floor` for adakv,
+pyramid_adakv and global). The simulated cache (`kvjax.bench.budgets`) keeps what the engine
+keeps under each of them (`tests/engine/test_engine_pyramid.py`,
+`tests/engine/test_engine_adakv.py`, `tests/engine/test_engine_per_head.py`).
 
 Plain numpy, no jax: the host side of retention and the KV cache manager import it freely.
 """
@@ -88,6 +94,7 @@ class HeadAllocation(enum.Enum):
     UNIFORM = "uniform"
     ADAKV = "adakv"  # AdaKV's head-wise allocation
     PER_HEAD = "per_head"  # every head the layer's budget, by its own scores (kvpress's default)
+    GLOBAL = "global"  # AdaKV's split over every layer's heads at once (KVzip's default)
 
 
 def _check_int(name: str, option: str, value: Any, minimum: int) -> int:
@@ -191,6 +198,15 @@ class BudgetScheme:
                 or not 0 <= self.head_floor <= 1:
             raise ValueError(f"budget scheme head_floor must be a number in [0, 1], got "
                              f"{self.head_floor!r}")
+        if self.model_wide and self.schedule is not BudgetSchedule.UNIFORM:
+            raise ValueError(f"the global head allocation ranks every layer's pairs together, "
+                             f"which sets the layers' shares: it takes no {self.schedule.value} "
+                             f"schedule")
+
+    @property
+    def model_wide(self) -> bool:
+        """Whether the heads of every layer share one budget (global), not each layer's."""
+        return self.head_allocation is HeadAllocation.GLOBAL
 
     @property
     def name(self) -> str:
@@ -202,14 +218,14 @@ class BudgetScheme:
     @classmethod
     def named(cls, name: str, **options: Any) -> BudgetScheme:
         """The scheme `name`: 'uniform', or a schedule over layers ('pyramid'), a split over
-        heads ('adakv', 'per_head'), or both joined by '+' ('pyramid+adakv')."""
+        heads ('adakv', 'per_head', 'global'), or both joined by '+' ('pyramid+adakv')."""
         parts = name.split("+")
         schedules = [p for p in parts if p in {s.value for s in BudgetSchedule} - {"uniform"}]
         heads = [p for p in parts if p in {h.value for h in HeadAllocation} - {"uniform"}]
         if name != "uniform" and (len(schedules) + len(heads) != len(parts)
                                   or len(schedules) > 1 or len(heads) > 1):
             raise ValueError(f"unknown budget scheme {name!r}: expected 'uniform', 'pyramid', "
-                             f"'adakv', 'per_head' or 'pyramid+adakv'")
+                             f"'adakv', 'per_head', 'global' or 'pyramid+adakv'")
         return cls(BudgetSchedule(schedules[0]) if schedules else BudgetSchedule.UNIFORM,
                    HeadAllocation(heads[0]) if heads else HeadAllocation.UNIFORM, **options)
 
@@ -223,10 +239,11 @@ class BudgetScheme:
         return np.full(num_layers, min(budget, num_tokens), np.int64)
 
     def head_counts(self, ranked: np.ndarray, count: int) -> np.ndarray:
-        """[K] int64 tokens each kv head of a layer keeps of the K * count its heads share, by
-        their ranked scores `ranked` [K, S] (at most S each): AdaKV's split, or `count` each
-        (per_head)."""
-        if self.head_allocation is HeadAllocation.ADAKV:
+        """[H] int64 tokens each of H kv heads keeps of the H * count they share, by their
+        ranked scores `ranked` [H, S] (at most S each): AdaKV's split, or `count` each
+        (per_head). The heads are a layer's, or under the global allocation the model's
+        (layer-major)."""
+        if self.head_allocation in (HeadAllocation.ADAKV, HeadAllocation.GLOBAL):
             return adakv_head_budgets(ranked, count, self.head_floor)
         return np.full(len(ranked), min(count, ranked.shape[1]), np.int64)
 
@@ -260,6 +277,12 @@ class BudgetScheme:
             kept[:, :, chosen] = True
             return kept
         budgets = self.layer_budgets(num_layers, budget, size, window=first + last)
+        if self.model_wide:  # every (layer, head) ranked together: one split of L * K heads
+            ranked = np.stack([rank(s[middle]) for s in scores.reshape(-1, size)])
+            counts = self.head_counts(ranked, int(budgets[0]) - first - last)
+            for table, (row, n) in enumerate(zip(ranked, counts, strict=True)):
+                kept[table // k_heads, table % k_heads, _top(row, int(n)) + first] = True
+            return kept
         for layer, layer_budget in enumerate(budgets):
             count = int(layer_budget) - first - last
             if self.head_allocation is HeadAllocation.UNIFORM:

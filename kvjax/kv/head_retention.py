@@ -26,6 +26,13 @@ keeps exactly B tokens, the press's own choice over that head's scores alone (no
 scores across heads), as kvpress's plain presses keep them (`HeadAllocation.PER_HEAD`); a
 sequence then holds L * K * ceil(B / P) one-head pages.
 
+`retention_schedule='global'` splits the model's L * K * (B - protected) unprotected pairs over
+every (layer, kv head) table at once, AdaKV's split with all layers' heads pooled (KVzip's
+default, kvpress's `KVzipPress(layerwise=False)`): the scores then also set how many tokens each
+layer keeps, which only a press whose scores compare across layers ranks sensibly (KVzip's and
+the attention presses' are attention weights; KNorm's key norms have a scale per layer). The
+same head-major pages and tables; a sequence still holds about L * K * B tokens' pages.
+
 `retention_schedule='pyramid_adakv'` splits each layer's PyramidKV budget B_l
 (`kvjax.kv.budgets.pyramid_budgets`, L * B in all) instead, K * B_l pairs per layer, as kvpress
 composes its PyramidKV and AdaKV presses; the pool's groups keep each layer's budget at the
@@ -75,38 +82,47 @@ class HeadRetention(GroupedRetention):
     """
 
     def __init__(self, policy: RetentionPolicy, groups: tuple[LayerGroup, ...], *,
-                 scheme: BudgetScheme | None = None, head_floor: float = 0.2, rope=None):
+                 scheme: BudgetScheme | None = None, rope=None, max_len: int | None = None):
         """scheme: over layers ('pyramid_adakv': each layer's pyramid budget split over its
-        heads) and heads ('per_head': an even split; AdaKV's where it says none); None: every
-        layer the press's budget, split by AdaKV."""
+        heads) and heads ('per_head': an even split; 'global': every layer's heads split
+        together; AdaKV's where it says none), with its `head_floor`; None: every layer the
+        press's budget, split by AdaKV. max_len: the longest sequence (None: unbounded),
+        the most one head keeps."""
         scheme = scheme or BudgetScheme()
         if scheme.head_allocation is HeadAllocation.UNIFORM:
             scheme = dataclasses.replace(scheme, head_allocation=HeadAllocation.ADAKV)
-        scheme = dataclasses.replace(scheme, head_floor=head_floor)
         super().__init__(policy, scheme, groups, rope=rope)
         self.num_heads = groups[0].format.num_kv_heads
         self.tables = [g.layers for g in groups for _ in range(self.num_heads)]
         self.num_tables = len(self.tables)
         first, last = policy.protected_tokens()
         # Under AdaKV one head keeps at most its layer's every unprotected pair beside the
-        # protected ones; under an even split, its layer's budget.
+        # protected ones, under the global split the model's; under an even split, its
+        # layer's budget; and never more than the longest sequence.
         most = max(max(g.num_keep_tokens for g in groups), policy.budget)
-        spread = self.num_heads if scheme.head_allocation is HeadAllocation.ADAKV else 1
+        spread = {HeadAllocation.ADAKV: self.num_heads, HeadAllocation.PER_HEAD: 1,
+                  HeadAllocation.GLOBAL: self.num_tables}[scheme.head_allocation]
         self._max_kept = first + last + spread * (most - first - last)
+        if max_len is not None:
+            self._max_kept = min(self._max_kept, max_len)
 
-    def head_counts(self, seq_id: str, budget: int) -> list[np.ndarray]:
-        """[K] the unprotected tokens each head of each layer keeps: the scheme's split of the
-        layer's K * (budget - protected) pairs by the press's ranked scores
+    def head_counts(self, seq_id: str, budget: int) -> np.ndarray:
+        """[L * K] the unprotected tokens each (layer, head) table keeps: the scheme's split of
+        each layer's K * (budget - protected) pairs (under 'global' of the model's L * K *
+        (budget - protected) pairs at once) by the press's ranked scores
         (`BudgetScheme.head_counts`)."""
         views = self._group_views(seq_id)
         first, last = self.policy.protected_tokens()
         layers = self.scheme.layer_budgets(self.num_layers, budget, len(views[0].positions),
                                            window=first + last)  # [L]
+        ranked = [self.policy.ranked_scores(v) for v in views]
+        if self.scheme.model_wide:
+            return self.scheme.head_counts(np.stack(ranked), int(layers[0]) - first - last)
         k = self.num_heads
-        return [self.scheme.head_counts(np.stack([self.policy.ranked_scores(v)
-                                                  for v in views[i:i + k]]),
-                                        int(count) - first - last)
-                for i, count in zip(range(0, len(views), k), layers, strict=True)]
+        return np.concatenate([self.scheme.head_counts(np.stack(ranked[i:i + k]),
+                                                       int(count) - first - last)
+                               for i, count in zip(range(0, len(views), k), layers,
+                                                   strict=True)])
 
     def select(self, seq_id: str, *, is_prefill_done: bool) -> list[np.ndarray] | None:
         """Cache indices each (layer, head) table keeps, or None when every table keeps all."""
@@ -119,7 +135,7 @@ class HeadRetention(GroupedRetention):
                 view.is_prefill_done = view.is_prefill_done or is_prefill_done
             return None
         first, last = self.policy.protected_tokens()
-        counts = np.concatenate(self.head_counts(seq_id, budget))  # [L * K]
+        counts = self.head_counts(seq_id, budget)  # [L * K]
         keeps = []
         for view, count in zip(views, counts, strict=True):
             # A table keeps at least one token (as a pyramid table group does): a head whose

@@ -51,26 +51,40 @@ from kvjax.kv.spec import LayerGroup, TokenFormat, table_groups
 from kvjax.registry import Registry
 
 # `EngineConfig.retention_schedule` -> its `BudgetScheme`: the per-layer schedules, the
-# head-wise splits (`kvjax.kv.head_retention`: AdaKV's, and per_head, every head the budget by
-# its own scores), and both (each layer's pyramid budget split over its heads, as kvpress
-# composes its PyramidKV and AdaKV presses).
+# head-wise splits (`kvjax.kv.head_retention`: AdaKV's, per_head, every head the budget by
+# its own scores, and global, AdaKV's split over every layer's heads at once), and both (each
+# layer's pyramid budget split over its heads, as kvpress composes its PyramidKV and AdaKV
+# presses).
 SCHEDULES = Registry("retention schedule", {
     **{s.value: functools.partial(BudgetScheme, s) for s in BudgetSchedule},
     **{h.value: functools.partial(BudgetScheme, head_allocation=h)
-       for h in (HeadAllocation.ADAKV, HeadAllocation.PER_HEAD)},
+       for h in (HeadAllocation.ADAKV, HeadAllocation.PER_HEAD, HeadAllocation.GLOBAL)},
     "pyramid_adakv": functools.partial(BudgetScheme, BudgetSchedule.PYRAMID,
                                        HeadAllocation.ADAKV),
 })
 
 
-def check_schedule(schedule: str, policy: RetentionPolicy) -> BudgetScheme:
-    """The `BudgetScheme` of `EngineConfig.retention_schedule` for `policy` (ValueError: an
-    unknown schedule, or a per-layer or per-head one over a policy that does not compress
-    once)."""
+def check_schedule(schedule: str, policy: RetentionPolicy, head_floor: float | None = None
+                   ) -> BudgetScheme:
+    """The `BudgetScheme` of `EngineConfig.retention_schedule` for `policy`, with
+    `EngineConfig.retention_head_floor` (None: the scheme's default) (ValueError: an unknown
+    schedule, a floor outside [0, 1] or for a schedule that splits no budget by scores, or a
+    per-layer or per-head schedule over a policy that does not compress once)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"EngineConfig.retention_schedule must be one of {list(SCHEDULES)}, "
                          f"got {schedule!r}")
     scheme = SCHEDULES.make(schedule)
+    if head_floor is not None:
+        if scheme.head_allocation not in (HeadAllocation.ADAKV, HeadAllocation.GLOBAL):
+            raise ValueError(f"EngineConfig.retention_head_floor={head_floor!r} is the share "
+                             f"every head keeps of a split by scores, and "
+                             f"retention_schedule={schedule!r} splits none: use 'adakv', "
+                             f"'pyramid_adakv' or 'global'")
+        if isinstance(head_floor, bool) or not isinstance(head_floor, (int, float)) \
+                or not 0 <= head_floor <= 1:
+            raise ValueError(f"EngineConfig.retention_head_floor must be a number in [0, 1], "
+                             f"got {head_floor!r}")
+        scheme = dataclasses.replace(scheme, head_floor=float(head_floor))
     if scheme.name != BudgetSchedule.UNIFORM.value and not policy.compresses_once:
         raise ValueError(f"EngineConfig.retention_schedule={schedule!r} shares the budget of "
                          f"a press that compresses the prompt once, from its scores; "

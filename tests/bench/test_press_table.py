@@ -140,3 +140,7 @@ def test_peer_refuses_a_schedule_kvpress_lacks_before_importing_kvpress():
         peer.make_press("snapkv:512:schedule=per_head:pooling=max")
     with pytest.raises(ValueError, match=r"options \['head_floor'\]"):
         peer.make_press("snapkv:512:schedule=pyramid:head_floor=0.5")
+    with pytest.raises(ValueError, match="no 'global' schedule over 'snapkv'"):
+        peer.make_press("snapkv:512:schedule=global")
+    with pytest.raises(ValueError, match="head_floor=0 only"):
+        peer.make_press("kvzip:512:schedule=global:head_floor=2")

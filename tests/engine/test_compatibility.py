@@ -48,7 +48,7 @@ PRESSES = {Feature.TOVA, Feature.KNORM, Feature.EXPECTED_ATTENTION, Feature.OBSE
            Feature.KVZIP}
 RETAINED = {Feature.STREAMING, Feature.STREAMING_ROTATED, Feature.H2O, Feature.SNAPKV,
             Feature.QUEST, Feature.ECHO, Feature.PYRAMID, Feature.ADAKV, Feature.PYRAMID_ADAKV,
-            Feature.PER_HEAD, *PRESSES}
+            Feature.PER_HEAD, Feature.GLOBAL, *PRESSES}
 APPROXIMATE = {Feature.INT8, Feature.KIVI, Feature.KIVI_RESIDUAL, Feature.LOWRANK, *RETAINED,
                Feature.CONTEXT_REUSE}
 # Mean regret bounds (nats; see the module doc): codecs alone, and with a retention policy.
@@ -71,7 +71,7 @@ FAST = {
         (Feature.PAUSE, Feature.SWAP),
         (Feature.CONTROLLER, Feature.SWAP), (Feature.CONTROLLER, Feature.STREAMING),
         (Feature.EXPECTED_ATTENTION, Feature.INT8), (Feature.TOVA, Feature.SWAP),
-        (Feature.KVZIP, Feature.SWAP),
+        (Feature.KVZIP, Feature.SWAP), (Feature.KVZIP, Feature.GLOBAL),
         (Feature.HOST_ROWS, Feature.SWAP), (Feature.ECHO, Feature.SWAP),
         (Feature.RECORD_DECISIONS, Feature.SWAP), (Feature.DISAGGREGATION, Feature.INT8),
         (Feature.MIXED_PRECISION, Feature.SNAPSHOT),
@@ -147,6 +147,7 @@ def config_for(features) -> dict:
         Feature.ADAKV: dict(retention_schedule="adakv"),
         Feature.PYRAMID_ADAKV: dict(retention_schedule="pyramid_adakv"),
         Feature.PER_HEAD: dict(retention_schedule="per_head"),
+        Feature.GLOBAL: dict(retention_schedule="global"),
         Feature.CONTEXT_REUSE: dict(context_reuse="cacheblend",
                                     context_reuse_options=dict(ratio=0.5),
                                     enable_prefix_cache=True),
@@ -156,7 +157,7 @@ def config_for(features) -> dict:
     config = dict(BASE)
     for feature in features:
         config.update(settings.get(feature, {}))
-    head_major = {Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD}
+    head_major = {Feature.ADAKV, Feature.PYRAMID_ADAKV, Feature.PER_HEAD, Feature.GLOBAL}
     if set(features) & {Feature.PYRAMID, *head_major}:
         if "retention" not in config:
             config.update(settings[Feature.SNAPKV])

@@ -119,3 +119,44 @@ def test_pyramid_adakv_splits_each_layers_pyramid_budget_over_its_heads(press, l
     assert held == predicted_pages(engine, head_tokens, len(prompt)) == sum(
         -(-int(n) // P) for n in head_tokens.ravel())
     pyramid_cases.check_decode(model, engine, prompt, (kept, k, v, last), tokens, logits)
+
+
+@pytest.mark.parametrize("press,length,budget,head_floor", [("snapkv", 40, 16, None),
+                                                            ("expected_attention", 61, 24, 0.0)])
+def test_global_ranks_every_layers_heads_together(press, length, budget, head_floor):
+    """retention_schedule='global' (KVzip's default): the model's L * K * B pairs are split
+    over every (layer, kv head) table at once, so layers keep different totals; the kept
+    tokens are numpy's selection over the same scores (`BudgetScheme.select`, with the
+    engine's `retention_head_floor`), so the greedy tokens and logits are the simulated
+    cache's, and the pages held are the heads' budgets'."""
+    model = tiny_model()
+    engine = Engine(model, EngineConfig(**BASE, retention=press, retention_budget=budget,
+                                        retention_options=PRESSES[press][0],
+                                        retention_schedule="global",
+                                        retention_head_floor=head_floor))
+    prompt = prompt_of(length, seed=length)
+    tokens, logits, held = engine_run(engine, prompt, 6, LogitsMode.LAST)
+    q, k, v, last = pyramid_cases.sim.capture_qkv(model, prompt)
+    spec = pyramid_cases.sim.PressSpec(press, **PRESSES[press][1])
+    first, last_kept = spec.protected(budget)
+    options = {} if head_floor is None else dict(head_floor=head_floor)
+    kept = budgets.BudgetScheme.named("global", **options).select(
+        pyramid_cases.sim.layer_head_scores(q, k, v, spec, model.config.rope), budget,
+        first=first, last=last_kept, rank=spec.rank)
+    head_tokens = kept.sum(axis=2)  # [L, K]
+    assert head_tokens.sum() == model.config.num_layers * model.config.num_kv_heads * budget
+    assert len(set(head_tokens.sum(axis=1).tolist())) > 1, \
+        "the case must give layers different totals"
+    assert held == predicted_pages(engine, head_tokens, len(prompt)) == sum(
+        -(-int(n) // P) for n in head_tokens.ravel())
+    pyramid_cases.check_decode(model, engine, prompt, (kept, k, v, last), tokens, logits)
+
+
+@pytest.mark.parametrize("schedule,head_floor,match", [
+    ("per_head", 0.0, "splits none"), ("uniform", 0.5, "splits none"),
+    ("adakv", 1.5, r"in \[0, 1\]"), ("global", True, r"in \[0, 1\]")])
+def test_a_head_floor_needs_a_split_by_scores(schedule, head_floor, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**BASE, retention="snapkv", retention_budget=16,
+                     retention_options=dict(window=4), retention_schedule=schedule,
+                     retention_head_floor=head_floor)

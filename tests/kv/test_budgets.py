@@ -1,6 +1,6 @@
-"""Budget schemes (kvjax.kv.budgets): per-layer (PyramidKV) and per-head (AdaKV, per_head) kept
-sets against float64 numpy references computed from a dense forward pass's Q/K/V, and the pages
-a grouped allocator holds for them.
+"""Budget schemes (kvjax.kv.budgets): per-layer (PyramidKV) and per-head (AdaKV, per_head,
+global) kept sets against float64 numpy references computed from a dense forward pass's Q/K/V,
+and the pages a grouped allocator holds for them.
 
 The kvjax side scores with `kvjax.bench.budgets.layer_head_scores` (jax, float32) and selects
 with `BudgetScheme.select`; the reference scores each (layer, kv head) with the loops of
@@ -39,7 +39,7 @@ from kvjax.testing import TINY, tiny_model
 P = 4
 BUDGET = 16
 CONFIG = dataclasses.replace(TINY, num_layers=4)
-SCHEMES = ("uniform", "pyramid", "adakv", "pyramid+adakv", "per_head")
+SCHEMES = ("uniform", "pyramid", "adakv", "pyramid+adakv", "per_head", "global")
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,12 @@ def reference_kept(name: str, scheme: str, scores: np.ndarray, first: int, last:
         row = reference_rank(name, scores.sum(axis=(0, 1))[first:s - last])
         kept[:, :, np.array(keep(row, BUDGET - first - last), int) + first] = True
         return kept
+    if scheme == "global":  # AdaKV over every (layer, kv head) of the model at once
+        rows = [reference_rank(name, scores[layer, h, first:s - last])
+                for layer in range(num_layers) for h in range(k_heads)]
+        for t, chosen in enumerate(adakv_keep(np.stack(rows), BUDGET - first - last, 0.2)):
+            kept[t // k_heads, t % k_heads, np.array(chosen, int) + first] = True
+        return kept
     for layer, budget in enumerate(budgets):
         count = int(budget) - first - last
         rows = [reference_rank(name, scores[layer, h, first:s - last]) for h in range(k_heads)]
@@ -125,8 +131,8 @@ def test_kept_sets_per_layer_and_head_equal_the_float64_reference(captured, name
         want = reference_kept(name, scheme, want_scores, first, last)
         np.testing.assert_array_equal(got, want, err_msg=f"{name}/{scheme}")
         per_head = got.sum(axis=2)  # [L, K]
-        if "pyramid" in scheme:
-            assert len(set(per_head.sum(axis=1).tolist())) > 1, "pyramid layers differ"
+        if "pyramid" in scheme or scheme == "global":
+            assert len(set(per_head.sum(axis=1).tolist())) > 1, "the layers' shares differ"
         if scheme in ("uniform", "pyramid"):
             assert (got == got[:, :1]).all(), "every head of a layer keeps the same tokens"
         if scheme == "per_head":
@@ -219,3 +225,5 @@ def test_budget_schemes_reject_bad_options():
     with pytest.raises(ValueError, match="unknown press"):
         bench_budgets.PressSpec("quest")
     assert BudgetScheme.named("pyramid+adakv").name == "pyramid+adakv"
+    with pytest.raises(ValueError, match="sets the layers' shares"):
+        BudgetScheme.named("pyramid+global")

@@ -146,6 +146,8 @@ _SETTINGS = {
                                 retention_schedule="pyramid_adakv"),
     Feature.PER_HEAD: dict(retention="snapkv", retention_budget=10,
                            retention_options=dict(window=3), retention_schedule="per_head"),
+    Feature.GLOBAL: dict(retention="snapkv", retention_budget=10,
+                         retention_options=dict(window=3), retention_schedule="global"),
     Feature.LOWRANK: dict(kv_codec="lowrank", kv_codec_options=dict(rank=4)),
     Feature.MIXED_PRECISION: dict(kv_codec="mixed", kv_codec_options=dict(group=4),
                                   enable_prefix_cache=False),
