@@ -31,9 +31,11 @@ AdaKVPress (per-head budgets summing to that many tokens per kv head), and `sche
 (kvjax: every layer and kv head keeps the budget by its own scores) is the plain press, whose
 granularity that is (TOVAPress: by its layer's scores, shared by the layer's heads).
 KVzipPress is not a forward hook: it runs its own passes that repeat the context after the
-prefill (`kvzip_cache`), and allocates its budget itself: `kvzip:B` is KVzipPress's default
-(every layer and kv head ranked together), `kvzip:B:schedule=adakv` its `layerwise=True`
-(each layer the budget, its kv heads ranked together, with no per-head floor).
+prefill (`kvzip_cache`), and allocates its budget itself: `kvzip:B:schedule=global` (and plain
+`kvzip:B`, kvjax's one token set, for which kvpress has no KVzip of its own) is KVzipPress's
+default (every layer and kv head ranked together), `kvzip:B:schedule=adakv` its
+`layerwise=True` (each layer the budget, its kv heads ranked together); both with no per-head
+floor, so a kvzip variant's `head_floor` is 0 or absent.
 
 Each row's greedy agreement with kvjax's exact continuation (the positions after the answer),
 `kvjax_continuation_agreement`, is 1 for the exact row when both frameworks run the same weights.
