@@ -261,6 +261,7 @@ COMPOSING = [
     (Feature.ADAKV, Feature.N_SAMPLES),
     (Feature.PYRAMID_ADAKV, Feature.SWAP),
     (Feature.PER_HEAD, Feature.PREFIX_CACHE),
+    (Feature.GLOBAL, Feature.SWAP),
     (Feature.ECHO, Feature.INT8),
     (Feature.RECORD_DECISIONS, Feature.SWAP),
     (Feature.DISAGGREGATION, Feature.INT8),
