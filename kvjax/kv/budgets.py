@@ -204,6 +204,11 @@ class BudgetScheme:
                              f"schedule")
 
     @property
+    def splits_by_score(self) -> bool:
+        """Whether heads' counts come from their scores (adakv, global): `head_floor` applies."""
+        return self.head_allocation in (HeadAllocation.ADAKV, HeadAllocation.GLOBAL)
+
+    @property
     def model_wide(self) -> bool:
         """Whether the heads of every layer share one budget (global), not each layer's."""
         return self.head_allocation is HeadAllocation.GLOBAL
@@ -243,7 +248,7 @@ class BudgetScheme:
         ranked scores `ranked` [H, S] (at most S each): AdaKV's split, or `count` each
         (per_head). The heads are a layer's, or under the global allocation the model's
         (layer-major)."""
-        if self.head_allocation in (HeadAllocation.ADAKV, HeadAllocation.GLOBAL):
+        if self.splits_by_score:
             return adakv_head_budgets(ranked, count, self.head_floor)
         return np.full(len(ranked), min(count, ranked.shape[1]), np.int64)
 

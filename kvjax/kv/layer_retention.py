@@ -75,16 +75,15 @@ def check_schedule(schedule: str, policy: RetentionPolicy, head_floor: float | N
                          f"got {schedule!r}")
     scheme = SCHEDULES.make(schedule)
     if head_floor is not None:
-        if scheme.head_allocation not in (HeadAllocation.ADAKV, HeadAllocation.GLOBAL):
+        if not scheme.splits_by_score:
             raise ValueError(f"EngineConfig.retention_head_floor={head_floor!r} is the share "
                              f"every head keeps of a split by scores, and "
                              f"retention_schedule={schedule!r} splits none: use 'adakv', "
                              f"'pyramid_adakv' or 'global'")
-        if isinstance(head_floor, bool) or not isinstance(head_floor, (int, float)) \
-                or not 0 <= head_floor <= 1:
-            raise ValueError(f"EngineConfig.retention_head_floor must be a number in [0, 1], "
-                             f"got {head_floor!r}")
-        scheme = dataclasses.replace(scheme, head_floor=float(head_floor))
+        try:  # BudgetScheme checks the value
+            scheme = dataclasses.replace(scheme, head_floor=head_floor)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.retention_head_floor: {e}") from None
     if scheme.name != BudgetSchedule.UNIFORM.value and not policy.compresses_once:
         raise ValueError(f"EngineConfig.retention_schedule={schedule!r} shares the budget of "
                          f"a press that compresses the prompt once, from its scores; "
