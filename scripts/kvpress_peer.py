@@ -70,8 +70,8 @@ OPTIONS = {
 }
 # kvjax options whose one value kvpress implements (no field to set), per press: kvpress's
 # SnapKV averages its window scores over the kernel (kvjax's pooling='avg'; kvjax's default is
-# 'max').
-FIXED = {"snapkv": {"pooling": "avg"}}
+# 'max'); its KVzip's softmax runs over the sinks, the chunk and the probe (softmax='chunk').
+FIXED = {"snapkv": {"pooling": "avg"}, "kvzip": {"softmax": "chunk"}}
 # kvjax's budget schedules (the `schedule` option) -> the kvpress press that implements it, the
 # presses it scores with, and its own options (kvjax name -> kvpress field). PyramidKV is
 # SnapKV's scorer with per-layer budgets in kvpress; AdaKV wraps any scorer press; per_head is

@@ -137,16 +137,25 @@ def adakv_keep(scores: np.ndarray, count: int, floor_fraction: float) -> list[li
     return [sorted(c) for c in chosen]
 
 
-def probe_attention(q: np.ndarray, k: np.ndarray, context: int) -> np.ndarray:
+def probe_attention(q: np.ndarray, k: np.ndarray, context: int,
+                    span: tuple[int, int] | None = None, sinks: int = 0) -> np.ndarray:
     """KVzip's score of the first `context` keys: the most causal attention any query after
     them (the probe's, q [S, N, D] over keys k [S, K, D]) pays each, over the query heads of its
-    kv head, summed over kv heads."""
+    kv head, summed over kv heads. span (lo, hi): the softmax runs over the first `sinks` keys,
+    keys lo..hi - 1 and the probe's own, and only the span's keys score (the rest 0); None:
+    over every key the query sees, all scoring."""
     s, n, d = q.shape
     k_heads = k.shape[1]
     g = n // k_heads
+    idx = np.arange(s)
+    lo, hi = (0, context) if span is None else span
+    in_span = (idx >= lo) & (idx < hi)
+    read = in_span | (idx < sinks) | (idx >= context)
     most = np.zeros((k_heads, context))
     for t in range(context, s):
         for h in range(n):
-            p = softmax_rows(k[:t + 1, h // g].astype(np.float64) @ q[t, h] / np.sqrt(d))
-            most[h // g] = np.maximum(most[h // g], p[:context])
+            keys = np.flatnonzero(read[:t + 1])
+            p = np.zeros(s)
+            p[keys] = softmax_rows(k[keys, h // g].astype(np.float64) @ q[t, h] / np.sqrt(d))
+            most[h // g] = np.maximum(most[h // g], np.where(in_span, p, 0)[:context])
     return most.sum(0)

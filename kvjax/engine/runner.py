@@ -425,6 +425,8 @@ class ModelRunner:
             width = min(groups.shape[1], shape.max_pages)
             buf["group_tables"][:, r, :width] = groups[:, :width]
         buf["score_weights"][t0:t0 + n] = row.score_weights
+        if row.score_span is not None:
+            buf["score_spans"][r] = row.score_span
         reads, kv_len = (table, cpos[-1] + 1) if row.read_table is None else \
             (row.read_table, row.read_len)  # a draft row reads a subset of its pages
         width = min(len(reads), shape.max_pages)

@@ -30,6 +30,7 @@ from kvjax.config import ModelConfig
 from kvjax.engine import echo, host_rows
 from kvjax.kv import attention as attention_ref
 from kvjax.kv import fused_write, layout, native
+from kvjax.kv.retention_host import EVERY_KEY
 from kvjax.kv.spec import LayerGroup, TokenKeep, layer_tables, table_groups
 from kvjax.kv.state import KVState
 from kvjax.models import invariant, linear, llama
@@ -134,6 +135,9 @@ class StepInput:
         may emit after each of its drafts (-1: all); [R, 0, Wm] otherwise.
       score_weights: [T] float32, each query's weight in the key scores a retention policy
         accumulates (kvjax.kv.retention); 0 for padding and for policies that score nothing.
+      score_spans: [R, 2] int32, a probe row's cache indices [lo, hi) whose keys, with the
+        policy's sinks and the row's own tokens, its scores' softmax runs over
+        (`kvjax.kv.retention_host.Probe.span`); [0, 2^31 - 1) (every key) for other rows.
       seq_slots: [R] int32, each row's sequence slot in the KV state's sequence-slot leaves
         (`KVState.seq_slot_leaves`, per-sequence KV beside the pages, such as KIVI's exact
         windows); the engine's allocator assigns them. 0 in states without such leaves and
@@ -202,6 +206,7 @@ class StepInput:
     token_mask: jax.Array
     draft_mask: jax.Array
     score_weights: jax.Array
+    score_spans: jax.Array
     seq_slots: jax.Array
     kv_floors: jax.Array
     token_src: jax.Array
@@ -304,6 +309,7 @@ def empty_step_input(shape: StepShape, num_tables: int = 1, *, host_rows: bool =
         draft_mask=np.full((r, shape.decode_width - 1 if shape.mask_width else 0,
                             shape.mask_width), -1, np.int32),
         score_weights=np.zeros(t, np.float32),
+        score_spans=np.tile(np.array(EVERY_KEY, np.int32), (r, 1)),
         seq_slots=np.zeros(r, np.int32),
         kv_floors=np.zeros(r, np.int32),
         token_src=np.full(t, -1, np.int32),
@@ -707,6 +713,7 @@ def fold_head_rows(inp: StepInput, heads: jax.Array, tables: jax.Array, slots: j
                        kv_lens=fold(lens[heads]), q_lens=repeat(inp.q_lens),
                        seq_slots=repeat(inp.seq_slots), kv_floors=repeat(inp.kv_floors),
                        positions=repeat(inp.positions), score_weights=repeat(inp.score_weights),
+                       score_spans=repeat(inp.score_spans),
                        row_starts=rows, token_rows=rows)
 
 
@@ -798,6 +805,7 @@ def _rows_input(tokens, positions, slots, kv_lens, block_table) -> StepInput:
         bias_until=jnp.zeros((n, 0), jnp.int32), token_mask=jnp.zeros((n, 0), jnp.int32),
         draft_mask=jnp.zeros((n, 0, 0), jnp.int32),
         score_weights=jnp.zeros(n, jnp.float32),
+        score_spans=jnp.tile(jnp.array(EVERY_KEY, jnp.int32), (n, 1)),
         seq_slots=zeros,
         kv_floors=zeros, token_src=jnp.full(n, -1, jnp.int32), prev_tokens=zeros,
         row_starts=jnp.arange(n, dtype=jnp.int32), token_rows=jnp.arange(n, dtype=jnp.int32),

@@ -22,8 +22,10 @@ The presses of NVIDIA's kvpress that kvjax serves, registered beside the policie
   kvzip               after its probe rows (below): the first          chunk=2048,
                       num_sinks tokens + the B - num_sinks others      num_sinks=4, tail=8,
                       the model attends to most while it repeats the   instruction_ids,
-                      context (KVzip's context reconstruction;         continue_ids,
-                      query-agnostic)                                  suffix_ids (None:
+                      context (KVzip's context reconstruction;         softmax='chunk',
+                      query-agnostic)                                  instruction_ids,
+                                                                       continue_ids,
+                                                                       suffix_ids (None:
                                                                        the model's tokenizer
                                                                        encodes KVzip's text)
   ==================  ===============================================  ========================
@@ -36,14 +38,16 @@ KVzip. After the prefill, the sequence runs one probe row per `chunk` tokens of 
 part of the previous context exactly, starting with" and the previous chunk's last `tail`
 tokens), the suffix that ends a user turn ("\n": a model without a chat template), then the
 chunk's tokens, at the positions after the context. A cached key of the chunk scores the most
-attention any probe query of its kv head's group pays it (the softmax over every key the query
-sees: the whole context and the probe so far), and its token the sum of that over layers and kv
-heads (per table under a per-layer or per-head schedule). A probe is one row of a step, so the
-chunk is at most the step's token budget less the instruction (a probe's scores are maxima per
-layer and head, which rows of part of its queries could not add up); the probe's own K/V go on
-pages past the context, given back once it is scored. kvpress's KVzipPress normalises each
-query's softmax over the sinks, the chunk and the probe only (the same for a context of one
-chunk) and ranks every layer and head together by default (`layerwise=False`).
+attention any probe query of its kv head's group pays it, and its token the sum of that over
+layers and kv heads (per table under a per-layer or per-head schedule). The attention is a
+softmax over the first num_sinks keys, the chunk's and the probe's own so far (softmax='chunk',
+KVzip's and kvpress's KVzipPress's cross-attention; the probe's forward pass itself sees the
+whole context), or over every key the query sees (softmax='all'); the two agree for a context of
+one chunk, and 'chunk' reads a fraction of the keys of a long one. A probe is one row of a step,
+so the chunk is at most the step's token budget less the instruction (a probe's scores are
+maxima per layer and head, which rows of part of its queries could not add up); the probe's own
+K/V go on pages past the context, given back once it is scored. kvpress ranks every layer and
+head together by default (`layerwise=False`: retention_schedule='global' here).
 
 Scores per token. Pages hold every layer and kv head of a token, so a token's score is its
 per-layer, per-head score summed over layers and heads (kvpress keeps per layer and head, which
@@ -199,7 +203,7 @@ class KNorm(_PrefillPress):
                    pages_per_block: int, soft_cap: float | None = None) -> jax.Array:
         del soft_cap  # key norms involve no query logits
 
-        def score_rows(q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights):
+        def score_rows(q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights, spans):
             return key_norm_scores_blockwise(load_pages, block_tables, kv_lens,
                                              jnp.any(q_weights > 0, axis=1),
                                              pages_per_block=pages_per_block)
@@ -259,7 +263,7 @@ class ExpectedAttention(_PrefillPress):
         if self.rope is None:
             raise ValueError("expected_attention needs the model's RoPE (bind_rope)")
 
-        def score_rows(q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights):
+        def score_rows(q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights, spans):
             return expected_attention_blockwise(
                 q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights, self.rope,
                 num_future=self.num_future, num_sinks=self.num_sinks,
@@ -287,8 +291,11 @@ class KVzip(_PrefillPress):
     """
 
     name = "kvzip"
-    option_names = ("chunk", "num_sinks", "tail", "instruction_ids", "continue_ids",
-                    "suffix_ids")
+    option_names = ("chunk", "num_sinks", "tail", "softmax", "instruction_ids",
+                    "continue_ids", "suffix_ids")
+    # What a probe query's softmax, whose maxima score the chunk's keys, runs over.
+    SOFTMAX = dict(chunk="the sinks, the chunk and the probe (KVzip's)",
+                   all="every key the query sees")
     needs_tokenizer = True
     probes_first = True
     # The probes' text (KVzip's); the suffix ends a user turn of a model without a chat
@@ -299,13 +306,17 @@ class KVzip(_PrefillPress):
                  suffix_ids="\n")
 
     def __init__(self, budget: int | None, page_size: int, chunk: int = 2048,
-                 num_sinks: int = 4, tail: int = 8,
+                 num_sinks: int = 4, tail: int = 8, softmax: str = "chunk",
                  instruction_ids: Sequence[int] | None = None,
                  continue_ids: Sequence[int] | None = None,
                  suffix_ids: Sequence[int] | None = None):
         self.chunk = _check_int(self.name, "chunk", chunk, 1)
         self.num_sinks = _check_int(self.name, "num_sinks", num_sinks, 0)
         self.tail = _check_int(self.name, "tail", tail, 0)
+        if softmax not in self.SOFTMAX:
+            raise ValueError(f"kvzip softmax must be one of {list(self.SOFTMAX)}, got "
+                             f"{softmax!r}")
+        self.softmax = softmax
         self.instruction_ids = _check_ids(self.name, "instruction_ids", instruction_ids)
         self.continue_ids = _check_ids(self.name, "continue_ids", continue_ids)
         self.suffix_ids = _check_ids(self.name, "suffix_ids", suffix_ids)
@@ -333,8 +344,8 @@ class KVzip(_PrefillPress):
     def probes(self, tokens: list[int], room: int) -> list[Probe]:
         """One probe per `chunk` tokens of the context (fewer when `room` is short): the
         instruction (the continuation instruction and the previous chunk's last `tail`
-        tokens after the first), the suffix, then the chunk, scoring that chunk's keys.
-        None without room for a chunk token."""
+        tokens after the first), the suffix, then the chunk, scoring that chunk's keys (by
+        `softmax`'s keys). None without room for a chunk token."""
         size = min(self.chunk, room - self.overhead())
         if size < 1:
             return []
@@ -343,7 +354,8 @@ class KVzip(_PrefillPress):
             end = min(start + size, len(tokens))
             head = self.instruction_ids if start == 0 else (
                 *self.continue_ids, *tokens[max(0, start - self.tail):start])
-            probes.append(Probe((*head, *self.suffix_ids, *tokens[start:end]), start, end))
+            probes.append(Probe((*head, *self.suffix_ids, *tokens[start:end]), start, end,
+                                span=(start, end) if self.softmax == "chunk" else None))
         return probes
 
     def select(self, view: CacheView, *, is_prefill_done: bool) -> np.ndarray | None:
@@ -351,10 +363,10 @@ class KVzip(_PrefillPress):
 
     def key_scores(self, kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: Any, *,
                    pages_per_block: int, soft_cap: float | None = None) -> jax.Array:
-        def score_rows(q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights):
+        def score_rows(q, q_pos, load_pages, block_tables, kv_lens, q_lens, q_weights, spans):
             return max_attention_blockwise(q, load_pages, block_tables, kv_lens, q_lens,
-                                           q_weights, pages_per_block=pages_per_block,
-                                           soft_cap=soft_cap)
+                                           q_weights, spans, num_sinks=self.num_sinks,
+                                           pages_per_block=pages_per_block, soft_cap=soft_cap)
 
         return step_key_scores(kv, layer, q, inp, shape, pages_per_block=pages_per_block,
                                score_rows=score_rows)
@@ -510,15 +522,19 @@ def expected_attention_blockwise(q: jax.Array, q_pos: jax.Array, load_pages: Pag
 
 
 def max_attention_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: jax.Array,
-                            kv_lens: jax.Array, q_lens: jax.Array, q_weights: jax.Array, *,
+                            kv_lens: jax.Array, q_lens: jax.Array, q_weights: jax.Array,
+                            spans: jax.Array | None = None, *, num_sinks: int = 0,
                             pages_per_block: int = 8, soft_cap: float | None = None,
                             query_tile: int = 128) -> jax.Array:
-    """KVzip's score of each cached key: the most attention any weighted query of a kv head's
-    group pays it (a softmax over every key the query sees, causal as in
-    `paged_attention_blockwise`), summed over kv heads.
+    """KVzip's score of each cached key of a row's span: the most attention any weighted query
+    of a kv head's group pays it, summed over kv heads. The attention is a causal softmax (as
+    in `paged_attention_blockwise`) over the keys of the span, the first `num_sinks` and the
+    row's own (from kv_lens[b] - q_lens[b] on); a span reaching the row's own keys makes it
+    every key the query sees.
 
-    Two passes over the key blocks per tile of `query_tile` queries: the first finds each
-    query's softmax normaliser, the second its probabilities, reduced by max into the keys'.
+    Two passes per tile of `query_tile` queries, over the key blocks the softmax reads: the
+    first finds each query's normaliser, the second its probabilities of the span's keys,
+    reduced by max into the keys'.
 
     Args:
       q: [B, C, N, D] (RoPE applied); query c of row b sits at cached index
@@ -527,12 +543,18 @@ def max_attention_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: 
       block_tables: [B, W] int32, W a multiple of pages_per_block.
       kv_lens, q_lens: [B] int32.
       q_weights: [B, C] float32: queries of weight 0 score nothing.
+      spans: [B, 2] int32, each row's cached indices [lo, hi) (`StepInput.score_spans`); None:
+        every key.
+      num_sinks: at most one key block's worth.
     Returns:
-      [B, W * P] float32, zero past kv_lens[b] and for rows without a weighted query.
+      [B, W * P] float32: zero outside the rows' spans, past kv_lens[b] and for rows without a
+      weighted query.
     """
     b, c, n, d = q.shape
     _, width = block_tables.shape
     p, k_heads, _, block = _key_blocks(load_pages, block_tables, pages_per_block)
+    if num_sinks > block:
+        raise ValueError(f"kvzip num_sinks={num_sinks} exceeds a key block ({block} keys)")
     g = n // k_heads
     tq = min(query_tile, c)
     num_tiles = -(-c // tq)
@@ -540,29 +562,49 @@ def max_attention_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: 
     qg = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
         b, num_tiles * tq, k_heads, g, d) / np.sqrt(d)
     q_idx = jnp.arange(num_tiles * tq, dtype=jnp.int32)[None]  # [1, C']
-    q_pos = (kv_lens - q_lens)[:, None] + q_idx  # [B, C']
+    own = kv_lens - q_lens  # [B]: the rows' own keys start here
+    q_pos = own[:, None] + q_idx  # [B, C']
     q_valid = (q_idx < q_lens[:, None]) & (jnp.pad(q_weights, ((0, 0), (0, pad))) > 0)
-    num_blocks = (jnp.max(kv_lens) + block - 1) // block
+    spans = jnp.broadcast_to(jnp.array([0, own.max()], jnp.int32), (b, 2)) if spans is None \
+        else spans
+    lo, hi = spans[:, 0], jnp.minimum(spans[:, 1], own)  # [B]: the span, before the own keys
+    any_row = q_valid.any(axis=1)
+    # The blocks read, in order: the sinks' (block 0, unless a span starts there), the
+    # spans', the rows' own keys'.
+    span_start = jnp.min(jnp.where(any_row, lo, width * p)) // block
+    sink_end = ((num_sinks > 0) & (span_start > 0)).astype(jnp.int32)
+    span_end = jnp.maximum((jnp.max(jnp.where(any_row, hi, 0)) + block - 1) // block,
+                           span_start)
+    own_start = jnp.maximum(jnp.min(jnp.where(any_row, own, width * p)) // block, span_end)
 
     def tile(t, out):
         qt, pos, valid = (jax.lax.dynamic_slice_in_dim(x, t * tq, tq, axis=1)
                           for x in (qg, q_pos, q_valid))
-        seen = jnp.max(jnp.where(valid, pos + 1, 0))
-        blocks = jnp.minimum(num_blocks, (seen + block - 1) // block)
+        blocks = (jnp.max(jnp.where(valid, pos + 1, 0)) + block - 1) // block  # causal end
+        own_end = jnp.maximum(blocks, own_start)
+        num_span = jnp.minimum(span_end, blocks) - span_start
+        num_read = sink_end + jnp.maximum(num_span, 0) + own_end - own_start
 
-        def logits(i):  # [B, K, G, tq, S'], masked -inf; and the mask [B, tq, S']
+        def block_at(j):  # the j-th block read
+            return jnp.where(j < sink_end, 0, jnp.where(j < sink_end + num_span,
+                                                        span_start + j - sink_end,
+                                                        own_start + j - sink_end - num_span))
+
+        def logits(i):  # [B, K, G, tq, S'] masked -inf; the mask [B, tq, S'] and in-span [B, S']
             k, _ = _load_block(load_pages, block_tables, i, pages_per_block)
             s = jnp.einsum("bckgd,bskd->bkgcs", qt, k)
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
-            kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)
-            mask = (kv_pos[None, None] <= pos[:, :, None]) & (
-                kv_pos[None, None] < kv_lens[:, None, None]) & valid[:, :, None]
-            return jnp.where(mask[:, None, None], s, -jnp.inf), mask
+            kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)[None]  # [1, S']
+            in_span = (kv_pos >= lo[:, None]) & (kv_pos < hi[:, None])
+            read = in_span | (kv_pos < num_sinks) | (kv_pos >= own[:, None])  # [B, S']
+            mask = (kv_pos[:, None] <= pos[:, :, None]) & (
+                kv_pos[:, None] < kv_lens[:, None, None]) & valid[:, :, None] & read[:, None]
+            return jnp.where(mask[:, None, None], s, -jnp.inf), mask, in_span
 
-        def normaliser(i, carry):
+        def normaliser(j, carry):
             m, denom = carry  # [B, K, G, tq]
-            s, mask = logits(i)
+            s, mask, _ = logits(block_at(j))
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
@@ -571,20 +613,21 @@ def max_attention_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: 
 
         init = (jnp.full((b, k_heads, g, tq), -jnp.inf, jnp.float32),
                 jnp.zeros((b, k_heads, g, tq), jnp.float32))
-        m, denom = jax.lax.fori_loop(0, blocks, normaliser, init)
+        m, denom = jax.lax.fori_loop(0, num_read, normaliser, init)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
 
         def most(i, out):
-            s, mask = logits(i)
-            probs = jnp.where(mask[:, None, None], jnp.exp(s - m[..., None]), 0.0)
+            s, mask, in_span = logits(i)
+            keep = mask & in_span[:, None]
+            probs = jnp.where(keep[:, None, None], jnp.exp(s - m[..., None]), 0.0)
             block_max = jnp.max(probs * inv[..., None], axis=(2, 3))  # [B, K, S']
             start = i * block
             kept = jax.lax.dynamic_slice_in_dim(out, start, block, axis=2)
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.maximum(kept, block_max),
                                                        start, axis=2)
 
-        return jax.lax.fori_loop(0, blocks, most, out)
+        return jax.lax.fori_loop(span_start, span_start + jnp.maximum(num_span, 0), most, out)
 
     out = jax.lax.fori_loop(0, num_tiles, tile, jnp.zeros((b, k_heads, width * p), jnp.float32))
     return out.sum(axis=1)  # [B, W*P]

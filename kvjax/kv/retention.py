@@ -349,12 +349,13 @@ class RowScorer(Protocol):
 
     q: [B, C, N, D] (RoPE applied), q_pos: [B, C] int32 their logical positions, load_pages:
     page ids [B, n] -> K, V [B, n, P, K, D], block_tables: [B, W], kv_lens, q_lens: [B],
-    q_weights: [B, C] (0 past q_lens). Returns [B, W * P] float32, zero past kv_lens.
+    q_weights: [B, C] (0 past q_lens), spans: [B, 2] (`StepInput.score_spans`). Returns
+    [B, W * P] float32, zero past kv_lens.
     """
 
     def __call__(self, q: jax.Array, q_pos: jax.Array, load_pages: PageLoader,
                  block_tables: jax.Array, kv_lens: jax.Array, q_lens: jax.Array,
-                 q_weights: jax.Array) -> jax.Array: ...
+                 q_weights: jax.Array, spans: jax.Array) -> jax.Array: ...
 
 
 def last_queries(q: jax.Array, pos: jax.Array, weights: jax.Array, q_lens: jax.Array,
@@ -390,7 +391,8 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
     bd, bp, wd = shape.num_decode, shape.num_prefill, shape.decode_width
     width = inp.block_tables.shape[1] * kv.page_size
 
-    def scored(q_rows, pos_rows, weights, tables, kv_lens, q_lens, seq_slots, kv_floors):
+    def scored(q_rows, pos_rows, weights, tables, kv_lens, q_lens, seq_slots, kv_floors,
+               spans):
         # A prefill view pads a row with the tokens after it: their weights are not its own.
         weights = jnp.where(jnp.arange(weights.shape[1])[None] < q_lens[:, None], weights, 0.0)
 
@@ -400,34 +402,36 @@ def step_key_scores(kv: Any, layer: jax.Array, q: jax.Array, inp: Any, shape: An
                 return key_scores_blockwise(q_rows, load, row_tables, kv_lens, q_lens,
                                             weights, pages_per_block=pages_per_block,
                                             soft_cap=soft_cap)
-            return score_rows(q_rows, pos_rows, load, row_tables, kv_lens, q_lens, weights)
+            return score_rows(q_rows, pos_rows, load, row_tables, kv_lens, q_lens, weights,
+                              spans)
 
         zeros = jnp.zeros((q_rows.shape[0], width), jnp.float32)
         return jax.lax.cond(jnp.any(weights > 0), compute, lambda: zeros)
 
     def rows_of(rows: slice, repeat: int = 1) -> tuple[jax.Array, ...]:
         return tuple(jnp.repeat(x[rows], repeat, axis=0) for x in (
-            inp.block_tables, inp.kv_lens, inp.q_lens, inp.seq_slots, inp.kv_floors))
+            inp.block_tables, inp.kv_lens, inp.q_lens, inp.seq_slots, inp.kv_floors,
+            inp.score_spans))
 
     w, pos = inp.score_weights, inp.positions
     parts = []
     if bd and wd == 1:
         parts.append(scored(q[:bd, None], pos[:bd, None], w[:bd, None], *rows_of(slice(0, bd))))
     elif bd:  # Bd * Wd one-query rows: query c of a row sees its first kv_len - q_len + c + 1
-        tables, kv_lens, q_lens, slots, floors = rows_of(slice(0, bd), wd)  # [Bd * Wd, ...]
+        tables, kv_lens, q_lens, slots, floors, spans = rows_of(slice(0, bd), wd)
         c = jnp.tile(jnp.arange(wd, dtype=jnp.int32), bd)  # [Bd * Wd]
         is_query = c < q_lens
         one_lens = jnp.where(is_query, kv_lens - q_lens + c + 1, 0)
         num = bd * wd
         out = scored(q[:num, None], pos[:num, None], w[:num, None], tables, one_lens,
-                     is_query.astype(jnp.int32), slots, floors)  # [Bd * Wd, W*P]
+                     is_query.astype(jnp.int32), slots, floors, spans)  # [Bd * Wd, W*P]
         parts.append(out.reshape(bd, wd, width))
     if bp:
         q_p, pos_p, w_p = (layout.prefill_view(x, inp, shape) for x in (q, pos, w))
-        tables, kv_lens, q_lens, slots, floors = rows_of(slice(bd, bd + bp))
+        tables, kv_lens, q_lens, slots, floors, spans = rows_of(slice(bd, bd + bp))
         if scored_queries is not None and scored_queries < q_p.shape[1]:
             q_p, pos_p, w_p, q_lens = last_queries(q_p, pos_p, w_p, q_lens, scored_queries)
-        out = scored(q_p, pos_p, w_p, tables, kv_lens, q_lens, slots, floors)
+        out = scored(q_p, pos_p, w_p, tables, kv_lens, q_lens, slots, floors, spans)
         if wd > 1:  # [Bp, W*P] -> [Bp, Wd, W*P], the sum at query 0
             out = jnp.zeros((bp, wd, width), jnp.float32).at[:, 0].set(out)
         parts.append(out)

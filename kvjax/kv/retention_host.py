@@ -56,16 +56,25 @@ class CacheView:
     probed: bool = False
 
 
+# A row's score span (`Probe.span`) when its softmax runs over every key it sees.
+EVERY_KEY = (0, 2**31 - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Probe:
     """Tokens a policy runs after a sequence's prefill to score its cached keys (KVzip's
     context reconstruction): `token_ids` follow the sequence's tokens at the next positions,
     attend to its cache, and their own K/V go on pages given back once they are scored; their
-    scores of cache indices [start, end) are kept. A probe runs as one row."""
+    scores of cache indices [start, end) are kept. A probe runs as one row.
+
+    span: the cache indices [lo, hi) whose keys, with the policy's sinks and the probe's own
+    tokens, the scores' softmax runs over (KVzip's: the chunk); None: every key a query sees.
+    """
 
     token_ids: tuple[int, ...]
     start: int
     end: int
+    span: tuple[int, int] | None = None
 
 
 class RetentionPolicy(Protocol):

@@ -77,6 +77,8 @@ class ScheduledRow:
         of the probe whose tokens it computes (from `start`, after the sequence's tokens);
         its K/V are given back once scored and only its key scores stay (samples is False);
         -1 for every other row.
+      score_span: a probe row's `Probe.span` (the keys its scores' softmax runs over, with
+        the policy's sinks and its own tokens); None: every key (every other row).
     """
 
     seq_id: str
@@ -114,6 +116,7 @@ class ScheduledRow:
     kept_offer: int = 0
     group_evicted: tuple[int, ...] = ()
     probe: int = -1
+    score_span: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -66,7 +66,8 @@ class RowBuilder:
     def probe_row(self, seq: Sequence, probe: int) -> ScheduledRow:
         """A probe row (`kvjax.scheduler.probes`): the tokens of the sequence's probe `probe`,
         after its computed tokens, every query scoring the keys; it samples nothing."""
-        token_ids = np.asarray(seq.probing.probes[probe].token_ids, np.int32)
+        spec = seq.probing.probes[probe]
+        token_ids = np.asarray(spec.token_ids, np.int32)
         start, n = seq.num_computed, len(token_ids)
         table, group_tables, evicted, group_evicted = self._tables(
             seq, np.arange(start, start + n, dtype=np.int32))
@@ -79,6 +80,7 @@ class RowBuilder:
             seq_slot=self.kv_cache.seq_slot(seq.seq_id),
             kv_floor=self.kv_cache.floors.floor(seq.seq_id), samples=False,
             kv_epoch=seq.kv_epoch, num_prompt_tokens=seq.num_prompt_tokens, probe=probe,
+            score_span=spec.span,
             history=np.asarray(seq.tokens[:seq.num_computed], np.int32)
             if seq.sampling.reads_history else None)
 

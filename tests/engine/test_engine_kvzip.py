@@ -3,8 +3,9 @@
 The oracle: for each probe, the cache-free dense forward pass over the prompt followed by the
 probe's tokens records every layer's queries and keys, and tests/presses_reference.py scores
 the probe's span of the prompt's keys in numpy (the most attention any probe query of a kv
-head's group pays a key, summed over layers and kv heads). After the probes, the engine caches
-exactly the reference's kept tokens and holds exactly the pages of what it caches, whether the
+head's group pays a key, summed over layers and kv heads; the softmax over the sinks, the span
+and the probe, KVzip's, or over every key). After the probes, the engine caches exactly the
+reference's kept tokens and holds exactly the pages of what it caches, whether the
 step's token budget gives a probe 8 context tokens or 3 (a probe is one row), synchronous
 scheduling or asynchronous.
 """
@@ -31,9 +32,9 @@ def model():
     return tiny_model()
 
 
-def reference_keep(model, prompt, room: int) -> list[int]:
+def reference_keep(model, prompt, room: int, softmax: str) -> list[int]:
     """The kept tokens, each probe at most `room` tokens (a probe row: the step's budget)."""
-    policy = make_retention("kvzip", BUDGET, P, **OPTIONS)
+    policy = make_retention("kvzip", BUDGET, P, **OPTIONS, softmax=softmax)
     probes = policy.probes(prompt, room)
     chunk = min(OPTIONS["chunk"], room - 5)  # 5: the suffix and the longer instruction
     assert [(p.start, p.end) for p in probes] == [
@@ -42,18 +43,21 @@ def reference_keep(model, prompt, room: int) -> list[int]:
     for probe in probes:
         q, k, _ = dense_qkv(model, list(prompt) + list(probe.token_ids))
         span = slice(probe.start, probe.end)
-        scores[span] = sum(ref.probe_attention(q[i], k[i], len(prompt))[span]
+        chunk = (probe.start, probe.end) if softmax == "chunk" else None
+        scores[span] = sum(ref.probe_attention(q[i], k[i], len(prompt), chunk,
+                                               OPTIONS["num_sinks"])[span]
                            for i in range(len(q)))
     return ref.keep(scores, BUDGET, first=OPTIONS["num_sinks"])
 
 
-@pytest.mark.parametrize("budget_tokens,async_scheduling", [(32, False), (8, True)])
+@pytest.mark.parametrize("budget_tokens,async_scheduling,softmax", [
+    (32, False, "chunk"), (8, True, "chunk"), (32, False, "all")])
 def test_kvzip_keeps_the_reference_tokens_after_its_probes(model, budget_tokens,
-                                                           async_scheduling):
+                                                           async_scheduling, softmax):
     config = dict(BASE, max_num_batched_tokens=budget_tokens, max_prefill_chunk=budget_tokens,
                   min_chunk_bucket=min(budget_tokens, BASE["min_chunk_bucket"]))
     engine = Engine(model, EngineConfig(**config, retention="kvzip", retention_budget=BUDGET,
-                                        retention_options=OPTIONS,
+                                        retention_options=dict(OPTIONS, softmax=softmax),
                                         async_scheduling=async_scheduling))
     engine.warmup()
     prompt = prompt_of(0)
@@ -63,7 +67,7 @@ def test_kvzip_keeps_the_reference_tokens_after_its_probes(model, budget_tokens,
     whole = next(i for i, (cached, _) in enumerate(steps) if len(cached) >= PROMPT)
     first = next(i for i, (cached, _) in enumerate(steps) if i > whole and len(cached) < PROMPT)
     kept = steps[first][0]
-    assert kept == reference_keep(model, prompt, budget_tokens)
+    assert kept == reference_keep(model, prompt, budget_tokens, softmax)
     assert engine.retention.stats["freed_pages"] >= -(-PROMPT // P) - -(-BUDGET // P)
     # Generated tokens are all kept after the compaction, on the budget's pages and theirs.
     for cached, used in steps[first:-1]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from presses_reference import expected_attention, keep, knorm, observed, tova
+from presses_reference import expected_attention, keep, knorm, observed, probe_attention, tova
 
 from kvjax.kv.attention import pages_loader
 from kvjax.kv.presses import (
     expected_attention_blockwise,
     key_norm_scores_blockwise,
+    max_attention_blockwise,
     pyramid_budgets,
 )
 from kvjax.kv.retention import (
@@ -25,6 +26,7 @@ from kvjax.kv.retention import (
     key_scores_blockwise,
     make_retention,
 )
+from kvjax.kv.retention_host import EVERY_KEY
 from kvjax.models.rope import RoPE
 
 P = 4
@@ -149,6 +151,32 @@ def test_expected_attention_keeps_sinks_and_the_largest_expected_attention(case,
         np.testing.assert_allclose(got[b, :n], want, rtol=2e-4, atol=1e-7)
         assert not got[b, n:].any()
         assert kept("expected_attention", 8, got[b, :n], **options) == keep(want, 8, first=sinks)
+
+
+@pytest.mark.parametrize("spans,sinks", [([(9, 13), EVERY_KEY], 2), ([(0, 4), (2, 8)], 3),
+                                         ([EVERY_KEY, EVERY_KEY], 0)])
+def test_kvzip_scores_the_span_by_a_softmax_over_sinks_span_and_probe(case, spans, sinks):
+    """Each row's last 6 / 5 tokens are its probe: its queries score the span's keys, the
+    softmax over the sinks, the span and the probe's own keys (KVzip's cross-attention), or
+    every key (EVERY_KEY); blocks of 8 keys, tiles of 4 queries."""
+    q_lens = np.array([6, 5], np.int32)
+    q = np.zeros((2, 6, N, D), np.float32)
+    for b, (n, m) in enumerate(zip(case["lens"], q_lens, strict=True)):
+        q[b, :m] = case["seqs"][b][0][n - m:]
+    got = np.asarray(max_attention_blockwise(
+        jnp.asarray(q), case["load"], jnp.asarray(case["tables"]), jnp.asarray(case["lens"]),
+        jnp.asarray(q_lens), jnp.ones(q.shape[:2], jnp.float32), jnp.asarray(spans),
+        num_sinks=sinks, pages_per_block=2, query_tile=4))
+    for b, (n, m) in enumerate(zip(case["lens"], q_lens, strict=True)):
+        context = int(n - m)
+        span = None if tuple(spans[b]) == EVERY_KEY else spans[b]
+        want = probe_attention(case["seqs"][b][0], case["seqs"][b][1], context, span, sinks)
+        np.testing.assert_allclose(got[b, :context], want, rtol=1e-4, atol=1e-7)
+        assert not got[b, context:].any(), "only the context's keys score"
+    # The softmax over fewer keys gives the span's keys more than over all.
+    if sinks == 2:
+        every = probe_attention(case["seqs"][0][0], case["seqs"][0][1], 17)
+        assert (got[0, 9:13] > every[9:13]).all()
 
 
 def test_tova_scores_replace_and_observed_scores_accumulate():
