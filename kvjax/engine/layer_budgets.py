@@ -8,20 +8,26 @@ from typing import Any
 
 from kvjax.config import ModelConfig
 from kvjax.engine.config import EngineConfig
-from kvjax.kv.budgets import BudgetSchedule, HeadAllocation
+from kvjax.kv.budgets import BudgetSchedule, BudgetScheme, HeadAllocation
 from kvjax.kv.head_retention import HeadRetention, head_layer_groups
 from kvjax.kv.layer_retention import GroupedRetention, check_schedule, schedule_layer_groups
-from kvjax.kv.retention_host import RetentionManager, make_retention
+from kvjax.kv.retention_host import RetentionManager, RetentionPolicy, make_retention
 from kvjax.kv.spec import LayerGroup, table_groups
+
+
+def _policy_and_scheme(config: EngineConfig) -> tuple[RetentionPolicy, BudgetScheme]:
+    """The engine's retention policy and its checked budget scheme."""
+    policy = make_retention(config.retention, config.retention_budget, config.page_size,
+                            **config.retention_options)
+    return policy, check_schedule(config.retention_schedule, policy,
+                                  config.retention_head_floor)
 
 
 def pool_layer_groups(mc: ModelConfig, config: EngineConfig, max_model_len: int
                       ) -> tuple[LayerGroup, ...]:
     """The layer groups the pool keeps: the model's (`ModelConfig.kv_layer_groups`), or under
     a per-layer schedule one group per run of layers with equal budgets."""
-    policy = make_retention(config.retention, config.retention_budget, config.page_size,
-                            **config.retention_options)
-    scheme = check_schedule(config.retention_schedule, policy, config.retention_head_floor)
+    policy, scheme = _policy_and_scheme(config)
     if scheme.head_allocation is not HeadAllocation.UNIFORM:
         return head_layer_groups(policy, mc.num_layers, mc.kv_layer_groups()[0].format,
                                  max_model_len, scheme)
@@ -39,11 +45,9 @@ def retention_manager(mc: ModelConfig, config: EngineConfig, groups: tuple[Layer
     under a head-wise split: adakv, per_head, global). tokenizer: the model's, which encodes
     the probes of a policy that needs it (kvzip); max_model_len: the longest sequence, which
     bounds what one head's table keeps under a head-wise split."""
-    policy = make_retention(config.retention, config.retention_budget, config.page_size,
-                            **config.retention_options)
+    policy, scheme = _policy_and_scheme(config)
     if policy.needs_tokenizer:
         policy = policy.bind_tokenizer(tokenizer)
-    scheme = check_schedule(config.retention_schedule, policy, config.retention_head_floor)
     if scheme.head_allocation is not HeadAllocation.UNIFORM:
         return HeadRetention(policy, groups, scheme=scheme, rope=mc.rope,
                              max_len=max_model_len)
