@@ -582,8 +582,8 @@ def max_attention_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: 
                           for x in (qg, q_pos, q_valid))
         blocks = (jnp.max(jnp.where(valid, pos + 1, 0)) + block - 1) // block  # causal end
         own_end = jnp.maximum(blocks, own_start)
-        num_span = jnp.minimum(span_end, blocks) - span_start
-        num_read = sink_end + jnp.maximum(num_span, 0) + own_end - own_start
+        num_span = jnp.maximum(jnp.minimum(span_end, blocks) - span_start, 0)
+        num_read = sink_end + num_span + own_end - own_start
 
         def block_at(j):  # the j-th block read
             return jnp.where(j < sink_end, 0, jnp.where(j < sink_end + num_span,
@@ -627,7 +627,7 @@ def max_attention_blockwise(q: jax.Array, load_pages: PageLoader, block_tables: 
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.maximum(kept, block_max),
                                                        start, axis=2)
 
-        return jax.lax.fori_loop(span_start, span_start + jnp.maximum(num_span, 0), most, out)
+        return jax.lax.fori_loop(span_start, span_start + num_span, most, out)
 
     out = jax.lax.fori_loop(0, num_tiles, tile, jnp.zeros((b, k_heads, width * p), jnp.float32))
     return out.sum(axis=1)  # [B, W*P]
