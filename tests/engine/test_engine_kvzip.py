@@ -43,8 +43,8 @@ def reference_keep(model, prompt, room: int, softmax: str) -> list[int]:
     for probe in probes:
         q, k, _ = dense_qkv(model, list(prompt) + list(probe.token_ids))
         span = slice(probe.start, probe.end)
-        chunk = (probe.start, probe.end) if softmax == "chunk" else None
-        scores[span] = sum(ref.probe_attention(q[i], k[i], len(prompt), chunk,
+        softmax_span = (probe.start, probe.end) if softmax == "chunk" else None
+        scores[span] = sum(ref.probe_attention(q[i], k[i], len(prompt), softmax_span,
                                                OPTIONS["num_sinks"])[span]
                            for i in range(len(q)))
     return ref.keep(scores, BUDGET, first=OPTIONS["num_sinks"])
