@@ -31,7 +31,7 @@ AdaKVPress (per-head budgets summing to that many tokens per kv head), and `sche
 (kvjax: every layer and kv head keeps the budget by its own scores) is the plain press, whose
 granularity that is (TOVAPress: by its layer's scores, shared by the layer's heads).
 KVzipPress is not a forward hook: it runs its own passes that repeat the context after the
-prefill (`kvzip_cache`), and allocates its budget itself: `kvzip:B:schedule=global` (and plain
+prefill (`kvzip_caches`), and allocates its budget itself: `kvzip:B:schedule=global` (and plain
 `kvzip:B`, kvjax's one token set, for which kvpress has no KVzip of its own) is KVzipPress's
 default (every layer and kv head ranked together), `kvzip:B:schedule=adakv` its
 `layerwise=True` (each layer the budget, its kv heads ranked together); both with no per-head
@@ -225,12 +225,15 @@ def prefill_caches(model, prompt: list[int], presses: dict) -> tuple[dict, np.nd
     return kept, out.logits[0, -1].float().numpy()
 
 
-def kvzip_cache(model, prompt: list[int], press) -> list:
-    """The cache KVzipPress leaves after its prefill of `prompt` and its reconstruction passes
-    ([(keys, values, masked) per layer]; it keeps every key and marks the ones it drops, as
-    AdaKV does). kvjax's probes are raw text, so the press gets the tokenizer without its chat
-    template (kvpress's rule for such a model: no prefix, the suffix "\n"). `model` runs SDPA
-    (the press's marks need a non-eager attention; its scores are its own matmuls)."""
+def kvzip_caches(model, prompt: list[int], presses: dict) -> dict[str, list]:
+    """The cache each KVzipPress of `presses` leaves after its prefill of `prompt` and its
+    reconstruction passes ({name: [(keys, values, masked) per layer]}; it keeps every key and
+    marks the ones it drops, as AdaKV does). KVzip's scores depend on neither the budget nor
+    the allocation (`layerwise`), so the first press runs the passes and the others rank its
+    scores (`compress_post`, the press's own ranking). kvjax's probes are raw text, so the press
+    gets the tokenizer without its chat template (kvpress's rule for such a model: no prefix,
+    the suffix "\n"). `model` runs SDPA (the press's marks need a non-eager attention; its
+    scores are its own matmuls)."""
     import torch
     from kvpress.presses import kvzip_press
     from transformers import AutoTokenizer, DynamicCache
@@ -242,19 +245,41 @@ def kvzip_cache(model, prompt: list[int], press) -> list:
             tokenizer.chat_template = None
             return tokenizer
 
+    # The press that prunes the most runs the passes (none runs them with nothing to prune).
+    (first, press), *others = sorted(presses.items(), key=lambda item: -item[1].compression_ratio)
+    scores = []
+
+    def keep_scores(model):
+        scores.append(press.score_val.clone())
+        type(press).compress_post(press, model)
+
     original, kvzip_press.AutoTokenizer = kvzip_press.AutoTokenizer, RawTokenizer
+    press.compress_post = keep_scores
     cache = DynamicCache()
     try:
         with torch.inference_mode(), press(model):
             model(input_ids=torch.tensor([prompt]), past_key_values=cache, logits_to_keep=1)
     finally:
         kvzip_press.AutoTokenizer = original
-    kept = []
-    for i, layer in enumerate(model.model.layers):
-        kept.append((cache.layers[i].keys, cache.layers[i].values,
-                     layer.self_attn.masked_key_indices))
-        layer.self_attn.masked_key_indices = None
-    return kept
+        del press.compress_post
+
+    def marked() -> list:
+        kept = []
+        for i, layer in enumerate(model.model.layers):
+            kept.append((cache.layers[i].keys, cache.layers[i].values,
+                         layer.self_attn.masked_key_indices))
+            layer.self_attn.masked_key_indices = None
+        return kept
+
+    caches = {first: marked()}
+    for name, other in others:
+        if scores:
+            other.score_val = scores[0].clone()
+            with torch.inference_mode():
+                other.compress_post(model)
+            other._reset_internal_parameters()
+        caches[name] = marked()
+    return caches
 
 
 def forced_logits(model, layers_kv: list, first: np.ndarray, prompt_len: int,
@@ -381,9 +406,8 @@ def run(probes: list[dict], variants: list[str], hf_dir: str, gguf: str | None,
                                                             len(prompt))
         kept, first = prefill_caches(prefill_model, prompt, {
             name: press for name, press in presses.items() if not _reconstructs(press)})
-        for name, press in presses.items():
-            if _reconstructs(press):
-                kept[name] = kvzip_cache(decode_model, prompt, press)
+        for group in _score_groups(presses).values():
+            kept.update(kvzip_caches(decode_model, prompt, group))
         ref = None
         for name in presses:
             test = forced_logits(decode_model, kept.pop(name), first, len(prompt), continuation)
@@ -405,8 +429,19 @@ def run(probes: list[dict], variants: list[str], hf_dir: str, gguf: str | None,
 
 
 def _reconstructs(press) -> bool:
-    """KVzipPress scores after the prefill, by passes of its own (`kvzip_cache`)."""
+    """KVzipPress scores after the prefill, by passes of its own (`kvzip_caches`)."""
     return type(press).__name__ == "KVzipPress"
+
+
+def _score_groups(presses: dict) -> dict[tuple, dict]:
+    """The KVzipPresses of `presses` by what their scores depend on (the sinks of the softmax,
+    the chunk, the normalization): one group's presses differ only in budget and allocation."""
+    groups = {}
+    for name, press in presses.items():
+        if _reconstructs(press):
+            key = (press.n_sink, press.chunk_size, press.kvzip_plus_normalization)
+            groups.setdefault(key, {})[name] = press
+    return groups
 
 
 def main() -> None:

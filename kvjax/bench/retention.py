@@ -172,11 +172,19 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
     'kvzip:512:schedule=global:head_floor=0'); a per-layer schedule gets a page per layer for every
     page of one table (AdaKV's head-wise split a page per layer and kv head), so every table
     group holds the whole prompt before it compacts. A press that probes after the prefill
-    (kvzip) gets `chunk` more tokens of context and pages for its probe rows."""
+    (kvzip) gets `chunk` more tokens of context and pages for its probe rows, and its steps
+    pad to the longest probe row (rounded up to 128 tokens) rather than to `chunk`: a probe row
+    of 2k tokens after an 8k prompt costs a 2k forward pass, not an 8k one."""
     name, budget, options = parse_variant(variant)
     options, fields = split_options(options)
     schedule = fields.setdefault("retention_schedule", "uniform")
-    if make_retention(name, budget, page_size, **options).probes_first:
+    policy = make_retention(name, budget, page_size, **options)
+    min_bucket = chunk
+    if policy.probes_first:
+        if policy.needs_tokenizer:
+            policy = policy.bind_tokenizer(model.tokenizer)
+        longest = max(len(p.token_ids) for p in policy.probes([0] * max_len, chunk))
+        min_bucket = min(chunk, -(-longest // 128) * 128)
         max_len += chunk
     mc = model.config
     tables = dict(uniform=1, pyramid=mc.num_layers).get(schedule,
@@ -184,7 +192,7 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
     config = kvjax.EngineConfig(
         page_size=page_size, num_pages=num_seqs * tables * (-(-max_len // page_size) + 1),
         max_model_len=max_len + page_size, max_num_seqs=num_seqs, max_prefill_seqs=1,
-        max_prefill_chunk=chunk, min_chunk_bucket=chunk,
+        max_prefill_chunk=chunk, min_chunk_bucket=min_bucket,
         max_num_batched_tokens=chunk, enable_prefix_cache=False,
         retention=name, retention_budget=budget, retention_options=options,
         async_scheduling=async_scheduling, **fields)

@@ -56,3 +56,14 @@ def test_exact_runs_cache_round_trips_and_refuses_other_probes(tmp_path):
     assert retention.load_exact_runs(path, probes, 4) is None  # other forced-token count
     assert retention.load_exact_runs(path, probes[:1], 3) is None  # fewer probes
     assert retention.load_exact_runs(path, [probes[0], ([5, 6], [7, 9])], 3) is None
+
+
+def test_a_probing_press_pads_its_probe_rows_to_the_longest_probe_not_the_chunk(embedded_model):
+    """The bench prefills in one chunk; kvzip's probe rows (its 200-token chunk and the
+    instruction) pad to 256 tokens, so a probe costs a forward pass of its own length."""
+    engine = retention.make_engine(embedded_model, "kvzip:64:chunk=200", 1000, page_size=16,
+                                   chunk=1024)
+    assert engine.config.min_chunk_bucket == 256
+    assert engine.config.max_prefill_chunk == 1024
+    exact = retention.make_engine(embedded_model, "none", 1000, page_size=16, chunk=1024)
+    assert exact.config.min_chunk_bucket == 1024
