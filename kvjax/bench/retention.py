@@ -183,7 +183,8 @@ def make_engine(model: kvjax.Model, variant: str, max_len: int, *, page_size: in
     if policy.probes_first:
         if policy.needs_tokenizer:
             policy = policy.bind_tokenizer(model.tokenizer)
-        longest = max(len(p.token_ids) for p in policy.probes([0] * max_len, chunk))
+        probes = policy.probes([0] * max_len, chunk)
+        longest = max((len(p.token_ids) for p in probes), default=chunk)
         min_bucket = min(chunk, -(-longest // 128) * 128)
         max_len += chunk
     mc = model.config
